@@ -1,0 +1,119 @@
+/*
+ * util.c: time, deadlines, host:port parsing and whole-file I/O helpers.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "zt_common.h"
+
+static int64_t clock_us(clockid_t c) {
+  struct timespec ts;
+  clock_gettime(c, &ts);
+  return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+int64_t zt_now_us(void) { return clock_us(CLOCK_MONOTONIC); }
+int64_t zt_now_ms(void) { return clock_us(CLOCK_MONOTONIC) / 1000; }
+int64_t zt_wall_ms(void) { return clock_us(CLOCK_REALTIME) / 1000; }
+
+void zt_sleep_ms(int64_t ms) {
+  if (ms <= 0) return;
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+int64_t zt_deadline_left_ms(zt_deadline_t d) {
+  if (d == 0) return INT64_MAX;
+  int64_t left = d - zt_now_ms();
+  return left > 0 ? left : 0;
+}
+
+int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port) {
+  const char *colon = strrchr(s, ':');
+  if (!colon || colon == s) return zt_err("'%s' is not HOST:PORT", s);
+  size_t hl = (size_t)(colon - s);
+  if (hl >= hostlen) return zt_err("host in '%s' is too long", s);
+  char *end;
+  errno = 0;
+  long p = strtol(colon + 1, &end, 10);
+  if (errno || *end || end == colon + 1 || p < 1 || p > 65535)
+    return zt_err("port in '%s' is not a number in 1..65535", s);
+  memcpy(host, s, hl);
+  host[hl] = 0;
+  *port = (int)p;
+  return 0;
+}
+
+int zt_write_all(int fd, const void *buf, size_t len) {
+  const char *p = buf;
+  while (len > 0) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return zt_err_errno("write");
+    }
+    p += w;
+    len -= (size_t)w;
+  }
+  return 0;
+}
+
+int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return zt_err_errno("%s", path);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    zt_err_errno("%s", path);
+    goto err;
+  }
+  if ((size_t)st.st_size > maxlen) {
+    zt_err("%s: %lld bytes is over the limit of %zu", path, (long long)st.st_size, maxlen);
+    goto err;
+  }
+  char *buf = malloc((size_t)st.st_size + 1);
+  if (!buf) {
+    zt_err("%s: out of memory", path);
+    goto err;
+  }
+  size_t got = 0;
+  while (got < (size_t)st.st_size) {
+    ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      free(buf);
+      if (r == 0) zt_err("%s: file shrank while reading", path);
+      else zt_err_errno("%s", path);
+      goto err;
+    }
+    got += (size_t)r;
+  }
+  buf[got] = 0;
+  close(fd);
+  *out = buf;
+  if (outlen) *outlen = got;
+  return 0;
+err:
+  close(fd);
+  return -1;
+}
+
+int zt_mkdirs(const char *path) {
+  char tmp[PATH_MAX];
+  if (snprintf(tmp, sizeof tmp, "%s", path) >= (int)sizeof tmp) return zt_err("path too long: %s", path);
+  for (char *p = tmp + 1; *p; p++) {
+    if (*p != '/') continue;
+    *p = 0;
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return zt_err_errno("mkdir %s", tmp);
+    *p = '/';
+  }
+  if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return zt_err_errno("mkdir %s", tmp);
+  return 0;
+}

@@ -1,0 +1,116 @@
+/*
+ * zt_rpc.h: ztrain's only window onto gRPC.
+ *
+ * ztrain speaks gRPC (HTTP/2, protobuf payloads) through the gRPC core C API,
+ * and this module is the one place that includes grpc headers. Everything
+ * else sees opaque byte payloads (protobuf-c encoded by the caller), method
+ * paths such as "/ztrain.Control/Heartbeat" and gRPC status codes.
+ *
+ * Server side. A completion-queue thread owned by the server accepts calls
+ * and reads their request message; each complete request is queued and
+ * handed to the libuv loop with uv_async, where the handler runs. So all
+ * handlers run on the loop thread, and the coordinator needs no locks around
+ * its state. A handler must eventually answer each call exactly once with
+ * zt_rpc_reply(), either before it returns or later (a long poll).
+ *
+ * Client side. zt_rpc_call() is a blocking unary call with a deadline, safe
+ * to use from any thread (each call plucks its own completion queue).
+ * zt_rpc_start()/zt_rpc_next() issue many concurrent calls from one thread,
+ * as the heartbeat benchmark does.
+ */
+#ifndef ZT_RPC_H
+#define ZT_RPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+/* gRPC status codes (same numbers as grpc_status_code). */
+enum {
+  ZT_RPC_OK = 0,
+  ZT_RPC_CANCELLED = 1,
+  ZT_RPC_UNKNOWN = 2,
+  ZT_RPC_INVALID_ARGUMENT = 3,
+  ZT_RPC_DEADLINE_EXCEEDED = 4,
+  ZT_RPC_NOT_FOUND = 5,
+  ZT_RPC_ALREADY_EXISTS = 6,
+  ZT_RPC_PERMISSION_DENIED = 7,
+  ZT_RPC_RESOURCE_EXHAUSTED = 8,
+  ZT_RPC_FAILED_PRECONDITION = 9,
+  ZT_RPC_ABORTED = 10,
+  ZT_RPC_OUT_OF_RANGE = 11,
+  ZT_RPC_UNIMPLEMENTED = 12,
+  ZT_RPC_INTERNAL = 13,
+  ZT_RPC_UNAVAILABLE = 14,
+  ZT_RPC_UNAUTHENTICATED = 16,
+};
+
+const char *zt_rpc_status_name(int status);
+
+/* ---- server ------------------------------------------------------------ */
+
+typedef struct zt_rpc_server zt_rpc_server_t;
+typedef struct zt_rpc_call zt_rpc_call_t;
+
+/* Called on the loop thread for each received request. `req` stays valid
+ * until the call is answered. */
+typedef void (*zt_rpc_handler_fn)(zt_rpc_call_t *call, const char *method, const uint8_t *req,
+                                  size_t req_len, void *user);
+
+typedef struct {
+  size_t max_message_bytes; /* requests above this get RESOURCE_EXHAUSTED; 0: 4 MiB */
+  int accept_slots;         /* calls requested from gRPC ahead of time; 0: 256 */
+} zt_rpc_server_opts;
+
+/* Binds `addr` ("127.0.0.1:0" picks a free port) and starts serving. */
+int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts *opts,
+                        zt_rpc_handler_fn handler, void *user, zt_rpc_server_t **out);
+int zt_rpc_server_port(const zt_rpc_server_t *s);
+/* Stops accepting, cancels calls in flight and joins the thread. Calls the
+ * handler still holds must be answered before this is called. */
+void zt_rpc_server_stop(zt_rpc_server_t *s);
+
+/* Answers a call: status ZT_RPC_OK with a response payload, or an error
+ * status with a message (the payload is then ignored). Frees the call. */
+void zt_rpc_reply(zt_rpc_call_t *call, int status, const char *message, const uint8_t *resp,
+                  size_t resp_len);
+/* Value of request metadata `key` (lower case), or NULL. Valid until reply. */
+const char *zt_rpc_call_metadata(zt_rpc_call_t *call, const char *key);
+/* The peer's address as gRPC reports it ("ipv4:127.0.0.1:5555"). */
+const char *zt_rpc_call_peer(zt_rpc_call_t *call);
+
+/* ---- client ------------------------------------------------------------ */
+
+typedef struct zt_rpc_client zt_rpc_client_t;
+
+typedef struct {
+  const char *authorization; /* sent as "authorization" metadata when set */
+  size_t max_message_bytes;  /* largest accepted reply; 0: 64 MiB */
+} zt_rpc_client_opts;
+
+int zt_rpc_client_open(const char *target, const zt_rpc_client_opts *opts, zt_rpc_client_t **out);
+void zt_rpc_client_close(zt_rpc_client_t *c);
+
+/* Blocking unary call. Returns 0 when the server answered OK; *resp (malloc'd,
+ * may be NULL for an empty message) is then the caller's to free. Otherwise
+ * returns -1 with zt_err_msg() = "<method>: <STATUS>: <details>" and, when
+ * `status` is not NULL, the gRPC status in *status. */
+int zt_rpc_call(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
+                int64_t timeout_ms, uint8_t **resp, size_t *resp_len, int *status);
+
+/* Asynchronous calls: start any number, then collect completions. */
+typedef struct {
+  void *user;
+  int status;
+  char details[256];
+  uint8_t *resp; /* malloc'd; the caller frees */
+  size_t resp_len;
+} zt_rpc_result;
+
+int zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
+                 int64_t timeout_ms, void *user);
+/* Waits up to timeout_ms for one started call to finish: 1 and fills `res`
+ * when one did, 0 on timeout. */
+int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result *res);
+
+#endif

@@ -1,0 +1,110 @@
+/*
+ * coord.h: the coordinator's in-memory state, owned by one libuv loop.
+ *
+ * zcoord is a single-threaded program in the sense that matters: all state
+ * below is read and written only on the loop thread. The gRPC completion
+ * thread (common/rpc.c) and the HTTP threads (http.c) hand their work to the
+ * loop, the first with uv_async, the second through zt_loopcall_run().
+ *
+ * Durable state lives in SQLite (state/); this struct is the cache the loop
+ * works from, rebuilt from the database at start.
+ */
+#ifndef ZT_COORD_H
+#define ZT_COORD_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "zt_db.h"
+#include "zt_rpc.h"
+
+#define ZT_VERSION "0.1.0"
+
+typedef struct {
+  char grpc_addr[256];
+  char http_addr[256];
+  char db_path[512];
+  char web_dir[512];
+  char worker_secret[256];
+  char api_token[256];
+  int heartbeat_ms;
+  int heartbeat_timeout_ms;
+  size_t max_message_bytes;
+} zt_coord_config;
+
+/* One worker as the loop sees it: its row plus liveness bookkeeping. */
+typedef struct {
+  zt_db_worker row;
+  int64_t last_hb_mono_ms; /* monotonic time of the last heartbeat or register */
+  uint64_t hb_seq;
+  int dirty; /* last_seen not yet flushed to SQLite */
+} zt_member;
+
+/* Runs a function on the loop thread on behalf of another thread. */
+typedef struct zt_loopcall_item zt_loopcall_item;
+typedef struct {
+  uv_async_t async;
+  pthread_mutex_t mu;
+  zt_loopcall_item *head;
+  int closing;
+} zt_loopcall_t;
+
+typedef struct zt_http zt_http_t;
+
+typedef struct zt_coord {
+  zt_coord_config cfg;
+  uv_loop_t *loop;
+  zt_db_t *db;
+  zt_rpc_server_t *rpc;
+  zt_http_t *http;
+  zt_loopcall_t loopcall;
+  uv_timer_t check_timer, flush_timer, watchdog_timer;
+  uv_signal_t sigint, sigterm;
+  int64_t started_ms;
+  int64_t epoch;
+
+  /* Members indexed by worker id (ids are dense rowids), plus a name index. */
+  zt_member **by_id;
+  size_t by_id_cap;
+  uint64_t *name_slots; /* open addressing: worker id or 0 */
+  size_t name_cap;
+  size_t n_members;
+} zt_coord;
+
+/* members.c */
+int zt_members_load(zt_coord *c);
+zt_member *zt_members_get(zt_coord *c, uint64_t id);
+zt_member *zt_members_find_name(zt_coord *c, const char *name);
+void zt_members_check(zt_coord *c);  /* suspect / lost transitions */
+void zt_members_flush(zt_coord *c);  /* write last_seen of dirty members */
+void zt_members_free(zt_coord *c);
+void zt_members_count(zt_coord *c, uint32_t counts[5]);
+/* Records a logbook event; logs (and survives) a database failure. */
+void zt_coord_event(zt_coord *c, uint64_t job_id, const char *kind, uint64_t worker_id,
+                    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* Register / heartbeat / leave; return a gRPC status and a message. */
+int zt_members_register(zt_coord *c, const char *name, const char *host, const char *device,
+                        int pid, zt_member **out, char *msg, size_t msglen);
+int zt_members_heartbeat(zt_coord *c, uint64_t id, zt_member **out, char *msg, size_t msglen);
+int zt_members_leave(zt_coord *c, uint64_t id, const char *reason, char *msg, size_t msglen);
+
+/* rpc_control.c / rpc_status.c */
+void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req,
+                           size_t len, void *user);
+
+/* http.c */
+int zt_http_start(zt_coord *c, const char *addr, zt_http_t **out);
+int zt_http_port(zt_http_t *h);
+void zt_http_stop(zt_http_t *h);
+
+/* loopcall.c */
+int zt_loopcall_init(uv_loop_t *loop, zt_loopcall_t *lc);
+int zt_loopcall_run(zt_loopcall_t *lc, void (*fn)(void *), void *arg);
+void zt_loopcall_close(zt_loopcall_t *lc);
+
+/* notify.c */
+void zt_notify_ready(zt_coord *c);
+void zt_notify_stopping(void);
+
+#endif

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# install-deps.sh: the one place where ztrain's Debian 12 dependencies are named.
+#
+# Installs each package only when it is missing, so running it twice is cheap
+# and changes nothing. `make demo` and `make test` call it first. CUDA and NCCL
+# are not Debian packages here: the build finds them under /usr/local/cuda when
+# present and builds the CPU-only product otherwise.
+set -euo pipefail
+
+PACKAGES=(
+  # toolchain
+  build-essential cmake pkg-config
+  # coordinator and worker libraries
+  libuv1-dev libgrpc-dev protobuf-c-compiler libprotobuf-c-dev
+  libsqlite3-dev libsystemd-dev libmicrohttpd-dev libcjson-dev
+  libopenblas-dev libxxhash-dev
+  # operator tools and tests
+  sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf
+  systemd
+  # example corpus (English text, no download)
+  fortunes
+  # dashboard
+  libjs-chart.js
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,112 @@
+/*
+ * zt_kernels.h: the kernel table, the one interface between the model code
+ * and the hardware that does the arithmetic.
+ *
+ * The GPT-2 model in worker/model.c never does arithmetic on tensors itself:
+ * every operation (embedding lookup, LayerNorm, matmul, attention, GELU,
+ * residual add, softmax + cross-entropy, AdamW, norms) goes through one
+ * zt_kernels_t, a struct of function pointers. The CPU implementation lives in
+ * kernels/cpu/ (CBLAS for the matmuls, OpenMP loops for the rest); a CUDA
+ * implementation fills the same table with device pointers. Two CPU tables
+ * exist:
+ *
+ *   zt_kernels_cpu()  the fast path: OpenMP with static schedules, CBLAS.
+ *   zt_kernels_ref()  the reference: plain serial loops written to be read,
+ *                     used by the unit tests to check every fast kernel.
+ *
+ * Conventions shared by every implementation:
+ *
+ *   - Tensors are dense row-major fp32. A linear layer's weight is [OC, IC]
+ *     (out = inp @ W^T + b), as in llm.c; token ids are int32.
+ *   - Forward kernels overwrite their outputs.
+ *   - Backward kernels ACCUMULATE (+=) into parameter gradients (dw, db, dwte,
+ *     dwpe), so micro-batches accumulate without extra copies. Gradients of
+ *     activations are overwritten (dinp =), except layernorm_backward, which
+ *     accumulates into dinp because the LayerNorm input is the residual
+ *     stream whose gradient is a sum of two paths.
+ *   - Every kernel is deterministic for a fixed thread count: no atomics, no
+ *     reductions whose order depends on scheduling.
+ *   - Element counts are size_t, model dimensions are int.
+ */
+#ifndef ZT_KERNELS_H
+#define ZT_KERNELS_H
+
+#include <stddef.h>
+
+typedef struct zt_kernels {
+  const char *name;
+
+  /* out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]. */
+  void (*encoder_forward)(float *out, const int *inp, const float *wte, const float *wpe, int B,
+                          int T, int C);
+  /* dwte[inp[b,t],:] += dout[b,t,:]; dwpe[t,:] += dout[b,t,:]. */
+  void (*encoder_backward)(float *dwte, float *dwpe, const float *dout, const int *inp, int B,
+                           int T, int C);
+
+  /* Per row of N rows of C: out = (x - mean) * rstd * w + b (eps 1e-5). */
+  void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp, const float *w,
+                            const float *b, int N, int C);
+  /* dinp += ..., dw += ..., db += ... */
+  void (*layernorm_backward)(float *dinp, float *dw, float *db, const float *dout,
+                             const float *inp, const float *w, const float *mean,
+                             const float *rstd, int N, int C);
+
+  /* out[N,OC] = inp[N,IC] @ w[OC,IC]^T + bias[OC] (bias may be NULL). */
+  void (*matmul_forward)(float *out, const float *inp, const float *w, const float *bias, int N,
+                         int IC, int OC);
+  /* dinp = dout @ w (skipped when dinp is NULL); dw += dout^T @ inp;
+   * dbias += column sums of dout (skipped when dbias is NULL). */
+  void (*matmul_backward)(float *dinp, float *dw, float *dbias, const float *dout,
+                          const float *inp, const float *w, int N, int IC, int OC);
+
+  /* Causal multi-head attention. qkv is [B,T,3C] (q, k, v, each split into
+   * NH heads of C/NH); out is [B,T,C]; att [B,NH,T,T] receives the softmax
+   * probabilities (entries above the diagonal are zero). */
+  void (*attention_forward)(float *out, float *att, const float *qkv, int B, int T, int C,
+                            int NH);
+  /* dqkv = gradient of qkv (overwritten) from dout, qkv and att. */
+  void (*attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *att,
+                             int B, int T, int C, int NH);
+
+  /* GELU, tanh approximation. gelu_backward may run in place (dinp == dout). */
+  void (*gelu_forward)(float *out, const float *inp, size_t n);
+  void (*gelu_backward)(float *dinp, const float *inp, const float *dout, size_t n);
+
+  /* out = a + b (out may alias a or b). */
+  void (*residual_forward)(float *out, const float *a, const float *b, size_t n);
+
+  /* Row-wise softmax over the first V of Vp columns of logits into probs
+   * (probs may alias logits; padded columns V..Vp-1 get probability 0) and
+   * losses[i] = -log probs[i, targets[i]]. */
+  void (*crossentropy_forward)(float *losses, float *probs, const float *logits,
+                               const int *targets, int N, int V, int Vp);
+  /* dlogits = (probs - onehot(target)) * dloss, padded columns 0. dlogits
+   * may alias probs. dloss is the same for every row. */
+  void (*crossentropy_backward)(float *dlogits, const float *probs, const int *targets,
+                                float dloss, int N, int V, int Vp);
+
+  /* One AdamW update of n elements (decoupled weight decay, PyTorch
+   * semantics): p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
+   * p -= lr * (m/bc1) / (sqrt(v/bc2) + eps), with bc1 = 1-b1^t, bc2 = 1-b2^t. */
+  void (*adamw)(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
+                float b2, float eps, float wd, float bc1, float bc2);
+  /* Sum of squares in double. The sum is formed in fixed chunks of
+   * ZT_KERN_SUMSQ_CHUNK elements combined in order, so the result does not
+   * depend on the thread count. */
+  double (*sumsq)(const float *x, size_t n);
+  /* x *= s. */
+  void (*scale)(float *x, size_t n, float s);
+  /* x = 0. */
+  void (*zero)(float *x, size_t n);
+} zt_kernels_t;
+
+#define ZT_KERN_SUMSQ_CHUNK 65536
+
+const zt_kernels_t *zt_kernels_cpu(void);
+const zt_kernels_t *zt_kernels_ref(void);
+
+/* Sets the number of CPU threads used by the OpenMP kernels and by OpenBLAS
+ * (n <= 0 leaves the defaults). Returns the number now in use. */
+int zt_kern_cpu_set_threads(int n);
+
+#endif

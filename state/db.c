@@ -1,0 +1,314 @@
+/*
+ * db.c: SQLite schema, migrations and typed queries for zcoord.
+ *
+ * See zt_db.h for the contract. Prepared statements are compiled once at
+ * open and reset after each use. Every function returns 0 or -1 with a
+ * message naming the database file and SQLite's reason.
+ */
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_common.h"
+#include "zt_db.h"
+
+/* Migration i brings the schema from version i to i+1. Append only. */
+static const char *const k_migrations[] = {
+    /* 1: workers and the logbook */
+    "CREATE TABLE meta(key TEXT PRIMARY KEY, value INTEGER NOT NULL);"
+    "CREATE TABLE workers("
+    "  id INTEGER PRIMARY KEY AUTOINCREMENT,"
+    "  name TEXT NOT NULL UNIQUE,"
+    "  host TEXT NOT NULL DEFAULT '',"
+    "  device TEXT NOT NULL DEFAULT '',"
+    "  state INTEGER NOT NULL,"
+    "  last_seen_ms INTEGER NOT NULL,"
+    "  registered_ms INTEGER NOT NULL,"
+    "  pid INTEGER NOT NULL DEFAULT 0);"
+    "CREATE TABLE events("
+    "  id INTEGER PRIMARY KEY AUTOINCREMENT,"
+    "  t_ms INTEGER NOT NULL,"
+    "  job_id INTEGER NOT NULL DEFAULT 0,"
+    "  kind TEXT NOT NULL,"
+    "  worker_id INTEGER NOT NULL DEFAULT 0,"
+    "  detail TEXT NOT NULL DEFAULT '');"
+    "CREATE INDEX events_job ON events(job_id, id);",
+};
+
+enum {
+  ST_BEGIN,
+  ST_COMMIT,
+  ST_ROLLBACK,
+  ST_META_GET,
+  ST_META_SET,
+  ST_WORKER_FIND,
+  ST_WORKER_INSERT,
+  ST_WORKER_UPDATE,
+  ST_WORKER_STATE,
+  ST_WORKER_TOUCH,
+  ST_WORKERS_ALL,
+  ST_EVENT_ADD,
+  ST_EVENTS_ALL,
+  ST_EVENTS_JOB,
+  ST_COUNT
+};
+
+static const char *const k_sql[ST_COUNT] = {
+    [ST_BEGIN] = "BEGIN IMMEDIATE",
+    [ST_COMMIT] = "COMMIT",
+    [ST_ROLLBACK] = "ROLLBACK",
+    [ST_META_GET] = "SELECT value FROM meta WHERE key = ?1",
+    [ST_META_SET] = "INSERT INTO meta(key, value) VALUES(?1, ?2) "
+                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+    [ST_WORKER_FIND] = "SELECT id FROM workers WHERE name = ?1",
+    [ST_WORKER_INSERT] = "INSERT INTO workers(name, host, device, state, last_seen_ms, "
+                         "registered_ms, pid) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    [ST_WORKER_UPDATE] = "UPDATE workers SET host = ?2, device = ?3, state = ?4, "
+                         "last_seen_ms = ?5, registered_ms = ?6, pid = ?7 WHERE id = ?1",
+    [ST_WORKER_STATE] = "UPDATE workers SET state = ?2, last_seen_ms = ?3 WHERE id = ?1",
+    [ST_WORKER_TOUCH] = "UPDATE workers SET last_seen_ms = ?2 WHERE id = ?1",
+    [ST_WORKERS_ALL] = "SELECT id, name, host, device, state, last_seen_ms, registered_ms, pid "
+                       "FROM workers ORDER BY id",
+    [ST_EVENT_ADD] = "INSERT INTO events(t_ms, job_id, kind, worker_id, detail) "
+                     "VALUES(?1, ?2, ?3, ?4, ?5)",
+    [ST_EVENTS_ALL] = "SELECT id, t_ms, job_id, kind, worker_id, detail FROM events "
+                      "WHERE id > ?1 ORDER BY id LIMIT ?2",
+    [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail FROM events "
+                      "WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
+};
+
+struct zt_db {
+  sqlite3 *h;
+  char path[512];
+  sqlite3_stmt *st[ST_COUNT];
+};
+
+static int db_err(zt_db_t *db, const char *what) {
+  return zt_err("database %s: %s: %s", db->path, what, sqlite3_errmsg(db->h));
+}
+
+const char *zt_worker_state_name(int state) {
+  static const char *names[] = {"unknown", "alive", "suspect", "lost", "left"};
+  if (state < 0 || state >= (int)ZT_ARRAY_LEN(names)) return "unknown";
+  return names[state];
+}
+
+static int exec(zt_db_t *db, const char *sql) {
+  char *msg = NULL;
+  if (sqlite3_exec(db->h, sql, NULL, NULL, &msg) != SQLITE_OK) {
+    zt_err("database %s: %s", db->path, msg ? msg : sqlite3_errmsg(db->h));
+    sqlite3_free(msg);
+    return -1;
+  }
+  return 0;
+}
+
+static int migrate(zt_db_t *db) {
+  int have = zt_db_schema_version(db);
+  int want = (int)ZT_ARRAY_LEN(k_migrations);
+  if (have > want)
+    return zt_err("database %s has schema version %d, newer than this zcoord (%d)", db->path, have,
+                  want);
+  for (int v = have; v < want; v++) {
+    char bump[64];
+    snprintf(bump, sizeof bump, "PRAGMA user_version = %d", v + 1);
+    if (exec(db, "BEGIN IMMEDIATE") != 0) return -1;
+    if (exec(db, k_migrations[v]) != 0 || exec(db, bump) != 0) {
+      zt_err_wrap("migration to schema version %d", v + 1);
+      exec(db, "ROLLBACK");
+      return -1;
+    }
+    if (exec(db, "COMMIT") != 0) return -1;
+    ZT_INFO("database %s: migrated to schema version %d", db->path, v + 1);
+  }
+  return 0;
+}
+
+int zt_db_open(const char *path, zt_db_t **out) {
+  zt_db_t *db = calloc(1, sizeof *db);
+  if (!db) return zt_err("out of memory");
+  snprintf(db->path, sizeof db->path, "%s", path);
+  if (sqlite3_open_v2(path, &db->h, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                      NULL) != SQLITE_OK) {
+    db_err(db, "open");
+    goto err;
+  }
+  sqlite3_busy_timeout(db->h, 5000);
+  if (exec(db, "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; "
+               "PRAGMA foreign_keys = ON") != 0)
+    goto err;
+  if (migrate(db) != 0) goto err;
+  for (int i = 0; i < ST_COUNT; i++) {
+    if (sqlite3_prepare_v3(db->h, k_sql[i], -1, SQLITE_PREPARE_PERSISTENT, &db->st[i], NULL) !=
+        SQLITE_OK) {
+      db_err(db, k_sql[i]);
+      goto err;
+    }
+  }
+  *out = db;
+  return 0;
+err:
+  zt_db_close(db);
+  return -1;
+}
+
+void zt_db_close(zt_db_t *db) {
+  if (!db) return;
+  for (int i = 0; i < ST_COUNT; i++) sqlite3_finalize(db->st[i]);
+  sqlite3_close(db->h);
+  free(db);
+}
+
+const char *zt_db_path(zt_db_t *db) { return db->path; }
+
+int zt_db_schema_version(zt_db_t *db) {
+  sqlite3_stmt *st;
+  int v = -1;
+  if (sqlite3_prepare_v2(db->h, "PRAGMA user_version", -1, &st, NULL) != SQLITE_OK) return -1;
+  if (sqlite3_step(st) == SQLITE_ROW) v = sqlite3_column_int(st, 0);
+  sqlite3_finalize(st);
+  return v;
+}
+
+/* Runs a prepared statement that returns no rows, then resets it. */
+static int run(zt_db_t *db, sqlite3_stmt *st, const char *what) {
+  int rc = sqlite3_step(st);
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  if (rc != SQLITE_DONE) return db_err(db, what);
+  return 0;
+}
+
+int zt_db_begin(zt_db_t *db) { return run(db, db->st[ST_BEGIN], "begin"); }
+int zt_db_commit(zt_db_t *db) { return run(db, db->st[ST_COMMIT], "commit"); }
+void zt_db_rollback(zt_db_t *db) {
+  if (sqlite3_get_autocommit(db->h)) return;
+  run(db, db->st[ST_ROLLBACK], "rollback");
+}
+
+int zt_db_meta_get(zt_db_t *db, const char *key, int64_t *val, int64_t def) {
+  sqlite3_stmt *st = db->st[ST_META_GET];
+  sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
+  int rc = sqlite3_step(st);
+  *val = rc == SQLITE_ROW ? sqlite3_column_int64(st, 0) : def;
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  if (rc != SQLITE_ROW && rc != SQLITE_DONE) return db_err(db, "read meta");
+  return 0;
+}
+
+int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val) {
+  sqlite3_stmt *st = db->st[ST_META_SET];
+  sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
+  sqlite3_bind_int64(st, 2, val);
+  return run(db, st, "write meta");
+}
+
+int zt_db_worker_upsert(zt_db_t *db, zt_db_worker *w) {
+  sqlite3_stmt *f = db->st[ST_WORKER_FIND];
+  sqlite3_bind_text(f, 1, w->name, -1, SQLITE_STATIC);
+  int rc = sqlite3_step(f);
+  int64_t id = rc == SQLITE_ROW ? sqlite3_column_int64(f, 0) : 0;
+  sqlite3_reset(f);
+  sqlite3_clear_bindings(f);
+  if (rc != SQLITE_ROW && rc != SQLITE_DONE) return db_err(db, "find worker");
+  sqlite3_stmt *st = db->st[id ? ST_WORKER_UPDATE : ST_WORKER_INSERT];
+  if (id) sqlite3_bind_int64(st, 1, id);
+  else sqlite3_bind_text(st, 1, w->name, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 2, w->host, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 3, w->device, -1, SQLITE_STATIC);
+  sqlite3_bind_int(st, 4, w->state);
+  sqlite3_bind_int64(st, 5, w->last_seen_ms);
+  sqlite3_bind_int64(st, 6, w->registered_ms);
+  sqlite3_bind_int(st, 7, w->pid);
+  if (run(db, st, "write worker") != 0) return -1;
+  w->id = id ? (uint64_t)id : (uint64_t)sqlite3_last_insert_rowid(db->h);
+  return 0;
+}
+
+int zt_db_worker_set_state(zt_db_t *db, uint64_t id, int state, int64_t last_seen_ms) {
+  sqlite3_stmt *st = db->st[ST_WORKER_STATE];
+  sqlite3_bind_int64(st, 1, (int64_t)id);
+  sqlite3_bind_int(st, 2, state);
+  sqlite3_bind_int64(st, 3, last_seen_ms);
+  return run(db, st, "update worker state");
+}
+
+int zt_db_workers_touch(zt_db_t *db, const uint64_t *ids, const int64_t *last_seen, int n) {
+  if (n == 0) return 0;
+  if (zt_db_begin(db) != 0) return -1;
+  sqlite3_stmt *st = db->st[ST_WORKER_TOUCH];
+  for (int i = 0; i < n; i++) {
+    sqlite3_bind_int64(st, 1, (int64_t)ids[i]);
+    sqlite3_bind_int64(st, 2, last_seen[i]);
+    if (run(db, st, "touch worker") != 0) {
+      zt_db_rollback(db);
+      return -1;
+    }
+  }
+  return zt_db_commit(db);
+}
+
+static void copy_text(char *dst, size_t n, sqlite3_stmt *st, int col) {
+  const unsigned char *t = sqlite3_column_text(st, col);
+  snprintf(dst, n, "%s", t ? (const char *)t : "");
+}
+
+int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user) {
+  sqlite3_stmt *st = db->st[ST_WORKERS_ALL];
+  int rc, ret = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    zt_db_worker w;
+    memset(&w, 0, sizeof w);
+    w.id = (uint64_t)sqlite3_column_int64(st, 0);
+    copy_text(w.name, sizeof w.name, st, 1);
+    copy_text(w.host, sizeof w.host, st, 2);
+    copy_text(w.device, sizeof w.device, st, 3);
+    w.state = sqlite3_column_int(st, 4);
+    w.last_seen_ms = sqlite3_column_int64(st, 5);
+    w.registered_ms = sqlite3_column_int64(st, 6);
+    w.pid = sqlite3_column_int(st, 7);
+    if ((ret = fn(&w, user)) != 0) break;
+  }
+  sqlite3_reset(st);
+  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list workers");
+  return ret;
+}
+
+int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
+                    const char *detail, int64_t *id_out) {
+  sqlite3_stmt *st = db->st[ST_EVENT_ADD];
+  sqlite3_bind_int64(st, 1, zt_wall_ms());
+  sqlite3_bind_int64(st, 2, (int64_t)job_id);
+  sqlite3_bind_text(st, 3, kind, -1, SQLITE_STATIC);
+  sqlite3_bind_int64(st, 4, (int64_t)worker_id);
+  sqlite3_bind_text(st, 5, detail ? detail : "", -1, SQLITE_STATIC);
+  if (run(db, st, "add event") != 0) return -1;
+  if (id_out) *id_out = sqlite3_last_insert_rowid(db->h);
+  return 0;
+}
+
+int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
+                      void *user) {
+  sqlite3_stmt *st = db->st[job_id ? ST_EVENTS_JOB : ST_EVENTS_ALL];
+  sqlite3_bind_int64(st, 1, after_id);
+  sqlite3_bind_int(st, 2, limit > 0 ? limit : 1000);
+  if (job_id) sqlite3_bind_int64(st, 3, (int64_t)job_id);
+  int rc, ret = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    zt_db_event e;
+    memset(&e, 0, sizeof e);
+    e.id = sqlite3_column_int64(st, 0);
+    e.t_ms = sqlite3_column_int64(st, 1);
+    e.job_id = (uint64_t)sqlite3_column_int64(st, 2);
+    copy_text(e.kind, sizeof e.kind, st, 3);
+    e.worker_id = (uint64_t)sqlite3_column_int64(st, 4);
+    copy_text(e.detail, sizeof e.detail, st, 5);
+    if ((ret = fn(&e, user)) != 0) break;
+  }
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list events");
+  return ret;
+}

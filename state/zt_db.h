@@ -1,0 +1,80 @@
+/*
+ * zt_db.h: the coordinator's durable state in one SQLite file.
+ *
+ * Only zcoord links this module. The schema is versioned with SQLite's
+ * user_version and upgraded by an ordered list of migrations at open, each
+ * in its own transaction. The database runs in WAL mode with
+ * synchronous=NORMAL; every state change that must survive a
+ * crash (a worker transition and its logbook event) is written in one
+ * transaction through zt_db_begin()/zt_db_commit().
+ *
+ * Worker liveness (last_seen) is kept in memory by the coordinator and
+ * flushed here in batches (zt_db_workers_touch), so heartbeats cost no disk
+ * write each.
+ */
+#ifndef ZT_DB_H
+#define ZT_DB_H
+
+#include <stdint.h>
+
+typedef struct zt_db zt_db_t;
+
+/* Worker states; the numbers match ztrain.proto's WorkerState. */
+typedef enum {
+  ZT_WORKER_UNKNOWN = 0,
+  ZT_WORKER_ALIVE = 1,
+  ZT_WORKER_SUSPECT = 2,
+  ZT_WORKER_LOST = 3,
+  ZT_WORKER_LEFT = 4,
+} zt_worker_state_t;
+
+const char *zt_worker_state_name(int state); /* "alive", "suspect", ... */
+
+typedef struct {
+  uint64_t id;
+  char name[128];
+  char host[128];
+  char device[32];
+  int state;
+  int64_t last_seen_ms; /* wall clock */
+  int64_t registered_ms;
+  int pid;
+} zt_db_worker;
+
+typedef struct {
+  int64_t id;
+  int64_t t_ms;
+  uint64_t job_id;
+  char kind[64];
+  uint64_t worker_id;
+  char detail[512];
+} zt_db_event;
+
+int zt_db_open(const char *path, zt_db_t **out);
+void zt_db_close(zt_db_t *db);
+int zt_db_schema_version(zt_db_t *db);
+const char *zt_db_path(zt_db_t *db);
+
+int zt_db_begin(zt_db_t *db);
+int zt_db_commit(zt_db_t *db);
+void zt_db_rollback(zt_db_t *db);
+
+int zt_db_meta_get(zt_db_t *db, const char *key, int64_t *val, int64_t def);
+int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val);
+
+/* Inserts or updates the worker named w->name; sets w->id. */
+int zt_db_worker_upsert(zt_db_t *db, zt_db_worker *w);
+int zt_db_worker_set_state(zt_db_t *db, uint64_t id, int state, int64_t last_seen_ms);
+/* Writes many last_seen values in one transaction. */
+int zt_db_workers_touch(zt_db_t *db, const uint64_t *ids, const int64_t *last_seen, int n);
+typedef int (*zt_db_worker_fn)(const zt_db_worker *w, void *user);
+int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user);
+
+int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
+                    const char *detail, int64_t *id_out);
+typedef int (*zt_db_event_fn)(const zt_db_event *e, void *user);
+/* Events with id > after_id, oldest first, at most `limit`; job_id 0: all. */
+int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
+                      void *user);
+
+#endif
