@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "zt_common.h"
 #include "zt_db.h"
 #include "zt_rpc.h"
 
@@ -28,6 +29,7 @@ typedef struct {
   char web_dir[512];
   char worker_secret[256];
   char api_token[256];
+  char ready_file[512]; /* written with the bound ports once serving */
   int heartbeat_ms;
   int heartbeat_timeout_ms;
   size_t max_message_bytes;

@@ -1,0 +1,296 @@
+/*
+ * http.c: zcoord's HTTP/JSON API, served by libmicrohttpd.
+ *
+ * libmicrohttpd runs its own polling thread and calls access_handler() for
+ * each request, possibly several times while a body arrives. When a request
+ * is complete it is routed: the route function runs on the loop thread
+ * (through zt_loopcall_run, so it may read coordinator state freely) and
+ * fills an http_req with a status, a content type and a body, which this
+ * thread then sends. The HTTP thread never touches coordinator state itself.
+ *
+ * Routes are a table of (method, path pattern, function). A path that
+ * matches no pattern gets 404; a path that matches with another method gets
+ * 405 with an Allow header. Bodies above ZT_HTTP_MAX_BODY get 413 without
+ * being buffered. Every error body is JSON: {"error": "..."}.
+ */
+#include <arpa/inet.h>
+#include <cjson/cJSON.h>
+#include <microhttpd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "http.h"
+
+#define ZT_HTTP_MAX_BODY (1u << 20)
+
+struct zt_http {
+  zt_coord *c;
+  struct MHD_Daemon *d;
+  int port;
+};
+
+/* Per-connection state while a request body arrives. */
+typedef struct {
+  char *body;
+  size_t len;
+  int too_large;
+} conn_ctx;
+
+/* ---- JSON helpers used by the routes ------------------------------------ */
+
+void zt_http_json(zt_http_req *r, int status, cJSON *doc) {
+  r->status = status;
+  r->ctype = "application/json";
+  r->resp = cJSON_PrintUnformatted(doc);
+  r->resp_len = r->resp ? strlen(r->resp) : 0;
+  cJSON_Delete(doc);
+}
+
+void zt_http_error(zt_http_req *r, int status, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "error", msg);
+  zt_http_json(r, status, o);
+}
+
+const char *zt_http_query(zt_http_req *r, const char *key) {
+  return MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, key);
+}
+
+int zt_http_query_i64(zt_http_req *r, const char *key, int64_t def, int64_t *out) {
+  const char *v = zt_http_query(r, key);
+  if (!v || !*v) {
+    *out = def;
+    return 0;
+  }
+  char *end;
+  long long x = strtoll(v, &end, 10);
+  if (*end) {
+    zt_http_error(r, 400, "query parameter %s=%.64s is not an integer", key, v);
+    return -1;
+  }
+  *out = x;
+  return 0;
+}
+
+/* ---- routes ------------------------------------------------------------ */
+
+static void r_healthz(zt_http_req *r) {
+  zt_coord *c = r->c;
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddBoolToObject(o, "ok", 1);
+  cJSON_AddStringToObject(o, "version", ZT_VERSION);
+  cJSON_AddNumberToObject(o, "coordinator_epoch", (double)c->epoch);
+  cJSON_AddNumberToObject(o, "uptime_ms", (double)(zt_wall_ms() - c->started_ms));
+  zt_http_json(r, 200, o);
+}
+
+static void r_status(zt_http_req *r) {
+  zt_coord *c = r->c;
+  uint32_t n[5];
+  zt_members_count(c, n);
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "version", ZT_VERSION);
+  cJSON_AddNumberToObject(o, "started_ms", (double)c->started_ms);
+  cJSON_AddNumberToObject(o, "coordinator_epoch", (double)c->epoch);
+  cJSON_AddNumberToObject(o, "heartbeat_ms", c->cfg.heartbeat_ms);
+  cJSON_AddNumberToObject(o, "heartbeat_timeout_ms", c->cfg.heartbeat_timeout_ms);
+  cJSON *w = cJSON_AddObjectToObject(o, "workers");
+  for (int s = ZT_WORKER_ALIVE; s <= ZT_WORKER_LEFT; s++)
+    cJSON_AddNumberToObject(w, zt_worker_state_name(s), n[s]);
+  cJSON_AddStringToObject(o, "db", zt_db_path(c->db));
+  zt_http_json(r, 200, o);
+}
+
+static void r_workers(zt_http_req *r) {
+  zt_coord *c = r->c;
+  cJSON *o = cJSON_CreateObject();
+  cJSON *arr = cJSON_AddArrayToObject(o, "workers");
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    zt_member *m = c->by_id[i];
+    if (!m) continue;
+    cJSON *w = cJSON_CreateObject();
+    cJSON_AddNumberToObject(w, "id", (double)m->row.id);
+    cJSON_AddStringToObject(w, "name", m->row.name);
+    cJSON_AddStringToObject(w, "host", m->row.host);
+    cJSON_AddStringToObject(w, "device", m->row.device);
+    cJSON_AddStringToObject(w, "state", zt_worker_state_name(m->row.state));
+    cJSON_AddNumberToObject(w, "last_seen_ms", (double)m->row.last_seen_ms);
+    cJSON_AddNumberToObject(w, "registered_ms", (double)m->row.registered_ms);
+    cJSON_AddNumberToObject(w, "pid", m->row.pid);
+    cJSON_AddItemToArray(arr, w);
+  }
+  zt_http_json(r, 200, o);
+}
+
+static int add_event(const zt_db_event *e, void *user) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "id", (double)e->id);
+  cJSON_AddNumberToObject(o, "t_ms", (double)e->t_ms);
+  cJSON_AddNumberToObject(o, "job_id", (double)e->job_id);
+  cJSON_AddStringToObject(o, "kind", e->kind);
+  cJSON_AddNumberToObject(o, "worker_id", (double)e->worker_id);
+  cJSON_AddStringToObject(o, "detail", e->detail);
+  cJSON_AddItemToArray(user, o);
+  return 0;
+}
+
+static void r_events(zt_http_req *r) {
+  int64_t after, limit, job;
+  if (zt_http_query_i64(r, "after", 0, &after) || zt_http_query_i64(r, "limit", 1000, &limit) ||
+      zt_http_query_i64(r, "job", 0, &job))
+    return;
+  if (limit <= 0 || limit > 100000) {
+    zt_http_error(r, 400, "limit must be 1..100000");
+    return;
+  }
+  cJSON *o = cJSON_CreateObject();
+  cJSON *arr = cJSON_AddArrayToObject(o, "events");
+  if (zt_db_events_each(r->c->db, (uint64_t)job, after, (int)limit, add_event, arr) != 0) {
+    cJSON_Delete(o);
+    zt_http_error(r, 503, "%s", zt_err_msg());
+    return;
+  }
+  zt_http_json(r, 200, o);
+}
+
+typedef struct {
+  const char *method;
+  const char *path;
+  void (*fn)(zt_http_req *r);
+} route;
+
+static const route k_routes[] = {
+    {"GET", "/healthz", r_healthz},
+    {"GET", "/v1/status", r_status},
+    {"GET", "/v1/workers", r_workers},
+    {"GET", "/v1/events", r_events},
+};
+
+/* Runs on the loop thread. */
+static void route_on_loop(void *arg) {
+  zt_http_req *r = arg;
+  const char *allow = NULL;
+  for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++) {
+    if (strcmp(k_routes[i].path, r->url) != 0) continue;
+    if (strcmp(k_routes[i].method, r->method) == 0) {
+      k_routes[i].fn(r);
+      return;
+    }
+    allow = k_routes[i].method;
+  }
+  if (allow) {
+    r->allow = allow;
+    zt_http_error(r, 405, "method %s not allowed on %s (allowed: %s)", r->method, r->url, allow);
+  } else {
+    zt_http_error(r, 404, "no such resource: %s", r->url);
+  }
+}
+
+/* ---- libmicrohttpd glue ------------------------------------------------- */
+
+static enum MHD_Result send_req(struct MHD_Connection *conn, zt_http_req *r) {
+  struct MHD_Response *resp =
+      MHD_create_response_from_buffer(r->resp_len, r->resp ? r->resp : (char *)"",
+                                      r->resp ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
+  MHD_add_response_header(resp, "Content-Type", r->ctype ? r->ctype : "application/json");
+  MHD_add_response_header(resp, "Cache-Control", "no-store");
+  if (r->allow) MHD_add_response_header(resp, "Allow", r->allow);
+  enum MHD_Result ret = MHD_queue_response(conn, (unsigned)r->status, resp);
+  MHD_destroy_response(resp);
+  return ret;
+}
+
+static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, const char *url,
+                                      const char *method, const char *version,
+                                      const char *upload_data, size_t *upload_size,
+                                      void **con_cls) {
+  (void)version;
+  zt_http_t *h = cls;
+  conn_ctx *cc = *con_cls;
+  if (!cc) {
+    cc = calloc(1, sizeof *cc);
+    if (!cc) return MHD_NO;
+    *con_cls = cc;
+    return MHD_YES;
+  }
+  if (*upload_size) {
+    if (!cc->too_large && cc->len + *upload_size <= ZT_HTTP_MAX_BODY) {
+      char *nb = realloc(cc->body, cc->len + *upload_size + 1);
+      if (!nb) return MHD_NO;
+      cc->body = nb;
+      memcpy(cc->body + cc->len, upload_data, *upload_size);
+      cc->len += *upload_size;
+      cc->body[cc->len] = 0;
+    } else {
+      cc->too_large = 1;
+    }
+    *upload_size = 0;
+    return MHD_YES;
+  }
+  zt_http_req r = {.c = h->c, .conn = conn, .method = method, .url = url,
+                   .body = cc->body, .body_len = cc->len};
+  if (cc->too_large) {
+    zt_http_error(&r, 413, "request body larger than %u bytes", ZT_HTTP_MAX_BODY);
+  } else if (zt_loopcall_run(&h->c->loopcall, route_on_loop, &r) != 0) {
+    zt_http_error(&r, 503, "coordinator is shutting down");
+  }
+  return send_req(conn, &r);
+}
+
+static void request_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                              enum MHD_RequestTerminationCode toe) {
+  (void)cls, (void)conn, (void)toe;
+  conn_ctx *cc = *con_cls;
+  if (!cc) return;
+  free(cc->body);
+  free(cc);
+  *con_cls = NULL;
+}
+
+int zt_http_start(zt_coord *c, const char *addr, zt_http_t **out) {
+  /* "host:0" asks for a free port, so zt_parse_hostport() (1..65535) won't do. */
+  const char *colon = strrchr(addr, ':');
+  char *end;
+  long port = colon ? strtol(colon + 1, &end, 10) : -1;
+  if (!colon || colon == addr || !colon[1] || *end || port < 0 || port > 65535)
+    return zt_err("--http %s: expected HOST:PORT", addr);
+  char host[64];
+  snprintf(host, sizeof host, "%.*s", (int)(colon - addr), addr);
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+    return zt_err("--http %s: host must be an IPv4 address", addr);
+  sa.sin_port = htons((uint16_t)port);
+  zt_http_t *h = calloc(1, sizeof *h);
+  if (!h) abort();
+  h->c = c;
+  h->d = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
+                          access_handler, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+                          MHD_OPTION_NOTIFY_COMPLETED, request_completed, h,
+                          MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_CONNECTION_LIMIT, 1000u,
+                          MHD_OPTION_END);
+  if (!h->d) {
+    free(h);
+    return zt_err("cannot listen for HTTP on %s (address in use?)", addr);
+  }
+  const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
+  h->port = di ? di->port : (int)port;
+  *out = h;
+  return 0;
+}
+
+int zt_http_port(zt_http_t *h) { return h->port; }
+
+void zt_http_stop(zt_http_t *h) {
+  if (!h) return;
+  MHD_stop_daemon(h->d);
+  free(h);
+}

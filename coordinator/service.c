@@ -1,0 +1,262 @@
+/*
+ * service.c: the coordinator's gRPC services, Control and Status.
+ *
+ * common/rpc.c delivers each request to zt_coord_rpc_dispatch() on the loop
+ * thread as raw bytes plus a method path. This file looks the path up in one
+ * table, decodes the bytes with the method's protobuf-c descriptor, runs the
+ * handler and encodes the reply. Anything the network can send is handled
+ * here without trusting it:
+ *
+ *   - an unknown path gets UNIMPLEMENTED naming the path;
+ *   - bytes that do not decode as the request message get INVALID_ARGUMENT
+ *     naming the message type (protobuf-c rejects truncated fields, bad wire
+ *     types and lengths running past the end);
+ *   - semantic errors (unknown worker, stale state) get the matching status
+ *     with a sentence that says what to do;
+ *   - oversized requests never reach this file: the server refuses them with
+ *     RESOURCE_EXHAUSTED (max_message_bytes in zt_rpc_server_opts).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "ztrain.pb-c.h"
+
+typedef struct {
+  int status;
+  char msg[512];
+} rpc_outcome;
+
+typedef ProtobufCMessage *(*handler_fn)(zt_coord *c, zt_rpc_call_t *call,
+                                        const ProtobufCMessage *req, rpc_outcome *out);
+
+typedef struct {
+  const char *path;
+  const ProtobufCMessageDescriptor *req_desc;
+  handler_fn fn;
+} method_entry;
+
+/* ---- Control ----------------------------------------------------------- */
+
+static ProtobufCMessage *h_register(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                    rpc_outcome *out) {
+  const Ztrain__RegisterRequest *req = (const Ztrain__RegisterRequest *)m;
+  if (c->cfg.worker_secret[0] && strcmp(req->secret, c->cfg.worker_secret) != 0) {
+    out->status = ZT_RPC_UNAUTHENTICATED;
+    snprintf(out->msg, sizeof out->msg, "worker secret missing or wrong");
+    ZT_WARN("refused registration of \"%.64s\" from %s: bad secret", req->name,
+            zt_rpc_call_peer(call));
+    return NULL;
+  }
+  zt_member *mem;
+  out->status = zt_members_register(c, req->name, req->host, req->device, req->pid, &mem, out->msg,
+                                    sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__RegisterReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__register_reply__init(r);
+  r->worker_id = mem->row.id;
+  r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
+  r->heartbeat_timeout_ms = (uint32_t)c->cfg.heartbeat_timeout_ms;
+  r->coordinator_epoch = (uint64_t)c->epoch;
+  return &r->base;
+}
+
+static ProtobufCMessage *h_heartbeat(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                     rpc_outcome *out) {
+  (void)call;
+  const Ztrain__HeartbeatRequest *req = (const Ztrain__HeartbeatRequest *)m;
+  zt_member *mem;
+  out->status = zt_members_heartbeat(c, req->worker_id, &mem, out->msg, sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__HeartbeatReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__heartbeat_reply__init(r);
+  r->command = ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
+  r->coordinator_epoch = (uint64_t)c->epoch;
+  return &r->base;
+}
+
+static ProtobufCMessage *h_leave(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                 rpc_outcome *out) {
+  (void)call;
+  const Ztrain__LeaveRequest *req = (const Ztrain__LeaveRequest *)m;
+  out->status = zt_members_leave(c, req->worker_id, req->reason, out->msg, sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__LeaveReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__leave_reply__init(r);
+  return &r->base;
+}
+
+/* ---- Status ------------------------------------------------------------ */
+
+static ProtobufCMessage *h_get_status(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                      rpc_outcome *out) {
+  (void)call, (void)m, (void)out;
+  Ztrain__GetStatusReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__get_status_reply__init(r);
+  uint32_t counts[5];
+  zt_members_count(c, counts);
+  r->version = ZT_VERSION;
+  r->started_ms = c->started_ms;
+  r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
+  r->heartbeat_timeout_ms = (uint32_t)c->cfg.heartbeat_timeout_ms;
+  r->workers_alive = counts[ZT_WORKER_ALIVE];
+  r->workers_suspect = counts[ZT_WORKER_SUSPECT];
+  r->workers_lost = counts[ZT_WORKER_LOST];
+  r->workers_left = counts[ZT_WORKER_LEFT];
+  r->coordinator_epoch = (uint64_t)c->epoch;
+  r->db_path = (char *)zt_db_path(c->db);
+  return &r->base;
+}
+
+static void free_list_workers(ProtobufCMessage *m) {
+  Ztrain__ListWorkersReply *r = (Ztrain__ListWorkersReply *)m;
+  for (size_t i = 0; i < r->n_workers; i++) free(r->workers[i]);
+  free(r->workers);
+  free(r);
+}
+
+static ProtobufCMessage *h_list_workers(zt_coord *c, zt_rpc_call_t *call,
+                                        const ProtobufCMessage *m, rpc_outcome *out) {
+  (void)call, (void)m, (void)out;
+  Ztrain__ListWorkersReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__list_workers_reply__init(r);
+  r->workers = calloc(c->n_members ? c->n_members : 1, sizeof *r->workers);
+  if (!r->workers) abort();
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    zt_member *mem = c->by_id[i];
+    if (!mem) continue;
+    Ztrain__WorkerInfo *w = malloc(sizeof *w);
+    if (!w) abort();
+    ztrain__worker_info__init(w);
+    w->id = mem->row.id;
+    w->name = mem->row.name;
+    w->host = mem->row.host;
+    w->device = mem->row.device;
+    w->state = (Ztrain__WorkerState)mem->row.state;
+    w->last_seen_ms = mem->row.last_seen_ms;
+    w->registered_ms = mem->row.registered_ms;
+    w->pid = mem->row.pid;
+    r->workers[r->n_workers++] = w;
+  }
+  return &r->base;
+}
+
+typedef struct {
+  Ztrain__ListEventsReply *r;
+  size_t cap;
+} events_acc;
+
+static int collect_event(const zt_db_event *e, void *user) {
+  events_acc *a = user;
+  if (a->r->n_events == a->cap) {
+    a->cap = a->cap ? a->cap * 2 : 64;
+    a->r->events = realloc(a->r->events, a->cap * sizeof *a->r->events);
+    if (!a->r->events) abort();
+  }
+  /* One block per event: the message followed by its two strings. */
+  size_t kl = strlen(e->kind) + 1, dl = strlen(e->detail) + 1;
+  Ztrain__Event *ev = malloc(sizeof *ev + kl + dl);
+  if (!ev) abort();
+  ztrain__event__init(ev);
+  ev->id = e->id;
+  ev->t_ms = e->t_ms;
+  ev->job_id = e->job_id;
+  ev->worker_id = e->worker_id;
+  ev->kind = (char *)(ev + 1);
+  ev->detail = ev->kind + kl;
+  memcpy(ev->kind, e->kind, kl);
+  memcpy(ev->detail, e->detail, dl);
+  a->r->events[a->r->n_events++] = ev;
+  return 0;
+}
+
+static void free_list_events(ProtobufCMessage *m) {
+  Ztrain__ListEventsReply *r = (Ztrain__ListEventsReply *)m;
+  for (size_t i = 0; i < r->n_events; i++) free(r->events[i]);
+  free(r->events);
+  free(r);
+}
+
+static ProtobufCMessage *h_list_events(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                       rpc_outcome *out) {
+  (void)call;
+  const Ztrain__ListEventsRequest *req = (const Ztrain__ListEventsRequest *)m;
+  int limit = req->limit == 0 ? 1000 : (int)ZT_MIN(req->limit, 100000u);
+  Ztrain__ListEventsReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__list_events_reply__init(r);
+  events_acc a = {r, 0};
+  if (zt_db_events_each(c->db, req->job_id, req->after_id, limit, collect_event, &a) != 0) {
+    free_list_events(&r->base);
+    out->status = ZT_RPC_UNAVAILABLE;
+    snprintf(out->msg, sizeof out->msg, "%s", zt_err_msg());
+    return NULL;
+  }
+  return &r->base;
+}
+
+/* ---- dispatch ---------------------------------------------------------- */
+
+static const method_entry k_methods[] = {
+    {"/ztrain.Control/RegisterWorker", &ztrain__register_request__descriptor, h_register},
+    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat},
+    {"/ztrain.Control/Leave", &ztrain__leave_request__descriptor, h_leave},
+    {"/ztrain.Status/GetStatus", &ztrain__get_status_request__descriptor, h_get_status},
+    {"/ztrain.Status/ListWorkers", &ztrain__list_workers_request__descriptor, h_list_workers},
+    {"/ztrain.Status/ListEvents", &ztrain__list_events_request__descriptor, h_list_events},
+};
+
+/* How to free each reply type: replies point into coordinator memory where
+ * they can (strings of members), so only the containers are freed. */
+static void free_reply(ProtobufCMessage *m) {
+  if (!m) return;
+  if (m->descriptor == &ztrain__list_workers_reply__descriptor) free_list_workers(m);
+  else if (m->descriptor == &ztrain__list_events_reply__descriptor) free_list_events(m);
+  else free(m);
+}
+
+void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req, size_t len,
+                           void *user) {
+  zt_coord *c = user;
+  const method_entry *e = NULL;
+  for (size_t i = 0; i < ZT_ARRAY_LEN(k_methods); i++)
+    if (strcmp(k_methods[i].path, method) == 0) e = &k_methods[i];
+  if (!e) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "unknown method %.200s", method);
+    zt_rpc_reply(call, ZT_RPC_UNIMPLEMENTED, msg, NULL, 0);
+    return;
+  }
+  ProtobufCMessage *in = protobuf_c_message_unpack(e->req_desc, NULL, len, req);
+  if (!in) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s: request is not a valid %s message (%zu bytes)", method,
+             e->req_desc->name, len);
+    ZT_WARN("%s from %s", msg, zt_rpc_call_peer(call));
+    zt_rpc_reply(call, ZT_RPC_INVALID_ARGUMENT, msg, NULL, 0);
+    return;
+  }
+  rpc_outcome out = {ZT_RPC_OK, ""};
+  ProtobufCMessage *reply = e->fn(c, call, in, &out);
+  protobuf_c_message_free_unpacked(in, NULL);
+  if (out.status != ZT_RPC_OK || !reply) {
+    zt_rpc_reply(call, out.status != ZT_RPC_OK ? out.status : ZT_RPC_INTERNAL, out.msg, NULL, 0);
+    free_reply(reply);
+    return;
+  }
+  size_t n = protobuf_c_message_get_packed_size(reply);
+  uint8_t stackbuf[512];
+  uint8_t *buf = n <= sizeof stackbuf ? stackbuf : malloc(n);
+  if (!buf) abort();
+  protobuf_c_message_pack(reply, buf);
+  zt_rpc_reply(call, ZT_RPC_OK, NULL, buf, n);
+  if (buf != stackbuf) free(buf);
+  free_reply(reply);
+}

@@ -1,0 +1,253 @@
+/*
+ * zctl.c: the operator's command line, a client of zcoord's Status service.
+ *
+ *   zctl [--coordinator HOST:PORT] [--json] [--token T] VERB [ARGS]
+ *
+ * Verbs: status, workers, events [--job J] [--after ID] [--limit N].
+ * Every verb prints a readable table, or with --json one JSON document with
+ * the same field names as the HTTP API (/v1/status, /v1/workers,
+ * /v1/events), so scripts can use either. The coordinator address defaults
+ * to $ZTRAIN_COORDINATOR, then 127.0.0.1:7070. Exit status: 0 on success,
+ * 1 when the coordinator answered with an error or could not be reached,
+ * 2 on a usage error.
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "zt_common.h"
+#include "zt_rpc.h"
+#include "ztrain.pb-c.h"
+
+static const char *k_state_names[] = {"unknown", "alive", "suspect", "lost", "left"};
+
+typedef struct {
+  zt_rpc_client_t *rpc;
+  int json;
+  int64_t timeout_ms;
+} zctl;
+
+static const char *state_name(int s) {
+  return s >= 0 && s < (int)ZT_ARRAY_LEN(k_state_names) ? k_state_names[s] : "unknown";
+}
+
+static void fmt_time(char *buf, size_t n, int64_t ms) {
+  if (ms <= 0) {
+    snprintf(buf, n, "-");
+    return;
+  }
+  time_t t = (time_t)(ms / 1000);
+  struct tm tm;
+  localtime_r(&t, &tm);
+  size_t k = strftime(buf, n, "%Y-%m-%d %H:%M:%S", &tm);
+  snprintf(buf + k, n - k, ".%03d", (int)(ms % 1000));
+}
+
+static void print_json(cJSON *doc) {
+  char *s = cJSON_Print(doc);
+  printf("%s\n", s);
+  free(s);
+  cJSON_Delete(doc);
+}
+
+/* One unary Status call: pack, call, unpack. */
+static ProtobufCMessage *status_call(zctl *z, const char *method, const ProtobufCMessage *req,
+                                     const ProtobufCMessageDescriptor *reply_desc) {
+  size_t n = protobuf_c_message_get_packed_size(req);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) abort();
+  protobuf_c_message_pack(req, buf);
+  uint8_t *resp = NULL;
+  size_t rlen = 0;
+  char path[128];
+  snprintf(path, sizeof path, "/ztrain.Status/%s", method);
+  int rc = zt_rpc_call(z->rpc, path, buf, n, z->timeout_ms, &resp, &rlen, NULL);
+  free(buf);
+  if (rc != 0) return NULL;
+  ProtobufCMessage *m = protobuf_c_message_unpack(reply_desc, NULL, rlen, resp);
+  free(resp);
+  if (!m) zt_err("%s: reply is not a valid %s", method, reply_desc->name);
+  return m;
+}
+
+static int cmd_status(zctl *z) {
+  Ztrain__GetStatusRequest req = ZTRAIN__GET_STATUS_REQUEST__INIT;
+  Ztrain__GetStatusReply *r = (Ztrain__GetStatusReply *)status_call(
+      z, "GetStatus", &req.base, &ztrain__get_status_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "version", r->version);
+    cJSON_AddNumberToObject(o, "started_ms", (double)r->started_ms);
+    cJSON_AddNumberToObject(o, "coordinator_epoch", (double)r->coordinator_epoch);
+    cJSON_AddNumberToObject(o, "heartbeat_ms", r->heartbeat_ms);
+    cJSON_AddNumberToObject(o, "heartbeat_timeout_ms", r->heartbeat_timeout_ms);
+    cJSON *w = cJSON_AddObjectToObject(o, "workers");
+    cJSON_AddNumberToObject(w, "alive", r->workers_alive);
+    cJSON_AddNumberToObject(w, "suspect", r->workers_suspect);
+    cJSON_AddNumberToObject(w, "lost", r->workers_lost);
+    cJSON_AddNumberToObject(w, "left", r->workers_left);
+    cJSON_AddStringToObject(o, "db", r->db_path);
+    print_json(o);
+  } else {
+    char t[64];
+    fmt_time(t, sizeof t, r->started_ms);
+    printf("coordinator  ztrain %s, epoch %llu, up since %s\n", r->version,
+           (unsigned long long)r->coordinator_epoch, t);
+    printf("heartbeat    every %u ms, lost after %u ms\n", r->heartbeat_ms,
+           r->heartbeat_timeout_ms);
+    printf("workers      %u alive, %u suspect, %u lost, %u left\n", r->workers_alive,
+           r->workers_suspect, r->workers_lost, r->workers_left);
+    printf("database     %s\n", r->db_path);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int cmd_workers(zctl *z) {
+  Ztrain__ListWorkersRequest req = ZTRAIN__LIST_WORKERS_REQUEST__INIT;
+  Ztrain__ListWorkersReply *r = (Ztrain__ListWorkersReply *)status_call(
+      z, "ListWorkers", &req.base, &ztrain__list_workers_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(o, "workers");
+    for (size_t i = 0; i < r->n_workers; i++) {
+      Ztrain__WorkerInfo *w = r->workers[i];
+      cJSON *x = cJSON_CreateObject();
+      cJSON_AddNumberToObject(x, "id", (double)w->id);
+      cJSON_AddStringToObject(x, "name", w->name);
+      cJSON_AddStringToObject(x, "host", w->host);
+      cJSON_AddStringToObject(x, "device", w->device);
+      cJSON_AddStringToObject(x, "state", state_name(w->state));
+      cJSON_AddNumberToObject(x, "last_seen_ms", (double)w->last_seen_ms);
+      cJSON_AddNumberToObject(x, "registered_ms", (double)w->registered_ms);
+      cJSON_AddNumberToObject(x, "pid", w->pid);
+      cJSON_AddItemToArray(arr, x);
+    }
+    print_json(o);
+  } else {
+    printf("%-6s %-20s %-8s %-8s %-16s %-8s %s\n", "ID", "NAME", "STATE", "DEVICE", "HOST", "PID",
+           "LAST SEEN");
+    for (size_t i = 0; i < r->n_workers; i++) {
+      Ztrain__WorkerInfo *w = r->workers[i];
+      char t[64];
+      fmt_time(t, sizeof t, w->last_seen_ms);
+      printf("%-6llu %-20s %-8s %-8s %-16s %-8d %s\n", (unsigned long long)w->id, w->name,
+             state_name(w->state), w->device, w->host, w->pid, t);
+    }
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int cmd_events(zctl *z, int argc, char **argv) {
+  Ztrain__ListEventsRequest req = ZTRAIN__LIST_EVENTS_REQUEST__INIT;
+  for (int i = 0; i < argc; i++) {
+    const char *a = argv[i];
+    if (i + 1 >= argc) return zt_err("events: %s needs a value", a);
+    long long v = strtoll(argv[++i], NULL, 10);
+    if (!strcmp(a, "--job")) req.job_id = (uint64_t)v;
+    else if (!strcmp(a, "--after")) req.after_id = v;
+    else if (!strcmp(a, "--limit")) req.limit = (uint32_t)v;
+    else return zt_err("events: unknown option %s", a);
+  }
+  Ztrain__ListEventsReply *r = (Ztrain__ListEventsReply *)status_call(
+      z, "ListEvents", &req.base, &ztrain__list_events_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(o, "events");
+    for (size_t i = 0; i < r->n_events; i++) {
+      Ztrain__Event *e = r->events[i];
+      cJSON *x = cJSON_CreateObject();
+      cJSON_AddNumberToObject(x, "id", (double)e->id);
+      cJSON_AddNumberToObject(x, "t_ms", (double)e->t_ms);
+      cJSON_AddNumberToObject(x, "job_id", (double)e->job_id);
+      cJSON_AddStringToObject(x, "kind", e->kind);
+      cJSON_AddNumberToObject(x, "worker_id", (double)e->worker_id);
+      cJSON_AddStringToObject(x, "detail", e->detail);
+      cJSON_AddItemToArray(arr, x);
+    }
+    print_json(o);
+  } else {
+    for (size_t i = 0; i < r->n_events; i++) {
+      Ztrain__Event *e = r->events[i];
+      char t[64], who[32] = "";
+      fmt_time(t, sizeof t, e->t_ms);
+      if (e->worker_id) snprintf(who, sizeof who, "worker %llu", (unsigned long long)e->worker_id);
+      printf("%s  %-20s %-12s %s\n", t, e->kind, who, e->detail);
+    }
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: zctl [--coordinator HOST:PORT] [--json] [--token T] [--timeout-ms N] VERB\n"
+             "verbs:\n"
+             "  status                              coordinator summary\n"
+             "  workers                             every known worker and its state\n"
+             "  events [--job J] [--after ID] [--limit N]   the logbook\n");
+}
+
+int main(int argc, char **argv) {
+  zt_log_set_prefix("zctl");
+  static const struct option opts[] = {
+      {"coordinator", required_argument, 0, 'c'}, {"json", no_argument, 0, 'j'},
+      {"token", required_argument, 0, 't'},       {"timeout-ms", required_argument, 0, 'T'},
+      {"help", no_argument, 0, 'h'},              {0, 0, 0, 0},
+  };
+  const char *coord = getenv("ZTRAIN_COORDINATOR");
+  const char *token = getenv("ZTRAIN_TOKEN");
+  zctl z = {.timeout_ms = 5000};
+  int ch;
+  /* "+": stop at the verb, whose own options follow it. */
+  while ((ch = getopt_long(argc, argv, "+", opts, NULL)) != -1) {
+    switch (ch) {
+    case 'c': coord = optarg; break;
+    case 'j': z.json = 1; break;
+    case 't': token = optarg; break;
+    case 'T': z.timeout_ms = atoll(optarg); break;
+    case 'h': usage(stdout); return 0;
+    default: usage(stderr); return 2;
+    }
+  }
+  if (optind >= argc) {
+    usage(stderr);
+    return 2;
+  }
+  const char *verb = argv[optind];
+  char **vargv = argv + optind + 1;
+  int vargc = argc - optind - 1;
+  /* Allow --json after the verb too, as in `zctl workers --json`. */
+  for (int i = 0; i < vargc; i++) {
+    if (!strcmp(vargv[i], "--json")) {
+      z.json = 1;
+      memmove(&vargv[i], &vargv[i + 1], (size_t)(vargc - i - 1) * sizeof *vargv);
+      vargc--, i--;
+    }
+  }
+  char auth[512];
+  snprintf(auth, sizeof auth, "Bearer %s", token ? token : "");
+  zt_rpc_client_opts ro = {.authorization = token ? auth : NULL};
+  if (zt_rpc_client_open(coord ? coord : "127.0.0.1:7070", &ro, &z.rpc) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return 1;
+  }
+  int rc;
+  if (!strcmp(verb, "status") && vargc == 0) rc = cmd_status(&z);
+  else if (!strcmp(verb, "workers") && vargc == 0) rc = cmd_workers(&z);
+  else if (!strcmp(verb, "events")) rc = cmd_events(&z, vargc, vargv);
+  else {
+    usage(stderr);
+    zt_rpc_client_close(z.rpc);
+    return 2;
+  }
+  if (rc != 0) fprintf(stderr, "zctl: %s\n", zt_err_msg());
+  zt_rpc_client_close(z.rpc);
+  return rc == 0 ? 0 : 1;
+}

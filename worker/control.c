@@ -1,0 +1,239 @@
+/*
+ * control.c: registration, heartbeats and Leave (see control.h).
+ *
+ * The loop is a small state machine with two states, unregistered and
+ * registered. Waiting between attempts is a timed wait on a condition
+ * variable, so zt_ctl_stop() interrupts any wait at once; every RPC carries a
+ * deadline, so no step of the loop can block forever.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "control.h"
+#include "zt_common.h"
+#include "zt_rpc.h"
+#include "ztrain.pb-c.h"
+
+#define ZT_CTL_BACKOFF_MIN_MS 100
+
+struct zt_ctl {
+  zt_ctl_opts o;
+  char coordinator[256], name[128], device[32], secret[256], host[128];
+  zt_rpc_client_t *rpc;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int stopping;           /* under mu */
+  char stop_reason[256];  /* under mu */
+  uint64_t worker_id;
+  uint64_t epoch;
+  int64_t heartbeat_ms;
+  int64_t backoff_ms;
+  uint64_t seq;
+  uint64_t rng;
+};
+
+int zt_ctl_open(const zt_ctl_opts *o, zt_ctl_t **out) {
+  zt_ctl_t *c = calloc(1, sizeof *c);
+  if (!c) abort();
+  c->o = *o;
+  snprintf(c->coordinator, sizeof c->coordinator, "%s", o->coordinator);
+  snprintf(c->name, sizeof c->name, "%s", o->name);
+  snprintf(c->device, sizeof c->device, "%s", o->device);
+  snprintf(c->secret, sizeof c->secret, "%s", o->secret ? o->secret : "");
+  if (gethostname(c->host, sizeof c->host) != 0) snprintf(c->host, sizeof c->host, "unknown");
+  c->o.rpc_timeout_ms = o->rpc_timeout_ms > 0 ? o->rpc_timeout_ms : 2000;
+  c->o.backoff_max_ms = o->backoff_max_ms > 0 ? o->backoff_max_ms : 5000;
+  c->heartbeat_ms = 1000;
+  c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
+  c->rng = (uint64_t)zt_now_us() ^ ((uint64_t)getpid() << 32);
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&c->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  if (zt_rpc_client_open(c->coordinator, NULL, &c->rpc) != 0) {
+    zt_ctl_close(c);
+    return -1;
+  }
+  *out = c;
+  return 0;
+}
+
+void zt_ctl_close(zt_ctl_t *c) {
+  if (!c) return;
+  zt_rpc_client_close(c->rpc);
+  pthread_cond_destroy(&c->cv);
+  pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+uint64_t zt_ctl_worker_id(zt_ctl_t *c) { return c->worker_id; }
+
+void zt_ctl_stop(zt_ctl_t *c, const char *reason) {
+  pthread_mutex_lock(&c->mu);
+  if (!c->stopping) snprintf(c->stop_reason, sizeof c->stop_reason, "%s", reason);
+  c->stopping = 1;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* Waits up to ms unless a stop arrives first; returns 1 when stopping. */
+static int wait_or_stop(zt_ctl_t *c, int64_t ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  ts.tv_sec += ms / 1000;
+  ts.tv_nsec += (ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&c->mu);
+  while (!c->stopping && pthread_cond_timedwait(&c->cv, &c->mu, &ts) == 0) {
+  }
+  int s = c->stopping;
+  pthread_mutex_unlock(&c->mu);
+  return s;
+}
+
+/* Next backoff wait: the current one with +-25% jitter; then doubles. */
+static int64_t next_backoff(zt_ctl_t *c) {
+  c->rng ^= c->rng << 13, c->rng ^= c->rng >> 7, c->rng ^= c->rng << 17;
+  int64_t b = c->backoff_ms;
+  int64_t wait = b - b / 4 + (int64_t)(c->rng % (uint64_t)(b / 2 + 1));
+  c->backoff_ms = ZT_MIN(c->backoff_ms * 2, c->o.backoff_max_ms);
+  return wait;
+}
+
+/* Packs `msg`, calls `method`, unpacks the reply with `desc`. */
+static int call(zt_ctl_t *c, const char *method, const ProtobufCMessage *msg,
+                const ProtobufCMessageDescriptor *desc, ProtobufCMessage **reply, int *status) {
+  uint8_t buf[1024];
+  size_t n = protobuf_c_message_get_packed_size(msg);
+  if (n > sizeof buf) return zt_err("%s: request too large", method);
+  protobuf_c_message_pack(msg, buf);
+  uint8_t *resp = NULL;
+  size_t rlen = 0;
+  if (zt_rpc_call(c->rpc, method, buf, n, c->o.rpc_timeout_ms, &resp, &rlen, status) != 0)
+    return -1;
+  *reply = protobuf_c_message_unpack(desc, NULL, rlen, resp);
+  free(resp);
+  if (!*reply) {
+    *status = ZT_RPC_INTERNAL;
+    return zt_err("%s: reply is not a valid %s", method, desc->name);
+  }
+  return 0;
+}
+
+/* Returns 0 when registered, -1 with *fatal set when retrying is pointless. */
+static int do_register(zt_ctl_t *c, int *fatal) {
+  Ztrain__RegisterRequest req = ZTRAIN__REGISTER_REQUEST__INIT;
+  req.name = c->name;
+  req.host = c->host;
+  req.device = c->device;
+  req.secret = c->secret;
+  req.pid = (int32_t)getpid();
+  req.version = "0.1.0";
+  ProtobufCMessage *m;
+  int status = 0;
+  *fatal = 0;
+  if (call(c, "/ztrain.Control/RegisterWorker", &req.base, &ztrain__register_reply__descriptor, &m,
+           &status) != 0) {
+    *fatal = status == ZT_RPC_UNAUTHENTICATED || status == ZT_RPC_INVALID_ARGUMENT;
+    return -1;
+  }
+  Ztrain__RegisterReply *r = (Ztrain__RegisterReply *)m;
+  c->worker_id = r->worker_id;
+  c->heartbeat_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
+  if (c->epoch && c->epoch != r->coordinator_epoch)
+    ZT_INFO("coordinator restarted (epoch %llu -> %llu)", (unsigned long long)c->epoch,
+            (unsigned long long)r->coordinator_epoch);
+  c->epoch = r->coordinator_epoch;
+  ZT_INFO("registered as worker %llu with %s (heartbeat %lld ms)",
+          (unsigned long long)c->worker_id, c->coordinator, (long long)c->heartbeat_ms);
+  protobuf_c_message_free_unpacked(m, NULL);
+  return 0;
+}
+
+/* Returns 0 on success; -1 with *status on failure. */
+static int do_heartbeat(zt_ctl_t *c, int *status) {
+  Ztrain__HeartbeatRequest req = ZTRAIN__HEARTBEAT_REQUEST__INIT;
+  req.worker_id = c->worker_id;
+  req.seq = ++c->seq;
+  ProtobufCMessage *m;
+  if (call(c, "/ztrain.Control/Heartbeat", &req.base, &ztrain__heartbeat_reply__descriptor, &m,
+           status) != 0)
+    return -1;
+  Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
+  if (r->heartbeat_ms) c->heartbeat_ms = r->heartbeat_ms;
+  if (r->coordinator_epoch != c->epoch) {
+    ZT_INFO("coordinator restarted (epoch %llu -> %llu); still worker %llu",
+            (unsigned long long)c->epoch, (unsigned long long)r->coordinator_epoch,
+            (unsigned long long)c->worker_id);
+    c->epoch = r->coordinator_epoch;
+  }
+  protobuf_c_message_free_unpacked(m, NULL);
+  return 0;
+}
+
+static void do_leave(zt_ctl_t *c) {
+  if (!c->worker_id) return;
+  Ztrain__LeaveRequest req = ZTRAIN__LEAVE_REQUEST__INIT;
+  req.worker_id = c->worker_id;
+  req.reason = c->stop_reason;
+  ProtobufCMessage *m;
+  int status;
+  if (call(c, "/ztrain.Control/Leave", &req.base, &ztrain__leave_reply__descriptor, &m, &status) !=
+      0) {
+    ZT_WARN("leave not acknowledged: %s", zt_err_msg());
+    return;
+  }
+  protobuf_c_message_free_unpacked(m, NULL);
+  ZT_INFO("left the coordinator (%s)", c->stop_reason);
+}
+
+int zt_ctl_run(zt_ctl_t *c) {
+  int registered = 0, ret = 0, failing = 0;
+  while (!wait_or_stop(c, 0)) {
+    if (!registered) {
+      int fatal;
+      if (do_register(c, &fatal) == 0) {
+        registered = 1;
+        c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
+        failing = 0;
+        continue;
+      }
+      if (fatal) {
+        ZT_ERROR("registration refused: %s", zt_err_msg());
+        ret = -1;
+        break;
+      }
+      if (!failing++) ZT_WARN("cannot register (will retry with backoff): %s", zt_err_msg());
+      wait_or_stop(c, next_backoff(c));
+      continue;
+    }
+    int64_t t0 = zt_now_ms(), status = 0;
+    int st = 0;
+    if (do_heartbeat(c, &st) == 0) {
+      if (failing) ZT_INFO("coordinator reachable again after %d failed heartbeats", failing);
+      failing = 0;
+      c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
+      wait_or_stop(c, ZT_MAX(0, c->heartbeat_ms - (zt_now_ms() - t0)));
+      continue;
+    }
+    status = st;
+    if (status == ZT_RPC_NOT_FOUND || status == ZT_RPC_FAILED_PRECONDITION) {
+      ZT_WARN("%s; registering again", zt_err_msg());
+      registered = 0;
+      continue;
+    }
+    if (!failing++) ZT_WARN("heartbeat failed (will retry with backoff): %s", zt_err_msg());
+    wait_or_stop(c, next_backoff(c));
+  }
+  if (registered) do_leave(c);
+  return ret;
+}

@@ -1,0 +1,39 @@
+/*
+ * control.h: a worker's link to the coordinator (the Control service).
+ *
+ * zt_ctl owns the registration and the heartbeat loop of one zworker. It
+ * registers under the worker's stable name, heartbeats at the interval the
+ * coordinator hands out, and survives a coordinator that goes away: calls
+ * that fail with UNAVAILABLE or DEADLINE_EXCEEDED are retried with capped
+ * exponential backoff (100 ms doubling to 5 s, with jitter), and a
+ * coordinator that no longer knows the worker (NOT_FOUND) or has declared it
+ * lost (FAILED_PRECONDITION) gets a fresh registration at once.
+ *
+ * zt_ctl_run() runs the loop on the calling thread until zt_ctl_stop() is
+ * called from any thread (a signal handler thread, typically); it then sends
+ * Leave with the given reason, bounded by a deadline, and returns.
+ */
+#ifndef ZT_CONTROL_H
+#define ZT_CONTROL_H
+
+#include <stdint.h>
+
+typedef struct zt_ctl zt_ctl_t;
+
+typedef struct {
+  const char *coordinator; /* HOST:PORT */
+  const char *name;
+  const char *device;
+  const char *secret; /* may be NULL */
+  int64_t rpc_timeout_ms;  /* per call; 0: 2000 */
+  int64_t backoff_max_ms;  /* 0: 5000 */
+} zt_ctl_opts;
+
+int zt_ctl_open(const zt_ctl_opts *opts, zt_ctl_t **out);
+void zt_ctl_close(zt_ctl_t *c);
+/* Returns 0 after a clean stop, -1 on a fatal error (e.g. refused secret). */
+int zt_ctl_run(zt_ctl_t *c);
+void zt_ctl_stop(zt_ctl_t *c, const char *reason);
+uint64_t zt_ctl_worker_id(zt_ctl_t *c);
+
+#endif

@@ -1,0 +1,149 @@
+/*
+ * zworker.c: the worker daemon, one per GPU or per CPU process.
+ *
+ * `zworker --coordinator HOST:PORT --device cpu --name NAME --workdir DIR`
+ * takes an exclusive lock on its work dir (two workers never share one),
+ * then runs the control loop (control.c): register, heartbeat, retry with
+ * backoff while the coordinator is away. SIGINT and SIGTERM are taken by a
+ * dedicated thread with sigwait(), which asks the control loop to stop; the
+ * loop then says Leave, so the coordinator records the worker as left, not
+ * lost. SIGTERM is how spot instances announce their end.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include "control.h"
+#include "zt_common.h"
+
+typedef struct {
+  const char *coordinator, *name, *device, *workdir, *secret;
+} worker_args;
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: zworker --coordinator HOST:PORT --name NAME --workdir DIR\n"
+             "               [--device cpu|cuda:N] [--secret S] [--log-level L]\n");
+}
+
+static int parse_args(worker_args *a, int argc, char **argv) {
+  static const struct option opts[] = {
+      {"coordinator", required_argument, 0, 'c'}, {"name", required_argument, 0, 'n'},
+      {"device", required_argument, 0, 'd'},      {"workdir", required_argument, 0, 'w'},
+      {"secret", required_argument, 0, 's'},      {"log-level", required_argument, 0, 'l'},
+      {"help", no_argument, 0, 'h'},              {0, 0, 0, 0},
+  };
+  memset(a, 0, sizeof *a);
+  a->device = "cpu";
+  a->secret = getenv("ZTRAIN_WORKER_SECRET");
+  int ch;
+  while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+    switch (ch) {
+    case 'c': a->coordinator = optarg; break;
+    case 'n': a->name = optarg; break;
+    case 'd': a->device = optarg; break;
+    case 'w': a->workdir = optarg; break;
+    case 's': a->secret = optarg; break;
+    case 'l':
+      if (zt_log_set_level_name(optarg) != 0) return zt_err("unknown log level %s", optarg);
+      break;
+    case 'h': usage(stdout); exit(0);
+    default: usage(stderr); return zt_err("bad command line");
+    }
+  }
+  if (optind < argc) return zt_err("unexpected argument \"%s\"", argv[optind]);
+  if (!a->coordinator || !a->name || !a->workdir) {
+    usage(stderr);
+    return zt_err("--coordinator, --name and --workdir are required");
+  }
+  char host[256];
+  int port;
+  if (zt_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
+    return zt_err_wrap("--coordinator");
+  if (strcmp(a->device, "cpu") != 0 && strncmp(a->device, "cuda:", 5) != 0)
+    return zt_err("--device %s: expected cpu or cuda:N", a->device);
+  return 0;
+}
+
+/* Holds an exclusive flock on DIR/zworker.lock for the process lifetime. */
+static int lock_workdir(const char *dir) {
+  if (zt_mkdirs(dir) != 0) return zt_err_wrap("--workdir");
+  char path[1024];
+  snprintf(path, sizeof path, "%s/zworker.lock", dir);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return zt_err_errno("%s", path);
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    int e = errno;
+    close(fd);
+    if (e == EWOULDBLOCK) return zt_err("%s: work dir in use by another zworker", dir);
+    errno = e;
+    return zt_err_errno("lock %s", path);
+  }
+  char pid[32];
+  int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+  if (ftruncate(fd, 0) != 0 || zt_write_all(fd, pid, (size_t)n) != 0)
+    ZT_WARN("cannot write %s", path);
+  return 0; /* fd stays open: the lock lives as long as the process */
+}
+
+typedef struct {
+  sigset_t set;
+  zt_ctl_t *ctl;
+} sig_thread_arg;
+
+static void *signal_thread(void *p) {
+  sig_thread_arg *a = p;
+  for (;;) {
+    int sig;
+    if (sigwait(&a->set, &sig) != 0) continue;
+    if (sig == SIGUSR1) return NULL; /* our own wake-up at exit */
+    ZT_INFO("received %s; leaving", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    zt_ctl_stop(a->ctl, sig == SIGTERM ? "SIGTERM (preemption or shutdown)" : "SIGINT");
+  }
+}
+
+int main(int argc, char **argv) {
+  worker_args a;
+  signal(SIGPIPE, SIG_IGN);
+  if (parse_args(&a, argc, argv) != 0) {
+    zt_log_set_prefix("zworker");
+    ZT_ERROR("%s", zt_err_msg());
+    return 2;
+  }
+  char prefix[160];
+  snprintf(prefix, sizeof prefix, "zworker[%s]", a.name);
+  zt_log_set_prefix(prefix);
+  if (lock_workdir(a.workdir) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return 1;
+  }
+  /* Block the signals in every thread; the signal thread takes them. */
+  sig_thread_arg sa;
+  sigemptyset(&sa.set);
+  sigaddset(&sa.set, SIGINT);
+  sigaddset(&sa.set, SIGTERM);
+  sigaddset(&sa.set, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &sa.set, NULL);
+
+  zt_ctl_opts o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
+                   .secret = a.secret};
+  if (zt_ctl_open(&o, &sa.ctl) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return 1;
+  }
+  pthread_t st;
+  pthread_create(&st, NULL, signal_thread, &sa);
+  ZT_INFO("starting: coordinator %s, device %s, workdir %s", a.coordinator, a.device, a.workdir);
+  int rc = zt_ctl_run(sa.ctl);
+  pthread_kill(st, SIGUSR1);
+  pthread_join(st, NULL);
+  zt_ctl_close(sa.ctl);
+  ZT_INFO("exiting");
+  return rc == 0 ? 0 : 1;
+}
