@@ -29,7 +29,7 @@ typedef struct {
 
 static void usage(FILE *f) {
   fprintf(f, "usage: zworker --coordinator HOST:PORT --name NAME --workdir DIR\n"
-             "               [--device cpu|cuda:N] [--secret S] [--log-level L]\n");
+             "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n");
 }
 
 static int parse_args(worker_args *a, int argc, char **argv) {
@@ -66,8 +66,9 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   int port;
   if (zt_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
     return zt_err_wrap("--coordinator");
+  if (!strcmp(a->device, "cuda")) a->device = "cuda:0"; /* the one visible GPU */
   if (strcmp(a->device, "cpu") != 0 && strncmp(a->device, "cuda:", 5) != 0)
-    return zt_err("--device %s: expected cpu or cuda:N", a->device);
+    return zt_err("--device %s: expected cpu, cuda or cuda:N", a->device);
   return 0;
 }
 

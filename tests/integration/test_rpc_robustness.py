@@ -1,0 +1,145 @@
+"""Bad input over gRPC: malformed, truncated and oversized payloads, unknown
+methods and unknown workers must get an error status, never a crash, and
+must not disturb what the coordinator already stores.
+
+The client is Python grpcio with identity (de)serializers, so the test can
+put any bytes on the wire. Valid messages are encoded by hand (tiny protobuf
+writer below) to keep this test independent of our own C encoder.
+"""
+import os
+import random
+
+import grpc
+import pytest
+
+from ztest import events, wait_until, workers_by_name
+
+
+def varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def field_varint(num, v):
+    return varint(num << 3) + varint(v)
+
+
+def field_bytes(num, b):
+    return varint((num << 3) | 2) + varint(len(b)) + b
+
+
+def call(channel, method, payload, timeout=5):
+    stub = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    try:
+        return grpc.StatusCode.OK, stub(payload, timeout=timeout), ""
+    except grpc.RpcError as e:
+        return e.code(), None, e.details()
+
+
+@pytest.fixture
+def coord_and_channel(procs):
+    coord = procs.coord(hb_ms=200, timeout_ms=1000)
+    ch = grpc.insecure_channel(coord.grpc, options=[("grpc.max_send_message_length", 64 << 20)])
+    yield coord, ch
+    ch.close()
+
+
+def register(ch, name):
+    code, reply, det = call(ch, "/ztrain.Control/RegisterWorker",
+                            field_bytes(1, name.encode()) + field_bytes(3, b"cpu"))
+    assert code == grpc.StatusCode.OK, det
+    # RegisterReply.worker_id is field 1 (varint).
+    assert reply[0] == 0x08
+    wid, shift, i = 0, 0, 1
+    while True:
+        b = reply[i]
+        wid |= (b & 0x7F) << shift
+        shift += 7
+        i += 1
+        if not b & 0x80:
+            return wid
+
+
+def test_malformed_truncated_unknown(coord_and_channel, procs):
+    coord, ch = coord_and_channel
+    wid = register(ch, "raw-client")
+    n_events = len(events(coord))
+    hb = "/ztrain.Control/Heartbeat"
+
+    cases = {
+        "truncated varint": b"\x08",
+        "truncated long varint": b"\x08\xff\xff\xff",
+        "bad wire type": b"\x0f\x01",
+        "length past end": b"\x12\x10abc",
+        "field number zero": b"\x00\x01",
+        "truncated fixed64": b"\x09\x01\x02",
+        "group wire type": b"\x0b",
+    }
+    for what, payload in cases.items():
+        code, _, det = call(ch, hb, payload)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, det)
+        assert "HeartbeatRequest" in det, det
+
+    # A registration truncated in the middle of its name string.
+    full = field_bytes(1, b"truncated-name") + field_bytes(3, b"cpu")
+    code, _, det = call(ch, "/ztrain.Control/RegisterWorker", full[:8])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "RegisterRequest" in det
+
+    # Unknown worker ids and unknown methods.
+    code, _, det = call(ch, hb, field_varint(1, 987654321))
+    assert code == grpc.StatusCode.NOT_FOUND and "987654321" in det
+    code, _, det = call(ch, "/ztrain.Control/Leave", field_varint(1, 424242))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, _, det = call(ch, "/ztrain.Control/Explode", b"")
+    assert code == grpc.StatusCode.UNIMPLEMENTED and "Explode" in det
+    code, _, det = call(ch, "/ztrain.Nope/Heartbeat", b"")
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+    # Invalid names are refused with a reason, not stored.
+    code, _, det = call(ch, "/ztrain.Control/RegisterWorker", field_bytes(1, b"bad name/../x"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "invalid worker name" in det
+    code, _, det = call(ch, "/ztrain.Control/RegisterWorker", field_bytes(1, b""))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+    # Oversized: above the 4 MiB request limit.
+    code, _, det = call(ch, hb, field_bytes(15, b"x" * (5 << 20)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, det)
+
+    # Random garbage: whatever the status, the coordinator survives.
+    rng = random.Random(1234)
+    for i in range(300):
+        payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
+        method = rng.choice([hb, "/ztrain.Control/RegisterWorker", "/ztrain.Control/Leave",
+                             "/ztrain.Status/ListEvents", "/ztrain.Status/ListWorkers"])
+        code, _, _ = call(ch, method, payload)
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION), code
+        assert coord.alive(), f"zcoord died on case {i}: {payload!r}"
+
+    # Still serving, and what it stored is intact.
+    assert coord.alive()
+    code, _, det = call(ch, hb, field_varint(1, wid))
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION), det
+    ws = workers_by_name(coord)
+    assert ws["raw-client"]["id"] == wid
+    evs = events(coord)
+    assert len(evs) >= n_events and evs[0]["kind"] == "coordinator_started"
+
+
+def test_stale_worker_told_to_register_again(coord_and_channel):
+    coord, ch = coord_and_channel
+    wid = register(ch, "short-lived")
+    code, _, det = call(ch, "/ztrain.Control/Leave", field_varint(1, wid) + field_bytes(2, b"bye"))
+    assert code == grpc.StatusCode.OK, det
+    code, _, det = call(ch, "/ztrain.Control/Heartbeat", field_varint(1, wid))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "register again" in det
+    assert register(ch, "short-lived") == wid  # same name, same identity
+    kinds = [e["kind"] for e in events(coord) if e["worker_id"] == wid]
+    assert kinds == ["registered", "left", "rejoined"]

@@ -1,0 +1,164 @@
+"""ztest.py: helpers for ztrain's integration tests.
+
+The tests drive real processes: zcoord with a real SQLite file, zworkers,
+zctl, on 127.0.0.1. Every wait is a poll with a deadline (wait_until), never
+a bare sleep. Processes are started through Procs, which kills whatever is
+left at the end of a test and keeps each process's stderr in a log file that
+is printed when a test fails.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+BIN = os.environ.get("ZT_BIN", os.path.join(os.path.dirname(__file__), "../../build/bin"))
+SRC = os.environ.get("ZT_SRC", os.path.join(os.path.dirname(__file__), "../.."))
+SANITIZE = os.environ.get("ZT_SANITIZE", "0") in ("1", "ON", "TRUE", "true")
+# Sanitizer builds run several times slower; deadlines (not bounds under
+# test) stretch by this factor.
+SLOW = 4.0 if SANITIZE else 1.0
+
+
+def wait_until(pred, timeout, what, interval=0.02):
+    """Polls pred() until it returns a truthy value; fails after timeout s."""
+    deadline = time.monotonic() + timeout * SLOW
+    last_exc = None
+    while True:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # the condition may not be observable yet
+            last_exc = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout * SLOW:.1f}s waiting for {what}"
+                                 + (f" (last error: {last_exc})" if last_exc else ""))
+        time.sleep(interval)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(port, path, timeout=5):
+    """Returns (status, content_type, parsed JSON or text)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            body, status, ctype = r.read(), r.status, r.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as e:
+        body, status, ctype = e.read(), e.code, e.headers.get("Content-Type", "")
+    if ctype.startswith("application/json"):
+        return status, ctype, json.loads(body)
+    return status, ctype, body.decode(errors="replace")
+
+
+class Proc:
+    def __init__(self, name, argv, logdir, env=None):
+        self.name = name
+        self.argv = argv
+        self.log_path = os.path.join(logdir, f"{name}.log")
+        self.log = open(self.log_path, "ab")
+        self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})})
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def alive(self):
+        return self.p.poll() is None
+
+    def signal(self, sig):
+        self.p.send_signal(sig)
+
+    def wait(self, timeout):
+        return self.p.wait(timeout=timeout * SLOW)
+
+    def kill(self):
+        if self.alive():
+            self.p.kill()
+            self.p.wait()
+
+    def output(self):
+        self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+
+class Procs:
+    """Starts and reaps processes for one test."""
+
+    def __init__(self, tmpdir):
+        self.tmp = str(tmpdir)
+        self.all = []
+
+    def start(self, name, argv, env=None):
+        p = Proc(name, argv, self.tmp, env)
+        self.all.append(p)
+        return p
+
+    def coord(self, db=None, hb_ms=200, timeout_ms=None, extra=(), name="zcoord", env=None,
+              grpc_port=0, http_port=0):
+        """Starts zcoord on free ports and waits until it serves."""
+        db = db or os.path.join(self.tmp, "zcoord.db")
+        ready = os.path.join(self.tmp, f"{name}.ready")
+        if os.path.exists(ready):
+            os.unlink(ready)
+        argv = [f"{BIN}/zcoord", "--grpc", f"127.0.0.1:{grpc_port}",
+                "--http", f"127.0.0.1:{http_port}", "--db", db,
+                "--heartbeat-ms", str(hb_ms), "--ready-file", ready]
+        if timeout_ms:
+            argv += ["--heartbeat-timeout-ms", str(timeout_ms)]
+        p = self.start(name, argv + list(extra), env)
+
+        def is_ready():
+            assert p.alive(), f"zcoord exited: {p.output()}"
+            with open(ready) as f:
+                return json.load(f)
+        info = wait_until(is_ready, 10, "zcoord ready file")
+        p.grpc_port, p.http_port, p.db = info["grpc_port"], info["http_port"], db
+        p.grpc = f"127.0.0.1:{p.grpc_port}"
+        return p
+
+    def worker(self, coord_addr, name, extra=(), env=None):
+        wd = os.path.join(self.tmp, "work", name)
+        return self.start(name, [f"{BIN}/zworker", "--coordinator", coord_addr, "--name", name,
+                                 "--workdir", wd, "--device", "cpu"] + list(extra), env)
+
+    def close(self):
+        for p in self.all:
+            p.kill()
+            p.log.close()
+
+    def dump(self):
+        out = []
+        for p in self.all:
+            out.append(f"----- {p.name} ({' '.join(p.argv)}) -----\n{p.output()[-6000:]}")
+        return "\n".join(out)
+
+
+def zctl(coord_addr, *args, check=True):
+    r = subprocess.run([f"{BIN}/zctl", "--coordinator", coord_addr, *args],
+                       capture_output=True, text=True, timeout=30 * SLOW)
+    if check and r.returncode != 0:
+        raise AssertionError(f"zctl {' '.join(args)} failed ({r.returncode}): {r.stderr}")
+    return r
+
+
+def zctl_json(coord_addr, *args):
+    return json.loads(zctl(coord_addr, "--json", *args).stdout)
+
+
+def workers_by_name(coord):
+    return {w["name"]: w for w in http_get(coord.http_port, "/v1/workers")[2]["workers"]}
+
+
+def events(coord, **q):
+    qs = "&".join(f"{k}={v}" for k, v in q.items())
+    return http_get(coord.http_port, "/v1/events" + (f"?{qs}" if qs else ""))[2]["events"]

@@ -1,0 +1,169 @@
+/*
+ * test_state.c: the SQLite layer (state/db.c) on real files.
+ *
+ * Covers the migration path, worker upsert by name, batched touches, the
+ * logbook, persistence across reopen, transactions rolled back on failure,
+ * and refusal of files that are not ours (garbage, a newer schema).
+ */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "zt_common.h"
+#include "zt_db.h"
+#include "zt_test.h"
+
+static char g_path[600];
+
+static const char *fresh_db(const char *name) {
+  snprintf(g_path, sizeof g_path, "%s/%s.db", zt_test_tmpdir(name), name);
+  return g_path;
+}
+
+static zt_db_worker make_worker(const char *name, int state) {
+  zt_db_worker w;
+  memset(&w, 0, sizeof w);
+  snprintf(w.name, sizeof w.name, "%s", name);
+  snprintf(w.host, sizeof w.host, "host-%s", name);
+  snprintf(w.device, sizeof w.device, "cpu");
+  w.state = state;
+  w.last_seen_ms = w.registered_ms = 1000;
+  w.pid = 42;
+  return w;
+}
+
+static int count_worker(const zt_db_worker *w, void *user) {
+  zt_db_worker *last = user;
+  *last = *w;
+  last->pid++; /* pid field reused as a counter below */
+  return 0;
+}
+
+ZT_TEST(test_migrate_and_reopen) {
+  const char *path = fresh_db("migrate");
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_CHECK(zt_db_schema_version(db) == 1);
+  ZT_CHECK(zt_db_meta_set(db, "epoch", 7) == 0);
+  zt_db_worker a = make_worker("a", ZT_WORKER_ALIVE), b = make_worker("b", ZT_WORKER_ALIVE);
+  ZT_CHECK(zt_db_worker_upsert(db, &a) == 0 && a.id == 1);
+  ZT_CHECK(zt_db_worker_upsert(db, &b) == 0 && b.id == 2);
+  /* Same name: same row, updated in place. */
+  zt_db_worker a2 = make_worker("a", ZT_WORKER_LEFT);
+  snprintf(a2.host, sizeof a2.host, "elsewhere");
+  ZT_CHECK(zt_db_worker_upsert(db, &a2) == 0 && a2.id == 1);
+  int64_t eid = 0;
+  ZT_CHECK(zt_db_event_add(db, 0, "registered", 1, "detail one", &eid) == 0 && eid == 1);
+  ZT_CHECK(zt_db_event_add(db, 5, "step", 0, "job event", NULL) == 0);
+  uint64_t ids[2] = {1, 2};
+  int64_t seen[2] = {5000, 6000};
+  ZT_CHECK(zt_db_workers_touch(db, ids, seen, 2) == 0);
+  zt_db_close(db);
+
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_CHECK(zt_db_schema_version(db) == 1);
+  int64_t v = 0;
+  ZT_CHECK(zt_db_meta_get(db, "epoch", &v, 0) == 0 && v == 7);
+  ZT_CHECK(zt_db_meta_get(db, "missing", &v, 99) == 0 && v == 99);
+  zt_db_worker last;
+  memset(&last, 0, sizeof last);
+  last.pid = 0;
+  ZT_CHECK(zt_db_workers_each(db, count_worker, &last) == 0);
+  ZT_CHECK(last.id == 2 && last.last_seen_ms == 6000);
+  zt_db_close(db);
+}
+
+static int collect_kind(const zt_db_event *e, void *user) {
+  char *acc = user;
+  strcat(acc, e->kind);
+  strcat(acc, ";");
+  return 0;
+}
+
+ZT_TEST(test_events_filter_and_order) {
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(fresh_db("events"), &db) == 0);
+  ZT_CHECK(zt_db_event_add(db, 0, "a", 0, "", NULL) == 0);
+  ZT_CHECK(zt_db_event_add(db, 3, "b", 0, "", NULL) == 0);
+  ZT_CHECK(zt_db_event_add(db, 3, "c", 0, "", NULL) == 0);
+  ZT_CHECK(zt_db_event_add(db, 4, "d", 0, "", NULL) == 0);
+  char acc[256] = "";
+  ZT_CHECK(zt_db_events_each(db, 0, 0, 0, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "a;b;c;d;");
+  acc[0] = 0;
+  ZT_CHECK(zt_db_events_each(db, 3, 0, 0, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "b;c;");
+  acc[0] = 0;
+  ZT_CHECK(zt_db_events_each(db, 0, 2, 1, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "c;");
+  zt_db_close(db);
+}
+
+ZT_TEST(test_rollback_leaves_nothing) {
+  const char *path = fresh_db("rollback");
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_CHECK(zt_db_begin(db) == 0);
+  ZT_CHECK(zt_db_event_add(db, 0, "never", 0, "", NULL) == 0);
+  zt_db_rollback(db);
+  char acc[64] = "";
+  ZT_CHECK(zt_db_events_each(db, 0, 0, 0, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "");
+  zt_db_close(db);
+}
+
+ZT_TEST(test_garbage_file_refused) {
+  const char *path = fresh_db("garbage");
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ZT_REQUIRE(fd >= 0);
+  char junk[4096];
+  for (size_t i = 0; i < sizeof junk; i++) junk[i] = (char)(i * 7 + 3);
+  ZT_CHECK(zt_write_all(fd, junk, sizeof junk) == 0);
+  close(fd);
+  zt_db_t *db = NULL;
+  ZT_CHECK(zt_db_open(path, &db) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), path) != NULL);
+  /* Nothing was written over it. */
+  char *back;
+  size_t len;
+  ZT_REQUIRE(zt_read_file(path, &back, &len, 1 << 20) == 0);
+  ZT_CHECK(len == sizeof junk && memcmp(back, junk, len) == 0);
+  free(back);
+}
+
+ZT_TEST(test_newer_schema_refused) {
+  const char *path = fresh_db("newer");
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  zt_db_close(db);
+  /* Pretend a future zcoord migrated it further. */
+  char cmd[800];
+  snprintf(cmd, sizeof cmd, "sqlite3 '%s' 'PRAGMA user_version = 99'", path);
+  ZT_REQUIRE(system(cmd) == 0);
+  ZT_CHECK(zt_db_open(path, &db) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "newer than this zcoord") != NULL);
+}
+
+ZT_TEST(test_readonly_file_fails_cleanly) {
+  if (geteuid() == 0) {
+    /* root ignores file modes; use a read-only bind of the data instead:
+     * open a db, then make the directory unwritable is not enough either, so
+     * check the error path with an unopenable path. */
+    zt_db_t *db;
+    ZT_CHECK(zt_db_open("/proc/ztrain-no-such-dir/x.db", &db) != 0);
+    ZT_CHECK(strstr(zt_err_msg(), "/proc/ztrain-no-such-dir/x.db") != NULL);
+    return;
+  }
+  const char *path = fresh_db("ro");
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  zt_db_close(db);
+  chmod(path, 0444);
+  ZT_CHECK(zt_db_open(path, &db) != 0);
+}
+
+ZT_TEST_MAIN(test_migrate_and_reopen, test_events_filter_and_order, test_rollback_leaves_nothing,
+             test_garbage_file_refused, test_newer_schema_refused, test_readonly_file_fails_cleanly)
