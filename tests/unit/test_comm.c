@@ -1,0 +1,355 @@
+/*
+ * test_comm.c: the TCP ring collectives against a sequential reference.
+ *
+ * Each test runs N ranks as threads of this process over real loopback TCP
+ * sockets (one communicator per thread, exactly as separate processes would
+ * use them). Inputs are small integers, so every sum is exact in fp32 and in
+ * bf16 and results can be compared for equality whatever the reduction
+ * order. Sizes: 0, 1, odd, not divisible by N, and 64 MiB.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "comm.h"
+#include "zt_common.h"
+#include "zt_test.h"
+
+#define MAXR 5
+
+typedef enum { OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_BROADCAST } op_kind;
+
+typedef struct {
+  int rank, world;
+  char peers[MAXR][64];
+  const char *peerp[MAXR];
+  int lfd;
+  op_kind op;
+  zt_dtype_t dt;
+  zt_redop_t red;
+  size_t count;
+  int root;
+  void *buf, *out;
+  int rc;
+  char err[512];
+  zt_comm_t *comm; /* kept open when keep is set */
+  int keep;
+} rank_ctx;
+
+static float val(int rank, size_t i) { return (float)((rank + 1) * (int)(i % 13) - 6); }
+
+static void fill(void *buf, size_t n, zt_dtype_t dt, int rank) {
+  for (size_t i = 0; i < n; i++) {
+    if (dt == ZT_DT_F32) ((float *)buf)[i] = val(rank, i);
+    else ((uint16_t *)buf)[i] = zt_f32_to_bf16(val(rank, i));
+  }
+}
+
+static float get(const void *buf, size_t i, zt_dtype_t dt) {
+  return dt == ZT_DT_F32 ? ((const float *)buf)[i] : zt_bf16_to_f32(((const uint16_t *)buf)[i]);
+}
+
+static void *rank_main(void *p) {
+  rank_ctx *r = p;
+  zt_comm_tcp_opts o = {.rank = r->rank, .world = r->world, .peers = r->peerp,
+                        .listen_fd = r->lfd, .session = 77, .connect_timeout_ms = 20000,
+                        .chunk_bytes = 64 << 10};
+  zt_comm_t *c;
+  r->rc = zt_comm_tcp_create(&o, &c);
+  if (r->rc != 0) goto out;
+  int64_t to = 60000;
+  switch (r->op) {
+  case OP_ALLREDUCE: r->rc = zt_comm_all_reduce(c, r->buf, r->count, r->dt, r->red, to); break;
+  case OP_REDUCE_SCATTER:
+    r->rc = zt_comm_reduce_scatter(c, r->buf, r->out, r->count, r->dt, r->red, to);
+    break;
+  case OP_ALLGATHER: r->rc = zt_comm_all_gather(c, r->buf, r->out, r->count, r->dt, to); break;
+  case OP_BROADCAST: r->rc = zt_comm_broadcast(c, r->buf, r->count, r->dt, r->root, to); break;
+  }
+  if (r->keep) {
+    r->comm = c;
+    return NULL;
+  }
+  zt_comm_destroy(c);
+out:
+  if (r->rc != 0) snprintf(r->err, sizeof r->err, "%s", zt_err_msg());
+  return NULL;
+}
+
+/* Runs one collective on `world` threads; returns the contexts (caller
+ * frees buffers). */
+static rank_ctx *run(int world, op_kind op, zt_dtype_t dt, zt_redop_t red, size_t count, int root) {
+  static rank_ctx ctx[MAXR];
+  memset(ctx, 0, sizeof ctx);
+  char ports[MAXR][32];
+  int lfds[MAXR];
+  for (int r = 0; r < world; r++) {
+    int port = 0;
+    if (zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) != 0) abort();
+    snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
+  }
+  size_t esz = zt_dtype_size(dt);
+  pthread_t th[MAXR];
+  for (int r = 0; r < world; r++) {
+    rank_ctx *x = &ctx[r];
+    x->rank = r, x->world = world, x->op = op, x->dt = dt, x->red = red, x->count = count;
+    x->root = root, x->lfd = lfds[r];
+    for (int k = 0; k < world; k++) {
+      snprintf(x->peers[k], sizeof x->peers[k], "%.40s", ports[k]);
+      x->peerp[k] = x->peers[k];
+    }
+    size_t in = (op == OP_REDUCE_SCATTER ? count * (size_t)world : count);
+    size_t outn = op == OP_REDUCE_SCATTER ? count : op == OP_ALLGATHER ? count * (size_t)world : 0;
+    x->buf = malloc(in * esz + 1);
+    x->out = outn ? malloc(outn * esz) : NULL;
+    fill(x->buf, in, dt, r);
+    pthread_create(&th[r], NULL, rank_main, x);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+  return ctx;
+}
+
+static void free_ctx(rank_ctx *ctx, int world) {
+  for (int r = 0; r < world; r++) {
+    free(ctx[r].buf);
+    free(ctx[r].out);
+  }
+}
+
+static float ref_sum(int world, size_t i, zt_redop_t red) {
+  float s = 0;
+  for (int r = 0; r < world; r++) s += val(r, i);
+  return red == ZT_RED_AVG ? s / (float)world : s;
+}
+
+static const size_t k_sizes[] = {0, 1, 7, 1001, 12345};
+
+static int all_ok(rank_ctx *ctx, int world) {
+  int ok = 1;
+  for (int r = 0; r < world; r++)
+    if (ctx[r].rc != 0) {
+      fprintf(stderr, "rank %d: %s\n", r, ctx[r].err);
+      ok = 0;
+    }
+  return ok;
+}
+
+ZT_TEST(test_all_reduce) {
+  for (int world = 1; world <= MAXR; world++)
+    for (size_t si = 0; si < ZT_ARRAY_LEN(k_sizes); si++)
+      for (int dt = 0; dt < 2; dt++) {
+        size_t n = k_sizes[si];
+        rank_ctx *ctx = run(world, OP_ALLREDUCE, (zt_dtype_t)dt, ZT_RED_SUM, n, 0);
+        ZT_CHECK(all_ok(ctx, world));
+        size_t bad = 0;
+        for (int r = 0; r < world; r++)
+          for (size_t i = 0; i < n; i++)
+            if (get(ctx[r].buf, i, (zt_dtype_t)dt) != ref_sum(world, i, ZT_RED_SUM)) bad++;
+        if (bad) fprintf(stderr, "world %d n %zu dt %d: %zu wrong\n", world, n, dt, bad);
+        ZT_CHECK(bad == 0);
+        free_ctx(ctx, world);
+      }
+}
+
+ZT_TEST(test_all_reduce_avg) {
+  for (int world = 1; world <= MAXR; world++) {
+    size_t n = 1001;
+    rank_ctx *ctx = run(world, OP_ALLREDUCE, ZT_DT_F32, ZT_RED_AVG, n, 0);
+    ZT_CHECK(all_ok(ctx, world));
+    for (int r = 0; r < world; r++)
+      for (size_t i = 0; i < n; i++)
+        ZT_CHECK_NEAR(get(ctx[r].buf, i, ZT_DT_F32), ref_sum(world, i, ZT_RED_AVG), 1e-6);
+    free_ctx(ctx, world);
+  }
+}
+
+ZT_TEST(test_reduce_scatter_layout) {
+  for (int world = 1; world <= MAXR; world++)
+    for (size_t si = 0; si < ZT_ARRAY_LEN(k_sizes); si++) {
+      size_t n = k_sizes[si];
+      rank_ctx *ctx = run(world, OP_REDUCE_SCATTER, ZT_DT_F32, ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      size_t bad = 0;
+      for (int r = 0; r < world; r++)
+        for (size_t i = 0; i < n; i++)
+          if (get(ctx[r].out, i, ZT_DT_F32) != ref_sum(world, (size_t)r * n + i, ZT_RED_SUM)) bad++;
+      ZT_CHECK(bad == 0);
+      free_ctx(ctx, world);
+    }
+}
+
+ZT_TEST(test_all_gather_layout) {
+  for (int world = 1; world <= MAXR; world++)
+    for (size_t si = 0; si < ZT_ARRAY_LEN(k_sizes); si++)
+      for (int dt = 0; dt < 2; dt++) {
+        size_t n = k_sizes[si];
+        rank_ctx *ctx = run(world, OP_ALLGATHER, (zt_dtype_t)dt, ZT_RED_SUM, n, 0);
+        ZT_CHECK(all_ok(ctx, world));
+        size_t bad = 0;
+        for (int r = 0; r < world; r++)
+          for (int src = 0; src < world; src++)
+            for (size_t i = 0; i < n; i++)
+              if (get(ctx[r].out, (size_t)src * n + i, (zt_dtype_t)dt) != val(src, i)) bad++;
+        ZT_CHECK(bad == 0);
+        free_ctx(ctx, world);
+      }
+}
+
+ZT_TEST(test_broadcast) {
+  for (int world = 1; world <= MAXR; world++)
+    for (int root = 0; root < world; root++) {
+      size_t n = 100003;
+      rank_ctx *ctx = run(world, OP_BROADCAST, ZT_DT_F32, ZT_RED_SUM, n, root);
+      ZT_CHECK(all_ok(ctx, world));
+      size_t bad = 0;
+      for (int r = 0; r < world; r++)
+        for (size_t i = 0; i < n; i++)
+          if (get(ctx[r].buf, i, ZT_DT_F32) != val(root, i)) bad++;
+      ZT_CHECK(bad == 0);
+      free_ctx(ctx, world);
+    }
+}
+
+ZT_TEST(test_large_64mib) {
+  size_t n = (64u << 20) / 4;
+  for (int world = 2; world <= MAXR; world += 2) {
+    rank_ctx *ctx = run(world, OP_ALLREDUCE, ZT_DT_F32, ZT_RED_SUM, n, 0);
+    ZT_CHECK(all_ok(ctx, world));
+    size_t bad = 0;
+    for (int r = 0; r < world; r++)
+      for (size_t i = 0; i < n; i++)
+        if (((float *)ctx[r].buf)[i] != ref_sum(world, i, ZT_RED_SUM)) bad++;
+    ZT_CHECK(bad == 0);
+    free_ctx(ctx, world);
+  }
+}
+
+/* A rank that never shows up: set-up fails within its timeout. */
+ZT_TEST(test_connect_timeout) {
+  int lfd, port = 0;
+  ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfd) == 0);
+  int lfd2, port2 = 0;
+  ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port2, &lfd2) == 0);
+  char p0[32], p1[32];
+  snprintf(p0, sizeof p0, "127.0.0.1:%d", port);
+  snprintf(p1, sizeof p1, "127.0.0.1:%d", port2);
+  const char *peers[2] = {p0, p1};
+  zt_comm_tcp_opts o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfd, .session = 1,
+                        .connect_timeout_ms = 300};
+  zt_comm_t *c;
+  int64_t t0 = zt_now_ms();
+  ZT_CHECK(zt_comm_tcp_create(&o, &c) != 0);
+  int64_t el = zt_now_ms() - t0;
+  ZT_CHECK(el >= 250 && el < 5000);
+  ZT_CHECK(strstr(zt_err_msg(), "rank 1") != NULL);
+  close(lfd2);
+}
+
+/* A silent peer (connected, never sends) makes the op time out; abort from
+ * another thread ends a wait at once; the comm stays broken afterwards. */
+typedef struct {
+  zt_comm_t *c;
+  int64_t delay_ms;
+} aborter;
+
+static void *abort_later(void *p) {
+  aborter *a = p;
+  zt_sleep_ms(a->delay_ms); /* the test's stimulus timing, not synchronisation */
+  zt_comm_abort(a->c);
+  return NULL;
+}
+
+ZT_TEST(test_silent_peer_timeout_and_abort) {
+  /* A 2-rank ring whose communicators stay open after set-up. */
+  static rank_ctx keep[2];
+  memset(keep, 0, sizeof keep);
+  {
+    char ports[2][32];
+    int lfds[2];
+    for (int r = 0; r < 2; r++) {
+      int port = 0;
+      ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
+      snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
+    }
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+      keep[r].rank = r, keep[r].world = 2, keep[r].op = OP_BROADCAST, keep[r].lfd = lfds[r];
+      keep[r].keep = 1, keep[r].count = 0;
+      for (int k = 0; k < 2; k++) {
+        snprintf(keep[r].peers[k], sizeof keep[r].peers[k], "%.40s", ports[k]);
+        keep[r].peerp[k] = keep[r].peers[k];
+      }
+      keep[r].buf = malloc(4);
+      pthread_create(&th[r], NULL, rank_main, &keep[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  }
+  ZT_REQUIRE(keep[0].comm && keep[1].comm);
+  /* Rank 1 stays silent: rank 0's all-reduce must time out near 200 ms. */
+  float x[1000] = {0};
+  int64_t t0 = zt_now_ms();
+  ZT_CHECK(zt_comm_all_reduce(keep[0].comm, x, 1000, ZT_DT_F32, ZT_RED_SUM, 200) != 0);
+  int64_t el = zt_now_ms() - t0;
+  ZT_CHECK(el >= 190 && el < 2000);
+  ZT_CHECK(strstr(zt_err_msg(), "timed out") != NULL);
+  ZT_CHECK(zt_comm_broken(keep[0].comm));
+  ZT_CHECK(zt_comm_all_reduce(keep[0].comm, x, 10, ZT_DT_F32, ZT_RED_SUM, 200) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "unusable") != NULL);
+  /* Rank 1, with no deadline, is ended by an abort from another thread. */
+  aborter a = {keep[1].comm, 100};
+  pthread_t th;
+  pthread_create(&th, NULL, abort_later, &a);
+  t0 = zt_now_ms();
+  float y[1000] = {0};
+  ZT_CHECK(zt_comm_all_reduce(keep[1].comm, y, 1000, ZT_DT_F32, ZT_RED_SUM, 0) != 0);
+  el = zt_now_ms() - t0;
+  pthread_join(th, NULL);
+  ZT_CHECK(el < 3000);
+  ZT_CHECK(strstr(zt_err_msg(), "abort") != NULL || strstr(zt_err_msg(), "closed") != NULL);
+  for (int r = 0; r < 2; r++) {
+    zt_comm_destroy(keep[r].comm);
+    free(keep[r].buf);
+  }
+}
+
+/* A peer of another session (stale generation) is refused at the handshake. */
+typedef struct {
+  zt_comm_tcp_opts o;
+  zt_comm_t *c;
+  int rc;
+} create_arg;
+
+static void *create_thread(void *p) {
+  create_arg *a = p;
+  a->rc = zt_comm_tcp_create(&a->o, &a->c);
+  return NULL;
+}
+
+ZT_TEST(test_stale_session_refused) {
+  char ports[2][32];
+  int lfds[2];
+  for (int r = 0; r < 2; r++) {
+    int port = 0;
+    ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
+    snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
+  }
+  const char *peers[2] = {ports[0], ports[1]};
+  create_arg a0 = {{.rank = 0, .world = 2, .peers = peers, .listen_fd = lfds[0], .session = 1,
+                    .connect_timeout_ms = 500}, NULL, 0};
+  create_arg a1 = a0;
+  a1.o.rank = 1, a1.o.listen_fd = lfds[1], a1.o.session = 2; /* another generation */
+  pthread_t t0, t1;
+  pthread_create(&t0, NULL, create_thread, &a0);
+  pthread_create(&t1, NULL, create_thread, &a1);
+  pthread_join(t0, NULL);
+  pthread_join(t1, NULL);
+  ZT_CHECK(a0.rc != 0 && a1.rc != 0);
+  zt_comm_destroy(a0.c);
+  zt_comm_destroy(a1.c);
+}
+
+ZT_TEST_MAIN(test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
+             test_all_gather_layout, test_broadcast, test_large_64mib, test_connect_timeout,
+             test_silent_peer_timeout_and_abort, test_stale_session_refused)
