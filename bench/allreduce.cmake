@@ -1,0 +1,3 @@
+# bench/allreduce.cmake: one rank of a collective run (bench/allreduce, tests).
+add_executable(zt_commrun ${CMAKE_CURRENT_SOURCE_DIR}/commrun.c)
+target_link_libraries(zt_commrun PRIVATE zt_comm)
