@@ -41,7 +41,36 @@ typedef struct {
   int64_t last_hb_mono_ms; /* monotonic time of the last heartbeat or register */
   uint64_t hb_seq;
   int dirty; /* last_seen not yet flushed to SQLite */
+  /* Assignment: the job generation this worker belongs to (0: idle). */
+  uint64_t job_id, gen;
+  int rank;
 } zt_member;
+
+#define ZT_MAX_WORLD 256
+
+/* What the scheduler needs from a job spec (jobs.c). */
+typedef struct {
+  char name[128];
+  int64_t steps, micro, global_batch; /* batches in samples */
+  int min_workers, max_workers;
+  int64_t comm_timeout_ms;
+} zt_job_params;
+
+/* A job as the loop sees it: its row, parsed parameters, and the state of
+ * the current generation's rendezvous. */
+typedef struct zt_job {
+  zt_db_job row;
+  char *spec;
+  zt_job_params p;
+  uint64_t workers[ZT_MAX_WORLD]; /* worker id by rank, current generation */
+  int64_t start_step;
+  int64_t formed_ms;
+  int arrived;
+  struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
+  char comm_addr[ZT_MAX_WORLD][64];
+  zt_db_step last; /* last reported step */
+  struct zt_job *next;
+} zt_job;
 
 /* Runs a function on the loop thread on behalf of another thread. */
 typedef struct zt_loopcall_item zt_loopcall_item;
@@ -72,6 +101,8 @@ typedef struct zt_coord {
   uint64_t *name_slots; /* open addressing: worker id or 0 */
   size_t name_cap;
   size_t n_members;
+
+  zt_job *jobs; /* in submission order */
 } zt_coord;
 
 /* members.c */
@@ -91,7 +122,29 @@ int zt_members_register(zt_coord *c, const char *name, const char *host, const c
 int zt_members_heartbeat(zt_coord *c, uint64_t id, zt_member **out, char *msg, size_t msglen);
 int zt_members_leave(zt_coord *c, uint64_t id, const char *reason, char *msg, size_t msglen);
 
-/* rpc_control.c / rpc_status.c */
+/* jobs.c */
+struct Ztrain__RendezvousRequest;
+struct Ztrain__ReportStepRequest;
+struct Ztrain__ReportFailureRequest;
+int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t errlen);
+int zt_job_spec_validate(const char *json, char *err, size_t errlen); /* jobspec.c */
+int zt_jobs_load(zt_coord *c);
+void zt_jobs_free(zt_coord *c);
+void zt_jobs_release_calls(zt_coord *c); /* answers held calls before the server stops */
+zt_job *zt_jobs_get(zt_coord *c, uint64_t id);
+void zt_jobs_schedule(zt_coord *c);
+void zt_jobs_member_gone(zt_coord *c, zt_member *m, const char *why);
+int zt_jobs_submit(zt_coord *c, const char *spec, uint64_t *id, char *msg, size_t msglen);
+void zt_jobs_rendezvous(zt_coord *c, zt_rpc_call_t *call,
+                        const struct Ztrain__RendezvousRequest *req);
+int zt_jobs_report_step(zt_coord *c, const struct Ztrain__ReportStepRequest *req, int *command,
+                        char *msg, size_t msglen);
+int zt_jobs_report_failure(zt_coord *c, const struct Ztrain__ReportFailureRequest *req, char *msg,
+                           size_t msglen);
+int zt_jobs_heartbeat_command(zt_coord *c, zt_member *m, uint64_t job_id, uint64_t gen,
+                              uint64_t *out_job, uint64_t *out_gen);
+
+/* service.c */
 void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req,
                            size_t len, void *user);
 

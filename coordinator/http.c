@@ -160,17 +160,111 @@ static void r_events(zt_http_req *r) {
   zt_http_json(r, 200, o);
 }
 
+static cJSON *job_json(const zt_job *j) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "id", (double)j->row.id);
+  cJSON_AddStringToObject(o, "name", j->row.name);
+  cJSON_AddStringToObject(o, "state", zt_job_state_name(j->row.state));
+  cJSON_AddNumberToObject(o, "generation", (double)j->row.generation);
+  cJSON_AddNumberToObject(o, "world", j->row.world);
+  cJSON_AddNumberToObject(o, "step", (double)j->row.step);
+  cJSON_AddNumberToObject(o, "total_steps", (double)j->row.total_steps);
+  cJSON_AddNumberToObject(o, "loss", j->last.loss);
+  cJSON_AddNumberToObject(o, "lr", j->last.lr);
+  cJSON_AddNumberToObject(o, "grad_norm", j->last.grad_norm);
+  cJSON_AddNumberToObject(o, "tokens_per_s", j->last.tokens_per_s);
+  cJSON_AddNumberToObject(o, "restarts", j->row.restarts);
+  cJSON_AddNumberToObject(o, "min_workers", j->row.min_workers);
+  cJSON_AddNumberToObject(o, "max_workers", j->row.max_workers);
+  cJSON_AddStringToObject(o, "message", j->row.message);
+  cJSON_AddNumberToObject(o, "created_ms", (double)j->row.created_ms);
+  cJSON_AddNumberToObject(o, "updated_ms", (double)j->row.updated_ms);
+  return o;
+}
+
+static void r_jobs(zt_http_req *r) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON *arr = cJSON_AddArrayToObject(o, "jobs");
+  for (zt_job *j = r->c->jobs; j; j = j->next) cJSON_AddItemToArray(arr, job_json(j));
+  zt_http_json(r, 200, o);
+}
+
+static int add_step(const zt_db_step *s, void *user) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "step", (double)s->step);
+  cJSON_AddNumberToObject(o, "generation", (double)s->generation);
+  cJSON_AddNumberToObject(o, "loss", s->loss);
+  cJSON_AddNumberToObject(o, "grad_norm", s->grad_norm);
+  cJSON_AddNumberToObject(o, "lr", s->lr);
+  cJSON_AddNumberToObject(o, "tokens_per_s", s->tokens_per_s);
+  if (s->val_loss == s->val_loss) cJSON_AddNumberToObject(o, "val_loss", s->val_loss);
+  else cJSON_AddNullToObject(o, "val_loss");
+  cJSON_AddNumberToObject(o, "t_ms", (double)s->t_ms);
+  cJSON_AddItemToArray(user, o);
+  return 0;
+}
+
+/* /v1/jobs/{id} and /v1/jobs/{id}/metrics|events */
+static void r_job(zt_http_req *r) {
+  const char *p = r->url + strlen("/v1/jobs/");
+  char *end;
+  unsigned long long id = strtoull(p, &end, 10);
+  zt_job *j = end != p ? zt_jobs_get(r->c, id) : NULL;
+  if (!j) {
+    zt_http_error(r, 404, "no such job: %.64s", p);
+    return;
+  }
+  if (!*end) {
+    zt_http_json(r, 200, job_json(j));
+    return;
+  }
+  if (!strcmp(end, "/metrics")) {
+    int64_t from, to;
+    if (zt_http_query_i64(r, "from", 0, &from) || zt_http_query_i64(r, "to", INT64_MAX, &to)) return;
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "job_id", (double)id);
+    cJSON *arr = cJSON_AddArrayToObject(o, "steps");
+    if (zt_db_steps_each(r->c->db, id, from, to, add_step, arr) != 0) {
+      cJSON_Delete(o);
+      zt_http_error(r, 503, "%s", zt_err_msg());
+      return;
+    }
+    zt_http_json(r, 200, o);
+    return;
+  }
+  if (!strcmp(end, "/events")) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(o, "events");
+    if (zt_db_events_each(r->c->db, id, 0, 100000, add_event, arr) != 0) {
+      cJSON_Delete(o);
+      zt_http_error(r, 503, "%s", zt_err_msg());
+      return;
+    }
+    zt_http_json(r, 200, o);
+    return;
+  }
+  zt_http_error(r, 404, "no such resource: %s", r->url);
+}
+
 typedef struct {
   const char *method;
-  const char *path;
+  const char *path; /* a trailing '*' matches any rest */
   void (*fn)(zt_http_req *r);
 } route;
+
+static int path_match(const char *pat, const char *url) {
+  size_t n = strlen(pat);
+  if (n && pat[n - 1] == '*') return !strncmp(pat, url, n - 1) && url[n - 1];
+  return !strcmp(pat, url);
+}
 
 static const route k_routes[] = {
     {"GET", "/healthz", r_healthz},
     {"GET", "/v1/status", r_status},
     {"GET", "/v1/workers", r_workers},
     {"GET", "/v1/events", r_events},
+    {"GET", "/v1/jobs", r_jobs},
+    {"GET", "/v1/jobs/*", r_job},
 };
 
 /* Runs on the loop thread. */
@@ -178,7 +272,7 @@ static void route_on_loop(void *arg) {
   zt_http_req *r = arg;
   const char *allow = NULL;
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++) {
-    if (strcmp(k_routes[i].path, r->url) != 0) continue;
+    if (!path_match(k_routes[i].path, r->url)) continue;
     if (strcmp(k_routes[i].method, r->method) == 0) {
       k_routes[i].fn(r);
       return;

@@ -175,7 +175,10 @@ static int write_ready_file(zt_coord *c) {
   return 0;
 }
 
-static void on_check(uv_timer_t *t) { zt_members_check(t->data); }
+static void on_check(uv_timer_t *t) {
+  zt_members_check(t->data);
+  zt_jobs_schedule(t->data);
+}
 static void on_flush(uv_timer_t *t) { zt_members_flush(t->data); }
 
 static void stop(zt_coord *c, const char *why) {
@@ -184,6 +187,7 @@ static void stop(zt_coord *c, const char *why) {
   zt_loopcall_close(&c->loopcall);
   zt_http_stop(c->http);
   c->http = NULL;
+  zt_jobs_release_calls(c);
   zt_rpc_server_stop(c->rpc);
   c->rpc = NULL;
   uv_timer_stop(&c->check_timer);
@@ -205,7 +209,7 @@ static int start(zt_coord *c) {
   if (zt_db_meta_get(c->db, "epoch", &c->epoch, 0) != 0) return -1;
   c->epoch++;
   if (zt_db_meta_set(c->db, "epoch", c->epoch) != 0) return -1;
-  if (zt_members_load(c) != 0) return -1;
+  if (zt_members_load(c) != 0 || zt_jobs_load(c) != 0) return -1;
   c->started_ms = zt_wall_ms();
   zt_coord_event(c, 0, "coordinator_started", 0, "epoch %lld, %zu workers restored from %s",
                  (long long)c->epoch, c->n_members, c->cfg.db_path);
@@ -252,6 +256,7 @@ int main(int argc, char **argv) {
   }
   uv_run(c.loop, UV_RUN_DEFAULT);
   zt_members_flush(&c);
+  zt_jobs_free(&c);
   zt_members_free(&c);
   zt_db_close(c.db);
   uv_loop_close(c.loop);

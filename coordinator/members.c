@@ -108,6 +108,7 @@ static zt_member *members_add(zt_coord *c, const zt_db_worker *row) {
   zt_member *m = calloc(1, sizeof *m);
   if (!m) abort();
   m->row = *row;
+  m->rank = -1;
   m->last_hb_mono_ms = zt_now_ms();
   c->by_id[row->id] = m;
   name_index_put(c, m);
@@ -163,6 +164,8 @@ static int transition(zt_coord *c, zt_member *m, int state, const char *kind, co
   m->row.state = state;
   m->row.last_seen_ms = now;
   m->dirty = 0;
+  if (state == ZT_WORKER_LOST || state == ZT_WORKER_LEFT)
+    zt_jobs_member_gone(c, m, state == ZT_WORKER_LOST ? "was lost" : "left");
   return 0;
 }
 
@@ -213,10 +216,18 @@ int zt_members_register(zt_coord *c, const char *name, const char *host, const c
     zt_db_rollback(c->db);
     goto dberr;
   }
-  if (m) m->row = row;
-  else m = members_add(c, &row);
+  if (m) {
+    m->row = row;
+    /* A worker that registers again was restarted: its place in a job's
+     * generation is gone. */
+    zt_jobs_member_gone(c, m, "re-registered (restarted)");
+  } else {
+    m = members_add(c, &row);
+    m->rank = -1;
+  }
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
+  zt_jobs_schedule(c);
   ZT_INFO("worker %s (id %llu) %s from %s", name, (unsigned long long)row.id, kind, host);
   *out = m;
   return ZT_RPC_OK;

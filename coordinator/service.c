@@ -16,6 +16,7 @@
  *   - oversized requests never reach this file: the server refuses them with
  *     RESOURCE_EXHAUSTED (max_message_bytes in zt_rpc_server_opts).
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,7 +74,8 @@ static ProtobufCMessage *h_heartbeat(zt_coord *c, zt_rpc_call_t *call, const Pro
   Ztrain__HeartbeatReply *r = malloc(sizeof *r);
   if (!r) abort();
   ztrain__heartbeat_reply__init(r);
-  r->command = ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  r->command = (Ztrain__Command)zt_jobs_heartbeat_command(c, mem, req->job_id, req->generation,
+                                                          &r->job_id, &r->generation);
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->coordinator_epoch = (uint64_t)c->epoch;
   return &r->base;
@@ -91,7 +93,200 @@ static ProtobufCMessage *h_leave(zt_coord *c, zt_rpc_call_t *call, const Protobu
   return &r->base;
 }
 
+/* Rendezvous is a long poll: jobs.c holds the call and answers it when the
+ * generation is complete, so this handler never replies itself. */
+#define ZT_DEFERRED (-1)
+
+static ProtobufCMessage *h_rendezvous(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                      rpc_outcome *out) {
+  zt_jobs_rendezvous(c, call, (const Ztrain__RendezvousRequest *)m);
+  out->status = ZT_DEFERRED;
+  return NULL;
+}
+
+static ProtobufCMessage *h_report_step(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                       rpc_outcome *out) {
+  (void)call;
+  int cmd = 0;
+  out->status = zt_jobs_report_step(c, (const Ztrain__ReportStepRequest *)m, &cmd, out->msg,
+                                    sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__ReportStepReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__report_step_reply__init(r);
+  r->command = (Ztrain__Command)cmd;
+  return &r->base;
+}
+
+static ProtobufCMessage *h_report_failure(zt_coord *c, zt_rpc_call_t *call,
+                                          const ProtobufCMessage *m, rpc_outcome *out) {
+  (void)call;
+  out->status = zt_jobs_report_failure(c, (const Ztrain__ReportFailureRequest *)m, out->msg,
+                                       sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__ReportFailureReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__report_failure_reply__init(r);
+  return &r->base;
+}
+
 /* ---- Status ------------------------------------------------------------ */
+
+/* Mutating Status calls need "authorization: Bearer <api_token>" when an
+ * API token is configured. */
+static int authorized(zt_coord *c, zt_rpc_call_t *call, rpc_outcome *out) {
+  if (!c->cfg.api_token[0]) return 1;
+  const char *a = zt_rpc_call_metadata(call, "authorization");
+  if (a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, c->cfg.api_token)) return 1;
+  out->status = ZT_RPC_UNAUTHENTICATED;
+  snprintf(out->msg, sizeof out->msg, "this call needs a bearer token (zctl --token)");
+  return 0;
+}
+
+static ProtobufCMessage *h_submit_job(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                      rpc_outcome *out) {
+  if (!authorized(c, call, out)) return NULL;
+  uint64_t id = 0;
+  out->status = zt_jobs_submit(c, ((const Ztrain__SubmitJobRequest *)m)->spec_json, &id, out->msg,
+                               sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__SubmitJobReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__submit_job_reply__init(r);
+  r->job_id = id;
+  return &r->base;
+}
+
+/* Fills a JobInfo that points into the job (valid until the reply is sent). */
+static void job_info(const zt_job *j, Ztrain__JobInfo *ji) {
+  ztrain__job_info__init(ji);
+  ji->id = j->row.id;
+  ji->name = (char *)j->row.name;
+  ji->state = (Ztrain__JobState)j->row.state;
+  ji->generation = j->row.generation;
+  ji->world = (uint32_t)j->row.world;
+  ji->step = j->row.step;
+  ji->total_steps = j->row.total_steps;
+  ji->loss = j->last.loss;
+  ji->lr = j->last.lr;
+  ji->grad_norm = j->last.grad_norm;
+  ji->val_loss = j->last.val_loss;
+  ji->tokens_per_s = j->last.tokens_per_s;
+  ji->message = (char *)j->row.message;
+  ji->created_ms = j->row.created_ms;
+  ji->updated_ms = j->row.updated_ms;
+  ji->restarts = (uint32_t)j->row.restarts;
+  ji->min_workers = (uint32_t)j->row.min_workers;
+  ji->max_workers = (uint32_t)j->row.max_workers;
+}
+
+static void free_list_jobs(ProtobufCMessage *m) {
+  Ztrain__ListJobsReply *r = (Ztrain__ListJobsReply *)m;
+  for (size_t i = 0; i < r->n_jobs; i++) free(r->jobs[i]);
+  free(r->jobs);
+  free(r);
+}
+
+static ProtobufCMessage *h_list_jobs(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                     rpc_outcome *out) {
+  (void)call, (void)m, (void)out;
+  Ztrain__ListJobsReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__list_jobs_reply__init(r);
+  size_t n = 0;
+  for (zt_job *j = c->jobs; j; j = j->next) n++;
+  r->jobs = calloc(n ? n : 1, sizeof *r->jobs);
+  if (!r->jobs) abort();
+  for (zt_job *j = c->jobs; j; j = j->next) {
+    Ztrain__JobInfo *ji = malloc(sizeof *ji);
+    if (!ji) abort();
+    job_info(j, ji);
+    r->jobs[r->n_jobs++] = ji;
+  }
+  return &r->base;
+}
+
+static void free_get_job(ProtobufCMessage *m) {
+  Ztrain__GetJobReply *r = (Ztrain__GetJobReply *)m;
+  free(r->job);
+  free(r);
+}
+
+static ProtobufCMessage *h_get_job(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                   rpc_outcome *out) {
+  (void)call;
+  uint64_t id = ((const Ztrain__GetJobRequest *)m)->job_id;
+  zt_job *j = zt_jobs_get(c, id);
+  if (!j) {
+    out->status = ZT_RPC_NOT_FOUND;
+    snprintf(out->msg, sizeof out->msg, "unknown job %llu", (unsigned long long)id);
+    return NULL;
+  }
+  Ztrain__GetJobReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__get_job_reply__init(r);
+  r->job = malloc(sizeof *r->job);
+  if (!r->job) abort();
+  job_info(j, r->job);
+  return &r->base;
+}
+
+typedef struct {
+  Ztrain__GetMetricsReply *r;
+  size_t cap;
+} steps_acc;
+
+static int collect_step(const zt_db_step *s, void *user) {
+  steps_acc *a = user;
+  if (a->r->n_steps == a->cap) {
+    a->cap = a->cap ? a->cap * 2 : 256;
+    a->r->steps = realloc(a->r->steps, a->cap * sizeof *a->r->steps);
+    if (!a->r->steps) abort();
+  }
+  Ztrain__StepRecord *x = malloc(sizeof *x);
+  if (!x) abort();
+  ztrain__step_record__init(x);
+  x->step = s->step;
+  x->generation = s->generation;
+  x->loss = s->loss;
+  x->grad_norm = s->grad_norm;
+  x->lr = s->lr;
+  x->tokens_per_s = s->tokens_per_s;
+  x->val_loss = s->val_loss;
+  x->t_ms = s->t_ms;
+  a->r->steps[a->r->n_steps++] = x;
+  return 0;
+}
+
+static void free_get_metrics(ProtobufCMessage *m) {
+  Ztrain__GetMetricsReply *r = (Ztrain__GetMetricsReply *)m;
+  for (size_t i = 0; i < r->n_steps; i++) free(r->steps[i]);
+  free(r->steps);
+  free(r);
+}
+
+static ProtobufCMessage *h_get_metrics(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                       rpc_outcome *out) {
+  (void)call;
+  const Ztrain__GetMetricsRequest *req = (const Ztrain__GetMetricsRequest *)m;
+  if (!zt_jobs_get(c, req->job_id)) {
+    out->status = ZT_RPC_NOT_FOUND;
+    snprintf(out->msg, sizeof out->msg, "unknown job %llu", (unsigned long long)req->job_id);
+    return NULL;
+  }
+  Ztrain__GetMetricsReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__get_metrics_reply__init(r);
+  steps_acc a = {r, 0};
+  int64_t to = req->to_step > 0 ? req->to_step : INT64_MAX;
+  if (zt_db_steps_each(c->db, req->job_id, req->from_step, to, collect_step, &a) != 0) {
+    free_get_metrics(&r->base);
+    out->status = ZT_RPC_UNAVAILABLE;
+    snprintf(out->msg, sizeof out->msg, "%s", zt_err_msg());
+    return NULL;
+  }
+  return &r->base;
+}
 
 static ProtobufCMessage *h_get_status(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
                                       rpc_outcome *out) {
@@ -208,6 +403,14 @@ static const method_entry k_methods[] = {
     {"/ztrain.Control/RegisterWorker", &ztrain__register_request__descriptor, h_register},
     {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat},
     {"/ztrain.Control/Leave", &ztrain__leave_request__descriptor, h_leave},
+    {"/ztrain.Control/Rendezvous", &ztrain__rendezvous_request__descriptor, h_rendezvous},
+    {"/ztrain.Control/ReportStep", &ztrain__report_step_request__descriptor, h_report_step},
+    {"/ztrain.Control/ReportFailure", &ztrain__report_failure_request__descriptor,
+     h_report_failure},
+    {"/ztrain.Status/SubmitJob", &ztrain__submit_job_request__descriptor, h_submit_job},
+    {"/ztrain.Status/ListJobs", &ztrain__list_jobs_request__descriptor, h_list_jobs},
+    {"/ztrain.Status/GetJob", &ztrain__get_job_request__descriptor, h_get_job},
+    {"/ztrain.Status/GetMetrics", &ztrain__get_metrics_request__descriptor, h_get_metrics},
     {"/ztrain.Status/GetStatus", &ztrain__get_status_request__descriptor, h_get_status},
     {"/ztrain.Status/ListWorkers", &ztrain__list_workers_request__descriptor, h_list_workers},
     {"/ztrain.Status/ListEvents", &ztrain__list_events_request__descriptor, h_list_events},
@@ -219,6 +422,9 @@ static void free_reply(ProtobufCMessage *m) {
   if (!m) return;
   if (m->descriptor == &ztrain__list_workers_reply__descriptor) free_list_workers(m);
   else if (m->descriptor == &ztrain__list_events_reply__descriptor) free_list_events(m);
+  else if (m->descriptor == &ztrain__list_jobs_reply__descriptor) free_list_jobs(m);
+  else if (m->descriptor == &ztrain__get_job_reply__descriptor) free_get_job(m);
+  else if (m->descriptor == &ztrain__get_metrics_reply__descriptor) free_get_metrics(m);
   else free(m);
 }
 
@@ -246,6 +452,7 @@ void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_
   rpc_outcome out = {ZT_RPC_OK, ""};
   ProtobufCMessage *reply = e->fn(c, call, in, &out);
   protobuf_c_message_free_unpacked(in, NULL);
+  if (out.status == ZT_DEFERRED) return;
   if (out.status != ZT_RPC_OK || !reply) {
     zt_rpc_reply(call, out.status != ZT_RPC_OK ? out.status : ZT_RPC_INTERNAL, out.msg, NULL, 0);
     free_reply(reply);

@@ -5,6 +5,7 @@
  * open and reset after each use. Every function returns 0 or -1 with a
  * message naming the database file and SQLite's reason.
  */
+#include <math.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +35,43 @@ static const char *const k_migrations[] = {
     "  worker_id INTEGER NOT NULL DEFAULT 0,"
     "  detail TEXT NOT NULL DEFAULT '');"
     "CREATE INDEX events_job ON events(job_id, id);",
+    /* 2: jobs, generations and their members, per-step metrics */
+    "CREATE TABLE jobs("
+    "  id INTEGER PRIMARY KEY AUTOINCREMENT,"
+    "  name TEXT NOT NULL DEFAULT '',"
+    "  spec TEXT NOT NULL,"
+    "  state INTEGER NOT NULL,"
+    "  generation INTEGER NOT NULL DEFAULT 0,"
+    "  world INTEGER NOT NULL DEFAULT 0,"
+    "  step INTEGER NOT NULL DEFAULT 0,"
+    "  total_steps INTEGER NOT NULL,"
+    "  min_workers INTEGER NOT NULL,"
+    "  max_workers INTEGER NOT NULL,"
+    "  created_ms INTEGER NOT NULL,"
+    "  updated_ms INTEGER NOT NULL,"
+    "  message TEXT NOT NULL DEFAULT '',"
+    "  restarts INTEGER NOT NULL DEFAULT 0);"
+    "CREATE TABLE generations("
+    "  job_id INTEGER NOT NULL REFERENCES jobs(id),"
+    "  gen INTEGER NOT NULL,"
+    "  world INTEGER NOT NULL,"
+    "  start_step INTEGER NOT NULL,"
+    "  started_ms INTEGER NOT NULL,"
+    "  reason TEXT NOT NULL DEFAULT '',"
+    "  PRIMARY KEY(job_id, gen));"
+    "CREATE TABLE members("
+    "  job_id INTEGER NOT NULL,"
+    "  gen INTEGER NOT NULL,"
+    "  rank INTEGER NOT NULL,"
+    "  worker_id INTEGER NOT NULL,"
+    "  PRIMARY KEY(job_id, gen, rank));"
+    "CREATE TABLE steps("
+    "  job_id INTEGER NOT NULL,"
+    "  step INTEGER NOT NULL,"
+    "  gen INTEGER NOT NULL,"
+    "  loss REAL, grad_norm REAL, lr REAL, tokens_per_s REAL, val_loss REAL,"
+    "  t_ms INTEGER NOT NULL,"
+    "  PRIMARY KEY(job_id, step));",
 };
 
 enum {
@@ -51,6 +89,14 @@ enum {
   ST_EVENT_ADD,
   ST_EVENTS_ALL,
   ST_EVENTS_JOB,
+  ST_JOB_INSERT,
+  ST_JOB_UPDATE,
+  ST_JOBS_ALL,
+  ST_GEN_INSERT,
+  ST_MEMBER_INSERT,
+  ST_MEMBERS_GEN,
+  ST_STEP_PUT,
+  ST_STEPS_RANGE,
   ST_COUNT
 };
 
@@ -76,6 +122,22 @@ static const char *const k_sql[ST_COUNT] = {
                       "WHERE id > ?1 ORDER BY id LIMIT ?2",
     [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail FROM events "
                       "WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
+    [ST_JOB_INSERT] = "INSERT INTO jobs(name, spec, state, total_steps, min_workers, max_workers, "
+                      "created_ms, updated_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+    [ST_JOB_UPDATE] = "UPDATE jobs SET state = ?2, generation = ?3, world = ?4, step = ?5, "
+                      "updated_ms = ?6, message = ?7, restarts = ?8 WHERE id = ?1",
+    [ST_JOBS_ALL] = "SELECT id, name, spec, state, generation, world, step, total_steps, "
+                    "min_workers, max_workers, created_ms, updated_ms, message, restarts "
+                    "FROM jobs ORDER BY id",
+    [ST_GEN_INSERT] = "INSERT INTO generations(job_id, gen, world, start_step, started_ms, reason) "
+                      "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
+    [ST_MEMBER_INSERT] = "INSERT INTO members(job_id, gen, rank, worker_id) VALUES(?1, ?2, ?3, ?4)",
+    [ST_MEMBERS_GEN] = "SELECT rank, worker_id FROM members WHERE job_id = ?1 AND gen = ?2 "
+                       "ORDER BY rank",
+    [ST_STEP_PUT] = "INSERT OR REPLACE INTO steps(job_id, step, gen, loss, grad_norm, lr, "
+                    "tokens_per_s, val_loss, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    [ST_STEPS_RANGE] = "SELECT step, gen, loss, grad_norm, lr, tokens_per_s, val_loss, t_ms "
+                       "FROM steps WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 ORDER BY step",
 };
 
 struct zt_db {
@@ -86,6 +148,13 @@ struct zt_db {
 
 static int db_err(zt_db_t *db, const char *what) {
   return zt_err("database %s: %s: %s", db->path, what, sqlite3_errmsg(db->h));
+}
+
+const char *zt_job_state_name(int state) {
+  static const char *names[] = {"unknown",   "pending", "running", "reconfiguring",
+                                "completed", "failed",  "paused",  "canceled"};
+  if (state < 0 || state >= (int)ZT_ARRAY_LEN(names)) return "unknown";
+  return names[state];
 }
 
 const char *zt_worker_state_name(int state) {
@@ -161,6 +230,8 @@ void zt_db_close(zt_db_t *db) {
 }
 
 const char *zt_db_path(zt_db_t *db) { return db->path; }
+
+int zt_db_schema_latest(void) { return (int)ZT_ARRAY_LEN(k_migrations); }
 
 int zt_db_schema_version(zt_db_t *db) {
   sqlite3_stmt *st;
@@ -310,5 +381,138 @@ int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit,
   sqlite3_reset(st);
   sqlite3_clear_bindings(st);
   if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list events");
+  return ret;
+}
+
+/* ---- jobs ---------------------------------------------------------------- */
+
+int zt_db_job_insert(zt_db_t *db, zt_db_job *j) {
+  sqlite3_stmt *st = db->st[ST_JOB_INSERT];
+  sqlite3_bind_text(st, 1, j->name, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 2, j->spec, -1, SQLITE_STATIC);
+  sqlite3_bind_int(st, 3, j->state);
+  sqlite3_bind_int64(st, 4, j->total_steps);
+  sqlite3_bind_int(st, 5, j->min_workers);
+  sqlite3_bind_int(st, 6, j->max_workers);
+  sqlite3_bind_int64(st, 7, j->created_ms);
+  if (run(db, st, "insert job") != 0) return -1;
+  j->id = (uint64_t)sqlite3_last_insert_rowid(db->h);
+  return 0;
+}
+
+int zt_db_job_update(zt_db_t *db, const zt_db_job *j) {
+  sqlite3_stmt *st = db->st[ST_JOB_UPDATE];
+  sqlite3_bind_int64(st, 1, (int64_t)j->id);
+  sqlite3_bind_int(st, 2, j->state);
+  sqlite3_bind_int64(st, 3, (int64_t)j->generation);
+  sqlite3_bind_int(st, 4, j->world);
+  sqlite3_bind_int64(st, 5, j->step);
+  sqlite3_bind_int64(st, 6, j->updated_ms);
+  sqlite3_bind_text(st, 7, j->message, -1, SQLITE_STATIC);
+  sqlite3_bind_int(st, 8, j->restarts);
+  return run(db, st, "update job");
+}
+
+int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user) {
+  sqlite3_stmt *st = db->st[ST_JOBS_ALL];
+  int rc, ret = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    zt_db_job j;
+    memset(&j, 0, sizeof j);
+    j.id = (uint64_t)sqlite3_column_int64(st, 0);
+    copy_text(j.name, sizeof j.name, st, 1);
+    j.spec = (const char *)sqlite3_column_text(st, 2);
+    j.state = sqlite3_column_int(st, 3);
+    j.generation = (uint64_t)sqlite3_column_int64(st, 4);
+    j.world = sqlite3_column_int(st, 5);
+    j.step = sqlite3_column_int64(st, 6);
+    j.total_steps = sqlite3_column_int64(st, 7);
+    j.min_workers = sqlite3_column_int(st, 8);
+    j.max_workers = sqlite3_column_int(st, 9);
+    j.created_ms = sqlite3_column_int64(st, 10);
+    j.updated_ms = sqlite3_column_int64(st, 11);
+    copy_text(j.message, sizeof j.message, st, 12);
+    j.restarts = sqlite3_column_int(st, 13);
+    if ((ret = fn(&j, user)) != 0) break;
+  }
+  sqlite3_reset(st);
+  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list jobs");
+  return ret;
+}
+
+int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
+                         const char *reason, const uint64_t *worker_ids) {
+  sqlite3_stmt *st = db->st[ST_GEN_INSERT];
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  sqlite3_bind_int64(st, 2, (int64_t)gen);
+  sqlite3_bind_int(st, 3, world);
+  sqlite3_bind_int64(st, 4, start_step);
+  sqlite3_bind_int64(st, 5, zt_wall_ms());
+  sqlite3_bind_text(st, 6, reason, -1, SQLITE_STATIC);
+  if (run(db, st, "insert generation") != 0) return -1;
+  for (int r = 0; r < world; r++) {
+    sqlite3_stmt *m = db->st[ST_MEMBER_INSERT];
+    sqlite3_bind_int64(m, 1, (int64_t)job_id);
+    sqlite3_bind_int64(m, 2, (int64_t)gen);
+    sqlite3_bind_int(m, 3, r);
+    sqlite3_bind_int64(m, 4, (int64_t)worker_ids[r]);
+    if (run(db, m, "insert member") != 0) return -1;
+  }
+  return 0;
+}
+
+int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
+                             int max, int *n) {
+  sqlite3_stmt *st = db->st[ST_MEMBERS_GEN];
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  sqlite3_bind_int64(st, 2, (int64_t)gen);
+  int rc;
+  *n = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    int r = sqlite3_column_int(st, 0);
+    if (r >= 0 && r < max) worker_ids[r] = (uint64_t)sqlite3_column_int64(st, 1);
+    if (r + 1 > *n) *n = r + 1;
+  }
+  sqlite3_reset(st);
+  if (rc != SQLITE_DONE) return db_err(db, "list members");
+  return 0;
+}
+
+int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step *s) {
+  sqlite3_stmt *st = db->st[ST_STEP_PUT];
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  sqlite3_bind_int64(st, 2, s->step);
+  sqlite3_bind_int64(st, 3, (int64_t)s->generation);
+  sqlite3_bind_double(st, 4, s->loss);
+  sqlite3_bind_double(st, 5, s->grad_norm);
+  sqlite3_bind_double(st, 6, s->lr);
+  sqlite3_bind_double(st, 7, s->tokens_per_s);
+  if (s->val_loss == s->val_loss) sqlite3_bind_double(st, 8, s->val_loss);
+  else sqlite3_bind_null(st, 8);
+  sqlite3_bind_int64(st, 9, s->t_ms);
+  return run(db, st, "store step");
+}
+
+int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
+                     void *user) {
+  sqlite3_stmt *st = db->st[ST_STEPS_RANGE];
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  sqlite3_bind_int64(st, 2, from);
+  sqlite3_bind_int64(st, 3, to);
+  int rc, ret = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    zt_db_step s;
+    s.step = sqlite3_column_int64(st, 0);
+    s.generation = (uint64_t)sqlite3_column_int64(st, 1);
+    s.loss = sqlite3_column_double(st, 2);
+    s.grad_norm = sqlite3_column_double(st, 3);
+    s.lr = sqlite3_column_double(st, 4);
+    s.tokens_per_s = sqlite3_column_double(st, 5);
+    s.val_loss = sqlite3_column_type(st, 6) == SQLITE_NULL ? NAN : sqlite3_column_double(st, 6);
+    s.t_ms = sqlite3_column_int64(st, 7);
+    if ((ret = fn(&s, user)) != 0) break;
+  }
+  sqlite3_reset(st);
+  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list steps");
   return ret;
 }

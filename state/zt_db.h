@@ -53,6 +53,7 @@ typedef struct {
 int zt_db_open(const char *path, zt_db_t **out);
 void zt_db_close(zt_db_t *db);
 int zt_db_schema_version(zt_db_t *db);
+int zt_db_schema_latest(void); /* the version this binary migrates to */
 const char *zt_db_path(zt_db_t *db);
 
 int zt_db_begin(zt_db_t *db);
@@ -76,5 +77,57 @@ typedef int (*zt_db_event_fn)(const zt_db_event *e, void *user);
 /* Events with id > after_id, oldest first, at most `limit`; job_id 0: all. */
 int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user);
+
+/* ---- jobs (schema version 2) ---------------------------------------------- */
+
+/* Job states; the numbers match ztrain.proto's JobState. */
+typedef enum {
+  ZT_JOB_UNKNOWN = 0,
+  ZT_JOB_PENDING = 1,
+  ZT_JOB_RUNNING = 2,
+  ZT_JOB_RECONFIGURING = 3,
+  ZT_JOB_COMPLETED = 4,
+  ZT_JOB_FAILED = 5,
+  ZT_JOB_PAUSED = 6,
+  ZT_JOB_CANCELED = 7,
+} zt_job_state_t;
+
+const char *zt_job_state_name(int state); /* "pending", "running", ... */
+
+typedef struct {
+  uint64_t id;
+  char name[128];
+  const char *spec; /* JSON text; owned by the caller (insert) or valid in the callback */
+  int state;
+  uint64_t generation;
+  int world;
+  int64_t step, total_steps;
+  int min_workers, max_workers;
+  int64_t created_ms, updated_ms;
+  char message[512];
+  int restarts;
+} zt_db_job;
+
+typedef struct {
+  int64_t step;
+  uint64_t generation;
+  double loss, grad_norm, lr, tokens_per_s, val_loss; /* val_loss NaN: none */
+  int64_t t_ms;
+} zt_db_step;
+
+int zt_db_job_insert(zt_db_t *db, zt_db_job *j); /* sets j->id */
+int zt_db_job_update(zt_db_t *db, const zt_db_job *j);
+typedef int (*zt_db_job_fn)(const zt_db_job *j, void *user);
+int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user);
+/* Records generation `gen` of a job and its members (worker_ids by rank). */
+int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
+                         const char *reason, const uint64_t *worker_ids);
+int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
+                             int max, int *n);
+/* Stores a step's metrics; a replayed step (after a reload) replaces the row. */
+int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step *s);
+typedef int (*zt_db_step_fn)(const zt_db_step *s, void *user);
+int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
+                     void *user);
 
 #endif

@@ -3,7 +3,8 @@
  *
  *   zctl [--coordinator HOST:PORT] [--json] [--token T] VERB [ARGS]
  *
- * Verbs: status, workers, events [--job J] [--after ID] [--limit N].
+ * Verbs: status, workers, events [--job J] [--after ID] [--limit N],
+ * submit JOB.json, jobs, job ID, metrics JOB [--from S] [--to S].
  * Every verb prints a readable table, or with --json one JSON document with
  * the same field names as the HTTP API (/v1/status, /v1/workers,
  * /v1/events), so scripts can use either. The coordinator address defaults
@@ -186,12 +187,160 @@ static int cmd_events(zctl *z, int argc, char **argv) {
   return 0;
 }
 
+static const char *k_job_states[] = {"unknown",   "pending", "running", "reconfiguring",
+                                     "completed", "failed",  "paused",  "canceled"};
+
+static const char *job_state(int s) {
+  return s >= 0 && s < (int)ZT_ARRAY_LEN(k_job_states) ? k_job_states[s] : "unknown";
+}
+
+static cJSON *job_to_json(const Ztrain__JobInfo *j) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "id", (double)j->id);
+  cJSON_AddStringToObject(o, "name", j->name);
+  cJSON_AddStringToObject(o, "state", job_state(j->state));
+  cJSON_AddNumberToObject(o, "generation", (double)j->generation);
+  cJSON_AddNumberToObject(o, "world", j->world);
+  cJSON_AddNumberToObject(o, "step", (double)j->step);
+  cJSON_AddNumberToObject(o, "total_steps", (double)j->total_steps);
+  cJSON_AddNumberToObject(o, "loss", j->loss);
+  cJSON_AddNumberToObject(o, "lr", j->lr);
+  cJSON_AddNumberToObject(o, "grad_norm", j->grad_norm);
+  cJSON_AddNumberToObject(o, "tokens_per_s", j->tokens_per_s);
+  cJSON_AddNumberToObject(o, "restarts", j->restarts);
+  cJSON_AddNumberToObject(o, "min_workers", j->min_workers);
+  cJSON_AddNumberToObject(o, "max_workers", j->max_workers);
+  cJSON_AddStringToObject(o, "message", j->message);
+  cJSON_AddNumberToObject(o, "created_ms", (double)j->created_ms);
+  cJSON_AddNumberToObject(o, "updated_ms", (double)j->updated_ms);
+  return o;
+}
+
+static void print_job_row(const Ztrain__JobInfo *j) {
+  printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %9.4f %10.0f  %s\n", (unsigned long long)j->id,
+         j->name, job_state(j->state), (unsigned long long)j->generation, j->world,
+         (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, j->message);
+}
+
+static int cmd_jobs(zctl *z) {
+  Ztrain__ListJobsRequest req = ZTRAIN__LIST_JOBS_REQUEST__INIT;
+  Ztrain__ListJobsReply *r = (Ztrain__ListJobsReply *)status_call(
+      z, "ListJobs", &req.base, &ztrain__list_jobs_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(o, "jobs");
+    for (size_t i = 0; i < r->n_jobs; i++) cJSON_AddItemToArray(arr, job_to_json(r->jobs[i]));
+    print_json(o);
+  } else {
+    printf("%-5s %-16s %-13s %4s %5s %15s %9s %10s  %s\n", "ID", "NAME", "STATE", "GEN", "WORLD",
+           "STEP", "LOSS", "TOK/S", "MESSAGE");
+    for (size_t i = 0; i < r->n_jobs; i++) print_job_row(r->jobs[i]);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int parse_job_id(const char *s, uint64_t *id) {
+  char *end;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (!*s || *end || v == 0) return zt_err("\"%s\" is not a job id", s);
+  *id = v;
+  return 0;
+}
+
+static int cmd_job(zctl *z, const char *ids) {
+  Ztrain__GetJobRequest req = ZTRAIN__GET_JOB_REQUEST__INIT;
+  if (parse_job_id(ids, &req.job_id) != 0) return -1;
+  Ztrain__GetJobReply *r = (Ztrain__GetJobReply *)status_call(z, "GetJob", &req.base,
+                                                               &ztrain__get_job_reply__descriptor);
+  if (!r) return -1;
+  if (!r->job) {
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    return zt_err("GetJob: empty reply");
+  }
+  if (z->json) print_json(job_to_json(r->job));
+  else print_job_row(r->job);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int cmd_metrics(zctl *z, int argc, char **argv) {
+  Ztrain__GetMetricsRequest req = ZTRAIN__GET_METRICS_REQUEST__INIT;
+  if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
+    return zt_err("metrics: usage: zctl metrics JOB [--from S] [--to S]");
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--from")) req.from_step = atoll(argv[i + 1]);
+    else if (!strcmp(argv[i], "--to")) req.to_step = atoll(argv[i + 1]);
+    else return zt_err("metrics: unknown option %s", argv[i]);
+  }
+  Ztrain__GetMetricsReply *r = (Ztrain__GetMetricsReply *)status_call(
+      z, "GetMetrics", &req.base, &ztrain__get_metrics_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "job_id", (double)req.job_id);
+    cJSON *arr = cJSON_AddArrayToObject(o, "steps");
+    for (size_t i = 0; i < r->n_steps; i++) {
+      Ztrain__StepRecord *s = r->steps[i];
+      cJSON *x = cJSON_CreateObject();
+      cJSON_AddNumberToObject(x, "step", (double)s->step);
+      cJSON_AddNumberToObject(x, "generation", (double)s->generation);
+      cJSON_AddNumberToObject(x, "loss", s->loss);
+      cJSON_AddNumberToObject(x, "grad_norm", s->grad_norm);
+      cJSON_AddNumberToObject(x, "lr", s->lr);
+      cJSON_AddNumberToObject(x, "tokens_per_s", s->tokens_per_s);
+      if (s->val_loss == s->val_loss) cJSON_AddNumberToObject(x, "val_loss", s->val_loss);
+      else cJSON_AddNullToObject(x, "val_loss");
+      cJSON_AddNumberToObject(x, "t_ms", (double)s->t_ms);
+      cJSON_AddItemToArray(arr, x);
+    }
+    print_json(o);
+  } else {
+    printf("%7s %4s %12s %10s %10s %10s %10s\n", "STEP", "GEN", "LOSS", "GRAD_NORM", "LR",
+           "TOK/S", "VAL_LOSS");
+    for (size_t i = 0; i < r->n_steps; i++) {
+      Ztrain__StepRecord *s = r->steps[i];
+      printf("%7lld %4llu %12.6f %10.4f %10.3g %10.0f %10.4f\n", (long long)s->step,
+             (unsigned long long)s->generation, s->loss, s->grad_norm, s->lr, s->tokens_per_s,
+             s->val_loss);
+    }
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int cmd_submit(zctl *z, const char *path) {
+  char *text;
+  size_t len;
+  if (zt_read_file(path, &text, &len, 4 << 20) != 0) return -1;
+  Ztrain__SubmitJobRequest req = ZTRAIN__SUBMIT_JOB_REQUEST__INIT;
+  req.spec_json = text;
+  Ztrain__SubmitJobReply *r = (Ztrain__SubmitJobReply *)status_call(
+      z, "SubmitJob", &req.base, &ztrain__submit_job_reply__descriptor);
+  free(text);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "job_id", (double)r->job_id);
+    print_json(o);
+  } else {
+    printf("submitted job %llu\n", (unsigned long long)r->job_id);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
 static void usage(FILE *f) {
   fprintf(f, "usage: zctl [--coordinator HOST:PORT] [--json] [--token T] [--timeout-ms N] VERB\n"
              "verbs:\n"
              "  status                              coordinator summary\n"
              "  workers                             every known worker and its state\n"
-             "  events [--job J] [--after ID] [--limit N]   the logbook\n");
+             "  events [--job J] [--after ID] [--limit N]   the logbook\n"
+             "  submit JOB.json                     submit a job spec\n"
+             "  jobs                                every job with its progress\n"
+             "  job ID                              one job\n"
+             "  metrics JOB [--from S] [--to S]     per-step loss, grad norm, lr, tokens/s\n");
 }
 
 int main(int argc, char **argv) {
@@ -242,6 +391,10 @@ int main(int argc, char **argv) {
   if (!strcmp(verb, "status") && vargc == 0) rc = cmd_status(&z);
   else if (!strcmp(verb, "workers") && vargc == 0) rc = cmd_workers(&z);
   else if (!strcmp(verb, "events")) rc = cmd_events(&z, vargc, vargv);
+  else if (!strcmp(verb, "jobs") && vargc == 0) rc = cmd_jobs(&z);
+  else if (!strcmp(verb, "job") && vargc == 1) rc = cmd_job(&z, vargv[0]);
+  else if (!strcmp(verb, "submit") && vargc == 1) rc = cmd_submit(&z, vargv[0]);
+  else if (!strcmp(verb, "metrics")) rc = cmd_metrics(&z, vargc, vargv);
   else {
     usage(stderr);
     zt_rpc_client_close(z.rpc);

@@ -6,6 +6,7 @@
  * and refusal of files that are not ours (garbage, a newer schema).
  */
 #include <fcntl.h>
+#include <math.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <stdio.h>
@@ -46,7 +47,7 @@ ZT_TEST(test_migrate_and_reopen) {
   const char *path = fresh_db("migrate");
   zt_db_t *db;
   ZT_REQUIRE(zt_db_open(path, &db) == 0);
-  ZT_CHECK(zt_db_schema_version(db) == 1);
+  ZT_CHECK(zt_db_schema_version(db) == zt_db_schema_latest());
   ZT_CHECK(zt_db_meta_set(db, "epoch", 7) == 0);
   zt_db_worker a = make_worker("a", ZT_WORKER_ALIVE), b = make_worker("b", ZT_WORKER_ALIVE);
   ZT_CHECK(zt_db_worker_upsert(db, &a) == 0 && a.id == 1);
@@ -64,7 +65,7 @@ ZT_TEST(test_migrate_and_reopen) {
   zt_db_close(db);
 
   ZT_REQUIRE(zt_db_open(path, &db) == 0);
-  ZT_CHECK(zt_db_schema_version(db) == 1);
+  ZT_CHECK(zt_db_schema_version(db) == zt_db_schema_latest());
   int64_t v = 0;
   ZT_CHECK(zt_db_meta_get(db, "epoch", &v, 0) == 0 && v == 7);
   ZT_CHECK(zt_db_meta_get(db, "missing", &v, 99) == 0 && v == 99);
@@ -165,5 +166,53 @@ ZT_TEST(test_readonly_file_fails_cleanly) {
   ZT_CHECK(zt_db_open(path, &db) != 0);
 }
 
-ZT_TEST_MAIN(test_migrate_and_reopen, test_events_filter_and_order, test_rollback_leaves_nothing,
+static int collect_step(const zt_db_step *st, void *user) {
+  double *acc = user;
+  acc[0] += 1;
+  acc[1] += st->loss;
+  acc[2] = (double)st->generation;
+  return 0;
+}
+
+ZT_TEST(test_jobs_generations_steps) {
+  const char *path = fresh_db("jobs");
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  zt_db_job j;
+  memset(&j, 0, sizeof j);
+  snprintf(j.name, sizeof j.name, "tiny");
+  j.spec = "{\"steps\": 10}";
+  j.state = ZT_JOB_PENDING;
+  j.total_steps = 10;
+  j.min_workers = 2, j.max_workers = 4;
+  j.created_ms = 123;
+  ZT_CHECK(zt_db_job_insert(db, &j) == 0 && j.id == 1);
+  j.state = ZT_JOB_RUNNING, j.generation = 1, j.world = 2, j.step = 3;
+  snprintf(j.message, sizeof j.message, "running");
+  ZT_CHECK(zt_db_job_update(db, &j) == 0);
+  uint64_t ids[2] = {7, 9};
+  ZT_CHECK(zt_db_generation_add(db, 1, 1, 2, 0, "formed", ids) == 0);
+  /* The same generation twice is a constraint error, not a silent overwrite. */
+  ZT_CHECK(zt_db_generation_add(db, 1, 1, 2, 0, "again", ids) != 0);
+  for (int s = 1; s <= 3; s++) {
+    zt_db_step st = {s, 1, 1.0 * s, 0.5, 1e-3, 100, NAN, 1000 + s};
+    ZT_CHECK(zt_db_step_put(db, 1, &st) == 0);
+  }
+  /* A replayed step replaces its row. */
+  zt_db_step again = {3, 2, 10.0, 0.5, 1e-3, 100, 2.5, 2000};
+  ZT_CHECK(zt_db_step_put(db, 1, &again) == 0);
+  zt_db_close(db);
+
+  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  double acc[3] = {0, 0, 0};
+  ZT_CHECK(zt_db_steps_each(db, 1, 1, 100, collect_step, acc) == 0);
+  ZT_CHECK(acc[0] == 3 && acc[1] == 1 + 2 + 10 && acc[2] == 2);
+  uint64_t got[4] = {0};
+  int n = 0;
+  ZT_CHECK(zt_db_generation_members(db, 1, 1, got, 4, &n) == 0 && n == 2);
+  ZT_CHECK(got[0] == 7 && got[1] == 9);
+  zt_db_close(db);
+}
+
+ZT_TEST_MAIN(test_migrate_and_reopen, test_jobs_generations_steps, test_events_filter_and_order, test_rollback_leaves_nothing,
              test_garbage_file_refused, test_newer_schema_refused, test_readonly_file_fails_cleanly)

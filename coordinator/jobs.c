@@ -1,0 +1,500 @@
+/*
+ * jobs.c: jobs, generations and rendezvous: the coordinator's scheduler.
+ *
+ * A job is a submitted spec plus a state machine:
+ *
+ *   PENDING --(>= min_workers idle)--> RECONFIGURING(gen g) --(all ranks
+ *   rendezvoused)--> RUNNING(g) --(member lost/left/failed)--> RECONFIGURING
+ *   (g+1) ... --> COMPLETED | FAILED | CANCELED
+ *
+ * A generation is a fixed set of workers with ranks 0..N-1. Forming one
+ * writes the generation, its members and the job row in one transaction,
+ * then tells each member through its next heartbeat reply (RECONFIGURE with
+ * the job and generation). Each member then calls Rendezvous with the
+ * address of its collective socket; those calls are held here (a long poll)
+ * until every rank has called, then all are answered at once with the peer
+ * list, so every rank starts its ring with the same view.
+ *
+ * Fencing. Every worker-facing call names a job and a generation. A call
+ * for any generation other than the job's current one is refused with
+ * FAILED_PRECONDITION; a heartbeat from a worker that still believes in an
+ * old assignment is answered RECONFIGURE (new assignment) or STOP (none).
+ * A paused or partitioned worker therefore can never report into a newer
+ * generation.
+ *
+ * World size. The global batch (train_batch_size samples) is fixed for the
+ * life of the job; a generation of N ranks runs accum = global / (micro * N)
+ * micro-steps per step, so N must divide global / micro. The scheduler picks
+ * the largest such N between min_workers and max_workers that the alive
+ * workers allow.
+ */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "ztrain.pb-c.h"
+
+/* ---- spec essentials ------------------------------------------------------- */
+
+static int get_int(cJSON *obj, const char *key, int64_t def, int64_t lo, int64_t hi, int64_t *out,
+                   char *err, size_t errlen) {
+  cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+  if (!v) {
+    if (def < lo) {
+      snprintf(err, errlen, "%s: required", key);
+      return -1;
+    }
+    *out = def;
+    return 0;
+  }
+  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < (double)lo ||
+      v->valuedouble > (double)hi) {
+    snprintf(err, errlen, "%s: expected an integer in %lld..%lld", key, (long long)lo,
+             (long long)hi);
+    return -1;
+  }
+  *out = (int64_t)v->valuedouble;
+  return 0;
+}
+
+int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t errlen) {
+  memset(p, 0, sizeof *p);
+  cJSON *doc = cJSON_Parse(json);
+  int ret = -1;
+  if (!doc || !cJSON_IsObject(doc)) {
+    snprintf(err, errlen, "job spec is not a JSON object");
+    goto out;
+  }
+  /* The full validation (every key, types, ranges) is the trainer's; the
+   * coordinator needs the numbers that shape scheduling. */
+  if (zt_job_spec_validate(json, err, errlen) != 0) goto out;
+  cJSON *name = cJSON_GetObjectItemCaseSensitive(doc, "name");
+  snprintf(p->name, sizeof p->name, "%s", cJSON_IsString(name) ? name->valuestring : "job");
+  int64_t steps, micro, gbs, accum, minw, maxw, tmo;
+  cJSON *el = cJSON_GetObjectItemCaseSensitive(doc, "elastic");
+  cJSON *comm = cJSON_GetObjectItemCaseSensitive(doc, "comm");
+  if (get_int(doc, "steps", -1, 1, 1LL << 40, &steps, err, errlen) ||
+      get_int(doc, "train_micro_batch_size_per_gpu", -1, 1, 1 << 20, &micro, err, errlen) ||
+      get_int(doc, "gradient_accumulation_steps", 1, 1, 1 << 20, &accum, err, errlen) ||
+      get_int(doc, "train_batch_size", micro * accum, 1, 1LL << 40, &gbs, err, errlen))
+    goto out;
+  if (get_int(el ? el : doc, el ? "min_workers" : "__none", 1, 1, ZT_MAX_WORLD, &minw, err,
+              errlen) ||
+      get_int(el ? el : doc, el ? "max_workers" : "__none", minw, 1, ZT_MAX_WORLD, &maxw, err,
+              errlen) ||
+      get_int(comm ? comm : doc, comm ? "timeout_ms" : "__none", 30000, 100, 3600000, &tmo, err,
+              errlen))
+    goto out;
+  if (gbs % micro != 0) {
+    snprintf(err, errlen, "train_batch_size %lld is not a multiple of the micro batch %lld",
+             (long long)gbs, (long long)micro);
+    goto out;
+  }
+  if (maxw < minw) {
+    snprintf(err, errlen, "elastic.max_workers %lld < elastic.min_workers %lld", (long long)maxw,
+             (long long)minw);
+    goto out;
+  }
+  p->steps = steps;
+  p->micro = micro;
+  p->global_batch = gbs;
+  p->min_workers = (int)minw;
+  p->max_workers = (int)maxw;
+  p->comm_timeout_ms = tmo;
+  /* Some N in [min, max] must divide the number of micro-batches per step. */
+  int any = 0;
+  for (int n = p->min_workers; n <= p->max_workers; n++) any |= (gbs / micro) % n == 0;
+  if (!any) {
+    snprintf(err, errlen,
+             "no world size in %d..%d divides train_batch_size / micro batch = %lld; the global "
+             "batch must stay fixed when workers come and go",
+             p->min_workers, p->max_workers, (long long)(gbs / micro));
+    goto out;
+  }
+  ret = 0;
+out:
+  cJSON_Delete(doc);
+  return ret;
+}
+
+/* ---- bookkeeping ------------------------------------------------------------- */
+
+zt_job *zt_jobs_get(zt_coord *c, uint64_t id) {
+  for (zt_job *j = c->jobs; j; j = j->next)
+    if (j->row.id == id) return j;
+  return NULL;
+}
+
+static int job_active(const zt_job *j) {
+  return j->row.state == ZT_JOB_PENDING || j->row.state == ZT_JOB_RUNNING ||
+         j->row.state == ZT_JOB_RECONFIGURING;
+}
+
+static int save_job(zt_coord *c, zt_job *j) {
+  j->row.updated_ms = zt_wall_ms();
+  if (zt_db_job_update(c->db, &j->row) != 0) {
+    ZT_ERROR("job %llu: %s", (unsigned long long)j->row.id, zt_err_msg());
+    return -1;
+  }
+  return 0;
+}
+
+/* Answers every held Rendezvous call of the job with an error. */
+static void release_rendezvous(zt_job *j, int status, const char *why) {
+  for (int r = 0; r < ZT_MAX_WORLD; r++) {
+    if (j->rdv[r]) zt_rpc_reply(j->rdv[r], status, why, NULL, 0);
+    j->rdv[r] = NULL;
+    j->comm_addr[r][0] = 0;
+  }
+  j->arrived = 0;
+}
+
+/* Detaches every member of the job's current generation. */
+static void release_members(zt_coord *c, zt_job *j) {
+  for (int r = 0; r < j->row.world; r++) {
+    zt_member *m = zt_members_get(c, j->workers[r]);
+    if (m && m->job_id == j->row.id) m->job_id = m->gen = 0, m->rank = -1;
+  }
+}
+
+static void finish(zt_coord *c, zt_job *j, int state, const char *kind, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void finish(zt_coord *c, zt_job *j, int state, const char *kind, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(j->row.message, sizeof j->row.message, fmt, ap);
+  va_end(ap);
+  release_rendezvous(j, ZT_RPC_ABORTED, "job ended");
+  release_members(c, j);
+  j->row.state = state;
+  save_job(c, j);
+  zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
+}
+
+/* ---- scheduling ---------------------------------------------------------------- */
+
+static int member_usable(const zt_member *m) { return m && m->row.state == ZT_WORKER_ALIVE; }
+
+/* Forms the next generation if enough workers are available. */
+static void try_form(zt_coord *c, zt_job *j, const char *reason) {
+  uint64_t pick[ZT_MAX_WORLD];
+  int n = 0;
+  /* Survivors of the current generation first, in rank order... */
+  if (j->row.state != ZT_JOB_PENDING)
+    for (int r = 0; r < j->row.world && n < j->p.max_workers; r++) {
+      zt_member *m = zt_members_get(c, j->workers[r]);
+      if (member_usable(m) && m->job_id == j->row.id) pick[n++] = m->row.id;
+    }
+  /* ...then idle workers by id. */
+  for (size_t i = 0; i < c->by_id_cap && n < j->p.max_workers; i++) {
+    zt_member *m = c->by_id[i];
+    if (member_usable(m) && m->job_id == 0) pick[n++] = m->row.id;
+  }
+  int64_t micro_batches = j->p.global_batch / j->p.micro;
+  while (n >= j->p.min_workers && micro_batches % n != 0) n--;
+  if (n < j->p.min_workers) {
+    if (j->row.state != ZT_JOB_PENDING) {
+      release_rendezvous(j, ZT_RPC_ABORTED, "not enough workers; job pending");
+      release_members(c, j);
+      j->row.state = ZT_JOB_PENDING;
+      snprintf(j->row.message, sizeof j->row.message, "waiting for %d workers (%s)",
+               j->p.min_workers, reason);
+      save_job(c, j);
+      zt_coord_event(c, j->row.id, "job_pending", 0, "%s", j->row.message);
+    }
+    return;
+  }
+  release_rendezvous(j, ZT_RPC_ABORTED, "generation superseded");
+  release_members(c, j);
+  uint64_t gen = j->row.generation + 1;
+  int64_t start_step = 0; /* no checkpoints yet: a new generation starts over */
+  zt_db_job next = j->row;
+  next.generation = gen;
+  next.world = n;
+  next.step = start_step;
+  next.state = ZT_JOB_RECONFIGURING;
+  next.restarts = j->row.generation ? j->row.restarts + 1 : 0;
+  next.updated_ms = zt_wall_ms();
+  snprintf(next.message, sizeof next.message, "generation %llu forming with %d workers",
+           (unsigned long long)gen, n);
+  if (zt_db_begin(c->db) != 0) goto dberr;
+  if (zt_db_generation_add(c->db, j->row.id, gen, n, start_step, reason, pick) != 0 ||
+      zt_db_job_update(c->db, &next) != 0 || zt_db_commit(c->db) != 0) {
+    zt_db_rollback(c->db);
+    goto dberr;
+  }
+  j->row = next;
+  memcpy(j->workers, pick, (size_t)n * sizeof *pick);
+  j->formed_ms = zt_now_ms();
+  j->start_step = start_step;
+  for (int r = 0; r < n; r++) {
+    zt_member *m = zt_members_get(c, pick[r]);
+    m->job_id = j->row.id, m->gen = gen, m->rank = r;
+  }
+  char names[512] = "";
+  for (int r = 0; r < n; r++) {
+    size_t l = strlen(names);
+    snprintf(names + l, sizeof names - l, "%s%s", r ? "," : "", zt_members_get(c, pick[r])->row.name);
+  }
+  zt_coord_event(c, j->row.id, "generation_started", 0,
+                 "generation %llu: world %d, accum %lld, start step %lld, workers [%s]; reason: %s",
+                 (unsigned long long)gen, n, (long long)(micro_batches / n), (long long)start_step,
+                 names, reason);
+  return;
+dberr:
+  ZT_ERROR("job %llu: cannot form generation: %s", (unsigned long long)j->row.id, zt_err_msg());
+}
+
+void zt_jobs_schedule(zt_coord *c) {
+  for (zt_job *j = c->jobs; j; j = j->next)
+    if (j->row.state == ZT_JOB_PENDING) try_form(c, j, "enough workers");
+}
+
+void zt_jobs_member_gone(zt_coord *c, zt_member *m, const char *why) {
+  zt_job *j = m->job_id ? zt_jobs_get(c, m->job_id) : NULL;
+  if (!j || !job_active(j)) return;
+  char reason[256];
+  snprintf(reason, sizeof reason, "worker %s (rank %d) %s", m->row.name, m->rank, why);
+  m->job_id = m->gen = 0, m->rank = -1;
+  try_form(c, j, reason);
+}
+
+/* ---- load at start --------------------------------------------------------------- */
+
+static int load_job(const zt_db_job *row, void *user) {
+  zt_coord *c = user;
+  zt_job *j = calloc(1, sizeof *j);
+  if (!j) abort();
+  j->row = *row;
+  j->spec = strdup(row->spec);
+  j->row.spec = j->spec;
+  char err[256];
+  if (zt_job_params_parse(j->spec, &j->p, err, sizeof err) != 0)
+    ZT_WARN("job %llu: stored spec no longer valid: %s", (unsigned long long)row->id, err);
+  int n = 0;
+  if (j->row.generation &&
+      zt_db_generation_members(c->db, j->row.id, j->row.generation, j->workers, ZT_MAX_WORLD,
+                               &n) == 0 &&
+      job_active(j) && j->row.state != ZT_JOB_PENDING) {
+    for (int r = 0; r < n; r++) {
+      zt_member *m = zt_members_get(c, j->workers[r]);
+      if (m) m->job_id = j->row.id, m->gen = j->row.generation, m->rank = r;
+    }
+  }
+  j->formed_ms = zt_now_ms();
+  zt_job **tail = &c->jobs;
+  while (*tail) tail = &(*tail)->next;
+  *tail = j;
+  return 0;
+}
+
+int zt_jobs_load(zt_coord *c) { return zt_db_jobs_each(c->db, load_job, c); }
+
+void zt_jobs_release_calls(zt_coord *c) {
+  for (zt_job *j = c->jobs; j; j = j->next)
+    release_rendezvous(j, ZT_RPC_UNAVAILABLE, "coordinator stopping; call again");
+}
+
+void zt_jobs_free(zt_coord *c) {
+  while (c->jobs) {
+    zt_job *j = c->jobs;
+    c->jobs = j->next;
+    free(j->spec);
+    free(j);
+  }
+}
+
+/* ---- operations from the services -------------------------------------------------- */
+
+int zt_jobs_submit(zt_coord *c, const char *spec, uint64_t *id, char *msg, size_t msglen) {
+  zt_job_params p;
+  if (zt_job_params_parse(spec, &p, msg, msglen) != 0) return ZT_RPC_INVALID_ARGUMENT;
+  zt_job *j = calloc(1, sizeof *j);
+  if (!j) abort();
+  j->p = p;
+  j->spec = strdup(spec);
+  snprintf(j->row.name, sizeof j->row.name, "%s", p.name);
+  j->row.spec = j->spec;
+  j->row.state = ZT_JOB_PENDING;
+  j->row.total_steps = p.steps;
+  j->row.min_workers = p.min_workers;
+  j->row.max_workers = p.max_workers;
+  j->row.created_ms = j->row.updated_ms = zt_wall_ms();
+  snprintf(j->row.message, sizeof j->row.message, "waiting for %d workers", p.min_workers);
+  if (zt_db_begin(c->db) != 0 || zt_db_job_insert(c->db, &j->row) != 0 ||
+      zt_db_event_add(c->db, 0, "job_submitted", 0, "", NULL) != 0 || zt_db_commit(c->db) != 0) {
+    zt_db_rollback(c->db);
+    snprintf(msg, msglen, "cannot store job: %s", zt_err_msg());
+    free(j->spec);
+    free(j);
+    return ZT_RPC_UNAVAILABLE;
+  }
+  zt_job **tail = &c->jobs;
+  while (*tail) tail = &(*tail)->next;
+  *tail = j;
+  *id = j->row.id;
+  zt_coord_event(c, j->row.id, "job_accepted", 0,
+                 "\"%s\": %lld steps, global batch %lld (micro %lld), workers %d..%d", p.name,
+                 (long long)p.steps, (long long)p.global_batch, (long long)p.micro, p.min_workers,
+                 p.max_workers);
+  zt_jobs_schedule(c);
+  return ZT_RPC_OK;
+}
+
+/* Checks that a worker-facing call names the current generation. */
+static int fence(zt_coord *c, uint64_t wid, uint64_t job_id, uint64_t gen, zt_job **jout,
+                 zt_member **mout, char *msg, size_t msglen) {
+  zt_member *m = zt_members_get(c, wid);
+  zt_job *j = zt_jobs_get(c, job_id);
+  if (!m) {
+    snprintf(msg, msglen, "unknown worker id %llu: register first", (unsigned long long)wid);
+    return ZT_RPC_NOT_FOUND;
+  }
+  if (!j) {
+    snprintf(msg, msglen, "unknown job %llu", (unsigned long long)job_id);
+    return ZT_RPC_NOT_FOUND;
+  }
+  if (!job_active(j) || gen != j->row.generation || m->job_id != job_id || m->gen != gen) {
+    snprintf(msg, msglen,
+             "stale generation: worker %s is not in generation %llu of job %llu (job is %s at "
+             "generation %llu); rejoin",
+             m->row.name, (unsigned long long)gen, (unsigned long long)job_id,
+             zt_job_state_name(j->row.state), (unsigned long long)j->row.generation);
+    return ZT_RPC_FAILED_PRECONDITION;
+  }
+  *jout = j;
+  *mout = m;
+  return ZT_RPC_OK;
+}
+
+static void reply_rendezvous(zt_coord *c, zt_job *j) {
+  char *peers[ZT_MAX_WORLD];
+  for (int r = 0; r < j->row.world; r++) peers[r] = j->comm_addr[r];
+  for (int r = 0; r < j->row.world; r++) {
+    Ztrain__RendezvousReply rep = ZTRAIN__RENDEZVOUS_REPLY__INIT;
+    rep.job_id = j->row.id;
+    rep.generation = j->row.generation;
+    rep.rank = (uint32_t)r;
+    rep.world = (uint32_t)j->row.world;
+    rep.n_peers = (size_t)j->row.world;
+    rep.peers = peers;
+    rep.spec_json = j->spec;
+    rep.start_step = j->start_step;
+    rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
+    rep.comm_timeout_ms = j->p.comm_timeout_ms;
+    size_t n = ztrain__rendezvous_reply__get_packed_size(&rep);
+    uint8_t *buf = malloc(n);
+    if (!buf) abort();
+    ztrain__rendezvous_reply__pack(&rep, buf);
+    zt_rpc_reply(j->rdv[r], ZT_RPC_OK, NULL, buf, n);
+    free(buf);
+    j->rdv[r] = NULL;
+  }
+  j->arrived = 0;
+  j->row.state = ZT_JOB_RUNNING;
+  snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers",
+           (unsigned long long)j->row.generation, j->row.world);
+  save_job(c, j);
+  zt_coord_event(c, j->row.id, "rendezvous_complete", 0,
+                 "generation %llu: %d ranks connected %lld ms after forming",
+                 (unsigned long long)j->row.generation, j->row.world,
+                 (long long)(zt_now_ms() - j->formed_ms));
+}
+
+void zt_jobs_rendezvous(zt_coord *c, zt_rpc_call_t *call, const Ztrain__RendezvousRequest *req) {
+  char msg[512];
+  zt_job *j;
+  zt_member *m;
+  int st = fence(c, req->worker_id, req->job_id, req->generation, &j, &m, msg, sizeof msg);
+  if (st == ZT_RPC_OK) {
+    char host[128];
+    int port;
+    if (strlen(req->comm_addr) >= sizeof j->comm_addr[0] ||
+        zt_parse_hostport(req->comm_addr, host, sizeof host, &port) != 0) {
+      snprintf(msg, sizeof msg, "comm_addr \"%.64s\" is not HOST:PORT", req->comm_addr);
+      st = ZT_RPC_INVALID_ARGUMENT;
+    }
+  }
+  if (st != ZT_RPC_OK) {
+    zt_rpc_reply(call, st, msg, NULL, 0);
+    return;
+  }
+  int r = m->rank;
+  if (j->rdv[r]) { /* a retry replaces the earlier call */
+    zt_rpc_reply(j->rdv[r], ZT_RPC_ABORTED, "replaced by a newer rendezvous call", NULL, 0);
+    j->arrived--;
+  }
+  j->rdv[r] = call;
+  snprintf(j->comm_addr[r], sizeof j->comm_addr[r], "%s", req->comm_addr);
+  if (++j->arrived == j->row.world) reply_rendezvous(c, j);
+}
+
+int zt_jobs_report_step(zt_coord *c, const Ztrain__ReportStepRequest *req, int *command,
+                        char *msg, size_t msglen) {
+  zt_job *j;
+  zt_member *m;
+  int st = fence(c, req->worker_id, req->job_id, req->generation, &j, &m, msg, msglen);
+  if (st != ZT_RPC_OK) return st;
+  if (m->rank != 0) {
+    snprintf(msg, msglen, "only rank 0 reports steps (worker %s is rank %d)", m->row.name, m->rank);
+    return ZT_RPC_FAILED_PRECONDITION;
+  }
+  if (req->step < 1 || req->step > j->row.total_steps) {
+    snprintf(msg, msglen, "step %lld out of range 1..%lld", (long long)req->step,
+             (long long)j->row.total_steps);
+    return ZT_RPC_INVALID_ARGUMENT;
+  }
+  zt_db_step s = {req->step, req->generation, req->loss, req->grad_norm, req->lr,
+                  req->tokens_per_s, req->val_loss, zt_wall_ms()};
+  j->row.step = req->step;
+  j->last = s;
+  if (zt_db_begin(c->db) != 0 || zt_db_step_put(c->db, j->row.id, &s) != 0 ||
+      (j->row.updated_ms = zt_wall_ms(), zt_db_job_update(c->db, &j->row)) != 0 ||
+      zt_db_commit(c->db) != 0) {
+    zt_db_rollback(c->db);
+    snprintf(msg, msglen, "cannot store step: %s", zt_err_msg());
+    return ZT_RPC_UNAVAILABLE;
+  }
+  *command = ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  if (req->step == j->row.total_steps) {
+    finish(c, j, ZT_JOB_COMPLETED, "job_completed", "completed %lld steps; final loss %.6g",
+           (long long)req->step, req->loss);
+    *command = ZTRAIN__COMMAND__COMMAND_STOP;
+    zt_jobs_schedule(c);
+  }
+  return ZT_RPC_OK;
+}
+
+int zt_jobs_report_failure(zt_coord *c, const Ztrain__ReportFailureRequest *req, char *msg,
+                           size_t msglen) {
+  zt_job *j;
+  zt_member *m;
+  int st = fence(c, req->worker_id, req->job_id, req->generation, &j, &m, msg, msglen);
+  if (st != ZT_RPC_OK) return st;
+  char reason[400];
+  snprintf(reason, sizeof reason, "%.300s", req->reason);
+  if (req->fatal) {
+    finish(c, j, ZT_JOB_FAILED, "job_failed", "rank %d (%s): %s", m->rank, m->row.name, reason);
+    zt_jobs_schedule(c);
+    return ZT_RPC_OK;
+  }
+  zt_coord_event(c, j->row.id, "rank_failed", m->row.id, "generation %llu rank %d: %s",
+                 (unsigned long long)req->generation, m->rank, reason);
+  char why[512];
+  snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);
+  try_form(c, j, why);
+  return ZT_RPC_OK;
+}
+
+int zt_jobs_heartbeat_command(zt_coord *c, zt_member *m, uint64_t job_id, uint64_t gen,
+                              uint64_t *out_job, uint64_t *out_gen) {
+  (void)c;
+  *out_job = m->job_id;
+  *out_gen = m->gen;
+  if (m->job_id && (job_id != m->job_id || gen != m->gen)) return ZTRAIN__COMMAND__COMMAND_RECONFIGURE;
+  if (!m->job_id && job_id) return ZTRAIN__COMMAND__COMMAND_STOP;
+  return ZTRAIN__COMMAND__COMMAND_CONTINUE;
+}
