@@ -246,10 +246,114 @@ static void r_job(zt_http_req *r) {
   zt_http_error(r, 404, "no such resource: %s", r->url);
 }
 
+/* POST /v1/jobs: the body is a job spec. */
+static void r_submit(zt_http_req *r) {
+  if (!r->body || !r->body_len) {
+    zt_http_error(r, 400, "empty body: expected a JSON job spec");
+    return;
+  }
+  cJSON *doc = cJSON_ParseWithLength(r->body, r->body_len);
+  if (!doc) {
+    const char *at = cJSON_GetErrorPtr();
+    zt_http_error(r, 400, "malformed JSON%s%.32s", at ? " near: " : "", at ? at : "");
+    return;
+  }
+  cJSON_Delete(doc);
+  uint64_t id = 0;
+  char msg[512];
+  int st = zt_jobs_submit(r->c, r->body, &id, msg, sizeof msg);
+  if (st != ZT_RPC_OK) {
+    zt_http_error(r, st == ZT_RPC_INVALID_ARGUMENT ? 400 : 503, "%s", msg);
+    return;
+  }
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "job_id", (double)id);
+  zt_http_json(r, 201, o);
+}
+
+/* ---- Prometheus exposition ----------------------------------------------- */
+
+typedef struct {
+  char *buf;
+  size_t len, cap;
+} sbuf;
+
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+  for (;;) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b->buf + b->len, b->cap - b->len, fmt, ap);
+    va_end(ap);
+    if (n >= 0 && (size_t)n < b->cap - b->len) {
+      b->len += (size_t)n;
+      return;
+    }
+    b->cap = b->cap * 2 + (size_t)n + 256;
+    b->buf = realloc(b->buf, b->cap);
+    if (!b->buf) abort();
+  }
+}
+
+static void metric_head(sbuf *b, const char *name, const char *type, const char *help) {
+  sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* A job-labelled series for every job that has started. */
+#define JOB_SERIES(b, name, type, help, expr)                                            \
+  do {                                                                                  \
+    metric_head(b, name, type, help);                                                   \
+    for (zt_job *j = r->c->jobs; j; j = j->next)                                        \
+      if (j->row.generation)                                                            \
+        sb_printf(b, "%s{job=\"%llu\"} %.17g\n", name, (unsigned long long)j->row.id,    \
+                  (double)(expr));                                                      \
+  } while (0)
+
+static void r_metrics(zt_http_req *r) {
+  zt_coord *c = r->c;
+  sbuf b = {malloc(4096), 0, 4096};
+  if (!b.buf) abort();
+  uint32_t n[5];
+  zt_members_count(c, n);
+  metric_head(&b, "ztrain_workers", "gauge", "Known workers by state.");
+  for (int s = ZT_WORKER_ALIVE; s <= ZT_WORKER_LEFT; s++)
+    sb_printf(&b, "ztrain_workers{state=\"%s\"} %u\n", zt_worker_state_name(s), n[s]);
+  int jobs[8] = {0};
+  for (zt_job *j = c->jobs; j; j = j->next)
+    if (j->row.state >= 0 && j->row.state < 8) jobs[j->row.state]++;
+  metric_head(&b, "ztrain_jobs", "gauge", "Jobs by state.");
+  for (int s = ZT_JOB_PENDING; s <= ZT_JOB_CANCELED; s++)
+    sb_printf(&b, "ztrain_jobs{state=\"%s\"} %d\n", zt_job_state_name(s), jobs[s]);
+  JOB_SERIES(&b, "ztrain_job_steps_total", "counter", "Training steps completed.", j->row.step);
+  JOB_SERIES(&b, "ztrain_job_restarts_total", "counter",
+             "Generations started after the first (restarts).", j->row.restarts);
+  JOB_SERIES(&b, "ztrain_job_loss", "gauge", "Training loss of the last step.", j->last.loss);
+  JOB_SERIES(&b, "ztrain_job_learning_rate", "gauge", "Learning rate of the last step.",
+             j->last.lr);
+  JOB_SERIES(&b, "ztrain_job_grad_norm", "gauge", "Global gradient norm of the last step.",
+             j->last.grad_norm);
+  JOB_SERIES(&b, "ztrain_job_tokens_per_second", "gauge", "Training throughput, tokens per second.",
+             j->last.tokens_per_s);
+  JOB_SERIES(&b, "ztrain_job_world_size", "gauge", "Ranks in the current generation.",
+             j->row.world);
+  JOB_SERIES(&b, "ztrain_job_generation", "gauge", "Current generation number.",
+             j->row.generation);
+  metric_head(&b, "ztrain_coordinator_uptime_seconds", "gauge", "Seconds since zcoord started.");
+  sb_printf(&b, "ztrain_coordinator_uptime_seconds %.3f\n",
+            (double)(zt_wall_ms() - c->started_ms) / 1000.0);
+  metric_head(&b, "ztrain_coordinator_epoch", "gauge", "Coordinator starts on this database.");
+  sb_printf(&b, "ztrain_coordinator_epoch %lld\n", (long long)c->epoch);
+  r->status = 200;
+  r->ctype = "text/plain; version=0.0.4; charset=utf-8";
+  r->resp = b.buf;
+  r->resp_len = b.len;
+}
+
 typedef struct {
   const char *method;
   const char *path; /* a trailing '*' matches any rest */
   void (*fn)(zt_http_req *r);
+  int mutating;     /* needs the bearer token when one is configured */
 } route;
 
 static int path_match(const char *pat, const char *url) {
@@ -259,13 +363,22 @@ static int path_match(const char *pat, const char *url) {
 }
 
 static const route k_routes[] = {
-    {"GET", "/healthz", r_healthz},
-    {"GET", "/v1/status", r_status},
-    {"GET", "/v1/workers", r_workers},
-    {"GET", "/v1/events", r_events},
-    {"GET", "/v1/jobs", r_jobs},
-    {"GET", "/v1/jobs/*", r_job},
+    {"GET", "/healthz", r_healthz, 0},
+    {"GET", "/v1/status", r_status, 0},
+    {"GET", "/v1/workers", r_workers, 0},
+    {"GET", "/v1/events", r_events, 0},
+    {"GET", "/v1/jobs", r_jobs, 0},
+    {"POST", "/v1/jobs", r_submit, 1},
+    {"GET", "/v1/jobs/*", r_job, 0},
+    {"GET", "/metrics", r_metrics, 0},
 };
+
+static int authorized(zt_http_req *r) {
+  const char *tok = r->c->cfg.api_token;
+  if (!tok[0]) return 1;
+  const char *a = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Authorization");
+  return a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, tok);
+}
 
 /* Runs on the loop thread. */
 static void route_on_loop(void *arg) {
@@ -274,10 +387,15 @@ static void route_on_loop(void *arg) {
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++) {
     if (!path_match(k_routes[i].path, r->url)) continue;
     if (strcmp(k_routes[i].method, r->method) == 0) {
+      if (k_routes[i].mutating && !authorized(r)) {
+        zt_http_error(r, 401, "%s %s needs \"Authorization: Bearer <api_token>\"", r->method,
+                      r->url);
+        return;
+      }
       k_routes[i].fn(r);
       return;
     }
-    allow = k_routes[i].method;
+    allow = allow ? "GET, POST" : k_routes[i].method;
   }
   if (allow) {
     r->allow = allow;

@@ -34,6 +34,7 @@ struct zt_ctl {
   int64_t backoff_ms;
   uint64_t seq;
   uint64_t rng;
+  uint64_t job_id, generation; /* under mu */
 };
 
 int zt_ctl_open(const zt_ctl_opts *o, zt_ctl_t **out) {
@@ -72,7 +73,16 @@ void zt_ctl_close(zt_ctl_t *c) {
   free(c);
 }
 
-uint64_t zt_ctl_worker_id(zt_ctl_t *c) { return c->worker_id; }
+uint64_t zt_ctl_worker_id(zt_ctl_t *c) { return __atomic_load_n(&c->worker_id, __ATOMIC_ACQUIRE); }
+
+zt_rpc_client_t *zt_ctl_rpc(zt_ctl_t *c) { return c->rpc; }
+
+void zt_ctl_set_assignment(zt_ctl_t *c, uint64_t job_id, uint64_t generation) {
+  pthread_mutex_lock(&c->mu);
+  c->job_id = job_id;
+  c->generation = generation;
+  pthread_mutex_unlock(&c->mu);
+}
 
 void zt_ctl_stop(zt_ctl_t *c, const char *reason) {
   pthread_mutex_lock(&c->mu);
@@ -147,7 +157,7 @@ static int do_register(zt_ctl_t *c, int *fatal) {
     return -1;
   }
   Ztrain__RegisterReply *r = (Ztrain__RegisterReply *)m;
-  c->worker_id = r->worker_id;
+  __atomic_store_n(&c->worker_id, r->worker_id, __ATOMIC_RELEASE);
   c->heartbeat_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
   if (c->epoch && c->epoch != r->coordinator_epoch)
     ZT_INFO("coordinator restarted (epoch %llu -> %llu)", (unsigned long long)c->epoch,
@@ -164,12 +174,17 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   Ztrain__HeartbeatRequest req = ZTRAIN__HEARTBEAT_REQUEST__INIT;
   req.worker_id = c->worker_id;
   req.seq = ++c->seq;
+  pthread_mutex_lock(&c->mu);
+  req.job_id = c->job_id;
+  req.generation = c->generation;
+  pthread_mutex_unlock(&c->mu);
   ProtobufCMessage *m;
   if (call(c, "/ztrain.Control/Heartbeat", &req.base, &ztrain__heartbeat_reply__descriptor, &m,
            status) != 0)
     return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
   if (r->heartbeat_ms) c->heartbeat_ms = r->heartbeat_ms;
+  if (c->o.on_command) c->o.on_command(c->o.user, r->command, r->job_id, r->generation);
   if (r->coordinator_epoch != c->epoch) {
     ZT_INFO("coordinator restarted (epoch %llu -> %llu); still worker %llu",
             (unsigned long long)c->epoch, (unsigned long long)r->coordinator_epoch,
@@ -229,6 +244,7 @@ int zt_ctl_run(zt_ctl_t *c) {
     if (status == ZT_RPC_NOT_FOUND || status == ZT_RPC_FAILED_PRECONDITION) {
       ZT_WARN("%s; registering again", zt_err_msg());
       registered = 0;
+      if (c->o.on_command) c->o.on_command(c->o.user, ZTRAIN__COMMAND__COMMAND_STOP, 0, 0);
       continue;
     }
     if (!failing++) ZT_WARN("heartbeat failed (will retry with backoff): %s", zt_err_msg());

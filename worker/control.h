@@ -27,6 +27,11 @@ typedef struct {
   const char *secret; /* may be NULL */
   int64_t rpc_timeout_ms;  /* per call; 0: 2000 */
   int64_t backoff_max_ms;  /* 0: 5000 */
+  /* Called on the control thread with every heartbeat reply's command
+   * (ztrain.proto's Command) and assignment; also with STOP when the
+   * worker had to register again (its assignment is void). */
+  void (*on_command)(void *user, int command, uint64_t job_id, uint64_t generation);
+  void *user;
 } zt_ctl_opts;
 
 int zt_ctl_open(const zt_ctl_opts *opts, zt_ctl_t **out);
@@ -35,5 +40,11 @@ void zt_ctl_close(zt_ctl_t *c);
 int zt_ctl_run(zt_ctl_t *c);
 void zt_ctl_stop(zt_ctl_t *c, const char *reason);
 uint64_t zt_ctl_worker_id(zt_ctl_t *c);
+/* The job generation this worker is working on, sent with each heartbeat. */
+void zt_ctl_set_assignment(zt_ctl_t *c, uint64_t job_id, uint64_t generation);
+
+struct zt_rpc_client;
+/* The coordinator connection, for the trainer's own calls (thread-safe). */
+struct zt_rpc_client *zt_ctl_rpc(zt_ctl_t *c);
 
 #endif
