@@ -349,6 +349,50 @@ static void r_metrics(zt_http_req *r) {
   r->resp_len = b.len;
 }
 
+/* ---- dashboard: static files ---------------------------------------------- */
+
+#define ZT_CHARTJS "/usr/share/javascript/chart.js/chart.min.js"
+
+static const char *ctype_of(const char *name) {
+  const char *dot = strrchr(name, '.');
+  if (!dot) return "application/octet-stream";
+  if (!strcmp(dot, ".html")) return "text/html; charset=utf-8";
+  if (!strcmp(dot, ".js")) return "text/javascript; charset=utf-8";
+  if (!strcmp(dot, ".css")) return "text/css; charset=utf-8";
+  if (!strcmp(dot, ".png")) return "image/png";
+  if (!strcmp(dot, ".svg")) return "image/svg+xml";
+  return "application/octet-stream";
+}
+
+/* Serves one file of the web directory. Names are plain [A-Za-z0-9._-]
+ * without a leading dot, so no path can leave the directory. */
+static void serve_file(zt_http_req *r, const char *name) {
+  char path[1024];
+  int ok = name[0] && name[0] != '.';
+  for (const char *p = name; *p; p++)
+    ok &= (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+          *p == '.' || *p == '_' || *p == '-';
+  if (!ok) {
+    zt_http_error(r, 404, "no such file: %.64s", name);
+    return;
+  }
+  if (!strcmp(name, "chart.js")) snprintf(path, sizeof path, "%s", ZT_CHARTJS);
+  else snprintf(path, sizeof path, "%s/%s", r->c->cfg.web_dir, name);
+  char *data;
+  size_t len;
+  if (zt_read_file(path, &data, &len, 16 << 20) != 0) {
+    zt_http_error(r, 404, "no such file: %.64s", name);
+    return;
+  }
+  r->status = 200;
+  r->ctype = ctype_of(name);
+  r->resp = data;
+  r->resp_len = len;
+}
+
+static void r_index(zt_http_req *r) { serve_file(r, "index.html"); }
+static void r_static(zt_http_req *r) { serve_file(r, r->url + strlen("/static/")); }
+
 typedef struct {
   const char *method;
   const char *path; /* a trailing '*' matches any rest */
@@ -371,6 +415,8 @@ static const route k_routes[] = {
     {"POST", "/v1/jobs", r_submit, 1},
     {"GET", "/v1/jobs/*", r_job, 0},
     {"GET", "/metrics", r_metrics, 0},
+    {"GET", "/", r_index, 0},
+    {"GET", "/static/*", r_static, 0},
 };
 
 static int authorized(zt_http_req *r) {

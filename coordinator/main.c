@@ -38,6 +38,7 @@ static void config_defaults(zt_coord_config *cfg) {
   cfg->heartbeat_ms = 1000;
   cfg->heartbeat_timeout_ms = 0; /* derived: 3 x heartbeat_ms */
   cfg->max_message_bytes = 4u << 20;
+  snprintf(cfg->web_dir, sizeof cfg->web_dir, "%s", ZT_WEB_DIR);
 }
 
 static int set_str(char *dst, size_t n, const char *key, const char *v) {
