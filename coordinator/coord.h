@@ -54,6 +54,8 @@ typedef struct {
   int64_t steps, micro, global_batch; /* batches in samples */
   int min_workers, max_workers;
   int64_t comm_timeout_ms;
+  char ckpt_dir[400]; /* empty: no checkpoints */
+  int64_t ckpt_every, keep_last, keep_every;
 } zt_job_params;
 
 /* A job as the loop sees it: its row, parsed parameters, and the state of
@@ -69,6 +71,14 @@ typedef struct zt_job {
   struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
   char comm_addr[ZT_MAX_WORLD][64];
   zt_db_step last; /* last reported step */
+  char start_ckpt[512]; /* committed epoch the current generation loads */
+  /* Tally of the checkpoint epoch being reported (ckpt.c). */
+  int64_t ck_step;
+  uint64_t ck_gen;
+  int ck_count;
+  uint64_t ck_bytes;
+  uint8_t ck_seen[ZT_MAX_WORLD];
+  char ck_dir[512];
   struct zt_job *next;
 } zt_job;
 
@@ -143,6 +153,16 @@ int zt_jobs_report_failure(zt_coord *c, const struct Ztrain__ReportFailureReques
                            size_t msglen);
 int zt_jobs_heartbeat_command(zt_coord *c, zt_member *m, uint64_t job_id, uint64_t gen,
                               uint64_t *out_job, uint64_t *out_gen);
+
+/* ckpt.c */
+struct Ztrain__ReportCheckpointRequest;
+int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m,
+                   const struct Ztrain__ReportCheckpointRequest *req, int *committed, char *msg,
+                   size_t msglen);
+int zt_ckpt_latest(zt_coord *c, zt_job *j, zt_db_ckpt *out, int *found);
+void zt_ckpt_gc(zt_coord *c, zt_job *j);
+int zt_jobs_report_checkpoint(zt_coord *c, const struct Ztrain__ReportCheckpointRequest *req,
+                              int *committed, char *msg, size_t msglen);
 
 /* service.c */
 void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req,

@@ -75,6 +75,20 @@ int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t er
   snprintf(p->name, sizeof p->name, "%s", cJSON_IsString(name) ? name->valuestring : "job");
   int64_t steps, micro, gbs, accum, minw, maxw, tmo;
   cJSON *el = cJSON_GetObjectItemCaseSensitive(doc, "elastic");
+  cJSON *ck = cJSON_GetObjectItemCaseSensitive(doc, "checkpoint");
+  if (ck) {
+    cJSON *d = cJSON_GetObjectItemCaseSensitive(ck, "dir");
+    if (!cJSON_IsString(d) || !d->valuestring[0] || strlen(d->valuestring) >= sizeof p->ckpt_dir ||
+        strstr(d->valuestring, "..")) {
+      snprintf(err, errlen, "checkpoint.dir: expected a path (no \"..\")");
+      goto out;
+    }
+    snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%s", d->valuestring);
+    if (get_int(ck, "every_steps", 0, 0, 1LL << 40, &p->ckpt_every, err, errlen) ||
+        get_int(ck, "keep_last", 2, 1, 1 << 20, &p->keep_last, err, errlen) ||
+        get_int(ck, "keep_every", 0, 0, 1LL << 40, &p->keep_every, err, errlen))
+      goto out;
+  }
   cJSON *comm = cJSON_GetObjectItemCaseSensitive(doc, "comm");
   if (get_int(doc, "steps", -1, 1, 1LL << 40, &steps, err, errlen) ||
       get_int(doc, "train_micro_batch_size_per_gpu", -1, 1, 1 << 20, &micro, err, errlen) ||
@@ -210,7 +224,11 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
   release_rendezvous(j, ZT_RPC_ABORTED, "generation superseded");
   release_members(c, j);
   uint64_t gen = j->row.generation + 1;
-  int64_t start_step = 0; /* no checkpoints yet: a new generation starts over */
+  /* A new generation resumes from the newest committed checkpoint. */
+  int64_t start_step = 0;
+  zt_db_ckpt ck;
+  int have_ck = 0;
+  if (j->p.ckpt_dir[0] && zt_ckpt_latest(c, j, &ck, &have_ck) == 0 && have_ck) start_step = ck.step;
   zt_db_job next = j->row;
   next.generation = gen;
   next.world = n;
@@ -230,6 +248,7 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
+  snprintf(j->start_ckpt, sizeof j->start_ckpt, "%s", have_ck ? ck.dir : "");
   for (int r = 0; r < n; r++) {
     zt_member *m = zt_members_get(c, pick[r]);
     m->job_id = j->row.id, m->gen = gen, m->rank = r;
@@ -243,6 +262,7 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
                  "generation %llu: world %d, accum %lld, start step %lld, workers [%s]; reason: %s",
                  (unsigned long long)gen, n, (long long)(micro_batches / n), (long long)start_step,
                  names, reason);
+  zt_ckpt_gc(c, j); /* pending epochs of the old generation can never commit */
   return;
 dberr:
   ZT_ERROR("job %llu: cannot form generation: %s", (unsigned long long)j->row.id, zt_err_msg());
@@ -285,6 +305,15 @@ static int load_job(const zt_db_job *row, void *user) {
     }
   }
   j->formed_ms = zt_now_ms();
+  /* The current generation resumed from the newest committed epoch that
+   * precedes it; after a restart that is still the newest one at or
+   * below the generation's start step. */
+  zt_db_ckpt ck;
+  int have = 0;
+  if (j->p.ckpt_dir[0] && zt_ckpt_latest(c, j, &ck, &have) == 0 && have) {
+    snprintf(j->start_ckpt, sizeof j->start_ckpt, "%s", ck.dir);
+    j->start_step = ck.step;
+  }
   zt_job **tail = &c->jobs;
   while (*tail) tail = &(*tail)->next;
   *tail = j;
@@ -385,6 +414,7 @@ static void reply_rendezvous(zt_coord *c, zt_job *j) {
     rep.start_step = j->start_step;
     rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
     rep.comm_timeout_ms = j->p.comm_timeout_ms;
+    rep.checkpoint_dir = j->start_ckpt;
     size_t n = ztrain__rendezvous_reply__get_packed_size(&rep);
     uint8_t *buf = malloc(n);
     if (!buf) abort();
@@ -487,6 +517,15 @@ int zt_jobs_report_failure(zt_coord *c, const Ztrain__ReportFailureRequest *req,
   snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);
   try_form(c, j, why);
   return ZT_RPC_OK;
+}
+
+int zt_jobs_report_checkpoint(zt_coord *c, const Ztrain__ReportCheckpointRequest *req,
+                              int *committed, char *msg, size_t msglen) {
+  zt_job *j;
+  zt_member *m;
+  int st = fence(c, req->worker_id, req->job_id, req->generation, &j, &m, msg, msglen);
+  if (st != ZT_RPC_OK) return st;
+  return zt_ckpt_report(c, j, m, req, committed, msg, msglen);
 }
 
 int zt_jobs_heartbeat_command(zt_coord *c, zt_member *m, uint64_t job_id, uint64_t gen,

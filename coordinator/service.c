@@ -130,7 +130,80 @@ static ProtobufCMessage *h_report_failure(zt_coord *c, zt_rpc_call_t *call,
   return &r->base;
 }
 
+static ProtobufCMessage *h_report_checkpoint(zt_coord *c, zt_rpc_call_t *call,
+                                             const ProtobufCMessage *m, rpc_outcome *out) {
+  (void)call;
+  int committed = 0;
+  out->status = zt_jobs_report_checkpoint(c, (const Ztrain__ReportCheckpointRequest *)m,
+                                          &committed, out->msg, sizeof out->msg);
+  if (out->status != ZT_RPC_OK) return NULL;
+  Ztrain__ReportCheckpointReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__report_checkpoint_reply__init(r);
+  r->committed = committed;
+  return &r->base;
+}
+
 /* ---- Status ------------------------------------------------------------ */
+
+static const char *k_ckpt_states[] = {"pending", "committed", "deleted"};
+
+typedef struct {
+  Ztrain__ListCheckpointsReply *r;
+  size_t cap;
+} ckpt_acc;
+
+static int collect_ckpt(const zt_db_ckpt *k, void *user) {
+  ckpt_acc *a = user;
+  if (a->r->n_checkpoints == a->cap) {
+    a->cap = a->cap ? a->cap * 2 : 16;
+    a->r->checkpoints = realloc(a->r->checkpoints, a->cap * sizeof *a->r->checkpoints);
+    if (!a->r->checkpoints) abort();
+  }
+  size_t dl = strlen(k->dir) + 1;
+  Ztrain__CheckpointInfo *x = malloc(sizeof *x + dl);
+  if (!x) abort();
+  ztrain__checkpoint_info__init(x);
+  x->step = k->step;
+  x->generation = k->generation;
+  x->state = (char *)k_ckpt_states[k->state >= 0 && k->state < 3 ? k->state : 0];
+  x->dir = (char *)(x + 1);
+  memcpy(x->dir, k->dir, dl);
+  x->bytes = k->bytes;
+  x->t_ms = k->t_ms;
+  x->world = (uint32_t)k->world;
+  a->r->checkpoints[a->r->n_checkpoints++] = x;
+  return 0;
+}
+
+static void free_list_ckpts(ProtobufCMessage *m) {
+  Ztrain__ListCheckpointsReply *r = (Ztrain__ListCheckpointsReply *)m;
+  for (size_t i = 0; i < r->n_checkpoints; i++) free(r->checkpoints[i]);
+  free(r->checkpoints);
+  free(r);
+}
+
+static ProtobufCMessage *h_list_checkpoints(zt_coord *c, zt_rpc_call_t *call,
+                                            const ProtobufCMessage *m, rpc_outcome *out) {
+  (void)call;
+  uint64_t id = ((const Ztrain__ListCheckpointsRequest *)m)->job_id;
+  if (!zt_jobs_get(c, id)) {
+    out->status = ZT_RPC_NOT_FOUND;
+    snprintf(out->msg, sizeof out->msg, "unknown job %llu", (unsigned long long)id);
+    return NULL;
+  }
+  Ztrain__ListCheckpointsReply *r = malloc(sizeof *r);
+  if (!r) abort();
+  ztrain__list_checkpoints_reply__init(r);
+  ckpt_acc a = {r, 0};
+  if (zt_db_ckpts_each(c->db, id, collect_ckpt, &a) != 0) {
+    free_list_ckpts(&r->base);
+    out->status = ZT_RPC_UNAVAILABLE;
+    snprintf(out->msg, sizeof out->msg, "%s", zt_err_msg());
+    return NULL;
+  }
+  return &r->base;
+}
 
 /* Mutating Status calls need "authorization: Bearer <api_token>" when an
  * API token is configured. */
@@ -407,6 +480,10 @@ static const method_entry k_methods[] = {
     {"/ztrain.Control/ReportStep", &ztrain__report_step_request__descriptor, h_report_step},
     {"/ztrain.Control/ReportFailure", &ztrain__report_failure_request__descriptor,
      h_report_failure},
+    {"/ztrain.Control/ReportCheckpoint", &ztrain__report_checkpoint_request__descriptor,
+     h_report_checkpoint},
+    {"/ztrain.Status/ListCheckpoints", &ztrain__list_checkpoints_request__descriptor,
+     h_list_checkpoints},
     {"/ztrain.Status/SubmitJob", &ztrain__submit_job_request__descriptor, h_submit_job},
     {"/ztrain.Status/ListJobs", &ztrain__list_jobs_request__descriptor, h_list_jobs},
     {"/ztrain.Status/GetJob", &ztrain__get_job_request__descriptor, h_get_job},
@@ -425,6 +502,7 @@ static void free_reply(ProtobufCMessage *m) {
   else if (m->descriptor == &ztrain__list_jobs_reply__descriptor) free_list_jobs(m);
   else if (m->descriptor == &ztrain__get_job_reply__descriptor) free_get_job(m);
   else if (m->descriptor == &ztrain__get_metrics_reply__descriptor) free_get_metrics(m);
+  else if (m->descriptor == &ztrain__list_checkpoints_reply__descriptor) free_list_ckpts(m);
   else free(m);
 }
 

@@ -72,6 +72,17 @@ static const char *const k_migrations[] = {
     "  loss REAL, grad_norm REAL, lr REAL, tokens_per_s REAL, val_loss REAL,"
     "  t_ms INTEGER NOT NULL,"
     "  PRIMARY KEY(job_id, step));",
+    /* 3: checkpoint epochs */
+    "CREATE TABLE checkpoints("
+    "  job_id INTEGER NOT NULL,"
+    "  step INTEGER NOT NULL,"
+    "  gen INTEGER NOT NULL,"
+    "  world INTEGER NOT NULL,"
+    "  dir TEXT NOT NULL,"
+    "  state INTEGER NOT NULL,"
+    "  bytes INTEGER NOT NULL DEFAULT 0,"
+    "  t_ms INTEGER NOT NULL,"
+    "  PRIMARY KEY(job_id, step, gen));",
 };
 
 enum {
@@ -97,6 +108,8 @@ enum {
   ST_MEMBERS_GEN,
   ST_STEP_PUT,
   ST_STEPS_RANGE,
+  ST_CKPT_PUT,
+  ST_CKPTS_JOB,
   ST_COUNT
 };
 
@@ -138,6 +151,10 @@ static const char *const k_sql[ST_COUNT] = {
                     "tokens_per_s, val_loss, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
     [ST_STEPS_RANGE] = "SELECT step, gen, loss, grad_norm, lr, tokens_per_s, val_loss, t_ms "
                        "FROM steps WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 ORDER BY step",
+    [ST_CKPT_PUT] = "INSERT OR REPLACE INTO checkpoints(job_id, step, gen, world, dir, state, bytes, "
+                    "t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    [ST_CKPTS_JOB] = "SELECT step, gen, world, dir, state, bytes, t_ms FROM checkpoints "
+                     "WHERE job_id = ?1 ORDER BY step, gen",
 };
 
 struct zt_db {
@@ -514,5 +531,41 @@ int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_
   }
   sqlite3_reset(st);
   if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list steps");
+  return ret;
+}
+
+/* ---- checkpoint epochs ------------------------------------------------------ */
+
+int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt *k) {
+  sqlite3_stmt *st = db->st[ST_CKPT_PUT];
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  sqlite3_bind_int64(st, 2, k->step);
+  sqlite3_bind_int64(st, 3, (int64_t)k->generation);
+  sqlite3_bind_int(st, 4, k->world);
+  sqlite3_bind_text(st, 5, k->dir, -1, SQLITE_STATIC);
+  sqlite3_bind_int(st, 6, k->state);
+  sqlite3_bind_int64(st, 7, (int64_t)k->bytes);
+  sqlite3_bind_int64(st, 8, k->t_ms);
+  return run(db, st, "store checkpoint");
+}
+
+int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user) {
+  sqlite3_stmt *st = db->st[ST_CKPTS_JOB];
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  int rc, ret = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    zt_db_ckpt k;
+    memset(&k, 0, sizeof k);
+    k.step = sqlite3_column_int64(st, 0);
+    k.generation = (uint64_t)sqlite3_column_int64(st, 1);
+    k.world = sqlite3_column_int(st, 2);
+    copy_text(k.dir, sizeof k.dir, st, 3);
+    k.state = sqlite3_column_int(st, 4);
+    k.bytes = (uint64_t)sqlite3_column_int64(st, 5);
+    k.t_ms = sqlite3_column_int64(st, 6);
+    if ((ret = fn(&k, user)) != 0) break;
+  }
+  sqlite3_reset(st);
+  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list checkpoints");
   return ret;
 }

@@ -130,4 +130,23 @@ typedef int (*zt_db_step_fn)(const zt_db_step *s, void *user);
 int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
                      void *user);
 
+/* ---- checkpoint epochs (schema version 3) --------------------------------- */
+
+typedef enum { ZT_CKPT_PENDING = 0, ZT_CKPT_COMMITTED = 1, ZT_CKPT_DELETED = 2 } zt_ckpt_state_t;
+
+typedef struct {
+  int64_t step;
+  uint64_t generation;
+  int world;
+  char dir[512];
+  int state;
+  uint64_t bytes;
+  int64_t t_ms;
+} zt_db_ckpt;
+
+int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt *k);
+typedef int (*zt_db_ckpt_fn)(const zt_db_ckpt *k, void *user);
+/* Every epoch of a job, oldest step first. */
+int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user);
+
 #endif
