@@ -131,6 +131,11 @@ int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m, const Ztrain__ReportChe
     snprintf(msg, msglen, "checkpoint dir %.200s is not under %.200s", req->dir, root);
     return ZT_RPC_INVALID_ARGUMENT;
   }
+  if (j->poisoned_from && req->step >= j->poisoned_from) {
+    snprintf(msg, msglen, "checkpoint at step %lld refused: the loss was not finite at step %lld",
+             (long long)req->step, (long long)j->poisoned_from);
+    return ZT_RPC_FAILED_PRECONDITION;
+  }
   if (req->step < 1 || req->step > j->row.total_steps) {
     snprintf(msg, msglen, "checkpoint step %lld out of range", (long long)req->step);
     return ZT_RPC_INVALID_ARGUMENT;
@@ -179,5 +184,34 @@ int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m, const Ztrain__ReportChe
   j->ck_count = -1000000; /* done: later duplicates do not re-commit */
   *committed = 1;
   zt_ckpt_gc(c, j);
+  zt_jobs_checkpoint_committed(c, j);
   return ZT_RPC_OK;
+}
+
+typedef struct {
+  int64_t after;
+  ckpt_batch *b;
+} after_ctx;
+
+static int collect_after(const zt_db_ckpt *k, void *user) {
+  after_ctx *a = user;
+  if (k->state != ZT_CKPT_DELETED && k->step > a->after && a->b->n < (int)ZT_ARRAY_LEN(a->b->k))
+    a->b->k[a->b->n++] = *k;
+  return 0;
+}
+
+/* Deletes every epoch after `step`: after a rollback they hold the state
+ * being abandoned and must never be loaded. */
+void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step) {
+  static ckpt_batch b;
+  b.n = 0;
+  after_ctx a = {step, &b};
+  if (zt_db_ckpts_each(c->db, j->row.id, collect_after, &a) != 0) return;
+  for (int i = 0; i < b.n; i++) {
+    b.k[i].state = ZT_CKPT_DELETED;
+    if (zt_db_ckpt_put(c->db, j->row.id, &b.k[i]) != 0) continue;
+    rm_tree(b.k[i].dir);
+    zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld: after the rollback target: %s",
+                   (long long)b.k[i].step, b.k[i].dir);
+  }
 }

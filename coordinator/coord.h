@@ -17,6 +17,7 @@
 #include <uv.h>
 
 #include "zt_common.h"
+#include "spike.h"
 #include "zt_db.h"
 #include "zt_rpc.h"
 
@@ -41,6 +42,7 @@ typedef struct {
   int64_t last_hb_mono_ms; /* monotonic time of the last heartbeat or register */
   uint64_t hb_seq;
   int dirty; /* last_seen not yet flushed to SQLite */
+  int draining; /* leaving after the next committed checkpoint */
   /* Assignment: the job generation this worker belongs to (0: idle). */
   uint64_t job_id, gen;
   int rank;
@@ -56,6 +58,10 @@ typedef struct {
   int64_t comm_timeout_ms;
   char ckpt_dir[400]; /* empty: no checkpoints */
   int64_t ckpt_every, keep_last, keep_every;
+  /* rollback{...} */
+  int rb_enabled;
+  int64_t rb_window, rb_patience, rb_margin, rb_skip, rb_cooldown, rb_max, rb_per_steps;
+  double rb_threshold, rb_lr_factor;
 } zt_job_params;
 
 /* A job as the loop sees it: its row, parsed parameters, and the state of
@@ -79,6 +85,14 @@ typedef struct zt_job {
   uint64_t ck_bytes;
   uint8_t ck_seen[ZT_MAX_WORLD];
   char ck_dir[512];
+  /* Checkpoint-now requested (drain, scale-up); re-form after its commit. */
+  int ckpt_request;
+  char reform_reason[256];
+  /* Rollback. */
+  zt_spike det;
+  int64_t poisoned_from; /* first step with a non-finite loss; 0: none */
+  char rb_ckpt_dir[512]; /* forced start of the next generation */
+  int64_t rb_ckpt_step;  /* -1: none forced */
   struct zt_job *next;
 } zt_job;
 
@@ -151,6 +165,15 @@ int zt_jobs_report_step(zt_coord *c, const struct Ztrain__ReportStepRequest *req
                         char *msg, size_t msglen);
 int zt_jobs_report_failure(zt_coord *c, const struct Ztrain__ReportFailureRequest *req, char *msg,
                            size_t msglen);
+/* Operator actions: "pause", "resume", "cancel", "rollback". */
+int zt_jobs_action(zt_coord *c, uint64_t job_id, const char *action, int64_t to_step,
+                   int64_t skip_steps, char *msg, size_t msglen);
+/* Drains a worker (by name or id): checkpoint, then leave its job. */
+int zt_jobs_drain(zt_coord *c, zt_member *m, char *msg, size_t msglen);
+/* Leave from a worker in a checkpointed job turns into a drain: returns 1
+ * when the worker must keep going until told to stop. */
+int zt_jobs_leave_drains(zt_coord *c, zt_member *m);
+void zt_jobs_checkpoint_committed(zt_coord *c, zt_job *j);
 int zt_jobs_heartbeat_command(zt_coord *c, zt_member *m, uint64_t job_id, uint64_t gen,
                               uint64_t *out_job, uint64_t *out_gen);
 
@@ -161,6 +184,9 @@ int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m,
                    size_t msglen);
 int zt_ckpt_latest(zt_coord *c, zt_job *j, zt_db_ckpt *out, int *found);
 void zt_ckpt_gc(zt_coord *c, zt_job *j);
+void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step);
+int zt_jobs_rollback(zt_coord *c, zt_job *j, int64_t first_step, int64_t last_step,
+                     int64_t max_ckpt_step, int64_t skip_steps, const char *why);
 int zt_jobs_report_checkpoint(zt_coord *c, const struct Ztrain__ReportCheckpointRequest *req,
                               int *committed, char *msg, size_t msglen);
 

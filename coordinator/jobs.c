@@ -95,6 +95,33 @@ int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t er
       get_int(doc, "gradient_accumulation_steps", 1, 1, 1 << 20, &accum, err, errlen) ||
       get_int(doc, "train_batch_size", micro * accum, 1, 1LL << 40, &gbs, err, errlen))
     goto out;
+  cJSON *rb = cJSON_GetObjectItemCaseSensitive(doc, "rollback");
+  p->rb_enabled = 1;
+  p->rb_threshold = 6.0;
+  p->rb_lr_factor = 0.5;
+  if (rb) {
+    cJSON *en = cJSON_GetObjectItemCaseSensitive(rb, "enabled");
+    if (en) p->rb_enabled = cJSON_IsTrue(en);
+    cJSON *th = cJSON_GetObjectItemCaseSensitive(rb, "threshold");
+    cJSON *lf = cJSON_GetObjectItemCaseSensitive(rb, "lr_factor");
+    if ((th && (!cJSON_IsNumber(th) || th->valuedouble <= 0)) ||
+        (lf && (!cJSON_IsNumber(lf) || lf->valuedouble <= 0 || lf->valuedouble > 1))) {
+      snprintf(err, errlen, "rollback.threshold must be > 0 and rollback.lr_factor in (0, 1]");
+      goto out;
+    }
+    if (th) p->rb_threshold = th->valuedouble;
+    if (lf) p->rb_lr_factor = lf->valuedouble;
+  }
+  cJSON *rbo = rb ? rb : doc;
+  int real = rb != NULL;
+  if (get_int(rbo, real ? "window" : "__none", 100, 5, ZT_SPIKE_MAX_WINDOW, &p->rb_window, err, errlen) ||
+      get_int(rbo, real ? "patience" : "__none", 3, 1, 1000, &p->rb_patience, err, errlen) ||
+      get_int(rbo, real ? "margin_steps" : "__none", 0, 0, 1LL << 40, &p->rb_margin, err, errlen) ||
+      get_int(rbo, real ? "skip_steps" : "__none", 10, 0, 1LL << 40, &p->rb_skip, err, errlen) ||
+      get_int(rbo, real ? "cooldown_steps" : "__none", 50, 0, 1LL << 40, &p->rb_cooldown, err, errlen) ||
+      get_int(rbo, real ? "max_rollbacks" : "__none", 3, 0, 1000, &p->rb_max, err, errlen) ||
+      get_int(rbo, real ? "per_steps" : "__none", 1000, 1, 1LL << 40, &p->rb_per_steps, err, errlen))
+    goto out;
   if (get_int(el ? el : doc, el ? "min_workers" : "__none", 1, 1, ZT_MAX_WORLD, &minw, err,
               errlen) ||
       get_int(el ? el : doc, el ? "max_workers" : "__none", minw, 1, ZT_MAX_WORLD, &maxw, err,
@@ -188,9 +215,74 @@ static void finish(zt_coord *c, zt_job *j, int state, const char *kind, const ch
   zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
 }
 
+typedef struct {
+  int64_t max_step;
+  zt_db_ckpt best;
+  int found;
+} pick_ctx;
+
+static int pick_before(const zt_db_ckpt *k, void *user) {
+  pick_ctx *p = user;
+  if (k->state == ZT_CKPT_COMMITTED && k->step <= p->max_step &&
+      (!p->found || k->step >= p->best.step))
+    p->best = *k, p->found = 1;
+  return 0;
+}
+
 /* ---- scheduling ---------------------------------------------------------------- */
 
-static int member_usable(const zt_member *m) { return m && m->row.state == ZT_WORKER_ALIVE; }
+static int member_usable(const zt_member *m) {
+  return m && m->row.state == ZT_WORKER_ALIVE && !m->draining;
+}
+
+/* ---- data skip ranges (stream positions) -------------------------------------- */
+
+typedef struct {
+  uint64_t start, end;
+} skip_range;
+
+static int parse_skips(const char *s, skip_range *out, int max) {
+  int n = 0;
+  while (s && *s && n < max) {
+    unsigned long long a, b;
+    if (sscanf(s, "%llu-%llu", &a, &b) != 2) break;
+    out[n].start = a, out[n].end = b, n++;
+    s = strchr(s, ',');
+    if (s) s++;
+  }
+  return n;
+}
+
+/* Stream position of logical position q: q moved past every skip range
+ * that starts at or before it (ranges sorted by start). Mirrors the data
+ * loader's mapping exactly. */
+static uint64_t stream_pos(const skip_range *r, int n, uint64_t q) {
+  uint64_t p = q;
+  for (int i = 0; i < n; i++)
+    if (r[i].start <= p) p += r[i].end - r[i].start;
+  return p;
+}
+
+static void add_skip(zt_job *j, uint64_t start, uint64_t end) {
+  skip_range r[64];
+  int n = parse_skips(j->row.skips, r, 63);
+  int at = n;
+  for (int i = 0; i < n; i++)
+    if (r[i].start > start) {
+      at = i;
+      break;
+    }
+  memmove(&r[at + 1], &r[at], (size_t)(n - at) * sizeof *r);
+  r[at].start = start, r[at].end = end;
+  n++;
+  char buf[sizeof j->row.skips] = "";
+  for (int i = 0; i < n; i++) {
+    size_t l = strlen(buf);
+    snprintf(buf + l, sizeof buf - l, "%s%llu-%llu", i ? "," : "", (unsigned long long)r[i].start,
+             (unsigned long long)r[i].end);
+  }
+  snprintf(j->row.skips, sizeof j->row.skips, "%s", buf);
+}
 
 /* Forms the next generation if enough workers are available. */
 static void try_form(zt_coord *c, zt_job *j, const char *reason) {
@@ -228,7 +320,14 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
   int64_t start_step = 0;
   zt_db_ckpt ck;
   int have_ck = 0;
-  if (j->p.ckpt_dir[0] && zt_ckpt_latest(c, j, &ck, &have_ck) == 0 && have_ck) start_step = ck.step;
+  if (j->rb_ckpt_step >= 0) { /* a rollback chose the epoch (or a fresh start) */
+    have_ck = j->rb_ckpt_dir[0] != 0;
+    ck.step = j->rb_ckpt_step;
+    snprintf(ck.dir, sizeof ck.dir, "%s", j->rb_ckpt_dir);
+    start_step = j->rb_ckpt_step;
+  } else if (j->p.ckpt_dir[0] && zt_ckpt_latest(c, j, &ck, &have_ck) == 0 && have_ck) {
+    start_step = ck.step;
+  }
   zt_db_job next = j->row;
   next.generation = gen;
   next.world = n;
@@ -245,6 +344,11 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
     goto dberr;
   }
   j->row = next;
+  j->rb_ckpt_step = -1;
+  j->rb_ckpt_dir[0] = 0;
+  j->ckpt_request = 0;
+  j->poisoned_from = 0;
+  zt_spike_reset(&j->det);
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
@@ -268,9 +372,143 @@ dberr:
   ZT_ERROR("job %llu: cannot form generation: %s", (unsigned long long)j->row.id, zt_err_msg());
 }
 
+/* Number of idle usable workers. */
+static int idle_workers(zt_coord *c) {
+  int n = 0;
+  for (size_t i = 0; i < c->by_id_cap; i++) n += member_usable(c->by_id[i]) && !c->by_id[i]->job_id;
+  return n;
+}
+
 void zt_jobs_schedule(zt_coord *c) {
-  for (zt_job *j = c->jobs; j; j = j->next)
-    if (j->row.state == ZT_JOB_PENDING) try_form(c, j, "enough workers");
+  for (zt_job *j = c->jobs; j; j = j->next) {
+    if (j->row.state == ZT_JOB_PENDING) {
+      try_form(c, j, "enough workers");
+    } else if (j->row.state == ZT_JOB_RUNNING && j->p.ckpt_dir[0] && !j->ckpt_request &&
+               j->row.world < j->p.max_workers) {
+      /* Scale up at a checkpoint boundary: ask for one now if a larger
+       * valid world is available. */
+      int avail = j->row.world + idle_workers(c), n = ZT_MIN(avail, j->p.max_workers);
+      while (n > j->row.world && (j->p.global_batch / j->p.micro) % n != 0) n--;
+      if (n > j->row.world) {
+        j->ckpt_request = 1;
+        snprintf(j->reform_reason, sizeof j->reform_reason, "scale-up from %d to %d workers",
+                 j->row.world, n);
+        zt_coord_event(c, j->row.id, "checkpoint_requested", 0, "%s", j->reform_reason);
+      }
+    }
+  }
+}
+
+void zt_jobs_checkpoint_committed(zt_coord *c, zt_job *j) {
+  if (!j->ckpt_request) return;
+  j->ckpt_request = 0;
+  char reason[300];
+  snprintf(reason, sizeof reason, "%s after checkpoint step %lld", j->reform_reason,
+           (long long)j->ck_step);
+  try_form(c, j, reason);
+  /* Drained workers are out now; they are told STOP and stay idle. */
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    zt_member *m = c->by_id[i];
+    if (m && m->draining && m->job_id != j->row.id)
+      zt_coord_event(c, j->row.id, "drained", m->row.id, "worker %s left the job at step %lld",
+                     m->row.name, (long long)j->ck_step);
+  }
+}
+
+int zt_jobs_drain(zt_coord *c, zt_member *m, char *msg, size_t msglen) {
+  zt_job *j = m->job_id ? zt_jobs_get(c, m->job_id) : NULL;
+  m->draining = 1;
+  if (!j || !job_active(j)) {
+    snprintf(msg, msglen, "worker %s is idle; it will not be scheduled", m->row.name);
+    return ZT_RPC_OK;
+  }
+  if (!j->p.ckpt_dir[0]) {
+    snprintf(msg, msglen, "job %llu has no checkpoints: worker %s leaves now",
+             (unsigned long long)j->row.id, m->row.name);
+    zt_jobs_member_gone(c, m, "drained");
+    return ZT_RPC_OK;
+  }
+  j->ckpt_request = 1;
+  snprintf(j->reform_reason, sizeof j->reform_reason, "drain of worker %s", m->row.name);
+  zt_coord_event(c, j->row.id, "checkpoint_requested", m->row.id, "%s", j->reform_reason);
+  snprintf(msg, msglen, "worker %s leaves job %llu after the next checkpoint", m->row.name,
+           (unsigned long long)j->row.id);
+  return ZT_RPC_OK;
+}
+
+int zt_jobs_leave_drains(zt_coord *c, zt_member *m) {
+  zt_job *j = m->job_id ? zt_jobs_get(c, m->job_id) : NULL;
+  if (!j || !job_active(j) || !j->p.ckpt_dir[0] || j->row.state != ZT_JOB_RUNNING) return 0;
+  char msg[256];
+  zt_jobs_drain(c, m, msg, sizeof msg);
+  return 1;
+}
+
+int zt_jobs_action(zt_coord *c, uint64_t id, const char *action, int64_t to_step,
+                   int64_t skip_steps, char *msg, size_t msglen) {
+  zt_job *j = zt_jobs_get(c, id);
+  if (!j) {
+    snprintf(msg, msglen, "unknown job %llu", (unsigned long long)id);
+    return ZT_RPC_NOT_FOUND;
+  }
+  if (!strcmp(action, "pause") || !strcmp(action, "cancel")) {
+    if (!job_active(j)) {
+      snprintf(msg, msglen, "job %llu is %s", (unsigned long long)id,
+               zt_job_state_name(j->row.state));
+      return ZT_RPC_FAILED_PRECONDITION;
+    }
+    int pause = action[0] == 'p';
+    finish(c, j, pause ? ZT_JOB_PAUSED : ZT_JOB_CANCELED, pause ? "job_paused" : "job_canceled",
+           "%s by operator at step %lld", pause ? "paused" : "canceled", (long long)j->row.step);
+    snprintf(msg, msglen, "%s", j->row.message);
+    zt_jobs_schedule(c);
+    return ZT_RPC_OK;
+  }
+  if (!strcmp(action, "resume")) {
+    if (j->row.state != ZT_JOB_PAUSED) {
+      snprintf(msg, msglen, "job %llu is %s, not paused", (unsigned long long)id,
+               zt_job_state_name(j->row.state));
+      return ZT_RPC_FAILED_PRECONDITION;
+    }
+    j->row.state = ZT_JOB_PENDING;
+    snprintf(j->row.message, sizeof j->row.message, "resumed by operator");
+    /* The rollback budget starts afresh. */
+    j->row.rollback_steps[0] = 0;
+    save_job(c, j);
+    zt_coord_event(c, j->row.id, "job_resumed", 0, "resumed at step %lld", (long long)j->row.step);
+    snprintf(msg, msglen, "job %llu resumed", (unsigned long long)id);
+    zt_jobs_schedule(c);
+    return ZT_RPC_OK;
+  }
+  if (!strcmp(action, "rollback")) {
+    if (!job_active(j) && j->row.state != ZT_JOB_PAUSED) {
+      snprintf(msg, msglen, "job %llu is %s", (unsigned long long)id,
+               zt_job_state_name(j->row.state));
+      return ZT_RPC_FAILED_PRECONDITION;
+    }
+    if (to_step < 0 || skip_steps < 0) {
+      snprintf(msg, msglen, "--to-step and --skip must be >= 0");
+      return ZT_RPC_INVALID_ARGUMENT;
+    }
+    char why[128];
+    snprintf(why, sizeof why, "operator rollback to step %lld", (long long)to_step);
+    if (j->row.state == ZT_JOB_PAUSED) j->row.state = ZT_JOB_RECONFIGURING;
+    zt_coord_event(c, j->row.id, "rollback_requested", 0, "%s, skipping %lld batches", why,
+                   (long long)skip_steps);
+    /* The skip covers skip_steps batches right after the chosen epoch. */
+    pick_ctx pc = {to_step, {0}, 0};
+    if (j->p.ckpt_dir[0]) zt_db_ckpts_each(c->db, j->row.id, pick_before, &pc);
+    int64_t from = (pc.found ? pc.best.step : 0) + 1;
+    int64_t saved_max = j->p.rb_max;
+    j->p.rb_max = 1 << 30; /* an operator's rollback is not budgeted */
+    zt_jobs_rollback(c, j, from, from - 1, to_step, skip_steps, why);
+    j->p.rb_max = saved_max;
+    snprintf(msg, msglen, "job %llu rolling back to step %lld", (unsigned long long)id,
+             (long long)(pc.found ? pc.best.step : 0));
+    return ZT_RPC_OK;
+  }
+  snprintf(msg, msglen, "unknown action \"%.32s\" (pause, resume, cancel, rollback)", action);
+  return ZT_RPC_INVALID_ARGUMENT;
 }
 
 void zt_jobs_member_gone(zt_coord *c, zt_member *m, const char *why) {
@@ -294,6 +532,9 @@ static int load_job(const zt_db_job *row, void *user) {
   char err[256];
   if (zt_job_params_parse(j->spec, &j->p, err, sizeof err) != 0)
     ZT_WARN("job %llu: stored spec no longer valid: %s", (unsigned long long)row->id, err);
+  j->rb_ckpt_step = -1;
+  zt_spike_cfg sc = {(int)j->p.rb_window, j->p.rb_threshold, (int)j->p.rb_patience, 0};
+  zt_spike_init(&j->det, &sc);
   int n = 0;
   if (j->row.generation &&
       zt_db_generation_members(c->db, j->row.id, j->row.generation, j->workers, ZT_MAX_WORLD,
@@ -344,6 +585,10 @@ int zt_jobs_submit(zt_coord *c, const char *spec, uint64_t *id, char *msg, size_
   zt_job *j = calloc(1, sizeof *j);
   if (!j) abort();
   j->p = p;
+  j->rb_ckpt_step = -1;
+  j->row.lr_factor = 1.0;
+  zt_spike_cfg sc = {(int)p.rb_window, p.rb_threshold, (int)p.rb_patience, 0};
+  zt_spike_init(&j->det, &sc);
   j->spec = strdup(spec);
   snprintf(j->row.name, sizeof j->row.name, "%s", p.name);
   j->row.spec = j->spec;
@@ -415,6 +660,19 @@ static void reply_rendezvous(zt_coord *c, zt_job *j) {
     rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
     rep.comm_timeout_ms = j->p.comm_timeout_ms;
     rep.checkpoint_dir = j->start_ckpt;
+    skip_range sk[64];
+    int nsk = parse_skips(j->row.skips, sk, 64);
+    Ztrain__SkipRange sr[64], *srp[64];
+    for (int i = 0; i < nsk; i++) {
+      ztrain__skip_range__init(&sr[i]);
+      sr[i].start = sk[i].start, sr[i].end = sk[i].end;
+      srp[i] = &sr[i];
+    }
+    rep.n_skips = (size_t)nsk;
+    rep.skips = srp;
+    rep.lr_factor = j->row.lr_factor > 0 ? j->row.lr_factor : 1.0;
+    rep.lr_factor_until = j->row.lr_until;
+    rep.rollbacks = (uint32_t)j->row.rollbacks;
     size_t n = ztrain__rendezvous_reply__get_packed_size(&rep);
     uint8_t *buf = malloc(n);
     if (!buf) abort();
@@ -462,6 +720,65 @@ void zt_jobs_rendezvous(zt_coord *c, zt_rpc_call_t *call, const Ztrain__Rendezvo
   if (++j->arrived == j->row.world) reply_rendezvous(c, j);
 }
 
+/* ---- rollback --------------------------------------------------------------- */
+
+int zt_jobs_rollback(zt_coord *c, zt_job *j, int64_t first_step, int64_t last_step,
+                     int64_t max_ckpt_step, int64_t skip_steps, const char *why) {
+  pick_ctx pc = {max_ckpt_step, {0}, 0};
+  if (j->p.ckpt_dir[0]) zt_db_ckpts_each(c->db, j->row.id, pick_before, &pc);
+  int64_t to = pc.found ? pc.best.step : 0;
+  /* Rollback budget: at most rb_max within any rb_per_steps steps. */
+  int recent = 0;
+  for (const char *p = j->row.rollback_steps; p && *p;) {
+    long long st = atoll(p);
+    if (st > last_step - j->p.rb_per_steps) recent++;
+    p = strchr(p, ',');
+    if (p) p++;
+  }
+  if (recent >= j->p.rb_max) {
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "paused: %d rollbacks within %lld steps (max_rollbacks %lld) and another spike: %s; "
+             "zctl resume continues from the last good checkpoint",
+             recent, (long long)j->p.rb_per_steps, (long long)j->p.rb_max, why);
+    j->rb_ckpt_step = to;
+    snprintf(j->rb_ckpt_dir, sizeof j->rb_ckpt_dir, "%s", pc.found ? pc.best.dir : "");
+    finish(c, j, ZT_JOB_PAUSED, "job_paused", "%s", msg);
+    return 0;
+  }
+  /* Skip the data of the spike window plus skip_steps batches. */
+  skip_range sk[64];
+  int nsk = parse_skips(j->row.skips, sk, 64);
+  uint64_t gb = (uint64_t)j->p.global_batch;
+  uint64_t lo = stream_pos(sk, nsk, (uint64_t)(first_step - 1) * gb);
+  uint64_t hi = stream_pos(sk, nsk, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
+  if (hi > lo && nsk < 63) add_skip(j, lo, hi);
+  j->row.rollbacks++;
+  size_t l = strlen(j->row.rollback_steps);
+  snprintf(j->row.rollback_steps + l, sizeof j->row.rollback_steps - l, "%s%lld", l ? "," : "",
+           (long long)last_step);
+  double old_factor = j->row.lr_factor > 0 ? j->row.lr_factor : 1.0;
+  j->row.lr_factor = j->p.rb_lr_factor;
+  j->row.lr_until = last_step + j->p.rb_cooldown;
+  j->rb_ckpt_step = to;
+  snprintf(j->rb_ckpt_dir, sizeof j->rb_ckpt_dir, "%s", pc.found ? pc.best.dir : "");
+  save_job(c, j);
+  zt_coord_event(c, j->row.id, "rollback", 0,
+                 "rollback %d: %s; restarting from %s (step %lld)", j->row.rollbacks, why,
+                 pc.found ? "checkpoint" : "initialization", (long long)to);
+  zt_coord_event(c, j->row.id, "skip_range", 0,
+                 "data of steps %lld..%lld skipped: sample stream positions [%llu, %llu)",
+                 (long long)first_step, (long long)(last_step + skip_steps),
+                 (unsigned long long)lo, (unsigned long long)hi);
+  zt_coord_event(c, j->row.id, "lr_change", 0, "learning rate x%g (was x%g) until step %lld",
+                 j->row.lr_factor, old_factor, (long long)j->row.lr_until);
+  zt_ckpt_drop_after(c, j, to);
+  char reason[300];
+  snprintf(reason, sizeof reason, "rollback to step %lld", (long long)to);
+  try_form(c, j, reason);
+  return 0;
+}
+
 int zt_jobs_report_step(zt_coord *c, const Ztrain__ReportStepRequest *req, int *command,
                         char *msg, size_t msglen) {
   zt_job *j;
@@ -488,7 +805,18 @@ int zt_jobs_report_step(zt_coord *c, const Ztrain__ReportStepRequest *req, int *
     snprintf(msg, msglen, "cannot store step: %s", zt_err_msg());
     return ZT_RPC_UNAVAILABLE;
   }
-  *command = ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
+                             : ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  if (!isfinite(req->loss) && (!j->poisoned_from || req->step < j->poisoned_from))
+    j->poisoned_from = req->step;
+  zt_spike_verdict v;
+  if (j->p.rb_enabled && zt_spike_feed(&j->det, req->step, req->loss, req->grad_norm, &v)) {
+    zt_coord_event(c, j->row.id, "spike", 0, "%s", v.reason);
+    zt_jobs_rollback(c, j, v.first_step, req->step, v.first_step - 1 - j->p.rb_margin,
+                     j->p.rb_skip, v.reason);
+    *command = ZTRAIN__COMMAND__COMMAND_ROLLBACK;
+    return ZT_RPC_OK;
+  }
   if (req->step == j->row.total_steps) {
     finish(c, j, ZT_JOB_COMPLETED, "job_completed", "completed %lld steps; final loss %.6g",
            (long long)req->step, req->loss);

@@ -85,11 +85,21 @@ static ProtobufCMessage *h_leave(zt_coord *c, zt_rpc_call_t *call, const Protobu
                                  rpc_outcome *out) {
   (void)call;
   const Ztrain__LeaveRequest *req = (const Ztrain__LeaveRequest *)m;
-  out->status = zt_members_leave(c, req->worker_id, req->reason, out->msg, sizeof out->msg);
-  if (out->status != ZT_RPC_OK) return NULL;
+  zt_member *mem = zt_members_get(c, req->worker_id);
   Ztrain__LeaveReply *r = malloc(sizeof *r);
   if (!r) abort();
   ztrain__leave_reply__init(r);
+  /* A worker that leaves a checkpointed running job drains first. */
+  if (mem && mem->row.state == ZT_WORKER_ALIVE && (mem->draining || zt_jobs_leave_drains(c, mem)) &&
+      mem->job_id) {
+    r->drain_pending = 1;
+    return &r->base;
+  }
+  out->status = zt_members_leave(c, req->worker_id, req->reason, out->msg, sizeof out->msg);
+  if (out->status != ZT_RPC_OK) {
+    free(r);
+    return NULL;
+  }
   return &r->base;
 }
 
@@ -214,6 +224,44 @@ static int authorized(zt_coord *c, zt_rpc_call_t *call, rpc_outcome *out) {
   out->status = ZT_RPC_UNAUTHENTICATED;
   snprintf(out->msg, sizeof out->msg, "this call needs a bearer token (zctl --token)");
   return 0;
+}
+
+static ProtobufCMessage *h_job_action(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                      rpc_outcome *out) {
+  if (!authorized(c, call, out)) return NULL;
+  const Ztrain__JobActionRequest *req = (const Ztrain__JobActionRequest *)m;
+  Ztrain__JobActionReply *r = malloc(sizeof *r + 512);
+  if (!r) abort();
+  ztrain__job_action_reply__init(r);
+  r->message = (char *)(r + 1);
+  out->status =
+      zt_jobs_action(c, req->job_id, req->action, req->to_step, req->skip_steps, r->message, 512);
+  if (out->status != ZT_RPC_OK) {
+    snprintf(out->msg, sizeof out->msg, "%s", r->message);
+    free(r);
+    return NULL;
+  }
+  return &r->base;
+}
+
+static ProtobufCMessage *h_drain(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
+                                 rpc_outcome *out) {
+  if (!authorized(c, call, out)) return NULL;
+  const char *w = ((const Ztrain__DrainRequest *)m)->worker;
+  char *end;
+  unsigned long long id = strtoull(w, &end, 10);
+  zt_member *mem = (*w && !*end) ? zt_members_get(c, id) : zt_members_find_name(c, w);
+  if (!mem) {
+    out->status = ZT_RPC_NOT_FOUND;
+    snprintf(out->msg, sizeof out->msg, "unknown worker \"%.64s\"", w);
+    return NULL;
+  }
+  Ztrain__DrainReply *r = malloc(sizeof *r + 512);
+  if (!r) abort();
+  ztrain__drain_reply__init(r);
+  r->message = (char *)(r + 1);
+  out->status = zt_jobs_drain(c, mem, r->message, 512);
+  return &r->base;
 }
 
 static ProtobufCMessage *h_submit_job(zt_coord *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
@@ -484,6 +532,8 @@ static const method_entry k_methods[] = {
      h_report_checkpoint},
     {"/ztrain.Status/ListCheckpoints", &ztrain__list_checkpoints_request__descriptor,
      h_list_checkpoints},
+    {"/ztrain.Status/JobAction", &ztrain__job_action_request__descriptor, h_job_action},
+    {"/ztrain.Status/Drain", &ztrain__drain_request__descriptor, h_drain},
     {"/ztrain.Status/SubmitJob", &ztrain__submit_job_request__descriptor, h_submit_job},
     {"/ztrain.Status/ListJobs", &ztrain__list_jobs_request__descriptor, h_list_jobs},
     {"/ztrain.Status/GetJob", &ztrain__get_job_request__descriptor, h_get_job},

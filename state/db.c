@@ -83,6 +83,12 @@ static const char *const k_migrations[] = {
     "  bytes INTEGER NOT NULL DEFAULT 0,"
     "  t_ms INTEGER NOT NULL,"
     "  PRIMARY KEY(job_id, step, gen));",
+    /* 4: rollback state of a job */
+    "ALTER TABLE jobs ADD COLUMN skips TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE jobs ADD COLUMN lr_factor REAL NOT NULL DEFAULT 1;"
+    "ALTER TABLE jobs ADD COLUMN lr_until INTEGER NOT NULL DEFAULT 0;"
+    "ALTER TABLE jobs ADD COLUMN rollbacks INTEGER NOT NULL DEFAULT 0;"
+    "ALTER TABLE jobs ADD COLUMN rollback_steps TEXT NOT NULL DEFAULT '';",
 };
 
 enum {
@@ -138,10 +144,12 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_JOB_INSERT] = "INSERT INTO jobs(name, spec, state, total_steps, min_workers, max_workers, "
                       "created_ms, updated_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
     [ST_JOB_UPDATE] = "UPDATE jobs SET state = ?2, generation = ?3, world = ?4, step = ?5, "
-                      "updated_ms = ?6, message = ?7, restarts = ?8 WHERE id = ?1",
+                      "updated_ms = ?6, message = ?7, restarts = ?8, skips = ?9, "
+                      "lr_factor = ?10, lr_until = ?11, rollbacks = ?12, rollback_steps = ?13 "
+                      "WHERE id = ?1",
     [ST_JOBS_ALL] = "SELECT id, name, spec, state, generation, world, step, total_steps, "
-                    "min_workers, max_workers, created_ms, updated_ms, message, restarts "
-                    "FROM jobs ORDER BY id",
+                    "min_workers, max_workers, created_ms, updated_ms, message, restarts, "
+                    "skips, lr_factor, lr_until, rollbacks, rollback_steps FROM jobs ORDER BY id",
     [ST_GEN_INSERT] = "INSERT INTO generations(job_id, gen, world, start_step, started_ms, reason) "
                       "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
     [ST_MEMBER_INSERT] = "INSERT INTO members(job_id, gen, rank, worker_id) VALUES(?1, ?2, ?3, ?4)",
@@ -427,6 +435,11 @@ int zt_db_job_update(zt_db_t *db, const zt_db_job *j) {
   sqlite3_bind_int64(st, 6, j->updated_ms);
   sqlite3_bind_text(st, 7, j->message, -1, SQLITE_STATIC);
   sqlite3_bind_int(st, 8, j->restarts);
+  sqlite3_bind_text(st, 9, j->skips, -1, SQLITE_STATIC);
+  sqlite3_bind_double(st, 10, j->lr_factor);
+  sqlite3_bind_int64(st, 11, j->lr_until);
+  sqlite3_bind_int(st, 12, j->rollbacks);
+  sqlite3_bind_text(st, 13, j->rollback_steps, -1, SQLITE_STATIC);
   return run(db, st, "update job");
 }
 
@@ -450,6 +463,11 @@ int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user) {
     j.updated_ms = sqlite3_column_int64(st, 11);
     copy_text(j.message, sizeof j.message, st, 12);
     j.restarts = sqlite3_column_int(st, 13);
+    copy_text(j.skips, sizeof j.skips, st, 14);
+    j.lr_factor = sqlite3_column_double(st, 15);
+    j.lr_until = sqlite3_column_int64(st, 16);
+    j.rollbacks = sqlite3_column_int(st, 17);
+    copy_text(j.rollback_steps, sizeof j.rollback_steps, st, 18);
     if ((ret = fn(&j, user)) != 0) break;
   }
   sqlite3_reset(st);

@@ -106,6 +106,12 @@ typedef struct {
   int64_t created_ms, updated_ms;
   char message[512];
   int restarts;
+  /* Rollback state (schema version 4). */
+  char skips[1024];          /* "start-end,start-end" stream positions, sorted */
+  double lr_factor;          /* LR multiplier for steps <= lr_until */
+  int64_t lr_until;
+  int rollbacks;
+  char rollback_steps[512];  /* "s1,s2,...": steps at which rollbacks happened */
 } zt_db_job;
 
 typedef struct {

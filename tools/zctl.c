@@ -4,7 +4,9 @@
  *   zctl [--coordinator HOST:PORT] [--json] [--token T] VERB [ARGS]
  *
  * Verbs: status, workers, events [--job J] [--after ID] [--limit N],
- * submit JOB.json, jobs, job ID, metrics JOB [--from S] [--to S].
+ * submit JOB.json, jobs, job ID, metrics JOB [--from S] [--to S],
+ * checkpoints JOB, pause|resume|cancel JOB, rollback JOB --to-step S
+ * [--skip N], drain WORKER.
  * Every verb prints a readable table, or with --json one JSON document with
  * the same field names as the HTTP API (/v1/status, /v1/workers,
  * /v1/events), so scripts can use either. The coordinator address defaults
@@ -331,6 +333,85 @@ static int cmd_submit(zctl *z, const char *path) {
   return 0;
 }
 
+static int cmd_action(zctl *z, const char *action, int argc, char **argv) {
+  Ztrain__JobActionRequest req = ZTRAIN__JOB_ACTION_REQUEST__INIT;
+  if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
+    return zt_err("%s: usage: zctl %s JOB%s", action, action,
+                  !strcmp(action, "rollback") ? " --to-step S [--skip N]" : "");
+  req.action = (char *)action;
+  req.to_step = -1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--to-step")) req.to_step = atoll(argv[i + 1]);
+    else if (!strcmp(argv[i], "--skip")) req.skip_steps = atoll(argv[i + 1]);
+    else return zt_err("%s: unknown option %s", action, argv[i]);
+  }
+  if (!strcmp(action, "rollback") && req.to_step < 0) return zt_err("rollback: --to-step S needed");
+  Ztrain__JobActionReply *r = (Ztrain__JobActionReply *)status_call(
+      z, "JobAction", &req.base, &ztrain__job_action_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "message", r->message);
+    print_json(o);
+  } else {
+    printf("%s\n", r->message);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int cmd_drain(zctl *z, const char *worker) {
+  Ztrain__DrainRequest req = ZTRAIN__DRAIN_REQUEST__INIT;
+  req.worker = (char *)worker;
+  Ztrain__DrainReply *r = (Ztrain__DrainReply *)status_call(z, "Drain", &req.base,
+                                                           &ztrain__drain_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "message", r->message);
+    print_json(o);
+  } else {
+    printf("%s\n", r->message);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
+static int cmd_checkpoints(zctl *z, const char *ids) {
+  Ztrain__ListCheckpointsRequest req = ZTRAIN__LIST_CHECKPOINTS_REQUEST__INIT;
+  if (parse_job_id(ids, &req.job_id) != 0) return -1;
+  Ztrain__ListCheckpointsReply *r = (Ztrain__ListCheckpointsReply *)status_call(
+      z, "ListCheckpoints", &req.base, &ztrain__list_checkpoints_reply__descriptor);
+  if (!r) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arr = cJSON_AddArrayToObject(o, "checkpoints");
+    for (size_t i = 0; i < r->n_checkpoints; i++) {
+      Ztrain__CheckpointInfo *k = r->checkpoints[i];
+      cJSON *x = cJSON_CreateObject();
+      cJSON_AddNumberToObject(x, "step", (double)k->step);
+      cJSON_AddNumberToObject(x, "generation", (double)k->generation);
+      cJSON_AddStringToObject(x, "state", k->state);
+      cJSON_AddNumberToObject(x, "world", k->world);
+      cJSON_AddNumberToObject(x, "bytes", (double)k->bytes);
+      cJSON_AddStringToObject(x, "dir", k->dir);
+      cJSON_AddNumberToObject(x, "t_ms", (double)k->t_ms);
+      cJSON_AddItemToArray(arr, x);
+    }
+    print_json(o);
+  } else {
+    printf("%8s %4s %-10s %5s %12s  %s\n", "STEP", "GEN", "STATE", "WORLD", "BYTES", "DIR");
+    for (size_t i = 0; i < r->n_checkpoints; i++) {
+      Ztrain__CheckpointInfo *k = r->checkpoints[i];
+      printf("%8lld %4llu %-10s %5u %12llu  %s\n", (long long)k->step,
+             (unsigned long long)k->generation, k->state, k->world, (unsigned long long)k->bytes,
+             k->dir);
+    }
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return 0;
+}
+
 static void usage(FILE *f) {
   fprintf(f, "usage: zctl [--coordinator HOST:PORT] [--json] [--token T] [--timeout-ms N] VERB\n"
              "verbs:\n"
@@ -340,7 +421,11 @@ static void usage(FILE *f) {
              "  submit JOB.json                     submit a job spec\n"
              "  jobs                                every job with its progress\n"
              "  job ID                              one job\n"
-             "  metrics JOB [--from S] [--to S]     per-step loss, grad norm, lr, tokens/s\n");
+             "  metrics JOB [--from S] [--to S]     per-step loss, grad norm, lr, tokens/s\n"
+             "  checkpoints JOB                     checkpoint epochs with state and size\n"
+             "  pause|resume|cancel JOB             job control\n"
+             "  rollback JOB --to-step S [--skip N] restart from a checkpoint, skipping data\n"
+             "  drain WORKER                        checkpoint, then take a worker out\n");
 }
 
 int main(int argc, char **argv) {
@@ -395,6 +480,11 @@ int main(int argc, char **argv) {
   else if (!strcmp(verb, "job") && vargc == 1) rc = cmd_job(&z, vargv[0]);
   else if (!strcmp(verb, "submit") && vargc == 1) rc = cmd_submit(&z, vargv[0]);
   else if (!strcmp(verb, "metrics")) rc = cmd_metrics(&z, vargc, vargv);
+  else if (!strcmp(verb, "checkpoints") && vargc == 1) rc = cmd_checkpoints(&z, vargv[0]);
+  else if (!strcmp(verb, "drain") && vargc == 1) rc = cmd_drain(&z, vargv[0]);
+  else if (!strcmp(verb, "pause") || !strcmp(verb, "resume") || !strcmp(verb, "cancel") ||
+           !strcmp(verb, "rollback"))
+    rc = cmd_action(&z, verb, vargc, vargv);
   else {
     usage(stderr);
     zt_rpc_client_close(z.rpc);
