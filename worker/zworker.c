@@ -8,6 +8,9 @@
  * dedicated thread with sigwait(), which asks the control loop to stop; the
  * loop then says Leave, so the coordinator records the worker as left, not
  * lost. SIGTERM is how spot instances announce their end.
+ *
+ * Training runs on the runner thread (runner.c), which the control loop
+ * steers with the assignment carried by each heartbeat reply.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -21,15 +24,18 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "runner.h"
 #include "zt_common.h"
 
 typedef struct {
-  const char *coordinator, *name, *device, *workdir, *secret;
+  const char *coordinator, *name, *device, *workdir, *secret, *comm_host;
+  int threads;
 } worker_args;
 
 static void usage(FILE *f) {
   fprintf(f, "usage: zworker --coordinator HOST:PORT --name NAME --workdir DIR\n"
-             "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n");
+             "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n"
+             "               [--threads N] [--comm-host ADDR]\n");
 }
 
 static int parse_args(worker_args *a, int argc, char **argv) {
@@ -37,10 +43,12 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       {"coordinator", required_argument, 0, 'c'}, {"name", required_argument, 0, 'n'},
       {"device", required_argument, 0, 'd'},      {"workdir", required_argument, 0, 'w'},
       {"secret", required_argument, 0, 's'},      {"log-level", required_argument, 0, 'l'},
+      {"threads", required_argument, 0, 't'},     {"comm-host", required_argument, 0, 'H'},
       {"help", no_argument, 0, 'h'},              {0, 0, 0, 0},
   };
   memset(a, 0, sizeof *a);
   a->device = "cpu";
+  a->comm_host = "127.0.0.1";
   a->secret = getenv("ZTRAIN_WORKER_SECRET");
   int ch;
   while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -50,6 +58,8 @@ static int parse_args(worker_args *a, int argc, char **argv) {
     case 'd': a->device = optarg; break;
     case 'w': a->workdir = optarg; break;
     case 's': a->secret = optarg; break;
+    case 't': a->threads = atoi(optarg); break;
+    case 'H': a->comm_host = optarg; break;
     case 'l':
       if (zt_log_set_level_name(optarg) != 0) return zt_err("unknown log level %s", optarg);
       break;
@@ -98,6 +108,12 @@ typedef struct {
   zt_ctl_t *ctl;
 } sig_thread_arg;
 
+static void on_command(void *user, int command, uint64_t job, uint64_t gen) {
+  (void)command;
+  zt_runner_t **r = user;
+  if (*r) zt_runner_assign(*r, job, gen);
+}
+
 static void *signal_thread(void *p) {
   sig_thread_arg *a = p;
   for (;;) {
@@ -132,9 +148,15 @@ int main(int argc, char **argv) {
   sigaddset(&sa.set, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &sa.set, NULL);
 
+  static zt_runner_t *runner;
   zt_ctl_opts o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
-                   .secret = a.secret};
+                   .secret = a.secret, .on_command = on_command, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return 1;
+  }
+  zt_runner_opts ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads};
+  if (zt_runner_start(sa.ctl, &ro, &runner) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
@@ -142,6 +164,9 @@ int main(int argc, char **argv) {
   pthread_create(&st, NULL, signal_thread, &sa);
   ZT_INFO("starting: coordinator %s, device %s, workdir %s", a.coordinator, a.device, a.workdir);
   int rc = zt_ctl_run(sa.ctl);
+  zt_runner_t *rn = runner;
+  runner = NULL;
+  zt_runner_stop(rn);
   pthread_kill(st, SIGUSR1);
   pthread_join(st, NULL);
   zt_ctl_close(sa.ctl);

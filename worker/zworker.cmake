@@ -4,5 +4,5 @@ add_library(zt_control STATIC ${CMAKE_CURRENT_SOURCE_DIR}/control.c)
 target_include_directories(zt_control PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(zt_control PUBLIC zt_common zt_rpc zt_proto)
 
-add_executable(zworker ${CMAKE_CURRENT_SOURCE_DIR}/zworker.c)
-target_link_libraries(zworker PRIVATE zt_control)
+add_executable(zworker ${CMAKE_CURRENT_SOURCE_DIR}/zworker.c ${CMAKE_CURRENT_SOURCE_DIR}/runner.c)
+target_link_libraries(zworker PRIVATE zt_control zt_engine)

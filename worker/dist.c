@@ -1,0 +1,487 @@
+/*
+ * dist.c: one generation of data-parallel training with ZeRO stages 0-3.
+ *
+ * zt_gen_train() is called by the runner (runner.c) with a connected
+ * communicator, this rank's place in the generation and the job spec. It
+ * builds the model, lays out the model states for the ZeRO stage (see
+ * docs/zero.md), initialises them (or loads the committed checkpoint the
+ * coordinator named, resharding it to this world size), and runs steps
+ * until the job's last step, a stop request or a failure.
+ *
+ * Layout. Every unit u (see gpt.h) of U_u elements is padded to N*S_u,
+ * S_u = ceil(U_u / N); rank r owns [r*S_u, (r+1)*S_u). Storage per stage:
+ *
+ *   stage  params          grads                    Adam m, v
+ *   0      full            full                     full
+ *   1      full            full                     shard
+ *   2      full            shard (+ unit in flight) shard
+ *   3      shard (+ units  shard (+ unit in flight) shard
+ *          gathered in flight)
+ *
+ * One step: accum micro-steps of forward + backward (gradients accumulated
+ * in fp32, scaled 1/accum); then stage 0 all-reduces the gradients, stage 1
+ * reduce-scatters them, stages 2 and 3 have already reduce-scattered each
+ * unit's gradient in the backward hook of every micro-step. One small
+ * all-reduce then carries [loss, grad sum of squares, non-finite flag,
+ * checkpoint flag], so every rank takes the same decisions: clip by the
+ * global norm, skip a non-finite update, checkpoint at the same step.
+ * AdamW updates the owned shard; stages 1 and 2 all-gather the parameters.
+ * Stage 3 all-gathers a unit right before the model uses it (forward and
+ * backward) and drops it after.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt_io.h"
+#include "comm.h"
+#include "gpt.h"
+#include "jspec.h"
+#include "runner.h"
+#include "shards.h"
+#include "zt_common.h"
+#include "ztrain.pb-c.h"
+
+typedef struct {
+  const zt_gen_ctx *g;
+  zt_jspec spec;
+  zt_gpt_config cfg;
+  zt_gpt_t *m;
+  zt_comm_t *comm;
+  int N, r, stage, U, accum;
+  int64_t tmo;
+  size_t *usz, *S;       /* unit size, shard size */
+  size_t *off_full;      /* offset of unit u in full (padded) buffers */
+  size_t *off_shard;     /* offset of unit u in shard buffers */
+  size_t full_total, shard_total, max_unit;
+  float *P, *G;          /* full params / grads (when the stage keeps them) */
+  float *Ps, *Gs;        /* shards (stage 3 params; stage 2-3 grads) */
+  float *M, *V;          /* Adam state: full (stage 0) or shard */
+  float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit */
+  float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
+  float *rs_tmp;         /* reduce-scatter output before accumulation */
+  int fail;              /* a collective in a hook failed */
+  char fail_msg[512];
+  uint64_t state_bytes[4]; /* params, grads, optimizer, in-flight */
+} dist;
+
+/* ---- allocation and accounting ------------------------------------------------- */
+
+static float *alloc_f(dist *d, size_t n, int kind) {
+  float *p = calloc(n ? n : 1, sizeof(float));
+  if (!p) abort();
+  d->state_bytes[kind] += n * sizeof(float);
+  return p;
+}
+
+static void layout(dist *d) {
+  d->U = zt_gpt_num_units(&d->cfg);
+  d->usz = calloc((size_t)d->U, sizeof(size_t));
+  d->S = calloc((size_t)d->U, sizeof(size_t));
+  d->off_full = calloc((size_t)d->U, sizeof(size_t));
+  d->off_shard = calloc((size_t)d->U, sizeof(size_t));
+  for (int u = 0; u < d->U; u++) {
+    d->usz[u] = zt_gpt_unit_size(&d->cfg, u);
+    d->S[u] = (d->usz[u] + (size_t)d->N - 1) / (size_t)d->N;
+    d->off_full[u] = d->full_total;
+    d->off_shard[u] = d->shard_total;
+    d->full_total += d->S[u] * (size_t)d->N;
+    d->shard_total += d->S[u];
+    if (d->S[u] * (size_t)d->N > d->max_unit) d->max_unit = d->S[u] * (size_t)d->N;
+  }
+  enum { PARAMS, GRADS, OPT, FLIGHT };
+  if (d->stage < 3) d->P = alloc_f(d, d->full_total, PARAMS);
+  else d->Ps = alloc_f(d, d->shard_total, PARAMS);
+  if (d->stage < 2) d->G = alloc_f(d, d->full_total, GRADS);
+  else d->Gs = alloc_f(d, d->shard_total, GRADS);
+  size_t opt_n = d->stage == 0 ? d->full_total : d->shard_total;
+  d->M = alloc_f(d, opt_n, OPT);
+  d->V = alloc_f(d, opt_n, OPT);
+  if (d->stage >= 2) {
+    d->tg0 = alloc_f(d, d->S[0] * (size_t)d->N, FLIGHT);
+    d->tg = alloc_f(d, d->max_unit, FLIGHT);
+    d->rs_tmp = alloc_f(d, d->max_unit / (size_t)d->N + 1, FLIGHT);
+  }
+  if (d->stage == 3) {
+    d->gat0 = alloc_f(d, d->S[0] * (size_t)d->N, FLIGHT);
+    d->gat = alloc_f(d, d->max_unit, FLIGHT);
+  }
+  for (int u = 0; u < d->U; u++) {
+    d->m->unit_params[u] = d->P ? d->P + d->off_full[u] : NULL;
+    d->m->unit_grads[u] = d->G ? d->G + d->off_full[u] : NULL;
+  }
+}
+
+static void free_dist(dist *d) {
+  zt_gpt_free(d->m);
+  free(d->usz), free(d->S), free(d->off_full), free(d->off_shard);
+  free(d->P), free(d->G), free(d->Ps), free(d->Gs), free(d->M), free(d->V);
+  free(d->gat0), free(d->gat), free(d->tg0), free(d->tg), free(d->rs_tmp);
+}
+
+/* The owned range of unit u, clipped to its real size: [lo, lo + n). */
+static void owned(const dist *d, int u, size_t *lo, size_t *n) {
+  size_t a = (size_t)d->r * d->S[u], b = a + d->S[u];
+  if (b > d->usz[u]) b = d->usz[u];
+  *lo = a < b ? a : b;
+  *n = b > a ? b - a : 0;
+}
+
+/* Writes the bytes of model states this rank holds (docs/zero.md). */
+static void write_memory_report(const dist *d) {
+  char path[1100];
+  snprintf(path, sizeof path, "%s/zero_memory.json", d->g->workdir);
+  FILE *f = fopen(path, "w");
+  if (!f) return;
+  size_t psi = 0, pad = 0;
+  for (int u = 0; u < d->U; u++) psi += d->usz[u], pad += d->S[u] * (size_t)d->N - d->usz[u];
+  fprintf(f,
+          "{\"stage\": %d, \"world\": %d, \"rank\": %d, \"psi\": %zu, \"padding\": %zu, "
+          "\"params_bytes\": %llu, \"grads_bytes\": %llu, \"optimizer_bytes\": %llu, "
+          "\"inflight_bytes\": %llu}\n",
+          d->stage, d->N, d->r, psi, pad, (unsigned long long)d->state_bytes[0],
+          (unsigned long long)d->state_bytes[1], (unsigned long long)d->state_bytes[2],
+          (unsigned long long)d->state_bytes[3]);
+  fclose(f);
+}
+
+/* ---- ZeRO hooks --------------------------------------------------------------------- */
+
+static void hook_fail(dist *d, const char *what) {
+  if (!d->fail) {
+    d->fail = 1;
+    snprintf(d->fail_msg, sizeof d->fail_msg, "%s: %s", what, zt_err_msg());
+  }
+}
+
+/* Stage 3: gather unit u's parameters into a full buffer. */
+static void gather_unit(dist *d, int u) {
+  float *buf = u == 0 ? d->gat0 : d->gat;
+  if (d->fail) return;
+  if (zt_comm_all_gather(d->comm, d->Ps + d->off_shard[u], buf, d->S[u], ZT_DT_F32, d->tmo) != 0)
+    hook_fail(d, "all-gather of parameters");
+  d->m->unit_params[u] = buf;
+}
+
+static void h_pre_forward(void *ctx, int u) {
+  dist *d = ctx;
+  if (d->stage == 3) gather_unit(d, u);
+}
+
+static void h_pre_backward(void *ctx, int u) {
+  dist *d = ctx;
+  if (d->stage == 3 && u != 0) gather_unit(d, u); /* unit 0 is still gathered */
+  if (d->stage >= 2) {
+    float *g = u == 0 ? d->tg0 : d->tg;
+    memset(g, 0, d->S[u] * (size_t)d->N * sizeof(float));
+    d->m->unit_grads[u] = g;
+  }
+}
+
+/* Stages 2-3: reduce-scatter the unit's gradient and accumulate the shard. */
+static void h_post_backward(void *ctx, int u) {
+  dist *d = ctx;
+  if (d->stage < 2 || d->fail) return;
+  float *g = u == 0 ? d->tg0 : d->tg;
+  if (zt_comm_reduce_scatter(d->comm, g, d->rs_tmp, d->S[u], ZT_DT_F32, ZT_RED_AVG, d->tmo) != 0) {
+    hook_fail(d, "reduce-scatter of gradients");
+    return;
+  }
+  float *dst = d->Gs + d->off_shard[u];
+  for (size_t i = 0; i < d->S[u]; i++) dst[i] += d->rs_tmp[i];
+}
+
+/* ---- state init / load / save -------------------------------------------------------- */
+
+static void init_params(dist *d) {
+  float *tmp = d->stage == 3 ? malloc(d->max_unit * sizeof(float)) : NULL;
+  for (int u = 0; u < d->U; u++) {
+    float *full = d->stage < 3 ? d->P + d->off_full[u] : tmp;
+    memset(full, 0, d->S[u] * (size_t)d->N * sizeof(float));
+    zt_gpt_init_unit(&d->cfg, u, d->spec.seed, full);
+    if (d->stage == 3) memcpy(d->Ps + d->off_shard[u], tmp + (size_t)d->r * d->S[u], d->S[u] * 4);
+  }
+  free(tmp);
+}
+
+/* Where this rank's owned Adam state of unit u lives. */
+static float *opt_ptr(dist *d, float *base, int u) {
+  return d->stage == 0 ? base + d->off_full[u] + (size_t)d->r * d->S[u] : base + d->off_shard[u];
+}
+
+static int load_state(dist *d, const char *dir, int64_t *step) {
+  /* Stages 0-2 need every unit's full parameters; all stages need the
+   * owned Adam state (stage 0 then re-shares it below). */
+  zt_ckpt_dest *dest = calloc((size_t)d->U * 2, sizeof *dest);
+  int nd = 0;
+  for (int u = 0; u < d->U; u++) {
+    size_t lo, n;
+    owned(d, u, &lo, &n);
+    if (d->stage < 3) {
+      dest[nd++] = (zt_ckpt_dest){u, 0, d->usz[u], d->P + d->off_full[u], NULL, NULL};
+      dest[nd++] = (zt_ckpt_dest){u, lo, n, NULL, opt_ptr(d, d->M, u), opt_ptr(d, d->V, u)};
+    } else {
+      dest[nd++] = (zt_ckpt_dest){u, lo, n, d->Ps + d->off_shard[u], d->M + d->off_shard[u],
+                                  d->V + d->off_shard[u]};
+    }
+  }
+  int rc = zt_ckpt_load(dir, &d->cfg, dest, nd, step);
+  free(dest);
+  if (rc != 0) return -1;
+  if (d->stage == 0) {
+    /* Full Adam state on every rank: share the owned slices. */
+    for (int u = 0; u < d->U; u++) {
+      float *b[2] = {d->M + d->off_full[u], d->V + d->off_full[u]};
+      for (int k = 0; k < 2; k++)
+        if (zt_comm_all_gather(d->comm, b[k] + (size_t)d->r * d->S[u], b[k], d->S[u], ZT_DT_F32,
+                               d->tmo) != 0)
+          return zt_err_wrap("share optimizer state");
+    }
+  }
+  return 0;
+}
+
+static int save_state(dist *d, int64_t step) {
+  char dir[1024];
+  zt_ckpt_dirname(dir, sizeof dir, d->spec.ckpt_dir, d->g->job_id, step, d->g->generation);
+  zt_ckpt_range *rg = calloc((size_t)d->U, sizeof *rg);
+  for (int u = 0; u < d->U; u++) {
+    size_t lo, n;
+    owned(d, u, &lo, &n);
+    const float *p = d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u];
+    rg[u] = (zt_ckpt_range){u, lo, n, p, opt_ptr(d, d->M, u), opt_ptr(d, d->V, u)};
+  }
+  zt_ckpt_meta meta = {d->g->job_id, d->g->generation, step, d->r, d->N, d->stage, d->cfg,
+                       d->spec.seed, d->spec.global_batch, d->g->skips, d->g->nskips};
+  zt_ckpt_file files[4];
+  int nf = 0;
+  int64_t t0 = zt_now_ms();
+  int rc = zt_ckpt_write(dir, &meta, rg, d->U, files, &nf);
+  free(rg);
+  if (rc != 0) return -1;
+  ZT_INFO("checkpoint step %lld written in %lld ms: %s", (long long)step,
+          (long long)(zt_now_ms() - t0), dir);
+  if (d->g->report_checkpoint && d->g->report_checkpoint(d->g->user, step, dir, files, nf) != 0)
+    ZT_WARN("checkpoint step %lld was not recorded by the coordinator", (long long)step);
+  return 0;
+}
+
+/* ---- the optimizer ---------------------------------------------------------------------- */
+
+/* AdamW on the owned shard of unit u; gscale folds in the clip factor. */
+static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
+  size_t lo, n;
+  owned(d, u, &lo, &n);
+  if (!n) return;
+  float *p = d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u];
+  const float *g = d->stage < 2 ? d->G + d->off_full[u] + lo : d->Gs + d->off_shard[u];
+  float *m = opt_ptr(d, d->M, u), *v = opt_ptr(d, d->V, u);
+  float b1 = (float)d->spec.beta1, b2 = (float)d->spec.beta2, eps = (float)d->spec.eps;
+  float wd = (float)d->spec.weight_decay;
+  float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
+  zt_gpt_view views[ZT_GPT_NTENSORS];
+  int nv = zt_gpt_unit_views(&d->cfg, u, views);
+  for (int k = 0; k < nv; k++) {
+    size_t a = ZT_MAX(views[k].off, lo), b = ZT_MIN(views[k].off + views[k].n, lo + n);
+    float decay = views[k].decay ? wd : 0.0f;
+#pragma omp parallel for schedule(static)
+    for (size_t i = a; i < b; i++) {
+      size_t j = i - lo;
+      float gr = g[j] * gscale;
+      m[j] = b1 * m[j] + (1 - b1) * gr;
+      v[j] = b2 * v[j] + (1 - b2) * gr * gr;
+      float mh = m[j] / bc1, vh = v[j] / bc2;
+      p[j] -= lr * (mh / (sqrtf(vh) + eps) + decay * p[j]);
+    }
+  }
+}
+
+/* Sum of squares of the owned gradient elements (the global sum is the
+ * all-reduce of these). */
+static double owned_sumsq(dist *d) {
+  double s = 0;
+  for (int u = 0; u < d->U; u++) {
+    size_t lo, n;
+    owned(d, u, &lo, &n);
+    const float *g = d->stage < 2 ? d->G + d->off_full[u] + lo : d->Gs + d->off_shard[u];
+    for (size_t i = 0; i < n; i++) s += (double)g[i] * g[i];
+  }
+  return s;
+}
+
+static double step_lr(dist *d, int64_t step) {
+  double lr = zt_jspec_lr(&d->spec, step);
+  if (step <= d->g->lr_until && d->g->lr_factor > 0) lr *= d->g->lr_factor;
+  /* Test-only fault injection: a huge LR for a step range, first run only. */
+  if (d->spec.fi_lr_scale > 0 && d->g->rollbacks == 0 && step >= d->spec.fi_from &&
+      step <= d->spec.fi_to)
+    lr *= d->spec.fi_lr_scale;
+  return lr;
+}
+
+/* ---- one step ------------------------------------------------------------------------------ */
+
+static void zero_grads(dist *d) {
+  if (d->G) memset(d->G, 0, d->full_total * sizeof(float));
+  if (d->Gs) memset(d->Gs, 0, d->shard_total * sizeof(float));
+}
+
+static int reduce_grads(dist *d) {
+  if (d->stage == 0)
+    return zt_comm_all_reduce(d->comm, d->G, d->full_total, ZT_DT_F32, ZT_RED_AVG, d->tmo);
+  if (d->stage == 1)
+    for (int u = 0; u < d->U; u++) {
+      float *g = d->G + d->off_full[u];
+      if (zt_comm_reduce_scatter(d->comm, g, g + (size_t)d->r * d->S[u], d->S[u], ZT_DT_F32,
+                                 ZT_RED_AVG, d->tmo) != 0)
+        return -1;
+    }
+  return 0;
+}
+
+static int gather_params(dist *d) {
+  if (d->stage != 1 && d->stage != 2) return 0;
+  for (int u = 0; u < d->U; u++) {
+    float *p = d->P + d->off_full[u];
+    if (zt_comm_all_gather(d->comm, p + (size_t)d->r * d->S[u], p, d->S[u], ZT_DT_F32, d->tmo) != 0)
+      return -1;
+  }
+  return 0;
+}
+
+static float eval_loss(dist *d, zt_shards_t *val, int *inp, int *tgt) {
+  int mb = d->spec.micro, T = d->cfg.seq_len;
+  float acc[2] = {0, 0};
+  for (int b = d->r; b < d->spec.eval_batches; b += d->N) {
+    zt_shards_fill_sequential(val, (uint64_t)b * (uint64_t)mb, mb, inp, tgt);
+    acc[0] += zt_gpt_forward(d->m, inp, tgt, mb, T);
+    acc[1] += 1;
+  }
+  if (zt_comm_all_reduce(d->comm, acc, 2, ZT_DT_F32, ZT_RED_SUM, d->tmo) != 0) return NAN;
+  return acc[1] > 0 ? acc[0] / acc[1] : NAN;
+}
+
+int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
+  dist d;
+  memset(&d, 0, sizeof d);
+  d.g = g;
+  d.comm = g->comm;
+  d.N = g->world, d.r = g->rank;
+  d.tmo = g->comm_timeout_ms > 0 ? g->comm_timeout_ms : 30000;
+  *fatal = 1;
+  zt_shards_t *train = NULL, *val = NULL;
+  int *inp = NULL, *tgt = NULL, ret = -1;
+  if (zt_jspec_parse(g->spec_json, &d.spec) != 0) return zt_err_wrap("job spec");
+  d.stage = d.spec.zero_stage;
+  d.cfg = (zt_gpt_config){d.spec.model.n_layer, d.spec.model.n_head, d.spec.model.n_embd,
+                          d.spec.model.seq_len, d.spec.model.vocab_size, 0};
+  if (zt_gpt_config_check(&d.cfg) != 0) return zt_err_wrap("job spec");
+  if ((d.accum = zt_jspec_accum(&d.spec, d.N)) < 0) return -1;
+  if (g->threads > 0) zt_gpt_set_threads(g->threads);
+  int T = d.cfg.seq_len, mb = d.spec.micro;
+  if (zt_gpt_create(&d.cfg, mb, T, &d.m) != 0) return zt_err_wrap("model");
+  if (zt_shards_open(d.spec.train, T, d.spec.seed, &train) != 0) goto out;
+  if (zt_shards_max_token(train) >= d.cfg.vocab_size) {
+    zt_err("%s: token id %d >= model.vocab_size %d", d.spec.train, zt_shards_max_token(train),
+           d.cfg.vocab_size);
+    goto out;
+  }
+  if (d.spec.val[0] && d.spec.eval_every && zt_shards_open(d.spec.val, T, d.spec.seed, &val) != 0)
+    goto out;
+  layout(&d);
+  d.m->hooks = (zt_gpt_hooks){h_pre_forward, NULL, h_pre_backward, h_post_backward, &d};
+  write_memory_report(&d);
+  inp = malloc(sizeof(int) * (size_t)mb * T);
+  tgt = malloc(sizeof(int) * (size_t)mb * T);
+  *fatal = 0;
+
+  int64_t step = g->start_step;
+  if (g->checkpoint_dir && g->checkpoint_dir[0]) {
+    int64_t t0 = zt_now_ms(), loaded = 0;
+    if (load_state(&d, g->checkpoint_dir, &loaded) != 0) {
+      *fatal = 0; /* the coordinator falls back to an earlier epoch */
+      goto out;
+    }
+    if (loaded != step) {
+      zt_err("checkpoint %s holds step %lld, expected %lld", g->checkpoint_dir, (long long)loaded,
+             (long long)step);
+      goto out;
+    }
+    ZT_INFO("loaded checkpoint step %lld into %d ranks, stage %d, in %lld ms: %s", (long long)step,
+            d.N, d.stage, (long long)(zt_now_ms() - t0), g->checkpoint_dir);
+  } else {
+    step = 0;
+    init_params(&d);
+  }
+
+  int ckpt_flag = 0;
+  while (step < d.spec.steps) {
+    int64_t t0 = zt_now_us();
+    int64_t s = step + 1; /* 1-based number of the step being computed */
+    zero_grads(&d);
+    float loss_sum = 0;
+    for (int j = 0; j < d.accum; j++) {
+      if (g->should_stop(g->user)) {
+        ret = 0;
+        goto out;
+      }
+      uint64_t first = (uint64_t)step * (uint64_t)d.spec.global_batch +
+                       (uint64_t)j * (uint64_t)d.N * (uint64_t)mb + (uint64_t)d.r * (uint64_t)mb;
+      zt_shards_fill(train, g->skips, g->nskips, first, mb, inp, tgt);
+      loss_sum += zt_gpt_forward(d.m, inp, tgt, mb, T);
+      zt_gpt_backward(d.m, 1.0f / (float)d.accum);
+      if (d.fail) {
+        zt_err("%s", d.fail_msg);
+        goto out;
+      }
+    }
+    if (reduce_grads(&d) != 0) goto out;
+    float ctl[4] = {loss_sum / (float)d.accum, (float)owned_sumsq(&d), 0, (float)ckpt_flag};
+    ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0f : 1.0f;
+    if (zt_comm_all_reduce(d.comm, ctl, 4, ZT_DT_F32, ZT_RED_SUM, d.tmo) != 0) goto out;
+    double loss = ctl[0] / d.N, norm = sqrt(ctl[1]);
+    int nonfinite = ctl[2] > 0 || !isfinite(loss) || !isfinite(norm);
+    double lr = step_lr(&d, s);
+    if (!nonfinite) {
+      float gscale = d.spec.clip > 0 && norm > d.spec.clip ? (float)(d.spec.clip / norm) : 1.0f;
+      for (int u = 0; u < d.U; u++) adamw_unit(&d, u, (float)lr, gscale, s);
+      if (gather_params(&d) != 0) goto out;
+    } else {
+      ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
+              (long long)s, loss, norm);
+    }
+    step = s;
+    double val_loss = NAN;
+    if (val && d.spec.eval_every && step % d.spec.eval_every == 0) {
+      val_loss = eval_loss(&d, val, inp, tgt);
+      if (isnan(val_loss) && zt_comm_broken(d.comm)) goto out;
+    }
+    double ms = (double)(zt_now_us() - t0) / 1000.0;
+    int cmd = ZTRAIN__COMMAND__COMMAND_CONTINUE;
+    if (d.r == 0 && g->report_step) {
+      zt_step_report rep = {step, loss, norm, lr,
+                            (double)d.spec.global_batch * T / (ms / 1000.0), ms, val_loss};
+      cmd = g->report_step(g->user, &rep);
+    }
+    /* Checkpoint: on schedule, or when asked (the flag went around in ctl). */
+    int want_ckpt = d.spec.ckpt_dir[0] && !nonfinite &&
+                    ((d.spec.ckpt_every && step % d.spec.ckpt_every == 0) || ctl[3] > 0);
+    if (want_ckpt && step < d.spec.steps && save_state(&d, step) != 0) goto out;
+    ckpt_flag = cmd == ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW;
+    if (cmd == ZTRAIN__COMMAND__COMMAND_STOP || cmd == ZTRAIN__COMMAND__COMMAND_ROLLBACK) {
+      ret = 0;
+      goto out;
+    }
+  }
+  ret = 0;
+out:
+  if (ret != 0 && zt_comm_broken(d.comm)) *fatal = 0;
+  free(inp);
+  free(tgt);
+  zt_shards_close(train);
+  zt_shards_close(val);
+  free_dist(&d);
+  return ret;
+}

@@ -1,0 +1,14 @@
+# worker/gpt.cmake: the training engine: the CPU model (GPT-2 over CBLAS +
+# OpenMP), token shards, the job spec, checkpoint files and the ZeRO
+# data-parallel trainer.
+add_library(zt_gpt STATIC ${CMAKE_CURRENT_SOURCE_DIR}/gpt.c)
+target_include_directories(zt_gpt PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+target_compile_options(zt_gpt PRIVATE -O3)
+target_link_libraries(zt_gpt PUBLIC zt_common OpenMP::OpenMP_C PkgConfig::OPENBLAS m)
+
+add_library(zt_engine STATIC ${CMAKE_CURRENT_SOURCE_DIR}/shards.c ${CMAKE_CURRENT_SOURCE_DIR}/jspec.c
+            ${CMAKE_CURRENT_SOURCE_DIR}/ckpt_io.c ${CMAKE_CURRENT_SOURCE_DIR}/dist.c)
+target_include_directories(zt_engine PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+target_compile_options(zt_engine PRIVATE -O3)
+target_link_libraries(zt_engine PUBLIC zt_gpt zt_comm zt_proto PkgConfig::CJSON PkgConfig::XXHASH
+                      OpenMP::OpenMP_C)

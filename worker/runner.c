@@ -1,0 +1,299 @@
+/*
+ * runner.c: the job runner thread (see runner.h).
+ *
+ * State shared with the control thread is one "target" (job, generation)
+ * under a mutex, plus the communicator of the generation in progress, so
+ * that a new target can abort it from the control thread. The runner thread
+ * loop is:
+ *
+ *   wait for a target != what we did last
+ *   listen, Rendezvous (long poll, retried until the target changes)
+ *   create the ring, train (zt_gen_train), report the outcome
+ *
+ * Every wait is bounded or interruptible: Rendezvous calls carry a deadline
+ * and are retried; the ring set-up has the job's comm timeout; training
+ * polls should_stop() and its collectives are aborted on a new target.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ckpt_io.h"
+#include "runner.h"
+#include "zt_common.h"
+#include "zt_rpc.h"
+#include "ztrain.pb-c.h"
+
+struct zt_runner {
+  zt_ctl_t *ctl;
+  zt_runner_opts o;
+  char comm_host[64], workdir[512];
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t target_job, target_gen; /* under mu */
+  int quit;                        /* under mu */
+  zt_comm_t *active;               /* under mu: the comm to abort on change */
+  uint64_t cur_job, cur_gen;       /* runner thread only */
+};
+
+void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen) {
+  pthread_mutex_lock(&r->mu);
+  if (job != r->target_job || gen != r->target_gen) {
+    r->target_job = job;
+    r->target_gen = gen;
+    if (r->active) zt_comm_abort(r->active);
+    pthread_cond_broadcast(&r->cv);
+  }
+  pthread_mutex_unlock(&r->mu);
+}
+
+static int changed(zt_runner_t *r) {
+  pthread_mutex_lock(&r->mu);
+  int ch = r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen;
+  pthread_mutex_unlock(&r->mu);
+  return ch;
+}
+
+static int should_stop_cb(void *user) { return changed(user); }
+
+static int call(zt_runner_t *r, const char *method, const ProtobufCMessage *req,
+                const ProtobufCMessageDescriptor *rd, int64_t timeout_ms, ProtobufCMessage **rep,
+                int *status) {
+  size_t n = protobuf_c_message_get_packed_size(req);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) abort();
+  protobuf_c_message_pack(req, buf);
+  uint8_t *resp = NULL;
+  size_t rlen = 0;
+  int rc = zt_rpc_call(zt_ctl_rpc(r->ctl), method, buf, n, timeout_ms, &resp, &rlen, status);
+  free(buf);
+  if (rc != 0) return -1;
+  *rep = rd ? protobuf_c_message_unpack(rd, NULL, rlen, resp) : NULL;
+  free(resp);
+  if (rd && !*rep) return zt_err("%s: malformed reply", method);
+  return 0;
+}
+
+static int report_step_cb(void *user, const zt_step_report *s) {
+  zt_runner_t *r = user;
+  Ztrain__ReportStepRequest req = ZTRAIN__REPORT_STEP_REQUEST__INIT;
+  req.worker_id = zt_ctl_worker_id(r->ctl);
+  req.job_id = r->cur_job;
+  req.generation = r->cur_gen;
+  req.step = s->step;
+  req.loss = s->loss;
+  req.grad_norm = s->grad_norm;
+  req.lr = s->lr;
+  req.tokens_per_s = s->tokens_per_s;
+  req.step_ms = s->step_ms;
+  req.val_loss = s->val_loss;
+  /* Retried while the coordinator is unreachable, so no report is lost;
+   * bounded by a change of target. */
+  for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, 2000)) {
+    ProtobufCMessage *m;
+    int st = 0;
+    if (call(r, "/ztrain.Control/ReportStep", &req.base, &ztrain__report_step_reply__descriptor,
+             5000, &m, &st) == 0) {
+      int cmd = ((Ztrain__ReportStepReply *)m)->command;
+      protobuf_c_message_free_unpacked(m, NULL);
+      return cmd;
+    }
+    if (st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) {
+      ZT_WARN("step %lld report refused: %s", (long long)s->step, zt_err_msg());
+      return ZTRAIN__COMMAND__COMMAND_STOP; /* fenced: this generation is over for us */
+    }
+    if (changed(r)) return ZTRAIN__COMMAND__COMMAND_STOP;
+    zt_sleep_ms(backoff); /* retry pacing */
+  }
+}
+
+static int report_ckpt_cb(void *user, int64_t step, const char *dir, const void *filesp,
+                          int nfiles) {
+  zt_runner_t *r = user;
+  const zt_ckpt_file *files = filesp;
+  Ztrain__ReportCheckpointRequest req = ZTRAIN__REPORT_CHECKPOINT_REQUEST__INIT;
+  req.worker_id = zt_ctl_worker_id(r->ctl);
+  req.job_id = r->cur_job;
+  req.generation = r->cur_gen;
+  req.step = step;
+  req.dir = (char *)dir;
+  Ztrain__CheckpointFile cf[8], *cfp[8];
+  for (int i = 0; i < nfiles && i < 8; i++) {
+    ztrain__checkpoint_file__init(&cf[i]);
+    cf[i].name = (char *)files[i].name;
+    cf[i].bytes = files[i].bytes;
+    cf[i].checksum = (char *)files[i].checksum;
+    cfp[i] = &cf[i];
+  }
+  req.n_files = (size_t)ZT_MIN(nfiles, 8);
+  req.files = cfp;
+  for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, 2000)) {
+    ProtobufCMessage *m;
+    int st = 0;
+    if (call(r, "/ztrain.Control/ReportCheckpoint", &req.base,
+             &ztrain__report_checkpoint_reply__descriptor, 5000, &m, &st) == 0) {
+      protobuf_c_message_free_unpacked(m, NULL);
+      return 0;
+    }
+    if ((st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) || changed(r)) {
+      ZT_WARN("checkpoint step %lld not recorded: %s", (long long)step, zt_err_msg());
+      return -1;
+    }
+    zt_sleep_ms(backoff); /* retry pacing */
+  }
+}
+
+static void report_failure(zt_runner_t *r, const char *why, int fatal) {
+  Ztrain__ReportFailureRequest req = ZTRAIN__REPORT_FAILURE_REQUEST__INIT;
+  req.worker_id = zt_ctl_worker_id(r->ctl);
+  req.job_id = r->cur_job;
+  req.generation = r->cur_gen;
+  req.reason = (char *)why;
+  req.fatal = fatal;
+  ProtobufCMessage *m;
+  int st;
+  if (call(r, "/ztrain.Control/ReportFailure", &req.base, &ztrain__report_failure_reply__descriptor,
+           5000, &m, &st) == 0)
+    protobuf_c_message_free_unpacked(m, NULL);
+  else
+    ZT_INFO("failure report not taken: %s", zt_err_msg());
+}
+
+/* Joins (job, gen) and trains it. */
+static void run_generation(zt_runner_t *r) {
+  int port = 0, lfd = -1;
+  if (zt_comm_tcp_listen(r->comm_host, &port, &lfd) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return;
+  }
+  char addr[96];
+  snprintf(addr, sizeof addr, "%s:%d", r->comm_host, port);
+  zt_ctl_set_assignment(r->ctl, r->cur_job, r->cur_gen);
+  Ztrain__RendezvousRequest req = ZTRAIN__RENDEZVOUS_REQUEST__INIT;
+  req.worker_id = zt_ctl_worker_id(r->ctl);
+  req.job_id = r->cur_job;
+  req.generation = r->cur_gen;
+  req.comm_addr = addr;
+  Ztrain__RendezvousReply *rv = NULL;
+  int64_t t0 = zt_now_ms();
+  while (!rv) {
+    if (changed(r)) goto out;
+    ProtobufCMessage *m;
+    int st = 0;
+    if (call(r, "/ztrain.Control/Rendezvous", &req.base, &ztrain__rendezvous_reply__descriptor,
+             10000, &m, &st) == 0) {
+      rv = (Ztrain__RendezvousReply *)m;
+      break;
+    }
+    if (st == ZT_RPC_FAILED_PRECONDITION || st == ZT_RPC_NOT_FOUND || st == ZT_RPC_ABORTED) {
+      ZT_INFO("rendezvous for job %llu generation %llu ended: %s", (unsigned long long)r->cur_job,
+              (unsigned long long)r->cur_gen, zt_err_msg());
+      goto out;
+    }
+    if (st != ZT_RPC_DEADLINE_EXCEEDED) zt_sleep_ms(200); /* coordinator away: retry pacing */
+  }
+  ZT_INFO("job %llu generation %llu: rank %u of %u, start step %lld, accum %u (rendezvous %lld ms)",
+          (unsigned long long)rv->job_id, (unsigned long long)rv->generation, rv->rank, rv->world,
+          (long long)rv->start_step, rv->accum_steps, (long long)(zt_now_ms() - t0));
+  zt_comm_tcp_opts co = {.rank = (int)rv->rank, .world = (int)rv->world,
+                         .peers = (const char *const *)rv->peers, .listen_fd = lfd,
+                         .session = (rv->job_id << 32) ^ rv->generation,
+                         .connect_timeout_ms = rv->comm_timeout_ms};
+  lfd = -1; /* owned by the communicator from here on */
+  zt_comm_t *comm;
+  if (zt_comm_tcp_create(&co, &comm) != 0) {
+    char why[600];
+    snprintf(why, sizeof why, "ring set-up: %s", zt_err_msg());
+    ZT_WARN("%s", why);
+    if (!changed(r)) report_failure(r, why, 0);
+    goto out;
+  }
+  pthread_mutex_lock(&r->mu);
+  r->active = comm;
+  if (r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(comm);
+  pthread_mutex_unlock(&r->mu);
+  zt_gen_ctx g = {.job_id = rv->job_id, .generation = rv->generation, .rank = (int)rv->rank,
+                  .world = (int)rv->world, .spec_json = rv->spec_json,
+                  .start_step = rv->start_step, .accum_steps = (int)rv->accum_steps,
+                  .comm_timeout_ms = rv->comm_timeout_ms, .comm = comm, .workdir = r->workdir,
+                  .threads = r->o.threads, .checkpoint_dir = rv->checkpoint_dir,
+                  .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
+                  .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
+                  .should_stop = should_stop_cb, .report_step = report_step_cb,
+                  .report_checkpoint = report_ckpt_cb, .user = r};
+  zt_skip skips[64];
+  g.nskips = (int)ZT_MIN(rv->n_skips, 64);
+  for (int i = 0; i < g.nskips; i++) skips[i].start = rv->skips[i]->start, skips[i].end = rv->skips[i]->end;
+  g.skips = skips;
+  int fatal = 0;
+  if (zt_gen_train(&g, &fatal) != 0) {
+    char why[800];
+    snprintf(why, sizeof why, "%s", zt_err_msg());
+    if (!changed(r)) {
+      ZT_WARN("training failed%s: %s", fatal ? " (job error)" : "", why);
+      report_failure(r, why, fatal);
+    } else {
+      ZT_INFO("generation %llu left: %s", (unsigned long long)r->cur_gen, why);
+    }
+  }
+  pthread_mutex_lock(&r->mu);
+  r->active = NULL;
+  pthread_mutex_unlock(&r->mu);
+  zt_comm_destroy(comm);
+out:
+  if (lfd >= 0) close(lfd);
+  if (rv) protobuf_c_message_free_unpacked(&rv->base, NULL);
+}
+
+static void *runner_main(void *p) {
+  zt_runner_t *r = p;
+  pthread_mutex_lock(&r->mu);
+  for (;;) {
+    while (!r->quit && r->target_job == r->cur_job && r->target_gen == r->cur_gen)
+      pthread_cond_wait(&r->cv, &r->mu);
+    if (r->quit) break;
+    r->cur_job = r->target_job;
+    r->cur_gen = r->target_gen;
+    pthread_mutex_unlock(&r->mu);
+    if (r->cur_job) run_generation(r);
+    else zt_ctl_set_assignment(r->ctl, 0, 0);
+    pthread_mutex_lock(&r->mu);
+  }
+  pthread_mutex_unlock(&r->mu);
+  return NULL;
+}
+
+int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts *o, zt_runner_t **out) {
+  zt_runner_t *r = calloc(1, sizeof *r);
+  if (!r) abort();
+  r->ctl = ctl;
+  r->o = *o;
+  snprintf(r->comm_host, sizeof r->comm_host, "%s", o->comm_host ? o->comm_host : "127.0.0.1");
+  snprintf(r->workdir, sizeof r->workdir, "%s", o->workdir ? o->workdir : ".");
+  r->o.comm_host = r->comm_host;
+  r->o.workdir = r->workdir;
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  if (pthread_create(&r->thread, NULL, runner_main, r) != 0) {
+    free(r);
+    return zt_err("cannot start the runner thread");
+  }
+  *out = r;
+  return 0;
+}
+
+void zt_runner_stop(zt_runner_t *r) {
+  if (!r) return;
+  pthread_mutex_lock(&r->mu);
+  r->quit = 1;
+  if (r->active) zt_comm_abort(r->active);
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  pthread_join(r->thread, NULL);
+  pthread_cond_destroy(&r->cv);
+  pthread_mutex_destroy(&r->mu);
+  free(r);
+}
