@@ -16,8 +16,10 @@
  * call fails with the first error, and the owner must destroy it and join a
  * new generation. No call ever blocks without a bound.
  *
- * Buffers: fp32 or bf16 (uint16 storage; reductions are computed in fp32
- * and rounded to nearest-even once per addition). Reductions: SUM or AVG
+ * Buffers: fp32, fp64 or bf16 (uint16 storage; reductions are computed in
+ * fp32 and rounded to nearest-even once per addition). fp64 is what the
+ * trainer uses for gradient sums: exact in practice, so independent of the
+ * order in which ranks add them. Reductions: SUM or AVG
  * (sum, then divided by the world size).
  *
  * Shard layout (what ZeRO relies on): reduce_scatter of `world * n`
@@ -30,10 +32,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { ZT_DT_F32 = 0, ZT_DT_BF16 = 1 } zt_dtype_t;
+typedef enum { ZT_DT_F32 = 0, ZT_DT_BF16 = 1, ZT_DT_F64 = 2 } zt_dtype_t;
 typedef enum { ZT_RED_SUM = 0, ZT_RED_AVG = 1 } zt_redop_t;
 
-static inline size_t zt_dtype_size(zt_dtype_t t) { return t == ZT_DT_F32 ? 4 : 2; }
+static inline size_t zt_dtype_size(zt_dtype_t t) {
+  return t == ZT_DT_F64 ? 8 : t == ZT_DT_F32 ? 4 : 2;
+}
 
 typedef struct zt_comm zt_comm_t;
 

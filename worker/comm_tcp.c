@@ -79,7 +79,11 @@ float zt_bf16_to_f32(uint16_t h) {
 }
 
 void zt_comm_reduce_add(void *dst, const void *src, size_t n, zt_dtype_t dt) {
-  if (dt == ZT_DT_F32) {
+  if (dt == ZT_DT_F64) {
+    double *d = dst;
+    const double *s = src;
+    for (size_t i = 0; i < n; i++) d[i] += s[i];
+  } else if (dt == ZT_DT_F32) {
     float *d = dst;
     const float *s = src;
     for (size_t i = 0; i < n; i++) d[i] += s[i];
@@ -91,7 +95,10 @@ void zt_comm_reduce_add(void *dst, const void *src, size_t n, zt_dtype_t dt) {
 }
 
 void zt_comm_scale(void *buf, size_t n, zt_dtype_t dt, float s) {
-  if (dt == ZT_DT_F32) {
+  if (dt == ZT_DT_F64) {
+    double *d = buf;
+    for (size_t i = 0; i < n; i++) d[i] *= (double)s;
+  } else if (dt == ZT_DT_F32) {
     float *d = buf;
     for (size_t i = 0; i < n; i++) d[i] *= s;
   } else {

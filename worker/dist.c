@@ -56,12 +56,14 @@ typedef struct {
   size_t *off_full;      /* offset of unit u in full (padded) buffers */
   size_t *off_shard;     /* offset of unit u in shard buffers */
   size_t full_total, shard_total, max_unit;
-  float *P, *G;          /* full params / grads (when the stage keeps them) */
-  float *Ps, *Gs;        /* shards (stage 3 params; stage 2-3 grads) */
+  float *P, *G;          /* full params; one micro-step's full grads (stages 0-1) */
+  float *Ps;             /* stage 3 parameter shard */
+  double *G64;           /* gradient sum: full (stages 0-1) or shard (2-3) */
   float *M, *V;          /* Adam state: full (stage 0) or shard */
   float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit */
   float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
-  float *rs_tmp;         /* reduce-scatter output before accumulation */
+  double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
+  double inv_k;          /* 1 / micro-batches per step (all ranks) */
   int fail;              /* a collective in a hook failed */
   char fail_msg[512];
   uint64_t state_bytes[4]; /* params, grads, optimizer, in-flight */
@@ -69,11 +71,22 @@ typedef struct {
 
 /* ---- allocation and accounting ------------------------------------------------- */
 
-static float *alloc_f(dist *d, size_t n, int kind) {
-  float *p = calloc(n ? n : 1, sizeof(float));
+static void *alloc_b(dist *d, size_t n, size_t esz, int kind) {
+  void *p = calloc(n ? n : 1, esz);
   if (!p) abort();
-  d->state_bytes[kind] += n * sizeof(float);
+  d->state_bytes[kind] += n * esz;
   return p;
+}
+
+static float *alloc_f(dist *d, size_t n, int kind) { return alloc_b(d, n, sizeof(float), kind); }
+static double *alloc_d(dist *d, size_t n, int kind) { return alloc_b(d, n, sizeof(double), kind); }
+
+/* acc += x: the fp64 gradient sum (exact for sums of fp32 values whose
+ * exponents span less than 29 bits, i.e. in practice), so it does not
+ * depend on how micro-batches are spread over ranks. */
+static void accumulate(double *acc, const float *x, size_t n) {
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) acc[i] += x[i];
 }
 
 static void layout(dist *d) {
@@ -94,15 +107,20 @@ static void layout(dist *d) {
   enum { PARAMS, GRADS, OPT, FLIGHT };
   if (d->stage < 3) d->P = alloc_f(d, d->full_total, PARAMS);
   else d->Ps = alloc_f(d, d->shard_total, PARAMS);
-  if (d->stage < 2) d->G = alloc_f(d, d->full_total, GRADS);
-  else d->Gs = alloc_f(d, d->shard_total, GRADS);
+  if (d->stage < 2) {
+    d->G = alloc_f(d, d->full_total, GRADS);
+    d->G64 = alloc_d(d, d->full_total, GRADS);
+  } else {
+    d->G64 = alloc_d(d, d->shard_total, GRADS);
+  }
   size_t opt_n = d->stage == 0 ? d->full_total : d->shard_total;
   d->M = alloc_f(d, opt_n, OPT);
   d->V = alloc_f(d, opt_n, OPT);
   if (d->stage >= 2) {
     d->tg0 = alloc_f(d, d->S[0] * (size_t)d->N, FLIGHT);
     d->tg = alloc_f(d, d->max_unit, FLIGHT);
-    d->rs_tmp = alloc_f(d, d->max_unit / (size_t)d->N + 1, FLIGHT);
+    d->tg64 = alloc_d(d, d->max_unit, FLIGHT);
+    d->rs64 = alloc_d(d, d->max_unit / (size_t)d->N + 1, FLIGHT);
   }
   if (d->stage == 3) {
     d->gat0 = alloc_f(d, d->S[0] * (size_t)d->N, FLIGHT);
@@ -117,8 +135,8 @@ static void layout(dist *d) {
 static void free_dist(dist *d) {
   zt_gpt_free(d->m);
   free(d->usz), free(d->S), free(d->off_full), free(d->off_shard);
-  free(d->P), free(d->G), free(d->Ps), free(d->Gs), free(d->M), free(d->V);
-  free(d->gat0), free(d->gat), free(d->tg0), free(d->tg), free(d->rs_tmp);
+  free(d->P), free(d->G), free(d->Ps), free(d->G64), free(d->M), free(d->V);
+  free(d->gat0), free(d->gat), free(d->tg0), free(d->tg), free(d->tg64), free(d->rs64);
 }
 
 /* The owned range of unit u, clipped to its real size: [lo, lo + n). */
@@ -180,17 +198,21 @@ static void h_pre_backward(void *ctx, int u) {
   }
 }
 
-/* Stages 2-3: reduce-scatter the unit's gradient and accumulate the shard. */
+/* Stages 2-3: reduce-scatter the unit's gradient (in fp64, so the sum is
+ * exact) and add this rank's shard to the running sum. */
 static void h_post_backward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage < 2 || d->fail) return;
-  float *g = u == 0 ? d->tg0 : d->tg;
-  if (zt_comm_reduce_scatter(d->comm, g, d->rs_tmp, d->S[u], ZT_DT_F32, ZT_RED_AVG, d->tmo) != 0) {
+  const float *g = u == 0 ? d->tg0 : d->tg;
+  size_t n = d->S[u] * (size_t)d->N;
+  for (size_t i = 0; i < n; i++) d->tg64[i] = g[i];
+  if (zt_comm_reduce_scatter(d->comm, d->tg64, d->rs64, d->S[u], ZT_DT_F64, ZT_RED_SUM, d->tmo) !=
+      0) {
     hook_fail(d, "reduce-scatter of gradients");
     return;
   }
-  float *dst = d->Gs + d->off_shard[u];
-  for (size_t i = 0; i < d->S[u]; i++) dst[i] += d->rs_tmp[i];
+  double *dst = d->G64 + d->off_shard[u];
+  for (size_t i = 0; i < d->S[u]; i++) dst[i] += d->rs64[i];
 }
 
 /* ---- state init / load / save -------------------------------------------------------- */
@@ -274,10 +296,15 @@ static int save_state(dist *d, int64_t step) {
 static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
   size_t lo, n;
   owned(d, u, &lo, &n);
+  float *m = opt_ptr(d, d->M, u), *v = opt_ptr(d, d->V, u);
+  if (d->stage == 0) { /* replicated: every rank updates the whole unit */
+    lo = 0, n = d->usz[u];
+    m = d->M + d->off_full[u], v = d->V + d->off_full[u];
+  }
   if (!n) return;
   float *p = d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u];
-  const float *g = d->stage < 2 ? d->G + d->off_full[u] + lo : d->Gs + d->off_shard[u];
-  float *m = opt_ptr(d, d->M, u), *v = opt_ptr(d, d->V, u);
+  const double *g = d->stage < 2 ? d->G64 + d->off_full[u] + lo : d->G64 + d->off_shard[u];
+  double inv_k = d->inv_k;
   float b1 = (float)d->spec.beta1, b2 = (float)d->spec.beta2, eps = (float)d->spec.eps;
   float wd = (float)d->spec.weight_decay;
   float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
@@ -289,7 +316,7 @@ static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
 #pragma omp parallel for schedule(static)
     for (size_t i = a; i < b; i++) {
       size_t j = i - lo;
-      float gr = g[j] * gscale;
+      float gr = (float)(g[j] * inv_k) * gscale;
       m[j] = b1 * m[j] + (1 - b1) * gr;
       v[j] = b2 * v[j] + (1 - b2) * gr * gr;
       float mh = m[j] / bc1, vh = v[j] / bc2;
@@ -305,8 +332,11 @@ static double owned_sumsq(dist *d) {
   for (int u = 0; u < d->U; u++) {
     size_t lo, n;
     owned(d, u, &lo, &n);
-    const float *g = d->stage < 2 ? d->G + d->off_full[u] + lo : d->Gs + d->off_shard[u];
-    for (size_t i = 0; i < n; i++) s += (double)g[i] * g[i];
+    const double *g = d->stage < 2 ? d->G64 + d->off_full[u] + lo : d->G64 + d->off_shard[u];
+    for (size_t i = 0; i < n; i++) {
+      double x = (float)(g[i] * d->inv_k);
+      s += x * x;
+    }
   }
   return s;
 }
@@ -324,18 +354,19 @@ static double step_lr(dist *d, int64_t step) {
 /* ---- one step ------------------------------------------------------------------------------ */
 
 static void zero_grads(dist *d) {
-  if (d->G) memset(d->G, 0, d->full_total * sizeof(float));
-  if (d->Gs) memset(d->Gs, 0, d->shard_total * sizeof(float));
+  memset(d->G64, 0, (d->stage < 2 ? d->full_total : d->shard_total) * sizeof(double));
 }
 
+/* Sums the gradient over ranks: all-reduce (stage 0) or reduce-scatter
+ * (stage 1) in fp64; stages 2-3 did it unit by unit during backward. */
 static int reduce_grads(dist *d) {
   if (d->stage == 0)
-    return zt_comm_all_reduce(d->comm, d->G, d->full_total, ZT_DT_F32, ZT_RED_AVG, d->tmo);
+    return zt_comm_all_reduce(d->comm, d->G64, d->full_total, ZT_DT_F64, ZT_RED_SUM, d->tmo);
   if (d->stage == 1)
     for (int u = 0; u < d->U; u++) {
-      float *g = d->G + d->off_full[u];
-      if (zt_comm_reduce_scatter(d->comm, g, g + (size_t)d->r * d->S[u], d->S[u], ZT_DT_F32,
-                                 ZT_RED_AVG, d->tmo) != 0)
+      double *g = d->G64 + d->off_full[u];
+      if (zt_comm_reduce_scatter(d->comm, g, g + (size_t)d->r * d->S[u], d->S[u], ZT_DT_F64,
+                                 ZT_RED_SUM, d->tmo) != 0)
         return -1;
     }
   return 0;
@@ -391,6 +422,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
   if (d.spec.val[0] && d.spec.eval_every && zt_shards_open(d.spec.val, T, d.spec.seed, &val) != 0)
     goto out;
   layout(&d);
+  d.inv_k = (double)mb / (double)d.spec.global_batch;
   d.m->hooks = (zt_gpt_hooks){h_pre_forward, NULL, h_pre_backward, h_post_backward, &d};
   write_memory_report(&d);
   inp = malloc(sizeof(int) * (size_t)mb * T);
@@ -421,7 +453,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     int64_t t0 = zt_now_us();
     int64_t s = step + 1; /* 1-based number of the step being computed */
     zero_grads(&d);
-    float loss_sum = 0;
+    double loss_sum = 0;
     for (int j = 0; j < d.accum; j++) {
       if (g->should_stop(g->user)) {
         ret = 0;
@@ -431,17 +463,19 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
                        (uint64_t)j * (uint64_t)d.N * (uint64_t)mb + (uint64_t)d.r * (uint64_t)mb;
       zt_shards_fill(train, g->skips, g->nskips, first, mb, inp, tgt);
       loss_sum += zt_gpt_forward(d.m, inp, tgt, mb, T);
-      zt_gpt_backward(d.m, 1.0f / (float)d.accum);
+      if (d.G) memset(d.G, 0, d.full_total * sizeof(float));
+      zt_gpt_backward(d.m, 1.0f);
+      if (d.G) accumulate(d.G64, d.G, d.full_total);
       if (d.fail) {
         zt_err("%s", d.fail_msg);
         goto out;
       }
     }
     if (reduce_grads(&d) != 0) goto out;
-    float ctl[4] = {loss_sum / (float)d.accum, (float)owned_sumsq(&d), 0, (float)ckpt_flag};
-    ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0f : 1.0f;
-    if (zt_comm_all_reduce(d.comm, ctl, 4, ZT_DT_F32, ZT_RED_SUM, d.tmo) != 0) goto out;
-    double loss = ctl[0] / d.N, norm = sqrt(ctl[1]);
+    double ctl[4] = {loss_sum, owned_sumsq(&d), 0, (double)ckpt_flag};
+    ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0 : 1.0;
+    if (zt_comm_all_reduce(d.comm, ctl, 4, ZT_DT_F64, ZT_RED_SUM, d.tmo) != 0) goto out;
+    double loss = ctl[0] * d.inv_k, norm = sqrt(ctl[1]);
     int nonfinite = ctl[2] > 0 || !isfinite(loss) || !isfinite(norm);
     double lr = step_lr(&d, s);
     if (!nonfinite) {

@@ -162,3 +162,92 @@ def workers_by_name(coord):
 def events(coord, **q):
     qs = "&".join(f"{k}={v}" for k, v in q.items())
     return http_get(coord.http_port, "/v1/events" + (f"?{qs}" if qs else ""))[2]["events"]
+
+
+# ---- training jobs ----------------------------------------------------------
+
+FORTUNES = "/usr/share/games/fortunes"
+
+
+def english_text(limit=400_000):
+    """Real English text: the fortunes corpus (a Debian package)."""
+    import glob as _glob
+    out = bytearray()
+    for f in sorted(_glob.glob(FORTUNES + "/*")):
+        if os.path.isdir(f) or f.endswith(".dat") or os.path.islink(f):
+            continue
+        with open(f, "rb") as fh:
+            data = fh.read()
+        if b"\0" in data[:200]:
+            continue
+        out += data
+        if len(out) >= limit:
+            break
+    return bytes(out[:limit])
+
+
+def write_shard(path, tokens):
+    """llm.c token shard: 256 int32 header (magic, version, count), uint16 tokens."""
+    import array
+    h = array.array("i", [0] * 256)
+    h[0], h[1], h[2] = 20240520, 1, len(tokens)
+    with open(path, "wb") as f:
+        f.write(h.tobytes())
+        f.write(array.array("H", tokens).tobytes())
+
+
+def byte_dataset(dirpath, limit=400_000):
+    """Byte-level shards (vocab 257, 256 = end of text) of real English."""
+    os.makedirs(dirpath, exist_ok=True)
+    toks = list(english_text(limit))
+    n = len(toks)
+    write_shard(os.path.join(dirpath, "val_000000.bin"), toks[: n // 10])
+    write_shard(os.path.join(dirpath, "train_000000.bin"), toks[n // 10: n // 2])
+    write_shard(os.path.join(dirpath, "train_000001.bin"), toks[n // 2:])
+    return os.path.join(dirpath, "train_*.bin"), os.path.join(dirpath, "val_*.bin")
+
+
+def tiny_spec(train, val, steps=50, stage=0, workers=1, max_workers=None, micro=2, gbs=24,
+              **extra):
+    spec = {
+        "name": f"tiny-s{stage}-n{workers}", "seed": 7, "steps": steps,
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "seq_len": 32, "vocab_size": 257},
+        "data": {"train": train, "val": val},
+        "train_micro_batch_size_per_gpu": micro, "train_batch_size": gbs,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95],
+                                                  "eps": 1e-8, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupDecayLR",
+                      "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                 "warmup_num_steps": 10, "total_num_steps": steps}},
+        "zero_optimization": {"stage": stage},
+        "elastic": {"min_workers": workers, "max_workers": max_workers or workers},
+        "comm": {"timeout_ms": 10000},
+    }
+    for k, v in extra.items():
+        spec[k] = v
+    return spec
+
+
+def submit(coord, spec, tmpdir, name="job.json"):
+    path = os.path.join(str(tmpdir), name)
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return int(zctl_json(coord.grpc, "submit", path)["job_id"])
+
+
+def job(coord, jid):
+    return http_get(coord.http_port, f"/v1/jobs/{jid}")[2]
+
+
+def wait_job(coord, jid, timeout=120, states=("completed",)):
+    def done():
+        j = job(coord, jid)
+        assert j["state"] not in ("failed", "canceled") or j["state"] in states, j
+        return j if j["state"] in states else None
+    return wait_until(done, timeout, f"job {jid} to reach {states}", interval=0.05)
+
+
+def losses(coord, jid):
+    steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
+    return {s["step"]: s["loss"] for s in steps}
