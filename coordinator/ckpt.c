@@ -215,3 +215,32 @@ void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step) {
                    (long long)b.k[i].step, b.k[i].dir);
   }
 }
+
+typedef struct {
+  const char *dir;
+  zt_db_ckpt found;
+  int n;
+} find_ctx;
+
+static int find_dir(const zt_db_ckpt *k, void *user) {
+  find_ctx *f = user;
+  if (!strcmp(k->dir, f->dir) && k->state == ZT_CKPT_COMMITTED) f->found = *k, f->n++;
+  return 0;
+}
+
+/* A committed epoch that failed to load (checksum, truncation): never use it
+ * again. The files stay for inspection; the next generation starts from the
+ * previous committed epoch. Returns -1 when `dir` is not one of the job's
+ * own epochs (e.g. its checkpoint.load): there is nothing to fall back to. */
+int zt_ckpt_mark_bad(zt_coord *c, zt_job *j, const char *dir, const char *why) {
+  find_ctx f = {dir, {0}, 0};
+  zt_coord_event(c, j->row.id, "checkpoint_corrupt", 0, "%s: %s", dir, why);
+  if (zt_db_ckpts_each(c->db, j->row.id, find_dir, &f) != 0 || !f.n) return -1;
+  f.found.state = ZT_CKPT_DELETED;
+  if (zt_db_ckpt_put(c->db, j->row.id, &f.found) != 0) return -1;
+  if (j->rb_ckpt_step >= 0 && !strcmp(j->rb_ckpt_dir, dir)) j->rb_ckpt_step = -1;
+  zt_coord_event(c, j->row.id, "checkpoint_retired", 0,
+                 "step %lld will not be loaded again; falling back to an older epoch",
+                 (long long)f.found.step);
+  return 0;
+}

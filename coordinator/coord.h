@@ -43,6 +43,7 @@ typedef struct {
   uint64_t hb_seq;
   int dirty; /* last_seen not yet flushed to SQLite */
   int draining; /* leaving after the next committed checkpoint */
+  int64_t quarantine_ms; /* a peer reported its connection dead at this time (0: none) */
   /* Assignment: the job generation this worker belongs to (0: idle). */
   uint64_t job_id, gen;
   int rank;
@@ -57,6 +58,7 @@ typedef struct {
   int min_workers, max_workers;
   int64_t comm_timeout_ms;
   char ckpt_dir[400]; /* empty: no checkpoints */
+  char ckpt_load[512]; /* epoch to start from when the job has none of its own */
   int64_t ckpt_every, keep_last, keep_every;
   /* rollback{...} */
   int rb_enabled;
@@ -185,6 +187,7 @@ int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m,
 int zt_ckpt_latest(zt_coord *c, zt_job *j, zt_db_ckpt *out, int *found);
 void zt_ckpt_gc(zt_coord *c, zt_job *j);
 void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step);
+int zt_ckpt_mark_bad(zt_coord *c, zt_job *j, const char *dir, const char *why);
 int zt_jobs_rollback(zt_coord *c, zt_job *j, int64_t first_step, int64_t last_step,
                      int64_t max_ckpt_step, int64_t skip_steps, const char *why);
 int zt_jobs_report_checkpoint(zt_coord *c, const struct Ztrain__ReportCheckpointRequest *req,

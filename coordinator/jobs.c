@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "shards.h"
 #include "ztrain.pb-c.h"
 
 /* ---- spec essentials ------------------------------------------------------- */
@@ -84,6 +85,8 @@ int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t er
       goto out;
     }
     snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%s", d->valuestring);
+    cJSON *ld = cJSON_GetObjectItemCaseSensitive(ck, "load");
+    if (cJSON_IsString(ld)) snprintf(p->ckpt_load, sizeof p->ckpt_load, "%s", ld->valuestring);
     if (get_int(ck, "every_steps", 0, 0, 1LL << 40, &p->ckpt_every, err, errlen) ||
         get_int(ck, "keep_last", 2, 1, 1 << 20, &p->keep_last, err, errlen) ||
         get_int(ck, "keep_every", 0, 0, 1LL << 40, &p->keep_every, err, errlen))
@@ -232,7 +235,7 @@ static int pick_before(const zt_db_ckpt *k, void *user) {
 /* ---- scheduling ---------------------------------------------------------------- */
 
 static int member_usable(const zt_member *m) {
-  return m && m->row.state == ZT_WORKER_ALIVE && !m->draining;
+  return m && m->row.state == ZT_WORKER_ALIVE && !m->draining && !m->quarantine_ms;
 }
 
 /* ---- data skip ranges (stream positions) -------------------------------------- */
@@ -251,16 +254,6 @@ static int parse_skips(const char *s, skip_range *out, int max) {
     if (s) s++;
   }
   return n;
-}
-
-/* Stream position of logical position q: q moved past every skip range
- * that starts at or before it (ranges sorted by start). Mirrors the data
- * loader's mapping exactly. */
-static uint64_t stream_pos(const skip_range *r, int n, uint64_t q) {
-  uint64_t p = q;
-  for (int i = 0; i < n; i++)
-    if (r[i].start <= p) p += r[i].end - r[i].start;
-  return p;
 }
 
 static void add_skip(zt_job *j, uint64_t start, uint64_t end) {
@@ -327,6 +320,9 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
     start_step = j->rb_ckpt_step;
   } else if (j->p.ckpt_dir[0] && zt_ckpt_latest(c, j, &ck, &have_ck) == 0 && have_ck) {
     start_step = ck.step;
+  } else if (j->p.ckpt_load[0]) { /* the worker reads the step from its manifest */
+    have_ck = 1;
+    snprintf(ck.dir, sizeof ck.dir, "%s", j->p.ckpt_load);
   }
   zt_db_job next = j->row;
   next.generation = gen;
@@ -750,8 +746,10 @@ int zt_jobs_rollback(zt_coord *c, zt_job *j, int64_t first_step, int64_t last_st
   skip_range sk[64];
   int nsk = parse_skips(j->row.skips, sk, 64);
   uint64_t gb = (uint64_t)j->p.global_batch;
-  uint64_t lo = stream_pos(sk, nsk, (uint64_t)(first_step - 1) * gb);
-  uint64_t hi = stream_pos(sk, nsk, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
+  zt_skip zs[64];
+  for (int i = 0; i < nsk; i++) zs[i].start = sk[i].start, zs[i].end = sk[i].end;
+  uint64_t lo = zt_shards_stream_pos(zs, nsk, (uint64_t)(first_step - 1) * gb);
+  uint64_t hi = zt_shards_stream_pos(zs, nsk, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
   if (hi > lo && nsk < 63) add_skip(j, lo, hi);
   j->row.rollbacks++;
   size_t l = strlen(j->row.rollback_steps);
@@ -841,6 +839,24 @@ int zt_jobs_report_failure(zt_coord *c, const Ztrain__ReportFailureRequest *req,
   }
   zt_coord_event(c, j->row.id, "rank_failed", m->row.id, "generation %llu rank %d: %s",
                  (unsigned long long)req->generation, m->rank, reason);
+  if (req->bad_checkpoint[0] && zt_ckpt_mark_bad(c, j, req->bad_checkpoint, reason) != 0) {
+    finish(c, j, ZT_JOB_FAILED, "job_failed", "cannot load checkpoint %s: %s",
+           req->bad_checkpoint, reason);
+    zt_jobs_schedule(c);
+    return ZT_RPC_OK;
+  }
+  /* The peer whose connection died is kept out of the next generation
+   * until it proves alive (a later heartbeat) or is declared lost. */
+  int sr = req->suspect_rank - 1;
+  if (sr >= 0 && sr < j->row.world && sr != m->rank) {
+    zt_member *peer = zt_members_get(c, j->workers[sr]);
+    if (peer && !peer->quarantine_ms) {
+      peer->quarantine_ms = zt_now_ms();
+      zt_coord_event(c, j->row.id, "worker_suspected", peer->row.id,
+                     "rank %d (%s) reported its connection to rank %d (%s) dead", m->rank,
+                     m->row.name, sr, peer->row.name);
+    }
+  }
   char why[512];
   snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);
   try_form(c, j, why);

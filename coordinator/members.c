@@ -255,6 +255,9 @@ int zt_members_heartbeat(zt_coord *c, uint64_t id, zt_member **out, char *msg, s
     if (transition(c, m, ZT_WORKER_ALIVE, "recovered", detail) != 0)
       ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
   }
+  /* A heartbeat sent well after a peer called this worker dead proves it
+   * alive: it may be scheduled again. */
+  if (m->quarantine_ms && now - m->quarantine_ms > c->cfg.heartbeat_ms) m->quarantine_ms = 0;
   m->last_hb_mono_ms = now;
   m->row.last_seen_ms = zt_wall_ms();
   m->dirty = 1;

@@ -4,6 +4,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,8 +30,22 @@ static int fsync_dir(const char *dir) {
 }
 
 /* Writes data as dir/name atomically: name.tmp, fsync, rename. */
+/* Test-only fault injection: ZT_FAULT_KILL_IN_CKPT_STEP=S makes this process
+ * kill itself (SIGKILL) half-way through writing its rank file of step S,
+ * as a machine dying mid-write would. */
+static int64_t g_kill_step = -2;
+
+static void maybe_die(int64_t step, int part, int nparts) {
+  if (g_kill_step == -2) {
+    const char *e = getenv("ZT_FAULT_KILL_IN_CKPT_STEP");
+    g_kill_step = e ? atoll(e) : -1;
+  }
+  if (g_kill_step == step && part == nparts / 2) raise(SIGKILL);
+}
+
 static int write_atomic(const char *dir, const char *name, const void *const *parts,
-                        const size_t *lens, int nparts, uint64_t *hash_out, uint64_t *bytes_out) {
+                        const size_t *lens, int nparts, uint64_t *hash_out, uint64_t *bytes_out,
+                        int64_t fault_step) {
   char tmp[1200], final[1200];
   snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, name);
   snprintf(final, sizeof final, "%s/%s", dir, name);
@@ -40,6 +55,7 @@ static int write_atomic(const char *dir, const char *name, const void *const *pa
   XXH64_reset(h, 0);
   uint64_t total = 0;
   for (int i = 0; i < nparts; i++) {
+    if (fault_step >= 0) maybe_die(fault_step, i, nparts);
     if (zt_write_all(fd, parts[i], lens[i]) != 0) {
       zt_err_wrap("write %s", tmp);
       goto err;
@@ -82,7 +98,7 @@ static int write_json(const char *dir, const char *name, cJSON *doc) {
   char *text = cJSON_Print(doc);
   size_t len = strlen(text);
   const void *parts[1] = {text};
-  int rc = write_atomic(dir, name, parts, &len, 1, NULL, NULL);
+  int rc = write_atomic(dir, name, parts, &len, 1, NULL, NULL, -1);
   free(text);
   return rc;
 }
@@ -118,7 +134,7 @@ int zt_ckpt_write(const char *dir, const zt_ckpt_meta *meta, const zt_ckpt_range
   snprintf(bin, sizeof bin, "rank_%d.bin", meta->rank);
   snprintf(js, sizeof js, "rank_%d.json", meta->rank);
   uint64_t hash = 0, bytes = 0;
-  int rc = write_atomic(dir, bin, parts, lens, nparts, &hash, &bytes);
+  int rc = write_atomic(dir, bin, parts, lens, nparts, &hash, &bytes, meta->step);
   free(parts);
   free(lens);
   if (rc != 0) {

@@ -90,6 +90,8 @@ int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
 void zt_comm_abort(zt_comm_t *c);
 /* 1 once an operation has failed or the communicator was aborted. */
 int zt_comm_broken(const zt_comm_t *c);
+/* The rank whose connection failed first (dead, silent), or -1. */
+int zt_comm_failed_peer(const zt_comm_t *c);
 void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats *s);
 void zt_comm_destroy(zt_comm_t *c);
 

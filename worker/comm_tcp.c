@@ -49,6 +49,7 @@ struct zt_comm {
   size_t chunk;
   uint64_t session;
   atomic_int broken;
+  int failed_peer; /* rank whose connection failed, -1 when unknown */
   char err[512];
   zt_comm_stats stats;
   uint8_t *scratch;
@@ -151,10 +152,12 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
     if (sent < s->slen) is = n, p[n++] = (struct pollfd){.fd = c->next_fd, .events = POLLOUT};
     if (got < s->rlen) ip = n, p[n++] = (struct pollfd){.fd = c->prev_fd, .events = POLLIN};
     int64_t left = zt_deadline_left_ms(dl);
-    if (left == 0)
+    if (left == 0) {
+      c->failed_peer = got < s->rlen ? (c->rank + c->world - 1) % c->world : (c->rank + 1) % c->world;
       return fail(c, "%s: timed out (rank %d: %zu/%zu bytes from rank %d, %zu/%zu to rank %d)",
                   op, c->rank, got, s->rlen, (c->rank + c->world - 1) % c->world, sent, s->slen,
                   (c->rank + 1) % c->world);
+    }
     int r = poll(p, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
     if (r < 0) {
       if (errno == EINTR) continue;
@@ -164,7 +167,7 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
     if (is >= 0 && p[is].revents) {
       size_t want = ZT_MIN(s->slen - sent, c->chunk);
       ssize_t w = send(c->next_fd, s->sbuf + sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w < 0 && errno != EAGAIN && errno != EINTR)
+      if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = (c->rank + 1) % c->world, 1))
         return fail(c, "%s: send to rank %d: %s", op, (c->rank + 1) % c->world, strerror(errno));
       if (w > 0) sent += (size_t)w, c->stats.bytes_sent += (uint64_t)w;
     }
@@ -172,8 +175,11 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
       size_t want = ZT_MIN(s->rlen - got, c->chunk);
       ssize_t rd = recv(c->prev_fd, s->rbuf + got, want, MSG_DONTWAIT);
       int prev = (c->rank + c->world - 1) % c->world;
-      if (rd == 0) return fail(c, "%s: rank %d closed the connection", op, prev);
-      if (rd < 0 && errno != EAGAIN && errno != EINTR)
+      if (rd == 0) {
+        c->failed_peer = prev;
+        return fail(c, "%s: rank %d closed the connection", op, prev);
+      }
+      if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = prev, 1))
         return fail(c, "%s: receive from rank %d: %s", op, prev, strerror(errno));
       if (rd > 0) got += (size_t)rd, c->stats.bytes_recv += (uint64_t)rd;
       if (s->acc) {
@@ -327,6 +333,7 @@ void zt_comm_abort(zt_comm_t *c) {
 }
 
 int zt_comm_broken(const zt_comm_t *c) { return atomic_load(&c->broken); }
+int zt_comm_failed_peer(const zt_comm_t *c) { return c->failed_peer; }
 int zt_comm_rank(const zt_comm_t *c) { return c->rank; }
 int zt_comm_world(const zt_comm_t *c) { return c->world; }
 const char *zt_comm_backend(const zt_comm_t *c) { return (void)c, "tcp"; }
@@ -473,6 +480,7 @@ int zt_comm_tcp_create(const zt_comm_tcp_opts *o, zt_comm_t **out) {
   c->session = o->session;
   c->chunk = o->chunk_bytes ? o->chunk_bytes : (1u << 20);
   c->next_fd = c->prev_fd = -1;
+  c->failed_peer = -1;
   c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (c->abort_fd < 0) {
     free(c);

@@ -265,28 +265,128 @@ static int load_state(dist *d, const char *dir, int64_t *step) {
   return 0;
 }
 
-static int save_state(dist *d, int64_t step) {
+/* Asynchronous checkpoints. The training thread snapshots its owned
+ * ranges into one host buffer (a memcpy) and hands it to the writer thread,
+ * which writes, fsyncs, renames and reports while training goes on. One
+ * epoch is in flight at a time: a new snapshot first waits for the
+ * previous write to finish. */
+typedef struct {
+  pthread_t th;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int busy, quit, started, failed;
   char dir[1024];
-  zt_ckpt_dirname(dir, sizeof dir, d->spec.ckpt_dir, d->g->job_id, step, d->g->generation);
-  zt_ckpt_range *rg = calloc((size_t)d->U, sizeof *rg);
+  zt_ckpt_meta meta;
+  zt_skip skips[64];
+  zt_ckpt_range *rg;
+  int nr;
+  float *buf;
+  size_t buf_cap;
+  const zt_gen_ctx *g;
+  char err[512];
+} ckpt_writer;
+
+static void *writer_main(void *p) {
+  ckpt_writer *w = p;
+  pthread_mutex_lock(&w->mu);
+  for (;;) {
+    while (!w->busy && !w->quit) pthread_cond_wait(&w->cv, &w->mu);
+    if (!w->busy) break;
+    pthread_mutex_unlock(&w->mu);
+    zt_ckpt_file files[4];
+    int nf = 0, rc;
+    int64_t t0 = zt_now_ms();
+    rc = zt_ckpt_write(w->dir, &w->meta, w->rg, w->nr, files, &nf);
+    if (rc == 0) {
+      ZT_INFO("checkpoint step %lld written in %lld ms: %s", (long long)w->meta.step,
+              (long long)(zt_now_ms() - t0), w->dir);
+      if (w->g->report_checkpoint &&
+          w->g->report_checkpoint(w->g->user, w->meta.step, w->dir, files, nf) != 0)
+        ZT_WARN("checkpoint step %lld was not recorded by the coordinator",
+                (long long)w->meta.step);
+    } else {
+      ZT_ERROR("checkpoint step %lld: %s", (long long)w->meta.step, zt_err_msg());
+    }
+    pthread_mutex_lock(&w->mu);
+    if (rc != 0) {
+      w->failed = 1;
+      snprintf(w->err, sizeof w->err, "%s", zt_err_msg());
+    }
+    w->busy = 0;
+    pthread_cond_broadcast(&w->cv);
+  }
+  pthread_mutex_unlock(&w->mu);
+  return NULL;
+}
+
+static void writer_wait(ckpt_writer *w) {
+  if (!w->started) return;
+  pthread_mutex_lock(&w->mu);
+  while (w->busy) pthread_cond_wait(&w->cv, &w->mu);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void writer_stop(ckpt_writer *w) {
+  if (!w->started) return;
+  pthread_mutex_lock(&w->mu);
+  w->quit = 1;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+  pthread_join(w->th, NULL);
+  pthread_cond_destroy(&w->cv);
+  pthread_mutex_destroy(&w->mu);
+  free(w->rg);
+  free(w->buf);
+  w->started = 0;
+}
+
+static int save_state(dist *d, ckpt_writer *w, int64_t step) {
+  if (!w->started) {
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    w->g = d->g;
+    w->rg = calloc((size_t)d->U, sizeof *w->rg);
+    if (pthread_create(&w->th, NULL, writer_main, w) != 0) return zt_err("checkpoint writer");
+    w->started = 1;
+  }
+  writer_wait(w);
+  if (w->failed) return zt_err("previous checkpoint failed: %s", w->err);
+  size_t total = 0;
   for (int u = 0; u < d->U; u++) {
     size_t lo, n;
     owned(d, u, &lo, &n);
-    const float *p = d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u];
-    rg[u] = (zt_ckpt_range){u, lo, n, p, opt_ptr(d, d->M, u), opt_ptr(d, d->V, u)};
+    total += 3 * n;
   }
-  zt_ckpt_meta meta = {d->g->job_id, d->g->generation, step, d->r, d->N, d->stage, d->cfg,
-                       d->spec.seed, d->spec.global_batch, d->g->skips, d->g->nskips};
-  zt_ckpt_file files[4];
-  int nf = 0;
-  int64_t t0 = zt_now_ms();
-  int rc = zt_ckpt_write(dir, &meta, rg, d->U, files, &nf);
-  free(rg);
-  if (rc != 0) return -1;
-  ZT_INFO("checkpoint step %lld written in %lld ms: %s", (long long)step,
-          (long long)(zt_now_ms() - t0), dir);
-  if (d->g->report_checkpoint && d->g->report_checkpoint(d->g->user, step, dir, files, nf) != 0)
-    ZT_WARN("checkpoint step %lld was not recorded by the coordinator", (long long)step);
+  if (total > w->buf_cap) {
+    free(w->buf);
+    w->buf = malloc((total ? total : 1) * sizeof(float));
+    if (!w->buf) return zt_err("out of memory for a checkpoint snapshot");
+    w->buf_cap = total;
+  }
+  float *at = w->buf;
+  for (int u = 0; u < d->U; u++) {
+    size_t lo, n;
+    owned(d, u, &lo, &n);
+    const float *src[3] = {d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u],
+                           opt_ptr(d, d->M, u), opt_ptr(d, d->V, u)};
+    float *dst[3];
+    for (int k = 0; k < 3; k++) {
+      dst[k] = at;
+      memcpy(at, src[k], n * sizeof(float));
+      at += n;
+    }
+    w->rg[u] = (zt_ckpt_range){u, lo, n, dst[0], dst[1], dst[2]};
+  }
+  w->nr = d->U;
+  zt_ckpt_dirname(w->dir, sizeof w->dir, d->spec.ckpt_dir, d->g->job_id, step, d->g->generation);
+  int ns = ZT_MIN(d->g->nskips, 64);
+  memcpy(w->skips, d->g->skips, (size_t)ns * sizeof *w->skips);
+  w->meta = (zt_ckpt_meta){d->g->job_id, d->g->generation, step, d->r, d->N, d->stage, d->cfg,
+                           d->spec.seed, d->spec.global_batch, w->skips, ns};
+  pthread_mutex_lock(&w->mu);
+  w->busy = 1;
+  pthread_cond_broadcast(&w->cv);
+  pthread_mutex_unlock(&w->mu);
   return 0;
 }
 
@@ -404,6 +504,8 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
   *fatal = 1;
   zt_shards_t *train = NULL, *val = NULL;
   int *inp = NULL, *tgt = NULL, ret = -1;
+  static _Thread_local ckpt_writer writer; /* large: keep it off the stack */
+  memset(&writer, 0, sizeof writer);
   if (zt_jspec_parse(g->spec_json, &d.spec) != 0) return zt_err_wrap("job spec");
   d.stage = d.spec.zero_stage;
   d.cfg = (zt_gpt_config){d.spec.model.n_layer, d.spec.model.n_head, d.spec.model.n_embd,
@@ -433,14 +535,15 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
   if (g->checkpoint_dir && g->checkpoint_dir[0]) {
     int64_t t0 = zt_now_ms(), loaded = 0;
     if (load_state(&d, g->checkpoint_dir, &loaded) != 0) {
-      *fatal = 0; /* the coordinator falls back to an earlier epoch */
+      *fatal = zt_comm_broken(d.comm) ? 0 : 2; /* 2: fall back to an earlier epoch */
       goto out;
     }
-    if (loaded != step) {
+    if (step && loaded != step) {
       zt_err("checkpoint %s holds step %lld, expected %lld", g->checkpoint_dir, (long long)loaded,
              (long long)step);
       goto out;
     }
+    step = loaded;
     ZT_INFO("loaded checkpoint step %lld into %d ranks, stage %d, in %lld ms: %s", (long long)step,
             d.N, d.stage, (long long)(zt_now_ms() - t0), g->checkpoint_dir);
   } else {
@@ -502,7 +605,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     /* Checkpoint: on schedule, or when asked (the flag went around in ctl). */
     int want_ckpt = d.spec.ckpt_dir[0] && !nonfinite &&
                     ((d.spec.ckpt_every && step % d.spec.ckpt_every == 0) || ctl[3] > 0);
-    if (want_ckpt && step < d.spec.steps && save_state(&d, step) != 0) goto out;
+    if (want_ckpt && step < d.spec.steps && save_state(&d, &writer, step) != 0) goto out;
     ckpt_flag = cmd == ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW;
     if (cmd == ZTRAIN__COMMAND__COMMAND_STOP || cmd == ZTRAIN__COMMAND__COMMAND_ROLLBACK) {
       ret = 0;
@@ -511,7 +614,9 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
   }
   ret = 0;
 out:
-  if (ret != 0 && zt_comm_broken(d.comm)) *fatal = 0;
+  /* A write in flight finishes (its epoch may still commit); then stop. */
+  writer_stop(&writer);
+  if (ret != 0 && *fatal != 2 && zt_comm_broken(d.comm)) *fatal = 0;
   free(inp);
   free(tgt);
   zt_shards_close(train);

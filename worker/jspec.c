@@ -209,7 +209,8 @@ int zt_jspec_parse(const char *json, zt_jspec *s) {
       get_str(&ck, "dir", "", s->ckpt_dir, sizeof s->ckpt_dir) ||
       get_int(&ck, "every_steps", 0, 0, BIG, &s->ckpt_every) ||
       get_int(&ck, "keep_last", 2, 1, 1 << 20, &s->keep_last) ||
-      get_int(&ck, "keep_every", 0, 0, BIG, &s->keep_every) || done(&ck) ||
+      get_int(&ck, "keep_every", 0, 0, BIG, &s->keep_every) ||
+      get_str(&ck, "load", "", s->ckpt_load, sizeof s->ckpt_load) || done(&ck) ||
       get_obj(&r, "rollback", 0, &rb) || get_bool(&rb, "enabled", 1, &rb_en) ||
       get_num(&rb, "window", 100, 5, 1024, &tmp) || get_num(&rb, "threshold", 6, 0.1, 1e6, &tmp) ||
       get_num(&rb, "patience", 3, 1, 1000, &tmp) || get_num(&rb, "margin_steps", 0, 0, BIG, &tmp) ||

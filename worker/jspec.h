@@ -14,7 +14,8 @@
  *     "eval": {"every_steps": 50, "batches": 4},
  *     "zero_optimization": {"stage": 2},
  *     "elastic": {"min_workers": 2, "max_workers": 4},
- *     "checkpoint": {"dir": "ckpt", "every_steps": 50, "keep_last": 2, "keep_every": 0},
+ *     "checkpoint": {"dir": "ckpt", "every_steps": 50, "keep_last": 2, "keep_every": 0,
+ *                    "load": "other/job_1/step_00000030-g1"},
  *     "rollback": {"enabled": true, ...}, "bf16": {"enabled": false},
  *     "comm": {"timeout_ms": 30000}
  *   }
@@ -52,6 +53,7 @@ typedef struct {
   int zero_stage;
   int min_workers, max_workers;
   char ckpt_dir[400];
+  char ckpt_load[512]; /* an epoch directory to start from (another job's) */
   int64_t ckpt_every, keep_last, keep_every;
   int bf16;
   int64_t comm_timeout_ms;

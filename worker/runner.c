@@ -146,8 +146,11 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const void 
   }
 }
 
-static void report_failure(zt_runner_t *r, const char *why, int fatal) {
+static void report_failure(zt_runner_t *r, const char *why, int fatal, const char *bad_ckpt,
+                           int suspect) {
   Ztrain__ReportFailureRequest req = ZTRAIN__REPORT_FAILURE_REQUEST__INIT;
+  req.suspect_rank = suspect + 1;
+  req.bad_checkpoint = (char *)(bad_ckpt ? bad_ckpt : "");
   req.worker_id = zt_ctl_worker_id(r->ctl);
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
@@ -208,7 +211,7 @@ static void run_generation(zt_runner_t *r) {
     char why[600];
     snprintf(why, sizeof why, "ring set-up: %s", zt_err_msg());
     ZT_WARN("%s", why);
-    if (!changed(r)) report_failure(r, why, 0);
+    if (!changed(r)) report_failure(r, why, 0, NULL, -1);
     goto out;
   }
   pthread_mutex_lock(&r->mu);
@@ -233,8 +236,9 @@ static void run_generation(zt_runner_t *r) {
     char why[800];
     snprintf(why, sizeof why, "%s", zt_err_msg());
     if (!changed(r)) {
-      ZT_WARN("training failed%s: %s", fatal ? " (job error)" : "", why);
-      report_failure(r, why, fatal);
+      ZT_WARN("training failed%s: %s", fatal == 1 ? " (job error)" : "", why);
+      report_failure(r, why, fatal == 1, fatal == 2 ? rv->checkpoint_dir : NULL,
+                     zt_comm_failed_peer(comm));
     } else {
       ZT_INFO("generation %llu left: %s", (unsigned long long)r->cur_gen, why);
     }

@@ -72,8 +72,9 @@ typedef struct {
 } zt_gen_ctx;
 
 /* Trains one generation. Returns 0 when the job's last step is done or a
- * stop was requested; -1 on failure with *fatal set when the job itself is
- * at fault (invalid spec, bad data) rather than the generation (a peer). */
+ * stop was requested; -1 on failure with *fatal = 1 when the job itself is
+ * at fault (invalid spec, bad data), 2 when the checkpoint to load is
+ * corrupt, 0 when the generation is (a peer). */
 int zt_gen_train(const zt_gen_ctx *g, int *fatal);
 
 #endif

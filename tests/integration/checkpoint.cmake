@@ -1,0 +1,1 @@
+zt_py_test(checkpoint test_checkpoint.py TIMEOUT 900)

@@ -1,0 +1,178 @@
+"""Checkpoints: sharded epochs, committed only when complete, reshardable,
+checksummed; what a crash mid-write or a flipped byte does.
+
+Real zcoord and zworker processes, real files. The reference for every
+comparison is an uninterrupted run of the same job.
+"""
+import glob
+import json
+import os
+import signal
+import sqlite3
+
+import pytest
+
+from ztest import (byte_dataset, events, http_get, job, losses, submit, tiny_spec, wait_job,
+                   wait_until, workers_by_name, zctl_json)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
+
+
+def fleet(procs, n, env=None, names=None, hb=300, timeout=1500):
+    coord = procs.coord(hb_ms=hb, timeout_ms=timeout)
+    names = names or [f"w{i}" for i in range(n)]
+    ws = [procs.worker(coord.grpc, nm, extra=["--threads", "1"], env=(env or {}).get(nm))
+          for nm in names]
+    wait_until(lambda: sum(w["state"] == "alive" for w in workers_by_name(coord).values()) == n,
+               20, f"{n} workers alive")
+    return coord, ws
+
+
+def ckpts(coord, jid):
+    return zctl_json(coord.grpc, "checkpoints", str(jid))["checkpoints"]
+
+
+def committed(coord, jid):
+    return {c["step"]: c for c in ckpts(coord, jid) if c["state"] == "committed"}
+
+
+def test_reshard_resume_equals_uninterrupted(procs, tmp_path, data):
+    train, val = data
+    coord, _ = fleet(procs, 4)
+    root = str(tmp_path / "ckpt")
+    # Uninterrupted reference: N=4, ZeRO 2, 60 steps, an epoch at step 30.
+    a = tiny_spec(train, val, 60, stage=2, workers=4,
+                  checkpoint={"dir": root, "every_steps": 30, "keep_last": 5})
+    ja = submit(coord, a, tmp_path, "a.json")
+    wait_job(coord, ja)
+    ref = losses(coord, ja)
+    epochs = committed(coord, ja)
+    assert 30 in epochs and epochs[30]["world"] == 4
+    d30 = epochs[30]["dir"]
+    files = sorted(os.path.basename(p) for p in glob.glob(d30 + "/*"))
+    assert files == ["manifest.json"] + [f"rank_{r}.{e}" for r in range(4) for e in ("bin", "json")]
+    assert not glob.glob(d30 + "/*.tmp")
+    man = json.load(open(d30 + "/manifest.json"))
+    assert man["step"] == 30 and man["world"] == 4 and man["zero_stage"] == 2
+    assert man["data_cursor"] == 30 * 24
+    # Resume the step-30 state elsewhere: N=2 with ZeRO 3, and N=3 with ZeRO 1.
+    for n, stage in ((2, 3), (3, 1)):
+        b = tiny_spec(train, val, 60, stage=stage, workers=n,
+                      checkpoint={"dir": str(tmp_path / f"ck{n}"), "load": d30})
+        jb = submit(coord, b, tmp_path, f"b{n}.json")
+        wait_job(coord, jb)
+        got = losses(coord, jb)
+        assert min(got) == 31, f"resumed job should start at step 31, got {min(got)}"
+        for s in range(31, 61):
+            assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (n, stage, s, got[s], ref[s])
+
+
+def test_kill9_during_checkpoint_write(procs, tmp_path, data):
+    train, val = data
+    # w2 dies (SIGKILL, from inside) half-way through writing its step-20 file.
+    env = {"w2": {"ZT_FAULT_KILL_IN_CKPT_STEP": "20"}}
+    coord, ws = fleet(procs, 3, env=env)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 40, stage=1, workers=2, max_workers=3, gbs=24,
+                     checkpoint={"dir": root, "every_steps": 10, "keep_last": 10})
+    jid = submit(coord, spec, tmp_path)
+    j = wait_job(coord, jid, timeout=120)
+    assert not ws[2].alive() and ws[2].p.returncode == -signal.SIGKILL
+    states = {(c["step"], c["generation"]): c["state"] for c in ckpts(coord, jid)}
+    # The step-20 epoch of generation 1 was never committed (and is gone)...
+    assert states.get((20, 1)) in ("pending", "deleted"), states
+    assert not os.path.exists(os.path.join(root, f"job_{jid}", "step_00000020-g1")) or \
+        states.get((20, 1)) == "pending"
+    # ...and the next generation resumed from step 10, the last committed one.
+    with sqlite3.connect(coord.db) as db:
+        gens = db.execute("SELECT gen, world, start_step FROM generations WHERE job_id = ? "
+                          "ORDER BY gen", (jid,)).fetchall()
+    assert gens[0] == (1, 3, 0) and gens[1][2] == 10 and gens[1][1] == 2, gens
+    # The loss sequence equals an uninterrupted run's (replayed steps count once).
+    ref_spec = tiny_spec(train, val, 40, stage=0, workers=1)
+    jr = submit(coord, ref_spec, tmp_path, "ref.json")
+    wait_job(coord, jr)
+    ref, got = losses(coord, jr), losses(coord, jid)
+    assert sorted(got) == list(range(1, 41))
+    for s in range(1, 41):
+        assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, got[s], ref[s])
+    assert j["restarts"] >= 1
+
+
+def flip_byte(path, at=None):
+    with open(path, "r+b") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        pos = size // 2 if at is None else at
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupt_checkpoint_is_refused_naming_the_file(procs, tmp_path, data):
+    train, val = data
+    coord, _ = fleet(procs, 2)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 30, stage=2, workers=2,
+                     checkpoint={"dir": root, "every_steps": 10, "keep_last": 5})
+    ja = submit(coord, spec, tmp_path, "a.json")
+    wait_job(coord, ja)
+    d20 = committed(coord, ja)[20]["dir"]
+    victim = os.path.join(d20, "rank_1.bin")
+    flip_byte(victim)
+    # A job that starts from the damaged epoch fails with the file's name.
+    b = tiny_spec(train, val, 30, stage=2, workers=2,
+                  checkpoint={"dir": str(tmp_path / "b"), "load": d20})
+    jb = submit(coord, b, tmp_path, "b.json")
+    j = wait_job(coord, jb, states=("failed",))
+    assert "rank_1.bin" in j["message"] and "checksum mismatch" in j["message"], j["message"]
+    ev = [e for e in events(coord, job=jb) if e["kind"] == "checkpoint_corrupt"]
+    assert ev and "rank_1.bin" in ev[0]["detail"]
+    # Truncation and a mismatched model are refused too.
+    flip_byte(victim)  # restore
+    with open(os.path.join(d20, "rank_0.bin"), "r+b") as f:
+        f.truncate(100)
+    jc = submit(coord, b, tmp_path, "c.json")
+    j = wait_job(coord, jc, states=("failed",))
+    assert "rank_0.bin" in j["message"] and "truncated" in j["message"], j["message"]
+    d10 = committed(coord, ja)[10]["dir"]
+    other = tiny_spec(train, val, 30, stage=2, workers=2,
+                      checkpoint={"dir": str(tmp_path / "d"), "load": d10})
+    other["model"]["n_embd"] = 64
+    jd = submit(coord, other, tmp_path, "d.json")
+    j = wait_job(coord, jd, states=("failed",))
+    assert "manifest.json" in j["message"] and "mismatched" in j["message"], j["message"]
+
+
+def test_corrupt_own_epoch_falls_back_to_previous(procs, tmp_path, data):
+    train, val = data
+    coord, ws = fleet(procs, 3)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 400, stage=2, workers=2, max_workers=3, gbs=24,
+                     checkpoint={"dir": root, "every_steps": 10, "keep_last": 10})
+    spec["model"].update(n_embd=96, n_head=4, n_layer=3)
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: len(committed(coord, jid)) >= 2, 120, "two committed epochs")
+    for w in ws:
+        w.signal(signal.SIGSTOP)
+    try:
+        newest = max(committed(coord, jid).items())
+        prev_step = max(s for s in committed(coord, jid) if s < newest[0])
+        flip_byte(os.path.join(newest[1]["dir"], "rank_0.bin"))
+    finally:
+        ws[0].kill()
+        for w in ws[1:]:
+            w.signal(signal.SIGCONT)
+    j = wait_job(coord, jid, timeout=300)
+    ev = events(coord, job=jid)
+    corrupt = [e for e in ev if e["kind"] == "checkpoint_corrupt"]
+    assert corrupt and "rank_0.bin" in corrupt[0]["detail"] and "checksum" in corrupt[0]["detail"]
+    with sqlite3.connect(coord.db) as db:
+        starts = [r[0] for r in db.execute("SELECT start_step FROM generations WHERE job_id = ? "
+                                           "ORDER BY gen", (jid,))]
+    assert prev_step in starts, (starts, prev_step, newest[0])
+    assert j["step"] == 400
