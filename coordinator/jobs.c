@@ -35,7 +35,7 @@
 #include <string.h>
 
 #include "coord.h"
-#include "shards.h"
+#include "data.h"
 #include "ztrain.pb-c.h"
 
 /* ---- spec essentials ------------------------------------------------------- */
@@ -746,10 +746,10 @@ int zt_jobs_rollback(zt_coord *c, zt_job *j, int64_t first_step, int64_t last_st
   skip_range sk[64];
   int nsk = parse_skips(j->row.skips, sk, 64);
   uint64_t gb = (uint64_t)j->p.global_batch;
-  zt_skip zs[64];
+  zt_range_t zs[64];
   for (int i = 0; i < nsk; i++) zs[i].start = sk[i].start, zs[i].end = sk[i].end;
-  uint64_t lo = zt_shards_stream_pos(zs, nsk, (uint64_t)(first_step - 1) * gb);
-  uint64_t hi = zt_shards_stream_pos(zs, nsk, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
+  uint64_t lo = zt_data_map_pos(zs, nsk, (uint64_t)(first_step - 1) * gb);
+  uint64_t hi = zt_data_map_pos(zs, nsk, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
   if (hi > lo && nsk < 63) add_skip(j, lo, hi);
   j->row.rollbacks++;
   size_t l = strlen(j->row.rollback_steps);

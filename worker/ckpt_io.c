@@ -84,7 +84,7 @@ err:
   return -1;
 }
 
-static cJSON *model_json(const zt_gpt_config *m) {
+static cJSON *model_json(const zt_model_config_t *m) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "n_layer", m->n_layer);
   cJSON_AddNumberToObject(o, "n_head", m->n_head);
@@ -231,7 +231,7 @@ static int verify_file(const char *path, uint64_t bytes, const char *want) {
   return 0;
 }
 
-int zt_ckpt_load(const char *dir, const zt_gpt_config *model, const zt_ckpt_dest *dest, int nd,
+int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest *dest, int nd,
                  int64_t *step) {
   cJSON *man = read_json(dir, "manifest.json");
   if (!man) return zt_err_wrap("load checkpoint");

@@ -28,8 +28,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "gpt.h"
-#include "shards.h"
+#include "model.h"
+#include "data.h"
 
 /* One unit range held in memory for writing. */
 typedef struct {
@@ -42,10 +42,10 @@ typedef struct {
   uint64_t job_id, generation;
   int64_t step;
   int rank, world, stage;
-  zt_gpt_config model;
+  zt_model_config_t model;
   uint64_t seed;
   int64_t global_batch;
-  const zt_skip *skips;
+  const zt_range_t *skips;
   int nskips;
 } zt_ckpt_meta;
 
@@ -70,7 +70,7 @@ typedef struct {
 
 /* Loads the ranges of `dest` from the epoch in `dir`; checks the model
  * config and every checksum. *step receives the epoch's step. */
-int zt_ckpt_load(const char *dir, const zt_gpt_config *model, const zt_ckpt_dest *dest, int ndest,
+int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest *dest, int ndest,
                  int64_t *step);
 
 /* The epoch directory name for (root, job, step, generation). */

@@ -35,20 +35,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "ckpt_io.h"
 #include "comm.h"
-#include "gpt.h"
-#include "jspec.h"
+#include "data.h"
+#include "model.h"
+#include "optim.h"
 #include "runner.h"
-#include "shards.h"
+#include "spec.h"
+#include "zt_kernels.h"
 #include "zt_common.h"
 #include "ztrain.pb-c.h"
 
 typedef struct {
   const zt_gen_ctx *g;
-  zt_jspec spec;
-  zt_gpt_config cfg;
-  zt_gpt_t *m;
+  zt_spec_t spec;
+  zt_model_config_t cfg;
+  zt_model_t *m;
+  const zt_kernels_t *k;
+  double fi_lr_scale; /* fault_injection (tests only) */
+  int64_t fi_from, fi_to;
+  float *gbuf;        /* one unit's owned gradient in fp32, for the AdamW kernel */
   zt_comm_t *comm;
   int N, r, stage, U, accum;
   int64_t tmo;
@@ -90,13 +98,13 @@ static void accumulate(double *acc, const float *x, size_t n) {
 }
 
 static void layout(dist *d) {
-  d->U = zt_gpt_num_units(&d->cfg);
+  d->U = zt_model_num_units(d->m);
   d->usz = calloc((size_t)d->U, sizeof(size_t));
   d->S = calloc((size_t)d->U, sizeof(size_t));
   d->off_full = calloc((size_t)d->U, sizeof(size_t));
   d->off_shard = calloc((size_t)d->U, sizeof(size_t));
   for (int u = 0; u < d->U; u++) {
-    d->usz[u] = zt_gpt_unit_size(&d->cfg, u);
+    d->usz[u] = zt_model_unit_size(d->m, u);
     d->S[u] = (d->usz[u] + (size_t)d->N - 1) / (size_t)d->N;
     d->off_full[u] = d->full_total;
     d->off_shard[u] = d->shard_total;
@@ -133,7 +141,8 @@ static void layout(dist *d) {
 }
 
 static void free_dist(dist *d) {
-  zt_gpt_free(d->m);
+  zt_model_free(d->m);
+  free(d->gbuf);
   free(d->usz), free(d->S), free(d->off_full), free(d->off_shard);
   free(d->P), free(d->G), free(d->Ps), free(d->G64), free(d->M), free(d->V);
   free(d->gat0), free(d->gat), free(d->tg0), free(d->tg), free(d->tg64), free(d->rs64);
@@ -149,6 +158,7 @@ static void owned(const dist *d, int u, size_t *lo, size_t *n) {
 
 /* Writes the bytes of model states this rank holds (docs/zero.md). */
 static void write_memory_report(const dist *d) {
+  if (!d->g->workdir) return;
   char path[1100];
   snprintf(path, sizeof path, "%s/zero_memory.json", d->g->workdir);
   FILE *f = fopen(path, "w");
@@ -183,12 +193,13 @@ static void gather_unit(dist *d, int u) {
   d->m->unit_params[u] = buf;
 }
 
-static void h_pre_forward(void *ctx, int u) {
+static int h_pre_forward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage == 3) gather_unit(d, u);
+  return d->fail ? -1 : 0;
 }
 
-static void h_pre_backward(void *ctx, int u) {
+static int h_pre_backward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage == 3 && u != 0) gather_unit(d, u); /* unit 0 is still gathered */
   if (d->stage >= 2) {
@@ -196,23 +207,25 @@ static void h_pre_backward(void *ctx, int u) {
     memset(g, 0, d->S[u] * (size_t)d->N * sizeof(float));
     d->m->unit_grads[u] = g;
   }
+  return d->fail ? -1 : 0;
 }
 
 /* Stages 2-3: reduce-scatter the unit's gradient (in fp64, so the sum is
  * exact) and add this rank's shard to the running sum. */
-static void h_post_backward(void *ctx, int u) {
+static int h_post_backward(void *ctx, int u) {
   dist *d = ctx;
-  if (d->stage < 2 || d->fail) return;
+  if (d->stage < 2 || d->fail) return d->fail ? -1 : 0;
   const float *g = u == 0 ? d->tg0 : d->tg;
   size_t n = d->S[u] * (size_t)d->N;
   for (size_t i = 0; i < n; i++) d->tg64[i] = g[i];
   if (zt_comm_reduce_scatter(d->comm, d->tg64, d->rs64, d->S[u], ZT_DT_F64, ZT_RED_SUM, d->tmo) !=
       0) {
     hook_fail(d, "reduce-scatter of gradients");
-    return;
+    return -1;
   }
   double *dst = d->G64 + d->off_shard[u];
   for (size_t i = 0; i < d->S[u]; i++) dst[i] += d->rs64[i];
+  return 0;
 }
 
 /* ---- state init / load / save -------------------------------------------------------- */
@@ -222,7 +235,7 @@ static void init_params(dist *d) {
   for (int u = 0; u < d->U; u++) {
     float *full = d->stage < 3 ? d->P + d->off_full[u] : tmp;
     memset(full, 0, d->S[u] * (size_t)d->N * sizeof(float));
-    zt_gpt_init_unit(&d->cfg, u, d->spec.seed, full);
+    zt_model_init_unit(d->m, d->spec.seed, u, full);
     if (d->stage == 3) memcpy(d->Ps + d->off_shard[u], tmp + (size_t)d->r * d->S[u], d->S[u] * 4);
   }
   free(tmp);
@@ -277,7 +290,7 @@ typedef struct {
   int busy, quit, started, failed;
   char dir[1024];
   zt_ckpt_meta meta;
-  zt_skip skips[64];
+  zt_range_t skips[64];
   zt_ckpt_range *rg;
   int nr;
   float *buf;
@@ -378,7 +391,7 @@ static int save_state(dist *d, ckpt_writer *w, int64_t step) {
     w->rg[u] = (zt_ckpt_range){u, lo, n, dst[0], dst[1], dst[2]};
   }
   w->nr = d->U;
-  zt_ckpt_dirname(w->dir, sizeof w->dir, d->spec.ckpt_dir, d->g->job_id, step, d->g->generation);
+  zt_ckpt_dirname(w->dir, sizeof w->dir, d->spec.ckpt.dir, d->g->job_id, step, d->g->generation);
   int ns = ZT_MIN(d->g->nskips, 64);
   memcpy(w->skips, d->g->skips, (size_t)ns * sizeof *w->skips);
   w->meta = (zt_ckpt_meta){d->g->job_id, d->g->generation, step, d->r, d->N, d->stage, d->cfg,
@@ -392,7 +405,9 @@ static int save_state(dist *d, ckpt_writer *w, int64_t step) {
 
 /* ---- the optimizer ---------------------------------------------------------------------- */
 
-/* AdamW on the owned shard of unit u; gscale folds in the clip factor. */
+/* AdamW on the owned shard of unit u through the kernel table; the fp64
+ * gradient sum is scaled (1/K, clip factor) into fp32 first. Weight decay
+ * applies to the tensors the model marks (matmul weights, embeddings). */
 static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
   size_t lo, n;
   owned(d, u, &lo, &n);
@@ -404,24 +419,16 @@ static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
   if (!n) return;
   float *p = d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u];
   const double *g = d->stage < 2 ? d->G64 + d->off_full[u] + lo : d->G64 + d->off_shard[u];
-  double inv_k = d->inv_k;
-  float b1 = (float)d->spec.beta1, b2 = (float)d->spec.beta2, eps = (float)d->spec.eps;
-  float wd = (float)d->spec.weight_decay;
-  float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
-  zt_gpt_view views[ZT_GPT_NTENSORS];
-  int nv = zt_gpt_unit_views(&d->cfg, u, views);
-  for (int k = 0; k < nv; k++) {
-    size_t a = ZT_MAX(views[k].off, lo), b = ZT_MIN(views[k].off + views[k].n, lo + n);
-    float decay = views[k].decay ? wd : 0.0f;
-#pragma omp parallel for schedule(static)
-    for (size_t i = a; i < b; i++) {
-      size_t j = i - lo;
-      float gr = (float)(g[j] * inv_k) * gscale;
-      m[j] = b1 * m[j] + (1 - b1) * gr;
-      v[j] = b2 * v[j] + (1 - b2) * gr * gr;
-      float mh = m[j] / bc1, vh = v[j] / bc2;
-      p[j] -= lr * (mh / (sqrtf(vh) + eps) + decay * p[j]);
-    }
+  for (size_t i = 0; i < n; i++) d->gbuf[i] = (float)(g[i] * d->inv_k) * gscale;
+  const zt_opt_config_t *o = &d->spec.opt;
+  float bc1 = 1.0f - powf(o->beta1, (float)t), bc2 = 1.0f - powf(o->beta2, (float)t);
+  for (int k = 0; k < d->m->num_tensors; k++) {
+    const zt_tensor_t *tn = &d->m->tensors[k];
+    if (tn->unit != u) continue;
+    size_t a = ZT_MAX(tn->unit_off, lo), b = ZT_MIN(tn->unit_off + tn->n, lo + n);
+    if (a >= b) continue;
+    d->k->adamw(p + (a - lo), d->gbuf + (a - lo), m + (a - lo), v + (a - lo), b - a, lr, o->beta1,
+                o->beta2, o->eps, tn->decay ? o->weight_decay : 0.0f, bc1, bc2);
   }
 }
 
@@ -442,13 +449,12 @@ static double owned_sumsq(dist *d) {
 }
 
 static double step_lr(dist *d, int64_t step) {
-  double lr = zt_jspec_lr(&d->spec, step);
-  if (step <= d->g->lr_until && d->g->lr_factor > 0) lr *= d->g->lr_factor;
+  float mult = 1.0f;
+  if (step <= d->g->lr_until && d->g->lr_factor > 0) mult *= (float)d->g->lr_factor;
   /* Test-only fault injection: a huge LR for a step range, first run only. */
-  if (d->spec.fi_lr_scale > 0 && d->g->rollbacks == 0 && step >= d->spec.fi_from &&
-      step <= d->spec.fi_to)
-    lr *= d->spec.fi_lr_scale;
-  return lr;
+  if (d->fi_lr_scale > 0 && d->g->rollbacks == 0 && step >= d->fi_from && step <= d->fi_to)
+    mult *= (float)d->fi_lr_scale;
+  return zt_lr_at(&d->spec.sched, d->spec.opt.lr, (long)(step - 1), mult);
 }
 
 /* ---- one step ------------------------------------------------------------------------------ */
@@ -482,16 +488,38 @@ static int gather_params(dist *d) {
   return 0;
 }
 
-static float eval_loss(dist *d, zt_shards_t *val, int *inp, int *tgt) {
-  int mb = d->spec.micro, T = d->cfg.seq_len;
+static float eval_loss(dist *d, zt_data_t *val, int *inp, int *tgt) {
+  int mb = d->spec.micro_batch, T = d->cfg.seq_len;
   float acc[2] = {0, 0};
+  uint64_t ns = zt_data_num_samples(val);
   for (int b = d->r; b < d->spec.eval_batches; b += d->N) {
-    zt_shards_fill_sequential(val, (uint64_t)b * (uint64_t)mb, mb, inp, tgt);
-    acc[0] += zt_gpt_forward(d->m, inp, tgt, mb, T);
+    float l = NAN;
+    if (zt_data_fill_seq(val, ((uint64_t)b * (uint64_t)mb) % (ns - (uint64_t)mb + 1), mb, inp,
+                         tgt) != 0 ||
+        zt_model_forward(d->m, inp, tgt, mb, T, &l) != 0)
+      return NAN;
+    acc[0] += l;
     acc[1] += 1;
   }
   if (zt_comm_all_reduce(d->comm, acc, 2, ZT_DT_F32, ZT_RED_SUM, d->tmo) != 0) return NAN;
   return acc[1] > 0 ? acc[0] / acc[1] : NAN;
+}
+
+/* fault_injection{lr_scale, from_step, to_step}: tests only. */
+static int parse_fault_injection(dist *d) {
+  if (!d->spec.fault_injection) return 0;
+  cJSON *o = cJSON_Parse(d->spec.fault_injection);
+  int ret = 0;
+  for (cJSON *it = o ? o->child : NULL; it; it = it->next) {
+    if (!cJSON_IsNumber(it)) ret = zt_err("fault_injection.%s: expected a number", it->string);
+    else if (!strcmp(it->string, "lr_scale")) d->fi_lr_scale = it->valuedouble;
+    else if (!strcmp(it->string, "from_step")) d->fi_from = (int64_t)it->valuedouble;
+    else if (!strcmp(it->string, "to_step")) d->fi_to = (int64_t)it->valuedouble;
+    else ret = zt_err("fault_injection.%s: unknown key", it->string);
+  }
+  if (d->fi_to < d->fi_from) d->fi_to = d->fi_from;
+  cJSON_Delete(o);
+  return ret;
 }
 
 int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
@@ -502,30 +530,41 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
   d.N = g->world, d.r = g->rank;
   d.tmo = g->comm_timeout_ms > 0 ? g->comm_timeout_ms : 30000;
   *fatal = 1;
-  zt_shards_t *train = NULL, *val = NULL;
+  zt_data_t *train = NULL, *val = NULL;
   int *inp = NULL, *tgt = NULL, ret = -1;
   static _Thread_local ckpt_writer writer; /* large: keep it off the stack */
   memset(&writer, 0, sizeof writer);
-  if (zt_jspec_parse(g->spec_json, &d.spec) != 0) return zt_err_wrap("job spec");
+  if (zt_spec_parse(&d.spec, g->spec_json, strlen(g->spec_json)) != 0)
+    return zt_err_wrap("job spec");
   d.stage = d.spec.zero_stage;
-  d.cfg = (zt_gpt_config){d.spec.model.n_layer, d.spec.model.n_head, d.spec.model.n_embd,
-                          d.spec.model.seq_len, d.spec.model.vocab_size, 0};
-  if (zt_gpt_config_check(&d.cfg) != 0) return zt_err_wrap("job spec");
-  if ((d.accum = zt_jspec_accum(&d.spec, d.N)) < 0) return -1;
-  if (g->threads > 0) zt_gpt_set_threads(g->threads);
-  int T = d.cfg.seq_len, mb = d.spec.micro;
-  if (zt_gpt_create(&d.cfg, mb, T, &d.m) != 0) return zt_err_wrap("model");
-  if (zt_shards_open(d.spec.train, T, d.spec.seed, &train) != 0) goto out;
-  if (zt_shards_max_token(train) >= d.cfg.vocab_size) {
-    zt_err("%s: token id %d >= model.vocab_size %d", d.spec.train, zt_shards_max_token(train),
-           d.cfg.vocab_size);
-    goto out;
+  d.cfg = d.spec.model;
+  d.k = zt_kernels_cpu();
+  int T = d.cfg.seq_len, mb = d.spec.micro_batch;
+  if (parse_fault_injection(&d) != 0 || zt_spec_accum_for_world(&d.spec, d.N, &d.accum) != 0) {
+    zt_spec_free(&d.spec);
+    return -1;
   }
-  if (d.spec.val[0] && d.spec.eval_every && zt_shards_open(d.spec.val, T, d.spec.seed, &val) != 0)
+  if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
+  if (zt_model_create(&d.m, &d.cfg, mb, T, d.k, ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0) {
+    zt_spec_free(&d.spec);
+    return zt_err_wrap("model");
+  }
+  if (zt_data_open_glob(&train, d.spec.train_glob, T, d.cfg.vocab_size, d.spec.seed) != 0)
+    goto out;
+  if (g->nskips) {
+    zt_range_t rs[64];
+    int ns = ZT_MIN(g->nskips, 64);
+    for (int i = 0; i < ns; i++) rs[i].start = g->skips[i].start, rs[i].end = g->skips[i].end;
+    if (zt_data_set_skips(train, rs, ns) != 0) goto out;
+  }
+  if (d.spec.val_glob[0] && d.spec.eval_every &&
+      zt_data_open_glob(&val, d.spec.val_glob, T, d.cfg.vocab_size, d.spec.seed) != 0)
     goto out;
   layout(&d);
+  d.gbuf = malloc((d.max_unit ? d.max_unit : 1) * sizeof(float));
   d.inv_k = (double)mb / (double)d.spec.global_batch;
-  d.m->hooks = (zt_gpt_hooks){h_pre_forward, NULL, h_pre_backward, h_post_backward, &d};
+  zt_model_hooks_t hooks = {&d, h_pre_forward, NULL, h_pre_backward, h_post_backward};
+  zt_model_set_hooks(d.m, &hooks);
   write_memory_report(&d);
   inp = malloc(sizeof(int) * (size_t)mb * T);
   tgt = malloc(sizeof(int) * (size_t)mb * T);
@@ -564,10 +603,12 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       }
       uint64_t first = (uint64_t)step * (uint64_t)d.spec.global_batch +
                        (uint64_t)j * (uint64_t)d.N * (uint64_t)mb + (uint64_t)d.r * (uint64_t)mb;
-      zt_shards_fill(train, g->skips, g->nskips, first, mb, inp, tgt);
-      loss_sum += zt_gpt_forward(d.m, inp, tgt, mb, T);
+      float l = 0;
+      if (zt_data_fill(train, first, mb, inp, tgt) != 0) goto out;
+      if (zt_model_forward(d.m, inp, tgt, mb, T, &l) != 0 && !d.fail) goto out;
+      loss_sum += l;
       if (d.G) memset(d.G, 0, d.full_total * sizeof(float));
-      zt_gpt_backward(d.m, 1.0f);
+      if (zt_model_backward(d.m, 1.0f) != 0 && !d.fail) goto out;
       if (d.G) accumulate(d.G64, d.G, d.full_total);
       if (d.fail) {
         zt_err("%s", d.fail_msg);
@@ -582,7 +623,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     int nonfinite = ctl[2] > 0 || !isfinite(loss) || !isfinite(norm);
     double lr = step_lr(&d, s);
     if (!nonfinite) {
-      float gscale = d.spec.clip > 0 && norm > d.spec.clip ? (float)(d.spec.clip / norm) : 1.0f;
+      float gscale = zt_opt_clip_coef(ctl[1], d.spec.grad_clip, NULL);
       for (int u = 0; u < d.U; u++) adamw_unit(&d, u, (float)lr, gscale, s);
       if (gather_params(&d) != 0) goto out;
     } else {
@@ -603,8 +644,8 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       cmd = g->report_step(g->user, &rep);
     }
     /* Checkpoint: on schedule, or when asked (the flag went around in ctl). */
-    int want_ckpt = d.spec.ckpt_dir[0] && !nonfinite &&
-                    ((d.spec.ckpt_every && step % d.spec.ckpt_every == 0) || ctl[3] > 0);
+    int want_ckpt = d.spec.ckpt.dir[0] && !nonfinite &&
+                    ((d.spec.ckpt.every_steps && step % d.spec.ckpt.every_steps == 0) || ctl[3] > 0);
     if (want_ckpt && step < d.spec.steps && save_state(&d, &writer, step) != 0) goto out;
     ckpt_flag = cmd == ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW;
     if (cmd == ZTRAIN__COMMAND__COMMAND_STOP || cmd == ZTRAIN__COMMAND__COMMAND_ROLLBACK) {
@@ -619,8 +660,9 @@ out:
   if (ret != 0 && *fatal != 2 && zt_comm_broken(d.comm)) *fatal = 0;
   free(inp);
   free(tgt);
-  zt_shards_close(train);
-  zt_shards_close(val);
+  zt_data_close(train);
+  zt_data_close(val);
   free_dist(&d);
+  zt_spec_free(&d.spec);
   return ret;
 }

@@ -227,7 +227,7 @@ static void run_generation(zt_runner_t *r) {
                   .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
                   .should_stop = should_stop_cb, .report_step = report_step_cb,
                   .report_checkpoint = report_ckpt_cb, .user = r};
-  zt_skip skips[64];
+  zt_range_t skips[64];
   g.nskips = (int)ZT_MIN(rv->n_skips, 64);
   for (int i = 0; i < g.nskips; i++) skips[i].start = rv->skips[i]->start, skips[i].end = rv->skips[i]->end;
   g.skips = skips;

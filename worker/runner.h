@@ -20,7 +20,7 @@
 
 #include "comm.h"
 #include "control.h"
-#include "shards.h"
+#include "data.h"
 
 typedef struct zt_runner zt_runner_t;
 
@@ -54,7 +54,7 @@ typedef struct {
   const char *workdir;
   int threads;
   const char *checkpoint_dir; /* committed epoch to load ("" or NULL: fresh) */
-  const zt_skip *skips;
+  const zt_range_t *skips;
   int nskips;
   double lr_factor; /* for steps <= lr_until */
   int64_t lr_until;

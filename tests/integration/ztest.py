@@ -219,7 +219,7 @@ def tiny_spec(train, val, steps=50, stage=0, workers=1, max_workers=None, micro=
                                                   "eps": 1e-8, "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupDecayLR",
                       "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
-                                 "warmup_num_steps": 10, "total_num_steps": steps}},
+                                 "warmup_num_steps": min(10, steps - 1), "total_num_steps": steps}},
         "zero_optimization": {"stage": stage},
         "elastic": {"min_workers": workers, "max_workers": max_workers or workers},
         "comm": {"timeout_ms": 10000},

@@ -1,0 +1,518 @@
+/*
+ * fast.c: the fast CPU kernels, zt_kernels_cpu().
+ *
+ * The same functions as the reference table (ref.c), organised for speed on a
+ * multi-core CPU:
+ *
+ *   - Threads. One OpenMP thread team does all the parallel work; OpenBLAS is
+ *     pinned to a single thread and every sgemm is called from inside an
+ *     OpenMP region on a thread's own slice of the problem (rows of the
+ *     output, or rows of the weight gradient). Two thread pools (OpenMP and
+ *     OpenBLAS's pthreads) never compete for the cores.
+ *   - Matmuls. Linear layers are CBLAS sgemm calls on contiguous row blocks.
+ *     Attention runs one (batch, head) pair per loop iteration, each with
+ *     four or five small sgemm calls over strided views of qkv (the leading
+ *     dimension is 3C), so no head is ever copied out.
+ *   - Elementwise loops are `omp simd` loops; exp and tanh use a polynomial
+ *     exp (zt_expf below, Cephes' single-precision coefficients, about 1 ulp)
+ *     that vectorizes, where libm's expf would not.
+ *
+ * Determinism: every loop uses a static schedule and every reduction has a
+ * fixed order that does not depend on the number of threads (LayerNorm
+ * weight gradients are summed over fixed chunks of rows, sumsq over fixed
+ * chunks of ZT_KERN_SUMSQ_CHUNK elements, bias gradients per column). The
+ * kernels themselves are therefore bitwise reproducible for any thread count;
+ * OpenBLAS's sgemm is reproducible for a fixed problem split, which the
+ * thread count determines, so end-to-end results are guaranteed bit-identical
+ * only for a fixed thread count.
+ */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_kernels.h"
+
+#define ZT_LN_EPS 1e-5f
+#define ZT_GELU_SCALE 0.7978845608028654f /* sqrt(2 / pi) */
+#define ZT_LN_CHUNK_ROWS 32              /* rows per partial sum in layernorm_backward */
+#define ZT_MIN_SZ(a, b) ((a) < (b) ? (a) : (b))
+
+/* ---- utilities ---------------------------------------------------------- */
+
+/* Splits [0, n) into nt near-equal contiguous parts; part tid is [*lo, *hi). */
+static void zt_split(size_t n, int tid, int nt, size_t *lo, size_t *hi) {
+  size_t base = n / (size_t)nt, rem = n % (size_t)nt;
+  size_t t = (size_t)tid;
+  *lo = t * base + (t < rem ? t : rem);
+  *hi = *lo + base + (t < rem ? 1 : 0);
+}
+
+/* Like zt_split but part boundaries are multiples of `align` (except n). */
+static void zt_split_aligned(size_t n, size_t align, int tid, int nt, size_t *lo, size_t *hi) {
+  size_t blocks = (n + align - 1) / align;
+  zt_split(blocks, tid, nt, lo, hi);
+  *lo = ZT_MIN_SZ(*lo * align, n);
+  *hi = ZT_MIN_SZ(*hi * align, n);
+}
+
+/* exp(x) for float, vectorizable. Cephes expf: x = n ln2 + r, |r| <= ln2/2,
+ * a degree-6 polynomial for e^r, then scale by 2^n built in the exponent
+ * bits. Inputs are clamped to the finite range, so it never overflows. */
+#pragma omp declare simd notinbranch
+static inline float zt_expf(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.3f ? 88.3f : x;
+  float fx = floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - fx * 0.693359375f;
+  r = r + fx * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  union {
+    int32_t i;
+    float f;
+  } p;
+  p.i = ((int32_t)fx + 127) << 23;
+  return y * p.f;
+}
+
+/* tanh(x) = (e^2x - 1) / (e^2x + 1); |x| >= 9 rounds to +-1 in float. */
+#pragma omp declare simd notinbranch
+static inline float zt_tanhf(float x) {
+  x = x < -9.0f ? -9.0f : x;
+  x = x > 9.0f ? 9.0f : x;
+  float e = zt_expf(2.0f * x);
+  return (e - 1.0f) / (e + 1.0f);
+}
+
+static int zt_kern_initialized;
+
+/* OpenBLAS runs single-threaded: all parallelism comes from OpenMP. */
+static void zt_kern_init(void) {
+  if (zt_kern_initialized) return;
+  openblas_set_num_threads(1);
+  zt_kern_initialized = 1;
+}
+
+/* ---- encoder ------------------------------------------------------------ */
+
+static void fast_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
+                                 int B, int T, int C) {
+  int BT = B * T;
+#pragma omp parallel for schedule(static)
+  for (int bt = 0; bt < BT; bt++) {
+    int t = bt % T;
+    float *o = out + (size_t)bt * C;
+    const float *we = wte + (size_t)inp[bt] * C;
+    const float *pe = wpe + (size_t)t * C;
+#pragma omp simd
+    for (int i = 0; i < C; i++) o[i] = we[i] + pe[i];
+  }
+}
+
+/* Each thread owns a slice of the C channels of every row, and walks all
+ * tokens in order: no two threads touch the same gradient element, and the
+ * summation order is the reference's. */
+static void fast_encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp,
+                                  int B, int T, int C) {
+  int BT = B * T;
+#pragma omp parallel
+  {
+    size_t lo, hi;
+    zt_split_aligned((size_t)C, 16, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    for (int bt = 0; bt < BT && lo < hi; bt++) {
+      const float *d = dout + (size_t)bt * C;
+      float *dwe = dwte + (size_t)inp[bt] * C;
+      float *dpe = dwpe + (size_t)(bt % T) * C;
+#pragma omp simd
+      for (size_t i = lo; i < hi; i++) {
+        dwe[i] += d[i];
+        dpe[i] += d[i];
+      }
+    }
+  }
+}
+
+/* ---- layernorm ------------------------------------------------------------ */
+
+static void fast_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                   const float *w, const float *b, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const float *x = inp + (size_t)n * C;
+    float *o = out + (size_t)n * C;
+    float m = 0.0f;
+#pragma omp simd reduction(+ : m)
+    for (int i = 0; i < C; i++) m += x[i];
+    m /= C;
+    float v = 0.0f;
+#pragma omp simd reduction(+ : v)
+    for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
+    v /= C;
+    float s = 1.0f / sqrtf(v + ZT_LN_EPS);
+#pragma omp simd
+    for (int i = 0; i < C; i++) o[i] = (x[i] - m) * s * w[i] + b[i];
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+/* One row of the LayerNorm backward; dw/db are accumulated into pdw/pdb. */
+static void ln_backward_row(float *dx, float *pdw, float *pdb, const float *d, const float *x,
+                            const float *w, float m, float s, int C) {
+  float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
+  for (int i = 0; i < C; i++) {
+    float norm = (x[i] - m) * s;
+    float dnorm = w[i] * d[i];
+    dnorm_mean += dnorm;
+    dnorm_norm_mean += dnorm * norm;
+  }
+  dnorm_mean /= C;
+  dnorm_norm_mean /= C;
+#pragma omp simd
+  for (int i = 0; i < C; i++) {
+    float norm = (x[i] - m) * s;
+    float dnorm = w[i] * d[i];
+    pdb[i] += d[i];
+    pdw[i] += norm * d[i];
+    dx[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+  }
+}
+
+/* Rows are processed in fixed chunks of ZT_LN_CHUNK_ROWS, each with its own
+ * partial dw/db; the partials are then added in chunk order, one column
+ * range per thread. The result does not depend on the thread count. */
+static void fast_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
+                                    const float *inp, const float *w, const float *mean,
+                                    const float *rstd, int N, int C) {
+  int nchunks = (N + ZT_LN_CHUNK_ROWS - 1) / ZT_LN_CHUNK_ROWS;
+  float *part = calloc((size_t)nchunks * 2 * C, sizeof(float));
+  if (!part) abort(); /* a few hundred KiB; out of memory here is fatal */
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int c = 0; c < nchunks; c++) {
+      float *pdw = part + (size_t)c * 2 * C, *pdb = pdw + C;
+      int end = ZT_MIN_SZ((c + 1) * ZT_LN_CHUNK_ROWS, N);
+      for (int n = c * ZT_LN_CHUNK_ROWS; n < end; n++) {
+        ln_backward_row(dinp + (size_t)n * C, pdw, pdb, dout + (size_t)n * C,
+                        inp + (size_t)n * C, w, mean[n], rstd[n], C);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int i = 0; i < C; i++) {
+      float sw = 0.0f, sb = 0.0f;
+      for (int c = 0; c < nchunks; c++) {
+        sw += part[(size_t)c * 2 * C + i];
+        sb += part[(size_t)c * 2 * C + C + i];
+      }
+      dw[i] += sw;
+      db[i] += sb;
+    }
+  }
+  free(part);
+}
+
+/* ---- matmul --------------------------------------------------------------- */
+
+static void fast_matmul_forward(float *out, const float *inp, const float *w, const float *bias,
+                                int N, int IC, int OC) {
+#pragma omp parallel
+  {
+    size_t lo, hi;
+    zt_split((size_t)N, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    if (hi > lo) {
+      float beta = 0.0f;
+      if (bias) {
+        for (size_t n = lo; n < hi; n++) memcpy(out + n * OC, bias, sizeof(float) * OC);
+        beta = 1.0f;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(hi - lo), OC, IC, 1.0f,
+                  inp + lo * IC, IC, w, IC, beta, out + lo * OC, OC);
+    }
+  }
+}
+
+static void fast_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
+                                 const float *inp, const float *w, int N, int IC, int OC) {
+#pragma omp parallel
+  {
+    int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    size_t lo, hi;
+    /* dinp[N, IC] = dout[N, OC] @ w[OC, IC], split by rows of dinp. */
+    if (dinp) {
+      zt_split((size_t)N, tid, nt, &lo, &hi);
+      if (hi > lo)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(hi - lo), IC, OC, 1.0f,
+                    dout + lo * OC, OC, w, IC, 0.0f, dinp + lo * IC, IC);
+    }
+    /* dw[OC, IC] += dout^T @ inp, split by rows of dw; dbias by the same
+     * columns of dout, each column summed over all rows in order. */
+    zt_split_aligned((size_t)OC, 16, tid, nt, &lo, &hi);
+    if (hi > lo) {
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)(hi - lo), IC, N, 1.0f, dout + lo,
+                  OC, inp, IC, 1.0f, dw + lo * IC, IC);
+      if (dbias) {
+        float acc[16];
+        for (size_t o0 = lo; o0 < hi; o0 += 16) {
+          size_t cnt = ZT_MIN_SZ(16, hi - o0);
+          memset(acc, 0, sizeof acc);
+          for (int n = 0; n < N; n++) {
+            const float *d = dout + (size_t)n * OC + o0;
+            for (size_t i = 0; i < cnt; i++) acc[i] += d[i];
+          }
+          for (size_t i = 0; i < cnt; i++) dbias[o0 + i] += acc[i];
+        }
+      }
+    }
+  }
+}
+
+/* ---- attention ------------------------------------------------------------ */
+
+/* Row-wise causal softmax of a [T, T] block in place: row t keeps columns
+ * 0..t (scaled by `scale` first), the rest become zero. */
+static void causal_softmax(float *a, int T, float scale) {
+  for (int t = 0; t < T; t++) {
+    float *row = a + (size_t)t * T;
+    float maxv = -INFINITY;
+    for (int t2 = 0; t2 <= t; t2++) maxv = row[t2] > maxv ? row[t2] : maxv;
+    maxv *= scale;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t2 = 0; t2 <= t; t2++) {
+      float e = zt_expf(row[t2] * scale - maxv);
+      row[t2] = e;
+      sum += e;
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int t2 = 0; t2 <= t; t2++) row[t2] *= inv;
+    for (int t2 = t + 1; t2 < T; t2++) row[t2] = 0.0f;
+  }
+}
+
+/* Per (b, h): S = Q K^T (full T x T by sgemm, the masked half is cheaper to
+ * compute than to skip at these sizes), causal softmax, O = P V. */
+static void fast_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+                                   int NH) {
+  int hs = C / NH, C3 = 3 * C;
+  float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel for schedule(static)
+  for (int bh = 0; bh < B * NH; bh++) {
+    int b = bh / NH, h = bh % NH;
+    const float *q = qkv + (size_t)b * T * C3 + (size_t)h * hs;
+    const float *k = q + C, *v = q + 2 * C;
+    float *a = att + (size_t)bh * T * T;
+    float *o = out + (size_t)b * T * C + (size_t)h * hs;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, q, C3, k, C3, 0.0f, a,
+                T);
+    causal_softmax(a, T, scale);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, a, T, v, C3, 0.0f, o,
+                C);
+  }
+}
+
+/* Per (b, h), with P the probabilities and dO the output gradient:
+ *   dP = dO V^T;  dV = P^T dO;  dS = P * (dP - rowsum(P * dP)) * scale;
+ *   dQ = dS K;    dK = dS^T Q.
+ * dS reuses a per-thread T x T scratch buffer. */
+static void fast_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                    const float *att, int B, int T, int C, int NH) {
+  int hs = C / NH, C3 = 3 * C;
+  float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel
+  {
+    float *ds = malloc(sizeof(float) * (size_t)T * T);
+    if (!ds) abort(); /* T*T floats; out of memory here is fatal */
+#pragma omp for schedule(static)
+    for (int bh = 0; bh < B * NH; bh++) {
+      int b = bh / NH, h = bh % NH;
+      size_t base = (size_t)b * T * C3 + (size_t)h * hs;
+      const float *q = qkv + base, *k = q + C, *v = q + 2 * C;
+      float *dq = dqkv + base, *dk = dq + C, *dv = dq + 2 * C;
+      const float *p = att + (size_t)bh * T * T;
+      const float *d = dout + (size_t)b * T * C + (size_t)h * hs;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, d, C, v, C3, 0.0f, ds,
+                  T);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, d, C, 0.0f, dv,
+                  C3);
+      for (int t = 0; t < T; t++) {
+        float *r = ds + (size_t)t * T;
+        const float *pr = p + (size_t)t * T;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int t2 = 0; t2 <= t; t2++) s += pr[t2] * r[t2];
+#pragma omp simd
+        for (int t2 = 0; t2 <= t; t2++) r[t2] = pr[t2] * (r[t2] - s) * scale;
+        for (int t2 = t + 1; t2 < T; t2++) r[t2] = 0.0f;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, ds, T, k, C3, 0.0f,
+                  dq, C3);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, ds, T, q, C3, 0.0f, dk,
+                  C3);
+    }
+    free(ds);
+  }
+}
+
+/* ---- elementwise ---------------------------------------------------------- */
+
+static void fast_gelu_forward(float *out, const float *inp, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) {
+    float x = inp[i];
+    float th = zt_tanhf(ZT_GELU_SCALE * (x + 0.044715f * x * x * x));
+    out[i] = 0.5f * x * (1.0f + th);
+  }
+}
+
+static void fast_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) {
+    float x = inp[i];
+    float th = zt_tanhf(ZT_GELU_SCALE * (x + 0.044715f * x * x * x));
+    float sech2 = 1.0f - th * th;
+    float grad = 0.5f * (1.0f + th) +
+                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] = grad * dout[i];
+  }
+}
+
+static void fast_residual_forward(float *out, const float *a, const float *b, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+/* ---- loss ----------------------------------------------------------------- */
+
+static void fast_crossentropy_forward(float *losses, float *probs, const float *logits,
+                                      const int *targets, int N, int V, int Vp) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const float *l = logits + (size_t)n * Vp;
+    float *p = probs + (size_t)n * Vp;
+    float maxv = -INFINITY;
+    for (int i = 0; i < V; i++) maxv = l[i] > maxv ? l[i] : maxv;
+    float lt = l[targets[n]]; /* read before probs (which may alias) is written */
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < V; i++) {
+      float e = zt_expf(l[i] - maxv);
+      p[i] = e;
+      sum += e;
+    }
+    float inv = 1.0f / sum;
+#pragma omp simd
+    for (int i = 0; i < V; i++) p[i] *= inv;
+    for (int i = V; i < Vp; i++) p[i] = 0.0f;
+    losses[n] = logf(sum) - (lt - maxv);
+  }
+}
+
+static void fast_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
+                                       float dloss, int N, int V, int Vp) {
+#pragma omp parallel for schedule(static)
+  for (int n = 0; n < N; n++) {
+    const float *p = probs + (size_t)n * Vp;
+    float *d = dlogits + (size_t)n * Vp;
+#pragma omp simd
+    for (int i = 0; i < V; i++) d[i] = p[i] * dloss;
+    d[targets[n]] -= dloss;
+    for (int i = V; i < Vp; i++) d[i] = 0.0f;
+  }
+}
+
+/* ---- optimizer and reductions --------------------------------------------- */
+
+static void fast_adamw(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
+                       float b2, float eps, float wd, float bc1, float bc2) {
+  float ib1 = 1.0f / bc1, ib2 = 1.0f / bc2;
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) {
+    float gi = g[i];
+    float mi = b1 * m[i] + (1.0f - b1) * gi;
+    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    float pi = p[i] - lr * wd * p[i];
+    p[i] = pi - lr * (mi * ib1) / (sqrtf(vi * ib2) + eps);
+  }
+}
+
+static double sumsq_chunk(const float *x, size_t n) {
+  double s = 0.0;
+#pragma omp simd reduction(+ : s)
+  for (size_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+  return s;
+}
+
+static double fast_sumsq(const float *x, size_t n) {
+  size_t nchunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
+  if (nchunks <= 1) return sumsq_chunk(x, n);
+  double *part = malloc(sizeof(double) * nchunks);
+  if (!part) abort();
+#pragma omp parallel for schedule(static)
+  for (size_t c = 0; c < nchunks; c++) {
+    size_t lo = c * ZT_KERN_SUMSQ_CHUNK;
+    part[c] = sumsq_chunk(x + lo, ZT_MIN_SZ(ZT_KERN_SUMSQ_CHUNK, n - lo));
+  }
+  double total = 0.0;
+  for (size_t c = 0; c < nchunks; c++) total += part[c];
+  free(part);
+  return total;
+}
+
+static void fast_scale(float *x, size_t n, float s) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) x[i] *= s;
+}
+
+static void fast_zero(float *x, size_t n) {
+#pragma omp parallel
+  {
+    size_t lo, hi;
+    zt_split(n, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    if (hi > lo) memset(x + lo, 0, sizeof(float) * (hi - lo));
+  }
+}
+
+static const zt_kernels_t zt_cpu_table = {
+    .name = "cpu",
+    .encoder_forward = fast_encoder_forward,
+    .encoder_backward = fast_encoder_backward,
+    .layernorm_forward = fast_layernorm_forward,
+    .layernorm_backward = fast_layernorm_backward,
+    .matmul_forward = fast_matmul_forward,
+    .matmul_backward = fast_matmul_backward,
+    .attention_forward = fast_attention_forward,
+    .attention_backward = fast_attention_backward,
+    .gelu_forward = fast_gelu_forward,
+    .gelu_backward = fast_gelu_backward,
+    .residual_forward = fast_residual_forward,
+    .crossentropy_forward = fast_crossentropy_forward,
+    .crossentropy_backward = fast_crossentropy_backward,
+    .adamw = fast_adamw,
+    .sumsq = fast_sumsq,
+    .scale = fast_scale,
+    .zero = fast_zero,
+};
+
+const zt_kernels_t *zt_kernels_cpu(void) {
+  zt_kern_init();
+  return &zt_cpu_table;
+}
+
+int zt_kern_cpu_set_threads(int n) {
+  zt_kern_init();
+  if (n > 0) omp_set_num_threads(n);
+  return omp_get_max_threads();
+}

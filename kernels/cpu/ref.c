@@ -1,0 +1,325 @@
+/*
+ * ref.c: the reference CPU kernels, zt_kernels_ref().
+ *
+ * Plain serial loops, written to be read rather than to be fast. They define
+ * what every other kernel table must compute: the unit tests run each fast
+ * kernel (kernels/cpu/fast.c, and later the CUDA kernels) on random inputs and
+ * compare it with the function of the same name here, and the model's
+ * gradient check runs on this table. The formulas follow GPT-2 (and llm.c's
+ * train_gpt2.c): pre-LN blocks, LayerNorm eps 1e-5, GELU with the tanh
+ * approximation, causal softmax attention scaled by 1/sqrt(head size).
+ *
+ * See zt_kernels.h for the contract of each function (which outputs are
+ * overwritten and which gradients are accumulated).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "zt_kernels.h"
+
+#define ZT_LN_EPS 1e-5f
+#define ZT_GELU_SCALE 0.7978845608028654f /* sqrt(2 / pi) */
+
+static void ref_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
+                                int B, int T, int C) {
+  for (int b = 0; b < B; b++) {
+    for (int t = 0; t < T; t++) {
+      float *o = out + ((size_t)b * T + t) * C;
+      const float *we = wte + (size_t)inp[b * T + t] * C;
+      const float *pe = wpe + (size_t)t * C;
+      for (int i = 0; i < C; i++) o[i] = we[i] + pe[i];
+    }
+  }
+}
+
+static void ref_encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp,
+                                 int B, int T, int C) {
+  for (int b = 0; b < B; b++) {
+    for (int t = 0; t < T; t++) {
+      const float *d = dout + ((size_t)b * T + t) * C;
+      float *dwe = dwte + (size_t)inp[b * T + t] * C;
+      float *dpe = dwpe + (size_t)t * C;
+      for (int i = 0; i < C; i++) {
+        dwe[i] += d[i];
+        dpe[i] += d[i];
+      }
+    }
+  }
+}
+
+static void ref_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                  const float *w, const float *b, int N, int C) {
+  for (int n = 0; n < N; n++) {
+    const float *x = inp + (size_t)n * C;
+    float m = 0.0f;
+    for (int i = 0; i < C; i++) m += x[i];
+    m /= C;
+    float v = 0.0f;
+    for (int i = 0; i < C; i++) {
+      float d = x[i] - m;
+      v += d * d;
+    }
+    v /= C;
+    float s = 1.0f / sqrtf(v + ZT_LN_EPS);
+    float *o = out + (size_t)n * C;
+    for (int i = 0; i < C; i++) o[i] = (x[i] - m) * s * w[i] + b[i];
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+static void ref_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
+                                   const float *inp, const float *w, const float *mean,
+                                   const float *rstd, int N, int C) {
+  for (int n = 0; n < N; n++) {
+    const float *d = dout + (size_t)n * C;
+    const float *x = inp + (size_t)n * C;
+    float *dx = dinp + (size_t)n * C;
+    float m = mean[n], s = rstd[n];
+    /* Two reductions: mean of dnorm and mean of dnorm * norm. */
+    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    for (int i = 0; i < C; i++) {
+      float norm = (x[i] - m) * s;
+      float dnorm = w[i] * d[i];
+      dnorm_mean += dnorm;
+      dnorm_norm_mean += dnorm * norm;
+    }
+    dnorm_mean /= C;
+    dnorm_norm_mean /= C;
+    for (int i = 0; i < C; i++) {
+      float norm = (x[i] - m) * s;
+      float dnorm = w[i] * d[i];
+      db[i] += d[i];
+      dw[i] += norm * d[i];
+      dx[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+    }
+  }
+}
+
+static void ref_matmul_forward(float *out, const float *inp, const float *w, const float *bias,
+                               int N, int IC, int OC) {
+  for (int n = 0; n < N; n++) {
+    const float *x = inp + (size_t)n * IC;
+    for (int o = 0; o < OC; o++) {
+      const float *wr = w + (size_t)o * IC;
+      float acc = bias ? bias[o] : 0.0f;
+      for (int i = 0; i < IC; i++) acc += x[i] * wr[i];
+      out[(size_t)n * OC + o] = acc;
+    }
+  }
+}
+
+static void ref_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
+                                const float *inp, const float *w, int N, int IC, int OC) {
+  if (dinp) {
+    for (int n = 0; n < N; n++) {
+      float *dx = dinp + (size_t)n * IC;
+      for (int i = 0; i < IC; i++) dx[i] = 0.0f;
+      for (int o = 0; o < OC; o++) {
+        float d = dout[(size_t)n * OC + o];
+        const float *wr = w + (size_t)o * IC;
+        for (int i = 0; i < IC; i++) dx[i] += d * wr[i];
+      }
+    }
+  }
+  for (int o = 0; o < OC; o++) {
+    float *dwr = dw + (size_t)o * IC;
+    float bsum = 0.0f;
+    for (int n = 0; n < N; n++) {
+      float d = dout[(size_t)n * OC + o];
+      const float *x = inp + (size_t)n * IC;
+      for (int i = 0; i < IC; i++) dwr[i] += d * x[i];
+      bsum += d;
+    }
+    if (dbias) dbias[o] += bsum;
+  }
+}
+
+static void ref_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+                                  int NH) {
+  int hs = C / NH;
+  float scale = 1.0f / sqrtf((float)hs);
+  size_t C3 = (size_t)C * 3;
+  for (int b = 0; b < B; b++) {
+    for (int h = 0; h < NH; h++) {
+      for (int t = 0; t < T; t++) {
+        const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
+        float *a = att + (((size_t)b * NH + h) * T + t) * T;
+        float maxv = -INFINITY;
+        for (int t2 = 0; t2 <= t; t2++) {
+          const float *k = qkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
+          float dot = 0.0f;
+          for (int i = 0; i < hs; i++) dot += q[i] * k[i];
+          dot *= scale;
+          a[t2] = dot;
+          if (dot > maxv) maxv = dot;
+        }
+        float sum = 0.0f;
+        for (int t2 = 0; t2 <= t; t2++) {
+          a[t2] = expf(a[t2] - maxv);
+          sum += a[t2];
+        }
+        for (int t2 = 0; t2 <= t; t2++) a[t2] /= sum;
+        for (int t2 = t + 1; t2 < T; t2++) a[t2] = 0.0f;
+        float *o = out + ((size_t)b * T + t) * C + (size_t)h * hs;
+        for (int i = 0; i < hs; i++) o[i] = 0.0f;
+        for (int t2 = 0; t2 <= t; t2++) {
+          const float *v = qkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
+          for (int i = 0; i < hs; i++) o[i] += a[t2] * v[i];
+        }
+      }
+    }
+  }
+}
+
+static void ref_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                   const float *att, int B, int T, int C, int NH) {
+  int hs = C / NH;
+  float scale = 1.0f / sqrtf((float)hs);
+  size_t C3 = (size_t)C * 3;
+  memset(dqkv, 0, sizeof(float) * (size_t)B * T * C3);
+  for (int b = 0; b < B; b++) {
+    for (int h = 0; h < NH; h++) {
+      for (int t = 0; t < T; t++) {
+        const float *a = att + (((size_t)b * NH + h) * T + t) * T;
+        const float *d = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
+        const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
+        float *dq = dqkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
+        /* datt[t2] = dout . v[t2]; dv[t2] += att[t2] * dout. */
+        float datt[T];
+        for (int t2 = 0; t2 <= t; t2++) {
+          const float *v = qkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
+          float *dv = dqkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
+          float dot = 0.0f;
+          for (int i = 0; i < hs; i++) {
+            dot += d[i] * v[i];
+            dv[i] += a[t2] * d[i];
+          }
+          datt[t2] = dot;
+        }
+        /* Softmax backward: dpre = att * (datt - sum(att * datt)). */
+        float s = 0.0f;
+        for (int t2 = 0; t2 <= t; t2++) s += a[t2] * datt[t2];
+        for (int t2 = 0; t2 <= t; t2++) {
+          float dpre = a[t2] * (datt[t2] - s) * scale;
+          const float *k = qkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
+          float *dk = dqkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
+          for (int i = 0; i < hs; i++) {
+            dq[i] += dpre * k[i];
+            dk[i] += dpre * q[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+static void ref_gelu_forward(float *out, const float *inp, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float x = inp[i];
+    float cube = 0.044715f * x * x * x;
+    out[i] = 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube)));
+  }
+}
+
+static void ref_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float x = inp[i];
+    float cube = 0.044715f * x * x * x;
+    float arg = ZT_GELU_SCALE * (x + cube);
+    float th = tanhf(arg);
+    float ch = coshf(arg);
+    float sech2 = 1.0f / (ch * ch);
+    float grad = 0.5f * (1.0f + th) +
+                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] = grad * dout[i];
+  }
+}
+
+static void ref_residual_forward(float *out, const float *a, const float *b, size_t n) {
+  for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+static void ref_crossentropy_forward(float *losses, float *probs, const float *logits,
+                                     const int *targets, int N, int V, int Vp) {
+  for (int n = 0; n < N; n++) {
+    const float *l = logits + (size_t)n * Vp;
+    float *p = probs + (size_t)n * Vp;
+    float maxv = -INFINITY;
+    for (int i = 0; i < V; i++)
+      if (l[i] > maxv) maxv = l[i];
+    float sum = 0.0f;
+    for (int i = 0; i < V; i++) {
+      p[i] = expf(l[i] - maxv);
+      sum += p[i];
+    }
+    for (int i = 0; i < V; i++) p[i] /= sum;
+    for (int i = V; i < Vp; i++) p[i] = 0.0f;
+    losses[n] = -logf(p[targets[n]]);
+  }
+}
+
+static void ref_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
+                                      float dloss, int N, int V, int Vp) {
+  for (int n = 0; n < N; n++) {
+    const float *p = probs + (size_t)n * Vp;
+    float *d = dlogits + (size_t)n * Vp;
+    for (int i = 0; i < V; i++) d[i] = (p[i] - (i == targets[n] ? 1.0f : 0.0f)) * dloss;
+    for (int i = V; i < Vp; i++) d[i] = 0.0f;
+  }
+}
+
+static void ref_adamw(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
+                      float b2, float eps, float wd, float bc1, float bc2) {
+  for (size_t i = 0; i < n; i++) {
+    float mi = b1 * m[i] + (1.0f - b1) * g[i];
+    float vi = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+    m[i] = mi;
+    v[i] = vi;
+    float mhat = mi / bc1, vhat = vi / bc2;
+    p[i] -= lr * wd * p[i];
+    p[i] -= lr * mhat / (sqrtf(vhat) + eps);
+  }
+}
+
+static double ref_sumsq(const float *x, size_t n) {
+  double total = 0.0;
+  for (size_t c = 0; c < n; c += ZT_KERN_SUMSQ_CHUNK) {
+    size_t end = c + ZT_KERN_SUMSQ_CHUNK < n ? c + ZT_KERN_SUMSQ_CHUNK : n;
+    double s = 0.0;
+    for (size_t i = c; i < end; i++) s += (double)x[i] * x[i];
+    total += s;
+  }
+  return total;
+}
+
+static void ref_scale(float *x, size_t n, float s) {
+  for (size_t i = 0; i < n; i++) x[i] *= s;
+}
+
+static void ref_zero(float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = 0.0f;
+}
+
+static const zt_kernels_t zt_ref_table = {
+    .name = "cpu-ref",
+    .encoder_forward = ref_encoder_forward,
+    .encoder_backward = ref_encoder_backward,
+    .layernorm_forward = ref_layernorm_forward,
+    .layernorm_backward = ref_layernorm_backward,
+    .matmul_forward = ref_matmul_forward,
+    .matmul_backward = ref_matmul_backward,
+    .attention_forward = ref_attention_forward,
+    .attention_backward = ref_attention_backward,
+    .gelu_forward = ref_gelu_forward,
+    .gelu_backward = ref_gelu_backward,
+    .residual_forward = ref_residual_forward,
+    .crossentropy_forward = ref_crossentropy_forward,
+    .crossentropy_backward = ref_crossentropy_backward,
+    .adamw = ref_adamw,
+    .sumsq = ref_sumsq,
+    .scale = ref_scale,
+    .zero = ref_zero,
+};
+
+const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }
