@@ -4,10 +4,13 @@
  * `zworker --coordinator HOST:PORT --device cpu --name NAME --workdir DIR`
  * takes an exclusive lock on its work dir (two workers never share one),
  * then runs the control loop (control.c): register, heartbeat, retry with
- * backoff while the coordinator is away. SIGINT and SIGTERM are taken by a
- * dedicated thread with sigwait(), which asks the control loop to stop; the
- * loop then says Leave, so the coordinator records the worker as left, not
- * lost. SIGTERM is how spot instances announce their end.
+ * backoff while the coordinator is away. SIGINT and SIGTERM run a handler
+ * that only writes the signal number into a pipe (async-signal-safe, and
+ * correct whichever thread the kernel picks: libraries such as OpenBLAS
+ * start threads before main, so blocking the signals cannot cover every
+ * thread). A dedicated thread reads the pipe and asks the control loop to
+ * stop; the loop then says Leave, so the coordinator records the worker as
+ * left, not lost. SIGTERM is how spot instances announce their end.
  *
  * Training runs on the runner thread (runner.c), which the control loop
  * steers with the assignment carried by each heartbeat reply.
@@ -104,9 +107,19 @@ static int lock_workdir(const char *dir) {
 }
 
 typedef struct {
-  sigset_t set;
+  int fd; /* read end of the signal pipe */
   zt_ctl_t *ctl;
 } sig_thread_arg;
+
+static int g_sig_pipe[2] = {-1, -1};
+
+static void on_signal(int sig) {
+  int saved = errno;
+  unsigned char b = (unsigned char)sig;
+  ssize_t w = write(g_sig_pipe[1], &b, 1);
+  (void)w;
+  errno = saved;
+}
 
 static void on_command(void *user, int command, uint64_t job, uint64_t gen) {
   (void)command;
@@ -117,9 +130,11 @@ static void on_command(void *user, int command, uint64_t job, uint64_t gen) {
 static void *signal_thread(void *p) {
   sig_thread_arg *a = p;
   for (;;) {
-    int sig;
-    if (sigwait(&a->set, &sig) != 0) continue;
-    if (sig == SIGUSR1) return NULL; /* our own wake-up at exit */
+    unsigned char b;
+    ssize_t n = read(a->fd, &b, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || b == 0) return NULL; /* 0: our own wake-up at exit */
+    int sig = b;
     ZT_INFO("received %s; leaving", sig == SIGTERM ? "SIGTERM" : "SIGINT");
     zt_ctl_stop(a->ctl, sig == SIGTERM ? "SIGTERM (preemption or shutdown)" : "SIGINT");
   }
@@ -140,13 +155,19 @@ int main(int argc, char **argv) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
-  /* Block the signals in every thread; the signal thread takes them. */
   sig_thread_arg sa;
-  sigemptyset(&sa.set);
-  sigaddset(&sa.set, SIGINT);
-  sigaddset(&sa.set, SIGTERM);
-  sigaddset(&sa.set, SIGUSR1);
-  pthread_sigmask(SIG_BLOCK, &sa.set, NULL);
+  if (pipe2(g_sig_pipe, O_CLOEXEC) != 0) {
+    ZT_ERROR("pipe: %s", strerror(errno));
+    return 1;
+  }
+  sa.fd = g_sig_pipe[0];
+  struct sigaction act;
+  memset(&act, 0, sizeof act);
+  act.sa_handler = on_signal;
+  sigemptyset(&act.sa_mask);
+  act.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &act, NULL);
+  sigaction(SIGTERM, &act, NULL);
 
   static zt_runner_t *runner;
   zt_ctl_opts o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
@@ -167,7 +188,8 @@ int main(int argc, char **argv) {
   zt_runner_t *rn = runner;
   runner = NULL;
   zt_runner_stop(rn);
-  pthread_kill(st, SIGUSR1);
+  unsigned char zero = 0;
+  if (write(g_sig_pipe[1], &zero, 1) != 1) ZT_WARN("cannot wake the signal thread");
   pthread_join(st, NULL);
   zt_ctl_close(sa.ctl);
   ZT_INFO("exiting");
