@@ -110,6 +110,9 @@ static zt_member *members_add(zt_coord *c, const zt_db_worker *row) {
   m->row = *row;
   m->rank = -1;
   m->last_hb_mono_ms = zt_now_ms();
+  /* After a restart, give restored members one more interval of grace:
+   * their calls may be in backoff for up to half the timeout. */
+  m->last_hb_mono_ms += c->cfg.heartbeat_ms;
   c->by_id[row->id] = m;
   name_index_put(c, m);
   c->n_members++;

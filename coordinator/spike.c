@@ -61,7 +61,9 @@ int zt_spike_feed(zt_spike *s, int64_t step, double loss, double gn, zt_spike_ve
     double zl = robust_z(s->loss, n, loss, &v->median_loss);
     double zg = robust_z(s->gnorm, n, gn, NULL);
     v->z_loss = zl, v->z_gnorm = zg;
-    suspicious = zl > s->cfg.threshold || zg > s->cfg.threshold;
+    /* Gradient norms are heavy-tailed: a norm spike alone counts only at
+     * twice the threshold and when the loss is above its median too. */
+    suspicious = zl > s->cfg.threshold || (zg > 2 * s->cfg.threshold && zl > 0);
   }
   if (suspicious) {
     if (s->run++ == 0) s->run_start = step;

@@ -6,7 +6,9 @@
  * is compared with the trailing window of accepted steps through a robust
  * z-score, (x - median) / (1.4826 * MAD), with the MAD floored at 1% of the
  * median so a very flat curve does not make noise look like a spike. A
- * step whose loss or grad-norm z-score exceeds `threshold` is suspicious;
+ * step whose loss z-score exceeds `threshold`, or whose grad-norm z-score
+ * exceeds twice the threshold while the loss is above its median, is
+ * suspicious (gradient norms are heavy-tailed);
  * `patience` suspicious steps in a row trigger. Suspicious steps are kept
  * out of the window, so a spike cannot raise its own baseline.
  */

@@ -273,7 +273,7 @@ int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, z
       ring_reduce_scatter(c, send, total, dt, zt_deadline_in(timeout_ms), "reduce-scatter") != 0)
     return -1;
   if (op == ZT_RED_AVG && c->world > 1) zt_comm_scale(mine, count, dt, 1.0f / (float)c->world);
-  if ((uint8_t *)recv != mine) memmove(recv, mine, count * esz);
+  if (count && (uint8_t *)recv != mine) memmove(recv, mine, count * esz);
   return 0;
 }
 
@@ -283,7 +283,7 @@ int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count,
   c->stats.ops++;
   size_t esz = zt_dtype_size(dt);
   uint8_t *mine = (uint8_t *)recv + (size_t)c->rank * count * esz;
-  if ((const uint8_t *)send != mine) memmove(mine, send, count * esz);
+  if (count && (const uint8_t *)send != mine) memmove(mine, send, count * esz);
   if (c->world == 1 || count == 0) return 0;
   return ring_all_gather(c, recv, count * (size_t)c->world, dt, zt_deadline_in(timeout_ms),
                          "all-gather");

@@ -35,6 +35,8 @@ struct zt_ctl {
   uint64_t seq;
   uint64_t rng;
   uint64_t job_id, generation; /* under mu */
+  uint64_t assigned_job;       /* job of the last heartbeat reply (control thread) */
+  int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
 
 int zt_ctl_open(const zt_ctl_opts *o, zt_ctl_t **out) {
@@ -50,6 +52,7 @@ int zt_ctl_open(const zt_ctl_opts *o, zt_ctl_t **out) {
   c->o.backoff_max_ms = o->backoff_max_ms > 0 ? o->backoff_max_ms : 5000;
   c->heartbeat_ms = 1000;
   c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
+  c->backoff_cap_ms = c->o.backoff_max_ms;
   c->rng = (uint64_t)zt_now_us() ^ ((uint64_t)getpid() << 32);
   pthread_mutex_init(&c->mu, NULL);
   pthread_condattr_t ca;
@@ -115,7 +118,7 @@ static int64_t next_backoff(zt_ctl_t *c) {
   c->rng ^= c->rng << 13, c->rng ^= c->rng >> 7, c->rng ^= c->rng << 17;
   int64_t b = c->backoff_ms;
   int64_t wait = b - b / 4 + (int64_t)(c->rng % (uint64_t)(b / 2 + 1));
-  c->backoff_ms = ZT_MIN(c->backoff_ms * 2, c->o.backoff_max_ms);
+  c->backoff_ms = ZT_MIN(c->backoff_ms * 2, c->backoff_cap_ms);
   return wait;
 }
 
@@ -159,6 +162,12 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   Ztrain__RegisterReply *r = (Ztrain__RegisterReply *)m;
   __atomic_store_n(&c->worker_id, r->worker_id, __ATOMIC_RELEASE);
   c->heartbeat_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
+  /* Never back off longer than half the slack before the coordinator would
+   * declare us lost: a restarted coordinator must hear from us in time. */
+  if (r->heartbeat_timeout_ms > r->heartbeat_ms) {
+    int64_t cap = ((int64_t)r->heartbeat_timeout_ms - (int64_t)r->heartbeat_ms) / 2;
+    c->backoff_cap_ms = ZT_MAX(ZT_CTL_BACKOFF_MIN_MS, ZT_MIN(c->o.backoff_max_ms, cap));
+  }
   if (c->epoch && c->epoch != r->coordinator_epoch)
     ZT_INFO("coordinator restarted (epoch %llu -> %llu)", (unsigned long long)c->epoch,
             (unsigned long long)r->coordinator_epoch);
@@ -184,6 +193,7 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
     return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
   if (r->heartbeat_ms) c->heartbeat_ms = r->heartbeat_ms;
+  c->assigned_job = r->job_id;
   if (c->o.on_command) c->o.on_command(c->o.user, r->command, r->job_id, r->generation);
   if (r->coordinator_epoch != c->epoch) {
     ZT_INFO("coordinator restarted (epoch %llu -> %llu); still worker %llu",
@@ -195,19 +205,38 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   return 0;
 }
 
+/* Leave. When the worker is part of a running job with checkpoints, the
+ * coordinator answers drain_pending: it orders a checkpoint first, and the
+ * worker keeps training and heartbeating until its generation is replaced
+ * (the heartbeat reply no longer names a job), then leaves for good. The
+ * wait is bounded (drain_timeout_ms, default 90 s: inside a spot
+ * instance's two-minute notice). */
 static void do_leave(zt_ctl_t *c) {
   if (!c->worker_id) return;
-  Ztrain__LeaveRequest req = ZTRAIN__LEAVE_REQUEST__INIT;
-  req.worker_id = c->worker_id;
-  req.reason = c->stop_reason;
-  ProtobufCMessage *m;
-  int status;
-  if (call(c, "/ztrain.Control/Leave", &req.base, &ztrain__leave_reply__descriptor, &m, &status) !=
-      0) {
-    ZT_WARN("leave not acknowledged: %s", zt_err_msg());
-    return;
+  zt_deadline_t dl = zt_deadline_in(c->o.drain_timeout_ms > 0 ? c->o.drain_timeout_ms : 90000);
+  for (;;) {
+    Ztrain__LeaveRequest req = ZTRAIN__LEAVE_REQUEST__INIT;
+    req.worker_id = c->worker_id;
+    req.reason = c->stop_reason;
+    ProtobufCMessage *m;
+    int status;
+    if (call(c, "/ztrain.Control/Leave", &req.base, &ztrain__leave_reply__descriptor, &m,
+             &status) != 0) {
+      ZT_WARN("leave not acknowledged: %s", zt_err_msg());
+      return;
+    }
+    int drain = ((Ztrain__LeaveReply *)m)->drain_pending;
+    protobuf_c_message_free_unpacked(m, NULL);
+    if (!drain || zt_deadline_passed(dl)) break;
+    ZT_INFO("draining: the job checkpoints before this worker leaves");
+    while (!zt_deadline_passed(dl)) {
+      int st = 0;
+      if (do_heartbeat(c, &st) != 0 && st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED)
+        break;
+      if (!c->assigned_job) break;
+      zt_sleep_ms(ZT_MIN(c->heartbeat_ms, 200)); /* heartbeat pacing while draining */
+    }
   }
-  protobuf_c_message_free_unpacked(m, NULL);
   ZT_INFO("left the coordinator (%s)", c->stop_reason);
 }
 

@@ -27,6 +27,7 @@ typedef struct {
   const char *secret; /* may be NULL */
   int64_t rpc_timeout_ms;  /* per call; 0: 2000 */
   int64_t backoff_max_ms;  /* 0: 5000 */
+  int64_t drain_timeout_ms; /* longest wait for a checkpoint before leaving; 0: 90000 */
   /* Called on the control thread with every heartbeat reply's command
    * (ztrain.proto's Command) and assignment; also with STOP when the
    * worker had to register again (its assignment is void). */

@@ -647,6 +647,15 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     int want_ckpt = d.spec.ckpt.dir[0] && !nonfinite &&
                     ((d.spec.ckpt.every_steps && step % d.spec.ckpt.every_steps == 0) || ctl[3] > 0);
     if (want_ckpt && step < d.spec.steps && save_state(&d, &writer, step) != 0) goto out;
+    /* A checkpoint-now epoch (drain, scale-up) ends this generation: the
+     * coordinator re-forms from exactly this step once it commits, so no
+     * step is computed twice. */
+    if (ctl[3] > 0 && want_ckpt && step < d.spec.steps) {
+      ZT_INFO("step %lld: checkpoint-now epoch written; waiting for the next generation",
+              (long long)step);
+      ret = 0;
+      goto out;
+    }
     ckpt_flag = cmd == ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW;
     if (cmd == ZTRAIN__COMMAND__COMMAND_STOP || cmd == ZTRAIN__COMMAND__COMMAND_ROLLBACK) {
       ret = 0;

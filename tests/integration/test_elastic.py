@@ -1,0 +1,158 @@
+"""Elastic fault tolerance with real processes: workers killed, drained,
+frozen, added; the coordinator killed. The job must complete, and its
+per-step losses must equal a failure-free run's (steps replayed after a
+reload count once: the last report of a step wins).
+"""
+import os
+import random
+import signal
+import sqlite3
+import time
+
+import pytest
+
+from ztest import (SLOW, byte_dataset, events, job, losses, submit, tiny_spec, wait_job,
+                   wait_until, workers_by_name)
+
+HB, TIMEOUT = 300, 1500
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
+
+
+def start(procs, names, hb=HB, timeout=TIMEOUT, coord=None):
+    coord = coord or procs.coord(hb_ms=hb, timeout_ms=timeout)
+    ws = {n: procs.worker(coord.grpc, n, extra=["--threads", "1"]) for n in names}
+    wait_until(lambda: all(workers_by_name(coord).get(n, {}).get("state") == "alive"
+                           for n in names), 20, f"workers {names} alive")
+    return coord, ws
+
+
+def reference(procs, coord, tmp_path, spec):
+    ref = dict(spec, elastic={"min_workers": 1, "max_workers": 1})
+    ref["zero_optimization"] = {"stage": 0}
+    ref.pop("checkpoint", None)
+    jid = submit(coord, ref, tmp_path, "reference.json")
+    wait_job(coord, jid, timeout=600)
+    return losses(coord, jid)
+
+
+def assert_same(got, ref, rel=1e-4):
+    assert sorted(got) == sorted(ref), "every step reported once"
+    for s in ref:
+        assert abs(got[s] - ref[s]) <= rel * abs(ref[s]), (s, got[s], ref[s])
+
+
+def generations(coord, jid):
+    with sqlite3.connect(coord.db) as db:
+        return db.execute("SELECT gen, world, start_step, reason FROM generations "
+                          "WHERE job_id = ? ORDER BY gen", (jid,)).fetchall()
+
+
+def test_kill9_twenty_times(procs, tmp_path, data):
+    train, val = data
+    names = [f"w{i}" for i in range(4)]
+    coord, ws = start(procs, names)
+    spec = tiny_spec(train, val, 1500, stage=2, workers=2, max_workers=4,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 5,
+                                 "keep_last": 3})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["step"] > 5, 60, "training under way")
+    rng = random.Random(20)
+    kills = 0
+    while kills < 20 and job(coord, jid)["state"] != "completed":
+        time.sleep(rng.uniform(0.2, 1.2))  # a random point of the step
+        victim = rng.choice(names)
+        ws[victim].kill()
+        kills += 1
+        # The machine comes back (same name): it re-registers and is
+        # admitted at the next checkpoint boundary.
+        ws[victim] = procs.worker(coord.grpc, victim, extra=["--threads", "1"])
+    assert kills == 20, f"the job finished after {kills} kills; make it longer"
+    j = wait_job(coord, jid, timeout=600)
+    assert j["restarts"] >= 20
+    assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
+
+
+def test_sigterm_drains_without_recomputing(procs, tmp_path, data):
+    train, val = data
+    coord, ws = start(procs, ["a", "b", "c"])
+    spec = tiny_spec(train, val, 600, stage=1, workers=2, max_workers=3,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 1000})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["world"] == 3 and job(coord, jid)["step"] > 20, 60,
+               "3 ranks training")
+    ws["b"].signal(signal.SIGTERM)
+    assert ws["b"].wait(60) == 0
+    assert workers_by_name(coord)["b"]["state"] == "left"
+    j = wait_job(coord, jid, timeout=300)
+    gens = generations(coord, jid)
+    ev = events(coord, job=jid)
+    commits = [e for e in ev if e["kind"] == "checkpoint_committed"]
+    assert len(commits) == 1, commits  # the checkpoint-now epoch, nothing else
+    drain_step = int(commits[0]["detail"].split("step_")[1].split("-")[0])
+    # The generation after the drain starts exactly at the drained step...
+    after = [g for g in gens if g[1] == 2]
+    assert after and after[0][2] == drain_step, (gens, drain_step)
+    # ...and no step was computed twice: the old generation stopped there.
+    with sqlite3.connect(coord.db) as db:
+        last_old = db.execute("SELECT MAX(step) FROM steps WHERE job_id = ? AND gen < ?",
+                              (jid, after[0][0])).fetchone()[0]
+    assert last_old == drain_step
+    assert j["step"] == 600
+
+
+def test_sigstop_worker_is_fenced_and_rejoins(procs, tmp_path, data):
+    train, val = data
+    coord, ws = start(procs, ["a", "b", "c"])
+    spec = tiny_spec(train, val, 800, stage=3, workers=2, max_workers=3,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 10})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["world"] == 3 and job(coord, jid)["step"] > 20, 60,
+               "3 ranks training")
+    ws["c"].signal(signal.SIGSTOP)
+    wait_until(lambda: workers_by_name(coord)["c"]["state"] == "lost", 20, "c lost")
+    gen_while_away = job(coord, jid)["generation"]
+    ws["c"].signal(signal.SIGCONT)
+    wait_until(lambda: "register again" in ws["c"].output() or
+               "stale generation" in ws["c"].output(), 20, "c told it is stale")
+    wait_until(lambda: workers_by_name(coord)["c"]["state"] == "alive", 20, "c rejoined")
+    j = wait_job(coord, jid, timeout=300)
+    kinds = [e["kind"] for e in events(coord) if e["worker_id"] == workers_by_name(coord)["c"]["id"]]
+    assert "lost" in kinds and "rejoined" in kinds
+    assert j["generation"] > gen_while_away
+    assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
+
+
+def test_coordinator_kill9_mid_run(procs, tmp_path, data):
+    train, val = data
+    coord, ws = start(procs, ["a", "b"], timeout=4000)
+    spec = tiny_spec(train, val, 800, stage=2, workers=2,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 20})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["step"] > 50, 60, "training under way")
+    coord.kill()
+    time.sleep(0.5)  # the outage itself: workers must ride it out
+    coord2 = procs.coord(db=coord.db, hb_ms=HB, timeout_ms=4000, name="zcoord2",
+                         grpc_port=coord.grpc_port)
+    j = wait_job(coord2, jid, timeout=300)
+    assert j["step"] == 800
+    print([(e["kind"], e["detail"][:150]) for e in events(coord2, job=jid)])
+    assert_same(losses(coord2, jid), reference(procs, coord2, tmp_path, spec))
+
+
+def test_scale_up_keeps_trajectory(procs, tmp_path, data):
+    train, val = data
+    coord, ws = start(procs, ["a", "b"])
+    spec = tiny_spec(train, val, 600, stage=2, workers=2, max_workers=4,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 1000})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["step"] > 30, 60, "training on 2")
+    start(procs, ["c", "d"], coord=coord)
+    wait_until(lambda: job(coord, jid)["world"] == 4, 60, "scaled up to 4")
+    j = wait_job(coord, jid, timeout=300)
+    worlds = [g[1] for g in generations(coord, jid)]
+    assert worlds[0] == 2 and worlds[-1] == 4
+    assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
