@@ -827,7 +827,11 @@ int zt_jobs_report_step(zt_coord *c, const Ztrain__ReportStepRequest *req, int *
 int zt_jobs_report_failure(zt_coord *c, const Ztrain__ReportFailureRequest *req, char *msg,
                            size_t msglen) {
   zt_job *j;
-  zt_member *m;
+  zt_member *m = zt_members_get(c, req->worker_id);
+  /* Already moved on: the worker belongs to a newer generation of the same
+   * job (another rank reported first). Nothing to do; the reply carries the
+   * new assignment. */
+  if (m && m->job_id == req->job_id && m->gen > req->generation) return ZT_RPC_OK;
   int st = fence(c, req->worker_id, req->job_id, req->generation, &j, &m, msg, msglen);
   if (st != ZT_RPC_OK) return st;
   char reason[400];

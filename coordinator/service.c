@@ -131,12 +131,14 @@ static ProtobufCMessage *h_report_step(zt_coord *c, zt_rpc_call_t *call, const P
 static ProtobufCMessage *h_report_failure(zt_coord *c, zt_rpc_call_t *call,
                                           const ProtobufCMessage *m, rpc_outcome *out) {
   (void)call;
-  out->status = zt_jobs_report_failure(c, (const Ztrain__ReportFailureRequest *)m, out->msg,
-                                       sizeof out->msg);
+  const Ztrain__ReportFailureRequest *req = (const Ztrain__ReportFailureRequest *)m;
+  out->status = zt_jobs_report_failure(c, req, out->msg, sizeof out->msg);
   if (out->status != ZT_RPC_OK) return NULL;
   Ztrain__ReportFailureReply *r = malloc(sizeof *r);
   if (!r) abort();
   ztrain__report_failure_reply__init(r);
+  zt_member *mem = zt_members_get(c, req->worker_id);
+  if (mem) r->job_id = mem->job_id, r->generation = mem->gen;
   return &r->base;
 }
 

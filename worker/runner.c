@@ -159,9 +159,13 @@ static void report_failure(zt_runner_t *r, const char *why, int fatal, const cha
   ProtobufCMessage *m;
   int st;
   if (call(r, "/ztrain.Control/ReportFailure", &req.base, &ztrain__report_failure_reply__descriptor,
-           5000, &m, &st) == 0)
+           5000, &m, &st) == 0) {
+    /* The new assignment comes back at once: no need to wait for the next
+     * heartbeat to join the next generation. */
+    Ztrain__ReportFailureReply *rep = (Ztrain__ReportFailureReply *)m;
+    if (rep->job_id) zt_runner_assign(r, rep->job_id, rep->generation);
     protobuf_c_message_free_unpacked(m, NULL);
-  else
+  } else
     ZT_INFO("failure report not taken: %s", zt_err_msg());
 }
 
