@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "zt_common.h"
+#include "export.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
 
@@ -412,6 +413,56 @@ static int cmd_checkpoints(zctl *z, const char *ids) {
   return 0;
 }
 
+/* export JOB --step S --out F [--dtype f32|bf16], or export --dir EPOCH --out F. */
+static int cmd_export(zctl *z, int argc, char **argv) {
+  const char *out = NULL, *dir = NULL, *dtype = "f32";
+  long long step = -1;
+  uint64_t job = 0;
+  int i = 0;
+  if (argc > 0 && argv[0][0] != '-') {
+    if (parse_job_id(argv[0], &job) != 0) return -1;
+    i = 1;
+  }
+  for (; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--step")) step = atoll(argv[i + 1]);
+    else if (!strcmp(argv[i], "--out")) out = argv[i + 1];
+    else if (!strcmp(argv[i], "--dtype")) dtype = argv[i + 1];
+    else if (!strcmp(argv[i], "--dir")) dir = argv[i + 1];
+    else return zt_err("export: unknown option %s", argv[i]);
+  }
+  if (i != argc || !out || (!dir && (!job || step < 0)))
+    return zt_err("export: usage: zctl export JOB --step S --out FILE [--dtype f32|bf16]");
+  if (strcmp(dtype, "f32") && strcmp(dtype, "bf16"))
+    return zt_err("export: --dtype must be f32 or bf16");
+  char found[1024] = "";
+  if (!dir) {
+    Ztrain__ListCheckpointsRequest req = ZTRAIN__LIST_CHECKPOINTS_REQUEST__INIT;
+    req.job_id = job;
+    Ztrain__ListCheckpointsReply *r = (Ztrain__ListCheckpointsReply *)status_call(
+        z, "ListCheckpoints", &req.base, &ztrain__list_checkpoints_reply__descriptor);
+    if (!r) return -1;
+    for (size_t k = 0; k < r->n_checkpoints; k++)
+      if (r->checkpoints[k]->step == step && !strcmp(r->checkpoints[k]->state, "committed"))
+        snprintf(found, sizeof found, "%s", r->checkpoints[k]->dir);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    if (!found[0]) return zt_err("export: job %llu has no committed checkpoint at step %lld",
+                                 (unsigned long long)job, step);
+    dir = found;
+  }
+  size_t bytes = 0;
+  if (zt_export_safetensors(dir, out, !strcmp(dtype, "bf16"), &bytes) != 0) return -1;
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "file", out);
+    cJSON_AddStringToObject(o, "checkpoint", dir);
+    cJSON_AddNumberToObject(o, "bytes", (double)bytes);
+    print_json(o);
+  } else {
+    printf("wrote %s (%zu bytes) from %s\n", out, bytes, dir);
+  }
+  return 0;
+}
+
 static void usage(FILE *f) {
   fprintf(f, "usage: zctl [--coordinator HOST:PORT] [--json] [--token T] [--timeout-ms N] VERB\n"
              "verbs:\n"
@@ -425,7 +476,8 @@ static void usage(FILE *f) {
              "  checkpoints JOB                     checkpoint epochs with state and size\n"
              "  pause|resume|cancel JOB             job control\n"
              "  rollback JOB --to-step S [--skip N] restart from a checkpoint, skipping data\n"
-             "  drain WORKER                        checkpoint, then take a worker out\n");
+             "  drain WORKER                        checkpoint, then take a worker out\n"
+             "  export JOB --step S --out F [--dtype f32|bf16]   Hugging Face safetensors\n");
 }
 
 int main(int argc, char **argv) {
@@ -482,6 +534,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(verb, "metrics")) rc = cmd_metrics(&z, vargc, vargv);
   else if (!strcmp(verb, "checkpoints") && vargc == 1) rc = cmd_checkpoints(&z, vargv[0]);
   else if (!strcmp(verb, "drain") && vargc == 1) rc = cmd_drain(&z, vargv[0]);
+  else if (!strcmp(verb, "export")) rc = cmd_export(&z, vargc, vargv);
   else if (!strcmp(verb, "pause") || !strcmp(verb, "resume") || !strcmp(verb, "cancel") ||
            !strcmp(verb, "rollback"))
     rc = cmd_action(&z, verb, vargc, vargv);

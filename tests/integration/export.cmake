@@ -1,0 +1,1 @@
+zt_py_test(export test_export.py)
