@@ -344,7 +344,9 @@ static void try_form(zt_coord *c, zt_job *j, const char *reason) {
   j->rb_ckpt_dir[0] = 0;
   j->ckpt_request = 0;
   j->poisoned_from = 0;
-  zt_spike_reset(&j->det);
+  /* The baseline survives a new generation (replayed steps rejoin it); only
+   * a run of suspicious steps in progress is forgotten. */
+  j->det.run = 0;
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;

@@ -56,6 +56,7 @@ typedef struct {
   const zt_kernels_t *k;
   double fi_lr_scale; /* fault_injection (tests only) */
   int64_t fi_from, fi_to;
+  int fi_repeat; /* also after rollbacks (default: the first run only) */
   float *gbuf;        /* one unit's owned gradient in fp32, for the AdamW kernel */
   zt_comm_t *comm;
   int N, r, stage, U, accum;
@@ -452,7 +453,8 @@ static double step_lr(dist *d, int64_t step) {
   float mult = 1.0f;
   if (step <= d->g->lr_until && d->g->lr_factor > 0) mult *= (float)d->g->lr_factor;
   /* Test-only fault injection: a huge LR for a step range, first run only. */
-  if (d->fi_lr_scale > 0 && d->g->rollbacks == 0 && step >= d->fi_from && step <= d->fi_to)
+  if (d->fi_lr_scale > 0 && (d->g->rollbacks == 0 || d->fi_repeat) && step >= d->fi_from &&
+      step <= d->fi_to)
     mult *= (float)d->fi_lr_scale;
   return zt_lr_at(&d->spec.sched, d->spec.opt.lr, (long)(step - 1), mult);
 }
@@ -505,16 +507,20 @@ static float eval_loss(dist *d, zt_data_t *val, int *inp, int *tgt) {
   return acc[1] > 0 ? acc[0] / acc[1] : NAN;
 }
 
-/* fault_injection{lr_scale, from_step, to_step}: tests only. */
+/* fault_injection{lr_scale, from_step, to_step, repeat}: tests only. The
+ * LR of steps [from, to] is multiplied by lr_scale, in the first run of
+ * those steps only (before any rollback) unless repeat is true. */
 static int parse_fault_injection(dist *d) {
   if (!d->spec.fault_injection) return 0;
   cJSON *o = cJSON_Parse(d->spec.fault_injection);
   int ret = 0;
   for (cJSON *it = o ? o->child : NULL; it; it = it->next) {
-    if (!cJSON_IsNumber(it)) ret = zt_err("fault_injection.%s: expected a number", it->string);
+    if (cJSON_IsBool(it) && !strcmp(it->string, "repeat")) d->fi_repeat = cJSON_IsTrue(it);
+    else if (!cJSON_IsNumber(it)) ret = zt_err("fault_injection.%s: expected a number", it->string);
     else if (!strcmp(it->string, "lr_scale")) d->fi_lr_scale = it->valuedouble;
     else if (!strcmp(it->string, "from_step")) d->fi_from = (int64_t)it->valuedouble;
     else if (!strcmp(it->string, "to_step")) d->fi_to = (int64_t)it->valuedouble;
+    else if (!strcmp(it->string, "repeat")) d->fi_repeat = it->valuedouble != 0;
     else ret = zt_err("fault_injection.%s: unknown key", it->string);
   }
   if (d->fi_to < d->fi_from) d->fi_to = d->fi_from;

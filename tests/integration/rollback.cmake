@@ -1,0 +1,1 @@
+zt_py_test(rollback test_rollback.py TIMEOUT 900)
