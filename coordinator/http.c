@@ -204,7 +204,85 @@ static int add_step(const zt_db_step *s, void *user) {
   return 0;
 }
 
-/* /v1/jobs/{id} and /v1/jobs/{id}/metrics|events */
+static int add_ckpt(const zt_db_ckpt *k, void *user) {
+  static const char *states[] = {"pending", "committed", "deleted"};
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "step", (double)k->step);
+  cJSON_AddNumberToObject(o, "generation", (double)k->generation);
+  cJSON_AddStringToObject(o, "state", states[k->state >= 0 && k->state < 3 ? k->state : 0]);
+  cJSON_AddNumberToObject(o, "world", k->world);
+  cJSON_AddNumberToObject(o, "bytes", (double)k->bytes);
+  cJSON_AddStringToObject(o, "dir", k->dir);
+  cJSON_AddNumberToObject(o, "t_ms", (double)k->t_ms);
+  cJSON_AddItemToArray(user, o);
+  return 0;
+}
+
+/* POST /v1/jobs/{id}/pause|resume|cancel|rollback; rollback takes
+ * {"to_step": S, "skip": N}. */
+static void r_job_action(zt_http_req *r) {
+  const char *p = r->url + strlen("/v1/jobs/");
+  char *end;
+  unsigned long long id = strtoull(p, &end, 10);
+  if (end == p || *end != '/') {
+    zt_http_error(r, 404, "no such resource: %s", r->url);
+    return;
+  }
+  const char *action = end + 1;
+  int64_t to = -1, skip = 0;
+  if (!strcmp(action, "rollback")) {
+    cJSON *doc = r->body ? cJSON_ParseWithLength(r->body, r->body_len) : NULL;
+    cJSON *t = doc ? cJSON_GetObjectItemCaseSensitive(doc, "to_step") : NULL;
+    cJSON *k = doc ? cJSON_GetObjectItemCaseSensitive(doc, "skip") : NULL;
+    if (!doc || !cJSON_IsNumber(t) || (k && !cJSON_IsNumber(k))) {
+      cJSON_Delete(doc);
+      zt_http_error(r, 400, "rollback needs a JSON body {\"to_step\": S, \"skip\": N}");
+      return;
+    }
+    to = (int64_t)t->valuedouble;
+    skip = k ? (int64_t)k->valuedouble : 0;
+    cJSON_Delete(doc);
+  } else if (strcmp(action, "pause") && strcmp(action, "resume") && strcmp(action, "cancel")) {
+    zt_http_error(r, 404, "no such action: %.32s (pause, resume, cancel, rollback)", action);
+    return;
+  }
+  char msg[512];
+  int st = zt_jobs_action(r->c, id, action, to, skip, msg, sizeof msg);
+  if (st != ZT_RPC_OK) {
+    zt_http_error(r, st == ZT_RPC_NOT_FOUND ? 404 : st == ZT_RPC_INVALID_ARGUMENT ? 400 : 409,
+                  "%s", msg);
+    return;
+  }
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "message", msg);
+  zt_http_json(r, 200, o);
+}
+
+/* POST /v1/workers/{id or name}/drain */
+static void r_drain(zt_http_req *r) {
+  char name[160];
+  const char *p = r->url + strlen("/v1/workers/");
+  const char *slash = strchr(p, '/');
+  if (!slash || strcmp(slash, "/drain") || slash == p || (size_t)(slash - p) >= sizeof name) {
+    zt_http_error(r, 404, "no such resource: %s", r->url);
+    return;
+  }
+  snprintf(name, sizeof name, "%.*s", (int)(slash - p), p);
+  char *end;
+  unsigned long long id = strtoull(name, &end, 10);
+  zt_member *m = *end ? zt_members_find_name(r->c, name) : zt_members_get(r->c, id);
+  if (!m) {
+    zt_http_error(r, 404, "unknown worker %s", name);
+    return;
+  }
+  char msg[512];
+  zt_jobs_drain(r->c, m, msg, sizeof msg);
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "message", msg);
+  zt_http_json(r, 200, o);
+}
+
+/* /v1/jobs/{id} and /v1/jobs/{id}/metrics|events|checkpoints */
 static void r_job(zt_http_req *r) {
   const char *p = r->url + strlen("/v1/jobs/");
   char *end;
@@ -225,6 +303,18 @@ static void r_job(zt_http_req *r) {
     cJSON_AddNumberToObject(o, "job_id", (double)id);
     cJSON *arr = cJSON_AddArrayToObject(o, "steps");
     if (zt_db_steps_each(r->c->db, id, from, to, add_step, arr) != 0) {
+      cJSON_Delete(o);
+      zt_http_error(r, 503, "%s", zt_err_msg());
+      return;
+    }
+    zt_http_json(r, 200, o);
+    return;
+  }
+  if (!strcmp(end, "/checkpoints")) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "job_id", (double)id);
+    cJSON *arr = cJSON_AddArrayToObject(o, "checkpoints");
+    if (zt_db_ckpts_each(r->c->db, id, add_ckpt, arr) != 0) {
       cJSON_Delete(o);
       zt_http_error(r, 503, "%s", zt_err_msg());
       return;
@@ -414,6 +504,8 @@ static const route k_routes[] = {
     {"GET", "/v1/jobs", r_jobs, 0},
     {"POST", "/v1/jobs", r_submit, 1},
     {"GET", "/v1/jobs/*", r_job, 0},
+    {"POST", "/v1/jobs/*", r_job_action, 1},
+    {"POST", "/v1/workers/*", r_drain, 1},
     {"GET", "/metrics", r_metrics, 0},
     {"GET", "/", r_index, 0},
     {"GET", "/static/*", r_static, 0},

@@ -16,6 +16,7 @@ PACKAGES=(
   libopenblas-dev libxxhash-dev
   # operator tools and tests
   sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf
+  protobuf-compiler python3-grpc-tools wrk chromium
   systemd
   # example corpus (English text, no download)
   fortunes

@@ -150,6 +150,10 @@ static int cmd_workers(zctl *z) {
 
 static int cmd_events(zctl *z, int argc, char **argv) {
   Ztrain__ListEventsRequest req = ZTRAIN__LIST_EVENTS_REQUEST__INIT;
+  if (argc > 0 && argv[0][0] != '-') { /* zctl events JOB */
+    req.job_id = strtoull(argv[0], NULL, 10);
+    argc--, argv++;
+  }
   for (int i = 0; i < argc; i++) {
     const char *a = argv[i];
     if (i + 1 >= argc) return zt_err("events: %s needs a value", a);
@@ -413,6 +417,70 @@ static int cmd_checkpoints(zctl *z, const char *ids) {
   return 0;
 }
 
+/* logbook JOB --markdown: a run report from the job, its logbook, its
+ * checkpoints and its metrics. */
+static int cmd_logbook(zctl *z, int argc, char **argv) {
+  uint64_t id;
+  if (argc < 1 || parse_job_id(argv[0], &id) != 0 || (argc > 1 && strcmp(argv[1], "--markdown")))
+    return zt_err("logbook: usage: zctl logbook JOB --markdown");
+  Ztrain__GetJobRequest gj = ZTRAIN__GET_JOB_REQUEST__INIT;
+  gj.job_id = id;
+  Ztrain__GetJobReply *jr = (Ztrain__GetJobReply *)status_call(z, "GetJob", &gj.base,
+                                                              &ztrain__get_job_reply__descriptor);
+  if (!jr || !jr->job) return -1;
+  Ztrain__ListEventsRequest le = ZTRAIN__LIST_EVENTS_REQUEST__INIT;
+  le.job_id = id;
+  le.limit = 100000;
+  Ztrain__ListEventsReply *er = (Ztrain__ListEventsReply *)status_call(
+      z, "ListEvents", &le.base, &ztrain__list_events_reply__descriptor);
+  Ztrain__GetMetricsRequest gm = ZTRAIN__GET_METRICS_REQUEST__INIT;
+  gm.job_id = id;
+  Ztrain__GetMetricsReply *mr = (Ztrain__GetMetricsReply *)status_call(
+      z, "GetMetrics", &gm.base, &ztrain__get_metrics_reply__descriptor);
+  if (!er || !mr) return -1;
+  Ztrain__JobInfo *j = jr->job;
+  printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, j->name);
+  printf("- state: **%s** (%s)\n", job_state(j->state), j->message);
+  printf("- steps: %lld of %lld; generation %llu on %u workers; %u restarts\n",
+         (long long)j->step, (long long)j->total_steps, (unsigned long long)j->generation, j->world,
+         j->restarts);
+  int rollbacks = 0, commits = 0, spikes = 0, gens = 0;
+  for (size_t i = 0; i < er->n_events; i++) {
+    const char *k = er->events[i]->kind;
+    rollbacks += !strcmp(k, "rollback");
+    commits += !strcmp(k, "checkpoint_committed");
+    spikes += !strcmp(k, "spike");
+    gens += !strcmp(k, "generation_started");
+  }
+  printf("- generations: %d; loss spikes: %d; rollbacks: %d; checkpoints committed: %d\n\n",
+         gens, spikes, rollbacks, commits);
+  if (mr->n_steps) {
+    double lo = mr->steps[0]->loss, sum = 0;
+    size_t n = mr->n_steps, tail = n < 50 ? n : 50;
+    for (size_t i = 0; i < n; i++) lo = mr->steps[i]->loss < lo ? mr->steps[i]->loss : lo;
+    for (size_t i = n - tail; i < n; i++) sum += mr->steps[i]->loss;
+    printf("## Loss\n\n| first | lowest | mean of last %zu | last |\n|---|---|---|---|\n", tail);
+    printf("| %.4f | %.4f | %.4f | %.4f |\n\n", mr->steps[0]->loss, lo, sum / (double)tail,
+           mr->steps[n - 1]->loss);
+  }
+  printf("## Timeline\n\n| time | event | detail |\n|---|---|---|\n");
+  for (size_t i = 0; i < er->n_events; i++) {
+    Ztrain__Event *e = er->events[i];
+    const char *k = e->kind;
+    /* Routine commits are summarised above, not listed one by one. */
+    if (!strcmp(k, "checkpoint_committed") || !strcmp(k, "checkpoint_deleted")) continue;
+    char t[64];
+    fmt_time(t, sizeof t, e->t_ms);
+    printf("| %s | %s | ", t, k);
+    for (const char *c = e->detail; *c; c++) putchar(*c == '|' ? '/' : *c);
+    printf(" |\n");
+  }
+  protobuf_c_message_free_unpacked(&jr->base, NULL);
+  protobuf_c_message_free_unpacked(&er->base, NULL);
+  protobuf_c_message_free_unpacked(&mr->base, NULL);
+  return 0;
+}
+
 /* export JOB --step S --out F [--dtype f32|bf16], or export --dir EPOCH --out F. */
 static int cmd_export(zctl *z, int argc, char **argv) {
   const char *out = NULL, *dir = NULL, *dtype = "f32";
@@ -468,7 +536,7 @@ static void usage(FILE *f) {
              "verbs:\n"
              "  status                              coordinator summary\n"
              "  workers                             every known worker and its state\n"
-             "  events [--job J] [--after ID] [--limit N]   the logbook\n"
+             "  events [JOB] [--after ID] [--limit N]       the logbook\n"
              "  submit JOB.json                     submit a job spec\n"
              "  jobs                                every job with its progress\n"
              "  job ID                              one job\n"
@@ -477,7 +545,8 @@ static void usage(FILE *f) {
              "  pause|resume|cancel JOB             job control\n"
              "  rollback JOB --to-step S [--skip N] restart from a checkpoint, skipping data\n"
              "  drain WORKER                        checkpoint, then take a worker out\n"
-             "  export JOB --step S --out F [--dtype f32|bf16]   Hugging Face safetensors\n");
+             "  export JOB --step S --out F [--dtype f32|bf16]   Hugging Face safetensors\n"
+             "  logbook JOB --markdown              run report: timeline, rollbacks, loss\n");
 }
 
 int main(int argc, char **argv) {
@@ -535,6 +604,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(verb, "checkpoints") && vargc == 1) rc = cmd_checkpoints(&z, vargv[0]);
   else if (!strcmp(verb, "drain") && vargc == 1) rc = cmd_drain(&z, vargv[0]);
   else if (!strcmp(verb, "export")) rc = cmd_export(&z, vargc, vargv);
+  else if (!strcmp(verb, "logbook")) rc = cmd_logbook(&z, vargc, vargv);
   else if (!strcmp(verb, "pause") || !strcmp(verb, "resume") || !strcmp(verb, "cancel") ||
            !strcmp(verb, "rollback"))
     rc = cmd_action(&z, verb, vargc, vargv);

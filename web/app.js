@@ -59,6 +59,9 @@ async function refreshCharts(job) {
   lrChart.data.datasets[1].data = marks("lr");
   lossChart.update();
   lrChart.update();
+  // For tests and scripts: how many points each chart drew.
+  $("#loss").dataset.points = String(lossChart.data.datasets[0].data.length);
+  $("#lr").dataset.points = String(lrChart.data.datasets[0].data.length);
   $("#jobname").textContent = `(job ${job.id}: ${job.name})`;
 }
 

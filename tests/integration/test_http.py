@@ -1,0 +1,196 @@
+"""The HTTP/JSON API and /metrics, with curl, against a live zcoord that
+runs a real job: every endpoint, content types, 400/401/404/405/413, and a
+strict check of the Prometheus text exposition format."""
+import json
+import re
+import subprocess
+
+import pytest
+
+from ztest import (byte_dataset, tiny_spec, wait_job, wait_until, workers_by_name)
+
+TOKEN = "s3cr3t-token"
+
+
+def curl(port, path, method="GET", data=None, token=None, headers=()):
+    cmd = ["curl", "-s", "-S", "-X", method, "-o", "-", "-w", "\n%{http_code} %{content_type}",
+           f"http://127.0.0.1:{port}{path}"]
+    if token:
+        cmd += ["-H", f"Authorization: Bearer {token}"]
+    for h in headers:
+        cmd += ["-H", h]
+    if data is not None:
+        cmd += ["--data-binary", "@-", "-H", "Content-Type: application/json"]
+    r = subprocess.run(cmd, input=data.encode() if isinstance(data, str) else data,
+                       capture_output=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    body, _, tail = r.stdout.rpartition(b"\n")
+    code, _, ctype = tail.decode().partition(" ")
+    return int(code), ctype, body
+
+
+def js(port, path, **kw):
+    code, ctype, body = curl(port, path, **kw)
+    assert ctype.startswith("application/json"), (path, ctype)
+    return code, json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    from ztest import Procs
+    tmp = tmp_path_factory.mktemp("http")
+    procs = Procs(tmp)
+    train, val = byte_dataset(str(tmp / "data"), 200_000)
+    coord = procs.coord(hb_ms=300, extra=["--api-token", TOKEN])
+    for i in range(2):
+        procs.worker(coord.grpc, f"w{i}", extra=["--threads", "1"])
+    wait_until(lambda: len(workers_by_name(coord)) == 2, 20, "workers")
+    spec = tiny_spec(train, val, 60, stage=2, workers=2,
+                     checkpoint={"dir": str(tmp / "ck"), "every_steps": 20})
+    code, body = js(coord.http_port, "/v1/jobs", method="POST", data=json.dumps(spec),
+                    token=TOKEN)
+    assert code == 201, body
+    jid = body["job_id"]
+    wait_job(coord, jid)
+    yield coord, jid, spec
+    procs.close()
+
+
+def test_read_endpoints(live):
+    coord, jid, _ = live
+    p = coord.http_port
+    code, h = js(p, "/healthz")
+    assert code == 200 and h["ok"] is True
+    code, st = js(p, "/v1/status")
+    assert code == 200 and st["workers"]["alive"] == 2
+    code, w = js(p, "/v1/workers")
+    assert code == 200 and {x["name"] for x in w["workers"]} == {"w0", "w1"}
+    code, j = js(p, f"/v1/jobs/{jid}")
+    assert code == 200 and j["state"] == "completed" and j["step"] == 60
+    for k in ("generation", "world", "loss", "tokens_per_s", "restarts", "message"):
+        assert k in j
+    code, jobs = js(p, "/v1/jobs")
+    assert code == 200 and [x["id"] for x in jobs["jobs"]] == [jid]
+    code, m = js(p, f"/v1/jobs/{jid}/metrics?from=10&to=19")
+    assert code == 200 and [s["step"] for s in m["steps"]] == list(range(10, 20))
+    code, ev = js(p, f"/v1/jobs/{jid}/events")
+    assert code == 200 and "job_completed" in [e["kind"] for e in ev["events"]]
+    code, ck = js(p, f"/v1/jobs/{jid}/checkpoints")
+    assert code == 200 and [c["step"] for c in ck["checkpoints"]] == [20, 40]
+    code, ev = js(p, "/v1/events?limit=2")
+    assert code == 200 and len(ev["events"]) == 2
+    code, ctype, body = curl(p, "/")
+    assert code == 200 and ctype.startswith("text/html") and b"<canvas" in body
+    code, ctype, _ = curl(p, "/static/app.js")
+    assert code == 200 and ctype.startswith("text/javascript")
+    code, ctype, body = curl(p, "/static/chart.js")
+    assert code == 200 and b"Chart.js" in body[:200]
+
+
+def test_error_statuses(live):
+    coord, jid, spec = live
+    p = coord.http_port
+    # 401: mutating calls need the token.
+    code, b = js(p, "/v1/jobs", method="POST", data=json.dumps(spec))
+    assert code == 401 and "Bearer" in b["error"]
+    code, b = js(p, "/v1/jobs", method="POST", data=json.dumps(spec), token="wrong")
+    assert code == 401
+    code, b = js(p, f"/v1/jobs/{jid}/pause", method="POST")
+    assert code == 401
+    # 400: malformed JSON, with the reason; unknown key, naming it.
+    code, b = js(p, "/v1/jobs", method="POST", data='{"steps": 5,', token=TOKEN)
+    assert code == 400 and "malformed JSON" in b["error"]
+    bad = dict(spec, optimizer={"type": "AdamW", "params": {"lrr": 1}})
+    code, b = js(p, "/v1/jobs", method="POST", data=json.dumps(bad), token=TOKEN)
+    assert code == 400 and "optimizer.params.lrr" in b["error"], b
+    code, b = js(p, "/v1/events?limit=x")
+    assert code == 400
+    # 404: unknown paths, jobs, actions, workers.
+    assert js(p, "/v1/nope")[0] == 404
+    assert js(p, "/v1/jobs/999")[0] == 404
+    assert js(p, "/v1/jobs/999/pause", method="POST", token=TOKEN)[0] == 404
+    assert js(p, f"/v1/jobs/{jid}/explode", method="POST", token=TOKEN)[0] == 404
+    assert js(p, "/v1/workers/nobody/drain", method="POST", token=TOKEN)[0] == 404
+    assert curl(p, "/static/../zcoord.db")[0] == 404
+    # 405 with Allow.
+    r = subprocess.run(["curl", "-s", "-i", "-X", "DELETE", f"http://127.0.0.1:{p}/v1/jobs"],
+                       capture_output=True, text=True, timeout=30)
+    assert " 405 " in r.stdout.splitlines()[0] and "Allow: GET, POST" in r.stdout
+    # 413: bodies over 1 MiB are refused without being buffered.
+    code, b = js(p, "/v1/jobs", method="POST", data=b"{" + b" " * (2 << 20) + b"}", token=TOKEN)
+    assert code == 413 and "larger than" in b["error"]
+    # 409: an action that does not fit the job's state.
+    code, b = js(p, f"/v1/jobs/{jid}/pause", method="POST", token=TOKEN)
+    assert code == 409 and "completed" in b["error"]
+    # Mutations with the token work: submit, pause, resume, cancel, drain.
+    code, b = js(p, "/v1/jobs", method="POST", data=json.dumps(dict(spec, steps=100000)),
+                 token=TOKEN)
+    assert code == 201
+    j2 = b["job_id"]
+    wait_until(lambda: js(p, f"/v1/jobs/{j2}")[1]["state"] == "running", 30, "second job")
+    assert js(p, f"/v1/jobs/{j2}/pause", method="POST", token=TOKEN)[0] == 200
+    assert js(p, f"/v1/jobs/{j2}")[1]["state"] == "paused"
+    assert js(p, f"/v1/jobs/{j2}/resume", method="POST", token=TOKEN)[0] == 200
+    code, b = js(p, f"/v1/jobs/{j2}/rollback", method="POST", data='{"to_step": 0}',
+                 token=TOKEN)
+    assert code == 200, b
+    code, b = js(p, "/v1/workers/w1/drain", method="POST", token=TOKEN)
+    assert code == 200 and "w1" in b["message"]
+    assert js(p, f"/v1/jobs/{j2}/cancel", method="POST", token=TOKEN)[0] == 200
+    assert js(p, f"/v1/jobs/{j2}")[1]["state"] == "canceled"
+
+
+METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$")
+LABEL = re.compile(r'^[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\["\\n])*"$')
+
+
+def check_exposition(text):
+    """Strict text-format 0.0.4 check; returns {family: type}."""
+    assert text.endswith("\n")
+    types, helps, seen = {}, set(), set()
+    current = None
+    for line in text.splitlines():
+        assert line == line.strip() and line, repr(line)
+        if line.startswith("# HELP "):
+            name = line.split()[2]
+            assert name not in helps, f"second HELP for {name}"
+            helps.add(name)
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, typ = line.split(" ", 3)
+            assert typ in ("counter", "gauge", "histogram", "summary", "untyped")
+            assert name not in types, f"second TYPE for {name}"
+            types[name] = typ
+            current = name
+            continue
+        assert not line.startswith("#"), line
+        m = METRIC.match(line)
+        assert m, f"bad sample line: {line!r}"
+        name, labels, value = m.group(1), m.group(3), m.group(4)
+        assert name == current, f"{name} outside its family block ({current})"
+        float(value)  # parses, including NaN/+Inf
+        if labels:
+            for pair in labels.split(","):
+                assert LABEL.match(pair), f"bad label {pair!r}"
+        key = (name, labels)
+        assert key not in seen, f"duplicate series {key}"
+        seen.add(key)
+    for name, typ in types.items():
+        assert name.startswith("ztrain_"), name
+        assert (typ == "counter") == name.endswith("_total"), name
+        assert name in helps
+    return types
+
+
+def test_metrics_exposition(live):
+    coord, jid, _ = live
+    code, ctype, body = curl(coord.http_port, "/metrics")
+    assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
+    text = body.decode()
+    types = check_exposition(text)
+    for fam in ("ztrain_workers", "ztrain_jobs", "ztrain_job_steps_total",
+                "ztrain_job_restarts_total", "ztrain_job_loss", "ztrain_job_learning_rate",
+                "ztrain_job_tokens_per_second", "ztrain_job_world_size"):
+        assert fam in types, fam
+    assert f'ztrain_job_steps_total{{job="{jid}"}} 60' in text
+    assert 'ztrain_workers{state="alive"} 2' in text
