@@ -66,6 +66,15 @@ typedef struct {
  * Fails after connect_timeout_ms if a neighbour does not show up. */
 int zt_comm_tcp_create(const zt_comm_tcp_opts *o, zt_comm_t **out);
 
+/* ---- NCCL backend (built when CUDA and NCCL are found; ZT_HAVE_NCCL) ----- */
+
+/* Rank 0 makes the id (256 hex characters) that the coordinator hands to
+ * every rank; each rank then creates its communicator on GPU `device`.
+ * Buffers passed to the operations are then device pointers. */
+int zt_comm_nccl_unique_id(char hex[257]);
+int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
+                        zt_comm_t **out);
+
 /* ---- operations ---------------------------------------------------------- */
 
 int zt_comm_rank(const zt_comm_t *c);

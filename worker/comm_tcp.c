@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "comm.h"
+#include "comm_backend.h"
 #include "zt_common.h"
 
 #define ZT_RING_MAGIC 0x5a545247u /* "ZTRG" */
@@ -50,6 +51,7 @@ struct zt_comm {
   uint64_t session;
   atomic_int broken;
   int failed_peer; /* rank whose connection failed, -1 when unknown */
+  struct zt_nccl *nccl; /* set: operations go to NCCL (comm_nccl.c) */
   char err[512];
   zt_comm_stats stats;
   uint8_t *scratch;
@@ -246,10 +248,27 @@ static int ring_all_gather(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t 
 
 /* ---- public operations --------------------------------------------------------- */
 
+/* An NCCL operation's outcome: a failure breaks the communicator like a
+ * TCP one does. */
+static int nccl_result(zt_comm_t *c, int rc) {
+  return rc == 0 ? 0 : fail(c, "%s", zt_err_msg());
+}
+
+zt_comm_t *uv__comm_wrap(struct zt_nccl *n, int rank, int world) {
+  zt_comm_t *c = calloc(1, sizeof *c);
+  if (!c) abort();
+  c->rank = rank, c->world = world, c->nccl = n;
+  c->next_fd = c->prev_fd = -1;
+  c->failed_peer = -1;
+  c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  return c;
+}
+
 int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-reduce") != 0) return -1;
   c->stats.ops++;
+  if (c->nccl) return nccl_result(c, uv__nccl_all_reduce(c->nccl, buf, count, dt, op, timeout_ms));
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
   if (c->world > 1 && count > 0) {
     if (ring_reduce_scatter(c, buf, count, dt, dl, "all-reduce") != 0) return -1;
@@ -267,6 +286,8 @@ int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, z
                            zt_redop_t op, int64_t timeout_ms) {
   if (check_usable(c, "reduce-scatter") != 0) return -1;
   c->stats.ops++;
+  if (c->nccl)
+    return nccl_result(c, uv__nccl_reduce_scatter(c->nccl, send, recv, count, dt, op, timeout_ms));
   size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
   uint8_t *mine = (uint8_t *)send + (size_t)c->rank * count * esz;
   if (c->world > 1 && count > 0 &&
@@ -281,6 +302,7 @@ int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-gather") != 0) return -1;
   c->stats.ops++;
+  if (c->nccl) return nccl_result(c, uv__nccl_all_gather(c->nccl, send, recv, count, dt, timeout_ms));
   size_t esz = zt_dtype_size(dt);
   uint8_t *mine = (uint8_t *)recv + (size_t)c->rank * count * esz;
   if (count && (const uint8_t *)send != mine) memmove(mine, send, count * esz);
@@ -294,6 +316,7 @@ int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int 
   if (check_usable(c, "broadcast") != 0) return -1;
   if (root < 0 || root >= c->world) return zt_err("broadcast: root %d out of range", root);
   c->stats.ops++;
+  if (c->nccl) return nccl_result(c, uv__nccl_broadcast(c->nccl, buf, count, dt, root, timeout_ms));
   if (c->world == 1 || count == 0) return 0;
   /* Pass the buffer around the ring from root, chunk-pipelined by the
    * socket buffers: each rank forwards what it received, except the last. */
@@ -330,17 +353,19 @@ void zt_comm_abort(zt_comm_t *c) {
   uint64_t one = 1;
   ssize_t w = write(c->abort_fd, &one, sizeof one);
   (void)w;
+  if (c->nccl) uv__nccl_abort(c->nccl);
 }
 
 int zt_comm_broken(const zt_comm_t *c) { return atomic_load(&c->broken); }
 int zt_comm_failed_peer(const zt_comm_t *c) { return c->failed_peer; }
 int zt_comm_rank(const zt_comm_t *c) { return c->rank; }
 int zt_comm_world(const zt_comm_t *c) { return c->world; }
-const char *zt_comm_backend(const zt_comm_t *c) { return (void)c, "tcp"; }
+const char *zt_comm_backend(const zt_comm_t *c) { return c->nccl ? "nccl" : "tcp"; }
 void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats *s) { *s = c->stats; }
 
 void zt_comm_destroy(zt_comm_t *c) {
   if (!c) return;
+  if (c->nccl) uv__nccl_destroy(c->nccl);
   if (c->next_fd >= 0) close(c->next_fd);
   if (c->prev_fd >= 0) close(c->prev_fd);
   if (c->abort_fd >= 0) close(c->abort_fd);

@@ -350,6 +350,28 @@ ZT_TEST(test_stale_session_refused) {
   zt_comm_destroy(a1.c);
 }
 
-ZT_TEST_MAIN(test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
+/* The NCCL backend: without a GPU (or without CUDA in the build) creation
+ * fails with a clear message instead of crashing or hanging; on a GPU
+ * machine a one-rank communicator is created and torn down. */
+ZT_TEST(test_nccl_backend_guarded) {
+  char id[257];
+  zt_comm_t *c = NULL;
+  if (zt_comm_nccl_unique_id(id) != 0) {
+    ZT_CHECK(strlen(zt_err_msg()) > 0);
+    return;
+  }
+  ZT_CHECK(strlen(id) == 256);
+  int64_t t0 = zt_now_ms();
+  if (zt_comm_nccl_create(0, 1, id, 0, 5000, &c) != 0) {
+    /* No usable GPU: an error within the deadline. */
+    ZT_CHECK(zt_now_ms() - t0 < 20000);
+    fprintf(stderr, "nccl: %s\n", zt_err_msg());
+    return;
+  }
+  ZT_CHECK(!strcmp(zt_comm_backend(c), "nccl"));
+  zt_comm_destroy(c);
+}
+
+ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_connect_timeout,
              test_silent_peer_timeout_and_abort, test_stale_session_refused)
