@@ -183,6 +183,7 @@ int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m, const Ztrain__ReportChe
           (unsigned long long)j->ck_bytes);
   j->ck_count = -1000000; /* done: later duplicates do not re-commit */
   *committed = 1;
+  j->ckpt_commits++;
   zt_ckpt_gc(c, j);
   zt_jobs_checkpoint_committed(c, j);
   return ZT_RPC_OK;

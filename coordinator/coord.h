@@ -57,6 +57,7 @@ typedef struct {
   int64_t steps, micro, global_batch; /* batches in samples */
   int min_workers, max_workers;
   int64_t comm_timeout_ms;
+  int64_t seq_len; /* tokens per sample */
   char ckpt_dir[400]; /* empty: no checkpoints */
   char ckpt_load[512]; /* epoch to start from when the job has none of its own */
   int64_t ckpt_every, keep_last, keep_every;
@@ -79,6 +80,7 @@ typedef struct zt_job {
   struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
   char comm_addr[ZT_MAX_WORLD][64];
   zt_db_step last; /* last reported step */
+  uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
   char start_ckpt[512]; /* committed epoch the current generation loads */
   /* Tally of the checkpoint epoch being reported (ckpt.c). */
   int64_t ck_step;

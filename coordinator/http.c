@@ -415,8 +415,14 @@ static void r_metrics(zt_http_req *r) {
   for (int s = ZT_JOB_PENDING; s <= ZT_JOB_CANCELED; s++)
     sb_printf(&b, "ztrain_jobs{state=\"%s\"} %d\n", zt_job_state_name(s), jobs[s]);
   JOB_SERIES(&b, "ztrain_job_steps_total", "counter", "Training steps completed.", j->row.step);
+  JOB_SERIES(&b, "ztrain_job_tokens_total", "counter", "Training tokens processed.",
+             (double)j->row.step * (double)j->p.global_batch * (double)j->p.seq_len);
   JOB_SERIES(&b, "ztrain_job_restarts_total", "counter",
              "Generations started after the first (restarts).", j->row.restarts);
+  JOB_SERIES(&b, "ztrain_job_rollbacks_total", "counter", "Loss-spike rollbacks.",
+             j->row.rollbacks);
+  JOB_SERIES(&b, "ztrain_job_checkpoints_total", "counter", "Checkpoint epochs committed.",
+             j->ckpt_commits);
   JOB_SERIES(&b, "ztrain_job_loss", "gauge", "Training loss of the last step.", j->last.loss);
   JOB_SERIES(&b, "ztrain_job_learning_rate", "gauge", "Learning rate of the last step.",
              j->last.lr);

@@ -75,6 +75,9 @@ int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t er
   cJSON *name = cJSON_GetObjectItemCaseSensitive(doc, "name");
   snprintf(p->name, sizeof p->name, "%s", cJSON_IsString(name) ? name->valuestring : "job");
   int64_t steps, micro, gbs, accum, minw, maxw, tmo;
+  cJSON *model = cJSON_GetObjectItemCaseSensitive(doc, "model");
+  cJSON *sl = model ? cJSON_GetObjectItemCaseSensitive(model, "seq_len") : NULL;
+  p->seq_len = cJSON_IsNumber(sl) ? (int64_t)sl->valuedouble : 0;
   cJSON *el = cJSON_GetObjectItemCaseSensitive(doc, "elastic");
   cJSON *ck = cJSON_GetObjectItemCaseSensitive(doc, "checkpoint");
   if (ck) {

@@ -37,7 +37,8 @@ function chart(canvas, label, color) {
     type: "line",
     data: { datasets: [
       { label: label, data: [], borderColor: color, pointRadius: 1.5, borderWidth: 1.5 },
-      { label: "new generation", data: [], showLine: false, pointStyle: "triangle",
+      { label: "new generation (restart or rollback)", data: [], showLine: false,
+        pointStyle: "triangle",
         pointRadius: 6, borderColor: "#b00", backgroundColor: "#b00" },
     ] },
     options: { animation: false, parsing: false,
@@ -80,7 +81,15 @@ async function refresh() {
     fill("#events", events.events.slice(-50).reverse().map((e) => [cell(fmtTime(e.t_ms)),
       cell(e.job_id || ""), cell(e.kind), cell(e.worker_id || ""), cell(e.detail)]));
     const job = jobs.jobs.filter((j) => j.generation > 0).pop();
-    if (job) { shownJob = job.id; await refreshCharts(job); }
+    if (job) {
+      shownJob = job.id;
+      await refreshCharts(job);
+      const ck = await get(`/v1/jobs/${job.id}/checkpoints`);
+      $("#ckjob").textContent = `(job ${job.id})`;
+      fill("#checkpoints", ck.checkpoints.slice().reverse().map((c) => [cell(c.step),
+        cell(c.generation), cell(c.state, c.state === "committed" ? "state-alive" : "state-left"),
+        cell(c.world), cell(fmtNum(c.bytes / 1e6, 2)), cell(fmtTime(c.t_ms)), cell(c.dir)]));
+    }
     document.body.dataset.ready = "1";
   } catch (e) {
     $("#coord").textContent = "coordinator unreachable: " + e.message;

@@ -28,7 +28,9 @@ def test_dashboard_draws_the_run(procs, tmp_path):
     for i in range(2):
         procs.worker(coord.grpc, f"d{i}", extra=["--threads", "1"])
     wait_until(lambda: len(workers_by_name(coord)) == 2, 20, "workers")
-    jid = submit(coord, tiny_spec(train, val, 40, stage=2, workers=2), tmp_path)
+    jid = submit(coord, tiny_spec(train, val, 40, stage=2, workers=2,
+                                  checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 10}),
+                 tmp_path)
     wait_job(coord, jid)
     url = f"http://127.0.0.1:{coord.http_port}/"
     r = chrome(url, "--dump-dom")
@@ -42,6 +44,8 @@ def test_dashboard_draws_the_run(procs, tmp_path):
     assert workers_tbody.count("<tr>") == 1 + 2  # header + two workers
     assert "d0" in workers_tbody and "state-alive" in workers_tbody
     assert "job_completed" in dom and "completed" in dom
+    ck_rows = dom.split('<table id="checkpoints">')[1].split("</table>")[0]
+    assert ck_rows.count("<tr>") == 1 + 3 and "committed" in ck_rows  # steps 10, 20, 30
     shot = os.path.join(procs.tmp, "dashboard.png")
     r = chrome(url, f"--screenshot={shot}", "--window-size=1280,1000")
     assert os.path.getsize(shot) > 10_000, r.stderr[-2000:]

@@ -190,7 +190,11 @@ def test_metrics_exposition(live):
     types = check_exposition(text)
     for fam in ("ztrain_workers", "ztrain_jobs", "ztrain_job_steps_total",
                 "ztrain_job_restarts_total", "ztrain_job_loss", "ztrain_job_learning_rate",
-                "ztrain_job_tokens_per_second", "ztrain_job_world_size"):
+                "ztrain_job_tokens_per_second", "ztrain_job_world_size",
+                "ztrain_job_tokens_total", "ztrain_job_rollbacks_total",
+                "ztrain_job_checkpoints_total"):
         assert fam in types, fam
     assert f'ztrain_job_steps_total{{job="{jid}"}} 60' in text
+    assert f'ztrain_job_tokens_total{{job="{jid}"}} {60 * 24 * 32}' in text
+    assert f'ztrain_job_checkpoints_total{{job="{jid}"}} 2' in text
     assert 'ztrain_workers{state="alive"} 2' in text
