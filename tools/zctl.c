@@ -23,6 +23,7 @@
 
 #include "zt_common.h"
 #include "export.h"
+#include "pbcall.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
 
@@ -60,21 +61,21 @@ static void print_json(cJSON *doc) {
 /* One unary Status call: pack, call, unpack. */
 static ProtobufCMessage *status_call(zctl *z, const char *method, const ProtobufCMessage *req,
                                      const ProtobufCMessageDescriptor *reply_desc) {
-  size_t n = protobuf_c_message_get_packed_size(req);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (!buf) abort();
-  protobuf_c_message_pack(req, buf);
-  uint8_t *resp = NULL;
-  size_t rlen = 0;
   char path[128];
   snprintf(path, sizeof path, "/ztrain.Status/%s", method);
-  int rc = zt_rpc_call(z->rpc, path, buf, n, z->timeout_ms, &resp, &rlen, NULL);
-  free(buf);
-  if (rc != 0) return NULL;
-  ProtobufCMessage *m = protobuf_c_message_unpack(reply_desc, NULL, rlen, resp);
-  free(resp);
-  if (!m) zt_err("%s: reply is not a valid %s", method, reply_desc->name);
-  return m;
+  ProtobufCMessage *m = NULL;
+  return zt_pb_call(z->rpc, path, req, reply_desc, z->timeout_ms, &m, NULL) == 0 ? m : NULL;
+}
+
+/* Prints an action's message, as JSON with --json. */
+static void print_message(zctl *z, const char *msg) {
+  if (z->json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "message", msg);
+    print_json(o);
+  } else {
+    printf("%s\n", msg);
+  }
 }
 
 static int cmd_status(zctl *z) {
@@ -354,13 +355,7 @@ static int cmd_action(zctl *z, const char *action, int argc, char **argv) {
   Ztrain__JobActionReply *r = (Ztrain__JobActionReply *)status_call(
       z, "JobAction", &req.base, &ztrain__job_action_reply__descriptor);
   if (!r) return -1;
-  if (z->json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "message", r->message);
-    print_json(o);
-  } else {
-    printf("%s\n", r->message);
-  }
+  print_message(z, r->message);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   return 0;
 }
@@ -371,13 +366,7 @@ static int cmd_drain(zctl *z, const char *worker) {
   Ztrain__DrainReply *r = (Ztrain__DrainReply *)status_call(z, "Drain", &req.base,
                                                            &ztrain__drain_reply__descriptor);
   if (!r) return -1;
-  if (z->json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "message", r->message);
-    print_json(o);
-  } else {
-    printf("%s\n", r->message);
-  }
+  print_message(z, r->message);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   return 0;
 }

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "pbcall.h"
 #include "zt_common.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
@@ -122,24 +123,9 @@ static int64_t next_backoff(zt_ctl_t *c) {
   return wait;
 }
 
-/* Packs `msg`, calls `method`, unpacks the reply with `desc`. */
 static int call(zt_ctl_t *c, const char *method, const ProtobufCMessage *msg,
                 const ProtobufCMessageDescriptor *desc, ProtobufCMessage **reply, int *status) {
-  uint8_t buf[1024];
-  size_t n = protobuf_c_message_get_packed_size(msg);
-  if (n > sizeof buf) return zt_err("%s: request too large", method);
-  protobuf_c_message_pack(msg, buf);
-  uint8_t *resp = NULL;
-  size_t rlen = 0;
-  if (zt_rpc_call(c->rpc, method, buf, n, c->o.rpc_timeout_ms, &resp, &rlen, status) != 0)
-    return -1;
-  *reply = protobuf_c_message_unpack(desc, NULL, rlen, resp);
-  free(resp);
-  if (!*reply) {
-    *status = ZT_RPC_INTERNAL;
-    return zt_err("%s: reply is not a valid %s", method, desc->name);
-  }
-  return 0;
+  return zt_pb_call(c->rpc, method, msg, desc, c->o.rpc_timeout_ms, reply, status);
 }
 
 /* Returns 0 when registered, -1 with *fatal set when retrying is pointless. */

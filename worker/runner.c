@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "ckpt_io.h"
+#include "pbcall.h"
 #include "runner.h"
 #include "zt_common.h"
 #include "zt_rpc.h"
@@ -62,19 +63,7 @@ static int should_stop_cb(void *user) { return changed(user); }
 static int call(zt_runner_t *r, const char *method, const ProtobufCMessage *req,
                 const ProtobufCMessageDescriptor *rd, int64_t timeout_ms, ProtobufCMessage **rep,
                 int *status) {
-  size_t n = protobuf_c_message_get_packed_size(req);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (!buf) abort();
-  protobuf_c_message_pack(req, buf);
-  uint8_t *resp = NULL;
-  size_t rlen = 0;
-  int rc = zt_rpc_call(zt_ctl_rpc(r->ctl), method, buf, n, timeout_ms, &resp, &rlen, status);
-  free(buf);
-  if (rc != 0) return -1;
-  *rep = rd ? protobuf_c_message_unpack(rd, NULL, rlen, resp) : NULL;
-  free(resp);
-  if (rd && !*rep) return zt_err("%s: malformed reply", method);
-  return 0;
+  return zt_pb_call(zt_ctl_rpc(r->ctl), method, req, rd, timeout_ms, rep, status);
 }
 
 static int report_step_cb(void *user, const zt_step_report *s) {

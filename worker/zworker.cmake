@@ -2,7 +2,7 @@
 # benches) and the zworker daemon.
 add_library(zt_control STATIC ${CMAKE_CURRENT_SOURCE_DIR}/control.c)
 target_include_directories(zt_control PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
-target_link_libraries(zt_control PUBLIC zt_common zt_rpc zt_proto)
+target_link_libraries(zt_control PUBLIC zt_common zt_rpc zt_proto zt_pbcall)
 
 add_executable(zworker ${CMAKE_CURRENT_SOURCE_DIR}/zworker.c ${CMAKE_CURRENT_SOURCE_DIR}/runner.c)
 target_link_libraries(zworker PRIVATE zt_control zt_engine)
