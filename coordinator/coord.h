@@ -155,7 +155,6 @@ struct Ztrain__RendezvousRequest;
 struct Ztrain__ReportStepRequest;
 struct Ztrain__ReportFailureRequest;
 int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t errlen);
-int zt_job_spec_validate(const char *json, char *err, size_t errlen); /* jobspec.c */
 int zt_jobs_load(zt_coord *c);
 void zt_jobs_free(zt_coord *c);
 void zt_jobs_release_calls(zt_coord *c); /* answers held calls before the server stops */

@@ -35,136 +35,69 @@
 #include <string.h>
 
 #include "coord.h"
+#include "spec.h"
 #include "data.h"
 #include "ztrain.pb-c.h"
 
 /* ---- spec essentials ------------------------------------------------------- */
 
-static int get_int(cJSON *obj, const char *key, int64_t def, int64_t lo, int64_t hi, int64_t *out,
-                   char *err, size_t errlen) {
-  cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
-  if (!v) {
-    if (def < lo) {
-      snprintf(err, errlen, "%s: required", key);
-      return -1;
-    }
-    *out = def;
-    return 0;
-  }
-  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < (double)lo ||
-      v->valuedouble > (double)hi) {
-    snprintf(err, errlen, "%s: expected an integer in %lld..%lld", key, (long long)lo,
-             (long long)hi);
-    return -1;
-  }
-  *out = (int64_t)v->valuedouble;
-  return 0;
-}
-
+/* The numbers that shape scheduling, from the trainer's own parser
+ * (worker/spec.c), so the coordinator and the workers can never read a
+ * spec differently. */
 int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t errlen) {
   memset(p, 0, sizeof *p);
-  cJSON *doc = cJSON_Parse(json);
-  int ret = -1;
-  if (!doc || !cJSON_IsObject(doc)) {
-    snprintf(err, errlen, "job spec is not a JSON object");
-    goto out;
+  zt_spec_t s;
+  if (zt_spec_parse(&s, json, strlen(json)) != 0) {
+    snprintf(err, errlen, "%s", zt_err_msg());
+    zt_spec_free(&s);
+    return -1;
   }
-  /* The full validation (every key, types, ranges) is the trainer's; the
-   * coordinator needs the numbers that shape scheduling. */
-  if (zt_job_spec_validate(json, err, errlen) != 0) goto out;
-  cJSON *name = cJSON_GetObjectItemCaseSensitive(doc, "name");
-  snprintf(p->name, sizeof p->name, "%s", cJSON_IsString(name) ? name->valuestring : "job");
-  int64_t steps, micro, gbs, accum, minw, maxw, tmo;
-  cJSON *model = cJSON_GetObjectItemCaseSensitive(doc, "model");
-  cJSON *sl = model ? cJSON_GetObjectItemCaseSensitive(model, "seq_len") : NULL;
-  p->seq_len = cJSON_IsNumber(sl) ? (int64_t)sl->valuedouble : 0;
-  cJSON *el = cJSON_GetObjectItemCaseSensitive(doc, "elastic");
-  cJSON *ck = cJSON_GetObjectItemCaseSensitive(doc, "checkpoint");
-  if (ck) {
-    cJSON *d = cJSON_GetObjectItemCaseSensitive(ck, "dir");
-    if (!cJSON_IsString(d) || !d->valuestring[0] || strlen(d->valuestring) >= sizeof p->ckpt_dir ||
-        strstr(d->valuestring, "..")) {
-      snprintf(err, errlen, "checkpoint.dir: expected a path (no \"..\")");
-      goto out;
-    }
-    snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%s", d->valuestring);
-    cJSON *ld = cJSON_GetObjectItemCaseSensitive(ck, "load");
-    if (cJSON_IsString(ld)) snprintf(p->ckpt_load, sizeof p->ckpt_load, "%s", ld->valuestring);
-    if (get_int(ck, "every_steps", 0, 0, 1LL << 40, &p->ckpt_every, err, errlen) ||
-        get_int(ck, "keep_last", 2, 1, 1 << 20, &p->keep_last, err, errlen) ||
-        get_int(ck, "keep_every", 0, 0, 1LL << 40, &p->keep_every, err, errlen))
-      goto out;
+  snprintf(p->name, sizeof p->name, "%s", s.name);
+  p->steps = s.steps;
+  p->micro = s.micro_batch;
+  p->global_batch = s.global_batch;
+  p->seq_len = s.model.seq_len;
+  p->min_workers = s.min_workers;
+  p->max_workers = s.max_workers;
+  p->comm_timeout_ms = s.comm_timeout_ms;
+  if (strlen(s.ckpt.dir) >= sizeof p->ckpt_dir || strlen(s.ckpt.load) >= sizeof p->ckpt_load) {
+    snprintf(err, errlen, "checkpoint.dir or checkpoint.load: path too long (max %zu)",
+             sizeof p->ckpt_dir - 1);
+    zt_spec_free(&s);
+    return -1;
   }
-  cJSON *comm = cJSON_GetObjectItemCaseSensitive(doc, "comm");
-  if (get_int(doc, "steps", -1, 1, 1LL << 40, &steps, err, errlen) ||
-      get_int(doc, "train_micro_batch_size_per_gpu", -1, 1, 1 << 20, &micro, err, errlen) ||
-      get_int(doc, "gradient_accumulation_steps", 1, 1, 1 << 20, &accum, err, errlen) ||
-      get_int(doc, "train_batch_size", micro * accum, 1, 1LL << 40, &gbs, err, errlen))
-    goto out;
-  cJSON *rb = cJSON_GetObjectItemCaseSensitive(doc, "rollback");
-  p->rb_enabled = 1;
-  p->rb_threshold = 6.0;
-  p->rb_lr_factor = 0.5;
-  if (rb) {
-    cJSON *en = cJSON_GetObjectItemCaseSensitive(rb, "enabled");
-    if (en) p->rb_enabled = cJSON_IsTrue(en);
-    cJSON *th = cJSON_GetObjectItemCaseSensitive(rb, "threshold");
-    cJSON *lf = cJSON_GetObjectItemCaseSensitive(rb, "lr_factor");
-    if ((th && (!cJSON_IsNumber(th) || th->valuedouble <= 0)) ||
-        (lf && (!cJSON_IsNumber(lf) || lf->valuedouble <= 0 || lf->valuedouble > 1))) {
-      snprintf(err, errlen, "rollback.threshold must be > 0 and rollback.lr_factor in (0, 1]");
-      goto out;
-    }
-    if (th) p->rb_threshold = th->valuedouble;
-    if (lf) p->rb_lr_factor = lf->valuedouble;
+  snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%.399s", s.ckpt.dir);
+  snprintf(p->ckpt_load, sizeof p->ckpt_load, "%.511s", s.ckpt.load);
+  p->ckpt_every = s.ckpt.every_steps;
+  p->keep_last = s.ckpt.keep_last > 0 ? s.ckpt.keep_last : 2;
+  p->keep_every = s.ckpt.keep_every;
+  p->rb_enabled = s.rollback.enabled;
+  p->rb_window = s.rollback.window;
+  p->rb_threshold = s.rollback.threshold;
+  p->rb_patience = s.rollback.patience;
+  p->rb_margin = s.rollback.margin_steps;
+  p->rb_skip = s.rollback.skip_steps;
+  p->rb_lr_factor = s.rollback.lr_factor;
+  p->rb_cooldown = s.rollback.cooldown_steps;
+  p->rb_max = s.rollback.max_rollbacks;
+  p->rb_per_steps = s.rollback.per_steps;
+  zt_spec_free(&s);
+  if (p->max_workers > ZT_MAX_WORLD) {
+    snprintf(err, errlen, "elastic.max_workers %d exceeds %d", p->max_workers, ZT_MAX_WORLD);
+    return -1;
   }
-  cJSON *rbo = rb ? rb : doc;
-  int real = rb != NULL;
-  if (get_int(rbo, real ? "window" : "__none", 100, 5, ZT_SPIKE_MAX_WINDOW, &p->rb_window, err, errlen) ||
-      get_int(rbo, real ? "patience" : "__none", 3, 1, 1000, &p->rb_patience, err, errlen) ||
-      get_int(rbo, real ? "margin_steps" : "__none", 0, 0, 1LL << 40, &p->rb_margin, err, errlen) ||
-      get_int(rbo, real ? "skip_steps" : "__none", 10, 0, 1LL << 40, &p->rb_skip, err, errlen) ||
-      get_int(rbo, real ? "cooldown_steps" : "__none", 50, 0, 1LL << 40, &p->rb_cooldown, err, errlen) ||
-      get_int(rbo, real ? "max_rollbacks" : "__none", 3, 0, 1000, &p->rb_max, err, errlen) ||
-      get_int(rbo, real ? "per_steps" : "__none", 1000, 1, 1LL << 40, &p->rb_per_steps, err, errlen))
-    goto out;
-  if (get_int(el ? el : doc, el ? "min_workers" : "__none", 1, 1, ZT_MAX_WORLD, &minw, err,
-              errlen) ||
-      get_int(el ? el : doc, el ? "max_workers" : "__none", minw, 1, ZT_MAX_WORLD, &maxw, err,
-              errlen) ||
-      get_int(comm ? comm : doc, comm ? "timeout_ms" : "__none", 30000, 100, 3600000, &tmo, err,
-              errlen))
-    goto out;
-  if (gbs % micro != 0) {
-    snprintf(err, errlen, "train_batch_size %lld is not a multiple of the micro batch %lld",
-             (long long)gbs, (long long)micro);
-    goto out;
-  }
-  if (maxw < minw) {
-    snprintf(err, errlen, "elastic.max_workers %lld < elastic.min_workers %lld", (long long)maxw,
-             (long long)minw);
-    goto out;
-  }
-  p->steps = steps;
-  p->micro = micro;
-  p->global_batch = gbs;
-  p->min_workers = (int)minw;
-  p->max_workers = (int)maxw;
-  p->comm_timeout_ms = tmo;
   /* Some N in [min, max] must divide the number of micro-batches per step. */
   int any = 0;
-  for (int n = p->min_workers; n <= p->max_workers; n++) any |= (gbs / micro) % n == 0;
+  for (int n = p->min_workers; n <= p->max_workers; n++)
+    any |= (p->global_batch / p->micro) % n == 0;
   if (!any) {
     snprintf(err, errlen,
              "no world size in %d..%d divides train_batch_size / micro batch = %lld; the global "
              "batch must stay fixed when workers come and go",
-             p->min_workers, p->max_workers, (long long)(gbs / micro));
-    goto out;
+             p->min_workers, p->max_workers, (long long)(p->global_batch / p->micro));
+    return -1;
   }
-  ret = 0;
-out:
-  cJSON_Delete(doc);
-  return ret;
+  return 0;
 }
 
 /* ---- bookkeeping ------------------------------------------------------------- */
