@@ -195,6 +195,10 @@ int zt_jobs_report_checkpoint(zt_coord *c, const struct Ztrain__ReportCheckpoint
                               int *committed, char *msg, size_t msglen);
 
 /* service.c */
+struct Ztrain__JobInfo;
+struct Ztrain__WorkerInfo;
+void zt_coord_job_info(const zt_job *j, struct Ztrain__JobInfo *ji);
+void zt_coord_worker_info(const zt_member *m, struct Ztrain__WorkerInfo *w);
 void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req,
                            size_t len, void *user);
 

@@ -22,6 +22,7 @@
 
 #include "coord.h"
 #include "http.h"
+#include "pbjson.h"
 
 #define ZT_HTTP_MAX_BODY (1u << 20)
 
@@ -115,29 +116,18 @@ static void r_workers(zt_http_req *r) {
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member *m = c->by_id[i];
     if (!m) continue;
-    cJSON *w = cJSON_CreateObject();
-    cJSON_AddNumberToObject(w, "id", (double)m->row.id);
-    cJSON_AddStringToObject(w, "name", m->row.name);
-    cJSON_AddStringToObject(w, "host", m->row.host);
-    cJSON_AddStringToObject(w, "device", m->row.device);
-    cJSON_AddStringToObject(w, "state", zt_worker_state_name(m->row.state));
-    cJSON_AddNumberToObject(w, "last_seen_ms", (double)m->row.last_seen_ms);
-    cJSON_AddNumberToObject(w, "registered_ms", (double)m->row.registered_ms);
-    cJSON_AddNumberToObject(w, "pid", m->row.pid);
-    cJSON_AddItemToArray(arr, w);
+    Ztrain__WorkerInfo w;
+    zt_coord_worker_info(m, &w);
+    cJSON_AddItemToArray(arr, zt_json_worker(&w));
   }
   zt_http_json(r, 200, o);
 }
 
 static int add_event(const zt_db_event *e, void *user) {
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddNumberToObject(o, "id", (double)e->id);
-  cJSON_AddNumberToObject(o, "t_ms", (double)e->t_ms);
-  cJSON_AddNumberToObject(o, "job_id", (double)e->job_id);
-  cJSON_AddStringToObject(o, "kind", e->kind);
-  cJSON_AddNumberToObject(o, "worker_id", (double)e->worker_id);
-  cJSON_AddStringToObject(o, "detail", e->detail);
-  cJSON_AddItemToArray(user, o);
+  Ztrain__Event x = ZTRAIN__EVENT__INIT;
+  x.id = e->id, x.t_ms = e->t_ms, x.job_id = e->job_id, x.worker_id = e->worker_id;
+  x.kind = (char *)e->kind, x.detail = (char *)e->detail;
+  cJSON_AddItemToArray(user, zt_json_event(&x));
   return 0;
 }
 
@@ -161,25 +151,9 @@ static void r_events(zt_http_req *r) {
 }
 
 static cJSON *job_json(const zt_job *j) {
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddNumberToObject(o, "id", (double)j->row.id);
-  cJSON_AddStringToObject(o, "name", j->row.name);
-  cJSON_AddStringToObject(o, "state", zt_job_state_name(j->row.state));
-  cJSON_AddNumberToObject(o, "generation", (double)j->row.generation);
-  cJSON_AddNumberToObject(o, "world", j->row.world);
-  cJSON_AddNumberToObject(o, "step", (double)j->row.step);
-  cJSON_AddNumberToObject(o, "total_steps", (double)j->row.total_steps);
-  cJSON_AddNumberToObject(o, "loss", j->last.loss);
-  cJSON_AddNumberToObject(o, "lr", j->last.lr);
-  cJSON_AddNumberToObject(o, "grad_norm", j->last.grad_norm);
-  cJSON_AddNumberToObject(o, "tokens_per_s", j->last.tokens_per_s);
-  cJSON_AddNumberToObject(o, "restarts", j->row.restarts);
-  cJSON_AddNumberToObject(o, "min_workers", j->row.min_workers);
-  cJSON_AddNumberToObject(o, "max_workers", j->row.max_workers);
-  cJSON_AddStringToObject(o, "message", j->row.message);
-  cJSON_AddNumberToObject(o, "created_ms", (double)j->row.created_ms);
-  cJSON_AddNumberToObject(o, "updated_ms", (double)j->row.updated_ms);
-  return o;
+  Ztrain__JobInfo ji;
+  zt_coord_job_info(j, &ji);
+  return zt_json_job(&ji);
 }
 
 static void r_jobs(zt_http_req *r) {
@@ -190,31 +164,19 @@ static void r_jobs(zt_http_req *r) {
 }
 
 static int add_step(const zt_db_step *s, void *user) {
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddNumberToObject(o, "step", (double)s->step);
-  cJSON_AddNumberToObject(o, "generation", (double)s->generation);
-  cJSON_AddNumberToObject(o, "loss", s->loss);
-  cJSON_AddNumberToObject(o, "grad_norm", s->grad_norm);
-  cJSON_AddNumberToObject(o, "lr", s->lr);
-  cJSON_AddNumberToObject(o, "tokens_per_s", s->tokens_per_s);
-  if (s->val_loss == s->val_loss) cJSON_AddNumberToObject(o, "val_loss", s->val_loss);
-  else cJSON_AddNullToObject(o, "val_loss");
-  cJSON_AddNumberToObject(o, "t_ms", (double)s->t_ms);
-  cJSON_AddItemToArray(user, o);
+  Ztrain__StepRecord x = ZTRAIN__STEP_RECORD__INIT;
+  x.step = s->step, x.generation = s->generation, x.loss = s->loss, x.grad_norm = s->grad_norm;
+  x.lr = s->lr, x.tokens_per_s = s->tokens_per_s, x.val_loss = s->val_loss, x.t_ms = s->t_ms;
+  cJSON_AddItemToArray(user, zt_json_step(&x));
   return 0;
 }
 
 static int add_ckpt(const zt_db_ckpt *k, void *user) {
-  static const char *states[] = {"pending", "committed", "deleted"};
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddNumberToObject(o, "step", (double)k->step);
-  cJSON_AddNumberToObject(o, "generation", (double)k->generation);
-  cJSON_AddStringToObject(o, "state", states[k->state >= 0 && k->state < 3 ? k->state : 0]);
-  cJSON_AddNumberToObject(o, "world", k->world);
-  cJSON_AddNumberToObject(o, "bytes", (double)k->bytes);
-  cJSON_AddStringToObject(o, "dir", k->dir);
-  cJSON_AddNumberToObject(o, "t_ms", (double)k->t_ms);
-  cJSON_AddItemToArray(user, o);
+  Ztrain__CheckpointInfo x = ZTRAIN__CHECKPOINT_INFO__INIT;
+  x.step = k->step, x.generation = k->generation, x.world = (uint32_t)k->world;
+  x.state = (char *)zt_ckpt_state_name(k->state);
+  x.bytes = k->bytes, x.dir = (char *)k->dir, x.t_ms = k->t_ms;
+  cJSON_AddItemToArray(user, zt_json_checkpoint(&x));
   return 0;
 }
 

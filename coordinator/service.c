@@ -158,8 +158,6 @@ static ProtobufCMessage *h_report_checkpoint(zt_coord *c, zt_rpc_call_t *call,
 
 /* ---- Status ------------------------------------------------------------ */
 
-static const char *k_ckpt_states[] = {"pending", "committed", "deleted"};
-
 typedef struct {
   Ztrain__ListCheckpointsReply *r;
   size_t cap;
@@ -178,7 +176,7 @@ static int collect_ckpt(const zt_db_ckpt *k, void *user) {
   ztrain__checkpoint_info__init(x);
   x->step = k->step;
   x->generation = k->generation;
-  x->state = (char *)k_ckpt_states[k->state >= 0 && k->state < 3 ? k->state : 0];
+  x->state = (char *)zt_ckpt_state_name(k->state);
   x->dir = (char *)(x + 1);
   memcpy(x->dir, k->dir, dl);
   x->bytes = k->bytes;
@@ -280,8 +278,21 @@ static ProtobufCMessage *h_submit_job(zt_coord *c, zt_rpc_call_t *call, const Pr
   return &r->base;
 }
 
+/* Fills a WorkerInfo that points into the member (valid until the reply). */
+void zt_coord_worker_info(const zt_member *mem, Ztrain__WorkerInfo *w) {
+  ztrain__worker_info__init(w);
+  w->id = mem->row.id;
+  w->name = (char *)mem->row.name;
+  w->host = (char *)mem->row.host;
+  w->device = (char *)mem->row.device;
+  w->state = (Ztrain__WorkerState)mem->row.state;
+  w->last_seen_ms = mem->row.last_seen_ms;
+  w->registered_ms = mem->row.registered_ms;
+  w->pid = mem->row.pid;
+}
+
 /* Fills a JobInfo that points into the job (valid until the reply is sent). */
-static void job_info(const zt_job *j, Ztrain__JobInfo *ji) {
+void zt_coord_job_info(const zt_job *j, Ztrain__JobInfo *ji) {
   ztrain__job_info__init(ji);
   ji->id = j->row.id;
   ji->name = (char *)j->row.name;
@@ -323,7 +334,7 @@ static ProtobufCMessage *h_list_jobs(zt_coord *c, zt_rpc_call_t *call, const Pro
   for (zt_job *j = c->jobs; j; j = j->next) {
     Ztrain__JobInfo *ji = malloc(sizeof *ji);
     if (!ji) abort();
-    job_info(j, ji);
+    zt_coord_job_info(j, ji);
     r->jobs[r->n_jobs++] = ji;
   }
   return &r->base;
@@ -350,7 +361,7 @@ static ProtobufCMessage *h_get_job(zt_coord *c, zt_rpc_call_t *call, const Proto
   ztrain__get_job_reply__init(r);
   r->job = malloc(sizeof *r->job);
   if (!r->job) abort();
-  job_info(j, r->job);
+  zt_coord_job_info(j, r->job);
   return &r->base;
 }
 
@@ -452,15 +463,7 @@ static ProtobufCMessage *h_list_workers(zt_coord *c, zt_rpc_call_t *call,
     if (!mem) continue;
     Ztrain__WorkerInfo *w = malloc(sizeof *w);
     if (!w) abort();
-    ztrain__worker_info__init(w);
-    w->id = mem->row.id;
-    w->name = mem->row.name;
-    w->host = mem->row.host;
-    w->device = mem->row.device;
-    w->state = (Ztrain__WorkerState)mem->row.state;
-    w->last_seen_ms = mem->row.last_seen_ms;
-    w->registered_ms = mem->row.registered_ms;
-    w->pid = mem->row.pid;
+    zt_coord_worker_info(mem, w);
     r->workers[r->n_workers++] = w;
   }
   return &r->base;

@@ -175,6 +175,11 @@ static int db_err(zt_db_t *db, const char *what) {
   return zt_err("database %s: %s: %s", db->path, what, sqlite3_errmsg(db->h));
 }
 
+const char *zt_ckpt_state_name(int state) {
+  static const char *names[] = {"pending", "committed", "deleted"};
+  return state >= 0 && state < (int)ZT_ARRAY_LEN(names) ? names[state] : "unknown";
+}
+
 const char *zt_job_state_name(int state) {
   static const char *names[] = {"unknown",   "pending", "running", "reconfiguring",
                                 "completed", "failed",  "paused",  "canceled"};

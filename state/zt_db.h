@@ -140,6 +140,8 @@ int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_
 
 typedef enum { ZT_CKPT_PENDING = 0, ZT_CKPT_COMMITTED = 1, ZT_CKPT_DELETED = 2 } zt_ckpt_state_t;
 
+const char *zt_ckpt_state_name(int state); /* "pending", "committed", "deleted" */
+
 typedef struct {
   int64_t step;
   uint64_t generation;

@@ -24,10 +24,9 @@
 #include "zt_common.h"
 #include "export.h"
 #include "pbcall.h"
+#include "pbjson.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
-
-static const char *k_state_names[] = {"unknown", "alive", "suspect", "lost", "left"};
 
 typedef struct {
   zt_rpc_client_t *rpc;
@@ -35,9 +34,6 @@ typedef struct {
   int64_t timeout_ms;
 } zctl;
 
-static const char *state_name(int s) {
-  return s >= 0 && s < (int)ZT_ARRAY_LEN(k_state_names) ? k_state_names[s] : "unknown";
-}
 
 static void fmt_time(char *buf, size_t n, int64_t ms) {
   if (ms <= 0) {
@@ -120,19 +116,8 @@ static int cmd_workers(zctl *z) {
   if (z->json) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "workers");
-    for (size_t i = 0; i < r->n_workers; i++) {
-      Ztrain__WorkerInfo *w = r->workers[i];
-      cJSON *x = cJSON_CreateObject();
-      cJSON_AddNumberToObject(x, "id", (double)w->id);
-      cJSON_AddStringToObject(x, "name", w->name);
-      cJSON_AddStringToObject(x, "host", w->host);
-      cJSON_AddStringToObject(x, "device", w->device);
-      cJSON_AddStringToObject(x, "state", state_name(w->state));
-      cJSON_AddNumberToObject(x, "last_seen_ms", (double)w->last_seen_ms);
-      cJSON_AddNumberToObject(x, "registered_ms", (double)w->registered_ms);
-      cJSON_AddNumberToObject(x, "pid", w->pid);
-      cJSON_AddItemToArray(arr, x);
-    }
+    for (size_t i = 0; i < r->n_workers; i++)
+      cJSON_AddItemToArray(arr, zt_json_worker(r->workers[i]));
     print_json(o);
   } else {
     printf("%-6s %-20s %-8s %-8s %-16s %-8s %s\n", "ID", "NAME", "STATE", "DEVICE", "HOST", "PID",
@@ -142,7 +127,7 @@ static int cmd_workers(zctl *z) {
       char t[64];
       fmt_time(t, sizeof t, w->last_seen_ms);
       printf("%-6llu %-20s %-8s %-8s %-16s %-8d %s\n", (unsigned long long)w->id, w->name,
-             state_name(w->state), w->device, w->host, w->pid, t);
+             zt_worker_state_str(w->state), w->device, w->host, w->pid, t);
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -171,15 +156,7 @@ static int cmd_events(zctl *z, int argc, char **argv) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "events");
     for (size_t i = 0; i < r->n_events; i++) {
-      Ztrain__Event *e = r->events[i];
-      cJSON *x = cJSON_CreateObject();
-      cJSON_AddNumberToObject(x, "id", (double)e->id);
-      cJSON_AddNumberToObject(x, "t_ms", (double)e->t_ms);
-      cJSON_AddNumberToObject(x, "job_id", (double)e->job_id);
-      cJSON_AddStringToObject(x, "kind", e->kind);
-      cJSON_AddNumberToObject(x, "worker_id", (double)e->worker_id);
-      cJSON_AddStringToObject(x, "detail", e->detail);
-      cJSON_AddItemToArray(arr, x);
+      cJSON_AddItemToArray(arr, zt_json_event(r->events[i]));
     }
     print_json(o);
   } else {
@@ -195,38 +172,9 @@ static int cmd_events(zctl *z, int argc, char **argv) {
   return 0;
 }
 
-static const char *k_job_states[] = {"unknown",   "pending", "running", "reconfiguring",
-                                     "completed", "failed",  "paused",  "canceled"};
-
-static const char *job_state(int s) {
-  return s >= 0 && s < (int)ZT_ARRAY_LEN(k_job_states) ? k_job_states[s] : "unknown";
-}
-
-static cJSON *job_to_json(const Ztrain__JobInfo *j) {
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddNumberToObject(o, "id", (double)j->id);
-  cJSON_AddStringToObject(o, "name", j->name);
-  cJSON_AddStringToObject(o, "state", job_state(j->state));
-  cJSON_AddNumberToObject(o, "generation", (double)j->generation);
-  cJSON_AddNumberToObject(o, "world", j->world);
-  cJSON_AddNumberToObject(o, "step", (double)j->step);
-  cJSON_AddNumberToObject(o, "total_steps", (double)j->total_steps);
-  cJSON_AddNumberToObject(o, "loss", j->loss);
-  cJSON_AddNumberToObject(o, "lr", j->lr);
-  cJSON_AddNumberToObject(o, "grad_norm", j->grad_norm);
-  cJSON_AddNumberToObject(o, "tokens_per_s", j->tokens_per_s);
-  cJSON_AddNumberToObject(o, "restarts", j->restarts);
-  cJSON_AddNumberToObject(o, "min_workers", j->min_workers);
-  cJSON_AddNumberToObject(o, "max_workers", j->max_workers);
-  cJSON_AddStringToObject(o, "message", j->message);
-  cJSON_AddNumberToObject(o, "created_ms", (double)j->created_ms);
-  cJSON_AddNumberToObject(o, "updated_ms", (double)j->updated_ms);
-  return o;
-}
-
 static void print_job_row(const Ztrain__JobInfo *j) {
   printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %9.4f %10.0f  %s\n", (unsigned long long)j->id,
-         j->name, job_state(j->state), (unsigned long long)j->generation, j->world,
+         j->name, zt_job_state_str(j->state), (unsigned long long)j->generation, j->world,
          (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, j->message);
 }
 
@@ -238,7 +186,7 @@ static int cmd_jobs(zctl *z) {
   if (z->json) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "jobs");
-    for (size_t i = 0; i < r->n_jobs; i++) cJSON_AddItemToArray(arr, job_to_json(r->jobs[i]));
+    for (size_t i = 0; i < r->n_jobs; i++) cJSON_AddItemToArray(arr, zt_json_job(r->jobs[i]));
     print_json(o);
   } else {
     printf("%-5s %-16s %-13s %4s %5s %15s %9s %10s  %s\n", "ID", "NAME", "STATE", "GEN", "WORLD",
@@ -267,7 +215,7 @@ static int cmd_job(zctl *z, const char *ids) {
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return zt_err("GetJob: empty reply");
   }
-  if (z->json) print_json(job_to_json(r->job));
+  if (z->json) print_json(zt_json_job(r->job));
   else print_job_row(r->job);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   return 0;
@@ -290,18 +238,7 @@ static int cmd_metrics(zctl *z, int argc, char **argv) {
     cJSON_AddNumberToObject(o, "job_id", (double)req.job_id);
     cJSON *arr = cJSON_AddArrayToObject(o, "steps");
     for (size_t i = 0; i < r->n_steps; i++) {
-      Ztrain__StepRecord *s = r->steps[i];
-      cJSON *x = cJSON_CreateObject();
-      cJSON_AddNumberToObject(x, "step", (double)s->step);
-      cJSON_AddNumberToObject(x, "generation", (double)s->generation);
-      cJSON_AddNumberToObject(x, "loss", s->loss);
-      cJSON_AddNumberToObject(x, "grad_norm", s->grad_norm);
-      cJSON_AddNumberToObject(x, "lr", s->lr);
-      cJSON_AddNumberToObject(x, "tokens_per_s", s->tokens_per_s);
-      if (s->val_loss == s->val_loss) cJSON_AddNumberToObject(x, "val_loss", s->val_loss);
-      else cJSON_AddNullToObject(x, "val_loss");
-      cJSON_AddNumberToObject(x, "t_ms", (double)s->t_ms);
-      cJSON_AddItemToArray(arr, x);
+      cJSON_AddItemToArray(arr, zt_json_step(r->steps[i]));
     }
     print_json(o);
   } else {
@@ -381,16 +318,7 @@ static int cmd_checkpoints(zctl *z, const char *ids) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "checkpoints");
     for (size_t i = 0; i < r->n_checkpoints; i++) {
-      Ztrain__CheckpointInfo *k = r->checkpoints[i];
-      cJSON *x = cJSON_CreateObject();
-      cJSON_AddNumberToObject(x, "step", (double)k->step);
-      cJSON_AddNumberToObject(x, "generation", (double)k->generation);
-      cJSON_AddStringToObject(x, "state", k->state);
-      cJSON_AddNumberToObject(x, "world", k->world);
-      cJSON_AddNumberToObject(x, "bytes", (double)k->bytes);
-      cJSON_AddStringToObject(x, "dir", k->dir);
-      cJSON_AddNumberToObject(x, "t_ms", (double)k->t_ms);
-      cJSON_AddItemToArray(arr, x);
+      cJSON_AddItemToArray(arr, zt_json_checkpoint(r->checkpoints[i]));
     }
     print_json(o);
   } else {
@@ -429,7 +357,7 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   if (!er || !mr) return -1;
   Ztrain__JobInfo *j = jr->job;
   printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, j->name);
-  printf("- state: **%s** (%s)\n", job_state(j->state), j->message);
+  printf("- state: **%s** (%s)\n", zt_job_state_str(j->state), j->message);
   printf("- steps: %lld of %lld; generation %llu on %u workers; %u restarts\n",
          (long long)j->step, (long long)j->total_steps, (unsigned long long)j->generation, j->world,
          j->restarts);

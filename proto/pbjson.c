@@ -1,0 +1,87 @@
+/*
+ * pbjson.c: see pbjson.h.
+ */
+#include "pbjson.h"
+
+const char *zt_job_state_str(int s) {
+  static const char *names[] = {"unknown",   "pending", "running", "reconfiguring",
+                                "completed", "failed",  "paused",  "canceled"};
+  return s >= 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "unknown";
+}
+
+cJSON *zt_json_job(const Ztrain__JobInfo *j) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "id", (double)j->id);
+  cJSON_AddStringToObject(o, "name", j->name);
+  cJSON_AddStringToObject(o, "state", zt_job_state_str(j->state));
+  cJSON_AddNumberToObject(o, "generation", (double)j->generation);
+  cJSON_AddNumberToObject(o, "world", j->world);
+  cJSON_AddNumberToObject(o, "step", (double)j->step);
+  cJSON_AddNumberToObject(o, "total_steps", (double)j->total_steps);
+  cJSON_AddNumberToObject(o, "loss", j->loss);
+  cJSON_AddNumberToObject(o, "lr", j->lr);
+  cJSON_AddNumberToObject(o, "grad_norm", j->grad_norm);
+  cJSON_AddNumberToObject(o, "tokens_per_s", j->tokens_per_s);
+  cJSON_AddNumberToObject(o, "restarts", j->restarts);
+  cJSON_AddNumberToObject(o, "min_workers", j->min_workers);
+  cJSON_AddNumberToObject(o, "max_workers", j->max_workers);
+  cJSON_AddStringToObject(o, "message", j->message);
+  cJSON_AddNumberToObject(o, "created_ms", (double)j->created_ms);
+  cJSON_AddNumberToObject(o, "updated_ms", (double)j->updated_ms);
+  return o;
+}
+
+cJSON *zt_json_step(const Ztrain__StepRecord *s) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "step", (double)s->step);
+  cJSON_AddNumberToObject(o, "generation", (double)s->generation);
+  cJSON_AddNumberToObject(o, "loss", s->loss);
+  cJSON_AddNumberToObject(o, "grad_norm", s->grad_norm);
+  cJSON_AddNumberToObject(o, "lr", s->lr);
+  cJSON_AddNumberToObject(o, "tokens_per_s", s->tokens_per_s);
+  if (s->val_loss == s->val_loss) cJSON_AddNumberToObject(o, "val_loss", s->val_loss);
+  else cJSON_AddNullToObject(o, "val_loss");
+  cJSON_AddNumberToObject(o, "t_ms", (double)s->t_ms);
+  return o;
+}
+
+cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "step", (double)k->step);
+  cJSON_AddNumberToObject(o, "generation", (double)k->generation);
+  cJSON_AddStringToObject(o, "state", k->state);
+  cJSON_AddNumberToObject(o, "world", k->world);
+  cJSON_AddNumberToObject(o, "bytes", (double)k->bytes);
+  cJSON_AddStringToObject(o, "dir", k->dir);
+  cJSON_AddNumberToObject(o, "t_ms", (double)k->t_ms);
+  return o;
+}
+
+const char *zt_worker_state_str(int s) {
+  static const char *names[] = {"unknown", "alive", "suspect", "lost", "left"};
+  return s >= 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "unknown";
+}
+
+cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "id", (double)w->id);
+  cJSON_AddStringToObject(o, "name", w->name);
+  cJSON_AddStringToObject(o, "host", w->host);
+  cJSON_AddStringToObject(o, "device", w->device);
+  cJSON_AddStringToObject(o, "state", zt_worker_state_str(w->state));
+  cJSON_AddNumberToObject(o, "last_seen_ms", (double)w->last_seen_ms);
+  cJSON_AddNumberToObject(o, "registered_ms", (double)w->registered_ms);
+  cJSON_AddNumberToObject(o, "pid", w->pid);
+  return o;
+}
+
+cJSON *zt_json_event(const Ztrain__Event *e) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "id", (double)e->id);
+  cJSON_AddNumberToObject(o, "t_ms", (double)e->t_ms);
+  cJSON_AddNumberToObject(o, "job_id", (double)e->job_id);
+  cJSON_AddStringToObject(o, "kind", e->kind);
+  cJSON_AddNumberToObject(o, "worker_id", (double)e->worker_id);
+  cJSON_AddStringToObject(o, "detail", e->detail);
+  return o;
+}

@@ -1,0 +1,22 @@
+/*
+ * pbjson.h: the JSON form of the Status service's messages.
+ *
+ * zctl --json and zcoord's HTTP API print the same objects with the same
+ * field names; both build them here from the protobuf messages.
+ */
+#ifndef ZT_PBJSON_H
+#define ZT_PBJSON_H
+
+#include <cjson/cJSON.h>
+
+#include "ztrain.pb-c.h"
+
+const char *zt_job_state_str(int state); /* "pending", "running", ... */
+cJSON *zt_json_job(const Ztrain__JobInfo *j);
+cJSON *zt_json_step(const Ztrain__StepRecord *s);
+cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k);
+const char *zt_worker_state_str(int state); /* "alive", "suspect", ... */
+cJSON *zt_json_worker(const Ztrain__WorkerInfo *w);
+cJSON *zt_json_event(const Ztrain__Event *e);
+
+#endif
