@@ -103,6 +103,12 @@ int main(int argc, char **argv) {
       int64_t dt = zt_now_us() - t0;
       if (rc != 0) {
         fprintf(stderr, "comm error after %lld ms: %s\n", (long long)(dt / 1000), zt_err_msg());
+        free(buf);
+        free(out);
+        zt_comm_destroy(c);
+        free(sc);
+        free(pc);
+        free(peers);
         return 3;
       }
       if (!announced++) fprintf(stderr, "running\n");

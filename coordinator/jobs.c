@@ -746,7 +746,12 @@ int zt_jobs_report_step(zt_coord *c, const Ztrain__ReportStepRequest *req, int *
   if (!isfinite(req->loss) && (!j->poisoned_from || req->step < j->poisoned_from))
     j->poisoned_from = req->step;
   zt_spike_verdict v;
-  if (j->p.rb_enabled && zt_spike_feed(&j->det, req->step, req->loss, req->grad_norm, &v)) {
+  int spiked = j->p.rb_enabled && zt_spike_feed(&j->det, req->step, req->loss, req->grad_norm, &v);
+  if (j->p.rb_enabled)
+    ZT_DEBUG("job %llu step %lld: loss %.5g norm %.4g z(loss) %.2f z(norm) %.2f",
+             (unsigned long long)j->row.id, (long long)req->step, req->loss, req->grad_norm,
+             v.z_loss, v.z_gnorm);
+  if (spiked) {
     zt_coord_event(c, j->row.id, "spike", 0, "%s", v.reason);
     zt_jobs_rollback(c, j, v.first_step, req->step, v.first_step - 1 - j->p.rb_margin,
                      j->p.rb_skip, v.reason);

@@ -27,7 +27,7 @@ def fleet(procs, n=2):
     return coord
 
 
-def spiky_spec(train, val, tmp_path, steps=300, scale=30.0, at=(150, 153), **rb):
+def spiky_spec(train, val, tmp_path, steps=300, scale=100.0, at=(150, 153), **rb):
     rollback = {"enabled": True, "window": 50, "threshold": 6, "patience": 3,
                 "margin_steps": 5, "skip_steps": 10, "lr_factor": 0.5, "cooldown_steps": 40,
                 "max_rollbacks": 3, "per_steps": 1000}
@@ -51,6 +51,7 @@ def test_spike_detected_rolled_back_and_recovered(procs, tmp_path, data):
     ev = events(coord, job=jid)
     k = kinds(ev)
     # The event sequence: spike, rollback, skip range, LR change, new generation.
+    assert "spike" in k, [(e["kind"], e["detail"][:100]) for e in ev]
     i = k.index("spike")
     assert k[i:i + 4] == ["spike", "rollback", "skip_range", "lr_change"], k[i:]
     assert "generation_started" in k[i + 4:]
