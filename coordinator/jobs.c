@@ -28,7 +28,6 @@
  * the largest such N between min_workers and max_workers that the alive
  * workers allow.
  */
-#include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
