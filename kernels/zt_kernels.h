@@ -98,11 +98,25 @@ typedef struct zt_kernels {
   void (*scale)(float *x, size_t n, float s);
   /* x = 0. */
   void (*zero)(float *x, size_t n);
+
+  /* The memory the kernels work on: host memory for the CPU tables, device
+   * memory for CUDA. alloc returns zeroed memory, or NULL when there is not
+   * enough; upload and download copy between host memory and the table's
+   * memory and return when the copy is complete. */
+  void *(*alloc)(size_t bytes);
+  void (*release)(void *p);
+  void (*upload)(void *dst, const void *src, size_t bytes);
+  void (*download)(void *dst, const void *src, size_t bytes);
 } zt_kernels_t;
 
 #define ZT_KERN_SUMSQ_CHUNK 65536
 
 const zt_kernels_t *zt_kernels_cpu(void);
+
+/* Host memory functions shared by the CPU tables (calloc, free, memcpy). */
+void *zt_kern_host_alloc(size_t bytes);
+void zt_kern_host_release(void *p);
+void zt_kern_host_copy(void *dst, const void *src, size_t bytes);
 const zt_kernels_t *zt_kernels_ref(void);
 
 /* Sets the number of CPU threads used by the OpenMP kernels and by OpenBLAS

@@ -37,6 +37,7 @@ struct zt_acts {
   int have_targets;    /* the last forward computed the loss */
   int *inputs;         /* [B, T] copies of the last batch */
   int *targets;
+  float *host_losses;  /* [B, T] host copy of the per-token losses */
   float *encoded;      /* [B, T, C] */
   /* Per layer, each [L, ...] with a stride of the capacity. */
   float *ln1, *ln1_mean, *ln1_rstd, *qkv, *atty, *att, *res2;
@@ -165,62 +166,66 @@ static int build_layout(zt_model_t *m) {
 
 /* ---- activations ---------------------------------------------------------- */
 
-static float *acts_alloc(struct zt_acts *a, size_t n) {
+/* Activations live in the kernel table's memory (device memory for CUDA). */
+static float *acts_alloc(const zt_kernels_t *k, struct zt_acts *a, size_t n) {
   a->bytes += n * sizeof(float);
-  return malloc(n * sizeof(float) + 1);
+  return k->alloc(n * sizeof(float));
 }
 
 static int acts_create(zt_model_t *m) {
   struct zt_acts *a = calloc(1, sizeof *a);
   if (!a) return zt_err("out of memory");
   m->acts = a;
+  const zt_kernels_t *k = m->k;
   size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = (size_t)m->cfg.n_embd;
   size_t L = (size_t)m->cfg.n_layer, NH = (size_t)m->cfg.n_head, BT = B * T;
-  a->inputs = malloc(BT * sizeof(int));
-  a->targets = malloc(BT * sizeof(int));
-  a->encoded = acts_alloc(a, BT * C);
-  a->ln1 = acts_alloc(a, L * BT * C);
-  a->ln1_mean = acts_alloc(a, L * BT);
-  a->ln1_rstd = acts_alloc(a, L * BT);
-  a->qkv = acts_alloc(a, L * BT * 3 * C);
-  a->atty = acts_alloc(a, L * BT * C);
-  a->att = acts_alloc(a, L * B * NH * T * T);
-  a->res2 = acts_alloc(a, L * BT * C);
-  a->ln2 = acts_alloc(a, L * BT * C);
-  a->ln2_mean = acts_alloc(a, L * BT);
-  a->ln2_rstd = acts_alloc(a, L * BT);
-  a->fch = acts_alloc(a, L * BT * 4 * C);
-  a->fch_gelu = acts_alloc(a, L * BT * 4 * C);
-  a->res3 = acts_alloc(a, L * BT * C);
-  a->lnf = acts_alloc(a, BT * C);
-  a->lnf_mean = acts_alloc(a, BT);
-  a->lnf_rstd = acts_alloc(a, BT);
-  a->logits = acts_alloc(a, BT * (size_t)m->Vp);
-  a->losses = acts_alloc(a, BT);
-  a->dres = acts_alloc(a, BT * C);
-  a->dbtc = acts_alloc(a, BT * C);
-  a->dqkv = acts_alloc(a, BT * 3 * C);
-  a->dfch = acts_alloc(a, BT * 4 * C);
-  a->proj = acts_alloc(a, BT * C);
+  a->inputs = k->alloc(BT * sizeof(int));
+  a->targets = k->alloc(BT * sizeof(int));
+  a->host_losses = malloc(BT * sizeof(float));
+  a->encoded = acts_alloc(k, a, BT * C);
+  a->ln1 = acts_alloc(k, a, L * BT * C);
+  a->ln1_mean = acts_alloc(k, a, L * BT);
+  a->ln1_rstd = acts_alloc(k, a, L * BT);
+  a->qkv = acts_alloc(k, a, L * BT * 3 * C);
+  a->atty = acts_alloc(k, a, L * BT * C);
+  a->att = acts_alloc(k, a, L * B * NH * T * T);
+  a->res2 = acts_alloc(k, a, L * BT * C);
+  a->ln2 = acts_alloc(k, a, L * BT * C);
+  a->ln2_mean = acts_alloc(k, a, L * BT);
+  a->ln2_rstd = acts_alloc(k, a, L * BT);
+  a->fch = acts_alloc(k, a, L * BT * 4 * C);
+  a->fch_gelu = acts_alloc(k, a, L * BT * 4 * C);
+  a->res3 = acts_alloc(k, a, L * BT * C);
+  a->lnf = acts_alloc(k, a, BT * C);
+  a->lnf_mean = acts_alloc(k, a, BT);
+  a->lnf_rstd = acts_alloc(k, a, BT);
+  a->logits = acts_alloc(k, a, BT * (size_t)m->Vp);
+  a->losses = acts_alloc(k, a, BT);
+  a->dres = acts_alloc(k, a, BT * C);
+  a->dbtc = acts_alloc(k, a, BT * C);
+  a->dqkv = acts_alloc(k, a, BT * 3 * C);
+  a->dfch = acts_alloc(k, a, BT * 4 * C);
+  a->proj = acts_alloc(k, a, BT * C);
   float *all[] = {a->encoded, a->ln1,     a->ln1_mean, a->ln1_rstd, a->qkv,  a->atty,
                   a->att,     a->res2,    a->ln2,      a->ln2_mean, a->ln2_rstd, a->fch,
                   a->fch_gelu, a->res3,   a->lnf,      a->lnf_mean, a->lnf_rstd, a->logits,
                   a->losses,  a->dres,    a->dbtc,     a->dqkv,     a->dfch,  a->proj};
   for (size_t i = 0; i < ZT_ARRAY_LEN(all); i++)
     if (!all[i]) return zt_err("out of memory for activations (%zu bytes)", a->bytes);
-  if (!a->inputs || !a->targets) return zt_err("out of memory");
+  if (!a->inputs || !a->targets || !a->host_losses) return zt_err("out of memory");
   return 0;
 }
 
-static void acts_free(struct zt_acts *a) {
+static void acts_free(const zt_kernels_t *k, struct zt_acts *a) {
   if (!a) return;
   float *all[] = {a->encoded, a->ln1,     a->ln1_mean, a->ln1_rstd, a->qkv,  a->atty,
                   a->att,     a->res2,    a->ln2,      a->ln2_mean, a->ln2_rstd, a->fch,
                   a->fch_gelu, a->res3,   a->lnf,      a->lnf_mean, a->lnf_rstd, a->logits,
                   a->losses,  a->dres,    a->dbtc,     a->dqkv,     a->dfch,  a->proj};
-  for (size_t i = 0; i < ZT_ARRAY_LEN(all); i++) free(all[i]);
-  free(a->inputs);
-  free(a->targets);
+  for (size_t i = 0; i < ZT_ARRAY_LEN(all); i++) k->release(all[i]);
+  k->release(a->inputs);
+  k->release(a->targets);
+  free(a->host_losses);
   free(a);
 }
 
@@ -250,7 +255,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
     goto err;
   }
   if (!(flags & ZT_MODEL_NO_PARAMS)) {
-    m->params = calloc(m->num_params, sizeof(float));
+    m->params = k->alloc(m->num_params * sizeof(float));
     if (!m->params) {
       zt_err("out of memory for %zu parameters", m->num_params);
       goto err;
@@ -258,7 +263,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
     for (int u = 0; u < m->num_units; u++) m->unit_params[u] = m->params + m->unit_off[u];
   }
   if (!(flags & ZT_MODEL_NO_GRADS)) {
-    m->grads = calloc(m->num_params, sizeof(float));
+    m->grads = k->alloc(m->num_params * sizeof(float));
     if (!m->grads) {
       zt_err("out of memory for %zu gradients", m->num_params);
       goto err;
@@ -275,9 +280,9 @@ err:
 
 void zt_model_free(zt_model_t *m) {
   if (!m) return;
-  acts_free(m->acts);
-  free(m->params);
-  free(m->grads);
+  acts_free(m->k, m->acts);
+  if (m->params) m->k->release(m->params);
+  if (m->grads) m->k->release(m->grads);
   free(m->unit_params);
   free(m->unit_grads);
   free(m->unit_off);
@@ -344,8 +349,16 @@ void zt_model_init_unit(const zt_model_t *m, uint64_t seed, int u, float *dst) {
   }
 }
 
-void zt_model_init(zt_model_t *m, uint64_t seed) {
-  for (int u = 0; u < m->num_units; u++) zt_model_init_unit(m, seed, u, m->unit_params[u]);
+int zt_model_init(zt_model_t *m, uint64_t seed) {
+  for (int u = 0; u < m->num_units; u++) {
+    /* Initialised on the host, then copied into the table's memory. */
+    float *tmp = malloc(m->unit_size[u] * sizeof(float) + 1);
+    if (!tmp) return zt_err("out of memory initialising unit %d", u);
+    zt_model_init_unit(m, seed, u, tmp);
+    m->k->upload(m->unit_params[u], tmp, m->unit_size[u] * sizeof(float));
+    free(tmp);
+  }
+  return 0;
 }
 
 void zt_model_zero_grads(zt_model_t *m) {
@@ -420,7 +433,7 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
   a->B = B;
   a->T = T;
   a->have_targets = 0;
-  memcpy(a->inputs, inputs, sizeof(int) * (size_t)BT);
+  m->k->upload(a->inputs, inputs, sizeof(int) * (size_t)BT);
 
   ZT_HOOK(m, pre_forward, 0);
   const float *wte = m->unit_params[0], *wpe = wte + (size_t)m->Vp * C;
@@ -440,10 +453,13 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
   ZT_HOOK(m, post_forward, 0);
 
   if (targets) {
-    memcpy(a->targets, targets, sizeof(int) * (size_t)BT);
+    k->upload(a->targets, targets, sizeof(int) * (size_t)BT);
     k->crossentropy_forward(a->losses, a->logits, a->logits, a->targets, BT, V, m->Vp);
     a->have_targets = 1;
-    if (loss) *loss = mean_loss(a->losses, BT);
+    if (loss) {
+      k->download(a->host_losses, a->losses, sizeof(float) * (size_t)BT);
+      *loss = mean_loss(a->host_losses, BT);
+    }
   }
   return 0;
 }

@@ -49,6 +49,13 @@
  *
  * A hook returning -1 aborts the forward or backward, which returns -1 with
  * the hook's error message.
+ *
+ * Memory. Parameters, gradients and activations live in the kernel table's
+ * memory (k->alloc): host memory for the CPU tables, device memory for the
+ * CUDA table. Inputs and targets are passed as host arrays and uploaded by
+ * zt_model_forward, the loss comes back as a host float; every pointer the
+ * model exposes (params, grads, unit pointers, logits) is table memory, and
+ * pointers a caller installs must be too.
  */
 #ifndef ZT_MODEL_H
 #define ZT_MODEL_H
@@ -165,8 +172,9 @@ const zt_tensor_t *zt_model_find(const zt_model_t *m, const char *name);
  * rows of wte 0. The values depend only on (seed, u) and the configuration,
  * so any process can initialise just the units it holds. */
 void zt_model_init_unit(const zt_model_t *m, uint64_t seed, int u, float *dst);
-/* Initialises every unit through m->unit_params. */
-void zt_model_init(zt_model_t *m, uint64_t seed);
+/* Initialises every unit through m->unit_params (on the host, copied into
+ * the kernel table's memory). Returns 0, or -1 when out of host memory. */
+int zt_model_init(zt_model_t *m, uint64_t seed);
 
 /* Sets the hooks (NULL clears them). */
 void zt_model_set_hooks(zt_model_t *m, const zt_model_hooks_t *hooks);
@@ -185,7 +193,7 @@ int zt_model_backward(zt_model_t *m, float grad_scale);
 void zt_model_zero_grads(zt_model_t *m);
 
 /* The logits [B, T, Vp] of the last forward without targets (with targets
- * the buffer holds probabilities). */
+ * the buffer holds probabilities), in the kernel table's memory. */
 const float *zt_model_logits(const zt_model_t *m);
 
 #endif

@@ -504,6 +504,10 @@ static const zt_kernels_t zt_cpu_table = {
     .sumsq = fast_sumsq,
     .scale = fast_scale,
     .zero = fast_zero,
+    .alloc = zt_kern_host_alloc,
+    .release = zt_kern_host_release,
+    .upload = zt_kern_host_copy,
+    .download = zt_kern_host_copy,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {

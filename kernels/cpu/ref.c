@@ -13,6 +13,7 @@
  * overwritten and which gradients are accumulated).
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "zt_kernels.h"
@@ -301,6 +302,12 @@ static void ref_zero(float *x, size_t n) {
   for (size_t i = 0; i < n; i++) x[i] = 0.0f;
 }
 
+void *zt_kern_host_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
+void zt_kern_host_release(void *p) { free(p); }
+void zt_kern_host_copy(void *dst, const void *src, size_t bytes) {
+  if (bytes) memcpy(dst, src, bytes);
+}
+
 static const zt_kernels_t zt_ref_table = {
     .name = "cpu-ref",
     .encoder_forward = ref_encoder_forward,
@@ -320,6 +327,10 @@ static const zt_kernels_t zt_ref_table = {
     .sumsq = ref_sumsq,
     .scale = ref_scale,
     .zero = ref_zero,
+    .alloc = zt_kern_host_alloc,
+    .release = zt_kern_host_release,
+    .upload = zt_kern_host_copy,
+    .download = zt_kern_host_copy,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }

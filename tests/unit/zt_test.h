@@ -95,8 +95,12 @@ static inline int zt__test_run(const zt__test_case *cases, int n, int argc, char
   return failed ? 1 : 0;
 }
 
-#define ZT_TEST_MAIN(...)                                                   \
-  int main(int argc, char **argv) {                                         \
+#define ZT_TEST_MAIN(...) ZT_TEST_MAIN_NAMED(main, __VA_ARGS__)
+
+/* The same runner under another name, for a main() that decides first
+ * whether to run at all (tests/gpu skips without a device). */
+#define ZT_TEST_MAIN_NAMED(fname, ...)                                      \
+  int fname(int argc, char **argv) {                                        \
     void (*fns[])(void) = {__VA_ARGS__};                                    \
     const char *names = #__VA_ARGS__;                                       \
     int n = (int)(sizeof fns / sizeof fns[0]);                              \

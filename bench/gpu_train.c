@@ -1,0 +1,148 @@
+/*
+ * gpu_train.c: zt_gpubench, training throughput of the model on one GPU.
+ *
+ * Builds the GPT-2 model of worker/model.c on the CUDA kernel table (GPT-2
+ * 124M by default: 12 layers, 768 wide, 12 heads, T=1024, vocab 50257
+ * padded to 50304), then times full training steps: zero gradients,
+ * forward with loss, backward, AdamW over all parameters. Tokens are drawn
+ * from a fixed pseudo-random stream on the host and uploaded every step, as
+ * a data loader would. The first WARMUP steps are not timed.
+ *
+ * Prints one line of JSON (for bench/gpu-train) with ms/step (median),
+ * tokens/s, achieved TFLOP/s with the usual estimate of training flops per
+ * token, 6 N + 6 L C T (N parameters without padding), MFU against the
+ * device's dense bf16 peak (989 TFLOP/s for H100/H200 SXM, 312 for A100;
+ * ZT_PEAK_TFLOPS overrides), the first and last loss, and device memory in
+ * use.
+ *
+ * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
+ *                    [--batch B] [--steps N] [--math fp32|tf32|bf16]
+ * Exits 77 without a CUDA device.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "model.h"
+#include "zt_kernels.h"
+#include "zt_kernels_cuda.h"
+
+#define WARMUP 3
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int cmp_d(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double peak_tflops(const char *name) {
+  const char *env = getenv("ZT_PEAK_TFLOPS");
+  if (env) return atof(env);
+  if (strstr(name, "H100") || strstr(name, "H200")) return 989.0;
+  if (strstr(name, "A100")) return 312.0;
+  return 0.0;
+}
+
+static int usage(void) {
+  fprintf(stderr,
+          "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
+          "                   [--batch B] [--steps N] [--math fp32|tf32|bf16]\n");
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  zt_model_config_t cfg = {12, 12, 768, 1024, 50257};
+  int B = 8, steps = 20;
+  zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
+  const char *math_name = "bf16";
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!v) return usage();
+    i++;
+    if (!strcmp(a, "--layers")) cfg.n_layer = atoi(v);
+    else if (!strcmp(a, "--embd")) cfg.n_embd = atoi(v);
+    else if (!strcmp(a, "--heads")) cfg.n_head = atoi(v);
+    else if (!strcmp(a, "--seq")) cfg.seq_len = atoi(v);
+    else if (!strcmp(a, "--vocab")) cfg.vocab_size = atoi(v);
+    else if (!strcmp(a, "--batch")) B = atoi(v);
+    else if (!strcmp(a, "--steps")) steps = atoi(v);
+    else if (!strcmp(a, "--math")) {
+      math_name = v;
+      if (!strcmp(v, "fp32")) math = ZT_CUDA_MATH_FP32;
+      else if (!strcmp(v, "tf32")) math = ZT_CUDA_MATH_TF32;
+      else if (!strcmp(v, "bf16")) math = ZT_CUDA_MATH_BF16;
+      else return usage();
+    } else return usage();
+  }
+  if (steps <= WARMUP || B < 1) return usage();
+  char err[256];
+  if (zt_cuda_device_count() == 0 || zt_kern_cuda_init(0, err, sizeof err) != 0) {
+    printf("zt_gpubench: skipped: no CUDA device\n");
+    return 77;
+  }
+  zt_kern_cuda_set_math(math);
+  const zt_kernels_t *k = zt_kernels_cuda();
+  int T = cfg.seq_len;
+  zt_model_t *m;
+  if (zt_model_create(&m, &cfg, B, T, k, 0) != 0 || zt_model_init(m, 1337) != 0) {
+    fprintf(stderr, "zt_gpubench: cannot create the model\n");
+    return 1;
+  }
+  size_t P = m->num_params;
+  float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
+  if (!mom || !var) {
+    fprintf(stderr, "zt_gpubench: out of device memory for the optimizer state\n");
+    return 1;
+  }
+  int *inp = malloc(sizeof(int) * B * T), *tgt = malloc(sizeof(int) * B * T);
+  double *times = calloc((size_t)steps, sizeof(double));
+  uint64_t s = 42;
+  float first = 0, last = 0;
+  for (int step = 0; step < steps; step++) {
+    for (int i = 0; i < B * T; i++) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      inp[i] = (int)((s >> 33) % (uint64_t)cfg.vocab_size);
+      tgt[i] = (int)((s >> 13) % (uint64_t)cfg.vocab_size);
+    }
+    double t0 = now_s();
+    float loss;
+    zt_model_zero_grads(m);
+    if (zt_model_forward(m, inp, tgt, B, T, &loss) != 0 || zt_model_backward(m, 1.0f) != 0) {
+      fprintf(stderr, "zt_gpubench: step failed\n");
+      return 1;
+    }
+    float t = (float)(step + 1);
+    k->adamw(m->params, m->grads, mom, var, P, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.0f,
+             1.0f - powf(0.9f, t), 1.0f - powf(0.95f, t));
+    zt_cuda_sync();
+    times[step] = now_s() - t0;
+    if (step == 0) first = loss;
+    last = loss;
+  }
+  int timed = steps - WARMUP;
+  qsort(times + WARMUP, (size_t)timed, sizeof(double), cmp_d);
+  double ms = times[WARMUP + timed / 2] * 1e3;
+  double tokens = (double)B * T;
+  size_t N = zt_model_param_count(&cfg, 0);
+  double flops = (6.0 * N + 6.0 * cfg.n_layer * cfg.n_embd * (double)T) * tokens;
+  double tflops = flops / (ms * 1e-3) / 1e12, peak = peak_tflops(zt_cuda_device_name());
+  size_t act = zt_model_activation_bytes(m), state = 4 * P * sizeof(float);
+  printf("{\"engine\": \"ztrain\", \"math\": \"%s\", \"device\": \"%s\", \"params\": %zu, "
+         "\"batch\": %d, \"seq\": %d, \"ms_per_step\": %.2f, \"tokens_per_s\": %.0f, "
+         "\"tflops\": %.1f, \"mfu\": %.4f, \"loss_first\": %.4f, \"loss_last\": %.4f, "
+         "\"gib_model_state\": %.2f, \"gib_activations\": %.2f}\n",
+         math_name, zt_cuda_device_name(), N, B, T, ms, tokens / (ms * 1e-3), tflops,
+         peak > 0 ? tflops / peak : 0.0, first, last, state / 1073741824.0, act / 1073741824.0);
+  k->release(mom), k->release(var);
+  zt_model_free(m);
+  free(inp), free(tgt), free(times);
+  return 0;
+}

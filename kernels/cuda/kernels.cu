@@ -1,0 +1,861 @@
+/*
+ * kernels.cu: the CUDA kernel table, zt_kernels_cuda().
+ *
+ * The GPU twin of kernels/cpu/fast.c: the same functions with the same
+ * contract (kernels/zt_kernels.h), on device pointers. The serial CPU
+ * reference in kernels/cpu/ref.c defines the results; tests/gpu runs every
+ * function here against it. See zt_kernels_cuda.h for the execution model
+ * (one stream, no atomics, checked calls).
+ *
+ * Layout of this file: error macros and module state; small device helpers
+ * (warp and block reductions); scratch buffers; the cuBLASLt product
+ * helper; then the kernels in the order of the table, each next to its
+ * host-side launcher.
+ */
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_kernels_cuda.h"
+
+/* ---------------------------------------------------------------------------
+ * Checked calls. A failed CUDA or cuBLAS call names itself and its place and
+ * ends the process: the context is unusable after a device error and the
+ * coordinator treats the worker's exit as a failed rank. */
+
+static void uv__cuda_fail(const char *what, const char *msg, const char *file, int line) {
+  fprintf(stderr, "zt cuda: %s failed at %s:%d: %s\n", what, file, line, msg);
+  fflush(stderr);
+  exit(EXIT_FAILURE);
+}
+
+#define ZT_CUDA_CHECK(call)                                                   \
+  do {                                                                        \
+    cudaError_t e_ = (call);                                                  \
+    if (e_ != cudaSuccess) uv__cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+  } while (0)
+
+#define ZT_CUBLAS_CHECK(call)                                                 \
+  do {                                                                        \
+    cublasStatus_t s_ = (call);                                               \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                          \
+      uv__cuda_fail(#call, cublasLtGetStatusString(s_), __FILE__, __LINE__);  \
+  } while (0)
+
+#define ZT_CUDA_LAUNCHED() ZT_CUDA_CHECK(cudaGetLastError())
+
+/* Scratch buffers, one per purpose, each grown on demand. */
+enum { SCR_ATT, SCR_SORT, SCR_COLSUM, SCR_SUMSQ, SCR_COUNT };
+
+static struct {
+  int init;
+  int device;
+  cudaStream_t stream;
+  cublasLtHandle_t lt;
+  void *lt_ws;
+  size_t lt_ws_size;
+  zt_cuda_math_t math;
+  char name[256];
+  size_t mem;
+  void *scr[SCR_COUNT];
+  size_t scr_size[SCR_COUNT];
+  double *sumsq_host;
+  size_t sumsq_host_n;
+} g;
+
+static void *scratch(int which, size_t bytes) {
+  if (bytes <= g.scr_size[which]) return g.scr[which];
+  /* Earlier work queued on the stream may still use the old buffer. */
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  if (g.scr[which]) ZT_CUDA_CHECK(cudaFree(g.scr[which]));
+  size_t sz = bytes + bytes / 4;
+  ZT_CUDA_CHECK(cudaMalloc(&g.scr[which], sz));
+  g.scr_size[which] = sz;
+  return g.scr[which];
+}
+
+/* Grid size for grid-stride loops over n elements. */
+static unsigned grid_for(size_t n, unsigned block) {
+  size_t b = (n + block - 1) / block;
+  return (unsigned)(b > 65535u * 16u ? 65535u * 16u : b);
+}
+
+#define ZT_GRID_STRIDE(i, n) \
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); \
+       i += (size_t)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/* Block-wide reductions over blockDim.x == ZT_RED_THREADS threads with a
+ * fixed tree: the result is the same on every run. Every thread gets it. */
+#define ZT_RED_THREADS 256
+
+template <typename T, bool IS_MAX>
+__device__ T block_reduce(T v, T *sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = ZT_RED_THREADS / 2; s > 0; s >>= 1) {
+    if ((int)threadIdx.x < s) {
+      T a = sh[threadIdx.x], b = sh[threadIdx.x + s];
+      sh[threadIdx.x] = IS_MAX ? (a > b ? a : b) : a + b;
+    }
+    __syncthreads();
+  }
+  T r = sh[0];
+  __syncthreads();
+  return r;
+}
+
+/* ---------------------------------------------------------------------------
+ * cuBLASLt products. Column-major, as cuBLAS sees them: D[m,n] = alpha *
+ * op(A)[m,k] op(B)[k,n] + beta * D, batched with strides, optional bias
+ * (length m) fused as an epilogue. Row-major callers swap roles (see each
+ * use). */
+
+static cublasComputeType_t compute_type(void) {
+  switch (g.math) {
+    case ZT_CUDA_MATH_TF32: return CUBLAS_COMPUTE_32F_FAST_TF32;
+    case ZT_CUDA_MATH_BF16: return CUBLAS_COMPUTE_32F_FAST_16BF;
+    default: return CUBLAS_COMPUTE_32F;
+  }
+}
+
+/* The alignment cuBLASLt may assume for a matrix: the largest power of two
+ * up to 256 dividing its address and, when batched, its batch stride in
+ * bytes. Model views start at arbitrary offsets of a flat buffer. */
+static uint32_t align_of(const void *p, long long stride, int batch) {
+  uint64_t a = (uint64_t)(uintptr_t)p | 256u;
+  if (batch > 1) a |= (uint64_t)stride * sizeof(float);
+  return (uint32_t)(a & (~a + 1));
+}
+
+static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda, long long sA,
+                    const float *Bm, int ldb, long long sB, float *D, int ldd, long long sD,
+                    int batch, float alpha, float beta, const float *bias) {
+  cublasLtMatmulDesc_t op = NULL;
+  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+  cublasLtMatmulPreference_t pref = NULL;
+  cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  ZT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, compute_type(), CUDA_R_32F));
+  ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
+  ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
+  if (bias) {
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                   sizeof bias));
+  }
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta ? k : m, ta ? m : k, lda));
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb ? n : k, tb ? k : n, ldb));
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
+  if (batch > 1) {
+    cublasLtMatrixLayout_t ls[3] = {la, lb, ld};
+    long long strides[3] = {sA, sB, sD};
+    for (int i = 0; i < 3; i++) {
+      int32_t bc = batch;
+      int64_t st = strides[i];
+      ZT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(ls[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                       &bc, sizeof bc));
+      ZT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(
+          ls[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &st, sizeof st));
+    }
+  }
+  ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  uint64_t ws = g.lt_ws_size;
+  ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  uint32_t al[4] = {align_of(A, sA, batch), align_of(Bm, sB, batch), align_of(D, sD, batch),
+                    align_of(D, sD, batch)};
+  const cublasLtMatmulPreferenceAttributes_t which[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; i++)
+    ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
+  cublasLtMatmulHeuristicResult_t res;
+  int found = 0;
+  ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &found));
+  if (found == 0)
+    uv__cuda_fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for this product", __FILE__,
+                  __LINE__);
+  ZT_CUBLAS_CHECK(cublasLtMatmul(g.lt, op, &alpha, A, la, Bm, lb, &beta, D, ld, D, ld, &res.algo,
+                                 g.lt_ws, g.lt_ws_size, g.stream));
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(ld);
+  cublasLtMatmulDescDestroy(op);
+}
+
+/* ---------------------------------------------------------------------------
+ * Column sums: dst[c] += sum over N rows of src[n, c] (optionally of
+ * src * norm, for the LayerNorm weight gradient). Stage 1 sums fixed chunks
+ * of ZT_COLSUM_ROWS rows per column; stage 2 adds the chunk sums in order. */
+#define ZT_COLSUM_ROWS 64
+
+__global__ void k_colsum_chunks(float *part_a, float *part_b, const float *dout,
+                                const float *inp, const float *mean, const float *rstd, int N,
+                                int C, int rows) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  int chunk = blockIdx.y;
+  if (c >= C) return;
+  int r0 = chunk * rows, r1 = min(N, r0 + rows);
+  float sa = 0.0f, sb = 0.0f;
+  for (int r = r0; r < r1; r++) {
+    float d = dout[(size_t)r * C + c];
+    sa += d;
+    if (part_b) sb += (inp[(size_t)r * C + c] - mean[r]) * rstd[r] * d;
+  }
+  part_a[(size_t)chunk * C + c] = sa;
+  if (part_b) part_b[(size_t)chunk * C + c] = sb;
+}
+
+__global__ void k_colsum_finish(float *dst_a, float *dst_b, const float *part_a,
+                                const float *part_b, int nchunks, int C) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float a = 0.0f, b = 0.0f;
+  for (int k = 0; k < nchunks; k++) {
+    a += part_a[(size_t)k * C + c];
+    if (part_b) b += part_b[(size_t)k * C + c];
+  }
+  dst_a[c] += a;
+  if (part_b) dst_b[c] += b;
+}
+
+/* dsum[c] += sum_n dout[n,c]; with inp/mean/rstd also dnorm[c] += sum_n
+ * norm[n,c] * dout[n,c]. */
+static void colsums(float *dsum, float *dnorm, const float *dout, const float *inp,
+                    const float *mean, const float *rstd, int N, int C) {
+  if (N <= 0 || C <= 0) return;
+  /* Chunks of ZT_COLSUM_ROWS rows, more for very tall inputs (grid y <= 65535). */
+  int rows = ZT_COLSUM_ROWS;
+  while ((N + rows - 1) / rows > 65535) rows *= 2;
+  int nchunks = (N + rows - 1) / rows;
+  size_t per = (size_t)nchunks * C;
+  float *part = (float *)scratch(SCR_COLSUM, per * (dnorm ? 2 : 1) * sizeof(float));
+  float *part_b = dnorm ? part + per : NULL;
+  dim3 grid((C + 127) / 128, nchunks);
+  k_colsum_chunks<<<grid, 128, 0, g.stream>>>(part, part_b, dout, inp, mean, rstd, N, C, rows);
+  ZT_CUDA_LAUNCHED();
+  k_colsum_finish<<<(C + 127) / 128, 128, 0, g.stream>>>(dsum, dnorm, part, part_b, nchunks, C);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* ---------------------------------------------------------------------------
+ * Encoder. */
+
+__global__ void k_encoder_fwd(float *out, const int *inp, const float *wte, const float *wpe,
+                              int T, int C, size_t n) {
+  ZT_GRID_STRIDE(i, n) {
+    size_t bt = i / C;
+    int c = (int)(i % C), t = (int)(bt % T);
+    out[i] = wte[(size_t)inp[bt] * C + c] + wpe[(size_t)t * C + c];
+  }
+}
+
+static void cu_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
+                               int B, int T, int C) {
+  size_t n = (size_t)B * T * C;
+  if (!n) return;
+  k_encoder_fwd<<<grid_for(n, 256), 256, 0, g.stream>>>(out, inp, wte, wpe, T, C, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* dwpe[t,c] += sum over b in order. */
+__global__ void k_encoder_bwd_wpe(float *dwpe, const float *dout, int B, int T, int C) {
+  size_t n = (size_t)T * C;
+  ZT_GRID_STRIDE(i, n) {
+    int t = (int)(i / C), c = (int)(i % C);
+    float acc = dwpe[i];
+    for (int b = 0; b < B; b++) acc += dout[((size_t)b * T + t) * C + c];
+    dwpe[i] = acc;
+  }
+}
+
+__global__ void k_iota_keys(unsigned *keys, int *vals, const int *inp, int n) {
+  ZT_GRID_STRIDE(i, (size_t)n) {
+    keys[i] = (unsigned)inp[i];
+    vals[i] = (int)i;
+  }
+}
+
+/* One block per sorted position; the first position of each token's run
+ * adds that token's rows, in position order, into its dwte row. */
+__global__ void k_encoder_bwd_wte(float *dwte, const float *dout, const unsigned *keys,
+                                  const int *pos, int n, int C) {
+  int j = blockIdx.x;
+  unsigned key = keys[j];
+  if (j > 0 && keys[j - 1] == key) return;
+  int end = j + 1;
+  while (end < n && keys[end] == key) end++;
+  float *row = dwte + (size_t)key * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float acc = row[c];
+    for (int r = j; r < end; r++) acc += dout[(size_t)pos[r] * C + c];
+    row[c] = acc;
+  }
+}
+
+static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp,
+                                int B, int T, int C) {
+  int n = B * T;
+  if (n <= 0 || C <= 0) return;
+  size_t tc = (size_t)T * C;
+  k_encoder_bwd_wpe<<<grid_for(tc, 256), 256, 0, g.stream>>>(dwpe, dout, B, T, C);
+  ZT_CUDA_LAUNCHED();
+  size_t temp = 0;
+  ZT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, temp, (const unsigned *)NULL,
+                                                (unsigned *)NULL, (const int *)NULL, (int *)NULL,
+                                                n, 0, 32, g.stream));
+  size_t arr = ((size_t)n * sizeof(int) + 255) & ~(size_t)255;
+  char *s = (char *)scratch(SCR_SORT, 4 * arr + temp);
+  unsigned *keys_in = (unsigned *)s, *keys_out = (unsigned *)(s + arr);
+  int *vals_in = (int *)(s + 2 * arr), *vals_out = (int *)(s + 3 * arr);
+  k_iota_keys<<<grid_for((size_t)n, 256), 256, 0, g.stream>>>(keys_in, vals_in, inp, n);
+  ZT_CUDA_LAUNCHED();
+  ZT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s + 4 * arr, temp, keys_in, keys_out, vals_in,
+                                                vals_out, n, 0, 32, g.stream));
+  k_encoder_bwd_wte<<<n, 128, 0, g.stream>>>(dwte, dout, keys_out, vals_out, n, C);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* ---------------------------------------------------------------------------
+ * LayerNorm: one warp per row. */
+#define ZT_LN_EPS 1e-5f
+
+__global__ void k_layernorm_fwd(float *out, float *mean, float *rstd, const float *inp,
+                                const float *w, const float *b, int N, int C) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const float *x = inp + (size_t)row * C;
+  float s = 0.0f;
+  for (int i = lane; i < C; i += 32) s += x[i];
+  float m = warp_sum(s) / C;
+  float v = 0.0f;
+  for (int i = lane; i < C; i += 32) {
+    float d = x[i] - m;
+    v += d * d;
+  }
+  float r = 1.0f / sqrtf(warp_sum(v) / C + ZT_LN_EPS);
+  float *o = out + (size_t)row * C;
+  for (int i = lane; i < C; i += 32) o[i] = (x[i] - m) * r * w[i] + b[i];
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+
+static void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                 const float *w, const float *b, int N, int C) {
+  if (N <= 0) return;
+  k_layernorm_fwd<<<(N + 7) / 8, 256, 0, g.stream>>>(out, mean, rstd, inp, w, b, N, C);
+  ZT_CUDA_LAUNCHED();
+}
+
+__global__ void k_layernorm_bwd_inp(float *dinp, const float *dout, const float *inp,
+                                    const float *w, const float *mean, const float *rstd, int N,
+                                    int C) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const float *d = dout + (size_t)row * C, *x = inp + (size_t)row * C;
+  float *dx = dinp + (size_t)row * C;
+  float m = mean[row], s = rstd[row];
+  float a = 0.0f, bsum = 0.0f;
+  for (int i = lane; i < C; i += 32) {
+    float norm = (x[i] - m) * s, dnorm = w[i] * d[i];
+    a += dnorm;
+    bsum += dnorm * norm;
+  }
+  float dnorm_mean = warp_sum(a) / C, dnorm_norm_mean = warp_sum(bsum) / C;
+  for (int i = lane; i < C; i += 32) {
+    float norm = (x[i] - m) * s, dnorm = w[i] * d[i];
+    dx[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+  }
+}
+
+static void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
+                                  const float *inp, const float *w, const float *mean,
+                                  const float *rstd, int N, int C) {
+  if (N <= 0) return;
+  k_layernorm_bwd_inp<<<(N + 7) / 8, 256, 0, g.stream>>>(dinp, dout, inp, w, mean, rstd, N, C);
+  ZT_CUDA_LAUNCHED();
+  colsums(db, dw, dout, inp, mean, rstd, N, C);
+}
+
+/* ---------------------------------------------------------------------------
+ * Linear layers. Row-major X[N,IC] is column-major X'[IC,N] (ld IC); W[OC,IC]
+ * is W'[IC,OC] (ld IC); out[N,OC] is out'[OC,N] (ld OC). */
+
+/* out[n, o] += bias[o], for a bias the epilogue cannot take. */
+__global__ void k_add_bias(float *out, const float *bias, int OC, size_t n) {
+  ZT_GRID_STRIDE(i, n) out[i] += bias[i % OC];
+}
+
+static void cu_matmul_forward(float *out, const float *inp, const float *w, const float *bias,
+                              int N, int IC, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  /* out' = W'^T X' (+ bias per row of out', fused when 16-byte aligned). */
+  int fused = bias && ((uintptr_t)bias % 16) == 0;
+  lt_gemm(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, out, OC, 0, 1, 1.0f, 0.0f, fused ? bias : NULL);
+  if (bias && !fused) {
+    size_t n = (size_t)N * OC;
+    k_add_bias<<<grid_for(n, 256), 256, 0, g.stream>>>(out, bias, OC, n);
+    ZT_CUDA_LAUNCHED();
+  }
+}
+
+static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
+                               const float *inp, const float *w, int N, int IC, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  /* dinp' [IC,N] = W' [IC,OC] dout' [OC,N]. */
+  if (dinp) lt_gemm(0, 0, IC, N, OC, w, IC, 0, dout, OC, 0, dinp, IC, 0, 1, 1.0f, 0.0f, NULL);
+  /* dw' [IC,OC] += X' [IC,N] dout'^T [N,OC]. */
+  lt_gemm(0, 1, IC, OC, N, inp, IC, 0, dout, OC, 0, dw, IC, 0, 1, 1.0f, 1.0f, NULL);
+  if (dbias) colsums(dbias, NULL, dout, NULL, NULL, NULL, N, OC);
+}
+
+/* ---------------------------------------------------------------------------
+ * Attention. qkv [B,T,3C] is permuted into q, k, v [B,NH,T,hs]; per head
+ * (batch of B*NH) the products run through cuBLASLt on the full T x T, the
+ * causal mask is applied by the softmax kernels (entries above the diagonal
+ * become 0). Row-major q [T,hs] is column-major Q' [hs,T] (ld hs); a
+ * row-major [T,T] matrix A is column-major A' with A'(t2,t) = A[t][t2]. */
+
+__global__ void k_permute_qkv(float *q, float *k, float *v, const float *qkv, int B, int T,
+                              int NH, int hs) {
+  size_t n = (size_t)B * NH * T * hs;
+  int C = NH * hs;
+  ZT_GRID_STRIDE(idx, n) {
+    int i = (int)(idx % hs);
+    size_t r = idx / hs;
+    int t = (int)(r % T);
+    r /= T;
+    int h = (int)(r % NH), b = (int)(r / NH);
+    const float *src = qkv + ((size_t)b * T + t) * 3 * C + (size_t)h * hs + i;
+    q[idx] = src[0];
+    k[idx] = src[C];
+    v[idx] = src[2 * C];
+  }
+}
+
+/* [B,NH,T,hs] <-> [B,T,C] at column offset `coff` of rows of width `width`.
+ * dir 0: dst (rows) = src (heads); dir 1: dst (heads) = src (rows). */
+__global__ void k_heads_rows(float *dst, const float *src, int B, int T, int NH, int hs,
+                             int width, int coff, int dir) {
+  size_t n = (size_t)B * NH * T * hs;
+  ZT_GRID_STRIDE(idx, n) {
+    int i = (int)(idx % hs);
+    size_t r = idx / hs;
+    int t = (int)(r % T);
+    r /= T;
+    int h = (int)(r % NH), b = (int)(r / NH);
+    size_t row = ((size_t)b * T + t) * width + coff + (size_t)h * hs + i;
+    if (dir == 0)
+      dst[row] = src[idx];
+    else
+      dst[idx] = src[row];
+  }
+}
+
+/* Causal softmax in place, one warp per row of T: entries t2 <= t are
+ * already scaled scores; entries above the diagonal become 0. */
+__global__ void k_causal_softmax(float *att, int rows, int T) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  int t = row % T;
+  float *a = att + (size_t)row * T;
+  float mx = -INFINITY;
+  for (int j = lane; j <= t; j += 32) mx = fmaxf(mx, a[j]);
+  mx = warp_max(mx);
+  float s = 0.0f;
+  for (int j = lane; j <= t; j += 32) {
+    float e = expf(a[j] - mx);
+    a[j] = e;
+    s += e;
+  }
+  s = warp_sum(s);
+  for (int j = lane; j < T; j += 32) a[j] = j <= t ? a[j] / s : 0.0f;
+}
+
+/* datt (in place) -> dpreatt = att * (datt - sum(att * datt)) * scale below
+ * the diagonal, 0 above. */
+__global__ void k_causal_softmax_bwd(float *datt, const float *att, int rows, int T,
+                                     float scale) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  int t = row % T;
+  float *d = datt + (size_t)row * T;
+  const float *a = att + (size_t)row * T;
+  float s = 0.0f;
+  for (int j = lane; j <= t; j += 32) s += a[j] * d[j];
+  s = warp_sum(s);
+  for (int j = lane; j < T; j += 32) d[j] = j <= t ? a[j] * (d[j] - s) * scale : 0.0f;
+}
+
+static void cu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+                                 int NH) {
+  if (B <= 0 || T <= 0) return;
+  int hs = C / NH, batch = B * NH;
+  size_t n = (size_t)B * T * C;
+  float *q = (float *)scratch(SCR_ATT, 4 * n * sizeof(float)), *k = q + n, *v = k + n,
+        *vacc = v + n;
+  unsigned grid = grid_for(n, 256);
+  k_permute_qkv<<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+  ZT_CUDA_LAUNCHED();
+  long long sh = (long long)T * hs, st = (long long)T * T;
+  /* att'(t2,t) = K'^T Q' * scale. */
+  lt_gemm(1, 0, T, T, hs, k, hs, sh, q, hs, sh, att, T, st, batch, 1.0f / sqrtf((float)hs),
+          0.0f, NULL);
+  int rows = batch * T;
+  k_causal_softmax<<<(rows + 7) / 8, 256, 0, g.stream>>>(att, rows, T);
+  ZT_CUDA_LAUNCHED();
+  /* vacc' [hs,T] = V' [hs,T] att' [T,T]. */
+  lt_gemm(0, 0, hs, T, T, v, hs, sh, att, T, st, vacc, hs, sh, batch, 1.0f, 0.0f, NULL);
+  k_heads_rows<<<grid, 256, 0, g.stream>>>(out, vacc, B, T, NH, hs, C, 0, 0);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                  const float *att, int B, int T, int C, int NH) {
+  if (B <= 0 || T <= 0) return;
+  int hs = C / NH, batch = B * NH;
+  size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
+  float *q = (float *)scratch(SCR_ATT, (7 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
+        *dvacc = v + n, *dq = dvacc + n, *dk = dq + n, *dv = dk + n, *datt = dv + n;
+  unsigned grid = grid_for(n, 256);
+  k_permute_qkv<<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+  ZT_CUDA_LAUNCHED();
+  k_heads_rows<<<grid, 256, 0, g.stream>>>(dvacc, dout, B, T, NH, hs, C, 0, 1);
+  ZT_CUDA_LAUNCHED();
+  long long sh = (long long)T * hs, st = (long long)T * T;
+  /* datt'(t2,t) = V'^T dVacc'. */
+  lt_gemm(1, 0, T, T, hs, v, hs, sh, dvacc, hs, sh, datt, T, st, batch, 1.0f, 0.0f, NULL);
+  /* dv' [hs,T] = dVacc' [hs,T] att'^T. */
+  lt_gemm(0, 1, hs, T, T, dvacc, hs, sh, att, T, st, dv, hs, sh, batch, 1.0f, 0.0f, NULL);
+  int rows = batch * T;
+  k_causal_softmax_bwd<<<(rows + 7) / 8, 256, 0, g.stream>>>(datt, att, rows, T,
+                                                            1.0f / sqrtf((float)hs));
+  ZT_CUDA_LAUNCHED();
+  /* dq' = K' dpre'; dk' = Q' dpre'^T. */
+  lt_gemm(0, 0, hs, T, T, k, hs, sh, datt, T, st, dq, hs, sh, batch, 1.0f, 0.0f, NULL);
+  lt_gemm(0, 1, hs, T, T, q, hs, sh, datt, T, st, dk, hs, sh, batch, 1.0f, 0.0f, NULL);
+  int C3 = 3 * C;
+  k_heads_rows<<<grid, 256, 0, g.stream>>>(dqkv, dq, B, T, NH, hs, C3, 0, 0);
+  ZT_CUDA_LAUNCHED();
+  k_heads_rows<<<grid, 256, 0, g.stream>>>(dqkv, dk, B, T, NH, hs, C3, C, 0);
+  ZT_CUDA_LAUNCHED();
+  k_heads_rows<<<grid, 256, 0, g.stream>>>(dqkv, dv, B, T, NH, hs, C3, 2 * C, 0);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* ---------------------------------------------------------------------------
+ * Elementwise kernels. */
+#define ZT_GELU_SCALE 0.7978845608028654f
+
+__global__ void k_gelu_fwd(float *out, const float *inp, size_t n) {
+  ZT_GRID_STRIDE(i, n) {
+    float x = inp[i];
+    float cube = 0.044715f * x * x * x;
+    out[i] = 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube)));
+  }
+}
+
+__global__ void k_gelu_bwd(float *dinp, const float *inp, const float *dout, size_t n) {
+  ZT_GRID_STRIDE(i, n) {
+    float x = inp[i];
+    float cube = 0.044715f * x * x * x;
+    float arg = ZT_GELU_SCALE * (x + cube);
+    float th = tanhf(arg), ch = coshf(arg);
+    float sech2 = 1.0f / (ch * ch);
+    float grad = 0.5f * (1.0f + th) +
+                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    dinp[i] = grad * dout[i];
+  }
+}
+
+__global__ void k_residual(float *out, const float *a, const float *b, size_t n) {
+  ZT_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+__global__ void k_scale(float *x, size_t n, float s) {
+  ZT_GRID_STRIDE(i, n) x[i] *= s;
+}
+
+static void cu_gelu_forward(float *out, const float *inp, size_t n) {
+  if (!n) return;
+  k_gelu_fwd<<<grid_for(n, 256), 256, 0, g.stream>>>(out, inp, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
+  if (!n) return;
+  k_gelu_bwd<<<grid_for(n, 256), 256, 0, g.stream>>>(dinp, inp, dout, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_residual_forward(float *out, const float *a, const float *b, size_t n) {
+  if (!n) return;
+  k_residual<<<grid_for(n, 256), 256, 0, g.stream>>>(out, a, b, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_scale(float *x, size_t n, float s) {
+  if (!n) return;
+  k_scale<<<grid_for(n, 256), 256, 0, g.stream>>>(x, n, s);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_zero(float *x, size_t n) {
+  if (!n) return;
+  ZT_CUDA_CHECK(cudaMemsetAsync(x, 0, n * sizeof(float), g.stream));
+}
+
+/* ---------------------------------------------------------------------------
+ * Softmax + cross-entropy: one block per row. probs may alias logits: every
+ * read of the row (maximum, sum, the target's logit) happens before the
+ * barrier that precedes the first write. */
+
+__global__ void k_crossentropy_fwd(float *losses, float *probs, const float *logits,
+                                   const int *targets, int V, int Vp) {
+  __shared__ float sh[ZT_RED_THREADS];
+  size_t n = blockIdx.x;
+  const float *l = logits + n * Vp;
+  float *p = probs + n * Vp;
+  float mx = -INFINITY;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, l[i]);
+  mx = block_reduce<float, true>(mx, sh);
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(l[i] - mx);
+  s = block_reduce<float, false>(s, sh);
+  float lt = l[targets[n]];
+  __syncthreads();
+  for (int i = threadIdx.x; i < Vp; i += blockDim.x) p[i] = i < V ? expf(l[i] - mx) / s : 0.0f;
+  if (threadIdx.x == 0) losses[n] = -logf(expf(lt - mx) / s);
+}
+
+__global__ void k_crossentropy_bwd(float *dlogits, const float *probs, const int *targets,
+                                   float dloss, int V, int Vp, size_t n) {
+  ZT_GRID_STRIDE(i, n) {
+    size_t row = i / Vp;
+    int c = (int)(i % Vp);
+    dlogits[i] = c < V ? (probs[i] - (c == targets[row] ? 1.0f : 0.0f)) * dloss : 0.0f;
+  }
+}
+
+static void cu_crossentropy_forward(float *losses, float *probs, const float *logits,
+                                    const int *targets, int N, int V, int Vp) {
+  if (N <= 0) return;
+  k_crossentropy_fwd<<<N, ZT_RED_THREADS, 0, g.stream>>>(losses, probs, logits, targets, V, Vp);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
+                                     float dloss, int N, int V, int Vp) {
+  size_t n = (size_t)N * Vp;
+  if (!n) return;
+  k_crossentropy_bwd<<<grid_for(n, 256), 256, 0, g.stream>>>(dlogits, probs, targets, dloss, V,
+                                                             Vp, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* ---------------------------------------------------------------------------
+ * AdamW and norms. */
+
+__global__ void k_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr,
+                        float b1, float b2, float eps, float wd, float bc1, float bc2) {
+  ZT_GRID_STRIDE(i, n) {
+    float gi = gr[i];
+    float mi = b1 * m[i] + (1.0f - b1) * gi;
+    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    float mhat = mi / bc1, vhat = vi / bc2;
+    float pi = p[i];
+    pi -= lr * wd * pi;
+    pi -= lr * mhat / (sqrtf(vhat) + eps);
+    p[i] = pi;
+  }
+}
+
+static void cu_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr, float b1,
+                     float b2, float eps, float wd, float bc1, float bc2) {
+  if (!n) return;
+  k_adamw<<<grid_for(n, 256), 256, 0, g.stream>>>(p, gr, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* One block per ZT_KERN_SUMSQ_CHUNK elements, summed in double with a fixed
+ * tree; the host adds the chunk sums in order. */
+__global__ void k_sumsq_chunks(double *part, const float *x, size_t n) {
+  __shared__ double sh[ZT_RED_THREADS];
+  size_t c0 = (size_t)blockIdx.x * ZT_KERN_SUMSQ_CHUNK;
+  size_t c1 = c0 + ZT_KERN_SUMSQ_CHUNK < n ? c0 + ZT_KERN_SUMSQ_CHUNK : n;
+  double s = 0.0;
+  for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) s += (double)x[i] * x[i];
+  s = block_reduce<double, false>(s, sh);
+  if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+static double cu_sumsq(const float *x, size_t n) {
+  if (!n) return 0.0;
+  size_t chunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
+  double *part = (double *)scratch(SCR_SUMSQ, chunks * sizeof(double));
+  k_sumsq_chunks<<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n);
+  ZT_CUDA_LAUNCHED();
+  if (g.sumsq_host_n < chunks) {
+    free(g.sumsq_host);
+    g.sumsq_host = (double *)malloc(chunks * sizeof(double));
+    if (!g.sumsq_host) uv__cuda_fail("malloc", "out of host memory", __FILE__, __LINE__);
+    g.sumsq_host_n = chunks;
+  }
+  ZT_CUDA_CHECK(cudaMemcpyAsync(g.sumsq_host, part, chunks * sizeof(double),
+                                cudaMemcpyDeviceToHost, g.stream));
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  double total = 0.0;
+  for (size_t i = 0; i < chunks; i++) total += g.sumsq_host[i];
+  return total;
+}
+
+/* ---------------------------------------------------------------------------
+ * The table, initialisation and device helpers. */
+
+/* Table memory: device memory. Allocation failure returns NULL (the
+ * caller reports it); the copies are complete when they return. */
+static void *cu_alloc(size_t bytes) {
+  void *p = NULL;
+  if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  ZT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes ? bytes : 1, g.stream));
+  return p;
+}
+
+static void cu_release(void *p) {
+  if (!p) return;
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  ZT_CUDA_CHECK(cudaFree(p));
+}
+
+static void cu_upload(void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.stream));
+  /* The source is pageable host memory the caller may reuse at once. */
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+static void cu_download(void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g.stream));
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+static zt_kernels_t zt_cuda_table;
+
+static void fill_table(void) {
+  zt_kernels_t *t = &zt_cuda_table;
+  t->name = "cuda";
+  t->encoder_forward = cu_encoder_forward;
+  t->encoder_backward = cu_encoder_backward;
+  t->layernorm_forward = cu_layernorm_forward;
+  t->layernorm_backward = cu_layernorm_backward;
+  t->matmul_forward = cu_matmul_forward;
+  t->matmul_backward = cu_matmul_backward;
+  t->attention_forward = cu_attention_forward;
+  t->attention_backward = cu_attention_backward;
+  t->gelu_forward = cu_gelu_forward;
+  t->gelu_backward = cu_gelu_backward;
+  t->residual_forward = cu_residual_forward;
+  t->crossentropy_forward = cu_crossentropy_forward;
+  t->crossentropy_backward = cu_crossentropy_backward;
+  t->adamw = cu_adamw;
+  t->sumsq = cu_sumsq;
+  t->scale = cu_scale;
+  t->zero = cu_zero;
+  t->alloc = cu_alloc;
+  t->release = cu_release;
+  t->upload = cu_upload;
+  t->download = cu_download;
+}
+
+extern "C" int zt_cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+extern "C" int zt_kern_cuda_init(int device, char *err, size_t errlen) {
+  if (g.init) {
+    if (device == g.device) return 0;
+    snprintf(err, errlen, "CUDA kernels already initialised on device %d, not %d", g.device,
+             device);
+    return -1;
+  }
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    snprintf(err, errlen, "no CUDA device: %s",
+             e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount returned 0");
+    (void)cudaGetLastError();
+    return -1;
+  }
+  if (device < 0 || device >= n) {
+    snprintf(err, errlen, "CUDA device %d does not exist (this machine has %d)", device, n);
+    return -1;
+  }
+  ZT_CUDA_CHECK(cudaSetDevice(device));
+  cudaDeviceProp prop;
+  ZT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  snprintf(g.name, sizeof g.name, "%s", prop.name);
+  g.mem = prop.totalGlobalMem;
+  ZT_CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+  ZT_CUBLAS_CHECK(cublasLtCreate(&g.lt));
+  g.lt_ws_size = 32u << 20;
+  ZT_CUDA_CHECK(cudaMalloc(&g.lt_ws, g.lt_ws_size));
+  g.device = device;
+  g.math = ZT_CUDA_MATH_FP32;
+  fill_table();
+  g.init = 1;
+  return 0;
+}
+
+extern "C" const zt_kernels_t *zt_kernels_cuda(void) { return g.init ? &zt_cuda_table : NULL; }
+extern "C" void zt_kern_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
+extern "C" zt_cuda_math_t zt_kern_cuda_math(void) { return g.math; }
+extern "C" const char *zt_cuda_device_name(void) { return g.name; }
+extern "C" size_t zt_cuda_device_memory(void) { return g.mem; }
+
+extern "C" void *zt_cuda_malloc(size_t bytes) {
+  void *p = cu_alloc(bytes);
+  if (!p) uv__cuda_fail("cudaMalloc", "out of device memory", __FILE__, __LINE__);
+  return p;
+}
+
+extern "C" void zt_cuda_free(void *p) { cu_release(p); }
+extern "C" void zt_cuda_h2d(void *dst, const void *src, size_t bytes) { cu_upload(dst, src, bytes); }
+extern "C" void zt_cuda_d2h(void *dst, const void *src, size_t bytes) { cu_download(dst, src, bytes); }
+
+extern "C" void zt_cuda_memset0(void *dst, size_t bytes) {
+  if (!bytes) return;
+  ZT_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, g.stream));
+}
+
+extern "C" void zt_cuda_sync(void) { ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); }

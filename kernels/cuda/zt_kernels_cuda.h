@@ -1,0 +1,81 @@
+/*
+ * zt_kernels_cuda.h: the CUDA kernel table and the few device helpers that
+ * code outside kernels/cuda needs (allocation, copies, synchronisation).
+ *
+ * zt_kernels_cuda() returns a zt_kernels_t (kernels/zt_kernels.h) whose
+ * functions take DEVICE pointers and compute what the functions of the same
+ * name in kernels/cpu/ref.c compute, under the same contract (which outputs
+ * are overwritten, which gradients accumulate, which arguments may alias).
+ * Everything runs in order on one CUDA stream owned by this module; a
+ * function returns once its work is queued, except sumsq, which returns a
+ * value and therefore waits.
+ *
+ * Determinism: no kernel uses floating-point atomics. Column sums (bias and
+ * LayerNorm weight gradients) are formed in fixed row chunks combined in
+ * order; the token-embedding gradient sorts the token positions with a
+ * stable radix sort and sums each token's rows in position order, so the
+ * result is bit-identical to the serial reference for that kernel. Two runs
+ * on the same GPU give identical results.
+ *
+ * Matmuls go through cuBLASLt (bias fused as an epilogue in the forward).
+ * zt_kern_cuda_set_math selects the matmul precision: exact fp32, TF32 or
+ * bf16 tensor cores (fp32 storage and accumulation; inputs rounded to
+ * bf16 inside the product). Attention uses strided-batched cuBLASLt products
+ * over [B*NH] heads and a warp-per-row causal softmax.
+ *
+ * Errors: every CUDA and cuBLAS call is checked; a failure prints the call,
+ * the file:line and the library's message and ends the process (exit 1), as
+ * a device error leaves the context unusable. zt_kern_cuda_init is the one
+ * call that fails softly (no GPU, no driver): it returns -1 with a message.
+ *
+ * This header is plain C so that C code and tests can use it without the
+ * CUDA headers.
+ */
+#ifndef ZT_KERNELS_CUDA_H
+#define ZT_KERNELS_CUDA_H
+
+#include <stddef.h>
+
+#include "zt_kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  ZT_CUDA_MATH_FP32 = 0, /* IEEE fp32 products (matches the CPU kernels) */
+  ZT_CUDA_MATH_TF32 = 1, /* TF32 tensor cores, fp32 accumulate */
+  ZT_CUDA_MATH_BF16 = 2  /* bf16 tensor cores, fp32 accumulate */
+} zt_cuda_math_t;
+
+/* Number of usable CUDA devices; 0 when there is no GPU or no driver. */
+int zt_cuda_device_count(void);
+
+/* Selects device `device`, creates the stream and the cuBLASLt handle.
+ * Returns 0, or -1 with a message in err (no device, bad index, driver too
+ * old). Idempotent for the same device. */
+int zt_kern_cuda_init(int device, char *err, size_t errlen);
+
+/* The kernel table (zt_kern_cuda_init must have succeeded). */
+const zt_kernels_t *zt_kernels_cuda(void);
+
+void zt_kern_cuda_set_math(zt_cuda_math_t math);
+zt_cuda_math_t zt_kern_cuda_math(void);
+
+/* Device name and memory, for logs ("NVIDIA H100 80GB HBM3", bytes). */
+const char *zt_cuda_device_name(void);
+size_t zt_cuda_device_memory(void);
+
+/* Device memory and copies, ordered on the module's stream. */
+void *zt_cuda_malloc(size_t bytes);
+void zt_cuda_free(void *p);
+void zt_cuda_h2d(void *dst, const void *src, size_t bytes);
+void zt_cuda_d2h(void *dst, const void *src, size_t bytes); /* waits */
+void zt_cuda_memset0(void *dst, size_t bytes);
+void zt_cuda_sync(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,346 @@
+/*
+ * test_gpu_kernels.c: every CUDA kernel against the serial CPU reference.
+ *
+ * Each test draws random inputs on the host, runs the reference function of
+ * zt_kernels_ref() on host copies and the function of zt_kernels_cuda() on
+ * device copies, brings the device result back and compares element by
+ * element with |gpu - ref| <= atol + rtol * |ref|.
+ *
+ * Tolerances (fp32 math, ZT_CUDA_MATH_FP32):
+ *   - elementwise kernels (encoder, residual, scale, AdamW): 1e-6 relative;
+ *     GELU and softmax/cross-entropy 2e-6 (CUDA's expf/tanhf are within
+ *     2 ulp of glibc's);
+ *   - reductions and products (LayerNorm, matmul, attention, column sums):
+ *     1e-5 relative plus 1e-5 x (terms summed) absolute, as for the fast CPU
+ *     kernels: they differ from the serial loops only in summation order;
+ *   - the token-embedding gradient is summed in the reference's order and
+ *     must match bit for bit; so must two runs of every backward kernel.
+ * bf16 products (ZT_CUDA_MATH_BF16): inputs rounded to 8 mantissa bits,
+ * fp32 accumulation: |err| <= 8e-3 x sqrt(K) for inputs in [-1, 1] (the
+ * expected error is about 1e-3 x sqrt(K)); TF32 (10 bits): 2e-3 x sqrt(K).
+ *
+ * Without a CUDA device the test prints why and exits 77, which ctest
+ * reports as skipped.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_kernels.h"
+#include "zt_kernels_cuda.h"
+#include "zt_test.h"
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static float frand(void) { /* uniform in [-1, 1) */
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (float)((rng_state >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
+}
+
+static float *rnd(size_t n, float scale) {
+  float *p = malloc(n * sizeof(float) + 1);
+  for (size_t i = 0; i < n; i++) p[i] = frand() * scale;
+  return p;
+}
+
+/* Device copy of n host floats (or ints). */
+static void *dev(const void *host, size_t bytes) {
+  void *d = zt_cuda_malloc(bytes);
+  zt_cuda_h2d(d, host, bytes);
+  return d;
+}
+#define DEVF(p, n) ((float *)dev((p), (n) * sizeof(float)))
+
+/* Host copy of n device floats. */
+static float *back(const float *d, size_t n) {
+  float *h = malloc(n * sizeof(float) + 1);
+  zt_cuda_d2h(h, d, n * sizeof(float));
+  return h;
+}
+
+static int close_all(const char *what, const float *gpu, const float *ref, size_t n, float atol,
+                     float rtol) {
+  size_t bad = 0, worst = 0;
+  double worst_excess = -1e300;
+  for (size_t i = 0; i < n; i++) {
+    double err = fabs((double)gpu[i] - ref[i]), lim = atol + rtol * fabs((double)ref[i]);
+    if (!(err <= lim)) bad++;
+    if (err - lim > worst_excess) {
+      worst_excess = err - lim;
+      worst = i;
+    }
+  }
+  if (bad) {
+    fprintf(stderr, "  %s: %zu of %zu elements differ; worst [%zu] gpu %.9g ref %.9g\n", what,
+            bad, n, worst, gpu[worst], ref[worst]);
+    zt__test_failed = 1;
+  }
+  return bad == 0;
+}
+
+/* Compares a device buffer with a host reference, then frees the copy. */
+static void close_dev(const char *what, const float *d, const float *ref, size_t n, float atol,
+                      float rtol) {
+  float *h = back(d, n);
+  close_all(what, h, ref, n, atol, rtol);
+  free(h);
+}
+
+static int same_dev(const float *a, const float *b, size_t n) {
+  float *x = back(a, n), *y = back(b, n);
+  int same = memcmp(x, y, n * sizeof(float)) == 0;
+  free(x), free(y);
+  return same;
+}
+
+#define G zt_kernels_cuda()
+#define R zt_kernels_ref()
+
+ZT_TEST(table) {
+  ZT_CHECK_STR(G->name, "cuda");
+  fprintf(stderr, "  device: %s, %.1f GiB\n", zt_cuda_device_name(),
+          zt_cuda_device_memory() / 1073741824.0);
+  char err[256];
+  ZT_CHECK(zt_kern_cuda_init(zt_cuda_device_count(), err, sizeof err) == -1);
+  ZT_CHECK(strstr(err, "does not exist") != NULL || strstr(err, "already") != NULL);
+}
+
+static void check_encoder(int B, int T, int C, int V) {
+  size_t n = (size_t)B * T * C;
+  int *inp = malloc(sizeof(int) * B * T);
+  /* Skewed ids, so that some tokens repeat many times. */
+  for (int i = 0; i < B * T; i++) {
+    float u = (frand() + 1.0f) * 0.5f;
+    inp[i] = (int)(u * u * V) % V;
+  }
+  float *wte = rnd((size_t)V * C, 1), *wpe = rnd((size_t)T * C, 1), *o = rnd(n, 1);
+  int *dinp = dev(inp, sizeof(int) * B * T);
+  float *dwte_ = DEVF(wte, (size_t)V * C), *dwpe_ = DEVF(wpe, (size_t)T * C), *dout_ = DEVF(o, n);
+  G->encoder_forward(dout_, dinp, dwte_, dwpe_, B, T, C);
+  R->encoder_forward(o, inp, wte, wpe, B, T, C);
+  close_dev("encoder_forward", dout_, o, n, 0, 0);
+  float *dout = rnd(n, 1), *gwte = rnd((size_t)V * C, 1), *gwpe = rnd((size_t)T * C, 1);
+  float *d_dout = DEVF(dout, n), *d_gwte = DEVF(gwte, (size_t)V * C);
+  float *d_gwpe = DEVF(gwpe, (size_t)T * C);
+  float *d_gwte2 = DEVF(gwte, (size_t)V * C), *d_gwpe2 = DEVF(gwpe, (size_t)T * C);
+  G->encoder_backward(d_gwte, d_gwpe, d_dout, dinp, B, T, C);
+  G->encoder_backward(d_gwte2, d_gwpe2, d_dout, dinp, B, T, C);
+  R->encoder_backward(gwte, gwpe, dout, inp, B, T, C);
+  /* Same summation order as the reference: exact. */
+  close_dev("encoder_backward dwte", d_gwte, gwte, (size_t)V * C, 0, 0);
+  close_dev("encoder_backward dwpe", d_gwpe, gwpe, (size_t)T * C, 0, 0);
+  ZT_CHECK(same_dev(d_gwte, d_gwte2, (size_t)V * C));
+  zt_cuda_free(dinp), zt_cuda_free(dwte_), zt_cuda_free(dwpe_), zt_cuda_free(dout_);
+  zt_cuda_free(d_dout), zt_cuda_free(d_gwte), zt_cuda_free(d_gwpe);
+  zt_cuda_free(d_gwte2), zt_cuda_free(d_gwpe2);
+  free(inp), free(wte), free(wpe), free(o), free(dout), free(gwte), free(gwpe);
+}
+
+ZT_TEST(encoder) {
+  check_encoder(3, 17, 40, 29);
+  check_encoder(4, 256, 96, 257);
+}
+
+static void check_layernorm(int N, int C) {
+  size_t NC = (size_t)N * C;
+  float *x = rnd(NC, 2), *w = rnd(C, 1), *b = rnd(C, 1), *o = malloc(NC * 4);
+  float *m = malloc(N * 4), *r = malloc(N * 4);
+  float *dx = DEVF(x, NC), *dw = DEVF(w, C), *db = DEVF(b, C);
+  float *dO = zt_cuda_malloc(NC * 4), *dm = zt_cuda_malloc(N * 4), *dr = zt_cuda_malloc(N * 4);
+  G->layernorm_forward(dO, dm, dr, dx, dw, db, N, C);
+  R->layernorm_forward(o, m, r, x, w, b, N, C);
+  close_dev("layernorm_forward out", dO, o, NC, 1e-5f, 1e-5f);
+  close_dev("layernorm_forward mean", dm, m, N, 1e-6f, 1e-5f);
+  close_dev("layernorm_forward rstd", dr, r, N, 1e-6f, 1e-5f);
+  /* Backward from the reference statistics. */
+  zt_cuda_h2d(dm, m, N * 4), zt_cuda_h2d(dr, r, N * 4);
+  float *dout = rnd(NC, 1), *gx = rnd(NC, 1), *gw = rnd(C, 1), *gb = rnd(C, 1);
+  float *d_dout = DEVF(dout, NC), *d_gx = DEVF(gx, NC), *d_gw = DEVF(gw, C), *d_gb = DEVF(gb, C);
+  float *d_gx2 = DEVF(gx, NC), *d_gw2 = DEVF(gw, C), *d_gb2 = DEVF(gb, C);
+  G->layernorm_backward(d_gx, d_gw, d_gb, d_dout, dx, dw, dm, dr, N, C);
+  G->layernorm_backward(d_gx2, d_gw2, d_gb2, d_dout, dx, dw, dm, dr, N, C);
+  R->layernorm_backward(gx, gw, gb, dout, x, w, m, r, N, C);
+  close_dev("layernorm_backward dinp", d_gx, gx, NC, 1e-5f, 1e-5f);
+  close_dev("layernorm_backward dw", d_gw, gw, C, 1e-5f * N, 1e-5f);
+  close_dev("layernorm_backward db", d_gb, gb, C, 1e-5f * N, 1e-5f);
+  ZT_CHECK(same_dev(d_gx, d_gx2, NC) && same_dev(d_gw, d_gw2, C) && same_dev(d_gb, d_gb2, C));
+  void *ptrs[] = {dx, dw, db, dO, dm, dr, d_dout, d_gx, d_gw, d_gb, d_gx2, d_gw2, d_gb2};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  free(x), free(w), free(b), free(o), free(m), free(r), free(dout), free(gx), free(gw), free(gb);
+}
+
+ZT_TEST(layernorm) {
+  check_layernorm(77, 52);
+  check_layernorm(1000, 768);
+}
+
+/* Checks the matmul pair; tol_k scales the absolute tolerance by sqrt(K)
+ * for reduced-precision products (0: fp32 rule). */
+static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
+  size_t nx = (size_t)N * IC, nw = (size_t)OC * IC, no = (size_t)N * OC;
+  float *x = rnd(nx, 1), *w = rnd(nw, 1), *bias = rnd(OC, 1), *o = malloc(no * 4);
+  float *dx = DEVF(x, nx), *dw = DEVF(w, nw), *dbias = DEVF(bias, OC);
+  float *dO = zt_cuda_malloc(no * 4);
+  G->matmul_forward(dO, dx, dw, with_bias ? dbias : NULL, N, IC, OC);
+  R->matmul_forward(o, x, w, with_bias ? bias : NULL, N, IC, OC);
+#define TOL(K) (tol_k > 0 ? tol_k * sqrtf((float)(K)) : 1e-5f * (K))
+  close_dev("matmul_forward", dO, o, no, TOL(IC), 1e-5f);
+  float *dout = rnd(no, 1), *gx = rnd(nx, 1), *gw = rnd(nw, 1), *gb = rnd(OC, 1);
+  float *d_dout = DEVF(dout, no), *d_gx = DEVF(gx, nx), *d_gw = DEVF(gw, nw), *d_gb = DEVF(gb, OC);
+  G->matmul_backward(d_gx, d_gw, with_bias ? d_gb : NULL, d_dout, dx, dw, N, IC, OC);
+  R->matmul_backward(gx, gw, with_bias ? gb : NULL, dout, x, w, N, IC, OC);
+  close_dev("matmul_backward dinp", d_gx, gx, nx, TOL(OC), 1e-5f);
+  close_dev("matmul_backward dw", d_gw, gw, nw, TOL(N), 1e-5f);
+  close_dev("matmul_backward dbias", d_gb, gb, OC, 1e-5f * N, 1e-5f);
+#undef TOL
+  /* dinp NULL is allowed and leaves everything else the same. */
+  G->matmul_backward(NULL, d_gw, NULL, d_dout, dx, dw, N, IC, OC);
+  void *ptrs[] = {dx, dw, dbias, dO, d_dout, d_gx, d_gw, d_gb};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  free(x), free(w), free(bias), free(o), free(dout), free(gx), free(gw), free(gb);
+}
+
+ZT_TEST(matmul) {
+  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+  check_matmul(37, 24, 72, 1, 0);
+  check_matmul(5, 64, 200, 0, 0);
+  check_matmul(130, 96, 33, 1, 0);
+  check_matmul(512, 768, 2304, 1, 0);
+}
+
+ZT_TEST(matmul_reduced_precision) {
+  zt_kern_cuda_set_math(ZT_CUDA_MATH_TF32);
+  check_matmul(130, 96, 33, 1, 2e-3f);
+  check_matmul(512, 768, 3072, 1, 2e-3f);
+  zt_kern_cuda_set_math(ZT_CUDA_MATH_BF16);
+  check_matmul(130, 96, 33, 1, 8e-3f);
+  check_matmul(512, 768, 3072, 1, 8e-3f);
+  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+}
+
+static void check_attention(int B, int T, int C, int NH) {
+  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, na = (size_t)B * NH * T * T;
+  float *qkv = rnd(nq, 2), *o = malloc(no * 4), *a = malloc(na * 4);
+  float *d_qkv = DEVF(qkv, nq), *dO = zt_cuda_malloc(no * 4), *dA = zt_cuda_malloc(na * 4);
+  G->attention_forward(dO, dA, d_qkv, B, T, C, NH);
+  R->attention_forward(o, a, qkv, B, T, C, NH);
+  close_dev("attention_forward out", dO, o, no, 1e-5f, 1e-4f);
+  close_dev("attention_forward att", dA, a, na, 1e-6f, 1e-4f);
+  zt_cuda_h2d(dA, a, na * 4);
+  float *dout = rnd(no, 1), *g = malloc(nq * 4);
+  float *d_dout = DEVF(dout, no), *d_g = zt_cuda_malloc(nq * 4), *d_g2 = zt_cuda_malloc(nq * 4);
+  G->attention_backward(d_g, d_dout, d_qkv, dA, B, T, C, NH);
+  G->attention_backward(d_g2, d_dout, d_qkv, dA, B, T, C, NH);
+  R->attention_backward(g, dout, qkv, a, B, T, C, NH);
+  close_dev("attention_backward", d_g, g, nq, 1e-5f * T, 1e-4f);
+  ZT_CHECK(same_dev(d_g, d_g2, nq));
+  void *ptrs[] = {d_qkv, dO, dA, d_dout, d_g, d_g2};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  free(qkv), free(o), free(a), free(dout), free(g);
+}
+
+ZT_TEST(attention) {
+  check_attention(2, 13, 24, 3);
+  check_attention(1, 64, 64, 4);
+  check_attention(3, 7, 16, 1);
+  check_attention(2, 128, 192, 6);
+}
+
+ZT_TEST(gelu_residual_scale) {
+  size_t n = 100001;
+  float *x = rnd(n, 6), *o = malloc(n * 4);
+  x[0] = 0.0f, x[1] = 20.0f, x[2] = -20.0f, x[3] = 1e-4f;
+  float *dx = DEVF(x, n), *dO = zt_cuda_malloc(n * 4);
+  G->gelu_forward(dO, dx, n);
+  R->gelu_forward(o, x, n);
+  close_dev("gelu_forward", dO, o, n, 2e-6f, 2e-6f);
+  float *d = rnd(n, 1), *gd = malloc(n * 4), *dd = DEVF(d, n), *dg = zt_cuda_malloc(n * 4);
+  G->gelu_backward(dg, dx, dd, n);
+  R->gelu_backward(gd, x, d, n);
+  close_dev("gelu_backward", dg, gd, n, 2e-6f, 1e-5f);
+  G->gelu_backward(dd, dx, dd, n); /* in place */
+  close_dev("gelu_backward in place", dd, gd, n, 2e-6f, 1e-5f);
+  float *b = rnd(n, 1), *db = DEVF(b, n);
+  G->residual_forward(dO, dx, db, n);
+  R->residual_forward(o, x, b, n);
+  close_dev("residual_forward", dO, o, n, 0, 0);
+  G->scale(dO, n, 0.5f);
+  R->scale(o, n, 0.5f);
+  close_dev("scale", dO, o, n, 0, 0);
+  G->zero(dO, n);
+  float *z = back(dO, n);
+  size_t nonzero = 0;
+  for (size_t i = 0; i < n; i++) nonzero += z[i] != 0.0f;
+  ZT_CHECK(nonzero == 0);
+  void *ptrs[] = {dx, dO, dd, dg, db};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  free(x), free(o), free(d), free(gd), free(b), free(z);
+}
+
+static void check_crossentropy(int N, int V, int Vp) {
+  size_t n = (size_t)N * Vp;
+  float *logits = rnd(n, 5), *p = malloc(n * 4), *l = malloc(N * 4);
+  int *targets = malloc(N * sizeof(int));
+  for (int i = 0; i < N; i++) targets[i] = (i * 7919) % V;
+  int *dt = dev(targets, N * sizeof(int));
+  float *dlog = DEVF(logits, n), *dp = zt_cuda_malloc(n * 4), *dl = zt_cuda_malloc(N * 4);
+  G->crossentropy_forward(dl, dp, dlog, dt, N, V, Vp);
+  R->crossentropy_forward(l, p, logits, targets, N, V, Vp);
+  close_dev("crossentropy_forward probs", dp, p, n, 1e-7f, 2e-6f);
+  close_dev("crossentropy_forward losses", dl, l, N, 2e-6f, 2e-6f);
+  /* In place, as the model uses it. */
+  G->crossentropy_forward(dl, dlog, dlog, dt, N, V, Vp);
+  close_dev("crossentropy_forward in place", dlog, p, n, 1e-7f, 2e-6f);
+  close_dev("crossentropy_forward in place losses", dl, l, N, 2e-6f, 2e-6f);
+  float *d = malloc(n * 4), *dd = zt_cuda_malloc(n * 4);
+  zt_cuda_h2d(dp, p, n * 4);
+  G->crossentropy_backward(dd, dp, dt, 0.25f, N, V, Vp);
+  R->crossentropy_backward(d, p, targets, 0.25f, N, V, Vp);
+  close_dev("crossentropy_backward", dd, d, n, 0, 0);
+  G->crossentropy_backward(dp, dp, dt, 0.25f, N, V, Vp); /* in place */
+  close_dev("crossentropy_backward in place", dp, d, n, 0, 0);
+  void *ptrs[] = {dt, dlog, dp, dl, dd};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  free(logits), free(p), free(l), free(targets), free(d);
+}
+
+ZT_TEST(crossentropy) {
+  check_crossentropy(23, 50, 64);
+  check_crossentropy(64, 50257, 50304);
+}
+
+ZT_TEST(optimizer_and_reductions) {
+  size_t n = 1000003;
+  float *p = rnd(n, 1), *g = rnd(n, 1), *m = rnd(n, 0.1f), *v = rnd(n, 0.1f);
+  for (size_t i = 0; i < n; i++) v[i] = fabsf(v[i]);
+  float *dp = DEVF(p, n), *dg = DEVF(g, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
+  G->adamw(dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f, 0.0975f);
+  R->adamw(p, g, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f, 0.0975f);
+  close_dev("adamw p", dp, p, n, 1e-7f, 1e-6f);
+  close_dev("adamw m", dm, m, n, 1e-7f, 1e-6f);
+  close_dev("adamw v", dv, v, n, 1e-7f, 1e-6f);
+  double s1 = G->sumsq(dg, n), s2 = R->sumsq(g, n), s3 = G->sumsq(dg, n);
+  ZT_CHECK_NEAR(s1, s2, 1e-12 * s2);
+  ZT_CHECK(s1 == s3);
+  ZT_CHECK(G->sumsq(dg, 0) == 0.0);
+  zt_cuda_free(dp), zt_cuda_free(dg), zt_cuda_free(dm), zt_cuda_free(dv);
+  free(p), free(g), free(m), free(v);
+}
+
+int run_all(int argc, char **argv);
+
+int main(int argc, char **argv) {
+  char err[256];
+  int n = zt_cuda_device_count();
+  if (n == 0 || zt_kern_cuda_init(0, err, sizeof err) != 0) {
+    printf("test_gpu_kernels: skipped: %s\n", n == 0 ? "no CUDA device" : err);
+    return 77;
+  }
+  return run_all(argc, argv);
+}
+
+ZT_TEST_MAIN_NAMED(run_all, table, encoder, layernorm, matmul, matmul_reduced_precision,
+                   attention, gelu_residual_scale, crossentropy, optimizer_and_reductions)
