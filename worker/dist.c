@@ -28,6 +28,15 @@
  * AdamW updates the owned shard; stages 1 and 2 all-gather the parameters.
  * Stage 3 all-gathers a unit right before the model uses it (forward and
  * backward) and drops it after.
+ *
+ * Devices. The model runs on the kernel table d->k: the CPU table, or the
+ * CUDA table (worker/gpu.c) for `zworker --device cuda:N`. The ZeRO state
+ * above (fp32 params, fp64 gradient sums, Adam m and v) always lives in
+ * host memory and is updated by the CPU table d->hk. With a GPU the model
+ * reads and writes device mirrors (Pd, Gd, tg0d/tgd, gat0d/gatd): params
+ * are uploaded after every update or gather, gradients downloaded after
+ * every backward (or every unit's, stages 2-3). With the CPU table the
+ * mirrors are the host buffers themselves and every copy is skipped.
  */
 #include <math.h>
 #include <pthread.h>
@@ -40,6 +49,7 @@
 #include "ckpt_io.h"
 #include "comm.h"
 #include "data.h"
+#include "gpu.h"
 #include "model.h"
 #include "optim.h"
 #include "runner.h"
@@ -53,7 +63,9 @@ typedef struct {
   zt_spec_t spec;
   zt_model_config_t cfg;
   zt_model_t *m;
-  const zt_kernels_t *k;
+  const zt_kernels_t *k;  /* the model's kernels (CPU or CUDA) */
+  const zt_kernels_t *hk; /* the host state's kernels (CPU) */
+  int dev;                /* the model runs in device memory */
   double fi_lr_scale; /* fault_injection (tests only) */
   int64_t fi_from, fi_to;
   int fi_repeat; /* also after rollbacks (default: the first run only) */
@@ -71,6 +83,7 @@ typedef struct {
   float *M, *V;          /* Adam state: full (stage 0) or shard */
   float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit */
   float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
+  float *Pd, *Gd, *tg0d, *tgd, *gat0d, *gatd; /* the model's mirrors of P, G, tg0, tg, gat0, gat */
   double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
   double inv_k;          /* 1 / micro-batches per step (all ranks) */
   int fail;              /* a collective in a hook failed */
@@ -98,7 +111,23 @@ static void accumulate(double *acc, const float *x, size_t n) {
   for (size_t i = 0; i < n; i++) acc[i] += x[i];
 }
 
-static void layout(dist *d) {
+/* The model's mirror of a host buffer of n floats: the buffer itself on the
+ * CPU, zeroed device memory on a GPU (NULL when out of device memory). */
+static float *mirror(dist *d, float *host, size_t n) {
+  if (!host || !d->dev) return host;
+  return d->k->alloc(n * sizeof(float));
+}
+
+/* Host -> model memory and back; no-ops when the model uses host memory. */
+static void to_model(dist *d, float *dst, const float *src, size_t n) {
+  if (dst != src) d->k->upload(dst, src, n * sizeof(float));
+}
+
+static void from_model(dist *d, float *dst, const float *src, size_t n) {
+  if (dst != src) d->k->download(dst, src, n * sizeof(float));
+}
+
+static int layout(dist *d) {
   d->U = zt_model_num_units(d->m);
   d->usz = calloc((size_t)d->U, sizeof(size_t));
   d->S = calloc((size_t)d->U, sizeof(size_t));
@@ -135,13 +164,28 @@ static void layout(dist *d) {
     d->gat0 = alloc_f(d, d->S[0] * (size_t)d->N, FLIGHT);
     d->gat = alloc_f(d, d->max_unit, FLIGHT);
   }
+  d->Pd = mirror(d, d->P, d->full_total);
+  d->Gd = mirror(d, d->G, d->full_total);
+  d->tg0d = mirror(d, d->tg0, d->S[0] * (size_t)d->N);
+  d->tgd = mirror(d, d->tg, d->max_unit);
+  d->gat0d = mirror(d, d->gat0, d->S[0] * (size_t)d->N);
+  d->gatd = mirror(d, d->gat, d->max_unit);
+  if ((d->P && !d->Pd) || (d->G && !d->Gd) || (d->tg && (!d->tg0d || !d->tgd)) ||
+      (d->gat && (!d->gat0d || !d->gatd)))
+    return zt_err("out of device memory for the model's parameters and gradients");
   for (int u = 0; u < d->U; u++) {
-    d->m->unit_params[u] = d->P ? d->P + d->off_full[u] : NULL;
-    d->m->unit_grads[u] = d->G ? d->G + d->off_full[u] : NULL;
+    d->m->unit_params[u] = d->Pd ? d->Pd + d->off_full[u] : NULL;
+    d->m->unit_grads[u] = d->Gd ? d->Gd + d->off_full[u] : NULL;
   }
+  return 0;
 }
 
 static void free_dist(dist *d) {
+  if (d->dev) {
+    float *mirrors[] = {d->Pd, d->Gd, d->tg0d, d->tgd, d->gat0d, d->gatd};
+    for (size_t i = 0; i < ZT_ARRAY_LEN(mirrors); i++)
+      if (mirrors[i]) d->k->release(mirrors[i]);
+  }
   zt_model_free(d->m);
   free(d->gbuf);
   free(d->usz), free(d->S), free(d->off_full), free(d->off_shard);
@@ -187,11 +231,12 @@ static void hook_fail(dist *d, const char *what) {
 
 /* Stage 3: gather unit u's parameters into a full buffer. */
 static void gather_unit(dist *d, int u) {
-  float *buf = u == 0 ? d->gat0 : d->gat;
+  float *buf = u == 0 ? d->gat0 : d->gat, *dbuf = u == 0 ? d->gat0d : d->gatd;
   if (d->fail) return;
   if (zt_comm_all_gather(d->comm, d->Ps + d->off_shard[u], buf, d->S[u], ZT_DT_F32, d->tmo) != 0)
     hook_fail(d, "all-gather of parameters");
-  d->m->unit_params[u] = buf;
+  to_model(d, dbuf, buf, d->S[u] * (size_t)d->N);
+  d->m->unit_params[u] = dbuf;
 }
 
 static int h_pre_forward(void *ctx, int u) {
@@ -204,8 +249,8 @@ static int h_pre_backward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage == 3 && u != 0) gather_unit(d, u); /* unit 0 is still gathered */
   if (d->stage >= 2) {
-    float *g = u == 0 ? d->tg0 : d->tg;
-    memset(g, 0, d->S[u] * (size_t)d->N * sizeof(float));
+    float *g = u == 0 ? d->tg0d : d->tgd;
+    d->k->zero(g, d->S[u] * (size_t)d->N);
     d->m->unit_grads[u] = g;
   }
   return d->fail ? -1 : 0;
@@ -216,8 +261,9 @@ static int h_pre_backward(void *ctx, int u) {
 static int h_post_backward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage < 2 || d->fail) return d->fail ? -1 : 0;
-  const float *g = u == 0 ? d->tg0 : d->tg;
+  float *g = u == 0 ? d->tg0 : d->tg;
   size_t n = d->S[u] * (size_t)d->N;
+  from_model(d, g, u == 0 ? d->tg0d : d->tgd, n);
   for (size_t i = 0; i < n; i++) d->tg64[i] = g[i];
   if (zt_comm_reduce_scatter(d->comm, d->tg64, d->rs64, d->S[u], ZT_DT_F64, ZT_RED_SUM, d->tmo) !=
       0) {
@@ -240,6 +286,7 @@ static void init_params(dist *d) {
     if (d->stage == 3) memcpy(d->Ps + d->off_shard[u], tmp + (size_t)d->r * d->S[u], d->S[u] * 4);
   }
   free(tmp);
+  if (d->stage < 3) to_model(d, d->Pd, d->P, d->full_total);
 }
 
 /* Where this rank's owned Adam state of unit u lives. */
@@ -276,6 +323,7 @@ static int load_state(dist *d, const char *dir, int64_t *step) {
           return zt_err_wrap("share optimizer state");
     }
   }
+  if (d->stage < 3) to_model(d, d->Pd, d->P, d->full_total);
   return 0;
 }
 
@@ -428,7 +476,7 @@ static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
     if (tn->unit != u) continue;
     size_t a = ZT_MAX(tn->unit_off, lo), b = ZT_MIN(tn->unit_off + tn->n, lo + n);
     if (a >= b) continue;
-    d->k->adamw(p + (a - lo), d->gbuf + (a - lo), m + (a - lo), v + (a - lo), b - a, lr, o->beta1,
+    d->hk->adamw(p + (a - lo), d->gbuf + (a - lo), m + (a - lo), v + (a - lo), b - a, lr, o->beta1,
                 o->beta2, o->eps, tn->decay ? o->weight_decay : 0.0f, bc1, bc2);
   }
 }
@@ -544,12 +592,20 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     return zt_err_wrap("job spec");
   d.stage = d.spec.zero_stage;
   d.cfg = d.spec.model;
-  d.k = zt_kernels_cpu();
+  d.hk = d.k = zt_kernels_cpu();
   int T = d.cfg.seq_len, mb = d.spec.micro_batch;
   if (parse_fault_injection(&d) != 0 || zt_spec_accum_for_world(&d.spec, d.N, &d.accum) != 0) {
     zt_spec_free(&d.spec);
     return -1;
   }
+  int gpu = zt_gpu_parse_device(g->device);
+  if (gpu >= 0) d.k = zt_gpu_kernels(gpu, d.spec.bf16);
+  if (gpu == -2 || !d.k) { /* this worker's fault, not the job's */
+    *fatal = 0;
+    zt_spec_free(&d.spec);
+    return zt_err_wrap("device");
+  }
+  d.dev = d.k != d.hk;
   if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
   if (zt_model_create(&d.m, &d.cfg, mb, T, d.k, ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0) {
     zt_spec_free(&d.spec);
@@ -566,7 +622,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
   if (d.spec.val_glob[0] && d.spec.eval_every &&
       zt_data_open_glob(&val, d.spec.val_glob, T, d.cfg.vocab_size, d.spec.seed) != 0)
     goto out;
-  layout(&d);
+  if (layout(&d) != 0) goto out;
   d.gbuf = malloc((d.max_unit ? d.max_unit : 1) * sizeof(float));
   d.inv_k = (double)mb / (double)d.spec.global_batch;
   zt_model_hooks_t hooks = {&d, h_pre_forward, NULL, h_pre_backward, h_post_backward};
@@ -613,9 +669,12 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       if (zt_data_fill(train, first, mb, inp, tgt) != 0) goto out;
       if (zt_model_forward(d.m, inp, tgt, mb, T, &l) != 0 && !d.fail) goto out;
       loss_sum += l;
-      if (d.G) memset(d.G, 0, d.full_total * sizeof(float));
+      if (d.Gd) d.k->zero(d.Gd, d.full_total);
       if (zt_model_backward(d.m, 1.0f) != 0 && !d.fail) goto out;
-      if (d.G) accumulate(d.G64, d.G, d.full_total);
+      if (d.G) {
+        from_model(&d, d.G, d.Gd, d.full_total);
+        accumulate(d.G64, d.G, d.full_total);
+      }
       if (d.fail) {
         zt_err("%s", d.fail_msg);
         goto out;
@@ -632,6 +691,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       float gscale = zt_opt_clip_coef(ctl[1], d.spec.grad_clip, NULL);
       for (int u = 0; u < d.U; u++) adamw_unit(&d, u, (float)lr, gscale, s);
       if (gather_params(&d) != 0) goto out;
+      if (d.stage < 3) to_model(&d, d.Pd, d.P, d.full_total);
     } else {
       ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
               (long long)s, loss, norm);

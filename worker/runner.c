@@ -215,7 +215,7 @@ static void run_generation(zt_runner_t *r) {
                   .world = (int)rv->world, .spec_json = rv->spec_json,
                   .start_step = rv->start_step, .accum_steps = (int)rv->accum_steps,
                   .comm_timeout_ms = rv->comm_timeout_ms, .comm = comm, .workdir = r->workdir,
-                  .threads = r->o.threads, .checkpoint_dir = rv->checkpoint_dir,
+                  .threads = r->o.threads, .device = r->o.device, .checkpoint_dir = rv->checkpoint_dir,
                   .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
                   .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
                   .should_stop = should_stop_cb, .report_step = report_step_cb,

@@ -28,6 +28,7 @@ typedef struct {
   const char *comm_host; /* address peers reach our ring socket on */
   const char *workdir;
   int threads; /* compute threads (0: default) */
+  const char *device; /* "cpu" or "cuda:N" */
 } zt_runner_opts;
 
 int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts *o, zt_runner_t **out);
@@ -53,6 +54,7 @@ typedef struct {
   zt_comm_t *comm;
   const char *workdir;
   int threads;
+  const char *device; /* "cpu" (or NULL) or "cuda:N": where the model runs */
   const char *checkpoint_dir; /* committed epoch to load ("" or NULL: fresh) */
   const zt_range_t *skips;
   int nskips;

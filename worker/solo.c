@@ -2,6 +2,7 @@
  * solo.c: zsolo, single-process training from a job spec.
  *
  *   zsolo SPEC.json [--threads N] [--steps N] [--log-every N] [--json]
+ *                   [--device cpu|cuda|cuda:N]
  *
  * Trains the spec's model on its data in this process, with no coordinator:
  * the same trainer as zworker (dist.c) on a communicator of one rank, so a
@@ -43,7 +44,8 @@ typedef struct {
 
 static void usage(void) {
   fprintf(stderr,
-          "usage: zsolo SPEC.json [--threads N] [--steps N] [--log-every N] [--json]\n");
+          "usage: zsolo SPEC.json [--threads N] [--steps N] [--log-every N] [--json]\n"
+          "                       [--device cpu|cuda|cuda:N]\n");
 }
 
 static int parse_pos_int(const char *s, long *out) {
@@ -91,7 +93,7 @@ static char *with_steps(const char *text, long steps) {
 }
 
 int main(int argc, char **argv) {
-  const char *spec_path = NULL;
+  const char *spec_path = NULL, *device = "cpu";
   long threads = 0, steps = 0;
   solo so = {0, 1, 0};
   zt_log_set_prefix("zsolo");
@@ -106,6 +108,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "zsolo: %s needs a positive integer\n", a);
         return 2;
       }
+    } else if (!strcmp(a, "--device") && i + 1 < argc) {
+      device = argv[++i];
     } else if (!strcmp(a, "--json")) {
       so.json = 1;
     } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -150,7 +154,7 @@ int main(int argc, char **argv) {
   if (zt_comm_tcp_create(&co, &comm) != 0) goto err0;
   zt_gen_ctx g = {.job_id = 0, .generation = 1, .rank = 0, .world = 1, .spec_json = text,
                   .accum_steps = 0, .comm_timeout_ms = 1000, .comm = comm, .workdir = NULL,
-                  .threads = (int)threads, .lr_factor = 1.0, .should_stop = should_stop,
+                  .threads = (int)threads, .device = device, .lr_factor = 1.0, .should_stop = should_stop,
                   .report_step = print_step, .user = &so};
   int fatal = 0, rc = zt_gen_train(&g, &fatal);
   zt_comm_destroy(comm);

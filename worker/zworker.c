@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "gpu.h"
 #include "runner.h"
 #include "zt_common.h"
 
@@ -80,8 +81,10 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   if (zt_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
     return zt_err_wrap("--coordinator");
   if (!strcmp(a->device, "cuda")) a->device = "cuda:0"; /* the one visible GPU */
-  if (strcmp(a->device, "cpu") != 0 && strncmp(a->device, "cuda:", 5) != 0)
-    return zt_err("--device %s: expected cpu, cuda or cuda:N", a->device);
+  int gpu = zt_gpu_parse_device(a->device);
+  if (gpu == -2) return zt_err_wrap("--device");
+  /* Fail at start, not at the first job, when the GPU cannot be used. */
+  if (gpu >= 0 && !zt_gpu_kernels(gpu, 0)) return zt_err_wrap("--device %s", a->device);
   return 0;
 }
 
@@ -176,7 +179,8 @@ int main(int argc, char **argv) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
-  zt_runner_opts ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads};
+  zt_runner_opts ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads,
+                       .device = a.device};
   if (zt_runner_start(sa.ctl, &ro, &runner) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
