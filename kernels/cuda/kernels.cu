@@ -436,17 +436,24 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
  * become 0). Row-major q [T,hs] is column-major Q' [hs,T] (ld hs); a
  * row-major [T,T] matrix A is column-major A' with A'(t2,t) = A[t][t2]. */
 
+/* The offset in [B,T,width] rows (at column coff) of element idx of a
+ * [B,NH,T,hs] head-major tensor. */
+__device__ __forceinline__ size_t head_to_row(size_t idx, int T, int NH, int hs, int width,
+                                              int coff) {
+  int i = (int)(idx % hs);
+  size_t r = idx / hs;
+  int t = (int)(r % T);
+  r /= T;
+  int h = (int)(r % NH), b = (int)(r / NH);
+  return ((size_t)b * T + t) * width + coff + (size_t)h * hs + i;
+}
+
 __global__ void k_permute_qkv(float *q, float *k, float *v, const float *qkv, int B, int T,
                               int NH, int hs) {
   size_t n = (size_t)B * NH * T * hs;
   int C = NH * hs;
   ZT_GRID_STRIDE(idx, n) {
-    int i = (int)(idx % hs);
-    size_t r = idx / hs;
-    int t = (int)(r % T);
-    r /= T;
-    int h = (int)(r % NH), b = (int)(r / NH);
-    const float *src = qkv + ((size_t)b * T + t) * 3 * C + (size_t)h * hs + i;
+    const float *src = qkv + head_to_row(idx, T, NH, hs, 3 * C, 0);
     q[idx] = src[0];
     k[idx] = src[C];
     v[idx] = src[2 * C];
@@ -459,12 +466,7 @@ __global__ void k_heads_rows(float *dst, const float *src, int B, int T, int NH,
                              int width, int coff, int dir) {
   size_t n = (size_t)B * NH * T * hs;
   ZT_GRID_STRIDE(idx, n) {
-    int i = (int)(idx % hs);
-    size_t r = idx / hs;
-    int t = (int)(r % T);
-    r /= T;
-    int h = (int)(r % NH), b = (int)(r / NH);
-    size_t row = ((size_t)b * T + t) * width + coff + (size_t)h * hs + i;
+    size_t row = head_to_row(idx, T, NH, hs, width, coff);
     if (dir == 0)
       dst[row] = src[idx];
     else

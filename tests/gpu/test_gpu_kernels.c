@@ -30,21 +30,7 @@
 #include "zt_kernels.h"
 #include "zt_kernels_cuda.h"
 #include "zt_test.h"
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static float frand(void) { /* uniform in [-1, 1) */
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
-}
-
-static float *rnd(size_t n, float scale) {
-  float *p = malloc(n * sizeof(float) + 1);
-  for (size_t i = 0; i < n; i++) p[i] = frand() * scale;
-  return p;
-}
+#include "zt_testdata.h"
 
 /* Device copy of n host floats (or ints). */
 static void *dev(const void *host, size_t bytes) {
@@ -61,31 +47,11 @@ static float *back(const float *d, size_t n) {
   return h;
 }
 
-static int close_all(const char *what, const float *gpu, const float *ref, size_t n, float atol,
-                     float rtol) {
-  size_t bad = 0, worst = 0;
-  double worst_excess = -1e300;
-  for (size_t i = 0; i < n; i++) {
-    double err = fabs((double)gpu[i] - ref[i]), lim = atol + rtol * fabs((double)ref[i]);
-    if (!(err <= lim)) bad++;
-    if (err - lim > worst_excess) {
-      worst_excess = err - lim;
-      worst = i;
-    }
-  }
-  if (bad) {
-    fprintf(stderr, "  %s: %zu of %zu elements differ; worst [%zu] gpu %.9g ref %.9g\n", what,
-            bad, n, worst, gpu[worst], ref[worst]);
-    zt__test_failed = 1;
-  }
-  return bad == 0;
-}
-
 /* Compares a device buffer with a host reference, then frees the copy. */
 static void close_dev(const char *what, const float *d, const float *ref, size_t n, float atol,
                       float rtol) {
   float *h = back(d, n);
-  close_all(what, h, ref, n, atol, rtol);
+  zt_close_all(what, h, ref, n, atol, rtol);
   free(h);
 }
 
@@ -113,16 +79,16 @@ static void check_encoder(int B, int T, int C, int V) {
   int *inp = malloc(sizeof(int) * B * T);
   /* Skewed ids, so that some tokens repeat many times. */
   for (int i = 0; i < B * T; i++) {
-    float u = (frand() + 1.0f) * 0.5f;
+    float u = (zt_frand() + 1.0f) * 0.5f;
     inp[i] = (int)(u * u * V) % V;
   }
-  float *wte = rnd((size_t)V * C, 1), *wpe = rnd((size_t)T * C, 1), *o = rnd(n, 1);
+  float *wte = zt_rnd((size_t)V * C, 1), *wpe = zt_rnd((size_t)T * C, 1), *o = zt_rnd(n, 1);
   int *dinp = dev(inp, sizeof(int) * B * T);
   float *dwte_ = DEVF(wte, (size_t)V * C), *dwpe_ = DEVF(wpe, (size_t)T * C), *dout_ = DEVF(o, n);
   G->encoder_forward(dout_, dinp, dwte_, dwpe_, B, T, C);
   R->encoder_forward(o, inp, wte, wpe, B, T, C);
   close_dev("encoder_forward", dout_, o, n, 0, 0);
-  float *dout = rnd(n, 1), *gwte = rnd((size_t)V * C, 1), *gwpe = rnd((size_t)T * C, 1);
+  float *dout = zt_rnd(n, 1), *gwte = zt_rnd((size_t)V * C, 1), *gwpe = zt_rnd((size_t)T * C, 1);
   float *d_dout = DEVF(dout, n), *d_gwte = DEVF(gwte, (size_t)V * C);
   float *d_gwpe = DEVF(gwpe, (size_t)T * C);
   float *d_gwte2 = DEVF(gwte, (size_t)V * C), *d_gwpe2 = DEVF(gwpe, (size_t)T * C);
@@ -146,7 +112,7 @@ ZT_TEST(encoder) {
 
 static void check_layernorm(int N, int C) {
   size_t NC = (size_t)N * C;
-  float *x = rnd(NC, 2), *w = rnd(C, 1), *b = rnd(C, 1), *o = malloc(NC * 4);
+  float *x = zt_rnd(NC, 2), *w = zt_rnd(C, 1), *b = zt_rnd(C, 1), *o = malloc(NC * 4);
   float *m = malloc(N * 4), *r = malloc(N * 4);
   float *dx = DEVF(x, NC), *dw = DEVF(w, C), *db = DEVF(b, C);
   float *dO = zt_cuda_malloc(NC * 4), *dm = zt_cuda_malloc(N * 4), *dr = zt_cuda_malloc(N * 4);
@@ -157,7 +123,7 @@ static void check_layernorm(int N, int C) {
   close_dev("layernorm_forward rstd", dr, r, N, 1e-6f, 1e-5f);
   /* Backward from the reference statistics. */
   zt_cuda_h2d(dm, m, N * 4), zt_cuda_h2d(dr, r, N * 4);
-  float *dout = rnd(NC, 1), *gx = rnd(NC, 1), *gw = rnd(C, 1), *gb = rnd(C, 1);
+  float *dout = zt_rnd(NC, 1), *gx = zt_rnd(NC, 1), *gw = zt_rnd(C, 1), *gb = zt_rnd(C, 1);
   float *d_dout = DEVF(dout, NC), *d_gx = DEVF(gx, NC), *d_gw = DEVF(gw, C), *d_gb = DEVF(gb, C);
   float *d_gx2 = DEVF(gx, NC), *d_gw2 = DEVF(gw, C), *d_gb2 = DEVF(gb, C);
   G->layernorm_backward(d_gx, d_gw, d_gb, d_dout, dx, dw, dm, dr, N, C);
@@ -181,14 +147,14 @@ ZT_TEST(layernorm) {
  * for reduced-precision products (0: fp32 rule). */
 static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
   size_t nx = (size_t)N * IC, nw = (size_t)OC * IC, no = (size_t)N * OC;
-  float *x = rnd(nx, 1), *w = rnd(nw, 1), *bias = rnd(OC, 1), *o = malloc(no * 4);
+  float *x = zt_rnd(nx, 1), *w = zt_rnd(nw, 1), *bias = zt_rnd(OC, 1), *o = malloc(no * 4);
   float *dx = DEVF(x, nx), *dw = DEVF(w, nw), *dbias = DEVF(bias, OC);
   float *dO = zt_cuda_malloc(no * 4);
   G->matmul_forward(dO, dx, dw, with_bias ? dbias : NULL, N, IC, OC);
   R->matmul_forward(o, x, w, with_bias ? bias : NULL, N, IC, OC);
 #define TOL(K) (tol_k > 0 ? tol_k * sqrtf((float)(K)) : 1e-5f * (K))
   close_dev("matmul_forward", dO, o, no, TOL(IC), 1e-5f);
-  float *dout = rnd(no, 1), *gx = rnd(nx, 1), *gw = rnd(nw, 1), *gb = rnd(OC, 1);
+  float *dout = zt_rnd(no, 1), *gx = zt_rnd(nx, 1), *gw = zt_rnd(nw, 1), *gb = zt_rnd(OC, 1);
   float *d_dout = DEVF(dout, no), *d_gx = DEVF(gx, nx), *d_gw = DEVF(gw, nw), *d_gb = DEVF(gb, OC);
   G->matmul_backward(d_gx, d_gw, with_bias ? d_gb : NULL, d_dout, dx, dw, N, IC, OC);
   R->matmul_backward(gx, gw, with_bias ? gb : NULL, dout, x, w, N, IC, OC);
@@ -223,14 +189,14 @@ ZT_TEST(matmul_reduced_precision) {
 
 static void check_attention(int B, int T, int C, int NH) {
   size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, na = (size_t)B * NH * T * T;
-  float *qkv = rnd(nq, 2), *o = malloc(no * 4), *a = malloc(na * 4);
+  float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *a = malloc(na * 4);
   float *d_qkv = DEVF(qkv, nq), *dO = zt_cuda_malloc(no * 4), *dA = zt_cuda_malloc(na * 4);
   G->attention_forward(dO, dA, d_qkv, B, T, C, NH);
   R->attention_forward(o, a, qkv, B, T, C, NH);
   close_dev("attention_forward out", dO, o, no, 1e-5f, 1e-4f);
   close_dev("attention_forward att", dA, a, na, 1e-6f, 1e-4f);
   zt_cuda_h2d(dA, a, na * 4);
-  float *dout = rnd(no, 1), *g = malloc(nq * 4);
+  float *dout = zt_rnd(no, 1), *g = malloc(nq * 4);
   float *d_dout = DEVF(dout, no), *d_g = zt_cuda_malloc(nq * 4), *d_g2 = zt_cuda_malloc(nq * 4);
   G->attention_backward(d_g, d_dout, d_qkv, dA, B, T, C, NH);
   G->attention_backward(d_g2, d_dout, d_qkv, dA, B, T, C, NH);
@@ -251,19 +217,19 @@ ZT_TEST(attention) {
 
 ZT_TEST(gelu_residual_scale) {
   size_t n = 100001;
-  float *x = rnd(n, 6), *o = malloc(n * 4);
+  float *x = zt_rnd(n, 6), *o = malloc(n * 4);
   x[0] = 0.0f, x[1] = 20.0f, x[2] = -20.0f, x[3] = 1e-4f;
   float *dx = DEVF(x, n), *dO = zt_cuda_malloc(n * 4);
   G->gelu_forward(dO, dx, n);
   R->gelu_forward(o, x, n);
   close_dev("gelu_forward", dO, o, n, 2e-6f, 2e-6f);
-  float *d = rnd(n, 1), *gd = malloc(n * 4), *dd = DEVF(d, n), *dg = zt_cuda_malloc(n * 4);
+  float *d = zt_rnd(n, 1), *gd = malloc(n * 4), *dd = DEVF(d, n), *dg = zt_cuda_malloc(n * 4);
   G->gelu_backward(dg, dx, dd, n);
   R->gelu_backward(gd, x, d, n);
   close_dev("gelu_backward", dg, gd, n, 2e-6f, 1e-5f);
   G->gelu_backward(dd, dx, dd, n); /* in place */
   close_dev("gelu_backward in place", dd, gd, n, 2e-6f, 1e-5f);
-  float *b = rnd(n, 1), *db = DEVF(b, n);
+  float *b = zt_rnd(n, 1), *db = DEVF(b, n);
   G->residual_forward(dO, dx, db, n);
   R->residual_forward(o, x, b, n);
   close_dev("residual_forward", dO, o, n, 0, 0);
@@ -282,7 +248,7 @@ ZT_TEST(gelu_residual_scale) {
 
 static void check_crossentropy(int N, int V, int Vp) {
   size_t n = (size_t)N * Vp;
-  float *logits = rnd(n, 5), *p = malloc(n * 4), *l = malloc(N * 4);
+  float *logits = zt_rnd(n, 5), *p = malloc(n * 4), *l = malloc(N * 4);
   int *targets = malloc(N * sizeof(int));
   for (int i = 0; i < N; i++) targets[i] = (i * 7919) % V;
   int *dt = dev(targets, N * sizeof(int));
@@ -314,7 +280,7 @@ ZT_TEST(crossentropy) {
 
 ZT_TEST(optimizer_and_reductions) {
   size_t n = 1000003;
-  float *p = rnd(n, 1), *g = rnd(n, 1), *m = rnd(n, 0.1f), *v = rnd(n, 0.1f);
+  float *p = zt_rnd(n, 1), *g = zt_rnd(n, 1), *m = zt_rnd(n, 0.1f), *v = zt_rnd(n, 0.1f);
   for (size_t i = 0; i < n; i++) v[i] = fabsf(v[i]);
   float *dp = DEVF(p, n), *dg = DEVF(g, n), *dm = DEVF(m, n), *dv = DEVF(v, n);
   G->adamw(dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f, 0.0975f);
@@ -334,6 +300,7 @@ int run_all(int argc, char **argv);
 
 int main(int argc, char **argv) {
   char err[256];
+  zt_test_seed(0x9e3779b97f4a7c15ull);
   int n = zt_cuda_device_count();
   if (n == 0 || zt_kern_cuda_init(0, err, sizeof err) != 0) {
     printf("test_gpu_kernels: skipped: %s\n", n == 0 ? "no CUDA device" : err);

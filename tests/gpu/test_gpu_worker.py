@@ -36,8 +36,8 @@ if not _have_gpu():
 
 import pytest  # noqa: E402
 
-from ztest import (Procs, byte_dataset, losses, submit, tiny_spec, wait_job,  # noqa: E402
-                   wait_until, workers_by_name)
+from ztest import (Procs, byte_dataset, losses, start_fleet, submit,  # noqa: E402
+                   tiny_spec, wait_job)
 
 STEPS = 40
 
@@ -55,13 +55,9 @@ def data(tmp_path_factory):
 
 
 def fleet(procs, n, device, tag):
-    coord = procs.coord(hb_ms=300, timeout_ms=5000, name=f"zcoord-{tag}",
-                        db=os.path.join(procs.tmp, f"{tag}.db"))
-    for i in range(n):
-        procs.worker(coord.grpc, f"{tag}{i}", extra=["--threads", "1", "--device", device])
-    wait_until(lambda: sum(w["state"] == "alive" for w in workers_by_name(coord).values()) == n,
-               60, f"{n} {device} workers alive")
-    return coord
+    return start_fleet(procs, n, extra=("--threads", "1", "--device", device), prefix=tag,
+                       timeout_ms=5000, wait_s=60, name=f"zcoord-{tag}",
+                       db=os.path.join(procs.tmp, f"{tag}.db"))
 
 
 def run(procs, coord, tmp_path, spec, name):

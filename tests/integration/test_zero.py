@@ -12,8 +12,7 @@ import os
 
 import pytest
 
-from ztest import (byte_dataset, losses, submit, tiny_spec, wait_job, wait_until,
-                   workers_by_name)
+from ztest import byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job
 
 STEPS = 50
 
@@ -21,15 +20,6 @@ STEPS = 50
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
-
-
-def start_fleet(procs, n):
-    coord = procs.coord(hb_ms=300, timeout_ms=3000)
-    for i in range(n):
-        procs.worker(coord.grpc, f"w{i}", extra=["--threads", "1"])
-    wait_until(lambda: sum(w["state"] == "alive" for w in workers_by_name(coord).values()) == n,
-               20, f"{n} workers alive")
-    return coord
 
 
 def run_job(procs, coord, tmp_path, spec, name):

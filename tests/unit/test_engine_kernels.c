@@ -19,47 +19,12 @@
 
 #include "zt_kernels.h"
 #include "zt_test.h"
-
-static uint64_t rng_state = 88172645463325252ull;
-
-static float frand(void) { /* uniform in [-1, 1) */
-  rng_state ^= rng_state << 13;
-  rng_state ^= rng_state >> 7;
-  rng_state ^= rng_state << 17;
-  return (float)((rng_state >> 40) / (double)(1ull << 24) * 2.0 - 1.0);
-}
-
-static float *rnd(size_t n, float scale) {
-  float *p = malloc(n * sizeof(float));
-  for (size_t i = 0; i < n; i++) p[i] = frand() * scale;
-  return p;
-}
+#include "zt_testdata.h"
 
 static float *fdup(const float *p, size_t n) {
   float *q = malloc(n * sizeof(float));
   memcpy(q, p, n * sizeof(float));
   return q;
-}
-
-/* Compares and reports the worst element; returns 1 when all are close. */
-static int close_all(const char *what, const float *fast, const float *ref, size_t n, float atol,
-                     float rtol) {
-  size_t bad = 0, worst = 0;
-  double worst_excess = -1.0;
-  for (size_t i = 0; i < n; i++) {
-    double err = fabs((double)fast[i] - ref[i]), lim = atol + rtol * fabs((double)ref[i]);
-    if (!(err <= lim)) bad++;
-    if (err - lim > worst_excess) {
-      worst_excess = err - lim;
-      worst = i;
-    }
-  }
-  if (bad) {
-    fprintf(stderr, "  %s: %zu of %zu elements differ; worst [%zu] fast %.9g ref %.9g\n", what,
-            bad, n, worst, fast[worst], ref[worst]);
-    zt__test_failed = 1;
-  }
-  return bad == 0;
 }
 
 #define F zt_kernels_cpu()
@@ -68,19 +33,19 @@ static int close_all(const char *what, const float *fast, const float *ref, size
 ZT_TEST(encoder) {
   int B = 3, T = 17, C = 40, V = 29;
   int *inp = malloc(sizeof(int) * B * T);
-  for (int i = 0; i < B * T; i++) inp[i] = (int)((frand() + 1.0f) * 0.5f * V) % V;
-  float *wte = rnd((size_t)V * C, 1), *wpe = rnd((size_t)T * C, 1);
-  float *o1 = rnd((size_t)B * T * C, 1), *o2 = fdup(o1, (size_t)B * T * C);
+  for (int i = 0; i < B * T; i++) inp[i] = (int)((zt_frand() + 1.0f) * 0.5f * V) % V;
+  float *wte = zt_rnd((size_t)V * C, 1), *wpe = zt_rnd((size_t)T * C, 1);
+  float *o1 = zt_rnd((size_t)B * T * C, 1), *o2 = fdup(o1, (size_t)B * T * C);
   F->encoder_forward(o1, inp, wte, wpe, B, T, C);
   R->encoder_forward(o2, inp, wte, wpe, B, T, C);
-  close_all("encoder_forward", o1, o2, (size_t)B * T * C, 0, 0);
-  float *dout = rnd((size_t)B * T * C, 1);
-  float *dwte1 = rnd((size_t)V * C, 1), *dwte2 = fdup(dwte1, (size_t)V * C);
-  float *dwpe1 = rnd((size_t)T * C, 1), *dwpe2 = fdup(dwpe1, (size_t)T * C);
+  zt_close_all("encoder_forward", o1, o2, (size_t)B * T * C, 0, 0);
+  float *dout = zt_rnd((size_t)B * T * C, 1);
+  float *dwte1 = zt_rnd((size_t)V * C, 1), *dwte2 = fdup(dwte1, (size_t)V * C);
+  float *dwpe1 = zt_rnd((size_t)T * C, 1), *dwpe2 = fdup(dwpe1, (size_t)T * C);
   F->encoder_backward(dwte1, dwpe1, dout, inp, B, T, C);
   R->encoder_backward(dwte2, dwpe2, dout, inp, B, T, C);
-  close_all("encoder_backward dwte", dwte1, dwte2, (size_t)V * C, 1e-6f, 1e-6f);
-  close_all("encoder_backward dwpe", dwpe1, dwpe2, (size_t)T * C, 1e-6f, 1e-6f);
+  zt_close_all("encoder_backward dwte", dwte1, dwte2, (size_t)V * C, 1e-6f, 1e-6f);
+  zt_close_all("encoder_backward dwpe", dwpe1, dwpe2, (size_t)T * C, 1e-6f, 1e-6f);
   free(inp), free(wte), free(wpe), free(o1), free(o2), free(dout);
   free(dwte1), free(dwte2), free(dwpe1), free(dwpe2);
 }
@@ -88,21 +53,21 @@ ZT_TEST(encoder) {
 ZT_TEST(layernorm) {
   int N = 77, C = 52;
   size_t NC = (size_t)N * C;
-  float *x = rnd(NC, 2), *w = rnd(C, 1), *b = rnd(C, 1);
+  float *x = zt_rnd(NC, 2), *w = zt_rnd(C, 1), *b = zt_rnd(C, 1);
   float *o1 = malloc(NC * 4), *o2 = malloc(NC * 4);
   float m1[77], m2[77], r1[77], r2[77];
   F->layernorm_forward(o1, m1, r1, x, w, b, N, C);
   R->layernorm_forward(o2, m2, r2, x, w, b, N, C);
-  close_all("layernorm_forward out", o1, o2, NC, 1e-5f, 1e-5f);
-  close_all("layernorm_forward mean", m1, m2, N, 1e-6f, 1e-5f);
-  close_all("layernorm_forward rstd", r1, r2, N, 1e-6f, 1e-5f);
-  float *dout = rnd(NC, 1), *dx1 = rnd(NC, 1), *dx2 = fdup(dx1, NC);
-  float *dw1 = rnd(C, 1), *dw2 = fdup(dw1, C), *db1 = rnd(C, 1), *db2 = fdup(db1, C);
+  zt_close_all("layernorm_forward out", o1, o2, NC, 1e-5f, 1e-5f);
+  zt_close_all("layernorm_forward mean", m1, m2, N, 1e-6f, 1e-5f);
+  zt_close_all("layernorm_forward rstd", r1, r2, N, 1e-6f, 1e-5f);
+  float *dout = zt_rnd(NC, 1), *dx1 = zt_rnd(NC, 1), *dx2 = fdup(dx1, NC);
+  float *dw1 = zt_rnd(C, 1), *dw2 = fdup(dw1, C), *db1 = zt_rnd(C, 1), *db2 = fdup(db1, C);
   F->layernorm_backward(dx1, dw1, db1, dout, x, w, m2, r2, N, C);
   R->layernorm_backward(dx2, dw2, db2, dout, x, w, m2, r2, N, C);
-  close_all("layernorm_backward dinp", dx1, dx2, NC, 1e-5f, 1e-5f);
-  close_all("layernorm_backward dw", dw1, dw2, C, 1e-5f, 1e-5f);
-  close_all("layernorm_backward db", db1, db2, C, 1e-5f, 1e-5f);
+  zt_close_all("layernorm_backward dinp", dx1, dx2, NC, 1e-5f, 1e-5f);
+  zt_close_all("layernorm_backward dw", dw1, dw2, C, 1e-5f, 1e-5f);
+  zt_close_all("layernorm_backward db", db1, db2, C, 1e-5f, 1e-5f);
   /* Thread-count independence of the chunked dw/db sums. */
   float *dx3 = fdup(dx1, NC), *dw3 = fdup(dw1, C), *db3 = fdup(db1, C);
   float *dx4 = fdup(dx1, NC), *dw4 = fdup(dw1, C), *db4 = fdup(db1, C);
@@ -119,23 +84,23 @@ ZT_TEST(layernorm) {
 }
 
 static void check_matmul(int N, int IC, int OC, int with_bias) {
-  float *x = rnd((size_t)N * IC, 1), *w = rnd((size_t)OC * IC, 1);
-  float *bias = with_bias ? rnd(OC, 1) : NULL;
+  float *x = zt_rnd((size_t)N * IC, 1), *w = zt_rnd((size_t)OC * IC, 1);
+  float *bias = with_bias ? zt_rnd(OC, 1) : NULL;
   size_t no = (size_t)N * OC;
   float *o1 = malloc(no * 4), *o2 = malloc(no * 4);
   F->matmul_forward(o1, x, w, bias, N, IC, OC);
   R->matmul_forward(o2, x, w, bias, N, IC, OC);
   float atol = 1e-5f * IC;
-  close_all("matmul_forward", o1, o2, no, atol, 1e-5f);
-  float *dout = rnd(no, 1);
-  float *dx1 = rnd((size_t)N * IC, 1), *dx2 = fdup(dx1, (size_t)N * IC);
-  float *dw1 = rnd((size_t)OC * IC, 1), *dw2 = fdup(dw1, (size_t)OC * IC);
-  float *db1 = rnd(OC, 1), *db2 = fdup(db1, OC);
+  zt_close_all("matmul_forward", o1, o2, no, atol, 1e-5f);
+  float *dout = zt_rnd(no, 1);
+  float *dx1 = zt_rnd((size_t)N * IC, 1), *dx2 = fdup(dx1, (size_t)N * IC);
+  float *dw1 = zt_rnd((size_t)OC * IC, 1), *dw2 = fdup(dw1, (size_t)OC * IC);
+  float *db1 = zt_rnd(OC, 1), *db2 = fdup(db1, OC);
   F->matmul_backward(dx1, dw1, with_bias ? db1 : NULL, dout, x, w, N, IC, OC);
   R->matmul_backward(dx2, dw2, with_bias ? db2 : NULL, dout, x, w, N, IC, OC);
-  close_all("matmul_backward dinp", dx1, dx2, (size_t)N * IC, 1e-5f * OC, 1e-5f);
-  close_all("matmul_backward dw", dw1, dw2, (size_t)OC * IC, 1e-5f * N, 1e-5f);
-  close_all("matmul_backward dbias", db1, db2, OC, 1e-5f * N, 1e-5f);
+  zt_close_all("matmul_backward dinp", dx1, dx2, (size_t)N * IC, 1e-5f * OC, 1e-5f);
+  zt_close_all("matmul_backward dw", dw1, dw2, (size_t)OC * IC, 1e-5f * N, 1e-5f);
+  zt_close_all("matmul_backward dbias", db1, db2, OC, 1e-5f * N, 1e-5f);
   /* dinp NULL is allowed. */
   F->matmul_backward(NULL, dw1, NULL, dout, x, w, N, IC, OC);
   free(x), free(w), free(bias), free(o1), free(o2), free(dout);
@@ -150,16 +115,16 @@ ZT_TEST(matmul) {
 
 static void check_attention(int B, int T, int C, int NH) {
   size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, na = (size_t)B * NH * T * T;
-  float *qkv = rnd(nq, 2);
+  float *qkv = zt_rnd(nq, 2);
   float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *a1 = malloc(na * 4), *a2 = malloc(na * 4);
   F->attention_forward(o1, a1, qkv, B, T, C, NH);
   R->attention_forward(o2, a2, qkv, B, T, C, NH);
-  close_all("attention_forward out", o1, o2, no, 1e-5f, 1e-4f);
-  close_all("attention_forward att", a1, a2, na, 1e-6f, 1e-4f);
-  float *dout = rnd(no, 1), *d1 = rnd(nq, 1), *d2 = rnd(nq, 1);
+  zt_close_all("attention_forward out", o1, o2, no, 1e-5f, 1e-4f);
+  zt_close_all("attention_forward att", a1, a2, na, 1e-6f, 1e-4f);
+  float *dout = zt_rnd(no, 1), *d1 = zt_rnd(nq, 1), *d2 = zt_rnd(nq, 1);
   F->attention_backward(d1, dout, qkv, a2, B, T, C, NH);
   R->attention_backward(d2, dout, qkv, a2, B, T, C, NH);
-  close_all("attention_backward", d1, d2, nq, 1e-5f, 1e-4f);
+  zt_close_all("attention_backward", d1, d2, nq, 1e-5f, 1e-4f);
   free(qkv), free(o1), free(o2), free(a1), free(a2), free(dout), free(d1), free(d2);
 }
 
@@ -171,62 +136,62 @@ ZT_TEST(attention) {
 
 ZT_TEST(gelu_residual) {
   size_t n = 1001;
-  float *x = rnd(n, 6), *o1 = malloc(n * 4), *o2 = malloc(n * 4);
+  float *x = zt_rnd(n, 6), *o1 = malloc(n * 4), *o2 = malloc(n * 4);
   x[0] = 0.0f, x[1] = 20.0f, x[2] = -20.0f, x[3] = 1e-4f;
   F->gelu_forward(o1, x, n);
   R->gelu_forward(o2, x, n);
-  close_all("gelu_forward", o1, o2, n, 2e-6f, 2e-6f);
-  float *d = rnd(n, 1), *d1 = malloc(n * 4), *d2 = malloc(n * 4);
+  zt_close_all("gelu_forward", o1, o2, n, 2e-6f, 2e-6f);
+  float *d = zt_rnd(n, 1), *d1 = malloc(n * 4), *d2 = malloc(n * 4);
   F->gelu_backward(d1, x, d, n);
   R->gelu_backward(d2, x, d, n);
-  close_all("gelu_backward", d1, d2, n, 2e-6f, 1e-5f);
+  zt_close_all("gelu_backward", d1, d2, n, 2e-6f, 1e-5f);
   /* In place. */
   float *d3 = fdup(d, n);
   F->gelu_backward(d3, x, d3, n);
-  close_all("gelu_backward in place", d3, d1, n, 0, 0);
-  float *b = rnd(n, 1);
+  zt_close_all("gelu_backward in place", d3, d1, n, 0, 0);
+  float *b = zt_rnd(n, 1);
   F->residual_forward(o1, x, b, n);
   R->residual_forward(o2, x, b, n);
-  close_all("residual_forward", o1, o2, n, 0, 0);
+  zt_close_all("residual_forward", o1, o2, n, 0, 0);
   free(x), free(o1), free(o2), free(d), free(d1), free(d2), free(d3), free(b);
 }
 
 ZT_TEST(crossentropy) {
   int N = 23, V = 50, Vp = 64;
   size_t n = (size_t)N * Vp;
-  float *logits = rnd(n, 5);
+  float *logits = zt_rnd(n, 5);
   int targets[23];
   for (int i = 0; i < N; i++) targets[i] = (i * 7) % V;
   float *p1 = malloc(n * 4), *p2 = malloc(n * 4), l1[23], l2[23];
   F->crossentropy_forward(l1, p1, logits, targets, N, V, Vp);
   R->crossentropy_forward(l2, p2, logits, targets, N, V, Vp);
-  close_all("crossentropy_forward probs", p1, p2, n, 1e-7f, 2e-6f);
-  close_all("crossentropy_forward losses", l1, l2, N, 2e-6f, 2e-6f);
+  zt_close_all("crossentropy_forward probs", p1, p2, n, 1e-7f, 2e-6f);
+  zt_close_all("crossentropy_forward losses", l1, l2, N, 2e-6f, 2e-6f);
   for (int i = 0; i < N; i++)
     for (int j = V; j < Vp; j++) ZT_CHECK(p1[(size_t)i * Vp + j] == 0.0f);
   /* In place, as the model uses it. */
   float *p3 = fdup(logits, n), l3[23];
   F->crossentropy_forward(l3, p3, p3, targets, N, V, Vp);
-  close_all("crossentropy_forward in place", p3, p1, n, 0, 0);
-  close_all("crossentropy_forward in place losses", l3, l1, N, 0, 0);
+  zt_close_all("crossentropy_forward in place", p3, p1, n, 0, 0);
+  zt_close_all("crossentropy_forward in place losses", l3, l1, N, 0, 0);
   float *d1 = malloc(n * 4), *d2 = malloc(n * 4);
   F->crossentropy_backward(d1, p2, targets, 0.25f, N, V, Vp);
   R->crossentropy_backward(d2, p2, targets, 0.25f, N, V, Vp);
-  close_all("crossentropy_backward", d1, d2, n, 1e-7f, 1e-6f);
+  zt_close_all("crossentropy_backward", d1, d2, n, 1e-7f, 1e-6f);
   free(logits), free(p1), free(p2), free(p3), free(d1), free(d2);
 }
 
 ZT_TEST(optimizer_and_reductions) {
   size_t n = 70001;
-  float *p1 = rnd(n, 1), *p2 = fdup(p1, n), *g = rnd(n, 1);
-  float *m1 = rnd(n, 0.1f), *m2 = fdup(m1, n), *v1 = rnd(n, 0.1f), *v2;
+  float *p1 = zt_rnd(n, 1), *p2 = fdup(p1, n), *g = zt_rnd(n, 1);
+  float *m1 = zt_rnd(n, 0.1f), *m2 = fdup(m1, n), *v1 = zt_rnd(n, 0.1f), *v2;
   for (size_t i = 0; i < n; i++) v1[i] = fabsf(v1[i]);
   v2 = fdup(v1, n);
   F->adamw(p1, g, m1, v1, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f, 0.0975f);
   R->adamw(p2, g, m2, v2, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.19f, 0.0975f);
-  close_all("adamw p", p1, p2, n, 1e-7f, 1e-6f);
-  close_all("adamw m", m1, m2, n, 1e-7f, 1e-6f);
-  close_all("adamw v", v1, v2, n, 1e-7f, 1e-6f);
+  zt_close_all("adamw p", p1, p2, n, 1e-7f, 1e-6f);
+  zt_close_all("adamw m", m1, m2, n, 1e-7f, 1e-6f);
+  zt_close_all("adamw v", v1, v2, n, 1e-7f, 1e-6f);
   double s1 = F->sumsq(g, n), s2 = R->sumsq(g, n);
   ZT_CHECK_NEAR(s1, s2, 1e-12 * s2);
   zt_kern_cpu_set_threads(1);
@@ -237,7 +202,7 @@ ZT_TEST(optimizer_and_reductions) {
   ZT_CHECK(s3 == s4 && s3 == s1);
   F->scale(p1, n, 0.5f);
   R->scale(p2, n, 0.5f);
-  close_all("scale", p1, p2, n, 1e-7f, 1e-6f);
+  zt_close_all("scale", p1, p2, n, 1e-7f, 1e-6f);
   F->zero(p1, n);
   for (size_t i = 0; i < n; i++) ZT_CHECK(p1[i] == 0.0f);
   free(p1), free(p2), free(g), free(m1), free(m2), free(v1), free(v2);
