@@ -117,3 +117,25 @@ int zt_mkdirs(const char *path) {
   if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return zt_err_errno("mkdir %s", tmp);
   return 0;
 }
+
+/* ---- state names --------------------------------------------------------- */
+
+static const char *uv__name(const char *const *names, size_t n, int state) {
+  return state >= 0 && (size_t)state < n ? names[state] : "unknown";
+}
+
+const char *zt_worker_state_name(int state) {
+  static const char *const names[] = {"unknown", "alive", "suspect", "lost", "left"};
+  return uv__name(names, ZT_ARRAY_LEN(names), state);
+}
+
+const char *zt_job_state_name(int state) {
+  static const char *const names[] = {"unknown",   "pending", "running", "reconfiguring",
+                                      "completed", "failed",  "paused",  "canceled"};
+  return uv__name(names, ZT_ARRAY_LEN(names), state);
+}
+
+const char *zt_ckpt_state_name(int state) {
+  static const char *const names[] = {"pending", "committed", "deleted"};
+  return uv__name(names, ZT_ARRAY_LEN(names), state);
+}

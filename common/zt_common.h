@@ -66,6 +66,15 @@ int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
 /* Creates a directory and its parents (mkdir -p). */
 int zt_mkdirs(const char *path);
 
+/* Names of the states of workers (zt_db.h zt_worker_state_t, proto
+ * WorkerState), jobs (zt_job_state_t, JobState) and checkpoint epochs
+ * (zt_ckpt_state_t): "alive", "running", "committed", ...; "unknown" for a
+ * number outside the enum. One table each, shared by the database, the
+ * HTTP/JSON API and zctl. */
+const char *zt_worker_state_name(int state);
+const char *zt_job_state_name(int state);
+const char *zt_ckpt_state_name(int state);
+
 #define ZT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define ZT_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define ZT_MAX(a, b) ((a) > (b) ? (a) : (b))

@@ -3,17 +3,13 @@
  */
 #include "pbjson.h"
 
-const char *zt_job_state_str(int s) {
-  static const char *names[] = {"unknown",   "pending", "running", "reconfiguring",
-                                "completed", "failed",  "paused",  "canceled"};
-  return s >= 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "unknown";
-}
+#include "zt_common.h"
 
 cJSON *zt_json_job(const Ztrain__JobInfo *j) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "id", (double)j->id);
   cJSON_AddStringToObject(o, "name", j->name);
-  cJSON_AddStringToObject(o, "state", zt_job_state_str(j->state));
+  cJSON_AddStringToObject(o, "state", zt_job_state_name(j->state));
   cJSON_AddNumberToObject(o, "generation", (double)j->generation);
   cJSON_AddNumberToObject(o, "world", j->world);
   cJSON_AddNumberToObject(o, "step", (double)j->step);
@@ -57,18 +53,13 @@ cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k) {
   return o;
 }
 
-const char *zt_worker_state_str(int s) {
-  static const char *names[] = {"unknown", "alive", "suspect", "lost", "left"};
-  return s >= 0 && s < (int)(sizeof names / sizeof names[0]) ? names[s] : "unknown";
-}
-
 cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "id", (double)w->id);
   cJSON_AddStringToObject(o, "name", w->name);
   cJSON_AddStringToObject(o, "host", w->host);
   cJSON_AddStringToObject(o, "device", w->device);
-  cJSON_AddStringToObject(o, "state", zt_worker_state_str(w->state));
+  cJSON_AddStringToObject(o, "state", zt_worker_state_name(w->state));
   cJSON_AddNumberToObject(o, "last_seen_ms", (double)w->last_seen_ms);
   cJSON_AddNumberToObject(o, "registered_ms", (double)w->registered_ms);
   cJSON_AddNumberToObject(o, "pid", w->pid);

@@ -11,11 +11,9 @@
 
 #include "ztrain.pb-c.h"
 
-const char *zt_job_state_str(int state); /* "pending", "running", ... */
 cJSON *zt_json_job(const Ztrain__JobInfo *j);
 cJSON *zt_json_step(const Ztrain__StepRecord *s);
 cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k);
-const char *zt_worker_state_str(int state); /* "alive", "suspect", ... */
 cJSON *zt_json_worker(const Ztrain__WorkerInfo *w);
 cJSON *zt_json_event(const Ztrain__Event *e);
 

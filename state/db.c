@@ -175,24 +175,6 @@ static int db_err(zt_db_t *db, const char *what) {
   return zt_err("database %s: %s: %s", db->path, what, sqlite3_errmsg(db->h));
 }
 
-const char *zt_ckpt_state_name(int state) {
-  static const char *names[] = {"pending", "committed", "deleted"};
-  return state >= 0 && state < (int)ZT_ARRAY_LEN(names) ? names[state] : "unknown";
-}
-
-const char *zt_job_state_name(int state) {
-  static const char *names[] = {"unknown",   "pending", "running", "reconfiguring",
-                                "completed", "failed",  "paused",  "canceled"};
-  if (state < 0 || state >= (int)ZT_ARRAY_LEN(names)) return "unknown";
-  return names[state];
-}
-
-const char *zt_worker_state_name(int state) {
-  static const char *names[] = {"unknown", "alive", "suspect", "lost", "left"};
-  if (state < 0 || state >= (int)ZT_ARRAY_LEN(names)) return "unknown";
-  return names[state];
-}
-
 static int exec(zt_db_t *db, const char *sql) {
   char *msg = NULL;
   if (sqlite3_exec(db->h, sql, NULL, NULL, &msg) != SQLITE_OK) {

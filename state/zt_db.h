@@ -28,7 +28,6 @@ typedef enum {
   ZT_WORKER_LEFT = 4,
 } zt_worker_state_t;
 
-const char *zt_worker_state_name(int state); /* "alive", "suspect", ... */
 
 typedef struct {
   uint64_t id;
@@ -92,7 +91,6 @@ typedef enum {
   ZT_JOB_CANCELED = 7,
 } zt_job_state_t;
 
-const char *zt_job_state_name(int state); /* "pending", "running", ... */
 
 typedef struct {
   uint64_t id;
@@ -140,7 +138,6 @@ int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_
 
 typedef enum { ZT_CKPT_PENDING = 0, ZT_CKPT_COMMITTED = 1, ZT_CKPT_DELETED = 2 } zt_ckpt_state_t;
 
-const char *zt_ckpt_state_name(int state); /* "pending", "committed", "deleted" */
 
 typedef struct {
   int64_t step;

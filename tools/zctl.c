@@ -127,7 +127,7 @@ static int cmd_workers(zctl *z) {
       char t[64];
       fmt_time(t, sizeof t, w->last_seen_ms);
       printf("%-6llu %-20s %-8s %-8s %-16s %-8d %s\n", (unsigned long long)w->id, w->name,
-             zt_worker_state_str(w->state), w->device, w->host, w->pid, t);
+             zt_worker_state_name(w->state), w->device, w->host, w->pid, t);
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -174,7 +174,7 @@ static int cmd_events(zctl *z, int argc, char **argv) {
 
 static void print_job_row(const Ztrain__JobInfo *j) {
   printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %9.4f %10.0f  %s\n", (unsigned long long)j->id,
-         j->name, zt_job_state_str(j->state), (unsigned long long)j->generation, j->world,
+         j->name, zt_job_state_name(j->state), (unsigned long long)j->generation, j->world,
          (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, j->message);
 }
 
@@ -357,7 +357,7 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   if (!er || !mr) return -1;
   Ztrain__JobInfo *j = jr->job;
   printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, j->name);
-  printf("- state: **%s** (%s)\n", zt_job_state_str(j->state), j->message);
+  printf("- state: **%s** (%s)\n", zt_job_state_name(j->state), j->message);
   printf("- steps: %lld of %lld; generation %llu on %u workers; %u restarts\n",
          (long long)j->step, (long long)j->total_steps, (unsigned long long)j->generation, j->world,
          j->restarts);
