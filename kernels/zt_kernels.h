@@ -99,6 +99,21 @@ typedef struct zt_kernels {
   /* x = 0. */
   void (*zero)(float *x, size_t n);
 
+  /* Optimizer-state helpers for worker/dist.c (docs/zero.md): gradient
+   * sums are kept in fp64 so that they are exact and independent of how
+   * micro-batches are spread over ranks.
+   *   acc_f64:    acc[i] += x[i]
+   *   add_f64:    acc[i] += y[i]
+   *   widen_f64:  dst[i] = x[i]
+   *   narrow_f64: dst[i] = (float)(x[i] * s) * t     (scale, then clip)
+   *   sumsq_f64:  sum over i of ((float)(x[i] * s))^2, in double; the CPU
+   *               tables add in element order, CUDA in fixed chunks. */
+  void (*acc_f64)(double *acc, const float *x, size_t n);
+  void (*add_f64)(double *acc, const double *y, size_t n);
+  void (*widen_f64)(double *dst, const float *x, size_t n);
+  void (*narrow_f64)(float *dst, const double *x, size_t n, double s, float t);
+  double (*sumsq_f64)(const double *x, size_t n, double s);
+
   /* The memory the kernels work on: host memory for the CPU tables, device
    * memory for CUDA. alloc returns zeroed memory, or NULL when there is not
    * enough; upload and download copy between host memory and the table's
@@ -107,6 +122,9 @@ typedef struct zt_kernels {
   void (*release)(void *p);
   void (*upload)(void *dst, const void *src, size_t bytes);
   void (*download)(void *dst, const void *src, size_t bytes);
+  /* Within the table's memory: copy (no overlap) and set to zero bytes. */
+  void (*copy)(void *dst, const void *src, size_t bytes);
+  void (*memzero)(void *p, size_t bytes);
 } zt_kernels_t;
 
 #define ZT_KERN_SUMSQ_CHUNK 65536
@@ -117,6 +135,7 @@ const zt_kernels_t *zt_kernels_cpu(void);
 void *zt_kern_host_alloc(size_t bytes);
 void zt_kern_host_release(void *p);
 void zt_kern_host_copy(void *dst, const void *src, size_t bytes);
+void zt_kern_host_memzero(void *p, size_t bytes);
 const zt_kernels_t *zt_kernels_ref(void);
 
 /* Sets the number of CPU threads used by the OpenMP kernels and by OpenBLAS

@@ -29,14 +29,15 @@
  * Stage 3 all-gathers a unit right before the model uses it (forward and
  * backward) and drops it after.
  *
- * Devices. The model runs on the kernel table d->k: the CPU table, or the
- * CUDA table (worker/gpu.c) for `zworker --device cuda:N`. The ZeRO state
- * above (fp32 params, fp64 gradient sums, Adam m and v) always lives in
- * host memory and is updated by the CPU table d->hk. With a GPU the model
- * reads and writes device mirrors (Pd, Gd, tg0d/tgd, gat0d/gatd): params
- * are uploaded after every update or gather, gradients downloaded after
- * every backward (or every unit's, stages 2-3). With the CPU table the
- * mirrors are the host buffers themselves and every copy is skipped.
+ * Devices. Every buffer above lives in the memory of the kernel table d->k
+ * and every operation on it is a kernel-table call (zero, acc_f64,
+ * narrow_f64, adamw, ...): host memory and the CPU kernels, or device
+ * memory and the CUDA kernels for `zworker --device cuda:N` (worker/gpu.c).
+ * The same code, and the same tests, therefore cover both. Collectives go
+ * through c_*(): over the TCP ring a device buffer is staged through host
+ * memory; with one rank they are local copies. Checkpoint files are read
+ * and written through host buffers (upload after loading, download into the
+ * snapshot).
  */
 #include <math.h>
 #include <pthread.h>
@@ -63,9 +64,10 @@ typedef struct {
   zt_spec_t spec;
   zt_model_config_t cfg;
   zt_model_t *m;
-  const zt_kernels_t *k;  /* the model's kernels (CPU or CUDA) */
-  const zt_kernels_t *hk; /* the host state's kernels (CPU) */
-  int dev;                /* the model runs in device memory */
+  const zt_kernels_t *k;  /* kernels and memory of the model and its state */
+  int dev;                /* that memory is a device's (not host memory) */
+  void *stage_buf;        /* host staging for collectives on device memory */
+  size_t stage_cap;
   double fi_lr_scale; /* fault_injection (tests only) */
   int64_t fi_from, fi_to;
   int fi_repeat; /* also after rollbacks (default: the first run only) */
@@ -83,7 +85,6 @@ typedef struct {
   float *M, *V;          /* Adam state: full (stage 0) or shard */
   float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit */
   float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
-  float *Pd, *Gd, *tg0d, *tgd, *gat0d, *gatd; /* the model's mirrors of P, G, tg0, tg, gat0, gat */
   double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
   double inv_k;          /* 1 / micro-batches per step (all ranks) */
   int fail;              /* a collective in a hook failed */
@@ -93,9 +94,10 @@ typedef struct {
 
 /* ---- allocation and accounting ------------------------------------------------- */
 
+/* Zeroed table memory; NULL (and d->fail set) when there is not enough. */
 static void *alloc_b(dist *d, size_t n, size_t esz, int kind) {
-  void *p = calloc(n ? n : 1, esz);
-  if (!p) abort();
+  void *p = d->k->alloc((n ? n : 1) * esz);
+  if (!p) d->fail = 1;
   d->state_bytes[kind] += n * esz;
   return p;
 }
@@ -103,28 +105,73 @@ static void *alloc_b(dist *d, size_t n, size_t esz, int kind) {
 static float *alloc_f(dist *d, size_t n, int kind) { return alloc_b(d, n, sizeof(float), kind); }
 static double *alloc_d(dist *d, size_t n, int kind) { return alloc_b(d, n, sizeof(double), kind); }
 
-/* acc += x: the fp64 gradient sum (exact for sums of fp32 values whose
- * exponents span less than 29 bits, i.e. in practice), so it does not
- * depend on how micro-batches are spread over ranks. */
-static void accumulate(double *acc, const float *x, size_t n) {
-#pragma omp parallel for schedule(static)
-  for (size_t i = 0; i < n; i++) acc[i] += x[i];
+/* ---- collectives on table memory ---------------------------------------------------
+ *
+ * With one rank a collective is a local copy. Otherwise host memory goes
+ * straight to the communicator; device memory is staged: the region the
+ * call reads (send, or recv when send lies inside it, as in the in-place
+ * calls of stages 1-2) is downloaded, the collective runs on host memory,
+ * and what it wrote is uploaded. */
+
+static char *stage(dist *d, size_t bytes) {
+  if (bytes > d->stage_cap) {
+    free(d->stage_buf);
+    d->stage_buf = malloc(bytes);
+    d->stage_cap = d->stage_buf ? bytes : 0;
+    if (!d->stage_buf) zt_err("out of host memory for a %zu-byte collective", bytes);
+  }
+  return d->stage_buf;
 }
 
-/* The model's mirror of a host buffer of n floats: the buffer itself on the
- * CPU, zeroed device memory on a GPU (NULL when out of device memory). */
-static float *mirror(dist *d, float *host, size_t n) {
-  if (!host || !d->dev) return host;
-  return d->k->alloc(n * sizeof(float));
+static int c_all_reduce(dist *d, void *buf, size_t count, zt_dtype_t dt) {
+  size_t bytes = count * zt_dtype_size(dt);
+  if (d->N == 1) return 0;
+  if (!d->dev) return zt_comm_all_reduce(d->comm, buf, count, dt, ZT_RED_SUM, d->tmo);
+  char *h = stage(d, bytes);
+  if (!h) return -1;
+  d->k->download(h, buf, bytes);
+  if (zt_comm_all_reduce(d->comm, h, count, dt, ZT_RED_SUM, d->tmo) != 0) return -1;
+  d->k->upload(buf, h, bytes);
+  return 0;
 }
 
-/* Host -> model memory and back; no-ops when the model uses host memory. */
-static void to_model(dist *d, float *dst, const float *src, size_t n) {
-  if (dst != src) d->k->upload(dst, src, n * sizeof(float));
+/* Covers both in-place forms: recv inside send (reduce-scatter) and send
+ * inside recv (all-gather). `big` is the world*count side. */
+static int c_staged(dist *d, char *big, char *small, size_t count, zt_dtype_t dt, int gather) {
+  size_t es = zt_dtype_size(dt), bb = count * es * (size_t)d->N, sb = count * es;
+  int inside = small >= big && small < big + bb;
+  char *h = stage(d, bb + (inside ? 0 : sb));
+  if (!h) return -1;
+  char *hs = inside ? h + (small - big) : h + bb;
+  if (gather) {
+    d->k->download(hs, small, sb);
+    if (zt_comm_all_gather(d->comm, hs, h, count, dt, d->tmo) != 0) return -1;
+    d->k->upload(big, h, bb);
+  } else {
+    d->k->download(h, big, bb);
+    if (zt_comm_reduce_scatter(d->comm, h, hs, count, dt, ZT_RED_SUM, d->tmo) != 0) return -1;
+    d->k->upload(small, hs, sb);
+  }
+  return 0;
 }
 
-static void from_model(dist *d, float *dst, const float *src, size_t n) {
-  if (dst != src) d->k->download(dst, src, n * sizeof(float));
+static int c_reduce_scatter(dist *d, void *send, void *recv, size_t count, zt_dtype_t dt) {
+  if (d->N == 1) {
+    if (send != recv) d->k->copy(recv, send, count * zt_dtype_size(dt));
+    return 0;
+  }
+  if (!d->dev)
+    return zt_comm_reduce_scatter(d->comm, send, recv, count, dt, ZT_RED_SUM, d->tmo);
+  return c_staged(d, send, recv, count, dt, 0);
+}
+
+static int c_all_gather(dist *d, const void *send, void *recv, size_t count, zt_dtype_t dt) {
+  if (d->N == 1) {
+    if (send != recv) d->k->copy(recv, send, count * zt_dtype_size(dt));
+    return 0;
+  }
+  if (!d->dev) return zt_comm_all_gather(d->comm, send, recv, count, dt, d->tmo);
+  return c_staged(d, recv, (char *)send, count, dt, 1);
 }
 
 static int layout(dist *d) {
@@ -164,33 +211,29 @@ static int layout(dist *d) {
     d->gat0 = alloc_f(d, d->S[0] * (size_t)d->N, FLIGHT);
     d->gat = alloc_f(d, d->max_unit, FLIGHT);
   }
-  d->Pd = mirror(d, d->P, d->full_total);
-  d->Gd = mirror(d, d->G, d->full_total);
-  d->tg0d = mirror(d, d->tg0, d->S[0] * (size_t)d->N);
-  d->tgd = mirror(d, d->tg, d->max_unit);
-  d->gat0d = mirror(d, d->gat0, d->S[0] * (size_t)d->N);
-  d->gatd = mirror(d, d->gat, d->max_unit);
-  if ((d->P && !d->Pd) || (d->G && !d->Gd) || (d->tg && (!d->tg0d || !d->tgd)) ||
-      (d->gat && (!d->gat0d || !d->gatd)))
-    return zt_err("out of device memory for the model's parameters and gradients");
+  d->gbuf = d->k->alloc((d->max_unit ? d->max_unit : 1) * sizeof(float)); /* not a model state */
+  if (!d->gbuf) d->fail = 1;
+  if (d->fail) {
+    d->fail = 0;
+    return zt_err("out of %s memory for the model states (%llu bytes)", d->dev ? "device" : "host",
+                  (unsigned long long)(d->state_bytes[0] + d->state_bytes[1] +
+                                       d->state_bytes[2] + d->state_bytes[3]));
+  }
   for (int u = 0; u < d->U; u++) {
-    d->m->unit_params[u] = d->Pd ? d->Pd + d->off_full[u] : NULL;
-    d->m->unit_grads[u] = d->Gd ? d->Gd + d->off_full[u] : NULL;
+    d->m->unit_params[u] = d->P ? d->P + d->off_full[u] : NULL;
+    d->m->unit_grads[u] = d->G ? d->G + d->off_full[u] : NULL;
   }
   return 0;
 }
 
 static void free_dist(dist *d) {
-  if (d->dev) {
-    float *mirrors[] = {d->Pd, d->Gd, d->tg0d, d->tgd, d->gat0d, d->gatd};
-    for (size_t i = 0; i < ZT_ARRAY_LEN(mirrors); i++)
-      if (mirrors[i]) d->k->release(mirrors[i]);
-  }
   zt_model_free(d->m);
-  free(d->gbuf);
+  void *bufs[] = {d->gbuf, d->P,   d->G,   d->Ps, d->G64, d->M,    d->V,
+                  d->gat0, d->gat, d->tg0, d->tg, d->tg64, d->rs64};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
+    if (bufs[i]) d->k->release(bufs[i]);
   free(d->usz), free(d->S), free(d->off_full), free(d->off_shard);
-  free(d->P), free(d->G), free(d->Ps), free(d->G64), free(d->M), free(d->V);
-  free(d->gat0), free(d->gat), free(d->tg0), free(d->tg), free(d->tg64), free(d->rs64);
+  free(d->stage_buf);
 }
 
 /* The owned range of unit u, clipped to its real size: [lo, lo + n). */
@@ -231,12 +274,11 @@ static void hook_fail(dist *d, const char *what) {
 
 /* Stage 3: gather unit u's parameters into a full buffer. */
 static void gather_unit(dist *d, int u) {
-  float *buf = u == 0 ? d->gat0 : d->gat, *dbuf = u == 0 ? d->gat0d : d->gatd;
+  float *buf = u == 0 ? d->gat0 : d->gat;
   if (d->fail) return;
-  if (zt_comm_all_gather(d->comm, d->Ps + d->off_shard[u], buf, d->S[u], ZT_DT_F32, d->tmo) != 0)
+  if (c_all_gather(d, d->Ps + d->off_shard[u], buf, d->S[u], ZT_DT_F32) != 0)
     hook_fail(d, "all-gather of parameters");
-  to_model(d, dbuf, buf, d->S[u] * (size_t)d->N);
-  d->m->unit_params[u] = dbuf;
+  d->m->unit_params[u] = buf;
 }
 
 static int h_pre_forward(void *ctx, int u) {
@@ -249,7 +291,7 @@ static int h_pre_backward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage == 3 && u != 0) gather_unit(d, u); /* unit 0 is still gathered */
   if (d->stage >= 2) {
-    float *g = u == 0 ? d->tg0d : d->tgd;
+    float *g = u == 0 ? d->tg0 : d->tg;
     d->k->zero(g, d->S[u] * (size_t)d->N);
     d->m->unit_grads[u] = g;
   }
@@ -261,32 +303,33 @@ static int h_pre_backward(void *ctx, int u) {
 static int h_post_backward(void *ctx, int u) {
   dist *d = ctx;
   if (d->stage < 2 || d->fail) return d->fail ? -1 : 0;
-  float *g = u == 0 ? d->tg0 : d->tg;
-  size_t n = d->S[u] * (size_t)d->N;
-  from_model(d, g, u == 0 ? d->tg0d : d->tgd, n);
-  for (size_t i = 0; i < n; i++) d->tg64[i] = g[i];
-  if (zt_comm_reduce_scatter(d->comm, d->tg64, d->rs64, d->S[u], ZT_DT_F64, ZT_RED_SUM, d->tmo) !=
-      0) {
+  const float *g = u == 0 ? d->tg0 : d->tg;
+  d->k->widen_f64(d->tg64, g, d->S[u] * (size_t)d->N);
+  if (c_reduce_scatter(d, d->tg64, d->rs64, d->S[u], ZT_DT_F64) != 0) {
     hook_fail(d, "reduce-scatter of gradients");
     return -1;
   }
-  double *dst = d->G64 + d->off_shard[u];
-  for (size_t i = 0; i < d->S[u]; i++) dst[i] += d->rs64[i];
+  d->k->add_f64(d->G64 + d->off_shard[u], d->rs64, d->S[u]);
   return 0;
 }
 
 /* ---- state init / load / save -------------------------------------------------------- */
 
-static void init_params(dist *d) {
-  float *tmp = d->stage == 3 ? malloc(d->max_unit * sizeof(float)) : NULL;
+/* Each unit is initialised on the host (zt_model_init_unit) and uploaded:
+ * whole (stages 0-2) or this rank's shard (stage 3). */
+static int init_params(dist *d) {
+  float *tmp = malloc((d->max_unit ? d->max_unit : 1) * sizeof(float));
+  if (!tmp) return zt_err("out of memory initialising the parameters");
   for (int u = 0; u < d->U; u++) {
-    float *full = d->stage < 3 ? d->P + d->off_full[u] : tmp;
-    memset(full, 0, d->S[u] * (size_t)d->N * sizeof(float));
-    zt_model_init_unit(d->m, d->spec.seed, u, full);
-    if (d->stage == 3) memcpy(d->Ps + d->off_shard[u], tmp + (size_t)d->r * d->S[u], d->S[u] * 4);
+    memset(tmp, 0, d->S[u] * (size_t)d->N * sizeof(float));
+    zt_model_init_unit(d->m, d->spec.seed, u, tmp);
+    if (d->stage < 3)
+      d->k->upload(d->P + d->off_full[u], tmp, d->S[u] * (size_t)d->N * sizeof(float));
+    else
+      d->k->upload(d->Ps + d->off_shard[u], tmp + (size_t)d->r * d->S[u], d->S[u] * sizeof(float));
   }
   free(tmp);
-  if (d->stage < 3) to_model(d, d->Pd, d->P, d->full_total);
+  return 0;
 }
 
 /* Where this rank's owned Adam state of unit u lives. */
@@ -294,36 +337,59 @@ static float *opt_ptr(dist *d, float *base, int u) {
   return d->stage == 0 ? base + d->off_full[u] + (size_t)d->r * d->S[u] : base + d->off_shard[u];
 }
 
+/* A host view of n floats of table memory: the memory itself on the host,
+ * else a host buffer (freed by host_done, after copying it up). */
+static float *host_view(dist *d, float *buf, size_t n) {
+  return d->dev ? malloc((n ? n : 1) * sizeof(float)) : buf;
+}
+
+static void host_done(dist *d, float *buf, float *view, size_t n) {
+  if (view == buf || !view) return;
+  d->k->upload(buf, view, n * sizeof(float));
+  free(view);
+}
+
 static int load_state(dist *d, const char *dir, int64_t *step) {
   /* Stages 0-2 need every unit's full parameters; all stages need the
-   * owned Adam state (stage 0 then re-shares it below). */
+   * owned Adam state (stage 0 then re-shares it below). Files are read into
+   * host views of P (or Ps), M and V. */
+  size_t np = d->stage < 3 ? d->full_total : d->shard_total;
+  size_t no = d->stage == 0 ? d->full_total : d->shard_total;
+  float *pbuf = d->stage < 3 ? d->P : d->Ps;
+  float *hp = host_view(d, pbuf, np), *hm = host_view(d, d->M, no), *hv = host_view(d, d->V, no);
   zt_ckpt_dest *dest = calloc((size_t)d->U * 2, sizeof *dest);
-  int nd = 0;
+  int nd = 0, rc = -1;
+  if (!hp || !hm || !hv || !dest) {
+    zt_err("out of memory loading a checkpoint");
+    goto out;
+  }
   for (int u = 0; u < d->U; u++) {
     size_t lo, n;
     owned(d, u, &lo, &n);
+    float *m = hm + (opt_ptr(d, d->M, u) - d->M), *v = hv + (opt_ptr(d, d->V, u) - d->V);
     if (d->stage < 3) {
-      dest[nd++] = (zt_ckpt_dest){u, 0, d->usz[u], d->P + d->off_full[u], NULL, NULL};
-      dest[nd++] = (zt_ckpt_dest){u, lo, n, NULL, opt_ptr(d, d->M, u), opt_ptr(d, d->V, u)};
+      dest[nd++] = (zt_ckpt_dest){u, 0, d->usz[u], hp + d->off_full[u], NULL, NULL};
+      dest[nd++] = (zt_ckpt_dest){u, lo, n, NULL, m, v};
     } else {
-      dest[nd++] = (zt_ckpt_dest){u, lo, n, d->Ps + d->off_shard[u], d->M + d->off_shard[u],
-                                  d->V + d->off_shard[u]};
+      dest[nd++] = (zt_ckpt_dest){u, lo, n, hp + d->off_shard[u], m, v};
     }
   }
-  int rc = zt_ckpt_load(dir, &d->cfg, dest, nd, step);
+  rc = zt_ckpt_load(dir, &d->cfg, dest, nd, step);
+out:
   free(dest);
+  host_done(d, pbuf, hp, np);
+  host_done(d, d->M, hm, no);
+  host_done(d, d->V, hv, no);
   if (rc != 0) return -1;
   if (d->stage == 0) {
     /* Full Adam state on every rank: share the owned slices. */
     for (int u = 0; u < d->U; u++) {
       float *b[2] = {d->M + d->off_full[u], d->V + d->off_full[u]};
       for (int k = 0; k < 2; k++)
-        if (zt_comm_all_gather(d->comm, b[k] + (size_t)d->r * d->S[u], b[k], d->S[u], ZT_DT_F32,
-                               d->tmo) != 0)
+        if (c_all_gather(d, b[k] + (size_t)d->r * d->S[u], b[k], d->S[u], ZT_DT_F32) != 0)
           return zt_err_wrap("share optimizer state");
     }
   }
-  if (d->stage < 3) to_model(d, d->Pd, d->P, d->full_total);
   return 0;
 }
 
@@ -434,7 +500,7 @@ static int save_state(dist *d, ckpt_writer *w, int64_t step) {
     float *dst[3];
     for (int k = 0; k < 3; k++) {
       dst[k] = at;
-      memcpy(at, src[k], n * sizeof(float));
+      d->k->download(at, src[k], n * sizeof(float));
       at += n;
     }
     w->rg[u] = (zt_ckpt_range){u, lo, n, dst[0], dst[1], dst[2]};
@@ -468,7 +534,7 @@ static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
   if (!n) return;
   float *p = d->stage < 3 ? d->P + d->off_full[u] + lo : d->Ps + d->off_shard[u];
   const double *g = d->stage < 2 ? d->G64 + d->off_full[u] + lo : d->G64 + d->off_shard[u];
-  for (size_t i = 0; i < n; i++) d->gbuf[i] = (float)(g[i] * d->inv_k) * gscale;
+  d->k->narrow_f64(d->gbuf, g, n, d->inv_k, gscale);
   const zt_opt_config_t *o = &d->spec.opt;
   float bc1 = 1.0f - powf(o->beta1, (float)t), bc2 = 1.0f - powf(o->beta2, (float)t);
   for (int k = 0; k < d->m->num_tensors; k++) {
@@ -476,7 +542,7 @@ static void adamw_unit(dist *d, int u, float lr, float gscale, int64_t t) {
     if (tn->unit != u) continue;
     size_t a = ZT_MAX(tn->unit_off, lo), b = ZT_MIN(tn->unit_off + tn->n, lo + n);
     if (a >= b) continue;
-    d->hk->adamw(p + (a - lo), d->gbuf + (a - lo), m + (a - lo), v + (a - lo), b - a, lr, o->beta1,
+    d->k->adamw(p + (a - lo), d->gbuf + (a - lo), m + (a - lo), v + (a - lo), b - a, lr, o->beta1,
                 o->beta2, o->eps, tn->decay ? o->weight_decay : 0.0f, bc1, bc2);
   }
 }
@@ -489,10 +555,7 @@ static double owned_sumsq(dist *d) {
     size_t lo, n;
     owned(d, u, &lo, &n);
     const double *g = d->stage < 2 ? d->G64 + d->off_full[u] + lo : d->G64 + d->off_shard[u];
-    for (size_t i = 0; i < n; i++) {
-      double x = (float)(g[i] * d->inv_k);
-      s += x * x;
-    }
+    s += d->k->sumsq_f64(g, n, d->inv_k);
   }
   return s;
 }
@@ -510,20 +573,17 @@ static double step_lr(dist *d, int64_t step) {
 /* ---- one step ------------------------------------------------------------------------------ */
 
 static void zero_grads(dist *d) {
-  memset(d->G64, 0, (d->stage < 2 ? d->full_total : d->shard_total) * sizeof(double));
+  d->k->memzero(d->G64, (d->stage < 2 ? d->full_total : d->shard_total) * sizeof(double));
 }
 
 /* Sums the gradient over ranks: all-reduce (stage 0) or reduce-scatter
  * (stage 1) in fp64; stages 2-3 did it unit by unit during backward. */
 static int reduce_grads(dist *d) {
-  if (d->stage == 0)
-    return zt_comm_all_reduce(d->comm, d->G64, d->full_total, ZT_DT_F64, ZT_RED_SUM, d->tmo);
+  if (d->stage == 0) return c_all_reduce(d, d->G64, d->full_total, ZT_DT_F64);
   if (d->stage == 1)
     for (int u = 0; u < d->U; u++) {
       double *g = d->G64 + d->off_full[u];
-      if (zt_comm_reduce_scatter(d->comm, g, g + (size_t)d->r * d->S[u], d->S[u], ZT_DT_F64,
-                                 ZT_RED_SUM, d->tmo) != 0)
-        return -1;
+      if (c_reduce_scatter(d, g, g + (size_t)d->r * d->S[u], d->S[u], ZT_DT_F64) != 0) return -1;
     }
   return 0;
 }
@@ -532,8 +592,7 @@ static int gather_params(dist *d) {
   if (d->stage != 1 && d->stage != 2) return 0;
   for (int u = 0; u < d->U; u++) {
     float *p = d->P + d->off_full[u];
-    if (zt_comm_all_gather(d->comm, p + (size_t)d->r * d->S[u], p, d->S[u], ZT_DT_F32, d->tmo) != 0)
-      return -1;
+    if (c_all_gather(d, p + (size_t)d->r * d->S[u], p, d->S[u], ZT_DT_F32) != 0) return -1;
   }
   return 0;
 }
@@ -592,7 +651,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     return zt_err_wrap("job spec");
   d.stage = d.spec.zero_stage;
   d.cfg = d.spec.model;
-  d.hk = d.k = zt_kernels_cpu();
+  d.k = zt_kernels_cpu();
   int T = d.cfg.seq_len, mb = d.spec.micro_batch;
   if (parse_fault_injection(&d) != 0 || zt_spec_accum_for_world(&d.spec, d.N, &d.accum) != 0) {
     zt_spec_free(&d.spec);
@@ -605,7 +664,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
     zt_spec_free(&d.spec);
     return zt_err_wrap("device");
   }
-  d.dev = d.k != d.hk;
+  d.dev = d.k != zt_kernels_cpu();
   if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
   if (zt_model_create(&d.m, &d.cfg, mb, T, d.k, ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0) {
     zt_spec_free(&d.spec);
@@ -623,7 +682,6 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       zt_data_open_glob(&val, d.spec.val_glob, T, d.cfg.vocab_size, d.spec.seed) != 0)
     goto out;
   if (layout(&d) != 0) goto out;
-  d.gbuf = malloc((d.max_unit ? d.max_unit : 1) * sizeof(float));
   d.inv_k = (double)mb / (double)d.spec.global_batch;
   zt_model_hooks_t hooks = {&d, h_pre_forward, NULL, h_pre_backward, h_post_backward};
   zt_model_set_hooks(d.m, &hooks);
@@ -649,7 +707,7 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
             d.N, d.stage, (long long)(zt_now_ms() - t0), g->checkpoint_dir);
   } else {
     step = 0;
-    init_params(&d);
+    if (init_params(&d) != 0) goto out;
   }
 
   int ckpt_flag = 0;
@@ -669,12 +727,9 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       if (zt_data_fill(train, first, mb, inp, tgt) != 0) goto out;
       if (zt_model_forward(d.m, inp, tgt, mb, T, &l) != 0 && !d.fail) goto out;
       loss_sum += l;
-      if (d.Gd) d.k->zero(d.Gd, d.full_total);
+      if (d.G) d.k->zero(d.G, d.full_total);
       if (zt_model_backward(d.m, 1.0f) != 0 && !d.fail) goto out;
-      if (d.G) {
-        from_model(&d, d.G, d.Gd, d.full_total);
-        accumulate(d.G64, d.G, d.full_total);
-      }
+      if (d.G) d.k->acc_f64(d.G64, d.G, d.full_total);
       if (d.fail) {
         zt_err("%s", d.fail_msg);
         goto out;
@@ -691,7 +746,6 @@ int zt_gen_train(const zt_gen_ctx *g, int *fatal) {
       float gscale = zt_opt_clip_coef(ctl[1], d.spec.grad_clip, NULL);
       for (int u = 0; u < d.U; u++) adamw_unit(&d, u, (float)lr, gscale, s);
       if (gather_params(&d) != 0) goto out;
-      if (d.stage < 3) to_model(&d, d.Pd, d.P, d.full_total);
     } else {
       ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
               (long long)s, loss, norm);

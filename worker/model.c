@@ -246,7 +246,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
   m->Vp = zt_pad_vocab(cfg->vocab_size);
   m->max_B = B;
   m->max_T = T;
-  m->k = k;
+  m->k = k ? k : zt_kernels_ref(); /* NULL: layout-only users (export) */
   if (build_layout(m) != 0) goto err;
   m->unit_params = calloc((size_t)m->num_units, sizeof(float *));
   m->unit_grads = calloc((size_t)m->num_units, sizeof(float *));
@@ -255,7 +255,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
     goto err;
   }
   if (!(flags & ZT_MODEL_NO_PARAMS)) {
-    m->params = k->alloc(m->num_params * sizeof(float));
+    m->params = m->k->alloc(m->num_params * sizeof(float));
     if (!m->params) {
       zt_err("out of memory for %zu parameters", m->num_params);
       goto err;
@@ -263,7 +263,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
     for (int u = 0; u < m->num_units; u++) m->unit_params[u] = m->params + m->unit_off[u];
   }
   if (!(flags & ZT_MODEL_NO_GRADS)) {
-    m->grads = k->alloc(m->num_params * sizeof(float));
+    m->grads = m->k->alloc(m->num_params * sizeof(float));
     if (!m->grads) {
       zt_err("out of memory for %zu gradients", m->num_params);
       goto err;

@@ -148,7 +148,8 @@ typedef struct zt_model {
 int zt_model_config_check(const zt_model_config_t *cfg);
 
 /* Creates a model with activations for batches of up to B x T (T <= seq_len).
- * The parameters are not initialised; call zt_model_init. */
+ * The parameters are not initialised; call zt_model_init. k NULL means the
+ * reference CPU table (for callers that only need the layout). */
 int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T,
                     const zt_kernels_t *k, unsigned flags);
 void zt_model_free(zt_model_t *m);

@@ -485,6 +485,37 @@ static void fast_zero(float *x, size_t n) {
   }
 }
 
+/* Optimizer-state helpers: element-wise (any split gives the same result),
+ * except sumsq_f64, which adds in element order like the reference. */
+static void fast_acc_f64(double *acc, const float *x, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+
+static void fast_add_f64(double *acc, const double *y, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) acc[i] += y[i];
+}
+
+static void fast_widen_f64(double *dst, const float *x, size_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) dst[i] = x[i];
+}
+
+static void fast_narrow_f64(float *dst, const double *x, size_t n, double s, float t) {
+#pragma omp parallel for simd schedule(static)
+  for (size_t i = 0; i < n; i++) dst[i] = (float)(x[i] * s) * t;
+}
+
+static double fast_sumsq_f64(const double *x, size_t n, double s) {
+  double sum = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    double v = (float)(x[i] * s);
+    sum += v * v;
+  }
+  return sum;
+}
+
 static const zt_kernels_t zt_cpu_table = {
     .name = "cpu",
     .encoder_forward = fast_encoder_forward,
@@ -504,10 +535,17 @@ static const zt_kernels_t zt_cpu_table = {
     .sumsq = fast_sumsq,
     .scale = fast_scale,
     .zero = fast_zero,
+    .acc_f64 = fast_acc_f64,
+    .add_f64 = fast_add_f64,
+    .widen_f64 = fast_widen_f64,
+    .narrow_f64 = fast_narrow_f64,
+    .sumsq_f64 = fast_sumsq_f64,
     .alloc = zt_kern_host_alloc,
     .release = zt_kern_host_release,
     .upload = zt_kern_host_copy,
     .download = zt_kern_host_copy,
+    .copy = zt_kern_host_copy,
+    .memzero = zt_kern_host_memzero,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {

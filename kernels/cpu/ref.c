@@ -302,10 +302,38 @@ static void ref_zero(float *x, size_t n) {
   for (size_t i = 0; i < n; i++) x[i] = 0.0f;
 }
 
+static void ref_acc_f64(double *acc, const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+
+static void ref_add_f64(double *acc, const double *y, size_t n) {
+  for (size_t i = 0; i < n; i++) acc[i] += y[i];
+}
+
+static void ref_widen_f64(double *dst, const float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = x[i];
+}
+
+static void ref_narrow_f64(float *dst, const double *x, size_t n, double s, float t) {
+  for (size_t i = 0; i < n; i++) dst[i] = (float)(x[i] * s) * t;
+}
+
+static double ref_sumsq_f64(const double *x, size_t n, double s) {
+  double sum = 0.0;
+  for (size_t i = 0; i < n; i++) {
+    double v = (float)(x[i] * s);
+    sum += v * v;
+  }
+  return sum;
+}
+
 void *zt_kern_host_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
 void zt_kern_host_release(void *p) { free(p); }
 void zt_kern_host_copy(void *dst, const void *src, size_t bytes) {
   if (bytes) memcpy(dst, src, bytes);
+}
+void zt_kern_host_memzero(void *p, size_t bytes) {
+  if (bytes) memset(p, 0, bytes);
 }
 
 static const zt_kernels_t zt_ref_table = {
@@ -327,10 +355,17 @@ static const zt_kernels_t zt_ref_table = {
     .sumsq = ref_sumsq,
     .scale = ref_scale,
     .zero = ref_zero,
+    .acc_f64 = ref_acc_f64,
+    .add_f64 = ref_add_f64,
+    .widen_f64 = ref_widen_f64,
+    .narrow_f64 = ref_narrow_f64,
+    .sumsq_f64 = ref_sumsq_f64,
     .alloc = zt_kern_host_alloc,
     .release = zt_kern_host_release,
     .upload = zt_kern_host_copy,
     .download = zt_kern_host_copy,
+    .copy = zt_kern_host_copy,
+    .memzero = zt_kern_host_memzero,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }

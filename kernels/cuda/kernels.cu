@@ -713,12 +713,78 @@ __global__ void k_sumsq_chunks(double *part, const float *x, size_t n) {
   if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 
+static double sum_chunks(const double *part, size_t chunks);
+
 static double cu_sumsq(const float *x, size_t n) {
   if (!n) return 0.0;
   size_t chunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
   double *part = (double *)scratch(SCR_SUMSQ, chunks * sizeof(double));
   k_sumsq_chunks<<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n);
   ZT_CUDA_LAUNCHED();
+  return sum_chunks(part, chunks);
+}
+
+
+
+/* ---------------------------------------------------------------------------
+ * Optimizer-state helpers (fp64 gradient sums). */
+
+__global__ void k_acc_f64(double *acc, const float *x, size_t n) {
+  ZT_GRID_STRIDE(i, n) acc[i] += x[i];
+}
+
+__global__ void k_add_f64(double *acc, const double *y, size_t n) {
+  ZT_GRID_STRIDE(i, n) acc[i] += y[i];
+}
+
+__global__ void k_widen_f64(double *dst, const float *x, size_t n) {
+  ZT_GRID_STRIDE(i, n) dst[i] = x[i];
+}
+
+__global__ void k_narrow_f64(float *dst, const double *x, size_t n, double s, float t) {
+  ZT_GRID_STRIDE(i, n) dst[i] = (float)(x[i] * s) * t;
+}
+
+static void cu_acc_f64(double *acc, const float *x, size_t n) {
+  if (!n) return;
+  k_acc_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(acc, x, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_add_f64(double *acc, const double *y, size_t n) {
+  if (!n) return;
+  k_add_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(acc, y, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_widen_f64(double *dst, const float *x, size_t n) {
+  if (!n) return;
+  k_widen_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(dst, x, n);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void cu_narrow_f64(float *dst, const double *x, size_t n, double s, float t) {
+  if (!n) return;
+  k_narrow_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(dst, x, n, s, t);
+  ZT_CUDA_LAUNCHED();
+}
+
+/* Like k_sumsq_chunks, of (float)(x * s). */
+__global__ void k_sumsq_f64_chunks(double *part, const double *x, size_t n, double s) {
+  __shared__ double sh[ZT_RED_THREADS];
+  size_t c0 = (size_t)blockIdx.x * ZT_KERN_SUMSQ_CHUNK;
+  size_t c1 = c0 + ZT_KERN_SUMSQ_CHUNK < n ? c0 + ZT_KERN_SUMSQ_CHUNK : n;
+  double acc = 0.0;
+  for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+    double v = (float)(x[i] * s);
+    acc += v * v;
+  }
+  acc = block_reduce<double, false>(acc, sh);
+  if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+/* Adds the chunk sums of `part` on the host, in order. */
+static double sum_chunks(const double *part, size_t chunks) {
   if (g.sumsq_host_n < chunks) {
     free(g.sumsq_host);
     g.sumsq_host = (double *)malloc(chunks * sizeof(double));
@@ -731,6 +797,15 @@ static double cu_sumsq(const float *x, size_t n) {
   double total = 0.0;
   for (size_t i = 0; i < chunks; i++) total += g.sumsq_host[i];
   return total;
+}
+
+static double cu_sumsq_f64(const double *x, size_t n, double s) {
+  if (!n) return 0.0;
+  size_t chunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
+  double *part = (double *)scratch(SCR_SUMSQ, chunks * sizeof(double));
+  k_sumsq_f64_chunks<<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n, s);
+  ZT_CUDA_LAUNCHED();
+  return sum_chunks(part, chunks);
 }
 
 /* ---------------------------------------------------------------------------
@@ -767,6 +842,16 @@ static void cu_download(void *dst, const void *src, size_t bytes) {
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
 }
 
+static void cu_copy(void *dst, const void *src, size_t bytes) {
+  if (!bytes) return;
+  ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g.stream));
+}
+
+static void cu_memzero(void *p, size_t bytes) {
+  if (!bytes) return;
+  ZT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.stream));
+}
+
 static zt_kernels_t zt_cuda_table;
 
 static void fill_table(void) {
@@ -789,6 +874,13 @@ static void fill_table(void) {
   t->sumsq = cu_sumsq;
   t->scale = cu_scale;
   t->zero = cu_zero;
+  t->acc_f64 = cu_acc_f64;
+  t->add_f64 = cu_add_f64;
+  t->widen_f64 = cu_widen_f64;
+  t->narrow_f64 = cu_narrow_f64;
+  t->sumsq_f64 = cu_sumsq_f64;
+  t->copy = cu_copy;
+  t->memzero = cu_memzero;
   t->alloc = cu_alloc;
   t->release = cu_release;
   t->upload = cu_upload;

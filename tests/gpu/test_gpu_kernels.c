@@ -296,6 +296,44 @@ ZT_TEST(optimizer_and_reductions) {
   free(p), free(g), free(m), free(v);
 }
 
+/* The fp64 optimizer-state helpers and the memory functions of the table. */
+ZT_TEST(state_helpers) {
+  size_t n = 300007;
+  float *x = zt_rnd(n, 3);
+  double *a = malloc(n * 8), *y = malloc(n * 8);
+  for (size_t i = 0; i < n; i++) a[i] = zt_frand() * 1e3, y[i] = zt_frand() * 7.5;
+  double *da = dev(a, n * 8), *dy = dev(y, n * 8);
+  float *dx = DEVF(x, n), *df = zt_cuda_malloc(n * 4);
+  G->acc_f64(da, dx, n);
+  R->acc_f64(a, x, n);
+  G->add_f64(da, dy, n);
+  R->add_f64(a, y, n);
+  double *ha = malloc(n * 8);
+  G->download(ha, da, n * 8);
+  ZT_CHECK(memcmp(ha, a, n * 8) == 0); /* element-wise: exact */
+  G->widen_f64(da, dx, n);
+  G->download(ha, da, n * 8);
+  for (size_t i = 0; i < n; i += 997) ZT_CHECK(ha[i] == (double)x[i]);
+  float *f = malloc(n * 4);
+  G->narrow_f64(df, dy, n, 0.25, 0.5f);
+  R->narrow_f64(f, y, n, 0.25, 0.5f);
+  close_dev("narrow_f64", df, f, n, 0, 0);
+  double s1 = G->sumsq_f64(dy, n, 0.25), s2 = R->sumsq_f64(y, n, 0.25);
+  ZT_CHECK_NEAR(s1, s2, 1e-12 * s2);
+  ZT_CHECK(G->sumsq_f64(dy, n, 0.25) == s1);
+  G->copy(df, dx, n * 4);
+  ZT_CHECK(same_dev(df, dx, n));
+  G->memzero(df, n * 4);
+  float *z = back(df, n);
+  ZT_CHECK(z[0] == 0.0f && z[n - 1] == 0.0f);
+  void *p = G->alloc(1000);
+  float *hp = back(p, 250);
+  ZT_CHECK(p != NULL && hp[249] == 0.0f);
+  G->release(p);
+  zt_cuda_free(da), zt_cuda_free(dy), zt_cuda_free(dx), zt_cuda_free(df);
+  free(x), free(a), free(y), free(ha), free(f), free(z), free(hp);
+}
+
 int run_all(int argc, char **argv);
 
 int main(int argc, char **argv) {
@@ -310,4 +348,5 @@ int main(int argc, char **argv) {
 }
 
 ZT_TEST_MAIN_NAMED(run_all, table, encoder, layernorm, matmul, matmul_reduced_precision,
-                   attention, gelu_residual_scale, crossentropy, optimizer_and_reductions)
+                   attention, gelu_residual_scale, crossentropy, optimizer_and_reductions,
+                   state_helpers)

@@ -2,7 +2,7 @@
 
 Real zcoord and zworker processes on 127.0.0.1. The tiny job of the
 integration tests runs for 40 steps on CPU workers and on GPU workers (the
-model on the CUDA kernel table, the ZeRO state on the host; docs/gpu.md):
+model and its ZeRO state on the CUDA kernel table; docs/gpu.md):
 
   - 1 GPU worker, fp32 products: every step's loss within 1e-3 relative of
     the CPU run (summation order differs; AdamW normalises updates, so the

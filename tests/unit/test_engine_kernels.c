@@ -208,6 +208,41 @@ ZT_TEST(optimizer_and_reductions) {
   free(p1), free(p2), free(g), free(m1), free(m2), free(v1), free(v2);
 }
 
+/* The fp64 optimizer-state helpers: element-wise ones exact, sumsq_f64 in
+ * element order (so exact too), memory functions on host memory. */
+ZT_TEST(state_helpers) {
+  size_t n = 10007;
+  float *x = zt_rnd(n, 3);
+  double *a1 = malloc(n * 8), *a2 = malloc(n * 8), *y = malloc(n * 8);
+  for (size_t i = 0; i < n; i++) a1[i] = a2[i] = zt_frand() * 1e3, y[i] = zt_frand() * 7.5;
+  F->acc_f64(a1, x, n);
+  R->acc_f64(a2, x, n);
+  ZT_CHECK(memcmp(a1, a2, n * 8) == 0);
+  F->add_f64(a1, y, n);
+  R->add_f64(a2, y, n);
+  ZT_CHECK(memcmp(a1, a2, n * 8) == 0);
+  for (size_t i = 0; i < n; i++) ZT_CHECK(a1[i] == a2[i]);
+  F->widen_f64(a1, x, n);
+  for (size_t i = 0; i < n; i++) ZT_CHECK(a1[i] == (double)x[i]);
+  float *f1 = malloc(n * 4), *f2 = malloc(n * 4);
+  F->narrow_f64(f1, y, n, 0.25, 0.5f);
+  R->narrow_f64(f2, y, n, 0.25, 0.5f);
+  ZT_CHECK(memcmp(f1, f2, n * 4) == 0);
+  ZT_CHECK(f1[7] == (float)(y[7] * 0.25) * 0.5f);
+  double s1 = F->sumsq_f64(y, n, 0.25), s2 = R->sumsq_f64(y, n, 0.25), s3 = 0;
+  for (size_t i = 0; i < n; i++) s3 += (double)f1[i] * 2 * ((double)f1[i] * 2);
+  ZT_CHECK(s1 == s2);
+  ZT_CHECK_NEAR(s1, s3, 1e-12 * s3);
+  void *p = F->alloc(100);
+  ZT_CHECK(p != NULL && ((char *)p)[99] == 0);
+  F->copy(p, x, 100);
+  ZT_CHECK(memcmp(p, x, 100) == 0);
+  F->memzero(p, 100);
+  ZT_CHECK(((char *)p)[50] == 0);
+  F->release(p);
+  free(x), free(a1), free(a2), free(y), free(f1), free(f2);
+}
+
 ZT_TEST(tables) {
   zt_kern_cpu_set_threads(2);
   ZT_CHECK_STR(F->name, "cpu");
@@ -216,4 +251,4 @@ ZT_TEST(tables) {
 }
 
 ZT_TEST_MAIN(tables, encoder, layernorm, matmul, attention, gelu_residual, crossentropy,
-             optimizer_and_reductions)
+             optimizer_and_reductions, state_helpers)
