@@ -77,3 +77,18 @@ def test_model_state_memory(procs, tmp_path, data, stage):
         # What is in flight (stages 2-3: a few units) stays well below one
         # full copy of the model states.
         assert m["inflight_bytes"] < 8 * psi
+
+
+def test_staged_collectives_match(procs, tmp_path, data):
+    """The device path's collectives (buffers staged through host memory,
+    in-place reduce-scatter and all-gather included) give the same losses.
+    ZT_TEST_STAGE_COLLECTIVES=1 makes CPU workers take that path."""
+    train, val = data
+    coord = start_fleet(procs, 3, worker_env={"ZT_TEST_STAGE_COLLECTIVES": "1"})
+    ref = run_job(procs, coord, tmp_path, tiny_spec(train, val, STEPS, 0, 1), "ref1")
+    for stage, n in ((0, 2), (1, 3), (2, 2), (3, 3)):
+        got = run_job(procs, coord, tmp_path, tiny_spec(train, val, STEPS, stage, n),
+                      f"staged-s{stage}n{n}")
+        for s in range(1, STEPS + 1):
+            assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), \
+                f"staged stage {stage} N={n} step {s}: {got[s]} vs {ref[s]}"

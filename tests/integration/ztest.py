@@ -144,11 +144,11 @@ class Procs:
 
 
 def start_fleet(procs, n, extra=("--threads", "1"), prefix="w", hb_ms=300, timeout_ms=3000,
-                wait_s=20, **coord_kw):
+                wait_s=20, worker_env=None, **coord_kw):
     """zcoord plus n zworkers named prefix0..; returns zcoord once all are alive."""
     coord = procs.coord(hb_ms=hb_ms, timeout_ms=timeout_ms, **coord_kw)
     for i in range(n):
-        procs.worker(coord.grpc, f"{prefix}{i}", extra=list(extra))
+        procs.worker(coord.grpc, f"{prefix}{i}", extra=list(extra), env=worker_env)
     wait_until(lambda: sum(w["state"] == "alive" for w in workers_by_name(coord).values()) == n,
                wait_s, f"{n} workers alive")
     return coord
