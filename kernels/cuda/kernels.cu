@@ -144,14 +144,11 @@ static uint32_t align_of(const void *p, long long stride, int batch) {
   return (uint32_t)(a & (~a + 1));
 }
 
-static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda, long long sA,
-                    const float *Bm, int ldb, long long sB, float *D, int ldd, long long sD,
-                    int batch, float alpha, float beta, const float *bias) {
+/* The operation descriptor: compute type, transposes, optional bias. */
+static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, const float *bias) {
   cublasLtMatmulDesc_t op = NULL;
-  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-  cublasLtMatmulPreference_t pref = NULL;
   cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  ZT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, compute_type(), CUDA_R_32F));
+  ZT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
   ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
   ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
   if (bias) {
@@ -160,6 +157,16 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                    sizeof bias));
   }
+  return op;
+}
+
+static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda, long long sA,
+                    const float *Bm, int ldb, long long sB, float *D, int ldd, long long sD,
+                    int batch, float alpha, float beta, const float *bias) {
+  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+  cublasLtMatmulPreference_t pref = NULL;
+  cublasComputeType_t ct = compute_type();
+  cublasLtMatmulDesc_t op = make_op(ct, ta, tb, bias);
   ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta ? k : m, ta ? m : k, lda));
   ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb ? n : k, tb ? k : n, ldb));
   ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
@@ -189,6 +196,13 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda
   cublasLtMatmulHeuristicResult_t res;
   int found = 0;
   ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &found));
+  if (found == 0 && ct != CUBLAS_COMPUTE_32F) {
+    /* No reduced-precision kernel for this shape or alignment: plain fp32. */
+    cublasLtMatmulDescDestroy(op);
+    op = make_op(CUBLAS_COMPUTE_32F, ta, tb, bias);
+    ZT_CUBLAS_CHECK(
+        cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &found));
+  }
   if (found == 0)
     uv__cuda_fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for this product", __FILE__,
                   __LINE__);
