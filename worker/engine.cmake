@@ -9,5 +9,7 @@ add_library(zt_trainer STATIC
 target_include_directories(zt_trainer PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(zt_trainer PUBLIC zt_kernels_cpu zt_common PkgConfig::CJSON m)
 
-add_executable(zsolo ${CMAKE_CURRENT_SOURCE_DIR}/solo.c)
-target_link_libraries(zsolo PRIVATE zt_engine)
+if(NOT ZT_GPU_ONLY)
+  add_executable(zsolo ${CMAKE_CURRENT_SOURCE_DIR}/solo.c)
+  target_link_libraries(zsolo PRIVATE zt_engine)
+endif()

@@ -1,5 +1,8 @@
 # worker/zworker.cmake: the control client (library, shared with tests and
 # benches) and the zworker daemon.
+if(ZT_GPU_ONLY) # needs the control-plane packages
+  return()
+endif()
 add_library(zt_control STATIC ${CMAKE_CURRENT_SOURCE_DIR}/control.c)
 target_include_directories(zt_control PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
 target_link_libraries(zt_control PUBLIC zt_common zt_rpc zt_proto zt_pbcall)
