@@ -160,21 +160,54 @@ static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, cons
   return op;
 }
 
-static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda, long long sA,
-                    const float *Bm, int ldb, long long sB, float *D, int ldd, long long sD,
-                    int batch, float alpha, float beta, const float *bias) {
-  cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-  cublasLtMatmulPreference_t pref = NULL;
+/* A planned product: descriptors and the chosen algorithm for one shape,
+ * kept so that the heuristic query and the descriptor set-up (tens of
+ * microseconds) happen once per shape, not once per call. The key holds
+ * everything the plan depends on except the pointers (the bias pointer is
+ * set on each call; the alignments are part of the key). */
+typedef struct {
+  int ta, tb, m, n, k, lda, ldb, ldd, batch, has_bias;
+  long long sA, sB, sD;
+  uint32_t al[3];
+  zt_cuda_math_t math;
+} lt_key;
+
+typedef struct {
+  int used;
+  lt_key key;
+  cublasLtMatmulDesc_t op;
+  cublasLtMatrixLayout_t la, lb, ld;
+  cublasLtMatmulAlgo_t algo;
+} lt_plan;
+
+#define ZT_LT_PLANS 256
+static lt_plan uv__plans[ZT_LT_PLANS];
+static int uv__plan_next; /* round-robin eviction */
+
+static void plan_destroy(lt_plan *p) {
+  if (!p->used) return;
+  cublasLtMatrixLayoutDestroy(p->la);
+  cublasLtMatrixLayoutDestroy(p->lb);
+  cublasLtMatrixLayoutDestroy(p->ld);
+  cublasLtMatmulDescDestroy(p->op);
+  p->used = 0;
+}
+
+static void plan_build(lt_plan *p, const lt_key *kk) {
+  const float *fake_bias = kk->has_bias ? (const float *)g.lt_ws : NULL;
   cublasComputeType_t ct = compute_type();
-  cublasLtMatmulDesc_t op = make_op(ct, ta, tb, bias);
-  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta ? k : m, ta ? m : k, lda));
-  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb ? n : k, tb ? k : n, ldb));
-  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
-  if (batch > 1) {
-    cublasLtMatrixLayout_t ls[3] = {la, lb, ld};
-    long long strides[3] = {sA, sB, sD};
+  p->key = *kk;
+  p->op = make_op(ct, kk->ta, kk->tb, fake_bias);
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_32F, kk->ta ? kk->k : kk->m,
+                                             kk->ta ? kk->m : kk->k, kk->lda));
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_32F, kk->tb ? kk->n : kk->k,
+                                             kk->tb ? kk->k : kk->n, kk->ldb));
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->ld, CUDA_R_32F, kk->m, kk->n, kk->ldd));
+  if (kk->batch > 1) {
+    cublasLtMatrixLayout_t ls[3] = {p->la, p->lb, p->ld};
+    long long strides[3] = {kk->sA, kk->sB, kk->sD};
     for (int i = 0; i < 3; i++) {
-      int32_t bc = batch;
+      int32_t bc = kk->batch;
       int64_t st = strides[i];
       ZT_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(ls[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
                                                        &bc, sizeof bc));
@@ -182,12 +215,12 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda
           ls[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &st, sizeof st));
     }
   }
+  cublasLtMatmulPreference_t pref = NULL;
   ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   uint64_t ws = g.lt_ws_size;
   ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  uint32_t al[4] = {align_of(A, sA, batch), align_of(Bm, sB, batch), align_of(D, sD, batch),
-                    align_of(D, sD, batch)};
+  uint32_t al[4] = {kk->al[0], kk->al[1], kk->al[2], kk->al[2]};
   const cublasLtMatmulPreferenceAttributes_t which[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -195,24 +228,52 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda
     ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
   cublasLtMatmulHeuristicResult_t res;
   int found = 0;
-  ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &found));
+  ZT_CUBLAS_CHECK(
+      cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref, 1, &res, &found));
   if (found == 0 && ct != CUBLAS_COMPUTE_32F) {
     /* No reduced-precision kernel for this shape or alignment: plain fp32. */
-    cublasLtMatmulDescDestroy(op);
-    op = make_op(CUBLAS_COMPUTE_32F, ta, tb, bias);
-    ZT_CUBLAS_CHECK(
-        cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &found));
+    cublasLtMatmulDescDestroy(p->op);
+    p->op = make_op(CUBLAS_COMPUTE_32F, kk->ta, kk->tb, fake_bias);
+    ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref,
+                                                   1, &res, &found));
   }
+  cublasLtMatmulPreferenceDestroy(pref);
   if (found == 0)
     uv__cuda_fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for this product", __FILE__,
                   __LINE__);
-  ZT_CUBLAS_CHECK(cublasLtMatmul(g.lt, op, &alpha, A, la, Bm, lb, &beta, D, ld, D, ld, &res.algo,
-                                 g.lt_ws, g.lt_ws_size, g.stream));
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(ld);
-  cublasLtMatmulDescDestroy(op);
+  p->algo = res.algo;
+  p->used = 1;
+}
+
+static lt_plan *plan_get(const lt_key *kk) {
+  for (int i = 0; i < ZT_LT_PLANS; i++)
+    if (uv__plans[i].used && !memcmp(&uv__plans[i].key, kk, sizeof *kk)) return &uv__plans[i];
+  lt_plan *p = &uv__plans[uv__plan_next];
+  uv__plan_next = (uv__plan_next + 1) % ZT_LT_PLANS;
+  /* The evicted plan's descriptors may belong to queued work: cuBLASLt
+   * reads them at enqueue time only, so destroying them now is safe. */
+  plan_destroy(p);
+  plan_build(p, kk);
+  return p;
+}
+
+static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda, long long sA,
+                    const float *Bm, int ldb, long long sB, float *D, int ldd, long long sD,
+                    int batch, float alpha, float beta, const float *bias) {
+  lt_key kk;
+  memset(&kk, 0, sizeof kk); /* the key is compared bytewise, padding included */
+  kk.ta = ta, kk.tb = tb, kk.m = m, kk.n = n, kk.k = k, kk.lda = lda, kk.ldb = ldb, kk.ldd = ldd;
+  kk.batch = batch, kk.has_bias = bias != NULL;
+  kk.sA = batch > 1 ? sA : 0, kk.sB = batch > 1 ? sB : 0, kk.sD = batch > 1 ? sD : 0;
+  kk.al[0] = align_of(A, sA, batch), kk.al[1] = align_of(Bm, sB, batch);
+  kk.al[2] = align_of(D, sD, batch);
+  kk.math = g.math;
+  lt_plan *p = plan_get(&kk);
+  if (bias)
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                   sizeof bias));
+  ZT_CUBLAS_CHECK(cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, Bm, p->lb, &beta, D, p->ld, D,
+                                 p->ld, &p->algo, g.lt_ws, g.lt_ws_size, g.stream));
 }
 
 /* ---------------------------------------------------------------------------
