@@ -136,6 +136,14 @@ void *zt_kern_host_alloc(size_t bytes);
 void zt_kern_host_release(void *p);
 void zt_kern_host_copy(void *dst, const void *src, size_t bytes);
 void zt_kern_host_memzero(void *p, size_t bytes);
+/* The memory entries of a CPU table (designated initializers). */
+#define ZT_KERN_HOST_MEMORY                                                     \
+  .alloc = zt_kern_host_alloc, .release = zt_kern_host_release,                 \
+  .upload = zt_kern_host_copy, .download = zt_kern_host_copy,                   \
+  .copy = zt_kern_host_copy, .memzero = zt_kern_host_memzero
+
+/* sumsq_f64 of both CPU tables (serial, in element order). */
+double zt_kern_host_sumsq_f64(const double *x, size_t n, double s);
 const zt_kernels_t *zt_kernels_ref(void);
 
 /* Sets the number of CPU threads used by the OpenMP kernels and by OpenBLAS

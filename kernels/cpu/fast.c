@@ -507,15 +507,6 @@ static void fast_narrow_f64(float *dst, const double *x, size_t n, double s, flo
   for (size_t i = 0; i < n; i++) dst[i] = (float)(x[i] * s) * t;
 }
 
-static double fast_sumsq_f64(const double *x, size_t n, double s) {
-  double sum = 0.0;
-  for (size_t i = 0; i < n; i++) {
-    double v = (float)(x[i] * s);
-    sum += v * v;
-  }
-  return sum;
-}
-
 static const zt_kernels_t zt_cpu_table = {
     .name = "cpu",
     .encoder_forward = fast_encoder_forward,
@@ -539,13 +530,8 @@ static const zt_kernels_t zt_cpu_table = {
     .add_f64 = fast_add_f64,
     .widen_f64 = fast_widen_f64,
     .narrow_f64 = fast_narrow_f64,
-    .sumsq_f64 = fast_sumsq_f64,
-    .alloc = zt_kern_host_alloc,
-    .release = zt_kern_host_release,
-    .upload = zt_kern_host_copy,
-    .download = zt_kern_host_copy,
-    .copy = zt_kern_host_copy,
-    .memzero = zt_kern_host_memzero,
+    .sumsq_f64 = zt_kern_host_sumsq_f64, /* serial: element order */
+    ZT_KERN_HOST_MEMORY,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {

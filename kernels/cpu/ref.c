@@ -318,7 +318,7 @@ static void ref_narrow_f64(float *dst, const double *x, size_t n, double s, floa
   for (size_t i = 0; i < n; i++) dst[i] = (float)(x[i] * s) * t;
 }
 
-static double ref_sumsq_f64(const double *x, size_t n, double s) {
+double zt_kern_host_sumsq_f64(const double *x, size_t n, double s) {
   double sum = 0.0;
   for (size_t i = 0; i < n; i++) {
     double v = (float)(x[i] * s);
@@ -359,13 +359,8 @@ static const zt_kernels_t zt_ref_table = {
     .add_f64 = ref_add_f64,
     .widen_f64 = ref_widen_f64,
     .narrow_f64 = ref_narrow_f64,
-    .sumsq_f64 = ref_sumsq_f64,
-    .alloc = zt_kern_host_alloc,
-    .release = zt_kern_host_release,
-    .upload = zt_kern_host_copy,
-    .download = zt_kern_host_copy,
-    .copy = zt_kern_host_copy,
-    .memzero = zt_kern_host_memzero,
+    .sumsq_f64 = zt_kern_host_sumsq_f64,
+    ZT_KERN_HOST_MEMORY,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }
