@@ -973,7 +973,12 @@ extern "C" int zt_cuda_device_count(void) {
 
 extern "C" int zt_kern_cuda_init(int device, char *err, size_t errlen) {
   if (g.init) {
-    if (device == g.device) return 0;
+    /* The current device is per thread: a later call from another thread
+     * (zworker's trainer thread) makes it current there too. */
+    if (device == g.device) {
+      ZT_CUDA_CHECK(cudaSetDevice(device));
+      return 0;
+    }
     snprintf(err, errlen, "CUDA kernels already initialised on device %d, not %d", g.device,
              device);
     return -1;

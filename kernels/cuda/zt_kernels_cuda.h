@@ -53,7 +53,8 @@ int zt_cuda_device_count(void);
 
 /* Selects device `device`, creates the stream and the cuBLASLt handle.
  * Returns 0, or -1 with a message in err (no device, bad index, driver too
- * old). Idempotent for the same device. */
+ * old). Idempotent for the same device; every thread that launches work
+ * calls it once (it makes the device current for the calling thread). */
 int zt_kern_cuda_init(int device, char *err, size_t errlen);
 
 /* The kernel table (zt_kern_cuda_init must have succeeded). */
