@@ -87,6 +87,16 @@ static unsigned grid_for(size_t n, unsigned block) {
   return (unsigned)(b > 65535u * 16u ? 65535u * 16u : b);
 }
 
+/* Launches a grid-stride kernel over n elements on the module's stream
+ * (nothing for n == 0) and checks the launch. */
+#define ZT_LAUNCH_1D(kernel, n, ...)                                           \
+  do {                                                                         \
+    if ((n) > 0) {                                                             \
+      kernel<<<grid_for((n), 256), 256, 0, g.stream>>>(__VA_ARGS__);           \
+      ZT_CUDA_LAUNCHED();                                                      \
+    }                                                                          \
+  } while (0)
+
 #define ZT_GRID_STRIDE(i, n) \
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); \
        i += (size_t)gridDim.x * blockDim.x)
@@ -346,9 +356,7 @@ __global__ void k_encoder_fwd(float *out, const int *inp, const float *wte, cons
 static void cu_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
                                int B, int T, int C) {
   size_t n = (size_t)B * T * C;
-  if (!n) return;
-  k_encoder_fwd<<<grid_for(n, 256), 256, 0, g.stream>>>(out, inp, wte, wpe, T, C, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_encoder_fwd, n, out, inp, wte, wpe, T, C, n);
 }
 
 /* dwpe[t,c] += sum over b in order. */
@@ -391,8 +399,7 @@ static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout, con
   int n = B * T;
   if (n <= 0 || C <= 0) return;
   size_t tc = (size_t)T * C;
-  k_encoder_bwd_wpe<<<grid_for(tc, 256), 256, 0, g.stream>>>(dwpe, dout, B, T, C);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_encoder_bwd_wpe, tc, dwpe, dout, B, T, C);
   size_t temp = 0;
   ZT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, temp, (const unsigned *)NULL,
                                                 (unsigned *)NULL, (const int *)NULL, (int *)NULL,
@@ -401,8 +408,7 @@ static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout, con
   char *s = (char *)scratch(SCR_SORT, 4 * arr + temp);
   unsigned *keys_in = (unsigned *)s, *keys_out = (unsigned *)(s + arr);
   int *vals_in = (int *)(s + 2 * arr), *vals_out = (int *)(s + 3 * arr);
-  k_iota_keys<<<grid_for((size_t)n, 256), 256, 0, g.stream>>>(keys_in, vals_in, inp, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_iota_keys, (size_t)n, keys_in, vals_in, inp, n);
   ZT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s + 4 * arr, temp, keys_in, keys_out, vals_in,
                                                 vals_out, n, 0, 32, g.stream));
   k_encoder_bwd_wte<<<n, 128, 0, g.stream>>>(dwte, dout, keys_out, vals_out, n, C);
@@ -489,8 +495,7 @@ static void cu_matmul_forward(float *out, const float *inp, const float *w, cons
   lt_gemm(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, out, OC, 0, 1, 1.0f, 0.0f, fused ? bias : NULL);
   if (bias && !fused) {
     size_t n = (size_t)N * OC;
-    k_add_bias<<<grid_for(n, 256), 256, 0, g.stream>>>(out, bias, OC, n);
-    ZT_CUDA_LAUNCHED();
+    ZT_LAUNCH_1D(k_add_bias, n, out, bias, OC, n);
   }
 }
 
@@ -674,27 +679,19 @@ __global__ void k_scale(float *x, size_t n, float s) {
 }
 
 static void cu_gelu_forward(float *out, const float *inp, size_t n) {
-  if (!n) return;
-  k_gelu_fwd<<<grid_for(n, 256), 256, 0, g.stream>>>(out, inp, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_gelu_fwd, n, out, inp, n);
 }
 
 static void cu_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
-  if (!n) return;
-  k_gelu_bwd<<<grid_for(n, 256), 256, 0, g.stream>>>(dinp, inp, dout, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_gelu_bwd, n, dinp, inp, dout, n);
 }
 
 static void cu_residual_forward(float *out, const float *a, const float *b, size_t n) {
-  if (!n) return;
-  k_residual<<<grid_for(n, 256), 256, 0, g.stream>>>(out, a, b, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_residual, n, out, a, b, n);
 }
 
 static void cu_scale(float *x, size_t n, float s) {
-  if (!n) return;
-  k_scale<<<grid_for(n, 256), 256, 0, g.stream>>>(x, n, s);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_scale, n, x, n, s);
 }
 
 static void cu_zero(float *x, size_t n) {
@@ -744,10 +741,7 @@ static void cu_crossentropy_forward(float *losses, float *probs, const float *lo
 static void cu_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
                                      float dloss, int N, int V, int Vp) {
   size_t n = (size_t)N * Vp;
-  if (!n) return;
-  k_crossentropy_bwd<<<grid_for(n, 256), 256, 0, g.stream>>>(dlogits, probs, targets, dloss, V,
-                                                             Vp, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_crossentropy_bwd, n, dlogits, probs, targets, dloss, V, Vp, n);
 }
 
 /* ---------------------------------------------------------------------------
@@ -771,33 +765,57 @@ __global__ void k_adamw(float *p, const float *gr, float *m, float *v, size_t n,
 
 static void cu_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr, float b1,
                      float b2, float eps, float wd, float bc1, float bc2) {
-  if (!n) return;
-  k_adamw<<<grid_for(n, 256), 256, 0, g.stream>>>(p, gr, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_adamw, n, p, gr, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
 }
 
 /* One block per ZT_KERN_SUMSQ_CHUNK elements, summed in double with a fixed
- * tree; the host adds the chunk sums in order. */
-__global__ void k_sumsq_chunks(double *part, const float *x, size_t n) {
+ * tree; the host adds the chunk sums in order (sum_chunks). The value
+ * squared is x for fp32 input (sumsq) and (float)(x * s) for fp64 input
+ * (sumsq_f64). */
+__device__ __forceinline__ double sq_value(float x, double) { return x; }
+__device__ __forceinline__ double sq_value(double x, double s) { return (float)(x * s); }
+
+template <typename T>
+__global__ void k_sumsq_chunks(double *part, const T *x, size_t n, double s) {
   __shared__ double sh[ZT_RED_THREADS];
   size_t c0 = (size_t)blockIdx.x * ZT_KERN_SUMSQ_CHUNK;
   size_t c1 = c0 + ZT_KERN_SUMSQ_CHUNK < n ? c0 + ZT_KERN_SUMSQ_CHUNK : n;
-  double s = 0.0;
-  for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) s += (double)x[i] * x[i];
-  s = block_reduce<double, false>(s, sh);
-  if (threadIdx.x == 0) part[blockIdx.x] = s;
+  double acc = 0.0;
+  for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
+    double v = sq_value(x[i], s);
+    acc += v * v;
+  }
+  acc = block_reduce<double, false>(acc, sh);
+  if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }
 
-static double sum_chunks(const double *part, size_t chunks);
+/* Adds the chunk sums of `part` on the host, in order. */
+static double sum_chunks(const double *part, size_t chunks) {
+  if (g.sumsq_host_n < chunks) {
+    free(g.sumsq_host);
+    g.sumsq_host = (double *)malloc(chunks * sizeof(double));
+    if (!g.sumsq_host) uv__cuda_fail("malloc", "out of host memory", __FILE__, __LINE__);
+    g.sumsq_host_n = chunks;
+  }
+  ZT_CUDA_CHECK(cudaMemcpyAsync(g.sumsq_host, part, chunks * sizeof(double),
+                                cudaMemcpyDeviceToHost, g.stream));
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  double total = 0.0;
+  for (size_t i = 0; i < chunks; i++) total += g.sumsq_host[i];
+  return total;
+}
 
-static double cu_sumsq(const float *x, size_t n) {
+template <typename T>
+static double sumsq_chunked(const T *x, size_t n, double s) {
   if (!n) return 0.0;
   size_t chunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
   double *part = (double *)scratch(SCR_SUMSQ, chunks * sizeof(double));
-  k_sumsq_chunks<<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n);
+  k_sumsq_chunks<T><<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n, s);
   ZT_CUDA_LAUNCHED();
   return sum_chunks(part, chunks);
 }
+
+static double cu_sumsq(const float *x, size_t n) { return sumsq_chunked(x, n, 1.0); }
 
 
 
@@ -821,66 +839,23 @@ __global__ void k_narrow_f64(float *dst, const double *x, size_t n, double s, fl
 }
 
 static void cu_acc_f64(double *acc, const float *x, size_t n) {
-  if (!n) return;
-  k_acc_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(acc, x, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_acc_f64, n, acc, x, n);
 }
 
 static void cu_add_f64(double *acc, const double *y, size_t n) {
-  if (!n) return;
-  k_add_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(acc, y, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_add_f64, n, acc, y, n);
 }
 
 static void cu_widen_f64(double *dst, const float *x, size_t n) {
-  if (!n) return;
-  k_widen_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(dst, x, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_1D(k_widen_f64, n, dst, x, n);
 }
 
 static void cu_narrow_f64(float *dst, const double *x, size_t n, double s, float t) {
-  if (!n) return;
-  k_narrow_f64<<<grid_for(n, 256), 256, 0, g.stream>>>(dst, x, n, s, t);
-  ZT_CUDA_LAUNCHED();
-}
-
-/* Like k_sumsq_chunks, of (float)(x * s). */
-__global__ void k_sumsq_f64_chunks(double *part, const double *x, size_t n, double s) {
-  __shared__ double sh[ZT_RED_THREADS];
-  size_t c0 = (size_t)blockIdx.x * ZT_KERN_SUMSQ_CHUNK;
-  size_t c1 = c0 + ZT_KERN_SUMSQ_CHUNK < n ? c0 + ZT_KERN_SUMSQ_CHUNK : n;
-  double acc = 0.0;
-  for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
-    double v = (float)(x[i] * s);
-    acc += v * v;
-  }
-  acc = block_reduce<double, false>(acc, sh);
-  if (threadIdx.x == 0) part[blockIdx.x] = acc;
-}
-
-/* Adds the chunk sums of `part` on the host, in order. */
-static double sum_chunks(const double *part, size_t chunks) {
-  if (g.sumsq_host_n < chunks) {
-    free(g.sumsq_host);
-    g.sumsq_host = (double *)malloc(chunks * sizeof(double));
-    if (!g.sumsq_host) uv__cuda_fail("malloc", "out of host memory", __FILE__, __LINE__);
-    g.sumsq_host_n = chunks;
-  }
-  ZT_CUDA_CHECK(cudaMemcpyAsync(g.sumsq_host, part, chunks * sizeof(double),
-                                cudaMemcpyDeviceToHost, g.stream));
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
-  double total = 0.0;
-  for (size_t i = 0; i < chunks; i++) total += g.sumsq_host[i];
-  return total;
+  ZT_LAUNCH_1D(k_narrow_f64, n, dst, x, n, s, t);
 }
 
 static double cu_sumsq_f64(const double *x, size_t n, double s) {
-  if (!n) return 0.0;
-  size_t chunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
-  double *part = (double *)scratch(SCR_SUMSQ, chunks * sizeof(double));
-  k_sumsq_f64_chunks<<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n, s);
-  ZT_CUDA_LAUNCHED();
-  return sum_chunks(part, chunks);
+  return sumsq_chunked(x, n, s);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1016,20 +991,5 @@ extern "C" void zt_kern_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
 extern "C" zt_cuda_math_t zt_kern_cuda_math(void) { return g.math; }
 extern "C" const char *zt_cuda_device_name(void) { return g.name; }
 extern "C" size_t zt_cuda_device_memory(void) { return g.mem; }
-
-extern "C" void *zt_cuda_malloc(size_t bytes) {
-  void *p = cu_alloc(bytes);
-  if (!p) uv__cuda_fail("cudaMalloc", "out of device memory", __FILE__, __LINE__);
-  return p;
-}
-
-extern "C" void zt_cuda_free(void *p) { cu_release(p); }
-extern "C" void zt_cuda_h2d(void *dst, const void *src, size_t bytes) { cu_upload(dst, src, bytes); }
-extern "C" void zt_cuda_d2h(void *dst, const void *src, size_t bytes) { cu_download(dst, src, bytes); }
-
-extern "C" void zt_cuda_memset0(void *dst, size_t bytes) {
-  if (!bytes) return;
-  ZT_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, g.stream));
-}
 
 extern "C" void zt_cuda_sync(void) { ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); }

@@ -1,6 +1,8 @@
 /*
- * zt_kernels_cuda.h: the CUDA kernel table and the few device helpers that
- * code outside kernels/cuda needs (allocation, copies, synchronisation).
+ * zt_kernels_cuda.h: the CUDA kernel table, its initialisation and the few
+ * device facts and controls that code outside kernels/cuda needs (device
+ * name and memory, matmul precision, stream synchronisation). Device memory
+ * and copies go through the table itself (alloc, upload, ...).
  *
  * zt_kernels_cuda() returns a zt_kernels_t (kernels/zt_kernels.h) whose
  * functions take DEVICE pointers and compute what the functions of the same
@@ -67,12 +69,8 @@ zt_cuda_math_t zt_kern_cuda_math(void);
 const char *zt_cuda_device_name(void);
 size_t zt_cuda_device_memory(void);
 
-/* Device memory and copies, ordered on the module's stream. */
-void *zt_cuda_malloc(size_t bytes);
-void zt_cuda_free(void *p);
-void zt_cuda_h2d(void *dst, const void *src, size_t bytes);
-void zt_cuda_d2h(void *dst, const void *src, size_t bytes); /* waits */
-void zt_cuda_memset0(void *dst, size_t bytes);
+/* Waits for all work queued on the module's stream (device memory and
+ * copies go through the table: alloc, release, upload, download). */
 void zt_cuda_sync(void);
 
 #ifdef __cplusplus

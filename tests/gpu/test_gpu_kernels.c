@@ -32,10 +32,23 @@
 #include "zt_test.h"
 #include "zt_testdata.h"
 
+#define G zt_kernels_cuda()
+#define R zt_kernels_ref()
+
+/* Device memory through the table (zeroed); the test cannot go on without. */
+static void *dalloc(size_t bytes) {
+  void *d = G->alloc(bytes);
+  if (!d) {
+    fprintf(stderr, "out of device memory (%zu bytes)\n", bytes);
+    exit(1);
+  }
+  return d;
+}
+
 /* Device copy of n host floats (or ints). */
 static void *dev(const void *host, size_t bytes) {
-  void *d = zt_cuda_malloc(bytes);
-  zt_cuda_h2d(d, host, bytes);
+  void *d = dalloc(bytes);
+  G->upload(d, host, bytes);
   return d;
 }
 #define DEVF(p, n) ((float *)dev((p), (n) * sizeof(float)))
@@ -43,7 +56,7 @@ static void *dev(const void *host, size_t bytes) {
 /* Host copy of n device floats. */
 static float *back(const float *d, size_t n) {
   float *h = malloc(n * sizeof(float) + 1);
-  zt_cuda_d2h(h, d, n * sizeof(float));
+  G->download(h, d, n * sizeof(float));
   return h;
 }
 
@@ -61,9 +74,6 @@ static int same_dev(const float *a, const float *b, size_t n) {
   free(x), free(y);
   return same;
 }
-
-#define G zt_kernels_cuda()
-#define R zt_kernels_ref()
 
 ZT_TEST(table) {
   ZT_CHECK_STR(G->name, "cuda");
@@ -99,9 +109,9 @@ static void check_encoder(int B, int T, int C, int V) {
   close_dev("encoder_backward dwte", d_gwte, gwte, (size_t)V * C, 0, 0);
   close_dev("encoder_backward dwpe", d_gwpe, gwpe, (size_t)T * C, 0, 0);
   ZT_CHECK(same_dev(d_gwte, d_gwte2, (size_t)V * C));
-  zt_cuda_free(dinp), zt_cuda_free(dwte_), zt_cuda_free(dwpe_), zt_cuda_free(dout_);
-  zt_cuda_free(d_dout), zt_cuda_free(d_gwte), zt_cuda_free(d_gwpe);
-  zt_cuda_free(d_gwte2), zt_cuda_free(d_gwpe2);
+  G->release(dinp), G->release(dwte_), G->release(dwpe_), G->release(dout_);
+  G->release(d_dout), G->release(d_gwte), G->release(d_gwpe);
+  G->release(d_gwte2), G->release(d_gwpe2);
   free(inp), free(wte), free(wpe), free(o), free(dout), free(gwte), free(gwpe);
 }
 
@@ -115,14 +125,14 @@ static void check_layernorm(int N, int C) {
   float *x = zt_rnd(NC, 2), *w = zt_rnd(C, 1), *b = zt_rnd(C, 1), *o = malloc(NC * 4);
   float *m = malloc(N * 4), *r = malloc(N * 4);
   float *dx = DEVF(x, NC), *dw = DEVF(w, C), *db = DEVF(b, C);
-  float *dO = zt_cuda_malloc(NC * 4), *dm = zt_cuda_malloc(N * 4), *dr = zt_cuda_malloc(N * 4);
+  float *dO = dalloc(NC * 4), *dm = dalloc(N * 4), *dr = dalloc(N * 4);
   G->layernorm_forward(dO, dm, dr, dx, dw, db, N, C);
   R->layernorm_forward(o, m, r, x, w, b, N, C);
   close_dev("layernorm_forward out", dO, o, NC, 1e-5f, 1e-5f);
   close_dev("layernorm_forward mean", dm, m, N, 1e-6f, 1e-5f);
   close_dev("layernorm_forward rstd", dr, r, N, 1e-6f, 1e-5f);
   /* Backward from the reference statistics. */
-  zt_cuda_h2d(dm, m, N * 4), zt_cuda_h2d(dr, r, N * 4);
+  G->upload(dm, m, N * 4), G->upload(dr, r, N * 4);
   float *dout = zt_rnd(NC, 1), *gx = zt_rnd(NC, 1), *gw = zt_rnd(C, 1), *gb = zt_rnd(C, 1);
   float *d_dout = DEVF(dout, NC), *d_gx = DEVF(gx, NC), *d_gw = DEVF(gw, C), *d_gb = DEVF(gb, C);
   float *d_gx2 = DEVF(gx, NC), *d_gw2 = DEVF(gw, C), *d_gb2 = DEVF(gb, C);
@@ -134,7 +144,7 @@ static void check_layernorm(int N, int C) {
   close_dev("layernorm_backward db", d_gb, gb, C, 1e-5f * N, 1e-5f);
   ZT_CHECK(same_dev(d_gx, d_gx2, NC) && same_dev(d_gw, d_gw2, C) && same_dev(d_gb, d_gb2, C));
   void *ptrs[] = {dx, dw, db, dO, dm, dr, d_dout, d_gx, d_gw, d_gb, d_gx2, d_gw2, d_gb2};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(x), free(w), free(b), free(o), free(m), free(r), free(dout), free(gx), free(gw), free(gb);
 }
 
@@ -149,7 +159,7 @@ static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
   size_t nx = (size_t)N * IC, nw = (size_t)OC * IC, no = (size_t)N * OC;
   float *x = zt_rnd(nx, 1), *w = zt_rnd(nw, 1), *bias = zt_rnd(OC, 1), *o = malloc(no * 4);
   float *dx = DEVF(x, nx), *dw = DEVF(w, nw), *dbias = DEVF(bias, OC);
-  float *dO = zt_cuda_malloc(no * 4);
+  float *dO = dalloc(no * 4);
   G->matmul_forward(dO, dx, dw, with_bias ? dbias : NULL, N, IC, OC);
   R->matmul_forward(o, x, w, with_bias ? bias : NULL, N, IC, OC);
 #define TOL(K) (tol_k > 0 ? tol_k * sqrtf((float)(K)) : 1e-5f * (K))
@@ -165,7 +175,7 @@ static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
   /* dinp NULL is allowed and leaves everything else the same. */
   G->matmul_backward(NULL, d_gw, NULL, d_dout, dx, dw, N, IC, OC);
   void *ptrs[] = {dx, dw, dbias, dO, d_dout, d_gx, d_gw, d_gb};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(x), free(w), free(bias), free(o), free(dout), free(gx), free(gw), free(gb);
 }
 
@@ -190,21 +200,21 @@ ZT_TEST(matmul_reduced_precision) {
 static void check_attention(int B, int T, int C, int NH) {
   size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, na = (size_t)B * NH * T * T;
   float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *a = malloc(na * 4);
-  float *d_qkv = DEVF(qkv, nq), *dO = zt_cuda_malloc(no * 4), *dA = zt_cuda_malloc(na * 4);
+  float *d_qkv = DEVF(qkv, nq), *dO = dalloc(no * 4), *dA = dalloc(na * 4);
   G->attention_forward(dO, dA, d_qkv, B, T, C, NH);
   R->attention_forward(o, a, qkv, B, T, C, NH);
   close_dev("attention_forward out", dO, o, no, 1e-5f, 1e-4f);
   close_dev("attention_forward att", dA, a, na, 1e-6f, 1e-4f);
-  zt_cuda_h2d(dA, a, na * 4);
+  G->upload(dA, a, na * 4);
   float *dout = zt_rnd(no, 1), *g = malloc(nq * 4);
-  float *d_dout = DEVF(dout, no), *d_g = zt_cuda_malloc(nq * 4), *d_g2 = zt_cuda_malloc(nq * 4);
+  float *d_dout = DEVF(dout, no), *d_g = dalloc(nq * 4), *d_g2 = dalloc(nq * 4);
   G->attention_backward(d_g, d_dout, d_qkv, dA, B, T, C, NH);
   G->attention_backward(d_g2, d_dout, d_qkv, dA, B, T, C, NH);
   R->attention_backward(g, dout, qkv, a, B, T, C, NH);
   close_dev("attention_backward", d_g, g, nq, 1e-5f * T, 1e-4f);
   ZT_CHECK(same_dev(d_g, d_g2, nq));
   void *ptrs[] = {d_qkv, dO, dA, d_dout, d_g, d_g2};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(qkv), free(o), free(a), free(dout), free(g);
 }
 
@@ -219,11 +229,11 @@ ZT_TEST(gelu_residual_scale) {
   size_t n = 100001;
   float *x = zt_rnd(n, 6), *o = malloc(n * 4);
   x[0] = 0.0f, x[1] = 20.0f, x[2] = -20.0f, x[3] = 1e-4f;
-  float *dx = DEVF(x, n), *dO = zt_cuda_malloc(n * 4);
+  float *dx = DEVF(x, n), *dO = dalloc(n * 4);
   G->gelu_forward(dO, dx, n);
   R->gelu_forward(o, x, n);
   close_dev("gelu_forward", dO, o, n, 2e-6f, 2e-6f);
-  float *d = zt_rnd(n, 1), *gd = malloc(n * 4), *dd = DEVF(d, n), *dg = zt_cuda_malloc(n * 4);
+  float *d = zt_rnd(n, 1), *gd = malloc(n * 4), *dd = DEVF(d, n), *dg = dalloc(n * 4);
   G->gelu_backward(dg, dx, dd, n);
   R->gelu_backward(gd, x, d, n);
   close_dev("gelu_backward", dg, gd, n, 2e-6f, 1e-5f);
@@ -242,7 +252,7 @@ ZT_TEST(gelu_residual_scale) {
   for (size_t i = 0; i < n; i++) nonzero += z[i] != 0.0f;
   ZT_CHECK(nonzero == 0);
   void *ptrs[] = {dx, dO, dd, dg, db};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(x), free(o), free(d), free(gd), free(b), free(z);
 }
 
@@ -252,7 +262,7 @@ static void check_crossentropy(int N, int V, int Vp) {
   int *targets = malloc(N * sizeof(int));
   for (int i = 0; i < N; i++) targets[i] = (i * 7919) % V;
   int *dt = dev(targets, N * sizeof(int));
-  float *dlog = DEVF(logits, n), *dp = zt_cuda_malloc(n * 4), *dl = zt_cuda_malloc(N * 4);
+  float *dlog = DEVF(logits, n), *dp = dalloc(n * 4), *dl = dalloc(N * 4);
   G->crossentropy_forward(dl, dp, dlog, dt, N, V, Vp);
   R->crossentropy_forward(l, p, logits, targets, N, V, Vp);
   close_dev("crossentropy_forward probs", dp, p, n, 1e-7f, 2e-6f);
@@ -261,15 +271,15 @@ static void check_crossentropy(int N, int V, int Vp) {
   G->crossentropy_forward(dl, dlog, dlog, dt, N, V, Vp);
   close_dev("crossentropy_forward in place", dlog, p, n, 1e-7f, 2e-6f);
   close_dev("crossentropy_forward in place losses", dl, l, N, 2e-6f, 2e-6f);
-  float *d = malloc(n * 4), *dd = zt_cuda_malloc(n * 4);
-  zt_cuda_h2d(dp, p, n * 4);
+  float *d = malloc(n * 4), *dd = dalloc(n * 4);
+  G->upload(dp, p, n * 4);
   G->crossentropy_backward(dd, dp, dt, 0.25f, N, V, Vp);
   R->crossentropy_backward(d, p, targets, 0.25f, N, V, Vp);
   close_dev("crossentropy_backward", dd, d, n, 0, 0);
   G->crossentropy_backward(dp, dp, dt, 0.25f, N, V, Vp); /* in place */
   close_dev("crossentropy_backward in place", dp, d, n, 0, 0);
   void *ptrs[] = {dt, dlog, dp, dl, dd};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) zt_cuda_free(ptrs[i]);
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(logits), free(p), free(l), free(targets), free(d);
 }
 
@@ -292,7 +302,7 @@ ZT_TEST(optimizer_and_reductions) {
   ZT_CHECK_NEAR(s1, s2, 1e-12 * s2);
   ZT_CHECK(s1 == s3);
   ZT_CHECK(G->sumsq(dg, 0) == 0.0);
-  zt_cuda_free(dp), zt_cuda_free(dg), zt_cuda_free(dm), zt_cuda_free(dv);
+  G->release(dp), G->release(dg), G->release(dm), G->release(dv);
   free(p), free(g), free(m), free(v);
 }
 
@@ -303,7 +313,7 @@ ZT_TEST(state_helpers) {
   double *a = malloc(n * 8), *y = malloc(n * 8);
   for (size_t i = 0; i < n; i++) a[i] = zt_frand() * 1e3, y[i] = zt_frand() * 7.5;
   double *da = dev(a, n * 8), *dy = dev(y, n * 8);
-  float *dx = DEVF(x, n), *df = zt_cuda_malloc(n * 4);
+  float *dx = DEVF(x, n), *df = dalloc(n * 4);
   G->acc_f64(da, dx, n);
   R->acc_f64(a, x, n);
   G->add_f64(da, dy, n);
@@ -330,7 +340,7 @@ ZT_TEST(state_helpers) {
   float *hp = back(p, 250);
   ZT_CHECK(p != NULL && hp[249] == 0.0f);
   G->release(p);
-  zt_cuda_free(da), zt_cuda_free(dy), zt_cuda_free(dx), zt_cuda_free(df);
+  G->release(da), G->release(dy), G->release(dx), G->release(df);
   free(x), free(a), free(y), free(ha), free(f), free(z), free(hp);
 }
 
