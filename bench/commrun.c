@@ -87,7 +87,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   int kind = !strcmp(op, "all_reduce") ? 0 : !strcmp(op, "reduce_scatter") ? 1 : 2;
-  int announced = 0;
+  int announced = 0, ret = 0;
   char *sc = strdup(sizes_s);
   for (char *t = strtok_r(sc, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
     size_t bytes = parse_size(t), n = bytes / 4, per = n / (size_t)world;
@@ -105,11 +105,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "comm error after %lld ms: %s\n", (long long)(dt / 1000), zt_err_msg());
         free(buf);
         free(out);
-        zt_comm_destroy(c);
-        free(sc);
-        free(pc);
-        free(peers);
-        return 3;
+        ret = 3;
+        goto done;
       }
       if (!announced++) fprintf(stderr, "running\n");
       if (it >= warmup) total += (double)dt / 1e6;
@@ -124,9 +121,10 @@ int main(int argc, char **argv) {
     free(buf);
     free(out);
   }
+done:
   zt_comm_destroy(c);
   free(sc);
   free(pc);
   free(peers);
-  return 0;
+  return ret;
 }

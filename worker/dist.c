@@ -88,16 +88,17 @@ typedef struct {
   double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
   double inv_k;          /* 1 / micro-batches per step (all ranks) */
   int fail;              /* a collective in a hook failed */
+  int oom;               /* layout: an allocation failed */
   char fail_msg[512];
   uint64_t state_bytes[4]; /* params, grads, optimizer, in-flight */
 } dist;
 
 /* ---- allocation and accounting ------------------------------------------------- */
 
-/* Zeroed table memory; NULL (and d->fail set) when there is not enough. */
+/* Zeroed table memory; NULL (and d->oom set) when there is not enough. */
 static void *alloc_b(dist *d, size_t n, size_t esz, int kind) {
   void *p = d->k->alloc((n ? n : 1) * esz);
-  if (!p) d->fail = 1;
+  if (!p) d->oom = 1;
   d->state_bytes[kind] += n * esz;
   return p;
 }
@@ -212,13 +213,10 @@ static int layout(dist *d) {
     d->gat = alloc_f(d, d->max_unit, FLIGHT);
   }
   d->gbuf = d->k->alloc((d->max_unit ? d->max_unit : 1) * sizeof(float)); /* not a model state */
-  if (!d->gbuf) d->fail = 1;
-  if (d->fail) {
-    d->fail = 0;
+  if (!d->gbuf || d->oom)
     return zt_err("out of %s memory for the model states (%llu bytes)", d->dev ? "device" : "host",
                   (unsigned long long)(d->state_bytes[0] + d->state_bytes[1] +
                                        d->state_bytes[2] + d->state_bytes[3]));
-  }
   for (int u = 0; u < d->U; u++) {
     d->m->unit_params[u] = d->P ? d->P + d->off_full[u] : NULL;
     d->m->unit_grads[u] = d->G ? d->G + d->off_full[u] : NULL;

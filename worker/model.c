@@ -233,6 +233,15 @@ size_t zt_model_activation_bytes(const zt_model_t *m) { return m->acts ? m->acts
 
 /* ---- create / free -------------------------------------------------------- */
 
+/* A flat buffer of every unit in table memory, with the unit pointers
+ * pointing into it. */
+static int alloc_flat(zt_model_t *m, float **flat, float **units, const char *what) {
+  *flat = m->k->alloc(m->num_params * sizeof(float));
+  if (!*flat) return zt_err("out of memory for %zu %s", m->num_params, what);
+  for (int u = 0; u < m->num_units; u++) units[u] = *flat + m->unit_off[u];
+  return 0;
+}
+
 int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T,
                     const zt_kernels_t *k, unsigned flags) {
   *out = NULL;
@@ -254,22 +263,10 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
     zt_err("out of memory");
     goto err;
   }
-  if (!(flags & ZT_MODEL_NO_PARAMS)) {
-    m->params = m->k->alloc(m->num_params * sizeof(float));
-    if (!m->params) {
-      zt_err("out of memory for %zu parameters", m->num_params);
-      goto err;
-    }
-    for (int u = 0; u < m->num_units; u++) m->unit_params[u] = m->params + m->unit_off[u];
-  }
-  if (!(flags & ZT_MODEL_NO_GRADS)) {
-    m->grads = m->k->alloc(m->num_params * sizeof(float));
-    if (!m->grads) {
-      zt_err("out of memory for %zu gradients", m->num_params);
-      goto err;
-    }
-    for (int u = 0; u < m->num_units; u++) m->unit_grads[u] = m->grads + m->unit_off[u];
-  }
+  if ((!(flags & ZT_MODEL_NO_PARAMS) &&
+       alloc_flat(m, &m->params, m->unit_params, "parameters") != 0) ||
+      (!(flags & ZT_MODEL_NO_GRADS) && alloc_flat(m, &m->grads, m->unit_grads, "gradients") != 0))
+    goto err;
   if (acts_create(m) != 0) goto err;
   *out = m;
   return 0;
