@@ -12,8 +12,8 @@ import sqlite3
 
 import pytest
 
-from ztest import (byte_dataset, events, http_get, job, losses, submit, tiny_spec, wait_job,
-                   wait_until, workers_by_name, zctl_json)
+from ztest import (byte_dataset, events, losses, start_fleet, submit, tiny_spec, wait_job,
+                   wait_until, zctl_json)
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +21,9 @@ def data(tmp_path_factory):
     return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
 
 
-def fleet(procs, n, env=None, names=None, hb=300, timeout=1500):
-    coord = procs.coord(hb_ms=hb, timeout_ms=timeout)
-    names = names or [f"w{i}" for i in range(n)]
-    ws = [procs.worker(coord.grpc, nm, extra=["--threads", "1"], env=(env or {}).get(nm))
-          for nm in names]
-    wait_until(lambda: sum(w["state"] == "alive" for w in workers_by_name(coord).values()) == n,
-               20, f"{n} workers alive")
-    return coord, ws
+def fleet(procs, n, env=None, hb=300, timeout=1500):
+    coord = start_fleet(procs, n, hb_ms=hb, timeout_ms=timeout, env_by_name=env)
+    return coord, list(coord.workers.values())
 
 
 def ckpts(coord, jid):

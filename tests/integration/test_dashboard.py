@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ztest import SLOW, byte_dataset, submit, tiny_spec, wait_job, wait_until, workers_by_name
+from ztest import SLOW, byte_dataset, start_fleet, submit, tiny_spec, wait_job
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -24,10 +24,7 @@ def chrome(url, *extra):
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
 def test_dashboard_draws_the_run(procs, tmp_path):
     train, val = byte_dataset(str(tmp_path / "data"), 150_000)
-    coord = procs.coord(hb_ms=300)
-    for i in range(2):
-        procs.worker(coord.grpc, f"d{i}", extra=["--threads", "1"])
-    wait_until(lambda: len(workers_by_name(coord)) == 2, 20, "workers")
+    coord = start_fleet(procs, 2, prefix="d", timeout_ms=None)
     jid = submit(coord, tiny_spec(train, val, 40, stage=2, workers=2,
                                   checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 10}),
                  tmp_path)

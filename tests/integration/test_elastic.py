@@ -3,7 +3,6 @@ frozen, added; the coordinator killed. The job must complete, and its
 per-step losses must equal a failure-free run's (steps replayed after a
 reload count once: the last report of a step wins).
 """
-import os
 import random
 import signal
 import sqlite3
@@ -11,8 +10,8 @@ import time
 
 import pytest
 
-from ztest import (SLOW, byte_dataset, events, job, losses, submit, tiny_spec, wait_job,
-                   wait_until, workers_by_name)
+from ztest import (byte_dataset, events, job, losses, start_fleet, submit, tiny_spec,
+                   wait_job, wait_until, workers_by_name)
 
 HB, TIMEOUT = 300, 1500
 
@@ -23,11 +22,8 @@ def data(tmp_path_factory):
 
 
 def start(procs, names, hb=HB, timeout=TIMEOUT, coord=None):
-    coord = coord or procs.coord(hb_ms=hb, timeout_ms=timeout)
-    ws = {n: procs.worker(coord.grpc, n, extra=["--threads", "1"]) for n in names}
-    wait_until(lambda: all(workers_by_name(coord).get(n, {}).get("state") == "alive"
-                           for n in names), 20, f"workers {names} alive")
-    return coord, ws
+    coord = start_fleet(procs, names=names, hb_ms=hb, timeout_ms=timeout, coord=coord)
+    return coord, coord.workers
 
 
 def reference(procs, coord, tmp_path, spec):

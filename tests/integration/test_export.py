@@ -11,8 +11,7 @@ import os
 import struct
 from array import array
 
-from ztest import (byte_dataset, submit, tiny_spec, wait_job, wait_until, workers_by_name,
-                   zctl, zctl_json)
+from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job, zctl, zctl_json
 
 L, C, NH, T, V = 2, 32, 2, 32, 257
 
@@ -83,10 +82,7 @@ def bf16_to_f32(h):
 
 def test_export_safetensors(procs, tmp_path):
     train, val = byte_dataset(str(tmp_path / "data"), 200_000)
-    coord = procs.coord(hb_ms=300)
-    for i in range(2):
-        procs.worker(coord.grpc, f"w{i}", extra=["--threads", "1"])
-    wait_until(lambda: len(workers_by_name(coord)) == 2, 20, "workers")
+    coord = start_fleet(procs, 2, timeout_ms=None)
     spec = tiny_spec(train, val, 30, stage=3, workers=2,
                      checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 20})
     jid = submit(coord, spec, tmp_path)

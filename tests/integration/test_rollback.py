@@ -3,13 +3,12 @@ rollback budget, and the logbook; with real processes and a real spike
 (the test-only fault_injection knob multiplies the LR for a step range).
 """
 import glob
-import json
 import math
 import os
 from array import array
 
-from ztest import (byte_dataset, events, job, losses, submit, tiny_spec, wait_job, wait_until,
-                   workers_by_name, zctl, zctl_json)
+from ztest import (byte_dataset, events, job, losses, start_fleet, submit, tiny_spec,
+                   wait_job, wait_until, zctl, zctl_json)
 
 import pytest
 
@@ -20,11 +19,7 @@ def data(tmp_path_factory):
 
 
 def fleet(procs, n=2):
-    coord = procs.coord(hb_ms=300, timeout_ms=3000)
-    for i in range(n):
-        procs.worker(coord.grpc, f"w{i}", extra=["--threads", "1"])
-    wait_until(lambda: len(workers_by_name(coord)) == n, 20, "workers")
-    return coord
+    return start_fleet(procs, n)
 
 
 def spiky_spec(train, val, tmp_path, steps=300, scale=100.0, at=(150, 153), **rb):

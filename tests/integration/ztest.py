@@ -8,7 +8,6 @@ is printed when a test fails.
 """
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -143,14 +142,21 @@ class Procs:
         return "\n".join(out)
 
 
-def start_fleet(procs, n, extra=("--threads", "1"), prefix="w", hb_ms=300, timeout_ms=3000,
-                wait_s=20, worker_env=None, **coord_kw):
-    """zcoord plus n zworkers named prefix0..; returns zcoord once all are alive."""
-    coord = procs.coord(hb_ms=hb_ms, timeout_ms=timeout_ms, **coord_kw)
-    for i in range(n):
-        procs.worker(coord.grpc, f"{prefix}{i}", extra=list(extra), env=worker_env)
-    wait_until(lambda: sum(w["state"] == "alive" for w in workers_by_name(coord).values()) == n,
-               wait_s, f"{n} workers alive")
+def start_fleet(procs, n=None, names=None, extra=("--threads", "1"), prefix="w", hb_ms=300,
+                timeout_ms=3000, wait_s=20, worker_env=None, env_by_name=None, coord=None,
+                **coord_kw):
+    """Starts zworkers (the given names, or n named prefix0..) under a new
+    zcoord (or `coord`) and waits until every one of them is alive. Returns
+    zcoord; coord.workers maps each started worker's name to its Proc."""
+    coord = coord or procs.coord(hb_ms=hb_ms, timeout_ms=timeout_ms, **coord_kw)
+    names = list(names) if names else [f"{prefix}{i}" for i in range(n)]
+    if not hasattr(coord, "workers"):
+        coord.workers = {}
+    for nm in names:
+        env = {**(worker_env or {}), **(env_by_name or {}).get(nm, {})}
+        coord.workers[nm] = procs.worker(coord.grpc, nm, extra=list(extra), env=env)
+    wait_until(lambda: all(workers_by_name(coord).get(nm, {}).get("state") == "alive"
+                           for nm in names), wait_s, f"workers {names} alive")
     return coord
 
 
