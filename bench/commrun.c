@@ -79,7 +79,7 @@ int main(int argc, char **argv) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
-  zt_comm_tcp_opts o = {.rank = rank, .world = world, .peers = peers, .listen_fd = lfd,
+  zt_comm_tcp_opts_t o = {.rank = rank, .world = world, .peers = peers, .listen_fd = lfd,
                         .session = 0xbe7c, .connect_timeout_ms = timeout_ms};
   zt_comm_t *c;
   if (zt_comm_tcp_create(&o, &c) != 0) {

@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "model.h"
+#include "zt_common.h"
 #include "zt_kernels.h"
 #include "zt_kernels_cuda.h"
 
@@ -92,11 +93,12 @@ int main(int argc, char **argv) {
   const zt_kernels_t *k = zt_kernels_cuda();
   int T = cfg.seq_len;
   zt_model_t *m;
-  if (zt_model_create(&m, &cfg, B, T, k, 0) != 0 || zt_model_init(m, 1337) != 0) {
-    fprintf(stderr, "zt_gpubench: cannot create the model\n");
+  if (zt_model_create(&m, &cfg, B, T, k, 0) != 0) {
+    fprintf(stderr, "zt_gpubench: cannot create the model: %s\n", zt_err_msg());
     return 1;
   }
-  size_t P = m->num_params;
+  zt_model_init(m, 1337);
+  size_t P = m->lay.num_params;
   float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
   if (!mom || !var) {
     fprintf(stderr, "zt_gpubench: out of device memory for the optimizer state\n");

@@ -54,7 +54,7 @@ static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window) {
       zt_rpc_start(c, "/ztrain.Control/RegisterWorker", buf, len, 10000, &w[next]);
       next++, inflight++;
     }
-    zt_rpc_result r;
+    zt_rpc_result_t r;
     if (!zt_rpc_next(c, 10000, &r)) return zt_err("registration stalled");
     inflight--, done++;
     if (r.status != ZT_RPC_OK) {
@@ -133,7 +133,7 @@ int main(int argc, char **argv) {
     }
     /* Collect what completed; wait at most until the next due heartbeat. */
     int64_t wait_ms = 1;
-    zt_rpc_result r;
+    zt_rpc_result_t r;
     while (inflight > 0 && zt_rpc_next(c, wait_ms, &r)) {
       sim_worker *sw = r.user;
       inflight--;

@@ -69,7 +69,7 @@ static char *slice_to_cstr(grpc_slice s) {
 }
 
 /* Copies a byte buffer into one malloc'd block and destroys the buffer. */
-static uint8_t *uv__rpc_take_buffer(grpc_byte_buffer *bb, size_t *len) {
+static uint8_t *take_buffer(grpc_byte_buffer *bb, size_t *len) {
   grpc_byte_buffer_reader r;
   if (!grpc_byte_buffer_reader_init(&r, bb)) {
     grpc_byte_buffer_destroy(bb);
@@ -259,7 +259,7 @@ static void on_recv(zt_rpc_server_t *s, zt_rpc_call_t *c, int ok) {
     zt_rpc_reply(c, ZT_RPC_INVALID_ARGUMENT, "request carries no complete message", NULL, 0);
     return;
   }
-  c->req = uv__rpc_take_buffer(c->recv_buf, &c->req_len);
+  c->req = take_buffer(c->recv_buf, &c->req_len);
   c->recv_buf = NULL;
   if (!c->req) {
     zt_rpc_reply(c, ZT_RPC_INVALID_ARGUMENT, "request message could not be read", NULL, 0);
@@ -285,7 +285,7 @@ static void *server_thread(void *arg) {
   return NULL;
 }
 
-int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts *opts,
+int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts_t *opts,
                         zt_rpc_handler_fn handler, void *user, zt_rpc_server_t **out) {
   size_t maxmsg = opts && opts->max_message_bytes ? opts->max_message_bytes : 4u << 20;
   int slots = opts && opts->accept_slots ? opts->accept_slots : 256;
@@ -385,7 +385,7 @@ typedef struct {
   char method[128];
 } rpc_pending;
 
-int zt_rpc_client_open(const char *target, const zt_rpc_client_opts *opts, zt_rpc_client_t **out) {
+int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out) {
   grpc_init();
   zt_rpc_client_t *c = calloc(1, sizeof *c);
   if (!c) abort();
@@ -477,7 +477,7 @@ static rpc_pending *pending_start(zt_rpc_client_t *c, grpc_completion_queue *cq,
 }
 
 /* Moves a completed call's outcome into `res` and frees it. */
-static void pending_finish(rpc_pending *p, zt_rpc_result *res) {
+static void pending_finish(rpc_pending *p, zt_rpc_result_t *res) {
   memset(res, 0, sizeof *res);
   res->user = p->user;
   res->status = (int)p->status;
@@ -485,7 +485,7 @@ static void pending_finish(rpc_pending *p, zt_rpc_result *res) {
   snprintf(res->details, sizeof res->details, "%s", det);
   free(det);
   if (p->recv_buf && p->status == GRPC_STATUS_OK) {
-    res->resp = uv__rpc_take_buffer(p->recv_buf, &res->resp_len);
+    res->resp = take_buffer(p->recv_buf, &res->resp_len);
     p->recv_buf = NULL;
   }
   if (p->recv_buf) grpc_byte_buffer_destroy(p->recv_buf);
@@ -504,7 +504,7 @@ int zt_rpc_call(zt_rpc_client_t *c, const char *method, const uint8_t *req, size
   rpc_pending *p = pending_start(c, cq, method, req, req_len, timeout_ms, NULL);
   grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   (void)ev; /* the call's deadline guarantees completion */
-  zt_rpc_result res;
+  zt_rpc_result_t res;
   pending_finish(p, &res);
   drain_and_destroy(cq);
   if (status) *status = res.status;
@@ -524,7 +524,7 @@ int zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, siz
   return 0;
 }
 
-int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result *res) {
+int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result_t *res) {
   gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                        gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
   grpc_event ev = grpc_completion_queue_next(c->acq, deadline, NULL);

@@ -1,5 +1,6 @@
 /*
- * util.c: time, deadlines, host:port parsing and whole-file I/O helpers.
+ * util.c: time, deadlines, allocation that cannot fail, host:port parsing,
+ * whole-file I/O, constant-time comparison and the names of states.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -29,6 +30,63 @@ void zt_sleep_ms(int64_t ms) {
   while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
   }
 }
+
+/* ---- allocation ------------------------------------------------------------ */
+
+static void *oom(size_t n) {
+  ZT_ERROR("out of memory (allocating %zu bytes): exiting", n);
+  _exit(70); /* EX_SOFTWARE */
+}
+
+void *zt_xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  return p ? p : oom(n);
+}
+
+void *zt_xcalloc(size_t count, size_t size) {
+  if (count == 0 || size == 0) count = size = 1;
+  void *p = calloc(count, size);
+  return p ? p : oom(count * size);
+}
+
+void *zt_xrealloc(void *p, size_t n) {
+  void *q = realloc(p, n ? n : 1);
+  return q ? q : oom(n);
+}
+
+char *zt_xstrdup(const char *s) {
+  size_t n = strlen(s) + 1;
+  return memcpy(zt_xmalloc(n), s, n);
+}
+
+int zt_secret_equal(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  unsigned char diff = (unsigned char)(la != lb);
+  /* Always walks the longer string, so the time says nothing about where
+   * the first difference is. */
+  for (size_t i = 0, n = la > lb ? la : lb; i < n; i++)
+    diff |= (unsigned char)((i < la ? a[i] : 0) ^ (i < lb ? b[i] : 0));
+  return diff == 0;
+}
+
+/* ---- numbers --------------------------------------------------------------- */
+
+uint16_t zt_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+
+float zt_bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* ---- time and deadlines ------------------------------------------------------ */
 
 int64_t zt_deadline_left_ms(zt_deadline_t d) {
   if (d == 0) return INT64_MAX;
@@ -78,11 +136,7 @@ int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen) {
     zt_err("%s: %lld bytes is over the limit of %zu", path, (long long)st.st_size, maxlen);
     goto err;
   }
-  char *buf = malloc((size_t)st.st_size + 1);
-  if (!buf) {
-    zt_err("%s: out of memory", path);
-    goto err;
-  }
+  char *buf = zt_xmalloc((size_t)st.st_size + 1);
   size_t got = 0;
   while (got < (size_t)st.st_size) {
     ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
@@ -120,22 +174,22 @@ int zt_mkdirs(const char *path) {
 
 /* ---- state names --------------------------------------------------------- */
 
-static const char *uv__name(const char *const *names, size_t n, int state) {
+static const char *state_name(const char *const *names, size_t n, int state) {
   return state >= 0 && (size_t)state < n ? names[state] : "unknown";
 }
 
 const char *zt_worker_state_name(int state) {
   static const char *const names[] = {"unknown", "alive", "suspect", "lost", "left"};
-  return uv__name(names, ZT_ARRAY_LEN(names), state);
+  return state_name(names, ZT_ARRAY_LEN(names), state);
 }
 
 const char *zt_job_state_name(int state) {
   static const char *const names[] = {"unknown",   "pending", "running", "reconfiguring",
                                       "completed", "failed",  "paused",  "canceled"};
-  return uv__name(names, ZT_ARRAY_LEN(names), state);
+  return state_name(names, ZT_ARRAY_LEN(names), state);
 }
 
 const char *zt_ckpt_state_name(int state) {
   static const char *const names[] = {"pending", "committed", "deleted"};
-  return uv__name(names, ZT_ARRAY_LEN(names), state);
+  return state_name(names, ZT_ARRAY_LEN(names), state);
 }

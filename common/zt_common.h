@@ -1,12 +1,26 @@
 /*
  * zt_common.h: the small shared vocabulary of every ztrain binary.
  *
- * Logging, error reporting, time and deadlines. Everything in ztrain that can
- * fail returns an int (0 on success, -1 on failure) and leaves a human
- * readable reason in a thread-local buffer, read with zt_err_msg(). A caller
- * that adds context wraps the message with zt_err_wrap(), so the final text
- * names the whole path: "load checkpoint: ckpt/step_30/r0.bin: checksum
- * mismatch". Nothing here allocates on the error path.
+ * Logging, error reporting, allocation, time and deadlines, ranges, the
+ * names of states, and the test-only knobs. common/ is the bottom layer:
+ * it includes nothing of ours, and every other folder may include it.
+ *
+ * The error convention, followed everywhere:
+ *
+ *   - A function that can fail returns an int, 0 on success and -1 on
+ *     failure (or a pointer, NULL on failure), and leaves a human-readable
+ *     reason in a thread-local buffer, read with zt_err_msg(). A caller that
+ *     adds context wraps the message with zt_err_wrap(), so the final text
+ *     names the whole path: "load checkpoint: ckpt/step_30/r0.bin: checksum
+ *     mismatch". Nothing here allocates on the error path.
+ *   - Next to the message the thread keeps an error *kind* (zt_errkind_t):
+ *     bad input, not found, wrong state, unavailable, ... set with zt_errk()
+ *     (zt_err() sets ZT_E_FAILED). The RPC and HTTP front ends turn a kind
+ *     into a gRPC status and an HTTP status through one table
+ *     (zt_errkind_grpc, zt_errkind_http), so no handler picks codes itself.
+ *   - Out of memory is not an error a caller handles: zt_xmalloc() and
+ *     friends end the process with a message. Allocations whose size comes
+ *     from the network or from a file are checked against a limit first.
  */
 #ifndef ZT_COMMON_H
 #define ZT_COMMON_H
@@ -34,14 +48,48 @@ void zt_log(zt_log_level_t level, const char *fmt, ...) __attribute__((format(pr
 
 #define ZT_ERR_MAX 1024
 
-/* Sets the thread's error message; always returns -1 so `return zt_err(...)`. */
+/* What kind of failure the current message describes. */
+typedef enum {
+  ZT_E_FAILED = 0,       /* an operation failed (I/O, a bug): gRPC INTERNAL, HTTP 500 */
+  ZT_E_INVALID,          /* the input is wrong: INVALID_ARGUMENT, 400 */
+  ZT_E_NOT_FOUND,        /* no such worker, job, file: NOT_FOUND, 404 */
+  ZT_E_STATE,            /* not allowed in the current state: FAILED_PRECONDITION, 409 */
+  ZT_E_UNAUTHENTICATED,  /* missing or wrong credentials: UNAUTHENTICATED, 401 */
+  ZT_E_UNAVAILABLE,      /* storage or a peer is unavailable, retry later: UNAVAILABLE, 503 */
+  ZT_E_TOO_LARGE,        /* over a size limit: RESOURCE_EXHAUSTED, 413 */
+  ZT_E_ABORTED,          /* superseded by something newer: ABORTED, 409 */
+  ZT_E_COUNT
+} zt_errkind_t;
+
+/* Sets the thread's message (kind ZT_E_FAILED); always returns -1 so that
+ * `return zt_err(...)` works. */
 int zt_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* Prefixes the current message with context: "<ctx>: <old message>". */
+/* The same with an explicit kind. */
+int zt_errk(zt_errkind_t kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Prefixes the current message with context: "<ctx>: <old message>"; the
+ * kind stays. */
 int zt_err_wrap(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* Sets the message from errno: "<ctx>: strerror(errno)". */
+/* zt_err_wrap, then sets the kind. */
+int zt_err_wrapk(zt_errkind_t kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Sets the message from errno: "<ctx>: strerror(errno)" (kind ZT_E_FAILED). */
 int zt_err_errno(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 const char *zt_err_msg(void);
+zt_errkind_t zt_err_kind(void);
 void zt_err_clear(void);
+
+/* The one mapping from error kinds to protocol status codes. */
+int zt_errkind_grpc(zt_errkind_t kind);
+int zt_errkind_http(zt_errkind_t kind);
+
+/* ---- allocation ------------------------------------------------------- */
+
+/* malloc, calloc, realloc and strdup that never return NULL: on out of
+ * memory they log what was asked for and end the process (exit status 70,
+ * EX_SOFTWARE). n == 0 allocates one byte, so the result is never NULL. */
+void *zt_xmalloc(size_t n);
+void *zt_xcalloc(size_t count, size_t size);
+void *zt_xrealloc(void *p, size_t n);
+char *zt_xstrdup(const char *s);
 
 /* ---- time ------------------------------------------------------------- */
 
@@ -65,6 +113,9 @@ int zt_write_all(int fd, const void *buf, size_t len);
 int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
 /* Creates a directory and its parents (mkdir -p). */
 int zt_mkdirs(const char *path);
+/* Compares two strings in time that depends only on their lengths, for
+ * secrets and tokens. Returns 1 when they are equal. */
+int zt_secret_equal(const char *a, const char *b);
 
 /* Names of the states of workers (zt_db.h zt_worker_state_t, proto
  * WorkerState), jobs (zt_job_state_t, JobState) and checkpoint epochs
@@ -74,6 +125,55 @@ int zt_mkdirs(const char *path);
 const char *zt_worker_state_name(int state);
 const char *zt_job_state_name(int state);
 const char *zt_ckpt_state_name(int state);
+
+/* ---- numbers ------------------------------------------------------------ */
+
+/* bf16 <-> fp32: round to nearest even; a NaN stays a (quiet) NaN. */
+uint16_t zt_f32_to_bf16(float f);
+float zt_bf16_to_f32(uint16_t h);
+
+/* ---- ranges ------------------------------------------------------------ */
+
+/* A half-open range [start, end) of positions in the training sample
+ * stream. A rollback skips the data of a loss spike with one. */
+typedef struct zt_range {
+  uint64_t start, end;
+} zt_range_t;
+
+/* The most skip ranges a job can hold; one more is an error (the job's
+ * logbook says so), never a silent drop. */
+#define ZT_MAX_SKIP_RANGES 64
+
+/* A sorted list of disjoint, non-empty ranges. */
+typedef struct zt_range_list {
+  int n;
+  zt_range_t r[ZT_MAX_SKIP_RANGES];
+} zt_range_list_t;
+
+/* Adds [start, end), merging with neighbours it touches or overlaps; an
+ * empty range is ignored. -1 (ZT_E_TOO_LARGE) when the list is full. */
+int zt_range_list_add(zt_range_list_t *l, uint64_t start, uint64_t end);
+/* The q-th position (counting from 0) that lies in no range of the sorted
+ * array skips[0..n). */
+uint64_t zt_range_map(const zt_range_t *skips, int n, uint64_t q);
+
+/* ---- test-only knobs ---------------------------------------------------- */
+
+/* Every switch that exists only for tests, read from the environment in
+ * one place (knobs.c, whose table documents each one). A knob changes
+ * nothing unless its variable is set. */
+typedef enum {
+  ZT_KNOB_KILL_IN_CKPT_STEP,   /* ZT_FAULT_KILL_IN_CKPT_STEP=S: SIGKILL half-way
+                                  through writing the checkpoint of step S */
+  ZT_KNOB_STAGE_COLLECTIVES,   /* ZT_TEST_STAGE_COLLECTIVES=1: CPU workers stage
+                                  collectives as the device path does */
+  ZT_KNOB_COUNT
+} zt_knob_t;
+
+/* The knob's integer value, or `def` when its variable is unset. */
+int64_t zt_knob(zt_knob_t k, int64_t def);
+/* The variable's name (for messages and docs). */
+const char *zt_knob_name(zt_knob_t k);
 
 #define ZT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define ZT_MIN(a, b) ((a) < (b) ? (a) : (b))

@@ -60,10 +60,10 @@ typedef void (*zt_rpc_handler_fn)(zt_rpc_call_t *call, const char *method, const
 typedef struct {
   size_t max_message_bytes; /* requests above this get RESOURCE_EXHAUSTED; 0: 4 MiB */
   int accept_slots;         /* calls requested from gRPC ahead of time; 0: 256 */
-} zt_rpc_server_opts;
+} zt_rpc_server_opts_t;
 
 /* Binds `addr` ("127.0.0.1:0" picks a free port) and starts serving. */
-int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts *opts,
+int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts_t *opts,
                         zt_rpc_handler_fn handler, void *user, zt_rpc_server_t **out);
 int zt_rpc_server_port(const zt_rpc_server_t *s);
 /* Stops accepting, cancels calls in flight and joins the thread. Calls the
@@ -86,9 +86,9 @@ typedef struct zt_rpc_client zt_rpc_client_t;
 typedef struct {
   const char *authorization; /* sent as "authorization" metadata when set */
   size_t max_message_bytes;  /* largest accepted reply; 0: 64 MiB */
-} zt_rpc_client_opts;
+} zt_rpc_client_opts_t;
 
-int zt_rpc_client_open(const char *target, const zt_rpc_client_opts *opts, zt_rpc_client_t **out);
+int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out);
 void zt_rpc_client_close(zt_rpc_client_t *c);
 
 /* Blocking unary call. Returns 0 when the server answered OK; *resp (malloc'd,
@@ -105,12 +105,12 @@ typedef struct {
   char details[256];
   uint8_t *resp; /* malloc'd; the caller frees */
   size_t resp_len;
-} zt_rpc_result;
+} zt_rpc_result_t;
 
 int zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
                  int64_t timeout_ms, void *user);
 /* Waits up to timeout_ms for one started call to finish: 1 and fills `res`
  * when one did, 0 on timeout. */
-int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result *res);
+int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result_t *res);
 
 #endif

@@ -10,8 +10,9 @@
  * that is never loaded and is deleted.
  *
  * Retention (checkpoint.keep_last, checkpoint.keep_every) is applied after
- * each commit: committed epochs beyond the newest keep_last are deleted
- * unless their step is a multiple of keep_every. Deleting is done here
+ * each commit (the scheduler, jobs.c, calls zt_ckpt_gc when zt_ckpt_report
+ * says the epoch committed): committed epochs beyond the newest keep_last
+ * are deleted unless their step is a multiple of keep_every. Deleting is done here
  * because the checkpoint directory is storage shared by the job's workers
  * (a local directory for local runs); a reported directory outside the
  * job's checkpoint root is refused, so no report can make the coordinator
@@ -36,34 +37,35 @@ static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW 
 static void rm_tree(const char *dir) { nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS); }
 
 /* The directory every epoch of job j lives under. */
-static void job_root(const zt_job *j, char *buf, size_t n) {
+static void job_root(const zt_job_t *j, char *buf, size_t n) {
   snprintf(buf, n, "%s/job_%llu", j->p.ckpt_dir, (unsigned long long)j->row.id);
 }
 
 typedef struct {
-  zt_db_ckpt k[64];
+  zt_db_ckpt_t k[64];
   int n;
 } ckpt_batch;
 
 typedef struct {
-  zt_coord *c;
-  zt_job *j;
+  zt_job_t *j;
   int n_committed;
-  int64_t newest;
-  zt_db_ckpt best;
+  int64_t max_step; /* newest: only epochs at or before this step */
+  int found;
+  zt_db_ckpt_t best;
   ckpt_batch *drop; /* epochs to delete */
 } gc_ctx;
 
-static int count_committed(const zt_db_ckpt *k, void *user) {
+/* Counts committed epochs and keeps the newest at or before max_step. */
+static int count_committed(const zt_db_ckpt_t *k, void *user) {
   gc_ctx *g = user;
-  if (k->state == ZT_CKPT_COMMITTED) {
-    g->n_committed++;
-    if (k->step >= g->newest) g->newest = k->step, g->best = *k;
-  }
+  if (k->state != ZT_CKPT_COMMITTED) return 0;
+  g->n_committed++;
+  if (k->step <= g->max_step && (!g->found || k->step >= g->best.step))
+    g->best = *k, g->found = 1;
   return 0;
 }
 
-static int collect_for_gc(const zt_db_ckpt *k, void *user) {
+static int collect_for_gc(const zt_db_ckpt_t *k, void *user) {
   gc_ctx *g = user;
   ckpt_batch *b = g->drop;
   if (k->state == ZT_CKPT_DELETED || b->n == (int)ZT_ARRAY_LEN(b->k)) return 0;
@@ -81,23 +83,26 @@ static int collect_for_gc(const zt_db_ckpt *k, void *user) {
 }
 
 /* Applies retention and removes dead pending epochs of job j. */
-void zt_ckpt_gc(zt_coord *c, zt_job *j) {
+void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
   if (!j->p.ckpt_dir[0]) return;
   static ckpt_batch drop;
   gc_ctx g;
   memset(&g, 0, sizeof g);
   drop.n = 0;
-  g.c = c, g.j = j, g.drop = &drop;
+  g.j = j, g.drop = &drop, g.max_step = INT64_MAX;
   if (zt_db_ckpts_each(c->db, j->row.id, count_committed, &g) != 0 ||
       zt_db_ckpts_each(c->db, j->row.id, collect_for_gc, &g) != 0) {
     ZT_WARN("checkpoint gc: %s", zt_err_msg());
     return;
   }
   for (int i = 0; i < drop.n; i++) {
-    zt_db_ckpt *k = &drop.k[i];
+    zt_db_ckpt_t *k = &drop.k[i];
     int was = k->state;
     k->state = ZT_CKPT_DELETED;
-    if (zt_db_ckpt_put(c->db, j->row.id, k) != 0) continue;
+    if (zt_db_ckpt_put(c->db, j->row.id, k) != 0) {
+      ZT_ERROR("checkpoint gc: %s", zt_err_msg());
+      continue;
+    }
     rm_tree(k->dir);
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld generation %llu (%s): %s",
                    (long long)k->step, (unsigned long long)k->generation,
@@ -105,88 +110,90 @@ void zt_ckpt_gc(zt_coord *c, zt_job *j) {
   }
 }
 
-/* The newest committed epoch of a job; 0 with *found = 0 when none. */
-int zt_ckpt_latest(zt_coord *c, zt_job *j, zt_db_ckpt *out, int *found) {
+int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, zt_db_ckpt_t *out, int *found) {
   gc_ctx g;
   memset(&g, 0, sizeof g);
-  g.newest = -1;
+  g.max_step = max_step;
   if (zt_db_ckpts_each(c->db, j->row.id, count_committed, &g) != 0) return -1;
-  *found = g.n_committed > 0;
-  if (*found) *out = g.best;
+  *found = g.found;
+  if (g.found) *out = g.best;
   return 0;
 }
 
-int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m, const Ztrain__ReportCheckpointRequest *req,
-                   int *committed, char *msg, size_t msglen) {
+/* A report names a directory under the job's root, or nothing is done:
+ * the coordinator deletes what it registers. */
+static int check_dir(const zt_job_t *j, const char *dir) {
   char root[600];
   job_root(j, root, sizeof root);
   size_t rl = strlen(root);
-  *committed = 0;
-  if (!j->p.ckpt_dir[0]) {
-    snprintf(msg, msglen, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
-    return ZT_RPC_FAILED_PRECONDITION;
-  }
-  if (strncmp(req->dir, root, rl) != 0 || req->dir[rl] != '/' || strstr(req->dir, "..") ||
-      strlen(req->dir) >= sizeof(((zt_db_ckpt *)0)->dir)) {
-    snprintf(msg, msglen, "checkpoint dir %.200s is not under %.200s", req->dir, root);
-    return ZT_RPC_INVALID_ARGUMENT;
-  }
-  if (j->poisoned_from && req->step >= j->poisoned_from) {
-    snprintf(msg, msglen, "checkpoint at step %lld refused: the loss was not finite at step %lld",
-             (long long)req->step, (long long)j->poisoned_from);
-    return ZT_RPC_FAILED_PRECONDITION;
-  }
-  if (req->step < 1 || req->step > j->row.total_steps) {
-    snprintf(msg, msglen, "checkpoint step %lld out of range", (long long)req->step);
-    return ZT_RPC_INVALID_ARGUMENT;
-  }
-  /* One epoch at a time per generation: a report for a newer step starts
-   * a new tally (the older one can no longer complete). */
-  if (j->ck_step != req->step || j->ck_gen != j->row.generation) {
-    j->ck_step = req->step;
-    j->ck_gen = j->row.generation;
-    j->ck_count = 0;
-    j->ck_bytes = 0;
-    memset(j->ck_seen, 0, sizeof j->ck_seen);
-    snprintf(j->ck_dir, sizeof j->ck_dir, "%s", req->dir);
-    zt_db_ckpt k = {req->step, j->row.generation, j->row.world, "", ZT_CKPT_PENDING, 0,
-                    zt_wall_ms()};
-    snprintf(k.dir, sizeof k.dir, "%s", req->dir);
-    if (zt_db_ckpt_put(c->db, j->row.id, &k) != 0) {
-      snprintf(msg, msglen, "cannot store checkpoint: %s", zt_err_msg());
-      return ZT_RPC_UNAVAILABLE;
-    }
-  }
-  if (strcmp(j->ck_dir, req->dir) != 0) {
-    snprintf(msg, msglen, "rank %d reported dir %.200s, expected %.200s", m->rank, req->dir,
-             j->ck_dir);
-    return ZT_RPC_INVALID_ARGUMENT;
-  }
-  if (!j->ck_seen[m->rank]) {
-    j->ck_seen[m->rank] = 1;
-    j->ck_count++;
-    for (size_t i = 0; i < req->n_files; i++) j->ck_bytes += req->files[i]->bytes;
-  }
-  if (j->ck_count < j->row.world) return ZT_RPC_OK;
-  zt_db_ckpt k = {req->step, j->row.generation, j->row.world, "", ZT_CKPT_COMMITTED, j->ck_bytes,
-                  zt_wall_ms()};
-  snprintf(k.dir, sizeof k.dir, "%s", req->dir);
+  if (strncmp(dir, root, rl) != 0 || dir[rl] != '/' || strstr(dir, "..") ||
+      strlen(dir) >= sizeof(((zt_db_ckpt_t *)0)->dir))
+    return zt_errk(ZT_E_INVALID, "checkpoint dir %.200s is not under %.200s", dir, root);
+  return 0;
+}
+
+/* A report for another step than the tally's starts a new tally (the older
+ * epoch can no longer complete) and registers the epoch as pending. */
+static int start_tally(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir) {
+  zt_ckpt_tally_t *t = &j->ck;
+  memset(t, 0, sizeof *t);
+  t->step = step;
+  t->gen = j->row.generation;
+  snprintf(t->dir, sizeof t->dir, "%s", dir);
+  zt_db_ckpt_t k = {step, j->row.generation, j->row.world, "", ZT_CKPT_PENDING, 0, zt_wall_ms()};
+  snprintf(k.dir, sizeof k.dir, "%s", dir);
+  if (zt_db_ckpt_put(c->db, j->row.id, &k) != 0)
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store checkpoint");
+  return 0;
+}
+
+/* Every rank reported: the epoch is committed, in SQLite with its event. */
+static int commit(zt_coord_t *c, zt_job_t *j) {
+  zt_ckpt_tally_t *t = &j->ck;
+  zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_COMMITTED, t->bytes, zt_wall_ms()};
+  snprintf(k.dir, sizeof k.dir, "%s", t->dir);
   if (zt_db_begin(c->db) != 0 || zt_db_ckpt_put(c->db, j->row.id, &k) != 0 ||
       zt_db_event_add(c->db, j->row.id, "checkpoint_committed", 0, k.dir, NULL) != 0 ||
       zt_db_commit(c->db) != 0) {
+    zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot commit checkpoint");
     zt_db_rollback(c->db);
-    snprintf(msg, msglen, "cannot commit checkpoint: %s", zt_err_msg());
-    return ZT_RPC_UNAVAILABLE;
+    return -1;
   }
   ZT_INFO("job %llu: checkpoint step %lld committed (%d ranks, %llu bytes)",
-          (unsigned long long)j->row.id, (long long)req->step, j->row.world,
-          (unsigned long long)j->ck_bytes);
-  j->ck_count = -1000000; /* done: later duplicates do not re-commit */
+          (unsigned long long)j->row.id, (long long)t->step, j->row.world,
+          (unsigned long long)t->bytes);
+  t->count = -1000000; /* done: later duplicates do not re-commit */
+  return 0;
+}
+
+int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                   const Ztrain__ReportCheckpointRequest *req, int *committed) {
+  *committed = 0;
+  if (!j->p.ckpt_dir[0])
+    return zt_errk(ZT_E_STATE, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
+  if (check_dir(j, req->dir) != 0) return -1;
+  if (j->poisoned_from && req->step >= j->poisoned_from)
+    return zt_errk(ZT_E_STATE,
+                   "checkpoint at step %lld refused: the loss was not finite at step %lld",
+                   (long long)req->step, (long long)j->poisoned_from);
+  if (req->step < 1 || req->step > j->row.total_steps)
+    return zt_errk(ZT_E_INVALID, "checkpoint step %lld out of range", (long long)req->step);
+  zt_ckpt_tally_t *t = &j->ck;
+  if ((t->step != req->step || t->gen != j->row.generation) &&
+      start_tally(c, j, req->step, req->dir) != 0)
+    return -1;
+  if (strcmp(t->dir, req->dir) != 0)
+    return zt_errk(ZT_E_INVALID, "rank %d reported dir %.200s, expected %.200s", m->rank,
+                   req->dir, t->dir);
+  if (!t->seen[m->rank]) {
+    t->seen[m->rank] = 1;
+    t->count++;
+    for (size_t i = 0; i < req->n_files; i++) t->bytes += req->files[i]->bytes;
+  }
+  if (t->count < j->row.world) return 0;
+  if (commit(c, j) != 0) return -1;
   *committed = 1;
-  j->ckpt_commits++;
-  zt_ckpt_gc(c, j);
-  zt_jobs_checkpoint_committed(c, j);
-  return ZT_RPC_OK;
+  return 0;
 }
 
 typedef struct {
@@ -194,7 +201,7 @@ typedef struct {
   ckpt_batch *b;
 } after_ctx;
 
-static int collect_after(const zt_db_ckpt *k, void *user) {
+static int collect_after(const zt_db_ckpt_t *k, void *user) {
   after_ctx *a = user;
   if (k->state != ZT_CKPT_DELETED && k->step > a->after && a->b->n < (int)ZT_ARRAY_LEN(a->b->k))
     a->b->k[a->b->n++] = *k;
@@ -203,14 +210,17 @@ static int collect_after(const zt_db_ckpt *k, void *user) {
 
 /* Deletes every epoch after `step`: after a rollback they hold the state
  * being abandoned and must never be loaded. */
-void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step) {
+void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
   static ckpt_batch b;
   b.n = 0;
   after_ctx a = {step, &b};
   if (zt_db_ckpts_each(c->db, j->row.id, collect_after, &a) != 0) return;
   for (int i = 0; i < b.n; i++) {
     b.k[i].state = ZT_CKPT_DELETED;
-    if (zt_db_ckpt_put(c->db, j->row.id, &b.k[i]) != 0) continue;
+    if (zt_db_ckpt_put(c->db, j->row.id, &b.k[i]) != 0) {
+      ZT_ERROR("checkpoint drop: %s", zt_err_msg());
+      continue;
+    }
     rm_tree(b.k[i].dir);
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld: after the rollback target: %s",
                    (long long)b.k[i].step, b.k[i].dir);
@@ -219,11 +229,11 @@ void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step) {
 
 typedef struct {
   const char *dir;
-  zt_db_ckpt found;
+  zt_db_ckpt_t found;
   int n;
 } find_ctx;
 
-static int find_dir(const zt_db_ckpt *k, void *user) {
+static int find_dir(const zt_db_ckpt_t *k, void *user) {
   find_ctx *f = user;
   if (!strcmp(k->dir, f->dir) && k->state == ZT_CKPT_COMMITTED) f->found = *k, f->n++;
   return 0;
@@ -233,7 +243,7 @@ static int find_dir(const zt_db_ckpt *k, void *user) {
  * again. The files stay for inspection; the next generation starts from the
  * previous committed epoch. Returns -1 when `dir` is not one of the job's
  * own epochs (e.g. its checkpoint.load): there is nothing to fall back to. */
-int zt_ckpt_mark_bad(zt_coord *c, zt_job *j, const char *dir, const char *why) {
+int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why) {
   find_ctx f = {dir, {0}, 0};
   zt_coord_event(c, j->row.id, "checkpoint_corrupt", 0, "%s: %s", dir, why);
   if (zt_db_ckpts_each(c->db, j->row.id, find_dir, &f) != 0 || !f.n) return -1;

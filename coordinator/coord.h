@@ -1,13 +1,31 @@
 /*
- * coord.h: the coordinator's in-memory state, owned by one libuv loop.
+ * coord.h: the coordinator's in-memory state, owned by one libuv loop, and
+ * the interfaces of its modules.
  *
  * zcoord is a single-threaded program in the sense that matters: all state
  * below is read and written only on the loop thread. The gRPC completion
  * thread (common/rpc.c) and the HTTP threads (http.c) hand their work to the
  * loop, the first with uv_async, the second through zt_loopcall_run().
  *
- * Durable state lives in SQLite (state/); this struct is the cache the loop
- * works from, rebuilt from the database at start.
+ * Durable state lives in SQLite (state/); these structs are the cache the
+ * loop works from, rebuilt from the database at start.
+ *
+ * The modules form a stack; each calls only the ones below it, never back
+ * up (tools/check-layers verifies it on the object files):
+ *
+ *   main.c service.c http.c     entry points: flags and timers, gRPC, HTTP
+ *   jobs.c                      scheduler: generations, rendezvous, rollback
+ *   ckpt.c members.c spike.c    checkpoint registry, membership, detector
+ *   views.c auth.c              what the APIs show; credentials
+ *   events.c loopcall.c notify.c  logbook, HTTP -> loop calls, systemd
+ *
+ * Members report what happened to them (a worker lost, a worker that
+ * re-registered) to their caller, and the entry points then tell jobs.c; the
+ * registry says an epoch committed, and jobs.c acts on it.
+ *
+ * Errors: functions return 0 or -1 with the thread's error message and
+ * kind (common/zt_common.h); service.c and http.c turn the kind into a
+ * status code through one table.
  */
 #ifndef ZT_COORD_H
 #define ZT_COORD_H
@@ -16,8 +34,8 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "zt_common.h"
 #include "spike.h"
+#include "zt_common.h"
 #include "zt_db.h"
 #include "zt_rpc.h"
 
@@ -34,11 +52,11 @@ typedef struct {
   int heartbeat_ms;
   int heartbeat_timeout_ms;
   size_t max_message_bytes;
-} zt_coord_config;
+} zt_coord_config_t;
 
 /* One worker as the loop sees it: its row plus liveness bookkeeping. */
 typedef struct {
-  zt_db_worker row;
+  zt_db_worker_t row;
   int64_t last_hb_mono_ms; /* monotonic time of the last heartbeat or register */
   uint64_t hb_seq;
   int dirty; /* last_seen not yet flushed to SQLite */
@@ -47,7 +65,7 @@ typedef struct {
   /* Assignment: the job generation this worker belongs to (0: idle). */
   uint64_t job_id, gen;
   int rank;
-} zt_member;
+} zt_member_t;
 
 #define ZT_MAX_WORLD 256
 
@@ -65,54 +83,58 @@ typedef struct {
   int rb_enabled;
   int64_t rb_window, rb_patience, rb_margin, rb_skip, rb_cooldown, rb_max, rb_per_steps;
   double rb_threshold, rb_lr_factor;
-} zt_job_params;
+} zt_job_params_t;
+
+/* The tally of the checkpoint epoch being reported (ckpt.c). */
+typedef struct {
+  int64_t step;
+  uint64_t gen;
+  int count; /* ranks that reported; < 0 once committed */
+  uint64_t bytes;
+  uint8_t seen[ZT_MAX_WORLD];
+  char dir[512];
+} zt_ckpt_tally_t;
 
 /* A job as the loop sees it: its row, parsed parameters, and the state of
  * the current generation's rendezvous. */
 typedef struct zt_job {
-  zt_db_job row;
+  zt_db_job_t row;
   char *spec;
-  zt_job_params p;
+  zt_job_params_t p;
   uint64_t workers[ZT_MAX_WORLD]; /* worker id by rank, current generation */
   int64_t start_step;
   int64_t formed_ms;
   int arrived;
   struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
   char comm_addr[ZT_MAX_WORLD][64];
-  zt_db_step last; /* last reported step */
+  zt_db_step_t last; /* last reported step */
   uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
   char start_ckpt[512]; /* committed epoch the current generation loads */
-  /* Tally of the checkpoint epoch being reported (ckpt.c). */
-  int64_t ck_step;
-  uint64_t ck_gen;
-  int ck_count;
-  uint64_t ck_bytes;
-  uint8_t ck_seen[ZT_MAX_WORLD];
-  char ck_dir[512];
+  zt_ckpt_tally_t ck;
   /* Checkpoint-now requested (drain, scale-up); re-form after its commit. */
   int ckpt_request;
   char reform_reason[256];
   /* Rollback. */
-  zt_spike det;
+  zt_spike_t det;
   int64_t poisoned_from; /* first step with a non-finite loss; 0: none */
   char rb_ckpt_dir[512]; /* forced start of the next generation */
   int64_t rb_ckpt_step;  /* -1: none forced */
   struct zt_job *next;
-} zt_job;
+} zt_job_t;
 
 /* Runs a function on the loop thread on behalf of another thread. */
-typedef struct zt_loopcall_item zt_loopcall_item;
+typedef struct zt_loopcall_item zt_loopcall_item_t;
 typedef struct {
   uv_async_t async;
   pthread_mutex_t mu;
-  zt_loopcall_item *head;
+  zt_loopcall_item_t *head;
   int closing;
 } zt_loopcall_t;
 
 typedef struct zt_http zt_http_t;
 
 typedef struct zt_coord {
-  zt_coord_config cfg;
+  zt_coord_config_t cfg;
   uv_loop_t *loop;
   zt_db_t *db;
   zt_rpc_server_t *rpc;
@@ -124,96 +146,140 @@ typedef struct zt_coord {
   int64_t epoch;
 
   /* Members indexed by worker id (ids are dense rowids), plus a name index. */
-  zt_member **by_id;
+  zt_member_t **by_id;
   size_t by_id_cap;
   uint64_t *name_slots; /* open addressing: worker id or 0 */
   size_t name_cap;
   size_t n_members;
 
-  zt_job *jobs; /* in submission order */
-} zt_coord;
+  zt_job_t *jobs; /* in submission order */
+} zt_coord_t;
 
-/* members.c */
-int zt_members_load(zt_coord *c);
-zt_member *zt_members_get(zt_coord *c, uint64_t id);
-zt_member *zt_members_find_name(zt_coord *c, const char *name);
-void zt_members_check(zt_coord *c);  /* suspect / lost transitions */
-void zt_members_flush(zt_coord *c);  /* write last_seen of dirty members */
-void zt_members_free(zt_coord *c);
-void zt_members_count(zt_coord *c, uint32_t counts[5]);
-/* Records a logbook event; logs (and survives) a database failure. */
-void zt_coord_event(zt_coord *c, uint64_t job_id, const char *kind, uint64_t worker_id,
-                    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
-/* Register / heartbeat / leave; return a gRPC status and a message. */
-int zt_members_register(zt_coord *c, const char *name, const char *host, const char *device,
-                        int pid, zt_member **out, char *msg, size_t msglen);
-int zt_members_heartbeat(zt_coord *c, uint64_t id, zt_member **out, char *msg, size_t msglen);
-int zt_members_leave(zt_coord *c, uint64_t id, const char *reason, char *msg, size_t msglen);
+/* ---- jobs.c: the scheduler -------------------------------------------------- */
 
-/* jobs.c */
 struct Ztrain__RendezvousRequest;
 struct Ztrain__ReportStepRequest;
 struct Ztrain__ReportFailureRequest;
-int zt_job_params_parse(const char *json, zt_job_params *p, char *err, size_t errlen);
-int zt_jobs_load(zt_coord *c);
-void zt_jobs_free(zt_coord *c);
-void zt_jobs_release_calls(zt_coord *c); /* answers held calls before the server stops */
-zt_job *zt_jobs_get(zt_coord *c, uint64_t id);
-void zt_jobs_schedule(zt_coord *c);
-void zt_jobs_member_gone(zt_coord *c, zt_member *m, const char *why);
-int zt_jobs_submit(zt_coord *c, const char *spec, uint64_t *id, char *msg, size_t msglen);
-void zt_jobs_rendezvous(zt_coord *c, zt_rpc_call_t *call,
+struct Ztrain__ReportCheckpointRequest;
+
+/* Operator actions on a job. */
+typedef enum { ZT_ACT_PAUSE, ZT_ACT_RESUME, ZT_ACT_CANCEL, ZT_ACT_ROLLBACK } zt_job_action_t;
+/* "pause", "resume", "cancel", "rollback"; -1 (ZT_E_INVALID) otherwise. */
+int zt_job_action_parse(const char *name, zt_job_action_t *out);
+
+int zt_job_params_parse(const char *json, zt_job_params_t *p);
+int zt_jobs_load(zt_coord_t *c);
+void zt_jobs_free(zt_coord_t *c);
+void zt_jobs_release_calls(zt_coord_t *c); /* answers held calls before the server stops */
+zt_job_t *zt_jobs_get(zt_coord_t *c, uint64_t id);
+void zt_jobs_schedule(zt_coord_t *c);
+/* A member left its generation (lost, left, restarted, drained). */
+void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why);
+int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id);
+/* Holds the call until every rank arrived (a long poll); answers it. */
+void zt_jobs_rendezvous(zt_coord_t *c, zt_rpc_call_t *call,
                         const struct Ztrain__RendezvousRequest *req);
-int zt_jobs_report_step(zt_coord *c, const struct Ztrain__ReportStepRequest *req, int *command,
-                        char *msg, size_t msglen);
-int zt_jobs_report_failure(zt_coord *c, const struct Ztrain__ReportFailureRequest *req, char *msg,
-                           size_t msglen);
-/* Operator actions: "pause", "resume", "cancel", "rollback". */
-int zt_jobs_action(zt_coord *c, uint64_t job_id, const char *action, int64_t to_step,
+int zt_jobs_report_step(zt_coord_t *c, const struct Ztrain__ReportStepRequest *req, int *command);
+int zt_jobs_report_failure(zt_coord_t *c, const struct Ztrain__ReportFailureRequest *req);
+int zt_jobs_report_checkpoint(zt_coord_t *c, const struct Ztrain__ReportCheckpointRequest *req,
+                              int *committed);
+/* An operator action; on success msg says what happens. */
+int zt_jobs_action(zt_coord_t *c, uint64_t job_id, zt_job_action_t action, int64_t to_step,
                    int64_t skip_steps, char *msg, size_t msglen);
-/* Drains a worker (by name or id): checkpoint, then leave its job. */
-int zt_jobs_drain(zt_coord *c, zt_member *m, char *msg, size_t msglen);
+/* Drains a worker: checkpoint, then leave its job; msg says what happens. */
+int zt_jobs_drain(zt_coord_t *c, zt_member_t *m, char *msg, size_t msglen);
 /* Leave from a worker in a checkpointed job turns into a drain: returns 1
  * when the worker must keep going until told to stop. */
-int zt_jobs_leave_drains(zt_coord *c, zt_member *m);
-void zt_jobs_checkpoint_committed(zt_coord *c, zt_job *j);
-int zt_jobs_heartbeat_command(zt_coord *c, zt_member *m, uint64_t job_id, uint64_t gen,
+int zt_jobs_leave_drains(zt_coord_t *c, zt_member_t *m);
+int zt_jobs_heartbeat_command(zt_coord_t *c, zt_member_t *m, uint64_t job_id, uint64_t gen,
                               uint64_t *out_job, uint64_t *out_gen);
 
-/* ckpt.c */
-struct Ztrain__ReportCheckpointRequest;
-int zt_ckpt_report(zt_coord *c, zt_job *j, zt_member *m,
-                   const struct Ztrain__ReportCheckpointRequest *req, int *committed, char *msg,
-                   size_t msglen);
-int zt_ckpt_latest(zt_coord *c, zt_job *j, zt_db_ckpt *out, int *found);
-void zt_ckpt_gc(zt_coord *c, zt_job *j);
-void zt_ckpt_drop_after(zt_coord *c, zt_job *j, int64_t step);
-int zt_ckpt_mark_bad(zt_coord *c, zt_job *j, const char *dir, const char *why);
-int zt_jobs_rollback(zt_coord *c, zt_job *j, int64_t first_step, int64_t last_step,
-                     int64_t max_ckpt_step, int64_t skip_steps, const char *why);
-int zt_jobs_report_checkpoint(zt_coord *c, const struct Ztrain__ReportCheckpointRequest *req,
-                              int *committed, char *msg, size_t msglen);
+/* ---- ckpt.c: the checkpoint registry ----------------------------------------- */
 
-/* service.c */
+/* Counts one rank's report of the epoch being written; *committed = 1 when
+ * it was the last one and the epoch is now committed in SQLite (the caller
+ * then applies retention and acts on the commit). */
+int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                   const struct Ztrain__ReportCheckpointRequest *req, int *committed);
+/* The newest committed epoch of a job at or before max_step (INT64_MAX:
+ * any); *found = 0 when there is none. */
+int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, zt_db_ckpt_t *out, int *found);
+/* Applies retention and removes pending epochs that can never commit. */
+void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j);
+/* Deletes every epoch after `step` (a rollback abandons them). */
+void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step);
+/* Retires a committed epoch that failed to load; -1 when `dir` is not one
+ * of the job's own epochs. */
+int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why);
+
+/* ---- members.c: membership and liveness -------------------------------------- */
+
+int zt_members_load(zt_coord_t *c);
+zt_member_t *zt_members_get(zt_coord_t *c, uint64_t id);
+zt_member_t *zt_members_find_name(zt_coord_t *c, const char *name);
+/* By decimal id or by name. */
+zt_member_t *zt_members_lookup(zt_coord_t *c, const char *id_or_name);
+/* Suspect / lost transitions. Returns the number of members that were
+ * declared lost, with their ids in *lost (malloc'd; the caller frees). */
+size_t zt_members_check(zt_coord_t *c, uint64_t **lost);
+void zt_members_flush(zt_coord_t *c);  /* write last_seen of dirty members */
+void zt_members_free(zt_coord_t *c);
+void zt_members_count(zt_coord_t *c, uint32_t counts[5]);
+/* Register / heartbeat / leave. Register sets *known when the name was
+ * registered before (the worker restarted: its old assignment is void);
+ * leave sets *left when the member moved to LEFT now. */
+int zt_members_register(zt_coord_t *c, const char *name, const char *host, const char *device,
+                        int pid, zt_member_t **out, int *known);
+int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out);
+int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left);
+
+/* ---- views.c: the Status messages, filled from state and rows ------------------ */
+
 struct Ztrain__JobInfo;
 struct Ztrain__WorkerInfo;
-void zt_coord_job_info(const zt_job *j, struct Ztrain__JobInfo *ji);
-void zt_coord_worker_info(const zt_member *m, struct Ztrain__WorkerInfo *w);
+struct Ztrain__StepRecord;
+struct Ztrain__Event;
+struct Ztrain__CheckpointInfo;
+struct Ztrain__GetStatusReply;
+/* Strings point into the source, which must outlive the message. */
+void zt_view_job(const zt_job_t *j, struct Ztrain__JobInfo *out);
+void zt_view_worker(const zt_member_t *m, struct Ztrain__WorkerInfo *out);
+void zt_view_step(const zt_db_step_t *s, struct Ztrain__StepRecord *out);
+void zt_view_event(const zt_db_event_t *e, struct Ztrain__Event *out);
+void zt_view_ckpt(const zt_db_ckpt_t *k, struct Ztrain__CheckpointInfo *out);
+void zt_view_status(zt_coord_t *c, struct Ztrain__GetStatusReply *out);
+
+/* ---- auth.c: credentials ------------------------------------------------------ */
+
+/* An operator's "Bearer <token>" (the gRPC authorization metadata or the
+ * HTTP Authorization header); always true when no token is configured. */
+int zt_auth_operator(const zt_coord_t *c, const char *authorization);
+/* A worker's shared secret at registration. */
+int zt_auth_worker_secret(const zt_coord_t *c, const char *secret);
+
+/* ---- events.c: the logbook ----------------------------------------------------- */
+
+/* Records a logbook event; logs (and survives) a database failure. */
+void zt_coord_event(zt_coord_t *c, uint64_t job_id, const char *kind, uint64_t worker_id,
+                    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* ---- service.c, http.c: the front ends ------------------------------------------ */
+
 void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req,
                            size_t len, void *user);
-
-/* http.c */
-int zt_http_start(zt_coord *c, const char *addr, zt_http_t **out);
+int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out);
 int zt_http_port(zt_http_t *h);
 void zt_http_stop(zt_http_t *h);
 
-/* loopcall.c */
+/* ---- loopcall.c ----------------------------------------------------------------- */
+
 int zt_loopcall_init(uv_loop_t *loop, zt_loopcall_t *lc);
 int zt_loopcall_run(zt_loopcall_t *lc, void (*fn)(void *), void *arg);
 void zt_loopcall_close(zt_loopcall_t *lc);
 
-/* notify.c */
-void zt_notify_ready(zt_coord *c);
+/* ---- notify.c ------------------------------------------------------------------- */
+
+void zt_notify_ready(zt_coord_t *c);
 void zt_notify_stopping(void);
 
 #endif

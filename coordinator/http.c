@@ -15,6 +15,7 @@
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <microhttpd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,7 +28,7 @@
 #define ZT_HTTP_MAX_BODY (1u << 20)
 
 struct zt_http {
-  zt_coord *c;
+  zt_coord_t *c;
   struct MHD_Daemon *d;
   int port;
 };
@@ -41,7 +42,7 @@ typedef struct {
 
 /* ---- JSON helpers used by the routes ------------------------------------ */
 
-void zt_http_json(zt_http_req *r, int status, cJSON *doc) {
+void zt_http_json(zt_http_req_t *r, int status, cJSON *doc) {
   r->status = status;
   r->ctype = "application/json";
   r->resp = cJSON_PrintUnformatted(doc);
@@ -49,7 +50,7 @@ void zt_http_json(zt_http_req *r, int status, cJSON *doc) {
   cJSON_Delete(doc);
 }
 
-void zt_http_error(zt_http_req *r, int status, const char *fmt, ...) {
+void zt_http_error(zt_http_req_t *r, int status, const char *fmt, ...) {
   char msg[512];
   va_list ap;
   va_start(ap, fmt);
@@ -60,11 +61,11 @@ void zt_http_error(zt_http_req *r, int status, const char *fmt, ...) {
   zt_http_json(r, status, o);
 }
 
-const char *zt_http_query(zt_http_req *r, const char *key) {
+const char *zt_http_query(zt_http_req_t *r, const char *key) {
   return MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, key);
 }
 
-int zt_http_query_i64(zt_http_req *r, const char *key, int64_t def, int64_t *out) {
+int zt_http_query_i64(zt_http_req_t *r, const char *key, int64_t def, int64_t *out) {
   const char *v = zt_http_query(r, key);
   if (!v || !*v) {
     *out = def;
@@ -82,8 +83,8 @@ int zt_http_query_i64(zt_http_req *r, const char *key, int64_t def, int64_t *out
 
 /* ---- routes ------------------------------------------------------------ */
 
-static void r_healthz(zt_http_req *r) {
-  zt_coord *c = r->c;
+static void r_healthz(zt_http_req_t *r) {
+  zt_coord_t *c = r->c;
   cJSON *o = cJSON_CreateObject();
   cJSON_AddBoolToObject(o, "ok", 1);
   cJSON_AddStringToObject(o, "version", ZT_VERSION);
@@ -92,46 +93,33 @@ static void r_healthz(zt_http_req *r) {
   zt_http_json(r, 200, o);
 }
 
-static void r_status(zt_http_req *r) {
-  zt_coord *c = r->c;
-  uint32_t n[5];
-  zt_members_count(c, n);
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "version", ZT_VERSION);
-  cJSON_AddNumberToObject(o, "started_ms", (double)c->started_ms);
-  cJSON_AddNumberToObject(o, "coordinator_epoch", (double)c->epoch);
-  cJSON_AddNumberToObject(o, "heartbeat_ms", c->cfg.heartbeat_ms);
-  cJSON_AddNumberToObject(o, "heartbeat_timeout_ms", c->cfg.heartbeat_timeout_ms);
-  cJSON *w = cJSON_AddObjectToObject(o, "workers");
-  for (int s = ZT_WORKER_ALIVE; s <= ZT_WORKER_LEFT; s++)
-    cJSON_AddNumberToObject(w, zt_worker_state_name(s), n[s]);
-  cJSON_AddStringToObject(o, "db", zt_db_path(c->db));
-  zt_http_json(r, 200, o);
+static void r_status(zt_http_req_t *r) {
+  Ztrain__GetStatusReply st;
+  zt_view_status(r->c, &st);
+  zt_http_json(r, 200, zt_json_status(&st));
 }
 
-static void r_workers(zt_http_req *r) {
-  zt_coord *c = r->c;
+static void r_workers(zt_http_req_t *r) {
+  zt_coord_t *c = r->c;
   cJSON *o = cJSON_CreateObject();
   cJSON *arr = cJSON_AddArrayToObject(o, "workers");
   for (size_t i = 0; i < c->by_id_cap; i++) {
-    zt_member *m = c->by_id[i];
-    if (!m) continue;
+    if (!c->by_id[i]) continue;
     Ztrain__WorkerInfo w;
-    zt_coord_worker_info(m, &w);
+    zt_view_worker(c->by_id[i], &w);
     cJSON_AddItemToArray(arr, zt_json_worker(&w));
   }
   zt_http_json(r, 200, o);
 }
 
-static int add_event(const zt_db_event *e, void *user) {
-  Ztrain__Event x = ZTRAIN__EVENT__INIT;
-  x.id = e->id, x.t_ms = e->t_ms, x.job_id = e->job_id, x.worker_id = e->worker_id;
-  x.kind = (char *)e->kind, x.detail = (char *)e->detail;
+static int add_event(const zt_db_event_t *e, void *user) {
+  Ztrain__Event x;
+  zt_view_event(e, &x);
   cJSON_AddItemToArray(user, zt_json_event(&x));
   return 0;
 }
 
-static void r_events(zt_http_req *r) {
+static void r_events(zt_http_req_t *r) {
   int64_t after, limit, job;
   if (zt_http_query_i64(r, "after", 0, &after) || zt_http_query_i64(r, "limit", 1000, &limit) ||
       zt_http_query_i64(r, "job", 0, &job))
@@ -150,69 +138,70 @@ static void r_events(zt_http_req *r) {
   zt_http_json(r, 200, o);
 }
 
-static cJSON *job_json(const zt_job *j) {
+static cJSON *job_json(const zt_job_t *j) {
   Ztrain__JobInfo ji;
-  zt_coord_job_info(j, &ji);
+  zt_view_job(j, &ji);
   return zt_json_job(&ji);
 }
 
-static void r_jobs(zt_http_req *r) {
+static void r_jobs(zt_http_req_t *r) {
   cJSON *o = cJSON_CreateObject();
   cJSON *arr = cJSON_AddArrayToObject(o, "jobs");
-  for (zt_job *j = r->c->jobs; j; j = j->next) cJSON_AddItemToArray(arr, job_json(j));
+  for (zt_job_t *j = r->c->jobs; j; j = j->next) cJSON_AddItemToArray(arr, job_json(j));
   zt_http_json(r, 200, o);
 }
 
-static int add_step(const zt_db_step *s, void *user) {
-  Ztrain__StepRecord x = ZTRAIN__STEP_RECORD__INIT;
-  x.step = s->step, x.generation = s->generation, x.loss = s->loss, x.grad_norm = s->grad_norm;
-  x.lr = s->lr, x.tokens_per_s = s->tokens_per_s, x.val_loss = s->val_loss, x.t_ms = s->t_ms;
+static int add_step(const zt_db_step_t *s, void *user) {
+  Ztrain__StepRecord x;
+  zt_view_step(s, &x);
   cJSON_AddItemToArray(user, zt_json_step(&x));
   return 0;
 }
 
-static int add_ckpt(const zt_db_ckpt *k, void *user) {
-  Ztrain__CheckpointInfo x = ZTRAIN__CHECKPOINT_INFO__INIT;
-  x.step = k->step, x.generation = k->generation, x.world = (uint32_t)k->world;
-  x.state = (char *)zt_ckpt_state_name(k->state);
-  x.bytes = k->bytes, x.dir = (char *)k->dir, x.t_ms = k->t_ms;
+static int add_ckpt(const zt_db_ckpt_t *k, void *user) {
+  Ztrain__CheckpointInfo x;
+  zt_view_ckpt(k, &x);
   cJSON_AddItemToArray(user, zt_json_checkpoint(&x));
   return 0;
 }
 
+/* Answers with the error the layers below left (its kind gives the status). */
+static void fail_with_error(zt_http_req_t *r) {
+  zt_http_error(r, zt_errkind_http(zt_err_kind()), "%s", zt_err_msg());
+}
+
 /* POST /v1/jobs/{id}/pause|resume|cancel|rollback; rollback takes
  * {"to_step": S, "skip": N}. */
-static void r_job_action(zt_http_req *r) {
+static void r_job_action(zt_http_req_t *r) {
   const char *p = r->url + strlen("/v1/jobs/");
   char *end;
   unsigned long long id = strtoull(p, &end, 10);
+  zt_job_action_t a;
   if (end == p || *end != '/') {
     zt_http_error(r, 404, "no such resource: %s", r->url);
     return;
   }
-  const char *action = end + 1;
+  if (zt_job_action_parse(end + 1, &a) != 0) {
+    zt_http_error(r, 404, "no such action: %.32s (pause, resume, cancel, rollback)", end + 1);
+    return;
+  }
   int64_t to = -1, skip = 0;
-  if (!strcmp(action, "rollback")) {
+  if (a == ZT_ACT_ROLLBACK) {
     cJSON *doc = r->body ? cJSON_ParseWithLength(r->body, r->body_len) : NULL;
     cJSON *t = doc ? cJSON_GetObjectItemCaseSensitive(doc, "to_step") : NULL;
     cJSON *k = doc ? cJSON_GetObjectItemCaseSensitive(doc, "skip") : NULL;
-    if (!doc || !cJSON_IsNumber(t) || (k && !cJSON_IsNumber(k))) {
-      cJSON_Delete(doc);
+    int ok = cJSON_IsNumber(t) && (!k || cJSON_IsNumber(k)) && fabs(t->valuedouble) < 1e15 &&
+             (!k || fabs(k->valuedouble) < 1e15);
+    if (ok) to = (int64_t)t->valuedouble, skip = k ? (int64_t)k->valuedouble : 0;
+    cJSON_Delete(doc);
+    if (!ok) {
       zt_http_error(r, 400, "rollback needs a JSON body {\"to_step\": S, \"skip\": N}");
       return;
     }
-    to = (int64_t)t->valuedouble;
-    skip = k ? (int64_t)k->valuedouble : 0;
-    cJSON_Delete(doc);
-  } else if (strcmp(action, "pause") && strcmp(action, "resume") && strcmp(action, "cancel")) {
-    zt_http_error(r, 404, "no such action: %.32s (pause, resume, cancel, rollback)", action);
-    return;
   }
   char msg[512];
-  int st = zt_jobs_action(r->c, id, action, to, skip, msg, sizeof msg);
-  if (st != ZT_RPC_OK) {
-    zt_http_error(r, st == ZT_RPC_NOT_FOUND ? 404 : st == ZT_RPC_INVALID_ARGUMENT ? 400 : 409,
-                  "%s", msg);
+  if (zt_jobs_action(r->c, id, a, to, skip, msg, sizeof msg) != 0) {
+    fail_with_error(r);
     return;
   }
   cJSON *o = cJSON_CreateObject();
@@ -221,7 +210,7 @@ static void r_job_action(zt_http_req *r) {
 }
 
 /* POST /v1/workers/{id or name}/drain */
-static void r_drain(zt_http_req *r) {
+static void r_drain(zt_http_req_t *r) {
   char name[160];
   const char *p = r->url + strlen("/v1/workers/");
   const char *slash = strchr(p, '/');
@@ -230,26 +219,27 @@ static void r_drain(zt_http_req *r) {
     return;
   }
   snprintf(name, sizeof name, "%.*s", (int)(slash - p), p);
-  char *end;
-  unsigned long long id = strtoull(name, &end, 10);
-  zt_member *m = *end ? zt_members_find_name(r->c, name) : zt_members_get(r->c, id);
+  zt_member_t *m = zt_members_lookup(r->c, name);
   if (!m) {
     zt_http_error(r, 404, "unknown worker %s", name);
     return;
   }
   char msg[512];
-  zt_jobs_drain(r->c, m, msg, sizeof msg);
+  if (zt_jobs_drain(r->c, m, msg, sizeof msg) != 0) {
+    fail_with_error(r);
+    return;
+  }
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "message", msg);
   zt_http_json(r, 200, o);
 }
 
 /* /v1/jobs/{id} and /v1/jobs/{id}/metrics|events|checkpoints */
-static void r_job(zt_http_req *r) {
+static void r_job(zt_http_req_t *r) {
   const char *p = r->url + strlen("/v1/jobs/");
   char *end;
   unsigned long long id = strtoull(p, &end, 10);
-  zt_job *j = end != p ? zt_jobs_get(r->c, id) : NULL;
+  zt_job_t *j = end != p ? zt_jobs_get(r->c, id) : NULL;
   if (!j) {
     zt_http_error(r, 404, "no such job: %.64s", p);
     return;
@@ -299,7 +289,7 @@ static void r_job(zt_http_req *r) {
 }
 
 /* POST /v1/jobs: the body is a job spec. */
-static void r_submit(zt_http_req *r) {
+static void r_submit(zt_http_req_t *r) {
   if (!r->body || !r->body_len) {
     zt_http_error(r, 400, "empty body: expected a JSON job spec");
     return;
@@ -312,10 +302,8 @@ static void r_submit(zt_http_req *r) {
   }
   cJSON_Delete(doc);
   uint64_t id = 0;
-  char msg[512];
-  int st = zt_jobs_submit(r->c, r->body, &id, msg, sizeof msg);
-  if (st != ZT_RPC_OK) {
-    zt_http_error(r, st == ZT_RPC_INVALID_ARGUMENT ? 400 : 503, "%s", msg);
+  if (zt_jobs_submit(r->c, r->body, &id) != 0) {
+    fail_with_error(r);
     return;
   }
   cJSON *o = cJSON_CreateObject();
@@ -342,8 +330,7 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
       return;
     }
     b->cap = b->cap * 2 + (size_t)n + 256;
-    b->buf = realloc(b->buf, b->cap);
-    if (!b->buf) abort();
+    b->buf = zt_xrealloc(b->buf, b->cap);
   }
 }
 
@@ -355,23 +342,22 @@ static void metric_head(sbuf *b, const char *name, const char *type, const char 
 #define JOB_SERIES(b, name, type, help, expr)                                            \
   do {                                                                                  \
     metric_head(b, name, type, help);                                                   \
-    for (zt_job *j = r->c->jobs; j; j = j->next)                                        \
+    for (zt_job_t *j = r->c->jobs; j; j = j->next)                                        \
       if (j->row.generation)                                                            \
         sb_printf(b, "%s{job=\"%llu\"} %.17g\n", name, (unsigned long long)j->row.id,    \
                   (double)(expr));                                                      \
   } while (0)
 
-static void r_metrics(zt_http_req *r) {
-  zt_coord *c = r->c;
-  sbuf b = {malloc(4096), 0, 4096};
-  if (!b.buf) abort();
+static void r_metrics(zt_http_req_t *r) {
+  zt_coord_t *c = r->c;
+  sbuf b = {zt_xmalloc(4096), 0, 4096};
   uint32_t n[5];
   zt_members_count(c, n);
   metric_head(&b, "ztrain_workers", "gauge", "Known workers by state.");
   for (int s = ZT_WORKER_ALIVE; s <= ZT_WORKER_LEFT; s++)
     sb_printf(&b, "ztrain_workers{state=\"%s\"} %u\n", zt_worker_state_name(s), n[s]);
   int jobs[8] = {0};
-  for (zt_job *j = c->jobs; j; j = j->next)
+  for (zt_job_t *j = c->jobs; j; j = j->next)
     if (j->row.state >= 0 && j->row.state < 8) jobs[j->row.state]++;
   metric_head(&b, "ztrain_jobs", "gauge", "Jobs by state.");
   for (int s = ZT_JOB_PENDING; s <= ZT_JOB_CANCELED; s++)
@@ -424,7 +410,7 @@ static const char *ctype_of(const char *name) {
 
 /* Serves one file of the web directory. Names are plain [A-Za-z0-9._-]
  * without a leading dot, so no path can leave the directory. */
-static void serve_file(zt_http_req *r, const char *name) {
+static void serve_file(zt_http_req_t *r, const char *name) {
   char path[1024];
   int ok = name[0] && name[0] != '.';
   for (const char *p = name; *p; p++)
@@ -448,13 +434,13 @@ static void serve_file(zt_http_req *r, const char *name) {
   r->resp_len = len;
 }
 
-static void r_index(zt_http_req *r) { serve_file(r, "index.html"); }
-static void r_static(zt_http_req *r) { serve_file(r, r->url + strlen("/static/")); }
+static void r_index(zt_http_req_t *r) { serve_file(r, "index.html"); }
+static void r_static(zt_http_req_t *r) { serve_file(r, r->url + strlen("/static/")); }
 
 typedef struct {
   const char *method;
   const char *path; /* a trailing '*' matches any rest */
-  void (*fn)(zt_http_req *r);
+  void (*fn)(zt_http_req_t *r);
   int mutating;     /* needs the bearer token when one is configured */
 } route;
 
@@ -479,16 +465,14 @@ static const route k_routes[] = {
     {"GET", "/static/*", r_static, 0},
 };
 
-static int authorized(zt_http_req *r) {
-  const char *tok = r->c->cfg.api_token;
-  if (!tok[0]) return 1;
-  const char *a = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Authorization");
-  return a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, tok);
+static int authorized(zt_http_req_t *r) {
+  return zt_auth_operator(r->c, MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                                            "Authorization"));
 }
 
 /* Runs on the loop thread. */
 static void route_on_loop(void *arg) {
-  zt_http_req *r = arg;
+  zt_http_req_t *r = arg;
   const char *allow = NULL;
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++) {
     if (!path_match(k_routes[i].path, r->url)) continue;
@@ -513,7 +497,7 @@ static void route_on_loop(void *arg) {
 
 /* ---- libmicrohttpd glue ------------------------------------------------- */
 
-static enum MHD_Result send_req(struct MHD_Connection *conn, zt_http_req *r) {
+static enum MHD_Result send_req(struct MHD_Connection *conn, zt_http_req_t *r) {
   struct MHD_Response *resp =
       MHD_create_response_from_buffer(r->resp_len, r->resp ? r->resp : (char *)"",
                                       r->resp ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
@@ -533,16 +517,13 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
   zt_http_t *h = cls;
   conn_ctx *cc = *con_cls;
   if (!cc) {
-    cc = calloc(1, sizeof *cc);
-    if (!cc) return MHD_NO;
+    cc = zt_xcalloc(1, sizeof *cc);
     *con_cls = cc;
     return MHD_YES;
   }
   if (*upload_size) {
     if (!cc->too_large && cc->len + *upload_size <= ZT_HTTP_MAX_BODY) {
-      char *nb = realloc(cc->body, cc->len + *upload_size + 1);
-      if (!nb) return MHD_NO;
-      cc->body = nb;
+      cc->body = zt_xrealloc(cc->body, cc->len + *upload_size + 1);
       memcpy(cc->body + cc->len, upload_data, *upload_size);
       cc->len += *upload_size;
       cc->body[cc->len] = 0;
@@ -552,7 +533,7 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
     *upload_size = 0;
     return MHD_YES;
   }
-  zt_http_req r = {.c = h->c, .conn = conn, .method = method, .url = url,
+  zt_http_req_t r = {.c = h->c, .conn = conn, .method = method, .url = url,
                    .body = cc->body, .body_len = cc->len};
   if (cc->too_large) {
     zt_http_error(&r, 413, "request body larger than %u bytes", ZT_HTTP_MAX_BODY);
@@ -572,7 +553,7 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
   *con_cls = NULL;
 }
 
-int zt_http_start(zt_coord *c, const char *addr, zt_http_t **out) {
+int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
   /* "host:0" asks for a free port, so zt_parse_hostport() (1..65535) won't do. */
   const char *colon = strrchr(addr, ':');
   char *end;
@@ -587,8 +568,7 @@ int zt_http_start(zt_coord *c, const char *addr, zt_http_t **out) {
   if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
     return zt_err("--http %s: host must be an IPv4 address", addr);
   sa.sin_port = htons((uint16_t)port);
-  zt_http_t *h = calloc(1, sizeof *h);
-  if (!h) abort();
+  zt_http_t *h = zt_xcalloc(1, sizeof *h);
   h->c = c;
   h->d = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
                           access_handler, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,

@@ -1,7 +1,7 @@
 /*
  * http.h: what an HTTP route function sees (coordinator/http.c).
  *
- * A route runs on the loop thread with a zt_http_req describing the request
+ * A route runs on the loop thread with a zt_http_req_t describing the request
  * and fills in the response with zt_http_json() or zt_http_error().
  */
 #ifndef ZT_COORD_HTTP_H
@@ -26,15 +26,15 @@ typedef struct {
   const char *allow; /* Allow header of a 405 */
   char *resp;        /* malloc'd */
   size_t resp_len;
-} zt_http_req;
+} zt_http_req_t;
 
 /* Sets a JSON response and frees `doc`. */
-void zt_http_json(zt_http_req *r, int status, cJSON *doc);
+void zt_http_json(zt_http_req_t *r, int status, cJSON *doc);
 /* Sets {"error": "..."} with the given status. */
-void zt_http_error(zt_http_req *r, int status, const char *fmt, ...)
+void zt_http_error(zt_http_req_t *r, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-const char *zt_http_query(zt_http_req *r, const char *key);
+const char *zt_http_query(zt_http_req_t *r, const char *key);
 /* Parses an integer query parameter; on a bad value sets a 400 and returns -1. */
-int zt_http_query_i64(zt_http_req *r, const char *key, int64_t def, int64_t *out);
+int zt_http_query_i64(zt_http_req_t *r, const char *key, int64_t def, int64_t *out);
 
 #endif

@@ -17,17 +17,17 @@ struct zt_loopcall_item {
   void *arg;
   int done, ran;
   pthread_cond_t cv;
-  zt_loopcall_item *next;
+  zt_loopcall_item_t *next;
 };
 
 static void on_async(uv_async_t *a) {
   zt_loopcall_t *lc = a->data;
   pthread_mutex_lock(&lc->mu);
-  zt_loopcall_item *it = lc->head;
+  zt_loopcall_item_t *it = lc->head;
   lc->head = NULL;
   pthread_mutex_unlock(&lc->mu);
   while (it) {
-    zt_loopcall_item *next = it->next;
+    zt_loopcall_item_t *next = it->next;
     it->fn(it->arg);
     pthread_mutex_lock(&lc->mu);
     it->done = it->ran = 1;
@@ -46,7 +46,7 @@ int zt_loopcall_init(uv_loop_t *loop, zt_loopcall_t *lc) {
 }
 
 int zt_loopcall_run(zt_loopcall_t *lc, void (*fn)(void *), void *arg) {
-  zt_loopcall_item it = {.fn = fn, .arg = arg};
+  zt_loopcall_item_t it = {.fn = fn, .arg = arg};
   pthread_cond_init(&it.cv, NULL);
   pthread_mutex_lock(&lc->mu);
   if (lc->closing) {
@@ -66,7 +66,7 @@ int zt_loopcall_run(zt_loopcall_t *lc, void (*fn)(void *), void *arg) {
 void zt_loopcall_close(zt_loopcall_t *lc) {
   pthread_mutex_lock(&lc->mu);
   lc->closing = 1;
-  for (zt_loopcall_item *it = lc->head; it; it = it->next) {
+  for (zt_loopcall_item_t *it = lc->head; it; it = it->next) {
     it->done = 1;
     pthread_cond_signal(&it->cv);
   }

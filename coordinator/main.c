@@ -9,7 +9,8 @@
  * answered UNAVAILABLE), then last_seen is flushed and the database closed.
  *
  * Everything after start-up happens on the one libuv loop: RPC handlers
- * (service.c), HTTP routes (http.c), the liveness check (members.c).
+ * (service.c), HTTP routes (http.c), the liveness check (members.c, whose
+ * verdicts this file hands to the scheduler, jobs.c).
  */
 #include <cjson/cJSON.h>
 #include <getopt.h>
@@ -30,7 +31,7 @@ static void usage(FILE *f) {
           "          --heartbeat-ms 1000 --heartbeat-timeout-ms 3000 (3 intervals)\n");
 }
 
-static void config_defaults(zt_coord_config *cfg) {
+static void config_defaults(zt_coord_config_t *cfg) {
   memset(cfg, 0, sizeof *cfg);
   snprintf(cfg->grpc_addr, sizeof cfg->grpc_addr, "127.0.0.1:7070");
   snprintf(cfg->http_addr, sizeof cfg->http_addr, "127.0.0.1:7080");
@@ -57,7 +58,7 @@ static int set_int(int *dst, const char *key, const char *v, int lo, int hi) {
 }
 
 /* Applies one setting by name; shared by the config file and the flags. */
-static int apply(zt_coord_config *cfg, const char *key, const char *v) {
+static int apply(zt_coord_config_t *cfg, const char *key, const char *v) {
   if (!strcmp(key, "grpc")) return set_str(cfg->grpc_addr, sizeof cfg->grpc_addr, key, v);
   if (!strcmp(key, "http")) return set_str(cfg->http_addr, sizeof cfg->http_addr, key, v);
   if (!strcmp(key, "db")) return set_str(cfg->db_path, sizeof cfg->db_path, key, v);
@@ -77,7 +78,7 @@ static int apply(zt_coord_config *cfg, const char *key, const char *v) {
 }
 
 /* Reads a flat JSON object of settings; an unknown key is an error. */
-static int load_config(zt_coord_config *cfg, const char *path) {
+static int load_config(zt_coord_config_t *cfg, const char *path) {
   char *text = NULL;
   size_t len;
   if (zt_read_file(path, &text, &len, 1 << 20) != 0) return zt_err_wrap("config %s", path);
@@ -112,7 +113,7 @@ out:
   return ret;
 }
 
-static int parse_args(zt_coord_config *cfg, int argc, char **argv) {
+static int parse_args(zt_coord_config_t *cfg, int argc, char **argv) {
   static const struct option opts[] = {
       {"grpc", required_argument, 0, 'g'},
       {"http", required_argument, 0, 'H'},
@@ -163,7 +164,7 @@ static int parse_args(zt_coord_config *cfg, int argc, char **argv) {
 
 /* Writes {"pid":..,"grpc_port":..,"http_port":..} atomically (tmp + rename),
  * so launchers and tests can bind port 0 and learn the real ports. */
-static int write_ready_file(zt_coord *c) {
+static int write_ready_file(zt_coord_t *c) {
   char tmp[600], text[160];
   snprintf(tmp, sizeof tmp, "%s.tmp", c->cfg.ready_file);
   int n = snprintf(text, sizeof text, "{\"pid\": %d, \"grpc_port\": %d, \"http_port\": %d}\n",
@@ -176,13 +177,19 @@ static int write_ready_file(zt_coord *c) {
   return 0;
 }
 
+/* Liveness: members silent for the timeout are lost, and their jobs
+ * re-form without them. */
 static void on_check(uv_timer_t *t) {
-  zt_members_check(t->data);
-  zt_jobs_schedule(t->data);
+  zt_coord_t *c = t->data;
+  uint64_t *lost;
+  size_t n = zt_members_check(c, &lost);
+  for (size_t i = 0; i < n; i++) zt_jobs_member_gone(c, zt_members_get(c, lost[i]), "was lost");
+  free(lost);
+  zt_jobs_schedule(c);
 }
 static void on_flush(uv_timer_t *t) { zt_members_flush(t->data); }
 
-static void stop(zt_coord *c, const char *why) {
+static void stop(zt_coord_t *c, const char *why) {
   ZT_INFO("stopping (%s)", why);
   zt_notify_stopping();
   zt_loopcall_close(&c->loopcall);
@@ -205,7 +212,7 @@ static void on_signal(uv_signal_t *s, int signum) {
   stop(s->data, signum == SIGINT ? "SIGINT" : "SIGTERM");
 }
 
-static int start(zt_coord *c) {
+static int start(zt_coord_t *c) {
   if (zt_db_open(c->cfg.db_path, &c->db) != 0) return -1;
   if (zt_db_meta_get(c->db, "epoch", &c->epoch, 0) != 0) return -1;
   c->epoch++;
@@ -216,7 +223,7 @@ static int start(zt_coord *c) {
                  (long long)c->epoch, c->n_members, c->cfg.db_path);
 
   if (zt_loopcall_init(c->loop, &c->loopcall) != 0) return zt_err("cannot init loop handle");
-  zt_rpc_server_opts ro = {.max_message_bytes = c->cfg.max_message_bytes};
+  zt_rpc_server_opts_t ro = {.max_message_bytes = c->cfg.max_message_bytes};
   if (zt_rpc_server_start(c->loop, c->cfg.grpc_addr, &ro, zt_coord_rpc_dispatch, c, &c->rpc) != 0)
     return -1;
   if (zt_http_start(c, c->cfg.http_addr, &c->http) != 0) return -1;
@@ -244,7 +251,7 @@ static int start(zt_coord *c) {
 int main(int argc, char **argv) {
   zt_log_set_prefix("zcoord");
   signal(SIGPIPE, SIG_IGN);
-  static zt_coord c;
+  static zt_coord_t c;
   config_defaults(&c.cfg);
   if (parse_args(&c.cfg, argc, argv) != 0) {
     ZT_ERROR("%s", zt_err_msg());

@@ -13,10 +13,13 @@
  *                      LEFT  <--- Register --- LOST <-----------+
  *
  * A LOST or LEFT worker's heartbeats are refused with FAILED_PRECONDITION:
- * it must register again, which makes it a new member (jobs, later, treat it
- * as a join). Every transition is written to SQLite together with its
- * logbook event in one transaction, so the database never shows a state
- * without the event that explains it.
+ * it must register again, which makes it a new member. Every transition is
+ * written to SQLite together with its logbook event in one transaction, so
+ * the database never shows a state without the event that explains it.
+ *
+ * This file knows nothing of jobs: it tells its caller what happened (the
+ * ids of members declared lost, a member that left, a name that registered
+ * again), and the caller (service.c, main.c) tells the scheduler.
  *
  * Heartbeats themselves touch only memory: the wall-clock last_seen of each
  * member is flushed to SQLite in one batched transaction every few seconds
@@ -28,25 +31,11 @@
  * open-addressing hash table of ids. Both are only touched on the loop
  * thread.
  */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "coord.h"
-
-void zt_coord_event(zt_coord *c, uint64_t job_id, const char *kind, uint64_t worker_id,
-                    const char *fmt, ...) {
-  char detail[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(detail, sizeof detail, fmt, ap);
-  va_end(ap);
-  ZT_INFO("event %s worker=%llu job=%llu: %s", kind, (unsigned long long)worker_id,
-          (unsigned long long)job_id, detail);
-  if (zt_db_event_add(c->db, job_id, kind, worker_id, detail, NULL) != 0)
-    ZT_ERROR("cannot record event %s: %s", kind, zt_err_msg());
-}
 
 /* ---- indexes ----------------------------------------------------------- */
 
@@ -56,20 +45,19 @@ static uint64_t name_hash(const char *s) {
   return h;
 }
 
-static void name_index_put(zt_coord *c, zt_member *m);
+static void name_index_put(zt_coord_t *c, zt_member_t *m);
 
-static void name_index_grow(zt_coord *c) {
+static void name_index_grow(zt_coord_t *c) {
   uint64_t *old = c->name_slots;
   size_t oldcap = c->name_cap;
   c->name_cap = oldcap ? oldcap * 2 : 64;
-  c->name_slots = calloc(c->name_cap, sizeof *c->name_slots);
-  if (!c->name_slots) abort();
+  c->name_slots = zt_xcalloc(c->name_cap, sizeof *c->name_slots);
   for (size_t i = 0; i < oldcap; i++)
     if (old[i]) name_index_put(c, c->by_id[old[i]]);
   free(old);
 }
 
-static void name_index_put(zt_coord *c, zt_member *m) {
+static void name_index_put(zt_coord_t *c, zt_member_t *m) {
   if ((c->n_members + 1) * 2 > c->name_cap) name_index_grow(c);
   size_t mask = c->name_cap - 1;
   for (size_t i = name_hash(m->row.name) & mask;; i = (i + 1) & mask) {
@@ -80,33 +68,38 @@ static void name_index_put(zt_coord *c, zt_member *m) {
   }
 }
 
-zt_member *zt_members_find_name(zt_coord *c, const char *name) {
+zt_member_t *zt_members_find_name(zt_coord_t *c, const char *name) {
   if (!c->name_cap) return NULL;
   size_t mask = c->name_cap - 1;
   for (size_t i = name_hash(name) & mask; c->name_slots[i]; i = (i + 1) & mask) {
-    zt_member *m = c->by_id[c->name_slots[i]];
+    zt_member_t *m = c->by_id[c->name_slots[i]];
     if (strcmp(m->row.name, name) == 0) return m;
   }
   return NULL;
 }
 
-zt_member *zt_members_get(zt_coord *c, uint64_t id) {
+zt_member_t *zt_members_get(zt_coord_t *c, uint64_t id) {
   return id < c->by_id_cap ? c->by_id[id] : NULL;
 }
 
+zt_member_t *zt_members_lookup(zt_coord_t *c, const char *id_or_name) {
+  char *end;
+  unsigned long long id = strtoull(id_or_name, &end, 10);
+  if (*id_or_name && !*end) return zt_members_get(c, id);
+  return zt_members_find_name(c, id_or_name);
+}
+
 /* Adds a member whose row (with its id) is already in the database. */
-static zt_member *members_add(zt_coord *c, const zt_db_worker *row) {
+static zt_member_t *members_add(zt_coord_t *c, const zt_db_worker_t *row) {
   if (row->id >= c->by_id_cap) {
     size_t cap = c->by_id_cap ? c->by_id_cap : 64;
     while (cap <= row->id) cap *= 2;
-    zt_member **n = realloc(c->by_id, cap * sizeof *n);
-    if (!n) abort();
+    zt_member_t **n = zt_xrealloc(c->by_id, cap * sizeof *n);
     memset(n + c->by_id_cap, 0, (cap - c->by_id_cap) * sizeof *n);
     c->by_id = n;
     c->by_id_cap = cap;
   }
-  zt_member *m = calloc(1, sizeof *m);
-  if (!m) abort();
+  zt_member_t *m = zt_xcalloc(1, sizeof *m);
   m->row = *row;
   m->rank = -1;
   m->last_hb_mono_ms = zt_now_ms();
@@ -119,18 +112,18 @@ static zt_member *members_add(zt_coord *c, const zt_db_worker *row) {
   return m;
 }
 
-static int load_one(const zt_db_worker *w, void *user) {
+static int load_one(const zt_db_worker_t *w, void *user) {
   members_add(user, w);
   return 0;
 }
 
-int zt_members_load(zt_coord *c) {
+int zt_members_load(zt_coord_t *c) {
   if (zt_db_workers_each(c->db, load_one, c) != 0) return -1;
   /* members_add() stamped every member with "now": the grace period. */
   return 0;
 }
 
-void zt_members_free(zt_coord *c) {
+void zt_members_free(zt_coord_t *c) {
   for (size_t i = 0; i < c->by_id_cap; i++) free(c->by_id[i]);
   free(c->by_id);
   free(c->name_slots);
@@ -139,7 +132,7 @@ void zt_members_free(zt_coord *c) {
   c->by_id_cap = c->name_cap = c->n_members = 0;
 }
 
-void zt_members_count(zt_coord *c, uint32_t counts[5]) {
+void zt_members_count(zt_coord_t *c, uint32_t counts[5]) {
   memset(counts, 0, 5 * sizeof *counts);
   for (size_t i = 0; i < c->by_id_cap; i++)
     if (c->by_id[i] && c->by_id[i]->row.state >= 0 && c->by_id[i]->row.state < 5)
@@ -150,7 +143,7 @@ void zt_members_count(zt_coord *c, uint32_t counts[5]) {
 
 /* Writes a member's new state and its event in one transaction. On a
  * database failure the in-memory state is left as it was. */
-static int transition(zt_coord *c, zt_member *m, int state, const char *kind, const char *detail) {
+static int transition(zt_coord_t *c, zt_member_t *m, int state, const char *kind, const char *detail) {
   int64_t now = zt_wall_ms();
   if (zt_db_begin(c->db) != 0) return -1;
   if (zt_db_worker_set_state(c->db, m->row.id, state, now) != 0 ||
@@ -167,15 +160,13 @@ static int transition(zt_coord *c, zt_member *m, int state, const char *kind, co
   m->row.state = state;
   m->row.last_seen_ms = now;
   m->dirty = 0;
-  if (state == ZT_WORKER_LOST || state == ZT_WORKER_LEFT)
-    zt_jobs_member_gone(c, m, state == ZT_WORKER_LOST ? "was lost" : "left");
   return 0;
 }
 
 /* Names are identities and show up in logs, URLs and file names. */
 static int valid_name(const char *s) {
   size_t n = strlen(s);
-  if (n == 0 || n >= sizeof(((zt_db_worker *)0)->name)) return 0;
+  if (n == 0 || n >= sizeof(((zt_db_worker_t *)0)->name)) return 0;
   for (; *s; s++) {
     unsigned char ch = (unsigned char)*s;
     if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
@@ -185,20 +176,16 @@ static int valid_name(const char *s) {
   return 1;
 }
 
-int zt_members_register(zt_coord *c, const char *name, const char *host, const char *device,
-                        int pid, zt_member **out, char *msg, size_t msglen) {
-  if (!valid_name(name)) {
-    snprintf(msg, msglen, "invalid worker name \"%.64s\": 1-127 characters of [A-Za-z0-9._:@-]",
-             name);
-    return ZT_RPC_INVALID_ARGUMENT;
-  }
-  if (strlen(host) >= sizeof(((zt_db_worker *)0)->host) ||
-      strlen(device) >= sizeof(((zt_db_worker *)0)->device)) {
-    snprintf(msg, msglen, "host or device name too long");
-    return ZT_RPC_INVALID_ARGUMENT;
-  }
-  zt_member *m = zt_members_find_name(c, name);
-  zt_db_worker row;
+int zt_members_register(zt_coord_t *c, const char *name, const char *host, const char *device,
+                        int pid, zt_member_t **out, int *known) {
+  if (!valid_name(name))
+    return zt_errk(ZT_E_INVALID,
+                   "invalid worker name \"%.64s\": 1-127 characters of [A-Za-z0-9._:@-]", name);
+  if (strlen(host) >= sizeof(((zt_db_worker_t *)0)->host) ||
+      strlen(device) >= sizeof(((zt_db_worker_t *)0)->device))
+    return zt_errk(ZT_E_INVALID, "host or device name too long");
+  zt_member_t *m = zt_members_find_name(c, name);
+  zt_db_worker_t row;
   memset(&row, 0, sizeof row);
   snprintf(row.name, sizeof row.name, "%s", name);
   snprintf(row.host, sizeof row.host, "%s", host);
@@ -213,43 +200,29 @@ int zt_members_register(zt_coord *c, const char *name, const char *host, const c
   char detail[512];
   snprintf(detail, sizeof detail, "name=%s host=%s device=%s pid=%d%s%s", name, host, device, pid,
            m ? " previous_state=" : "", m ? zt_worker_state_name(m->row.state) : "");
-  if (zt_db_begin(c->db) != 0) goto dberr;
+  if (zt_db_begin(c->db) != 0) return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store registration");
   if (zt_db_worker_upsert(c->db, &row) != 0 ||
       zt_db_event_add(c->db, 0, kind, row.id, detail, NULL) != 0 || zt_db_commit(c->db) != 0) {
+    zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store registration");
     zt_db_rollback(c->db);
-    goto dberr;
+    return -1;
   }
-  if (m) {
-    m->row = row;
-    /* A worker that registers again was restarted: its place in a job's
-     * generation is gone. */
-    zt_jobs_member_gone(c, m, "re-registered (restarted)");
-  } else {
-    m = members_add(c, &row);
-    m->rank = -1;
-  }
+  *known = m != NULL;
+  if (m) m->row = row; /* restarted: the caller voids its old assignment */
+  else m = members_add(c, &row);
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
-  zt_jobs_schedule(c);
   ZT_INFO("worker %s (id %llu) %s from %s", name, (unsigned long long)row.id, kind, host);
   *out = m;
-  return ZT_RPC_OK;
-dberr:
-  snprintf(msg, msglen, "cannot store registration: %s", zt_err_msg());
-  return ZT_RPC_UNAVAILABLE;
+  return 0;
 }
 
-int zt_members_heartbeat(zt_coord *c, uint64_t id, zt_member **out, char *msg, size_t msglen) {
-  zt_member *m = zt_members_get(c, id);
-  if (!m) {
-    snprintf(msg, msglen, "unknown worker id %llu: register first", (unsigned long long)id);
-    return ZT_RPC_NOT_FOUND;
-  }
-  if (m->row.state == ZT_WORKER_LOST || m->row.state == ZT_WORKER_LEFT) {
-    snprintf(msg, msglen, "worker %s (id %llu) is %s: register again", m->row.name,
-             (unsigned long long)id, zt_worker_state_name(m->row.state));
-    return ZT_RPC_FAILED_PRECONDITION;
-  }
+int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
+  zt_member_t *m = zt_members_get(c, id);
+  if (!m) return zt_errk(ZT_E_NOT_FOUND, "unknown worker id %llu: register first", (unsigned long long)id);
+  if (m->row.state == ZT_WORKER_LOST || m->row.state == ZT_WORKER_LEFT)
+    return zt_errk(ZT_E_STATE, "worker %s (id %llu) is %s: register again", m->row.name,
+                   (unsigned long long)id, zt_worker_state_name(m->row.state));
   int64_t now = zt_now_ms();
   if (m->row.state == ZT_WORKER_SUSPECT) {
     char detail[128];
@@ -266,39 +239,42 @@ int zt_members_heartbeat(zt_coord *c, uint64_t id, zt_member **out, char *msg, s
   m->dirty = 1;
   m->hb_seq++;
   *out = m;
-  return ZT_RPC_OK;
+  return 0;
 }
 
-int zt_members_leave(zt_coord *c, uint64_t id, const char *reason, char *msg, size_t msglen) {
-  zt_member *m = zt_members_get(c, id);
-  if (!m) {
-    snprintf(msg, msglen, "unknown worker id %llu", (unsigned long long)id);
-    return ZT_RPC_NOT_FOUND;
-  }
-  if (m->row.state == ZT_WORKER_LEFT) return ZT_RPC_OK;
+int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left) {
+  zt_member_t *m = zt_members_get(c, id);
+  *left = 0;
+  if (!m) return zt_errk(ZT_E_NOT_FOUND, "unknown worker id %llu", (unsigned long long)id);
+  if (m->row.state == ZT_WORKER_LEFT) return 0;
   char detail[512];
   snprintf(detail, sizeof detail, "reason: %.400s", reason && *reason ? reason : "unspecified");
-  if (transition(c, m, ZT_WORKER_LEFT, "left", detail) != 0) {
-    snprintf(msg, msglen, "cannot store leave: %s", zt_err_msg());
-    return ZT_RPC_UNAVAILABLE;
-  }
-  return ZT_RPC_OK;
+  if (transition(c, m, ZT_WORKER_LEFT, "left", detail) != 0)
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store leave");
+  *left = 1;
+  return 0;
 }
 
-void zt_members_check(zt_coord *c) {
+size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
   int64_t now = zt_now_ms();
   int64_t suspect_after = 2 * (int64_t)c->cfg.heartbeat_ms;
   int64_t lost_after = c->cfg.heartbeat_timeout_ms;
+  size_t n = 0, cap = 0;
+  *lost = NULL;
   for (size_t i = 0; i < c->by_id_cap; i++) {
-    zt_member *m = c->by_id[i];
+    zt_member_t *m = c->by_id[i];
     if (!m || (m->row.state != ZT_WORKER_ALIVE && m->row.state != ZT_WORKER_SUSPECT)) continue;
     int64_t silent = now - m->last_hb_mono_ms;
     char detail[160];
     if (silent > lost_after) {
       snprintf(detail, sizeof detail, "no heartbeat for %lld ms (timeout %lld ms)",
                (long long)silent, (long long)lost_after);
-      if (transition(c, m, ZT_WORKER_LOST, "lost", detail) != 0)
+      if (transition(c, m, ZT_WORKER_LOST, "lost", detail) != 0) {
         ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
+        continue;
+      }
+      if (n == cap) *lost = zt_xrealloc(*lost, (cap = cap ? cap * 2 : 8) * sizeof **lost);
+      (*lost)[n++] = m->row.id;
     } else if (silent > suspect_after && m->row.state == ZT_WORKER_ALIVE) {
       snprintf(detail, sizeof detail, "no heartbeat for %lld ms (interval %d ms)",
                (long long)silent, c->cfg.heartbeat_ms);
@@ -306,20 +282,20 @@ void zt_members_check(zt_coord *c) {
         ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
     }
   }
+  return n;
 }
 
-void zt_members_flush(zt_coord *c) {
+void zt_members_flush(zt_coord_t *c) {
   size_t n = 0, cap = 0;
   uint64_t *ids = NULL;
   int64_t *seen = NULL;
   for (size_t i = 0; i < c->by_id_cap; i++) {
-    zt_member *m = c->by_id[i];
+    zt_member_t *m = c->by_id[i];
     if (!m || !m->dirty) continue;
     if (n == cap) {
       cap = cap ? cap * 2 : 256;
-      ids = realloc(ids, cap * sizeof *ids);
-      seen = realloc(seen, cap * sizeof *seen);
-      if (!ids || !seen) abort();
+      ids = zt_xrealloc(ids, cap * sizeof *ids);
+      seen = zt_xrealloc(seen, cap * sizeof *seen);
     }
     ids[n] = m->row.id;
     seen[n++] = m->row.last_seen_ms;

@@ -20,7 +20,7 @@ static void on_watchdog(uv_timer_t *t) {
   sd_notify(0, "WATCHDOG=1");
 }
 
-void zt_notify_ready(zt_coord *c) {
+void zt_notify_ready(zt_coord_t *c) {
   int r = sd_notifyf(0, "READY=1\nSTATUS=serving gRPC on %s, HTTP on %s, %zu workers known\n"
                         "MAINPID=%d",
                      c->cfg.grpc_addr, c->cfg.http_addr, c->n_members, (int)getpid());

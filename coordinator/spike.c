@@ -8,7 +8,7 @@
 
 #include "spike.h"
 
-void zt_spike_init(zt_spike *s, const zt_spike_cfg *cfg) {
+void zt_spike_init(zt_spike_t *s, const zt_spike_cfg_t *cfg) {
   memset(s, 0, sizeof *s);
   s->cfg = *cfg;
   if (s->cfg.window <= 0) s->cfg.window = 100;
@@ -19,8 +19,8 @@ void zt_spike_init(zt_spike *s, const zt_spike_cfg *cfg) {
   if (s->cfg.min_history > s->cfg.window) s->cfg.min_history = s->cfg.window;
 }
 
-void zt_spike_reset(zt_spike *s) {
-  zt_spike_cfg cfg = s->cfg;
+void zt_spike_reset(zt_spike_t *s) {
+  zt_spike_cfg_t cfg = s->cfg;
   zt_spike_init(s, &cfg);
 }
 
@@ -46,7 +46,7 @@ static double robust_z(const double *buf, int n, double x, double *med_out) {
   return (x - med) / scale;
 }
 
-int zt_spike_feed(zt_spike *s, int64_t step, double loss, double gn, zt_spike_verdict *v) {
+int zt_spike_feed(zt_spike_t *s, int64_t step, double loss, double gn, zt_spike_verdict_t *v) {
   memset(v, 0, sizeof *v);
   if (!isfinite(loss) || !isfinite(gn)) {
     v->triggered = 1;

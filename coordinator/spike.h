@@ -24,27 +24,27 @@ typedef struct {
   double threshold; /* robust z-score that counts as a spike (default 6) */
   int patience;     /* consecutive spiking steps that trigger (default 3) */
   int min_history;  /* steps needed before z-scores are trusted (default 20) */
-} zt_spike_cfg;
+} zt_spike_cfg_t;
 
 typedef struct {
-  zt_spike_cfg cfg;
+  zt_spike_cfg_t cfg;
   double loss[ZT_SPIKE_MAX_WINDOW], gnorm[ZT_SPIKE_MAX_WINDOW];
   int n, head; /* ring buffer of accepted steps */
   int run;     /* consecutive suspicious steps */
   int64_t run_start;
-} zt_spike;
+} zt_spike_t;
 
 typedef struct {
   int triggered;
   int64_t first_step; /* first step of the spike window */
   double z_loss, z_gnorm, median_loss;
   char reason[160];
-} zt_spike_verdict;
+} zt_spike_verdict_t;
 
-void zt_spike_init(zt_spike *s, const zt_spike_cfg *cfg);
+void zt_spike_init(zt_spike_t *s, const zt_spike_cfg_t *cfg);
 /* Feeds one step; returns 1 and fills *v when the detector triggers. */
-int zt_spike_feed(zt_spike *s, int64_t step, double loss, double grad_norm, zt_spike_verdict *v);
+int zt_spike_feed(zt_spike_t *s, int64_t step, double loss, double grad_norm, zt_spike_verdict_t *v);
 /* Forgets everything after a rollback (the baseline restarts). */
-void zt_spike_reset(zt_spike *s);
+void zt_spike_reset(zt_spike_t *s);
 
 #endif

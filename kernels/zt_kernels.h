@@ -2,7 +2,7 @@
  * zt_kernels.h: the kernel table, the one interface between the model code
  * and the hardware that does the arithmetic.
  *
- * The GPT-2 model in worker/model.c never does arithmetic on tensors itself:
+ * The GPT-2 model in engine/model.c never does arithmetic on tensors itself:
  * every operation (embedding lookup, LayerNorm, matmul, attention, GELU,
  * residual add, softmax + cross-entropy, AdamW, norms) goes through one
  * zt_kernels_t, a struct of function pointers. The CPU implementation lives in
@@ -99,7 +99,7 @@ typedef struct zt_kernels {
   /* x = 0. */
   void (*zero)(float *x, size_t n);
 
-  /* Optimizer-state helpers for worker/dist.c (docs/zero.md): gradient
+  /* Optimizer-state helpers for the ZeRO trainer, engine/zero.c (docs/zero.md): gradient
    * sums are kept in fp64 so that they are exact and independent of how
    * micro-batches are spread over ranks.
    *   acc_f64:    acc[i] += x[i]
@@ -128,6 +128,13 @@ typedef struct zt_kernels {
 } zt_kernels_t;
 
 #define ZT_KERN_SUMSQ_CHUNK 65536
+
+/* GPT-2's constants, shared by every implementation (kernels/cpu/ref.c,
+ * kernels/cpu/fast.c, kernels/cuda/kernels.cu): LayerNorm's epsilon and the
+ * tanh approximation of GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+#define ZT_LN_EPS 1e-5f
+#define ZT_GELU_SCALE 0.7978845608028654f /* sqrt(2 / pi) */
+#define ZT_GELU_CUBE 0.044715f
 
 const zt_kernels_t *zt_kernels_cpu(void);
 

@@ -76,3 +76,19 @@ cJSON *zt_json_event(const Ztrain__Event *e) {
   cJSON_AddStringToObject(o, "detail", e->detail);
   return o;
 }
+
+cJSON *zt_json_status(const Ztrain__GetStatusReply *r) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "version", r->version);
+  cJSON_AddNumberToObject(o, "started_ms", (double)r->started_ms);
+  cJSON_AddNumberToObject(o, "coordinator_epoch", (double)r->coordinator_epoch);
+  cJSON_AddNumberToObject(o, "heartbeat_ms", r->heartbeat_ms);
+  cJSON_AddNumberToObject(o, "heartbeat_timeout_ms", r->heartbeat_timeout_ms);
+  cJSON *w = cJSON_AddObjectToObject(o, "workers");
+  cJSON_AddNumberToObject(w, "alive", r->workers_alive);
+  cJSON_AddNumberToObject(w, "suspect", r->workers_suspect);
+  cJSON_AddNumberToObject(w, "lost", r->workers_lost);
+  cJSON_AddNumberToObject(w, "left", r->workers_left);
+  cJSON_AddStringToObject(o, "db", r->db_path);
+  return o;
+}

@@ -16,5 +16,6 @@ cJSON *zt_json_step(const Ztrain__StepRecord *s);
 cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k);
 cJSON *zt_json_worker(const Ztrain__WorkerInfo *w);
 cJSON *zt_json_event(const Ztrain__Event *e);
+cJSON *zt_json_status(const Ztrain__GetStatusReply *s);
 
 #endif

@@ -3,7 +3,11 @@
  *
  * See zt_db.h for the contract. Prepared statements are compiled once at
  * open and reset after each use. Every function returns 0 or -1 with a
- * message naming the database file and SQLite's reason.
+ * message naming the database file and SQLite's reason (error kind
+ * ZT_E_UNAVAILABLE: storage trouble is worth a retry for a caller). Queries
+ * that return rows run through one loop (each_row) with a decoder per row
+ * type. Two job columns hold lists (skip ranges, rollback steps) as text;
+ * this file is the only one that writes or reads that text.
  */
 #include <math.h>
 #include <sqlite3.h>
@@ -172,7 +176,7 @@ struct zt_db {
 };
 
 static int db_err(zt_db_t *db, const char *what) {
-  return zt_err("database %s: %s: %s", db->path, what, sqlite3_errmsg(db->h));
+  return zt_errk(ZT_E_UNAVAILABLE, "database %s: %s: %s", db->path, what, sqlite3_errmsg(db->h));
 }
 
 static int exec(zt_db_t *db, const char *sql) {
@@ -207,8 +211,7 @@ static int migrate(zt_db_t *db) {
 }
 
 int zt_db_open(const char *path, zt_db_t **out) {
-  zt_db_t *db = calloc(1, sizeof *db);
-  if (!db) return zt_err("out of memory");
+  zt_db_t *db = zt_xcalloc(1, sizeof *db);
   snprintf(db->path, sizeof db->path, "%s", path);
   if (sqlite3_open_v2(path, &db->h, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
                       NULL) != SQLITE_OK) {
@@ -254,6 +257,27 @@ int zt_db_schema_version(zt_db_t *db) {
   return v;
 }
 
+/* Runs a prepared statement that returns rows: decode() is called on each
+ * row until it returns nonzero (which is returned). The statement is reset
+ * after. */
+static int each_row(zt_db_t *db, sqlite3_stmt *st, const char *what,
+                    int (*decode)(sqlite3_stmt *st, void *ctx), void *ctx) {
+  int rc, ret = 0;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW)
+    if ((ret = decode(st, ctx)) != 0) break;
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, what);
+  return ret;
+}
+
+/* The public API's row callbacks, each with its user pointer. */
+#define ZT_ROW_CB(type, fntype) \
+  typedef struct {              \
+    fntype fn;                  \
+    void *user;                 \
+  } type
+
 /* Runs a prepared statement that returns no rows, then resets it. */
 static int run(zt_db_t *db, sqlite3_stmt *st, const char *what) {
   int rc = sqlite3_step(st);
@@ -288,7 +312,7 @@ int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val) {
   return run(db, st, "write meta");
 }
 
-int zt_db_worker_upsert(zt_db_t *db, zt_db_worker *w) {
+int zt_db_worker_upsert(zt_db_t *db, zt_db_worker_t *w) {
   sqlite3_stmt *f = db->st[ST_WORKER_FIND];
   sqlite3_bind_text(f, 1, w->name, -1, SQLITE_STATIC);
   int rc = sqlite3_step(f);
@@ -338,25 +362,26 @@ static void copy_text(char *dst, size_t n, sqlite3_stmt *st, int col) {
   snprintf(dst, n, "%s", t ? (const char *)t : "");
 }
 
+ZT_ROW_CB(worker_cb, zt_db_worker_fn);
+
+static int worker_row(sqlite3_stmt *st, void *p) {
+  worker_cb *cb = p;
+  zt_db_worker_t w;
+  memset(&w, 0, sizeof w);
+  w.id = (uint64_t)sqlite3_column_int64(st, 0);
+  copy_text(w.name, sizeof w.name, st, 1);
+  copy_text(w.host, sizeof w.host, st, 2);
+  copy_text(w.device, sizeof w.device, st, 3);
+  w.state = sqlite3_column_int(st, 4);
+  w.last_seen_ms = sqlite3_column_int64(st, 5);
+  w.registered_ms = sqlite3_column_int64(st, 6);
+  w.pid = sqlite3_column_int(st, 7);
+  return cb->fn(&w, cb->user);
+}
+
 int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user) {
-  sqlite3_stmt *st = db->st[ST_WORKERS_ALL];
-  int rc, ret = 0;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    zt_db_worker w;
-    memset(&w, 0, sizeof w);
-    w.id = (uint64_t)sqlite3_column_int64(st, 0);
-    copy_text(w.name, sizeof w.name, st, 1);
-    copy_text(w.host, sizeof w.host, st, 2);
-    copy_text(w.device, sizeof w.device, st, 3);
-    w.state = sqlite3_column_int(st, 4);
-    w.last_seen_ms = sqlite3_column_int64(st, 5);
-    w.registered_ms = sqlite3_column_int64(st, 6);
-    w.pid = sqlite3_column_int(st, 7);
-    if ((ret = fn(&w, user)) != 0) break;
-  }
-  sqlite3_reset(st);
-  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list workers");
-  return ret;
+  worker_cb cb = {fn, user};
+  return each_row(db, db->st[ST_WORKERS_ALL], "list workers", worker_row, &cb);
 }
 
 int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
@@ -372,33 +397,34 @@ int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t wor
   return 0;
 }
 
+ZT_ROW_CB(event_cb, zt_db_event_fn);
+
+static int event_row(sqlite3_stmt *st, void *p) {
+  event_cb *cb = p;
+  zt_db_event_t e;
+  memset(&e, 0, sizeof e);
+  e.id = sqlite3_column_int64(st, 0);
+  e.t_ms = sqlite3_column_int64(st, 1);
+  e.job_id = (uint64_t)sqlite3_column_int64(st, 2);
+  copy_text(e.kind, sizeof e.kind, st, 3);
+  e.worker_id = (uint64_t)sqlite3_column_int64(st, 4);
+  copy_text(e.detail, sizeof e.detail, st, 5);
+  return cb->fn(&e, cb->user);
+}
+
 int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user) {
   sqlite3_stmt *st = db->st[job_id ? ST_EVENTS_JOB : ST_EVENTS_ALL];
   sqlite3_bind_int64(st, 1, after_id);
   sqlite3_bind_int(st, 2, limit > 0 ? limit : 1000);
   if (job_id) sqlite3_bind_int64(st, 3, (int64_t)job_id);
-  int rc, ret = 0;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    zt_db_event e;
-    memset(&e, 0, sizeof e);
-    e.id = sqlite3_column_int64(st, 0);
-    e.t_ms = sqlite3_column_int64(st, 1);
-    e.job_id = (uint64_t)sqlite3_column_int64(st, 2);
-    copy_text(e.kind, sizeof e.kind, st, 3);
-    e.worker_id = (uint64_t)sqlite3_column_int64(st, 4);
-    copy_text(e.detail, sizeof e.detail, st, 5);
-    if ((ret = fn(&e, user)) != 0) break;
-  }
-  sqlite3_reset(st);
-  sqlite3_clear_bindings(st);
-  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list events");
-  return ret;
+  event_cb cb = {fn, user};
+  return each_row(db, st, "list events", event_row, &cb);
 }
 
 /* ---- jobs ---------------------------------------------------------------- */
 
-int zt_db_job_insert(zt_db_t *db, zt_db_job *j) {
+int zt_db_job_insert(zt_db_t *db, zt_db_job_t *j) {
   sqlite3_stmt *st = db->st[ST_JOB_INSERT];
   sqlite3_bind_text(st, 1, j->name, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 2, j->spec, -1, SQLITE_STATIC);
@@ -412,8 +438,68 @@ int zt_db_job_insert(zt_db_t *db, zt_db_job *j) {
   return 0;
 }
 
-int zt_db_job_update(zt_db_t *db, const zt_db_job *j) {
+/* ---- list columns ------------------------------------------------------------ */
+
+/* Skip ranges as "start-end,start-end" (sorted, disjoint). */
+static char *ranges_text(const zt_range_list_t *l) {
+  size_t cap = (size_t)l->n * 44 + 1, len = 0;
+  char *buf = zt_xmalloc(cap);
+  buf[0] = 0;
+  for (int i = 0; i < l->n; i++)
+    len += (size_t)snprintf(buf + len, cap - len, "%s%llu-%llu", i ? "," : "",
+                            (unsigned long long)l->r[i].start, (unsigned long long)l->r[i].end);
+  return buf;
+}
+
+static int ranges_parse(const char *s, zt_range_list_t *l) {
+  l->n = 0;
+  while (s && *s) {
+    unsigned long long a, b;
+    int used = 0;
+    if (sscanf(s, "%llu-%llu%n", &a, &b, &used) != 2 || b <= a ||
+        (l->n && a < l->r[l->n - 1].end))
+      return zt_err("malformed skip ranges near \"%.32s\"", s);
+    if (l->n == ZT_MAX_SKIP_RANGES)
+      return zt_err("more than %d skip ranges", ZT_MAX_SKIP_RANGES);
+    l->r[l->n++] = (zt_range_t){a, b};
+    s += used;
+    if (*s == ',') s++;
+    else if (*s) return zt_err("malformed skip ranges near \"%.32s\"", s);
+  }
+  return 0;
+}
+
+/* Rollback steps as "s1,s2,...". */
+static char *steps_text(const int64_t *v, int n) {
+  size_t cap = (size_t)n * 22 + 1, len = 0;
+  char *buf = zt_xmalloc(cap);
+  buf[0] = 0;
+  for (int i = 0; i < n; i++)
+    len += (size_t)snprintf(buf + len, cap - len, "%s%lld", i ? "," : "", (long long)v[i]);
+  return buf;
+}
+
+static int steps_parse(const char *s, int64_t *v, int max, int *n) {
+  *n = 0;
+  while (s && *s) {
+    long long x;
+    int used = 0;
+    if (sscanf(s, "%lld%n", &x, &used) != 1) return zt_err("malformed rollback steps");
+    if (*n == max) { /* keep the newest */
+      memmove(v, v + 1, (size_t)(max - 1) * sizeof *v);
+      (*n)--;
+    }
+    v[(*n)++] = x;
+    s += used;
+    if (*s == ',') s++;
+    else if (*s) return zt_err("malformed rollback steps near \"%.32s\"", s);
+  }
+  return 0;
+}
+
+int zt_db_job_update(zt_db_t *db, const zt_db_job_t *j) {
   sqlite3_stmt *st = db->st[ST_JOB_UPDATE];
+  char *skips = ranges_text(&j->skips), *steps = steps_text(j->rollback_steps, j->n_rollback_steps);
   sqlite3_bind_int64(st, 1, (int64_t)j->id);
   sqlite3_bind_int(st, 2, j->state);
   sqlite3_bind_int64(st, 3, (int64_t)j->generation);
@@ -422,44 +508,57 @@ int zt_db_job_update(zt_db_t *db, const zt_db_job *j) {
   sqlite3_bind_int64(st, 6, j->updated_ms);
   sqlite3_bind_text(st, 7, j->message, -1, SQLITE_STATIC);
   sqlite3_bind_int(st, 8, j->restarts);
-  sqlite3_bind_text(st, 9, j->skips, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 9, skips, -1, SQLITE_STATIC);
   sqlite3_bind_double(st, 10, j->lr_factor);
   sqlite3_bind_int64(st, 11, j->lr_until);
   sqlite3_bind_int(st, 12, j->rollbacks);
-  sqlite3_bind_text(st, 13, j->rollback_steps, -1, SQLITE_STATIC);
-  return run(db, st, "update job");
+  sqlite3_bind_text(st, 13, steps, -1, SQLITE_STATIC);
+  int rc = run(db, st, "update job");
+  free(skips);
+  free(steps);
+  return rc;
+}
+
+typedef struct {
+  zt_db_t *db;
+  zt_db_job_fn fn;
+  void *user;
+} job_ctx;
+
+static int job_row(sqlite3_stmt *st, void *p) {
+  job_ctx *x = p;
+  zt_db_job_t *j = zt_xcalloc(1, sizeof *j); /* large: off the stack */
+  j->id = (uint64_t)sqlite3_column_int64(st, 0);
+  copy_text(j->name, sizeof j->name, st, 1);
+  j->spec = (const char *)sqlite3_column_text(st, 2);
+  j->state = sqlite3_column_int(st, 3);
+  j->generation = (uint64_t)sqlite3_column_int64(st, 4);
+  j->world = sqlite3_column_int(st, 5);
+  j->step = sqlite3_column_int64(st, 6);
+  j->total_steps = sqlite3_column_int64(st, 7);
+  j->min_workers = sqlite3_column_int(st, 8);
+  j->max_workers = sqlite3_column_int(st, 9);
+  j->created_ms = sqlite3_column_int64(st, 10);
+  j->updated_ms = sqlite3_column_int64(st, 11);
+  copy_text(j->message, sizeof j->message, st, 12);
+  j->restarts = sqlite3_column_int(st, 13);
+  j->lr_factor = sqlite3_column_double(st, 15);
+  j->lr_until = sqlite3_column_int64(st, 16);
+  j->rollbacks = sqlite3_column_int(st, 17);
+  int ret;
+  if (ranges_parse((const char *)sqlite3_column_text(st, 14), &j->skips) != 0 ||
+      steps_parse((const char *)sqlite3_column_text(st, 18), j->rollback_steps,
+                  ZT_MAX_ROLLBACK_STEPS, &j->n_rollback_steps) != 0)
+    ret = zt_err_wrap("database %s: job %llu", x->db->path, (unsigned long long)j->id);
+  else
+    ret = x->fn(j, x->user);
+  free(j);
+  return ret;
 }
 
 int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user) {
-  sqlite3_stmt *st = db->st[ST_JOBS_ALL];
-  int rc, ret = 0;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    zt_db_job j;
-    memset(&j, 0, sizeof j);
-    j.id = (uint64_t)sqlite3_column_int64(st, 0);
-    copy_text(j.name, sizeof j.name, st, 1);
-    j.spec = (const char *)sqlite3_column_text(st, 2);
-    j.state = sqlite3_column_int(st, 3);
-    j.generation = (uint64_t)sqlite3_column_int64(st, 4);
-    j.world = sqlite3_column_int(st, 5);
-    j.step = sqlite3_column_int64(st, 6);
-    j.total_steps = sqlite3_column_int64(st, 7);
-    j.min_workers = sqlite3_column_int(st, 8);
-    j.max_workers = sqlite3_column_int(st, 9);
-    j.created_ms = sqlite3_column_int64(st, 10);
-    j.updated_ms = sqlite3_column_int64(st, 11);
-    copy_text(j.message, sizeof j.message, st, 12);
-    j.restarts = sqlite3_column_int(st, 13);
-    copy_text(j.skips, sizeof j.skips, st, 14);
-    j.lr_factor = sqlite3_column_double(st, 15);
-    j.lr_until = sqlite3_column_int64(st, 16);
-    j.rollbacks = sqlite3_column_int(st, 17);
-    copy_text(j.rollback_steps, sizeof j.rollback_steps, st, 18);
-    if ((ret = fn(&j, user)) != 0) break;
-  }
-  sqlite3_reset(st);
-  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list jobs");
-  return ret;
+  job_ctx x = {db, fn, user};
+  return each_row(db, db->st[ST_JOBS_ALL], "list jobs", job_row, &x);
 }
 
 int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
@@ -500,7 +599,7 @@ int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_
   return 0;
 }
 
-int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step *s) {
+int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s) {
   sqlite3_stmt *st = db->st[ST_STEP_PUT];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   sqlite3_bind_int64(st, 2, s->step);
@@ -515,33 +614,35 @@ int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step *s) {
   return run(db, st, "store step");
 }
 
+ZT_ROW_CB(step_cb, zt_db_step_fn);
+
+static int step_row(sqlite3_stmt *st, void *p) {
+  step_cb *cb = p;
+  zt_db_step_t s;
+  s.step = sqlite3_column_int64(st, 0);
+  s.generation = (uint64_t)sqlite3_column_int64(st, 1);
+  s.loss = sqlite3_column_double(st, 2);
+  s.grad_norm = sqlite3_column_double(st, 3);
+  s.lr = sqlite3_column_double(st, 4);
+  s.tokens_per_s = sqlite3_column_double(st, 5);
+  s.val_loss = sqlite3_column_type(st, 6) == SQLITE_NULL ? NAN : sqlite3_column_double(st, 6);
+  s.t_ms = sqlite3_column_int64(st, 7);
+  return cb->fn(&s, cb->user);
+}
+
 int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
                      void *user) {
   sqlite3_stmt *st = db->st[ST_STEPS_RANGE];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   sqlite3_bind_int64(st, 2, from);
   sqlite3_bind_int64(st, 3, to);
-  int rc, ret = 0;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    zt_db_step s;
-    s.step = sqlite3_column_int64(st, 0);
-    s.generation = (uint64_t)sqlite3_column_int64(st, 1);
-    s.loss = sqlite3_column_double(st, 2);
-    s.grad_norm = sqlite3_column_double(st, 3);
-    s.lr = sqlite3_column_double(st, 4);
-    s.tokens_per_s = sqlite3_column_double(st, 5);
-    s.val_loss = sqlite3_column_type(st, 6) == SQLITE_NULL ? NAN : sqlite3_column_double(st, 6);
-    s.t_ms = sqlite3_column_int64(st, 7);
-    if ((ret = fn(&s, user)) != 0) break;
-  }
-  sqlite3_reset(st);
-  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list steps");
-  return ret;
+  step_cb cb = {fn, user};
+  return each_row(db, st, "list steps", step_row, &cb);
 }
 
 /* ---- checkpoint epochs ------------------------------------------------------ */
 
-int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt *k) {
+int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt_t *k) {
   sqlite3_stmt *st = db->st[ST_CKPT_PUT];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   sqlite3_bind_int64(st, 2, k->step);
@@ -554,23 +655,25 @@ int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt *k) {
   return run(db, st, "store checkpoint");
 }
 
+ZT_ROW_CB(ckpt_cb, zt_db_ckpt_fn);
+
+static int ckpt_row(sqlite3_stmt *st, void *p) {
+  ckpt_cb *cb = p;
+  zt_db_ckpt_t k;
+  memset(&k, 0, sizeof k);
+  k.step = sqlite3_column_int64(st, 0);
+  k.generation = (uint64_t)sqlite3_column_int64(st, 1);
+  k.world = sqlite3_column_int(st, 2);
+  copy_text(k.dir, sizeof k.dir, st, 3);
+  k.state = sqlite3_column_int(st, 4);
+  k.bytes = (uint64_t)sqlite3_column_int64(st, 5);
+  k.t_ms = sqlite3_column_int64(st, 6);
+  return cb->fn(&k, cb->user);
+}
+
 int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user) {
   sqlite3_stmt *st = db->st[ST_CKPTS_JOB];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
-  int rc, ret = 0;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    zt_db_ckpt k;
-    memset(&k, 0, sizeof k);
-    k.step = sqlite3_column_int64(st, 0);
-    k.generation = (uint64_t)sqlite3_column_int64(st, 1);
-    k.world = sqlite3_column_int(st, 2);
-    copy_text(k.dir, sizeof k.dir, st, 3);
-    k.state = sqlite3_column_int(st, 4);
-    k.bytes = (uint64_t)sqlite3_column_int64(st, 5);
-    k.t_ms = sqlite3_column_int64(st, 6);
-    if ((ret = fn(&k, user)) != 0) break;
-  }
-  sqlite3_reset(st);
-  if (ret == 0 && rc != SQLITE_DONE && rc != SQLITE_ROW) return db_err(db, "list checkpoints");
-  return ret;
+  ckpt_cb cb = {fn, user};
+  return each_row(db, st, "list checkpoints", ckpt_row, &cb);
 }

@@ -17,6 +17,8 @@
 
 #include <stdint.h>
 
+#include "zt_common.h"
+
 typedef struct zt_db zt_db_t;
 
 /* Worker states; the numbers match ztrain.proto's WorkerState. */
@@ -38,7 +40,7 @@ typedef struct {
   int64_t last_seen_ms; /* wall clock */
   int64_t registered_ms;
   int pid;
-} zt_db_worker;
+} zt_db_worker_t;
 
 typedef struct {
   int64_t id;
@@ -47,7 +49,7 @@ typedef struct {
   char kind[64];
   uint64_t worker_id;
   char detail[512];
-} zt_db_event;
+} zt_db_event_t;
 
 int zt_db_open(const char *path, zt_db_t **out);
 void zt_db_close(zt_db_t *db);
@@ -63,21 +65,25 @@ int zt_db_meta_get(zt_db_t *db, const char *key, int64_t *val, int64_t def);
 int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val);
 
 /* Inserts or updates the worker named w->name; sets w->id. */
-int zt_db_worker_upsert(zt_db_t *db, zt_db_worker *w);
+int zt_db_worker_upsert(zt_db_t *db, zt_db_worker_t *w);
 int zt_db_worker_set_state(zt_db_t *db, uint64_t id, int state, int64_t last_seen_ms);
 /* Writes many last_seen values in one transaction. */
 int zt_db_workers_touch(zt_db_t *db, const uint64_t *ids, const int64_t *last_seen, int n);
-typedef int (*zt_db_worker_fn)(const zt_db_worker *w, void *user);
+typedef int (*zt_db_worker_fn)(const zt_db_worker_t *w, void *user);
 int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user);
 
 int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
                     const char *detail, int64_t *id_out);
-typedef int (*zt_db_event_fn)(const zt_db_event *e, void *user);
+typedef int (*zt_db_event_fn)(const zt_db_event_t *e, void *user);
 /* Events with id > after_id, oldest first, at most `limit`; job_id 0: all. */
 int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user);
 
 /* ---- jobs (schema version 2) ---------------------------------------------- */
+
+/* The rollback history a job keeps: enough for any rollback budget the spec
+ * allows (rollback.max_rollbacks <= 1000). */
+#define ZT_MAX_ROLLBACK_STEPS 1024
 
 /* Job states; the numbers match ztrain.proto's JobState. */
 typedef enum {
@@ -105,23 +111,26 @@ typedef struct {
   char message[512];
   int restarts;
   /* Rollback state (schema version 4). */
-  char skips[1024];          /* "start-end,start-end" stream positions, sorted */
+  zt_range_list_t skips;     /* sample-stream positions skipped, sorted */
   double lr_factor;          /* LR multiplier for steps <= lr_until */
   int64_t lr_until;
   int rollbacks;
-  char rollback_steps[512];  /* "s1,s2,...": steps at which rollbacks happened */
-} zt_db_job;
+  /* The steps at which the newest rollbacks happened, oldest first (the
+   * rollback budget counts those within a window). */
+  int n_rollback_steps;
+  int64_t rollback_steps[ZT_MAX_ROLLBACK_STEPS];
+} zt_db_job_t;
 
 typedef struct {
   int64_t step;
   uint64_t generation;
   double loss, grad_norm, lr, tokens_per_s, val_loss; /* val_loss NaN: none */
   int64_t t_ms;
-} zt_db_step;
+} zt_db_step_t;
 
-int zt_db_job_insert(zt_db_t *db, zt_db_job *j); /* sets j->id */
-int zt_db_job_update(zt_db_t *db, const zt_db_job *j);
-typedef int (*zt_db_job_fn)(const zt_db_job *j, void *user);
+int zt_db_job_insert(zt_db_t *db, zt_db_job_t *j); /* sets j->id */
+int zt_db_job_update(zt_db_t *db, const zt_db_job_t *j);
+typedef int (*zt_db_job_fn)(const zt_db_job_t *j, void *user);
 int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user);
 /* Records generation `gen` of a job and its members (worker_ids by rank). */
 int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
@@ -129,8 +138,8 @@ int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, 
 int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
                              int max, int *n);
 /* Stores a step's metrics; a replayed step (after a reload) replaces the row. */
-int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step *s);
-typedef int (*zt_db_step_fn)(const zt_db_step *s, void *user);
+int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s);
+typedef int (*zt_db_step_fn)(const zt_db_step_t *s, void *user);
 int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
                      void *user);
 
@@ -147,10 +156,10 @@ typedef struct {
   int state;
   uint64_t bytes;
   int64_t t_ms;
-} zt_db_ckpt;
+} zt_db_ckpt_t;
 
-int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt *k);
-typedef int (*zt_db_ckpt_fn)(const zt_db_ckpt *k, void *user);
+int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt_t *k);
+typedef int (*zt_db_ckpt_fn)(const zt_db_ckpt_t *k, void *user);
 /* Every epoch of a job, oldest step first. */
 int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user);
 

@@ -3,7 +3,7 @@
  * Hugging Face GPT-2 names (zctl export).
  *
  * The epoch's shards are read back into full unit buffers with the same
- * range reads a resharding load uses (worker/ckpt_io.c, checksums checked),
+ * range reads a resharding load uses (engine/ckpt_io.c, checksums checked),
  * then every named tensor is written under its GPT2LMHeadModel name:
  *
  *   transformer.wte.weight [V, C] (padded rows dropped), transformer.wpe.weight
@@ -25,9 +25,8 @@
 #include <string.h>
 
 #include "ckpt_io.h"
-#include "comm.h"
 #include "export.h"
-#include "model.h"
+#include "layout.h"
 #include "zt_common.h"
 
 static int read_model(const char *dir, zt_model_config_t *cfg) {
@@ -56,35 +55,29 @@ static int is_conv1d(int kind) {
 
 int zt_export_safetensors(const char *dir, const char *out, int bf16, size_t *bytes_out) {
   zt_model_config_t cfg;
-  zt_model_t *m = NULL;
+  zt_layout_t lay = {0};
   float *flat = NULL;
-  zt_ckpt_dest *dest = NULL;
+  zt_ckpt_dest_t *dest = NULL;
   uint8_t *data = NULL;
   cJSON *hdr = NULL;
   FILE *f = NULL;
   int ret = -1;
-  if (read_model(dir, &cfg) != 0 ||
-      zt_model_create(&m, &cfg, 1, 1, NULL, ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0)
-    goto out;
-  flat = calloc(m->num_params, sizeof(float));
-  dest = calloc((size_t)m->num_units, sizeof *dest);
-  if (!flat || !dest) {
-    zt_err("out of memory");
-    goto out;
-  }
-  for (int u = 0; u < m->num_units; u++)
-    dest[u] = (zt_ckpt_dest){u, 0, m->unit_size[u], flat + m->unit_off[u], NULL, NULL};
+  if (read_model(dir, &cfg) != 0 || zt_layout_build(&lay, &cfg) != 0) goto out;
+  flat = zt_xcalloc(lay.num_params, sizeof(float));
+  dest = zt_xcalloc((size_t)lay.num_units, sizeof *dest);
+  for (int u = 0; u < lay.num_units; u++)
+    dest[u] = (zt_ckpt_dest_t){u, 0, lay.unit_size[u], flat + lay.unit_off[u], NULL, NULL};
   int64_t step;
-  if (zt_ckpt_load(dir, &cfg, dest, m->num_units, &step) != 0) goto out;
+  if (zt_ckpt_load(dir, &cfg, dest, lay.num_units, &step) != 0) goto out;
 
   /* Data: every tensor in layout order, in the exported shape. */
   size_t esz = bf16 ? 2 : 4, total = 0;
-  for (int i = 0; i < m->num_tensors; i++) {
-    const zt_tensor_t *t = &m->tensors[i];
+  for (int i = 0; i < lay.num_tensors; i++) {
+    const zt_tensor_t *t = &lay.tensors[i];
     size_t rows = t->kind == ZT_T_WTE ? (size_t)cfg.vocab_size : (size_t)t->rows;
     total += rows * (size_t)t->cols * esz;
   }
-  data = malloc(total ? total : 1);
+  data = zt_xmalloc(total);
   hdr = cJSON_CreateObject();
   cJSON *meta = cJSON_AddObjectToObject(hdr, "__metadata__");
   cJSON_AddStringToObject(meta, "format", "pt");
@@ -92,8 +85,8 @@ int zt_export_safetensors(const char *dir, const char *out, int bf16, size_t *by
   snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
   cJSON_AddStringToObject(meta, "ztrain_step", stepbuf);
   size_t off = 0;
-  for (int i = 0; i < m->num_tensors; i++) {
-    const zt_tensor_t *t = &m->tensors[i];
+  for (int i = 0; i < lay.num_tensors; i++) {
+    const zt_tensor_t *t = &lay.tensors[i];
     size_t rows = t->kind == ZT_T_WTE ? (size_t)cfg.vocab_size : (size_t)t->rows;
     size_t cols = (size_t)t->cols, n = rows * cols;
     const float *src = flat + t->off;
@@ -154,6 +147,6 @@ out:
   free(data);
   free(dest);
   free(flat);
-  zt_model_free(m);
+  zt_layout_free(&lay);
   return ret;
 }

@@ -505,7 +505,7 @@ int main(int argc, char **argv) {
   }
   char auth[512];
   snprintf(auth, sizeof auth, "Bearer %s", token ? token : "");
-  zt_rpc_client_opts ro = {.authorization = token ? auth : NULL};
+  zt_rpc_client_opts_t ro = {.authorization = token ? auth : NULL};
   if (zt_rpc_client_open(coord ? coord : "127.0.0.1:7070", &ro, &z.rpc) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;

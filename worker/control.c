@@ -22,7 +22,7 @@
 #define ZT_CTL_BACKOFF_MIN_MS 100
 
 struct zt_ctl {
-  zt_ctl_opts o;
+  zt_ctl_opts_t o;
   char coordinator[256], name[128], device[32], secret[256], host[128];
   zt_rpc_client_t *rpc;
   pthread_mutex_t mu;
@@ -40,7 +40,7 @@ struct zt_ctl {
   int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
 
-int zt_ctl_open(const zt_ctl_opts *o, zt_ctl_t **out) {
+int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   zt_ctl_t *c = calloc(1, sizeof *c);
   if (!c) abort();
   c->o = *o;

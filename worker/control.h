@@ -33,9 +33,9 @@ typedef struct {
    * worker had to register again (its assignment is void). */
   void (*on_command)(void *user, int command, uint64_t job_id, uint64_t generation);
   void *user;
-} zt_ctl_opts;
+} zt_ctl_opts_t;
 
-int zt_ctl_open(const zt_ctl_opts *opts, zt_ctl_t **out);
+int zt_ctl_open(const zt_ctl_opts_t *opts, zt_ctl_t **out);
 void zt_ctl_close(zt_ctl_t *c);
 /* Returns 0 after a clean stop, -1 on a fatal error (e.g. refused secret). */
 int zt_ctl_run(zt_ctl_t *c);

@@ -20,16 +20,17 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ckpt_io.h"
+#include "comm.h"
 #include "pbcall.h"
 #include "runner.h"
+#include "trainer.h"
 #include "zt_common.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
 
 struct zt_runner {
   zt_ctl_t *ctl;
-  zt_runner_opts o;
+  zt_runner_opts_t o;
   char comm_host[64], workdir[512];
   pthread_t thread;
   pthread_mutex_t mu;
@@ -66,7 +67,17 @@ static int call(zt_runner_t *r, const char *method, const ProtobufCMessage *req,
   return zt_pb_call(zt_ctl_rpc(r->ctl), method, req, rd, timeout_ms, rep, status);
 }
 
-static int report_step_cb(void *user, const zt_step_report *s) {
+/* The engine's view of the coordinator's command. */
+static zt_train_cmd_t train_cmd(int command) {
+  switch (command) {
+    case ZTRAIN__COMMAND__COMMAND_CONTINUE: return ZT_CMD_CONTINUE;
+    case ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW: return ZT_CMD_CHECKPOINT_NOW;
+    case ZTRAIN__COMMAND__COMMAND_ROLLBACK: return ZT_CMD_ROLLBACK;
+    default: return ZT_CMD_STOP; /* STOP, RECONFIGURE: this generation is over */
+  }
+}
+
+static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
   zt_runner_t *r = user;
   Ztrain__ReportStepRequest req = ZTRAIN__REPORT_STEP_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
@@ -88,21 +99,20 @@ static int report_step_cb(void *user, const zt_step_report *s) {
              5000, &m, &st) == 0) {
       int cmd = ((Ztrain__ReportStepReply *)m)->command;
       protobuf_c_message_free_unpacked(m, NULL);
-      return cmd;
+      return train_cmd(cmd);
     }
     if (st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) {
       ZT_WARN("step %lld report refused: %s", (long long)s->step, zt_err_msg());
-      return ZTRAIN__COMMAND__COMMAND_STOP; /* fenced: this generation is over for us */
+      return ZT_CMD_STOP; /* fenced: this generation is over for us */
     }
-    if (changed(r)) return ZTRAIN__COMMAND__COMMAND_STOP;
+    if (changed(r)) return ZT_CMD_STOP;
     zt_sleep_ms(backoff); /* retry pacing */
   }
 }
 
-static int report_ckpt_cb(void *user, int64_t step, const char *dir, const void *filesp,
+static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ckpt_file_t *files,
                           int nfiles) {
   zt_runner_t *r = user;
-  const zt_ckpt_file *files = filesp;
   Ztrain__ReportCheckpointRequest req = ZTRAIN__REPORT_CHECKPOINT_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
   req.job_id = r->cur_job;
@@ -194,7 +204,15 @@ static void run_generation(zt_runner_t *r) {
   ZT_INFO("job %llu generation %llu: rank %u of %u, start step %lld, accum %u (rendezvous %lld ms)",
           (unsigned long long)rv->job_id, (unsigned long long)rv->generation, rv->rank, rv->world,
           (long long)rv->start_step, rv->accum_steps, (long long)(zt_now_ms() - t0));
-  zt_comm_tcp_opts co = {.rank = (int)rv->rank, .world = (int)rv->world,
+  if (rv->n_skips > ZT_MAX_SKIP_RANGES) { /* the coordinator never sends more */
+    char why[200];
+    snprintf(why, sizeof why, "rendezvous reply holds %zu skip ranges (the limit is %d)",
+             rv->n_skips, ZT_MAX_SKIP_RANGES);
+    ZT_ERROR("%s", why);
+    report_failure(r, why, 1, NULL, -1);
+    goto out;
+  }
+  zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
                          .peers = (const char *const *)rv->peers, .listen_fd = lfd,
                          .session = (rv->job_id << 32) ^ rv->generation,
                          .connect_timeout_ms = rv->comm_timeout_ms};
@@ -211,26 +229,27 @@ static void run_generation(zt_runner_t *r) {
   r->active = comm;
   if (r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(comm);
   pthread_mutex_unlock(&r->mu);
-  zt_gen_ctx g = {.job_id = rv->job_id, .generation = rv->generation, .rank = (int)rv->rank,
-                  .world = (int)rv->world, .spec_json = rv->spec_json,
-                  .start_step = rv->start_step, .accum_steps = (int)rv->accum_steps,
-                  .comm_timeout_ms = rv->comm_timeout_ms, .comm = comm, .workdir = r->workdir,
-                  .threads = r->o.threads, .device = r->o.device, .checkpoint_dir = rv->checkpoint_dir,
-                  .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
-                  .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
-                  .should_stop = should_stop_cb, .report_step = report_step_cb,
-                  .report_checkpoint = report_ckpt_cb, .user = r};
-  zt_range_t skips[64];
-  g.nskips = (int)ZT_MIN(rv->n_skips, 64);
-  for (int i = 0; i < g.nskips; i++) skips[i].start = rv->skips[i]->start, skips[i].end = rv->skips[i]->end;
+  zt_gen_ctx_t g = {.job_id = rv->job_id, .generation = rv->generation, .rank = (int)rv->rank,
+                    .world = (int)rv->world, .spec_json = rv->spec_json,
+                    .start_step = rv->start_step, .comm_timeout_ms = rv->comm_timeout_ms,
+                    .comm = comm, .workdir = r->workdir, .threads = r->o.threads,
+                    .device = r->o.device, .checkpoint_dir = rv->checkpoint_dir,
+                    .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
+                    .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
+                    .should_stop = should_stop_cb, .report_step = report_step_cb,
+                    .report_checkpoint = report_ckpt_cb, .user = r};
+  zt_range_t skips[ZT_MAX_SKIP_RANGES];
+  g.nskips = (int)rv->n_skips;
+  for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
   g.skips = skips;
-  int fatal = 0;
-  if (zt_gen_train(&g, &fatal) != 0) {
+  zt_train_fault_t fault = ZT_FAULT_GENERATION;
+  if (zt_gen_train(&g, &fault) != 0) {
     char why[800];
     snprintf(why, sizeof why, "%s", zt_err_msg());
     if (!changed(r)) {
-      ZT_WARN("training failed%s: %s", fatal == 1 ? " (job error)" : "", why);
-      report_failure(r, why, fatal == 1, fatal == 2 ? rv->checkpoint_dir : NULL,
+      ZT_WARN("training failed%s: %s", fault == ZT_FAULT_JOB ? " (job error)" : "", why);
+      report_failure(r, why, fault == ZT_FAULT_JOB,
+                     fault == ZT_FAULT_CHECKPOINT ? rv->checkpoint_dir : NULL,
                      zt_comm_failed_peer(comm));
     } else {
       ZT_INFO("generation %llu left: %s", (unsigned long long)r->cur_gen, why);
@@ -263,9 +282,8 @@ static void *runner_main(void *p) {
   return NULL;
 }
 
-int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts *o, zt_runner_t **out) {
-  zt_runner_t *r = calloc(1, sizeof *r);
-  if (!r) abort();
+int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts_t *o, zt_runner_t **out) {
+  zt_runner_t *r = zt_xcalloc(1, sizeof *r);
   r->ctl = ctl;
   r->o = *o;
   snprintf(r->comm_host, sizeof r->comm_host, "%s", o->comm_host ? o->comm_host : "127.0.0.1");

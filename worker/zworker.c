@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "control.h"
-#include "gpu.h"
+#include "device.h"
 #include "runner.h"
 #include "zt_common.h"
 
@@ -81,10 +81,8 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   if (zt_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
     return zt_err_wrap("--coordinator");
   if (!strcmp(a->device, "cuda")) a->device = "cuda:0"; /* the one visible GPU */
-  int gpu = zt_gpu_parse_device(a->device);
-  if (gpu == -2) return zt_err_wrap("--device");
-  /* Fail at start, not at the first job, when the GPU cannot be used. */
-  if (gpu >= 0 && !zt_gpu_kernels(gpu, 0)) return zt_err_wrap("--device %s", a->device);
+  /* Fail at start, not at the first job, when the device cannot be used. */
+  if (!zt_device_kernels(a->device, 0)) return zt_err_wrap("--device %s", a->device);
   return 0;
 }
 
@@ -173,13 +171,13 @@ int main(int argc, char **argv) {
   sigaction(SIGTERM, &act, NULL);
 
   static zt_runner_t *runner;
-  zt_ctl_opts o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
+  zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
                    .secret = a.secret, .on_command = on_command, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
-  zt_runner_opts ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads,
+  zt_runner_opts_t ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads,
                        .device = a.device};
   if (zt_runner_start(sa.ctl, &ro, &runner) != 0) {
     ZT_ERROR("%s", zt_err_msg());

@@ -35,8 +35,6 @@
 
 #include "zt_kernels.h"
 
-#define ZT_LN_EPS 1e-5f
-#define ZT_GELU_SCALE 0.7978845608028654f /* sqrt(2 / pi) */
 #define ZT_LN_CHUNK_ROWS 32              /* rows per partial sum in layernorm_backward */
 #define ZT_MIN_SZ(a, b) ((a) < (b) ? (a) : (b))
 
@@ -370,7 +368,7 @@ static void fast_gelu_forward(float *out, const float *inp, size_t n) {
 #pragma omp parallel for simd schedule(static)
   for (size_t i = 0; i < n; i++) {
     float x = inp[i];
-    float th = zt_tanhf(ZT_GELU_SCALE * (x + 0.044715f * x * x * x));
+    float th = zt_tanhf(ZT_GELU_SCALE * (x + ZT_GELU_CUBE * x * x * x));
     out[i] = 0.5f * x * (1.0f + th);
   }
 }
@@ -379,10 +377,10 @@ static void fast_gelu_backward(float *dinp, const float *inp, const float *dout,
 #pragma omp parallel for simd schedule(static)
   for (size_t i = 0; i < n; i++) {
     float x = inp[i];
-    float th = zt_tanhf(ZT_GELU_SCALE * (x + 0.044715f * x * x * x));
+    float th = zt_tanhf(ZT_GELU_SCALE * (x + ZT_GELU_CUBE * x * x * x));
     float sech2 = 1.0f - th * th;
     float grad = 0.5f * (1.0f + th) +
-                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * ZT_GELU_CUBE * x * x);
     dinp[i] = grad * dout[i];
   }
 }

@@ -18,9 +18,6 @@
 
 #include "zt_kernels.h"
 
-#define ZT_LN_EPS 1e-5f
-#define ZT_GELU_SCALE 0.7978845608028654f /* sqrt(2 / pi) */
-
 static void ref_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
                                 int B, int T, int C) {
   for (int b = 0; b < B; b++) {
@@ -218,7 +215,7 @@ static void ref_attention_backward(float *dqkv, const float *dout, const float *
 static void ref_gelu_forward(float *out, const float *inp, size_t n) {
   for (size_t i = 0; i < n; i++) {
     float x = inp[i];
-    float cube = 0.044715f * x * x * x;
+    float cube = ZT_GELU_CUBE * x * x * x;
     out[i] = 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube)));
   }
 }
@@ -226,13 +223,13 @@ static void ref_gelu_forward(float *out, const float *inp, size_t n) {
 static void ref_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
   for (size_t i = 0; i < n; i++) {
     float x = inp[i];
-    float cube = 0.044715f * x * x * x;
+    float cube = ZT_GELU_CUBE * x * x * x;
     float arg = ZT_GELU_SCALE * (x + cube);
     float th = tanhf(arg);
     float ch = coshf(arg);
     float sech2 = 1.0f / (ch * ch);
     float grad = 0.5f * (1.0f + th) +
-                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * ZT_GELU_CUBE * x * x);
     dinp[i] = grad * dout[i];
   }
 }

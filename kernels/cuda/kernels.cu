@@ -30,7 +30,7 @@
  * ends the process: the context is unusable after a device error and the
  * coordinator treats the worker's exit as a failed rank. */
 
-static void uv__cuda_fail(const char *what, const char *msg, const char *file, int line) {
+static void cuda_fail(const char *what, const char *msg, const char *file, int line) {
   fprintf(stderr, "zt cuda: %s failed at %s:%d: %s\n", what, file, line, msg);
   fflush(stderr);
   exit(EXIT_FAILURE);
@@ -39,14 +39,14 @@ static void uv__cuda_fail(const char *what, const char *msg, const char *file, i
 #define ZT_CUDA_CHECK(call)                                                   \
   do {                                                                        \
     cudaError_t e_ = (call);                                                  \
-    if (e_ != cudaSuccess) uv__cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+    if (e_ != cudaSuccess) cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
   } while (0)
 
 #define ZT_CUBLAS_CHECK(call)                                                 \
   do {                                                                        \
     cublasStatus_t s_ = (call);                                               \
     if (s_ != CUBLAS_STATUS_SUCCESS)                                          \
-      uv__cuda_fail(#call, cublasLtGetStatusString(s_), __FILE__, __LINE__);  \
+      cuda_fail(#call, cublasLtGetStatusString(s_), __FILE__, __LINE__);  \
   } while (0)
 
 #define ZT_CUDA_LAUNCHED() ZT_CUDA_CHECK(cudaGetLastError())
@@ -191,8 +191,8 @@ typedef struct {
 } lt_plan;
 
 #define ZT_LT_PLANS 256
-static lt_plan uv__plans[ZT_LT_PLANS];
-static int uv__plan_next; /* round-robin eviction */
+static lt_plan g_plans[ZT_LT_PLANS];
+static int g_plan_next; /* round-robin eviction */
 
 static void plan_destroy(lt_plan *p) {
   if (!p->used) return;
@@ -249,7 +249,7 @@ static void plan_build(lt_plan *p, const lt_key *kk) {
   }
   cublasLtMatmulPreferenceDestroy(pref);
   if (found == 0)
-    uv__cuda_fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for this product", __FILE__,
+    cuda_fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for this product", __FILE__,
                   __LINE__);
   p->algo = res.algo;
   p->used = 1;
@@ -257,9 +257,9 @@ static void plan_build(lt_plan *p, const lt_key *kk) {
 
 static lt_plan *plan_get(const lt_key *kk) {
   for (int i = 0; i < ZT_LT_PLANS; i++)
-    if (uv__plans[i].used && !memcmp(&uv__plans[i].key, kk, sizeof *kk)) return &uv__plans[i];
-  lt_plan *p = &uv__plans[uv__plan_next];
-  uv__plan_next = (uv__plan_next + 1) % ZT_LT_PLANS;
+    if (g_plans[i].used && !memcmp(&g_plans[i].key, kk, sizeof *kk)) return &g_plans[i];
+  lt_plan *p = &g_plans[g_plan_next];
+  g_plan_next = (g_plan_next + 1) % ZT_LT_PLANS;
   /* The evicted plan's descriptors may belong to queued work: cuBLASLt
    * reads them at enqueue time only, so destroying them now is safe. */
   plan_destroy(p);
@@ -417,7 +417,6 @@ static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout, con
 
 /* ---------------------------------------------------------------------------
  * LayerNorm: one warp per row. */
-#define ZT_LN_EPS 1e-5f
 
 __global__ void k_layernorm_fwd(float *out, float *mean, float *rstd, const float *inp,
                                 const float *w, const float *b, int N, int C) {
@@ -647,12 +646,11 @@ static void cu_attention_backward(float *dqkv, const float *dout, const float *q
 
 /* ---------------------------------------------------------------------------
  * Elementwise kernels. */
-#define ZT_GELU_SCALE 0.7978845608028654f
 
 __global__ void k_gelu_fwd(float *out, const float *inp, size_t n) {
   ZT_GRID_STRIDE(i, n) {
     float x = inp[i];
-    float cube = 0.044715f * x * x * x;
+    float cube = ZT_GELU_CUBE * x * x * x;
     out[i] = 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube)));
   }
 }
@@ -660,12 +658,12 @@ __global__ void k_gelu_fwd(float *out, const float *inp, size_t n) {
 __global__ void k_gelu_bwd(float *dinp, const float *inp, const float *dout, size_t n) {
   ZT_GRID_STRIDE(i, n) {
     float x = inp[i];
-    float cube = 0.044715f * x * x * x;
+    float cube = ZT_GELU_CUBE * x * x * x;
     float arg = ZT_GELU_SCALE * (x + cube);
     float th = tanhf(arg), ch = coshf(arg);
     float sech2 = 1.0f / (ch * ch);
     float grad = 0.5f * (1.0f + th) +
-                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * ZT_GELU_CUBE * x * x);
     dinp[i] = grad * dout[i];
   }
 }
@@ -794,7 +792,7 @@ static double sum_chunks(const double *part, size_t chunks) {
   if (g.sumsq_host_n < chunks) {
     free(g.sumsq_host);
     g.sumsq_host = (double *)malloc(chunks * sizeof(double));
-    if (!g.sumsq_host) uv__cuda_fail("malloc", "out of host memory", __FILE__, __LINE__);
+    if (!g.sumsq_host) cuda_fail("malloc", "out of host memory", __FILE__, __LINE__);
     g.sumsq_host_n = chunks;
   }
   ZT_CUDA_CHECK(cudaMemcpyAsync(g.sumsq_host, part, chunks * sizeof(double),

@@ -74,16 +74,16 @@ ZT_TEST(gradients_match_reference) {
   batch(stream, 0, inp, tgt);
   for (int i = 0; i < 2; i++) {
     ZT_REQUIRE(zt_model_create(&m[i], &cfg, B, T, tabs[i], 0) == 0);
-    ZT_REQUIRE(zt_model_init(m[i], 7) == 0);
+    zt_model_init(m[i], 7);
     zt_model_zero_grads(m[i]);
     ZT_REQUIRE(zt_model_forward(m[i], inp, tgt, B, T, &loss[i]) == 0);
     ZT_REQUIRE(zt_model_backward(m[i], 1.0f) == 0);
   }
   fprintf(stderr, "  loss cpu-ref %.7f gpu %.7f\n", loss[0], loss[1]);
   ZT_CHECK_NEAR(loss[1], loss[0], 1e-5 * loss[0]);
-  float *gref = m[0]->grads, *ggpu = host_copy(tabs[1], m[1]->grads, m[1]->num_params);
-  for (int t = 0; t < m[0]->num_tensors; t++) {
-    const zt_tensor_t *ts = &m[0]->tensors[t];
+  float *gref = m[0]->grads, *ggpu = host_copy(tabs[1], m[1]->grads, m[1]->lay.num_params);
+  for (int t = 0; t < m[0]->lay.num_tensors; t++) {
+    const zt_tensor_t *ts = &m[0]->lay.tensors[t];
     double maxr = 0, maxd = 0;
     for (size_t j = 0; j < ts->n; j++) {
       maxr = fmax(maxr, fabs(gref[ts->off + j]));
@@ -101,8 +101,9 @@ ZT_TEST(gradients_match_reference) {
 /* 20 AdamW steps (lr 3e-3, no weight decay) with table k; losses out. */
 static int train(const zt_kernels_t *k, const int *stream, float *losses) {
   zt_model_t *m;
-  if (zt_model_create(&m, &cfg, B, T, k, 0) != 0 || zt_model_init(m, 1) != 0) return -1;
-  size_t P = m->num_params;
+  if (zt_model_create(&m, &cfg, B, T, k, 0) != 0) return -1;
+  zt_model_init(m, 1);
+  size_t P = m->lay.num_params;
   float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
   int inp[B * T], tgt[B * T];
   for (int s = 0; s < STEPS; s++) {

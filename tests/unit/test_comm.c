@@ -53,7 +53,7 @@ static float get(const void *buf, size_t i, zt_dtype_t dt) {
 
 static void *rank_main(void *p) {
   rank_ctx *r = p;
-  zt_comm_tcp_opts o = {.rank = r->rank, .world = r->world, .peers = r->peerp,
+  zt_comm_tcp_opts_t o = {.rank = r->rank, .world = r->world, .peers = r->peerp,
                         .listen_fd = r->lfd, .session = 77, .connect_timeout_ms = 20000,
                         .chunk_bytes = 64 << 10};
   zt_comm_t *c;
@@ -236,7 +236,7 @@ ZT_TEST(test_connect_timeout) {
   snprintf(p0, sizeof p0, "127.0.0.1:%d", port);
   snprintf(p1, sizeof p1, "127.0.0.1:%d", port2);
   const char *peers[2] = {p0, p1};
-  zt_comm_tcp_opts o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfd, .session = 1,
+  zt_comm_tcp_opts_t o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfd, .session = 1,
                         .connect_timeout_ms = 300};
   zt_comm_t *c;
   int64_t t0 = zt_now_ms();
@@ -316,7 +316,7 @@ ZT_TEST(test_silent_peer_timeout_and_abort) {
 
 /* A peer of another session (stale generation) is refused at the handshake. */
 typedef struct {
-  zt_comm_tcp_opts o;
+  zt_comm_tcp_opts_t o;
   zt_comm_t *c;
   int rc;
 } create_arg;

@@ -42,8 +42,8 @@ static void random_batch(int *inp, int *tgt, int n, int V) {
 
 /* Moves parameters away from the init so every gradient is sizeable. */
 static void perturb(zt_model_t *m) {
-  for (int i = 0; i < m->num_tensors; i++) {
-    const zt_tensor_t *t = &m->tensors[i];
+  for (int i = 0; i < m->lay.num_tensors; i++) {
+    const zt_tensor_t *t = &m->lay.tensors[i];
     size_t n = t->kind == ZT_T_WTE ? (size_t)m->cfg.vocab_size * m->cfg.n_embd : t->n;
     for (size_t k = 0; k < n; k++) m->params[t->off + k] += 0.2f * frand();
   }
@@ -58,37 +58,37 @@ static float loss_of(zt_model_t *m, const int *inp, const int *tgt, int B, int T
 ZT_TEST(layout) {
   zt_model_t *m;
   ZT_REQUIRE(zt_model_create(&m, &tiny, 2, 8, zt_kernels_ref(), 0) == 0);
-  ZT_CHECK(zt_model_num_units(m) == 4);
-  ZT_CHECK(m->Vp == 64);
+  ZT_CHECK(m->lay.num_units == 4);
+  ZT_CHECK(m->lay.Vp == 64);
   size_t C = 16, total = 0;
-  ZT_CHECK(zt_model_unit_size(m, 0) == 64 * C + 8 * C);
-  ZT_CHECK(zt_model_unit_size(m, 1) == 12 * C * C + 13 * C);
-  ZT_CHECK(zt_model_unit_size(m, 3) == 2 * C);
+  ZT_CHECK(m->lay.unit_size[0] == 64 * C + 8 * C);
+  ZT_CHECK(m->lay.unit_size[1] == 12 * C * C + 13 * C);
+  ZT_CHECK(m->lay.unit_size[3] == 2 * C);
   for (int u = 0; u < 4; u++) {
-    ZT_CHECK(zt_model_unit_offset(m, u) == total);
+    ZT_CHECK(m->lay.unit_off[u] == total);
     ZT_CHECK(m->unit_params[u] == m->params + total);
-    total += zt_model_unit_size(m, u);
+    total += m->lay.unit_size[u];
   }
-  ZT_CHECK(total == m->num_params);
-  ZT_CHECK(m->num_params == zt_model_param_count(&tiny, 1));
+  ZT_CHECK(total == m->lay.num_params);
+  ZT_CHECK(m->lay.num_params == zt_model_param_count(&tiny, 1));
   ZT_CHECK(zt_model_param_count(&tiny, 0) == zt_model_param_count(&tiny, 1) - 14 * C);
-  const zt_tensor_t *t = zt_model_find(m, "h.1.mlp.c_proj.weight");
+  const zt_tensor_t *t = zt_layout_find(&m->lay, "h.1.mlp.c_proj.weight");
   ZT_REQUIRE(t != NULL);
   ZT_CHECK(t->unit == 2 && t->layer == 1 && t->rows == 16 && t->cols == 64 && t->decay == 1);
-  ZT_CHECK(t->off == m->unit_off[2] + t->unit_off);
-  t = zt_model_find(m, "h.0.ln_1.bias");
+  ZT_CHECK(t->off == m->lay.unit_off[2] + t->unit_off);
+  t = zt_layout_find(&m->lay, "h.0.ln_1.bias");
   ZT_REQUIRE(t != NULL);
   ZT_CHECK(t->decay == 0 && t->unit_off == C);
-  ZT_CHECK(zt_model_find(m, "ln_f.weight")->decay == 0);
-  ZT_CHECK(zt_model_find(m, "wte")->decay == 1 && zt_model_find(m, "wpe")->decay == 1);
-  ZT_CHECK(zt_model_find(m, "nope") == NULL);
+  ZT_CHECK(zt_layout_find(&m->lay, "ln_f.weight")->decay == 0);
+  ZT_CHECK(zt_layout_find(&m->lay, "wte")->decay == 1 && zt_layout_find(&m->lay, "wpe")->decay == 1);
+  ZT_CHECK(zt_layout_find(&m->lay, "nope") == NULL);
   /* Tensors tile the flat buffer in order. */
   size_t off = 0;
-  for (int i = 0; i < m->num_tensors; i++) {
-    ZT_CHECK(m->tensors[i].off == off);
-    off += m->tensors[i].n;
+  for (int i = 0; i < m->lay.num_tensors; i++) {
+    ZT_CHECK(m->lay.tensors[i].off == off);
+    off += m->lay.tensors[i].n;
   }
-  ZT_CHECK(off == m->num_params);
+  ZT_CHECK(off == m->lay.num_params);
   ZT_CHECK(zt_model_activation_bytes(m) > 0);
   zt_model_free(m);
 }
@@ -130,21 +130,21 @@ ZT_TEST(init) {
   double s = 0;
   for (size_t i = 0; i < 50 * C; i++) s += (double)wte[i] * wte[i];
   ZT_CHECK_NEAR(sqrt(s / (50 * C)), 0.02, 0.003);
-  const zt_tensor_t *ln = zt_model_find(m, "h.1.ln_2.weight"), *b = zt_model_find(m, "h.1.mlp.c_fc.bias");
+  const zt_tensor_t *ln = zt_layout_find(&m->lay, "h.1.ln_2.weight"), *b = zt_layout_find(&m->lay, "h.1.mlp.c_fc.bias");
   for (size_t i = 0; i < ln->n; i++) ZT_CHECK(m->params[ln->off + i] == 1.0f);
   for (size_t i = 0; i < b->n; i++) ZT_CHECK(m->params[b->off + i] == 0.0f);
-  const zt_tensor_t *pj = zt_model_find(m, "h.0.attn.c_proj.weight");
+  const zt_tensor_t *pj = zt_layout_find(&m->lay, "h.0.attn.c_proj.weight");
   s = 0;
   for (size_t i = 0; i < pj->n; i++) s += (double)m->params[pj->off + i] * m->params[pj->off + i];
   ZT_CHECK_NEAR(sqrt(s / pj->n), 0.01, 0.002); /* 0.02 / sqrt(2 * 2) */
   /* A unit's values depend only on (seed, unit). */
-  float *u2 = malloc(zt_model_unit_size(m, 2) * sizeof(float));
-  zt_model_init_unit(m, 42, 2, u2);
-  ZT_CHECK(memcmp(u2, m->unit_params[2], zt_model_unit_size(m, 2) * 4) == 0);
-  zt_model_init_unit(m, 43, 2, u2);
-  ZT_CHECK(memcmp(u2, m->unit_params[2], zt_model_unit_size(m, 2) * 4) != 0);
+  float *u2 = malloc(m->lay.unit_size[2] * sizeof(float));
+  zt_layout_init_unit(&m->lay, 42, 2, u2);
+  ZT_CHECK(memcmp(u2, m->unit_params[2], m->lay.unit_size[2] * 4) == 0);
+  zt_layout_init_unit(&m->lay, 43, 2, u2);
+  ZT_CHECK(memcmp(u2, m->unit_params[2], m->lay.unit_size[2] * 4) != 0);
   /* Blocks differ from each other. */
-  ZT_CHECK(memcmp(m->unit_params[1], m->unit_params[2], zt_model_unit_size(m, 1) * 4) != 0);
+  ZT_CHECK(memcmp(m->unit_params[1], m->unit_params[2], m->lay.unit_size[1] * 4) != 0);
   free(u2);
   zt_model_free(m);
 }
@@ -164,8 +164,8 @@ ZT_TEST(gradient_check) {
 
   int seen[ZT_T_NKINDS] = {0};
   const float h = 1e-2f;
-  for (int i = 0; i < m->num_tensors; i++) {
-    const zt_tensor_t *t = &m->tensors[i];
+  for (int i = 0; i < m->lay.num_tensors; i++) {
+    const zt_tensor_t *t = &m->lay.tensors[i];
     size_t n = t->kind == ZT_T_WTE ? (size_t)tiny.vocab_size * tiny.n_embd : t->n;
     double maxg = 0.0;
     int bad = 0;
@@ -212,8 +212,8 @@ ZT_TEST(fast_matches_reference) {
   float lf = loss_of(f, inp, tgt, B, T), lr = loss_of(r, inp, tgt, B, T);
   ZT_CHECK_NEAR(lf, lr, 1e-5 * lr);
   ZT_REQUIRE(zt_model_backward(f, 1.0f) == 0 && zt_model_backward(r, 1.0f) == 0);
-  for (int i = 0; i < f->num_tensors; i++) {
-    const zt_tensor_t *t = &f->tensors[i];
+  for (int i = 0; i < f->lay.num_tensors; i++) {
+    const zt_tensor_t *t = &f->lay.tensors[i];
     double maxr = 0, maxd = 0;
     for (size_t k = 0; k < t->n; k++) {
       maxr = fmax(maxr, fabs(r->grads[t->off + k]));
@@ -238,8 +238,8 @@ ZT_TEST(accumulation) {
   zt_model_zero_grads(m);
   float full = loss_of(m, inp, tgt, 4, T);
   ZT_REQUIRE(zt_model_backward(m, 1.0f) == 0);
-  float *g1 = malloc(m->num_params * sizeof(float));
-  memcpy(g1, m->grads, m->num_params * sizeof(float));
+  float *g1 = malloc(m->lay.num_params * sizeof(float));
+  memcpy(g1, m->grads, m->lay.num_params * sizeof(float));
   zt_model_zero_grads(m);
   float a = loss_of(m, inp, tgt, 2, T);
   ZT_REQUIRE(zt_model_backward(m, 0.5f) == 0);
@@ -247,7 +247,7 @@ ZT_TEST(accumulation) {
   ZT_REQUIRE(zt_model_backward(m, 0.5f) == 0);
   ZT_CHECK_NEAR((a + b) / 2, full, 1e-6);
   double maxd = 0, maxg = 0;
-  for (size_t i = 0; i < m->num_params; i++) {
+  for (size_t i = 0; i < m->lay.num_params; i++) {
     maxd = fmax(maxd, fabs((double)g1[i] - m->grads[i]));
     maxg = fmax(maxg, fabs(g1[i]));
   }
@@ -300,10 +300,10 @@ ZT_TEST(hooks_and_repointing) {
   /* Gather unit 1 into a separate buffer and wipe the original: the loss
    * must come out the same, so the model reads only through the pointer. */
   hook_ctx c = {.m = m};
-  size_t n1 = zt_model_unit_size(m, 1);
+  size_t n1 = m->lay.unit_size[1];
   c.gathered = malloc(n1 * sizeof(float));
   memcpy(c.gathered, m->unit_params[1], n1 * sizeof(float));
-  memset(m->params + m->unit_off[1], 0, n1 * sizeof(float));
+  memset(m->params + m->lay.unit_off[1], 0, n1 * sizeof(float));
   zt_model_hooks_t h = {&c, h_pf, h_qf, h_pb, h_qb};
   zt_model_set_hooks(m, &h);
   float l = loss_of(m, inp, tgt, 1, T);

@@ -38,7 +38,8 @@ ZT_TEST(full_spec) {
       "\"margin_steps\": 5, \"skip_steps\": 8, \"lr_factor\": 0.25, \"cooldown_steps\": 30, "
       "\"max_rollbacks\": 2, \"per_steps\": 500},"
       "\"bf16\": {\"enabled\": false}, \"comm\": {\"timeout_ms\": 5000},"
-      "\"fault_injection\": {\"kill_rank\": 1, \"at_step\": 30}}";
+      "\"fault_injection\": {\"lr_scale\": 100, \"from_step\": 30, \"to_step\": 20, "
+      "\"repeat\": true}}";
   zt_spec_t s;
   ZT_REQUIRE(parse(&s, json) == 0);
   ZT_CHECK_STR(s.name, "small");
@@ -67,14 +68,15 @@ ZT_TEST(full_spec) {
   ZT_CHECK_NEAR(s.rollback.threshold, 5.5, 0);
   ZT_CHECK_NEAR(s.rollback.lr_factor, 0.25, 0);
   ZT_CHECK(s.bf16 == 0 && s.comm_timeout_ms == 5000);
-  ZT_CHECK(s.fault_injection && strstr(s.fault_injection, "\"kill_rank\":1"));
+  /* to_step below from_step means the one step from_step. */
+  ZT_CHECK(s.fault.lr_scale == 100 && s.fault.from_step == 30 && s.fault.to_step == 30);
+  ZT_CHECK(s.fault.repeat == 1);
   int accum;
   ZT_CHECK(zt_spec_accum_for_world(&s, 1, &accum) == 0 && accum == 4);
   ZT_CHECK(zt_spec_accum_for_world(&s, 2, &accum) == 0 && accum == 2);
   ZT_CHECK(zt_spec_accum_for_world(&s, 4, &accum) == 0 && accum == 1);
   ZT_CHECK(zt_spec_accum_for_world(&s, 3, &accum) == -1);
   ZT_CHECK(strstr(zt_err_msg(), "not divisible") != NULL);
-  zt_spec_free(&s);
 }
 
 ZT_TEST(defaults) {
@@ -84,18 +86,16 @@ ZT_TEST(defaults) {
   ZT_CHECK(s.accum == 1 && s.global_batch == 4 && !s.have_train_batch);
   ZT_CHECK(s.sched.enabled == 0 && s.zero_stage == 0 && s.min_workers == 1);
   ZT_CHECK(s.max_workers == 1 && s.comm_timeout_ms == 30000 && s.ckpt.dir[0] == 0);
-  ZT_CHECK(s.rollback.enabled == 1 && s.rollback.window == 100 && s.fault_injection == NULL);
+  ZT_CHECK(s.rollback.enabled == 1 && s.rollback.window == 100 && s.fault.lr_scale == 0);
   ZT_CHECK_NEAR(s.opt.beta2, 0.95, 1e-7);
   int accum;
   ZT_CHECK(zt_spec_accum_for_world(&s, 1, &accum) == 0 && accum == 1);
   ZT_CHECK(zt_spec_accum_for_world(&s, 2, &accum) == -1);
-  zt_spec_free(&s);
   /* The scheduler's defaults: max lr = optimizer lr, total = steps. */
   ZT_REQUIRE(parse(&s, "{" BASE ", \"optimizer\": {\"params\": {\"lr\": 0.01}}, "
                        "\"scheduler\": {\"type\": \"WarmupDecayLR\"}}") == 0);
   ZT_CHECK(s.sched.enabled && s.sched.total_steps == 100 && s.sched.warmup_steps == 0);
   ZT_CHECK_NEAR(s.sched.max_lr, 0.01, 1e-9);
-  zt_spec_free(&s);
 }
 
 ZT_TEST(unknown_keys) {
@@ -104,6 +104,10 @@ ZT_TEST(unknown_keys) {
                "optimizer.params.betaz: unknown key");
   expect_error("{" BASE ", \"model2\": {}}", "model2: unknown key");
   expect_error("{" BASE ", \"rollback\": {\"windows\": 3}}", "rollback.windows: unknown key");
+  expect_error("{" BASE ", \"fault_injection\": {\"kill_rank\": 1}}",
+               "fault_injection.kill_rank: unknown key");
+  expect_error("{" BASE ", \"fault_injection\": {\"repeat\": 1}}",
+               "fault_injection.repeat: expected true or false");
   expect_error("{" BASE ", \"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": "
                "{\"warmup_typ\": \"linear\"}}}",
                "scheduler.params.warmup_typ: unknown key");
@@ -167,7 +171,6 @@ ZT_TEST(load_file) {
   fputs("{" BASE "}", f);
   fclose(f);
   ZT_CHECK(zt_spec_load(&s, path) == 0);
-  zt_spec_free(&s);
   snprintf(path, sizeof path, "%s/missing.json", dir);
   ZT_CHECK(zt_spec_load(&s, path) == -1);
   ZT_CHECK(strstr(zt_err_msg(), "missing.json") != NULL);

@@ -19,22 +19,22 @@ static double curve(int64_t t, uint64_t *rng) {
 }
 
 ZT_TEST(test_clean_curve_no_trigger) {
-  zt_spike s;
-  zt_spike_cfg cfg = {0};
+  zt_spike_t s;
+  zt_spike_cfg_t cfg = {0};
   zt_spike_init(&s, &cfg);
   uint64_t rng = 1;
-  zt_spike_verdict v;
+  zt_spike_verdict_t v;
   int triggers = 0;
   for (int64_t t = 1; t <= 5000; t++) triggers += zt_spike_feed(&s, t, curve(t, &rng), 1.0 + 0.2 * curve(t, &rng), &v);
   ZT_CHECK(triggers == 0);
 }
 
 ZT_TEST(test_sustained_spike_triggers_after_patience) {
-  zt_spike s;
-  zt_spike_cfg cfg = {.window = 50, .threshold = 6, .patience = 3};
+  zt_spike_t s;
+  zt_spike_cfg_t cfg = {.window = 50, .threshold = 6, .patience = 3};
   zt_spike_init(&s, &cfg);
   uint64_t rng = 2;
-  zt_spike_verdict v;
+  zt_spike_verdict_t v;
   for (int64_t t = 1; t <= 300; t++) ZT_REQUIRE(!zt_spike_feed(&s, t, curve(t, &rng), 1.0, &v));
   ZT_CHECK(!zt_spike_feed(&s, 301, 9.0, 1.0, &v));
   ZT_CHECK(!zt_spike_feed(&s, 302, 9.5, 1.0, &v));
@@ -44,11 +44,11 @@ ZT_TEST(test_sustained_spike_triggers_after_patience) {
 }
 
 ZT_TEST(test_single_outlier_ignored) {
-  zt_spike s;
-  zt_spike_cfg cfg = {.window = 50, .threshold = 6, .patience = 3};
+  zt_spike_t s;
+  zt_spike_cfg_t cfg = {.window = 50, .threshold = 6, .patience = 3};
   zt_spike_init(&s, &cfg);
   uint64_t rng = 3;
-  zt_spike_verdict v;
+  zt_spike_verdict_t v;
   int triggers = 0;
   for (int64_t t = 1; t <= 400; t++) {
     double l = curve(t, &rng);
@@ -59,11 +59,11 @@ ZT_TEST(test_single_outlier_ignored) {
 }
 
 ZT_TEST(test_grad_norm_spike) {
-  zt_spike s;
-  zt_spike_cfg cfg = {.window = 30, .threshold = 6, .patience = 2};
+  zt_spike_t s;
+  zt_spike_cfg_t cfg = {.window = 30, .threshold = 6, .patience = 2};
   zt_spike_init(&s, &cfg);
   uint64_t rng = 4;
-  zt_spike_verdict v;
+  zt_spike_verdict_t v;
   for (int64_t t = 1; t <= 100; t++)
     ZT_REQUIRE(!zt_spike_feed(&s, t, curve(t, &rng), curve(t, &rng), &v));
   /* A norm spike with the loss below its median is not a spike... */
@@ -75,10 +75,10 @@ ZT_TEST(test_grad_norm_spike) {
 }
 
 ZT_TEST(test_nonfinite_immediate) {
-  zt_spike s;
-  zt_spike_cfg cfg = {0};
+  zt_spike_t s;
+  zt_spike_cfg_t cfg = {0};
   zt_spike_init(&s, &cfg);
-  zt_spike_verdict v;
+  zt_spike_verdict_t v;
   ZT_CHECK(zt_spike_feed(&s, 1, NAN, 1.0, &v) && v.first_step == 1);
   ZT_CHECK(zt_spike_feed(&s, 2, 1.0, INFINITY, &v) && v.first_step == 2);
   zt_spike_reset(&s);

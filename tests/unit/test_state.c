@@ -24,8 +24,8 @@ static const char *fresh_db(const char *name) {
   return g_path;
 }
 
-static zt_db_worker make_worker(const char *name, int state) {
-  zt_db_worker w;
+static zt_db_worker_t make_worker(const char *name, int state) {
+  zt_db_worker_t w;
   memset(&w, 0, sizeof w);
   snprintf(w.name, sizeof w.name, "%s", name);
   snprintf(w.host, sizeof w.host, "host-%s", name);
@@ -36,8 +36,8 @@ static zt_db_worker make_worker(const char *name, int state) {
   return w;
 }
 
-static int count_worker(const zt_db_worker *w, void *user) {
-  zt_db_worker *last = user;
+static int count_worker(const zt_db_worker_t *w, void *user) {
+  zt_db_worker_t *last = user;
   *last = *w;
   last->pid++; /* pid field reused as a counter below */
   return 0;
@@ -49,11 +49,11 @@ ZT_TEST(test_migrate_and_reopen) {
   ZT_REQUIRE(zt_db_open(path, &db) == 0);
   ZT_CHECK(zt_db_schema_version(db) == zt_db_schema_latest());
   ZT_CHECK(zt_db_meta_set(db, "epoch", 7) == 0);
-  zt_db_worker a = make_worker("a", ZT_WORKER_ALIVE), b = make_worker("b", ZT_WORKER_ALIVE);
+  zt_db_worker_t a = make_worker("a", ZT_WORKER_ALIVE), b = make_worker("b", ZT_WORKER_ALIVE);
   ZT_CHECK(zt_db_worker_upsert(db, &a) == 0 && a.id == 1);
   ZT_CHECK(zt_db_worker_upsert(db, &b) == 0 && b.id == 2);
   /* Same name: same row, updated in place. */
-  zt_db_worker a2 = make_worker("a", ZT_WORKER_LEFT);
+  zt_db_worker_t a2 = make_worker("a", ZT_WORKER_LEFT);
   snprintf(a2.host, sizeof a2.host, "elsewhere");
   ZT_CHECK(zt_db_worker_upsert(db, &a2) == 0 && a2.id == 1);
   int64_t eid = 0;
@@ -69,7 +69,7 @@ ZT_TEST(test_migrate_and_reopen) {
   int64_t v = 0;
   ZT_CHECK(zt_db_meta_get(db, "epoch", &v, 0) == 0 && v == 7);
   ZT_CHECK(zt_db_meta_get(db, "missing", &v, 99) == 0 && v == 99);
-  zt_db_worker last;
+  zt_db_worker_t last;
   memset(&last, 0, sizeof last);
   last.pid = 0;
   ZT_CHECK(zt_db_workers_each(db, count_worker, &last) == 0);
@@ -77,7 +77,7 @@ ZT_TEST(test_migrate_and_reopen) {
   zt_db_close(db);
 }
 
-static int collect_kind(const zt_db_event *e, void *user) {
+static int collect_kind(const zt_db_event_t *e, void *user) {
   char *acc = user;
   strcat(acc, e->kind);
   strcat(acc, ";");
@@ -166,7 +166,7 @@ ZT_TEST(test_readonly_file_fails_cleanly) {
   ZT_CHECK(zt_db_open(path, &db) != 0);
 }
 
-static int collect_step(const zt_db_step *st, void *user) {
+static int collect_step(const zt_db_step_t *st, void *user) {
   double *acc = user;
   acc[0] += 1;
   acc[1] += st->loss;
@@ -178,7 +178,7 @@ ZT_TEST(test_jobs_generations_steps) {
   const char *path = fresh_db("jobs");
   zt_db_t *db;
   ZT_REQUIRE(zt_db_open(path, &db) == 0);
-  zt_db_job j;
+  zt_db_job_t j;
   memset(&j, 0, sizeof j);
   snprintf(j.name, sizeof j.name, "tiny");
   j.spec = "{\"steps\": 10}";
@@ -195,11 +195,11 @@ ZT_TEST(test_jobs_generations_steps) {
   /* The same generation twice is a constraint error, not a silent overwrite. */
   ZT_CHECK(zt_db_generation_add(db, 1, 1, 2, 0, "again", ids) != 0);
   for (int s = 1; s <= 3; s++) {
-    zt_db_step st = {s, 1, 1.0 * s, 0.5, 1e-3, 100, NAN, 1000 + s};
+    zt_db_step_t st = {s, 1, 1.0 * s, 0.5, 1e-3, 100, NAN, 1000 + s};
     ZT_CHECK(zt_db_step_put(db, 1, &st) == 0);
   }
   /* A replayed step replaces its row. */
-  zt_db_step again = {3, 2, 10.0, 0.5, 1e-3, 100, 2.5, 2000};
+  zt_db_step_t again = {3, 2, 10.0, 0.5, 1e-3, 100, 2.5, 2000};
   ZT_CHECK(zt_db_step_put(db, 1, &again) == 0);
   zt_db_close(db);
 

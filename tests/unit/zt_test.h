@@ -78,9 +78,9 @@ static inline const char *zt_test_tmpdir(const char *name) {
 typedef struct {
   const char *name;
   void (*fn)(void);
-} zt__test_case;
+} zt__test_case_t;
 
-static inline int zt__test_run(const zt__test_case *cases, int n, int argc, char **argv) {
+static inline int zt__test_run(const zt__test_case_t *cases, int n, int argc, char **argv) {
   int passed = 0, failed = 0;
   for (int i = 0; i < n; i++) {
     if (argc > 1 && strstr(cases[i].name, argv[1]) == NULL) continue;
@@ -104,7 +104,7 @@ static inline int zt__test_run(const zt__test_case *cases, int n, int argc, char
     void (*fns[])(void) = {__VA_ARGS__};                                    \
     const char *names = #__VA_ARGS__;                                       \
     int n = (int)(sizeof fns / sizeof fns[0]);                              \
-    zt__test_case cases[sizeof fns / sizeof fns[0]];                        \
+    zt__test_case_t cases[sizeof fns / sizeof fns[0]];                        \
     char buf[4096];                                                         \
     snprintf(buf, sizeof buf, "%s", names);                                 \
     char *save = NULL, *tok = strtok_r(buf, ", \n\t", &save);               \

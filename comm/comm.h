@@ -1,0 +1,113 @@
+/*
+ * comm.h: collectives between the ranks of one generation.
+ *
+ * One interface, several backends: the TCP ring (comm_tcp.c) for CPU
+ * workers, NCCL for GPU workers. A communicator is created for one
+ * generation of one job with a fixed rank and world size, and is thrown away
+ * when the generation ends; nothing is ever re-used across generations, so a
+ * rank of an older generation can never feed data into a newer one (the TCP
+ * handshake also checks a session id derived from job and generation).
+ *
+ * Every operation takes a timeout in milliseconds. A peer that dies makes
+ * the operation fail as soon as its socket reports it; a peer that goes
+ * silent makes it fail when the timeout expires; zt_comm_abort(), callable
+ * from any thread, makes the operation in progress (and every later one)
+ * fail at once. After any failure the communicator is broken: every further
+ * call fails with the first error, and the owner must destroy it and join a
+ * new generation. No call ever blocks without a bound.
+ *
+ * Buffers: fp32, fp64 or bf16 (uint16 storage; reductions are computed in
+ * fp32 and rounded to nearest-even once per addition). fp64 is what the
+ * trainer uses for gradient sums: exact in practice, so independent of the
+ * order in which ranks add them. Reductions: SUM or AVG
+ * (sum, then divided by the world size).
+ *
+ * Shard layout (what ZeRO relies on): reduce_scatter of `world * n`
+ * elements leaves rank r with elements [r*n, (r+1)*n) of the reduction, and
+ * all_gather places rank r's n elements at [r*n, (r+1)*n) of the output.
+ */
+#ifndef ZT_COMM_H
+#define ZT_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { ZT_DT_F32 = 0, ZT_DT_BF16 = 1, ZT_DT_F64 = 2 } zt_dtype_t;
+typedef enum { ZT_RED_SUM = 0, ZT_RED_AVG = 1 } zt_redop_t;
+
+static inline size_t zt_dtype_size(zt_dtype_t t) {
+  return t == ZT_DT_F64 ? 8 : t == ZT_DT_F32 ? 4 : 2;
+}
+
+typedef struct zt_comm zt_comm_t;
+
+/* Byte counters, for benchmarks and the per-step report. */
+typedef struct {
+  uint64_t bytes_sent, bytes_recv;
+  uint64_t ops;
+} zt_comm_stats_t;
+
+/* ---- TCP ring backend ---------------------------------------------------- */
+
+/* Opens a listening socket on host (port 0: any free port) before the
+ * rendezvous, so the port can be reported to the coordinator. */
+int zt_comm_tcp_listen(const char *host, int *port, int *fd);
+
+typedef struct {
+  int rank, world;
+  const char *const *peers; /* "host:port" of every rank's listening socket */
+  int listen_fd;            /* from zt_comm_tcp_listen; the communicator owns it */
+  uint64_t session;         /* same on every rank of one generation, e.g. job<<32|gen */
+  int64_t connect_timeout_ms;
+  size_t chunk_bytes; /* pipelining granularity; 0: 1 MiB */
+} zt_comm_tcp_opts_t;
+
+/* Connects the ring: rank r connects to rank r+1 and accepts rank r-1.
+ * Fails after connect_timeout_ms if a neighbour does not show up. */
+int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out);
+
+/* ---- NCCL backend (built when CUDA and NCCL are found; ZT_HAVE_NCCL) ----- */
+
+/* Rank 0 makes the id (256 hex characters) that the coordinator hands to
+ * every rank; each rank then creates its communicator on GPU `device`.
+ * Buffers passed to the operations are then device pointers. */
+int zt_comm_nccl_unique_id(char hex[257]);
+int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
+                        zt_comm_t **out);
+
+/* ---- operations ---------------------------------------------------------- */
+
+int zt_comm_rank(const zt_comm_t *c);
+int zt_comm_world(const zt_comm_t *c);
+const char *zt_comm_backend(const zt_comm_t *c);
+
+int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
+                       int64_t timeout_ms);
+/* send holds world*count elements; recv receives this rank's count. send and
+ * recv may not overlap except recv == send + rank*count. send is clobbered. */
+int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+                           zt_redop_t op, int64_t timeout_ms);
+/* send holds count elements; recv receives world*count. send may be
+ * recv + rank*count (in place). */
+int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
+                       int64_t timeout_ms);
+int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
+                      int64_t timeout_ms);
+int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
+
+/* Makes the current and all later operations fail; safe from any thread. */
+void zt_comm_abort(zt_comm_t *c);
+/* 1 once an operation has failed or the communicator was aborted. */
+int zt_comm_broken(const zt_comm_t *c);
+/* The rank whose connection failed first (dead, silent), or -1. */
+int zt_comm_failed_peer(const zt_comm_t *c);
+void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s);
+void zt_comm_destroy(zt_comm_t *c);
+
+/* ---- helpers shared by backends and tests -------------------------------- */
+
+/* dst[i] = dst[i] + src[i] in the given type (fp32 arithmetic). */
+void zt_comm_reduce_add(void *dst, const void *src, size_t n, zt_dtype_t dt);
+void zt_comm_scale(void *buf, size_t n, zt_dtype_t dt, float s);
+
+#endif

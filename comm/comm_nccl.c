@@ -1,0 +1,220 @@
+/*
+ * comm_nccl.c: the NCCL backend of comm.h, for GPU workers.
+ *
+ * Compiled whenever the build finds CUDA and NCCL (/usr/local/cuda). The
+ * libraries are opened with dlopen() at communicator creation, not linked,
+ * so one zworker binary runs on machines with and without GPUs; a CPU-only
+ * machine simply never creates an NCCL communicator.
+ *
+ * Every NCCL call is non-blocking (ncclConfig_t.blocking = 0): creation and
+ * each collective are enqueued, then polled with ncclCommGetAsyncError()
+ * and cudaStreamQuery() until done, until the deadline, or until
+ * zt_comm_abort() raises the abort flag; the last two end in
+ * ncclCommAbort(), so no call can hang on a dead or silent peer. Buffers
+ * are device pointers. The unique id is produced by rank 0
+ * (zt_comm_nccl_unique_id) and handed to every rank by the coordinator as
+ * 256 hex characters.
+ */
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nccl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm.h"
+#include "comm_backend.h"
+#include "zt_common.h"
+
+/* The entry points we use, resolved by dlsym. */
+static struct {
+  int loaded;
+  ncclResult_t (*GetUniqueId)(ncclUniqueId *);
+  ncclResult_t (*CommInitRankConfig)(ncclComm_t *, int, ncclUniqueId, int, ncclConfig_t *);
+  ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
+  ncclResult_t (*CommAbort)(ncclComm_t);
+  ncclResult_t (*CommDestroy)(ncclComm_t);
+  ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                            cudaStream_t);
+  ncclResult_t (*ReduceScatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
+                                ncclComm_t, cudaStream_t);
+  ncclResult_t (*AllGather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
+                            cudaStream_t);
+  ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
+                            cudaStream_t);
+  const char *(*GetErrorString)(ncclResult_t);
+  cudaError_t (*SetDevice)(int);
+  cudaError_t (*StreamCreateWithFlags)(cudaStream_t *, unsigned);
+  cudaError_t (*StreamQuery)(cudaStream_t);
+  cudaError_t (*StreamDestroy)(cudaStream_t);
+  const char *(*CudaErrorString)(cudaError_t);
+} nc;
+
+static void *open_first(const char *const *names) {
+  for (; *names; names++) {
+    void *h = dlopen(*names, RTLD_NOW | RTLD_GLOBAL);
+    if (h) return h;
+  }
+  return NULL;
+}
+
+#define SYM(h, field, name)                                       \
+  do {                                                            \
+    *(void **)&nc.field = dlsym(h, name);                         \
+    if (!nc.field) return zt_err("NCCL backend: %s not found", name); \
+  } while (0)
+
+static int load(void) {
+  if (nc.loaded) return 0;
+  static const char *const cudart[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12",
+                                       "/usr/local/cuda/lib64/libcudart.so", NULL};
+  static const char *const nccl[] = {"libnccl.so.2", "libnccl.so",
+                                     "/usr/local/cuda/lib64/libnccl.so.2", NULL};
+  void *hc = open_first(cudart), *hn = open_first(nccl);
+  if (!hc || !hn) return zt_err("NCCL backend: cannot load %s", !hc ? "libcudart" : "libnccl");
+  SYM(hn, GetUniqueId, "ncclGetUniqueId");
+  SYM(hn, CommInitRankConfig, "ncclCommInitRankConfig");
+  SYM(hn, CommGetAsyncError, "ncclCommGetAsyncError");
+  SYM(hn, CommAbort, "ncclCommAbort");
+  SYM(hn, CommDestroy, "ncclCommDestroy");
+  SYM(hn, AllReduce, "ncclAllReduce");
+  SYM(hn, ReduceScatter, "ncclReduceScatter");
+  SYM(hn, AllGather, "ncclAllGather");
+  SYM(hn, Broadcast, "ncclBroadcast");
+  SYM(hn, GetErrorString, "ncclGetErrorString");
+  SYM(hc, SetDevice, "cudaSetDevice");
+  SYM(hc, StreamCreateWithFlags, "cudaStreamCreateWithFlags");
+  SYM(hc, StreamQuery, "cudaStreamQuery");
+  SYM(hc, StreamDestroy, "cudaStreamDestroy");
+  SYM(hc, CudaErrorString, "cudaGetErrorString");
+  nc.loaded = 1;
+  return 0;
+}
+
+struct zt_nccl {
+  ncclComm_t comm;
+  cudaStream_t stream;
+  atomic_int abort;
+  int dead; /* ncclCommAbort has run: the communicator is gone */
+};
+
+static ncclDataType_t nccl_type(zt_dtype_t dt) {
+  return dt == ZT_DT_F64 ? ncclFloat64 : dt == ZT_DT_F32 ? ncclFloat32 : ncclBfloat16;
+}
+
+/* Polls an enqueued operation (or the initialisation) to completion. */
+static int wait_done(struct zt_nccl *n, int check_stream, zt_deadline_t dl, const char *op) {
+  for (;;) {
+    ncclResult_t st = ncclSuccess;
+    nc.CommGetAsyncError(n->comm, &st);
+    if (st != ncclSuccess && st != ncclInProgress) {
+      nc.CommAbort(n->comm);
+      n->dead = 1;
+      return zt_err("%s: %s", op, nc.GetErrorString(st));
+    }
+    if (st == ncclSuccess) {
+      if (!check_stream) return 0;
+      cudaError_t ce = nc.StreamQuery(n->stream);
+      if (ce == cudaSuccess) return 0;
+      if (ce != cudaErrorNotReady) return zt_err("%s: %s", op, nc.CudaErrorString(ce));
+    }
+    if (atomic_load(&n->abort)) {
+      nc.CommAbort(n->comm);
+      n->dead = 1;
+      return zt_err("%s: aborted", op);
+    }
+    if (zt_deadline_passed(dl)) {
+      nc.CommAbort(n->comm);
+      n->dead = 1;
+      return zt_err("%s: timed out", op);
+    }
+  }
+}
+
+int zt_comm_nccl_unique_id(char hex[2 * NCCL_UNIQUE_ID_BYTES + 1]) {
+  if (load() != 0) return -1;
+  ncclUniqueId id;
+  ncclResult_t r = nc.GetUniqueId(&id);
+  if (r != ncclSuccess) return zt_err("ncclGetUniqueId: %s", nc.GetErrorString(r));
+  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++)
+    snprintf(hex + 2 * i, 3, "%02x", (unsigned char)id.internal[i]);
+  return 0;
+}
+
+int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
+                        zt_comm_t **out) {
+  if (load() != 0) return -1;
+  ncclUniqueId id;
+  if (strlen(id_hex) != 2 * NCCL_UNIQUE_ID_BYTES) return zt_err("NCCL unique id: bad length");
+  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) {
+    unsigned v;
+    if (sscanf(id_hex + 2 * i, "%2x", &v) != 1) return zt_err("NCCL unique id: not hex");
+    id.internal[i] = (char)v;
+  }
+  cudaError_t ce = nc.SetDevice(device);
+  if (ce != cudaSuccess) return zt_err("cudaSetDevice(%d): %s", device, nc.CudaErrorString(ce));
+  struct zt_nccl *n = calloc(1, sizeof *n);
+  if (!n) abort();
+  ce = nc.StreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
+  if (ce != cudaSuccess) {
+    free(n);
+    return zt_err("cudaStreamCreate: %s", nc.CudaErrorString(ce));
+  }
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclResult_t r = nc.CommInitRankConfig(&n->comm, world, id, rank, &cfg);
+  if ((r != ncclSuccess && r != ncclInProgress) ||
+      wait_done(n, 0, zt_deadline_in(timeout_ms), "ncclCommInitRank") != 0) {
+    if (r != ncclSuccess && r != ncclInProgress) zt_err("ncclCommInitRank: %s", nc.GetErrorString(r));
+    else if (!n->dead) nc.CommAbort(n->comm);
+    nc.StreamDestroy(n->stream);
+    free(n);
+    return -1;
+  }
+  *out = zt__comm_wrap(n, rank, world);
+  return 0;
+}
+
+static int enqueued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const char *op) {
+  if (r != ncclSuccess && r != ncclInProgress) return zt_err("%s: %s", op, nc.GetErrorString(r));
+  return wait_done(n, 1, zt_deadline_in(timeout_ms), op);
+}
+
+int zt__nccl_all_reduce(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
+                        int64_t timeout_ms) {
+  return enqueued(n, nc.AllReduce(buf, buf, count, nccl_type(dt), op == ZT_RED_AVG ? ncclAvg : ncclSum,
+                                  n->comm, n->stream),
+                  timeout_ms, "ncclAllReduce");
+}
+
+int zt__nccl_reduce_scatter(struct zt_nccl *n, void *send, void *recv, size_t count,
+                            zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms) {
+  return enqueued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt),
+                                      op == ZT_RED_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
+                  timeout_ms, "ncclReduceScatter");
+}
+
+int zt__nccl_all_gather(struct zt_nccl *n, const void *send, void *recv, size_t count,
+                        zt_dtype_t dt, int64_t timeout_ms) {
+  return enqueued(n, nc.AllGather(send, recv, count, nccl_type(dt), n->comm, n->stream), timeout_ms,
+                  "ncclAllGather");
+}
+
+int zt__nccl_broadcast(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt, int root,
+                       int64_t timeout_ms) {
+  return enqueued(n, nc.Broadcast(buf, buf, count, nccl_type(dt), root, n->comm, n->stream),
+                  timeout_ms, "ncclBroadcast");
+}
+
+void zt__nccl_abort(struct zt_nccl *n) { atomic_store(&n->abort, 1); }
+
+void zt__nccl_destroy(struct zt_nccl *n) {
+  if (!n) return;
+  if (!n->dead) {
+    if (atomic_load(&n->abort)) nc.CommAbort(n->comm);
+    else nc.CommDestroy(n->comm);
+  }
+  nc.StreamDestroy(n->stream);
+  free(n);
+}

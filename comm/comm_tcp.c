@@ -1,0 +1,522 @@
+/*
+ * comm_tcp.c: the TCP ring backend of comm.h, for CPU workers.
+ *
+ * Topology. Rank r keeps two TCP connections: one it opened to rank r+1
+ * (`next`, it only sends there) and one it accepted from rank r-1 (`prev`,
+ * it only receives there). Each connection starts with a handshake naming
+ * the session (job and generation) and the sender's rank; the acceptor
+ * checks both and answers one ack byte, so a rank of another generation is
+ * turned away before a single payload byte flows.
+ *
+ * Algorithms. Ring reduce-scatter and ring all-gather, N-1 steps each; an
+ * all-reduce is one followed by the other, so each rank sends and receives
+ * 2(N-1)/N of the buffer, the bandwidth-optimal amount. Within a step a rank
+ * sends one segment to `next` while it receives another from `prev`, both
+ * from one poll() loop, and reduces the received bytes into place chunk by
+ * chunk as they arrive, so the reduction overlaps the transfer. Segment s
+ * of a reduce-scatter ends on rank s (see comm.h), which is the shard layout
+ * ZeRO uses.
+ *
+ * Failure. Every poll() waits at most until the operation's deadline; the
+ * poll set also holds an eventfd that zt_comm_abort() writes. A closed or
+ * reset socket, a deadline or an abort breaks the communicator with a
+ * message naming the peer and the operation; later calls fail at once.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "comm.h"
+#include "comm_backend.h"
+#include "zt_common.h"
+
+#define ZT_RING_MAGIC 0x5a545247u /* "ZTRG" */
+#define ZT_RING_VERSION 1u
+
+struct zt_comm {
+  int rank, world;
+  int next_fd, prev_fd, abort_fd;
+  size_t chunk;
+  uint64_t session;
+  atomic_int broken;
+  int failed_peer; /* rank whose connection failed, -1 when unknown */
+  struct zt_nccl *nccl; /* set: operations go to NCCL (comm_nccl.c) */
+  char err[512];
+  zt_comm_stats_t stats;
+  uint8_t *scratch;
+  size_t scratch_cap;
+};
+
+typedef struct {
+  uint32_t magic, version;
+  uint64_t session;
+  uint32_t rank, world;
+} ring_hello;
+
+/* ---- bf16 and reductions --------------------------------------------------- */
+
+void zt_comm_reduce_add(void *dst, const void *src, size_t n, zt_dtype_t dt) {
+  if (dt == ZT_DT_F64) {
+    double *d = dst;
+    const double *s = src;
+    for (size_t i = 0; i < n; i++) d[i] += s[i];
+  } else if (dt == ZT_DT_F32) {
+    float *d = dst;
+    const float *s = src;
+    for (size_t i = 0; i < n; i++) d[i] += s[i];
+  } else {
+    uint16_t *d = dst;
+    const uint16_t *s = src;
+    for (size_t i = 0; i < n; i++) d[i] = zt_f32_to_bf16(zt_bf16_to_f32(d[i]) + zt_bf16_to_f32(s[i]));
+  }
+}
+
+void zt_comm_scale(void *buf, size_t n, zt_dtype_t dt, float s) {
+  if (dt == ZT_DT_F64) {
+    double *d = buf;
+    for (size_t i = 0; i < n; i++) d[i] *= (double)s;
+  } else if (dt == ZT_DT_F32) {
+    float *d = buf;
+    for (size_t i = 0; i < n; i++) d[i] *= s;
+  } else {
+    uint16_t *d = buf;
+    for (size_t i = 0; i < n; i++) d[i] = zt_f32_to_bf16(zt_bf16_to_f32(d[i]) * s);
+  }
+}
+
+/* ---- errors ------------------------------------------------------------------ */
+
+/* Records the first failure; the communicator is unusable from then on. */
+static int fail(zt_comm_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(zt_comm_t *c, const char *fmt, ...) {
+  if (!atomic_load(&c->broken)) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, sizeof c->err, fmt, ap);
+    va_end(ap);
+    atomic_store(&c->broken, 1);
+  }
+  return zt_err("%s", c->err);
+}
+
+static int check_usable(zt_comm_t *c, const char *op) {
+  if (!atomic_load(&c->broken)) return 0;
+  return zt_err("%s: communicator unusable after an earlier failure: %s", op,
+                c->err[0] ? c->err : "aborted");
+}
+
+/* ---- the transfer engine ---------------------------------------------------- */
+
+/* One step of a ring algorithm: send `slen` bytes to next while receiving
+ * `rlen` bytes from prev into `rbuf`. When `acc` is set, received bytes are
+ * added (as dt elements) into `acc` chunk by chunk as they arrive. */
+typedef struct {
+  const uint8_t *sbuf;
+  size_t slen;
+  uint8_t *rbuf;
+  size_t rlen;
+  uint8_t *acc;
+  zt_dtype_t dt;
+} ring_step;
+
+static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
+  size_t sent = 0, got = 0, reduced = 0, esz = zt_dtype_size(s->dt);
+  while (sent < s->slen || got < s->rlen) {
+    struct pollfd p[3];
+    int n = 0, ip = -1, is = -1;
+    p[n++] = (struct pollfd){.fd = c->abort_fd, .events = POLLIN};
+    if (sent < s->slen) is = n, p[n++] = (struct pollfd){.fd = c->next_fd, .events = POLLOUT};
+    if (got < s->rlen) ip = n, p[n++] = (struct pollfd){.fd = c->prev_fd, .events = POLLIN};
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) {
+      c->failed_peer = got < s->rlen ? (c->rank + c->world - 1) % c->world : (c->rank + 1) % c->world;
+      return fail(c, "%s: timed out (rank %d: %zu/%zu bytes from rank %d, %zu/%zu to rank %d)",
+                  op, c->rank, got, s->rlen, (c->rank + c->world - 1) % c->world, sent, s->slen,
+                  (c->rank + 1) % c->world);
+    }
+    int r = poll(p, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return fail(c, "%s: poll: %s", op, strerror(errno));
+    }
+    if (p[0].revents) return fail(c, "%s: aborted", op);
+    if (is >= 0 && p[is].revents) {
+      size_t want = ZT_MIN(s->slen - sent, c->chunk);
+      ssize_t w = send(c->next_fd, s->sbuf + sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = (c->rank + 1) % c->world, 1))
+        return fail(c, "%s: send to rank %d: %s", op, (c->rank + 1) % c->world, strerror(errno));
+      if (w > 0) sent += (size_t)w, c->stats.bytes_sent += (uint64_t)w;
+    }
+    if (ip >= 0 && p[ip].revents) {
+      size_t want = ZT_MIN(s->rlen - got, c->chunk);
+      ssize_t rd = recv(c->prev_fd, s->rbuf + got, want, MSG_DONTWAIT);
+      int prev = (c->rank + c->world - 1) % c->world;
+      if (rd == 0) {
+        c->failed_peer = prev;
+        return fail(c, "%s: rank %d closed the connection", op, prev);
+      }
+      if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = prev, 1))
+        return fail(c, "%s: receive from rank %d: %s", op, prev, strerror(errno));
+      if (rd > 0) got += (size_t)rd, c->stats.bytes_recv += (uint64_t)rd;
+      if (s->acc) {
+        /* Reduce whole chunks as they complete, and the tail at the end. */
+        size_t ready = got == s->rlen ? got : (got / c->chunk) * c->chunk;
+        if (ready > reduced) {
+          zt_comm_reduce_add(s->acc + reduced, s->rbuf + reduced, (ready - reduced) / esz, s->dt);
+          reduced = ready;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+static uint8_t *scratch(zt_comm_t *c, size_t n) {
+  if (n > c->scratch_cap) {
+    free(c->scratch);
+    c->scratch = malloc(n);
+    if (!c->scratch) abort();
+    c->scratch_cap = n;
+  }
+  return c->scratch;
+}
+
+/* Segment layout of an all-reduce over `count` elements: the first
+ * count % world segments get one extra element. */
+static void segment(size_t count, int world, int i, size_t *off, size_t *len) {
+  size_t base = count / (size_t)world, extra = count % (size_t)world, ui = (size_t)i;
+  *off = ui * base + ZT_MIN(ui, extra);
+  *len = base + (ui < extra ? 1 : 0);
+}
+
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* Ring reduce-scatter in place: afterwards segment `rank` of buf holds the
+ * full reduction. Segments given by (count, uniform) layout. */
+static int ring_reduce_scatter(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t dt,
+                               zt_deadline_t dl, const char *op) {
+  size_t esz = zt_dtype_size(dt), maxseg = count / (size_t)c->world + 1;
+  uint8_t *tmp = scratch(c, maxseg * esz);
+  for (int st = 0; st < c->world - 1; st++) {
+    size_t so, sl, ro, rl;
+    segment(count, c->world, mod(c->rank - st - 1, c->world), &so, &sl);
+    segment(count, c->world, mod(c->rank - st - 2, c->world), &ro, &rl);
+    ring_step s = {buf + so * esz, sl * esz, tmp, rl * esz, buf + ro * esz, dt};
+    if (step_run(c, &s, dl, op) != 0) return -1;
+  }
+  return 0;
+}
+
+static int ring_all_gather(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t dt,
+                           zt_deadline_t dl, const char *op) {
+  size_t esz = zt_dtype_size(dt);
+  for (int st = 0; st < c->world - 1; st++) {
+    size_t so, sl, ro, rl;
+    segment(count, c->world, mod(c->rank - st, c->world), &so, &sl);
+    segment(count, c->world, mod(c->rank - st - 1, c->world), &ro, &rl);
+    ring_step s = {buf + so * esz, sl * esz, buf + ro * esz, rl * esz, NULL, dt};
+    if (step_run(c, &s, dl, op) != 0) return -1;
+  }
+  return 0;
+}
+
+/* ---- public operations --------------------------------------------------------- */
+
+/* An NCCL operation's outcome: a failure breaks the communicator like a
+ * TCP one does. */
+static int nccl_result(zt_comm_t *c, int rc) {
+  return rc == 0 ? 0 : fail(c, "%s", zt_err_msg());
+}
+
+zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
+  zt_comm_t *c = calloc(1, sizeof *c);
+  if (!c) abort();
+  c->rank = rank, c->world = world, c->nccl = n;
+  c->next_fd = c->prev_fd = -1;
+  c->failed_peer = -1;
+  c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  return c;
+}
+
+int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
+                       int64_t timeout_ms) {
+  if (check_usable(c, "all-reduce") != 0) return -1;
+  c->stats.ops++;
+  if (c->nccl) return nccl_result(c, zt__nccl_all_reduce(c->nccl, buf, count, dt, op, timeout_ms));
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (c->world > 1 && count > 0) {
+    if (ring_reduce_scatter(c, buf, count, dt, dl, "all-reduce") != 0) return -1;
+    if (op == ZT_RED_AVG) {
+      size_t o, l;
+      segment(count, c->world, c->rank, &o, &l);
+      zt_comm_scale((uint8_t *)buf + o * zt_dtype_size(dt), l, dt, 1.0f / (float)c->world);
+    }
+    return ring_all_gather(c, buf, count, dt, dl, "all-reduce");
+  }
+  return 0;
+}
+
+int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+                           zt_redop_t op, int64_t timeout_ms) {
+  if (check_usable(c, "reduce-scatter") != 0) return -1;
+  c->stats.ops++;
+  if (c->nccl)
+    return nccl_result(c, zt__nccl_reduce_scatter(c->nccl, send, recv, count, dt, op, timeout_ms));
+  size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
+  uint8_t *mine = (uint8_t *)send + (size_t)c->rank * count * esz;
+  if (c->world > 1 && count > 0 &&
+      ring_reduce_scatter(c, send, total, dt, zt_deadline_in(timeout_ms), "reduce-scatter") != 0)
+    return -1;
+  if (op == ZT_RED_AVG && c->world > 1) zt_comm_scale(mine, count, dt, 1.0f / (float)c->world);
+  if (count && (uint8_t *)recv != mine) memmove(recv, mine, count * esz);
+  return 0;
+}
+
+int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
+                       int64_t timeout_ms) {
+  if (check_usable(c, "all-gather") != 0) return -1;
+  c->stats.ops++;
+  if (c->nccl) return nccl_result(c, zt__nccl_all_gather(c->nccl, send, recv, count, dt, timeout_ms));
+  size_t esz = zt_dtype_size(dt);
+  uint8_t *mine = (uint8_t *)recv + (size_t)c->rank * count * esz;
+  if (count && (const uint8_t *)send != mine) memmove(mine, send, count * esz);
+  if (c->world == 1 || count == 0) return 0;
+  return ring_all_gather(c, recv, count * (size_t)c->world, dt, zt_deadline_in(timeout_ms),
+                         "all-gather");
+}
+
+int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
+                      int64_t timeout_ms) {
+  if (check_usable(c, "broadcast") != 0) return -1;
+  if (root < 0 || root >= c->world) return zt_err("broadcast: root %d out of range", root);
+  c->stats.ops++;
+  if (c->nccl) return nccl_result(c, zt__nccl_broadcast(c->nccl, buf, count, dt, root, timeout_ms));
+  if (c->world == 1 || count == 0) return 0;
+  /* Pass the buffer around the ring from root, chunk-pipelined by the
+   * socket buffers: each rank forwards what it received, except the last. */
+  size_t len = count * zt_dtype_size(dt);
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  int pos = mod(c->rank - root, c->world); /* 0 for root */
+  for (size_t off = 0; off < len; off += c->chunk) {
+    size_t n = ZT_MIN(c->chunk, len - off);
+    uint8_t *p = (uint8_t *)buf + off;
+    if (pos > 0) {
+      ring_step r = {NULL, 0, p, n, NULL, dt};
+      if (step_run(c, &r, dl, "broadcast") != 0) return -1;
+    }
+    if (pos < c->world - 1) {
+      ring_step s = {p, n, NULL, 0, NULL, dt};
+      if (step_run(c, &s, dl, "broadcast") != 0) return -1;
+    }
+  }
+  return 0;
+}
+
+int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms) {
+  float one = 1.0f;
+  if (zt_comm_all_reduce(c, &one, 1, ZT_DT_F32, ZT_RED_SUM, timeout_ms) != 0)
+    return zt_err_wrap("barrier");
+  return 0;
+}
+
+void zt_comm_abort(zt_comm_t *c) {
+  if (!atomic_load(&c->broken)) {
+    snprintf(c->err, sizeof c->err, "aborted");
+    atomic_store(&c->broken, 1);
+  }
+  uint64_t one = 1;
+  ssize_t w = write(c->abort_fd, &one, sizeof one);
+  (void)w;
+  if (c->nccl) zt__nccl_abort(c->nccl);
+}
+
+int zt_comm_broken(const zt_comm_t *c) { return atomic_load(&c->broken); }
+int zt_comm_failed_peer(const zt_comm_t *c) { return c->failed_peer; }
+int zt_comm_rank(const zt_comm_t *c) { return c->rank; }
+int zt_comm_world(const zt_comm_t *c) { return c->world; }
+const char *zt_comm_backend(const zt_comm_t *c) { return c->nccl ? "nccl" : "tcp"; }
+void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) { *s = c->stats; }
+
+void zt_comm_destroy(zt_comm_t *c) {
+  if (!c) return;
+  if (c->nccl) zt__nccl_destroy(c->nccl);
+  if (c->next_fd >= 0) close(c->next_fd);
+  if (c->prev_fd >= 0) close(c->prev_fd);
+  if (c->abort_fd >= 0) close(c->abort_fd);
+  free(c->scratch);
+  free(c);
+}
+
+/* ---- connection set-up ------------------------------------------------------- */
+
+int zt_comm_tcp_listen(const char *host, int *port, int *fd_out) {
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons((uint16_t)*port);
+  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+    return zt_err("comm listen: %s is not an IPv4 address", host);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return zt_err_errno("comm listen: socket");
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(fd, 64) != 0) {
+    zt_err_errno("comm listen on %s:%d", host, *port);
+    close(fd);
+    return -1;
+  }
+  socklen_t sl = sizeof sa;
+  getsockname(fd, (struct sockaddr *)&sa, &sl);
+  *port = ntohs(sa.sin_port);
+  *fd_out = fd;
+  return 0;
+}
+
+static void tune(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+/* Blocking-with-deadline exact read/write on a non-blocking socket. */
+static int io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
+  size_t done = 0;
+  while (done < len) {
+    ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
+                        : recv(fd, (char *)buf + done, len - done, 0);
+    if (r > 0) {
+      done += (size_t)r;
+      continue;
+    }
+    if (r == 0) return zt_err("connection closed by peer");
+    if (errno != EAGAIN && errno != EINTR) return zt_err_errno(writing ? "send" : "recv");
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) return zt_err("timed out");
+    struct pollfd p = {.fd = fd, .events = writing ? POLLOUT : POLLIN};
+    poll(&p, 1, (int)ZT_MIN(left, 1000000));
+  }
+  return 0;
+}
+
+/* Connects to rank `to` and sends our hello; retries refused connections
+ * (the peer may not listen yet) until the deadline. */
+static int ring_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl) {
+  char host[256];
+  int port;
+  if (zt_parse_hostport(peer, host, sizeof host, &port) != 0)
+    return zt_err_wrap("address of rank %d", to);
+  struct sockaddr_in sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons((uint16_t)port);
+  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+    return zt_err("address of rank %d: %s is not an IPv4 address", to, host);
+  for (;;) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return zt_err_errno("socket");
+    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+      tune(fd);
+      ring_hello h = {ZT_RING_MAGIC, ZT_RING_VERSION, c->session, (uint32_t)c->rank,
+                      (uint32_t)c->world};
+      if (io_exact(fd, &h, sizeof h, 1, dl) != 0) {
+        close(fd);
+        return zt_err_wrap("hello to rank %d at %s", to, peer);
+      }
+      c->next_fd = fd;
+      return 0;
+    }
+    int e = errno;
+    close(fd);
+    if (zt_deadline_passed(dl))
+      return zt_err("cannot connect to rank %d at %s: %s", to, peer, strerror(e));
+    zt_sleep_ms(20); /* pacing of connection retries, not synchronisation */
+  }
+}
+
+/* Accepts connections until one carries a valid hello from rank `from`. */
+static int ring_accept(zt_comm_t *c, int lfd, int from, zt_deadline_t dl) {
+  for (;;) {
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) return zt_err("rank %d did not connect in time", from);
+    struct pollfd p[2] = {{.fd = lfd, .events = POLLIN}, {.fd = c->abort_fd, .events = POLLIN}};
+    if (poll(p, 2, (int)ZT_MIN(left, 1000000)) <= 0) continue;
+    if (p[1].revents) return zt_err("aborted while waiting for rank %d", from);
+    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    tune(fd);
+    ring_hello h;
+    if (io_exact(fd, &h, sizeof h, 0, zt_deadline_in(ZT_MIN(left, 5000))) != 0) {
+      ZT_WARN("comm: dropped a connection without a hello: %s", zt_err_msg());
+      close(fd);
+      continue;
+    }
+    if (h.magic != ZT_RING_MAGIC || h.version != ZT_RING_VERSION || h.session != c->session ||
+        (int)h.rank != from || (int)h.world != c->world) {
+      ZT_WARN("comm: refused a peer (rank %u of %u, session %llx; expected rank %d of %d, "
+              "session %llx)",
+              h.rank, h.world, (unsigned long long)h.session, from, c->world,
+              (unsigned long long)c->session);
+      close(fd);
+      continue;
+    }
+    uint8_t ack = 1;
+    if (io_exact(fd, &ack, 1, 1, dl) != 0) {
+      close(fd);
+      continue;
+    }
+    c->prev_fd = fd;
+    return 0;
+  }
+}
+
+int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
+  if (o->world < 1 || o->rank < 0 || o->rank >= o->world)
+    return zt_err("comm: rank %d of world %d is invalid", o->rank, o->world);
+  zt_comm_t *c = calloc(1, sizeof *c);
+  if (!c) abort();
+  c->rank = o->rank;
+  c->world = o->world;
+  c->session = o->session;
+  c->chunk = o->chunk_bytes ? o->chunk_bytes : (1u << 20);
+  c->next_fd = c->prev_fd = -1;
+  c->failed_peer = -1;
+  c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (c->abort_fd < 0) {
+    free(c);
+    return zt_err_errno("eventfd");
+  }
+  zt_deadline_t dl = zt_deadline_in(o->connect_timeout_ms > 0 ? o->connect_timeout_ms : 30000);
+  if (c->world > 1) {
+    int next = (c->rank + 1) % c->world, prev = (c->rank + c->world - 1) % c->world;
+    uint8_t ack;
+    /* Connect and say hello first (it sits in the peer's socket buffer),
+     * then accept our predecessor, then wait for our successor's ack: no
+     * rank waits for another to accept before it accepts itself. */
+    if (ring_connect(c, o->peers[next], next, dl) != 0 || ring_accept(c, o->listen_fd, prev, dl) != 0)
+      goto err;
+    if (io_exact(c->next_fd, &ack, 1, 0, dl) != 0 || ack != 1) {
+      zt_err("rank %d at %s refused the ring handshake (other generation?)", next,
+             o->peers[next]);
+      goto err;
+    }
+  }
+  if (o->listen_fd >= 0) close(o->listen_fd);
+  *out = c;
+  return 0;
+err:
+  zt_err_wrap("comm rank %d/%d", o->rank, o->world);
+  if (o->listen_fd >= 0) close(o->listen_fd);
+  zt_comm_destroy(c);
+  return -1;
+}

@@ -1,0 +1,301 @@
+/*
+ * ckpt_io.c: writing and loading sharded checkpoint epochs (see ckpt_io.h).
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "ckpt_io.h"
+#include "zt_common.h"
+
+void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,
+                     uint64_t gen) {
+  snprintf(buf, n, "%s/job_%llu/step_%08lld-g%llu", root, (unsigned long long)job,
+           (long long)step, (unsigned long long)gen);
+}
+
+static int fsync_dir(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return zt_err_errno("open %s", dir);
+  int rc = fsync(fd);
+  close(fd);
+  return rc == 0 ? 0 : zt_err_errno("fsync %s", dir);
+}
+
+/* Test knob ZT_FAULT_KILL_IN_CKPT_STEP=S: this process kills itself
+ * (SIGKILL) half-way through writing its rank file of step S, as a machine
+ * dying mid-write would. */
+static void maybe_die(int64_t step, int part, int nparts) {
+  if (zt_knob(ZT_KNOB_KILL_IN_CKPT_STEP, -1) == step && part == nparts / 2) raise(SIGKILL);
+}
+
+/* Writes data as dir/name atomically: name.tmp, fsync, rename. */
+static int write_atomic(const char *dir, const char *name, const void *const *parts,
+                        const size_t *lens, int nparts, uint64_t *hash_out, uint64_t *bytes_out,
+                        int64_t fault_step) {
+  char tmp[1200], final[1200];
+  snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, name);
+  snprintf(final, sizeof final, "%s/%s", dir, name);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return zt_err_errno("create %s", tmp);
+  XXH64_state_t *h = XXH64_createState();
+  XXH64_reset(h, 0);
+  uint64_t total = 0;
+  for (int i = 0; i < nparts; i++) {
+    if (fault_step >= 0) maybe_die(fault_step, i, nparts);
+    if (zt_write_all(fd, parts[i], lens[i]) != 0) {
+      zt_err_wrap("write %s", tmp);
+      goto err;
+    }
+    XXH64_update(h, parts[i], lens[i]);
+    total += lens[i];
+  }
+  if (fsync(fd) != 0) {
+    zt_err_errno("fsync %s", tmp);
+    goto err;
+  }
+  close(fd);
+  fd = -1;
+  if (rename(tmp, final) != 0) {
+    zt_err_errno("rename %s", tmp);
+    goto err;
+  }
+  if (hash_out) *hash_out = XXH64_digest(h);
+  if (bytes_out) *bytes_out = total;
+  XXH64_freeState(h);
+  return 0;
+err:
+  if (fd >= 0) close(fd);
+  unlink(tmp);
+  XXH64_freeState(h);
+  return -1;
+}
+
+static cJSON *model_json(const zt_model_config_t *m) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddNumberToObject(o, "n_layer", m->n_layer);
+  cJSON_AddNumberToObject(o, "n_head", m->n_head);
+  cJSON_AddNumberToObject(o, "n_embd", m->n_embd);
+  cJSON_AddNumberToObject(o, "seq_len", m->seq_len);
+  cJSON_AddNumberToObject(o, "vocab_size", m->vocab_size);
+  return o;
+}
+
+static int write_json(const char *dir, const char *name, cJSON *doc) {
+  char *text = cJSON_Print(doc);
+  size_t len = strlen(text);
+  const void *parts[1] = {text};
+  int rc = write_atomic(dir, name, parts, &len, 1, NULL, NULL, -1);
+  free(text);
+  return rc;
+}
+
+int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *r, int nr,
+                  zt_ckpt_file_t *files, int *nfiles) {
+  *nfiles = 0;
+  if (zt_mkdirs(dir) != 0) return zt_err_wrap("checkpoint");
+  /* rank_<r>.bin: per range, p then m then v. */
+  int nparts = 3 * nr;
+  const void **parts = zt_xcalloc((size_t)nparts + 1, sizeof *parts);
+  size_t *lens = zt_xcalloc((size_t)nparts + 1, sizeof *lens);
+  cJSON *idx = cJSON_CreateObject();
+  cJSON_AddNumberToObject(idx, "rank", meta->rank);
+  cJSON_AddNumberToObject(idx, "world", meta->world);
+  cJSON_AddNumberToObject(idx, "step", (double)meta->step);
+  cJSON *units = cJSON_AddArrayToObject(idx, "ranges");
+  uint64_t off = 0;
+  for (int i = 0; i < nr; i++) {
+    size_t b = (size_t)r[i].n * sizeof(float);
+    parts[3 * i] = r[i].p, parts[3 * i + 1] = r[i].m, parts[3 * i + 2] = r[i].v;
+    lens[3 * i] = lens[3 * i + 1] = lens[3 * i + 2] = b;
+    cJSON *u = cJSON_CreateObject();
+    cJSON_AddNumberToObject(u, "unit", r[i].unit);
+    cJSON_AddNumberToObject(u, "lo", (double)r[i].lo);
+    cJSON_AddNumberToObject(u, "n", (double)r[i].n);
+    cJSON_AddNumberToObject(u, "offset", (double)off);
+    cJSON_AddItemToArray(units, u);
+    off += 3 * b;
+  }
+  char bin[64], js[64];
+  snprintf(bin, sizeof bin, "rank_%d.bin", meta->rank);
+  snprintf(js, sizeof js, "rank_%d.json", meta->rank);
+  uint64_t hash = 0, bytes = 0;
+  int rc = write_atomic(dir, bin, parts, lens, nparts, &hash, &bytes, meta->step);
+  free(parts);
+  free(lens);
+  if (rc != 0) {
+    cJSON_Delete(idx);
+    return -1;
+  }
+  char sum[32];
+  snprintf(sum, sizeof sum, "xxh64:%016llx", (unsigned long long)hash);
+  cJSON_AddStringToObject(idx, "file", bin);
+  cJSON_AddNumberToObject(idx, "bytes", (double)bytes);
+  cJSON_AddStringToObject(idx, "checksum", sum);
+  rc = write_json(dir, js, idx);
+  cJSON_Delete(idx);
+  if (rc != 0) return -1;
+  zt_ckpt_file_t *f = &files[(*nfiles)++];
+  snprintf(f->name, sizeof f->name, "%s", bin);
+  f->bytes = bytes;
+  snprintf(f->checksum, sizeof f->checksum, "%s", sum);
+  f = &files[(*nfiles)++];
+  snprintf(f->name, sizeof f->name, "%s", js);
+  f->bytes = 0;
+  f->checksum[0] = 0;
+  if (meta->rank == 0) {
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddNumberToObject(m, "format", 1);
+    cJSON_AddNumberToObject(m, "job_id", (double)meta->job_id);
+    cJSON_AddNumberToObject(m, "generation", (double)meta->generation);
+    cJSON_AddNumberToObject(m, "step", (double)meta->step);
+    cJSON_AddNumberToObject(m, "world", meta->world);
+    cJSON_AddNumberToObject(m, "zero_stage", meta->stage);
+    cJSON_AddItemToObject(m, "model", model_json(&meta->model));
+    cJSON_AddNumberToObject(m, "seed", (double)meta->seed);
+    cJSON_AddNumberToObject(m, "global_batch", (double)meta->global_batch);
+    cJSON_AddNumberToObject(m, "data_cursor", (double)meta->step * (double)meta->global_batch);
+    cJSON *sk = cJSON_AddArrayToObject(m, "skip_ranges");
+    for (int i = 0; i < meta->nskips; i++) {
+      cJSON *p = cJSON_CreateArray();
+      cJSON_AddItemToArray(p, cJSON_CreateNumber((double)meta->skips[i].start));
+      cJSON_AddItemToArray(p, cJSON_CreateNumber((double)meta->skips[i].end));
+      cJSON_AddItemToArray(sk, p);
+    }
+    rc = write_json(dir, "manifest.json", m);
+    cJSON_Delete(m);
+    if (rc != 0) return -1;
+    f = &files[(*nfiles)++];
+    snprintf(f->name, sizeof f->name, "manifest.json");
+    f->bytes = 0;
+    f->checksum[0] = 0;
+  }
+  return fsync_dir(dir);
+}
+
+/* ---- loading ------------------------------------------------------------------ */
+
+static cJSON *read_json(const char *dir, const char *name) {
+  char path[1200];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  char *text;
+  size_t len;
+  if (zt_read_file(path, &text, &len, 64 << 20) != 0) return NULL;
+  cJSON *doc = cJSON_ParseWithLength(text, len);
+  free(text);
+  if (!doc) zt_err("%s: not valid JSON (corrupt checkpoint)", path);
+  return doc;
+}
+
+static double num(cJSON *o, const char *k) {
+  cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+  return cJSON_IsNumber(v) ? v->valuedouble : -1;
+}
+
+/* Streams a file through xxh64 and compares with the expected checksum. */
+static int verify_file(const char *path, uint64_t bytes, const char *want) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return zt_err_errno("%s", path);
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != bytes) {
+    close(fd);
+    return zt_err("%s: size %lld, expected %llu (truncated or corrupt checkpoint)", path,
+                  (long long)st.st_size, (unsigned long long)bytes);
+  }
+  XXH64_state_t *h = XXH64_createState();
+  XXH64_reset(h, 0);
+  static _Thread_local char buf[1 << 20];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) XXH64_update(h, buf, (size_t)n);
+  close(fd);
+  char got[32];
+  snprintf(got, sizeof got, "xxh64:%016llx", (unsigned long long)XXH64_digest(h));
+  XXH64_freeState(h);
+  if (n < 0) return zt_err_errno("read %s", path);
+  if (strcmp(got, want) != 0)
+    return zt_err("%s: checksum mismatch (%s, expected %s): corrupt checkpoint", path, got, want);
+  return 0;
+}
+
+int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest, int nd,
+                 int64_t *step) {
+  cJSON *man = read_json(dir, "manifest.json");
+  if (!man) return zt_err_wrap("load checkpoint");
+  int ret = -1, world = (int)num(man, "world");
+  *step = (int64_t)num(man, "step");
+  cJSON *mm = cJSON_GetObjectItemCaseSensitive(man, "model");
+  if (world < 1 || *step < 0 || !mm || num(mm, "n_layer") != model->n_layer ||
+      num(mm, "n_head") != model->n_head || num(mm, "n_embd") != model->n_embd ||
+      num(mm, "seq_len") != model->seq_len || num(mm, "vocab_size") != model->vocab_size) {
+    zt_err("%s/manifest.json: model or layout does not match the job (mismatched checkpoint)", dir);
+    cJSON_Delete(man);
+    return -1;
+  }
+  cJSON_Delete(man);
+  for (int r = 0; r < world; r++) {
+    char js[64], path[1200];
+    snprintf(js, sizeof js, "rank_%d.json", r);
+    cJSON *idx = read_json(dir, js);
+    if (!idx) return zt_err_wrap("load checkpoint");
+    cJSON *file = cJSON_GetObjectItemCaseSensitive(idx, "file");
+    cJSON *sum = cJSON_GetObjectItemCaseSensitive(idx, "checksum");
+    cJSON *ranges = cJSON_GetObjectItemCaseSensitive(idx, "ranges");
+    if (!cJSON_IsString(file) || !cJSON_IsString(sum) || !cJSON_IsArray(ranges) ||
+        strchr(file->valuestring, '/')) {
+      zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
+      cJSON_Delete(idx);
+      return -1;
+    }
+    snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+    if (verify_file(path, (uint64_t)num(idx, "bytes"), sum->valuestring) != 0) {
+      cJSON_Delete(idx);
+      return -1;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      cJSON_Delete(idx);
+      return zt_err_errno("%s", path);
+    }
+    cJSON *rg;
+    cJSON_ArrayForEach(rg, ranges) {
+      int u = (int)num(rg, "unit");
+      double lo = num(rg, "lo"), n = num(rg, "n"), off = num(rg, "offset");
+      if (u < 0 || lo < 0 || n < 0 || off < 0) {
+        zt_err("%s/%s: malformed range", dir, js);
+        goto close_fail;
+      }
+      for (int d = 0; d < nd; d++) {
+        if (dest[d].unit != u) continue;
+        uint64_t a = ZT_MAX((uint64_t)lo, dest[d].lo);
+        uint64_t b = ZT_MIN((uint64_t)lo + (uint64_t)n, dest[d].lo + dest[d].n);
+        if (a >= b) continue;
+        size_t cnt = (size_t)(b - a) * sizeof(float);
+        float *dst[3] = {dest[d].p, dest[d].m, dest[d].v};
+        for (int k = 0; k < 3; k++) {
+          if (!dst[k]) continue;
+          off_t at = (off_t)off + (off_t)((uint64_t)k * (uint64_t)n + (a - (uint64_t)lo)) * 4;
+          if (pread(fd, dst[k] + (a - dest[d].lo), cnt, at) != (ssize_t)cnt) {
+            zt_err("%s: short read (corrupt checkpoint)", path);
+            goto close_fail;
+          }
+        }
+      }
+    }
+    close(fd);
+    cJSON_Delete(idx);
+    continue;
+  close_fail:
+    close(fd);
+    cJSON_Delete(idx);
+    return -1;
+  }
+  ret = 0;
+  return ret;
+}

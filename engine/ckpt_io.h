@@ -1,0 +1,108 @@
+/*
+ * ckpt_io.h: sharded checkpoint files on disk (the worker side).
+ *
+ * An epoch is a directory `<dir>/job_<id>/step_<SSSSSSSS>-g<gen>/` holding,
+ * for each rank r of the generation that wrote it:
+ *
+ *   rank_<r>.bin   for every unit u, the elements [lo, lo+n) of the unit's
+ *                  logical buffer that rank r owned (its ZeRO shard, clipped
+ *                  to the unit's real size): n params (fp32 master), then
+ *                  n Adam m, then n Adam v
+ *   rank_<r>.json  the list of (unit, lo, n, file offset), the file's size
+ *                  and its xxh64 checksum
+ *
+ * and, from rank 0, `manifest.json` with the model config, step, world size,
+ * ZeRO stage, data cursor, skip ranges, seed and learning-rate state. Every
+ * file is written as `<name>.tmp`, fsynced, renamed, and the directory
+ * fsynced, so a crash leaves either the old state or the new file, never a
+ * torn one; the coordinator commits the epoch only when every rank reported.
+ *
+ * Loading reads the manifest and every rank file of the epoch, checks sizes
+ * and checksums (an error names the file), and copies the ranges the new
+ * rank needs, whatever world size or stage wrote them: resharding is just a
+ * range intersection.
+ */
+#ifndef ZT_CKPT_IO_H
+#define ZT_CKPT_IO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "layout.h"
+#include "zt_common.h"
+
+/* One unit range held in memory for writing. */
+typedef struct {
+  int unit;
+  uint64_t lo, n;
+  const float *p, *m, *v;
+} zt_ckpt_range_t;
+
+typedef struct {
+  uint64_t job_id, generation;
+  int64_t step;
+  int rank, world, stage;
+  zt_model_config_t model;
+  uint64_t seed;
+  int64_t global_batch;
+  const zt_range_t *skips;
+  int nskips;
+} zt_ckpt_meta_t;
+
+typedef struct {
+  char name[64];
+  uint64_t bytes;
+  char checksum[32]; /* "xxh64:<16 hex>" */
+} zt_ckpt_file_t;
+
+/* Writes this rank's files (and the manifest on rank 0) into `dir`;
+ * returns the files written (at most 3) in files/nfiles. */
+int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *ranges,
+                  int nranges, zt_ckpt_file_t *files, int *nfiles);
+
+/* A destination for loading: unit u's elements [lo, lo+n) go to p, m, v
+ * (any may be NULL). */
+typedef struct {
+  int unit;
+  uint64_t lo, n;
+  float *p, *m, *v;
+} zt_ckpt_dest_t;
+
+/* Loads the ranges of `dest` from the epoch in `dir`; checks the model
+ * config and every checksum. *step receives the epoch's step. */
+int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest, int ndest,
+                 int64_t *step);
+
+/* The epoch directory name for (root, job, step, generation). */
+void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,
+                     uint64_t gen);
+
+/* ---- the asynchronous writer (ckpt_writer.c) -------------------------------
+ *
+ * The training thread snapshots its owned ranges into the writer's host
+ * buffer (a copy) and hands them over; the writer thread writes, fsyncs,
+ * renames and then calls `done` (the report to the coordinator) while
+ * training goes on. One epoch is in flight at a time: zt_ckpt_writer_buffer
+ * first waits for the previous write to finish, and fails with its error if
+ * it failed. */
+
+typedef struct zt_ckpt_writer zt_ckpt_writer_t;
+
+/* Called on the writer thread once an epoch's files are durable; returns 0
+ * when the coordinator took the report. */
+typedef int (*zt_ckpt_done_fn)(void *user, int64_t step, const char *dir,
+                               const zt_ckpt_file_t *files, int nfiles);
+
+int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **out);
+/* Waits for the write in flight; returns a host buffer of at least nfloats
+ * floats, or NULL when the previous write failed (its error is set). */
+float *zt_ckpt_writer_buffer(zt_ckpt_writer_t *w, size_t nfloats);
+/* Hands over the epoch: `ranges` point into the buffer; meta, ranges and the
+ * skip ranges are copied. */
+int zt_ckpt_writer_submit(zt_ckpt_writer_t *w, const char *dir, const zt_ckpt_meta_t *meta,
+                          const zt_ckpt_range_t *ranges, int nranges);
+/* Lets a write in flight finish (its epoch may still commit), then stops
+ * the thread and frees everything. NULL is ignored. */
+void zt_ckpt_writer_stop(zt_ckpt_writer_t *w);
+
+#endif

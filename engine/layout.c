@@ -1,0 +1,187 @@
+/*
+ * layout.c: the model's configuration checks, its named views and its
+ * deterministic initialisation (see layout.h).
+ *
+ * A block's tensors sit at the same offsets within every block unit; the
+ * table k_block_spec below is the one list of them (name, kind, shape in
+ * units of C, weight decay), used to build the views, to point the block
+ * pointers of forward and backward, and to name tensors on export.
+ */
+#include "layout.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rng.h"
+#include "zt_common.h"
+
+static const struct {
+  const char *name; /* after "h.<l>." */
+  zt_tensor_kind_t kind;
+  int rows, cols; /* in units of C; rows 0: a vector */
+  int decay;
+} k_block_spec[ZT_BLOCK_TENSORS] = {
+    {"ln_1.weight", ZT_T_LN1W, 0, 1, 0},        {"ln_1.bias", ZT_T_LN1B, 0, 1, 0},
+    {"attn.c_attn.weight", ZT_T_QKVW, 3, 1, 1}, {"attn.c_attn.bias", ZT_T_QKVB, 0, 3, 0},
+    {"attn.c_proj.weight", ZT_T_ATTPROJW, 1, 1, 1}, {"attn.c_proj.bias", ZT_T_ATTPROJB, 0, 1, 0},
+    {"ln_2.weight", ZT_T_LN2W, 0, 1, 0},        {"ln_2.bias", ZT_T_LN2B, 0, 1, 0},
+    {"mlp.c_fc.weight", ZT_T_FCW, 4, 1, 1},     {"mlp.c_fc.bias", ZT_T_FCB, 0, 4, 0},
+    {"mlp.c_proj.weight", ZT_T_FCPROJW, 1, 4, 1}, {"mlp.c_proj.bias", ZT_T_FCPROJB, 0, 1, 0},
+};
+
+void zt_layout_block_views(float *base, int C, zt_block_t *b) {
+  float **dst[ZT_BLOCK_TENSORS] = {&b->ln1w, &b->ln1b, &b->qkvw, &b->qkvb, &b->attprojw,
+                                   &b->attprojb, &b->ln2w, &b->ln2b, &b->fcw, &b->fcb,
+                                   &b->fcprojw, &b->fcprojb};
+  size_t off = 0;
+  for (int i = 0; i < ZT_BLOCK_TENSORS; i++) {
+    int rows = k_block_spec[i].rows ? k_block_spec[i].rows * C : 1;
+    size_t n = (size_t)rows * k_block_spec[i].cols * C;
+    *dst[i] = base ? base + off : NULL;
+    off += n;
+  }
+}
+
+/* ---- configuration --------------------------------------------------------- */
+
+int zt_model_config_check(const zt_model_config_t *c) {
+  if (c->n_layer < 1) return zt_err("n_layer must be >= 1 (got %d)", c->n_layer);
+  if (c->n_head < 1) return zt_err("n_head must be >= 1 (got %d)", c->n_head);
+  if (c->n_embd < 1) return zt_err("n_embd must be >= 1 (got %d)", c->n_embd);
+  if (c->n_embd % c->n_head != 0)
+    return zt_err("n_embd (%d) must be divisible by n_head (%d)", c->n_embd, c->n_head);
+  if (c->seq_len < 1) return zt_err("seq_len must be >= 1 (got %d)", c->seq_len);
+  if (c->vocab_size < 2 || c->vocab_size > 65536)
+    return zt_err("vocab_size must be in [2, 65536] (got %d)", c->vocab_size);
+  return 0;
+}
+
+static int pad_vocab(int V) { return (V + 63) / 64 * 64; }
+
+size_t zt_model_param_count(const zt_model_config_t *c, int padded) {
+  size_t C = (size_t)c->n_embd, L = (size_t)c->n_layer;
+  size_t V = (size_t)(padded ? pad_vocab(c->vocab_size) : c->vocab_size);
+  return V * C + (size_t)c->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+}
+
+/* ---- views ------------------------------------------------------------------- */
+
+static void add_tensor(zt_layout_t *l, const char *name, zt_tensor_kind_t kind, int unit,
+                       int layer, size_t *unit_off, int rows, int cols, size_t n, int decay) {
+  zt_tensor_t *t = &l->tensors[l->num_tensors++];
+  snprintf(t->name, sizeof t->name, "%s", name);
+  t->kind = kind;
+  t->unit = unit;
+  t->layer = layer;
+  t->unit_off = *unit_off;
+  t->off = l->unit_off[unit] + *unit_off;
+  t->n = n;
+  t->rows = rows;
+  t->cols = cols;
+  t->decay = decay;
+  *unit_off += n;
+}
+
+int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
+  memset(l, 0, sizeof *l);
+  if (zt_model_config_check(cfg) != 0) return -1;
+  int C = cfg->n_embd, L = cfg->n_layer;
+  l->cfg = *cfg;
+  l->Vp = pad_vocab(cfg->vocab_size);
+  l->num_units = L + 2;
+  l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+  l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+  l->tensors = zt_xcalloc((size_t)(2 + L * ZT_BLOCK_TENSORS + 2), sizeof(zt_tensor_t));
+
+  size_t off = 0, uo = 0;
+  char name[48];
+  /* Unit 0: embeddings. */
+  add_tensor(l, "wte", ZT_T_WTE, 0, -1, &uo, l->Vp, C, (size_t)l->Vp * C, 1);
+  add_tensor(l, "wpe", ZT_T_WPE, 0, -1, &uo, cfg->seq_len, C, (size_t)cfg->seq_len * C, 1);
+  l->unit_size[0] = uo;
+  off += uo;
+  /* Units 1..L: blocks. */
+  for (int b = 0; b < L; b++) {
+    int u = 1 + b;
+    l->unit_off[u] = off;
+    uo = 0;
+    for (int i = 0; i < ZT_BLOCK_TENSORS; i++) {
+      int rows = k_block_spec[i].rows ? k_block_spec[i].rows * C : 1;
+      int cols = k_block_spec[i].cols * C;
+      snprintf(name, sizeof name, "h.%d.%s", b, k_block_spec[i].name);
+      add_tensor(l, name, k_block_spec[i].kind, u, b, &uo, rows, cols, (size_t)rows * cols,
+                 k_block_spec[i].decay);
+    }
+    l->unit_size[u] = uo;
+    off += uo;
+  }
+  /* Unit L+1: final LayerNorm. */
+  int u = L + 1;
+  l->unit_off[u] = off;
+  uo = 0;
+  add_tensor(l, "ln_f.weight", ZT_T_LNFW, u, -1, &uo, 1, C, (size_t)C, 0);
+  add_tensor(l, "ln_f.bias", ZT_T_LNFB, u, -1, &uo, 1, C, (size_t)C, 0);
+  l->unit_size[u] = uo;
+  l->num_params = off + uo;
+  return 0;
+}
+
+void zt_layout_free(zt_layout_t *l) {
+  free(l->unit_off);
+  free(l->unit_size);
+  free(l->tensors);
+  memset(l, 0, sizeof *l);
+}
+
+const zt_tensor_t *zt_layout_find(const zt_layout_t *l, const char *name) {
+  for (int i = 0; i < l->num_tensors; i++)
+    if (strcmp(l->tensors[i].name, name) == 0) return &l->tensors[i];
+  return NULL;
+}
+
+/* ---- initialisation ------------------------------------------------------- */
+
+static void fill_normal(zt_rng_t *r, float *p, size_t n, double std) {
+  for (size_t i = 0; i < n; i++) p[i] = (float)(zt_rng_normal(r) * std);
+}
+
+static void fill_const(float *p, size_t n, float v) {
+  for (size_t i = 0; i < n; i++) p[i] = v;
+}
+
+void zt_layout_init_unit(const zt_layout_t *l, uint64_t seed, int u, float *dst) {
+  zt_rng_t r;
+  zt_rng_seed(&r, seed, (uint64_t)u);
+  double std = 0.02, proj_std = 0.02 / sqrt(2.0 * l->cfg.n_layer);
+  size_t C = (size_t)l->cfg.n_embd, V = (size_t)l->cfg.vocab_size;
+  for (int i = 0; i < l->num_tensors; i++) {
+    const zt_tensor_t *t = &l->tensors[i];
+    if (t->unit != u) continue;
+    float *p = dst + t->unit_off;
+    switch (t->kind) {
+      case ZT_T_WTE:
+        fill_normal(&r, p, V * C, std);
+        fill_const(p + V * C, t->n - V * C, 0.0f);
+        break;
+      case ZT_T_WPE:
+      case ZT_T_QKVW:
+      case ZT_T_FCW:
+        fill_normal(&r, p, t->n, std);
+        break;
+      case ZT_T_ATTPROJW:
+      case ZT_T_FCPROJW:
+        fill_normal(&r, p, t->n, proj_std);
+        break;
+      case ZT_T_LN1W:
+      case ZT_T_LN2W:
+      case ZT_T_LNFW:
+        fill_const(p, t->n, 1.0f);
+        break;
+      default: /* biases and LayerNorm biases */
+        fill_const(p, t->n, 0.0f);
+        break;
+    }
+  }
+}

@@ -1,0 +1,122 @@
+/*
+ * layout.h: the GPT-2 model's configuration and parameter layout, without
+ * any arithmetic.
+ *
+ * All parameters live in ONE logical flat fp32 buffer, grouped into units,
+ * each unit contiguous:
+ *
+ *   unit 0        embeddings: wte [Vp, C], wpe [T, C]
+ *   unit 1 + l    block l:    ln_1 w,b [C]; attn.c_attn w [3C, C], b [3C];
+ *                             attn.c_proj w [C, C], b [C]; ln_2 w,b [C];
+ *                             mlp.c_fc w [4C, C], b [4C];
+ *                             mlp.c_proj w [C, 4C], b [C]
+ *   unit L + 1    final LayerNorm: ln_f w,b [C]
+ *
+ * Linear weights are [out, in] (out = in @ W^T + b). The vocabulary is
+ * padded to Vp, the next multiple of 64, for aligned matmuls; pad rows of
+ * wte are zero at init, get zero gradient and never affect the loss. Every
+ * tensor has a name (Hugging Face GPT-2 names: "wte", "h.3.attn.c_attn.weight",
+ * "ln_f.bias", ...) and a view entry (zt_tensor_t) with its offsets in the
+ * flat buffer and in its unit.
+ *
+ * Who uses this without the model: the job spec parser (configuration
+ * checks, zcoord), checkpoint export (tensor names and shapes, zctl), and
+ * every rank initialising only the units it holds (zt_layout_init_unit is
+ * a pure function of the seed, the unit and the configuration). None of
+ * them links the kernels.
+ */
+#ifndef ZT_LAYOUT_H
+#define ZT_LAYOUT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct zt_model_config {
+  int n_layer;
+  int n_head;
+  int n_embd;
+  int seq_len;    /* maximum T (size of wpe) */
+  int vocab_size; /* unpadded */
+} zt_model_config_t;
+
+/* The kind of a named tensor; one per parameter group. */
+typedef enum {
+  ZT_T_WTE,
+  ZT_T_WPE,
+  ZT_T_LN1W,
+  ZT_T_LN1B,
+  ZT_T_QKVW,
+  ZT_T_QKVB,
+  ZT_T_ATTPROJW,
+  ZT_T_ATTPROJB,
+  ZT_T_LN2W,
+  ZT_T_LN2B,
+  ZT_T_FCW,
+  ZT_T_FCB,
+  ZT_T_FCPROJW,
+  ZT_T_FCPROJB,
+  ZT_T_LNFW,
+  ZT_T_LNFB,
+  ZT_T_NKINDS
+} zt_tensor_kind_t;
+
+/* A named view into the flat parameter buffer. */
+typedef struct zt_tensor {
+  char name[48];
+  zt_tensor_kind_t kind;
+  int unit;        /* which unit holds it */
+  int layer;       /* block index, -1 outside blocks */
+  size_t off;      /* element offset in the flat buffer */
+  size_t unit_off; /* element offset within its unit */
+  size_t n;        /* element count (padded for wte) */
+  int rows, cols;  /* shape; rows == 1 for vectors */
+  int decay;       /* 1 when AdamW weight decay applies (2-D weights) */
+} zt_tensor_t;
+
+/* Number of tensors in a block unit. */
+#define ZT_BLOCK_TENSORS 12
+
+typedef struct zt_layout {
+  zt_model_config_t cfg;
+  int Vp;               /* padded vocabulary */
+  int num_units;        /* n_layer + 2 */
+  size_t *unit_off;     /* [num_units] offset of each unit in the flat buffer */
+  size_t *unit_size;    /* [num_units] elements per unit */
+  size_t num_params;    /* total elements of the flat buffer (padded vocab) */
+  zt_tensor_t *tensors; /* all named views, in layout order */
+  int num_tensors;
+} zt_layout_t;
+
+/* Checks a configuration: positive sizes, n_embd divisible by n_head,
+ * vocab_size <= 65536 (tokens are stored as uint16). */
+int zt_model_config_check(const zt_model_config_t *cfg);
+
+/* Parameter count. padded == 0: as GPT-2 reports it (vocab_size rows of wte);
+ * padded == 1: the flat buffer size (Vp rows). */
+size_t zt_model_param_count(const zt_model_config_t *cfg, int padded);
+
+/* Builds the layout of a (checked) configuration; free with
+ * zt_layout_free. */
+int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg);
+void zt_layout_free(zt_layout_t *l);
+
+/* The named view, or NULL when no tensor has the name. */
+const zt_tensor_t *zt_layout_find(const zt_layout_t *l, const char *name);
+
+/* Deterministic initialisation of unit u into dst (unit_size[u] elements):
+ * weights N(0, 0.02), the residual projections (attn.c_proj, mlp.c_proj)
+ * N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weight 1 and bias 0, pad
+ * rows of wte 0. The values depend only on (seed, u) and the configuration,
+ * so any process can initialise just the units it holds. */
+void zt_layout_init_unit(const zt_layout_t *l, uint64_t seed, int u, float *dst);
+
+/* The views of one block's tensors from the unit's base pointer (any of
+ * its buffers: parameters, gradients). */
+typedef struct zt_block {
+  float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb;
+  float *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+} zt_block_t;
+
+void zt_layout_block_views(float *base, int C, zt_block_t *b);
+
+#endif

@@ -1,0 +1,345 @@
+/*
+ * model.c: the GPT-2 model: activations, forward and backward.
+ *
+ * See model.h for the unit pointers that make ZeRO sharding possible and
+ * the hook order, layout.h for the parameter layout. This file holds two
+ * things:
+ *
+ *   - the activations (struct zt_acts), sized at create time for the largest
+ *     batch, with one set per layer of what the backward needs and a few
+ *     scratch buffers for gradients that are reused layer after layer; one
+ *     list, ZT_ACTIVATIONS, declares, sizes, allocates and frees them;
+ *   - forward and backward, which are straight sequences of kernel calls.
+ *
+ * Backward keeps one running gradient of the residual stream (dres). For
+ * block l, with x its input, the forward was
+ *     res2 = x + attn(ln1(x)),   res3 = res2 + mlp(ln2(res2))
+ * so going backward dres first holds d res3, gains the ln2 path and becomes
+ * d res2, then gains the ln1 path and becomes d x. layernorm_backward
+ * accumulates into its input gradient, which is exactly this sum.
+ */
+#include "model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_common.h"
+
+/* The activation tensors, in floats, for a capacity of B x T (BT = B * T):
+ * one entry per tensor, in allocation order. This list declares the
+ * fields of struct zt_acts, allocates, frees and counts them (as llm.c's
+ * table of activation sizes does). */
+#define ZT_ACTIVATIONS(X)              \
+  X(encoded, BT * C)                   \
+  X(ln1, L * BT * C)                   \
+  X(ln1_mean, L * BT)                  \
+  X(ln1_rstd, L * BT)                  \
+  X(qkv, L * BT * 3 * C)               \
+  X(atty, L * BT * C)                  \
+  X(att, L * B * NH * T * T)           \
+  X(res2, L * BT * C)                  \
+  X(ln2, L * BT * C)                   \
+  X(ln2_mean, L * BT)                  \
+  X(ln2_rstd, L * BT)                  \
+  X(fch, L * BT * 4 * C)               \
+  X(fch_gelu, L * BT * 4 * C)          \
+  X(res3, L * BT * C)                  \
+  X(lnf, BT * C)                       \
+  X(lnf_mean, BT)                      \
+  X(lnf_rstd, BT)                      \
+  X(logits, BT * Vp)                   \
+  X(losses, BT)                        \
+  X(dres, BT * C)                      \
+  X(dbtc, BT * C)                      \
+  X(dqkv, BT * 3 * C)                  \
+  X(dfch, BT * 4 * C)                  \
+  X(proj, BT * C)
+
+struct zt_acts {
+  int B, T;            /* shape of the last forward */
+  int have_targets;    /* the last forward computed the loss */
+  int *inputs;         /* [B, T] copies of the last batch */
+  int *targets;
+  float *host_losses;  /* [B, T] host copy of the per-token losses */
+#define ZT_ACT_FIELD(name, size) float *name;
+  ZT_ACTIVATIONS(ZT_ACT_FIELD)
+#undef ZT_ACT_FIELD
+  /* Per layer ones ([L, ...]) are strided by the capacity; logits hold the
+   * probabilities after a forward with targets; dres, dbtc, dqkv, dfch are
+   * backward scratch and proj forward scratch, reused by every layer. */
+  size_t bytes;        /* total activation memory */
+};
+
+/* ---- activations ---------------------------------------------------------- */
+
+/* Activations live in the kernel table's memory (device memory for CUDA),
+ * one allocation per tensor. */
+static int acts_create(zt_model_t *m) {
+  struct zt_acts *a = zt_xcalloc(1, sizeof *a);
+  m->acts = a;
+  const zt_kernels_t *k = m->k;
+  size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = (size_t)m->cfg.n_embd;
+  size_t L = (size_t)m->cfg.n_layer, NH = (size_t)m->cfg.n_head, BT = B * T;
+  size_t Vp = (size_t)m->lay.Vp;
+  a->inputs = k->alloc(BT * sizeof(int));
+  a->targets = k->alloc(BT * sizeof(int));
+  a->host_losses = zt_xmalloc(BT * sizeof(float));
+  int ok = a->inputs && a->targets;
+#define ZT_ACT_ALLOC(name, size)                   \
+  a->bytes += (size) * sizeof(float);              \
+  a->name = k->alloc((size) * sizeof(float));      \
+  ok &= a->name != NULL;
+  ZT_ACTIVATIONS(ZT_ACT_ALLOC)
+#undef ZT_ACT_ALLOC
+  (void)NH, (void)Vp;
+  if (!ok) return zt_err("out of memory for activations (%zu bytes)", a->bytes);
+  return 0;
+}
+
+static void acts_free(const zt_kernels_t *k, struct zt_acts *a) {
+  if (!a) return;
+#define ZT_ACT_FREE(name, size) k->release(a->name);
+  ZT_ACTIVATIONS(ZT_ACT_FREE)
+#undef ZT_ACT_FREE
+  k->release(a->inputs);
+  k->release(a->targets);
+  free(a->host_losses);
+  free(a);
+}
+
+size_t zt_model_activation_bytes(const zt_model_t *m) { return m->acts ? m->acts->bytes : 0; }
+
+/* ---- create / free -------------------------------------------------------- */
+
+/* A flat buffer of every unit in table memory, with the unit pointers
+ * pointing into it. */
+static int alloc_flat(zt_model_t *m, float **flat, float **units, const char *what) {
+  *flat = m->k->alloc(m->lay.num_params * sizeof(float));
+  if (!*flat) return zt_err("out of memory for %zu %s", m->lay.num_params, what);
+  for (int u = 0; u < m->lay.num_units; u++) units[u] = *flat + m->lay.unit_off[u];
+  return 0;
+}
+
+int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T,
+                    const zt_kernels_t *k, unsigned flags) {
+  *out = NULL;
+  if (zt_model_config_check(cfg) != 0) return zt_err_wrap("model config");
+  if (B < 1) return zt_err("model: batch size must be >= 1 (got %d)", B);
+  if (T < 1 || T > cfg->seq_len)
+    return zt_err("model: T must be in [1, seq_len=%d] (got %d)", cfg->seq_len, T);
+  zt_model_t *m = zt_xcalloc(1, sizeof *m);
+  m->cfg = *cfg;
+  m->max_B = B;
+  m->max_T = T;
+  m->k = k;
+  if (zt_layout_build(&m->lay, cfg) != 0) goto err;
+  m->unit_params = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
+  m->unit_grads = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
+  if ((!(flags & ZT_MODEL_NO_PARAMS) &&
+       alloc_flat(m, &m->params, m->unit_params, "parameters") != 0) ||
+      (!(flags & ZT_MODEL_NO_GRADS) && alloc_flat(m, &m->grads, m->unit_grads, "gradients") != 0))
+    goto err;
+  if (acts_create(m) != 0) goto err;
+  *out = m;
+  return 0;
+err:
+  zt_model_free(m);
+  return -1;
+}
+
+void zt_model_free(zt_model_t *m) {
+  if (!m) return;
+  acts_free(m->k, m->acts);
+  if (m->params) m->k->release(m->params);
+  if (m->grads) m->k->release(m->grads);
+  free(m->unit_params);
+  free(m->unit_grads);
+  zt_layout_free(&m->lay);
+  free(m);
+}
+
+void zt_model_set_hooks(zt_model_t *m, const zt_model_hooks_t *hooks) {
+  if (hooks) m->hooks = *hooks;
+  else memset(&m->hooks, 0, sizeof m->hooks);
+}
+
+const float *zt_model_logits(const zt_model_t *m) { return m->acts->logits; }
+
+/* ---- initialisation ------------------------------------------------------- */
+
+void zt_model_init(zt_model_t *m, uint64_t seed) {
+  for (int u = 0; u < m->lay.num_units; u++) {
+    /* Initialised on the host, then copied into the table's memory. */
+    float *tmp = zt_xmalloc(m->lay.unit_size[u] * sizeof(float) + 1);
+    zt_layout_init_unit(&m->lay, seed, u, tmp);
+    m->k->upload(m->unit_params[u], tmp, m->lay.unit_size[u] * sizeof(float));
+    free(tmp);
+  }
+}
+
+void zt_model_zero_grads(zt_model_t *m) {
+  for (int u = 0; u < m->lay.num_units; u++) m->k->zero(m->unit_grads[u], m->lay.unit_size[u]);
+}
+
+/* ---- hooks ---------------------------------------------------------------- */
+
+typedef int (*zt_hook_fn)(void *ctx, int unit);
+
+static int call_hook(zt_model_t *m, zt_hook_fn fn, const char *what, int unit) {
+  if (!fn) return 0;
+  if (fn(m->hooks.ctx, unit) != 0) return zt_err_wrap("%s(unit %d)", what, unit);
+  return 0;
+}
+
+#define ZT_HOOK(m, which, unit)                                             \
+  do {                                                                      \
+    if (call_hook((m), (m)->hooks.which, #which, (unit)) != 0) return -1;   \
+  } while (0)
+
+/* ---- forward -------------------------------------------------------------- */
+
+/* Per-layer activation pointers at the capacity stride. */
+#define ZT_LAYER(m, buf, l, per) ((buf) + (size_t)(l) * (size_t)(m)->max_B * (m)->max_T * (per))
+
+static void block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
+  const zt_kernels_t *k = m->k;
+  struct zt_acts *a = m->acts;
+  int C = m->cfg.n_embd, NH = m->cfg.n_head, BT = B * T;
+  size_t attper = (size_t)NH * m->max_T; /* att per (b, t) row at capacity */
+  zt_block_t p;
+  zt_layout_block_views(m->unit_params[1 + l], C, &p);
+  float *ln1 = ZT_LAYER(m, a->ln1, l, C), *ln1m = ZT_LAYER(m, a->ln1_mean, l, 1);
+  float *ln1r = ZT_LAYER(m, a->ln1_rstd, l, 1), *qkv = ZT_LAYER(m, a->qkv, l, 3 * C);
+  float *atty = ZT_LAYER(m, a->atty, l, C), *att = ZT_LAYER(m, a->att, l, attper);
+  float *res2 = ZT_LAYER(m, a->res2, l, C), *ln2 = ZT_LAYER(m, a->ln2, l, C);
+  float *ln2m = ZT_LAYER(m, a->ln2_mean, l, 1), *ln2r = ZT_LAYER(m, a->ln2_rstd, l, 1);
+  float *fch = ZT_LAYER(m, a->fch, l, 4 * C), *fchg = ZT_LAYER(m, a->fch_gelu, l, 4 * C);
+  float *res3 = ZT_LAYER(m, a->res3, l, C);
+
+  k->layernorm_forward(ln1, ln1m, ln1r, x, p.ln1w, p.ln1b, BT, C);
+  k->matmul_forward(qkv, ln1, p.qkvw, p.qkvb, BT, C, 3 * C);
+  k->attention_forward(atty, att, qkv, B, T, C, NH);
+  k->matmul_forward(a->proj, atty, p.attprojw, p.attprojb, BT, C, C);
+  k->residual_forward(res2, x, a->proj, (size_t)BT * C);
+  k->layernorm_forward(ln2, ln2m, ln2r, res2, p.ln2w, p.ln2b, BT, C);
+  k->matmul_forward(fch, ln2, p.fcw, p.fcb, BT, C, 4 * C);
+  k->gelu_forward(fchg, fch, (size_t)BT * 4 * C);
+  k->matmul_forward(a->proj, fchg, p.fcprojw, p.fcprojb, BT, 4 * C, C);
+  k->residual_forward(res3, res2, a->proj, (size_t)BT * C);
+}
+
+static float mean_loss(const float *losses, int n) {
+  double s = 0.0;
+  for (int i = 0; i < n; i++) s += losses[i];
+  return (float)(s / n);
+}
+
+int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
+                     float *loss) {
+  const zt_kernels_t *k = m->k;
+  struct zt_acts *a = m->acts;
+  int C = m->cfg.n_embd, L = m->cfg.n_layer, V = m->cfg.vocab_size, BT = B * T;
+  if (B < 1 || B > m->max_B || T < 1 || T > m->max_T)
+    return zt_err("forward: batch %dx%d exceeds the model's capacity %dx%d", B, T, m->max_B,
+                  m->max_T);
+  for (int i = 0; i < BT; i++) {
+    if (inputs[i] < 0 || inputs[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
+      return zt_err("forward: token id out of range [0, %d) at position %d", V, i);
+  }
+  a->B = B;
+  a->T = T;
+  a->have_targets = 0;
+  m->k->upload(a->inputs, inputs, sizeof(int) * (size_t)BT);
+
+  ZT_HOOK(m, pre_forward, 0);
+  const float *wte = m->unit_params[0], *wpe = wte + (size_t)m->lay.Vp * C;
+  k->encoder_forward(a->encoded, a->inputs, wte, wpe, B, T, C);
+  for (int l = 0; l < L; l++) {
+    ZT_HOOK(m, pre_forward, 1 + l);
+    block_forward(m, l, l == 0 ? a->encoded : ZT_LAYER(m, a->res3, l - 1, C), B, T);
+    ZT_HOOK(m, post_forward, 1 + l);
+  }
+  ZT_HOOK(m, pre_forward, L + 1);
+  const float *lnf_w = m->unit_params[L + 1], *lnf_b = lnf_w + C;
+  k->layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, ZT_LAYER(m, a->res3, L - 1, C), lnf_w,
+                       lnf_b, BT, C);
+  ZT_HOOK(m, post_forward, L + 1);
+  wte = m->unit_params[0]; /* a hook may have moved unit 0 */
+  k->matmul_forward(a->logits, a->lnf, wte, NULL, BT, C, m->lay.Vp);
+  ZT_HOOK(m, post_forward, 0);
+
+  if (targets) {
+    k->upload(a->targets, targets, sizeof(int) * (size_t)BT);
+    k->crossentropy_forward(a->losses, a->logits, a->logits, a->targets, BT, V, m->lay.Vp);
+    a->have_targets = 1;
+    if (loss) {
+      k->download(a->host_losses, a->losses, sizeof(float) * (size_t)BT);
+      *loss = mean_loss(a->host_losses, BT);
+    }
+  }
+  return 0;
+}
+
+/* ---- backward ------------------------------------------------------------- */
+
+static void block_backward(zt_model_t *m, int l, const float *x) {
+  const zt_kernels_t *k = m->k;
+  struct zt_acts *a = m->acts;
+  int B = a->B, T = a->T, C = m->cfg.n_embd, NH = m->cfg.n_head, BT = B * T;
+  size_t attper = (size_t)NH * m->max_T;
+  zt_block_t p, g;
+  zt_layout_block_views(m->unit_params[1 + l], C, &p);
+  zt_layout_block_views(m->unit_grads[1 + l], C, &g);
+  const float *ln1 = ZT_LAYER(m, a->ln1, l, C), *ln1m = ZT_LAYER(m, a->ln1_mean, l, 1);
+  const float *ln1r = ZT_LAYER(m, a->ln1_rstd, l, 1), *qkv = ZT_LAYER(m, a->qkv, l, 3 * C);
+  const float *atty = ZT_LAYER(m, a->atty, l, C), *att = ZT_LAYER(m, a->att, l, attper);
+  const float *res2 = ZT_LAYER(m, a->res2, l, C), *ln2 = ZT_LAYER(m, a->ln2, l, C);
+  const float *ln2m = ZT_LAYER(m, a->ln2_mean, l, 1), *ln2r = ZT_LAYER(m, a->ln2_rstd, l, 1);
+  const float *fch = ZT_LAYER(m, a->fch, l, 4 * C), *fchg = ZT_LAYER(m, a->fch_gelu, l, 4 * C);
+
+  /* MLP: dres is d res3 = d(mlp output). */
+  k->matmul_backward(a->dfch, g.fcprojw, g.fcprojb, a->dres, fchg, p.fcprojw, BT, 4 * C, C);
+  k->gelu_backward(a->dfch, fch, a->dfch, (size_t)BT * 4 * C);
+  k->matmul_backward(a->dbtc, g.fcw, g.fcb, a->dfch, ln2, p.fcw, BT, C, 4 * C);
+  k->layernorm_backward(a->dres, g.ln2w, g.ln2b, a->dbtc, res2, p.ln2w, ln2m, ln2r, BT, C);
+  /* Attention: dres is now d res2 = d(attention output). */
+  k->matmul_backward(a->dbtc, g.attprojw, g.attprojb, a->dres, atty, p.attprojw, BT, C, C);
+  k->attention_backward(a->dqkv, a->dbtc, qkv, att, B, T, C, NH);
+  k->matmul_backward(a->dbtc, g.qkvw, g.qkvb, a->dqkv, ln1, p.qkvw, BT, C, 3 * C);
+  k->layernorm_backward(a->dres, g.ln1w, g.ln1b, a->dbtc, x, p.ln1w, ln1m, ln1r, BT, C);
+}
+
+int zt_model_backward(zt_model_t *m, float grad_scale) {
+  const zt_kernels_t *k = m->k;
+  struct zt_acts *a = m->acts;
+  int B = a->B, T = a->T, C = m->cfg.n_embd, L = m->cfg.n_layer, BT = B * T;
+  if (!a->have_targets) return zt_err("backward: the last forward had no targets");
+
+  ZT_HOOK(m, pre_backward, 0);
+  /* Loss -> logits (in place over the probabilities) -> LM head. */
+  float dloss = grad_scale / (float)BT;
+  k->crossentropy_backward(a->logits, a->logits, a->targets, dloss, BT, m->cfg.vocab_size, m->lay.Vp);
+  k->matmul_backward(a->dbtc, m->unit_grads[0], NULL, a->logits, a->lnf, m->unit_params[0], BT,
+                     C, m->lay.Vp);
+  a->have_targets = 0; /* the probabilities are gone */
+
+  ZT_HOOK(m, pre_backward, L + 1);
+  float *lnf_w = m->unit_params[L + 1], *dlnf_w = m->unit_grads[L + 1];
+  k->zero(a->dres, (size_t)BT * C);
+  k->layernorm_backward(a->dres, dlnf_w, dlnf_w + C, a->dbtc, ZT_LAYER(m, a->res3, L - 1, C),
+                        lnf_w, a->lnf_mean, a->lnf_rstd, BT, C);
+  ZT_HOOK(m, post_backward, L + 1);
+
+  for (int l = L - 1; l >= 0; l--) {
+    ZT_HOOK(m, pre_backward, 1 + l);
+    block_backward(m, l, l == 0 ? a->encoded : ZT_LAYER(m, a->res3, l - 1, C));
+    ZT_HOOK(m, post_backward, 1 + l);
+  }
+
+  float *dwte = m->unit_grads[0], *dwpe = dwte + (size_t)m->lay.Vp * C;
+  k->encoder_backward(dwte, dwpe, a->dres, a->inputs, B, T, C);
+  ZT_HOOK(m, post_backward, 0);
+  return 0;
+}

@@ -1,0 +1,117 @@
+/*
+ * model.h: the GPT-2 model: forward, backward and activations.
+ *
+ * The model is the GPT-2 architecture as in llm.c: token and position
+ * embeddings, n_layer pre-LN transformer blocks (LayerNorm, causal multi-head
+ * attention, residual, LayerNorm, GELU MLP of width 4C, residual), a final
+ * LayerNorm and a language-model head tied to the token embedding. All
+ * arithmetic goes through a kernel table (kernels/zt_kernels.h), so the same
+ * code runs on the fast CPU kernels, the reference kernels and CUDA.
+ *
+ * The parameter layout (units, named views, initialisation) is layout.h's;
+ * the model holds one (m->lay).
+ *
+ * Sharding. The model never computes addresses from the flat buffer during
+ * forward and backward: it reads unit u's parameters from m->unit_params[u]
+ * and accumulates its gradients into m->unit_grads[u]. By default these
+ * point into the flat buffers m->params and m->grads, but a caller may
+ * repoint them at any time between calls, or from a hook (ZeRO stage 3
+ * gathers a unit into a temporary buffer in pre_forward / pre_backward).
+ * With ZT_MODEL_NO_PARAMS / ZT_MODEL_NO_GRADS the flat buffers are not
+ * allocated at all and the caller must supply every unit pointer.
+ *
+ * Hooks, in call order for one forward + backward:
+ *
+ *   forward:  pre_forward(0), pre_forward(1) .. pre_forward(L+1); post_forward
+ *             is called for each block and the final LayerNorm when the
+ *             forward has finished with it, and for unit 0 after the LM head
+ *             (unit 0 is used twice: embedding, then tied head).
+ *   backward: pre_backward(0) (the LM head needs wte first), then
+ *             pre_backward(L+1), pre_backward(L) .. pre_backward(1);
+ *             post_backward(L+1), post_backward(L) .. post_backward(1) as soon
+ *             as each unit's gradient is complete, and post_backward(0) last,
+ *             after the embedding backward (wte receives gradient from both
+ *             the head and the embedding).
+ *
+ * A hook returning -1 aborts the forward or backward, which returns -1 with
+ * the hook's error message.
+ *
+ * Memory. Parameters, gradients and activations live in the kernel table's
+ * memory (k->alloc): host memory for the CPU tables, device memory for the
+ * CUDA table. Inputs and targets are passed as host arrays and uploaded by
+ * zt_model_forward, the loss comes back as a host float; every pointer the
+ * model exposes (params, grads, unit pointers, logits) is table memory, and
+ * pointers a caller installs must be too.
+ */
+#ifndef ZT_MODEL_H
+#define ZT_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "layout.h"
+#include "zt_kernels.h"
+
+typedef struct zt_model_hooks {
+  void *ctx;
+  int (*pre_forward)(void *ctx, int unit);
+  int (*post_forward)(void *ctx, int unit);
+  int (*pre_backward)(void *ctx, int unit);
+  int (*post_backward)(void *ctx, int unit);
+} zt_model_hooks_t;
+
+#define ZT_MODEL_NO_PARAMS 1u /* do not allocate the flat parameter buffer */
+#define ZT_MODEL_NO_GRADS 2u  /* do not allocate the flat gradient buffer */
+
+struct zt_acts; /* activations, private to model.c */
+
+typedef struct zt_model {
+  zt_model_config_t cfg;
+  zt_layout_t lay;            /* units, named views, flat-buffer size */
+  int max_B, max_T;           /* activation capacity */
+  const zt_kernels_t *k;
+
+  float *params;              /* flat buffers (NULL with the NO_* flags) */
+  float *grads;
+  float **unit_params;        /* [num_units] where forward/backward read unit u */
+  float **unit_grads;         /* [num_units] where backward accumulates unit u */
+
+  zt_model_hooks_t hooks;
+  struct zt_acts *acts;
+} zt_model_t;
+
+/* Creates a model with activations for batches of up to B x T (T <= seq_len)
+ * on the kernel table k. The parameters are not initialised; call
+ * zt_model_init. */
+int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T,
+                    const zt_kernels_t *k, unsigned flags);
+void zt_model_free(zt_model_t *m);
+
+/* Bytes of activation memory the model allocated. */
+size_t zt_model_activation_bytes(const zt_model_t *m);
+
+/* Initialises every unit through m->unit_params (zt_layout_init_unit on
+ * the host, copied into the kernel table's memory). */
+void zt_model_init(zt_model_t *m, uint64_t seed);
+
+/* Sets the hooks (NULL clears them). */
+void zt_model_set_hooks(zt_model_t *m, const zt_model_hooks_t *hooks);
+
+/* Forward pass on inputs [B, T] (int32 token ids). With targets [B, T] it
+ * also computes the mean cross-entropy loss into *loss and keeps what the
+ * backward needs; with targets NULL only the logits are produced. */
+int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
+                     float *loss);
+/* Backward pass of the last forward (which must have had targets).
+ * Gradients of the mean loss, multiplied by grad_scale, are ACCUMULATED into
+ * the unit gradient buffers (grad_scale = 1 / accum_steps makes
+ * micro-batches accumulate to the mean over the whole batch). */
+int zt_model_backward(zt_model_t *m, float grad_scale);
+/* Sets every unit's gradient to zero. */
+void zt_model_zero_grads(zt_model_t *m);
+
+/* The logits [B, T, Vp] of the last forward without targets (with targets
+ * the buffer holds probabilities), in the kernel table's memory. */
+const float *zt_model_logits(const zt_model_t *m);
+
+#endif

@@ -1,0 +1,419 @@
+/*
+ * spec.c: parsing and validation of the JSON job spec (cJSON).
+ *
+ * Each JSON object of the spec is read by one function that first checks
+ * that all its keys are known (check_keys) and then reads each key with a
+ * typed getter that enforces the range. Duplicate keys are an error too (JSON
+ * allows them, but cJSON would silently use the first). Every error names the full key path,
+ * built with sub_path. Defaults are set before parsing, so a missing
+ * optional key simply keeps its default. The coordinator reads specs with
+ * this same parser (coordinator/jobs.c), so the two can never disagree.
+ */
+#include "spec.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_common.h"
+
+#define ZT_PATH_LEN 256
+
+/* ---- utilities ------------------------------------------------------------ */
+
+/* "parent.key", or "key" at the top level. */
+static const char *sub_path(char *buf, const char *parent, const char *key) {
+  if (parent[0]) snprintf(buf, ZT_PATH_LEN, "%s.%s", parent, key);
+  else snprintf(buf, ZT_PATH_LEN, "%s", key);
+  return buf;
+}
+
+static int check_keys(const cJSON *o, const char *path, const char *const *keys, size_t nkeys) {
+  char p[ZT_PATH_LEN];
+  for (const cJSON *it = o->child; it; it = it->next) {
+    size_t i = 0;
+    while (i < nkeys && strcmp(it->string, keys[i]) != 0) i++;
+    if (i == nkeys) return zt_err("%s: unknown key", sub_path(p, path, it->string));
+    for (const cJSON *prev = o->child; prev != it; prev = prev->next)
+      if (strcmp(prev->string, it->string) == 0)
+        return zt_err("%s: duplicate key", sub_path(p, path, it->string));
+  }
+  return 0;
+}
+
+/* Each getter leaves *out untouched when the key is absent (and not
+ * required), so the caller's default stays. */
+static int get_long(const cJSON *o, const char *path, const char *key, int required, long min,
+                    long max, long *out) {
+  char p[ZT_PATH_LEN];
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  sub_path(p, path, key);
+  if (!it) return required ? zt_err("%s: required key is missing", p) : 0;
+  if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) ||
+      fabs(it->valuedouble) > 9007199254740992.0)
+    return zt_err("%s: expected an integer", p);
+  if (it->valuedouble < (double)min || it->valuedouble > (double)max)
+    return zt_err("%s: %.0f is out of range [%ld, %ld]", p, it->valuedouble, min, max);
+  *out = (long)it->valuedouble;
+  return 0;
+}
+
+static int get_int(const cJSON *o, const char *path, const char *key, int required, long min,
+                   long max, int *out) {
+  long v = *out;
+  if (get_long(o, path, key, required, min, max, &v) != 0) return -1;
+  *out = (int)v;
+  return 0;
+}
+
+/* Numbers in [min, max]; lo_open makes the lower bound exclusive. */
+static int get_double(const cJSON *o, const char *path, const char *key, double min, int lo_open,
+                      double max, double *out) {
+  char p[ZT_PATH_LEN];
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!it) return 0;
+  sub_path(p, path, key);
+  if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble)) return zt_err("%s: expected a number", p);
+  double v = it->valuedouble;
+  if (v < min || (lo_open && v == min) || v > max)
+    return zt_err("%s: %g is out of range %c%g, %g]", p, v, lo_open ? '(' : '[', min, max);
+  *out = v;
+  return 0;
+}
+
+static int get_float(const cJSON *o, const char *path, const char *key, double min, int lo_open,
+                     double max, float *out) {
+  double v = *out;
+  if (get_double(o, path, key, min, lo_open, max, &v) != 0) return -1;
+  *out = (float)v;
+  return 0;
+}
+
+static int get_bool(const cJSON *o, const char *path, const char *key, int *out) {
+  char p[ZT_PATH_LEN];
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!it) return 0;
+  if (!cJSON_IsBool(it)) return zt_err("%s: expected true or false", sub_path(p, path, key));
+  *out = cJSON_IsTrue(it);
+  return 0;
+}
+
+static int get_string(const cJSON *o, const char *path, const char *key, int required, char *out,
+                      size_t outlen) {
+  char p[ZT_PATH_LEN];
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  sub_path(p, path, key);
+  if (!it) return required ? zt_err("%s: required key is missing", p) : 0;
+  if (!cJSON_IsString(it)) return zt_err("%s: expected a string", p);
+  if (strlen(it->valuestring) >= outlen)
+    return zt_err("%s: longer than %zu characters", p, outlen - 1);
+  snprintf(out, outlen, "%s", it->valuestring);
+  return 0;
+}
+
+/* The object at key, or NULL (absent); a non-object is an error. */
+static int get_object(const cJSON *o, const char *path, const char *key, int required,
+                      const cJSON **out) {
+  char p[ZT_PATH_LEN];
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+  *out = NULL;
+  sub_path(p, path, key);
+  if (!it) return required ? zt_err("%s: required key is missing", p) : 0;
+  if (!cJSON_IsObject(it)) return zt_err("%s: expected an object", p);
+  *out = it;
+  return 0;
+}
+
+#define CHECK_KEYS(o, path, keys) check_keys((o), (path), (keys), ZT_ARRAY_LEN(keys))
+
+/* ---- sections ------------------------------------------------------------- */
+
+static int parse_model(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
+  const cJSON *o;
+  if (get_object(root, "", "model", 1, &o) || CHECK_KEYS(o, "model", keys)) return -1;
+  zt_model_config_t *c = &s->model;
+  if (get_int(o, "model", "n_layer", 1, 1, 1024, &c->n_layer) ||
+      get_int(o, "model", "n_head", 1, 1, 1024, &c->n_head) ||
+      get_int(o, "model", "n_embd", 1, 1, 65536, &c->n_embd) ||
+      get_int(o, "model", "seq_len", 1, 1, 1 << 20, &c->seq_len) ||
+      get_int(o, "model", "vocab_size", 1, 2, 65536, &c->vocab_size))
+    return -1;
+  if (zt_model_config_check(c) != 0) return zt_err_wrap("model");
+  return 0;
+}
+
+static int parse_optimizer(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"type", "params"};
+  static const char *const pkeys[] = {"lr", "betas", "eps", "weight_decay"};
+  char type[32] = "AdamW";
+  const cJSON *o, *p;
+  if (get_object(root, "", "optimizer", 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, "optimizer", keys) || get_string(o, "optimizer", "type", 0, type, sizeof type))
+    return -1;
+  if (strcmp(type, "AdamW") != 0)
+    return zt_err("optimizer.type: \"%s\" is not supported (only \"AdamW\")", type);
+  if (get_object(o, "optimizer", "params", 0, &p)) return -1;
+  if (!p) return 0;
+  if (CHECK_KEYS(p, "optimizer.params", pkeys) ||
+      get_float(p, "optimizer.params", "lr", 0.0, 0, 10.0, &s->opt.lr) ||
+      get_float(p, "optimizer.params", "eps", 0.0, 1, 1.0, &s->opt.eps) ||
+      get_float(p, "optimizer.params", "weight_decay", 0.0, 0, 10.0, &s->opt.weight_decay))
+    return -1;
+  const cJSON *b = cJSON_GetObjectItemCaseSensitive(p, "betas");
+  if (b) {
+    if (!cJSON_IsArray(b) || cJSON_GetArraySize(b) != 2)
+      return zt_err("optimizer.params.betas: expected an array of two numbers");
+    float *dst[2] = {&s->opt.beta1, &s->opt.beta2};
+    for (int i = 0; i < 2; i++) {
+      const cJSON *x = cJSON_GetArrayItem(b, i);
+      if (!cJSON_IsNumber(x) || x->valuedouble < 0.0 || x->valuedouble >= 1.0)
+        return zt_err("optimizer.params.betas[%d]: expected a number in [0, 1)", i);
+      *dst[i] = (float)x->valuedouble;
+    }
+  }
+  return 0;
+}
+
+static int parse_scheduler(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"type", "params"};
+  static const char *const pkeys[] = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                      "total_num_steps", "warmup_type"};
+  const char *path = "scheduler.params";
+  char type[32] = "", wtype[32] = "linear";
+  const cJSON *o, *p;
+  if (get_object(root, "", "scheduler", 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, "scheduler", keys) || get_string(o, "scheduler", "type", 1, type, sizeof type))
+    return -1;
+  if (strcmp(type, "WarmupDecayLR") != 0)
+    return zt_err("scheduler.type: \"%s\" is not supported (only \"WarmupDecayLR\")", type);
+  zt_lr_sched_t *c = &s->sched;
+  c->enabled = 1;
+  c->min_lr = 0.0f;
+  c->max_lr = s->opt.lr;
+  c->warmup_steps = 0;
+  c->total_steps = s->steps;
+  if (get_object(o, "scheduler", "params", 0, &p)) return -1;
+  if (p && (CHECK_KEYS(p, path, pkeys) ||
+            get_float(p, path, "warmup_min_lr", 0.0, 0, 10.0, &c->min_lr) ||
+            get_float(p, path, "warmup_max_lr", 0.0, 0, 10.0, &c->max_lr) ||
+            get_long(p, path, "warmup_num_steps", 0, 0, 1L << 40, &c->warmup_steps) ||
+            get_long(p, path, "total_num_steps", 0, 1, 1L << 40, &c->total_steps) ||
+            get_string(p, path, "warmup_type", 0, wtype, sizeof wtype)))
+    return -1;
+  if (strcmp(wtype, "linear") != 0)
+    return zt_err("%s.warmup_type: \"%s\" is not supported (only \"linear\")", path, wtype);
+  if (c->max_lr < c->min_lr)
+    return zt_err("%s.warmup_max_lr: %g is below warmup_min_lr %g", path, c->max_lr, c->min_lr);
+  if (c->total_steps <= c->warmup_steps)
+    return zt_err("%s.total_num_steps: %ld must exceed warmup_num_steps %ld", path,
+                  c->total_steps, c->warmup_steps);
+  return 0;
+}
+
+static int parse_data_eval(zt_spec_t *s, const cJSON *root) {
+  static const char *const dkeys[] = {"train", "val"};
+  static const char *const ekeys[] = {"every_steps", "batches"};
+  const cJSON *d, *e;
+  if (get_object(root, "", "data", 1, &d) || CHECK_KEYS(d, "data", dkeys) ||
+      get_string(d, "data", "train", 1, s->train_glob, sizeof s->train_glob) ||
+      get_string(d, "data", "val", 0, s->val_glob, sizeof s->val_glob))
+    return -1;
+  if (!s->train_glob[0]) return zt_err("data.train: empty pattern");
+  if (get_object(root, "", "eval", 0, &e)) return -1;
+  if (e && (CHECK_KEYS(e, "eval", ekeys) ||
+            get_int(e, "eval", "every_steps", 0, 0, 1L << 30, &s->eval_every) ||
+            get_int(e, "eval", "batches", 0, 1, 1L << 20, &s->eval_batches)))
+    return -1;
+  if (s->eval_every > 0 && !s->val_glob[0])
+    return zt_err("eval.every_steps: evaluation needs data.val");
+  return 0;
+}
+
+static int parse_batch(zt_spec_t *s, const cJSON *root) {
+  long gb = 0;
+  if (get_int(root, "", "train_micro_batch_size_per_gpu", 1, 1, 1 << 20, &s->micro_batch) ||
+      get_int(root, "", "gradient_accumulation_steps", 0, 1, 1 << 20, &s->accum) ||
+      get_long(root, "", "train_batch_size", 0, 1, 1L << 40, &gb) ||
+      get_float(root, "", "gradient_clipping", 0.0, 0, 1e9, &s->grad_clip))
+    return -1;
+  int have_accum = cJSON_GetObjectItemCaseSensitive(root, "gradient_accumulation_steps") != NULL;
+  s->have_train_batch = gb > 0;
+  s->global_batch = gb > 0 ? gb : (long)s->micro_batch * s->accum;
+  if (s->global_batch % s->micro_batch != 0)
+    return zt_err("train_batch_size: %ld is not a multiple of train_micro_batch_size_per_gpu %d",
+                  s->global_batch, s->micro_batch);
+  if (have_accum && s->have_train_batch &&
+      s->global_batch % ((long)s->micro_batch * s->accum) != 0)
+    return zt_err("train_batch_size: %ld != train_micro_batch_size_per_gpu (%d) * "
+                  "gradient_accumulation_steps (%d) * world size, for any integer world size",
+                  s->global_batch, s->micro_batch, s->accum);
+  return 0;
+}
+
+static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
+  static const char *const zkeys[] = {"stage"};
+  static const char *const ekeys[] = {"min_workers", "max_workers"};
+  static const char *const ckeys[] = {"timeout_ms"};
+  static const char *const bkeys[] = {"enabled"};
+  const cJSON *z, *e, *c, *b;
+  if (get_object(root, "", "zero_optimization", 0, &z) ||
+      (z && (CHECK_KEYS(z, "zero_optimization", zkeys) ||
+             get_int(z, "zero_optimization", "stage", 0, 0, 3, &s->zero_stage))))
+    return -1;
+  if (get_object(root, "", "elastic", 0, &e) ||
+      (e && (CHECK_KEYS(e, "elastic", ekeys) ||
+             get_int(e, "elastic", "min_workers", 0, 1, 256, &s->min_workers))))
+    return -1;
+  s->max_workers = s->min_workers;
+  if (e && get_int(e, "elastic", "max_workers", 0, 1, 256, &s->max_workers)) return -1;
+  if (s->max_workers < s->min_workers)
+    return zt_err("elastic.max_workers: %d is below min_workers %d", s->max_workers,
+                  s->min_workers);
+  if (get_object(root, "", "comm", 0, &c) ||
+      (c && (CHECK_KEYS(c, "comm", ckeys) ||
+             get_long(c, "comm", "timeout_ms", 0, 100, 3600000, &s->comm_timeout_ms))))
+    return -1;
+  if (get_object(root, "", "bf16", 0, &b) ||
+      (b && (CHECK_KEYS(b, "bf16", bkeys) || get_bool(b, "bf16", "enabled", &s->bf16))))
+    return -1;
+  return 0;
+}
+
+static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"dir", "every_steps", "keep_last", "keep_every", "load"};
+  const cJSON *o;
+  zt_spec_ckpt_t *c = &s->ckpt;
+  if (get_object(root, "", "checkpoint", 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, "checkpoint", keys) ||
+      get_string(o, "checkpoint", "dir", 1, c->dir, sizeof c->dir) ||
+      get_long(o, "checkpoint", "every_steps", 0, 0, 1L << 40, &c->every_steps) ||
+      get_int(o, "checkpoint", "keep_last", 0, 1, 1 << 20, &c->keep_last) ||
+      get_long(o, "checkpoint", "keep_every", 0, 0, 1L << 40, &c->keep_every) ||
+      get_string(o, "checkpoint", "load", 0, c->load, sizeof c->load))
+    return -1;
+  if (!c->dir[0] || strstr(c->dir, ".."))
+    return zt_err("checkpoint.dir: expected a path (no \"..\")");
+  return 0;
+}
+
+static int parse_rollback(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"enabled",    "window",     "threshold",      "patience",
+                                     "margin_steps", "skip_steps", "lr_factor",    "cooldown_steps",
+                                     "max_rollbacks", "per_steps"};
+  const char *P = "rollback";
+  const cJSON *o;
+  zt_spec_rollback_t *r = &s->rollback;
+  if (get_object(root, "", "rollback", 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, P, keys) || get_bool(o, P, "enabled", &r->enabled) ||
+      get_int(o, P, "window", 0, 5, 100000, &r->window) ||
+      get_double(o, P, "threshold", 0.0, 1, 1e9, &r->threshold) ||
+      get_int(o, P, "patience", 0, 1, 1000, &r->patience) ||
+      get_long(o, P, "margin_steps", 0, 0, 1L << 40, &r->margin_steps) ||
+      get_long(o, P, "skip_steps", 0, 0, 1L << 40, &r->skip_steps) ||
+      get_double(o, P, "lr_factor", 0.0, 1, 1.0, &r->lr_factor) ||
+      get_long(o, P, "cooldown_steps", 0, 0, 1L << 40, &r->cooldown_steps) ||
+      get_int(o, P, "max_rollbacks", 0, 0, 1000, &r->max_rollbacks) ||
+      get_long(o, P, "per_steps", 0, 1, 1L << 40, &r->per_steps))
+    return -1;
+  return 0;
+}
+
+static int parse_misc(zt_spec_t *s, const cJSON *root) {
+  long seed = (long)s->seed;
+  if (get_string(root, "", "name", 0, s->name, sizeof s->name) ||
+      get_long(root, "", "seed", 0, 0, 1L << 53, &seed) ||
+      get_long(root, "", "steps", 1, 1, 1L << 40, &s->steps))
+    return -1;
+  s->seed = (uint64_t)seed;
+  return 0;
+}
+
+/* fault_injection{lr_scale, from_step, to_step, repeat}: tests only. */
+static int parse_fault(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"lr_scale", "from_step", "to_step", "repeat"};
+  const char *P = "fault_injection";
+  const cJSON *o;
+  zt_spec_fault_t *f = &s->fault;
+  if (get_object(root, "", P, 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, P, keys) || get_double(o, P, "lr_scale", 0.0, 0, 1e12, &f->lr_scale) ||
+      get_long(o, P, "from_step", 0, 0, 1L << 40, &f->from_step) ||
+      get_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) || get_bool(o, P, "repeat", &f->repeat))
+    return -1;
+  if (f->to_step < f->from_step) f->to_step = f->from_step;
+  return 0;
+}
+
+/* ---- entry points --------------------------------------------------------- */
+
+static void set_defaults(zt_spec_t *s) {
+  memset(s, 0, sizeof *s);
+  snprintf(s->name, sizeof s->name, "job");
+  s->seed = 1337;
+  s->accum = 1;
+  s->opt = (zt_opt_config_t){.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                             .weight_decay = 0.0f};
+  s->eval_batches = 4;
+  s->min_workers = s->max_workers = 1;
+  s->ckpt.keep_last = 2;
+  s->rollback = (zt_spec_rollback_t){.enabled = 1, .window = 100, .threshold = 6.0,
+                                     .patience = 3, .margin_steps = 0, .skip_steps = 10,
+                                     .lr_factor = 0.5, .cooldown_steps = 50,
+                                     .max_rollbacks = 3, .per_steps = 1000};
+  s->comm_timeout_ms = 30000;
+}
+
+int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
+  static const char *const top[] = {
+      "name", "seed", "steps", "model", "data", "optimizer", "scheduler",
+      "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+      "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
+      "bf16", "comm", "fault_injection"};
+  set_defaults(s);
+  cJSON *root = cJSON_ParseWithLength(json, len);
+  if (!root) return zt_err("not valid JSON (near offset %td)", cJSON_GetErrorPtr() - json);
+  int rc = -1;
+  if (!cJSON_IsObject(root)) {
+    zt_err("the spec must be a JSON object");
+    goto out;
+  }
+  /* misc first (steps is the scheduler's default), optimizer before the
+   * scheduler (lr is warmup_max_lr's default). */
+  if (CHECK_KEYS(root, "", top) || parse_misc(s, root) || parse_model(s, root) ||
+      parse_batch(s, root) || parse_optimizer(s, root) || parse_scheduler(s, root) ||
+      parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_checkpoint(s, root) ||
+      parse_rollback(s, root) || parse_fault(s, root))
+    goto out;
+  rc = 0;
+out:
+  cJSON_Delete(root);
+  return rc;
+}
+
+int zt_spec_load(zt_spec_t *s, const char *path) {
+  char *buf;
+  size_t len;
+  memset(s, 0, sizeof *s);
+  if (zt_read_file(path, &buf, &len, 16 << 20) != 0) return -1;
+  int rc = zt_spec_parse(s, buf, len);
+  free(buf);
+  if (rc != 0) return zt_err_wrap("%s", path);
+  return 0;
+}
+
+int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum) {
+  if (world < 1) return zt_err("world size must be >= 1 (got %d)", world);
+  long per = (long)s->micro_batch * world;
+  if (s->global_batch % per != 0)
+    return zt_err("global batch %ld is not divisible by micro batch %d x %d workers",
+                  s->global_batch, s->micro_batch, world);
+  *accum = (int)(s->global_batch / per);
+  return 0;
+}

@@ -1,0 +1,104 @@
+/*
+ * spec.h: the job spec, a JSON document in DeepSpeed's style.
+ *
+ * The spec says everything about a training job: model shape, data, batch,
+ * optimizer, schedule, evaluation, and the settings of later subsystems
+ * (ZeRO stage, elastic range, checkpoints, rollback, bf16, comm timeout,
+ * fault injection). zt_spec_parse validates all of it at once: unknown keys
+ * anywhere are an error naming the full key path ("optimizer.params.betaz:
+ * unknown key"), and so are wrong types and out-of-range values ("steps:
+ * expected an integer >= 1"). docs/engine.md lists every key with its
+ * default.
+ *
+ * Batch sizes. train_micro_batch_size_per_gpu (micro) is required. The
+ * global batch, in samples per optimizer step, is train_batch_size when
+ * given, else micro * gradient_accumulation_steps (accum defaults to 1). It
+ * stays fixed whatever the number of workers N: zt_spec_accum_for_world
+ * recomputes accum = global / (micro * N) and fails when N does not divide.
+ * When all three keys are given, train_batch_size must be micro * accum *
+ * some integer world size.
+ *
+ * Paths. data.train and data.val are glob patterns; relative patterns are
+ * resolved against the current working directory of the process that opens
+ * the data.
+ */
+#ifndef ZT_SPEC_H
+#define ZT_SPEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "optim.h"
+
+#define ZT_SPEC_PATH_MAX 1024
+
+typedef struct zt_spec_ckpt {
+  char dir[ZT_SPEC_PATH_MAX]; /* empty: no checkpoints */
+  long every_steps;           /* 0: only on demand */
+  int keep_last;
+  long keep_every;            /* 0: none kept forever */
+  char load[ZT_SPEC_PATH_MAX]; /* a committed epoch to start from (another job's); "" none */
+} zt_spec_ckpt_t;
+
+typedef struct zt_spec_rollback {
+  int enabled;
+  int window;
+  double threshold;
+  int patience;
+  long margin_steps, skip_steps;
+  double lr_factor;
+  long cooldown_steps;
+  int max_rollbacks;
+  long per_steps;
+} zt_spec_rollback_t;
+
+/* fault_injection{...}: test-only; the LR of steps [from_step, to_step] is
+ * multiplied by lr_scale (when > 0), in the first run of those steps only
+ * (before any rollback) unless repeat is true. */
+typedef struct zt_spec_fault {
+  double lr_scale;
+  long from_step, to_step;
+  int repeat;
+} zt_spec_fault_t;
+
+typedef struct zt_spec {
+  char name[128];
+  uint64_t seed;
+  long steps;
+
+  int micro_batch;  /* train_micro_batch_size_per_gpu */
+  int accum;        /* gradient_accumulation_steps as given (1 if absent) */
+  long global_batch; /* train_batch_size, or micro * accum */
+  int have_train_batch;
+  float grad_clip;  /* gradient_clipping; 0: off */
+
+  zt_model_config_t model;
+  zt_opt_config_t opt;
+  zt_lr_sched_t sched;
+
+  char train_glob[ZT_SPEC_PATH_MAX];
+  char val_glob[ZT_SPEC_PATH_MAX]; /* empty: no validation */
+  int eval_every;   /* steps between evaluations; 0: never */
+  int eval_batches; /* micro batches per evaluation */
+
+  int zero_stage;
+  int min_workers, max_workers;
+  zt_spec_ckpt_t ckpt;
+  zt_spec_rollback_t rollback;
+  int bf16;
+  long comm_timeout_ms;
+  zt_spec_fault_t fault; /* fault_injection (tests only) */
+} zt_spec_t;
+
+/* Parses and validates a spec from a string of len bytes. A spec holds no
+ * allocated memory: it is a plain value. */
+int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);
+/* Reads and parses a spec file; errors are prefixed with the path. */
+int zt_spec_load(zt_spec_t *s, const char *path);
+
+/* Accumulation steps for `world` workers: global / (micro * world), an error
+ * when that is not an integer. */
+int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum);
+
+#endif

@@ -1,0 +1,309 @@
+/*
+ * trainer.c: one generation of data-parallel training (see trainer.h).
+ *
+ * zt_gen_train() is four steps, each a function below:
+ *
+ *   set_up          parse the spec, pick the kernels for the device, build
+ *                   the model, open the data, lay out the ZeRO states;
+ *   load_or_init    load the committed epoch the caller named, or
+ *                   initialise fresh parameters;
+ *   train_step      one optimizer step: micro-steps of forward + backward,
+ *                   the gradient reduction, one small all-reduce of
+ *                   [loss, grad sum of squares, non-finite flag,
+ *                   checkpoint flag] so that every rank takes the same
+ *                   decisions, clipping, AdamW, the parameter gather, and
+ *                   an evaluation when one is due;
+ *   checkpoint      the decision to write an epoch (on schedule, or when the
+ *                   caller asked for one through rank 0), and the hand-over
+ *                   to the writer thread (ckpt_writer.c).
+ *
+ * The ZeRO sharding itself (which rank holds what, the hooks that gather
+ * and reduce unit by unit) is zero.c's.
+ */
+#include "trainer.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt_io.h"
+#include "data.h"
+#include "device.h"
+#include "model.h"
+#include "optim.h"
+#include "spec.h"
+#include "zero.h"
+#include "zt_common.h"
+#include "zt_kernels.h"
+
+typedef struct {
+  const zt_gen_ctx_t *g;
+  zt_spec_t spec;
+  zt_model_config_t cfg;
+  zt_model_t *m;
+  const zt_kernels_t *k;
+  zt_zero_t z;
+  int have_z;
+  zt_data_t *train, *val;
+  int *inp, *tgt;
+  zt_ckpt_writer_t *writer; /* started at the first checkpoint */
+  int N, r, accum, mb, T;
+  int64_t tmo;
+} trainer;
+
+/* What one step produced. */
+typedef struct {
+  double loss, norm, lr, val_loss, ms;
+  int nonfinite;
+  int ckpt_requested; /* some rank's caller asked for a checkpoint (ctl[3]) */
+} step_result;
+
+/* ---- set-up ------------------------------------------------------------------ */
+
+static int open_data(trainer *t) {
+  const zt_gen_ctx_t *g = t->g;
+  if (zt_data_open_glob(&t->train, t->spec.train_glob, t->T, t->cfg.vocab_size, t->spec.seed) != 0)
+    return -1;
+  if (g->nskips && zt_data_set_skips(t->train, g->skips, g->nskips) != 0) return -1;
+  if (t->spec.val_glob[0] && t->spec.eval_every &&
+      zt_data_open_glob(&t->val, t->spec.val_glob, t->T, t->cfg.vocab_size, t->spec.seed) != 0)
+    return -1;
+  return 0;
+}
+
+/* Everything before the first step. *fault says who is to blame. */
+static int set_up(trainer *t, zt_train_fault_t *fault) {
+  const zt_gen_ctx_t *g = t->g;
+  *fault = ZT_FAULT_JOB;
+  if (zt_spec_parse(&t->spec, g->spec_json, strlen(g->spec_json)) != 0)
+    return zt_err_wrap("job spec");
+  t->cfg = t->spec.model;
+  t->T = t->cfg.seq_len;
+  t->mb = t->spec.micro_batch;
+  if (zt_spec_accum_for_world(&t->spec, t->N, &t->accum) != 0) return -1;
+  t->k = zt_device_kernels(g->device, t->spec.bf16);
+  if (!t->k) { /* this worker's fault, not the job's */
+    *fault = ZT_FAULT_GENERATION;
+    return zt_err_wrap("device");
+  }
+  if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
+  if (zt_model_create(&t->m, &t->cfg, t->mb, t->T, t->k,
+                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0)
+    return zt_err_wrap("model");
+  if (open_data(t) != 0) return -1;
+  /* Test knob: CPU workers stage collectives as the device path does. */
+  int dev = t->k != zt_kernels_cpu() || zt_knob(ZT_KNOB_STAGE_COLLECTIVES, 0) == 1;
+  zt_zero_opts_t zo = {.rank = t->r, .world = t->N, .stage = t->spec.zero_stage, .dev = dev,
+                       .timeout_ms = t->tmo,
+                       .inv_k = (double)t->mb / (double)t->spec.global_batch};
+  if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) return -1;
+  t->have_z = 1;
+  if (g->workdir && zt_zero_write_memory_report(&t->z, g->workdir) != 0)
+    ZT_WARN("%s", zt_err_msg());
+  t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
+  t->tgt = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
+  *fault = ZT_FAULT_GENERATION;
+  return 0;
+}
+
+/* The step to start from: the loaded epoch's, or 0 with fresh parameters. */
+static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
+  const zt_gen_ctx_t *g = t->g;
+  if (!g->checkpoint_dir || !g->checkpoint_dir[0]) {
+    zt_zero_init_params(&t->z, t->spec.seed);
+    *step = 0;
+    return 0;
+  }
+  int64_t t0 = zt_now_ms(), loaded = 0;
+  if (zt_zero_load(&t->z, g->checkpoint_dir, &loaded) != 0) {
+    *fault = zt_comm_broken(g->comm) ? ZT_FAULT_GENERATION : ZT_FAULT_CHECKPOINT;
+    return -1;
+  }
+  if (g->start_step && loaded != g->start_step)
+    return zt_err("checkpoint %s holds step %lld, expected %lld", g->checkpoint_dir,
+                  (long long)loaded, (long long)g->start_step);
+  *step = loaded;
+  ZT_INFO("loaded checkpoint step %lld into %d ranks, stage %d, in %lld ms: %s", (long long)loaded,
+          t->N, t->spec.zero_stage, (long long)(zt_now_ms() - t0), g->checkpoint_dir);
+  return 0;
+}
+
+/* ---- one step ------------------------------------------------------------------- */
+
+/* The LR of step s (1-based): the schedule, the rollback cooldown factor,
+ * and the test-only fault injection (a huge LR for a step range, in the
+ * first run of those steps unless `repeat`). */
+static double step_lr(trainer *t, int64_t s) {
+  const zt_gen_ctx_t *g = t->g;
+  const zt_spec_fault_t *fi = &t->spec.fault;
+  float mult = 1.0f;
+  if (s <= g->lr_until && g->lr_factor > 0) mult *= (float)g->lr_factor;
+  if (fi->lr_scale > 0 && (g->rollbacks == 0 || fi->repeat) && s >= fi->from_step &&
+      s <= fi->to_step)
+    mult *= (float)fi->lr_scale;
+  return zt_lr_at(&t->spec.sched, t->spec.opt.lr, (long)(s - 1), mult);
+}
+
+/* Mean loss over the spec's evaluation batches, spread over the ranks. */
+static float eval_loss(trainer *t) {
+  int mb = t->mb;
+  float acc[2] = {0, 0};
+  uint64_t ns = zt_data_num_samples(t->val);
+  for (int b = t->r; b < t->spec.eval_batches; b += t->N) {
+    float l = NAN;
+    if (zt_data_fill_seq(t->val, ((uint64_t)b * (uint64_t)mb) % (ns - (uint64_t)mb + 1), mb,
+                         t->inp, t->tgt) != 0 ||
+        zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0)
+      return NAN;
+    acc[0] += l;
+    acc[1] += 1;
+  }
+  if (zt_comm_all_reduce(t->g->comm, acc, 2, ZT_DT_F32, ZT_RED_SUM, t->tmo) != 0) return NAN;
+  return acc[1] > 0 ? acc[0] / acc[1] : NAN;
+}
+
+/* Forward and backward of every micro-step of step `step` (0-based);
+ * *loss_sum receives the sum of their losses. 1 when a stop was requested. */
+static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
+  const zt_gen_ctx_t *g = t->g;
+  *loss_sum = 0;
+  for (int j = 0; j < t->accum; j++) {
+    if (g->should_stop(g->user)) return 1;
+    uint64_t first = zt_data_pos((uint64_t)step, t->mb, t->accum, t->N, t->r, j);
+    float l = 0;
+    if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) return -1;
+    zt_zero_micro_begin(&t->z);
+    if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
+    *loss_sum += l;
+    if (zt_model_backward(t->m, 1.0f) != 0 && !t->z.fail) return -1;
+    if (zt_zero_micro_end(&t->z) != 0) return -1;
+  }
+  return 0;
+}
+
+/* Computes step `step` + 1. 1 when a stop was requested. */
+static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res) {
+  int64_t t0 = zt_now_us(), s = step + 1;
+  double loss_sum;
+  zt_zero_start_step(&t->z);
+  int rc = micro_steps(t, step, &loss_sum);
+  if (rc != 0) return rc;
+  if (zt_zero_reduce(&t->z) != 0) return -1;
+  double ctl[4] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag};
+  ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0 : 1.0;
+  if (zt_comm_all_reduce(t->g->comm, ctl, 4, ZT_DT_F64, ZT_RED_SUM, t->tmo) != 0) return -1;
+  res->loss = ctl[0] * t->z.inv_k;
+  res->norm = sqrt(ctl[1]);
+  res->nonfinite = ctl[2] > 0 || !isfinite(res->loss) || !isfinite(res->norm);
+  res->ckpt_requested = ctl[3] > 0;
+  res->lr = step_lr(t, s);
+  if (!res->nonfinite) {
+    float gscale = zt_opt_clip_coef(ctl[1], t->spec.grad_clip, NULL);
+    zt_zero_adamw(&t->z, &t->spec.opt, (float)res->lr, gscale, s);
+    if (zt_zero_gather(&t->z) != 0) return -1;
+  } else {
+    ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
+            (long long)s, res->loss, res->norm);
+  }
+  res->val_loss = NAN;
+  if (t->val && t->spec.eval_every && s % t->spec.eval_every == 0) {
+    res->val_loss = eval_loss(t);
+    if (isnan(res->val_loss) && zt_comm_broken(t->g->comm)) return -1;
+  }
+  res->ms = (double)(zt_now_us() - t0) / 1000.0;
+  return 0;
+}
+
+/* ---- checkpoints ------------------------------------------------------------------ */
+
+/* Snapshots this rank's state for `step` and hands it to the writer. */
+static int save_state(trainer *t, int64_t step) {
+  const zt_gen_ctx_t *g = t->g;
+  if (!t->writer && zt_ckpt_writer_start(g->report_checkpoint, g->user, &t->writer) != 0)
+    return -1;
+  float *buf = zt_ckpt_writer_buffer(t->writer, zt_zero_snapshot_floats(&t->z));
+  if (!buf) return -1;
+  zt_ckpt_range_t *rg = zt_xcalloc((size_t)t->z.U, sizeof *rg);
+  zt_zero_snapshot(&t->z, buf, rg);
+  char dir[1024];
+  zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
+  zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,
+                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips};
+  int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, t->z.U);
+  free(rg);
+  return rc;
+}
+
+/* Writes an epoch when one is due. Returns 1 when the generation ends
+ * here: a checkpoint-now epoch (drain, scale-up) makes the coordinator
+ * re-form from exactly this step once it commits, so no step is computed
+ * twice. */
+static int checkpoint(trainer *t, int64_t step, const step_result *res) {
+  const zt_spec_ckpt_t *c = &t->spec.ckpt;
+  int want = c->dir[0] && !res->nonfinite &&
+             ((c->every_steps && step % c->every_steps == 0) || res->ckpt_requested);
+  if (!want || step >= t->spec.steps) return 0;
+  if (save_state(t, step) != 0) return -1;
+  if (!res->ckpt_requested) return 0;
+  ZT_INFO("step %lld: checkpoint-now epoch written; waiting for the next generation",
+          (long long)step);
+  return 1;
+}
+
+/* ---- the generation ---------------------------------------------------------------- */
+
+static zt_train_cmd_t report(trainer *t, int64_t step, const step_result *res) {
+  const zt_gen_ctx_t *g = t->g;
+  if (t->r != 0 || !g->report_step) return ZT_CMD_CONTINUE;
+  zt_step_report_t rep = {step,    res->loss,
+                          res->norm, res->lr,
+                          (double)t->spec.global_batch * t->T / (res->ms / 1000.0),
+                          res->ms, res->val_loss};
+  return g->report_step(g->user, &rep);
+}
+
+static void tear_down(trainer *t) {
+  /* A write in flight finishes (its epoch may still commit); then stop. */
+  zt_ckpt_writer_stop(t->writer);
+  free(t->inp);
+  free(t->tgt);
+  zt_data_close(t->train);
+  zt_data_close(t->val);
+  if (t->have_z) zt_zero_free(&t->z);
+  zt_model_free(t->m);
+}
+
+int zt_gen_train(const zt_gen_ctx_t *g, zt_train_fault_t *fault) {
+  trainer t;
+  memset(&t, 0, sizeof t);
+  t.g = g;
+  t.N = g->world, t.r = g->rank;
+  t.tmo = g->comm_timeout_ms > 0 ? g->comm_timeout_ms : 30000;
+  int64_t step = 0;
+  int ret = -1, ckpt_flag = 0;
+  if (set_up(&t, fault) != 0 || load_or_init(&t, &step, fault) != 0) goto out;
+  while (step < t.spec.steps) {
+    step_result res;
+    int rc = train_step(&t, step, ckpt_flag, &res);
+    if (rc != 0) {
+      ret = rc > 0 ? 0 : -1;
+      goto out;
+    }
+    step++;
+    zt_train_cmd_t cmd = report(&t, step, &res);
+    rc = checkpoint(&t, step, &res);
+    if (rc != 0) {
+      ret = rc > 0 ? 0 : -1;
+      goto out;
+    }
+    ckpt_flag = cmd == ZT_CMD_CHECKPOINT_NOW;
+    if (cmd == ZT_CMD_STOP || cmd == ZT_CMD_ROLLBACK) break;
+  }
+  ret = 0;
+out:
+  if (ret != 0 && *fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))
+    *fault = ZT_FAULT_GENERATION;
+  tear_down(&t);
+  return ret;
+}

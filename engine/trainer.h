@@ -1,0 +1,77 @@
+/*
+ * trainer.h: one generation of data-parallel training, the engine's entry
+ * point.
+ *
+ * The caller (the worker's runner, worker/runner.c, or zsolo, solo.c) has
+ * joined a generation: it knows its rank, the world size and the job spec,
+ * and holds a connected communicator. zt_gen_train() builds the model, lays
+ * out the ZeRO states (zero.h), initialises them or loads the committed
+ * epoch the coordinator named (resharding it to this world size), and runs
+ * steps until the job's last step, a stop request or a failure.
+ *
+ * The engine knows nothing of gRPC or of the coordinator: it talks to its
+ * caller through the callbacks below, in its own vocabulary
+ * (zt_train_cmd_t), and the caller translates.
+ */
+#ifndef ZT_TRAINER_H
+#define ZT_TRAINER_H
+
+#include <stdint.h>
+
+#include "ckpt_io.h"
+#include "comm.h"
+#include "zt_common.h"
+
+/* What the caller wants after a step (rank 0 asks it). */
+typedef enum {
+  ZT_CMD_CONTINUE = 0,
+  ZT_CMD_CHECKPOINT_NOW, /* write an epoch at the next step on every rank */
+  ZT_CMD_ROLLBACK,       /* this generation is over: a rollback re-forms the job */
+  ZT_CMD_STOP,           /* this generation is over */
+} zt_train_cmd_t;
+
+/* Who is at fault when zt_gen_train fails. */
+typedef enum {
+  ZT_FAULT_GENERATION = 0, /* a peer or this worker's device: retry in a new generation */
+  ZT_FAULT_JOB = 1,        /* the job itself (invalid spec, bad data): fail it */
+  ZT_FAULT_CHECKPOINT = 2, /* the epoch to load is corrupt: fall back to an older one */
+} zt_train_fault_t;
+
+/* One step's numbers, as rank 0 reports them. */
+typedef struct zt_step_report {
+  int64_t step; /* 1-based */
+  double loss, grad_norm, lr, tokens_per_s, step_ms, val_loss;
+} zt_step_report_t;
+
+/* Everything one generation's training needs. */
+typedef struct zt_gen_ctx {
+  uint64_t job_id, generation;
+  int rank, world;
+  const char *spec_json;
+  int64_t start_step;          /* the step the epoch to load holds (0: check nothing) */
+  int64_t comm_timeout_ms;     /* per collective; 0: 30 s */
+  zt_comm_t *comm;
+  const char *workdir;         /* where zero_memory.json goes (NULL: nowhere) */
+  int threads;                 /* CPU threads (0: default) */
+  const char *device;          /* "cpu" (or NULL) or "cuda:N": where the model runs */
+  const char *checkpoint_dir;  /* committed epoch to load ("" or NULL: fresh) */
+  const zt_range_t *skips;     /* data skipped by rollbacks, sorted */
+  int nskips;
+  double lr_factor;            /* LR multiplier for steps <= lr_until */
+  int64_t lr_until;
+  int rollbacks;               /* rollbacks so far (fault injection's first run) */
+  /* Polled between micro-steps: nonzero asks the trainer to return. */
+  int (*should_stop)(void *user);
+  /* Rank 0 only, after every step. */
+  zt_train_cmd_t (*report_step)(void *user, const zt_step_report_t *r);
+  /* Every rank, after its files of an epoch are durable (writer thread).
+   * Returns 0 when the coordinator took the report. May be NULL. */
+  zt_ckpt_done_fn report_checkpoint;
+  void *user;
+} zt_gen_ctx_t;
+
+/* Trains one generation. Returns 0 when the job's last step is done or a
+ * stop was requested; -1 on failure with *fault saying who is at fault. */
+int zt_gen_train(const zt_gen_ctx_t *g, zt_train_fault_t *fault);
+
+#endif

@@ -1,0 +1,429 @@
+/*
+ * zero.c: a rank's model states under ZeRO stages 0-3 (see zero.h and
+ * docs/zero.md): their layout in the kernel table's memory, the hooks that
+ * gather parameters and reduce gradients unit by unit, the optimizer step
+ * on the owned shard, and loading and snapshotting them for checkpoints.
+ */
+#include "zero.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_common.h"
+
+/* ---- allocation and accounting ------------------------------------------------- */
+
+/* Zeroed table memory; NULL (and z->oom set) when there is not enough. */
+static void *alloc_b(zt_zero_t *z, size_t n, size_t esz, int kind) {
+  void *p = z->k->alloc((n ? n : 1) * esz);
+  if (!p) z->oom = 1;
+  z->state_bytes[kind] += n * esz;
+  return p;
+}
+
+static float *alloc_f(zt_zero_t *z, size_t n, int kind) { return alloc_b(z, n, sizeof(float), kind); }
+static double *alloc_d(zt_zero_t *z, size_t n, int kind) { return alloc_b(z, n, sizeof(double), kind); }
+
+/* ---- collectives on table memory ---------------------------------------------------
+ *
+ * With one rank a collective is a local copy. Otherwise host memory goes
+ * straight to the communicator; device memory is staged: the region the
+ * call reads (send, or recv when send lies inside it, as in the in-place
+ * calls of stages 1-2) is downloaded, the collective runs on host memory,
+ * and what it wrote is uploaded. */
+
+static char *stage(zt_zero_t *z, size_t bytes) {
+  if (bytes > z->stage_cap) {
+    free(z->stage_buf);
+    z->stage_buf = zt_xmalloc(bytes);
+    z->stage_cap = bytes;
+  }
+  return z->stage_buf;
+}
+
+static int c_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
+  size_t bytes = count * zt_dtype_size(dt);
+  if (z->N == 1) return 0;
+  if (!z->dev) return zt_comm_all_reduce(z->comm, buf, count, dt, ZT_RED_SUM, z->tmo);
+  char *h = stage(z, bytes);
+  z->k->download(h, buf, bytes);
+  if (zt_comm_all_reduce(z->comm, h, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
+  z->k->upload(buf, h, bytes);
+  return 0;
+}
+
+/* Covers both in-place forms: recv inside send (reduce-scatter) and send
+ * inside recv (all-gather). `big` is the world*count side. */
+static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype_t dt, int gather) {
+  size_t es = zt_dtype_size(dt), bb = count * es * (size_t)z->N, sb = count * es;
+  int inside = small >= big && small < big + bb;
+  char *h = stage(z, bb + (inside ? 0 : sb));
+  char *hs = inside ? h + (small - big) : h + bb;
+  if (gather) {
+    z->k->download(hs, small, sb);
+    if (zt_comm_all_gather(z->comm, hs, h, count, dt, z->tmo) != 0) return -1;
+    z->k->upload(big, h, bb);
+  } else {
+    z->k->download(h, big, bb);
+    if (zt_comm_reduce_scatter(z->comm, h, hs, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
+    z->k->upload(small, hs, sb);
+  }
+  return 0;
+}
+
+static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt) {
+  if (z->N == 1) {
+    if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
+    return 0;
+  }
+  if (!z->dev)
+    return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
+  return c_staged(z, send, recv, count, dt, 0);
+}
+
+static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count, zt_dtype_t dt) {
+  if (z->N == 1) {
+    if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
+    return 0;
+  }
+  if (!z->dev) return zt_comm_all_gather(z->comm, send, recv, count, dt, z->tmo);
+  return c_staged(z, recv, (char *)send, count, dt, 1);
+}
+
+static int layout(zt_zero_t *z) {
+  z->U = z->m->lay.num_units;
+  z->usz = zt_xcalloc((size_t)z->U, sizeof(size_t));
+  z->S = zt_xcalloc((size_t)z->U, sizeof(size_t));
+  z->off_full = zt_xcalloc((size_t)z->U, sizeof(size_t));
+  z->off_shard = zt_xcalloc((size_t)z->U, sizeof(size_t));
+  for (int u = 0; u < z->U; u++) {
+    z->usz[u] = z->m->lay.unit_size[u];
+    z->S[u] = (z->usz[u] + (size_t)z->N - 1) / (size_t)z->N;
+    z->off_full[u] = z->full_total;
+    z->off_shard[u] = z->shard_total;
+    z->full_total += z->S[u] * (size_t)z->N;
+    z->shard_total += z->S[u];
+    if (z->S[u] * (size_t)z->N > z->max_unit) z->max_unit = z->S[u] * (size_t)z->N;
+  }
+  enum { PARAMS, GRADS, OPT, FLIGHT };
+  if (z->stage < 3) z->P = alloc_f(z, z->full_total, PARAMS);
+  else z->Ps = alloc_f(z, z->shard_total, PARAMS);
+  if (z->stage < 2) {
+    z->G = alloc_f(z, z->full_total, GRADS);
+    z->G64 = alloc_d(z, z->full_total, GRADS);
+  } else {
+    z->G64 = alloc_d(z, z->shard_total, GRADS);
+  }
+  size_t opt_n = z->stage == 0 ? z->full_total : z->shard_total;
+  z->M = alloc_f(z, opt_n, OPT);
+  z->V = alloc_f(z, opt_n, OPT);
+  if (z->stage >= 2) {
+    z->tg0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
+    z->tg = alloc_f(z, z->max_unit, FLIGHT);
+    z->tg64 = alloc_d(z, z->max_unit, FLIGHT);
+    z->rs64 = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
+  }
+  if (z->stage == 3) {
+    z->gat0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
+    z->gat = alloc_f(z, z->max_unit, FLIGHT);
+  }
+  z->gbuf = z->k->alloc((z->max_unit ? z->max_unit : 1) * sizeof(float)); /* not a model state */
+  if (!z->gbuf || z->oom)
+    return zt_err("out of %s memory for the model states (%llu bytes)", z->dev ? "device" : "host",
+                  (unsigned long long)(z->state_bytes[0] + z->state_bytes[1] +
+                                       z->state_bytes[2] + z->state_bytes[3]));
+  for (int u = 0; u < z->U; u++) {
+    z->m->unit_params[u] = z->P ? z->P + z->off_full[u] : NULL;
+    z->m->unit_grads[u] = z->G ? z->G + z->off_full[u] : NULL;
+  }
+  return 0;
+}
+
+/* The owned range of unit u, clipped to its real size: [lo, lo + n). */
+static void owned(const zt_zero_t *z, int u, size_t *lo, size_t *n) {
+  size_t a = (size_t)z->r * z->S[u], b = a + z->S[u];
+  if (b > z->usz[u]) b = z->usz[u];
+  *lo = a < b ? a : b;
+  *n = b > a ? b - a : 0;
+}
+
+/* ---- ZeRO hooks --------------------------------------------------------------------- */
+
+static void hook_fail(zt_zero_t *z, const char *what) {
+  if (!z->fail) {
+    z->fail = 1;
+    snprintf(z->fail_msg, sizeof z->fail_msg, "%s: %s", what, zt_err_msg());
+  }
+}
+
+/* Stage 3: gather unit u's parameters into a full buffer. */
+static void gather_unit(zt_zero_t *z, int u) {
+  float *buf = u == 0 ? z->gat0 : z->gat;
+  if (z->fail) return;
+  if (c_all_gather(z, z->Ps + z->off_shard[u], buf, z->S[u], ZT_DT_F32) != 0)
+    hook_fail(z, "all-gather of parameters");
+  z->m->unit_params[u] = buf;
+}
+
+static int h_pre_forward(void *ctx, int u) {
+  zt_zero_t *z = ctx;
+  if (z->stage == 3) gather_unit(z, u);
+  return z->fail ? -1 : 0;
+}
+
+static int h_pre_backward(void *ctx, int u) {
+  zt_zero_t *z = ctx;
+  if (z->stage == 3 && u != 0) gather_unit(z, u); /* unit 0 is still gathered */
+  if (z->stage >= 2) {
+    float *g = u == 0 ? z->tg0 : z->tg;
+    z->k->zero(g, z->S[u] * (size_t)z->N);
+    z->m->unit_grads[u] = g;
+  }
+  return z->fail ? -1 : 0;
+}
+
+/* Stages 2-3: reduce-scatter the unit's gradient (in fp64, so the sum is
+ * exact) and add this rank's shard to the running sum. */
+static int h_post_backward(void *ctx, int u) {
+  zt_zero_t *z = ctx;
+  if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
+  const float *g = u == 0 ? z->tg0 : z->tg;
+  z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
+  if (c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64) != 0) {
+    hook_fail(z, "reduce-scatter of gradients");
+    return -1;
+  }
+  z->k->add_f64(z->G64 + z->off_shard[u], z->rs64, z->S[u]);
+  return 0;
+}
+
+
+int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t *comm,
+                   const zt_zero_opts_t *o) {
+  memset(z, 0, sizeof *z);
+  z->m = m;
+  z->k = k;
+  z->comm = comm;
+  z->dev = o->dev;
+  z->N = o->world;
+  z->r = o->rank;
+  z->stage = o->stage;
+  z->tmo = o->timeout_ms;
+  z->inv_k = o->inv_k;
+  if (layout(z) != 0) return -1;
+  zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
+  zt_model_set_hooks(m, &hooks);
+  return 0;
+}
+
+void zt_zero_free(zt_zero_t *z) {
+  if (z->m) zt_model_set_hooks(z->m, NULL);
+  void *bufs[] = {z->gbuf, z->P,   z->G,   z->Ps, z->G64, z->M,    z->V,
+                  z->gat0, z->gat, z->tg0, z->tg, z->tg64, z->rs64};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
+    if (bufs[i]) z->k->release(bufs[i]);
+  free(z->usz), free(z->S), free(z->off_full), free(z->off_shard);
+  free(z->stage_buf);
+  memset(z, 0, sizeof *z);
+}
+
+int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir) {
+  char path[1100];
+  snprintf(path, sizeof path, "%s/zero_memory.json", workdir);
+  FILE *f = fopen(path, "w");
+  if (!f) return zt_err_errno("%s", path);
+  size_t psi = 0, pad = 0;
+  for (int u = 0; u < z->U; u++) psi += z->usz[u], pad += z->S[u] * (size_t)z->N - z->usz[u];
+  fprintf(f,
+          "{\"stage\": %d, \"world\": %d, \"rank\": %d, \"psi\": %zu, \"padding\": %zu, "
+          "\"params_bytes\": %llu, \"grads_bytes\": %llu, \"optimizer_bytes\": %llu, "
+          "\"inflight_bytes\": %llu}\n",
+          z->stage, z->N, z->r, psi, pad, (unsigned long long)z->state_bytes[0],
+          (unsigned long long)z->state_bytes[1], (unsigned long long)z->state_bytes[2],
+          (unsigned long long)z->state_bytes[3]);
+  if (fclose(f) != 0) return zt_err_errno("%s", path);
+  return 0;
+}
+
+/* Each unit is initialised on the host (zt_layout_init_unit) and uploaded:
+ * whole (stages 0-2) or this rank's shard (stage 3). */
+void zt_zero_init_params(zt_zero_t *z, uint64_t seed) {
+  float *tmp = zt_xmalloc((z->max_unit ? z->max_unit : 1) * sizeof(float));
+  for (int u = 0; u < z->U; u++) {
+    memset(tmp, 0, z->S[u] * (size_t)z->N * sizeof(float));
+    zt_layout_init_unit(&z->m->lay, seed, u, tmp);
+    if (z->stage < 3)
+      z->k->upload(z->P + z->off_full[u], tmp, z->S[u] * (size_t)z->N * sizeof(float));
+    else
+      z->k->upload(z->Ps + z->off_shard[u], tmp + (size_t)z->r * z->S[u], z->S[u] * sizeof(float));
+  }
+  free(tmp);
+}
+
+/* Where this rank's owned Adam state of unit u lives. */
+static float *opt_ptr(zt_zero_t *z, float *base, int u) {
+  return z->stage == 0 ? base + z->off_full[u] + (size_t)z->r * z->S[u] : base + z->off_shard[u];
+}
+
+/* A host view of n floats of table memory: the memory itself on the host,
+ * else a host buffer (freed by host_done, after copying it up). */
+static float *host_view(zt_zero_t *z, float *buf, size_t n) {
+  return z->dev ? zt_xmalloc(n * sizeof(float)) : buf;
+}
+
+static void host_done(zt_zero_t *z, float *buf, float *view, size_t n) {
+  if (view == buf || !view) return;
+  z->k->upload(buf, view, n * sizeof(float));
+  free(view);
+}
+
+int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step) {
+  /* Stages 0-2 need every unit's full parameters; all stages need the
+   * owned Adam state (stage 0 then re-shares it below). Files are read into
+   * host views of P (or Ps), M and V. */
+  size_t np = z->stage < 3 ? z->full_total : z->shard_total;
+  size_t no = z->stage == 0 ? z->full_total : z->shard_total;
+  float *pbuf = z->stage < 3 ? z->P : z->Ps;
+  float *hp = host_view(z, pbuf, np), *hm = host_view(z, z->M, no), *hv = host_view(z, z->V, no);
+  zt_ckpt_dest_t *dest = calloc((size_t)z->U * 2, sizeof *dest);
+  int nd = 0, rc = -1;
+  if (!hp || !hm || !hv || !dest) {
+    zt_err("out of memory loading a checkpoint");
+    goto out;
+  }
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n;
+    owned(z, u, &lo, &n);
+    float *m = hm + (opt_ptr(z, z->M, u) - z->M), *v = hv + (opt_ptr(z, z->V, u) - z->V);
+    if (z->stage < 3) {
+      dest[nd++] = (zt_ckpt_dest_t){u, 0, z->usz[u], hp + z->off_full[u], NULL, NULL};
+      dest[nd++] = (zt_ckpt_dest_t){u, lo, n, NULL, m, v};
+    } else {
+      dest[nd++] = (zt_ckpt_dest_t){u, lo, n, hp + z->off_shard[u], m, v};
+    }
+  }
+  rc = zt_ckpt_load(dir, &z->m->cfg, dest, nd, step);
+out:
+  free(dest);
+  host_done(z, pbuf, hp, np);
+  host_done(z, z->M, hm, no);
+  host_done(z, z->V, hv, no);
+  if (rc != 0) return -1;
+  if (z->stage == 0) {
+    /* Full Adam state on every rank: share the owned slices. */
+    for (int u = 0; u < z->U; u++) {
+      float *b[2] = {z->M + z->off_full[u], z->V + z->off_full[u]};
+      for (int k = 0; k < 2; k++)
+        if (c_all_gather(z, b[k] + (size_t)z->r * z->S[u], b[k], z->S[u], ZT_DT_F32) != 0)
+          return zt_err_wrap("share optimizer state");
+    }
+  }
+  return 0;
+}
+
+
+/* ---- checkpoint snapshots ---------------------------------------------------------- */
+
+size_t zt_zero_snapshot_floats(const zt_zero_t *z) {
+  size_t total = 0;
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n;
+    owned(z, u, &lo, &n);
+    total += 3 * n;
+  }
+  return total;
+}
+
+void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
+  float *at = buf;
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n;
+    owned(z, u, &lo, &n);
+    const float *src[3] = {z->stage < 3 ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u],
+                           opt_ptr(z, z->M, u), opt_ptr(z, z->V, u)};
+    float *dst[3];
+    for (int k = 0; k < 3; k++) {
+      dst[k] = at;
+      z->k->download(at, src[k], n * sizeof(float));
+      at += n;
+    }
+    ranges[u] = (zt_ckpt_range_t){u, lo, n, dst[0], dst[1], dst[2]};
+  }
+}
+
+/* ---- one step ------------------------------------------------------------------------------ */
+
+void zt_zero_start_step(zt_zero_t *z) {
+  z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
+}
+
+void zt_zero_micro_begin(zt_zero_t *z) {
+  if (z->G) z->k->zero(z->G, z->full_total);
+}
+
+int zt_zero_micro_end(zt_zero_t *z) {
+  if (z->G) z->k->acc_f64(z->G64, z->G, z->full_total);
+  if (z->fail) return zt_err("%s", z->fail_msg);
+  return 0;
+}
+
+/* AdamW on the owned shard of unit u through the kernel table; the fp64
+ * gradient sum is scaled (1/K, clip factor) into fp32 first. Weight decay
+ * applies to the tensors the model marks (matmul weights, embeddings). */
+static void adamw_unit(zt_zero_t *z, const zt_opt_config_t *o, int u, float lr, float gscale,
+                       int64_t t) {
+  size_t lo, n;
+  owned(z, u, &lo, &n);
+  float *m = opt_ptr(z, z->M, u), *v = opt_ptr(z, z->V, u);
+  if (z->stage == 0) { /* replicated: every rank updates the whole unit */
+    lo = 0, n = z->usz[u];
+    m = z->M + z->off_full[u], v = z->V + z->off_full[u];
+  }
+  if (!n) return;
+  float *p = z->stage < 3 ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
+  const double *g = z->stage < 2 ? z->G64 + z->off_full[u] + lo : z->G64 + z->off_shard[u];
+  z->k->narrow_f64(z->gbuf, g, n, z->inv_k, gscale);
+  zt_opt_adamw_unit(z->k, &z->m->lay, o, u, lo, n, p, z->gbuf, m, v, lr, t);
+}
+
+void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t) {
+  for (int u = 0; u < z->U; u++) adamw_unit(z, o, u, lr, gscale, t);
+}
+
+
+/* Sum of squares of the owned gradient elements (the global sum is the
+ * all-reduce of these). */
+double zt_zero_sumsq(zt_zero_t *z) {
+  double s = 0;
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n;
+    owned(z, u, &lo, &n);
+    const double *g = z->stage < 2 ? z->G64 + z->off_full[u] + lo : z->G64 + z->off_shard[u];
+    s += z->k->sumsq_f64(g, n, z->inv_k);
+  }
+  return s;
+}
+
+/* Sums the gradient over ranks: all-reduce (stage 0) or reduce-scatter
+ * (stage 1) in fp64; stages 2-3 did it unit by unit during backward. */
+int zt_zero_reduce(zt_zero_t *z) {
+  if (z->stage == 0) return c_all_reduce(z, z->G64, z->full_total, ZT_DT_F64);
+  if (z->stage == 1)
+    for (int u = 0; u < z->U; u++) {
+      double *g = z->G64 + z->off_full[u];
+      if (c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64) != 0) return -1;
+    }
+  return 0;
+}
+
+int zt_zero_gather(zt_zero_t *z) {
+  if (z->stage != 1 && z->stage != 2) return 0;
+  for (int u = 0; u < z->U; u++) {
+    float *p = z->P + z->off_full[u];
+    if (c_all_gather(z, p + (size_t)z->r * z->S[u], p, z->S[u], ZT_DT_F32) != 0) return -1;
+  }
+  return 0;
+}
+

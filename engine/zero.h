@@ -1,0 +1,119 @@
+/*
+ * zero.h: the model states of one rank under ZeRO stages 0-3, and the
+ * operations on them that involve the other ranks.
+ *
+ * Layout. Every unit u (layout.h) of U_u elements is padded to N*S_u,
+ * S_u = ceil(U_u / N); rank r owns [r*S_u, (r+1)*S_u). Storage per stage
+ * (docs/zero.md has the byte formulas):
+ *
+ *   stage  params          grads                    Adam m, v
+ *   0      full            full                     full
+ *   1      full            full                     shard
+ *   2      full            shard (+ unit in flight) shard
+ *   3      shard (+ units  shard (+ unit in flight) shard
+ *          gathered in flight)
+ *
+ * One step, as the trainer (trainer.c) drives it: zt_zero_start_step, then
+ * for each micro-step zt_zero_micro_begin, forward + backward of the model,
+ * zt_zero_micro_end; then zt_zero_reduce (stage 0 all-reduces the
+ * gradients, stage 1 reduce-scatters them; stages 2 and 3 have already
+ * reduce-scattered each unit's gradient in the backward hook of every
+ * micro-step), zt_zero_sumsq for the global norm, zt_zero_adamw on the owned
+ * shard and zt_zero_gather (stages 1 and 2 all-gather the parameters). Stage
+ * 3 all-gathers a unit right before the model uses it (forward and
+ * backward) and drops it after. Gradient sums are kept in fp64, so the
+ * reduced gradient is exact and the same for any world size.
+ *
+ * Devices. Every buffer lives in the memory of the kernel table z->k and
+ * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
+ * adamw, ...): host memory and the CPU kernels, or device memory and the
+ * CUDA kernels. With `dev` set, collectives stage device buffers through
+ * host memory (the TCP ring works on host memory); with one rank they are
+ * local copies. Checkpoint files are read and written through host buffers.
+ */
+#ifndef ZT_ZERO_H
+#define ZT_ZERO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ckpt_io.h"
+#include "comm.h"
+#include "model.h"
+#include "optim.h"
+#include "zt_kernels.h"
+
+typedef struct zt_zero {
+  zt_model_t *m;         /* the model whose unit pointers this rank's state feeds */
+  const zt_kernels_t *k; /* kernels and memory of the model and its state */
+  int dev;               /* that memory is a device's (collectives are staged) */
+  zt_comm_t *comm;
+  int N, r, stage, U;
+  int64_t tmo;           /* deadline of each collective, ms */
+  void *stage_buf;       /* host staging for collectives on device memory */
+  size_t stage_cap;
+  float *gbuf;           /* one unit's owned gradient in fp32, for the AdamW kernel */
+  size_t *usz, *S;       /* unit size, shard size */
+  size_t *off_full;      /* offset of unit u in full (padded) buffers */
+  size_t *off_shard;     /* offset of unit u in shard buffers */
+  size_t full_total, shard_total, max_unit;
+  float *P, *G;          /* full params; one micro-step's full grads (stages 0-1) */
+  float *Ps;             /* stage 3 parameter shard */
+  double *G64;           /* gradient sum: full (stages 0-1) or shard (2-3) */
+  float *M, *V;          /* Adam state: full (stage 0) or shard */
+  float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit */
+  float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
+  double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
+  double inv_k;          /* 1 / micro-batches per step (all ranks) */
+  int fail;              /* a collective in a hook failed */
+  int oom;               /* an allocation of the layout failed */
+  char fail_msg[512];
+  uint64_t state_bytes[4]; /* params, grads, optimizer, in flight */
+} zt_zero_t;
+
+typedef struct zt_zero_opts {
+  int rank, world, stage;
+  int dev;              /* stage collectives through host memory */
+  int64_t timeout_ms;   /* per collective */
+  double inv_k;         /* micro_batch / global_batch */
+} zt_zero_opts_t;
+
+/* Lays out this rank's model states in the kernel table's memory, points
+ * the model's units at them and installs the ZeRO hooks on the model. The
+ * model must have been created with ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS;
+ * it stays the caller's. -1 when out of (device or host) memory. */
+int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t *comm,
+                   const zt_zero_opts_t *o);
+void zt_zero_free(zt_zero_t *z);
+
+/* Writes <workdir>/zero_memory.json: the bytes of model states this rank
+ * holds, by kind (tests compare them with docs/zero.md). */
+int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir);
+
+/* Fresh parameters (zt_layout_init_unit), whole units or this rank's shard. */
+void zt_zero_init_params(zt_zero_t *z, uint64_t seed);
+/* Loads the committed epoch in `dir` (any world size or stage wrote it);
+ * *step receives its step. */
+int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step);
+/* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
+ * host floats are needed; zt_zero_snapshot copies params, m and v of each
+ * unit into buf and describes them in ranges[0..U). */
+size_t zt_zero_snapshot_floats(const zt_zero_t *z);
+void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges);
+
+/* The steps of one training step, in order (see above). */
+void zt_zero_start_step(zt_zero_t *z);
+void zt_zero_micro_begin(zt_zero_t *z);
+/* -1 with the hook's error when a collective inside forward or backward
+ * failed. */
+int zt_zero_micro_end(zt_zero_t *z);
+int zt_zero_reduce(zt_zero_t *z);
+/* Sum of squares of the owned gradient elements (the global sum is the
+ * all-reduce of these). */
+double zt_zero_sumsq(zt_zero_t *z);
+/* AdamW on the owned shard of every unit: gradients scaled by 1/K and the
+ * clip factor gscale, step t (1-based). */
+void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t);
+int zt_zero_gather(zt_zero_t *z);
+
+#endif

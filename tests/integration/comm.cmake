@@ -1,1 +1,0 @@
-zt_py_test(comm_fault test_comm_fault.py)

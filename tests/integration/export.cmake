@@ -1,1 +1,0 @@
-zt_py_test(export test_export.py)

@@ -1,1 +1,0 @@
-zt_py_test(rollback test_rollback.py TIMEOUT 900)
