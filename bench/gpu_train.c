@@ -1,7 +1,7 @@
 /*
  * gpu_train.c: zt_gpubench, training throughput of the model on one GPU.
  *
- * Builds the GPT-2 model of worker/model.c on the CUDA kernel table (GPT-2
+ * Builds the GPT-2 model of engine/model.c on the CUDA kernel table (GPT-2
  * 124M by default: 12 layers, 768 wide, 12 heads, T=1024, vocab 50257
  * padded to 50304), then times full training steps: zero gradients,
  * forward with loss, backward, AdamW over all parameters. Tokens are drawn

@@ -32,6 +32,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "zt_common.h"
+
 typedef enum { ZT_DT_F32 = 0, ZT_DT_BF16 = 1, ZT_DT_F64 = 2 } zt_dtype_t;
 typedef enum { ZT_RED_SUM = 0, ZT_RED_AVG = 1 } zt_redop_t;
 
@@ -51,7 +53,7 @@ typedef struct {
 
 /* Opens a listening socket on host (port 0: any free port) before the
  * rendezvous, so the port can be reported to the coordinator. */
-int zt_comm_tcp_listen(const char *host, int *port, int *fd);
+ZT_MUST_CHECK int zt_comm_tcp_listen(const char *host, int *port, int *fd);
 
 typedef struct {
   int rank, world;
@@ -64,15 +66,15 @@ typedef struct {
 
 /* Connects the ring: rank r connects to rank r+1 and accepts rank r-1.
  * Fails after connect_timeout_ms if a neighbour does not show up. */
-int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out);
+ZT_MUST_CHECK int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out);
 
 /* ---- NCCL backend (built when CUDA and NCCL are found; ZT_HAVE_NCCL) ----- */
 
 /* Rank 0 makes the id (256 hex characters) that the coordinator hands to
  * every rank; each rank then creates its communicator on GPU `device`.
  * Buffers passed to the operations are then device pointers. */
-int zt_comm_nccl_unique_id(char hex[257]);
-int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
+ZT_MUST_CHECK int zt_comm_nccl_unique_id(char hex[257]);
+ZT_MUST_CHECK int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
                         zt_comm_t **out);
 
 /* ---- operations ---------------------------------------------------------- */
@@ -81,19 +83,19 @@ int zt_comm_rank(const zt_comm_t *c);
 int zt_comm_world(const zt_comm_t *c);
 const char *zt_comm_backend(const zt_comm_t *c);
 
-int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
+ZT_MUST_CHECK int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                        int64_t timeout_ms);
 /* send holds world*count elements; recv receives this rank's count. send and
  * recv may not overlap except recv == send + rank*count. send is clobbered. */
-int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+ZT_MUST_CHECK int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
                            zt_redop_t op, int64_t timeout_ms);
 /* send holds count elements; recv receives world*count. send may be
  * recv + rank*count (in place). */
-int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
+ZT_MUST_CHECK int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
                        int64_t timeout_ms);
-int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
+ZT_MUST_CHECK int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
                       int64_t timeout_ms);
-int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
+ZT_MUST_CHECK int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
 
 /* Makes the current and all later operations fail; safe from any thread. */
 void zt_comm_abort(zt_comm_t *c);

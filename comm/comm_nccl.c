@@ -154,8 +154,7 @@ int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int
   }
   cudaError_t ce = nc.SetDevice(device);
   if (ce != cudaSuccess) return zt_err("cudaSetDevice(%d): %s", device, nc.CudaErrorString(ce));
-  struct zt_nccl *n = calloc(1, sizeof *n);
-  if (!n) abort();
+  struct zt_nccl *n = zt_xcalloc(1, sizeof *n);
   ce = nc.StreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
   if (ce != cudaSuccess) {
     free(n);

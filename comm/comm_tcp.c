@@ -185,8 +185,7 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
 static uint8_t *scratch(zt_comm_t *c, size_t n) {
   if (n > c->scratch_cap) {
     free(c->scratch);
-    c->scratch = malloc(n);
-    if (!c->scratch) abort();
+    c->scratch = zt_xmalloc(n);
     c->scratch_cap = n;
   }
   return c->scratch;
@@ -240,8 +239,7 @@ static int nccl_result(zt_comm_t *c, int rc) {
 }
 
 zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
-  zt_comm_t *c = calloc(1, sizeof *c);
-  if (!c) abort();
+  zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = rank, c->world = world, c->nccl = n;
   c->next_fd = c->prev_fd = -1;
   c->failed_peer = -1;
@@ -483,8 +481,7 @@ static int ring_accept(zt_comm_t *c, int lfd, int from, zt_deadline_t dl) {
 int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
   if (o->world < 1 || o->rank < 0 || o->rank >= o->world)
     return zt_err("comm: rank %d of world %d is invalid", o->rank, o->world);
-  zt_comm_t *c = calloc(1, sizeof *c);
-  if (!c) abort();
+  zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = o->rank;
   c->world = o->world;
   c->session = o->session;

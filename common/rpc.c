@@ -61,8 +61,7 @@ const char *zt_rpc_status_name(int status) {
 
 static char *slice_to_cstr(grpc_slice s) {
   size_t n = GRPC_SLICE_LENGTH(s);
-  char *p = malloc(n + 1);
-  if (!p) abort();
+  char *p = zt_xmalloc(n + 1);
   memcpy(p, GRPC_SLICE_START_PTR(s), n);
   p[n] = 0;
   return p;
@@ -79,8 +78,7 @@ static uint8_t *take_buffer(grpc_byte_buffer *bb, size_t *len) {
   grpc_slice s = grpc_byte_buffer_reader_readall(&r);
   grpc_byte_buffer_reader_destroy(&r);
   *len = GRPC_SLICE_LENGTH(s);
-  uint8_t *p = malloc(*len ? *len : 1);
-  if (!p) abort();
+  uint8_t *p = zt_xmalloc(*len ? *len : 1);
   memcpy(p, GRPC_SLICE_START_PTR(s), *len);
   grpc_slice_unref(s);
   grpc_byte_buffer_destroy(bb);
@@ -152,8 +150,7 @@ static void call_free(zt_rpc_call_t *c) {
 }
 
 static void arm_slot(zt_rpc_server_t *s) {
-  zt_rpc_call_t *c = calloc(1, sizeof *c);
-  if (!c) abort();
+  zt_rpc_call_t *c = zt_xcalloc(1, sizeof *c);
   c->server = s;
   grpc_call_details_init(&c->details);
   grpc_metadata_array_init(&c->md);
@@ -290,8 +287,7 @@ int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_o
   size_t maxmsg = opts && opts->max_message_bytes ? opts->max_message_bytes : 4u << 20;
   int slots = opts && opts->accept_slots ? opts->accept_slots : 256;
   grpc_init();
-  zt_rpc_server_t *s = calloc(1, sizeof *s);
-  if (!s) abort();
+  zt_rpc_server_t *s = zt_xcalloc(1, sizeof *s);
   s->loop = loop;
   s->handler = handler;
   s->user = user;
@@ -387,8 +383,7 @@ typedef struct {
 
 int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out) {
   grpc_init();
-  zt_rpc_client_t *c = calloc(1, sizeof *c);
-  if (!c) abort();
+  zt_rpc_client_t *c = zt_xcalloc(1, sizeof *c);
   size_t maxmsg = opts && opts->max_message_bytes ? opts->max_message_bytes : 64u << 20;
   grpc_arg args[4];
   args[0].type = GRPC_ARG_INTEGER;
@@ -437,8 +432,7 @@ void zt_rpc_client_close(zt_rpc_client_t *c) {
 static rpc_pending *pending_start(zt_rpc_client_t *c, grpc_completion_queue *cq, const char *method,
                                   const uint8_t *req, size_t req_len, int64_t timeout_ms,
                                   void *user) {
-  rpc_pending *p = calloc(1, sizeof *p);
-  if (!p) abort();
+  rpc_pending *p = zt_xcalloc(1, sizeof *p);
   p->user = user;
   snprintf(p->method, sizeof p->method, "%s", method);
   grpc_metadata_array_init(&p->init_md);
@@ -518,10 +512,9 @@ int zt_rpc_call(zt_rpc_client_t *c, const char *method, const uint8_t *req, size
   return 0;
 }
 
-int zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
-                 int64_t timeout_ms, void *user) {
+void zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
+                  int64_t timeout_ms, void *user) {
   pending_start(c, c->acq, method, req, req_len, timeout_ms, user);
-  return 0;
 }
 
 int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result_t *res) {

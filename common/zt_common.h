@@ -29,6 +29,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Marks a function whose result must be looked at: ignoring it is a build
+ * error (-Werror), so no failure can pass unnoticed. */
+#define ZT_MUST_CHECK __attribute__((warn_unused_result))
+
 /* ---- logging ---------------------------------------------------------- */
 
 typedef enum { ZT_LOG_DEBUG = 0, ZT_LOG_INFO, ZT_LOG_WARN, ZT_LOG_ERROR } zt_log_level_t;
@@ -107,12 +111,12 @@ static inline int zt_deadline_passed(zt_deadline_t d) { return d != 0 && zt_dead
 /* ---- misc ------------------------------------------------------------- */
 
 /* Parses "host:port" into its parts; port must be 1..65535. */
-int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
+ZT_MUST_CHECK int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
 /* Writes a whole buffer / reads a whole file; -1 with a message on failure. */
-int zt_write_all(int fd, const void *buf, size_t len);
-int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
+ZT_MUST_CHECK int zt_write_all(int fd, const void *buf, size_t len);
+ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
 /* Creates a directory and its parents (mkdir -p). */
-int zt_mkdirs(const char *path);
+ZT_MUST_CHECK int zt_mkdirs(const char *path);
 /* Compares two strings in time that depends only on their lengths, for
  * secrets and tokens. Returns 1 when they are equal. */
 int zt_secret_equal(const char *a, const char *b);

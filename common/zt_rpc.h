@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "zt_common.h"
+
 /* gRPC status codes (same numbers as grpc_status_code). */
 enum {
   ZT_RPC_OK = 0,
@@ -63,7 +65,7 @@ typedef struct {
 } zt_rpc_server_opts_t;
 
 /* Binds `addr` ("127.0.0.1:0" picks a free port) and starts serving. */
-int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts_t *opts,
+ZT_MUST_CHECK int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts_t *opts,
                         zt_rpc_handler_fn handler, void *user, zt_rpc_server_t **out);
 int zt_rpc_server_port(const zt_rpc_server_t *s);
 /* Stops accepting, cancels calls in flight and joins the thread. Calls the
@@ -88,14 +90,14 @@ typedef struct {
   size_t max_message_bytes;  /* largest accepted reply; 0: 64 MiB */
 } zt_rpc_client_opts_t;
 
-int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out);
+ZT_MUST_CHECK int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out);
 void zt_rpc_client_close(zt_rpc_client_t *c);
 
 /* Blocking unary call. Returns 0 when the server answered OK; *resp (malloc'd,
  * may be NULL for an empty message) is then the caller's to free. Otherwise
  * returns -1 with zt_err_msg() = "<method>: <STATUS>: <details>" and, when
  * `status` is not NULL, the gRPC status in *status. */
-int zt_rpc_call(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
+ZT_MUST_CHECK int zt_rpc_call(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
                 int64_t timeout_ms, uint8_t **resp, size_t *resp_len, int *status);
 
 /* Asynchronous calls: start any number, then collect completions. */
@@ -107,8 +109,8 @@ typedef struct {
   size_t resp_len;
 } zt_rpc_result_t;
 
-int zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
-                 int64_t timeout_ms, void *user);
+void zt_rpc_start(zt_rpc_client_t *c, const char *method, const uint8_t *req, size_t req_len,
+                  int64_t timeout_ms, void *user);
 /* Waits up to timeout_ms for one started call to finish: 1 and fills `res`
  * when one did, 0 on timeout. */
 int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result_t *res);

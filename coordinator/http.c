@@ -165,9 +165,16 @@ static int add_ckpt(const zt_db_ckpt_t *k, void *user) {
   return 0;
 }
 
-/* Answers with the error the layers below left (its kind gives the status). */
-static void fail_with_error(zt_http_req_t *r) {
-  zt_http_error(r, zt_errkind_http(zt_err_kind()), "%s", zt_err_msg());
+/* Answers an action: {"message": msg} when it succeeded (rc 0), else the
+ * error the layers below left (its kind gives the status). */
+static void action_reply(zt_http_req_t *r, int rc, const char *msg) {
+  if (rc != 0) {
+    zt_http_error(r, zt_errkind_http(zt_err_kind()), "%s", zt_err_msg());
+    return;
+  }
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "message", msg);
+  zt_http_json(r, 200, o);
 }
 
 /* POST /v1/jobs/{id}/pause|resume|cancel|rollback; rollback takes
@@ -200,13 +207,7 @@ static void r_job_action(zt_http_req_t *r) {
     }
   }
   char msg[512];
-  if (zt_jobs_action(r->c, id, a, to, skip, msg, sizeof msg) != 0) {
-    fail_with_error(r);
-    return;
-  }
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "message", msg);
-  zt_http_json(r, 200, o);
+  action_reply(r, zt_jobs_action(r->c, id, a, to, skip, msg, sizeof msg), msg);
 }
 
 /* POST /v1/workers/{id or name}/drain */
@@ -225,13 +226,7 @@ static void r_drain(zt_http_req_t *r) {
     return;
   }
   char msg[512];
-  if (zt_jobs_drain(r->c, m, msg, sizeof msg) != 0) {
-    fail_with_error(r);
-    return;
-  }
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "message", msg);
-  zt_http_json(r, 200, o);
+  action_reply(r, zt_jobs_drain(r->c, m, msg, sizeof msg), msg);
 }
 
 /* /v1/jobs/{id} and /v1/jobs/{id}/metrics|events|checkpoints */
@@ -303,7 +298,7 @@ static void r_submit(zt_http_req_t *r) {
   cJSON_Delete(doc);
   uint64_t id = 0;
   if (zt_jobs_submit(r->c, r->body, &id) != 0) {
-    fail_with_error(r);
+    action_reply(r, -1, NULL);
     return;
   }
   cJSON *o = cJSON_CreateObject();

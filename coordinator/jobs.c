@@ -65,8 +65,8 @@ int zt_job_params_parse(const char *json, zt_job_params_t *p) {
   p->min_workers = s.min_workers;
   p->max_workers = s.max_workers;
   p->comm_timeout_ms = s.comm_timeout_ms;
-  snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%s", s.ckpt.dir);
-  snprintf(p->ckpt_load, sizeof p->ckpt_load, "%s", s.ckpt.load);
+  snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%.399s", s.ckpt.dir);
+  snprintf(p->ckpt_load, sizeof p->ckpt_load, "%.511s", s.ckpt.load);
   p->ckpt_every = s.ckpt.every_steps;
   p->keep_last = s.ckpt.keep_last > 0 ? s.ckpt.keep_last : 2;
   p->keep_every = s.ckpt.keep_every;

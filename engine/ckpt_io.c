@@ -90,6 +90,7 @@ static cJSON *model_json(const zt_model_config_t *m) {
 
 static int write_json(const char *dir, const char *name, cJSON *doc) {
   char *text = cJSON_Print(doc);
+  if (!text) return zt_err("%s/%s: out of memory formatting JSON", dir, name);
   size_t len = strlen(text);
   const void *parts[1] = {text};
   int rc = write_atomic(dir, name, parts, &len, 1, NULL, NULL, -1);

@@ -57,7 +57,7 @@ typedef struct {
 
 /* Writes this rank's files (and the manifest on rank 0) into `dir`;
  * returns the files written (at most 3) in files/nfiles. */
-int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *ranges,
+ZT_MUST_CHECK int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *ranges,
                   int nranges, zt_ckpt_file_t *files, int *nfiles);
 
 /* A destination for loading: unit u's elements [lo, lo+n) go to p, m, v
@@ -70,7 +70,7 @@ typedef struct {
 
 /* Loads the ranges of `dest` from the epoch in `dir`; checks the model
  * config and every checksum. *step receives the epoch's step. */
-int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest, int ndest,
+ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest, int ndest,
                  int64_t *step);
 
 /* The epoch directory name for (root, job, step, generation). */
@@ -93,13 +93,13 @@ typedef struct zt_ckpt_writer zt_ckpt_writer_t;
 typedef int (*zt_ckpt_done_fn)(void *user, int64_t step, const char *dir,
                                const zt_ckpt_file_t *files, int nfiles);
 
-int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **out);
+ZT_MUST_CHECK int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **out);
 /* Waits for the write in flight; returns a host buffer of at least nfloats
  * floats, or NULL when the previous write failed (its error is set). */
 float *zt_ckpt_writer_buffer(zt_ckpt_writer_t *w, size_t nfloats);
 /* Hands over the epoch: `ranges` point into the buffer; meta, ranges and the
  * skip ranges are copied. */
-int zt_ckpt_writer_submit(zt_ckpt_writer_t *w, const char *dir, const zt_ckpt_meta_t *meta,
+ZT_MUST_CHECK int zt_ckpt_writer_submit(zt_ckpt_writer_t *w, const char *dir, const zt_ckpt_meta_t *meta,
                           const zt_ckpt_range_t *ranges, int nranges);
 /* Lets a write in flight finish (its epoch may still commit), then stops
  * the thread and frees everything. NULL is ignored. */

@@ -60,22 +60,12 @@ int zt_data_glob(const char *pattern, char ***paths, int *npaths) {
   int rc = glob(pattern, 0, NULL, &g);
   if (rc == GLOB_NOMATCH) return zt_err("%s: no file matches", pattern);
   if (rc != 0) return zt_err("%s: glob failed", pattern);
-  char **out = calloc(g.gl_pathc, sizeof(char *));
-  if (!out) goto oom;
-  for (size_t i = 0; i < g.gl_pathc; i++) {
-    out[i] = strdup(g.gl_pathv[i]);
-    if (!out[i]) {
-      zt_data_free_paths(out, (int)i);
-      goto oom;
-    }
-  }
+  char **out = zt_xcalloc(g.gl_pathc, sizeof(char *));
+  for (size_t i = 0; i < g.gl_pathc; i++) out[i] = zt_xstrdup(g.gl_pathv[i]);
   *paths = out;
   *npaths = (int)g.gl_pathc;
   globfree(&g);
   return 0;
-oom:
-  globfree(&g);
-  return zt_err("out of memory");
 }
 
 void zt_data_free_paths(char **paths, int npaths) {
@@ -94,8 +84,7 @@ static int32_t read_le32(const uint8_t *p) {
 /* Maps and validates one shard; errors name the file. */
 static int shard_open(zt_shard_t *s, const char *path) {
   memset(s, 0, sizeof *s);
-  s->path = strdup(path);
-  if (!s->path) return zt_err("out of memory");
+  s->path = zt_xstrdup(path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return zt_err_errno("%s", path);
   struct stat st;
@@ -141,18 +130,13 @@ int zt_data_open(zt_data_t **out, char *const *paths, int npaths, int T, int voc
   *out = NULL;
   if (npaths < 1) return zt_err("no shard files");
   if (T < 1) return zt_err("sequence length must be >= 1");
-  zt_data_t *d = calloc(1, sizeof *d);
-  if (!d) return zt_err("out of memory");
+  zt_data_t *d = zt_xcalloc(1, sizeof *d);
   d->T = T;
   d->vocab = vocab_size;
   d->seed = seed;
   d->perm[0].epoch = d->perm[1].epoch = -1;
-  d->shards = calloc((size_t)npaths, sizeof(zt_shard_t));
-  d->cum = calloc((size_t)npaths + 1, sizeof(uint64_t));
-  if (!d->shards || !d->cum) {
-    zt_err("out of memory");
-    goto err;
-  }
+  d->shards = zt_xcalloc((size_t)npaths, sizeof(zt_shard_t));
+  d->cum = zt_xcalloc((size_t)npaths + 1, sizeof(uint64_t));
   for (int i = 0; i < npaths; i++) {
     d->nshards = i + 1;
     if (shard_open(&d->shards[i], paths[i]) != 0) goto err;
@@ -212,8 +196,7 @@ int zt_data_set_skips(zt_data_t *d, const zt_range_t *ranges, int n) {
   zt_range_t *r = NULL;
   int m = 0;
   if (n > 0) {
-    r = malloc(sizeof(zt_range_t) * (size_t)n);
-    if (!r) return zt_err("out of memory");
+    r = zt_xmalloc(sizeof(zt_range_t) * (size_t)n);
     for (int i = 0; i < n; i++)
       if (ranges[i].end > ranges[i].start) r[m++] = ranges[i];
     qsort(r, (size_t)m, sizeof *r, range_cmp);
@@ -245,10 +228,7 @@ static uint32_t *perm_for_epoch(zt_data_t *d, uint64_t epoch) {
     if (d->perm[i].epoch == (int64_t)epoch) return d->perm[i].idx;
   zt_perm_t *slot = &d->perm[d->perm_next];
   d->perm_next ^= 1;
-  if (!slot->idx) {
-    slot->idx = malloc(sizeof(uint32_t) * d->nsamples);
-    if (!slot->idx) return NULL;
-  }
+  if (!slot->idx) slot->idx = zt_xmalloc(sizeof(uint32_t) * d->nsamples);
   uint32_t *idx = slot->idx;
   uint64_t n = d->nsamples;
   for (uint64_t i = 0; i < n; i++) idx[i] = (uint32_t)i;
@@ -266,7 +246,6 @@ static uint32_t *perm_for_epoch(zt_data_t *d, uint64_t epoch) {
 
 int zt_data_sample_at(zt_data_t *d, uint64_t p, uint64_t *sample) {
   uint32_t *idx = perm_for_epoch(d, p / d->nsamples);
-  if (!idx) return zt_err("out of memory for the sample permutation");
   *sample = idx[p % d->nsamples];
   return 0;
 }

@@ -52,16 +52,16 @@ typedef struct zt_data zt_data_t;
 
 /* Expands a glob pattern into a sorted list of paths (no match is an error
  * naming the pattern). Free with zt_data_free_paths. */
-int zt_data_glob(const char *pattern, char ***paths, int *npaths);
+ZT_MUST_CHECK int zt_data_glob(const char *pattern, char ***paths, int *npaths);
 void zt_data_free_paths(char **paths, int npaths);
 
 /* Opens and validates shards, for windows of T + 1 tokens. vocab_size > 0
  * makes every token >= vocab_size an error when it is read. The epoch
  * shuffles are seeded from `seed`. An error names the offending file. */
-int zt_data_open(zt_data_t **out, char *const *paths, int npaths, int T, int vocab_size,
+ZT_MUST_CHECK int zt_data_open(zt_data_t **out, char *const *paths, int npaths, int T, int vocab_size,
                  uint64_t seed);
 /* zt_data_glob + zt_data_open. */
-int zt_data_open_glob(zt_data_t **out, const char *pattern, int T, int vocab_size, uint64_t seed);
+ZT_MUST_CHECK int zt_data_open_glob(zt_data_t **out, const char *pattern, int T, int vocab_size, uint64_t seed);
 void zt_data_close(zt_data_t *d);
 
 uint64_t zt_data_num_tokens(const zt_data_t *d);
@@ -69,12 +69,12 @@ uint64_t zt_data_num_samples(const zt_data_t *d);
 
 /* Replaces the skip ranges (copied, sorted and merged; empty ranges are
  * dropped). */
-int zt_data_set_skips(zt_data_t *d, const zt_range_t *ranges, int n);
+ZT_MUST_CHECK int zt_data_set_skips(zt_data_t *d, const zt_range_t *ranges, int n);
 
 /* Stream position of logical position q (skipping the skip ranges). */
 uint64_t zt_data_stream_pos(const zt_data_t *d, uint64_t q);
 /* Sample index of stream position p: perm_{seed, p / n}(p % n). */
-int zt_data_sample_at(zt_data_t *d, uint64_t p, uint64_t *sample);
+ZT_MUST_CHECK int zt_data_sample_at(zt_data_t *d, uint64_t p, uint64_t *sample);
 
 /* First logical position of rank r's micro step j of step s (see above). */
 static inline uint64_t zt_data_pos(uint64_t step, int micro, int accum, int world, int rank,
@@ -85,9 +85,9 @@ static inline uint64_t zt_data_pos(uint64_t step, int micro, int accum, int worl
 
 /* Fills inputs/targets [n, T] with the samples of logical positions
  * q0 .. q0 + n - 1. */
-int zt_data_fill(zt_data_t *d, uint64_t q0, int n, int *inputs, int *targets);
+ZT_MUST_CHECK int zt_data_fill(zt_data_t *d, uint64_t q0, int n, int *inputs, int *targets);
 /* Fills inputs/targets [n, T] with samples k0 .. k0 + n - 1 in file order
  * (no shuffle, no skips; k0 + n <= n_samples). */
-int zt_data_fill_seq(zt_data_t *d, uint64_t k0, int n, int *inputs, int *targets);
+ZT_MUST_CHECK int zt_data_fill_seq(zt_data_t *d, uint64_t k0, int n, int *inputs, int *targets);
 
 #endif

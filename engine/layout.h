@@ -31,6 +31,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "zt_common.h"
+
 typedef struct zt_model_config {
   int n_layer;
   int n_head;
@@ -97,7 +99,7 @@ size_t zt_model_param_count(const zt_model_config_t *cfg, int padded);
 
 /* Builds the layout of a (checked) configuration; free with
  * zt_layout_free. */
-int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg);
+ZT_MUST_CHECK int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg);
 void zt_layout_free(zt_layout_t *l);
 
 /* The named view, or NULL when no tensor has the name. */

@@ -83,7 +83,7 @@ typedef struct zt_model {
 /* Creates a model with activations for batches of up to B x T (T <= seq_len)
  * on the kernel table k. The parameters are not initialised; call
  * zt_model_init. */
-int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T,
+ZT_MUST_CHECK int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T,
                     const zt_kernels_t *k, unsigned flags);
 void zt_model_free(zt_model_t *m);
 
@@ -100,13 +100,13 @@ void zt_model_set_hooks(zt_model_t *m, const zt_model_hooks_t *hooks);
 /* Forward pass on inputs [B, T] (int32 token ids). With targets [B, T] it
  * also computes the mean cross-entropy loss into *loss and keeps what the
  * backward needs; with targets NULL only the logits are produced. */
-int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
+ZT_MUST_CHECK int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
                      float *loss);
 /* Backward pass of the last forward (which must have had targets).
  * Gradients of the mean loss, multiplied by grad_scale, are ACCUMULATED into
  * the unit gradient buffers (grad_scale = 1 / accum_steps makes
  * micro-batches accumulate to the mean over the whole batch). */
-int zt_model_backward(zt_model_t *m, float grad_scale);
+ZT_MUST_CHECK int zt_model_backward(zt_model_t *m, float grad_scale);
 /* Sets every unit's gradient to zero. */
 void zt_model_zero_grads(zt_model_t *m);
 

@@ -88,7 +88,7 @@ static char *with_steps(const char *text, long steps) {
   cJSON_AddNumberToObject(doc, "steps", (double)steps);
   char *out = cJSON_PrintUnformatted(doc);
   cJSON_Delete(doc);
-  return out;
+  return out ? out : zt_xstrdup(text);
 }
 
 int main(int argc, char **argv) {

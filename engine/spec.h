@@ -28,7 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "model.h"
+#include "layout.h"
 #include "optim.h"
 
 #define ZT_SPEC_PATH_MAX 1024
@@ -93,12 +93,12 @@ typedef struct zt_spec {
 
 /* Parses and validates a spec from a string of len bytes. A spec holds no
  * allocated memory: it is a plain value. */
-int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);
+ZT_MUST_CHECK int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);
 /* Reads and parses a spec file; errors are prefixed with the path. */
-int zt_spec_load(zt_spec_t *s, const char *path);
+ZT_MUST_CHECK int zt_spec_load(zt_spec_t *s, const char *path);
 
 /* Accumulation steps for `world` workers: global / (micro * world), an error
  * when that is not an integer. */
-int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum);
+ZT_MUST_CHECK int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum);
 
 #endif

@@ -287,7 +287,7 @@ int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step) {
   size_t no = z->stage == 0 ? z->full_total : z->shard_total;
   float *pbuf = z->stage < 3 ? z->P : z->Ps;
   float *hp = host_view(z, pbuf, np), *hm = host_view(z, z->M, no), *hv = host_view(z, z->V, no);
-  zt_ckpt_dest_t *dest = calloc((size_t)z->U * 2, sizeof *dest);
+  zt_ckpt_dest_t *dest = zt_xcalloc((size_t)z->U * 2, sizeof *dest);
   int nd = 0, rc = -1;
   if (!hp || !hm || !hv || !dest) {
     zt_err("out of memory loading a checkpoint");

@@ -82,19 +82,19 @@ typedef struct zt_zero_opts {
  * the model's units at them and installs the ZeRO hooks on the model. The
  * model must have been created with ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS;
  * it stays the caller's. -1 when out of (device or host) memory. */
-int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t *comm,
+ZT_MUST_CHECK int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t *comm,
                    const zt_zero_opts_t *o);
 void zt_zero_free(zt_zero_t *z);
 
 /* Writes <workdir>/zero_memory.json: the bytes of model states this rank
  * holds, by kind (tests compare them with docs/zero.md). */
-int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir);
+ZT_MUST_CHECK int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir);
 
 /* Fresh parameters (zt_layout_init_unit), whole units or this rank's shard. */
 void zt_zero_init_params(zt_zero_t *z, uint64_t seed);
 /* Loads the committed epoch in `dir` (any world size or stage wrote it);
  * *step receives its step. */
-int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step);
+ZT_MUST_CHECK int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
  * unit into buf and describes them in ranges[0..U). */
@@ -106,14 +106,14 @@ void zt_zero_start_step(zt_zero_t *z);
 void zt_zero_micro_begin(zt_zero_t *z);
 /* -1 with the hook's error when a collective inside forward or backward
  * failed. */
-int zt_zero_micro_end(zt_zero_t *z);
-int zt_zero_reduce(zt_zero_t *z);
+ZT_MUST_CHECK int zt_zero_micro_end(zt_zero_t *z);
+ZT_MUST_CHECK int zt_zero_reduce(zt_zero_t *z);
 /* Sum of squares of the owned gradient elements (the global sum is the
  * all-reduce of these). */
 double zt_zero_sumsq(zt_zero_t *z);
 /* AdamW on the owned shard of every unit: gradients scaled by 1/K and the
  * clip factor gscale, step t (1-based). */
 void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t);
-int zt_zero_gather(zt_zero_t *z);
+ZT_MUST_CHECK int zt_zero_gather(zt_zero_t *z);
 
 #endif

@@ -149,6 +149,21 @@ void zt_kern_host_memzero(void *p, size_t bytes);
   .upload = zt_kern_host_copy, .download = zt_kern_host_copy,                   \
   .copy = zt_kern_host_copy, .memzero = zt_kern_host_memzero
 
+/* The compute entries of a table whose functions are named <p>_<entry>
+ * (designated initializers: both CPU tables are filled with it, so the list
+ * of entries is written once). */
+#define ZT_KERN_ENTRIES(p)                                                              \
+  .encoder_forward = p##_encoder_forward, .encoder_backward = p##_encoder_backward,     \
+  .layernorm_forward = p##_layernorm_forward, .layernorm_backward = p##_layernorm_backward, \
+  .matmul_forward = p##_matmul_forward, .matmul_backward = p##_matmul_backward,         \
+  .attention_forward = p##_attention_forward,                                           \
+  .attention_backward = p##_attention_backward, .gelu_forward = p##_gelu_forward,       \
+  .gelu_backward = p##_gelu_backward, .residual_forward = p##_residual_forward,         \
+  .crossentropy_forward = p##_crossentropy_forward,                                     \
+  .crossentropy_backward = p##_crossentropy_backward, .adamw = p##_adamw,               \
+  .sumsq = p##_sumsq, .scale = p##_scale, .zero = p##_zero, .acc_f64 = p##_acc_f64,     \
+  .add_f64 = p##_add_f64, .widen_f64 = p##_widen_f64, .narrow_f64 = p##_narrow_f64
+
 /* sumsq_f64 of both CPU tables (serial, in element order). */
 double zt_kern_host_sumsq_f64(const double *x, size_t n, double s);
 const zt_kernels_t *zt_kernels_ref(void);

@@ -11,8 +11,7 @@ int zt_pb_call(zt_rpc_client_t *c, const char *method, const ProtobufCMessage *r
                ProtobufCMessage **reply, int *status) {
   size_t n = protobuf_c_message_get_packed_size(req);
   uint8_t stackbuf[1024];
-  uint8_t *buf = n <= sizeof stackbuf ? stackbuf : malloc(n);
-  if (!buf) abort();
+  uint8_t *buf = n <= sizeof stackbuf ? stackbuf : zt_xmalloc(n);
   protobuf_c_message_pack(req, buf);
   uint8_t *resp = NULL;
   size_t rlen = 0;

@@ -15,7 +15,7 @@
 
 #include "zt_rpc.h"
 
-int zt_pb_call(zt_rpc_client_t *c, const char *method, const ProtobufCMessage *req,
+ZT_MUST_CHECK int zt_pb_call(zt_rpc_client_t *c, const char *method, const ProtobufCMessage *req,
                const ProtobufCMessageDescriptor *reply_desc, int64_t timeout_ms,
                ProtobufCMessage **reply, int *status);
 

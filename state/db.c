@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <sqlite3.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,9 +102,7 @@ enum {
   ST_ROLLBACK,
   ST_META_GET,
   ST_META_SET,
-  ST_WORKER_FIND,
-  ST_WORKER_INSERT,
-  ST_WORKER_UPDATE,
+  ST_WORKER_UPSERT,
   ST_WORKER_STATE,
   ST_WORKER_TOUCH,
   ST_WORKERS_ALL,
@@ -123,6 +122,8 @@ enum {
   ST_COUNT
 };
 
+/* The columns of each row type appear in the order of its column table
+ * (below), so that one decoder and one binder serve every statement. */
 static const char *const k_sql[ST_COUNT] = {
     [ST_BEGIN] = "BEGIN IMMEDIATE",
     [ST_COMMIT] = "COMMIT",
@@ -130,11 +131,12 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_META_GET] = "SELECT value FROM meta WHERE key = ?1",
     [ST_META_SET] = "INSERT INTO meta(key, value) VALUES(?1, ?2) "
                     "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-    [ST_WORKER_FIND] = "SELECT id FROM workers WHERE name = ?1",
-    [ST_WORKER_INSERT] = "INSERT INTO workers(name, host, device, state, last_seen_ms, "
-                         "registered_ms, pid) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    [ST_WORKER_UPDATE] = "UPDATE workers SET host = ?2, device = ?3, state = ?4, "
-                         "last_seen_ms = ?5, registered_ms = ?6, pid = ?7 WHERE id = ?1",
+    [ST_WORKER_UPSERT] = "INSERT INTO workers(name, host, device, state, last_seen_ms, "
+                         "registered_ms, pid) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7) "
+                         "ON CONFLICT(name) DO UPDATE SET host = excluded.host, "
+                         "device = excluded.device, state = excluded.state, "
+                         "last_seen_ms = excluded.last_seen_ms, "
+                         "registered_ms = excluded.registered_ms, pid = excluded.pid RETURNING id",
     [ST_WORKER_STATE] = "UPDATE workers SET state = ?2, last_seen_ms = ?3 WHERE id = ?1",
     [ST_WORKER_TOUCH] = "UPDATE workers SET last_seen_ms = ?2 WHERE id = ?1",
     [ST_WORKERS_ALL] = "SELECT id, name, host, device, state, last_seen_ms, registered_ms, pid "
@@ -148,12 +150,12 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_JOB_INSERT] = "INSERT INTO jobs(name, spec, state, total_steps, min_workers, max_workers, "
                       "created_ms, updated_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
     [ST_JOB_UPDATE] = "UPDATE jobs SET state = ?2, generation = ?3, world = ?4, step = ?5, "
-                      "updated_ms = ?6, message = ?7, restarts = ?8, skips = ?9, "
-                      "lr_factor = ?10, lr_until = ?11, rollbacks = ?12, rollback_steps = ?13 "
+                      "updated_ms = ?6, message = ?7, restarts = ?8, lr_factor = ?9, "
+                      "lr_until = ?10, rollbacks = ?11, skips = ?12, rollback_steps = ?13 "
                       "WHERE id = ?1",
-    [ST_JOBS_ALL] = "SELECT id, name, spec, state, generation, world, step, total_steps, "
-                    "min_workers, max_workers, created_ms, updated_ms, message, restarts, "
-                    "skips, lr_factor, lr_until, rollbacks, rollback_steps FROM jobs ORDER BY id",
+    [ST_JOBS_ALL] = "SELECT id, state, generation, world, step, updated_ms, message, restarts, "
+                    "lr_factor, lr_until, rollbacks, name, total_steps, min_workers, max_workers, "
+                    "created_ms, spec, skips, rollback_steps FROM jobs ORDER BY id",
     [ST_GEN_INSERT] = "INSERT INTO generations(job_id, gen, world, start_step, started_ms, reason) "
                       "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
     [ST_MEMBER_INSERT] = "INSERT INTO members(job_id, gen, rank, worker_id) VALUES(?1, ?2, ?3, ?4)",
@@ -163,11 +165,114 @@ static const char *const k_sql[ST_COUNT] = {
                     "tokens_per_s, val_loss, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
     [ST_STEPS_RANGE] = "SELECT step, gen, loss, grad_norm, lr, tokens_per_s, val_loss, t_ms "
                        "FROM steps WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 ORDER BY step",
-    [ST_CKPT_PUT] = "INSERT OR REPLACE INTO checkpoints(job_id, step, gen, world, dir, state, bytes, "
-                    "t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    [ST_CKPT_PUT] = "INSERT OR REPLACE INTO checkpoints(job_id, step, gen, world, dir, state, "
+                    "bytes, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     [ST_CKPTS_JOB] = "SELECT step, gen, world, dir, state, bytes, t_ms FROM checkpoints "
                      "WHERE job_id = ?1 ORDER BY step, gen",
 };
+
+/* ---- rows and columns ----------------------------------------------------------
+ *
+ * Each row type has one table of its fields in column order: kind, offset
+ * and size. decode() reads a result row into a struct, bind() binds a
+ * struct's fields to consecutive parameters; every query and every write of
+ * that type goes through them. */
+
+typedef enum {
+  COL_INT,  /* int */
+  COL_I64,  /* int64_t or uint64_t */
+  COL_F64,  /* double */
+  COL_F64N, /* double; NULL in the database is NaN in memory */
+  COL_TEXT, /* char[size] */
+} col_kind;
+
+typedef struct {
+  col_kind kind;
+  size_t off, size;
+} col;
+
+#define COL(kind, type, field) {kind, offsetof(type, field), sizeof(((type *)0)->field)}
+
+/* workers: ST_WORKERS_ALL; ST_WORKER_UPSERT binds all but the id. */
+static const col k_worker_cols[] = {
+    COL(COL_I64, zt_db_worker_t, id), COL(COL_TEXT, zt_db_worker_t, name),
+    COL(COL_TEXT, zt_db_worker_t, host), COL(COL_TEXT, zt_db_worker_t, device),
+    COL(COL_INT, zt_db_worker_t, state), COL(COL_I64, zt_db_worker_t, last_seen_ms),
+    COL(COL_I64, zt_db_worker_t, registered_ms), COL(COL_INT, zt_db_worker_t, pid)};
+
+/* events: ST_EVENTS_ALL and ST_EVENTS_JOB (the logbook is written by
+ * zt_db_event_add, with the time it is written). */
+static const col k_event_cols[] = {
+    COL(COL_I64, zt_db_event_t, id), COL(COL_I64, zt_db_event_t, t_ms),
+    COL(COL_I64, zt_db_event_t, job_id), COL(COL_TEXT, zt_db_event_t, kind),
+    COL(COL_I64, zt_db_event_t, worker_id), COL(COL_TEXT, zt_db_event_t, detail)};
+
+/* jobs: the columns of ST_JOBS_ALL before the three that need more than a
+ * copy (spec, skips, rollback_steps). The first JOB_UPDATED of them are
+ * the id and what ST_JOB_UPDATE writes, in its parameter order. */
+static const col k_job_cols[] = {
+    COL(COL_I64, zt_db_job_t, id), COL(COL_INT, zt_db_job_t, state),
+    COL(COL_I64, zt_db_job_t, generation), COL(COL_INT, zt_db_job_t, world),
+    COL(COL_I64, zt_db_job_t, step), COL(COL_I64, zt_db_job_t, updated_ms),
+    COL(COL_TEXT, zt_db_job_t, message), COL(COL_INT, zt_db_job_t, restarts),
+    COL(COL_F64, zt_db_job_t, lr_factor), COL(COL_I64, zt_db_job_t, lr_until),
+    COL(COL_INT, zt_db_job_t, rollbacks), COL(COL_TEXT, zt_db_job_t, name),
+    COL(COL_I64, zt_db_job_t, total_steps), COL(COL_INT, zt_db_job_t, min_workers),
+    COL(COL_INT, zt_db_job_t, max_workers), COL(COL_I64, zt_db_job_t, created_ms)};
+#define JOB_UPDATED 11
+
+/* steps: ST_STEPS_RANGE, and ST_STEP_PUT from its second parameter. */
+static const col k_step_cols[] = {
+    COL(COL_I64, zt_db_step_t, step), COL(COL_I64, zt_db_step_t, generation),
+    COL(COL_F64, zt_db_step_t, loss), COL(COL_F64, zt_db_step_t, grad_norm),
+    COL(COL_F64, zt_db_step_t, lr), COL(COL_F64, zt_db_step_t, tokens_per_s),
+    COL(COL_F64N, zt_db_step_t, val_loss), COL(COL_I64, zt_db_step_t, t_ms)};
+
+/* checkpoints: ST_CKPTS_JOB, and ST_CKPT_PUT from its second parameter. */
+static const col k_ckpt_cols[] = {
+    COL(COL_I64, zt_db_ckpt_t, step), COL(COL_I64, zt_db_ckpt_t, generation),
+    COL(COL_INT, zt_db_ckpt_t, world), COL(COL_TEXT, zt_db_ckpt_t, dir),
+    COL(COL_INT, zt_db_ckpt_t, state), COL(COL_I64, zt_db_ckpt_t, bytes),
+    COL(COL_I64, zt_db_ckpt_t, t_ms)};
+
+/* Reads result columns first.. into the fields of `row`. */
+static void decode(sqlite3_stmt *st, int first, const col *cols, size_t n, void *row) {
+  for (size_t i = 0; i < n; i++) {
+    char *f = (char *)row + cols[i].off;
+    int c = first + (int)i;
+    switch (cols[i].kind) {
+      case COL_INT: *(int *)f = sqlite3_column_int(st, c); break;
+      case COL_I64: *(int64_t *)f = sqlite3_column_int64(st, c); break;
+      case COL_F64: *(double *)f = sqlite3_column_double(st, c); break;
+      case COL_F64N:
+        *(double *)f = sqlite3_column_type(st, c) == SQLITE_NULL ? NAN : sqlite3_column_double(st, c);
+        break;
+      case COL_TEXT: {
+        const unsigned char *t = sqlite3_column_text(st, c);
+        snprintf(f, cols[i].size, "%s", t ? (const char *)t : "");
+        break;
+      }
+    }
+  }
+}
+
+/* Binds the fields of `row` to the parameters first.. (1-based). */
+static void bind(sqlite3_stmt *st, int first, const col *cols, size_t n, const void *row) {
+  for (size_t i = 0; i < n; i++) {
+    const char *f = (const char *)row + cols[i].off;
+    int p = first + (int)i;
+    switch (cols[i].kind) {
+      case COL_INT: sqlite3_bind_int(st, p, *(const int *)f); break;
+      case COL_I64: sqlite3_bind_int64(st, p, *(const int64_t *)f); break;
+      case COL_F64: sqlite3_bind_double(st, p, *(const double *)f); break;
+      case COL_F64N:
+        if (isnan(*(const double *)f)) sqlite3_bind_null(st, p);
+        else sqlite3_bind_double(st, p, *(const double *)f);
+        break;
+      case COL_TEXT: sqlite3_bind_text(st, p, f, -1, SQLITE_STATIC); break;
+    }
+  }
+}
 
 struct zt_db {
   sqlite3 *h;
@@ -271,13 +376,6 @@ static int each_row(zt_db_t *db, sqlite3_stmt *st, const char *what,
   return ret;
 }
 
-/* The public API's row callbacks, each with its user pointer. */
-#define ZT_ROW_CB(type, fntype) \
-  typedef struct {              \
-    fntype fn;                  \
-    void *user;                 \
-  } type
-
 /* Runs a prepared statement that returns no rows, then resets it. */
 static int run(zt_db_t *db, sqlite3_stmt *st, const char *what) {
   int rc = sqlite3_step(st);
@@ -313,24 +411,16 @@ int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val) {
 }
 
 int zt_db_worker_upsert(zt_db_t *db, zt_db_worker_t *w) {
-  sqlite3_stmt *f = db->st[ST_WORKER_FIND];
-  sqlite3_bind_text(f, 1, w->name, -1, SQLITE_STATIC);
-  int rc = sqlite3_step(f);
-  int64_t id = rc == SQLITE_ROW ? sqlite3_column_int64(f, 0) : 0;
-  sqlite3_reset(f);
-  sqlite3_clear_bindings(f);
-  if (rc != SQLITE_ROW && rc != SQLITE_DONE) return db_err(db, "find worker");
-  sqlite3_stmt *st = db->st[id ? ST_WORKER_UPDATE : ST_WORKER_INSERT];
-  if (id) sqlite3_bind_int64(st, 1, id);
-  else sqlite3_bind_text(st, 1, w->name, -1, SQLITE_STATIC);
-  sqlite3_bind_text(st, 2, w->host, -1, SQLITE_STATIC);
-  sqlite3_bind_text(st, 3, w->device, -1, SQLITE_STATIC);
-  sqlite3_bind_int(st, 4, w->state);
-  sqlite3_bind_int64(st, 5, w->last_seen_ms);
-  sqlite3_bind_int64(st, 6, w->registered_ms);
-  sqlite3_bind_int(st, 7, w->pid);
-  if (run(db, st, "write worker") != 0) return -1;
-  w->id = id ? (uint64_t)id : (uint64_t)sqlite3_last_insert_rowid(db->h);
+  sqlite3_stmt *st = db->st[ST_WORKER_UPSERT];
+  bind(st, 1, k_worker_cols + 1, ZT_ARRAY_LEN(k_worker_cols) - 1, w); /* all but the id */
+  int rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW) {
+    w->id = (uint64_t)sqlite3_column_int64(st, 0);
+    rc = sqlite3_step(st);
+  }
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  if (rc != SQLITE_DONE) return db_err(db, "write worker");
   return 0;
 }
 
@@ -357,31 +447,50 @@ int zt_db_workers_touch(zt_db_t *db, const uint64_t *ids, const int64_t *last_se
   return zt_db_commit(db);
 }
 
-static void copy_text(char *dst, size_t n, sqlite3_stmt *st, int col) {
-  const unsigned char *t = sqlite3_column_text(st, col);
-  snprintf(dst, n, "%s", t ? (const char *)t : "");
-}
+/* A query whose rows are all the columns of one table, in order: each row
+ * is decoded into its struct and handed to the caller's callback. */
+typedef enum { ROW_WORKER, ROW_EVENT, ROW_STEP, ROW_CKPT } row_type;
 
-ZT_ROW_CB(worker_cb, zt_db_worker_fn);
+typedef struct {
+  row_type type;
+  union {
+    zt_db_worker_fn worker;
+    zt_db_event_fn event;
+    zt_db_step_fn step;
+    zt_db_ckpt_fn ckpt;
+  } fn;
+  void *user;
+} rows_ctx;
 
-static int worker_row(sqlite3_stmt *st, void *p) {
-  worker_cb *cb = p;
-  zt_db_worker_t w;
-  memset(&w, 0, sizeof w);
-  w.id = (uint64_t)sqlite3_column_int64(st, 0);
-  copy_text(w.name, sizeof w.name, st, 1);
-  copy_text(w.host, sizeof w.host, st, 2);
-  copy_text(w.device, sizeof w.device, st, 3);
-  w.state = sqlite3_column_int(st, 4);
-  w.last_seen_ms = sqlite3_column_int64(st, 5);
-  w.registered_ms = sqlite3_column_int64(st, 6);
-  w.pid = sqlite3_column_int(st, 7);
-  return cb->fn(&w, cb->user);
+static int typed_row(sqlite3_stmt *st, void *p) {
+  rows_ctx *x = p;
+  union {
+    zt_db_worker_t worker;
+    zt_db_event_t event;
+    zt_db_step_t step;
+    zt_db_ckpt_t ckpt;
+  } row;
+  memset(&row, 0, sizeof row);
+  switch (x->type) {
+    case ROW_WORKER:
+      decode(st, 0, k_worker_cols, ZT_ARRAY_LEN(k_worker_cols), &row.worker);
+      return x->fn.worker(&row.worker, x->user);
+    case ROW_EVENT:
+      decode(st, 0, k_event_cols, ZT_ARRAY_LEN(k_event_cols), &row.event);
+      return x->fn.event(&row.event, x->user);
+    case ROW_STEP:
+      decode(st, 0, k_step_cols, ZT_ARRAY_LEN(k_step_cols), &row.step);
+      return x->fn.step(&row.step, x->user);
+    case ROW_CKPT:
+      decode(st, 0, k_ckpt_cols, ZT_ARRAY_LEN(k_ckpt_cols), &row.ckpt);
+      return x->fn.ckpt(&row.ckpt, x->user);
+  }
+  return 0;
 }
 
 int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user) {
-  worker_cb cb = {fn, user};
-  return each_row(db, db->st[ST_WORKERS_ALL], "list workers", worker_row, &cb);
+  rows_ctx x = {ROW_WORKER, {.worker = fn}, user};
+  return each_row(db, db->st[ST_WORKERS_ALL], "list workers", typed_row, &x);
 }
 
 int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
@@ -397,29 +506,14 @@ int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t wor
   return 0;
 }
 
-ZT_ROW_CB(event_cb, zt_db_event_fn);
-
-static int event_row(sqlite3_stmt *st, void *p) {
-  event_cb *cb = p;
-  zt_db_event_t e;
-  memset(&e, 0, sizeof e);
-  e.id = sqlite3_column_int64(st, 0);
-  e.t_ms = sqlite3_column_int64(st, 1);
-  e.job_id = (uint64_t)sqlite3_column_int64(st, 2);
-  copy_text(e.kind, sizeof e.kind, st, 3);
-  e.worker_id = (uint64_t)sqlite3_column_int64(st, 4);
-  copy_text(e.detail, sizeof e.detail, st, 5);
-  return cb->fn(&e, cb->user);
-}
-
 int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user) {
   sqlite3_stmt *st = db->st[job_id ? ST_EVENTS_JOB : ST_EVENTS_ALL];
   sqlite3_bind_int64(st, 1, after_id);
   sqlite3_bind_int(st, 2, limit > 0 ? limit : 1000);
   if (job_id) sqlite3_bind_int64(st, 3, (int64_t)job_id);
-  event_cb cb = {fn, user};
-  return each_row(db, st, "list events", event_row, &cb);
+  rows_ctx x = {ROW_EVENT, {.event = fn}, user};
+  return each_row(db, st, "list events", typed_row, &x);
 }
 
 /* ---- jobs ---------------------------------------------------------------- */
@@ -459,8 +553,7 @@ static int ranges_parse(const char *s, zt_range_list_t *l) {
     if (sscanf(s, "%llu-%llu%n", &a, &b, &used) != 2 || b <= a ||
         (l->n && a < l->r[l->n - 1].end))
       return zt_err("malformed skip ranges near \"%.32s\"", s);
-    if (l->n == ZT_MAX_SKIP_RANGES)
-      return zt_err("more than %d skip ranges", ZT_MAX_SKIP_RANGES);
+    if (l->n == ZT_MAX_SKIP_RANGES) return zt_err("more than %d skip ranges", ZT_MAX_SKIP_RANGES);
     l->r[l->n++] = (zt_range_t){a, b};
     s += used;
     if (*s == ',') s++;
@@ -500,19 +593,9 @@ static int steps_parse(const char *s, int64_t *v, int max, int *n) {
 int zt_db_job_update(zt_db_t *db, const zt_db_job_t *j) {
   sqlite3_stmt *st = db->st[ST_JOB_UPDATE];
   char *skips = ranges_text(&j->skips), *steps = steps_text(j->rollback_steps, j->n_rollback_steps);
-  sqlite3_bind_int64(st, 1, (int64_t)j->id);
-  sqlite3_bind_int(st, 2, j->state);
-  sqlite3_bind_int64(st, 3, (int64_t)j->generation);
-  sqlite3_bind_int(st, 4, j->world);
-  sqlite3_bind_int64(st, 5, j->step);
-  sqlite3_bind_int64(st, 6, j->updated_ms);
-  sqlite3_bind_text(st, 7, j->message, -1, SQLITE_STATIC);
-  sqlite3_bind_int(st, 8, j->restarts);
-  sqlite3_bind_text(st, 9, skips, -1, SQLITE_STATIC);
-  sqlite3_bind_double(st, 10, j->lr_factor);
-  sqlite3_bind_int64(st, 11, j->lr_until);
-  sqlite3_bind_int(st, 12, j->rollbacks);
-  sqlite3_bind_text(st, 13, steps, -1, SQLITE_STATIC);
+  bind(st, 1, k_job_cols, JOB_UPDATED, j);
+  sqlite3_bind_text(st, JOB_UPDATED + 1, skips, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, JOB_UPDATED + 2, steps, -1, SQLITE_STATIC);
   int rc = run(db, st, "update job");
   free(skips);
   free(steps);
@@ -527,27 +610,13 @@ typedef struct {
 
 static int job_row(sqlite3_stmt *st, void *p) {
   job_ctx *x = p;
+  int n = (int)ZT_ARRAY_LEN(k_job_cols);
   zt_db_job_t *j = zt_xcalloc(1, sizeof *j); /* large: off the stack */
-  j->id = (uint64_t)sqlite3_column_int64(st, 0);
-  copy_text(j->name, sizeof j->name, st, 1);
-  j->spec = (const char *)sqlite3_column_text(st, 2);
-  j->state = sqlite3_column_int(st, 3);
-  j->generation = (uint64_t)sqlite3_column_int64(st, 4);
-  j->world = sqlite3_column_int(st, 5);
-  j->step = sqlite3_column_int64(st, 6);
-  j->total_steps = sqlite3_column_int64(st, 7);
-  j->min_workers = sqlite3_column_int(st, 8);
-  j->max_workers = sqlite3_column_int(st, 9);
-  j->created_ms = sqlite3_column_int64(st, 10);
-  j->updated_ms = sqlite3_column_int64(st, 11);
-  copy_text(j->message, sizeof j->message, st, 12);
-  j->restarts = sqlite3_column_int(st, 13);
-  j->lr_factor = sqlite3_column_double(st, 15);
-  j->lr_until = sqlite3_column_int64(st, 16);
-  j->rollbacks = sqlite3_column_int(st, 17);
+  decode(st, 0, k_job_cols, (size_t)n, j);
+  j->spec = (const char *)sqlite3_column_text(st, n);
   int ret;
-  if (ranges_parse((const char *)sqlite3_column_text(st, 14), &j->skips) != 0 ||
-      steps_parse((const char *)sqlite3_column_text(st, 18), j->rollback_steps,
+  if (ranges_parse((const char *)sqlite3_column_text(st, n + 1), &j->skips) != 0 ||
+      steps_parse((const char *)sqlite3_column_text(st, n + 2), j->rollback_steps,
                   ZT_MAX_ROLLBACK_STEPS, &j->n_rollback_steps) != 0)
     ret = zt_err_wrap("database %s: job %llu", x->db->path, (unsigned long long)j->id);
   else
@@ -582,52 +651,37 @@ int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, 
   return 0;
 }
 
+typedef struct {
+  uint64_t *ids;
+  int max, n;
+} members_ctx;
+
+static int member_row(sqlite3_stmt *st, void *p) {
+  members_ctx *x = p;
+  int r = sqlite3_column_int(st, 0);
+  if (r >= 0 && r < x->max) x->ids[r] = (uint64_t)sqlite3_column_int64(st, 1);
+  if (r + 1 > x->n) x->n = r + 1;
+  return 0;
+}
+
 int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
                              int max, int *n) {
   sqlite3_stmt *st = db->st[ST_MEMBERS_GEN];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   sqlite3_bind_int64(st, 2, (int64_t)gen);
-  int rc;
-  *n = 0;
-  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-    int r = sqlite3_column_int(st, 0);
-    if (r >= 0 && r < max) worker_ids[r] = (uint64_t)sqlite3_column_int64(st, 1);
-    if (r + 1 > *n) *n = r + 1;
-  }
-  sqlite3_reset(st);
-  if (rc != SQLITE_DONE) return db_err(db, "list members");
-  return 0;
+  members_ctx x = {worker_ids, max, 0};
+  int rc = each_row(db, st, "list members", member_row, &x);
+  *n = x.n;
+  return rc;
 }
+
+/* ---- steps and checkpoint epochs ------------------------------------------------ */
 
 int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s) {
   sqlite3_stmt *st = db->st[ST_STEP_PUT];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
-  sqlite3_bind_int64(st, 2, s->step);
-  sqlite3_bind_int64(st, 3, (int64_t)s->generation);
-  sqlite3_bind_double(st, 4, s->loss);
-  sqlite3_bind_double(st, 5, s->grad_norm);
-  sqlite3_bind_double(st, 6, s->lr);
-  sqlite3_bind_double(st, 7, s->tokens_per_s);
-  if (s->val_loss == s->val_loss) sqlite3_bind_double(st, 8, s->val_loss);
-  else sqlite3_bind_null(st, 8);
-  sqlite3_bind_int64(st, 9, s->t_ms);
+  bind(st, 2, k_step_cols, ZT_ARRAY_LEN(k_step_cols), s);
   return run(db, st, "store step");
-}
-
-ZT_ROW_CB(step_cb, zt_db_step_fn);
-
-static int step_row(sqlite3_stmt *st, void *p) {
-  step_cb *cb = p;
-  zt_db_step_t s;
-  s.step = sqlite3_column_int64(st, 0);
-  s.generation = (uint64_t)sqlite3_column_int64(st, 1);
-  s.loss = sqlite3_column_double(st, 2);
-  s.grad_norm = sqlite3_column_double(st, 3);
-  s.lr = sqlite3_column_double(st, 4);
-  s.tokens_per_s = sqlite3_column_double(st, 5);
-  s.val_loss = sqlite3_column_type(st, 6) == SQLITE_NULL ? NAN : sqlite3_column_double(st, 6);
-  s.t_ms = sqlite3_column_int64(st, 7);
-  return cb->fn(&s, cb->user);
 }
 
 int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
@@ -636,44 +690,20 @@ int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   sqlite3_bind_int64(st, 2, from);
   sqlite3_bind_int64(st, 3, to);
-  step_cb cb = {fn, user};
-  return each_row(db, st, "list steps", step_row, &cb);
+  rows_ctx x = {ROW_STEP, {.step = fn}, user};
+  return each_row(db, st, "list steps", typed_row, &x);
 }
-
-/* ---- checkpoint epochs ------------------------------------------------------ */
 
 int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt_t *k) {
   sqlite3_stmt *st = db->st[ST_CKPT_PUT];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
-  sqlite3_bind_int64(st, 2, k->step);
-  sqlite3_bind_int64(st, 3, (int64_t)k->generation);
-  sqlite3_bind_int(st, 4, k->world);
-  sqlite3_bind_text(st, 5, k->dir, -1, SQLITE_STATIC);
-  sqlite3_bind_int(st, 6, k->state);
-  sqlite3_bind_int64(st, 7, (int64_t)k->bytes);
-  sqlite3_bind_int64(st, 8, k->t_ms);
+  bind(st, 2, k_ckpt_cols, ZT_ARRAY_LEN(k_ckpt_cols), k);
   return run(db, st, "store checkpoint");
-}
-
-ZT_ROW_CB(ckpt_cb, zt_db_ckpt_fn);
-
-static int ckpt_row(sqlite3_stmt *st, void *p) {
-  ckpt_cb *cb = p;
-  zt_db_ckpt_t k;
-  memset(&k, 0, sizeof k);
-  k.step = sqlite3_column_int64(st, 0);
-  k.generation = (uint64_t)sqlite3_column_int64(st, 1);
-  k.world = sqlite3_column_int(st, 2);
-  copy_text(k.dir, sizeof k.dir, st, 3);
-  k.state = sqlite3_column_int(st, 4);
-  k.bytes = (uint64_t)sqlite3_column_int64(st, 5);
-  k.t_ms = sqlite3_column_int64(st, 6);
-  return cb->fn(&k, cb->user);
 }
 
 int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user) {
   sqlite3_stmt *st = db->st[ST_CKPTS_JOB];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
-  ckpt_cb cb = {fn, user};
-  return each_row(db, st, "list checkpoints", ckpt_row, &cb);
+  rows_ctx x = {ROW_CKPT, {.ckpt = fn}, user};
+  return each_row(db, st, "list checkpoints", typed_row, &x);
 }

@@ -51,32 +51,32 @@ typedef struct {
   char detail[512];
 } zt_db_event_t;
 
-int zt_db_open(const char *path, zt_db_t **out);
+ZT_MUST_CHECK int zt_db_open(const char *path, zt_db_t **out);
 void zt_db_close(zt_db_t *db);
 int zt_db_schema_version(zt_db_t *db);
 int zt_db_schema_latest(void); /* the version this binary migrates to */
 const char *zt_db_path(zt_db_t *db);
 
-int zt_db_begin(zt_db_t *db);
-int zt_db_commit(zt_db_t *db);
+ZT_MUST_CHECK int zt_db_begin(zt_db_t *db);
+ZT_MUST_CHECK int zt_db_commit(zt_db_t *db);
 void zt_db_rollback(zt_db_t *db);
 
-int zt_db_meta_get(zt_db_t *db, const char *key, int64_t *val, int64_t def);
-int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val);
+ZT_MUST_CHECK int zt_db_meta_get(zt_db_t *db, const char *key, int64_t *val, int64_t def);
+ZT_MUST_CHECK int zt_db_meta_set(zt_db_t *db, const char *key, int64_t val);
 
 /* Inserts or updates the worker named w->name; sets w->id. */
-int zt_db_worker_upsert(zt_db_t *db, zt_db_worker_t *w);
-int zt_db_worker_set_state(zt_db_t *db, uint64_t id, int state, int64_t last_seen_ms);
+ZT_MUST_CHECK int zt_db_worker_upsert(zt_db_t *db, zt_db_worker_t *w);
+ZT_MUST_CHECK int zt_db_worker_set_state(zt_db_t *db, uint64_t id, int state, int64_t last_seen_ms);
 /* Writes many last_seen values in one transaction. */
-int zt_db_workers_touch(zt_db_t *db, const uint64_t *ids, const int64_t *last_seen, int n);
+ZT_MUST_CHECK int zt_db_workers_touch(zt_db_t *db, const uint64_t *ids, const int64_t *last_seen, int n);
 typedef int (*zt_db_worker_fn)(const zt_db_worker_t *w, void *user);
-int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user);
+ZT_MUST_CHECK int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user);
 
-int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
+ZT_MUST_CHECK int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
                     const char *detail, int64_t *id_out);
 typedef int (*zt_db_event_fn)(const zt_db_event_t *e, void *user);
 /* Events with id > after_id, oldest first, at most `limit`; job_id 0: all. */
-int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
+ZT_MUST_CHECK int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user);
 
 /* ---- jobs (schema version 2) ---------------------------------------------- */
@@ -128,19 +128,19 @@ typedef struct {
   int64_t t_ms;
 } zt_db_step_t;
 
-int zt_db_job_insert(zt_db_t *db, zt_db_job_t *j); /* sets j->id */
-int zt_db_job_update(zt_db_t *db, const zt_db_job_t *j);
+ZT_MUST_CHECK int zt_db_job_insert(zt_db_t *db, zt_db_job_t *j); /* sets j->id */
+ZT_MUST_CHECK int zt_db_job_update(zt_db_t *db, const zt_db_job_t *j);
 typedef int (*zt_db_job_fn)(const zt_db_job_t *j, void *user);
-int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user);
+ZT_MUST_CHECK int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user);
 /* Records generation `gen` of a job and its members (worker_ids by rank). */
-int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
+ZT_MUST_CHECK int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
                          const char *reason, const uint64_t *worker_ids);
-int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
+ZT_MUST_CHECK int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
                              int max, int *n);
 /* Stores a step's metrics; a replayed step (after a reload) replaces the row. */
-int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s);
+ZT_MUST_CHECK int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s);
 typedef int (*zt_db_step_fn)(const zt_db_step_t *s, void *user);
-int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
+ZT_MUST_CHECK int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
                      void *user);
 
 /* ---- checkpoint epochs (schema version 3) --------------------------------- */
@@ -158,9 +158,9 @@ typedef struct {
   int64_t t_ms;
 } zt_db_ckpt_t;
 
-int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt_t *k);
+ZT_MUST_CHECK int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt_t *k);
 typedef int (*zt_db_ckpt_fn)(const zt_db_ckpt_t *k, void *user);
 /* Every epoch of a job, oldest step first. */
-int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user);
+ZT_MUST_CHECK int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user);
 
 #endif

@@ -120,6 +120,10 @@ int zt_export_safetensors(const char *dir, const char *out, int bf16, size_t *by
     off += n * esz;
   }
   char *htext = cJSON_PrintUnformatted(hdr);
+  if (!htext) {
+    zt_err("out of memory formatting the safetensors header");
+    goto out;
+  }
   size_t hlen = strlen(htext), padded = (hlen + 7) / 8 * 8;
   uint64_t le = padded; /* little-endian on every platform we build for */
   char tmp[1100];

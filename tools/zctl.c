@@ -3,11 +3,9 @@
  *
  *   zctl [--coordinator HOST:PORT] [--json] [--token T] VERB [ARGS]
  *
- * Verbs: status, workers, events [--job J] [--after ID] [--limit N],
- * submit JOB.json, jobs, job ID, metrics JOB [--from S] [--to S],
- * checkpoints JOB, pause|resume|cancel JOB, rollback JOB --to-step S
- * [--skip N], drain WORKER.
- * Every verb prints a readable table, or with --json one JSON document with
+ * The verbs are one table (k_verbs, below), which also makes the usage
+ * text: status, workers, events, submit, jobs, job, metrics, checkpoints,
+ * pause, resume, cancel, rollback, drain, export, logbook. Every verb prints a readable table, or with --json one JSON document with
  * the same field names as the HTTP API (/v1/status, /v1/workers,
  * /v1/events), so scripts can use either. The coordinator address defaults
  * to $ZTRAIN_COORDINATOR, then 127.0.0.1:7070. Exit status: 0 on success,
@@ -49,7 +47,7 @@ static void fmt_time(char *buf, size_t n, int64_t ms) {
 
 static void print_json(cJSON *doc) {
   char *s = cJSON_Print(doc);
-  printf("%s\n", s);
+  printf("%s\n", s ? s : "null");
   free(s);
   cJSON_Delete(doc);
 }
@@ -74,25 +72,14 @@ static void print_message(zctl *z, const char *msg) {
   }
 }
 
-static int cmd_status(zctl *z) {
+static int cmd_status(zctl *z, int argc, char **argv) {
+  (void)argc, (void)argv;
   Ztrain__GetStatusRequest req = ZTRAIN__GET_STATUS_REQUEST__INIT;
   Ztrain__GetStatusReply *r = (Ztrain__GetStatusReply *)status_call(
       z, "GetStatus", &req.base, &ztrain__get_status_reply__descriptor);
   if (!r) return -1;
   if (z->json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "version", r->version);
-    cJSON_AddNumberToObject(o, "started_ms", (double)r->started_ms);
-    cJSON_AddNumberToObject(o, "coordinator_epoch", (double)r->coordinator_epoch);
-    cJSON_AddNumberToObject(o, "heartbeat_ms", r->heartbeat_ms);
-    cJSON_AddNumberToObject(o, "heartbeat_timeout_ms", r->heartbeat_timeout_ms);
-    cJSON *w = cJSON_AddObjectToObject(o, "workers");
-    cJSON_AddNumberToObject(w, "alive", r->workers_alive);
-    cJSON_AddNumberToObject(w, "suspect", r->workers_suspect);
-    cJSON_AddNumberToObject(w, "lost", r->workers_lost);
-    cJSON_AddNumberToObject(w, "left", r->workers_left);
-    cJSON_AddStringToObject(o, "db", r->db_path);
-    print_json(o);
+    print_json(zt_json_status(r));
   } else {
     char t[64];
     fmt_time(t, sizeof t, r->started_ms);
@@ -108,7 +95,8 @@ static int cmd_status(zctl *z) {
   return 0;
 }
 
-static int cmd_workers(zctl *z) {
+static int cmd_workers(zctl *z, int argc, char **argv) {
+  (void)argc, (void)argv;
   Ztrain__ListWorkersRequest req = ZTRAIN__LIST_WORKERS_REQUEST__INIT;
   Ztrain__ListWorkersReply *r = (Ztrain__ListWorkersReply *)status_call(
       z, "ListWorkers", &req.base, &ztrain__list_workers_reply__descriptor);
@@ -178,7 +166,8 @@ static void print_job_row(const Ztrain__JobInfo *j) {
          (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, j->message);
 }
 
-static int cmd_jobs(zctl *z) {
+static int cmd_jobs(zctl *z, int argc, char **argv) {
+  (void)argc, (void)argv;
   Ztrain__ListJobsRequest req = ZTRAIN__LIST_JOBS_REQUEST__INIT;
   Ztrain__ListJobsReply *r = (Ztrain__ListJobsReply *)status_call(
       z, "ListJobs", &req.base, &ztrain__list_jobs_reply__descriptor);
@@ -205,7 +194,9 @@ static int parse_job_id(const char *s, uint64_t *id) {
   return 0;
 }
 
-static int cmd_job(zctl *z, const char *ids) {
+static int cmd_job(zctl *z, int argc, char **argv) {
+  (void)argc;
+  const char *ids = argv[0];
   Ztrain__GetJobRequest req = ZTRAIN__GET_JOB_REQUEST__INIT;
   if (parse_job_id(ids, &req.job_id) != 0) return -1;
   Ztrain__GetJobReply *r = (Ztrain__GetJobReply *)status_call(z, "GetJob", &req.base,
@@ -255,7 +246,9 @@ static int cmd_metrics(zctl *z, int argc, char **argv) {
   return 0;
 }
 
-static int cmd_submit(zctl *z, const char *path) {
+static int cmd_submit(zctl *z, int argc, char **argv) {
+  (void)argc;
+  const char *path = argv[0];
   char *text;
   size_t len;
   if (zt_read_file(path, &text, &len, 4 << 20) != 0) return -1;
@@ -276,7 +269,9 @@ static int cmd_submit(zctl *z, const char *path) {
   return 0;
 }
 
-static int cmd_action(zctl *z, const char *action, int argc, char **argv) {
+/* pause|resume|cancel|rollback: the verb itself is argv[-1]. */
+static int cmd_action(zctl *z, int argc, char **argv) {
+  const char *action = argv[-1];
   Ztrain__JobActionRequest req = ZTRAIN__JOB_ACTION_REQUEST__INIT;
   if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
     return zt_err("%s: usage: zctl %s JOB%s", action, action,
@@ -297,7 +292,9 @@ static int cmd_action(zctl *z, const char *action, int argc, char **argv) {
   return 0;
 }
 
-static int cmd_drain(zctl *z, const char *worker) {
+static int cmd_drain(zctl *z, int argc, char **argv) {
+  (void)argc;
+  const char *worker = argv[0];
   Ztrain__DrainRequest req = ZTRAIN__DRAIN_REQUEST__INIT;
   req.worker = (char *)worker;
   Ztrain__DrainReply *r = (Ztrain__DrainReply *)status_call(z, "Drain", &req.base,
@@ -308,7 +305,9 @@ static int cmd_drain(zctl *z, const char *worker) {
   return 0;
 }
 
-static int cmd_checkpoints(zctl *z, const char *ids) {
+static int cmd_checkpoints(zctl *z, int argc, char **argv) {
+  (void)argc;
+  const char *ids = argv[0];
   Ztrain__ListCheckpointsRequest req = ZTRAIN__LIST_CHECKPOINTS_REQUEST__INIT;
   if (parse_job_id(ids, &req.job_id) != 0) return -1;
   Ztrain__ListCheckpointsReply *r = (Ztrain__ListCheckpointsReply *)status_call(
@@ -337,7 +336,7 @@ static int cmd_checkpoints(zctl *z, const char *ids) {
 /* logbook JOB --markdown: a run report from the job, its logbook, its
  * checkpoints and its metrics. */
 static int cmd_logbook(zctl *z, int argc, char **argv) {
-  uint64_t id;
+  uint64_t id = 0;
   if (argc < 1 || parse_job_id(argv[0], &id) != 0 || (argc > 1 && strcmp(argv[1], "--markdown")))
     return zt_err("logbook: usage: zctl logbook JOB --markdown");
   Ztrain__GetJobRequest gj = ZTRAIN__GET_JOB_REQUEST__INIT;
@@ -448,22 +447,50 @@ static int cmd_export(zctl *z, int argc, char **argv) {
   return 0;
 }
 
+/* The verbs: name, the exact number of arguments (-1: any, the verb checks
+ * them), the function, and the usage line. */
+typedef struct {
+  const char *name;
+  int nargs;
+  int (*fn)(zctl *z, int argc, char **argv);
+  const char *args, *help;
+} verb;
+
+static const verb k_verbs[] = {
+    {"status", 0, cmd_status, "", "coordinator summary"},
+    {"workers", 0, cmd_workers, "", "every known worker and its state"},
+    {"events", -1, cmd_events, "[JOB] [--after ID] [--limit N]", "the logbook"},
+    {"submit", 1, cmd_submit, "JOB.json", "submit a job spec"},
+    {"jobs", 0, cmd_jobs, "", "every job with its progress"},
+    {"job", 1, cmd_job, "ID", "one job"},
+    {"metrics", -1, cmd_metrics, "JOB [--from S] [--to S]", "per-step loss, grad norm, lr, tokens/s"},
+    {"checkpoints", 1, cmd_checkpoints, "JOB", "checkpoint epochs with state and size"},
+    {"pause", -1, cmd_action, "JOB", "stop a job; resume continues it"},
+    {"resume", -1, cmd_action, "JOB", "continue a paused job"},
+    {"cancel", -1, cmd_action, "JOB", "end a job for good"},
+    {"rollback", -1, cmd_action, "JOB --to-step S [--skip N]",
+     "restart from a checkpoint, skipping data"},
+    {"drain", 1, cmd_drain, "WORKER", "checkpoint, then take a worker out"},
+    {"export", -1, cmd_export, "JOB --step S --out F [--dtype f32|bf16]",
+     "Hugging Face safetensors (--dir EPOCH: no coordinator)"},
+    {"logbook", -1, cmd_logbook, "JOB --markdown", "run report: timeline, rollbacks, loss"},
+};
+
 static void usage(FILE *f) {
   fprintf(f, "usage: zctl [--coordinator HOST:PORT] [--json] [--token T] [--timeout-ms N] VERB\n"
-             "verbs:\n"
-             "  status                              coordinator summary\n"
-             "  workers                             every known worker and its state\n"
-             "  events [JOB] [--after ID] [--limit N]       the logbook\n"
-             "  submit JOB.json                     submit a job spec\n"
-             "  jobs                                every job with its progress\n"
-             "  job ID                              one job\n"
-             "  metrics JOB [--from S] [--to S]     per-step loss, grad norm, lr, tokens/s\n"
-             "  checkpoints JOB                     checkpoint epochs with state and size\n"
-             "  pause|resume|cancel JOB             job control\n"
-             "  rollback JOB --to-step S [--skip N] restart from a checkpoint, skipping data\n"
-             "  drain WORKER                        checkpoint, then take a worker out\n"
-             "  export JOB --step S --out F [--dtype f32|bf16]   Hugging Face safetensors\n"
-             "  logbook JOB --markdown              run report: timeline, rollbacks, loss\n");
+             "verbs:\n");
+  for (size_t i = 0; i < ZT_ARRAY_LEN(k_verbs); i++) {
+    char head[96];
+    snprintf(head, sizeof head, "%s %s", k_verbs[i].name, k_verbs[i].args);
+    fprintf(f, "  %-44s %s\n", head, k_verbs[i].help);
+  }
+}
+
+static const verb *find_verb(const char *name, int nargs) {
+  for (size_t i = 0; i < ZT_ARRAY_LEN(k_verbs); i++)
+    if (!strcmp(k_verbs[i].name, name) && (k_verbs[i].nargs < 0 || k_verbs[i].nargs == nargs))
+      return &k_verbs[i];
+  return NULL;
 }
 
 int main(int argc, char **argv) {
@@ -492,7 +519,7 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  const char *verb = argv[optind];
+  const char *name = argv[optind];
   char **vargv = argv + optind + 1;
   int vargc = argc - optind - 1;
   /* Allow --json after the verb too, as in `zctl workers --json`. */
@@ -510,26 +537,13 @@ int main(int argc, char **argv) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
-  int rc;
-  if (!strcmp(verb, "status") && vargc == 0) rc = cmd_status(&z);
-  else if (!strcmp(verb, "workers") && vargc == 0) rc = cmd_workers(&z);
-  else if (!strcmp(verb, "events")) rc = cmd_events(&z, vargc, vargv);
-  else if (!strcmp(verb, "jobs") && vargc == 0) rc = cmd_jobs(&z);
-  else if (!strcmp(verb, "job") && vargc == 1) rc = cmd_job(&z, vargv[0]);
-  else if (!strcmp(verb, "submit") && vargc == 1) rc = cmd_submit(&z, vargv[0]);
-  else if (!strcmp(verb, "metrics")) rc = cmd_metrics(&z, vargc, vargv);
-  else if (!strcmp(verb, "checkpoints") && vargc == 1) rc = cmd_checkpoints(&z, vargv[0]);
-  else if (!strcmp(verb, "drain") && vargc == 1) rc = cmd_drain(&z, vargv[0]);
-  else if (!strcmp(verb, "export")) rc = cmd_export(&z, vargc, vargv);
-  else if (!strcmp(verb, "logbook")) rc = cmd_logbook(&z, vargc, vargv);
-  else if (!strcmp(verb, "pause") || !strcmp(verb, "resume") || !strcmp(verb, "cancel") ||
-           !strcmp(verb, "rollback"))
-    rc = cmd_action(&z, verb, vargc, vargv);
-  else {
+  const verb *v = find_verb(name, vargc);
+  if (!v) {
     usage(stderr);
     zt_rpc_client_close(z.rpc);
     return 2;
   }
+  int rc = v->fn(&z, vargc, vargv);
   if (rc != 0) fprintf(stderr, "zctl: %s\n", zt_err_msg());
   zt_rpc_client_close(z.rpc);
   return rc == 0 ? 0 : 1;

@@ -83,9 +83,8 @@ static zt_hent_t *htab_slot(const zt_htab_t *t, const char *key, size_t len) {
 }
 
 static int htab_grow(zt_htab_t *t) {
-  zt_htab_t n = {calloc(t->cap ? t->cap * 2 : 1024, sizeof(zt_hent_t)), t->cap ? t->cap * 2 : 1024,
-                 t->n};
-  if (!n.e) return zt_err("out of memory");
+  size_t cap = t->cap ? t->cap * 2 : 1024;
+  zt_htab_t n = {zt_xcalloc(cap, sizeof(zt_hent_t)), cap, t->n};
   for (size_t i = 0; i < t->cap; i++)
     if (t->e[i].key) *htab_slot(&n, t->e[i].key, t->e[i].len) = t->e[i];
   free(t->e);
@@ -98,8 +97,7 @@ static int htab_put(zt_htab_t *t, const char *key, size_t len, int val) {
   if ((t->n + 1) * 2 > t->cap && htab_grow(t) != 0) return -1;
   zt_hent_t *e = htab_slot(t, key, len);
   if (e->key) return 0;
-  e->key = malloc(len + 1);
-  if (!e->key) return zt_err("out of memory");
+  e->key = zt_xmalloc(len + 1);
   memcpy(e->key, key, len);
   e->key[len] = 0;
   e->len = len;
@@ -353,14 +351,10 @@ static void bpe_free(zt_bpe_t *b) {
 static int bpe_reserve(zt_bpe_t *b, size_t n) {
   if (n <= b->scratch_cap) return 0;
   size_t cap = n * 2;
-  char *m = realloc(b->mapped, 2 * cap + 1), *k = realloc(b->key, 4 * cap + 2);
-  if (m) b->mapped = m;
-  if (k) b->key = k;
-  size_t *o = realloc(b->sym_off, cap * sizeof(size_t));
-  if (o) b->sym_off = o;
-  size_t *l = realloc(b->sym_len, cap * sizeof(size_t));
-  if (l) b->sym_len = l;
-  if (!m || !k || !o || !l) return zt_err("out of memory");
+  b->mapped = zt_xrealloc(b->mapped, 2 * cap + 1);
+  b->key = zt_xrealloc(b->key, 4 * cap + 2);
+  b->sym_off = zt_xrealloc(b->sym_off, cap * sizeof(size_t));
+  b->sym_len = zt_xrealloc(b->sym_len, cap * sizeof(size_t));
   b->scratch_cap = cap;
   return 0;
 }
@@ -498,8 +492,8 @@ static int writer_init(zt_writer_t *w, const char *dir, const char *prefix, cons
   w->prefix = prefix;
   w->split = split;
   w->cap = cap;
-  w->buf = malloc(1024 + 2 * cap);
-  return w->buf ? 0 : zt_err("out of memory for a %zu-token shard", cap);
+  w->buf = zt_xmalloc(1024 + 2 * cap);
+  return 0;
 }
 
 int main(int argc, char **argv) {
@@ -507,7 +501,7 @@ int main(int argc, char **argv) {
              *prefix = "data";
   double val_frac = 0.1;
   long shard_tokens = 100000000;
-  const char **inputs = calloc((size_t)argc, sizeof(char *));
+  const char **inputs = zt_xcalloc((size_t)argc, sizeof(char *));
   int ninputs = 0;
   zt_prep_t p;
   memset(&p, 0, sizeof p);

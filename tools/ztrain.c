@@ -149,16 +149,19 @@ int main(int argc, char **argv) {
                      "--device", "cpu", "--threads", thr, NULL};
     wk[i] = spawn(wargv, log);
   }
-  zt_rpc_client_t *rpc;
-  zt_rpc_client_open(target, NULL, &rpc);
-  Ztrain__SubmitJobRequest sreq = ZTRAIN__SUBMIT_JOB_REQUEST__INIT;
-  sreq.spec_json = spec;
-  uint8_t *buf = malloc(ztrain__submit_job_request__get_packed_size(&sreq));
-  size_t blen = ztrain__submit_job_request__pack(&sreq, buf);
-  uint8_t *resp = NULL;
-  size_t rlen = 0;
+  zt_rpc_client_t *rpc = NULL;
   int rc = 1;
   uint64_t job = 0;
+  Ztrain__SubmitJobRequest sreq = ZTRAIN__SUBMIT_JOB_REQUEST__INIT;
+  sreq.spec_json = spec;
+  uint8_t *buf = zt_xmalloc(ztrain__submit_job_request__get_packed_size(&sreq));
+  size_t blen = ztrain__submit_job_request__pack(&sreq, buf);
+  if (zt_rpc_client_open(target, NULL, &rpc) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    goto stop;
+  }
+  uint8_t *resp = NULL;
+  size_t rlen = 0;
   if (zt_rpc_call(rpc, "/ztrain.Status/SubmitJob", buf, blen, 10000, &resp, &rlen, NULL) != 0) {
     ZT_ERROR("submit %s: %s", spec_path, zt_err_msg());
     goto stop;

@@ -41,8 +41,7 @@ struct zt_ctl {
 };
 
 int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
-  zt_ctl_t *c = calloc(1, sizeof *c);
-  if (!c) abort();
+  zt_ctl_t *c = zt_xcalloc(1, sizeof *c);
   c->o = *o;
   snprintf(c->coordinator, sizeof c->coordinator, "%s", o->coordinator);
   snprintf(c->name, sizeof c->name, "%s", o->name);

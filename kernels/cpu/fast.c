@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "zt_common.h"
 #include "zt_kernels.h"
 
 #define ZT_LN_CHUNK_ROWS 32              /* rows per partial sum in layernorm_backward */
@@ -192,8 +193,7 @@ static void fast_layernorm_backward(float *dinp, float *dw, float *db, const flo
                                     const float *inp, const float *w, const float *mean,
                                     const float *rstd, int N, int C) {
   int nchunks = (N + ZT_LN_CHUNK_ROWS - 1) / ZT_LN_CHUNK_ROWS;
-  float *part = calloc((size_t)nchunks * 2 * C, sizeof(float));
-  if (!part) abort(); /* a few hundred KiB; out of memory here is fatal */
+  float *part = zt_xcalloc((size_t)nchunks * 2 * C, sizeof(float));
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -329,8 +329,7 @@ static void fast_attention_backward(float *dqkv, const float *dout, const float 
   float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel
   {
-    float *ds = malloc(sizeof(float) * (size_t)T * T);
-    if (!ds) abort(); /* T*T floats; out of memory here is fatal */
+    float *ds = zt_xmalloc(sizeof(float) * (size_t)T * T);
 #pragma omp for schedule(static)
     for (int bh = 0; bh < B * NH; bh++) {
       int b = bh / NH, h = bh % NH;
@@ -456,8 +455,7 @@ static double sumsq_chunk(const float *x, size_t n) {
 static double fast_sumsq(const float *x, size_t n) {
   size_t nchunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
   if (nchunks <= 1) return sumsq_chunk(x, n);
-  double *part = malloc(sizeof(double) * nchunks);
-  if (!part) abort();
+  double *part = zt_xmalloc(sizeof(double) * nchunks);
 #pragma omp parallel for schedule(static)
   for (size_t c = 0; c < nchunks; c++) {
     size_t lo = c * ZT_KERN_SUMSQ_CHUNK;
@@ -507,27 +505,7 @@ static void fast_narrow_f64(float *dst, const double *x, size_t n, double s, flo
 
 static const zt_kernels_t zt_cpu_table = {
     .name = "cpu",
-    .encoder_forward = fast_encoder_forward,
-    .encoder_backward = fast_encoder_backward,
-    .layernorm_forward = fast_layernorm_forward,
-    .layernorm_backward = fast_layernorm_backward,
-    .matmul_forward = fast_matmul_forward,
-    .matmul_backward = fast_matmul_backward,
-    .attention_forward = fast_attention_forward,
-    .attention_backward = fast_attention_backward,
-    .gelu_forward = fast_gelu_forward,
-    .gelu_backward = fast_gelu_backward,
-    .residual_forward = fast_residual_forward,
-    .crossentropy_forward = fast_crossentropy_forward,
-    .crossentropy_backward = fast_crossentropy_backward,
-    .adamw = fast_adamw,
-    .sumsq = fast_sumsq,
-    .scale = fast_scale,
-    .zero = fast_zero,
-    .acc_f64 = fast_acc_f64,
-    .add_f64 = fast_add_f64,
-    .widen_f64 = fast_widen_f64,
-    .narrow_f64 = fast_narrow_f64,
+    ZT_KERN_ENTRIES(fast),
     .sumsq_f64 = zt_kern_host_sumsq_f64, /* serial: element order */
     ZT_KERN_HOST_MEMORY,
 };

@@ -37,10 +37,8 @@ static void ref_encoder_backward(float *dwte, float *dwpe, const float *dout, co
       const float *d = dout + ((size_t)b * T + t) * C;
       float *dwe = dwte + (size_t)inp[b * T + t] * C;
       float *dpe = dwpe + (size_t)t * C;
-      for (int i = 0; i < C; i++) {
-        dwe[i] += d[i];
-        dpe[i] += d[i];
-      }
+      for (int i = 0; i < C; i++) dwe[i] += d[i];
+      for (int i = 0; i < C; i++) dpe[i] += d[i];
     }
   }
 }
@@ -73,23 +71,23 @@ static void ref_layernorm_backward(float *dinp, float *dw, float *db, const floa
     const float *d = dout + (size_t)n * C;
     const float *x = inp + (size_t)n * C;
     float *dx = dinp + (size_t)n * C;
-    float m = mean[n], s = rstd[n];
-    /* Two reductions: mean of dnorm and mean of dnorm * norm. */
-    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    double m = mean[n], s = rstd[n];
+    /* With xhat = (x - m) s and g = w dout: dx = s (g - mean(g) - xhat
+     * mean(g xhat)). The two means are formed in double: the reference is
+     * the more accurate side of every comparison. */
+    double g_mean = 0.0, gx_mean = 0.0;
     for (int i = 0; i < C; i++) {
-      float norm = (x[i] - m) * s;
-      float dnorm = w[i] * d[i];
-      dnorm_mean += dnorm;
-      dnorm_norm_mean += dnorm * norm;
+      double xhat = (x[i] - m) * s, g = (double)w[i] * d[i];
+      g_mean += g;
+      gx_mean += g * xhat;
     }
-    dnorm_mean /= C;
-    dnorm_norm_mean /= C;
+    g_mean /= C;
+    gx_mean /= C;
     for (int i = 0; i < C; i++) {
-      float norm = (x[i] - m) * s;
-      float dnorm = w[i] * d[i];
+      double xhat = (x[i] - m) * s, g = (double)w[i] * d[i];
       db[i] += d[i];
-      dw[i] += norm * d[i];
-      dx[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+      dw[i] += (float)(xhat * d[i]);
+      dx[i] += (float)((g - g_mean - xhat * gx_mean) * s);
     }
   }
 }
@@ -335,27 +333,7 @@ void zt_kern_host_memzero(void *p, size_t bytes) {
 
 static const zt_kernels_t zt_ref_table = {
     .name = "cpu-ref",
-    .encoder_forward = ref_encoder_forward,
-    .encoder_backward = ref_encoder_backward,
-    .layernorm_forward = ref_layernorm_forward,
-    .layernorm_backward = ref_layernorm_backward,
-    .matmul_forward = ref_matmul_forward,
-    .matmul_backward = ref_matmul_backward,
-    .attention_forward = ref_attention_forward,
-    .attention_backward = ref_attention_backward,
-    .gelu_forward = ref_gelu_forward,
-    .gelu_backward = ref_gelu_backward,
-    .residual_forward = ref_residual_forward,
-    .crossentropy_forward = ref_crossentropy_forward,
-    .crossentropy_backward = ref_crossentropy_backward,
-    .adamw = ref_adamw,
-    .sumsq = ref_sumsq,
-    .scale = ref_scale,
-    .zero = ref_zero,
-    .acc_f64 = ref_acc_f64,
-    .add_f64 = ref_add_f64,
-    .widen_f64 = ref_widen_f64,
-    .narrow_f64 = ref_narrow_f64,
+    ZT_KERN_ENTRIES(ref),
     .sumsq_f64 = zt_kern_host_sumsq_f64,
     ZT_KERN_HOST_MEMORY,
 };
