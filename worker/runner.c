@@ -168,67 +168,41 @@ static void report_failure(zt_runner_t *r, const char *why, int fatal, const cha
     ZT_INFO("failure report not taken: %s", zt_err_msg());
 }
 
-/* Joins (job, gen) and trains it. */
-static void run_generation(zt_runner_t *r) {
-  int port = 0, lfd = -1;
-  if (zt_comm_tcp_listen(r->comm_host, &port, &lfd) != 0) {
-    ZT_ERROR("%s", zt_err_msg());
-    return;
-  }
-  char addr[96];
-  snprintf(addr, sizeof addr, "%s:%d", r->comm_host, port);
-  zt_ctl_set_assignment(r->ctl, r->cur_job, r->cur_gen);
+/* Rendezvous for (cur_job, cur_gen), advertising our ring socket addr:
+ * the reply, or NULL when the generation ended (or we moved on) first. */
+static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
   Ztrain__RendezvousRequest req = ZTRAIN__RENDEZVOUS_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.comm_addr = addr;
-  Ztrain__RendezvousReply *rv = NULL;
   int64_t t0 = zt_now_ms();
-  while (!rv) {
-    if (changed(r)) goto out;
+  while (!changed(r)) {
     ProtobufCMessage *m;
     int st = 0;
     if (call(r, "/ztrain.Control/Rendezvous", &req.base, &ztrain__rendezvous_reply__descriptor,
              10000, &m, &st) == 0) {
-      rv = (Ztrain__RendezvousReply *)m;
-      break;
+      Ztrain__RendezvousReply *rv = (Ztrain__RendezvousReply *)m;
+      ZT_INFO("job %llu generation %llu: rank %u of %u, start step %lld, accum %u (rendezvous "
+              "%lld ms)",
+              (unsigned long long)rv->job_id, (unsigned long long)rv->generation, rv->rank,
+              rv->world, (long long)rv->start_step, rv->accum_steps,
+              (long long)(zt_now_ms() - t0));
+      return rv;
     }
     if (st == ZT_RPC_FAILED_PRECONDITION || st == ZT_RPC_NOT_FOUND || st == ZT_RPC_ABORTED) {
       ZT_INFO("rendezvous for job %llu generation %llu ended: %s", (unsigned long long)r->cur_job,
               (unsigned long long)r->cur_gen, zt_err_msg());
-      goto out;
+      return NULL;
     }
     if (st != ZT_RPC_DEADLINE_EXCEEDED) zt_sleep_ms(200); /* coordinator away: retry pacing */
   }
-  ZT_INFO("job %llu generation %llu: rank %u of %u, start step %lld, accum %u (rendezvous %lld ms)",
-          (unsigned long long)rv->job_id, (unsigned long long)rv->generation, rv->rank, rv->world,
-          (long long)rv->start_step, rv->accum_steps, (long long)(zt_now_ms() - t0));
-  if (rv->n_skips > ZT_MAX_SKIP_RANGES) { /* the coordinator never sends more */
-    char why[200];
-    snprintf(why, sizeof why, "rendezvous reply holds %zu skip ranges (the limit is %d)",
-             rv->n_skips, ZT_MAX_SKIP_RANGES);
-    ZT_ERROR("%s", why);
-    report_failure(r, why, 1, NULL, -1);
-    goto out;
-  }
-  zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
-                         .peers = (const char *const *)rv->peers, .listen_fd = lfd,
-                         .session = (rv->job_id << 32) ^ rv->generation,
-                         .connect_timeout_ms = rv->comm_timeout_ms};
-  lfd = -1; /* owned by the communicator from here on */
-  zt_comm_t *comm;
-  if (zt_comm_tcp_create(&co, &comm) != 0) {
-    char why[600];
-    snprintf(why, sizeof why, "ring set-up: %s", zt_err_msg());
-    ZT_WARN("%s", why);
-    if (!changed(r)) report_failure(r, why, 0, NULL, -1);
-    goto out;
-  }
-  pthread_mutex_lock(&r->mu);
-  r->active = comm;
-  if (r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(comm);
-  pthread_mutex_unlock(&r->mu);
+  return NULL;
+}
+
+/* Trains the generation the reply describes on a connected ring, and
+ * reports a failure that is not simply our moving on. */
+static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *comm) {
   zt_gen_ctx_t g = {.job_id = rv->job_id, .generation = rv->generation, .rank = (int)rv->rank,
                     .world = (int)rv->world, .spec_json = rv->spec_json,
                     .start_step = rv->start_step, .comm_timeout_ms = rv->comm_timeout_ms,
@@ -243,18 +217,57 @@ static void run_generation(zt_runner_t *r) {
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
   g.skips = skips;
   zt_train_fault_t fault = ZT_FAULT_GENERATION;
-  if (zt_gen_train(&g, &fault) != 0) {
-    char why[800];
-    snprintf(why, sizeof why, "%s", zt_err_msg());
-    if (!changed(r)) {
-      ZT_WARN("training failed%s: %s", fault == ZT_FAULT_JOB ? " (job error)" : "", why);
-      report_failure(r, why, fault == ZT_FAULT_JOB,
-                     fault == ZT_FAULT_CHECKPOINT ? rv->checkpoint_dir : NULL,
-                     zt_comm_failed_peer(comm));
-    } else {
-      ZT_INFO("generation %llu left: %s", (unsigned long long)r->cur_gen, why);
-    }
+  if (zt_gen_train(&g, &fault) == 0) return;
+  char why[800];
+  snprintf(why, sizeof why, "%s", zt_err_msg());
+  if (changed(r)) {
+    ZT_INFO("generation %llu left: %s", (unsigned long long)r->cur_gen, why);
+    return;
   }
+  ZT_WARN("training failed%s: %s", fault == ZT_FAULT_JOB ? " (job error)" : "", why);
+  report_failure(r, why, fault == ZT_FAULT_JOB,
+                 fault == ZT_FAULT_CHECKPOINT ? rv->checkpoint_dir : NULL,
+                 zt_comm_failed_peer(comm));
+}
+
+/* Joins (cur_job, cur_gen): listening socket, rendezvous, ring; trains it. */
+static void run_generation(zt_runner_t *r) {
+  int port = 0, lfd = -1;
+  if (zt_comm_tcp_listen(r->comm_host, &port, &lfd) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return;
+  }
+  char addr[96];
+  snprintf(addr, sizeof addr, "%s:%d", r->comm_host, port);
+  zt_ctl_set_assignment(r->ctl, r->cur_job, r->cur_gen);
+  Ztrain__RendezvousReply *rv = rendezvous(r, addr);
+  if (!rv) goto out;
+  if (rv->n_skips > ZT_MAX_SKIP_RANGES) { /* the coordinator never sends more */
+    char why[200];
+    snprintf(why, sizeof why, "rendezvous reply holds %zu skip ranges (the limit is %d)",
+             rv->n_skips, ZT_MAX_SKIP_RANGES);
+    ZT_ERROR("%s", why);
+    report_failure(r, why, 1, NULL, -1);
+    goto out;
+  }
+  zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
+                           .peers = (const char *const *)rv->peers, .listen_fd = lfd,
+                           .session = (rv->job_id << 32) ^ rv->generation,
+                           .connect_timeout_ms = rv->comm_timeout_ms};
+  lfd = -1; /* owned by the communicator from here on */
+  zt_comm_t *comm;
+  if (zt_comm_tcp_create(&co, &comm) != 0) {
+    char why[600];
+    snprintf(why, sizeof why, "ring set-up: %s", zt_err_msg());
+    ZT_WARN("%s", why);
+    if (!changed(r)) report_failure(r, why, 0, NULL, -1);
+    goto out;
+  }
+  pthread_mutex_lock(&r->mu);
+  r->active = comm;
+  if (r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(comm);
+  pthread_mutex_unlock(&r->mu);
+  train(r, rv, comm);
   pthread_mutex_lock(&r->mu);
   r->active = NULL;
   pthread_mutex_unlock(&r->mu);
