@@ -205,8 +205,7 @@ const char *zt_rpc_call_peer(zt_rpc_call_t *c) {
 }
 
 /* Loop side: run the handler for every queued call. */
-static void on_async(uv_async_t *a) {
-  zt_rpc_server_t *s = a->data;
+void zt_rpc_server_poll(zt_rpc_server_t *s) {
   pthread_mutex_lock(&s->mu);
   zt_rpc_call_t *c = s->head;
   s->head = s->tail = NULL;
@@ -218,6 +217,8 @@ static void on_async(uv_async_t *a) {
     c = next;
   }
 }
+
+static void on_async(uv_async_t *a) { zt_rpc_server_poll(a->data); }
 
 /* Thread side: a request is complete; give it to the loop. */
 static void hand_to_loop(zt_rpc_server_t *s, zt_rpc_call_t *c) {

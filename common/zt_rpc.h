@@ -68,6 +68,10 @@ typedef struct {
 ZT_MUST_CHECK int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts_t *opts,
                         zt_rpc_handler_fn handler, void *user, zt_rpc_server_t **out);
 int zt_rpc_server_port(const zt_rpc_server_t *s);
+/* Runs the handler for every request already received (on the loop
+ * thread), without waiting for the loop's next turn: the liveness check
+ * calls it so that heartbeats that arrived during a long handler count. */
+void zt_rpc_server_poll(zt_rpc_server_t *s);
 /* Stops accepting, cancels calls in flight and joins the thread. Calls the
  * handler still holds must be answered before this is called. */
 void zt_rpc_server_stop(zt_rpc_server_t *s);

@@ -34,7 +34,31 @@ static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW 
   return 0;
 }
 
-static void rm_tree(const char *dir) { nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS); }
+/* Deleting an epoch's files can take long (many files, a slow disk), so it
+ * runs on libuv's thread pool, never on the loop. */
+typedef struct {
+  uv_work_t req;
+  char dir[512];
+} rm_work;
+
+static void rm_work_run(uv_work_t *w) {
+  nftw(((rm_work *)w->data)->dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static void rm_work_done(uv_work_t *w, int status) {
+  (void)status;
+  free(w->data);
+}
+
+static void rm_tree(zt_coord_t *c, const char *dir) {
+  rm_work *w = zt_xcalloc(1, sizeof *w);
+  snprintf(w->dir, sizeof w->dir, "%s", dir);
+  w->req.data = w;
+  if (uv_queue_work(c->loop, &w->req, rm_work_run, rm_work_done) != 0) {
+    ZT_WARN("cannot queue the deletion of %s", dir);
+    free(w);
+  }
+}
 
 /* The directory every epoch of job j lives under. */
 static void job_root(const zt_job_t *j, char *buf, size_t n) {
@@ -103,7 +127,7 @@ void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
       ZT_ERROR("checkpoint gc: %s", zt_err_msg());
       continue;
     }
-    rm_tree(k->dir);
+    rm_tree(c, k->dir);
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld generation %llu (%s): %s",
                    (long long)k->step, (unsigned long long)k->generation,
                    was == ZT_CKPT_COMMITTED ? "retention" : "never committed", k->dir);
@@ -221,7 +245,7 @@ void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
       ZT_ERROR("checkpoint drop: %s", zt_err_msg());
       continue;
     }
-    rm_tree(b.k[i].dir);
+    rm_tree(c, b.k[i].dir);
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld: after the rollback target: %s",
                    (long long)b.k[i].step, b.k[i].dir);
   }

@@ -13,7 +13,8 @@
  * The modules form a stack; each calls only the ones below it, never back
  * up (tools/check-layers verifies it on the object files):
  *
- *   main.c service.c http.c     entry points: flags and timers, gRPC, HTTP
+ *   main.c service.c http.c     entry points: lifecycle and timers, gRPC, HTTP
+ *   config.c                    settings (main.c reads them at start)
  *   jobs.c                      scheduler: generations, rendezvous, rollback
  *   ckpt.c members.c spike.c    checkpoint registry, membership, detector
  *   views.c auth.c              what the APIs show; credentials
@@ -49,8 +50,13 @@ typedef struct {
   char worker_secret[256];
   char api_token[256];
   char ready_file[512]; /* written with the bound ports once serving */
+  char data_root[512];  /* job data must lie under it (absolute) */
+  char ckpt_root[512];  /* checkpoints must lie under it (absolute) */
   int heartbeat_ms;
   int heartbeat_timeout_ms;
+  int new_db;           /* an existing empty database file is a new one */
+  int insecure;         /* serve non-loopback addresses without credentials */
+  int allow_test_knobs; /* accept specs with fault_injection */
   size_t max_message_bytes;
 } zt_coord_config_t;
 
@@ -144,6 +150,7 @@ typedef struct zt_coord {
   uv_signal_t sigint, sigterm;
   int64_t started_ms;
   int64_t epoch;
+  int64_t last_check_ms, max_stall_ms; /* the loop's liveness timer and its longest delay */
 
   /* Members indexed by worker id (ids are dense rowids), plus a name index. */
   zt_member_t **by_id;
@@ -223,6 +230,8 @@ zt_member_t *zt_members_lookup(zt_coord_t *c, const char *id_or_name);
  * declared lost, with their ids in *lost (malloc'd; the caller frees). */
 size_t zt_members_check(zt_coord_t *c, uint64_t **lost);
 void zt_members_flush(zt_coord_t *c);  /* write last_seen of dirty members */
+/* The coordinator did not listen for ms: no member's silence counts it. */
+void zt_members_credit(zt_coord_t *c, int64_t ms);
 void zt_members_free(zt_coord_t *c);
 void zt_members_count(zt_coord_t *c, uint32_t counts[5]);
 /* Register / heartbeat / leave. Register sets *known when the name was
@@ -262,6 +271,12 @@ int zt_auth_worker_secret(const zt_coord_t *c, const char *secret);
 /* Records a logbook event; logs (and survives) a database failure. */
 void zt_coord_event(zt_coord_t *c, uint64_t job_id, const char *kind, uint64_t worker_id,
                     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* ---- config.c: settings (called by main.c) ---------------------------------------- */
+
+void zt_config_defaults(zt_coord_config_t *cfg);
+/* The config file named by --config, then the flags; validates the result. */
+int zt_config_parse(zt_coord_config_t *cfg, int argc, char **argv);
 
 /* ---- service.c, http.c: the front ends ------------------------------------------ */
 

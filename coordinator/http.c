@@ -26,6 +26,9 @@
 #include "pbjson.h"
 
 #define ZT_HTTP_MAX_BODY (1u << 20)
+/* Connections one client address may hold open, so that no client can use
+ * up every slot (1000 in all). */
+#define ZT_HTTP_PER_CLIENT 64u
 
 struct zt_http {
   zt_coord_t *c;
@@ -380,6 +383,10 @@ static void r_metrics(zt_http_req_t *r) {
   metric_head(&b, "ztrain_coordinator_uptime_seconds", "gauge", "Seconds since zcoord started.");
   sb_printf(&b, "ztrain_coordinator_uptime_seconds %.3f\n",
             (double)(zt_wall_ms() - c->started_ms) / 1000.0);
+  metric_head(&b, "ztrain_coordinator_loop_stall_max_seconds", "gauge",
+              "Longest delay of the coordinator's liveness timer (a held-up loop).");
+  sb_printf(&b, "ztrain_coordinator_loop_stall_max_seconds %.3f\n",
+            (double)c->max_stall_ms / 1000.0);
   metric_head(&b, "ztrain_coordinator_epoch", "gauge", "Coordinator starts on this database.");
   sb_printf(&b, "ztrain_coordinator_epoch %lld\n", (long long)c->epoch);
   r->status = 200;
@@ -569,6 +576,7 @@ int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
                           access_handler, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                           MHD_OPTION_NOTIFY_COMPLETED, request_completed, h,
                           MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_CONNECTION_LIMIT, 1000u,
+                          MHD_OPTION_PER_IP_CONNECTION_LIMIT, ZT_HTTP_PER_CLIENT,
                           MHD_OPTION_END);
   if (!h->d) {
     free(h);

@@ -285,6 +285,13 @@ size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
   return n;
 }
 
+void zt_members_credit(zt_coord_t *c, int64_t ms) {
+  ZT_WARN("the coordinator's loop was held up for %lld ms: no worker's silence counts it",
+          (long long)ms);
+  for (size_t i = 0; i < c->by_id_cap; i++)
+    if (c->by_id[i]) c->by_id[i]->last_hb_mono_ms += ms;
+}
+
 void zt_members_flush(zt_coord_t *c) {
   size_t n = 0, cap = 0;
   uint64_t *ids = NULL;

@@ -9,12 +9,17 @@
  * type. Two job columns hold lists (skip ranges, rollback steps) as text;
  * this file is the only one that writes or reads that text.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <sqlite3.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "zt_common.h"
 #include "zt_db.h"
@@ -276,6 +281,7 @@ static void bind(sqlite3_stmt *st, int first, const col *cols, size_t n, const v
 
 struct zt_db {
   sqlite3 *h;
+  int lock_fd; /* holds the exclusive flock on <path>.lock */
   char path[512];
   sqlite3_stmt *st[ST_COUNT];
 };
@@ -315,18 +321,79 @@ static int migrate(zt_db_t *db) {
   return 0;
 }
 
-int zt_db_open(const char *path, zt_db_t **out) {
+/* Takes the exclusive lock <path>.lock (flock), writing our pid into it. */
+static int take_lock(zt_db_t *db) {
+  char lp[sizeof db->path + 8];
+  snprintf(lp, sizeof lp, "%s.lock", db->path);
+  db->lock_fd = open(lp, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (db->lock_fd < 0) return zt_err_errno("database %s: lock file %s", db->path, lp);
+  if (flock(db->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = "";
+    ssize_t n = pread(db->lock_fd, pid, sizeof pid - 1, 0);
+    pid[n > 0 ? n : 0] = 0;
+    pid[strcspn(pid, "\n")] = 0;
+    close(db->lock_fd);
+    db->lock_fd = -1;
+    return zt_errk(ZT_E_STATE, "database %s is in use by another zcoord (pid %s, lock %s)",
+                   db->path, pid[0] ? pid : "unknown", lp);
+  }
+  char pid[32];
+  int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+  if (ftruncate(db->lock_fd, 0) != 0 || pwrite(db->lock_fd, pid, (size_t)n, 0) != n)
+    ZT_WARN("database %s: cannot write the pid into %s", db->path, lp);
+  return 0;
+}
+
+/* An existing empty file is a database that lost its contents, unless the
+ * caller says it is new. */
+static int check_not_empty(zt_db_t *db, unsigned flags) {
+  struct stat st;
+  if (stat(db->path, &st) != 0 || st.st_size > 0 || (flags & ZT_DB_NEW_IF_EMPTY)) return 0;
+  return zt_errk(ZT_E_STATE,
+                 "database %s exists but is empty (0 bytes): it may have been truncated. Restore "
+                 "it from a backup, or start with --new-db to begin a new coordinator state",
+                 db->path);
+}
+
+static int quick_check(zt_db_t *db) {
+  sqlite3_stmt *st;
+  if (sqlite3_prepare_v2(db->h, "PRAGMA quick_check(3)", -1, &st, NULL) != SQLITE_OK)
+    return zt_errk(ZT_E_STATE, "database %s cannot be read (%s): restore it from a backup",
+                   db->path, sqlite3_errmsg(db->h));
+  char verdict[400] = "";
+  int rc;
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    size_t l = strlen(verdict);
+    const unsigned char *t = sqlite3_column_text(st, 0);
+    snprintf(verdict + l, sizeof verdict - l, "%s%s", l ? "; " : "", t ? (const char *)t : "");
+  }
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE)
+    return zt_errk(ZT_E_STATE, "database %s is damaged (%s): restore it from a backup", db->path,
+                   sqlite3_errmsg(db->h));
+  if (strcmp(verdict, "ok") != 0)
+    return zt_errk(ZT_E_STATE, "database %s is damaged (quick_check: %.300s): restore it from a "
+                               "backup",
+                   db->path, verdict);
+  return 0;
+}
+
+int zt_db_open(const char *path, unsigned flags, zt_db_t **out) {
   zt_db_t *db = zt_xcalloc(1, sizeof *db);
+  db->lock_fd = -1;
   snprintf(db->path, sizeof db->path, "%s", path);
+  if (take_lock(db) != 0 || check_not_empty(db, flags) != 0) goto err;
   if (sqlite3_open_v2(path, &db->h, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
                       NULL) != SQLITE_OK) {
     db_err(db, "open");
     goto err;
   }
   sqlite3_busy_timeout(db->h, 5000);
+  if (quick_check(db) != 0) goto err;
   if (exec(db, "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; "
                "PRAGMA foreign_keys = ON") != 0)
     goto err;
+  if (chmod(path, 0600) != 0) ZT_WARN("database %s: chmod 0600: %s", path, strerror(errno));
   if (migrate(db) != 0) goto err;
   for (int i = 0; i < ST_COUNT; i++) {
     if (sqlite3_prepare_v3(db->h, k_sql[i], -1, SQLITE_PREPARE_PERSISTENT, &db->st[i], NULL) !=
@@ -346,6 +413,7 @@ void zt_db_close(zt_db_t *db) {
   if (!db) return;
   for (int i = 0; i < ST_COUNT; i++) sqlite3_finalize(db->st[i]);
   sqlite3_close(db->h);
+  if (db->lock_fd >= 0) close(db->lock_fd); /* releases the flock */
   free(db);
 }
 

@@ -51,7 +51,19 @@ typedef struct {
   char detail[512];
 } zt_db_event_t;
 
-ZT_MUST_CHECK int zt_db_open(const char *path, zt_db_t **out);
+/* Opens (or creates) the database at path. Refused, with a message that
+ * says what to do, when:
+ *   - another process holds the database (an exclusive flock on
+ *     <path>.lock, which names the holder's pid): two coordinators on one
+ *     database would fight;
+ *   - the file exists but is empty (a truncated database would otherwise
+ *     start over silently); ZT_DB_NEW_IF_EMPTY accepts it as a new one;
+ *   - SQLite's quick_check finds damage, or the file is not a database;
+ *   - its schema is newer than this binary's.
+ * Nothing in a refused file is changed. The file is made private (0600):
+ * it holds worker session credentials. */
+#define ZT_DB_NEW_IF_EMPTY 1u
+ZT_MUST_CHECK int zt_db_open(const char *path, unsigned flags, zt_db_t **out);
 void zt_db_close(zt_db_t *db);
 int zt_db_schema_version(zt_db_t *db);
 int zt_db_schema_latest(void); /* the version this binary migrates to */

@@ -3,7 +3,9 @@
  *
  * Covers the migration path, worker upsert by name, batched touches, the
  * logbook, persistence across reopen, transactions rolled back on failure,
- * and refusal of files that are not ours (garbage, a newer schema).
+ * and refusal of files that are not ours (garbage, a newer schema), of a
+ * database another process holds, of an empty (truncated) file and of a
+ * damaged one, each leaving the file as it was.
  */
 #include <fcntl.h>
 #include <math.h>
@@ -46,7 +48,7 @@ static int count_worker(const zt_db_worker_t *w, void *user) {
 ZT_TEST(test_migrate_and_reopen) {
   const char *path = fresh_db("migrate");
   zt_db_t *db;
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   ZT_CHECK(zt_db_schema_version(db) == zt_db_schema_latest());
   ZT_CHECK(zt_db_meta_set(db, "epoch", 7) == 0);
   zt_db_worker_t a = make_worker("a", ZT_WORKER_ALIVE), b = make_worker("b", ZT_WORKER_ALIVE);
@@ -64,7 +66,7 @@ ZT_TEST(test_migrate_and_reopen) {
   ZT_CHECK(zt_db_workers_touch(db, ids, seen, 2) == 0);
   zt_db_close(db);
 
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   ZT_CHECK(zt_db_schema_version(db) == zt_db_schema_latest());
   int64_t v = 0;
   ZT_CHECK(zt_db_meta_get(db, "epoch", &v, 0) == 0 && v == 7);
@@ -86,7 +88,7 @@ static int collect_kind(const zt_db_event_t *e, void *user) {
 
 ZT_TEST(test_events_filter_and_order) {
   zt_db_t *db;
-  ZT_REQUIRE(zt_db_open(fresh_db("events"), &db) == 0);
+  ZT_REQUIRE(zt_db_open(fresh_db("events"), 0, &db) == 0);
   ZT_CHECK(zt_db_event_add(db, 0, "a", 0, "", NULL) == 0);
   ZT_CHECK(zt_db_event_add(db, 3, "b", 0, "", NULL) == 0);
   ZT_CHECK(zt_db_event_add(db, 3, "c", 0, "", NULL) == 0);
@@ -106,7 +108,7 @@ ZT_TEST(test_events_filter_and_order) {
 ZT_TEST(test_rollback_leaves_nothing) {
   const char *path = fresh_db("rollback");
   zt_db_t *db;
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   ZT_CHECK(zt_db_begin(db) == 0);
   ZT_CHECK(zt_db_event_add(db, 0, "never", 0, "", NULL) == 0);
   zt_db_rollback(db);
@@ -125,7 +127,7 @@ ZT_TEST(test_garbage_file_refused) {
   ZT_CHECK(zt_write_all(fd, junk, sizeof junk) == 0);
   close(fd);
   zt_db_t *db = NULL;
-  ZT_CHECK(zt_db_open(path, &db) != 0);
+  ZT_CHECK(zt_db_open(path, 0, &db) != 0);
   ZT_CHECK(strstr(zt_err_msg(), path) != NULL);
   /* Nothing was written over it. */
   char *back;
@@ -138,13 +140,13 @@ ZT_TEST(test_garbage_file_refused) {
 ZT_TEST(test_newer_schema_refused) {
   const char *path = fresh_db("newer");
   zt_db_t *db;
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   zt_db_close(db);
   /* Pretend a future zcoord migrated it further. */
   char cmd[800];
   snprintf(cmd, sizeof cmd, "sqlite3 '%s' 'PRAGMA user_version = 99'", path);
   ZT_REQUIRE(system(cmd) == 0);
-  ZT_CHECK(zt_db_open(path, &db) != 0);
+  ZT_CHECK(zt_db_open(path, 0, &db) != 0);
   ZT_CHECK(strstr(zt_err_msg(), "newer than this zcoord") != NULL);
 }
 
@@ -154,16 +156,16 @@ ZT_TEST(test_readonly_file_fails_cleanly) {
      * open a db, then make the directory unwritable is not enough either, so
      * check the error path with an unopenable path. */
     zt_db_t *db;
-    ZT_CHECK(zt_db_open("/proc/ztrain-no-such-dir/x.db", &db) != 0);
+    ZT_CHECK(zt_db_open("/proc/ztrain-no-such-dir/x.db", 0, &db) != 0);
     ZT_CHECK(strstr(zt_err_msg(), "/proc/ztrain-no-such-dir/x.db") != NULL);
     return;
   }
   const char *path = fresh_db("ro");
   zt_db_t *db;
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   zt_db_close(db);
   chmod(path, 0444);
-  ZT_CHECK(zt_db_open(path, &db) != 0);
+  ZT_CHECK(zt_db_open(path, 0, &db) != 0);
 }
 
 static int collect_step(const zt_db_step_t *st, void *user) {
@@ -177,7 +179,7 @@ static int collect_step(const zt_db_step_t *st, void *user) {
 ZT_TEST(test_jobs_generations_steps) {
   const char *path = fresh_db("jobs");
   zt_db_t *db;
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   zt_db_job_t j;
   memset(&j, 0, sizeof j);
   snprintf(j.name, sizeof j.name, "tiny");
@@ -203,7 +205,7 @@ ZT_TEST(test_jobs_generations_steps) {
   ZT_CHECK(zt_db_step_put(db, 1, &again) == 0);
   zt_db_close(db);
 
-  ZT_REQUIRE(zt_db_open(path, &db) == 0);
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   double acc[3] = {0, 0, 0};
   ZT_CHECK(zt_db_steps_each(db, 1, 1, 100, collect_step, acc) == 0);
   ZT_CHECK(acc[0] == 3 && acc[1] == 1 + 2 + 10 && acc[2] == 2);
@@ -214,5 +216,71 @@ ZT_TEST(test_jobs_generations_steps) {
   zt_db_close(db);
 }
 
-ZT_TEST_MAIN(test_migrate_and_reopen, test_jobs_generations_steps, test_events_filter_and_order, test_rollback_leaves_nothing,
+ZT_TEST(test_second_open_refused) {
+  const char *path = fresh_db("lock");
+  zt_db_t *a, *b = NULL;
+  ZT_REQUIRE(zt_db_open(path, 0, &a) == 0);
+  ZT_CHECK(zt_db_open(path, 0, &b) != 0 && b == NULL);
+  char pid[32];
+  snprintf(pid, sizeof pid, "pid %d", (int)getpid());
+  ZT_CHECK(strstr(zt_err_msg(), "in use by another zcoord") && strstr(zt_err_msg(), pid));
+  ZT_CHECK(zt_err_kind() == ZT_E_STATE);
+  zt_db_close(a);
+  ZT_REQUIRE(zt_db_open(path, 0, &b) == 0); /* released with the first */
+  zt_db_close(b);
+}
+
+ZT_TEST(test_empty_file_refused) {
+  const char *path = fresh_db("empty");
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ZT_REQUIRE(fd >= 0);
+  close(fd);
+  zt_db_t *db;
+  ZT_CHECK(zt_db_open(path, 0, &db) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "is empty") && strstr(zt_err_msg(), "--new-db"));
+  struct stat st;
+  ZT_CHECK(stat(path, &st) == 0 && st.st_size == 0); /* untouched */
+  ZT_REQUIRE(zt_db_open(path, ZT_DB_NEW_IF_EMPTY, &db) == 0);
+  ZT_CHECK(zt_db_schema_version(db) == zt_db_schema_latest());
+  zt_db_close(db);
+}
+
+/* A btree page of a valid database overwritten: quick_check finds it and
+ * the file is refused, byte for byte unchanged. */
+ZT_TEST(test_damaged_file_refused) {
+  const char *path = fresh_db("damaged");
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
+  ZT_REQUIRE(zt_db_begin(db) == 0);
+  for (int i = 0; i < 2000; i++) {
+    char detail[64];
+    snprintf(detail, sizeof detail, "event number %d with some text", i);
+    ZT_REQUIRE(zt_db_event_add(db, 1, "filler", 0, detail, NULL) == 0);
+  }
+  ZT_REQUIRE(zt_db_commit(db) == 0);
+  zt_db_close(db);
+  char cmd[800];
+  snprintf(cmd, sizeof cmd, "sqlite3 '%s' 'PRAGMA wal_checkpoint(TRUNCATE)' >/dev/null", path);
+  ZT_REQUIRE(system(cmd) == 0);
+  int fd = open(path, O_RDWR);
+  ZT_REQUIRE(fd >= 0);
+  struct stat st;
+  ZT_REQUIRE(fstat(fd, &st) == 0 && st.st_size > 5 * 4096);
+  char junk[64];
+  memset(junk, 0x5a, sizeof junk);
+  ZT_REQUIRE(pwrite(fd, junk, sizeof junk, 3 * 4096) == (ssize_t)sizeof junk);
+  close(fd);
+  char *before, *after;
+  size_t n1, n2;
+  ZT_REQUIRE(zt_read_file(path, &before, &n1, 64 << 20) == 0);
+  ZT_CHECK(zt_db_open(path, 0, &db) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "damaged") && strstr(zt_err_msg(), "backup"));
+  ZT_REQUIRE(zt_read_file(path, &after, &n2, 64 << 20) == 0);
+  ZT_CHECK(n1 == n2 && memcmp(before, after, n1) == 0);
+  free(before);
+  free(after);
+}
+
+ZT_TEST_MAIN(test_second_open_refused, test_empty_file_refused, test_damaged_file_refused,
+             test_migrate_and_reopen, test_jobs_generations_steps, test_events_filter_and_order, test_rollback_leaves_nothing,
              test_garbage_file_refused, test_newer_schema_refused, test_readonly_file_fails_cleanly)

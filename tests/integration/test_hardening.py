@@ -1,0 +1,132 @@
+"""Hardening of zcoord: its database, its exposure, its event loop, its
+HTTP server. Real zcoord and zworker processes on 127.0.0.1, real SQLite
+files; each test would fail against a coordinator without the guard."""
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+
+from ztest import BIN, SLOW, events, http_get, wait_until, workers_by_name
+
+HB, TIMEOUT = 200, 600
+
+
+def zcoord(*args, timeout=30):
+    return subprocess.run([f"{BIN}/zcoord", *args], capture_output=True, text=True,
+                          timeout=timeout * SLOW)
+
+
+def test_second_coordinator_on_one_database_is_refused(procs):
+    coord = procs.coord(hb_ms=HB, timeout_ms=TIMEOUT)
+    procs.worker(coord.grpc, "w0")
+    wait_until(lambda: workers_by_name(coord).get("w0", {}).get("state") == "alive", 10, "w0")
+    r = zcoord("--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", coord.db)
+    assert r.returncode == 1, r.stderr
+    assert f"in use by another zcoord (pid {coord.pid}" in r.stderr, r.stderr
+    # The first one goes on, and nobody was declared lost by the second.
+    assert coord.alive()
+    assert workers_by_name(coord)["w0"]["state"] == "alive"
+    assert "lost" not in [e["kind"] for e in events(coord)]
+
+
+def test_empty_database_is_refused_unless_new(procs, tmp_path):
+    db = tmp_path / "empty.db"
+    db.write_bytes(b"")
+    r = zcoord("--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", str(db))
+    assert r.returncode == 1 and "is empty" in r.stderr and "--new-db" in r.stderr
+    assert db.stat().st_size == 0
+    coord = procs.coord(db=str(db), extra=["--new-db"])
+    assert http_get(coord.http_port, "/healthz")[0] == 200
+
+
+def test_damaged_database_is_refused_untouched(procs, tmp_path):
+    db = str(tmp_path / "run.db")
+    coord = procs.coord(db=db, hb_ms=HB)
+    for i in range(30):
+        procs.worker(coord.grpc, f"w{i:02d}-" + "x" * 100)
+    wait_until(lambda: len(workers_by_name(coord)) == 30, 20, "30 workers")
+    coord.signal(signal.SIGTERM)
+    coord.wait(10)
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pages = c.execute("PRAGMA page_count").fetchone()[0]
+    assert pages >= 3
+    with open(db, "r+b") as f:  # the b-tree page of a table, overwritten
+        f.seek(2 * 4096)
+        f.write(b"\x5a" * 64)
+    before = open(db, "rb").read()
+    r = zcoord("--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", db)
+    assert r.returncode == 1 and "damaged" in r.stderr and "backup" in r.stderr, r.stderr
+    assert open(db, "rb").read() == before
+
+
+def test_non_loopback_needs_credentials(procs, tmp_path):
+    db = str(tmp_path / "exposed.db")
+    r = zcoord("--grpc", "0.0.0.0:0", "--http", "127.0.0.1:0", "--db", db)
+    assert r.returncode == 2 and "api_token" in r.stderr and "worker_secret" in r.stderr
+    assert not os.path.exists(db)
+    ok = procs.coord(db=db, extra=["--grpc", "0.0.0.0:0", "--api-token", "t",
+                                   "--worker-secret", "s"], name="secured")
+    assert http_get(ok.http_port, "/healthz")[0] == 200
+    ok.signal(signal.SIGTERM)
+    ok.wait(10)
+    loose = procs.coord(db=db, extra=["--http", "0.0.0.0:0", "--insecure"], name="insecure")
+    assert http_get(loose.http_port, "/healthz")[0] == 200
+    assert "--insecure" in loose.output()
+
+
+def test_paused_coordinator_loses_nobody(procs):
+    """The whole zcoord process stopped (SIGSTOP) for three timeouts: when it
+    resumes, its overdue liveness check must not declare the workers lost."""
+    coord = procs.coord(hb_ms=HB, timeout_ms=TIMEOUT)
+    for i in range(3):
+        procs.worker(coord.grpc, f"w{i}")
+    wait_until(lambda: all(w["state"] == "alive" for w in workers_by_name(coord).values())
+               and len(workers_by_name(coord)) == 3, 10, "3 workers alive")
+    seen = {n: w["last_seen_ms"] for n, w in workers_by_name(coord).items()}
+    coord.signal(signal.SIGSTOP)
+    try:
+        time.sleep(3 * TIMEOUT / 1000)  # the pause under test, not a wait for a condition
+    finally:
+        coord.signal(signal.SIGCONT)
+    wait_until(lambda: all(w["last_seen_ms"] > seen[n] + 3 * TIMEOUT
+                           for n, w in workers_by_name(coord).items()), 10,
+               "heartbeats after the pause")
+    kinds = [e["kind"] for e in events(coord)]
+    assert "lost" not in kinds and "suspect" not in kinds, kinds
+    metrics = http_get(coord.http_port, "/metrics")[2]
+    stall = [float(l.split()[1]) for l in metrics.splitlines()
+             if l.startswith("ztrain_coordinator_loop_stall_max_seconds ")]
+    assert stall and stall[0] >= 2 * TIMEOUT / 1000, stall
+
+
+def test_one_client_cannot_take_every_http_slot(procs):
+    coord = procs.coord(hb_ms=HB)
+    held = []
+    try:
+        for _ in range(64):  # the per-client limit
+            s = socket.create_connection(("127.0.0.1", coord.http_port), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+            held.append(s)
+        # One more from the same address is turned away...
+        extra = socket.create_connection(("127.0.0.1", coord.http_port), timeout=5)
+        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        extra.settimeout(5 * SLOW)
+        try:
+            assert extra.recv(100) == b""  # closed without an answer...
+        except ConnectionResetError:
+            pass  # ...or reset
+        extra.close()
+        # ...while another client address is served.
+        other = socket.socket()
+        other.bind(("127.0.0.2", 0))
+        other.settimeout(5 * SLOW)
+        other.connect(("127.0.0.1", coord.http_port))
+        other.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert other.recv(100).startswith(b"HTTP/1.1 200")
+        other.close()
+    finally:
+        for s in held:
+            s.close()
