@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -67,6 +68,20 @@ int zt_secret_equal(const char *a, const char *b) {
   for (size_t i = 0, n = la > lb ? la : lb; i < n; i++)
     diff |= (unsigned char)((i < la ? a[i] : 0) ^ (i < lb ? b[i] : 0));
   return diff == 0;
+}
+
+int zt_random_hex(char *out, size_t bytes) {
+  unsigned char raw[64];
+  if (bytes > sizeof raw) return zt_err("zt_random_hex: %zu bytes is too many", bytes);
+  size_t got = 0;
+  while (got < bytes) {
+    ssize_t r = getrandom(raw + got, bytes - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return zt_err_errno("getrandom");
+    got += (size_t)r;
+  }
+  for (size_t i = 0; i < bytes; i++) snprintf(out + 2 * i, 3, "%02x", raw[i]);
+  return 0;
 }
 
 /* ---- numbers --------------------------------------------------------------- */

@@ -62,6 +62,7 @@ typedef enum {
   ZT_E_UNAVAILABLE,      /* storage or a peer is unavailable, retry later: UNAVAILABLE, 503 */
   ZT_E_TOO_LARGE,        /* over a size limit: RESOURCE_EXHAUSTED, 413 */
   ZT_E_ABORTED,          /* superseded by something newer: ABORTED, 409 */
+  ZT_E_EXISTS,           /* the name is taken: ALREADY_EXISTS, 409 */
   ZT_E_COUNT
 } zt_errkind_t;
 
@@ -120,6 +121,9 @@ ZT_MUST_CHECK int zt_mkdirs(const char *path);
 /* Compares two strings in time that depends only on their lengths, for
  * secrets and tokens. Returns 1 when they are equal. */
 int zt_secret_equal(const char *a, const char *b);
+/* A fresh random credential: 2 * bytes hex digits from the kernel's CSPRNG
+ * (getrandom), NUL-terminated; out holds at least 2 * bytes + 1. */
+int zt_random_hex(char *out, size_t bytes);
 
 /* Names of the states of workers (zt_db.h zt_worker_state_t, proto
  * WorkerState), jobs (zt_job_state_t, JobState) and checkpoint epochs

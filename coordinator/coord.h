@@ -234,11 +234,22 @@ void zt_members_flush(zt_coord_t *c);  /* write last_seen of dirty members */
 void zt_members_credit(zt_coord_t *c, int64_t ms);
 void zt_members_free(zt_coord_t *c);
 void zt_members_count(zt_coord_t *c, uint32_t counts[5]);
-/* Register / heartbeat / leave. Register sets *known when the name was
- * registered before (the worker restarted: its old assignment is void);
- * leave sets *left when the member moved to LEFT now. */
-int zt_members_register(zt_coord_t *c, const char *name, const char *host, const char *device,
-                        int pid, zt_member_t **out, int *known);
+/* What a worker says when it registers. */
+typedef struct {
+  const char *name, *host, *device;
+  const char *session; /* its previous credential, or "" */
+  int pid;
+  uint64_t host_memory, device_memory;
+} zt_register_t;
+/* Register / heartbeat / leave. Register gives the member a new session
+ * credential; it sets *known when the name was registered before (the
+ * worker restarted: its old assignment is void) and refuses (ZT_E_EXISTS) a
+ * name whose holder is alive unless the caller presents the holder's
+ * session. Leave sets *left when the member moved to LEFT now. */
+int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out, int *known);
+/* Every Control call after registration: the worker's session must match
+ * (ZT_E_UNAUTHENTICATED otherwise; ZT_E_NOT_FOUND for an unknown id). */
+int zt_members_authenticate(zt_coord_t *c, uint64_t id, const char *session);
 int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out);
 int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left);
 

@@ -176,30 +176,49 @@ static int valid_name(const char *s) {
   return 1;
 }
 
-int zt_members_register(zt_coord_t *c, const char *name, const char *host, const char *device,
-                        int pid, zt_member_t **out, int *known) {
-  if (!valid_name(name))
+/* A name may be registered when nobody holds it, when its holder is lost
+ * or left, or by its holder itself (it presents its current session). */
+static int name_free(zt_coord_t *c, const zt_member_t *m, const zt_register_t *r) {
+  if (!m || m->row.state == ZT_WORKER_LOST || m->row.state == ZT_WORKER_LEFT) return 1;
+  if (r->session && r->session[0] && zt_secret_equal(r->session, m->row.session)) return 1;
+  zt_errk(ZT_E_EXISTS,
+          "worker name \"%s\" is in use by a live worker (pid %d on %s, heard from %lld ms ago); "
+          "another worker needs another --name, a restarted one is let in once the old one is "
+          "lost",
+          m->row.name, m->row.pid, m->row.host, (long long)(zt_now_ms() - m->last_hb_mono_ms));
+  (void)c;
+  return 0;
+}
+
+int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out, int *known) {
+  if (!valid_name(r->name))
     return zt_errk(ZT_E_INVALID,
-                   "invalid worker name \"%.64s\": 1-127 characters of [A-Za-z0-9._:@-]", name);
-  if (strlen(host) >= sizeof(((zt_db_worker_t *)0)->host) ||
-      strlen(device) >= sizeof(((zt_db_worker_t *)0)->device))
+                   "invalid worker name \"%.64s\": 1-127 characters of [A-Za-z0-9._:@-]",
+                   r->name);
+  if (strlen(r->host) >= sizeof(((zt_db_worker_t *)0)->host) ||
+      strlen(r->device) >= sizeof(((zt_db_worker_t *)0)->device))
     return zt_errk(ZT_E_INVALID, "host or device name too long");
-  zt_member_t *m = zt_members_find_name(c, name);
+  zt_member_t *m = zt_members_find_name(c, r->name);
+  if (!name_free(c, m, r)) return -1;
   zt_db_worker_t row;
   memset(&row, 0, sizeof row);
-  snprintf(row.name, sizeof row.name, "%s", name);
-  snprintf(row.host, sizeof row.host, "%s", host);
-  snprintf(row.device, sizeof row.device, "%s", device);
+  snprintf(row.name, sizeof row.name, "%s", r->name);
+  snprintf(row.host, sizeof row.host, "%s", r->host);
+  snprintf(row.device, sizeof row.device, "%s", r->device);
   row.state = ZT_WORKER_ALIVE;
   row.last_seen_ms = row.registered_ms = zt_wall_ms();
-  row.pid = pid;
+  row.pid = r->pid;
+  row.host_memory = r->host_memory;
+  row.device_memory = r->device_memory;
+  if (zt_random_hex(row.session, 32) != 0) return zt_err_wrap("new session");
   const char *kind = !m ? "registered"
                      : (m->row.state == ZT_WORKER_LOST || m->row.state == ZT_WORKER_LEFT)
                          ? "rejoined"
                          : "reregistered";
   char detail[512];
-  snprintf(detail, sizeof detail, "name=%s host=%s device=%s pid=%d%s%s", name, host, device, pid,
-           m ? " previous_state=" : "", m ? zt_worker_state_name(m->row.state) : "");
+  snprintf(detail, sizeof detail, "name=%s host=%s device=%s pid=%d%s%s", r->name, r->host,
+           r->device, r->pid, m ? " previous_state=" : "",
+           m ? zt_worker_state_name(m->row.state) : "");
   if (zt_db_begin(c->db) != 0) return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store registration");
   if (zt_db_worker_upsert(c->db, &row) != 0 ||
       zt_db_event_add(c->db, 0, kind, row.id, detail, NULL) != 0 || zt_db_commit(c->db) != 0) {
@@ -212,8 +231,20 @@ int zt_members_register(zt_coord_t *c, const char *name, const char *host, const
   else m = members_add(c, &row);
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
-  ZT_INFO("worker %s (id %llu) %s from %s", name, (unsigned long long)row.id, kind, host);
+  ZT_INFO("worker %s (id %llu) %s from %s", r->name, (unsigned long long)row.id, kind, r->host);
   *out = m;
+  return 0;
+}
+
+int zt_members_authenticate(zt_coord_t *c, uint64_t id, const char *session) {
+  zt_member_t *m = zt_members_get(c, id);
+  if (!m)
+    return zt_errk(ZT_E_NOT_FOUND, "unknown worker id %llu: register first",
+                   (unsigned long long)id);
+  if (!session || !session[0] || !zt_secret_equal(session, m->row.session))
+    return zt_errk(ZT_E_UNAUTHENTICATED,
+                   "worker %llu: session credential missing or wrong (register again)",
+                   (unsigned long long)id);
   return 0;
 }
 

@@ -65,10 +65,11 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
     zt_errk(ZT_E_UNAUTHENTICATED, "worker secret missing or wrong");
     return NULL;
   }
+  zt_register_t reg = {req->name, req->host, req->device, req->session, req->pid,
+                       req->host_memory_bytes, req->device_memory_bytes};
   zt_member_t *mem;
   int known;
-  if (zt_members_register(c, req->name, req->host, req->device, req->pid, &mem, &known) != 0)
-    return NULL;
+  if (zt_members_register(c, &reg, &mem, &known) != 0) return NULL;
   /* A worker that registers again was restarted: its place in a job's
    * generation is gone. */
   if (known) zt_jobs_member_gone(c, mem, "re-registered (restarted)");
@@ -78,6 +79,7 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->heartbeat_timeout_ms = (uint32_t)c->cfg.heartbeat_timeout_ms;
   r->coordinator_epoch = (uint64_t)c->epoch;
+  r->session = mem->row.session;
   return &r->base;
 }
 
@@ -339,35 +341,56 @@ static ProtobufCMessage *h_submit_job(zt_coord_t *c, zt_rpc_call_t *call, const 
 
 /* ---- dispatch ---------------------------------------------------------- */
 
+/* Who may call a method. */
+enum {
+  ANYONE,   /* reads, and RegisterWorker (which checks the worker secret) */
+  WORKER,   /* a registered worker: its worker_id and session must match */
+  OPERATOR, /* changes state: needs "authorization: Bearer <api_token>" */
+};
+
 typedef struct {
   const char *path;
   const ProtobufCMessageDescriptor *req_desc;
   handler_fn fn;
-  int operator_only; /* changes state: needs "authorization: Bearer <api_token>" */
+  int who;
 } method_entry;
 
 static const method_entry k_methods[] = {
-    {"/ztrain.Control/RegisterWorker", &ztrain__register_request__descriptor, h_register, 0},
-    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat, 0},
-    {"/ztrain.Control/Leave", &ztrain__leave_request__descriptor, h_leave, 0},
-    {"/ztrain.Control/Rendezvous", &ztrain__rendezvous_request__descriptor, h_rendezvous, 0},
-    {"/ztrain.Control/ReportStep", &ztrain__report_step_request__descriptor, h_report_step, 0},
+    {"/ztrain.Control/RegisterWorker", &ztrain__register_request__descriptor, h_register, ANYONE},
+    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat, WORKER},
+    {"/ztrain.Control/Leave", &ztrain__leave_request__descriptor, h_leave, WORKER},
+    {"/ztrain.Control/Rendezvous", &ztrain__rendezvous_request__descriptor, h_rendezvous, WORKER},
+    {"/ztrain.Control/ReportStep", &ztrain__report_step_request__descriptor, h_report_step, WORKER},
     {"/ztrain.Control/ReportFailure", &ztrain__report_failure_request__descriptor,
-     h_report_failure, 0},
+     h_report_failure, WORKER},
     {"/ztrain.Control/ReportCheckpoint", &ztrain__report_checkpoint_request__descriptor,
-     h_report_checkpoint, 0},
+     h_report_checkpoint, WORKER},
     {"/ztrain.Status/ListCheckpoints", &ztrain__list_checkpoints_request__descriptor,
-     h_list_checkpoints, 0},
-    {"/ztrain.Status/JobAction", &ztrain__job_action_request__descriptor, h_job_action, 1},
-    {"/ztrain.Status/Drain", &ztrain__drain_request__descriptor, h_drain, 1},
-    {"/ztrain.Status/SubmitJob", &ztrain__submit_job_request__descriptor, h_submit_job, 1},
-    {"/ztrain.Status/ListJobs", &ztrain__list_jobs_request__descriptor, h_list_jobs, 0},
-    {"/ztrain.Status/GetJob", &ztrain__get_job_request__descriptor, h_get_job, 0},
-    {"/ztrain.Status/GetMetrics", &ztrain__get_metrics_request__descriptor, h_get_metrics, 0},
-    {"/ztrain.Status/GetStatus", &ztrain__get_status_request__descriptor, h_get_status, 0},
-    {"/ztrain.Status/ListWorkers", &ztrain__list_workers_request__descriptor, h_list_workers, 0},
-    {"/ztrain.Status/ListEvents", &ztrain__list_events_request__descriptor, h_list_events, 0},
+     h_list_checkpoints, ANYONE},
+    {"/ztrain.Status/JobAction", &ztrain__job_action_request__descriptor, h_job_action, OPERATOR},
+    {"/ztrain.Status/Drain", &ztrain__drain_request__descriptor, h_drain, OPERATOR},
+    {"/ztrain.Status/SubmitJob", &ztrain__submit_job_request__descriptor, h_submit_job, OPERATOR},
+    {"/ztrain.Status/ListJobs", &ztrain__list_jobs_request__descriptor, h_list_jobs, ANYONE},
+    {"/ztrain.Status/GetJob", &ztrain__get_job_request__descriptor, h_get_job, ANYONE},
+    {"/ztrain.Status/GetMetrics", &ztrain__get_metrics_request__descriptor, h_get_metrics, ANYONE},
+    {"/ztrain.Status/GetStatus", &ztrain__get_status_request__descriptor, h_get_status, ANYONE},
+    {"/ztrain.Status/ListWorkers", &ztrain__list_workers_request__descriptor, h_list_workers,
+     ANYONE},
+    {"/ztrain.Status/ListEvents", &ztrain__list_events_request__descriptor, h_list_events, ANYONE},
 };
+
+/* A worker call's credential: every Control request but RegisterWorker has
+ * the fields worker_id and session. */
+static int authenticate_worker(zt_coord_t *c, const ProtobufCMessage *m) {
+  const ProtobufCFieldDescriptor *fid =
+      protobuf_c_message_descriptor_get_field_by_name(m->descriptor, "worker_id");
+  const ProtobufCFieldDescriptor *fs =
+      protobuf_c_message_descriptor_get_field_by_name(m->descriptor, "session");
+  if (!fid || !fs) return zt_err("%s has no worker credential fields", m->descriptor->name);
+  uint64_t id = *(const uint64_t *)((const char *)m + fid->offset);
+  const char *session = *(char *const *)((const char *)m + fs->offset);
+  return zt_members_authenticate(c, id, session);
+}
 
 static const method_entry *find_method(const char *path) {
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_methods); i++)
@@ -399,7 +422,7 @@ void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_
     zt_rpc_reply(call, ZT_RPC_UNIMPLEMENTED, msg, NULL, 0);
     return;
   }
-  if (e->operator_only && !zt_auth_operator(c, zt_rpc_call_metadata(call, "authorization"))) {
+  if (e->who == OPERATOR && !zt_auth_operator(c, zt_rpc_call_metadata(call, "authorization"))) {
     zt_rpc_reply(call, ZT_RPC_UNAUTHENTICATED, "this call needs a bearer token (zctl --token)",
                  NULL, 0);
     return;
@@ -415,7 +438,8 @@ void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_
   }
   call_ctx x = {.n_owned = 0};
   zt_err_clear();
-  ProtobufCMessage *reply = e->fn(c, call, in, &x);
+  ProtobufCMessage *reply =
+      e->who == WORKER && authenticate_worker(c, in) != 0 ? NULL : e->fn(c, call, in, &x);
   protobuf_c_message_free_unpacked(in, NULL);
   if (reply != ZT_DEFERRED) answer(call, reply);
   for (int i = 0; i < x.n_owned; i++) free(x.owned[i]);

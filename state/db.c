@@ -99,6 +99,18 @@ static const char *const k_migrations[] = {
     "ALTER TABLE jobs ADD COLUMN lr_until INTEGER NOT NULL DEFAULT 0;"
     "ALTER TABLE jobs ADD COLUMN rollbacks INTEGER NOT NULL DEFAULT 0;"
     "ALTER TABLE jobs ADD COLUMN rollback_steps TEXT NOT NULL DEFAULT '';",
+    /* 5: worker credentials and memory; the checksummed files of every epoch */
+    "ALTER TABLE workers ADD COLUMN session TEXT NOT NULL DEFAULT '';"
+    "ALTER TABLE workers ADD COLUMN host_memory INTEGER NOT NULL DEFAULT 0;"
+    "ALTER TABLE workers ADD COLUMN device_memory INTEGER NOT NULL DEFAULT 0;"
+    "CREATE TABLE checkpoint_files("
+    "  job_id INTEGER NOT NULL,"
+    "  step INTEGER NOT NULL,"
+    "  gen INTEGER NOT NULL,"
+    "  name TEXT NOT NULL,"
+    "  bytes INTEGER NOT NULL,"
+    "  checksum TEXT NOT NULL,"
+    "  PRIMARY KEY(job_id, step, gen, name));",
 };
 
 enum {
@@ -137,15 +149,18 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_META_SET] = "INSERT INTO meta(key, value) VALUES(?1, ?2) "
                     "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
     [ST_WORKER_UPSERT] = "INSERT INTO workers(name, host, device, state, last_seen_ms, "
-                         "registered_ms, pid) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7) "
+                         "registered_ms, pid, session, host_memory, device_memory) "
+                         "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) "
                          "ON CONFLICT(name) DO UPDATE SET host = excluded.host, "
                          "device = excluded.device, state = excluded.state, "
                          "last_seen_ms = excluded.last_seen_ms, "
-                         "registered_ms = excluded.registered_ms, pid = excluded.pid RETURNING id",
+                         "registered_ms = excluded.registered_ms, pid = excluded.pid, "
+                         "session = excluded.session, host_memory = excluded.host_memory, "
+                         "device_memory = excluded.device_memory RETURNING id",
     [ST_WORKER_STATE] = "UPDATE workers SET state = ?2, last_seen_ms = ?3 WHERE id = ?1",
     [ST_WORKER_TOUCH] = "UPDATE workers SET last_seen_ms = ?2 WHERE id = ?1",
-    [ST_WORKERS_ALL] = "SELECT id, name, host, device, state, last_seen_ms, registered_ms, pid "
-                       "FROM workers ORDER BY id",
+    [ST_WORKERS_ALL] = "SELECT id, name, host, device, state, last_seen_ms, registered_ms, pid, "
+                       "session, host_memory, device_memory FROM workers ORDER BY id",
     [ST_EVENT_ADD] = "INSERT INTO events(t_ms, job_id, kind, worker_id, detail) "
                      "VALUES(?1, ?2, ?3, ?4, ?5)",
     [ST_EVENTS_ALL] = "SELECT id, t_ms, job_id, kind, worker_id, detail FROM events "
@@ -203,7 +218,9 @@ static const col k_worker_cols[] = {
     COL(COL_I64, zt_db_worker_t, id), COL(COL_TEXT, zt_db_worker_t, name),
     COL(COL_TEXT, zt_db_worker_t, host), COL(COL_TEXT, zt_db_worker_t, device),
     COL(COL_INT, zt_db_worker_t, state), COL(COL_I64, zt_db_worker_t, last_seen_ms),
-    COL(COL_I64, zt_db_worker_t, registered_ms), COL(COL_INT, zt_db_worker_t, pid)};
+    COL(COL_I64, zt_db_worker_t, registered_ms), COL(COL_INT, zt_db_worker_t, pid),
+    COL(COL_TEXT, zt_db_worker_t, session), COL(COL_I64, zt_db_worker_t, host_memory),
+    COL(COL_I64, zt_db_worker_t, device_memory)};
 
 /* events: ST_EVENTS_ALL and ST_EVENTS_JOB (the logbook is written by
  * zt_db_event_add, with the time it is written). */

@@ -40,6 +40,9 @@ typedef struct {
   int64_t last_seen_ms; /* wall clock */
   int64_t registered_ms;
   int pid;
+  char session[72];        /* this registration's credential (hex) */
+  uint64_t host_memory;    /* bytes of RAM the worker may use */
+  uint64_t device_memory;  /* bytes of its GPU's memory (0: CPU worker) */
 } zt_db_worker_t;
 
 typedef struct {

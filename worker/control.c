@@ -36,6 +36,7 @@ struct zt_ctl {
   uint64_t seq;
   uint64_t rng;
   uint64_t job_id, generation; /* under mu */
+  char session[72];            /* under mu: this registration's credential */
   uint64_t assigned_job;       /* job of the last heartbeat reply (control thread) */
   int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
@@ -79,6 +80,12 @@ void zt_ctl_close(zt_ctl_t *c) {
 uint64_t zt_ctl_worker_id(zt_ctl_t *c) { return __atomic_load_n(&c->worker_id, __ATOMIC_ACQUIRE); }
 
 zt_rpc_client_t *zt_ctl_rpc(zt_ctl_t *c) { return c->rpc; }
+
+void zt_ctl_session(zt_ctl_t *c, char *buf, size_t n) {
+  pthread_mutex_lock(&c->mu);
+  snprintf(buf, n, "%s", c->session);
+  pthread_mutex_unlock(&c->mu);
+}
 
 void zt_ctl_set_assignment(zt_ctl_t *c, uint64_t job_id, uint64_t generation) {
   pthread_mutex_lock(&c->mu);
@@ -129,6 +136,8 @@ static int call(zt_ctl_t *c, const char *method, const ProtobufCMessage *msg,
 
 /* Returns 0 when registered, -1 with *fatal set when retrying is pointless. */
 static int do_register(zt_ctl_t *c, int *fatal) {
+  char session[sizeof c->session];
+  zt_ctl_session(c, session, sizeof session);
   Ztrain__RegisterRequest req = ZTRAIN__REGISTER_REQUEST__INIT;
   req.name = c->name;
   req.host = c->host;
@@ -136,15 +145,23 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   req.secret = c->secret;
   req.pid = (int32_t)getpid();
   req.version = "0.1.0";
+  req.session = session; /* lets us take our own name back */
+  req.host_memory_bytes = c->o.host_memory;
+  req.device_memory_bytes = c->o.device_memory;
   ProtobufCMessage *m;
   int status = 0;
   *fatal = 0;
   if (call(c, "/ztrain.Control/RegisterWorker", &req.base, &ztrain__register_reply__descriptor, &m,
            &status) != 0) {
+    /* A wrong secret or name is final; a name still held by a live worker
+     * (ALREADY_EXISTS) frees up once that one is lost: retry. */
     *fatal = status == ZT_RPC_UNAUTHENTICATED || status == ZT_RPC_INVALID_ARGUMENT;
     return -1;
   }
   Ztrain__RegisterReply *r = (Ztrain__RegisterReply *)m;
+  pthread_mutex_lock(&c->mu);
+  snprintf(c->session, sizeof c->session, "%s", r->session);
+  pthread_mutex_unlock(&c->mu);
   __atomic_store_n(&c->worker_id, r->worker_id, __ATOMIC_RELEASE);
   c->heartbeat_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
   /* Never back off longer than half the slack before the coordinator would
@@ -165,8 +182,11 @@ static int do_register(zt_ctl_t *c, int *fatal) {
 
 /* Returns 0 on success; -1 with *status on failure. */
 static int do_heartbeat(zt_ctl_t *c, int *status) {
+  char session[sizeof c->session];
+  zt_ctl_session(c, session, sizeof session);
   Ztrain__HeartbeatRequest req = ZTRAIN__HEARTBEAT_REQUEST__INIT;
   req.worker_id = c->worker_id;
+  req.session = session;
   req.seq = ++c->seq;
   pthread_mutex_lock(&c->mu);
   req.job_id = c->job_id;
@@ -200,8 +220,11 @@ static void do_leave(zt_ctl_t *c) {
   if (!c->worker_id) return;
   zt_deadline_t dl = zt_deadline_in(c->o.drain_timeout_ms > 0 ? c->o.drain_timeout_ms : 90000);
   for (;;) {
+    char session[sizeof c->session];
+    zt_ctl_session(c, session, sizeof session);
     Ztrain__LeaveRequest req = ZTRAIN__LEAVE_REQUEST__INIT;
     req.worker_id = c->worker_id;
+    req.session = session;
     req.reason = c->stop_reason;
     ProtobufCMessage *m;
     int status;
@@ -255,7 +278,8 @@ int zt_ctl_run(zt_ctl_t *c) {
       continue;
     }
     status = st;
-    if (status == ZT_RPC_NOT_FOUND || status == ZT_RPC_FAILED_PRECONDITION) {
+    if (status == ZT_RPC_NOT_FOUND || status == ZT_RPC_FAILED_PRECONDITION ||
+        status == ZT_RPC_UNAUTHENTICATED) {
       ZT_WARN("%s; registering again", zt_err_msg());
       registered = 0;
       if (c->o.on_command) c->o.on_command(c->o.user, ZTRAIN__COMMAND__COMMAND_STOP, 0, 0);

@@ -16,6 +16,7 @@
 #ifndef ZT_CONTROL_H
 #define ZT_CONTROL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct zt_ctl zt_ctl_t;
@@ -28,6 +29,7 @@ typedef struct {
   int64_t rpc_timeout_ms;  /* per call; 0: 2000 */
   int64_t backoff_max_ms;  /* 0: 5000 */
   int64_t drain_timeout_ms; /* longest wait for a checkpoint before leaving; 0: 90000 */
+  uint64_t host_memory, device_memory; /* reported at registration (bytes) */
   /* Called on the control thread with every heartbeat reply's command
    * (ztrain.proto's Command) and assignment; also with STOP when the
    * worker had to register again (its assignment is void). */
@@ -47,5 +49,8 @@ void zt_ctl_set_assignment(zt_ctl_t *c, uint64_t job_id, uint64_t generation);
 struct zt_rpc_client;
 /* The coordinator connection, for the trainer's own calls (thread-safe). */
 struct zt_rpc_client *zt_ctl_rpc(zt_ctl_t *c);
+/* The current registration's session credential, which every worker call
+ * carries (thread-safe copy). */
+void zt_ctl_session(zt_ctl_t *c, char *buf, size_t n);
 
 #endif

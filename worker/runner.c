@@ -81,6 +81,9 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
   zt_runner_t *r = user;
   Ztrain__ReportStepRequest req = ZTRAIN__REPORT_STEP_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
+  char session[80];
+  zt_ctl_session(r->ctl, session, sizeof session);
+  req.session = session;
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.step = s->step;
@@ -115,6 +118,9 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   zt_runner_t *r = user;
   Ztrain__ReportCheckpointRequest req = ZTRAIN__REPORT_CHECKPOINT_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
+  char session[80];
+  zt_ctl_session(r->ctl, session, sizeof session);
+  req.session = session;
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.step = step;
@@ -151,6 +157,9 @@ static void report_failure(zt_runner_t *r, const char *why, int fatal, const cha
   req.suspect_rank = suspect + 1;
   req.bad_checkpoint = (char *)(bad_ckpt ? bad_ckpt : "");
   req.worker_id = zt_ctl_worker_id(r->ctl);
+  char session[80];
+  zt_ctl_session(r->ctl, session, sizeof session);
+  req.session = session;
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.reason = (char *)why;
@@ -173,6 +182,9 @@ static void report_failure(zt_runner_t *r, const char *why, int fatal, const cha
 static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
   Ztrain__RendezvousRequest req = ZTRAIN__RENDEZVOUS_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
+  char session[80];
+  zt_ctl_session(r->ctl, session, sizeof session);
+  req.session = session;
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.comm_addr = addr;

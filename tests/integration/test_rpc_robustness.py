@@ -51,25 +51,55 @@ def coord_and_channel(procs):
     ch.close()
 
 
-def register(ch, name):
-    code, reply, det = call(ch, "/ztrain.Control/RegisterWorker",
-                            field_bytes(1, name.encode()) + field_bytes(3, b"cpu"))
-    assert code == grpc.StatusCode.OK, det
-    # RegisterReply.worker_id is field 1 (varint).
-    assert reply[0] == 0x08
-    wid, shift, i = 0, 0, 1
+def read_varint(buf, i):
+    v, shift = 0, 0
     while True:
-        b = reply[i]
-        wid |= (b & 0x7F) << shift
+        b = buf[i]
+        v |= (b & 0x7F) << shift
         shift += 7
         i += 1
         if not b & 0x80:
-            return wid
+            return v, i
+
+
+def decode(buf):
+    """{field number: value} of a message's varint and length-delimited fields."""
+    out, i = {}, 0
+    while i < len(buf):
+        key, i = read_varint(buf, i)
+        if key & 7 == 0:
+            out[key >> 3], i = read_varint(buf, i)
+        elif key & 7 == 2:
+            n, i = read_varint(buf, i)
+            out[key >> 3], i = buf[i:i + n], i + n
+        else:
+            raise ValueError(f"wire type {key & 7}")
+    return out
+
+
+def register_session(ch, name, session=b""):
+    """RegisterWorker: (worker_id, session) from RegisterReply fields 1 and 5."""
+    code, reply, det = call(ch, "/ztrain.Control/RegisterWorker",
+                            field_bytes(1, name.encode()) + field_bytes(3, b"cpu")
+                            + (field_bytes(7, session) if session else b""))
+    assert code == grpc.StatusCode.OK, det
+    f = decode(reply)
+    assert len(f[5]) == 64, f  # 32 random bytes in hex
+    return f[1], f[5]
+
+
+def register(ch, name):
+    return register_session(ch, name)[0]
+
+
+def cred(wid, session):
+    """The worker_id and session fields every worker call carries."""
+    return field_varint(1, wid) + field_bytes(20, session)
 
 
 def test_malformed_truncated_unknown(coord_and_channel, procs):
     coord, ch = coord_and_channel
-    wid = register(ch, "raw-client")
+    wid, session = register_session(ch, "raw-client")
     n_events = len(events(coord))
     hb = "/ztrain.Control/Heartbeat"
 
@@ -120,12 +150,13 @@ def test_malformed_truncated_unknown(coord_and_channel, procs):
                              "/ztrain.Status/ListEvents", "/ztrain.Status/ListWorkers"])
         code, _, _ = call(ch, method, payload)
         assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
-                        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION), code
+                        grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.UNAUTHENTICATED), code
         assert coord.alive(), f"zcoord died on case {i}: {payload!r}"
 
     # Still serving, and what it stored is intact.
     assert coord.alive()
-    code, _, det = call(ch, hb, field_varint(1, wid))
+    code, _, det = call(ch, hb, cred(wid, session))
     assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION), det
     ws = workers_by_name(coord)
     assert ws["raw-client"]["id"] == wid
@@ -135,10 +166,10 @@ def test_malformed_truncated_unknown(coord_and_channel, procs):
 
 def test_stale_worker_told_to_register_again(coord_and_channel):
     coord, ch = coord_and_channel
-    wid = register(ch, "short-lived")
-    code, _, det = call(ch, "/ztrain.Control/Leave", field_varint(1, wid) + field_bytes(2, b"bye"))
+    wid, session = register_session(ch, "short-lived")
+    code, _, det = call(ch, "/ztrain.Control/Leave", cred(wid, session) + field_bytes(2, b"bye"))
     assert code == grpc.StatusCode.OK, det
-    code, _, det = call(ch, "/ztrain.Control/Heartbeat", field_varint(1, wid))
+    code, _, det = call(ch, "/ztrain.Control/Heartbeat", cred(wid, session))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "register again" in det
     assert register(ch, "short-lived") == wid  # same name, same identity
     kinds = [e["kind"] for e in events(coord) if e["worker_id"] == wid]

@@ -35,6 +35,9 @@ static zt_db_worker_t make_worker(const char *name, int state) {
   w.state = state;
   w.last_seen_ms = w.registered_ms = 1000;
   w.pid = 42;
+  snprintf(w.session, sizeof w.session, "session-of-%s", name);
+  w.host_memory = 8ull << 30;
+  w.device_memory = state == ZT_WORKER_ALIVE ? 80ull << 30 : 0;
   return w;
 }
 
@@ -76,6 +79,9 @@ ZT_TEST(test_migrate_and_reopen) {
   last.pid = 0;
   ZT_CHECK(zt_db_workers_each(db, count_worker, &last) == 0);
   ZT_CHECK(last.id == 2 && last.last_seen_ms == 6000);
+  /* Credentials and memory survive a reopen (a coordinator restart). */
+  ZT_CHECK_STR(last.session, "session-of-b");
+  ZT_CHECK(last.host_memory == 8ull << 30 && last.device_memory == 80ull << 30);
   zt_db_close(db);
 }
 
