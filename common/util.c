@@ -187,6 +187,56 @@ int zt_mkdirs(const char *path) {
   return 0;
 }
 
+/* ---- confined paths ---------------------------------------------------------- */
+
+/* Appends the components of p to out (at *len), dropping empty and "."
+ * ones; -1 on a ".." component or when out is full. */
+static int append_components(char *out, size_t cap, size_t *len, const char *p) {
+  while (*p) {
+    while (*p == '/') p++;
+    size_t n = strcspn(p, "/");
+    if (n == 0) break;
+    if (n == 2 && p[0] == '.' && p[1] == '.') return -1;
+    if (!(n == 1 && p[0] == '.')) {
+      if (*len + 1 + n + 1 > cap) return -1;
+      out[(*len)++] = '/';
+      memcpy(out + *len, p, n);
+      *len += n;
+      out[*len] = 0;
+    }
+    p += n;
+  }
+  return 0;
+}
+
+int zt_path_confine(const char *root, const char *path, const char *what, char *out,
+                    size_t outlen) {
+  char r[PATH_MAX];
+  size_t rl = 0, ol = 0;
+  r[0] = 0;
+  if (root[0] != '/' || append_components(r, sizeof r, &rl, root) != 0)
+    return zt_errk(ZT_E_INVALID, "%s: the root %.200s is not an absolute path", what, root);
+  if (!path[0]) return zt_errk(ZT_E_INVALID, "%s: empty path", what);
+  out[0] = 0;
+  if ((path[0] != '/' && append_components(out, outlen, &ol, r) != 0) ||
+      append_components(out, outlen, &ol, path) != 0)
+    return zt_errk(ZT_E_INVALID, "%s: \"%.200s\" may not contain \"..\" (or is too long)", what,
+                   path);
+  if (ol == 0) snprintf(out, outlen, "/");
+  if (strncmp(out, r, rl) != 0 || (out[rl] != '/' && out[rl] != 0))
+    return zt_errk(ZT_E_INVALID, "%s: %.200s is outside the allowed root %.200s", what, path,
+                   rl ? r : "/");
+  return 0;
+}
+
+int zt_path_real_under(const char *root, const char *path) {
+  char rr[PATH_MAX], rp[PATH_MAX];
+  if (!realpath(root, rr) || !realpath(path, rp)) return 0;
+  size_t n = strlen(rr);
+  if (n == 1) return 1; /* the root is "/" */
+  return strncmp(rp, rr, n) == 0 && (rp[n] == '/' || rp[n] == 0);
+}
+
 /* ---- state names --------------------------------------------------------- */
 
 static const char *state_name(const char *const *names, size_t n, int state) {

@@ -118,6 +118,17 @@ ZT_MUST_CHECK int zt_write_all(int fd, const void *buf, size_t len);
 ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
 /* Creates a directory and its parents (mkdir -p). */
 ZT_MUST_CHECK int zt_mkdirs(const char *path);
+/* Confines a path from untrusted input (a job spec) to a root directory
+ * (absolute): a relative path is taken under root, an absolute one must lie
+ * under it already, and a ".." component is refused anywhere. out receives
+ * the joined path with "." and repeated slashes removed. Lexical only: a
+ * caller that opens the result checks it again with zt_path_real_under
+ * (symbolic links). -1 (ZT_E_INVALID) with "<what>: ..." otherwise. */
+ZT_MUST_CHECK int zt_path_confine(const char *root, const char *path, const char *what, char *out,
+                                  size_t outlen);
+/* 1 when the existing file or directory `path`, with every symbolic link
+ * resolved, lies under root (which is itself resolved). */
+int zt_path_real_under(const char *root, const char *path);
 /* Compares two strings in time that depends only on their lengths, for
  * secrets and tokens. Returns 1 when they are equal. */
 int zt_secret_equal(const char *a, const char *b);

@@ -169,7 +169,15 @@ static int loopback(const char *addr) {
   return inet_pton(AF_INET, host, &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
 }
 
+/* The shipped config (deploy/zcoord.json) holds placeholders: they must be
+ * replaced, never used as credentials. */
+static int placeholder(const char *v) { return !strncmp(v, "CHANGE-ME", 9); }
+
 static int check(zt_coord_config_t *cfg) {
+  if (placeholder(cfg->api_token) || placeholder(cfg->worker_secret))
+    return zt_err("%s is still the placeholder of the example config: generate one with "
+                  "`openssl rand -hex 32`",
+                  placeholder(cfg->api_token) ? "api_token" : "worker_secret");
   if (cfg->heartbeat_timeout_ms == 0) cfg->heartbeat_timeout_ms = 3 * cfg->heartbeat_ms;
   if (cfg->heartbeat_timeout_ms <= cfg->heartbeat_ms)
     return zt_err("heartbeat timeout (%d ms) must exceed the interval (%d ms)",

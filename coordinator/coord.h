@@ -82,8 +82,8 @@ typedef struct {
   int min_workers, max_workers;
   int64_t comm_timeout_ms;
   int64_t seq_len; /* tokens per sample */
-  char ckpt_dir[400]; /* empty: no checkpoints */
-  char ckpt_load[512]; /* epoch to start from when the job has none of its own */
+  char ckpt_dir[400]; /* empty: no checkpoints; else resolved under checkpoint_root */
+  char ckpt_load[512]; /* epoch to start from when the job has none of its own (resolved) */
   int64_t ckpt_every, keep_last, keep_every;
   /* rollback{...} */
   int rb_enabled;
@@ -174,7 +174,9 @@ typedef enum { ZT_ACT_PAUSE, ZT_ACT_RESUME, ZT_ACT_CANCEL, ZT_ACT_ROLLBACK } zt_
 /* "pause", "resume", "cancel", "rollback"; -1 (ZT_E_INVALID) otherwise. */
 int zt_job_action_parse(const char *name, zt_job_action_t *out);
 
-int zt_job_params_parse(const char *json, zt_job_params_t *p);
+/* The scheduler's view of a spec, checked against the coordinator's
+ * settings (paths under the roots, test knobs). */
+int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_params_t *p);
 int zt_jobs_load(zt_coord_t *c);
 void zt_jobs_free(zt_coord_t *c);
 void zt_jobs_release_calls(zt_coord_t *c); /* answers held calls before the server stops */

@@ -50,13 +50,30 @@
 /* The numbers that shape scheduling, from the trainer's own parser
  * (engine/spec.c), so the coordinator and the workers can never read a
  * spec differently. */
-int zt_job_params_parse(const char *json, zt_job_params_t *p) {
+/* The spec's paths must lie under the coordinator's roots; the checkpoint
+ * directories are kept resolved (the coordinator deletes what is under
+ * them). */
+static int confine_paths(const zt_spec_t *s, const zt_coord_config_t *cfg, zt_job_params_t *p) {
+  char tmp[1100];
+  if (zt_path_confine(cfg->data_root, s->train_glob, "data.train", tmp, sizeof tmp) != 0 ||
+      (s->val_glob[0] &&
+       zt_path_confine(cfg->data_root, s->val_glob, "data.val", tmp, sizeof tmp) != 0) ||
+      (s->ckpt.dir[0] && zt_path_confine(cfg->ckpt_root, s->ckpt.dir, "checkpoint.dir",
+                                         p->ckpt_dir, sizeof p->ckpt_dir) != 0) ||
+      (s->ckpt.load[0] && zt_path_confine(cfg->ckpt_root, s->ckpt.load, "checkpoint.load",
+                                          p->ckpt_load, sizeof p->ckpt_load) != 0))
+    return -1;
+  return 0;
+}
+
+int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_params_t *p) {
   memset(p, 0, sizeof *p);
   zt_spec_t s;
   if (zt_spec_parse(&s, json, strlen(json)) != 0) return zt_err_wrapk(ZT_E_INVALID, "job spec");
-  if (strlen(s.ckpt.dir) >= sizeof p->ckpt_dir || strlen(s.ckpt.load) >= sizeof p->ckpt_load)
-    return zt_errk(ZT_E_INVALID, "checkpoint.dir or checkpoint.load: path too long (max %zu)",
-                   sizeof p->ckpt_dir - 1);
+  if (s.fault.present && !cfg->allow_test_knobs)
+    return zt_errk(ZT_E_INVALID, "fault_injection: a test-only setting, refused (zcoord "
+                                 "--allow-test-knobs accepts it)");
+  if (confine_paths(&s, cfg, p) != 0) return -1;
   snprintf(p->name, sizeof p->name, "%s", s.name);
   p->steps = s.steps;
   p->micro = s.micro_batch;
@@ -65,8 +82,6 @@ int zt_job_params_parse(const char *json, zt_job_params_t *p) {
   p->min_workers = s.min_workers;
   p->max_workers = s.max_workers;
   p->comm_timeout_ms = s.comm_timeout_ms;
-  snprintf(p->ckpt_dir, sizeof p->ckpt_dir, "%.399s", s.ckpt.dir);
-  snprintf(p->ckpt_load, sizeof p->ckpt_load, "%.511s", s.ckpt.load);
   p->ckpt_every = s.ckpt.every_steps;
   p->keep_last = s.ckpt.keep_last > 0 ? s.ckpt.keep_last : 2;
   p->keep_every = s.ckpt.keep_every;
@@ -464,7 +479,7 @@ static void job_append(zt_coord_t *c, zt_job_t *j) {
 static int load_job(const zt_db_job_t *row, void *user) {
   zt_coord_t *c = user;
   zt_job_t *j = job_new(row);
-  if (zt_job_params_parse(j->spec, &j->p) != 0)
+  if (zt_job_params_parse(j->spec, &c->cfg, &j->p) != 0)
     ZT_WARN("job %llu: stored spec no longer valid: %s", (unsigned long long)row->id,
             zt_err_msg());
   int n = 0;
@@ -511,7 +526,7 @@ void zt_jobs_free(zt_coord_t *c) {
 
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id) {
   zt_job_params_t p;
-  if (zt_job_params_parse(spec, &p) != 0) return -1;
+  if (zt_job_params_parse(spec, &c->cfg, &p) != 0) return -1;
   zt_db_job_t *row = zt_xcalloc(1, sizeof *row);
   snprintf(row->name, sizeof row->name, "%s", p.name);
   row->spec = spec;

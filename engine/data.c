@@ -106,10 +106,12 @@ static int shard_open(zt_shard_t *s, const char *path) {
   int32_t magic = read_le32(s->map), version = read_le32(s->map + 4);
   int32_t count = read_le32(s->map + 8);
   if (magic != ZT_SHARD_MAGIC)
-    return zt_err("%s: bad magic %d (expected %d)", path, magic, ZT_SHARD_MAGIC);
+    return zt_errk(ZT_E_INVALID, "%s: not a token shard (its header does not start with the "
+                                 "shard magic number)", path);
   if (version != ZT_SHARD_VERSION)
-    return zt_err("%s: unsupported version %d (expected %d)", path, version, ZT_SHARD_VERSION);
-  if (count < 0) return zt_err("%s: negative token count %d", path, count);
+    return zt_errk(ZT_E_INVALID, "%s: unsupported shard version (expected %d)", path,
+                   ZT_SHARD_VERSION);
+  if (count < 0) return zt_errk(ZT_E_INVALID, "%s: negative token count in the header", path);
   size_t want = ZT_SHARD_HEADER_BYTES + 2 * (size_t)count;
   if (len != want)
     return zt_err("%s: size mismatch: header says %d tokens (%zu bytes), file has %zu bytes",

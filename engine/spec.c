@@ -343,6 +343,7 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
   zt_spec_fault_t *f = &s->fault;
   if (get_object(root, "", P, 0, &o)) return -1;
   if (!o) return 0;
+  f->present = 1;
   if (CHECK_KEYS(o, P, keys) || get_double(o, P, "lr_scale", 0.0, 0, 1e12, &f->lr_scale) ||
       get_long(o, P, "from_step", 0, 0, 1L << 40, &f->from_step) ||
       get_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) || get_bool(o, P, "repeat", &f->repeat))

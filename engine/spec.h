@@ -18,9 +18,11 @@
  * When all three keys are given, train_batch_size must be micro * accum *
  * some integer world size.
  *
- * Paths. data.train and data.val are glob patterns; relative patterns are
- * resolved against the current working directory of the process that opens
- * the data.
+ * Paths. data.train and data.val are glob patterns, checkpoint.dir and
+ * checkpoint.load directories. Each process confines them to its roots
+ * (zcoord --data-root/--checkpoint-root at submit, zworker's at run time;
+ * default: the working directory): a relative path is taken under the root,
+ * an absolute one must lie under it, ".." is refused (zt_path_confine).
  */
 #ifndef ZT_SPEC_H
 #define ZT_SPEC_H
@@ -57,6 +59,7 @@ typedef struct zt_spec_rollback {
  * multiplied by lr_scale (when > 0), in the first run of those steps only
  * (before any rollback) unless repeat is true. */
 typedef struct zt_spec_fault {
+  int present; /* the spec has a fault_injection object */
   double lr_scale;
   long from_step, to_step;
   int repeat;

@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ckpt_io.h"
 #include "data.h"
@@ -61,13 +62,49 @@ typedef struct {
 
 /* ---- set-up ------------------------------------------------------------------ */
 
+/* The spec's paths under the worker's roots (when it has them): the data
+ * patterns and the checkpoint directory, rewritten in place. */
+static int confine(trainer *t) {
+  const zt_gen_ctx_t *g = t->g;
+  zt_spec_t *s = &t->spec;
+  char tmp[ZT_SPEC_PATH_MAX];
+  struct {
+    const char *root, *what;
+    char *path;
+  } paths[] = {{g->data_root, "data.train", s->train_glob},
+               {g->data_root, "data.val", s->val_glob},
+               {g->ckpt_root, "checkpoint.dir", s->ckpt.dir}};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(paths); i++) {
+    if (!paths[i].root || !paths[i].path[0]) continue;
+    if (zt_path_confine(paths[i].root, paths[i].path, paths[i].what, tmp, sizeof tmp) != 0)
+      return -1;
+    memcpy(paths[i].path, tmp, sizeof tmp);
+  }
+  return 0;
+}
+
+/* Opens the shards of a pattern; with a data root, every file must really
+ * lie under it (no symbolic link out). */
+static int open_shards(trainer *t, const char *pattern, const char *what, zt_data_t **out) {
+  char **paths;
+  int n;
+  if (zt_data_glob(pattern, &paths, &n) != 0) return zt_err_wrap("%s", what);
+  int rc = 0;
+  for (int i = 0; i < n && rc == 0; i++)
+    if (t->g->data_root && !zt_path_real_under(t->g->data_root, paths[i]))
+      rc = zt_errk(ZT_E_INVALID, "%s: %s leads outside the data root %s", what, paths[i],
+                   t->g->data_root);
+  if (rc == 0) rc = zt_data_open(out, paths, n, t->T, t->cfg.vocab_size, t->spec.seed);
+  zt_data_free_paths(paths, n);
+  return rc;
+}
+
 static int open_data(trainer *t) {
   const zt_gen_ctx_t *g = t->g;
-  if (zt_data_open_glob(&t->train, t->spec.train_glob, t->T, t->cfg.vocab_size, t->spec.seed) != 0)
-    return -1;
+  if (open_shards(t, t->spec.train_glob, "data.train", &t->train) != 0) return -1;
   if (g->nskips && zt_data_set_skips(t->train, g->skips, g->nskips) != 0) return -1;
   if (t->spec.val_glob[0] && t->spec.eval_every &&
-      zt_data_open_glob(&t->val, t->spec.val_glob, t->T, t->cfg.vocab_size, t->spec.seed) != 0)
+      open_shards(t, t->spec.val_glob, "data.val", &t->val) != 0)
     return -1;
   return 0;
 }
@@ -78,6 +115,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   *fault = ZT_FAULT_JOB;
   if (zt_spec_parse(&t->spec, g->spec_json, strlen(g->spec_json)) != 0)
     return zt_err_wrap("job spec");
+  if (confine(t) != 0) return -1;
   t->cfg = t->spec.model;
   t->T = t->cfg.seq_len;
   t->mb = t->spec.micro_batch;
@@ -116,6 +154,14 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
     return 0;
   }
   int64_t t0 = zt_now_ms(), loaded = 0;
+  char dir[ZT_SPEC_PATH_MAX];
+  if (g->ckpt_root && (zt_path_confine(g->ckpt_root, g->checkpoint_dir, "checkpoint", dir,
+                                       sizeof dir) != 0 ||
+                       (access(dir, F_OK) == 0 && !zt_path_real_under(g->ckpt_root, dir)))) {
+    *fault = ZT_FAULT_JOB;
+    return zt_errk(ZT_E_INVALID, "the checkpoint to load, %s, is not under the checkpoint root %s",
+                   g->checkpoint_dir, g->ckpt_root);
+  }
   if (zt_zero_load(&t->z, g->checkpoint_dir, &loaded) != 0) {
     *fault = zt_comm_broken(g->comm) ? ZT_FAULT_GENERATION : ZT_FAULT_CHECKPOINT;
     return -1;

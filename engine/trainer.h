@@ -52,6 +52,9 @@ typedef struct zt_gen_ctx {
   int64_t comm_timeout_ms;     /* per collective; 0: 30 s */
   zt_comm_t *comm;
   const char *workdir;         /* where zero_memory.json goes (NULL: nowhere) */
+  /* The spec's data and checkpoint paths must lie under these (absolute)
+   * roots; NULL: not confined (zsolo on the user's own files). */
+  const char *data_root, *ckpt_root;
   int threads;                 /* CPU threads (0: default) */
   const char *device;          /* "cpu" (or NULL) or "cuda:N": where the model runs */
   const char *checkpoint_dir;  /* committed epoch to load ("" or NULL: fresh) */

@@ -219,6 +219,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
                     .world = (int)rv->world, .spec_json = rv->spec_json,
                     .start_step = rv->start_step, .comm_timeout_ms = rv->comm_timeout_ms,
                     .comm = comm, .workdir = r->workdir, .threads = r->o.threads,
+                    .data_root = r->o.data_root, .ckpt_root = r->o.ckpt_root,
                     .device = r->o.device, .checkpoint_dir = rv->checkpoint_dir,
                     .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
                     .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,

@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -34,12 +35,36 @@
 typedef struct {
   const char *coordinator, *name, *device, *workdir, *secret, *comm_host;
   int threads;
+  char data_root[PATH_MAX], ckpt_root[PATH_MAX]; /* resolved */
+  uint64_t memory;                               /* bytes this worker may use */
 } worker_args;
 
 static void usage(FILE *f) {
   fprintf(f, "usage: zworker --coordinator HOST:PORT --name NAME --workdir DIR\n"
              "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n"
-             "               [--threads N] [--comm-host ADDR]\n");
+             "               [--threads N] [--comm-host ADDR] [--memory BYTES[K|M|G]]\n"
+             "               [--data-root DIR] [--checkpoint-root DIR]\n"
+             "Job data and checkpoints must lie under the roots (default: the working\n"
+             "directory); --memory (default: the machine's RAM) is what the scheduler\n"
+             "assumes this worker may use.\n");
+}
+
+/* "2G", "512M", "1000000": bytes. */
+static int parse_bytes(const char *s, uint64_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  uint64_t mult = *end == 'K' ? 1ull << 10 : *end == 'M' ? 1ull << 20 : *end == 'G' ? 1ull << 30 : 1;
+  if (mult > 1) end++;
+  if (errno || end == s || *end || v == 0 || v > UINT64_MAX / mult)
+    return zt_err("--memory %s: expected a positive number of bytes (K, M or G suffix)", s);
+  *out = v * mult;
+  return 0;
+}
+
+static int resolve_root(const char *opt, const char *dir, char *out) {
+  if (!realpath(dir ? dir : ".", out)) return zt_err_errno("%s %s", opt, dir ? dir : ".");
+  return 0;
 }
 
 static int parse_args(worker_args *a, int argc, char **argv) {
@@ -48,8 +73,11 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       {"device", required_argument, 0, 'd'},      {"workdir", required_argument, 0, 'w'},
       {"secret", required_argument, 0, 's'},      {"log-level", required_argument, 0, 'l'},
       {"threads", required_argument, 0, 't'},     {"comm-host", required_argument, 0, 'H'},
-      {"help", no_argument, 0, 'h'},              {0, 0, 0, 0},
+      {"data-root", required_argument, 0, 'D'},   {"checkpoint-root", required_argument, 0, 'C'},
+      {"memory", required_argument, 0, 'm'},      {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0},
   };
+  const char *data_root = NULL, *ckpt_root = NULL;
   memset(a, 0, sizeof *a);
   a->device = "cpu";
   a->comm_host = "127.0.0.1";
@@ -64,6 +92,11 @@ static int parse_args(worker_args *a, int argc, char **argv) {
     case 's': a->secret = optarg; break;
     case 't': a->threads = atoi(optarg); break;
     case 'H': a->comm_host = optarg; break;
+    case 'D': data_root = optarg; break;
+    case 'C': ckpt_root = optarg; break;
+    case 'm':
+      if (parse_bytes(optarg, &a->memory) != 0) return -1;
+      break;
     case 'l':
       if (zt_log_set_level_name(optarg) != 0) return zt_err("unknown log level %s", optarg);
       break;
@@ -80,6 +113,13 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   int port;
   if (zt_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
     return zt_err_wrap("--coordinator");
+  if (a->secret && !strncmp(a->secret, "CHANGE-ME", 9))
+    return zt_err("the worker secret is still the placeholder of the example zworker.env: put "
+                  "the coordinator's worker_secret there");
+  if (resolve_root("--data-root", data_root, a->data_root) != 0 ||
+      resolve_root("--checkpoint-root", ckpt_root, a->ckpt_root) != 0)
+    return -1;
+  if (!a->memory) a->memory = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGE_SIZE);
   if (!strcmp(a->device, "cuda")) a->device = "cuda:0"; /* the one visible GPU */
   /* Fail at start, not at the first job, when the device cannot be used. */
   if (!zt_device_kernels(a->device, 0)) return zt_err_wrap("--device %s", a->device);
@@ -172,13 +212,14 @@ int main(int argc, char **argv) {
 
   static zt_runner_t *runner;
   zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
-                   .secret = a.secret, .on_command = on_command, .user = &runner};
+                     .secret = a.secret, .host_memory = a.memory, .on_command = on_command,
+                     .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
   zt_runner_opts_t ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads,
-                       .device = a.device};
+                         .device = a.device, .data_root = a.data_root, .ckpt_root = a.ckpt_root};
   if (zt_runner_start(sa.ctl, &ro, &runner) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;

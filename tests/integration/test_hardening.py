@@ -7,6 +7,8 @@ import socket
 import sqlite3
 import subprocess
 import time
+import urllib.error
+import urllib.request
 
 from ztest import BIN, SLOW, events, http_get, wait_until, workers_by_name
 
@@ -130,3 +132,95 @@ def test_one_client_cannot_take_every_http_slot(procs):
     finally:
         for s in held:
             s.close()
+
+
+# ---- paths from job specs --------------------------------------------------------
+
+def post_spec(coord, spec, token=None):
+    import json as _json
+    req = urllib.request.Request(f"http://127.0.0.1:{coord.http_port}/v1/jobs",
+                                 data=_json.dumps(spec).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, _json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _json.loads(e.read())
+
+
+def test_spec_paths_are_confined_at_submit(procs, tmp_path):
+    from ztest import byte_dataset, tiny_spec
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    coord = procs.coord(hb_ms=HB)
+    cases = [
+        ({"checkpoint": {"dir": "/", "every_steps": 5}}, "checkpoint.dir"),
+        ({"checkpoint": {"dir": "/etc/ztrain-ckpt"}}, "checkpoint.dir"),
+        ({"checkpoint": {"dir": str(tmp_path / "ck"), "load": str(tmp_path) + "/../../etc"}},
+         "checkpoint.load"),
+        ({"data": {"train": "/etc/passwd", "val": val}}, "data.train"),
+        ({"data": {"train": train, "val": "/proc/self/environ"}}, "data.val"),
+    ]
+    for extra, key in cases:
+        spec = tiny_spec(train, val, 5, **extra)
+        code, body = post_spec(coord, spec)
+        assert code == 400 and body["error"].startswith(key), (extra, code, body)
+    # Nothing was written outside, and no job was created.
+    assert not os.path.exists("/etc/ztrain-ckpt")
+    assert http_get(coord.http_port, "/v1/jobs")[2]["jobs"] == []
+    # The same spec with paths inside the roots is accepted.
+    code, body = post_spec(coord, tiny_spec(train, val, 5))
+    assert code == 201, body
+
+
+def test_fault_injection_needs_the_test_flag(procs, tmp_path):
+    from ztest import byte_dataset, tiny_spec
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    coord = procs.coord(hb_ms=HB, test_knobs=False)
+    spec = tiny_spec(train, val, 5, fault_injection={"lr_scale": 1000, "from_step": 2})
+    code, body = post_spec(coord, spec)
+    assert code == 400 and "fault_injection" in body["error"] and "--allow-test-knobs" in body["error"]
+
+
+def test_symlink_out_of_the_data_root_fails_the_job(procs, tmp_path):
+    """A data file inside the root that is a symbolic link to elsewhere: the
+    lexical check at submit passes, the worker's real-path check refuses it,
+    and the job fails with the reason (not the file's bytes)."""
+    from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    os.symlink("/etc/passwd", str(tmp_path / "data" / "train_000009.bin"))
+    coord = start_fleet(procs, 1)
+    jid = submit(coord, tiny_spec(train, val, 5), tmp_path)
+    j = wait_job(coord, jid, timeout=60, states=("failed",))
+    assert "leads outside the data root" in j["message"], j
+    assert "root:" not in j["message"]  # no line of /etc/passwd in the reason
+
+
+def test_bad_shard_error_does_not_echo_the_file(procs, tmp_path):
+    from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    secret = b"SECRET-API-TOKEN-0123456789abcdef"
+    with open(str(tmp_path / "data" / "train_000009.bin"), "wb") as f:
+        f.write(secret * 64)
+    coord = start_fleet(procs, 1)
+    jid = submit(coord, tiny_spec(train, val, 5), tmp_path)
+    j = wait_job(coord, jid, timeout=60, states=("failed",))
+    assert "not a token shard" in j["message"], j
+    text = " ".join(e["detail"] for e in events(coord, job=jid)) + j["message"]
+    assert "SECRET" not in text
+    for n in (int.from_bytes(secret[:4], "little"), int.from_bytes(secret[:4], "big")):
+        assert str(n) not in text
+
+
+def test_shipped_config_placeholders_are_refused(procs, tmp_path):
+    import json as _json
+    from ztest import SRC
+    cfg = _json.load(open(os.path.join(SRC, "deploy", "zcoord.json")))
+    cfg.update(db=str(tmp_path / "z.db"), data_root=str(tmp_path),
+               checkpoint_root=str(tmp_path), grpc="127.0.0.1:0", http="127.0.0.1:0")
+    path = tmp_path / "zcoord.json"
+    path.write_text(_json.dumps(cfg))
+    r = zcoord("--config", str(path))
+    assert r.returncode == 2 and "placeholder" in r.stderr and "openssl rand" in r.stderr
+    cfg.update(api_token="a" * 64, worker_secret="b" * 64)
+    path.write_text(_json.dumps(cfg))
+    coord = procs.coord(extra=["--config", str(path)])
+    assert http_get(coord.http_port, "/healthz")[0] == 200

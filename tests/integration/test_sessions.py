@@ -102,9 +102,7 @@ def test_live_name_cannot_be_taken(procs):
     ch.close()
     # A second zworker with the same name waits (it retries) instead of
     # taking over the identity; the first keeps it.
-    second = procs.start("second", [first.argv[0], "--coordinator", coord.grpc, "--name",
-                                    "same-name", "--workdir", first.argv[-3] + "-2",
-                                    "--device", "cpu"])
+    second = procs.worker(coord.grpc, "same-name", proc_name="second")
     wait_until(lambda: "in use by a live worker" in second.output(), 10, "second refused")
     assert second.alive() and workers_by_name(coord)["same-name"]["pid"] == pid1
     # Once the first is gone (killed, then declared lost), the second gets in.

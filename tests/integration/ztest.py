@@ -91,10 +91,16 @@ class Proc:
 
 
 class Procs:
-    """Starts and reaps processes for one test."""
+    """Starts and reaps processes for one test.
+
+    Job data and checkpoints live in pytest's temporary directories, all
+    under one base directory: that is the data and checkpoint root of every
+    zcoord and zworker started here (the default root, the working
+    directory, would refuse them)."""
 
     def __init__(self, tmpdir):
         self.tmp = str(tmpdir)
+        self.root = os.path.dirname(os.path.realpath(self.tmp))
         self.all = []
 
     def start(self, name, argv, env=None):
@@ -103,7 +109,7 @@ class Procs:
         return p
 
     def coord(self, db=None, hb_ms=200, timeout_ms=None, extra=(), name="zcoord", env=None,
-              grpc_port=0, http_port=0):
+              grpc_port=0, http_port=0, test_knobs=True):
         """Starts zcoord on free ports and waits until it serves."""
         db = db or os.path.join(self.tmp, "zcoord.db")
         ready = os.path.join(self.tmp, f"{name}.ready")
@@ -111,7 +117,10 @@ class Procs:
             os.unlink(ready)
         argv = [f"{BIN}/zcoord", "--grpc", f"127.0.0.1:{grpc_port}",
                 "--http", f"127.0.0.1:{http_port}", "--db", db,
-                "--heartbeat-ms", str(hb_ms), "--ready-file", ready]
+                "--heartbeat-ms", str(hb_ms), "--ready-file", ready,
+                "--data-root", self.root, "--checkpoint-root", self.root]
+        if test_knobs:
+            argv.append("--allow-test-knobs")
         if timeout_ms:
             argv += ["--heartbeat-timeout-ms", str(timeout_ms)]
         p = self.start(name, argv + list(extra), env)
@@ -125,10 +134,14 @@ class Procs:
         p.grpc = f"127.0.0.1:{p.grpc_port}"
         return p
 
-    def worker(self, coord_addr, name, extra=(), env=None):
-        wd = os.path.join(self.tmp, "work", name)
-        return self.start(name, [f"{BIN}/zworker", "--coordinator", coord_addr, "--name", name,
-                                 "--workdir", wd, "--device", "cpu"] + list(extra), env)
+    def worker(self, coord_addr, name, extra=(), env=None, proc_name=None):
+        """Starts a CPU zworker; proc_name (default name) names its log and
+        work directory, so two processes may claim one worker name."""
+        proc_name = proc_name or name
+        wd = os.path.join(self.tmp, "work", proc_name)
+        return self.start(proc_name, [f"{BIN}/zworker", "--coordinator", coord_addr, "--name", name,
+                                 "--workdir", wd, "--device", "cpu", "--data-root", self.root,
+                                 "--checkpoint-root", self.root] + list(extra), env)
 
     def close(self):
         for p in self.all:

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "zt_common.h"
 #include "zt_test.h"
@@ -70,4 +71,37 @@ ZT_TEST(test_files) {
   ZT_CHECK(zt_read_file("/nonexistent/zt", &buf, &len, 100) != 0);
 }
 
-ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files)
+ZT_TEST(test_path_confine) {
+  char out[256];
+  ZT_CHECK(zt_path_confine("/srv/data", "corpus/train_*.bin", "data.train", out, sizeof out) == 0);
+  ZT_CHECK_STR(out, "/srv/data/corpus/train_*.bin");
+  ZT_CHECK(zt_path_confine("/srv/data/", "./a//b/./c", "x", out, sizeof out) == 0);
+  ZT_CHECK_STR(out, "/srv/data/a/b/c");
+  ZT_CHECK(zt_path_confine("/srv/data", "/srv/data/x.bin", "x", out, sizeof out) == 0);
+  ZT_CHECK_STR(out, "/srv/data/x.bin");
+  ZT_CHECK(zt_path_confine("/srv/data", "/srv/data", "x", out, sizeof out) == 0);
+  ZT_CHECK(zt_path_confine("/", "/etc/ztrain", "x", out, sizeof out) == 0);
+  /* Outside the root, by name or by "..", or a prefix that is not a directory. */
+  const char *bad[] = {"/", "/etc/passwd", "/srv/database", "../x", "a/../../x", "a/..", ""};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(bad); i++) {
+    ZT_CHECK(zt_path_confine("/srv/data", bad[i], "checkpoint.dir", out, sizeof out) == -1);
+    ZT_CHECK(strncmp(zt_err_msg(), "checkpoint.dir: ", 16) == 0);
+    ZT_CHECK(zt_err_kind() == ZT_E_INVALID);
+  }
+  ZT_CHECK(zt_path_confine("relative", "x", "x", out, sizeof out) == -1);
+  char tiny[8];
+  ZT_CHECK(zt_path_confine("/srv", "long/name", "x", tiny, sizeof tiny) == -1);
+  /* Symbolic links: the lexical check passes, the real one does not. */
+  const char *dir = zt_test_tmpdir("paths");
+  char inside[600], link[600];
+  snprintf(inside, sizeof inside, "%s/inside", dir);
+  snprintf(link, sizeof link, "%s/escape", dir);
+  ZT_REQUIRE(zt_mkdirs(inside) == 0);
+  unlink(link);
+  ZT_REQUIRE(symlink("/etc", link) == 0);
+  ZT_CHECK(zt_path_real_under(dir, inside) == 1);
+  ZT_CHECK(zt_path_confine(dir, "escape/passwd", "x", out, sizeof out) == 0);
+  ZT_CHECK(zt_path_real_under(dir, out) == 0);
+}
+
+ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine)

@@ -47,7 +47,7 @@ static void expect_open_error(const char *path, const char *what) {
 
 ZT_TEST(header_validation) {
   snprintf(dir, sizeof dir, "%s", zt_test_tmpdir("engine_data"));
-  expect_open_error(write_shard("magic.bin", 100, 0, 1234, 1, 100, 0), "bad magic");
+  expect_open_error(write_shard("magic.bin", 100, 0, 1234, 1, 100, 0), "not a token shard");
   expect_open_error(write_shard("version.bin", 100, 0, ZT_SHARD_MAGIC, 2, 100, 0), "version");
   expect_open_error(write_shard("long.bin", 100, 0, ZT_SHARD_MAGIC, 1, 100, 6), "size mismatch");
   expect_open_error(write_shard("short.bin", 100, 0, ZT_SHARD_MAGIC, 1, 100, -20), "size mismatch");
