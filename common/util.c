@@ -187,6 +187,45 @@ int zt_mkdirs(const char *path) {
   return 0;
 }
 
+/* ---- text from the network ----------------------------------------------------- */
+
+/* Length of the valid UTF-8 sequence at s (2..4), or 0. */
+static size_t utf8_len(const unsigned char *s) {
+  size_t n = s[0] >= 0xf0 && s[0] <= 0xf4 ? 4 : s[0] >= 0xe0 ? 3 : s[0] >= 0xc2 ? 2 : 0;
+  if (s[0] >= 0xf8) return 0;
+  for (size_t i = 1; i < n; i++)
+    if ((s[i] & 0xc0) != 0x80) return 0;
+  return n;
+}
+
+const char *zt_printable(const char *s, char *buf, size_t n) {
+  size_t o = 0;
+  for (const unsigned char *p = (const unsigned char *)s; *p && o + 5 < n;) {
+    size_t u = *p >= 0x80 ? utf8_len(p) : 0;
+    if (u && o + u < n - 1) {
+      memcpy(buf + o, p, u);
+      o += u, p += u;
+    } else if (*p < 0x20 || *p == 0x7f || *p >= 0x80) {
+      o += (size_t)snprintf(buf + o, n - o, "\\x%02x", *p++);
+    } else {
+      buf[o++] = (char)*p++;
+    }
+  }
+  buf[o] = 0;
+  return buf;
+}
+
+int zt_parse_i64(const char *what, const char *s, int64_t lo, int64_t hi, int64_t *out) {
+  char *end;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  if (errno || !*s || *end || v < lo || v > hi)
+    return zt_errk(ZT_E_INVALID, "%s: expected an integer in %lld..%lld, got \"%.32s\"", what,
+                   (long long)lo, (long long)hi, s);
+  *out = v;
+  return 0;
+}
+
 /* ---- confined paths ---------------------------------------------------------- */
 
 /* Appends the components of p to out (at *len), dropping empty and "."

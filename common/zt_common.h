@@ -136,6 +136,14 @@ int zt_secret_equal(const char *a, const char *b);
  * (getrandom), NUL-terminated; out holds at least 2 * bytes + 1. */
 int zt_random_hex(char *out, size_t bytes);
 
+/* s with every control character (and DEL, and every byte of an invalid
+ * UTF-8 sequence) written as \xNN, so that text from the network cannot
+ * drive a terminal. Returns buf (n > 4). */
+const char *zt_printable(const char *s, char *buf, size_t n);
+/* Parses a decimal integer in [lo, hi]; -1 (ZT_E_INVALID) naming `what`. */
+ZT_MUST_CHECK int zt_parse_i64(const char *what, const char *s, int64_t lo, int64_t hi,
+                               int64_t *out);
+
 /* Names of the states of workers (zt_db.h zt_worker_state_t, proto
  * WorkerState), jobs (zt_job_state_t, JobState) and checkpoint epochs
  * (zt_ckpt_state_t): "alive", "running", "committed", ...; "unknown" for a

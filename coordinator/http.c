@@ -74,13 +74,10 @@ int zt_http_query_i64(zt_http_req_t *r, const char *key, int64_t def, int64_t *o
     *out = def;
     return 0;
   }
-  char *end;
-  long long x = strtoll(v, &end, 10);
-  if (*end) {
-    zt_http_error(r, 400, "query parameter %s=%.64s is not an integer", key, v);
+  if (zt_parse_i64(key, v, INT64_MIN, INT64_MAX, out) != 0) {
+    zt_http_error(r, 400, "query parameter %s", zt_err_msg());
     return -1;
   }
-  *out = x;
   return 0;
 }
 

@@ -198,6 +198,12 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   if (strlen(r->host) >= sizeof(((zt_db_worker_t *)0)->host) ||
       strlen(r->device) >= sizeof(((zt_db_worker_t *)0)->device))
     return zt_errk(ZT_E_INVALID, "host or device name too long");
+  for (const char *p = r->host; *p; p++)
+    if ((unsigned char)*p < 0x20 || *p == 0x7f)
+      return zt_errk(ZT_E_INVALID, "host name contains control characters");
+  for (const char *p = r->device; *p; p++)
+    if ((unsigned char)*p < 0x20 || *p == 0x7f)
+      return zt_errk(ZT_E_INVALID, "device name contains control characters");
   zt_member_t *m = zt_members_find_name(c, r->name);
   if (!name_free(c, m, r)) return -1;
   zt_db_worker_t row;

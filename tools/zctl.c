@@ -33,6 +33,21 @@ typedef struct {
 } zctl;
 
 
+/* Text from the coordinator (names, messages, logbook details) printed
+ * with control characters escaped: a job named with terminal escapes must
+ * not drive the operator's terminal. Several may appear in one printf. */
+static const char *esc(const char *s) {
+  static char bufs[8][2048];
+  static int next;
+  char *b = bufs[next++ % 8];
+  return zt_printable(s ? s : "", b, sizeof bufs[0]);
+}
+
+/* An option's value: a decimal integer in [lo, hi]. */
+static int opt_i64(const char *opt, const char *v, int64_t lo, int64_t hi, int64_t *out) {
+  return zt_parse_i64(opt, v, lo, hi, out);
+}
+
 static void fmt_time(char *buf, size_t n, int64_t ms) {
   if (ms <= 0) {
     snprintf(buf, n, "-");
@@ -68,7 +83,7 @@ static void print_message(zctl *z, const char *msg) {
     cJSON_AddStringToObject(o, "message", msg);
     print_json(o);
   } else {
-    printf("%s\n", msg);
+    printf("%s\n", esc(msg));
   }
 }
 
@@ -114,8 +129,8 @@ static int cmd_workers(zctl *z, int argc, char **argv) {
       Ztrain__WorkerInfo *w = r->workers[i];
       char t[64];
       fmt_time(t, sizeof t, w->last_seen_ms);
-      printf("%-6llu %-20s %-8s %-8s %-16s %-8d %s\n", (unsigned long long)w->id, w->name,
-             zt_worker_state_name(w->state), w->device, w->host, w->pid, t);
+      printf("%-6llu %-20s %-8s %-8s %-16s %-8d %s\n", (unsigned long long)w->id, esc(w->name),
+             zt_worker_state_name(w->state), esc(w->device), esc(w->host), w->pid, t);
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -125,17 +140,22 @@ static int cmd_workers(zctl *z, int argc, char **argv) {
 static int cmd_events(zctl *z, int argc, char **argv) {
   Ztrain__ListEventsRequest req = ZTRAIN__LIST_EVENTS_REQUEST__INIT;
   if (argc > 0 && argv[0][0] != '-') { /* zctl events JOB */
-    req.job_id = strtoull(argv[0], NULL, 10);
+    int64_t id;
+    if (opt_i64("events JOB", argv[0], 1, INT64_MAX, &id) != 0) return -1;
+    req.job_id = (uint64_t)id;
     argc--, argv++;
   }
   for (int i = 0; i < argc; i++) {
     const char *a = argv[i];
     if (i + 1 >= argc) return zt_err("events: %s needs a value", a);
-    long long v = strtoll(argv[++i], NULL, 10);
+    int64_t v;
+    int is_limit = !strcmp(a, "--limit");
+    if (strcmp(a, "--job") && strcmp(a, "--after") && !is_limit)
+      return zt_err("events: unknown option %s", a);
+    if (opt_i64(a, argv[++i], is_limit ? 1 : 0, is_limit ? 100000 : INT64_MAX, &v) != 0) return -1;
     if (!strcmp(a, "--job")) req.job_id = (uint64_t)v;
     else if (!strcmp(a, "--after")) req.after_id = v;
-    else if (!strcmp(a, "--limit")) req.limit = (uint32_t)v;
-    else return zt_err("events: unknown option %s", a);
+    else req.limit = (uint32_t)v;
   }
   Ztrain__ListEventsReply *r = (Ztrain__ListEventsReply *)status_call(
       z, "ListEvents", &req.base, &ztrain__list_events_reply__descriptor);
@@ -153,7 +173,7 @@ static int cmd_events(zctl *z, int argc, char **argv) {
       char t[64], who[32] = "";
       fmt_time(t, sizeof t, e->t_ms);
       if (e->worker_id) snprintf(who, sizeof who, "worker %llu", (unsigned long long)e->worker_id);
-      printf("%s  %-20s %-12s %s\n", t, e->kind, who, e->detail);
+      printf("%s  %-20s %-12s %s\n", t, esc(e->kind), who, esc(e->detail));
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -162,8 +182,8 @@ static int cmd_events(zctl *z, int argc, char **argv) {
 
 static void print_job_row(const Ztrain__JobInfo *j) {
   printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %9.4f %10.0f  %s\n", (unsigned long long)j->id,
-         j->name, zt_job_state_name(j->state), (unsigned long long)j->generation, j->world,
-         (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, j->message);
+         esc(j->name), zt_job_state_name(j->state), (unsigned long long)j->generation, j->world,
+         (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, esc(j->message));
 }
 
 static int cmd_jobs(zctl *z, int argc, char **argv) {
@@ -217,8 +237,11 @@ static int cmd_metrics(zctl *z, int argc, char **argv) {
   if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
     return zt_err("metrics: usage: zctl metrics JOB [--from S] [--to S]");
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--from")) req.from_step = atoll(argv[i + 1]);
-    else if (!strcmp(argv[i], "--to")) req.to_step = atoll(argv[i + 1]);
+    if (!strcmp(argv[i], "--from")) {
+      if (opt_i64("--from", argv[i + 1], 0, INT64_MAX, &req.from_step) != 0) return -1;
+    } else if (!strcmp(argv[i], "--to")) {
+      if (opt_i64("--to", argv[i + 1], 0, INT64_MAX, &req.to_step) != 0) return -1;
+    }
     else return zt_err("metrics: unknown option %s", argv[i]);
   }
   Ztrain__GetMetricsReply *r = (Ztrain__GetMetricsReply *)status_call(
@@ -279,8 +302,11 @@ static int cmd_action(zctl *z, int argc, char **argv) {
   req.action = (char *)action;
   req.to_step = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--to-step")) req.to_step = atoll(argv[i + 1]);
-    else if (!strcmp(argv[i], "--skip")) req.skip_steps = atoll(argv[i + 1]);
+    if (!strcmp(argv[i], "--to-step")) {
+      if (opt_i64("--to-step", argv[i + 1], 0, INT64_MAX, &req.to_step) != 0) return -1;
+    } else if (!strcmp(argv[i], "--skip")) {
+      if (opt_i64("--skip", argv[i + 1], 0, INT64_MAX, &req.skip_steps) != 0) return -1;
+    }
     else return zt_err("%s: unknown option %s", action, argv[i]);
   }
   if (!strcmp(action, "rollback") && req.to_step < 0) return zt_err("rollback: --to-step S needed");
@@ -326,7 +352,7 @@ static int cmd_checkpoints(zctl *z, int argc, char **argv) {
       Ztrain__CheckpointInfo *k = r->checkpoints[i];
       printf("%8lld %4llu %-10s %5u %12llu  %s\n", (long long)k->step,
              (unsigned long long)k->generation, k->state, k->world, (unsigned long long)k->bytes,
-             k->dir);
+             esc(k->dir));
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -355,8 +381,8 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
       z, "GetMetrics", &gm.base, &ztrain__get_metrics_reply__descriptor);
   if (!er || !mr) return -1;
   Ztrain__JobInfo *j = jr->job;
-  printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, j->name);
-  printf("- state: **%s** (%s)\n", zt_job_state_name(j->state), j->message);
+  printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, esc(j->name));
+  printf("- state: **%s** (%s)\n", zt_job_state_name(j->state), esc(j->message));
   printf("- steps: %lld of %lld; generation %llu on %u workers; %u restarts\n",
          (long long)j->step, (long long)j->total_steps, (unsigned long long)j->generation, j->world,
          j->restarts);
@@ -388,7 +414,7 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
     char t[64];
     fmt_time(t, sizeof t, e->t_ms);
     printf("| %s | %s | ", t, k);
-    for (const char *c = e->detail; *c; c++) putchar(*c == '|' ? '/' : *c);
+    for (const char *c = esc(e->detail); *c; c++) putchar(*c == '|' ? '/' : *c);
     printf(" |\n");
   }
   protobuf_c_message_free_unpacked(&jr->base, NULL);
@@ -408,7 +434,11 @@ static int cmd_export(zctl *z, int argc, char **argv) {
     i = 1;
   }
   for (; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--step")) step = atoll(argv[i + 1]);
+    if (!strcmp(argv[i], "--step")) {
+      int64_t v;
+      if (opt_i64("--step", argv[i + 1], 0, INT64_MAX, &v) != 0) return -1;
+      step = v;
+    }
     else if (!strcmp(argv[i], "--out")) out = argv[i + 1];
     else if (!strcmp(argv[i], "--dtype")) dtype = argv[i + 1];
     else if (!strcmp(argv[i], "--dir")) dir = argv[i + 1];
@@ -510,7 +540,12 @@ int main(int argc, char **argv) {
     case 'c': coord = optarg; break;
     case 'j': z.json = 1; break;
     case 't': token = optarg; break;
-    case 'T': z.timeout_ms = atoll(optarg); break;
+    case 'T':
+      if (opt_i64("--timeout-ms", optarg, 1, 3600000, &z.timeout_ms) != 0) {
+        fprintf(stderr, "zctl: %s\n", zt_err_msg());
+        return 2;
+      }
+      break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }

@@ -224,3 +224,23 @@ def test_shipped_config_placeholders_are_refused(procs, tmp_path):
     path.write_text(_json.dumps(cfg))
     coord = procs.coord(extra=["--config", str(path)])
     assert http_get(coord.http_port, "/healthz")[0] == 200
+
+
+def test_zctl_escapes_text_and_checks_numbers(procs, tmp_path):
+    from ztest import byte_dataset, submit, tiny_spec, zctl
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    coord = procs.coord(hb_ms=HB)
+    spec = tiny_spec(train, val, 5)
+    spec["name"] = "evil\x1b]0;owned\x07\x1b[2J"
+    jid = submit(coord, spec, tmp_path)
+    out = zctl(coord.grpc, "jobs").stdout + zctl(coord.grpc, "events").stdout
+    assert "\x1b" not in out and "\x07" not in out
+    assert "evil\\x1b]0;owned\\x07" in out
+    for args in (["rollback", str(jid), "--to-step", "99999999999999999999"],
+                 ["rollback", str(jid), "--to-step", "-5"],
+                 ["metrics", str(jid), "--from", "3x"],
+                 ["events", "--limit", "0"]):
+        r = zctl(coord.grpc, *args, check=False)
+        assert r.returncode == 1 and "expected an integer" in r.stderr, (args, r.stderr)
+    code, _, body = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics?from=99999999999999999999")
+    assert code == 400 and "from" in body["error"]

@@ -104,4 +104,21 @@ ZT_TEST(test_path_confine) {
   ZT_CHECK(zt_path_real_under(dir, out) == 0);
 }
 
-ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine)
+ZT_TEST(test_printable_and_numbers) {
+  char buf[64];
+  ZT_CHECK_STR(zt_printable("plain name", buf, sizeof buf), "plain name");
+  ZT_CHECK_STR(zt_printable("a\x1b[31mred\x07\n", buf, sizeof buf), "a\\x1b[31mred\\x07\\x0a");
+  ZT_CHECK_STR(zt_printable("caf\xc3\xa9 \xff", buf, sizeof buf), "caf\xc3\xa9 \\xff");
+  char tiny[8];
+  zt_printable("\x01\x02\x03\x04", tiny, sizeof tiny); /* cut, never overflowed */
+  ZT_CHECK(strlen(tiny) < sizeof tiny);
+  int64_t v;
+  ZT_CHECK(zt_parse_i64("--to-step", "42", 0, 100, &v) == 0 && v == 42);
+  ZT_CHECK(zt_parse_i64("--to-step", "101", 0, 100, &v) == -1);
+  ZT_CHECK(strstr(zt_err_msg(), "--to-step") != NULL);
+  ZT_CHECK(zt_parse_i64("x", "99999999999999999999", 0, INT64_MAX, &v) == -1);
+  ZT_CHECK(zt_parse_i64("x", "12abc", 0, 100, &v) == -1 && zt_parse_i64("x", "", 0, 1, &v) == -1);
+}
+
+ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine,
+             test_printable_and_numbers)
