@@ -156,6 +156,37 @@ static int check_dir(const zt_job_t *j, const char *dir) {
   return 0;
 }
 
+/* "xxh64:" and 16 lower-case hex digits. */
+static int checksum_valid(const char *s) {
+  if (strncmp(s, "xxh64:", 6) != 0 || strlen(s) != 22) return 0;
+  return strspn(s + 6, "0123456789abcdef") == 16;
+}
+
+/* A rank reports exactly its files: rank_<r>.bin and rank_<r>.json, and
+ * rank 0 also manifest.json, each with a size and a checksum. */
+static int check_files(int rank, const Ztrain__ReportCheckpointRequest *req) {
+  char bin[32], js[32];
+  snprintf(bin, sizeof bin, "rank_%d.bin", rank);
+  snprintf(js, sizeof js, "rank_%d.json", rank);
+  size_t want = rank == 0 ? 3 : 2;
+  if (req->n_files != want)
+    return zt_errk(ZT_E_INVALID, "rank %d reported %zu files, expected %zu", rank, req->n_files,
+                   want);
+  int seen = 0;
+  for (size_t i = 0; i < req->n_files; i++) {
+    const Ztrain__CheckpointFile *f = req->files[i];
+    int which = !strcmp(f->name, bin) ? 1 : !strcmp(f->name, js) ? 2
+                : rank == 0 && !strcmp(f->name, "manifest.json") ? 4 : 0;
+    if (!which || (seen & which))
+      return zt_errk(ZT_E_INVALID, "rank %d reported an unexpected file \"%.64s\"", rank,
+                     f->name);
+    if (!checksum_valid(f->checksum) || f->bytes == 0 || f->bytes > (1ull << 44))
+      return zt_errk(ZT_E_INVALID, "%s: no valid size and xxh64 checksum", f->name);
+    seen |= which;
+  }
+  return 0;
+}
+
 /* A report for another step than the tally's starts a new tally (the older
  * epoch can no longer complete) and registers the epoch as pending. */
 static int start_tally(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir) {
@@ -177,6 +208,7 @@ static int commit(zt_coord_t *c, zt_job_t *j) {
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_COMMITTED, t->bytes, zt_wall_ms()};
   snprintf(k.dir, sizeof k.dir, "%s", t->dir);
   if (zt_db_begin(c->db) != 0 || zt_db_ckpt_put(c->db, j->row.id, &k) != 0 ||
+      zt_db_ckpt_files_put(c->db, j->row.id, t->step, t->gen, t->files, t->nfiles) != 0 ||
       zt_db_event_add(c->db, j->row.id, "checkpoint_committed", 0, k.dir, NULL) != 0 ||
       zt_db_commit(c->db) != 0) {
     zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot commit checkpoint");
@@ -202,6 +234,7 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
                    (long long)req->step, (long long)j->poisoned_from);
   if (req->step < 1 || req->step > j->row.total_steps)
     return zt_errk(ZT_E_INVALID, "checkpoint step %lld out of range", (long long)req->step);
+  if (check_files(m->rank, req) != 0) return -1;
   zt_ckpt_tally_t *t = &j->ck;
   if ((t->step != req->step || t->gen != j->row.generation) &&
       start_tally(c, j, req->step, req->dir) != 0)
@@ -212,7 +245,13 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   if (!t->seen[m->rank]) {
     t->seen[m->rank] = 1;
     t->count++;
-    for (size_t i = 0; i < req->n_files; i++) t->bytes += req->files[i]->bytes;
+    for (size_t i = 0; i < req->n_files; i++) {
+      zt_db_ckpt_file_t *f = &t->files[t->nfiles++];
+      snprintf(f->name, sizeof f->name, "%s", req->files[i]->name);
+      snprintf(f->checksum, sizeof f->checksum, "%s", req->files[i]->checksum);
+      f->bytes = req->files[i]->bytes;
+      t->bytes += f->bytes;
+    }
   }
   if (t->count < j->row.world) return 0;
   if (commit(c, j) != 0) return -1;
@@ -277,5 +316,24 @@ int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *wh
   zt_coord_event(c, j->row.id, "checkpoint_retired", 0,
                  "step %lld will not be loaded again; falling back to an older epoch",
                  (long long)f.found.step);
+  return 0;
+}
+
+int zt_ckpt_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n) {
+  uint64_t job;
+  zt_db_ckpt_t k;
+  int found = 0, total = 0;
+  *files = NULL;
+  *n = 0;
+  if (zt_db_ckpt_find_dir(c->db, dir, &job, &k, &found) != 0) return -1;
+  if (!found) return zt_errk(ZT_E_NOT_FOUND, "%s is not a committed checkpoint epoch", dir);
+  zt_db_ckpt_file_t *f = zt_xcalloc(3 * ZT_MAX_WORLD, sizeof *f);
+  if (zt_db_ckpt_files_get(c->db, job, k.step, k.generation, f, 3 * ZT_MAX_WORLD, &total) != 0 ||
+      total > 3 * ZT_MAX_WORLD) {
+    free(f);
+    return total > 3 * ZT_MAX_WORLD ? zt_err("%s: too many files recorded", dir) : -1;
+  }
+  *files = f;
+  *n = total;
   return 0;
 }

@@ -99,6 +99,8 @@ typedef struct {
   uint64_t bytes;
   uint8_t seen[ZT_MAX_WORLD];
   char dir[512];
+  zt_db_ckpt_file_t files[3 * ZT_MAX_WORLD]; /* every rank's files, as reported */
+  int nfiles;
 } zt_ckpt_tally_t;
 
 /* A job as the loop sees it: its row, parsed parameters, and the state of
@@ -116,6 +118,8 @@ typedef struct zt_job {
   zt_db_step_t last; /* last reported step */
   uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
   char start_ckpt[512]; /* committed epoch the current generation loads */
+  zt_db_ckpt_file_t *start_files; /* its recorded files (malloc'd) */
+  int n_start_files;
   zt_ckpt_tally_t ck;
   /* Checkpoint-now requested (drain, scale-up); re-form after its commit. */
   int ckpt_request;
@@ -220,6 +224,10 @@ void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step);
 /* Retires a committed epoch that failed to load; -1 when `dir` is not one
  * of the job's own epochs. */
 int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why);
+/* The recorded files of the committed epoch in `dir` (of any job) into
+ * *files (malloc'd) and *n; -1 (ZT_E_NOT_FOUND) when no committed epoch is
+ * there. */
+int zt_ckpt_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n);
 
 /* ---- members.c: membership and liveness -------------------------------------- */
 

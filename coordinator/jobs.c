@@ -210,6 +210,17 @@ static void start_point(zt_coord_t *c, zt_job_t *j, int64_t *step, char *dir, si
   }
 }
 
+/* The epoch the current generation loads, with its recorded files (the
+ * workers verify every byte against them). */
+static void set_start(zt_coord_t *c, zt_job_t *j, const char *dir) {
+  snprintf(j->start_ckpt, sizeof j->start_ckpt, "%s", dir);
+  free(j->start_files);
+  j->start_files = NULL;
+  j->n_start_files = 0;
+  if (dir[0] && zt_ckpt_record(c, dir, &j->start_files, &j->n_start_files) != 0)
+    ZT_WARN("job %llu: %s", (unsigned long long)j->row.id, zt_err_msg());
+}
+
 /* No generation can be formed: back to PENDING. */
 static void to_pending(zt_coord_t *c, zt_job_t *j, const char *reason) {
   if (j->row.state == ZT_JOB_PENDING) return;
@@ -273,7 +284,7 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
-  snprintf(j->start_ckpt, sizeof j->start_ckpt, "%s", dir);
+  set_start(c, j, dir);
   char names[512] = "";
   for (int r = 0; r < n; r++) {
     zt_member_t *m = zt_members_get(c, pick[r]);
@@ -499,7 +510,7 @@ static int load_job(const zt_db_job_t *row, void *user) {
   zt_db_ckpt_t ck;
   int have = 0;
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, &ck, &have) == 0 && have) {
-    snprintf(j->start_ckpt, sizeof j->start_ckpt, "%s", ck.dir);
+    set_start(c, j, ck.dir);
     j->start_step = ck.step;
   }
   job_append(c, j);
@@ -518,6 +529,7 @@ void zt_jobs_free(zt_coord_t *c) {
     zt_job_t *j = c->jobs;
     c->jobs = j->next;
     free(j->spec);
+    free(j->start_files);
     free(j);
   }
 }
@@ -527,6 +539,14 @@ void zt_jobs_free(zt_coord_t *c) {
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id) {
   zt_job_params_t p;
   if (zt_job_params_parse(spec, &c->cfg, &p) != 0) return -1;
+  if (p.ckpt_load[0]) { /* only what this coordinator committed, with its checksums */
+    zt_db_ckpt_file_t *files;
+    int n;
+    if (zt_ckpt_record(c, p.ckpt_load, &files, &n) != 0)
+      return zt_err_wrapk(zt_err_kind() == ZT_E_NOT_FOUND ? ZT_E_INVALID : zt_err_kind(),
+                          "checkpoint.load");
+    free(files);
+  }
   zt_db_job_t *row = zt_xcalloc(1, sizeof *row);
   snprintf(row->name, sizeof row->name, "%s", p.name);
   row->spec = spec;
@@ -605,9 +625,22 @@ static uint8_t *pack_rendezvous(zt_job_t *j, int r, size_t *len) {
   rep.lr_factor = j->row.lr_factor > 0 ? j->row.lr_factor : 1.0;
   rep.lr_factor_until = j->row.lr_until;
   rep.rollbacks = (uint32_t)j->row.rollbacks;
+  Ztrain__CheckpointFile *cf = zt_xcalloc((size_t)j->n_start_files + 1, sizeof *cf);
+  Ztrain__CheckpointFile **cfp = zt_xcalloc((size_t)j->n_start_files + 1, sizeof *cfp);
+  for (int i = 0; i < j->n_start_files; i++) {
+    ztrain__checkpoint_file__init(&cf[i]);
+    cf[i].name = j->start_files[i].name;
+    cf[i].bytes = j->start_files[i].bytes;
+    cf[i].checksum = j->start_files[i].checksum;
+    cfp[i] = &cf[i];
+  }
+  rep.n_checkpoint_files = (size_t)j->n_start_files;
+  rep.checkpoint_files = cfp;
   *len = ztrain__rendezvous_reply__get_packed_size(&rep);
   uint8_t *buf = zt_xmalloc(*len);
   ztrain__rendezvous_reply__pack(&rep, buf);
+  free(cfp);
+  free(cf);
   return buf;
 }
 

@@ -88,14 +88,31 @@ static cJSON *model_json(const zt_model_config_t *m) {
   return o;
 }
 
-static int write_json(const char *dir, const char *name, cJSON *doc) {
+static void checksum_text(char out[32], uint64_t hash) {
+  snprintf(out, 32, "xxh64:%016llx", (unsigned long long)hash);
+}
+
+int zt_ckpt_checksum_valid(const char *s) {
+  if (strncmp(s, "xxh64:", 6) != 0 || strlen(s) != 22) return 0;
+  for (const char *p = s + 6; *p; p++)
+    if (!((*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'))) return 0;
+  return 1;
+}
+
+/* Writes doc as dir/name and describes the file in f. */
+static int write_json(const char *dir, const char *name, cJSON *doc, zt_ckpt_file_t *f) {
   char *text = cJSON_Print(doc);
   if (!text) return zt_err("%s/%s: out of memory formatting JSON", dir, name);
   size_t len = strlen(text);
   const void *parts[1] = {text};
-  int rc = write_atomic(dir, name, parts, &len, 1, NULL, NULL, -1);
+  uint64_t hash = 0, bytes = 0;
+  int rc = write_atomic(dir, name, parts, &len, 1, &hash, &bytes, -1);
   free(text);
-  return rc;
+  if (rc != 0) return -1;
+  snprintf(f->name, sizeof f->name, "%s", name);
+  f->bytes = bytes;
+  checksum_text(f->checksum, hash);
+  return 0;
 }
 
 int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *r, int nr,
@@ -135,22 +152,16 @@ int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_ran
     cJSON_Delete(idx);
     return -1;
   }
-  char sum[32];
-  snprintf(sum, sizeof sum, "xxh64:%016llx", (unsigned long long)hash);
-  cJSON_AddStringToObject(idx, "file", bin);
-  cJSON_AddNumberToObject(idx, "bytes", (double)bytes);
-  cJSON_AddStringToObject(idx, "checksum", sum);
-  rc = write_json(dir, js, idx);
-  cJSON_Delete(idx);
-  if (rc != 0) return -1;
   zt_ckpt_file_t *f = &files[(*nfiles)++];
   snprintf(f->name, sizeof f->name, "%s", bin);
   f->bytes = bytes;
-  snprintf(f->checksum, sizeof f->checksum, "%s", sum);
-  f = &files[(*nfiles)++];
-  snprintf(f->name, sizeof f->name, "%s", js);
-  f->bytes = 0;
-  f->checksum[0] = 0;
+  checksum_text(f->checksum, hash);
+  cJSON_AddStringToObject(idx, "file", bin);
+  cJSON_AddNumberToObject(idx, "bytes", (double)bytes);
+  cJSON_AddStringToObject(idx, "checksum", f->checksum);
+  rc = write_json(dir, js, idx, &files[(*nfiles)++]);
+  cJSON_Delete(idx);
+  if (rc != 0) return -1;
   if (meta->rank == 0) {
     cJSON *m = cJSON_CreateObject();
     cJSON_AddNumberToObject(m, "format", 1);
@@ -170,25 +181,51 @@ int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_ran
       cJSON_AddItemToArray(p, cJSON_CreateNumber((double)meta->skips[i].end));
       cJSON_AddItemToArray(sk, p);
     }
-    rc = write_json(dir, "manifest.json", m);
+    rc = write_json(dir, "manifest.json", m, &files[(*nfiles)++]);
     cJSON_Delete(m);
     if (rc != 0) return -1;
-    f = &files[(*nfiles)++];
-    snprintf(f->name, sizeof f->name, "manifest.json");
-    f->bytes = 0;
-    f->checksum[0] = 0;
   }
   return fsync_dir(dir);
 }
 
 /* ---- loading ------------------------------------------------------------------ */
 
-static cJSON *read_json(const char *dir, const char *name) {
+static const zt_ckpt_file_t *recorded(const zt_ckpt_record_t *rec, const char *name) {
+  for (int i = 0; rec && i < rec->n; i++)
+    if (!strcmp(rec->files[i].name, name)) return &rec->files[i];
+  return NULL;
+}
+
+static int hash_matches(const char *path, const void *data, size_t len,
+                        const zt_ckpt_file_t *want) {
+  char got[32];
+  checksum_text(got, XXH64(data, len, 0));
+  if (len != want->bytes)
+    return zt_err("%s: size %zu, expected %llu (truncated or corrupt checkpoint)", path, len,
+                  (unsigned long long)want->bytes);
+  if (strcmp(got, want->checksum) != 0)
+    return zt_err("%s: checksum mismatch (%s, expected %s): corrupt checkpoint", path, got,
+                  want->checksum);
+  return 0;
+}
+
+/* Reads dir/name as JSON; with a record, the file must be in it and match
+ * before it is parsed. */
+static cJSON *read_json(const char *dir, const char *name, const zt_ckpt_record_t *rec) {
   char path[1200];
   snprintf(path, sizeof path, "%s/%s", dir, name);
+  const zt_ckpt_file_t *want = recorded(rec, name);
+  if (rec && rec->n && !want) {
+    zt_err("%s: not in the epoch's record (corrupt checkpoint)", path);
+    return NULL;
+  }
   char *text;
   size_t len;
   if (zt_read_file(path, &text, &len, 64 << 20) != 0) return NULL;
+  if (want && hash_matches(path, text, len, want) != 0) {
+    free(text);
+    return NULL;
+  }
   cJSON *doc = cJSON_ParseWithLength(text, len);
   free(text);
   if (!doc) zt_err("%s: not valid JSON (corrupt checkpoint)", path);
@@ -217,7 +254,7 @@ static int verify_file(const char *path, uint64_t bytes, const char *want) {
   while ((n = read(fd, buf, sizeof buf)) > 0) XXH64_update(h, buf, (size_t)n);
   close(fd);
   char got[32];
-  snprintf(got, sizeof got, "xxh64:%016llx", (unsigned long long)XXH64_digest(h));
+  checksum_text(got, XXH64_digest(h));
   XXH64_freeState(h);
   if (n < 0) return zt_err_errno("read %s", path);
   if (strcmp(got, want) != 0)
@@ -225,78 +262,100 @@ static int verify_file(const char *path, uint64_t bytes, const char *want) {
   return 0;
 }
 
-int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest, int nd,
-                 int64_t *step) {
-  cJSON *man = read_json(dir, "manifest.json");
-  if (!man) return zt_err_wrap("load checkpoint");
-  int ret = -1, world = (int)num(man, "world");
+/* The manifest: checked against the record and the model; its world. */
+static int read_manifest(const char *dir, const zt_model_config_t *model,
+                         const zt_ckpt_record_t *rec, int *world, int64_t *step) {
+  cJSON *man = read_json(dir, "manifest.json", rec);
+  if (!man) return -1;
+  *world = (int)num(man, "world");
   *step = (int64_t)num(man, "step");
   cJSON *mm = cJSON_GetObjectItemCaseSensitive(man, "model");
-  if (world < 1 || *step < 0 || !mm || num(mm, "n_layer") != model->n_layer ||
-      num(mm, "n_head") != model->n_head || num(mm, "n_embd") != model->n_embd ||
-      num(mm, "seq_len") != model->seq_len || num(mm, "vocab_size") != model->vocab_size) {
-    zt_err("%s/manifest.json: model or layout does not match the job (mismatched checkpoint)", dir);
-    cJSON_Delete(man);
-    return -1;
-  }
+  int ok = *world >= 1 && *world <= 65536 && *step >= 0 && mm &&
+           num(mm, "n_layer") == model->n_layer && num(mm, "n_head") == model->n_head &&
+           num(mm, "n_embd") == model->n_embd && num(mm, "seq_len") == model->seq_len &&
+           num(mm, "vocab_size") == model->vocab_size;
   cJSON_Delete(man);
-  for (int r = 0; r < world; r++) {
-    char js[64], path[1200];
-    snprintf(js, sizeof js, "rank_%d.json", r);
-    cJSON *idx = read_json(dir, js);
-    if (!idx) return zt_err_wrap("load checkpoint");
-    cJSON *file = cJSON_GetObjectItemCaseSensitive(idx, "file");
-    cJSON *sum = cJSON_GetObjectItemCaseSensitive(idx, "checksum");
-    cJSON *ranges = cJSON_GetObjectItemCaseSensitive(idx, "ranges");
-    if (!cJSON_IsString(file) || !cJSON_IsString(sum) || !cJSON_IsArray(ranges) ||
-        strchr(file->valuestring, '/')) {
-      zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
-      cJSON_Delete(idx);
-      return -1;
-    }
-    snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
-    if (verify_file(path, (uint64_t)num(idx, "bytes"), sum->valuestring) != 0) {
-      cJSON_Delete(idx);
-      return -1;
-    }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      cJSON_Delete(idx);
-      return zt_err_errno("%s", path);
-    }
-    cJSON *rg;
-    cJSON_ArrayForEach(rg, ranges) {
-      int u = (int)num(rg, "unit");
-      double lo = num(rg, "lo"), n = num(rg, "n"), off = num(rg, "offset");
-      if (u < 0 || lo < 0 || n < 0 || off < 0) {
-        zt_err("%s/%s: malformed range", dir, js);
-        goto close_fail;
-      }
-      for (int d = 0; d < nd; d++) {
-        if (dest[d].unit != u) continue;
-        uint64_t a = ZT_MAX((uint64_t)lo, dest[d].lo);
-        uint64_t b = ZT_MIN((uint64_t)lo + (uint64_t)n, dest[d].lo + dest[d].n);
-        if (a >= b) continue;
-        size_t cnt = (size_t)(b - a) * sizeof(float);
-        float *dst[3] = {dest[d].p, dest[d].m, dest[d].v};
-        for (int k = 0; k < 3; k++) {
-          if (!dst[k]) continue;
-          off_t at = (off_t)off + (off_t)((uint64_t)k * (uint64_t)n + (a - (uint64_t)lo)) * 4;
-          if (pread(fd, dst[k] + (a - dest[d].lo), cnt, at) != (ssize_t)cnt) {
-            zt_err("%s: short read (corrupt checkpoint)", path);
-            goto close_fail;
-          }
-        }
+  if (!ok)
+    return zt_err("%s/manifest.json: model or layout does not match the job (mismatched "
+                  "checkpoint)",
+                  dir);
+  /* The record holds exactly the files of `world` ranks. */
+  if (rec && rec->n && rec->n != 2 * *world + 1)
+    return zt_err("%s/manifest.json: %d ranks, but the epoch's record holds %d files (corrupt "
+                  "checkpoint)",
+                  dir, *world, rec->n);
+  return 0;
+}
+
+/* Copies the parts of one index's ranges that the destinations want. */
+static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ranges,
+                       const zt_ckpt_dest_t *dest, int nd) {
+  cJSON *rg;
+  cJSON_ArrayForEach(rg, ranges) {
+    int u = (int)num(rg, "unit");
+    double lo = num(rg, "lo"), n = num(rg, "n"), off = num(rg, "offset");
+    if (u < 0 || lo < 0 || n < 0 || off < 0) return zt_err("%s: malformed range", idxname);
+    for (int d = 0; d < nd; d++) {
+      if (dest[d].unit != u) continue;
+      uint64_t a = ZT_MAX((uint64_t)lo, dest[d].lo);
+      uint64_t b = ZT_MIN((uint64_t)lo + (uint64_t)n, dest[d].lo + dest[d].n);
+      if (a >= b) continue;
+      size_t cnt = (size_t)(b - a) * sizeof(float);
+      float *dst[3] = {dest[d].p, dest[d].m, dest[d].v};
+      for (int k = 0; k < 3; k++) {
+        if (!dst[k]) continue;
+        off_t at = (off_t)off + (off_t)((uint64_t)k * (uint64_t)n + (a - (uint64_t)lo)) * 4;
+        if (pread(fd, dst[k] + (a - dest[d].lo), cnt, at) != (ssize_t)cnt)
+          return zt_err("%s: short read (corrupt checkpoint)", path);
       }
     }
-    close(fd);
-    cJSON_Delete(idx);
-    continue;
-  close_fail:
-    close(fd);
-    cJSON_Delete(idx);
-    return -1;
   }
-  ret = 0;
-  return ret;
+  return 0;
+}
+
+/* Rank r's index and data: verified, then the wanted ranges copied. */
+static int load_rank(const char *dir, int r, const zt_ckpt_record_t *rec, const zt_ckpt_dest_t *dest,
+                     int nd) {
+  char js[64], path[1200];
+  snprintf(js, sizeof js, "rank_%d.json", r);
+  cJSON *idx = read_json(dir, js, rec);
+  if (!idx) return -1;
+  cJSON *file = cJSON_GetObjectItemCaseSensitive(idx, "file");
+  cJSON *sum = cJSON_GetObjectItemCaseSensitive(idx, "checksum");
+  cJSON *ranges = cJSON_GetObjectItemCaseSensitive(idx, "ranges");
+  int rc = -1, fd = -1;
+  if (!cJSON_IsString(file) || !cJSON_IsString(sum) || !cJSON_IsArray(ranges) ||
+      strchr(file->valuestring, '/')) {
+    zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
+    goto out;
+  }
+  snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+  const zt_ckpt_file_t *want = recorded(rec, file->valuestring);
+  if (rec && rec->n && (!want || strcmp(want->checksum, sum->valuestring) != 0)) {
+    zt_err("%s/%s: names %s, which the epoch's record does not hold with that checksum (corrupt "
+           "checkpoint)",
+           dir, js, file->valuestring);
+    goto out;
+  }
+  if (verify_file(path, want ? want->bytes : (uint64_t)num(idx, "bytes"), sum->valuestring) != 0)
+    goto out;
+  fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    zt_err_errno("%s", path);
+    goto out;
+  }
+  rc = copy_ranges(path, fd, js, ranges, dest, nd);
+out:
+  if (fd >= 0) close(fd);
+  cJSON_Delete(idx);
+  return rc;
+}
+
+int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest,
+                 int nd, const zt_ckpt_record_t *rec, int64_t *step) {
+  int world;
+  if (read_manifest(dir, model, rec, &world, step) != 0) return zt_err_wrap("load checkpoint");
+  for (int r = 0; r < world; r++)
+    if (load_rank(dir, r, rec, dest, nd) != 0) return -1;
+  return 0;
 }

@@ -17,10 +17,15 @@
  * fsynced, so a crash leaves either the old state or the new file, never a
  * torn one; the coordinator commits the epoch only when every rank reported.
  *
- * Loading reads the manifest and every rank file of the epoch, checks sizes
- * and checksums (an error names the file), and copies the ranges the new
- * rank needs, whatever world size or stage wrote them: resharding is just a
- * range intersection.
+ * Every file is reported with its size and xxh64 checksum, and the
+ * coordinator records them when it commits the epoch. Loading is given that
+ * record and verifies every byte it depends on before using any: the
+ * manifest and each rank's index are read into memory and checked against
+ * it, each .bin against both the record and its index; a file that is
+ * missing, extra, truncated or changed is an error naming the file
+ * ("corrupt checkpoint"). Then the ranges the new rank needs are copied,
+ * whatever world size or stage wrote them: resharding is just a range
+ * intersection.
  */
 #ifndef ZT_CKPT_IO_H
 #define ZT_CKPT_IO_H
@@ -55,8 +60,13 @@ typedef struct {
   char checksum[32]; /* "xxh64:<16 hex>" */
 } zt_ckpt_file_t;
 
+/* The files one rank writes: rank_<r>.bin, rank_<r>.json and, on rank 0,
+ * manifest.json. */
+#define ZT_CKPT_FILES_PER_RANK 3
+
 /* Writes this rank's files (and the manifest on rank 0) into `dir`;
- * returns the files written (at most 3) in files/nfiles. */
+ * returns the files written (at most 3) with their sizes and checksums in
+ * files/nfiles. */
 ZT_MUST_CHECK int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *ranges,
                   int nranges, zt_ckpt_file_t *files, int *nfiles);
 
@@ -68,10 +78,23 @@ typedef struct {
   float *p, *m, *v;
 } zt_ckpt_dest_t;
 
-/* Loads the ranges of `dest` from the epoch in `dir`; checks the model
- * config and every checksum. *step receives the epoch's step. */
-ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_dest_t *dest, int ndest,
-                 int64_t *step);
+/* The files of a committed epoch as the coordinator recorded them. With
+ * n == 0 (zctl export of an epoch the caller trusts, an epoch committed
+ * before checksums were recorded) only the checksums in the indexes are
+ * checked. */
+typedef struct {
+  const zt_ckpt_file_t *files;
+  int n;
+} zt_ckpt_record_t;
+
+/* Loads the ranges of `dest` from the epoch in `dir`, verified against
+ * `rec` first; checks the model config. *step receives the epoch's step. */
+ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model,
+                               const zt_ckpt_dest_t *dest, int ndest, const zt_ckpt_record_t *rec,
+                               int64_t *step);
+
+/* 1 when s is a checksum of the form "xxh64:<16 lower-case hex digits>". */
+int zt_ckpt_checksum_valid(const char *s);
 
 /* The epoch directory name for (root, job, step, generation). */
 void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,

@@ -162,7 +162,7 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
     return zt_errk(ZT_E_INVALID, "the checkpoint to load, %s, is not under the checkpoint root %s",
                    g->checkpoint_dir, g->ckpt_root);
   }
-  if (zt_zero_load(&t->z, g->checkpoint_dir, &loaded) != 0) {
+  if (zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded) != 0) {
     *fault = zt_comm_broken(g->comm) ? ZT_FAULT_GENERATION : ZT_FAULT_CHECKPOINT;
     return -1;
   }

@@ -58,6 +58,7 @@ typedef struct zt_gen_ctx {
   int threads;                 /* CPU threads (0: default) */
   const char *device;          /* "cpu" (or NULL) or "cuda:N": where the model runs */
   const char *checkpoint_dir;  /* committed epoch to load ("" or NULL: fresh) */
+  zt_ckpt_record_t checkpoint; /* its files as the coordinator recorded them */
   const zt_range_t *skips;     /* data skipped by rollbacks, sorted */
   int nskips;
   double lr_factor;            /* LR multiplier for steps <= lr_until */

@@ -279,7 +279,7 @@ static void host_done(zt_zero_t *z, float *buf, float *view, size_t n) {
   free(view);
 }
 
-int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step) {
+int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int64_t *step) {
   /* Stages 0-2 need every unit's full parameters; all stages need the
    * owned Adam state (stage 0 then re-shares it below). Files are read into
    * host views of P (or Ps), M and V. */
@@ -304,7 +304,7 @@ int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step) {
       dest[nd++] = (zt_ckpt_dest_t){u, lo, n, hp + z->off_shard[u], m, v};
     }
   }
-  rc = zt_ckpt_load(dir, &z->m->cfg, dest, nd, step);
+  rc = zt_ckpt_load(dir, &z->m->cfg, dest, nd, rec, step);
 out:
   free(dest);
   host_done(z, pbuf, hp, np);

@@ -92,9 +92,11 @@ ZT_MUST_CHECK int zt_zero_write_memory_report(const zt_zero_t *z, const char *wo
 
 /* Fresh parameters (zt_layout_init_unit), whole units or this rank's shard. */
 void zt_zero_init_params(zt_zero_t *z, uint64_t seed);
-/* Loads the committed epoch in `dir` (any world size or stage wrote it);
- * *step receives its step. */
-ZT_MUST_CHECK int zt_zero_load(zt_zero_t *z, const char *dir, int64_t *step);
+/* Loads the committed epoch in `dir` (any world size or stage wrote it),
+ * verified against the coordinator's record of its files; *step receives
+ * its step. */
+ZT_MUST_CHECK int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec,
+                               int64_t *step);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
  * unit into buf and describes them in ranges[0..U). */

@@ -136,6 +136,10 @@ enum {
   ST_STEPS_RANGE,
   ST_CKPT_PUT,
   ST_CKPTS_JOB,
+  ST_CKPT_FILES_DEL,
+  ST_CKPT_FILE_PUT,
+  ST_CKPT_FILES_GET,
+  ST_CKPT_FIND_DIR,
   ST_COUNT
 };
 
@@ -189,6 +193,13 @@ static const char *const k_sql[ST_COUNT] = {
                     "bytes, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     [ST_CKPTS_JOB] = "SELECT step, gen, world, dir, state, bytes, t_ms FROM checkpoints "
                      "WHERE job_id = ?1 ORDER BY step, gen",
+    [ST_CKPT_FILES_DEL] = "DELETE FROM checkpoint_files WHERE job_id = ?1 AND step = ?2 AND gen = ?3",
+    [ST_CKPT_FILE_PUT] = "INSERT INTO checkpoint_files(job_id, step, gen, name, bytes, checksum) "
+                         "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
+    [ST_CKPT_FILES_GET] = "SELECT name, bytes, checksum FROM checkpoint_files WHERE job_id = ?1 "
+                          "AND step = ?2 AND gen = ?3 ORDER BY name",
+    [ST_CKPT_FIND_DIR] = "SELECT step, gen, world, dir, state, bytes, t_ms, job_id FROM checkpoints "
+                         "WHERE dir = ?1 AND state = 1 ORDER BY job_id DESC LIMIT 1",
 };
 
 /* ---- rows and columns ----------------------------------------------------------
@@ -256,6 +267,12 @@ static const col k_ckpt_cols[] = {
     COL(COL_INT, zt_db_ckpt_t, world), COL(COL_TEXT, zt_db_ckpt_t, dir),
     COL(COL_INT, zt_db_ckpt_t, state), COL(COL_I64, zt_db_ckpt_t, bytes),
     COL(COL_I64, zt_db_ckpt_t, t_ms)};
+
+/* checkpoint_files: ST_CKPT_FILES_GET, and ST_CKPT_FILE_PUT from its fourth
+ * parameter. */
+static const col k_file_cols[] = {
+    COL(COL_TEXT, zt_db_ckpt_file_t, name), COL(COL_I64, zt_db_ckpt_file_t, bytes),
+    COL(COL_TEXT, zt_db_ckpt_file_t, checksum)};
 
 /* Reads result columns first.. into the fields of `row`. */
 static void decode(sqlite3_stmt *st, int first, const col *cols, size_t n, void *row) {
@@ -791,4 +808,69 @@ int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user)
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   rows_ctx x = {ROW_CKPT, {.ckpt = fn}, user};
   return each_row(db, st, "list checkpoints", typed_row, &x);
+}
+
+/* Binds (job, step, gen) to parameters 1..3. */
+static void bind_epoch(sqlite3_stmt *st, uint64_t job_id, int64_t step, uint64_t gen) {
+  sqlite3_bind_int64(st, 1, (int64_t)job_id);
+  sqlite3_bind_int64(st, 2, step);
+  sqlite3_bind_int64(st, 3, (int64_t)gen);
+}
+
+int zt_db_ckpt_files_put(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen,
+                         const zt_db_ckpt_file_t *files, int n) {
+  bind_epoch(db->st[ST_CKPT_FILES_DEL], job_id, step, gen);
+  if (run(db, db->st[ST_CKPT_FILES_DEL], "clear checkpoint files") != 0) return -1;
+  for (int i = 0; i < n; i++) {
+    sqlite3_stmt *st = db->st[ST_CKPT_FILE_PUT];
+    bind_epoch(st, job_id, step, gen);
+    bind(st, 4, k_file_cols, ZT_ARRAY_LEN(k_file_cols), &files[i]);
+    if (run(db, st, "store checkpoint file") != 0) return -1;
+  }
+  return 0;
+}
+
+typedef struct {
+  zt_db_ckpt_file_t *files;
+  int max, n;
+} files_ctx;
+
+static int file_row(sqlite3_stmt *st, void *p) {
+  files_ctx *x = p;
+  if (x->n < x->max) decode(st, 0, k_file_cols, ZT_ARRAY_LEN(k_file_cols), &x->files[x->n]);
+  x->n++;
+  return 0;
+}
+
+int zt_db_ckpt_files_get(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen,
+                         zt_db_ckpt_file_t *files, int max, int *n) {
+  sqlite3_stmt *st = db->st[ST_CKPT_FILES_GET];
+  bind_epoch(st, job_id, step, gen);
+  files_ctx x = {files, max, 0};
+  int rc = each_row(db, st, "list checkpoint files", file_row, &x);
+  *n = x.n;
+  return rc;
+}
+
+typedef struct {
+  uint64_t *job_id;
+  zt_db_ckpt_t *k;
+  int *found;
+} find_ctx;
+
+static int found_row(sqlite3_stmt *st, void *p) {
+  find_ctx *x = p;
+  decode(st, 0, k_ckpt_cols, ZT_ARRAY_LEN(k_ckpt_cols), x->k);
+  *x->job_id = (uint64_t)sqlite3_column_int64(st, (int)ZT_ARRAY_LEN(k_ckpt_cols));
+  *x->found = 1;
+  return 0;
+}
+
+int zt_db_ckpt_find_dir(zt_db_t *db, const char *dir, uint64_t *job_id, zt_db_ckpt_t *k,
+                        int *found) {
+  sqlite3_stmt *st = db->st[ST_CKPT_FIND_DIR];
+  sqlite3_bind_text(st, 1, dir, -1, SQLITE_STATIC);
+  *found = 0;
+  find_ctx x = {job_id, k, found};
+  return each_row(db, st, "find checkpoint", found_row, &x);
 }

@@ -174,6 +174,24 @@ typedef struct {
 } zt_db_ckpt_t;
 
 ZT_MUST_CHECK int zt_db_ckpt_put(zt_db_t *db, uint64_t job_id, const zt_db_ckpt_t *k);
+
+/* One file of an epoch as its rank reported it (schema version 5). */
+typedef struct {
+  char name[64];
+  uint64_t bytes;
+  char checksum[32]; /* "xxh64:<16 hex>" */
+} zt_db_ckpt_file_t;
+
+/* Records the files of epoch (job, step, gen), replacing any earlier record. */
+ZT_MUST_CHECK int zt_db_ckpt_files_put(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen,
+                                       const zt_db_ckpt_file_t *files, int n);
+/* The recorded files of an epoch (at most max; *n is how many there are). */
+ZT_MUST_CHECK int zt_db_ckpt_files_get(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen,
+                                       zt_db_ckpt_file_t *files, int max, int *n);
+/* The committed epoch whose directory is `dir`, of any job: *found = 0 when
+ * there is none. */
+ZT_MUST_CHECK int zt_db_ckpt_find_dir(zt_db_t *db, const char *dir, uint64_t *job_id,
+                                      zt_db_ckpt_t *k, int *found);
 typedef int (*zt_db_ckpt_fn)(const zt_db_ckpt_t *k, void *user);
 /* Every epoch of a job, oldest step first. */
 ZT_MUST_CHECK int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user);

@@ -68,7 +68,7 @@ int zt_export_safetensors(const char *dir, const char *out, int bf16, size_t *by
   for (int u = 0; u < lay.num_units; u++)
     dest[u] = (zt_ckpt_dest_t){u, 0, lay.unit_size[u], flat + lay.unit_off[u], NULL, NULL};
   int64_t step;
-  if (zt_ckpt_load(dir, &cfg, dest, lay.num_units, &step) != 0) goto out;
+  if (zt_ckpt_load(dir, &cfg, dest, lay.num_units, NULL, &step) != 0) goto out;
 
   /* Data: every tensor in layout order, in the exported shape. */
   size_t esz = bf16 ? 2 : 4, total = 0;

@@ -225,12 +225,22 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
                     .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
                     .should_stop = should_stop_cb, .report_step = report_step_cb,
                     .report_checkpoint = report_ckpt_cb, .user = r};
+  zt_ckpt_file_t *files = zt_xcalloc(rv->n_checkpoint_files + 1, sizeof *files);
+  for (size_t i = 0; i < rv->n_checkpoint_files; i++) {
+    const Ztrain__CheckpointFile *f = rv->checkpoint_files[i];
+    snprintf(files[i].name, sizeof files[i].name, "%s", f->name);
+    snprintf(files[i].checksum, sizeof files[i].checksum, "%s", f->checksum);
+    files[i].bytes = f->bytes;
+  }
+  g.checkpoint = (zt_ckpt_record_t){files, (int)rv->n_checkpoint_files};
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
   g.nskips = (int)rv->n_skips;
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
   g.skips = skips;
   zt_train_fault_t fault = ZT_FAULT_GENERATION;
-  if (zt_gen_train(&g, &fault) == 0) return;
+  int rc = zt_gen_train(&g, &fault);
+  free(files);
+  if (rc == 0) return;
   char why[800];
   snprintf(why, sizeof why, "%s", zt_err_msg());
   if (changed(r)) {

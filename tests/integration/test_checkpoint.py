@@ -143,7 +143,11 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(procs, tmp_path, data):
     assert "manifest.json" in j["message"] and "mismatched" in j["message"], j["message"]
 
 
-def test_corrupt_own_epoch_falls_back_to_previous(procs, tmp_path, data):
+def damage_own_newest_epoch(procs, tmp_path, data, damage):
+    """Runs a 400-step job on three workers until two epochs are committed,
+    freezes them, applies damage(dir) to the newest epoch, kills a member and
+    lets the job finish. Returns (coord, job id, final job, step of the epoch
+    before the damaged one)."""
     train, val = data
     coord, ws = fleet(procs, 3)
     root = str(tmp_path / "ckpt")
@@ -157,17 +161,96 @@ def test_corrupt_own_epoch_falls_back_to_previous(procs, tmp_path, data):
     try:
         newest = max(committed(coord, jid).items())
         prev_step = max(s for s in committed(coord, jid) if s < newest[0])
-        flip_byte(os.path.join(newest[1]["dir"], "rank_0.bin"))
+        damage(newest[1]["dir"])
     finally:
         ws[0].kill()
         for w in ws[1:]:
             w.signal(signal.SIGCONT)
     j = wait_job(coord, jid, timeout=300)
-    ev = events(coord, job=jid)
-    corrupt = [e for e in ev if e["kind"] == "checkpoint_corrupt"]
-    assert corrupt and "rank_0.bin" in corrupt[0]["detail"] and "checksum" in corrupt[0]["detail"]
     with sqlite3.connect(coord.db) as db:
         starts = [r[0] for r in db.execute("SELECT start_step FROM generations WHERE job_id = ? "
                                            "ORDER BY gen", (jid,))]
     assert prev_step in starts, (starts, prev_step, newest[0])
     assert j["step"] == 400
+    return coord, jid
+
+
+def test_corrupt_own_epoch_falls_back_to_previous(procs, tmp_path, data):
+    coord, jid = damage_own_newest_epoch(
+        procs, tmp_path, data, lambda d: flip_byte(os.path.join(d, "rank_0.bin")))
+    ev = events(coord, job=jid)
+    corrupt = [e for e in ev if e["kind"] == "checkpoint_corrupt"]
+    assert corrupt and "rank_0.bin" in corrupt[0]["detail"] and "checksum" in corrupt[0]["detail"]
+
+
+def rewrite_json(path, change):
+    doc = json.load(open(path))
+    change(doc)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
+@pytest.mark.parametrize("tamper", ["index_range", "manifest_world", "index_dropped_range"])
+def test_changed_metadata_is_caught_and_falls_back(procs, tmp_path, data, tamper):
+    """Every byte a load depends on is checksummed at commit: a changed range
+    in rank_R.json or a changed world size in manifest.json (both still valid
+    JSON that would load without error) retires the epoch, and the job goes
+    on from the previous one with the same losses as an untouched run."""
+    train, val = data
+    coord, ws = fleet(procs, 2)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 40, stage=1, workers=2,
+                     checkpoint={"dir": root, "every_steps": 10, "keep_last": 10})
+    ja = submit(coord, spec, tmp_path, "a.json")
+    wait_job(coord, ja)
+    ref = losses(coord, ja)
+    d20 = committed(coord, ja)[20]["dir"]
+    if tamper == "index_range":
+        rewrite_json(os.path.join(d20, "rank_1.json"),
+                     lambda d: d["ranges"][0].update(lo=d["ranges"][0]["lo"] + 1))
+        culprit = "rank_1.json"
+    elif tamper == "manifest_world":
+        rewrite_json(os.path.join(d20, "manifest.json"), lambda d: d.update(world=1))
+        culprit = "manifest.json"
+    else:
+        rewrite_json(os.path.join(d20, "rank_0.json"), lambda d: d["ranges"].pop())
+        culprit = "rank_0.json"
+    # A job resuming from the damaged epoch refuses it, naming the file...
+    b = tiny_spec(train, val, 40, stage=1, workers=2,
+                  checkpoint={"dir": str(tmp_path / "b"), "load": d20})
+    jb = submit(coord, b, tmp_path, "b.json")
+    j = wait_job(coord, jb, states=("failed",))
+    assert culprit in j["message"] and "corrupt checkpoint" in j["message"], j["message"]
+    # ...and the job that owns it falls back to step 10 and still gets the
+    # reference losses: re-run job a's last 20 steps from its own epochs.
+    c = tiny_spec(train, val, 40, stage=1, workers=2,
+                  checkpoint={"dir": str(tmp_path / "c"), "load": committed(coord, ja)[10]["dir"]})
+    jc = submit(coord, c, tmp_path, "c.json")
+    wait_job(coord, jc)
+    got = losses(coord, jc)
+    for s in range(11, 41):
+        assert got[s] == ref[s], (s, got[s], ref[s])
+
+
+def test_own_epoch_with_changed_index_is_retired(procs, tmp_path, data):
+    coord, jid = damage_own_newest_epoch(
+        procs, tmp_path, data,
+        lambda d: rewrite_json(os.path.join(d, "rank_0.json"),
+                               lambda x: x["ranges"][0].update(n=x["ranges"][0]["n"] - 1)))
+    corrupt = [e for e in events(coord, job=jid) if e["kind"] == "checkpoint_corrupt"]
+    assert corrupt and "rank_0.json" in corrupt[0]["detail"], corrupt
+    assert "checkpoint_retired" in [e["kind"] for e in events(coord, job=jid)]
+
+
+def test_load_of_an_unknown_epoch_is_refused(procs, tmp_path, data):
+    train, val = data
+    coord, _ = fleet(procs, 1)
+    os.makedirs(str(tmp_path / "fake"), exist_ok=True)
+    spec = tiny_spec(train, val, 10, checkpoint={"dir": str(tmp_path / "ck"),
+                                                 "load": str(tmp_path / "fake")})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(spec))
+    from ztest import zctl
+    r = zctl(coord.grpc, "submit", str(path), check=False)
+    assert r.returncode == 1 and "checkpoint.load" in r.stderr
+    assert "not a committed checkpoint epoch" in r.stderr, r.stderr
