@@ -25,6 +25,7 @@
 
 typedef struct {
   uint64_t id;
+  char session[80]; /* the credential every call after registration carries */
   int64_t sent_us; /* 0 when no call is in flight */
 } sim_worker;
 
@@ -64,7 +65,9 @@ static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window) {
     Ztrain__RegisterReply *rep = ztrain__register_reply__unpack(NULL, r.resp_len, r.resp);
     free(r.resp);
     if (!rep) return zt_err("register: bad reply");
-    ((sim_worker *)r.user)->id = rep->worker_id;
+    sim_worker *sw = r.user;
+    sw->id = rep->worker_id;
+    snprintf(sw->session, sizeof sw->session, "%s", rep->session ? rep->session : "");
     ztrain__register_reply__free_unpacked(rep, NULL);
   }
   return 0;
@@ -125,7 +128,8 @@ int main(int argc, char **argv) {
       Ztrain__HeartbeatRequest req = ZTRAIN__HEARTBEAT_REQUEST__INIT;
       req.worker_id = sw->id;
       req.seq = (uint64_t)k;
-      uint8_t buf[64];
+      req.session = sw->session;
+      uint8_t buf[160];
       size_t len = pack(&req.base, buf);
       sw->sent_us = zt_now_us();
       zt_rpc_start(c, "/ztrain.Control/Heartbeat", buf, len, 5000, sw);
