@@ -2,6 +2,7 @@
  * util.c: time, deadlines, allocation that cannot fail, host:port parsing,
  * whole-file I/O, constant-time comparison and the names of states.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -196,6 +197,21 @@ static size_t utf8_len(const unsigned char *s) {
   for (size_t i = 1; i < n; i++)
     if ((s[i] & 0xc0) != 0x80) return 0;
   return n;
+}
+
+const char *zt_text_shape(const char *s, char *out, size_t n) {
+  size_t o = 0;
+  for (size_t i = 0; s[i] && o + 1 < n;) {
+    if (!isdigit((unsigned char)s[i])) {
+      out[o++] = s[i++];
+      continue;
+    }
+    while (isdigit((unsigned char)s[i]) || (s[i] == '.' && isdigit((unsigned char)s[i + 1])))
+      i++; /* the run: digits, with '.' between digits */
+    out[o++] = '#';
+  }
+  out[o] = 0;
+  return out;
 }
 
 const char *zt_printable(const char *s, char *buf, size_t n) {

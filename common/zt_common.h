@@ -140,6 +140,11 @@ int zt_random_hex(char *out, size_t bytes);
  * UTF-8 sequence) written as \xNN, so that text from the network cannot
  * drive a terminal. Returns buf (n > 4). */
 const char *zt_printable(const char *s, char *buf, size_t n);
+/* The shape of a message: s with every run of digits (dots between digits
+ * included) written as '#', so that "generation 7 failed at step 40 on w1"
+ * and "generation 8 failed at step 41 on w2" compare equal. Returns out
+ * (n > 0). */
+const char *zt_text_shape(const char *s, char *out, size_t n);
 /* Parses a decimal integer in [lo, hi]; -1 (ZT_E_INVALID) naming `what`. */
 ZT_MUST_CHECK int zt_parse_i64(const char *what, const char *s, int64_t lo, int64_t hi,
                                int64_t *out);

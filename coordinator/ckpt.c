@@ -218,13 +218,45 @@ static int commit(zt_coord_t *c, zt_job_t *j) {
   ZT_INFO("job %llu: checkpoint step %lld committed (%d ranks, %llu bytes)",
           (unsigned long long)j->row.id, (long long)t->step, j->row.world,
           (unsigned long long)t->bytes);
-  t->count = -1000000; /* done: later duplicates do not re-commit */
+  t->done = 1; /* later duplicates do not re-commit */
+  return 0;
+}
+
+/* An epoch with a failed write, once every rank has reported: its row and
+ * whatever files the other ranks wrote go (a full disk gets the space). */
+static void drop_failed(zt_coord_t *c, zt_job_t *j) {
+  zt_ckpt_tally_t *t = &j->ck;
+  if (t->done || t->count + t->failed < j->row.world) return;
+  t->done = 1;
+  zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_DELETED, 0, zt_wall_ms()};
+  snprintf(k.dir, sizeof k.dir, "%s", t->dir);
+  if (zt_db_ckpt_put(c->db, j->row.id, &k) != 0) {
+    ZT_ERROR("checkpoint step %lld: %s", (long long)t->step, zt_err_msg());
+    return;
+  }
+  rm_tree(c, t->dir);
+}
+
+/* A rank's write failed: the epoch cannot commit. */
+static int report_failed(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                         const Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out) {
+  zt_ckpt_tally_t *t = &j->ck;
+  if (t->seen[m->rank] || t->done) return 0;
+  t->seen[m->rank] = 1;
+  if (t->failed++ == 0) {
+    char err[256];
+    snprintf(t->error, sizeof t->error, "%s", zt_printable(req->error, err, sizeof err));
+    *out = ZT_CKPT_REPORT_FAILED;
+    zt_coord_event(c, j->row.id, "checkpoint_failed", 0, "step %lld: rank %d (%s): %s",
+                   (long long)t->step, m->rank, m->row.name, t->error);
+  }
+  drop_failed(c, j);
   return 0;
 }
 
 int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
-                   const Ztrain__ReportCheckpointRequest *req, int *committed) {
-  *committed = 0;
+                   const Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out) {
+  *out = ZT_CKPT_REPORT_COUNTED;
   if (!j->p.ckpt_dir[0])
     return zt_errk(ZT_E_STATE, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
   if (check_dir(j, req->dir) != 0) return -1;
@@ -234,7 +266,7 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
                    (long long)req->step, (long long)j->poisoned_from);
   if (req->step < 1 || req->step > j->row.total_steps)
     return zt_errk(ZT_E_INVALID, "checkpoint step %lld out of range", (long long)req->step);
-  if (check_files(m->rank, req) != 0) return -1;
+  if (!req->error[0] && check_files(m->rank, req) != 0) return -1;
   zt_ckpt_tally_t *t = &j->ck;
   if ((t->step != req->step || t->gen != j->row.generation) &&
       start_tally(c, j, req->step, req->dir) != 0)
@@ -242,7 +274,8 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   if (strcmp(t->dir, req->dir) != 0)
     return zt_errk(ZT_E_INVALID, "rank %d reported dir %.200s, expected %.200s", m->rank,
                    req->dir, t->dir);
-  if (!t->seen[m->rank]) {
+  if (req->error[0]) return report_failed(c, j, m, req, out);
+  if (!t->seen[m->rank] && !t->done) {
     t->seen[m->rank] = 1;
     t->count++;
     for (size_t i = 0; i < req->n_files; i++) {
@@ -253,9 +286,13 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
       t->bytes += f->bytes;
     }
   }
-  if (t->count < j->row.world) return 0;
+  if (t->failed) {
+    drop_failed(c, j);
+    return 0;
+  }
+  if (t->done || t->count < j->row.world) return 0;
   if (commit(c, j) != 0) return -1;
-  *committed = 1;
+  *out = ZT_CKPT_REPORT_COMMITTED;
   return 0;
 }
 

@@ -16,7 +16,8 @@
  *   main.c service.c http.c     entry points: lifecycle and timers, gRPC, HTTP
  *   config.c                    settings (main.c reads them at start)
  *   jobs.c                      scheduler: generations, rendezvous, rollback
- *   ckpt.c members.c spike.c    checkpoint registry, membership, detector
+ *   ckpt.c members.c spike.c    checkpoint registry, membership, detector,
+ *   restarts.c                  restart policy
  *   views.c auth.c              what the APIs show; credentials
  *   events.c loopcall.c notify.c  logbook, HTTP -> loop calls, systemd
  *
@@ -35,6 +36,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "restarts.h"
 #include "spike.h"
 #include "zt_common.h"
 #include "zt_db.h"
@@ -89,13 +91,18 @@ typedef struct {
   int rb_enabled;
   int64_t rb_window, rb_patience, rb_margin, rb_skip, rb_cooldown, rb_max, rb_per_steps;
   double rb_threshold, rb_lr_factor;
+  zt_spec_restart_t restart;    /* elastic{...}: the restart policy */
+  int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
 } zt_job_params_t;
 
 /* The tally of the checkpoint epoch being reported (ckpt.c). */
 typedef struct {
   int64_t step;
   uint64_t gen;
-  int count; /* ranks that reported; < 0 once committed */
+  int count;  /* ranks that reported their files */
+  int failed; /* ranks that reported a failed write: the epoch cannot commit */
+  int done;   /* committed, or dropped after a failure */
+  char error[256]; /* the first failed write's error */
   uint64_t bytes;
   uint8_t seen[ZT_MAX_WORLD];
   char dir[512];
@@ -124,6 +131,16 @@ typedef struct zt_job {
   /* Checkpoint-now requested (drain, scale-up); re-form after its commit. */
   int ckpt_request;
   char reform_reason[256];
+  /* Failures (restarts.h): the policy's state, and a re-form it put off. */
+  zt_restarts_t rs;
+  int64_t retry_at_ms; /* monotonic; 0: none */
+  char retry_reason[400];
+  /* Checkpoint writes failing (disk full): training goes on, within the
+   * risk budget of steps past safe_step (the newest step the job can resume
+   * from: its last committed epoch, or where its generation started). */
+  int ckpt_paused;
+  char ckpt_error[300];
+  int64_t safe_step;
   /* Rollback. */
   zt_spike_t det;
   int64_t poisoned_from; /* first step with a non-finite loss; 0: none */
@@ -131,6 +148,16 @@ typedef struct zt_job {
   int64_t rb_ckpt_step;  /* -1: none forced */
   struct zt_job *next;
 } zt_job_t;
+
+/* The repeat cache of the logbook (events.c): the last event of one
+ * (job, kind, worker) of a kind that failing loops repeat. */
+typedef struct {
+  uint64_t job_id, worker_id;
+  char kind[32];
+  uint64_t shape;    /* hash of zt_text_shape(detail) */
+  int64_t id, count; /* its row, and how many it stands for */
+  int64_t last_mono_ms;
+} zt_event_slot_t;
 
 /* Runs a function on the loop thread on behalf of another thread. */
 typedef struct zt_loopcall_item zt_loopcall_item_t;
@@ -155,6 +182,7 @@ typedef struct zt_coord {
   int64_t started_ms;
   int64_t epoch;
   int64_t last_check_ms, max_stall_ms; /* the loop's liveness timer and its longest delay */
+  zt_event_slot_t ev_slots[64];        /* events.c */
 
   /* Members indexed by worker id (ids are dense rowids), plus a name index. */
   zt_member_t **by_id;
@@ -186,8 +214,9 @@ void zt_jobs_free(zt_coord_t *c);
 void zt_jobs_release_calls(zt_coord_t *c); /* answers held calls before the server stops */
 zt_job_t *zt_jobs_get(zt_coord_t *c, uint64_t id);
 void zt_jobs_schedule(zt_coord_t *c);
-/* A member left its generation (lost, left, restarted, drained). */
-void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why);
+/* A member left its generation: lost or restarted (failure 1, which the
+ * restart policy counts), left or drained (failure 0). */
+void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why, int failure);
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id);
 /* Holds the call until every rank arrived (a long poll); answers it. */
 void zt_jobs_rendezvous(zt_coord_t *c, zt_rpc_call_t *call,
@@ -209,11 +238,19 @@ int zt_jobs_heartbeat_command(zt_coord_t *c, zt_member_t *m, uint64_t job_id, ui
 
 /* ---- ckpt.c: the checkpoint registry ----------------------------------------- */
 
-/* Counts one rank's report of the epoch being written; *committed = 1 when
- * it was the last one and the epoch is now committed in SQLite (the caller
- * then applies retention and acts on the commit). */
+/* What one rank's report of an epoch did. */
+typedef enum {
+  ZT_CKPT_REPORT_COUNTED,   /* counted; the epoch waits for more ranks */
+  ZT_CKPT_REPORT_COMMITTED, /* the last one: the epoch is committed in SQLite */
+  ZT_CKPT_REPORT_FAILED,    /* the first failed write of the epoch: it cannot commit */
+} zt_ckpt_outcome_t;
+/* Counts one rank's report of the epoch being written (its files, or the
+ * error of its failed write). On REPORT_COMMITTED the caller applies retention
+ * and acts on the commit; on REPORT_FAILED it decides what the job does without
+ * that epoch. An epoch with a failed write is deleted once every rank has
+ * reported. */
 int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
-                   const struct Ztrain__ReportCheckpointRequest *req, int *committed);
+                   const struct Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out);
 /* The newest committed epoch of a job at or before max_step (INT64_MAX:
  * any); *found = 0 when there is none. */
 int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, zt_db_ckpt_t *out, int *found);

@@ -366,6 +366,11 @@ static void r_metrics(zt_http_req_t *r) {
              j->row.rollbacks);
   JOB_SERIES(&b, "ztrain_job_checkpoints_total", "counter", "Checkpoint epochs committed.",
              j->ckpt_commits);
+  JOB_SERIES(&b, "ztrain_job_checkpointing_paused", "gauge",
+             "1 while checkpoint writes fail (disk full, read-only): an alert.", j->ckpt_paused);
+  JOB_SERIES(&b, "ztrain_job_steps_since_checkpoint", "gauge",
+             "Steps a failure now would lose: past the last committed epoch.",
+             ZT_MAX(j->row.step - j->safe_step, 0));
   JOB_SERIES(&b, "ztrain_job_loss", "gauge", "Training loss of the last step.", j->last.loss);
   JOB_SERIES(&b, "ztrain_job_learning_rate", "gauge", "Learning rate of the last step.",
              j->last.lr);

@@ -28,6 +28,16 @@
  * the largest such N between min_workers and max_workers that the alive
  * workers allow.
  *
+ * Failures. A generation that fails (a rank's report, a member lost or
+ * restarted) is re-formed as the restart policy (restarts.h) says: at once,
+ * after a backoff (the liveness timer's zt_jobs_schedule forms it when
+ * due), or not at all: a deterministic error or a spent budget pauses the
+ * job with the reason. A checkpoint write that fails (disk full) does not
+ * end the generation: checkpointing is paused, the job goes on training
+ * with an alert in /metrics, and pauses once more than
+ * checkpoint.max_uncommitted_steps steps would be lost; the next epoch that
+ * commits ends the alert.
+ *
  * Rollback. A loss spike (spike.c) or an operator rolls the job back to a
  * committed epoch: the data of the spike is skipped (a range of sample-stream
  * positions added to the job's skip list), the LR is lowered for a while,
@@ -95,6 +105,8 @@ int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_p
   p->rb_cooldown = s.rollback.cooldown_steps;
   p->rb_max = s.rollback.max_rollbacks;
   p->rb_per_steps = s.rollback.per_steps;
+  p->restart = s.restart;
+  p->max_uncommitted = s.ckpt.max_uncommitted_steps;
   if (p->max_workers > ZT_MAX_WORLD)
     return zt_errk(ZT_E_INVALID, "elastic.max_workers %d exceeds %d", p->max_workers,
                    ZT_MAX_WORLD);
@@ -161,6 +173,7 @@ static void finish(zt_coord_t *c, zt_job_t *j, int state, const char *kind, cons
   va_end(ap);
   release_rendezvous(j, ZT_RPC_ABORTED, "job ended");
   release_members(c, j);
+  j->retry_at_ms = 0;
   j->row.state = state;
   save_job(c, j);
   zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
@@ -278,6 +291,8 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   j->rb_ckpt_dir[0] = 0;
   j->ckpt_request = 0;
   j->poisoned_from = 0;
+  j->retry_at_ms = 0;
+  j->safe_step = start_step;
   /* The baseline survives a new generation (replayed steps rejoin it); only
    * a run of suspicious steps in progress is forgotten. */
   j->det.run = 0;
@@ -320,12 +335,47 @@ static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
 }
 
 void zt_jobs_schedule(zt_coord_t *c) {
+  int64_t now = zt_now_ms();
   for (zt_job_t *j = c->jobs; j; j = j->next) {
     if (j->row.state == ZT_JOB_PENDING)
       try_form(c, j, "enough workers");
+    else if (j->retry_at_ms && now >= j->retry_at_ms)
+      try_form(c, j, j->retry_reason);
     else if (j->row.state == ZT_JOB_RUNNING && j->p.ckpt_dir[0] && !j->ckpt_request &&
-             j->row.world < j->p.max_workers)
+             !j->ckpt_paused && j->row.world < j->p.max_workers)
       maybe_scale_up(c, j);
+  }
+}
+
+/* ---- failures ------------------------------------------------------------------- */
+
+/* A backed-off re-form: the generation's members are let go (they idle
+ * until it is due) and the job says when it retries and why. */
+static void hold(zt_coord_t *c, zt_job_t *j, int64_t delay_ms, const char *reason,
+                 const char *why) {
+  release_rendezvous(j, ZT_RPC_ABORTED, "generation failed; re-forming later");
+  release_members(c, j);
+  j->row.state = ZT_JOB_RECONFIGURING;
+  snprintf(j->row.message, sizeof j->row.message, "%s", why);
+  save_job(c, j);
+  j->retry_at_ms = zt_now_ms() + delay_ms;
+  snprintf(j->retry_reason, sizeof j->retry_reason, "%s", reason);
+  zt_coord_event(c, j->row.id, "restart_backoff", 0, "%s", why);
+}
+
+/* The current generation failed: the restart policy says what follows. */
+static void fail_generation(zt_coord_t *c, zt_job_t *j, zt_fail_kind_t kind, int64_t step,
+                            const char *reason) {
+  int64_t delay;
+  char why[sizeof j->row.message];
+  switch (zt_restarts_decide(&j->rs, &j->p.restart, kind, step, reason, zt_now_ms(), &delay,
+                             why, sizeof why)) {
+    case ZT_RESTART_PAUSE:
+      finish(c, j, ZT_JOB_PAUSED, "job_paused", "%s", why);
+      zt_jobs_schedule(c);
+      return;
+    case ZT_RESTART_LATER: hold(c, j, delay, reason, why); return;
+    case ZT_RESTART_NOW: try_form(c, j, reason); return;
   }
 }
 
@@ -346,13 +396,16 @@ static void checkpoint_committed(zt_coord_t *c, zt_job_t *j) {
   }
 }
 
-void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why) {
+void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why, int failure) {
   zt_job_t *j = m->job_id ? zt_jobs_get(c, m->job_id) : NULL;
   if (!j || !job_active(j)) return;
   char reason[256];
   snprintf(reason, sizeof reason, "worker %s (rank %d) %s", m->row.name, m->rank, why);
   m->job_id = m->gen = 0, m->rank = -1;
-  try_form(c, j, reason);
+  if (failure)
+    fail_generation(c, j, ZT_FAIL_LOST, j->row.step, reason);
+  else
+    try_form(c, j, reason);
 }
 
 /* ---- drains and operator actions --------------------------------------------------- */
@@ -364,10 +417,10 @@ int zt_jobs_drain(zt_coord_t *c, zt_member_t *m, char *msg, size_t msglen) {
     snprintf(msg, msglen, "worker %s is idle; it will not be scheduled", m->row.name);
     return 0;
   }
-  if (!j->p.ckpt_dir[0]) {
-    snprintf(msg, msglen, "job %llu has no checkpoints: worker %s leaves now",
-             (unsigned long long)j->row.id, m->row.name);
-    zt_jobs_member_gone(c, m, "drained");
+  if (!j->p.ckpt_dir[0] || j->ckpt_paused) {
+    snprintf(msg, msglen, "job %llu %s: worker %s leaves now", (unsigned long long)j->row.id,
+             j->ckpt_paused ? "cannot write checkpoints now" : "has no checkpoints", m->row.name);
+    zt_jobs_member_gone(c, m, "drained", 0);
     return 0;
   }
   j->ckpt_request = 1;
@@ -421,7 +474,9 @@ static int act_resume(zt_coord_t *c, zt_job_t *j, char *msg, size_t msglen) {
                    zt_job_state_name(j->row.state));
   j->row.state = ZT_JOB_PENDING;
   snprintf(j->row.message, sizeof j->row.message, "resumed by operator");
-  j->row.n_rollback_steps = 0; /* the rollback budget starts afresh */
+  j->row.n_rollback_steps = 0; /* the rollback and restart budgets start afresh */
+  zt_restarts_reset(&j->rs);
+  j->ckpt_paused = 0;
   save_job(c, j);
   zt_coord_event(c, j->row.id, "job_resumed", 0, "resumed at step %lld", (long long)j->row.step);
   snprintf(msg, msglen, "job %llu resumed", (unsigned long long)j->row.id);
@@ -511,7 +566,7 @@ static int load_job(const zt_db_job_t *row, void *user) {
   int have = 0;
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, &ck, &have) == 0 && have) {
     set_start(c, j, ck.dir);
-    j->start_step = ck.step;
+    j->start_step = j->safe_step = ck.step;
   }
   job_append(c, j);
   return 0;
@@ -654,8 +709,9 @@ static void reply_rendezvous(zt_coord_t *c, zt_job_t *j) {
   }
   j->arrived = 0;
   j->row.state = ZT_JOB_RUNNING;
-  snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers",
-           (unsigned long long)j->row.generation, j->row.world);
+  snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers%s%.200s",
+           (unsigned long long)j->row.generation, j->row.world,
+           j->ckpt_paused ? "; checkpointing paused: " : "", j->ckpt_paused ? j->ckpt_error : "");
   save_job(c, j);
   zt_coord_event(c, j->row.id, "rendezvous_complete", 0,
                  "generation %llu: %d ranks connected %lld ms after forming",
@@ -794,6 +850,23 @@ static int check_spike(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepReque
   return 1;
 }
 
+/* Checkpointing is paused and the steps a failure would lose exceed
+ * checkpoint.max_uncommitted_steps: the job pauses (1). */
+static int over_risk_budget(zt_coord_t *c, zt_job_t *j) {
+  int64_t at_risk = j->row.step - j->safe_step;
+  if (!j->ckpt_paused || !j->p.max_uncommitted || at_risk <= j->p.max_uncommitted ||
+      j->row.step >= j->row.total_steps)
+    return 0;
+  finish(c, j, ZT_JOB_PAUSED, "job_paused",
+         "paused: no checkpoint committed for %lld steps (checkpoint.max_uncommitted_steps "
+         "%lld); checkpoint writes fail: %.200s; fix the storage, then zctl resume continues "
+         "from step %lld",
+         (long long)at_risk, (long long)j->p.max_uncommitted, j->ckpt_error,
+         (long long)j->safe_step);
+  zt_jobs_schedule(c);
+  return 1;
+}
+
 int zt_jobs_report_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int *command) {
   zt_job_t *j;
   zt_member_t *m;
@@ -817,6 +890,11 @@ int zt_jobs_report_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int
   }
   *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
                              : ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  if (req->step > j->start_step) zt_restarts_progress(&j->rs);
+  if (over_risk_budget(c, j)) {
+    *command = ZTRAIN__COMMAND__COMMAND_STOP;
+    return 0;
+  }
   if (check_spike(c, j, req)) {
     *command = ZTRAIN__COMMAND__COMMAND_ROLLBACK;
     return 0;
@@ -868,21 +946,57 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
   quarantine_peer(c, j, m, req->suspect_rank - 1);
   char why[512];
   snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);
-  try_form(c, j, why);
+  zt_fail_kind_t kind = req->kind == ZTRAIN__FAILURE_KIND__FAILURE_LOCAL ? ZT_FAIL_LOCAL
+                        : req->kind == ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY
+                            ? ZT_FAIL_MEMORY
+                            : ZT_FAIL_PEER;
+  fail_generation(c, j, kind, req->step, why);
   return 0;
+}
+
+/* An epoch's write failed: checkpointing is paused (the job trains on); a
+ * checkpoint-now epoch (drain, scale-up) that was to end the generation
+ * ends it without the epoch, and the job re-forms from the last one. */
+static void checkpoint_failed(zt_coord_t *c, zt_job_t *j) {
+  if (!j->ckpt_paused)
+    zt_coord_event(c, j->row.id, "checkpointing_paused", 0,
+                   "checkpoint writes fail; training goes on for at most %lld steps past step "
+                   "%lld: %s",
+                   (long long)j->p.max_uncommitted, (long long)j->safe_step, j->ck.error);
+  j->ckpt_paused = 1;
+  snprintf(j->ckpt_error, sizeof j->ckpt_error, "%s", j->ck.error);
+  snprintf(j->row.message, sizeof j->row.message,
+           "running generation %llu on %d workers; checkpointing paused: %.200s",
+           (unsigned long long)j->row.generation, j->row.world, j->ckpt_error);
+  save_job(c, j);
+  if (!j->ckpt_request) return;
+  j->ckpt_request = 0;
+  char reason[sizeof j->reform_reason + 256];
+  snprintf(reason, sizeof reason, "%s: its checkpoint failed (%.200s)", j->reform_reason,
+           j->ckpt_error);
+  try_form(c, j, reason);
 }
 
 int zt_jobs_report_checkpoint(zt_coord_t *c, const Ztrain__ReportCheckpointRequest *req,
                               int *committed) {
   zt_job_t *j;
   zt_member_t *m;
+  zt_ckpt_outcome_t out;
+  *committed = 0;
   if (fence(c, req->worker_id, req->job_id, req->generation, &j, &m) != 0) return -1;
-  if (zt_ckpt_report(c, j, m, req, committed) != 0) return -1;
-  if (*committed) {
-    j->ckpt_commits++;
-    zt_ckpt_gc(c, j);
-    checkpoint_committed(c, j);
+  if (zt_ckpt_report(c, j, m, req, &out) != 0) return -1;
+  if (out == ZT_CKPT_REPORT_FAILED) checkpoint_failed(c, j);
+  if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
+  *committed = 1;
+  j->ckpt_commits++;
+  j->safe_step = ZT_MAX(j->safe_step, j->ck.step);
+  if (j->ckpt_paused) {
+    j->ckpt_paused = 0;
+    zt_coord_event(c, j->row.id, "checkpointing_resumed", 0, "step %lld committed",
+                   (long long)j->ck.step);
   }
+  zt_ckpt_gc(c, j);
+  checkpoint_committed(c, j);
   return 0;
 }
 

@@ -52,7 +52,7 @@ static void on_check(uv_timer_t *t) {
   zt_rpc_server_poll(c->rpc);
   uint64_t *lost;
   size_t n = zt_members_check(c, &lost);
-  for (size_t i = 0; i < n; i++) zt_jobs_member_gone(c, zt_members_get(c, lost[i]), "was lost");
+  for (size_t i = 0; i < n; i++) zt_jobs_member_gone(c, zt_members_get(c, lost[i]), "was lost", 1);
   free(lost);
   zt_jobs_schedule(c);
 }

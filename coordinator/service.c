@@ -72,7 +72,7 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
   if (zt_members_register(c, &reg, &mem, &known) != 0) return NULL;
   /* A worker that registers again was restarted: its place in a job's
    * generation is gone. */
-  if (known) zt_jobs_member_gone(c, mem, "re-registered (restarted)");
+  if (known) zt_jobs_member_gone(c, mem, "re-registered (restarted)", 1);
   zt_jobs_schedule(c);
   Ztrain__RegisterReply *r = new_reply(x, &ztrain__register_reply__descriptor);
   r->worker_id = mem->row.id;
@@ -111,7 +111,7 @@ static ProtobufCMessage *h_leave(zt_coord_t *c, zt_rpc_call_t *call, const Proto
   }
   int left;
   if (zt_members_leave(c, req->worker_id, req->reason, &left) != 0) return NULL;
-  if (left) zt_jobs_member_gone(c, mem, "left");
+  if (left) zt_jobs_member_gone(c, mem, "left", 0);
   return &r->base;
 }
 

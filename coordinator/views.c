@@ -66,6 +66,8 @@ void zt_view_event(const zt_db_event_t *e, Ztrain__Event *x) {
   x->worker_id = e->worker_id;
   x->kind = (char *)e->kind;
   x->detail = (char *)e->detail;
+  x->count = e->count;
+  x->last_ms = e->last_ms;
 }
 
 void zt_view_ckpt(const zt_db_ckpt_t *k, Ztrain__CheckpointInfo *x) {

@@ -115,10 +115,8 @@ static int write_json(const char *dir, const char *name, cJSON *doc, zt_ckpt_fil
   return 0;
 }
 
-int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *r, int nr,
-                  zt_ckpt_file_t *files, int *nfiles) {
-  *nfiles = 0;
-  if (zt_mkdirs(dir) != 0) return zt_err_wrap("checkpoint");
+static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *r,
+                             int nr, zt_ckpt_file_t *files, int *nfiles) {
   /* rank_<r>.bin: per range, p then m then v. */
   int nparts = 3 * nr;
   const void **parts = zt_xcalloc((size_t)nparts + 1, sizeof *parts);
@@ -186,6 +184,27 @@ int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_ran
     if (rc != 0) return -1;
   }
   return fsync_dir(dir);
+}
+
+/* A failed write takes back what it wrote (a full disk gets its space
+ * back), and the directory too when no other rank's files are in it. */
+int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *r, int nr,
+                  zt_ckpt_file_t *files, int *nfiles) {
+  *nfiles = 0;
+  if (zt_mkdirs(dir) != 0) return zt_err_wrap("checkpoint");
+  if (write_epoch_files(dir, meta, r, nr, files, nfiles) == 0) return 0;
+  char path[1200];
+  snprintf(path, sizeof path, "%s/rank_%d.bin", dir, meta->rank);
+  unlink(path);
+  snprintf(path, sizeof path, "%s/rank_%d.json", dir, meta->rank);
+  unlink(path);
+  if (meta->rank == 0) {
+    snprintf(path, sizeof path, "%s/manifest.json", dir);
+    unlink(path);
+  }
+  rmdir(dir);
+  *nfiles = 0;
+  return -1;
 }
 
 /* ---- loading ------------------------------------------------------------------ */

@@ -106,19 +106,25 @@ void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_
  * buffer (a copy) and hands them over; the writer thread writes, fsyncs,
  * renames and then calls `done` (the report to the coordinator) while
  * training goes on. One epoch is in flight at a time: zt_ckpt_writer_buffer
- * first waits for the previous write to finish, and fails with its error if
- * it failed. */
+ * first waits for the previous write to finish.
+ *
+ * A write that fails (disk full, a read-only or uncreatable directory)
+ * removes this rank's files of the epoch and is reported through `done`
+ * with its error: a failed epoch never commits, and training goes on, so
+ * the coordinator decides how long a run may go without checkpoints. The
+ * next epoch is tried as usual. */
 
 typedef struct zt_ckpt_writer zt_ckpt_writer_t;
 
-/* Called on the writer thread once an epoch's files are durable; returns 0
- * when the coordinator took the report. */
+/* Called on the writer thread once an epoch's files are durable (error
+ * NULL) or its write failed (files NULL, error says why); returns 0 when
+ * the coordinator took the report. */
 typedef int (*zt_ckpt_done_fn)(void *user, int64_t step, const char *dir,
-                               const zt_ckpt_file_t *files, int nfiles);
+                               const zt_ckpt_file_t *files, int nfiles, const char *error);
 
 ZT_MUST_CHECK int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **out);
 /* Waits for the write in flight; returns a host buffer of at least nfloats
- * floats, or NULL when the previous write failed (its error is set). */
+ * floats. */
 float *zt_ckpt_writer_buffer(zt_ckpt_writer_t *w, size_t nfloats);
 /* Hands over the epoch: `ranges` point into the buffer; meta, ranges and the
  * skip ranges are copied. */

@@ -20,8 +20,7 @@ struct zt_ckpt_writer {
   pthread_t th;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int busy, quit, failed; /* under mu */
-  char err[512];          /* under mu: the failed write's error */
+  int busy, quit; /* under mu */
   zt_ckpt_done_fn done;
   void *user;
   /* The epoch in flight (owned by the writer thread while busy). */
@@ -39,15 +38,21 @@ static int write_one(zt_ckpt_writer_t *w) {
   zt_ckpt_file_t files[4];
   int nf = 0;
   int64_t t0 = zt_now_ms();
+  const char *error = NULL;
+  char err[512];
   if (zt_ckpt_write(w->dir, &w->meta, w->rg, w->nr, files, &nf) != 0) {
-    ZT_ERROR("checkpoint step %lld: %s", (long long)w->meta.step, zt_err_msg());
-    return -1;
+    snprintf(err, sizeof err, "%s", zt_err_msg());
+    error = err;
+    ZT_ERROR("checkpoint step %lld not written: %s", (long long)w->meta.step, error);
+  } else {
+    ZT_INFO("checkpoint step %lld written in %lld ms: %s", (long long)w->meta.step,
+            (long long)(zt_now_ms() - t0), w->dir);
   }
-  ZT_INFO("checkpoint step %lld written in %lld ms: %s", (long long)w->meta.step,
-          (long long)(zt_now_ms() - t0), w->dir);
-  if (w->done && w->done(w->user, w->meta.step, w->dir, files, nf) != 0)
-    ZT_WARN("checkpoint step %lld was not recorded by the coordinator", (long long)w->meta.step);
-  return 0;
+  if (w->done && w->done(w->user, w->meta.step, w->dir, error ? NULL : files, error ? 0 : nf,
+                         error) != 0)
+    ZT_WARN("checkpoint step %lld: the report was not taken by the coordinator",
+            (long long)w->meta.step);
+  return error ? -1 : 0;
 }
 
 static void *writer_main(void *p) {
@@ -57,12 +62,8 @@ static void *writer_main(void *p) {
     while (!w->busy && !w->quit) pthread_cond_wait(&w->cv, &w->mu);
     if (!w->busy) break;
     pthread_mutex_unlock(&w->mu);
-    int rc = write_one(w);
+    (void)write_one(w); /* a failure was reported; the next epoch is tried */
     pthread_mutex_lock(&w->mu);
-    if (rc != 0) {
-      w->failed = 1;
-      snprintf(w->err, sizeof w->err, "%s", zt_err_msg());
-    }
     w->busy = 0;
     pthread_cond_broadcast(&w->cv);
   }
@@ -89,12 +90,7 @@ int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **ou
 float *zt_ckpt_writer_buffer(zt_ckpt_writer_t *w, size_t nfloats) {
   pthread_mutex_lock(&w->mu);
   while (w->busy) pthread_cond_wait(&w->cv, &w->mu);
-  int failed = w->failed;
   pthread_mutex_unlock(&w->mu);
-  if (failed) {
-    zt_err("previous checkpoint failed: %s", w->err);
-    return NULL;
-  }
   if (nfloats > w->buf_cap) {
     free(w->buf);
     w->buf = zt_xmalloc(nfloats * sizeof(float));

@@ -154,8 +154,8 @@ int main(int argc, char **argv) {
                     .comm_timeout_ms = 1000, .comm = comm, .workdir = NULL,
                     .threads = (int)threads, .device = device, .lr_factor = 1.0,
                     .should_stop = should_stop, .report_step = print_step, .user = &so};
-  zt_train_fault_t fault;
-  int rc = zt_gen_train(&g, &fault);
+  zt_train_failure_t fail;
+  int rc = zt_gen_train(&g, &fail);
   zt_comm_destroy(comm);
   free(text);
   if (rc != 0) {

@@ -257,7 +257,10 @@ static int parse_batch(zt_spec_t *s, const cJSON *root) {
 
 static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
   static const char *const zkeys[] = {"stage"};
-  static const char *const ekeys[] = {"min_workers", "max_workers"};
+  static const char *const ekeys[] = {"min_workers",      "max_workers",
+                                      "max_failed_generations", "backoff_ms",
+                                      "max_backoff_ms",   "max_restarts",
+                                      "restart_window_s"};
   static const char *const ckeys[] = {"timeout_ms"};
   static const char *const bkeys[] = {"enabled"};
   const cJSON *z, *e, *c, *b;
@@ -270,7 +273,16 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
              get_int(e, "elastic", "min_workers", 0, 1, 256, &s->min_workers))))
     return -1;
   s->max_workers = s->min_workers;
-  if (e && get_int(e, "elastic", "max_workers", 0, 1, 256, &s->max_workers)) return -1;
+  zt_spec_restart_t *r = &s->restart;
+  if (e && (get_int(e, "elastic", "max_workers", 0, 1, 256, &s->max_workers) ||
+            get_int(e, "elastic", "max_failed_generations", 0, 1, 1000,
+                    &r->max_failed_generations) ||
+            get_long(e, "elastic", "backoff_ms", 0, 0, 600000, &r->backoff_ms) ||
+            get_long(e, "elastic", "max_backoff_ms", 0, 0, 3600000, &r->max_backoff_ms) ||
+            get_int(e, "elastic", "max_restarts", 0, 1, 1000000, &r->max_restarts) ||
+            get_long(e, "elastic", "restart_window_s", 0, 1, 1L << 30, &r->restart_window_s)))
+    return -1;
+  if (r->max_backoff_ms < r->backoff_ms) r->max_backoff_ms = r->backoff_ms;
   if (s->max_workers < s->min_workers)
     return zt_err("elastic.max_workers: %d is below min_workers %d", s->max_workers,
                   s->min_workers);
@@ -285,7 +297,8 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
 }
 
 static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"dir", "every_steps", "keep_last", "keep_every", "load"};
+  static const char *const keys[] = {"dir",  "every_steps", "keep_last", "keep_every",
+                                     "load", "max_uncommitted_steps"};
   const cJSON *o;
   zt_spec_ckpt_t *c = &s->ckpt;
   if (get_object(root, "", "checkpoint", 0, &o)) return -1;
@@ -295,8 +308,11 @@ static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
       get_long(o, "checkpoint", "every_steps", 0, 0, 1L << 40, &c->every_steps) ||
       get_int(o, "checkpoint", "keep_last", 0, 1, 1 << 20, &c->keep_last) ||
       get_long(o, "checkpoint", "keep_every", 0, 0, 1L << 40, &c->keep_every) ||
-      get_string(o, "checkpoint", "load", 0, c->load, sizeof c->load))
+      get_string(o, "checkpoint", "load", 0, c->load, sizeof c->load) ||
+      get_long(o, "checkpoint", "max_uncommitted_steps", 0, 1, 1L << 40,
+               &c->max_uncommitted_steps))
     return -1;
+  if (!c->max_uncommitted_steps) c->max_uncommitted_steps = 10 * c->every_steps;
   if (!c->dir[0] || strstr(c->dir, ".."))
     return zt_err("checkpoint.dir: expected a path (no \"..\")");
   return 0;
@@ -335,9 +351,11 @@ static int parse_misc(zt_spec_t *s, const cJSON *root) {
   return 0;
 }
 
-/* fault_injection{lr_scale, from_step, to_step, repeat}: tests only. */
+/* fault_injection{lr_scale, from_step, to_step, repeat, break_ring_at_step}:
+ * tests only. */
 static int parse_fault(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"lr_scale", "from_step", "to_step", "repeat"};
+  static const char *const keys[] = {"lr_scale", "from_step", "to_step", "repeat",
+                                     "break_ring_at_step"};
   const char *P = "fault_injection";
   const cJSON *o;
   zt_spec_fault_t *f = &s->fault;
@@ -346,7 +364,9 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
   f->present = 1;
   if (CHECK_KEYS(o, P, keys) || get_double(o, P, "lr_scale", 0.0, 0, 1e12, &f->lr_scale) ||
       get_long(o, P, "from_step", 0, 0, 1L << 40, &f->from_step) ||
-      get_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) || get_bool(o, P, "repeat", &f->repeat))
+      get_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) ||
+      get_bool(o, P, "repeat", &f->repeat) ||
+      get_long(o, P, "break_ring_at_step", 0, 0, 1L << 40, &f->break_ring_at_step))
     return -1;
   if (f->to_step < f->from_step) f->to_step = f->from_step;
   return 0;
@@ -363,6 +383,9 @@ static void set_defaults(zt_spec_t *s) {
                              .weight_decay = 0.0f};
   s->eval_batches = 4;
   s->min_workers = s->max_workers = 1;
+  s->restart = (zt_spec_restart_t){.max_failed_generations = 8, .backoff_ms = 1000,
+                                   .max_backoff_ms = 60000, .max_restarts = 100,
+                                   .restart_window_s = 3600};
   s->ckpt.keep_last = 2;
   s->rollback = (zt_spec_rollback_t){.enabled = 1, .window = 100, .threshold = 6.0,
                                      .patience = 3, .margin_steps = 0, .skip_steps = 10,

@@ -41,7 +41,23 @@ typedef struct zt_spec_ckpt {
   int keep_last;
   long keep_every;            /* 0: none kept forever */
   char load[ZT_SPEC_PATH_MAX]; /* a committed epoch to start from (another job's); "" none */
+  /* The risk budget while checkpoints fail (disk full): training goes on
+   * until this many steps lie past the last committed epoch, then the job
+   * pauses. Default 10 * every_steps (0 with every_steps 0: no limit). */
+  long max_uncommitted_steps;
 } zt_spec_ckpt_t;
+
+/* elastic{...}'s restart policy (the coordinator's, jobs.c): a generation
+ * that fails is re-formed at once, then with exponential backoff from
+ * backoff_ms up to max_backoff_ms while generations keep failing before any
+ * step; after max_failed_generations such generations in a row, or
+ * max_restarts failure re-forms within restart_window_s, the job pauses. */
+typedef struct zt_spec_restart {
+  int max_failed_generations;
+  long backoff_ms, max_backoff_ms;
+  int max_restarts;
+  long restart_window_s;
+} zt_spec_restart_t;
 
 typedef struct zt_spec_rollback {
   int enabled;
@@ -57,12 +73,15 @@ typedef struct zt_spec_rollback {
 
 /* fault_injection{...}: test-only; the LR of steps [from_step, to_step] is
  * multiplied by lr_scale (when > 0), in the first run of those steps only
- * (before any rollback) unless repeat is true. */
+ * (before any rollback) unless repeat is true; break_ring_at_step below. */
 typedef struct zt_spec_fault {
   int present; /* the spec has a fault_injection object */
   double lr_scale;
   long from_step, to_step;
   int repeat;
+  /* The last rank aborts its ring during this step, in every generation
+   * (0: never): a transient failure that repeats. */
+  long break_ring_at_step;
 } zt_spec_fault_t;
 
 typedef struct zt_spec {
@@ -87,6 +106,7 @@ typedef struct zt_spec {
 
   int zero_stage;
   int min_workers, max_workers;
+  zt_spec_restart_t restart; /* elastic{...} */
   zt_spec_ckpt_t ckpt;
   zt_spec_rollback_t rollback;
   int bf16;

@@ -122,7 +122,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   if (zt_spec_accum_for_world(&t->spec, t->N, &t->accum) != 0) return -1;
   t->k = zt_device_kernels(g->device, t->spec.bf16);
   if (!t->k) { /* this worker's fault, not the job's */
-    *fault = ZT_FAULT_GENERATION;
+    *fault = ZT_FAULT_LOCAL;
     return zt_err_wrap("device");
   }
   if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
@@ -141,7 +141,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     ZT_WARN("%s", zt_err_msg());
   t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
   t->tgt = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
-  *fault = ZT_FAULT_GENERATION;
+  *fault = ZT_FAULT_LOCAL;
   return 0;
 }
 
@@ -163,12 +163,14 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
                    g->checkpoint_dir, g->ckpt_root);
   }
   if (zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded) != 0) {
-    *fault = zt_comm_broken(g->comm) ? ZT_FAULT_GENERATION : ZT_FAULT_CHECKPOINT;
+    *fault = zt_comm_broken(g->comm) ? ZT_FAULT_PEER : ZT_FAULT_CHECKPOINT;
     return -1;
   }
-  if (g->start_step && loaded != g->start_step)
+  if (g->start_step && loaded != g->start_step) { /* the epoch is not what was committed */
+    *fault = ZT_FAULT_CHECKPOINT;
     return zt_err("checkpoint %s holds step %lld, expected %lld", g->checkpoint_dir,
                   (long long)loaded, (long long)g->start_step);
+  }
   *step = loaded;
   ZT_INFO("loaded checkpoint step %lld into %d ranks, stage %d, in %lld ms: %s", (long long)loaded,
           t->N, t->spec.zero_stage, (long long)(zt_now_ms() - t0), g->checkpoint_dir);
@@ -232,6 +234,11 @@ static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
 static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res) {
   int64_t t0 = zt_now_us(), s = step + 1;
   double loss_sum;
+  if (t->spec.fault.break_ring_at_step == s && t->r == t->N - 1) { /* test knob */
+    zt_comm_abort(t->g->comm);
+    zt_err("fault injection: ring broken at step %lld", (long long)s);
+    return -1;
+  }
   zt_zero_start_step(&t->z);
   int rc = micro_steps(t, step, &loss_sum);
   if (rc != 0) return rc;
@@ -320,7 +327,7 @@ static void tear_down(trainer *t) {
   zt_model_free(t->m);
 }
 
-int zt_gen_train(const zt_gen_ctx_t *g, zt_train_fault_t *fault) {
+int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
   trainer t;
   memset(&t, 0, sizeof t);
   t.g = g;
@@ -328,9 +335,11 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_fault_t *fault) {
   t.tmo = g->comm_timeout_ms > 0 ? g->comm_timeout_ms : 30000;
   int64_t step = 0;
   int ret = -1, ckpt_flag = 0;
-  if (set_up(&t, fault) != 0 || load_or_init(&t, &step, fault) != 0) goto out;
+  f->step = g->start_step;
+  if (set_up(&t, &f->fault) != 0 || load_or_init(&t, &step, &f->fault) != 0) goto out;
   while (step < t.spec.steps) {
     step_result res;
+    f->step = step + 1;
     int rc = train_step(&t, step, ckpt_flag, &res);
     if (rc != 0) {
       ret = rc > 0 ? 0 : -1;
@@ -348,8 +357,8 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_fault_t *fault) {
   }
   ret = 0;
 out:
-  if (ret != 0 && *fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))
-    *fault = ZT_FAULT_GENERATION;
+  if (ret != 0 && f->fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))
+    f->fault = ZT_FAULT_PEER;
   tear_down(&t);
   return ret;
 }

@@ -32,10 +32,19 @@ typedef enum {
 
 /* Who is at fault when zt_gen_train fails. */
 typedef enum {
-  ZT_FAULT_GENERATION = 0, /* a peer or this worker's device: retry in a new generation */
-  ZT_FAULT_JOB = 1,        /* the job itself (invalid spec, bad data): fail it */
+  ZT_FAULT_PEER = 0,       /* the ring broke (a peer, the network): retry in a new generation */
+  ZT_FAULT_JOB = 1,        /* the job itself (invalid spec): fail it */
   ZT_FAULT_CHECKPOINT = 2, /* the epoch to load is corrupt: fall back to an older one */
+  ZT_FAULT_LOCAL = 3,      /* this rank's own error (data, device): may repeat */
+  ZT_FAULT_MEMORY = 4,     /* this rank lacks the memory the job needs */
 } zt_train_fault_t;
+
+/* How zt_gen_train failed: who is at fault, and at which step (1-based: the
+ * step being computed; the start step for a failure before the first). */
+typedef struct {
+  zt_train_fault_t fault;
+  int64_t step;
+} zt_train_failure_t;
 
 /* One step's numbers, as rank 0 reports them. */
 typedef struct zt_step_report {
@@ -68,14 +77,15 @@ typedef struct zt_gen_ctx {
   int (*should_stop)(void *user);
   /* Rank 0 only, after every step. */
   zt_train_cmd_t (*report_step)(void *user, const zt_step_report_t *r);
-  /* Every rank, after its files of an epoch are durable (writer thread).
-   * Returns 0 when the coordinator took the report. May be NULL. */
+  /* Every rank, after its files of an epoch are durable or its write
+   * failed (writer thread). Returns 0 when the coordinator took the report.
+   * May be NULL. */
   zt_ckpt_done_fn report_checkpoint;
   void *user;
 } zt_gen_ctx_t;
 
 /* Trains one generation. Returns 0 when the job's last step is done or a
- * stop was requested; -1 on failure with *fault saying who is at fault. */
-int zt_gen_train(const zt_gen_ctx_t *g, zt_train_fault_t *fault);
+ * stop was requested; -1 on failure, described in *f. */
+int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f);
 
 #endif

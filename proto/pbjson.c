@@ -74,6 +74,8 @@ cJSON *zt_json_event(const Ztrain__Event *e) {
   cJSON_AddStringToObject(o, "kind", e->kind);
   cJSON_AddNumberToObject(o, "worker_id", (double)e->worker_id);
   cJSON_AddStringToObject(o, "detail", e->detail);
+  cJSON_AddNumberToObject(o, "count", (double)(e->count > 0 ? e->count : 1));
+  if (e->count > 1) cJSON_AddNumberToObject(o, "last_ms", (double)e->last_ms);
   return o;
 }
 

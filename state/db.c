@@ -111,6 +111,9 @@ static const char *const k_migrations[] = {
     "  bytes INTEGER NOT NULL,"
     "  checksum TEXT NOT NULL,"
     "  PRIMARY KEY(job_id, step, gen, name));",
+    /* 6: an event that repeats is one row with a count */
+    "ALTER TABLE events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;"
+    "ALTER TABLE events ADD COLUMN last_ms INTEGER NOT NULL DEFAULT 0;",
 };
 
 enum {
@@ -124,6 +127,7 @@ enum {
   ST_WORKER_TOUCH,
   ST_WORKERS_ALL,
   ST_EVENT_ADD,
+  ST_EVENT_REPEAT,
   ST_EVENTS_ALL,
   ST_EVENTS_JOB,
   ST_JOB_INSERT,
@@ -167,10 +171,12 @@ static const char *const k_sql[ST_COUNT] = {
                        "session, host_memory, device_memory FROM workers ORDER BY id",
     [ST_EVENT_ADD] = "INSERT INTO events(t_ms, job_id, kind, worker_id, detail) "
                      "VALUES(?1, ?2, ?3, ?4, ?5)",
-    [ST_EVENTS_ALL] = "SELECT id, t_ms, job_id, kind, worker_id, detail FROM events "
-                      "WHERE id > ?1 ORDER BY id LIMIT ?2",
-    [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail FROM events "
-                      "WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
+    [ST_EVENT_REPEAT] = "UPDATE events SET count = count + 1, last_ms = ?2, detail = ?3 "
+                        "WHERE id = ?1",
+    [ST_EVENTS_ALL] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms "
+                      "FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
+    [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms "
+                      "FROM events WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
     [ST_JOB_INSERT] = "INSERT INTO jobs(name, spec, state, total_steps, min_workers, max_workers, "
                       "created_ms, updated_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
     [ST_JOB_UPDATE] = "UPDATE jobs SET state = ?2, generation = ?3, world = ?4, step = ?5, "
@@ -238,7 +244,8 @@ static const col k_worker_cols[] = {
 static const col k_event_cols[] = {
     COL(COL_I64, zt_db_event_t, id), COL(COL_I64, zt_db_event_t, t_ms),
     COL(COL_I64, zt_db_event_t, job_id), COL(COL_TEXT, zt_db_event_t, kind),
-    COL(COL_I64, zt_db_event_t, worker_id), COL(COL_TEXT, zt_db_event_t, detail)};
+    COL(COL_I64, zt_db_event_t, worker_id), COL(COL_TEXT, zt_db_event_t, detail),
+    COL(COL_I64, zt_db_event_t, count), COL(COL_I64, zt_db_event_t, last_ms)};
 
 /* jobs: the columns of ST_JOBS_ALL before the three that need more than a
  * copy (spec, skips, rollback_steps). The first JOB_UPDATED of them are
@@ -606,6 +613,14 @@ int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t wor
   if (run(db, st, "add event") != 0) return -1;
   if (id_out) *id_out = sqlite3_last_insert_rowid(db->h);
   return 0;
+}
+
+int zt_db_event_repeat(zt_db_t *db, int64_t id, const char *detail) {
+  sqlite3_stmt *st = db->st[ST_EVENT_REPEAT];
+  sqlite3_bind_int64(st, 1, id);
+  sqlite3_bind_int64(st, 2, zt_wall_ms());
+  sqlite3_bind_text(st, 3, detail ? detail : "", -1, SQLITE_STATIC);
+  return run(db, st, "repeat event");
 }
 
 int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,

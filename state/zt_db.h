@@ -51,7 +51,9 @@ typedef struct {
   uint64_t job_id;
   char kind[64];
   uint64_t worker_id;
-  char detail[512];
+  char detail[512]; /* the latest occurrence's */
+  int64_t count;    /* occurrences collapsed into this row (1: none) */
+  int64_t last_ms;  /* wall clock of the latest (0: count 1) */
 } zt_db_event_t;
 
 /* Opens (or creates) the database at path. Refused, with a message that
@@ -89,6 +91,8 @@ ZT_MUST_CHECK int zt_db_workers_each(zt_db_t *db, zt_db_worker_fn fn, void *user
 
 ZT_MUST_CHECK int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind, uint64_t worker_id,
                     const char *detail, int64_t *id_out);
+/* One more occurrence of event `id`: count + 1, the time and this detail. */
+ZT_MUST_CHECK int zt_db_event_repeat(zt_db_t *db, int64_t id, const char *detail);
 typedef int (*zt_db_event_fn)(const zt_db_event_t *e, void *user);
 /* Events with id > after_id, oldest first, at most `limit`; job_id 0: all. */
 ZT_MUST_CHECK int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,

@@ -173,7 +173,9 @@ static int cmd_events(zctl *z, int argc, char **argv) {
       char t[64], who[32] = "";
       fmt_time(t, sizeof t, e->t_ms);
       if (e->worker_id) snprintf(who, sizeof who, "worker %llu", (unsigned long long)e->worker_id);
-      printf("%s  %-20s %-12s %s\n", t, esc(e->kind), who, esc(e->detail));
+      char times[48] = "";
+      if (e->count > 1) snprintf(times, sizeof times, " (x%lld, last shown)", (long long)e->count);
+      printf("%s  %-20s %-12s %s%s\n", t, esc(e->kind), who, esc(e->detail), times);
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -392,7 +394,7 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
     rollbacks += !strcmp(k, "rollback");
     commits += !strcmp(k, "checkpoint_committed");
     spikes += !strcmp(k, "spike");
-    gens += !strcmp(k, "generation_started");
+    if (!strcmp(k, "generation_started")) gens += (int)ZT_MAX(er->events[i]->count, 1);
   }
   printf("- generations: %d; loss spikes: %d; rollbacks: %d; checkpoints committed: %d\n\n",
          gens, spikes, rollbacks, commits);
@@ -413,7 +415,8 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
     if (!strcmp(k, "checkpoint_committed") || !strcmp(k, "checkpoint_deleted")) continue;
     char t[64];
     fmt_time(t, sizeof t, e->t_ms);
-    printf("| %s | %s | ", t, k);
+    if (e->count > 1) printf("| %s | %s (x%lld) | ", t, k, (long long)e->count);
+    else printf("| %s | %s | ", t, k);
     for (const char *c = esc(e->detail); *c; c++) putchar(*c == '|' ? '/' : *c);
     printf(" |\n");
   }

@@ -114,7 +114,7 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
 }
 
 static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ckpt_file_t *files,
-                          int nfiles) {
+                          int nfiles, const char *error) {
   zt_runner_t *r = user;
   Ztrain__ReportCheckpointRequest req = ZTRAIN__REPORT_CHECKPOINT_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
@@ -125,6 +125,7 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   req.generation = r->cur_gen;
   req.step = step;
   req.dir = (char *)dir;
+  req.error = (char *)(error ? error : "");
   Ztrain__CheckpointFile cf[8], *cfp[8];
   for (int i = 0; i < nfiles && i < 8; i++) {
     ztrain__checkpoint_file__init(&cf[i]);
@@ -151,11 +152,21 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   }
 }
 
-static void report_failure(zt_runner_t *r, const char *why, int fatal, const char *bad_ckpt,
-                           int suspect) {
+/* What the coordinator needs to know of a failure. */
+typedef struct {
+  int fatal;              /* the job itself is broken */
+  const char *bad_ckpt;   /* the epoch that failed to load */
+  int suspect;            /* the peer rank whose connection failed; -1: unknown */
+  Ztrain__FailureKind kind;
+  int64_t step;
+} failure_t;
+
+static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) {
   Ztrain__ReportFailureRequest req = ZTRAIN__REPORT_FAILURE_REQUEST__INIT;
-  req.suspect_rank = suspect + 1;
-  req.bad_checkpoint = (char *)(bad_ckpt ? bad_ckpt : "");
+  req.suspect_rank = f->suspect + 1;
+  req.kind = f->kind;
+  req.step = f->step;
+  req.bad_checkpoint = (char *)(f->bad_ckpt ? f->bad_ckpt : "");
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
   zt_ctl_session(r->ctl, session, sizeof session);
@@ -163,7 +174,7 @@ static void report_failure(zt_runner_t *r, const char *why, int fatal, const cha
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.reason = (char *)why;
-  req.fatal = fatal;
+  req.fatal = f->fatal;
   ProtobufCMessage *m;
   int st;
   if (call(r, "/ztrain.Control/ReportFailure", &req.base, &ztrain__report_failure_reply__descriptor,
@@ -237,8 +248,8 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
   g.nskips = (int)rv->n_skips;
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
   g.skips = skips;
-  zt_train_fault_t fault = ZT_FAULT_GENERATION;
-  int rc = zt_gen_train(&g, &fault);
+  zt_train_failure_t tf = {ZT_FAULT_PEER, rv->start_step};
+  int rc = zt_gen_train(&g, &tf);
   free(files);
   if (rc == 0) return;
   char why[800];
@@ -247,10 +258,16 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
     ZT_INFO("generation %llu left: %s", (unsigned long long)r->cur_gen, why);
     return;
   }
-  ZT_WARN("training failed%s: %s", fault == ZT_FAULT_JOB ? " (job error)" : "", why);
-  report_failure(r, why, fault == ZT_FAULT_JOB,
-                 fault == ZT_FAULT_CHECKPOINT ? rv->checkpoint_dir : NULL,
-                 zt_comm_failed_peer(comm));
+  ZT_WARN("training failed at step %lld%s: %s", (long long)tf.step,
+          tf.fault == ZT_FAULT_JOB ? " (job error)" : "", why);
+  failure_t f = {.fatal = tf.fault == ZT_FAULT_JOB,
+                 .bad_ckpt = tf.fault == ZT_FAULT_CHECKPOINT ? rv->checkpoint_dir : NULL,
+                 .suspect = zt_comm_failed_peer(comm),
+                 .kind = tf.fault == ZT_FAULT_LOCAL    ? ZTRAIN__FAILURE_KIND__FAILURE_LOCAL
+                         : tf.fault == ZT_FAULT_MEMORY ? ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY
+                                                       : ZTRAIN__FAILURE_KIND__FAILURE_PEER,
+                 .step = tf.step};
+  report_failure(r, why, &f);
 }
 
 /* Joins (cur_job, cur_gen): listening socket, rendezvous, ring; trains it. */
@@ -270,7 +287,8 @@ static void run_generation(zt_runner_t *r) {
     snprintf(why, sizeof why, "rendezvous reply holds %zu skip ranges (the limit is %d)",
              rv->n_skips, ZT_MAX_SKIP_RANGES);
     ZT_ERROR("%s", why);
-    report_failure(r, why, 1, NULL, -1);
+    failure_t f = {.fatal = 1, .suspect = -1, .step = rv->start_step};
+    report_failure(r, why, &f);
     goto out;
   }
   zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
@@ -283,7 +301,9 @@ static void run_generation(zt_runner_t *r) {
     char why[600];
     snprintf(why, sizeof why, "ring set-up: %s", zt_err_msg());
     ZT_WARN("%s", why);
-    if (!changed(r)) report_failure(r, why, 0, NULL, -1);
+    failure_t f = {.suspect = -1, .kind = ZTRAIN__FAILURE_KIND__FAILURE_PEER,
+                   .step = rv->start_step};
+    if (!changed(r)) report_failure(r, why, &f);
     goto out;
   }
   pthread_mutex_lock(&r->mu);

@@ -120,5 +120,18 @@ ZT_TEST(test_printable_and_numbers) {
   ZT_CHECK(zt_parse_i64("x", "12abc", 0, 100, &v) == -1 && zt_parse_i64("x", "", 0, 1, &v) == -1);
 }
 
+ZT_TEST(test_text_shape) {
+  char a[128], b[128];
+  ZT_CHECK_STR(zt_text_shape("generation 7 rank 1: connect 127.0.0.1:4567 at step 40", a, sizeof a),
+               "generation # rank #: connect #:# at step #");
+  ZT_CHECK_STR(zt_text_shape("step_10-g2 on w12, x1.5", a, sizeof a), "step_#-g# on w#, x#");
+  ZT_CHECK_STR(zt_text_shape("no numbers", a, sizeof a), "no numbers");
+  zt_text_shape("token 300 at 12 >= vocab_size 257", a, sizeof a);
+  zt_text_shape("token 301 at 99 >= vocab_size 257", b, sizeof b);
+  ZT_CHECK_STR(a, b);
+  char tiny[4];
+  ZT_CHECK(strlen(zt_text_shape("abcdefgh", tiny, sizeof tiny)) == 3);
+}
+
 ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine,
-             test_printable_and_numbers)
+             test_printable_and_numbers, test_text_shape)
