@@ -95,6 +95,7 @@ static const struct {
     [ZT_E_TOO_LARGE] = {8 /* RESOURCE_EXHAUSTED */, 413},
     [ZT_E_ABORTED] = {10 /* ABORTED */, 409},
     [ZT_E_EXISTS] = {6 /* ALREADY_EXISTS */, 409},
+    [ZT_E_NO_MEMORY] = {8 /* RESOURCE_EXHAUSTED */, 507},
 };
 
 int zt_errkind_grpc(zt_errkind_t kind) {

@@ -63,6 +63,7 @@ typedef enum {
   ZT_E_TOO_LARGE,        /* over a size limit: RESOURCE_EXHAUSTED, 413 */
   ZT_E_ABORTED,          /* superseded by something newer: ABORTED, 409 */
   ZT_E_EXISTS,           /* the name is taken: ALREADY_EXISTS, 409 */
+  ZT_E_NO_MEMORY,        /* not enough memory for the work: RESOURCE_EXHAUSTED, 507 */
   ZT_E_COUNT
 } zt_errkind_t;
 

@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "memory.h"
 #include "restarts.h"
 #include "spike.h"
 #include "zt_common.h"
@@ -92,6 +93,8 @@ typedef struct {
   int64_t rb_window, rb_patience, rb_margin, rb_skip, rb_cooldown, rb_max, rb_per_steps;
   double rb_threshold, rb_lr_factor;
   zt_spec_restart_t restart;    /* elastic{...}: the restart policy */
+  int zero_stage;
+  zt_mem_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
   int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
 } zt_job_params_t;
 

@@ -107,13 +107,17 @@ int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_p
   p->rb_per_steps = s.rollback.per_steps;
   p->restart = s.restart;
   p->max_uncommitted = s.ckpt.max_uncommitted_steps;
+  p->zero_stage = s.zero_stage;
   if (p->max_workers > ZT_MAX_WORLD)
     return zt_errk(ZT_E_INVALID, "elastic.max_workers %d exceeds %d", p->max_workers,
                    ZT_MAX_WORLD);
   /* Some N in [min, max] must divide the number of micro-batches per step. */
   int any = 0;
-  for (int n = p->min_workers; n <= p->max_workers; n++)
-    any |= (p->global_batch / p->micro) % n == 0;
+  for (int n = p->min_workers; n <= p->max_workers; n++) {
+    if ((p->global_batch / p->micro) % n != 0) continue;
+    any = 1;
+    if (zt_memory_need(&s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
+  }
   if (!any)
     return zt_errk(ZT_E_INVALID,
                    "no world size in %d..%d divides train_batch_size / micro batch = %lld; the "
@@ -185,23 +189,50 @@ static int member_usable(const zt_member_t *m) {
   return m && m->row.state == ZT_WORKER_ALIVE && !m->draining && !m->quarantine_ms;
 }
 
-/* Chooses the members of the next generation into pick: survivors of the
- * current one first, in rank order, then idle workers by id; the largest
- * count that divides the micro-batches per step. */
-static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD]) {
-  int n = 0;
+static int member_fits(const zt_member_t *m, const zt_mem_need_t *need) {
+  return zt_memory_fits(need, m->row.host_memory, m->row.device_memory);
+}
+
+/* The candidates for a generation of n ranks: usable workers that can hold
+ * one rank at that size; survivors of the current generation first, in
+ * rank order, then idle workers by id. Returns how many (at most n). */
+static int candidates(zt_coord_t *c, zt_job_t *j, int n, uint64_t pick[ZT_MAX_WORLD]) {
+  const zt_mem_need_t *need = &j->p.need[n];
+  int k = 0;
   if (j->row.state != ZT_JOB_PENDING)
-    for (int r = 0; r < j->row.world && n < j->p.max_workers; r++) {
+    for (int r = 0; r < j->row.world && k < n; r++) {
       zt_member_t *m = zt_members_get(c, j->workers[r]);
-      if (member_usable(m) && m->job_id == j->row.id) pick[n++] = m->row.id;
+      if (member_usable(m) && m->job_id == j->row.id && member_fits(m, need))
+        pick[k++] = m->row.id;
     }
-  for (size_t i = 0; i < c->by_id_cap && n < j->p.max_workers; i++) {
+  for (size_t i = 0; i < c->by_id_cap && k < n; i++) {
     zt_member_t *m = c->by_id[i];
-    if (member_usable(m) && m->job_id == 0) pick[n++] = m->row.id;
+    if (member_usable(m) && m->job_id == 0 && member_fits(m, need)) pick[k++] = m->row.id;
   }
+  return k;
+}
+
+/* Chooses the members of the next generation into pick: the largest world
+ * size that divides the micro-batches per step and has that many
+ * candidates. Returns it, or 0 with what is missing in why. */
+static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD], char *why,
+                        size_t whylen) {
   int64_t micro_batches = j->p.global_batch / j->p.micro;
-  while (n >= j->p.min_workers && micro_batches % n != 0) n--;
-  return n;
+  int best = -1, have = 0;
+  for (int n = j->p.max_workers; n >= j->p.min_workers; n--) {
+    if (micro_batches % n != 0) continue;
+    int k = candidates(c, j, n, pick);
+    if (k == n) return n;
+    if (best < 0) best = n, have = k; /* the largest size: the smallest need */
+  }
+  const zt_mem_need_t *need = &j->p.need[best];
+  char h[32], d[32];
+  snprintf(why, whylen,
+           "waiting for %d workers that can each hold one rank (%s of RAM on CPU workers, %s "
+           "of GPU memory on GPU workers, at world size %d, ZeRO stage %d); %d available",
+           best, zt_memory_text(need->host, h, sizeof h), zt_memory_text(need->device, d, sizeof d),
+           best, j->p.zero_stage, have);
+  return 0;
 }
 
 /* Where the next generation starts: the epoch a rollback chose (or a
@@ -234,14 +265,22 @@ static void set_start(zt_coord_t *c, zt_job_t *j, const char *dir) {
     ZT_WARN("job %llu: %s", (unsigned long long)j->row.id, zt_err_msg());
 }
 
-/* No generation can be formed: back to PENDING. */
-static void to_pending(zt_coord_t *c, zt_job_t *j, const char *reason) {
-  if (j->row.state == ZT_JOB_PENDING) return;
+/* No generation can be formed: back to PENDING, saying what is missing
+ * (the message changes as workers come and go). */
+static void to_pending(zt_coord_t *c, zt_job_t *j, const char *missing, const char *reason) {
+  char msg[sizeof j->row.message];
+  snprintf(msg, sizeof msg, "%s (%s)", missing, reason);
+  if (j->row.state == ZT_JOB_PENDING) {
+    if (strncmp(j->row.message, missing, strlen(missing)) != 0) {
+      snprintf(j->row.message, sizeof j->row.message, "%s", missing);
+      save_job(c, j);
+    }
+    return;
+  }
   release_rendezvous(j, ZT_RPC_ABORTED, "not enough workers; job pending");
   release_members(c, j);
   j->row.state = ZT_JOB_PENDING;
-  snprintf(j->row.message, sizeof j->row.message, "waiting for %d workers (%s)",
-           j->p.min_workers, reason);
+  snprintf(j->row.message, sizeof j->row.message, "%s", msg);
   save_job(c, j);
   zt_coord_event(c, j->row.id, "job_pending", 0, "%s", j->row.message);
 }
@@ -273,9 +312,10 @@ static int commit_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
 /* Forms the next generation if enough workers are available. */
 static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   uint64_t pick[ZT_MAX_WORLD];
-  int n = pick_members(c, j, pick);
-  if (n < j->p.min_workers) {
-    to_pending(c, j, reason);
+  char missing[300];
+  int n = pick_members(c, j, pick, missing, sizeof missing);
+  if (!n) {
+    to_pending(c, j, missing, reason);
     return;
   }
   release_rendezvous(j, ZT_RPC_ABORTED, "generation superseded");
@@ -323,10 +363,12 @@ static int idle_workers(zt_coord_t *c) {
 }
 
 /* Scale up at a checkpoint boundary: asks for a checkpoint now when a
- * larger valid world is available. */
+ * larger valid world has enough workers that can hold a rank. */
 static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
-  int avail = j->row.world + idle_workers(c), n = ZT_MIN(avail, j->p.max_workers);
-  while (n > j->row.world && (j->p.global_batch / j->p.micro) % n != 0) n--;
+  uint64_t pick[ZT_MAX_WORLD];
+  int n = ZT_MIN(j->p.max_workers, j->row.world + idle_workers(c));
+  for (; n > j->row.world; n--)
+    if ((j->p.global_batch / j->p.micro) % n == 0 && candidates(c, j, n, pick) == n) break;
   if (n <= j->row.world) return;
   j->ckpt_request = 1;
   snprintf(j->reform_reason, sizeof j->reform_reason, "scale-up from %d to %d workers",
@@ -591,9 +633,39 @@ void zt_jobs_free(zt_coord_t *c) {
 
 /* ---- operations from the services -------------------------------------------------- */
 
+/* A job no worker the coordinator has ever seen could hold one rank of,
+ * at its most favourable world size, is refused at submit. With no worker
+ * known yet it is accepted (and waits, saying what it needs). */
+static int check_admissible(zt_coord_t *c, const zt_job_params_t *p) {
+  int best = p->max_workers;
+  while (best > p->min_workers && (p->global_batch / p->micro) % best != 0) best--;
+  const zt_mem_need_t *need = &p->need[best];
+  uint64_t host = 0, dev = 0;
+  int known = 0;
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    zt_member_t *m = c->by_id[i];
+    if (!m) continue;
+    if (member_fits(m, need)) return 0;
+    known = 1;
+    host = ZT_MAX(host, m->row.host_memory);
+    dev = ZT_MAX(dev, m->row.device_memory);
+  }
+  if (!known) return 0;
+  char h[32], d[32], hh[32], dd[32];
+  return zt_errk(ZT_E_INVALID,
+                 "no worker could hold one rank of this job: at world size %d (ZeRO stage %d) "
+                 "a rank needs %s of RAM on a CPU worker or %s of GPU memory on a GPU worker; "
+                 "the largest workers have %s of RAM and %s of GPU memory (raise "
+                 "elastic.max_workers, the ZeRO stage, or lower the micro batch)",
+                 best, p->zero_stage, zt_memory_text(need->host, h, sizeof h),
+                 zt_memory_text(need->device, d, sizeof d), zt_memory_text(host, hh, sizeof hh),
+                 zt_memory_text(dev, dd, sizeof dd));
+}
+
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id) {
   zt_job_params_t p;
   if (zt_job_params_parse(spec, &c->cfg, &p) != 0) return -1;
+  if (check_admissible(c, &p) != 0) return -1;
   if (p.ckpt_load[0]) { /* only what this coordinator committed, with its checksums */
     zt_db_ckpt_file_t *files;
     int n;
@@ -920,6 +992,26 @@ static void quarantine_peer(zt_coord_t *c, zt_job_t *j, zt_member_t *m, int susp
                  m->row.name, suspect_rank, peer->row.name);
 }
 
+/* A rank ran out of memory although its worker said it had enough: the
+ * worker's memory is taken to be less than this rank needed (until it
+ * registers again), so the scheduler does not give it such a rank again. */
+static void learn_memory(zt_coord_t *c, zt_job_t *j, zt_member_t *m) {
+  const zt_mem_need_t *need = &j->p.need[j->row.world];
+  zt_db_worker_t *w = &m->row;
+  if (w->device_memory && w->device_memory >= need->device)
+    w->host_memory = ZT_MIN(w->host_memory, need->host_with_device - 1);
+  else if (w->device_memory)
+    w->device_memory = need->device - 1;
+  else
+    w->host_memory = ZT_MIN(w->host_memory ? w->host_memory : UINT64_MAX, need->host - 1);
+  char h[32];
+  zt_coord_event(c, j->row.id, "out_of_memory", m->row.id,
+                 "worker %s ran out of memory for one rank at world size %d (about %s); it is "
+                 "not given ranks that large again until it registers anew",
+                 m->row.name, j->row.world,
+                 zt_memory_text(w->device_memory ? need->device : need->host, h, sizeof h));
+}
+
 int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *req) {
   zt_job_t *j;
   zt_member_t *m = zt_members_get(c, req->worker_id);
@@ -950,6 +1042,7 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
                         : req->kind == ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY
                             ? ZT_FAIL_MEMORY
                             : ZT_FAIL_PEER;
+  if (kind == ZT_FAIL_MEMORY) learn_memory(c, j, m);
   fail_generation(c, j, kind, req->step, why);
   return 0;
 }

@@ -22,6 +22,8 @@ void zt_view_worker(const zt_member_t *m, Ztrain__WorkerInfo *w) {
   w->last_seen_ms = m->row.last_seen_ms;
   w->registered_ms = m->row.registered_ms;
   w->pid = m->row.pid;
+  w->host_memory_bytes = m->row.host_memory;
+  w->device_memory_bytes = m->row.device_memory;
 }
 
 void zt_view_job(const zt_job_t *j, Ztrain__JobInfo *ji) {

@@ -25,37 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "activations.h"
 #include "zt_common.h"
-
-/* The activation tensors, in floats, for a capacity of B x T (BT = B * T):
- * one entry per tensor, in allocation order. This list declares the
- * fields of struct zt_acts, allocates, frees and counts them (as llm.c's
- * table of activation sizes does). */
-#define ZT_ACTIVATIONS(X)              \
-  X(encoded, BT * C)                   \
-  X(ln1, L * BT * C)                   \
-  X(ln1_mean, L * BT)                  \
-  X(ln1_rstd, L * BT)                  \
-  X(qkv, L * BT * 3 * C)               \
-  X(atty, L * BT * C)                  \
-  X(att, L * B * NH * T * T)           \
-  X(res2, L * BT * C)                  \
-  X(ln2, L * BT * C)                   \
-  X(ln2_mean, L * BT)                  \
-  X(ln2_rstd, L * BT)                  \
-  X(fch, L * BT * 4 * C)               \
-  X(fch_gelu, L * BT * 4 * C)          \
-  X(res3, L * BT * C)                  \
-  X(lnf, BT * C)                       \
-  X(lnf_mean, BT)                      \
-  X(lnf_rstd, BT)                      \
-  X(logits, BT * Vp)                   \
-  X(losses, BT)                        \
-  X(dres, BT * C)                      \
-  X(dbtc, BT * C)                      \
-  X(dqkv, BT * 3 * C)                  \
-  X(dfch, BT * 4 * C)                  \
-  X(proj, BT * C)
 
 struct zt_acts {
   int B, T;            /* shape of the last forward */
@@ -94,7 +65,7 @@ static int acts_create(zt_model_t *m) {
   ZT_ACTIVATIONS(ZT_ACT_ALLOC)
 #undef ZT_ACT_ALLOC
   (void)NH, (void)Vp;
-  if (!ok) return zt_err("out of memory for activations (%zu bytes)", a->bytes);
+  if (!ok) return zt_errk(ZT_E_NO_MEMORY, "out of memory for activations (%zu bytes)", a->bytes);
   return 0;
 }
 
@@ -117,7 +88,7 @@ size_t zt_model_activation_bytes(const zt_model_t *m) { return m->acts ? m->acts
  * pointing into it. */
 static int alloc_flat(zt_model_t *m, float **flat, float **units, const char *what) {
   *flat = m->k->alloc(m->lay.num_params * sizeof(float));
-  if (!*flat) return zt_err("out of memory for %zu %s", m->lay.num_params, what);
+  if (!*flat) return zt_errk(ZT_E_NO_MEMORY, "out of memory for %zu %s", m->lay.num_params, what);
   for (int u = 0; u < m->lay.num_units; u++) units[u] = *flat + m->lay.unit_off[u];
   return 0;
 }

@@ -30,6 +30,7 @@
 
 #include "ckpt_io.h"
 #include "data.h"
+#include "memory.h"
 #include "device.h"
 #include "model.h"
 #include "optim.h"
@@ -49,6 +50,7 @@ typedef struct {
   zt_data_t *train, *val;
   int *inp, *tgt;
   zt_ckpt_writer_t *writer; /* started at the first checkpoint */
+  zt_mem_need_t need;       /* what one rank needs (memory.h) */
   int N, r, accum, mb, T;
   int64_t tmo;
 } trainer;
@@ -109,6 +111,31 @@ static int open_data(trainer *t) {
   return 0;
 }
 
+/* The job's per-rank need (memory.h) against the worker's budget: a job
+ * that cannot fit fails here, naming both, instead of being killed by the
+ * kernel half-way through allocating. */
+static int check_memory(trainer *t) {
+  const zt_gen_ctx_t *g = t->g;
+  if (zt_memory_need(&t->spec, t->N, &t->need) != 0) return zt_err_wrap("memory estimate");
+  int gpu = t->k != zt_kernels_cpu();
+  uint64_t device = gpu ? (g->device_memory ? g->device_memory : UINT64_MAX) : 0;
+  if (zt_memory_fits(&t->need, g->host_memory, device)) return 0;
+  char need[32], have[32], dneed[32], dhave[32];
+  if (gpu && device < t->need.device)
+    return zt_errk(ZT_E_NO_MEMORY,
+                   "out of memory: one rank of this job needs %s of GPU memory at world size %d "
+                   "(ZeRO stage %d), the device has %s",
+                   zt_memory_text(t->need.device, dneed, sizeof dneed), t->N, t->spec.zero_stage,
+                   zt_memory_text(device, dhave, sizeof dhave));
+  uint64_t want = gpu ? t->need.host_with_device : t->need.host;
+  return zt_errk(ZT_E_NO_MEMORY,
+                 "out of memory: one rank of this job needs %s of host memory at world size %d "
+                 "(ZeRO stage %d; states %s), this worker may use %s (zworker --memory)",
+                 zt_memory_text(want, need, sizeof need), t->N, t->spec.zero_stage,
+                 zt_memory_text(t->need.states, dneed, sizeof dneed),
+                 zt_memory_text(g->host_memory, have, sizeof have));
+}
+
 /* Everything before the first step. *fault says who is to blame. */
 static int set_up(trainer *t, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
@@ -126,18 +153,27 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     return zt_err_wrap("device");
   }
   if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
+  *fault = ZT_FAULT_MEMORY;
+  if (check_memory(t) != 0) return -1;
+  *fault = ZT_FAULT_JOB;
   if (zt_model_create(&t->m, &t->cfg, t->mb, t->T, t->k,
-                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0)
+                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0) {
+    if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return zt_err_wrap("model");
+  }
   if (open_data(t) != 0) return -1;
   /* Test knob: CPU workers stage collectives as the device path does. */
   int dev = t->k != zt_kernels_cpu() || zt_knob(ZT_KNOB_STAGE_COLLECTIVES, 0) == 1;
   zt_zero_opts_t zo = {.rank = t->r, .world = t->N, .stage = t->spec.zero_stage, .dev = dev,
                        .timeout_ms = t->tmo,
                        .inv_k = (double)t->mb / (double)t->spec.global_batch};
-  if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) return -1;
+  if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) {
+    if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
+    return -1;
+  }
   t->have_z = 1;
-  if (g->workdir && zt_zero_write_memory_report(&t->z, g->workdir) != 0)
+  if (g->workdir && zt_zero_write_memory_report(&t->z, g->workdir,
+                                                zt_model_activation_bytes(t->m), &t->need) != 0)
     ZT_WARN("%s", zt_err_msg());
   t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
   t->tgt = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);

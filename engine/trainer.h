@@ -65,6 +65,10 @@ typedef struct zt_gen_ctx {
    * roots; NULL: not confined (zsolo on the user's own files). */
   const char *data_root, *ckpt_root;
   int threads;                 /* CPU threads (0: default) */
+  /* The worker's memory budget: RAM it may use and its GPU's memory (0:
+   * not said; no check). A job that needs more fails with ZT_FAULT_MEMORY
+   * before allocating. */
+  uint64_t host_memory, device_memory;
   const char *device;          /* "cpu" (or NULL) or "cuda:N": where the model runs */
   const char *checkpoint_dir;  /* committed epoch to load ("" or NULL: fresh) */
   zt_ckpt_record_t checkpoint; /* its files as the coordinator recorded them */

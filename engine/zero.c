@@ -130,8 +130,10 @@ static int layout(zt_zero_t *z) {
     z->gat = alloc_f(z, z->max_unit, FLIGHT);
   }
   z->gbuf = z->k->alloc((z->max_unit ? z->max_unit : 1) * sizeof(float)); /* not a model state */
+  z->scratch_bytes = z->max_unit * sizeof(float);
   if (!z->gbuf || z->oom)
-    return zt_err("out of %s memory for the model states (%llu bytes)", z->dev ? "device" : "host",
+    return zt_errk(ZT_E_NO_MEMORY, "out of %s memory for the model states (%llu bytes)",
+                   z->dev ? "device" : "host",
                   (unsigned long long)(z->state_bytes[0] + z->state_bytes[1] +
                                        z->state_bytes[2] + z->state_bytes[3]));
   for (int u = 0; u < z->U; u++) {
@@ -229,7 +231,8 @@ void zt_zero_free(zt_zero_t *z) {
   memset(z, 0, sizeof *z);
 }
 
-int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir) {
+int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
+                                uint64_t activation_bytes, const zt_mem_need_t *estimate) {
   char path[1100];
   snprintf(path, sizeof path, "%s/zero_memory.json", workdir);
   FILE *f = fopen(path, "w");
@@ -239,10 +242,13 @@ int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir) {
   fprintf(f,
           "{\"stage\": %d, \"world\": %d, \"rank\": %d, \"psi\": %zu, \"padding\": %zu, "
           "\"params_bytes\": %llu, \"grads_bytes\": %llu, \"optimizer_bytes\": %llu, "
-          "\"inflight_bytes\": %llu}\n",
+          "\"inflight_bytes\": %llu, \"scratch_bytes\": %llu, \"activation_bytes\": %llu, "
+          "\"estimated_states_bytes\": %llu, \"estimated_activation_bytes\": %llu}\n",
           z->stage, z->N, z->r, psi, pad, (unsigned long long)z->state_bytes[0],
           (unsigned long long)z->state_bytes[1], (unsigned long long)z->state_bytes[2],
-          (unsigned long long)z->state_bytes[3]);
+          (unsigned long long)z->state_bytes[3], (unsigned long long)z->scratch_bytes,
+          (unsigned long long)activation_bytes, (unsigned long long)estimate->states,
+          (unsigned long long)estimate->activations);
   if (fclose(f) != 0) return zt_err_errno("%s", path);
   return 0;
 }

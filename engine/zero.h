@@ -39,6 +39,7 @@
 
 #include "ckpt_io.h"
 #include "comm.h"
+#include "memory.h"
 #include "model.h"
 #include "optim.h"
 #include "zt_kernels.h"
@@ -69,6 +70,7 @@ typedef struct zt_zero {
   int oom;               /* an allocation of the layout failed */
   char fail_msg[512];
   uint64_t state_bytes[4]; /* params, grads, optimizer, in flight */
+  uint64_t scratch_bytes;  /* the gather scratch (not a model state) */
 } zt_zero_t;
 
 typedef struct zt_zero_opts {
@@ -87,8 +89,12 @@ ZT_MUST_CHECK int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t
 void zt_zero_free(zt_zero_t *z);
 
 /* Writes <workdir>/zero_memory.json: the bytes of model states this rank
- * holds, by kind (tests compare them with docs/zero.md). */
-ZT_MUST_CHECK int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir);
+ * holds, by kind, and the activations' bytes, next to the estimate the
+ * scheduler admits jobs by (memory.h); tests compare them with
+ * docs/zero.md and with each other. */
+ZT_MUST_CHECK int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
+                                              uint64_t activation_bytes,
+                                              const zt_mem_need_t *estimate);
 
 /* Fresh parameters (zt_layout_init_unit), whole units or this rank's shard. */
 void zt_zero_init_params(zt_zero_t *z, uint64_t seed);

@@ -2,9 +2,10 @@
  * device.c: the kernel table for a device name; finds, loads and
  * initialises the CUDA kernel table (see device.h).
  *
- * Only three entry points of libzt_kernels_cuda.so are used, resolved by
- * dlsym: zt_kern_cuda_init, zt_kernels_cuda and zt_kern_cuda_set_math (their
- * contracts are in kernels/cuda/zt_kernels_cuda.h). The handle is kept for
+ * Only four entry points of libzt_kernels_cuda.so are used, resolved by
+ * dlsym: zt_kern_cuda_init, zt_kernels_cuda, zt_kern_cuda_set_math and
+ * zt_cuda_device_memory (their contracts are in
+ * kernels/cuda/zt_kernels_cuda.h). The handle is kept for
  * the life of the process: the library owns the CUDA context and stream.
  */
 #include <dlfcn.h>
@@ -24,6 +25,7 @@ static void *g_lib;
 static int (*g_init)(int, char *, size_t);
 static const zt_kernels_t *(*g_table)(void);
 static void (*g_set_math)(int);
+static size_t (*g_memory)(void);
 
 int zt_device_parse(const char *device) {
   if (!device || !strcmp(device, "cpu")) return -1;
@@ -66,7 +68,8 @@ static const zt_kernels_t *cuda_kernels(int index, int bf16) {
     *(void **)&g_init = dlsym(g_lib, "zt_kern_cuda_init");
     *(void **)&g_table = dlsym(g_lib, "zt_kernels_cuda");
     *(void **)&g_set_math = dlsym(g_lib, "zt_kern_cuda_set_math");
-    if (!g_init || !g_table || !g_set_math) {
+    *(void **)&g_memory = dlsym(g_lib, "zt_cuda_device_memory");
+    if (!g_init || !g_table || !g_set_math || !g_memory) {
       zt_err("libzt_kernels_cuda.so lacks an entry point: %s", dlerror());
       dlclose(g_lib);
       g_lib = NULL;
@@ -90,4 +93,10 @@ const zt_kernels_t *zt_device_kernels(const char *device, int bf16) {
   if (index == -2) return NULL;
   if (index == -1) return zt_kernels_cpu();
   return cuda_kernels(index, bf16);
+}
+
+uint64_t zt_device_memory(const char *device) {
+  int index = zt_device_parse(device);
+  if (index < 0 || !cuda_kernels(index, 0)) return 0;
+  return (uint64_t)g_memory();
 }

@@ -15,6 +15,8 @@
 #ifndef ZT_DEVICE_H
 #define ZT_DEVICE_H
 
+#include <stdint.h>
+
 #include "zt_kernels.h"
 
 /* Parses "cpu", "cuda" or "cuda:N": returns -1 for the CPU, N for a GPU,
@@ -27,5 +29,10 @@ int zt_device_parse(const char *device);
  * not found, no such device, no driver). The CUDA library is loaded and
  * initialised once per process; later calls must name the same device. */
 const zt_kernels_t *zt_device_kernels(const char *device, int bf16);
+
+/* The memory of the GPU `device` names, in bytes (loading and initialising
+ * the CUDA library as zt_device_kernels does); 0 for "cpu", and 0 with an
+ * error when the GPU cannot be used. */
+uint64_t zt_device_memory(const char *device);
 
 #endif

@@ -63,6 +63,8 @@ cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
   cJSON_AddNumberToObject(o, "last_seen_ms", (double)w->last_seen_ms);
   cJSON_AddNumberToObject(o, "registered_ms", (double)w->registered_ms);
   cJSON_AddNumberToObject(o, "pid", w->pid);
+  cJSON_AddNumberToObject(o, "host_memory_bytes", (double)w->host_memory_bytes);
+  cJSON_AddNumberToObject(o, "device_memory_bytes", (double)w->device_memory_bytes);
   return o;
 }
 

@@ -232,6 +232,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
                     .comm = comm, .workdir = r->workdir, .threads = r->o.threads,
                     .data_root = r->o.data_root, .ckpt_root = r->o.ckpt_root,
                     .device = r->o.device, .checkpoint_dir = rv->checkpoint_dir,
+                    .host_memory = r->o.host_memory, .device_memory = r->o.device_memory,
                     .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
                     .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
                     .should_stop = should_stop_cb, .report_step = report_step_cb,

@@ -30,6 +30,7 @@ typedef struct {
   int threads; /* compute threads (0: default) */
   const char *device; /* "cpu" or "cuda:N" */
   const char *data_root, *ckpt_root; /* job paths must lie under these (absolute) */
+  uint64_t host_memory, device_memory; /* the budget a job must fit (0: unchecked) */
 } zt_runner_opts_t;
 
 int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts_t *o, zt_runner_t **out);

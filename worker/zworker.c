@@ -211,15 +211,19 @@ int main(int argc, char **argv) {
   sigaction(SIGTERM, &act, NULL);
 
   static zt_runner_t *runner;
+  uint64_t device_memory = 0;
+  if (zt_device_parse(a.device) >= 0 && !(device_memory = zt_device_memory(a.device)))
+    ZT_WARN("%s: %s; jobs will fail on this worker until it is fixed", a.device, zt_err_msg());
   zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
-                     .secret = a.secret, .host_memory = a.memory, .on_command = on_command,
-                     .user = &runner};
+                     .secret = a.secret, .host_memory = a.memory,
+                     .device_memory = device_memory, .on_command = on_command, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
   zt_runner_opts_t ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads,
-                         .device = a.device, .data_root = a.data_root, .ckpt_root = a.ckpt_root};
+                         .device = a.device, .data_root = a.data_root, .ckpt_root = a.ckpt_root,
+                         .host_memory = a.memory, .device_memory = device_memory};
   if (zt_runner_start(sa.ctl, &ro, &runner) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ztest import (byte_dataset, events, job, losses, start_fleet, submit, tiny_spec,
+from ztest import (byte_dataset, events, job, job_members, losses, start_fleet, submit, tiny_spec,
                    wait_job, wait_until, workers_by_name)
 
 HB, TIMEOUT = 300, 1500
@@ -47,13 +47,6 @@ def generations(coord, jid):
                           "WHERE job_id = ? ORDER BY gen", (jid,)).fetchall()
 
 
-def current_members(coord, jid):
-    with sqlite3.connect(coord.db) as db:
-        return {r[0] for r in db.execute(
-            "SELECT w.name FROM members m JOIN workers w ON w.id = m.worker_id JOIN jobs j "
-            "ON j.id = m.job_id AND j.generation = m.gen WHERE m.job_id = ?", (jid,))}
-
-
 def test_kill9_twenty_times(procs, tmp_path, data):
     train, val = data
     names = [f"w{i}" for i in range(4)]
@@ -68,7 +61,7 @@ def test_kill9_twenty_times(procs, tmp_path, data):
     while kills < 20 and job(coord, jid)["state"] != "completed":
         time.sleep(rng.uniform(0.2, 1.2))  # a random point of the step
         victim = rng.choice(names)
-        members_killed += victim in current_members(coord, jid)
+        members_killed += victim in job_members(coord, jid)
         ws[victim].kill()
         kills += 1
         # The machine comes back (same name): it registers again once the

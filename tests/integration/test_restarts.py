@@ -154,7 +154,7 @@ def test_disk_full_pauses_checkpointing_until_space_is_freed(procs, tmp_path, da
     assert "checkpointing paused" in job(coord, jid)["message"]
     assert "No space left on device" in job(coord, jid)["message"]
     os.unlink(filler)
-    j = wait_job(coord, jid, timeout=120)
+    wait_job(coord, jid, timeout=120)
     assert "checkpointing_resumed" in kinds(coord, jid)
     assert metric(coord, "ztrain_job_checkpointing_paused", jid) == 0
     assert len(generations(coord, jid)) == 1

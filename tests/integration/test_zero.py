@@ -77,6 +77,13 @@ def test_model_state_memory(procs, tmp_path, data, stage):
         # What is in flight (stages 2-3: a few units) stays well below one
         # full copy of the model states.
         assert m["inflight_bytes"] < 8 * psi
+        # The scheduler admits jobs by an estimate (engine/memory.c) that
+        # must be exactly what the worker allocates: states, and the
+        # activations plus the int inputs, targets and host losses.
+        states = held + m["inflight_bytes"] + m["scratch_bytes"]
+        assert m["estimated_states_bytes"] == states, (stage, i, m)
+        B, T = spec["train_micro_batch_size_per_gpu"], spec["model"]["seq_len"]
+        assert m["estimated_activation_bytes"] == m["activation_bytes"] + 12 * B * T, m
 
 
 def test_staged_collectives_match(procs, tmp_path, data):

@@ -281,6 +281,16 @@ def wait_job(coord, jid, timeout=120, states=("completed",)):
     return wait_until(done, timeout, f"job {jid} to reach {states}", interval=0.05)
 
 
+def job_members(coord, jid, current_only=True):
+    """Names of the workers in the job's current generation (or in any)."""
+    import sqlite3
+    join = " JOIN jobs j ON j.id = m.job_id AND j.generation = m.gen" if current_only else ""
+    with sqlite3.connect(coord.db) as db:
+        return {r[0] for r in db.execute(
+            "SELECT DISTINCT w.name FROM members m JOIN workers w ON w.id = m.worker_id" + join +
+            " WHERE m.job_id = ?", (jid,))}
+
+
 def losses(coord, jid):
     steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
     return {s["step"]: s["loss"] for s in steps}

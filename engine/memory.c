@@ -1,0 +1,66 @@
+/*
+ * memory.c: the per-rank memory a job needs (see memory.h).
+ *
+ * The ZeRO part walks the units of the model's layout exactly as zero.c's
+ * layout() does (shards of ceil(unit / N) elements, the buffers each stage
+ * keeps whole or sharded, the in-flight buffers of stages 2 and 3); the
+ * test in tests/unit/test_engine_spec.c compares it with the bytes zero.c
+ * really allocates.
+ */
+#include "memory.h"
+
+#include <stdio.h>
+
+#include "activations.h"
+#include "layout.h"
+
+/* The model states of one rank, as zero.c allocates them. */
+static uint64_t zero_states(const zt_layout_t *l, int stage, int world, uint64_t *owned) {
+  uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0;
+  for (int u = 0; u < l->num_units; u++) {
+    uint64_t S = (l->unit_size[u] + N - 1) / N;
+    full += S * N;
+    shard += S;
+    if (S * N > max_unit) max_unit = S * N;
+    if (u == 0) s0 = S * N;
+  }
+  uint64_t b = 4 * (stage < 3 ? full : shard);              /* parameters */
+  b += stage < 2 ? 4 * full + 8 * full : 8 * shard;          /* gradients */
+  b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
+  if (stage >= 2) b += 4 * s0 + 4 * max_unit + 8 * max_unit + 8 * (max_unit / N + 1);
+  if (stage == 3) b += 4 * s0 + 4 * max_unit;
+  b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
+  *owned = stage == 0 ? (full + N - 1) / N : shard;
+  return b;
+}
+
+int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
+  zt_layout_t l;
+  if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
+  uint64_t owned;
+  const zt_model_config_t *m = &s->model;
+  out->states = zero_states(&l, s->zero_stage, world, &owned);
+  uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
+  out->activations = 4 * zt_activation_floats(B, T, (size_t)m->n_embd, (size_t)m->n_layer,
+                                              (size_t)m->n_head, (size_t)l.Vp) +
+                     3 * 4 * B * T; /* inputs, targets, host losses */
+  out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
+  out->host = ZT_MEM_BASE_BYTES + out->states + out->activations + out->snapshot;
+  out->device = ZT_MEM_DEVICE_BASE_BYTES + out->states + out->activations;
+  /* Loading a checkpoint stages the states through host buffers. */
+  out->host_with_device = ZT_MEM_BASE_BYTES + out->states + out->snapshot;
+  zt_layout_free(&l);
+  return 0;
+}
+
+int zt_memory_fits(const zt_mem_need_t *n, uint64_t host_bytes, uint64_t device_bytes) {
+  if (!host_bytes) return 1;
+  if (!device_bytes) return host_bytes >= n->host;
+  return device_bytes >= n->device && host_bytes >= n->host_with_device;
+}
+
+const char *zt_memory_text(uint64_t bytes, char *buf, size_t n) {
+  if (bytes >= (1ull << 30)) snprintf(buf, n, "%.2f GiB", (double)bytes / (double)(1ull << 30));
+  else snprintf(buf, n, "%.1f MiB", (double)bytes / (double)(1ull << 20));
+  return buf;
+}

@@ -1,0 +1,55 @@
+/*
+ * memory.h: what one rank of a job needs of a worker's memory.
+ *
+ * The coordinator admits a job only to workers that can hold it, and a
+ * worker checks the same figure against its own budget before allocating,
+ * so a job that does not fit fails with "out of memory" instead of a worker
+ * killed by the kernel. The figure is computed from the same tables the
+ * trainer allocates from: the ZeRO layout of zero.c (docs/zero.md: every
+ * buffer of the stage, padding and the in-flight buffers included) and the
+ * model's activation list (activations.h), for one micro-batch.
+ *
+ *   states       parameters, gradients (fp32 and the fp64 sum), Adam m and
+ *                v, in-flight buffers: as zero.c lays them out for the stage
+ *                and the world size
+ *   activations  one micro-batch of seq_len tokens, inputs and targets
+ *   snapshot     the checkpoint writer's host copy of the owned shard
+ *                (p, m, v), when the job writes checkpoints
+ *   base         the process itself (libraries, threads, gRPC, data maps):
+ *                ZT_MEM_BASE_BYTES
+ *
+ * A CPU worker holds everything in host memory. A GPU worker holds states
+ * and activations in device memory, plus ZT_MEM_DEVICE_BASE_BYTES for the
+ * CUDA context and cuBLASLt workspace; in host memory the base, the
+ * snapshot and, while a checkpoint loads, host copies of the states.
+ */
+#ifndef ZT_MEMORY_H
+#define ZT_MEMORY_H
+
+#include <stdint.h>
+
+#include "spec.h"
+
+#define ZT_MEM_BASE_BYTES (128ull << 20)
+#define ZT_MEM_DEVICE_BASE_BYTES (512ull << 20)
+
+typedef struct {
+  uint64_t states, activations, snapshot;
+  uint64_t host;   /* what a CPU worker needs: everything */
+  uint64_t device; /* what a GPU worker needs of its device memory */
+  uint64_t host_with_device; /* ... and of its host memory */
+} zt_mem_need_t;
+
+/* The per-rank need of spec s on `world` ranks; -1 when the model is
+ * invalid (the spec parser already refuses such specs). */
+ZT_MUST_CHECK int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out);
+
+/* Whether a worker with host_bytes of RAM and device_bytes of GPU memory
+ * (0: a CPU worker) can hold one rank; 0 bytes of RAM means "not said" and
+ * fits. */
+int zt_memory_fits(const zt_mem_need_t *n, uint64_t host_bytes, uint64_t device_bytes);
+
+/* "1.50 GiB": bytes for messages. */
+const char *zt_memory_text(uint64_t bytes, char *buf, size_t n);
+
+#endif
