@@ -368,6 +368,7 @@ struct zt_rpc_client {
   grpc_completion_queue *acq; /* for zt_rpc_start/zt_rpc_next */
   grpc_metadata auth;
   int has_auth;
+  uint32_t md_flags; /* GRPC_INITIAL_METADATA_WAIT_FOR_READY or 0 */
 };
 
 /* Everything one unary call needs until its batch completes. */
@@ -398,12 +399,13 @@ int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_
   args[2].value.integer = 100;
   args[3].type = GRPC_ARG_INTEGER;
   args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
-  args[3].value.integer = 1000;
+  args[3].value.integer = ZT_RPC_RECONNECT_MAX_MS;
   grpc_channel_args ca = {4, args};
   grpc_channel_credentials *cr = grpc_insecure_credentials_create();
   c->channel = grpc_channel_create(target, cr, &ca);
   grpc_channel_credentials_release(cr);
   c->acq = grpc_completion_queue_create_for_next(NULL);
+  if (opts && opts->wait_for_ready) c->md_flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
   if (opts && opts->authorization) {
     c->auth.key = grpc_slice_from_static_string("authorization");
     c->auth.value = grpc_slice_from_copied_string(opts->authorization);
@@ -448,6 +450,7 @@ static rpc_pending *pending_start(zt_rpc_client_t *c, grpc_completion_queue *cq,
   grpc_op ops[6];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].flags = c->md_flags;
   if (c->has_auth) {
     ops[0].data.send_initial_metadata.count = 1;
     ops[0].data.send_initial_metadata.metadata = &c->auth;

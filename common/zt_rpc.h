@@ -92,7 +92,15 @@ typedef struct zt_rpc_client zt_rpc_client_t;
 typedef struct {
   const char *authorization; /* sent as "authorization" metadata when set */
   size_t max_message_bytes;  /* largest accepted reply; 0: 64 MiB */
+  /* A call made while the channel is not connected waits (until its
+   * deadline) for the connection instead of failing at once: a daemon that
+   * retries anyway then reaches a restarted server as soon as gRPC
+   * reconnects (within ZT_RPC_RECONNECT_MAX_MS), not at its next retry. */
+  int wait_for_ready;
 } zt_rpc_client_opts_t;
+
+/* The longest wait of a channel between connection attempts. */
+#define ZT_RPC_RECONNECT_MAX_MS 1000
 
 ZT_MUST_CHECK int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out);
 void zt_rpc_client_close(zt_rpc_client_t *c);

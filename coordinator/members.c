@@ -24,8 +24,9 @@
  * Heartbeats themselves touch only memory: the wall-clock last_seen of each
  * member is flushed to SQLite in one batched transaction every few seconds
  * (zt_members_flush). After a coordinator restart, workers that the database
- * says were alive get a fresh grace period of one timeout to show up again,
- * so a restart never declares the whole fleet lost.
+ * says were alive get a fresh grace period of one timeout plus the longest
+ * a live worker takes to reconnect (restart_grace_ms) to show up again, so
+ * a restart declares no live worker lost and costs no generation.
  *
  * Lookup by id is an array index (ids are dense rowids); lookup by name is an
  * open-addressing hash table of ids. Both are only touched on the loop
@@ -103,25 +104,29 @@ static zt_member_t *members_add(zt_coord_t *c, const zt_db_worker_t *row) {
   m->row = *row;
   m->rank = -1;
   m->last_hb_mono_ms = zt_now_ms();
-  /* After a restart, give restored members one more interval of grace:
-   * their calls may be in backoff for up to half the timeout. */
-  m->last_hb_mono_ms += c->cfg.heartbeat_ms;
   c->by_id[row->id] = m;
   name_index_put(c, m);
   c->n_members++;
   return m;
 }
 
+/* After a restart, a member the database says is alive counts as heard
+ * from a little in the future: besides the timeout itself, it gets the
+ * longest a live worker can take to reach us again, its retry pause (capped
+ * at one heartbeat interval while we are away, worker/control.c) plus
+ * gRPC's reconnect wait (ZT_RPC_RECONNECT_MAX_MS, with 20% jitter) and a
+ * margin. A member that reconnects within it keeps its generation. */
+static int64_t restart_grace_ms(const zt_coord_t *c) {
+  return c->cfg.heartbeat_ms + ZT_RPC_RECONNECT_MAX_MS * 6 / 5 + 300;
+}
+
 static int load_one(const zt_db_worker_t *w, void *user) {
-  members_add(user, w);
+  zt_coord_t *c = user;
+  members_add(c, w)->last_hb_mono_ms += restart_grace_ms(c);
   return 0;
 }
 
-int zt_members_load(zt_coord_t *c) {
-  if (zt_db_workers_each(c->db, load_one, c) != 0) return -1;
-  /* members_add() stamped every member with "now": the grace period. */
-  return 0;
-}
+int zt_members_load(zt_coord_t *c) { return zt_db_workers_each(c->db, load_one, c); }
 
 void zt_members_free(zt_coord_t *c) {
   for (size_t i = 0; i < c->by_id_cap; i++) free(c->by_id[i]);

@@ -31,7 +31,7 @@ struct zt_ctl {
   char stop_reason[256];  /* under mu */
   uint64_t worker_id;
   uint64_t epoch;
-  int64_t heartbeat_ms;
+  int64_t heartbeat_ms;           /* read by other threads: atomic */
   int64_t backoff_ms;
   uint64_t seq;
   uint64_t rng;
@@ -61,7 +61,8 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&c->cv, &ca);
   pthread_condattr_destroy(&ca);
-  if (zt_rpc_client_open(c->coordinator, NULL, &c->rpc) != 0) {
+  zt_rpc_client_opts_t ro = {.wait_for_ready = 1};
+  if (zt_rpc_client_open(c->coordinator, &ro, &c->rpc) != 0) {
     zt_ctl_close(c);
     return -1;
   }
@@ -80,6 +81,10 @@ void zt_ctl_close(zt_ctl_t *c) {
 uint64_t zt_ctl_worker_id(zt_ctl_t *c) { return __atomic_load_n(&c->worker_id, __ATOMIC_ACQUIRE); }
 
 zt_rpc_client_t *zt_ctl_rpc(zt_ctl_t *c) { return c->rpc; }
+
+int64_t zt_ctl_retry_cap_ms(zt_ctl_t *c) {
+  return ZT_MAX(ZT_CTL_BACKOFF_MIN_MS, __atomic_load_n(&c->heartbeat_ms, __ATOMIC_RELAXED));
+}
 
 void zt_ctl_session(zt_ctl_t *c, char *buf, size_t n) {
   pthread_mutex_lock(&c->mu);
@@ -163,13 +168,13 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   snprintf(c->session, sizeof c->session, "%s", r->session);
   pthread_mutex_unlock(&c->mu);
   __atomic_store_n(&c->worker_id, r->worker_id, __ATOMIC_RELEASE);
-  c->heartbeat_ms = r->heartbeat_ms ? r->heartbeat_ms : 1000;
-  /* Never back off longer than half the slack before the coordinator would
-   * declare us lost: a restarted coordinator must hear from us in time. */
-  if (r->heartbeat_timeout_ms > r->heartbeat_ms) {
-    int64_t cap = ((int64_t)r->heartbeat_timeout_ms - (int64_t)r->heartbeat_ms) / 2;
-    c->backoff_cap_ms = ZT_MAX(ZT_CTL_BACKOFF_MIN_MS, ZT_MIN(c->o.backoff_max_ms, cap));
-  }
+  __atomic_store_n(&c->heartbeat_ms, r->heartbeat_ms ? (int64_t)r->heartbeat_ms : 1000,
+                   __ATOMIC_RELAXED);
+  /* While the coordinator is away, never back off longer than one
+   * heartbeat interval: a restarted coordinator waits that long (plus
+   * gRPC's reconnect) for the members it believes alive, and each call
+   * also waits for the connection (wait_for_ready) up to its deadline. */
+  c->backoff_cap_ms = ZT_MAX(ZT_CTL_BACKOFF_MIN_MS, ZT_MIN(c->o.backoff_max_ms, c->heartbeat_ms));
   if (c->epoch && c->epoch != r->coordinator_epoch)
     ZT_INFO("coordinator restarted (epoch %llu -> %llu)", (unsigned long long)c->epoch,
             (unsigned long long)r->coordinator_epoch);
@@ -197,7 +202,7 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
            status) != 0)
     return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
-  if (r->heartbeat_ms) c->heartbeat_ms = r->heartbeat_ms;
+  if (r->heartbeat_ms) __atomic_store_n(&c->heartbeat_ms, (int64_t)r->heartbeat_ms, __ATOMIC_RELAXED);
   c->assigned_job = r->job_id;
   if (c->o.on_command) c->o.on_command(c->o.user, r->command, r->job_id, r->generation);
   if (r->coordinator_epoch != c->epoch) {
@@ -286,6 +291,8 @@ int zt_ctl_run(zt_ctl_t *c) {
       continue;
     }
     if (!failing++) ZT_WARN("heartbeat failed (will retry with backoff): %s", zt_err_msg());
+    else ZT_DEBUG("heartbeat %d failed after %lld ms: %s", failing, (long long)(zt_now_ms() - t0),
+                  zt_err_msg());
     wait_or_stop(c, next_backoff(c));
   }
   if (registered) do_leave(c);

@@ -52,5 +52,9 @@ struct zt_rpc_client *zt_ctl_rpc(zt_ctl_t *c);
 /* The current registration's session credential, which every worker call
  * carries (thread-safe copy). */
 void zt_ctl_session(zt_ctl_t *c, char *buf, size_t n);
+/* The longest pause between retries of a call to the coordinator: the
+ * heartbeat interval it asked for, so that a restarted coordinator hears
+ * from every worker within about one interval of coming back. */
+int64_t zt_ctl_retry_cap_ms(zt_ctl_t *c);
 
 #endif

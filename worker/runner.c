@@ -95,7 +95,7 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
   req.val_loss = s->val_loss;
   /* Retried while the coordinator is unreachable, so no report is lost;
    * bounded by a change of target. */
-  for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, 2000)) {
+  for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, zt_ctl_retry_cap_ms(r->ctl))) {
     ProtobufCMessage *m;
     int st = 0;
     if (call(r, "/ztrain.Control/ReportStep", &req.base, &ztrain__report_step_reply__descriptor,
@@ -136,7 +136,7 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   }
   req.n_files = (size_t)ZT_MIN(nfiles, 8);
   req.files = cfp;
-  for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, 2000)) {
+  for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, zt_ctl_retry_cap_ms(r->ctl))) {
     ProtobufCMessage *m;
     int st = 0;
     if (call(r, "/ztrain.Control/ReportCheckpoint", &req.base,

@@ -1,0 +1,65 @@
+"""A restart of zcoord costs no generation.
+
+zcoord is stopped (SIGTERM, or SIGKILL as a crash would) while its workers
+are busy training, and started again on the same database and ports. The
+workers' retries while it is away are capped near the heartbeat interval,
+and the restarted coordinator gives the members it believes alive a grace
+period based on that, so every member reconnects in time: the generation
+goes on, nobody is declared lost, and the losses equal an uninterrupted
+run's. Real processes; each case restarts the coordinator four times.
+"""
+import signal
+import sqlite3
+
+import pytest
+
+from ztest import (byte_dataset, events, job, losses, start_fleet, submit, tiny_spec, wait_job,
+                   wait_until, workers_by_name)
+
+HB, TIMEOUT = 300, 3000
+STEPS = 1500
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=200_000)
+
+
+def generations(db, jid):
+    with sqlite3.connect(db) as c:
+        return c.execute("SELECT COUNT(*) FROM generations WHERE job_id = ?", (jid,)).fetchone()[0]
+
+
+@pytest.mark.parametrize("how", ["term", "kill"])
+def test_restart_with_busy_workers_keeps_the_generation(procs, tmp_path, data, how):
+    train, val = data
+    coord = start_fleet(procs, 3, hb_ms=HB, timeout_ms=TIMEOUT)
+    spec = tiny_spec(train, val, STEPS, stage=1, workers=3,
+                     checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 25})
+    ref = submit(coord, tiny_spec(train, val, STEPS, stage=1, workers=3), tmp_path, "ref.json")
+    wait_job(coord, ref, timeout=300)
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["step"] >= 10, 60, "training under way")
+    db, names = coord.db, list(coord.workers)
+    for i in range(4):
+        j = job(coord, jid)
+        assert j["state"] == "running", ("make the job longer", j)
+        step = j["step"]
+        if how == "term":
+            coord.signal(signal.SIGTERM)
+            coord.wait(10)
+        else:
+            coord.kill()
+        coord = procs.coord(db=db, hb_ms=HB, timeout_ms=TIMEOUT, name=f"zcoord{i + 2}",
+                            grpc_port=coord.grpc_port, http_port=coord.http_port)
+        # Training goes on under the new coordinator...
+        wait_until(lambda: job(coord, jid)["step"] >= step + 15, 60, "steps after the restart")
+        # ...in the same generation, with every worker alive.
+        assert generations(db, jid) == 1
+        assert all(workers_by_name(coord)[n]["state"] == "alive" for n in names)
+    j = wait_job(coord, jid, timeout=300)
+    assert j["generation"] == 1 and j["restarts"] == 0
+    kinds = [e["kind"] for e in events(coord)]
+    assert "lost" not in kinds and "rank_failed" not in kinds, kinds
+    assert kinds.count("coordinator_started") == 5
+    assert losses(coord, jid) == losses(coord, ref)
