@@ -2,16 +2,20 @@
 #
 #   make demo   install what is missing, build, run a small training job
 #   make test   install what is missing, build, run every test (then the
-#               unit tests again under ASan+UBSan)
+#               unit tests again under ASan+UBSan, and each fuzz target
+#               for 10 s on its committed corpus)
 #
 # Other targets: build, deps, test-asan (every test under the sanitizers),
-# bench, clean.
+# fuzz (each fuzz target for FUZZ_SECONDS, default 300), bench, clean.
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 300
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all deps build build-asan test test-unit-asan test-asan demo bench clean
+.PHONY: all deps build build-asan build-fuzz test test-unit-asan test-asan test-fuzz fuzz demo \
+	bench clean
 
 all: build
 
@@ -26,17 +30,30 @@ build-asan: deps
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DZT_SANITIZE=ON -DZT_WITH_CUDA=OFF $(CMAKE_ARGS)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 
+# The libFuzzer targets (tests/fuzz), built with clang.
+build-fuzz: deps
+	CC=clang-14 CXX=clang++-14 cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DZT_FUZZ=ON -DZT_WITH_CUDA=OFF $(CMAKE_ARGS)
+	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_all
+
 # Integration tests start several processes and assert timing bounds, so
 # ctest runs one test at a time.
 test: build
 	cd $(BUILD) && ctest --output-on-failure
 	$(MAKE) test-unit-asan
+	$(MAKE) test-fuzz
 
 test-unit-asan: build-asan
 	cd $(ASAN_BUILD) && ctest --output-on-failure -L unit
 
 test-asan: build-asan
 	cd $(ASAN_BUILD) && ctest --output-on-failure
+
+test-fuzz: build-fuzz
+	cd $(FUZZ_BUILD) && ZT_FUZZ_SECONDS=10 ctest -V -L fuzz
+
+fuzz: build-fuzz
+	cd $(FUZZ_BUILD) && ZT_FUZZ_SECONDS=$(FUZZ_SECONDS) ctest -V -L fuzz
 
 demo: build
 	bash examples/demo.sh $(BUILD)
@@ -45,4 +62,4 @@ bench: build
 	bench/heartbeats $(BUILD)
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

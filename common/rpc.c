@@ -120,6 +120,10 @@ struct zt_rpc_call {
   char mdval[512];
   rpc_tag tag_new, tag_recv, tag_sent;
   struct zt_rpc_call *next; /* loop queue link */
+  /* An in-process call (zt_rpc_call_local): no gRPC call behind it. */
+  zt_rpc_local_done_fn local_done;
+  void *local_user;
+  char *local_auth;
 };
 
 struct zt_rpc_server {
@@ -162,8 +166,33 @@ static void arm_slot(zt_rpc_server_t *s) {
     call_free(c);
 }
 
+zt_rpc_call_t *zt_rpc_call_local(const char *authorization, zt_rpc_local_done_fn done,
+                                 void *user) {
+  zt_rpc_call_t *c = zt_xcalloc(1, sizeof *c);
+  grpc_call_details_init(&c->details);
+  grpc_metadata_array_init(&c->md);
+  c->local_done = done;
+  c->local_user = user;
+  c->local_auth = authorization ? zt_xstrdup(authorization) : NULL;
+  return c;
+}
+
+static void local_reply(zt_rpc_call_t *c, int status, const char *message, const uint8_t *resp,
+                        size_t resp_len) {
+  c->local_done(c->local_user, status, message ? message : "", status == ZT_RPC_OK ? resp : NULL,
+                status == ZT_RPC_OK ? resp_len : 0);
+  free(c->local_auth);
+  grpc_call_details_destroy(&c->details);
+  grpc_metadata_array_destroy(&c->md);
+  free(c);
+}
+
 void zt_rpc_reply(zt_rpc_call_t *c, int status, const char *message, const uint8_t *resp,
                   size_t resp_len) {
+  if (c->local_done) {
+    local_reply(c, status, message, resp, resp_len);
+    return;
+  }
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
   size_t n = 0;
@@ -187,6 +216,7 @@ void zt_rpc_reply(zt_rpc_call_t *c, int status, const char *message, const uint8
 }
 
 const char *zt_rpc_call_metadata(zt_rpc_call_t *c, const char *key) {
+  if (c->local_done) return !strcmp(key, "authorization") ? c->local_auth : NULL;
   size_t klen = strlen(key);
   for (size_t i = 0; i < c->md.count; i++) {
     grpc_slice k = c->md.metadata[i].key, v = c->md.metadata[i].value;
@@ -200,6 +230,7 @@ const char *zt_rpc_call_metadata(zt_rpc_call_t *c, const char *key) {
 }
 
 const char *zt_rpc_call_peer(zt_rpc_call_t *c) {
+  if (c->local_done) return "local";
   if (!c->peer) c->peer = grpc_call_get_peer(c->call);
   return c->peer ? c->peer : "unknown";
 }

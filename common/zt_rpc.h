@@ -85,6 +85,16 @@ const char *zt_rpc_call_metadata(zt_rpc_call_t *call, const char *key);
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:5555"). */
 const char *zt_rpc_call_peer(zt_rpc_call_t *call);
 
+/* An in-process call with no network behind it, for harnesses that drive a
+ * server's handler directly (the fuzz targets of tests/fuzz): the handler
+ * sees an ordinary call whose "authorization" metadata is `authorization`
+ * (may be NULL) and whose peer is "local"; zt_rpc_reply hands the outcome
+ * to `done` (resp only with ZT_RPC_OK) and frees the call. */
+typedef void (*zt_rpc_local_done_fn)(void *user, int status, const char *message,
+                                     const uint8_t *resp, size_t resp_len);
+zt_rpc_call_t *zt_rpc_call_local(const char *authorization, zt_rpc_local_done_fn done,
+                                 void *user);
+
 /* ---- client ------------------------------------------------------------ */
 
 typedef struct zt_rpc_client zt_rpc_client_t;

@@ -64,7 +64,23 @@ void zt_http_error(zt_http_req_t *r, int status, const char *fmt, ...) {
   zt_http_json(r, status, o);
 }
 
+/* key's value in an in-process request's query string, copied to qbuf. */
+static const char *query_value(zt_http_req_t *r, const char *key) {
+  size_t kl = strlen(key);
+  for (const char *p = r->query; p && *p;) {
+    const char *end = strchr(p, '&');
+    size_t n = end ? (size_t)(end - p) : strlen(p);
+    if (n > kl && !strncmp(p, key, kl) && p[kl] == '=') {
+      snprintf(r->qbuf, sizeof r->qbuf, "%.*s", (int)(n - kl - 1), p + kl + 1);
+      return r->qbuf;
+    }
+    p = end ? end + 1 : NULL;
+  }
+  return NULL;
+}
+
 const char *zt_http_query(zt_http_req_t *r, const char *key) {
+  if (!r->conn) return query_value(r, key);
   return MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, key);
 }
 
@@ -470,13 +486,14 @@ static const route k_routes[] = {
 };
 
 static int authorized(zt_http_req_t *r) {
-  return zt_auth_operator(r->c, MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
-                                                            "Authorization"));
+  return zt_auth_operator(r->c, r->conn ? MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                                                      "Authorization")
+                                        : r->authorization);
 }
 
-/* Runs on the loop thread. */
-static void route_on_loop(void *arg) {
-  zt_http_req_t *r = arg;
+static void route_on_loop(void *arg) { zt__http_route(arg); }
+
+void zt__http_route(zt_http_req_t *r) {
   const char *allow = NULL;
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++) {
     if (!path_match(k_routes[i].path, r->url)) continue;

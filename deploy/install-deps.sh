@@ -8,8 +8,8 @@
 set -euo pipefail
 
 PACKAGES=(
-  # toolchain
-  build-essential cmake pkg-config
+  # toolchain (clang and its libFuzzer runtime for the fuzz targets)
+  build-essential cmake pkg-config clang-14 libclang-rt-14-dev libomp-14-dev
   # coordinator and worker libraries
   libuv1-dev libgrpc-dev protobuf-c-compiler libprotobuf-c-dev
   libsqlite3-dev libsystemd-dev libmicrohttpd-dev libcjson-dev

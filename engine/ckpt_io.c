@@ -4,6 +4,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -251,10 +252,19 @@ static cJSON *read_json(const char *dir, const char *name, const zt_ckpt_record_
   return doc;
 }
 
-static double num(cJSON *o, const char *k) {
+/* Whole-number field k of o in [0, max]; -1 when it is missing, not a
+ * whole number or out of range (a value from a file is never converted
+ * to an integer type it does not fit). */
+static int64_t int_field(cJSON *o, const char *k, int64_t max) {
   cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
-  return cJSON_IsNumber(v) ? v->valuedouble : -1;
+  if (!cJSON_IsNumber(v)) return -1;
+  double d = v->valuedouble;
+  if (!(d >= 0 && d <= (double)max) || d != floor(d)) return -1;
+  return (int64_t)d;
 }
+
+#define ZT_CKPT_MAX_ELEMS (1ll << 40) /* elements of one unit */
+#define ZT_CKPT_MAX_BYTES (1ll << 50) /* bytes of one file */
 
 /* Streams a file through xxh64 and compares with the expected checksum. */
 static int verify_file(const char *path, uint64_t bytes, const char *want) {
@@ -286,13 +296,15 @@ static int read_manifest(const char *dir, const zt_model_config_t *model,
                          const zt_ckpt_record_t *rec, int *world, int64_t *step) {
   cJSON *man = read_json(dir, "manifest.json", rec);
   if (!man) return -1;
-  *world = (int)num(man, "world");
-  *step = (int64_t)num(man, "step");
+  *world = (int)int_field(man, "world", 65536);
+  *step = int_field(man, "step", 1ll << 53);
   cJSON *mm = cJSON_GetObjectItemCaseSensitive(man, "model");
-  int ok = *world >= 1 && *world <= 65536 && *step >= 0 && mm &&
-           num(mm, "n_layer") == model->n_layer && num(mm, "n_head") == model->n_head &&
-           num(mm, "n_embd") == model->n_embd && num(mm, "seq_len") == model->seq_len &&
-           num(mm, "vocab_size") == model->vocab_size;
+  int ok = *world >= 1 && *step >= 0 && mm &&
+           int_field(mm, "n_layer", INT32_MAX) == model->n_layer &&
+           int_field(mm, "n_head", INT32_MAX) == model->n_head &&
+           int_field(mm, "n_embd", INT32_MAX) == model->n_embd &&
+           int_field(mm, "seq_len", INT32_MAX) == model->seq_len &&
+           int_field(mm, "vocab_size", INT32_MAX) == model->vocab_size;
   cJSON_Delete(man);
   if (!ok)
     return zt_err("%s/manifest.json: model or layout does not match the job (mismatched "
@@ -311,9 +323,11 @@ static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ran
                        const zt_ckpt_dest_t *dest, int nd) {
   cJSON *rg;
   cJSON_ArrayForEach(rg, ranges) {
-    int u = (int)num(rg, "unit");
-    double lo = num(rg, "lo"), n = num(rg, "n"), off = num(rg, "offset");
-    if (u < 0 || lo < 0 || n < 0 || off < 0) return zt_err("%s: malformed range", idxname);
+    int u = (int)int_field(rg, "unit", 1 << 20);
+    int64_t lo = int_field(rg, "lo", ZT_CKPT_MAX_ELEMS), n = int_field(rg, "n", ZT_CKPT_MAX_ELEMS),
+            off = int_field(rg, "offset", ZT_CKPT_MAX_BYTES);
+    if (u < 0 || lo < 0 || n < 0 || off < 0)
+      return zt_err("%s: malformed range (corrupt checkpoint)", idxname);
     for (int d = 0; d < nd; d++) {
       if (dest[d].unit != u) continue;
       uint64_t a = ZT_MAX((uint64_t)lo, dest[d].lo);
@@ -356,8 +370,12 @@ static int load_rank(const char *dir, int r, const zt_ckpt_record_t *rec, const 
            dir, js, file->valuestring);
     goto out;
   }
-  if (verify_file(path, want ? want->bytes : (uint64_t)num(idx, "bytes"), sum->valuestring) != 0)
+  int64_t bytes = want ? (int64_t)want->bytes : int_field(idx, "bytes", ZT_CKPT_MAX_BYTES);
+  if (bytes < 0) {
+    zt_err("%s/%s: malformed size (corrupt checkpoint)", dir, js);
     goto out;
+  }
+  if (verify_file(path, (uint64_t)bytes, sum->valuestring) != 0) goto out;
   fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     zt_err_errno("%s", path);

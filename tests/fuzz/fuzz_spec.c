@@ -1,0 +1,33 @@
+/*
+ * fuzz_spec.c: the job spec parser (engine/spec.c) and what the scheduler
+ * computes from a spec that parses (world sizes, per-rank memory).
+ *
+ * Input: the spec's JSON text. Property: no crash, no sanitizer report, no
+ * leak; a spec that parses has consistent batch numbers (the global batch
+ * a multiple of the micro batch, accumulation times ranks times micro batch
+ * equal to it) and a memory need that adds up.
+ */
+#include <stdlib.h>
+
+#include "memory.h"
+#include "spec.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  zt_spec_t s;
+  if (zt_spec_parse(&s, (const char *)data, size) != 0) return 0;
+  if (s.global_batch <= 0 || s.global_batch % s.micro_batch != 0) abort();
+  if (s.model.n_layer > 64 || (uint64_t)s.model.n_embd * s.model.n_embd > (1ull << 26))
+    return 0; /* the layout of a huge model takes too long to be worth it */
+  for (int n = 1; n <= 4; n++) {
+    int accum;
+    if (zt_spec_accum_for_world(&s, n, &accum) == 0 &&
+        (long)accum * s.micro_batch * n != s.global_batch)
+      abort();
+    zt_mem_need_t need;
+    if (zt_memory_need(&s, n, &need) != 0) continue;
+    if (need.host != ZT_MEM_BASE_BYTES + need.states + need.activations + need.snapshot ||
+        need.device != ZT_MEM_DEVICE_BASE_BYTES + need.states + need.activations)
+      abort();
+  }
+  return 0;
+}
