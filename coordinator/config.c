@@ -131,9 +131,12 @@ static int load_config(zt_coord_config_t *cfg, const char *path) {
   char *text = NULL;
   size_t len;
   if (zt_read_file(path, &text, &len, 1 << 20) != 0) return zt_err_wrap("config %s", path);
-  cJSON *doc = cJSON_ParseWithLength(text, len);
+  char what[600];
+  snprintf(what, sizeof what, "config %s", path);
+  cJSON *doc = zt_json_parse(text, len, what);
   int ret = -1;
-  if (!doc || !cJSON_IsObject(doc)) {
+  if (!doc) goto out;
+  if (!cJSON_IsObject(doc)) {
     zt_err("config %s: not a JSON object", path);
     goto out;
   }

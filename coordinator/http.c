@@ -210,7 +210,7 @@ static void r_job_action(zt_http_req_t *r) {
   }
   int64_t to = -1, skip = 0;
   if (a == ZT_ACT_ROLLBACK) {
-    cJSON *doc = r->body ? cJSON_ParseWithLength(r->body, r->body_len) : NULL;
+    cJSON *doc = r->body ? zt_json_parse(r->body, r->body_len, "body") : NULL;
     cJSON *t = doc ? cJSON_GetObjectItemCaseSensitive(doc, "to_step") : NULL;
     cJSON *k = doc ? cJSON_GetObjectItemCaseSensitive(doc, "skip") : NULL;
     int ok = cJSON_IsNumber(t) && (!k || cJSON_IsNumber(k)) && fabs(t->valuedouble) < 1e15 &&
@@ -305,10 +305,9 @@ static void r_submit(zt_http_req_t *r) {
     zt_http_error(r, 400, "empty body: expected a JSON job spec");
     return;
   }
-  cJSON *doc = cJSON_ParseWithLength(r->body, r->body_len);
+  cJSON *doc = zt_json_parse(r->body, r->body_len, "body");
   if (!doc) {
-    const char *at = cJSON_GetErrorPtr();
-    zt_http_error(r, 400, "malformed JSON%s%.32s", at ? " near: " : "", at ? at : "");
+    zt_http_error(r, 400, "malformed JSON: %s", zt_err_msg());
     return;
   }
   cJSON_Delete(doc);

@@ -114,7 +114,9 @@ int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_p
   /* Some N in [min, max] must divide the number of micro-batches per step. */
   int any = 0;
   for (int n = p->min_workers; n <= p->max_workers; n++) {
-    if ((p->global_batch / p->micro) % n != 0) continue;
+    int accum;
+    if ((p->global_batch / p->micro) % n != 0 || zt_spec_accum_for_world(&s, n, &accum) != 0)
+      continue;
     any = 1;
     if (zt_memory_need(&s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
   }

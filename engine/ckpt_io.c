@@ -14,6 +14,7 @@
 #include <xxhash.h>
 
 #include "ckpt_io.h"
+#include "spec.h"
 #include "zt_common.h"
 
 void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,
@@ -246,9 +247,9 @@ static cJSON *read_json(const char *dir, const char *name, const zt_ckpt_record_
     free(text);
     return NULL;
   }
-  cJSON *doc = cJSON_ParseWithLength(text, len);
+  cJSON *doc = zt_json_parse(text, len, path);
   free(text);
-  if (!doc) zt_err("%s: not valid JSON (corrupt checkpoint)", path);
+  if (!doc) zt_err_wrap("corrupt checkpoint");
   return doc;
 }
 

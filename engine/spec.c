@@ -394,6 +394,27 @@ static void set_defaults(zt_spec_t *s) {
   s->comm_timeout_ms = 30000;
 }
 
+cJSON *zt_json_parse(const char *text, size_t len, const char *what) {
+  const char *end = NULL;
+  cJSON *doc = len ? cJSON_ParseWithLengthOpts(text, len, &end, 0) : NULL;
+  if (!doc) {
+    const char *at = cJSON_GetErrorPtr();
+    zt_errk(ZT_E_INVALID, "%s: not valid JSON (at byte %zu)", what,
+            at && at >= text && at <= text + len ? (size_t)(at - text) : (size_t)0);
+    return NULL;
+  }
+  size_t used = (size_t)(end - text);
+  while (used < len && (text[used] == ' ' || text[used] == '\n' || text[used] == '\r' ||
+                        text[used] == '\t'))
+    used++;
+  if (used < len) {
+    cJSON_Delete(doc);
+    zt_errk(ZT_E_INVALID, "%s: unexpected text after the JSON value (at byte %zu)", what, used);
+    return NULL;
+  }
+  return doc;
+}
+
 int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
   static const char *const top[] = {
       "name", "seed", "steps", "model", "data", "optimizer", "scheduler",
@@ -401,8 +422,8 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
       "bf16", "comm", "fault_injection"};
   set_defaults(s);
-  cJSON *root = cJSON_ParseWithLength(json, len);
-  if (!root) return zt_err("not valid JSON (near offset %td)", cJSON_GetErrorPtr() - json);
+  cJSON *root = zt_json_parse(json, len, "the spec");
+  if (!root) return -1;
   int rc = -1;
   if (!cJSON_IsObject(root)) {
     zt_err("the spec must be a JSON object");
@@ -438,6 +459,10 @@ int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum) {
   if (s->global_batch % per != 0)
     return zt_err("global batch %ld is not divisible by micro batch %d x %d workers",
                   s->global_batch, s->micro_batch, world);
+  if (s->global_batch / per > ZT_SPEC_MAX_ACCUM)
+    return zt_err("global batch %ld needs %ld micro-batches per step on each of %d workers "
+                  "(the limit is %d)",
+                  s->global_batch, s->global_batch / per, world, ZT_SPEC_MAX_ACCUM);
   *accum = (int)(s->global_batch / per);
   return 0;
 }

@@ -114,6 +114,14 @@ typedef struct zt_spec {
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 
+/* Exactly one JSON value from text[0, len), whitespace around it allowed:
+ * the parsed document (cJSON_Delete it), or NULL with an error
+ * (ZT_E_INVALID) naming `what` and the byte offset, for invalid JSON and
+ * for anything after the value. Every JSON from a file or the network is
+ * read with it. */
+struct cJSON;
+struct cJSON *zt_json_parse(const char *text, size_t len, const char *what);
+
 /* Parses and validates a spec from a string of len bytes. A spec holds no
  * allocated memory: it is a plain value. */
 ZT_MUST_CHECK int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);
@@ -121,7 +129,8 @@ ZT_MUST_CHECK int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);
 ZT_MUST_CHECK int zt_spec_load(zt_spec_t *s, const char *path);
 
 /* Accumulation steps for `world` workers: global / (micro * world), an error
- * when that is not an integer. */
+ * when that is not an integer or more than ZT_SPEC_MAX_ACCUM. */
+#define ZT_SPEC_MAX_ACCUM (1 << 20)
 ZT_MUST_CHECK int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum);
 
 #endif

@@ -27,6 +27,7 @@
 #include "ckpt_io.h"
 #include "export.h"
 #include "layout.h"
+#include "spec.h"
 #include "zt_common.h"
 
 static int read_model(const char *dir, zt_model_config_t *cfg) {
@@ -34,7 +35,7 @@ static int read_model(const char *dir, zt_model_config_t *cfg) {
   size_t len;
   snprintf(path, sizeof path, "%s/manifest.json", dir);
   if (zt_read_file(path, &text, &len, 1 << 20) != 0) return -1;
-  cJSON *doc = cJSON_ParseWithLength(text, len), *m;
+  cJSON *doc = zt_json_parse(text, len, path), *m;
   free(text);
   m = doc ? cJSON_GetObjectItemCaseSensitive(doc, "model") : NULL;
   int ok = m != NULL;
@@ -42,7 +43,7 @@ static int read_model(const char *dir, zt_model_config_t *cfg) {
   int *dst[] = {&cfg->n_layer, &cfg->n_head, &cfg->n_embd, &cfg->seq_len, &cfg->vocab_size};
   for (int i = 0; ok && i < 5; i++) {
     cJSON *v = cJSON_GetObjectItemCaseSensitive(m, keys[i]);
-    ok = cJSON_IsNumber(v);
+    ok = cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble <= 1 << 20;
     if (ok) *dst[i] = (int)v->valuedouble;
   }
   cJSON_Delete(doc);

@@ -160,7 +160,13 @@ def test_bad_config_and_flags(procs, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"grpc": "127.0.0.1:0", ')
     r = run("--config", str(bad))
+    assert r.returncode == 2 and str(bad) in r.stderr and "not valid JSON (at byte 23)" in r.stderr
+    bad.write_text('["grpc"]')
+    r = run("--config", str(bad))
     assert r.returncode == 2 and str(bad) in r.stderr and "not a JSON object" in r.stderr
+    bad.write_text('{"grpc": "127.0.0.1:0"} {"http": "0.0.0.0:80"}')
+    r = run("--config", str(bad))
+    assert r.returncode == 2 and "unexpected text after the JSON value (at byte 24)" in r.stderr
     unk = tmp_path / "unknown.json"
     unk.write_text('{"grpc": "127.0.0.1:0", "heartbeat_msec": 5}')
     r = run("--config", str(unk))

@@ -176,4 +176,18 @@ ZT_TEST(load_file) {
   ZT_CHECK(strstr(zt_err_msg(), "missing.json") != NULL);
 }
 
-ZT_TEST_MAIN(full_spec, defaults, unknown_keys, types_and_ranges, load_file)
+/* Found by fuzz_spec: text after the object was ignored, and a huge global
+ * batch made the accumulation count overflow an int. */
+ZT_TEST(trailing_text_and_huge_accumulation) {
+  expect_error("{" BASE "} {\"steps\": 5}", "unexpected text after the JSON value");
+  zt_spec_t s;
+  ZT_REQUIRE(parse(&s, "{" BASE "}\n  ") == 0);
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"train_batch_size\": 88888888856}") == 0);
+  int accum;
+  ZT_CHECK(zt_spec_accum_for_world(&s, 1, &accum) == -1);
+  ZT_CHECK(strstr(zt_err_msg(), "the limit is") != NULL);
+  ZT_CHECK(zt_spec_accum_for_world(&s, 2, &accum) == -1);
+}
+
+ZT_TEST_MAIN(full_spec, defaults, unknown_keys, types_and_ranges, load_file,
+             trailing_text_and_huge_accumulation)
