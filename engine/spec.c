@@ -341,6 +341,15 @@ static int parse_rollback(zt_spec_t *s, const cJSON *root) {
   return 0;
 }
 
+static int parse_init(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"from_safetensors"};
+  const cJSON *o;
+  if (get_object(root, "", "init", 0, &o) || (o && CHECK_KEYS(o, "init", keys)) ||
+      (o && get_string(o, "init", "from_safetensors", 1, s->init_from, sizeof s->init_from)))
+    return -1;
+  return 0;
+}
+
 static int parse_misc(zt_spec_t *s, const cJSON *root) {
   long seed = (long)s->seed;
   if (get_string(root, "", "name", 0, s->name, sizeof s->name) ||
@@ -420,7 +429,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "name", "seed", "steps", "model", "data", "optimizer", "scheduler",
       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
-      "bf16", "comm", "fault_injection"};
+      "bf16", "comm", "fault_injection", "init"};
   set_defaults(s);
   cJSON *root = zt_json_parse(json, len, "the spec");
   if (!root) return -1;
@@ -434,7 +443,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
   if (CHECK_KEYS(root, "", top) || parse_misc(s, root) || parse_model(s, root) ||
       parse_batch(s, root) || parse_optimizer(s, root) || parse_scheduler(s, root) ||
       parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_checkpoint(s, root) ||
-      parse_rollback(s, root) || parse_fault(s, root))
+      parse_rollback(s, root) || parse_fault(s, root) || parse_init(s, root))
     goto out;
   rc = 0;
 out:

@@ -104,6 +104,11 @@ typedef struct zt_spec {
   int eval_every;   /* steps between evaluations; 0: never */
   int eval_batches; /* micro batches per evaluation */
 
+  /* init.from_safetensors: start from these weights (a Hugging Face GPT-2
+   * safetensors file, engine/safetensors.h) instead of a random
+   * initialisation; "" none. A checkpoint to resume from wins. */
+  char init_from[ZT_SPEC_PATH_MAX];
+
   int zero_stage;
   int min_workers, max_workers;
   zt_spec_restart_t restart; /* elastic{...} */

@@ -34,6 +34,7 @@
 #include "device.h"
 #include "model.h"
 #include "optim.h"
+#include "safetensors.h"
 #include "spec.h"
 #include "zero.h"
 #include "zt_common.h"
@@ -75,6 +76,7 @@ static int confine(trainer *t) {
     char *path;
   } paths[] = {{g->data_root, "data.train", s->train_glob},
                {g->data_root, "data.val", s->val_glob},
+               {g->data_root, "init.from_safetensors", s->init_from},
                {g->ckpt_root, "checkpoint.dir", s->ckpt.dir}};
   for (size_t i = 0; i < ZT_ARRAY_LEN(paths); i++) {
     if (!paths[i].root || !paths[i].path[0]) continue;
@@ -181,13 +183,35 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   return 0;
 }
 
+/* Step 0's parameters: init.from_safetensors when the spec names a file
+ * (every rank reads it and keeps what it holds), else the seeded random
+ * initialisation. A file that does not fit the model is the job's fault. */
+static int init_params(trainer *t, zt_train_fault_t *fault) {
+  const char *path = t->spec.init_from;
+  if (!path[0]) {
+    zt_zero_init_params(&t->z, t->spec.seed);
+    return 0;
+  }
+  if (t->g->data_root && access(path, F_OK) == 0 && !zt_path_real_under(t->g->data_root, path)) {
+    *fault = ZT_FAULT_JOB;
+    return zt_errk(ZT_E_INVALID, "init.from_safetensors: %s is not under the data root %s", path,
+                   t->g->data_root);
+  }
+  float *flat = zt_xmalloc(t->m->lay.num_params * sizeof(float));
+  int rc = zt_st_read(path, &t->m->lay, flat);
+  if (rc == 0) zt_zero_set_params(&t->z, flat);
+  else *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
+  free(flat);
+  if (rc == 0) ZT_INFO("parameters from %s", path);
+  return rc == 0 ? 0 : zt_err_wrap("init.from_safetensors");
+}
+
 /* The step to start from: the loaded epoch's, or 0 with fresh parameters. */
 static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
   if (!g->checkpoint_dir || !g->checkpoint_dir[0]) {
-    zt_zero_init_params(&t->z, t->spec.seed);
     *step = 0;
-    return 0;
+    return init_params(t, fault);
   }
   int64_t t0 = zt_now_ms(), loaded = 0;
   char dir[ZT_SPEC_PATH_MAX];

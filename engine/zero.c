@@ -253,13 +253,15 @@ int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
   return 0;
 }
 
-/* Each unit is initialised on the host (zt_layout_init_unit) and uploaded:
- * whole (stages 0-2) or this rank's shard (stage 3). */
-void zt_zero_init_params(zt_zero_t *z, uint64_t seed) {
+/* Each unit is built on the host, from `flat` or by the seeded
+ * initialisation (zt_layout_init_unit), and uploaded: whole (stages 0-2)
+ * or this rank's shard (stage 3). */
+static void put_params(zt_zero_t *z, uint64_t seed, const float *flat) {
   float *tmp = zt_xmalloc((z->max_unit ? z->max_unit : 1) * sizeof(float));
   for (int u = 0; u < z->U; u++) {
     memset(tmp, 0, z->S[u] * (size_t)z->N * sizeof(float));
-    zt_layout_init_unit(&z->m->lay, seed, u, tmp);
+    if (flat) memcpy(tmp, flat + z->m->lay.unit_off[u], z->usz[u] * sizeof(float));
+    else zt_layout_init_unit(&z->m->lay, seed, u, tmp);
     if (z->stage < 3)
       z->k->upload(z->P + z->off_full[u], tmp, z->S[u] * (size_t)z->N * sizeof(float));
     else
@@ -267,6 +269,10 @@ void zt_zero_init_params(zt_zero_t *z, uint64_t seed) {
   }
   free(tmp);
 }
+
+void zt_zero_init_params(zt_zero_t *z, uint64_t seed) { put_params(z, seed, NULL); }
+
+void zt_zero_set_params(zt_zero_t *z, const float *flat) { put_params(z, 0, flat); }
 
 /* Where this rank's owned Adam state of unit u lives. */
 static float *opt_ptr(zt_zero_t *z, float *base, int u) {

@@ -98,6 +98,9 @@ ZT_MUST_CHECK int zt_zero_write_memory_report(const zt_zero_t *z, const char *wo
 
 /* Fresh parameters (zt_layout_init_unit), whole units or this rank's shard. */
 void zt_zero_init_params(zt_zero_t *z, uint64_t seed);
+/* The same from given parameters: `flat` holds the model's whole flat
+ * parameter buffer (layout order); each rank keeps what its stage holds. */
+void zt_zero_set_params(zt_zero_t *z, const float *flat);
 /* Loads the committed epoch in `dir` (any world size or stage wrote it),
  * verified against the coordinator's record of its files; *step receives
  * its step. */

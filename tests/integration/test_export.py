@@ -117,3 +117,56 @@ def test_export_safetensors(procs, tmp_path):
     # Errors name the problem.
     r = zctl(coord.grpc, "export", str(jid), "--step", "7", "--out", f32, check=False)
     assert r.returncode == 1 and "no committed checkpoint at step 7" in r.stderr
+
+
+def frozen(spec, **eval_kw):
+    """The spec with learning rate 0 (the weights stay what they were loaded
+    as) and a validation loss every step."""
+    spec["optimizer"]["params"]["lr"] = 0.0
+    spec["scheduler"]["params"].update(warmup_min_lr=0.0, warmup_max_lr=0.0)
+    spec["eval"] = {"every_steps": 1, "batches": 4}
+    return spec
+
+
+def val_losses(coord, jid):
+    from ztest import http_get
+    steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
+    return {s["step"]: s["val_loss"] for s in steps}
+
+
+def test_import_exported_weights(procs, tmp_path):
+    """export -> init.from_safetensors -> the loss of the imported weights
+    equals the loss of the epoch they were exported from (fp32: exactly);
+    a model of another shape is refused naming the tensor."""
+    train, val = byte_dataset(str(tmp_path / "data"), 200_000)
+    coord = start_fleet(procs, 2, timeout_ms=None)
+    a = tiny_spec(train, val, 30, stage=2, workers=2,
+                  checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 10})
+    ja = submit(coord, a, tmp_path, "a.json")
+    wait_job(coord, ja)
+    epoch = [c for c in zctl_json(coord.grpc, "checkpoints", str(ja))["checkpoints"]
+             if c["step"] == 20][0]["dir"]
+    model = str(tmp_path / "data" / "model.safetensors")
+    zctl_json(coord.grpc, "export", str(ja), "--step", "20", "--out", model)
+
+    # The same weights, once imported and once resumed from the epoch.
+    b = frozen(tiny_spec(train, val, 1, stage=3, workers=2, init={"from_safetensors": model}))
+    jb = submit(coord, b, tmp_path, "b.json")
+    c = frozen(tiny_spec(train, val, 21, stage=3, workers=2,
+                         checkpoint={"dir": str(tmp_path / "ck2"), "load": epoch}))
+    jc = submit(coord, c, tmp_path, "c.json")
+    wait_job(coord, jb)
+    wait_job(coord, jc)
+    vb, vc = val_losses(coord, jb), val_losses(coord, jc)
+    assert vb[1] == vc[21], (vb, vc)
+    # ... and not what a random initialisation gives.
+    r = frozen(tiny_spec(train, val, 1, stage=3, workers=2))
+    jr = submit(coord, r, tmp_path, "r.json")
+    wait_job(coord, jr)
+    assert val_losses(coord, jr)[1] > vb[1] + 0.5
+
+    d = tiny_spec(train, val, 5, workers=1, init={"from_safetensors": model})
+    d["model"]["n_embd"] = 64
+    jd = submit(coord, d, tmp_path, "d.json")
+    j = wait_job(coord, jd, states=("failed",))
+    assert "transformer.wte.weight has shape [257, 32], the model needs [257, 64]" in j["message"], j

@@ -1,0 +1,274 @@
+/*
+ * safetensors.c: Hugging Face GPT-2 safetensors files, written and read
+ * (see safetensors.h).
+ */
+#include "safetensors.h"
+
+#include <cjson/cJSON.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "spec.h"
+
+#define PREFIX "transformer."
+
+static int is_conv1d(int kind) {
+  return kind == ZT_T_QKVW || kind == ZT_T_ATTPROJW || kind == ZT_T_FCW || kind == ZT_T_FCPROJW;
+}
+
+/* The file's name of tensor t. */
+static void hf_name(const zt_tensor_t *t, char *buf, size_t n) {
+  snprintf(buf, n, PREFIX "%s%s", t->name,
+           (t->kind == ZT_T_WTE || t->kind == ZT_T_WPE) ? ".weight" : "");
+}
+
+/* Rows of tensor t as the file holds them (wte without our padding). */
+static size_t file_rows(const zt_layout_t *l, const zt_tensor_t *t) {
+  return t->kind == ZT_T_WTE ? (size_t)l->cfg.vocab_size : (size_t)t->rows;
+}
+
+/* ---- writing --------------------------------------------------------------- */
+
+/* Element k of tensor t in the file's order (Conv1D weights transposed). */
+static float file_elem(const zt_tensor_t *t, const float *src, size_t rows, size_t k) {
+  size_t cols = (size_t)t->cols;
+  return is_conv1d(t->kind) ? src[(k % rows) * cols + k / rows] : src[k];
+}
+
+static void add_entry(cJSON *hdr, const zt_tensor_t *t, size_t rows, int bf16, size_t off,
+                      size_t bytes) {
+  char name[96];
+  hf_name(t, name, sizeof name);
+  cJSON *e = cJSON_AddObjectToObject(hdr, name);
+  cJSON_AddStringToObject(e, "dtype", bf16 ? "BF16" : "F32");
+  cJSON *shape = cJSON_AddArrayToObject(e, "shape");
+  size_t cols = (size_t)t->cols;
+  int tr = is_conv1d(t->kind);
+  if (t->rows != 1) cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)(tr ? cols : rows)));
+  cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)(t->rows == 1 ? cols : tr ? rows : cols)));
+  cJSON *offs = cJSON_AddArrayToObject(e, "data_offsets");
+  cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)off));
+  cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)(off + bytes)));
+}
+
+static int write_file(const char *path, const char *htext, const uint8_t *data, size_t len,
+                      size_t *bytes) {
+  size_t hlen = strlen(htext), padded = (hlen + 7) / 8 * 8;
+  uint64_t le = padded; /* little-endian on every platform we build for */
+  char tmp[1100];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE *f = fopen(tmp, "wb");
+  int ok = f && fwrite(&le, 8, 1, f) == 1 && fwrite(htext, 1, hlen, f) == hlen;
+  for (size_t i = hlen; ok && i < padded; i++) ok = fputc(' ', f) != EOF;
+  ok = ok && fwrite(data, 1, len, f) == len;
+  if (!f || fclose(f) != 0 || !ok) {
+    unlink(tmp);
+    return zt_err_errno("write %s", tmp);
+  }
+  if (rename(tmp, path) != 0) return zt_err_errno("rename %s", tmp);
+  if (bytes) *bytes = 8 + padded + len;
+  return 0;
+}
+
+int zt_st_write(const char *path, const zt_layout_t *l, const float *flat, int bf16, int64_t step,
+                size_t *bytes) {
+  size_t esz = bf16 ? 2 : 4, total = 0;
+  for (int i = 0; i < l->num_tensors; i++)
+    total += file_rows(l, &l->tensors[i]) * (size_t)l->tensors[i].cols * esz;
+  uint8_t *data = zt_xmalloc(total ? total : 1);
+  cJSON *hdr = cJSON_CreateObject();
+  cJSON *meta = cJSON_AddObjectToObject(hdr, "__metadata__");
+  cJSON_AddStringToObject(meta, "format", "pt");
+  char stepbuf[32];
+  snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
+  cJSON_AddStringToObject(meta, "ztrain_step", stepbuf);
+  size_t off = 0;
+  for (int i = 0; i < l->num_tensors; i++) {
+    const zt_tensor_t *t = &l->tensors[i];
+    size_t rows = file_rows(l, t), n = rows * (size_t)t->cols;
+    for (size_t k = 0; k < n; k++) {
+      float v = file_elem(t, flat + t->off, rows, k);
+      if (bf16) {
+        uint16_t h = zt_f32_to_bf16(v);
+        memcpy(data + off + 2 * k, &h, 2);
+      } else {
+        memcpy(data + off + 4 * k, &v, 4);
+      }
+    }
+    add_entry(hdr, t, rows, bf16, off, n * esz);
+    off += n * esz;
+  }
+  char *htext = cJSON_PrintUnformatted(hdr);
+  int rc = htext ? write_file(path, htext, data, off, bytes)
+                 : zt_err("out of memory formatting the safetensors header");
+  free(htext);
+  cJSON_Delete(hdr);
+  free(data);
+  return rc;
+}
+
+/* ---- reading --------------------------------------------------------------- */
+
+typedef struct {
+  const char *path;
+  const zt_layout_t *l;
+  int fd;
+  cJSON *hdr;
+  uint64_t data_off, data_len; /* the data section in the file */
+} reader;
+
+static float f16_to_f32(uint16_t h) {
+  int e = (h >> 10) & 31, m = h & 1023;
+  float v = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY)
+                                                      : ldexpf((float)(m | 1024), e - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+/* Bytes per element of a dtype name; 0 for one we do not read. */
+static int dtype_size(const char *d) {
+  return !strcmp(d, "F32") ? 4 : (!strcmp(d, "BF16") || !strcmp(d, "F16")) ? 2 : 0;
+}
+
+static float to_f32(const char *dtype, const uint8_t *p) {
+  if (dtype[0] == 'F' && dtype[1] == '3') {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return dtype[0] == 'B' ? zt_bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* A whole number in [0, max] from a JSON value; -1 otherwise. */
+static int64_t whole(const cJSON *v, int64_t max) {
+  if (!cJSON_IsNumber(v)) return -1;
+  double d = v->valuedouble;
+  return d >= 0 && d <= (double)max && d == floor(d) ? (int64_t)d : -1;
+}
+
+/* The entry of tensor t: with or without the "transformer." prefix. */
+static const cJSON *entry(const reader *r, const zt_tensor_t *t, char *name, size_t n) {
+  hf_name(t, name, n);
+  const cJSON *e = cJSON_GetObjectItemCaseSensitive(r->hdr, name);
+  if (!e) e = cJSON_GetObjectItemCaseSensitive(r->hdr, name + strlen(PREFIX));
+  return cJSON_IsObject(e) ? e : NULL;
+}
+
+/* The shape the file must give t: dims[0..nd); rows may be more for wpe. */
+static int want_shape(const reader *r, const zt_tensor_t *t, int64_t dims[2]) {
+  int64_t rows = (int64_t)file_rows(r->l, t), cols = t->cols;
+  if (t->rows == 1) {
+    dims[0] = cols;
+    return 1;
+  }
+  dims[0] = is_conv1d(t->kind) ? cols : rows;
+  dims[1] = is_conv1d(t->kind) ? rows : cols;
+  return 2;
+}
+
+static void dims_text(char *buf, size_t len, const int64_t d[2], int n) {
+  if (n == 1) snprintf(buf, len, "[%lld]", (long long)d[0]);
+  else if (n == 2) snprintf(buf, len, "[%lld, %lld]", (long long)d[0], (long long)d[1]);
+  else snprintf(buf, len, "of %d dimensions", n);
+}
+
+/* The file's shape of t must be the model's; *numel receives its element
+ * count. */
+static int check_shape(const reader *r, const zt_tensor_t *t, const char *name, const cJSON *e,
+                       uint64_t *numel) {
+  int64_t want[2], got[2] = {-1, -1};
+  int nd = want_shape(r, t, want);
+  const cJSON *shape = cJSON_GetObjectItemCaseSensitive(e, "shape");
+  int n = cJSON_IsArray(shape) ? cJSON_GetArraySize(shape) : -1;
+  for (int i = 0; i < n && i < 2; i++) got[i] = whole(cJSON_GetArrayItem(shape, i), 1ll << 31);
+  int ok = n == nd && got[0] >= 0 && (nd == 1 || got[1] >= 0);
+  /* wpe may hold more positions than we use. */
+  int more_pos = t->kind == ZT_T_WPE && ok && got[0] >= want[0] && got[1] == want[1];
+  if (!ok || (!more_pos && (got[0] != want[0] || (nd == 2 && got[1] != want[1])))) {
+    char have[64], need[64];
+    dims_text(have, sizeof have, got, n);
+    dims_text(need, sizeof need, want, nd);
+    return zt_errk(ZT_E_INVALID, "%s: tensor %s has shape %s, the model needs %s", r->path,
+                   name, have, need);
+  }
+  *numel = (uint64_t)got[0] * (uint64_t)(nd == 2 ? got[1] : 1);
+  return 0;
+}
+
+/* Reads tensor t into flat. */
+static int read_tensor(const reader *r, const zt_tensor_t *t, float *flat) {
+  char name[96];
+  const cJSON *e = entry(r, t, name, sizeof name);
+  if (!e) return zt_errk(ZT_E_INVALID, "%s: no tensor %s", r->path, name);
+  const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
+  int esz = cJSON_IsString(dt) ? dtype_size(dt->valuestring) : 0;
+  if (!esz)
+    return zt_errk(ZT_E_INVALID, "%s: tensor %s has a dtype other than F32, BF16 or F16",
+                   r->path, name);
+  uint64_t all = 0;
+  if (check_shape(r, t, name, e, &all) != 0) return -1;
+  const cJSON *offs = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
+  int64_t b = whole(cJSON_GetArrayItem(offs, 0), (int64_t)r->data_len);
+  int64_t en = whole(cJSON_GetArrayItem(offs, 1), (int64_t)r->data_len);
+  uint64_t cols = (uint64_t)t->cols;
+  if (cJSON_GetArraySize(offs) != 2 || b < 0 || en < b || (uint64_t)(en - b) != all * (uint64_t)esz)
+    return zt_errk(ZT_E_INVALID, "%s: tensor %s: data_offsets do not hold its %llu elements",
+                   r->path, name, (unsigned long long)all);
+  size_t rows = file_rows(r->l, t), n = rows * (size_t)cols; /* what we take */
+  uint8_t *buf = zt_xmalloc(n * (size_t)esz + 1);
+  ssize_t got = pread(r->fd, buf, n * (size_t)esz, (off_t)(r->data_off + (uint64_t)b));
+  if (got != (ssize_t)(n * (size_t)esz)) {
+    free(buf);
+    return zt_errk(ZT_E_INVALID, "%s: tensor %s: short read (truncated file)", r->path, name);
+  }
+  float *dst = flat + t->off;
+  int tr = is_conv1d(t->kind);
+  for (size_t k = 0; k < n; k++) {
+    float v = to_f32(dt->valuestring, buf + k * (size_t)esz);
+    if (tr) dst[(k % rows) * cols + k / rows] = v; /* file [in, out] -> ours [out, in] */
+    else dst[k] = v;
+  }
+  free(buf);
+  return 0;
+}
+
+static int open_reader(reader *r, const char *path, const zt_layout_t *l) {
+  memset(r, 0, sizeof *r);
+  r->path = path, r->l = l;
+  r->fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (r->fd < 0) return zt_err_errno("%s", path);
+  struct stat st;
+  uint64_t hlen = 0;
+  if (fstat(r->fd, &st) != 0 || st.st_size < 8 || pread(r->fd, &hlen, 8, 0) != 8 || hlen < 2 ||
+      hlen > ZT_ST_MAX_HEADER || hlen > (uint64_t)st.st_size - 8)
+    return zt_errk(ZT_E_INVALID, "%s: not a safetensors file (header length)", path);
+  char *text = zt_xmalloc(hlen + 1);
+  if (pread(r->fd, text, hlen, 8) != (ssize_t)hlen) {
+    free(text);
+    return zt_err_errno("read %s", path);
+  }
+  r->hdr = zt_json_parse(text, hlen, path);
+  free(text);
+  if (!r->hdr || !cJSON_IsObject(r->hdr))
+    return zt_errk(ZT_E_INVALID, "%s: not a safetensors file (header is not a JSON object)",
+                   path);
+  r->data_off = 8 + hlen;
+  r->data_len = (uint64_t)st.st_size - r->data_off;
+  return 0;
+}
+
+int zt_st_read(const char *path, const zt_layout_t *l, float *flat) {
+  reader r;
+  int rc = open_reader(&r, path, l);
+  memset(flat, 0, l->num_params * sizeof(float));
+  for (int i = 0; rc == 0 && i < l->num_tensors; i++) rc = read_tensor(&r, &l->tensors[i], flat);
+  if (r.fd >= 0) close(r.fd);
+  cJSON_Delete(r.hdr);
+  return rc;
+}
