@@ -203,9 +203,10 @@ static int check(zt_coord_config_t *cfg) {
       return zt_err_errno("working directory");
     if (!realpath(roots[i], resolved))
       return zt_err_errno("%s %s", i ? "checkpoint_root" : "data_root", roots[i]);
-    if (strlen(resolved) >= sizeof cfg->data_root)
+    size_t n = strlen(resolved);
+    if (n >= sizeof cfg->data_root)
       return zt_err("%s: path too long", i ? "checkpoint_root" : "data_root");
-    snprintf(roots[i], sizeof cfg->data_root, "%s", resolved);
+    memcpy(roots[i], resolved, n + 1);
   }
   return 0;
 }
