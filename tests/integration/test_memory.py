@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from ztest import (BIN, byte_dataset, events, http_get, job, job_members, start_fleet, submit,
+from ztest import (BIN, SANITIZE, byte_dataset, events, http_get, job, job_members, start_fleet, submit,
                    tiny_spec, wait_job, wait_until, workers_by_name)
 
 
@@ -73,6 +73,9 @@ def test_worker_out_of_memory_fails_with_reason_and_is_not_asked_again(procs, tm
     RLIMIT_DATA it cannot exceed) fails its rank with "out of memory"
     instead of being killed; the coordinator stops giving it such ranks and
     the job goes on without it."""
+    if SANITIZE:
+        pytest.skip("AddressSanitizer reserves terabytes of shadow memory, which the "
+                    "RLIMIT_DATA of this test forbids")
     train, val = data
     coord = start_fleet(procs, names=["honest"])
     liar = procs.start("liar", ["prlimit", "--data=400000000", f"{BIN}/zworker",
