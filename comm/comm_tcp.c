@@ -381,9 +381,19 @@ int zt_comm_tcp_listen(const char *host, int *port, int *fd_out) {
   return 0;
 }
 
+/* Ring sockets: no Nagle delay; and, besides the deadline every ring call
+ * has, the kernel gives up on a peer that vanished without FIN or RST
+ * (a host gone, a link down): keepalive probes after 5 s of silence, and
+ * unacknowledged data abandoned after 60 s (TCP_USER_TIMEOUT). */
 static void tune(int fd) {
-  int one = 1;
+  int one = 1, idle = 5, intvl = 2, cnt = 3;
+  unsigned user_timeout_ms = 60000;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 

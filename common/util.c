@@ -284,6 +284,14 @@ int zt_path_confine(const char *root, const char *path, const char *what, char *
   return 0;
 }
 
+const char *zt_path_under(const char *root, const char *path) {
+  size_t n = strlen(root);
+  while (n > 1 && root[n - 1] == '/') n--;
+  if (n == 1 && root[0] == '/') return path[0] == '/' ? path + 1 : NULL;
+  if (strncmp(path, root, n) != 0 || (path[n] != '/' && path[n] != 0)) return NULL;
+  return path[n] ? path + n + 1 : path + n;
+}
+
 int zt_path_real_under(const char *root, const char *path) {
   char rr[PATH_MAX], rp[PATH_MAX];
   if (!realpath(root, rr) || !realpath(path, rp)) return 0;

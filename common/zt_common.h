@@ -127,6 +127,11 @@ ZT_MUST_CHECK int zt_mkdirs(const char *path);
  * (symbolic links). -1 (ZT_E_INVALID) with "<what>: ..." otherwise. */
 ZT_MUST_CHECK int zt_path_confine(const char *root, const char *path, const char *what, char *out,
                                   size_t outlen);
+/* The part of `path` under `root` (both normalized, as zt_path_confine
+ * leaves them): "a/b" for root/a/b, "" for root itself, NULL when path is
+ * not under root. Paths cross the wire in this form, so that every host
+ * resolves them under its own root. */
+const char *zt_path_under(const char *root, const char *path);
 /* 1 when the existing file or directory `path`, with every symbolic link
  * resolved, lies under root (which is itself resolved). */
 int zt_path_real_under(const char *root, const char *path);

@@ -259,7 +259,15 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   *out = ZT_CKPT_REPORT_COUNTED;
   if (!j->p.ckpt_dir[0])
     return zt_errk(ZT_E_STATE, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
-  if (check_dir(j, req->dir) != 0) return -1;
+  /* The worker names the epoch relative to its checkpoint root; the
+   * registry keeps it under ours. */
+  char dir[sizeof j->ck.dir];
+  if (req->dir[0] == '/' ||
+      zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, sizeof dir) != 0 ||
+      check_dir(j, dir) != 0)
+    return zt_errk(ZT_E_INVALID, "checkpoint dir %.200s is not a relative path under job %llu's "
+                   "checkpoint directory",
+                   req->dir, (unsigned long long)j->row.id);
   if (j->poisoned_from && req->step >= j->poisoned_from)
     return zt_errk(ZT_E_STATE,
                    "checkpoint at step %lld refused: the loss was not finite at step %lld",
@@ -269,11 +277,11 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   if (!req->error[0] && check_files(m->rank, req) != 0) return -1;
   zt_ckpt_tally_t *t = &j->ck;
   if ((t->step != req->step || t->gen != j->row.generation) &&
-      start_tally(c, j, req->step, req->dir) != 0)
+      start_tally(c, j, req->step, dir) != 0)
     return -1;
-  if (strcmp(t->dir, req->dir) != 0)
+  if (strcmp(t->dir, dir) != 0)
     return zt_errk(ZT_E_INVALID, "rank %d reported dir %.200s, expected %.200s", m->rank,
-                   req->dir, t->dir);
+                   req->dir, zt_path_under(c->cfg.ckpt_root, t->dir));
   if (req->error[0]) return report_failed(c, j, m, req, out);
   if (!t->seen[m->rank] && !t->done) {
     t->seen[m->rank] = 1;

@@ -729,7 +729,7 @@ static int fence(zt_coord_t *c, uint64_t wid, uint64_t job_id, uint64_t gen, zt_
 /* ---- rendezvous ---------------------------------------------------------------------- */
 
 /* The reply rank r receives, packed (malloc'd). */
-static uint8_t *pack_rendezvous(zt_job_t *j, int r, size_t *len) {
+static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) {
   char *peers[ZT_MAX_WORLD];
   for (int i = 0; i < j->row.world; i++) peers[i] = j->comm_addr[i];
   Ztrain__RendezvousReply rep = ZTRAIN__RENDEZVOUS_REPLY__INIT;
@@ -743,7 +743,10 @@ static uint8_t *pack_rendezvous(zt_job_t *j, int r, size_t *len) {
   rep.start_step = j->start_step;
   rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
   rep.comm_timeout_ms = j->p.comm_timeout_ms;
-  rep.checkpoint_dir = j->start_ckpt;
+  /* Paths cross the wire relative to the checkpoint root: each host
+   * resolves them under its own. */
+  const char *rel = zt_path_under(c->cfg.ckpt_root, j->start_ckpt);
+  rep.checkpoint_dir = (char *)(rel ? rel : j->start_ckpt);
   const zt_range_list_t *sk = &j->row.skips;
   Ztrain__SkipRange sr[ZT_MAX_SKIP_RANGES], *srp[ZT_MAX_SKIP_RANGES];
   for (int i = 0; i < sk->n; i++) {
@@ -778,7 +781,7 @@ static uint8_t *pack_rendezvous(zt_job_t *j, int r, size_t *len) {
 static void reply_rendezvous(zt_coord_t *c, zt_job_t *j) {
   for (int r = 0; r < j->row.world; r++) {
     size_t n;
-    uint8_t *buf = pack_rendezvous(j, r, &n);
+    uint8_t *buf = pack_rendezvous(c, j, r, &n);
     zt_rpc_reply(j->rdv[r], ZT_RPC_OK, NULL, buf, n);
     free(buf);
     j->rdv[r] = NULL;
@@ -1033,7 +1036,11 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
   }
   zt_coord_event(c, j->row.id, "rank_failed", m->row.id, "generation %llu rank %d: %s",
                  (unsigned long long)req->generation, m->rank, reason);
-  if (req->bad_checkpoint[0] && zt_ckpt_mark_bad(c, j, req->bad_checkpoint, reason) != 0) {
+  char bad[sizeof j->start_ckpt] = "";
+  if (req->bad_checkpoint[0] &&
+      zt_path_confine(c->cfg.ckpt_root, req->bad_checkpoint, "bad_checkpoint", bad, sizeof bad) != 0)
+    snprintf(bad, sizeof bad, "%s", req->bad_checkpoint); /* matches no epoch: fails the job */
+  if (bad[0] && zt_ckpt_mark_bad(c, j, bad, reason) != 0) {
     finish(c, j, ZT_JOB_FAILED, "job_failed", "cannot load checkpoint %s: %s",
            req->bad_checkpoint, reason);
     zt_jobs_schedule(c);

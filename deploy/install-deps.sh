@@ -18,6 +18,8 @@ PACKAGES=(
   sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf
   protobuf-compiler python3-grpc-tools wrk chromium
   systemd
+  # multi-host tests: network namespaces, veth, bridges, tc
+  iproute2
   # example corpus (English text, no download)
   fortunes
   # dashboard

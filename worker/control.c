@@ -48,7 +48,8 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   snprintf(c->name, sizeof c->name, "%s", o->name);
   snprintf(c->device, sizeof c->device, "%s", o->device);
   snprintf(c->secret, sizeof c->secret, "%s", o->secret ? o->secret : "");
-  if (gethostname(c->host, sizeof c->host) != 0) snprintf(c->host, sizeof c->host, "unknown");
+  if (o->host && o->host[0]) snprintf(c->host, sizeof c->host, "%s", o->host);
+  else if (gethostname(c->host, sizeof c->host) != 0) snprintf(c->host, sizeof c->host, "unknown");
   c->o.rpc_timeout_ms = o->rpc_timeout_ms > 0 ? o->rpc_timeout_ms : 2000;
   c->o.backoff_max_ms = o->backoff_max_ms > 0 ? o->backoff_max_ms : 5000;
   c->heartbeat_ms = 1000;

@@ -26,6 +26,7 @@ typedef struct {
   const char *name;
   const char *device;
   const char *secret; /* may be NULL */
+  const char *host;   /* the machine's name (NULL: its hostname) */
   int64_t rpc_timeout_ms;  /* per call; 0: 2000 */
   int64_t backoff_max_ms;  /* 0: 5000 */
   int64_t drain_timeout_ms; /* longest wait for a checkpoint before leaving; 0: 90000 */

@@ -124,7 +124,9 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.step = step;
-  req.dir = (char *)dir;
+  /* Relative to our checkpoint root: the coordinator keeps it under its own. */
+  const char *rel = zt_path_under(r->o.ckpt_root, dir);
+  req.dir = (char *)(rel ? rel : dir);
   req.error = (char *)(error ? error : "");
   Ztrain__CheckpointFile cf[8], *cfp[8];
   for (int i = 0; i < nfiles && i < 8; i++) {
@@ -225,13 +227,27 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
 
 /* Trains the generation the reply describes on a connected ring, and
  * reports a failure that is not simply our moving on. */
+/* The epoch to load, under our checkpoint root (the coordinator names it
+ * relative to the root); "" for none. -1 when it leads outside. */
+static int epoch_path(zt_runner_t *r, const char *rel, char *out, size_t n) {
+  out[0] = 0;
+  if (!rel[0]) return 0;
+  return zt_path_confine(r->o.ckpt_root, rel, "checkpoint to load", out, n);
+}
+
 static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *comm) {
+  char epoch[1200];
+  if (epoch_path(r, rv->checkpoint_dir, epoch, sizeof epoch) != 0) {
+    failure_t f = {.fatal = 1, .suspect = -1, .step = rv->start_step};
+    report_failure(r, zt_err_msg(), &f);
+    return;
+  }
   zt_gen_ctx_t g = {.job_id = rv->job_id, .generation = rv->generation, .rank = (int)rv->rank,
                     .world = (int)rv->world, .spec_json = rv->spec_json,
                     .start_step = rv->start_step, .comm_timeout_ms = rv->comm_timeout_ms,
                     .comm = comm, .workdir = r->workdir, .threads = r->o.threads,
                     .data_root = r->o.data_root, .ckpt_root = r->o.ckpt_root,
-                    .device = r->o.device, .checkpoint_dir = rv->checkpoint_dir,
+                    .device = r->o.device, .checkpoint_dir = epoch,
                     .host_memory = r->o.host_memory, .device_memory = r->o.device_memory,
                     .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
                     .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,

@@ -33,7 +33,7 @@
 #include "zt_common.h"
 
 typedef struct {
-  const char *coordinator, *name, *device, *workdir, *secret, *comm_host;
+  const char *coordinator, *name, *device, *workdir, *secret, *comm_host, *host;
   int threads;
   char data_root[PATH_MAX], ckpt_root[PATH_MAX]; /* resolved */
   uint64_t memory;                               /* bytes this worker may use */
@@ -43,10 +43,13 @@ static void usage(FILE *f) {
   fprintf(f, "usage: zworker --coordinator HOST:PORT --name NAME --workdir DIR\n"
              "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n"
              "               [--threads N] [--comm-host ADDR] [--memory BYTES[K|M|G]]\n"
-             "               [--data-root DIR] [--checkpoint-root DIR]\n"
+             "               [--data-root DIR] [--checkpoint-root DIR] [--host NAME]\n"
              "Job data and checkpoints must lie under the roots (default: the working\n"
              "directory); --memory (default: the machine's RAM) is what the scheduler\n"
-             "assumes this worker may use.\n");
+             "assumes this worker may use. --comm-host is the address peers reach this\n"
+             "worker's ring on (default 127.0.0.1: one machine only); --host names the\n"
+             "machine (default: its hostname), so that workers of one machine are known\n"
+             "to share its fate.\n");
 }
 
 /* "2G", "512M", "1000000": bytes. */
@@ -74,7 +77,8 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       {"secret", required_argument, 0, 's'},      {"log-level", required_argument, 0, 'l'},
       {"threads", required_argument, 0, 't'},     {"comm-host", required_argument, 0, 'H'},
       {"data-root", required_argument, 0, 'D'},   {"checkpoint-root", required_argument, 0, 'C'},
-      {"memory", required_argument, 0, 'm'},      {"help", no_argument, 0, 'h'},
+      {"memory", required_argument, 0, 'm'},      {"host", required_argument, 0, 'o'},
+      {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0},
   };
   const char *data_root = NULL, *ckpt_root = NULL;
@@ -92,6 +96,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
     case 's': a->secret = optarg; break;
     case 't': a->threads = atoi(optarg); break;
     case 'H': a->comm_host = optarg; break;
+    case 'o': a->host = optarg; break;
     case 'D': data_root = optarg; break;
     case 'C': ckpt_root = optarg; break;
     case 'm':
@@ -215,6 +220,7 @@ int main(int argc, char **argv) {
   if (zt_device_parse(a.device) >= 0 && !(device_memory = zt_device_memory(a.device)))
     ZT_WARN("%s: %s; jobs will fail on this worker until it is fixed", a.device, zt_err_msg());
   zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
+                     .host = a.host,
                      .secret = a.secret, .host_memory = a.memory,
                      .device_memory = device_memory, .on_command = on_command, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {

@@ -1,21 +1,14 @@
 """pytest fixtures shared by the integration tests (see ztest.py)."""
 import pytest
 
-from ztest import Procs
+from ztest import Procs, closing_with_logs, makereport_hook
 
 
 @pytest.fixture
 def procs(tmp_path, request):
     ps = Procs(tmp_path)
     yield ps
-    failed = getattr(request.node, "rep_call", None)
-    if failed is not None and failed.failed:
-        print(ps.dump())
-    ps.close()
+    closing_with_logs(request, ps)
 
 
-@pytest.hookimpl(tryfirst=True, hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    rep = outcome.get_result()
-    setattr(item, "rep_" + rep.when, rep)
+pytest_runtest_makereport = makereport_hook()

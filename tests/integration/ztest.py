@@ -45,10 +45,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def http_get(port, path, timeout=5):
+def http_get(port, path, timeout=5, host="127.0.0.1"):
     """Returns (status, content_type, parsed JSON or text)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=timeout) as r:
             body, status, ctype = r.read(), r.status, r.headers.get("Content-Type", "")
     except urllib.error.HTTPError as e:
         body, status, ctype = e.read(), e.code, e.headers.get("Content-Type", "")
@@ -294,3 +294,27 @@ def job_members(coord, jid, current_only=True):
 def losses(coord, jid):
     steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
     return {s["step"]: s["loss"] for s in steps}
+
+
+# ---- pytest glue shared by the conftest files ---------------------------------
+
+def closing_with_logs(request, thing):
+    """Teardown of a fixture that owns processes: their logs are printed
+    when the test failed, then they are stopped (thing: .dump(), .close())."""
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        print(thing.dump())
+    thing.close()
+
+
+def makereport_hook():
+    """A pytest_runtest_makereport that keeps each phase's report on the
+    item (item.rep_call), for closing_with_logs."""
+    import pytest
+
+    @pytest.hookimpl(tryfirst=True, hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        outcome = yield
+        rep = outcome.get_result()
+        setattr(item, "rep_" + rep.when, rep)
+    return pytest_runtest_makereport

@@ -77,6 +77,10 @@ ZT_TEST(test_path_confine) {
   ZT_CHECK_STR(out, "/srv/data/corpus/train_*.bin");
   ZT_CHECK(zt_path_confine("/srv/data/", "./a//b/./c", "x", out, sizeof out) == 0);
   ZT_CHECK_STR(out, "/srv/data/a/b/c");
+  ZT_CHECK_STR(zt_path_under("/srv/data", "/srv/data/a/b"), "a/b");
+  ZT_CHECK_STR(zt_path_under("/srv/data/", "/srv/data"), "");
+  ZT_CHECK(zt_path_under("/srv/data", "/srv/database/x") == NULL);
+  ZT_CHECK_STR(zt_path_under("/", "/etc"), "etc");
   ZT_CHECK(zt_path_confine("/srv/data", "/srv/data/x.bin", "x", out, sizeof out) == 0);
   ZT_CHECK_STR(out, "/srv/data/x.bin");
   ZT_CHECK(zt_path_confine("/srv/data", "/srv/data", "x", out, sizeof out) == 0);
