@@ -146,6 +146,23 @@ int zt_random_hex(char *out, size_t bytes);
  * UTF-8 sequence) written as \xNN, so that text from the network cannot
  * drive a terminal. Returns buf (n > 4). */
 const char *zt_printable(const char *s, char *buf, size_t n);
+/* Tickets for transfers between workers (ticket.c): the coordinator makes
+ * them with the holder's session as the key; the holder checks them. */
+typedef struct {
+  char op[8];          /* "put" or "get" */
+  uint64_t job, gen;   /* the job and the generation the requester is in */
+  uint64_t requester;  /* its worker id */
+  int64_t expiry_ms;   /* wall clock */
+  char scope[512];     /* put: "r<rank>"; get: an epoch directory (relative) */
+} zt_ticket_t;
+#define ZT_TICKET_MAX 800
+/* out (ZT_TICKET_MAX bytes) receives the ticket text. */
+ZT_MUST_CHECK int zt_ticket_make(const char *key, const zt_ticket_t *t, char *out, size_t n);
+/* Checks text against key (the holder's session) and the clock; fills *t.
+ * -1 (ZT_E_UNAUTHENTICATED) with the reason otherwise. */
+ZT_MUST_CHECK int zt_ticket_check(const char *key, const char *text, int64_t now_ms,
+                                  zt_ticket_t *t);
+
 /* The shape of a message: s with every run of digits (dots between digits
  * included) written as '#', so that "generation 7 failed at step 40 on w1"
  * and "generation 8 failed at step 41 on w2" compare equal. Returns out

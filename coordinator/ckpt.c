@@ -128,19 +128,65 @@ void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
       continue;
     }
     rm_tree(c, k->dir);
+    zt_copies_forget_epoch(c, j->row.id, k);
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld generation %llu (%s): %s",
                    (long long)k->step, (unsigned long long)k->generation,
                    was == ZT_CKPT_COMMITTED ? "retention" : "never committed", k->dir);
   }
 }
 
-int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, zt_db_ckpt_t *out, int *found) {
+/* Keeps the newest committed epochs at or before max_step (as many as a
+ * batch holds). */
+static int collect_committed(const zt_db_ckpt_t *k, void *user) {
+  gc_ctx *g = user;
+  ckpt_batch *b = g->drop;
+  if (k->state != ZT_CKPT_COMMITTED || k->step > g->max_step) return 0;
+  if (b->n < (int)ZT_ARRAY_LEN(b->k)) {
+    b->k[b->n++] = *k;
+    return 0;
+  }
+  int oldest = 0;
+  for (int i = 1; i < b->n; i++)
+    if (b->k[i].step < b->k[oldest].step) oldest = i;
+  if (k->step > b->k[oldest].step) b->k[oldest] = *k;
+  return 0;
+}
+
+static int by_step_desc(const void *a, const void *b) {
+  int64_t x = ((const zt_db_ckpt_t *)a)->step, y = ((const zt_db_ckpt_t *)b)->step;
+  return (x < y) - (x > y);
+}
+
+/* Whether every file of epoch k has a copy a live worker can serve. */
+static int loadable(zt_coord_t *c, zt_job_t *j, const zt_db_ckpt_t *k) {
+  zt_db_ckpt_file_t *rec;
+  int n;
+  char why[200] = "";
+  if (zt_ckpt_record(c, k->dir, &rec, &n) != 0) return 1; /* no record: the loader judges */
+  int ok = zt_copies_available(c, j->row.id, k, rec, n, why, sizeof why);
+  free(rec);
+  if (!ok)
+    zt_coord_event(c, j->row.id, "checkpoint_unavailable", 0, "step %lld: %s", (long long)k->step,
+                   why);
+  return ok;
+}
+
+int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
+                   zt_db_ckpt_t *out, int *found) {
+  static ckpt_batch b;
   gc_ctx g;
   memset(&g, 0, sizeof g);
-  g.max_step = max_step;
-  if (zt_db_ckpts_each(c->db, j->row.id, count_committed, &g) != 0) return -1;
-  *found = g.found;
-  if (g.found) *out = g.best;
+  b.n = 0;
+  g.max_step = max_step, g.drop = &b;
+  *found = 0;
+  if (zt_db_ckpts_each(c->db, j->row.id, collect_committed, &g) != 0) return -1;
+  qsort(b.k, (size_t)b.n, sizeof b.k[0], by_step_desc);
+  for (int i = 0; i < b.n; i++)
+    if (!need_loadable || loadable(c, j, &b.k[i])) {
+      *out = b.k[i];
+      *found = 1;
+      return 0;
+    }
   return 0;
 }
 
@@ -202,13 +248,63 @@ static int start_tally(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir
   return 0;
 }
 
-/* Every rank reported: the epoch is committed, in SQLite with its event. */
+/* The copies every file needs: checkpoint.replicas, at most one per
+ * machine of the generation. */
+static int copies_needed(const zt_job_t *j) {
+  return ZT_MAX(1, ZT_MIN(j->p.replicas, j->n_hosts));
+}
+
+static int popcount(const uint8_t *b, size_t n) {
+  int k = 0;
+  for (size_t i = 0; i < n; i++) k += __builtin_popcount(b[i]);
+  return k;
+}
+
+/* Every rank reported, and every file has its copies. */
+static int complete(const zt_job_t *j) {
+  const zt_ckpt_tally_t *t = &j->ck;
+  if (t->done || t->failed || t->count < j->row.world) return 0;
+  for (int i = 0; i < t->nfiles; i++)
+    if (t->files[i].written &&
+        popcount(t->files[i].hosts, sizeof t->files[i].hosts) < copies_needed(j))
+      return 0;
+  return 1;
+}
+
+/* The tally's entry for a file name (a new one when there is none). */
+static zt_ckpt_entry_t *entry(zt_ckpt_tally_t *t, const char *name) {
+  for (int i = 0; i < t->nfiles; i++)
+    if (!strcmp(t->files[i].f.name, name)) return &t->files[i];
+  if (t->nfiles == (int)ZT_ARRAY_LEN(t->files)) return NULL;
+  zt_ckpt_entry_t *e = &t->files[t->nfiles++];
+  memset(e, 0, sizeof *e);
+  snprintf(e->f.name, sizeof e->f.name, "%s", name);
+  return e;
+}
+
+/* The machine index of worker m in the current generation; -1 when it is
+ * not a member. */
+static int host_index(const zt_job_t *j, const zt_member_t *m) {
+  if (m->job_id != j->row.id || m->gen != j->row.generation || m->rank < 0 ||
+      m->rank >= j->row.world)
+    return -1;
+  return j->host_of[m->rank];
+}
+
+/* Every rank reported and every file has its copies: the epoch is
+ * committed, in SQLite with its record and its event. */
 static int commit(zt_coord_t *c, zt_job_t *j) {
   zt_ckpt_tally_t *t = &j->ck;
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_COMMITTED, t->bytes, zt_wall_ms()};
   snprintf(k.dir, sizeof k.dir, "%s", t->dir);
-  if (zt_db_begin(c->db) != 0 || zt_db_ckpt_put(c->db, j->row.id, &k) != 0 ||
-      zt_db_ckpt_files_put(c->db, j->row.id, t->step, t->gen, t->files, t->nfiles) != 0 ||
+  zt_db_ckpt_file_t *rec = zt_xcalloc((size_t)t->nfiles + 1, sizeof *rec);
+  int nrec = 0;
+  for (int i = 0; i < t->nfiles; i++)
+    if (t->files[i].written) rec[nrec++] = t->files[i].f;
+  int rc = zt_db_begin(c->db) != 0 || zt_db_ckpt_put(c->db, j->row.id, &k) != 0 ||
+           zt_db_ckpt_files_put(c->db, j->row.id, t->step, t->gen, rec, nrec) != 0;
+  free(rec);
+  if (rc ||
       zt_db_event_add(c->db, j->row.id, "checkpoint_committed", 0, k.dir, NULL) != 0 ||
       zt_db_commit(c->db) != 0) {
     zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot commit checkpoint");
@@ -235,6 +331,7 @@ static void drop_failed(zt_coord_t *c, zt_job_t *j) {
     return;
   }
   rm_tree(c, t->dir);
+  zt_copies_forget_epoch(c, j->row.id, &k);
 }
 
 /* A rank's write failed: the epoch cannot commit. */
@@ -251,6 +348,19 @@ static int report_failed(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
                    (long long)t->step, m->rank, m->row.name, t->error);
   }
   drop_failed(c, j);
+  return 0;
+}
+
+/* After a report: a failed epoch is dropped once everyone reported; a
+ * complete one commits. */
+static int settle(zt_coord_t *c, zt_job_t *j, zt_ckpt_outcome_t *out) {
+  if (j->ck.failed) {
+    drop_failed(c, j);
+    return 0;
+  }
+  if (!complete(j)) return 0;
+  if (commit(c, j) != 0) return -1;
+  *out = ZT_CKPT_REPORT_COMMITTED;
   return 0;
 }
 
@@ -286,22 +396,84 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   if (!t->seen[m->rank] && !t->done) {
     t->seen[m->rank] = 1;
     t->count++;
+    zt_db_ckpt_t k = {t->step, t->gen, 0, "", 0, 0, 0};
     for (size_t i = 0; i < req->n_files; i++) {
-      zt_db_ckpt_file_t *f = &t->files[t->nfiles++];
-      snprintf(f->name, sizeof f->name, "%s", req->files[i]->name);
-      snprintf(f->checksum, sizeof f->checksum, "%s", req->files[i]->checksum);
-      f->bytes = req->files[i]->bytes;
-      t->bytes += f->bytes;
+      zt_ckpt_entry_t *e = entry(t, req->files[i]->name);
+      if (!e) return zt_errk(ZT_E_TOO_LARGE, "too many files in one epoch");
+      if (strcmp(e->f.checksum, req->files[i]->checksum) != 0 || e->f.bytes != req->files[i]->bytes)
+        memset(e->hosts, 0, sizeof e->hosts); /* copies of something else: not copies */
+      snprintf(e->f.checksum, sizeof e->f.checksum, "%s", req->files[i]->checksum);
+      e->f.bytes = req->files[i]->bytes;
+      e->written = 1;
+      e->hosts[j->host_of[m->rank] / 8] |= (uint8_t)(1u << (j->host_of[m->rank] % 8));
+      t->bytes += e->f.bytes;
+      if (zt_copies_add(c, j->row.id, &k, e->f.name, m->row.id) != 0) return -1;
     }
   }
-  if (t->failed) {
-    drop_failed(c, j);
-    return 0;
-  }
-  if (t->done || t->count < j->row.world) return 0;
-  if (commit(c, j) != 0) return -1;
-  *out = ZT_CKPT_REPORT_COMMITTED;
+  return settle(c, j, out);
+}
+
+/* "…/step_<s>-g<g>": the epoch's step and generation; -1 otherwise. */
+static int parse_epoch(const char *dir, int64_t *step, uint64_t *gen) {
+  const char *st = strrchr(dir, '/');
+  long long s;
+  unsigned long long g;
+  int used = 0;
+  if (!st || sscanf(st + 1, "step_%lld-g%llu%n", &s, &g, &used) != 2 || st[1 + used])
+    return -1;
+  *step = s, *gen = g;
   return 0;
+}
+
+/* A copy of a file of a committed epoch (fetched to load it): it must be
+ * the file the record holds. */
+static int copy_of_committed(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const zt_db_ckpt_t *k,
+                             const zt_db_ckpt_file_t *f) {
+  zt_db_ckpt_file_t *rec;
+  int n;
+  if (zt_ckpt_record(c, k->dir, &rec, &n) != 0) return -1;
+  int ok = 0;
+  for (int i = 0; i < n; i++)
+    ok |= !strcmp(rec[i].name, f->name) && !strcmp(rec[i].checksum, f->checksum) &&
+          rec[i].bytes == f->bytes;
+  free(rec);
+  if (!ok)
+    return zt_errk(ZT_E_INVALID, "%s/%s: not a file of the committed epoch (size or checksum "
+                   "differs)", k->dir, f->name);
+  return zt_copies_add(c, j->row.id, k, f->name, m->row.id);
+}
+
+int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
+                        const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out) {
+  *out = ZT_CKPT_REPORT_COUNTED;
+  int64_t step;
+  uint64_t gen;
+  if (!j->p.ckpt_dir[0] || check_dir(j, dir) != 0 || parse_epoch(dir, &step, &gen) != 0 ||
+      !checksum_valid(f->checksum))
+    return zt_errk(ZT_E_INVALID, "%.200s/%.64s is not a checkpoint file of job %llu", dir,
+                   f->name, (unsigned long long)j->row.id);
+  zt_db_ckpt_t k;
+  uint64_t kjob;
+  int found = 0;
+  if (zt_db_ckpt_find_dir(c->db, dir, &kjob, &k, &found) != 0) return -1;
+  if (found && kjob == j->row.id) return copy_of_committed(c, j, m, &k, f);
+  zt_ckpt_tally_t *t = &j->ck;
+  /* A pushed copy may come before its rank's own report. */
+  if (gen == j->row.generation && (t->step != step || t->gen != gen) && !t->done && step > 0 &&
+      step <= j->row.total_steps && start_tally(c, j, step, dir) != 0)
+    return -1;
+  zt_db_ckpt_t here = {step, gen, 0, "", 0, 0, 0};
+  if (zt_copies_add(c, j->row.id, &here, f->name, m->row.id) != 0) return -1;
+  if (t->step != step || t->gen != gen || t->done || strcmp(t->dir, dir) != 0)
+    return 0; /* an epoch that can no longer commit: the copy is deleted with it */
+  zt_ckpt_entry_t *e = entry(t, f->name);
+  if (!e) return zt_errk(ZT_E_TOO_LARGE, "too many files in one epoch");
+  if (e->written && (strcmp(e->f.checksum, f->checksum) || e->f.bytes != f->bytes))
+    return zt_errk(ZT_E_INVALID, "%s: the copy differs from what its rank wrote", f->name);
+  if (!e->written) e->f = *f;
+  int h = host_index(j, m);
+  if (h >= 0) e->hosts[h / 8] |= (uint8_t)(1u << (h % 8));
+  return settle(c, j, out);
 }
 
 typedef struct {
@@ -330,6 +502,7 @@ void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
       continue;
     }
     rm_tree(c, b.k[i].dir);
+    zt_copies_forget_epoch(c, j->row.id, &b.k[i]);
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld: after the rollback target: %s",
                    (long long)b.k[i].step, b.k[i].dir);
   }

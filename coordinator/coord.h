@@ -18,6 +18,7 @@
  *   jobs.c                      scheduler: generations, rendezvous, rollback
  *   ckpt.c members.c spike.c    checkpoint registry, membership, detector,
  *   restarts.c                  restart policy
+ *   copies.c                    where checkpoint files have copies
  *   views.c auth.c              what the APIs show; credentials
  *   events.c loopcall.c notify.c  logbook, HTTP -> loop calls, systemd
  *
@@ -96,7 +97,16 @@ typedef struct {
   int zero_stage;
   zt_mem_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
   int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
+  int replicas;                 /* checkpoint.replicas */
 } zt_job_params_t;
+
+/* One file of the epoch being reported: as its rank wrote it, and the
+ * machines (by index in the generation, zt_job_t.host_of) with a copy. */
+typedef struct {
+  zt_db_ckpt_file_t f;
+  int written; /* its rank reported it (f is then authoritative) */
+  uint8_t hosts[ZT_MAX_WORLD / 8];
+} zt_ckpt_entry_t;
 
 /* The tally of the checkpoint epoch being reported (ckpt.c). */
 typedef struct {
@@ -109,7 +119,7 @@ typedef struct {
   uint64_t bytes;
   uint8_t seen[ZT_MAX_WORLD];
   char dir[512];
-  zt_db_ckpt_file_t files[3 * ZT_MAX_WORLD]; /* every rank's files, as reported */
+  zt_ckpt_entry_t files[3 * ZT_MAX_WORLD]; /* every rank's files, and their copies */
   int nfiles;
 } zt_ckpt_tally_t;
 
@@ -120,6 +130,8 @@ typedef struct zt_job {
   char *spec;
   zt_job_params_t p;
   uint64_t workers[ZT_MAX_WORLD]; /* worker id by rank, current generation */
+  uint8_t host_of[ZT_MAX_WORLD];  /* each rank's machine, as an index ... */
+  int n_hosts;                    /* ... into the generation's distinct machines */
   int64_t start_step;
   int64_t formed_ms;
   int arrived;
@@ -203,6 +215,7 @@ struct Ztrain__RendezvousRequest;
 struct Ztrain__ReportStepRequest;
 struct Ztrain__ReportFailureRequest;
 struct Ztrain__ReportCheckpointRequest;
+struct Ztrain__ReportReplicaRequest;
 
 /* Operator actions on a job. */
 typedef enum { ZT_ACT_PAUSE, ZT_ACT_RESUME, ZT_ACT_CANCEL, ZT_ACT_ROLLBACK } zt_job_action_t;
@@ -228,6 +241,9 @@ int zt_jobs_report_step(zt_coord_t *c, const struct Ztrain__ReportStepRequest *r
 int zt_jobs_report_failure(zt_coord_t *c, const struct Ztrain__ReportFailureRequest *req);
 int zt_jobs_report_checkpoint(zt_coord_t *c, const struct Ztrain__ReportCheckpointRequest *req,
                               int *committed);
+/* A worker holds a copy of a checkpoint file (pushed to it, or fetched). */
+int zt_jobs_report_replica(zt_coord_t *c, const struct Ztrain__ReportReplicaRequest *req,
+                           int *committed);
 /* An operator action; on success msg says what happens. */
 int zt_jobs_action(zt_coord_t *c, uint64_t job_id, zt_job_action_t action, int64_t to_step,
                    int64_t skip_steps, char *msg, size_t msglen);
@@ -247,6 +263,11 @@ typedef enum {
   ZT_CKPT_REPORT_COMMITTED, /* the last one: the epoch is committed in SQLite */
   ZT_CKPT_REPORT_FAILED,    /* the first failed write of the epoch: it cannot commit */
 } zt_ckpt_outcome_t;
+/* A worker stored a copy of file f of the epoch in dir (absolute under our
+ * root): counted toward the epoch being written (*out may say COMMITTED),
+ * or checked against a committed epoch's record, and recorded. */
+int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
+                        const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out);
 /* Counts one rank's report of the epoch being written (its files, or the
  * error of its failed write). On REPORT_COMMITTED the caller applies retention
  * and acts on the commit; on REPORT_FAILED it decides what the job does without
@@ -255,8 +276,11 @@ typedef enum {
 int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
                    const struct Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out);
 /* The newest committed epoch of a job at or before max_step (INT64_MAX:
- * any); *found = 0 when there is none. */
-int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, zt_db_ckpt_t *out, int *found);
+ * any), with need_loadable the newest whose every file a live worker can
+ * serve (copies.c; an epoch skipped for that is logged); *found = 0 when
+ * there is none. */
+int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
+                   zt_db_ckpt_t *out, int *found);
 /* Applies retention and removes pending epochs that can never commit. */
 void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j);
 /* Deletes every epoch after `step` (a rollback abandons them). */
@@ -268,6 +292,45 @@ int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *wh
  * *files (malloc'd) and *n; -1 (ZT_E_NOT_FOUND) when no committed epoch is
  * there. */
 int zt_ckpt_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n);
+
+/* ---- copies.c: where checkpoint files have copies ------------------------------ */
+
+struct Ztrain__FileCopies;
+struct Ztrain__ReplicaTarget;
+/* The holders of every file of one epoch for one rank's rendezvous reply
+ * (everything malloc'd; zt_copies_pool_free). */
+typedef struct {
+  struct Ztrain__FileCopies *fc, **fcp;
+  struct Ztrain__ReplicaTarget *t, **tp;
+  char *tickets;
+  int n;
+} zt_copies_pool_t;
+
+/* Worker worker_id holds a copy of file `name` of epoch k of job_id. */
+int zt_copies_add(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k, const char *name,
+                  uint64_t worker_id);
+/* Epoch k is gone: every worker that held a copy is asked to delete it. */
+void zt_copies_forget_epoch(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k);
+/* 1 when every file of epoch k (its record: files, n) has a copy on a
+ * machine with a live worker; else 0 with the first missing file in why. */
+int zt_copies_available(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,
+                        const zt_db_ckpt_file_t *files, int n, char *why, size_t whylen);
+/* The stores that can serve each file of epoch k (of job epoch_job) to
+ * worker `requester` of job j, with tickets, into pool. */
+int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_db_ckpt_t *k,
+                      const zt_db_ckpt_file_t *files, int n, uint64_t requester,
+                      zt_copies_pool_t *pool);
+/* Tickets (common/ticket.c) outlive a generation's set-up by far; a fenced
+ * worker's copies of an epoch that cannot commit are deleted later anyway. */
+#define ZT_TICKET_TTL_MS (24ll * 3600 * 1000)
+void zt_copies_pool_free(zt_copies_pool_t *pool);
+/* Epoch directories (relative) worker m is to delete (at most max), and
+ * those it reports deleted. */
+int zt_copies_deletions(zt_coord_t *c, zt_member_t *m, char (*dirs)[ZT_DB_DIR_MAX], int max);
+void zt_copies_deleted(zt_coord_t *c, zt_member_t *m, char *const *dirs, size_t n);
+/* What a registering worker holds (files relative to its checkpoint root):
+ * copies of committed epochs are counted, the rest is to be deleted. */
+void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_t n);
 
 /* ---- members.c: membership and liveness -------------------------------------- */
 
@@ -288,6 +351,7 @@ void zt_members_count(zt_coord_t *c, uint32_t counts[5]);
 typedef struct {
   const char *name, *host, *device;
   const char *session; /* its previous credential, or "" */
+  const char *store_addr; /* HOST:PORT of its replica store, or "" */
   int pid;
   uint64_t host_memory, device_memory;
 } zt_register_t;

@@ -109,6 +109,7 @@ int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_p
   p->rb_per_steps = s.rollback.per_steps;
   p->restart = s.restart;
   p->max_uncommitted = s.ckpt.max_uncommitted_steps;
+  p->replicas = s.ckpt.replicas;
   p->zero_stage = s.zero_stage;
   if (p->max_workers > ZT_MAX_WORLD)
     return zt_errk(ZT_E_INVALID, "elastic.max_workers %d exceeds %d", p->max_workers,
@@ -250,7 +251,7 @@ static void start_point(zt_coord_t *c, zt_job_t *j, int64_t *step, char *dir, si
   if (j->rb_ckpt_step >= 0) {
     *step = j->rb_ckpt_step;
     snprintf(dir, dirlen, "%s", j->rb_ckpt_dir);
-  } else if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, &ck, &have) == 0 && have) {
+  } else if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 1, &ck, &have) == 0 && have) {
     *step = ck.step;
     snprintf(dir, dirlen, "%s", ck.dir);
   } else if (j->p.ckpt_load[0]) { /* the worker reads the step from its manifest */
@@ -313,6 +314,23 @@ static int commit_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
   return 0;
 }
 
+/* Numbers the machines of the generation's members (host_of, n_hosts):
+ * copies of a checkpoint file count once per machine. */
+static const char *host_of_worker(zt_coord_t *c, uint64_t id) {
+  zt_member_t *m = zt_members_get(c, id);
+  return m ? m->row.host : "";
+}
+
+static void index_hosts(zt_coord_t *c, zt_job_t *j) {
+  j->n_hosts = 0;
+  for (int r = 0; r < j->row.world && r < ZT_MAX_WORLD; r++) {
+    const char *host = host_of_worker(c, j->workers[r]);
+    int h = 0;
+    while (h < r && strcmp(host_of_worker(c, j->workers[h]), host) != 0) h++;
+    j->host_of[r] = h < r ? j->host_of[h] : (uint8_t)j->n_hosts++;
+  }
+}
+
 /* Forms the next generation if enough workers are available. */
 static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   uint64_t pick[ZT_MAX_WORLD];
@@ -341,6 +359,7 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
    * a run of suspicious steps in progress is forgotten. */
   j->det.run = 0;
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
+  index_hosts(c, j);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
   set_start(c, j, dir);
@@ -548,7 +567,7 @@ static int act_rollback(zt_coord_t *c, zt_job_t *j, int64_t to_step, int64_t ski
                  (long long)skip_steps);
   zt_db_ckpt_t ck;
   int have = 0;
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, to_step, &ck, &have) != 0) return -1;
+  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, to_step, 1, &ck, &have) != 0) return -1;
   int64_t from = (have ? ck.step : 0) + 1;
   if (rollback(c, j, from, from - 1, to_step, skip_steps, 0, why) != 0) return -1;
   snprintf(msg, msglen, "job %llu rolling back to step %lld", (unsigned long long)j->row.id,
@@ -603,6 +622,7 @@ static int load_job(const zt_db_job_t *row, void *user) {
       zt_member_t *m = zt_members_get(c, j->workers[r]);
       if (m) m->job_id = j->row.id, m->gen = j->row.generation, m->rank = r;
     }
+    index_hosts(c, j);
   }
   j->formed_ms = zt_now_ms();
   /* The current generation resumed from the newest committed epoch that
@@ -610,7 +630,7 @@ static int load_job(const zt_db_job_t *row, void *user) {
    * below the generation's start step. */
   zt_db_ckpt_t ck;
   int have = 0;
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, &ck, &have) == 0 && have) {
+  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 0, &ck, &have) == 0 && have) {
     set_start(c, j, ck.dir);
     j->start_step = j->safe_step = ck.step;
   }
@@ -728,6 +748,47 @@ static int fence(zt_coord_t *c, uint64_t wid, uint64_t job_id, uint64_t gen, zt_
 
 /* ---- rendezvous ---------------------------------------------------------------------- */
 
+/* Where rank r pushes copies of its files: the ranks after it, one per
+ * machine other than its own, each with a ticket for its store. */
+static int replica_targets(zt_coord_t *c, zt_job_t *j, int r, Ztrain__ReplicaTarget *t,
+                           Ztrain__ReplicaTarget **tp, char (*tickets)[ZT_TICKET_MAX]) {
+  uint8_t used[ZT_MAX_WORLD / 8] = {0};
+  used[j->host_of[r] / 8] |= (uint8_t)(1u << (j->host_of[r] % 8));
+  int n = 0;
+  for (int d = 1; d < j->row.world; d++) {
+    int q = (r + d) % j->row.world, h = j->host_of[q];
+    zt_member_t *m = zt_members_get(c, j->workers[q]);
+    if ((used[h / 8] >> (h % 8)) & 1 || !m || !m->row.store_addr[0]) continue;
+    zt_ticket_t tk = {.op = "put", .job = j->row.id, .gen = j->row.generation,
+                      .requester = j->workers[r], .expiry_ms = zt_wall_ms() + ZT_TICKET_TTL_MS};
+    snprintf(tk.scope, sizeof tk.scope, "r%d", r);
+    if (zt_ticket_make(m->row.session, &tk, tickets[n], ZT_TICKET_MAX) != 0) continue;
+    ztrain__replica_target__init(&t[n]);
+    t[n].worker_id = m->row.id;
+    t[n].addr = m->row.store_addr;
+    t[n].host = m->row.host;
+    t[n].ticket = tickets[n];
+    tp[n] = &t[n];
+    used[h / 8] |= (uint8_t)(1u << (h % 8));
+    n++;
+  }
+  return n;
+}
+
+/* The holders of every file of the start epoch, with tickets for rank r. */
+static void start_copies(zt_coord_t *c, zt_job_t *j, int r, zt_copies_pool_t *pool) {
+  zt_db_ckpt_t k;
+  uint64_t kjob;
+  int found = 0;
+  if (!j->start_ckpt[0] || !j->n_start_files ||
+      zt_db_ckpt_find_dir(c->db, j->start_ckpt, &kjob, &k, &found) != 0 || !found)
+    return;
+  if (zt_copies_holders(c, j, kjob, &k, j->start_files, j->n_start_files, j->workers[r], pool) !=
+      0)
+    ZT_WARN("job %llu: copies of %s: %s", (unsigned long long)j->row.id, j->start_ckpt,
+            zt_err_msg());
+}
+
 /* The reply rank r receives, packed (malloc'd). */
 static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) {
   char *peers[ZT_MAX_WORLD];
@@ -770,9 +831,24 @@ static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) 
   }
   rep.n_checkpoint_files = (size_t)j->n_start_files;
   rep.checkpoint_files = cfp;
+  /* Copies: where to push ours, where to fetch the start epoch's. */
+  rep.replicas = (uint32_t)ZT_MAX(1, ZT_MIN(j->p.replicas, j->n_hosts));
+  Ztrain__ReplicaTarget *t = zt_xcalloc((size_t)j->row.world, sizeof *t);
+  Ztrain__ReplicaTarget **tp = zt_xcalloc((size_t)j->row.world, sizeof *tp);
+  char(*tickets)[ZT_TICKET_MAX] = zt_xcalloc((size_t)j->row.world, ZT_TICKET_MAX);
+  rep.n_replica_targets = (size_t)replica_targets(c, j, r, t, tp, tickets);
+  rep.replica_targets = tp;
+  zt_copies_pool_t pool = {0};
+  start_copies(c, j, r, &pool);
+  rep.n_checkpoint_copies = (size_t)pool.n;
+  rep.checkpoint_copies = pool.fcp;
   *len = ztrain__rendezvous_reply__get_packed_size(&rep);
   uint8_t *buf = zt_xmalloc(*len);
   ztrain__rendezvous_reply__pack(&rep, buf);
+  zt_copies_pool_free(&pool);
+  free(tickets);
+  free(tp);
+  free(t);
   free(cfp);
   free(cf);
   return buf;
@@ -869,7 +945,7 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
                     int64_t max_ckpt_step, int64_t skip_steps, int budgeted, const char *why) {
   zt_db_ckpt_t ck;
   int have = 0;
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, max_ckpt_step, &ck, &have) != 0) return -1;
+  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, max_ckpt_step, 1, &ck, &have) != 0) return -1;
   int64_t to = have ? ck.step : 0;
   j->rb_ckpt_step = to;
   snprintf(j->rb_ckpt_dir, sizeof j->rb_ckpt_dir, "%s", have ? ck.dir : "");
@@ -1081,6 +1157,8 @@ static void checkpoint_failed(zt_coord_t *c, zt_job_t *j) {
   try_form(c, j, reason);
 }
 
+static void epoch_committed(zt_coord_t *c, zt_job_t *j);
+
 int zt_jobs_report_checkpoint(zt_coord_t *c, const Ztrain__ReportCheckpointRequest *req,
                               int *committed) {
   zt_job_t *j;
@@ -1092,6 +1170,38 @@ int zt_jobs_report_checkpoint(zt_coord_t *c, const Ztrain__ReportCheckpointReque
   if (out == ZT_CKPT_REPORT_FAILED) checkpoint_failed(c, j);
   if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
   *committed = 1;
+  epoch_committed(c, j);
+  return 0;
+}
+
+int zt_jobs_report_replica(zt_coord_t *c, const Ztrain__ReportReplicaRequest *req,
+                           int *committed) {
+  *committed = 0;
+  zt_job_t *j = zt_jobs_get(c, req->job_id);
+  zt_member_t *m = zt_members_get(c, req->worker_id);
+  if (!j) return zt_errk(ZT_E_NOT_FOUND, "unknown job %llu", (unsigned long long)req->job_id);
+  if (!m) return zt_errk(ZT_E_NOT_FOUND, "unknown worker %llu", (unsigned long long)req->worker_id);
+  const Ztrain__CheckpointFile *cf = req->file;
+  zt_db_ckpt_file_t f;
+  char dir[sizeof j->start_ckpt];
+  if (!cf || strlen(cf->name) >= sizeof f.name || strlen(cf->checksum) >= sizeof f.checksum ||
+      req->dir[0] == '/' ||
+      zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, sizeof dir) != 0)
+    return zt_errk(ZT_E_INVALID, "a copy report names a relative epoch directory and a file");
+  snprintf(f.name, sizeof f.name, "%s", cf->name);
+  snprintf(f.checksum, sizeof f.checksum, "%s", cf->checksum);
+  f.bytes = cf->bytes;
+  zt_ckpt_outcome_t out;
+  if (zt_ckpt_report_copy(c, j, m, dir, &f, &out) != 0) return -1;
+  if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
+  *committed = 1;
+  epoch_committed(c, j);
+  return 0;
+}
+
+/* An epoch committed: counters, the end of a checkpointing pause,
+ * retention, and a re-form that waited for it. */
+static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
   j->ckpt_commits++;
   j->safe_step = ZT_MAX(j->safe_step, j->ck.step);
   if (j->ckpt_paused) {
@@ -1101,7 +1211,6 @@ int zt_jobs_report_checkpoint(zt_coord_t *c, const Ztrain__ReportCheckpointReque
   }
   zt_ckpt_gc(c, j);
   checkpoint_committed(c, j);
-  return 0;
 }
 
 int zt_jobs_heartbeat_command(zt_coord_t *c, zt_member_t *m, uint64_t job_id, uint64_t gen,

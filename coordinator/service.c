@@ -39,7 +39,7 @@ typedef struct {
 } call_ctx;
 
 static void *own(call_ctx *x, void *p) {
-  if (x->n_owned == (int)ZT_ARRAY_LEN(x->owned)) abort(); /* a handler owns at most 3 */
+  if (x->n_owned == (int)ZT_ARRAY_LEN(x->owned)) abort(); /* a handler owns at most 8 */
   x->owned[x->n_owned++] = p;
   return p;
 }
@@ -65,7 +65,9 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
     zt_errk(ZT_E_UNAUTHENTICATED, "worker secret missing or wrong");
     return NULL;
   }
-  zt_register_t reg = {req->name, req->host, req->device, req->session, req->pid,
+  zt_register_t reg = {req->name,       req->host,
+                       req->device,     req->session,
+                       req->store_addr, req->pid,
                        req->host_memory_bytes, req->device_memory_bytes};
   zt_member_t *mem;
   int known;
@@ -73,6 +75,7 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
   /* A worker that registers again was restarted: its place in a job's
    * generation is gone. */
   if (known) zt_jobs_member_gone(c, mem, "re-registered (restarted)", 1);
+  zt_copies_reconcile(c, mem, req->held_files, req->n_held_files);
   zt_jobs_schedule(c);
   Ztrain__RegisterReply *r = new_reply(x, &ztrain__register_reply__descriptor);
   r->worker_id = mem->row.id;
@@ -94,6 +97,14 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
                                                           &r->job_id, &r->generation);
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->coordinator_epoch = (uint64_t)c->epoch;
+  /* Epochs to delete: those it deleted are forgotten, the rest asked again. */
+  zt_copies_deleted(c, mem, req->deleted_epochs, req->n_deleted_epochs);
+  char(*dirs)[ZT_DB_DIR_MAX] = own(x, zt_xcalloc(16, ZT_DB_DIR_MAX));
+  char **dp = own(x, zt_xcalloc(16, sizeof *dp));
+  int n = zt_copies_deletions(c, mem, dirs, 16);
+  for (int i = 0; i < n; i++) dp[i] = dirs[i];
+  r->n_delete_epochs = (size_t)n;
+  r->delete_epochs = dp;
   return &r->base;
 }
 
@@ -339,6 +350,17 @@ static ProtobufCMessage *h_submit_job(zt_coord_t *c, zt_rpc_call_t *call, const 
   return &r->base;
 }
 
+static ProtobufCMessage *h_report_replica(zt_coord_t *c, zt_rpc_call_t *call,
+                                          const ProtobufCMessage *m, call_ctx *x) {
+  (void)call;
+  int committed = 0;
+  if (zt_jobs_report_replica(c, (const Ztrain__ReportReplicaRequest *)m, &committed) != 0)
+    return NULL;
+  Ztrain__ReportReplicaReply *r = new_reply(x, &ztrain__report_replica_reply__descriptor);
+  r->committed = committed;
+  return &r->base;
+}
+
 /* ---- dispatch ---------------------------------------------------------- */
 
 /* Who may call a method. */
@@ -365,6 +387,8 @@ static const method_entry k_methods[] = {
      h_report_failure, WORKER},
     {"/ztrain.Control/ReportCheckpoint", &ztrain__report_checkpoint_request__descriptor,
      h_report_checkpoint, WORKER},
+    {"/ztrain.Control/ReportReplica", &ztrain__report_replica_request__descriptor,
+     h_report_replica, WORKER},
     {"/ztrain.Status/ListCheckpoints", &ztrain__list_checkpoints_request__descriptor,
      h_list_checkpoints, ANYONE},
     {"/ztrain.Status/JobAction", &ztrain__job_action_request__descriptor, h_job_action, OPERATOR},

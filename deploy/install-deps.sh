@@ -13,7 +13,7 @@ PACKAGES=(
   # coordinator and worker libraries
   libuv1-dev libgrpc-dev protobuf-c-compiler libprotobuf-c-dev
   libsqlite3-dev libsystemd-dev libmicrohttpd-dev libcjson-dev
-  libopenblas-dev libxxhash-dev
+  libopenblas-dev libxxhash-dev libssl-dev
   # operator tools and tests
   sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf
   protobuf-compiler python3-grpc-tools wrk chromium

@@ -268,7 +268,7 @@ static int64_t int_field(cJSON *o, const char *k, int64_t max) {
 #define ZT_CKPT_MAX_BYTES (1ll << 50) /* bytes of one file */
 
 /* Streams a file through xxh64 and compares with the expected checksum. */
-static int verify_file(const char *path, uint64_t bytes, const char *want) {
+int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return zt_err_errno("%s", path);
   struct stat st;
@@ -376,7 +376,7 @@ static int load_rank(const char *dir, int r, const zt_ckpt_record_t *rec, const 
     zt_err("%s/%s: malformed size (corrupt checkpoint)", dir, js);
     goto out;
   }
-  if (verify_file(path, (uint64_t)bytes, sum->valuestring) != 0) goto out;
+  if (zt_ckpt_verify_file(path, (uint64_t)bytes, sum->valuestring) != 0) goto out;
   fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     zt_err_errno("%s", path);

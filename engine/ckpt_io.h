@@ -93,6 +93,10 @@ ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model,
                                const zt_ckpt_dest_t *dest, int ndest, const zt_ckpt_record_t *rec,
                                int64_t *step);
 
+/* Checks that the file at path has `bytes` bytes and xxh64 `want`
+ * ("xxh64:..."); -1 naming the file otherwise ("corrupt checkpoint"). */
+ZT_MUST_CHECK int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want);
+
 /* 1 when s is a checksum of the form "xxh64:<16 lower-case hex digits>". */
 int zt_ckpt_checksum_valid(const char *s);
 

@@ -297,8 +297,8 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
 }
 
 static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"dir",  "every_steps", "keep_last", "keep_every",
-                                     "load", "max_uncommitted_steps"};
+  static const char *const keys[] = {"dir",  "every_steps",           "keep_last", "keep_every",
+                                     "load", "max_uncommitted_steps", "replicas"};
   const cJSON *o;
   zt_spec_ckpt_t *c = &s->ckpt;
   if (get_object(root, "", "checkpoint", 0, &o)) return -1;
@@ -310,7 +310,8 @@ static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
       get_long(o, "checkpoint", "keep_every", 0, 0, 1L << 40, &c->keep_every) ||
       get_string(o, "checkpoint", "load", 0, c->load, sizeof c->load) ||
       get_long(o, "checkpoint", "max_uncommitted_steps", 0, 1, 1L << 40,
-               &c->max_uncommitted_steps))
+               &c->max_uncommitted_steps) ||
+      get_int(o, "checkpoint", "replicas", 0, 1, 8, &c->replicas))
     return -1;
   if (!c->max_uncommitted_steps) c->max_uncommitted_steps = 10 * c->every_steps;
   if (!c->dir[0] || strstr(c->dir, ".."))
@@ -396,6 +397,7 @@ static void set_defaults(zt_spec_t *s) {
                                    .max_backoff_ms = 60000, .max_restarts = 100,
                                    .restart_window_s = 3600};
   s->ckpt.keep_last = 2;
+  s->ckpt.replicas = 2;
   s->rollback = (zt_spec_rollback_t){.enabled = 1, .window = 100, .threshold = 6.0,
                                      .patience = 3, .margin_steps = 0, .skip_steps = 10,
                                      .lr_factor = 0.5, .cooldown_steps = 50,

@@ -45,6 +45,10 @@ typedef struct zt_spec_ckpt {
    * until this many steps lie past the last committed epoch, then the job
    * pauses. Default 10 * every_steps (0 with every_steps 0: no limit). */
   long max_uncommitted_steps;
+  /* Copies of every checkpoint file, on distinct hosts (at most as many as
+   * the generation spans): the epoch commits only when they exist. 1: no
+   * copies beyond the file itself (one host, or a shared directory). */
+  int replicas;
 } zt_spec_ckpt_t;
 
 /* elastic{...}'s restart policy (the coordinator's, jobs.c): a generation

@@ -114,6 +114,20 @@ static const char *const k_migrations[] = {
     /* 6: an event that repeats is one row with a count */
     ("ALTER TABLE events ADD COLUMN count INTEGER NOT NULL DEFAULT 1;"
      "ALTER TABLE events ADD COLUMN last_ms INTEGER NOT NULL DEFAULT 0;"),
+    /* 7: replica stores; where each checkpoint file has copies; epochs
+     * workers are to delete */
+    ("ALTER TABLE workers ADD COLUMN store_addr TEXT NOT NULL DEFAULT '';"
+     "CREATE TABLE checkpoint_copies("
+     "  job_id INTEGER NOT NULL,"
+     "  step INTEGER NOT NULL,"
+     "  gen INTEGER NOT NULL,"
+     "  name TEXT NOT NULL,"
+     "  worker_id INTEGER NOT NULL,"
+     "  PRIMARY KEY(job_id, step, gen, name, worker_id));"
+     "CREATE TABLE epoch_deletions("
+     "  worker_id INTEGER NOT NULL,"
+     "  dir TEXT NOT NULL,"
+     "  PRIMARY KEY(worker_id, dir));"),
 };
 
 enum {
@@ -140,6 +154,12 @@ enum {
   ST_STEPS_RANGE,
   ST_CKPT_PUT,
   ST_CKPTS_JOB,
+  ST_COPY_ADD,
+  ST_COPIES_EPOCH,
+  ST_COPIES_DEL,
+  ST_DELETION_ADD,
+  ST_DELETIONS_OF,
+  ST_DELETION_DONE,
   ST_CKPT_FILES_DEL,
   ST_CKPT_FILE_PUT,
   ST_CKPT_FILES_GET,
@@ -157,18 +177,19 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_META_SET] = "INSERT INTO meta(key, value) VALUES(?1, ?2) "
                     "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
     [ST_WORKER_UPSERT] = "INSERT INTO workers(name, host, device, state, last_seen_ms, "
-                         "registered_ms, pid, session, host_memory, device_memory) "
-                         "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) "
+                         "registered_ms, pid, session, host_memory, device_memory, store_addr) "
+                         "VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11) "
                          "ON CONFLICT(name) DO UPDATE SET host = excluded.host, "
                          "device = excluded.device, state = excluded.state, "
                          "last_seen_ms = excluded.last_seen_ms, "
                          "registered_ms = excluded.registered_ms, pid = excluded.pid, "
                          "session = excluded.session, host_memory = excluded.host_memory, "
-                         "device_memory = excluded.device_memory RETURNING id",
+                         "device_memory = excluded.device_memory, "
+                         "store_addr = excluded.store_addr RETURNING id",
     [ST_WORKER_STATE] = "UPDATE workers SET state = ?2, last_seen_ms = ?3 WHERE id = ?1",
     [ST_WORKER_TOUCH] = "UPDATE workers SET last_seen_ms = ?2 WHERE id = ?1",
     [ST_WORKERS_ALL] = "SELECT id, name, host, device, state, last_seen_ms, registered_ms, pid, "
-                       "session, host_memory, device_memory FROM workers ORDER BY id",
+                       "session, host_memory, device_memory, store_addr FROM workers ORDER BY id",
     [ST_EVENT_ADD] = "INSERT INTO events(t_ms, job_id, kind, worker_id, detail) "
                      "VALUES(?1, ?2, ?3, ?4, ?5)",
     [ST_EVENT_REPEAT] = "UPDATE events SET count = count + 1, last_ms = ?2, detail = ?3 "
@@ -199,6 +220,14 @@ static const char *const k_sql[ST_COUNT] = {
                     "bytes, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     [ST_CKPTS_JOB] = "SELECT step, gen, world, dir, state, bytes, t_ms FROM checkpoints "
                      "WHERE job_id = ?1 ORDER BY step, gen",
+    [ST_COPY_ADD] = "INSERT OR IGNORE INTO checkpoint_copies(job_id, step, gen, name, worker_id) "
+                    "VALUES(?1, ?2, ?3, ?4, ?5)",
+    [ST_COPIES_EPOCH] = "SELECT name, worker_id FROM checkpoint_copies WHERE job_id = ?1 AND "
+                        "step = ?2 AND gen = ?3 ORDER BY name, worker_id",
+    [ST_COPIES_DEL] = "DELETE FROM checkpoint_copies WHERE job_id = ?1 AND step = ?2 AND gen = ?3",
+    [ST_DELETION_ADD] = "INSERT OR IGNORE INTO epoch_deletions(worker_id, dir) VALUES(?1, ?2)",
+    [ST_DELETIONS_OF] = "SELECT dir FROM epoch_deletions WHERE worker_id = ?1 ORDER BY dir LIMIT ?2",
+    [ST_DELETION_DONE] = "DELETE FROM epoch_deletions WHERE worker_id = ?1 AND dir = ?2",
     [ST_CKPT_FILES_DEL] = "DELETE FROM checkpoint_files WHERE job_id = ?1 AND step = ?2 AND gen = ?3",
     [ST_CKPT_FILE_PUT] = "INSERT INTO checkpoint_files(job_id, step, gen, name, bytes, checksum) "
                          "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
@@ -237,7 +266,7 @@ static const col k_worker_cols[] = {
     COL(COL_INT, zt_db_worker_t, state), COL(COL_I64, zt_db_worker_t, last_seen_ms),
     COL(COL_I64, zt_db_worker_t, registered_ms), COL(COL_INT, zt_db_worker_t, pid),
     COL(COL_TEXT, zt_db_worker_t, session), COL(COL_I64, zt_db_worker_t, host_memory),
-    COL(COL_I64, zt_db_worker_t, device_memory)};
+    COL(COL_I64, zt_db_worker_t, device_memory), COL(COL_TEXT, zt_db_worker_t, store_addr)};
 
 /* events: ST_EVENTS_ALL and ST_EVENTS_JOB (the logbook is written by
  * zt_db_event_add, with the time it is written). */
@@ -888,4 +917,77 @@ int zt_db_ckpt_find_dir(zt_db_t *db, const char *dir, uint64_t *job_id, zt_db_ck
   *found = 0;
   find_ctx x = {job_id, k, found};
   return each_row(db, st, "find checkpoint", found_row, &x);
+}
+
+/* ---- copies of checkpoint files, and epochs to delete (schema version 7) ---- */
+
+int zt_db_copy_add(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen, const char *name,
+                   uint64_t worker_id) {
+  sqlite3_stmt *st = db->st[ST_COPY_ADD];
+  bind_epoch(st, job_id, step, gen);
+  sqlite3_bind_text(st, 4, name, -1, SQLITE_STATIC);
+  sqlite3_bind_int64(st, 5, (int64_t)worker_id);
+  return run(db, st, "record a checkpoint copy");
+}
+
+typedef struct {
+  zt_db_copy_fn fn;
+  void *user;
+} copies_ctx;
+
+static int copy_row(sqlite3_stmt *st, void *p) {
+  copies_ctx *x = p;
+  const unsigned char *name = sqlite3_column_text(st, 0);
+  return x->fn((const char *)(name ? name : (const unsigned char *)""),
+               (uint64_t)sqlite3_column_int64(st, 1), x->user);
+}
+
+int zt_db_copies_each(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen, zt_db_copy_fn fn,
+                      void *user) {
+  sqlite3_stmt *st = db->st[ST_COPIES_EPOCH];
+  bind_epoch(st, job_id, step, gen);
+  copies_ctx x = {fn, user};
+  return each_row(db, st, "list checkpoint copies", copy_row, &x);
+}
+
+int zt_db_copies_drop(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen) {
+  bind_epoch(db->st[ST_COPIES_DEL], job_id, step, gen);
+  return run(db, db->st[ST_COPIES_DEL], "drop checkpoint copies");
+}
+
+int zt_db_deletion_add(zt_db_t *db, uint64_t worker_id, const char *dir) {
+  sqlite3_stmt *st = db->st[ST_DELETION_ADD];
+  sqlite3_bind_int64(st, 1, (int64_t)worker_id);
+  sqlite3_bind_text(st, 2, dir, -1, SQLITE_STATIC);
+  return run(db, st, "record an epoch to delete");
+}
+
+typedef struct {
+  char (*dirs)[ZT_DB_DIR_MAX];
+  int max, n;
+} dirs_ctx;
+
+static int dir_row(sqlite3_stmt *st, void *p) {
+  dirs_ctx *x = p;
+  const unsigned char *d = sqlite3_column_text(st, 0);
+  if (x->n < x->max) snprintf(x->dirs[x->n++], ZT_DB_DIR_MAX, "%s", d ? (const char *)d : "");
+  return 0;
+}
+
+int zt_db_deletions_of(zt_db_t *db, uint64_t worker_id, char (*dirs)[ZT_DB_DIR_MAX], int max,
+                       int *n) {
+  sqlite3_stmt *st = db->st[ST_DELETIONS_OF];
+  sqlite3_bind_int64(st, 1, (int64_t)worker_id);
+  sqlite3_bind_int(st, 2, max);
+  dirs_ctx x = {dirs, max, 0};
+  int rc = each_row(db, st, "list epochs to delete", dir_row, &x);
+  *n = x.n;
+  return rc;
+}
+
+int zt_db_deletion_done(zt_db_t *db, uint64_t worker_id, const char *dir) {
+  sqlite3_stmt *st = db->st[ST_DELETION_DONE];
+  sqlite3_bind_int64(st, 1, (int64_t)worker_id);
+  sqlite3_bind_text(st, 2, dir, -1, SQLITE_STATIC);
+  return run(db, st, "forget a deleted epoch");
 }

@@ -43,6 +43,7 @@ typedef struct {
   char session[72];        /* this registration's credential (hex) */
   uint64_t host_memory;    /* bytes of RAM the worker may use */
   uint64_t device_memory;  /* bytes of its GPU's memory (0: CPU worker) */
+  char store_addr[96];     /* HOST:PORT of its replica store (schema 7) */
 } zt_db_worker_t;
 
 typedef struct {
@@ -199,5 +200,22 @@ ZT_MUST_CHECK int zt_db_ckpt_find_dir(zt_db_t *db, const char *dir, uint64_t *jo
 typedef int (*zt_db_ckpt_fn)(const zt_db_ckpt_t *k, void *user);
 /* Every epoch of a job, oldest step first. */
 ZT_MUST_CHECK int zt_db_ckpts_each(zt_db_t *db, uint64_t job_id, zt_db_ckpt_fn fn, void *user);
+
+/* ---- copies of checkpoint files, and epochs to delete (schema version 7) ---- */
+
+#define ZT_DB_DIR_MAX 512
+/* Worker worker_id holds a copy of file `name` of the epoch (idempotent). */
+ZT_MUST_CHECK int zt_db_copy_add(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen,
+                                 const char *name, uint64_t worker_id);
+typedef int (*zt_db_copy_fn)(const char *name, uint64_t worker_id, void *user);
+ZT_MUST_CHECK int zt_db_copies_each(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen,
+                                    zt_db_copy_fn fn, void *user);
+ZT_MUST_CHECK int zt_db_copies_drop(zt_db_t *db, uint64_t job_id, int64_t step, uint64_t gen);
+/* Epoch directories (relative to the checkpoint root) a worker is to
+ * delete, until it reports them deleted. */
+ZT_MUST_CHECK int zt_db_deletion_add(zt_db_t *db, uint64_t worker_id, const char *dir);
+ZT_MUST_CHECK int zt_db_deletions_of(zt_db_t *db, uint64_t worker_id,
+                                     char (*dirs)[ZT_DB_DIR_MAX], int max, int *n);
+ZT_MUST_CHECK int zt_db_deletion_done(zt_db_t *db, uint64_t worker_id, const char *dir);
 
 #endif

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "holdings.h"
 #include "pbcall.h"
 #include "zt_common.h"
 #include "zt_rpc.h"
@@ -38,6 +39,12 @@ struct zt_ctl {
   uint64_t job_id, generation; /* under mu */
   char session[72];            /* under mu: this registration's credential */
   uint64_t assigned_job;       /* job of the last heartbeat reply (control thread) */
+  char store_addr[96];
+  char ckpt_root[1024];
+  /* Epoch directories deleted as a heartbeat reply asked, reported with
+   * the next heartbeat (control thread). */
+  char *deleted[64];
+  int n_deleted;
   int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
 
@@ -48,6 +55,7 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   snprintf(c->name, sizeof c->name, "%s", o->name);
   snprintf(c->device, sizeof c->device, "%s", o->device);
   snprintf(c->secret, sizeof c->secret, "%s", o->secret ? o->secret : "");
+  snprintf(c->ckpt_root, sizeof c->ckpt_root, "%s", o->ckpt_root ? o->ckpt_root : "");
   if (o->host && o->host[0]) snprintf(c->host, sizeof c->host, "%s", o->host);
   else if (gethostname(c->host, sizeof c->host) != 0) snprintf(c->host, sizeof c->host, "unknown");
   c->o.rpc_timeout_ms = o->rpc_timeout_ms > 0 ? o->rpc_timeout_ms : 2000;
@@ -73,6 +81,7 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
 
 void zt_ctl_close(zt_ctl_t *c) {
   if (!c) return;
+  for (int i = 0; i < c->n_deleted; i++) free(c->deleted[i]);
   zt_rpc_client_close(c->rpc);
   pthread_cond_destroy(&c->cv);
   pthread_mutex_destroy(&c->mu);
@@ -82,6 +91,10 @@ void zt_ctl_close(zt_ctl_t *c) {
 uint64_t zt_ctl_worker_id(zt_ctl_t *c) { return __atomic_load_n(&c->worker_id, __ATOMIC_ACQUIRE); }
 
 zt_rpc_client_t *zt_ctl_rpc(zt_ctl_t *c) { return c->rpc; }
+
+void zt_ctl_set_store_addr(zt_ctl_t *c, const char *addr) {
+  snprintf(c->store_addr, sizeof c->store_addr, "%s", addr);
+}
 
 int64_t zt_ctl_retry_cap_ms(zt_ctl_t *c) {
   return ZT_MAX(ZT_CTL_BACKOFF_MIN_MS, __atomic_load_n(&c->heartbeat_ms, __ATOMIC_RELAXED));
@@ -154,11 +167,19 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   req.session = session; /* lets us take our own name back */
   req.host_memory_bytes = c->o.host_memory;
   req.device_memory_bytes = c->o.device_memory;
+  req.store_addr = c->store_addr;
+  char **held = NULL;
+  int n_held = 0;
+  if (c->ckpt_root[0]) (void)zt_hold_inventory(c->ckpt_root, &held, &n_held);
+  req.held_files = held;
+  req.n_held_files = (size_t)n_held;
   ProtobufCMessage *m;
   int status = 0;
   *fatal = 0;
-  if (call(c, "/ztrain.Control/RegisterWorker", &req.base, &ztrain__register_reply__descriptor, &m,
-           &status) != 0) {
+  int rc = call(c, "/ztrain.Control/RegisterWorker", &req.base,
+                &ztrain__register_reply__descriptor, &m, &status);
+  zt_hold_free(held, n_held);
+  if (rc != 0) {
     /* A wrong secret or name is final; a name still held by a live worker
      * (ALREADY_EXISTS) frees up once that one is lost: retry. */
     *fatal = status == ZT_RPC_UNAUTHENTICATED || status == ZT_RPC_INVALID_ARGUMENT;
@@ -186,6 +207,22 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   return 0;
 }
 
+/* The epochs a heartbeat reply asks us to delete: deleted, then reported
+ * with the next heartbeat (the reply asks again until then). */
+static void delete_epochs(zt_ctl_t *c, const Ztrain__HeartbeatReply *r) {
+  for (int i = 0; i < c->n_deleted; i++) free(c->deleted[i]);
+  c->n_deleted = 0;
+  for (size_t i = 0; i < r->n_delete_epochs && c->n_deleted < (int)ZT_ARRAY_LEN(c->deleted); i++) {
+    const char *rel = r->delete_epochs[i];
+    if (!c->ckpt_root[0] || zt_hold_delete(c->ckpt_root, rel) != 0) {
+      ZT_WARN("not deleting %.200s: %s", rel, zt_err_msg());
+      continue;
+    }
+    ZT_INFO("deleted checkpoint epoch %s", rel);
+    c->deleted[c->n_deleted++] = zt_xstrdup(rel);
+  }
+}
+
 /* Returns 0 on success; -1 with *status on failure. */
 static int do_heartbeat(zt_ctl_t *c, int *status) {
   char session[sizeof c->session];
@@ -198,11 +235,14 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   req.job_id = c->job_id;
   req.generation = c->generation;
   pthread_mutex_unlock(&c->mu);
+  req.deleted_epochs = c->deleted;
+  req.n_deleted_epochs = (size_t)c->n_deleted;
   ProtobufCMessage *m;
   if (call(c, "/ztrain.Control/Heartbeat", &req.base, &ztrain__heartbeat_reply__descriptor, &m,
            status) != 0)
     return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
+  delete_epochs(c, r);
   if (r->heartbeat_ms) __atomic_store_n(&c->heartbeat_ms, (int64_t)r->heartbeat_ms, __ATOMIC_RELAXED);
   c->assigned_job = r->job_id;
   if (c->o.on_command) c->o.on_command(c->o.user, r->command, r->job_id, r->generation);
@@ -298,4 +338,31 @@ int zt_ctl_run(zt_ctl_t *c) {
   }
   if (registered) do_leave(c);
   return ret;
+}
+
+int zt_ctl_report_replica(zt_ctl_t *c, uint64_t job_id, const char *dir, const char *name,
+                          uint64_t bytes, const char *checksum) {
+  char session[sizeof c->session];
+  zt_ctl_session(c, session, sizeof session);
+  Ztrain__CheckpointFile f = ZTRAIN__CHECKPOINT_FILE__INIT;
+  f.name = (char *)name;
+  f.bytes = bytes;
+  f.checksum = (char *)checksum;
+  Ztrain__ReportReplicaRequest req = ZTRAIN__REPORT_REPLICA_REQUEST__INIT;
+  req.worker_id = zt_ctl_worker_id(c);
+  req.session = session;
+  req.job_id = job_id;
+  req.dir = (char *)dir;
+  req.file = &f;
+  for (int attempt = 0;; attempt++) {
+    ProtobufCMessage *m;
+    int st = 0;
+    if (call(c, "/ztrain.Control/ReportReplica", &req.base,
+             &ztrain__report_replica_reply__descriptor, &m, &st) == 0) {
+      protobuf_c_message_free_unpacked(m, NULL);
+      return 0;
+    }
+    if ((st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) || attempt == 4) return -1;
+    zt_sleep_ms(zt_ctl_retry_cap_ms(c)); /* retry pacing */
+  }
 }

@@ -31,6 +31,10 @@ typedef struct {
   int64_t backoff_max_ms;  /* 0: 5000 */
   int64_t drain_timeout_ms; /* longest wait for a checkpoint before leaving; 0: 90000 */
   uint64_t host_memory, device_memory; /* reported at registration (bytes) */
+  /* The checkpoint root (absolute): its files are reported at
+   * registration, and epochs the coordinator drops are deleted under it.
+   * NULL: neither. */
+  const char *ckpt_root;
   /* Called on the control thread with every heartbeat reply's command
    * (ztrain.proto's Command) and assignment; also with STOP when the
    * worker had to register again (its assignment is void). */
@@ -53,6 +57,13 @@ struct zt_rpc_client *zt_ctl_rpc(zt_ctl_t *c);
 /* The current registration's session credential, which every worker call
  * carries (thread-safe copy). */
 void zt_ctl_session(zt_ctl_t *c, char *buf, size_t n);
+/* The replica store's HOST:PORT, reported at the next registration (call
+ * before zt_ctl_run). */
+void zt_ctl_set_store_addr(zt_ctl_t *c, const char *addr);
+/* Tells the coordinator this worker now holds a copy of file f of the
+ * epoch in dir (relative to the checkpoint root); retried briefly. */
+int zt_ctl_report_replica(zt_ctl_t *c, uint64_t job_id, const char *dir, const char *name,
+                          uint64_t bytes, const char *checksum);
 /* The longest pause between retries of a call to the coordinator: the
  * heartbeat interval it asked for, so that a restarted coordinator hears
  * from every worker within about one interval of coming back. */

@@ -22,6 +22,7 @@
 
 #include "comm.h"
 #include "pbcall.h"
+#include "replicas.h"
 #include "runner.h"
 #include "trainer.h"
 #include "zt_common.h"
@@ -39,6 +40,9 @@ struct zt_runner {
   int quit;                        /* under mu */
   zt_comm_t *active;               /* under mu: the comm to abort on change */
   uint64_t cur_job, cur_gen;       /* runner thread only */
+  /* The rendezvous of the generation being trained (its replica targets
+   * are read by the checkpoint writer's thread while it runs). */
+  const Ztrain__RendezvousReply *rv;
 };
 
 void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen) {
@@ -124,6 +128,12 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.step = step;
+  char failed[700];
+  if (!error && r->rv && zt_replicas_push(r->o.ckpt_root, dir, files, nfiles, r->rv) != 0) {
+    snprintf(failed, sizeof failed, "%s", zt_err_msg());
+    ZT_WARN("checkpoint step %lld: %s", (long long)step, failed);
+    error = failed, nfiles = 0; /* an epoch without its copies cannot commit */
+  }
   /* Relative to our checkpoint root: the coordinator keeps it under its own. */
   const char *rel = zt_path_under(r->o.ckpt_root, dir);
   req.dir = (char *)(rel ? rel : dir);
@@ -227,21 +237,49 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
 
 /* Trains the generation the reply describes on a connected ring, and
  * reports a failure that is not simply our moving on. */
-/* The epoch to load, under our checkpoint root (the coordinator names it
- * relative to the root); "" for none. -1 when it leads outside. */
-static int epoch_path(zt_runner_t *r, const char *rel, char *out, size_t n) {
-  out[0] = 0;
-  if (!rel[0]) return 0;
-  return zt_path_confine(r->o.ckpt_root, rel, "checkpoint to load", out, n);
+/* The epoch a generation loads: under our checkpoint root (the coordinator
+ * names it relative to the root; "" for none), with its record. */
+typedef struct {
+  char path[1200];
+  zt_ckpt_file_t *files;
+  int n;
+} epoch_t;
+
+/* Finds the epoch to load and makes all of it present here (fetching
+ * copies from their holders). On failure the reason was reported. */
+static int prepare_epoch(zt_runner_t *r, const Ztrain__RendezvousReply *rv, epoch_t *e) {
+  e->path[0] = 0;
+  e->n = (int)rv->n_checkpoint_files;
+  e->files = zt_xcalloc((size_t)e->n + 1, sizeof *e->files);
+  for (int i = 0; i < e->n; i++) {
+    const Ztrain__CheckpointFile *f = rv->checkpoint_files[i];
+    snprintf(e->files[i].name, sizeof e->files[i].name, "%s", f->name);
+    snprintf(e->files[i].checksum, sizeof e->files[i].checksum, "%s", f->checksum);
+    e->files[i].bytes = f->bytes;
+  }
+  if (!rv->checkpoint_dir[0]) return 0;
+  failure_t f = {.suspect = -1, .step = rv->start_step};
+  if (zt_path_confine(r->o.ckpt_root, rv->checkpoint_dir, "checkpoint to load", e->path,
+                      sizeof e->path) != 0) {
+    f.fatal = 1;
+    report_failure(r, zt_err_msg(), &f);
+    return -1;
+  }
+  zt_ckpt_record_t rec = {e->files, e->n};
+  if (zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv) != 0) {
+    char why[1400];
+    snprintf(why, sizeof why, "%s", zt_err_msg());
+    ZT_WARN("%s", why);
+    f.bad_ckpt = rv->checkpoint_dir;
+    if (!changed(r)) report_failure(r, why, &f);
+    return -1;
+  }
+  return 0;
 }
 
-static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *comm) {
-  char epoch[1200];
-  if (epoch_path(r, rv->checkpoint_dir, epoch, sizeof epoch) != 0) {
-    failure_t f = {.fatal = 1, .suspect = -1, .step = rv->start_step};
-    report_failure(r, zt_err_msg(), &f);
-    return;
-  }
+static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch_t *e,
+                  zt_comm_t *comm) {
+  const char *epoch = e->path;
   zt_gen_ctx_t g = {.job_id = rv->job_id, .generation = rv->generation, .rank = (int)rv->rank,
                     .world = (int)rv->world, .spec_json = rv->spec_json,
                     .start_step = rv->start_step, .comm_timeout_ms = rv->comm_timeout_ms,
@@ -253,21 +291,15 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
                     .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
                     .should_stop = should_stop_cb, .report_step = report_step_cb,
                     .report_checkpoint = report_ckpt_cb, .user = r};
-  zt_ckpt_file_t *files = zt_xcalloc(rv->n_checkpoint_files + 1, sizeof *files);
-  for (size_t i = 0; i < rv->n_checkpoint_files; i++) {
-    const Ztrain__CheckpointFile *f = rv->checkpoint_files[i];
-    snprintf(files[i].name, sizeof files[i].name, "%s", f->name);
-    snprintf(files[i].checksum, sizeof files[i].checksum, "%s", f->checksum);
-    files[i].bytes = f->bytes;
-  }
-  g.checkpoint = (zt_ckpt_record_t){files, (int)rv->n_checkpoint_files};
+  g.checkpoint = (zt_ckpt_record_t){e->files, e->n};
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
   g.nskips = (int)rv->n_skips;
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
   g.skips = skips;
   zt_train_failure_t tf = {ZT_FAULT_PEER, rv->start_step};
+  r->rv = rv;
   int rc = zt_gen_train(&g, &tf);
-  free(files);
+  r->rv = NULL;
   if (rc == 0) return;
   char why[800];
   snprintf(why, sizeof why, "%s", zt_err_msg());
@@ -290,6 +322,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, zt_comm_t *
 /* Joins (cur_job, cur_gen): listening socket, rendezvous, ring; trains it. */
 static void run_generation(zt_runner_t *r) {
   int port = 0, lfd = -1;
+  epoch_t ep = {.files = NULL};
   if (zt_comm_tcp_listen(r->comm_host, &port, &lfd) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return;
@@ -308,6 +341,7 @@ static void run_generation(zt_runner_t *r) {
     report_failure(r, why, &f);
     goto out;
   }
+  if (prepare_epoch(r, rv, &ep) != 0) goto out;
   zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
                            .peers = (const char *const *)rv->peers, .listen_fd = lfd,
                            .session = (rv->job_id << 32) ^ rv->generation,
@@ -327,12 +361,13 @@ static void run_generation(zt_runner_t *r) {
   r->active = comm;
   if (r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(comm);
   pthread_mutex_unlock(&r->mu);
-  train(r, rv, comm);
+  train(r, rv, &ep, comm);
   pthread_mutex_lock(&r->mu);
   r->active = NULL;
   pthread_mutex_unlock(&r->mu);
   zt_comm_destroy(comm);
 out:
+  free(ep.files);
   if (lfd >= 0) close(lfd);
   if (rv) protobuf_c_message_free_unpacked(&rv->base, NULL);
 }

@@ -30,6 +30,7 @@
 #include "control.h"
 #include "device.h"
 #include "runner.h"
+#include "store.h"
 #include "zt_common.h"
 
 typedef struct {
@@ -186,6 +187,15 @@ static void *signal_thread(void *p) {
   }
 }
 
+/* The replica store checks tickets with the current session and reports
+ * the copies it stored. */
+static void store_session(void *user, char *buf, size_t n) { zt_ctl_session(user, buf, n); }
+
+static void store_stored(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f) {
+  if (zt_ctl_report_replica(user, job, dir, f->name, f->bytes, f->checksum) != 0)
+    ZT_WARN("copy of %s/%s not reported: %s", dir, f->name, zt_err_msg());
+}
+
 int main(int argc, char **argv) {
   worker_args a;
   signal(SIGPIPE, SIG_IGN);
@@ -220,13 +230,21 @@ int main(int argc, char **argv) {
   if (zt_device_parse(a.device) >= 0 && !(device_memory = zt_device_memory(a.device)))
     ZT_WARN("%s: %s; jobs will fail on this worker until it is fixed", a.device, zt_err_msg());
   zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
-                     .host = a.host,
+                     .host = a.host, .ckpt_root = a.ckpt_root,
                      .secret = a.secret, .host_memory = a.memory,
                      .device_memory = device_memory, .on_command = on_command, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
+  zt_store_t *store;
+  zt_store_opts_t so = {.host = a.comm_host, .ckpt_root = a.ckpt_root, .session = store_session,
+                        .stored = store_stored, .user = sa.ctl};
+  if (zt_store_start(&so, &store) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return 1;
+  }
+  zt_ctl_set_store_addr(sa.ctl, zt_store_addr(store));
   zt_runner_opts_t ro = {.comm_host = a.comm_host, .workdir = a.workdir, .threads = a.threads,
                          .device = a.device, .data_root = a.data_root, .ckpt_root = a.ckpt_root,
                          .host_memory = a.memory, .device_memory = device_memory};
@@ -241,6 +259,7 @@ int main(int argc, char **argv) {
   zt_runner_t *rn = runner;
   runner = NULL;
   zt_runner_stop(rn);
+  zt_store_stop(store);
   unsigned char zero = 0;
   if (write(g_sig_pipe[1], &zero, 1) != 1) ZT_WARN("cannot wake the signal thread");
   pthread_join(st, NULL);

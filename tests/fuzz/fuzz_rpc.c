@@ -41,6 +41,7 @@ static const method k_methods[] = {
     {"/ztrain.Status/GetStatus", &ztrain__get_status_request__descriptor},
     {"/ztrain.Status/ListWorkers", &ztrain__list_workers_request__descriptor},
     {"/ztrain.Status/ListEvents", &ztrain__list_events_request__descriptor},
+    {"/ztrain.Control/ReportReplica", &ztrain__report_replica_request__descriptor},
     {"/ztrain.Status/NoSuchMethod", NULL},
 };
 

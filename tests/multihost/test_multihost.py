@@ -6,6 +6,9 @@ losses as a single rank, and a host that vanishes from the network (no FIN,
 no RST) failing every survivor's collective within its deadline, after
 which the job goes on without it.
 """
+import json
+import os
+import shutil
 import time
 
 import pytest
@@ -70,3 +73,56 @@ def test_host_vanishing_fails_collectives_within_deadline(net, data, tmp_path):
     assert first - t_down <= 3 + 2, (first - t_down, failed[0])
     step = fleet.job(jid)["step"]
     wait_until(lambda: fleet.job(jid)["step"] >= step + 10, 60, "steps without h3")
+
+
+def epoch_files(net, hosts, rel):
+    """file name -> the hosts whose directory holds it, for one epoch."""
+    where = {}
+    for h in hosts:
+        d = os.path.join(net.hosts[h].dir, rel)
+        for f in os.listdir(d) if os.path.isdir(d) else []:
+            if not f.endswith((".tmp", ".part")):
+                where.setdefault(f, set()).add(h)
+    return where
+
+
+def committed_dirs(fleet, jid):
+    """step -> epoch directory relative to the checkpoint root."""
+    out = {}
+    for c in json.loads(fleet.zctl("--json", "checkpoints", str(jid)).stdout)["checkpoints"]:
+        if c["state"] == "committed":
+            out[c["step"]] = os.path.relpath(c["dir"], fleet.coord_host.dir)
+    return out
+
+
+def test_host_loss_with_replicated_checkpoints(net, data, tmp_path):
+    """replicas 2: every file of an epoch is on two machines before it
+    commits. A worker machine vanishes with its disk mid-run; the job goes
+    on from the newest epoch (fetching the lost machine's files from their
+    copies) and its losses equal a failure-free run's."""
+    fleet = Fleet(net, data)
+    for h in ("h1", "h2", "h3"):
+        fleet.add_worker(h)
+    fleet.wait_alive(["wh1", "wh2", "wh3"])
+    s = spec(1500, 3, checkpoint={"dir": "ckpt", "every_steps": 10, "keep_last": 3,
+                                  "replicas": 2})
+    s["elastic"] = {"min_workers": 2, "max_workers": 3}
+    s["train_batch_size"] = 12
+    ref = fleet.submit(dict(s, checkpoint={"dir": "ref", "every_steps": 1000}),
+                       str(tmp_path / "ref.json"))
+    fleet.wait_job(ref)
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: max(committed_dirs(fleet, jid), default=0) >= 20, 90, "two epochs")
+    newest = committed_dirs(fleet, jid)[max(committed_dirs(fleet, jid))]
+    where = epoch_files(net, ("h1", "h2", "h3"), newest)
+    assert len(where) == 7 and all(len(hs) >= 2 for hs in where.values()), where
+    # h3 vanishes, disk and all.
+    net.hosts["h3"].kill_all()
+    shutil.rmtree(net.hosts["h3"].dir)
+    t_lost = time.time()
+    j = fleet.wait_job(jid, timeout=180)
+    assert j["world"] == 2 and j["generation"] >= 2, j
+    assert fleet.losses(jid) == fleet.losses(ref)
+    kinds = [e["kind"] for e in fleet.events(jid)]
+    assert "checkpoint_corrupt" not in kinds, kinds
+    print(f"job completed {time.time() - t_lost:.1f} s after the host was lost")

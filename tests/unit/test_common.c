@@ -137,5 +137,25 @@ ZT_TEST(test_text_shape) {
   ZT_CHECK(strlen(zt_text_shape("abcdefgh", tiny, sizeof tiny)) == 3);
 }
 
+ZT_TEST(test_tickets) {
+  zt_ticket_t t = {.op = "get", .job = 3, .gen = 7, .requester = 12, .expiry_ms = 5000,
+                   .scope = "ckpt/job_3/step_00000010-g7"};
+  char text[ZT_TICKET_MAX], bad[ZT_TICKET_MAX];
+  ZT_REQUIRE(zt_ticket_make("holder-session", &t, text, sizeof text) == 0);
+  zt_ticket_t got;
+  ZT_REQUIRE(zt_ticket_check("holder-session", text, 4000, &got) == 0);
+  ZT_CHECK_STR(got.op, "get");
+  ZT_CHECK(got.job == 3 && got.gen == 7 && got.requester == 12 && got.expiry_ms == 5000);
+  ZT_CHECK_STR(got.scope, "ckpt/job_3/step_00000010-g7");
+  ZT_CHECK(zt_ticket_check("other-session", text, 4000, &got) == -1);       /* not ours */
+  ZT_CHECK(strstr(zt_err_msg(), "not made for this worker") != NULL);
+  ZT_CHECK(zt_ticket_check("holder-session", text, 6000, &got) == -1);      /* expired */
+  snprintf(bad, sizeof bad, "%s", text);
+  bad[strlen("zt1|get|")] = '4'; /* another job, same MAC */
+  ZT_CHECK(zt_ticket_check("holder-session", bad, 4000, &got) == -1);
+  ZT_CHECK(zt_ticket_check("holder-session", "zt1|get|x", 0, &got) == -1);
+  ZT_CHECK(zt_ticket_check("", text, 0, &got) == -1);
+}
+
 ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine,
-             test_printable_and_numbers, test_text_shape)
+             test_printable_and_numbers, test_text_shape, test_tickets)

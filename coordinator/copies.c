@@ -1,0 +1,272 @@
+/*
+ * copies.c: where the files of checkpoint epochs have copies.
+ *
+ * Without shared storage every checkpoint file lives on the disks of the
+ * workers that wrote it or stored a copy of it (their replica stores,
+ * worker/store.c). This file keeps that knowledge: every copy a worker
+ * reports (its own files in ReportCheckpoint, pushed or fetched copies in
+ * ReportReplica, what it holds when it registers) is a row of
+ * checkpoint_copies in SQLite.
+ *
+ * Copies count by machine (the workers' --host): the workers of one
+ * machine share its checkpoint root, so a file is available when any live
+ * worker runs on a machine that holds it, and that worker's store can hand
+ * it out. An epoch is loadable when every file of its record is available;
+ * the scheduler (jobs.c) starts a generation from the newest loadable
+ * epoch, and tells each rank which stores hold each file, with a ticket
+ * (common/ticket.c) for each.
+ *
+ * Deleting an epoch (retention, a rollback, a failed write, an epoch that
+ * never committed) deletes its copies: every worker that held one is asked
+ * to delete the directory in its heartbeat replies until it reports it
+ * deleted (epoch_deletions). A worker that registers with copies of
+ * epochs that are no longer wanted is asked to delete them; copies of
+ * committed epochs are counted again.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coord.h"
+#include "ztrain.pb-c.h"
+
+/* A live worker that can serve files: alive, with a replica store. */
+static int serves(const zt_member_t *m) {
+  return m && m->row.state == ZT_WORKER_ALIVE && m->row.store_addr[0];
+}
+
+/* ---- recording ------------------------------------------------------------ */
+
+int zt_copies_add(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k, const char *name,
+                  uint64_t worker_id) {
+  if (zt_db_copy_add(c->db, job_id, k->step, k->generation, name, worker_id) != 0)
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot record the copy");
+  return 0;
+}
+
+typedef struct {
+  uint64_t ids[ZT_MAX_WORLD * 4];
+  int n;
+} holders_t;
+
+static int add_holder(const char *name, uint64_t worker_id, void *user) {
+  (void)name;
+  holders_t *h = user;
+  for (int i = 0; i < h->n; i++)
+    if (h->ids[i] == worker_id) return 0;
+  if (h->n < (int)ZT_ARRAY_LEN(h->ids)) h->ids[h->n++] = worker_id;
+  return 0;
+}
+
+void zt_copies_forget_epoch(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k) {
+  static holders_t h;
+  h.n = 0;
+  const char *rel = zt_path_under(c->cfg.ckpt_root, k->dir);
+  if (zt_db_copies_each(c->db, job_id, k->step, k->generation, add_holder, &h) != 0) {
+    ZT_WARN("copies of %s: %s", k->dir, zt_err_msg());
+    return;
+  }
+  for (int i = 0; i < h.n && rel; i++)
+    if (zt_db_deletion_add(c->db, h.ids[i], rel) != 0)
+      ZT_WARN("deletion of %s on worker %llu: %s", rel, (unsigned long long)h.ids[i],
+              zt_err_msg());
+  if (zt_db_copies_drop(c->db, job_id, k->step, k->generation) != 0)
+    ZT_WARN("copies of %s: %s", k->dir, zt_err_msg());
+}
+
+/* ---- availability and holders ---------------------------------------------- */
+
+/* The copies of one epoch, by file: the workers that reported one. */
+typedef struct {
+  const zt_db_ckpt_file_t *files;
+  int n;
+  uint64_t (*who)[8]; /* per file, up to 8 holders */
+  int *nwho;
+  int rows;
+} epoch_copies;
+
+static int add_copy(const char *name, uint64_t worker_id, void *user) {
+  epoch_copies *e = user;
+  e->rows++;
+  for (int i = 0; i < e->n; i++)
+    if (!strcmp(e->files[i].name, name) && e->nwho[i] < 8) e->who[i][e->nwho[i]++] = worker_id;
+  return 0;
+}
+
+static int load_copies(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,
+                       const zt_db_ckpt_file_t *files, int n, epoch_copies *e) {
+  e->files = files, e->n = n, e->rows = 0;
+  e->who = zt_xcalloc((size_t)n + 1, sizeof *e->who);
+  e->nwho = zt_xcalloc((size_t)n + 1, sizeof *e->nwho);
+  return zt_db_copies_each(c->db, job_id, k->step, k->generation, add_copy, e);
+}
+
+static void free_copies(epoch_copies *e) {
+  free(e->who);
+  free(e->nwho);
+}
+
+/* A live worker with a store on the machine of worker `holder`; the holder
+ * itself first. NULL when the machine has none. */
+static zt_member_t *server_on_host_of(zt_coord_t *c, uint64_t holder) {
+  zt_member_t *h = zt_members_get(c, holder);
+  if (!h) return NULL;
+  if (serves(h)) return h;
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    zt_member_t *m = c->by_id[i];
+    if (serves(m) && !strcmp(m->row.host, h->row.host)) return m;
+  }
+  return NULL;
+}
+
+int zt_copies_available(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,
+                        const zt_db_ckpt_file_t *files, int n, char *why, size_t whylen) {
+  epoch_copies e;
+  int ok = load_copies(c, job_id, k, files, n, &e) == 0;
+  /* An epoch committed before copies were recorded: its files are where
+   * they were written (shared storage). */
+  for (int i = 0; ok && e.rows && i < n; i++) {
+    int any = 0;
+    for (int w = 0; w < e.nwho[i] && !any; w++) any = server_on_host_of(c, e.who[i][w]) != NULL;
+    if (!any) {
+      snprintf(why, whylen, "%s has no copy on a machine with a live worker", files[i].name);
+      ok = 0;
+    }
+  }
+  free_copies(&e);
+  return ok;
+}
+
+/* Fills fc (one per file, holders malloc'd into pool) with the stores that
+ * can serve each file of epoch k to worker `requester`, and their tickets. */
+int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_db_ckpt_t *k,
+                      const zt_db_ckpt_file_t *files, int n, uint64_t requester,
+                      zt_copies_pool_t *pool) {
+  epoch_copies e;
+  if (load_copies(c, epoch_job, k, files, n, &e) != 0) {
+    free_copies(&e);
+    return -1;
+  }
+  const char *rel = zt_path_under(c->cfg.ckpt_root, k->dir);
+  pool->fc = zt_xcalloc((size_t)n + 1, sizeof *pool->fc);
+  pool->fcp = zt_xcalloc((size_t)n + 1, sizeof *pool->fcp);
+  pool->t = zt_xcalloc((size_t)n * 8 + 1, sizeof *pool->t);
+  pool->tp = zt_xcalloc((size_t)n * 8 + 1, sizeof *pool->tp);
+  pool->tickets = zt_xcalloc((size_t)n * 8 + 1, ZT_TICKET_MAX);
+  int nt = 0;
+  for (int i = 0; i < n; i++) {
+    ztrain__file_copies__init(&pool->fc[i]);
+    pool->fc[i].name = (char *)files[i].name;
+    pool->fc[i].holders = &pool->tp[nt];
+    for (int w = 0; w < e.nwho[i]; w++) {
+      zt_member_t *s = server_on_host_of(c, e.who[i][w]);
+      if (!s) continue;
+      zt_ticket_t t = {.op = "get", .job = j->row.id, .gen = j->row.generation,
+                       .requester = requester, .expiry_ms = zt_wall_ms() + ZT_TICKET_TTL_MS};
+      snprintf(t.scope, sizeof t.scope, "%s", rel ? rel : "");
+      char *text = pool->tickets + (size_t)nt * ZT_TICKET_MAX;
+      if (zt_ticket_make(s->row.session, &t, text, ZT_TICKET_MAX) != 0) continue;
+      Ztrain__ReplicaTarget *rt = &pool->t[nt];
+      ztrain__replica_target__init(rt);
+      rt->worker_id = s->row.id;
+      rt->addr = s->row.store_addr;
+      rt->host = s->row.host;
+      rt->ticket = text;
+      pool->tp[nt++] = rt;
+      pool->fc[i].n_holders++;
+    }
+    pool->fcp[i] = &pool->fc[i];
+  }
+  pool->n = n;
+  free_copies(&e);
+  return 0;
+}
+
+void zt_copies_pool_free(zt_copies_pool_t *pool) {
+  free(pool->fc);
+  free(pool->fcp);
+  free(pool->t);
+  free(pool->tp);
+  free(pool->tickets);
+  memset(pool, 0, sizeof *pool);
+}
+
+/* ---- deletions ---------------------------------------------------------------- */
+
+int zt_copies_deletions(zt_coord_t *c, zt_member_t *m, char (*dirs)[ZT_DB_DIR_MAX], int max) {
+  int n = 0;
+  if (zt_db_deletions_of(c->db, m->row.id, dirs, max, &n) != 0) {
+    ZT_WARN("epochs to delete on %s: %s", m->row.name, zt_err_msg());
+    return 0;
+  }
+  return n;
+}
+
+void zt_copies_deleted(zt_coord_t *c, zt_member_t *m, char *const *dirs, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (zt_db_deletion_done(c->db, m->row.id, dirs[i]) != 0)
+      ZT_WARN("worker %s deleted %.200s: %s", m->row.name, dirs[i], zt_err_msg());
+}
+
+/* ---- what a registering worker holds ---------------------------------------- */
+
+/* "<dir>/job_<id>/step_<s>-g<g>/<file>" split; 0 when it has that form. */
+static int parse_held(const char *held, char *dir, size_t n, uint64_t *job, int64_t *step,
+                      uint64_t *gen, const char **file) {
+  const char *slash = strrchr(held, '/');
+  if (!slash || (size_t)(slash - held) >= n) return -1;
+  snprintf(dir, n, "%.*s", (int)(slash - held), held);
+  *file = slash + 1;
+  const char *st = strrchr(dir, '/');
+  const char *jb = st;
+  while (jb && jb > dir && jb[-1] != '/') jb--;
+  unsigned long long j, g;
+  long long s;
+  int used = 0;
+  if (!st || !jb || sscanf(st + 1, "step_%lld-g%llu%n", &s, &g, &used) != 2 || st[1 + used] ||
+      sscanf(jb, "job_%llu/", &j) != 1)
+    return -1;
+  *job = j, *step = s, *gen = g;
+  return 0;
+}
+
+typedef struct {
+  const char *dir;
+  zt_db_ckpt_t k;
+  int found;
+} known_ctx;
+
+static int find_epoch(const zt_db_ckpt_t *k, void *user) {
+  known_ctx *x = user;
+  if (!strcmp(k->dir, x->dir)) x->k = *k, x->found = 1;
+  return 0;
+}
+
+void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_t n) {
+  char last_deleted[ZT_DB_DIR_MAX] = "";
+  int kept = 0, deleted = 0;
+  for (size_t i = 0; i < n && i < 4096; i++) {
+    char rel[ZT_DB_DIR_MAX], abs[ZT_DB_DIR_MAX + 600];
+    uint64_t job, gen;
+    int64_t step;
+    const char *file;
+    if (strstr(held[i], "..") || held[i][0] == '/' ||
+        parse_held(held[i], rel, sizeof rel, &job, &step, &gen, &file) != 0)
+      continue;
+    snprintf(abs, sizeof abs, "%s/%s", c->cfg.ckpt_root, rel);
+    known_ctx x = {abs, {0}, 0};
+    if (zt_db_ckpts_each(c->db, job, find_epoch, &x) != 0 || !x.found)
+      continue; /* not an epoch this coordinator registered: not ours to judge */
+    if (x.k.state == ZT_CKPT_COMMITTED) {
+      kept += zt_copies_add(c, job, &x.k, file, m->row.id) == 0;
+      continue;
+    }
+    if (!strcmp(rel, last_deleted)) continue;
+    snprintf(last_deleted, sizeof last_deleted, "%s", rel);
+    deleted += zt_db_deletion_add(c->db, m->row.id, rel) == 0;
+  }
+  if (kept || deleted)
+    ZT_INFO("worker %s holds %d files of committed epochs; %d stale epoch directories to "
+            "delete",
+            m->row.name, kept, deleted);
+}

@@ -1,0 +1,78 @@
+/*
+ * replicas.c: pushing checkpoint copies and fetching them (see replicas.h).
+ */
+#include "replicas.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "store.h"
+#include "zt_common.h"
+
+/* A transfer's deadline: generous for the size (at 20 MB/s) on top of a
+ * fixed part, so a slow link finishes and a dead one fails. */
+static int64_t transfer_ms(uint64_t bytes) { return 30000 + (int64_t)(bytes / 20000); }
+
+int zt_replicas_push(const char *root, const char *dir, const zt_ckpt_file_t *files,
+                     int nfiles, const Ztrain__RendezvousReply *rv) {
+  int need = (int)rv->replicas - 1;
+  const char *rel = zt_path_under(root, dir);
+  if (need <= 0 || !rel) return 0;
+  char why[600] = "no replica store to push to";
+  for (int i = 0; i < nfiles; i++) {
+    char path[1300];
+    snprintf(path, sizeof path, "%s/%s", dir, files[i].name);
+    int copies = 0;
+    for (size_t t = 0; t < rv->n_replica_targets && copies < need; t++) {
+      const Ztrain__ReplicaTarget *tg = rv->replica_targets[t];
+      if (zt_store_put(tg->addr, tg->ticket, rel, path, &files[i],
+                       transfer_ms(files[i].bytes)) == 0)
+        copies++;
+      else
+        snprintf(why, sizeof why, "%s (%s): %s", tg->addr, tg->host, zt_err_msg());
+    }
+    if (copies < need)
+      return zt_err("replication: %s has %d of the %d copies it needs on other hosts; last: %s",
+                    files[i].name, copies + 1, need + 1, why);
+  }
+  return 0;
+}
+
+static const Ztrain__FileCopies *copies_of(const Ztrain__RendezvousReply *rv, const char *name) {
+  for (size_t i = 0; i < rv->n_checkpoint_copies; i++)
+    if (!strcmp(rv->checkpoint_copies[i]->name, name)) return rv->checkpoint_copies[i];
+  return NULL;
+}
+
+/* One file of the epoch: verified locally, or fetched from a holder. */
+static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckpt_file_t *f,
+                  const Ztrain__RendezvousReply *rv) {
+  char path[1300], why[1200] = "";
+  snprintf(path, sizeof path, "%s/%s", dir, f->name);
+  if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
+  if (access(path, F_OK) == 0) snprintf(why, sizeof why, "local copy: %s; ", zt_err_msg());
+  const Ztrain__FileCopies *fc = copies_of(rv, f->name);
+  const char *rel = zt_path_under(root, dir);
+  if (zt_mkdirs(dir) != 0) return -1;
+  for (size_t h = 0; fc && rel && h < fc->n_holders; h++) {
+    const Ztrain__ReplicaTarget *t = fc->holders[h];
+    if (zt_store_get(t->addr, t->ticket, rel, path, f, transfer_ms(f->bytes)) == 0) {
+      ZT_INFO("fetched %s/%s from %s (%s)", rel, f->name, t->addr, t->host);
+      if (zt_ctl_report_replica(ctl, rv->job_id, rel, f->name, f->bytes, f->checksum) != 0)
+        ZT_WARN("copy of %s/%s not reported: %s", rel, f->name, zt_err_msg());
+      return 0;
+    }
+    size_t l = strlen(why);
+    snprintf(why + l, sizeof why - l, "%s (%s): %s; ", t->addr, t->host, zt_err_msg());
+  }
+  return zt_err("%s: no good copy (corrupt checkpoint): %s%s", f->name, why,
+                fc && fc->n_holders ? "" : "no other holder");
+}
+
+int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
+                      const zt_ckpt_record_t *rec, const Ztrain__RendezvousReply *rv) {
+  for (int i = 0; i < rec->n; i++)
+    if (ensure(ctl, root, dir, &rec->files[i], rv) != 0) return -1;
+  return 0;
+}

@@ -1,0 +1,523 @@
+/*
+ * store.c: the worker's replica store (see store.h).
+ *
+ * One acceptor thread; each connection is served by a detached thread of
+ * its own (at most ZT_STORE_MAX_CONN at once: more are refused with a
+ * message), which reads one request, answers it and closes. Sockets are
+ * non-blocking and every read and write waits in poll() against the
+ * request's deadline, so a peer that stops sending (or vanishes) costs a
+ * handler thread ZT_STORE_TIMEOUT_MS at most.
+ */
+#include "store.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "comm.h"
+#include "zt_common.h"
+
+#define ZT_STORE_MAX_CONN 16
+#define ZT_STORE_TIMEOUT_MS 60000 /* one request, start to end, beyond the data's own pace */
+#define ZT_STORE_MAX_FILE (1ull << 40)
+#define CHUNK (1u << 20)
+
+struct zt_store {
+  zt_store_opts_t o;
+  char root[1024];
+  char addr[96];
+  int lfd;
+  pthread_t acceptor;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int active, stopping; /* under mu */
+};
+
+/* ---- sockets with deadlines ------------------------------------------------ */
+
+static int wait_fd(int fd, short ev, zt_deadline_t dl) {
+  for (;;) {
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left <= 0) return zt_err("timed out");
+    struct pollfd p = {fd, ev, 0};
+    int r = poll(&p, 1, (int)ZT_MIN(left, 1000));
+    if (r > 0) return 0;
+    if (r < 0 && errno != EINTR) return zt_err_errno("poll");
+  }
+}
+
+static int io_all(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
+  size_t done = 0;
+  while (done < len) {
+    ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
+                        : recv(fd, (char *)buf + done, len - done, 0);
+    if (r > 0) {
+      done += (size_t)r;
+      continue;
+    }
+    if (r == 0) return zt_err("connection closed");
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return zt_err_errno(writing ? "send" : "recv");
+    if (wait_fd(fd, writing ? POLLOUT : POLLIN, dl) != 0) return -1;
+  }
+  return 0;
+}
+
+static int connect_to(const char *addr, zt_deadline_t dl) {
+  char host[128];
+  int port;
+  if (zt_parse_hostport(addr, host, sizeof host, &port) != 0) return -1;
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
+    return zt_err("%s: not an IPv4 address", addr);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return zt_err_errno("socket");
+  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
+    zt_err_errno("connect %s", addr);
+    close(fd);
+    return -1;
+  }
+  int err = 0;
+  socklen_t el = sizeof err;
+  if (wait_fd(fd, POLLOUT, dl) != 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 ||
+      err) {
+    if (err) zt_err("connect %s: %s", addr, strerror(err));
+    else zt_err_wrap("connect %s", addr);
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* ---- the request header -------------------------------------------------- */
+
+typedef struct {
+  char op;
+  char ticket[ZT_TICKET_MAX], dir[512], name[64], checksum[32];
+  uint64_t bytes;
+} request;
+
+static int put_str(uint8_t *b, size_t *o, const char *s) {
+  size_t n = strlen(s);
+  uint16_t l = (uint16_t)n;
+  memcpy(b + *o, &l, 2);
+  memcpy(b + *o + 2, s, n);
+  *o += 2 + n;
+  return 0;
+}
+
+static int send_request(int fd, const request *q, zt_deadline_t dl) {
+  uint8_t b[4 + 1 + 6 + sizeof q->ticket + sizeof q->dir + sizeof q->name + 8 + 22];
+  size_t o = 0;
+  memcpy(b, "ZTS1", 4);
+  b[4] = (uint8_t)q->op;
+  o = 5;
+  put_str(b, &o, q->ticket);
+  put_str(b, &o, q->dir);
+  put_str(b, &o, q->name);
+  memcpy(b + o, &q->bytes, 8);
+  memcpy(b + o + 8, q->checksum, 22);
+  return io_all(fd, b, o + 30, 1, dl);
+}
+
+static int get_str(int fd, char *out, size_t cap, const char *what, zt_deadline_t dl) {
+  uint16_t l;
+  if (io_all(fd, &l, 2, 0, dl) != 0) return -1;
+  if (l >= cap) return zt_errk(ZT_E_TOO_LARGE, "%s of %u bytes is too long", what, l);
+  if (io_all(fd, out, l, 0, dl) != 0) return -1;
+  out[l] = 0;
+  if (strlen(out) != l) return zt_errk(ZT_E_INVALID, "%s holds a NUL byte", what);
+  return 0;
+}
+
+static int recv_request(int fd, request *q, zt_deadline_t dl) {
+  uint8_t head[5];
+  if (io_all(fd, head, 5, 0, dl) != 0) return -1;
+  if (memcmp(head, "ZTS1", 4) != 0 || (head[4] != 'P' && head[4] != 'G'))
+    return zt_errk(ZT_E_INVALID, "not a replica store request");
+  q->op = (char)head[4];
+  if (get_str(fd, q->ticket, sizeof q->ticket, "ticket", dl) != 0 ||
+      get_str(fd, q->dir, sizeof q->dir, "directory", dl) != 0 ||
+      get_str(fd, q->name, sizeof q->name, "file name", dl) != 0 ||
+      io_all(fd, &q->bytes, 8, 0, dl) != 0 || io_all(fd, q->checksum, 22, 0, dl) != 0)
+    return -1;
+  q->checksum[22] = 0;
+  return 0;
+}
+
+static int send_status(int fd, int ok, const char *msg, zt_deadline_t dl) {
+  uint8_t b[3 + 512];
+  size_t n = ZT_MIN(strlen(msg), 512);
+  uint16_t l = (uint16_t)n;
+  b[0] = ok ? 0 : 1;
+  memcpy(b + 1, &l, 2);
+  memcpy(b + 3, msg, n);
+  return io_all(fd, b, 3 + n, 1, dl);
+}
+
+/* The store's answer; -1 with its message when it refused. */
+static int recv_status(int fd, const char *addr, zt_deadline_t dl) {
+  uint8_t st;
+  char msg[513];
+  if (io_all(fd, &st, 1, 0, dl) != 0 || get_str(fd, msg, sizeof msg, "message", dl) != 0)
+    return zt_err_wrap("store %s", addr);
+  return st == 0 ? 0 : zt_err("store %s refused: %s", addr, msg);
+}
+
+/* ---- checks on what a peer sends ------------------------------------------ */
+
+/* The epoch directory: relative, under the root, ending in
+ * job_<job>/step_<n>-g<gen> for the ticket's job (and, for a PUT, its
+ * generation; for a GET, exactly the ticket's directory). */
+static int check_dir(const zt_store_t *s, const request *q, const zt_ticket_t *t, char *abs,
+                     size_t n) {
+  if (q->dir[0] == '/' || zt_path_confine(s->root, q->dir, "directory", abs, n) != 0)
+    return zt_errk(ZT_E_INVALID, "directory %.200s is not a relative path", q->dir);
+  /* The last two components: job_<id> and step_<n>-g<gen>. */
+  char tail[600];
+  const char *step = strrchr(abs, '/'), *job = NULL;
+  snprintf(tail, sizeof tail, "%.*s", step ? (int)(step - abs) : 0, abs);
+  job = strrchr(tail, '/');
+  unsigned long long jid = 0, g = 0;
+  long long st;
+  int used = 0, jused = 0;
+  if (!step || !job || sscanf(step + 1, "step_%lld-g%llu%n", &st, &g, &used) != 2 ||
+      step[1 + used] || sscanf(job + 1, "job_%llu%n", &jid, &jused) != 1 || job[1 + jused] ||
+      (q->op == 'P' && (jid != t->job || g != t->gen)))
+    return zt_errk(ZT_E_INVALID, "directory %.200s is not an epoch%s", q->dir,
+                   q->op == 'P' ? " of the ticket's job and generation" : "");
+  if (q->op == 'G' && strcmp(zt_path_under(s->root, abs), t->scope) != 0)
+    return zt_errk(ZT_E_UNAUTHENTICATED, "the ticket is for %.200s, not %.200s", t->scope,
+                   q->dir);
+  return 0;
+}
+
+/* The file name: rank_<r>.bin, rank_<r>.json or manifest.json; a PUT only
+ * its own rank's files (and rank 0 the manifest). */
+static int check_name(const request *q, const zt_ticket_t *t) {
+  int r = -1, used = 0;
+  char ext[8] = "";
+  int ok = !strcmp(q->name, "manifest.json") ||
+           (sscanf(q->name, "rank_%d.%4[a-z]%n", &r, ext, &used) == 2 && !q->name[used] &&
+            r >= 0 && (!strcmp(ext, "bin") || !strcmp(ext, "json")));
+  if (!ok) return zt_errk(ZT_E_INVALID, "file name %.64s is not a checkpoint file", q->name);
+  if (q->op == 'P') {
+    int rank = -1;
+    if (sscanf(t->scope, "r%d", &rank) != 1 ||
+        (strcmp(q->name, "manifest.json") ? r != rank : rank != 0))
+      return zt_errk(ZT_E_UNAUTHENTICATED, "the ticket does not cover %.64s", q->name);
+  }
+  return 0;
+}
+
+/* ---- serving -------------------------------------------------------------- */
+
+/* Receives a PUT's data into dir/name, checked; reports the copy. */
+static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
+                     const zt_ticket_t *t, zt_deadline_t dl) {
+  char tmp[1400], final[1300];
+  snprintf(final, sizeof final, "%s/%s", abs, q->name);
+  snprintf(tmp, sizeof tmp, "%s/%s.%d.part", abs, q->name, (int)gettid());
+  if (zt_mkdirs(abs) != 0) return -1;
+  int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out < 0) return zt_err_errno("create %s", tmp);
+  XXH64_state_t *h = XXH64_createState();
+  XXH64_reset(h, 0);
+  char *buf = zt_xmalloc(CHUNK);
+  uint64_t left = q->bytes;
+  int rc = 0;
+  while (rc == 0 && left) {
+    size_t n = (size_t)ZT_MIN(left, (uint64_t)CHUNK);
+    rc = io_all(fd, buf, n, 0, dl);
+    if (rc == 0) rc = zt_write_all(out, buf, n);
+    if (rc == 0) XXH64_update(h, buf, n), left -= n;
+  }
+  char got[32];
+  snprintf(got, sizeof got, "xxh64:%016llx", (unsigned long long)XXH64_digest(h));
+  XXH64_freeState(h);
+  free(buf);
+  if (rc == 0 && strcmp(got, q->checksum) != 0)
+    rc = zt_errk(ZT_E_INVALID, "%s: checksum %s, the sender declared %s", q->name, got,
+                 q->checksum);
+  if (rc == 0 && fsync(out) != 0) rc = zt_err_errno("fsync %s", tmp);
+  close(out);
+  if (rc == 0 && rename(tmp, final) != 0) rc = zt_err_errno("rename %s", tmp);
+  if (rc != 0) {
+    unlink(tmp);
+    return -1;
+  }
+  int dfd = open(abs, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    if (fsync(dfd) != 0) ZT_WARN("fsync %s: %s", abs, strerror(errno));
+    close(dfd);
+  }
+  zt_ckpt_file_t f = {.bytes = q->bytes};
+  snprintf(f.name, sizeof f.name, "%s", q->name);
+  snprintf(f.checksum, sizeof f.checksum, "%s", q->checksum);
+  if (s->o.stored) s->o.stored(s->o.user, t->job, zt_path_under(s->root, abs), &f);
+  return 0;
+}
+
+/* Sends dir/name after the OK status. */
+static int serve_get(int fd, const request *q, const char *abs, zt_deadline_t dl) {
+  char path[1300];
+  snprintf(path, sizeof path, "%s/%s", abs, q->name);
+  int in = open(path, O_RDONLY | O_CLOEXEC);
+  struct stat st;
+  if (in < 0) return zt_errk(ZT_E_NOT_FOUND, "%s: no such file here", q->name);
+  if (fstat(in, &st) != 0 || (uint64_t)st.st_size != q->bytes) {
+    close(in);
+    return zt_errk(ZT_E_NOT_FOUND, "%s: size %lld here, not %llu", q->name,
+                   (long long)st.st_size, (unsigned long long)q->bytes);
+  }
+  int rc = send_status(fd, 1, "", dl);
+  char *buf = zt_xmalloc(CHUNK);
+  uint64_t left = q->bytes;
+  while (rc == 0 && left) {
+    ssize_t n = read(in, buf, (size_t)ZT_MIN(left, (uint64_t)CHUNK));
+    if (n <= 0) {
+      rc = zt_err_errno("read %s", path);
+      break;
+    }
+    rc = io_all(fd, buf, (size_t)n, 1, dl);
+    left -= (uint64_t)n;
+  }
+  free(buf);
+  close(in);
+  return rc == 0 ? 0 : -2; /* -2: the status was already sent */
+}
+
+/* One request: checks, then the transfer. */
+static int serve(zt_store_t *s, int fd, const char *peer) {
+  zt_deadline_t dl = zt_deadline_in(ZT_STORE_TIMEOUT_MS);
+  request q;
+  zt_ticket_t t;
+  char session[80], abs[1100];
+  memset(&q, 0, sizeof q);
+  s->o.session(s->o.user, session, sizeof session);
+  int rc = recv_request(fd, &q, dl);
+  if (rc == 0) rc = zt_ticket_check(session, q.ticket, zt_wall_ms(), &t);
+  if (rc == 0 && strcmp(t.op, q.op == 'P' ? "put" : "get") != 0)
+    rc = zt_errk(ZT_E_UNAUTHENTICATED, "the ticket is for a %s", t.op);
+  if (rc == 0) rc = check_dir(s, &q, &t, abs, sizeof abs);
+  if (rc == 0) rc = check_name(&q, &t);
+  if (rc == 0 && (q.bytes > ZT_STORE_MAX_FILE || !zt_ckpt_checksum_valid(q.checksum)))
+    rc = zt_errk(ZT_E_TOO_LARGE, "%s: size %llu or checksum %.22s refused", q.name,
+                 (unsigned long long)q.bytes, q.checksum);
+  if (rc == 0) rc = q.op == 'P' ? serve_put(s, fd, &q, abs, &t, dl) : serve_get(fd, &q, abs, dl);
+  if (rc == -2) {
+    ZT_WARN("replica store: %s from %s: %s", q.name, peer, zt_err_msg());
+    return -1;
+  }
+  if (rc != 0) {
+    char why[600];
+    snprintf(why, sizeof why, "%s", zt_err_msg());
+    ZT_WARN("replica store: refused %s %.64s/%.64s from %s: %s", q.op == 'P' ? "PUT" : "GET",
+            q.dir, q.name, peer, why);
+    (void)send_status(fd, 0, why, dl);
+    return -1;
+  }
+  return q.op == 'P' ? send_status(fd, 1, "stored", dl) : 0;
+}
+
+typedef struct {
+  zt_store_t *s;
+  int fd;
+  char peer[64];
+} conn_arg;
+
+static void *conn_main(void *p) {
+  conn_arg *a = p;
+  (void)serve(a->s, a->fd, a->peer);
+  close(a->fd);
+  pthread_mutex_lock(&a->s->mu);
+  a->s->active--;
+  pthread_cond_broadcast(&a->s->cv);
+  pthread_mutex_unlock(&a->s->mu);
+  free(a);
+  return NULL;
+}
+
+static void accept_one(zt_store_t *s) {
+  struct sockaddr_in sa;
+  socklen_t sl = sizeof sa;
+  int fd = accept4(s->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0) return;
+  conn_arg *a = zt_xcalloc(1, sizeof *a);
+  a->s = s, a->fd = fd;
+  char ip[32] = "?";
+  inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip);
+  snprintf(a->peer, sizeof a->peer, "%s:%d", ip, ntohs(sa.sin_port));
+  pthread_mutex_lock(&s->mu);
+  int full = s->active >= ZT_STORE_MAX_CONN;
+  if (!full) s->active++;
+  pthread_mutex_unlock(&s->mu);
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  if (full || pthread_create(&th, &at, conn_main, a) != 0) {
+    if (!full) {
+      pthread_mutex_lock(&s->mu);
+      s->active--;
+      pthread_mutex_unlock(&s->mu);
+    }
+    (void)send_status(fd, 0, "replica store busy; try another copy", zt_deadline_in(1000));
+    close(fd);
+    free(a);
+  }
+  pthread_attr_destroy(&at);
+}
+
+static void *acceptor_main(void *p) {
+  zt_store_t *s = p;
+  for (;;) {
+    pthread_mutex_lock(&s->mu);
+    int stop = s->stopping;
+    pthread_mutex_unlock(&s->mu);
+    if (stop) break;
+    struct pollfd pf = {s->lfd, POLLIN, 0};
+    if (poll(&pf, 1, 200) > 0) accept_one(s);
+  }
+  return NULL;
+}
+
+int zt_store_start(const zt_store_opts_t *o, zt_store_t **out) {
+  zt_store_t *s = zt_xcalloc(1, sizeof *s);
+  s->o = *o;
+  snprintf(s->root, sizeof s->root, "%s", o->ckpt_root);
+  int port = 0;
+  if (zt_comm_tcp_listen(o->host, &port, &s->lfd) != 0) {
+    free(s);
+    return zt_err_wrap("replica store");
+  }
+  snprintf(s->addr, sizeof s->addr, "%s:%d", o->host, port);
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->cv, NULL);
+  if (pthread_create(&s->acceptor, NULL, acceptor_main, s) != 0) {
+    close(s->lfd);
+    free(s);
+    return zt_err("replica store: cannot start its thread");
+  }
+  *out = s;
+  return 0;
+}
+
+const char *zt_store_addr(const zt_store_t *s) { return s->addr; }
+
+void zt_store_stop(zt_store_t *s) {
+  if (!s) return;
+  pthread_mutex_lock(&s->mu);
+  s->stopping = 1;
+  pthread_mutex_unlock(&s->mu);
+  pthread_join(s->acceptor, NULL);
+  close(s->lfd);
+  /* Transfers in flight end by their own deadline at the latest. */
+  zt_deadline_t dl = zt_deadline_in(ZT_STORE_TIMEOUT_MS + 1000);
+  pthread_mutex_lock(&s->mu);
+  while (s->active > 0 && !zt_deadline_passed(dl)) {
+    pthread_mutex_unlock(&s->mu);
+    zt_sleep_ms(20); /* shutdown pacing: handler threads are detached */
+    pthread_mutex_lock(&s->mu);
+  }
+  int left = s->active;
+  pthread_mutex_unlock(&s->mu);
+  if (left) return; /* a handler still runs: leak the store rather than free it under it */
+  pthread_mutex_destroy(&s->mu);
+  pthread_cond_destroy(&s->cv);
+  free(s);
+}
+
+/* ---- the client side ------------------------------------------------------ */
+
+static int request_to(const char *addr, request *q, zt_deadline_t dl) {
+  int fd = connect_to(addr, dl);
+  if (fd < 0) return -1;
+  if (send_request(fd, q, dl) != 0) {
+    zt_err_wrap("store %s", addr);
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+static void fill(request *q, char op, const char *ticket, const char *dir,
+                 const zt_ckpt_file_t *f) {
+  memset(q, 0, sizeof *q);
+  q->op = op;
+  snprintf(q->ticket, sizeof q->ticket, "%s", ticket);
+  snprintf(q->dir, sizeof q->dir, "%s", dir);
+  snprintf(q->name, sizeof q->name, "%s", f->name);
+  snprintf(q->checksum, sizeof q->checksum, "%s", f->checksum);
+  q->bytes = f->bytes;
+}
+
+int zt_store_put(const char *addr, const char *ticket, const char *dir, const char *path,
+                 const zt_ckpt_file_t *f, int64_t timeout_ms) {
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  int in = open(path, O_RDONLY | O_CLOEXEC);
+  if (in < 0) return zt_err_errno("%s", path);
+  request q;
+  fill(&q, 'P', ticket, dir, f);
+  int fd = request_to(addr, &q, dl), rc = fd < 0 ? -1 : 0;
+  char *buf = zt_xmalloc(CHUNK);
+  uint64_t left = f->bytes;
+  while (rc == 0 && left) {
+    ssize_t n = read(in, buf, (size_t)ZT_MIN(left, (uint64_t)CHUNK));
+    if (n <= 0) rc = zt_err("%s: shorter than %llu bytes", path, (unsigned long long)f->bytes);
+    else if ((rc = io_all(fd, buf, (size_t)n, 1, dl)) != 0) zt_err_wrap("store %s", addr);
+    else left -= (uint64_t)n;
+  }
+  free(buf);
+  close(in);
+  if (rc == 0) rc = recv_status(fd, addr, dl);
+  if (fd >= 0) close(fd);
+  return rc;
+}
+
+int zt_store_get(const char *addr, const char *ticket, const char *dir, const char *path,
+                 const zt_ckpt_file_t *f, int64_t timeout_ms) {
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  request q;
+  fill(&q, 'G', ticket, dir, f);
+  int fd = request_to(addr, &q, dl);
+  if (fd < 0) return -1;
+  int rc = recv_status(fd, addr, dl);
+  char tmp[1200];
+  snprintf(tmp, sizeof tmp, "%s.%d.part", path, (int)gettid());
+  int out = rc == 0 ? open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
+  if (rc == 0 && out < 0) rc = zt_err_errno("create %s", tmp);
+  XXH64_state_t *h = XXH64_createState();
+  XXH64_reset(h, 0);
+  char *buf = zt_xmalloc(CHUNK);
+  uint64_t left = f->bytes;
+  while (rc == 0 && left) {
+    size_t n = (size_t)ZT_MIN(left, (uint64_t)CHUNK);
+    if ((rc = io_all(fd, buf, n, 0, dl)) != 0) zt_err_wrap("store %s: %s", addr, f->name);
+    else if ((rc = zt_write_all(out, buf, n)) == 0) XXH64_update(h, buf, n), left -= n;
+  }
+  free(buf);
+  close(fd);
+  char got[32];
+  snprintf(got, sizeof got, "xxh64:%016llx", (unsigned long long)XXH64_digest(h));
+  XXH64_freeState(h);
+  if (rc == 0 && strcmp(got, f->checksum) != 0)
+    rc = zt_err("store %s: %s: checksum %s, expected %s (corrupt copy)", addr, f->name, got,
+                f->checksum);
+  if (rc == 0 && fsync(out) != 0) rc = zt_err_errno("fsync %s", tmp);
+  if (out >= 0) close(out);
+  if (rc == 0 && rename(tmp, path) != 0) rc = zt_err_errno("rename %s", tmp);
+  if (rc != 0 && out >= 0) unlink(tmp);
+  return rc;
+}

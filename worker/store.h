@@ -1,0 +1,61 @@
+/*
+ * store.h: the worker's replica store: checkpoint files over TCP.
+ *
+ * Every worker runs one, on its ring address (--comm-host) and an
+ * ephemeral port it reports at registration. Peers push copies of their
+ * checkpoint files into it (PUT) and fetch files from it (GET), one file
+ * per connection, each request carrying a ticket the coordinator made for
+ * this worker (common/ticket.c), so only members of a job's current
+ * generation get anything. Files live under the worker's checkpoint root at
+ * the epoch directory the request names (relative), written as name.tmp,
+ * fsynced, checked against the declared xxh64, renamed; a PUT that fails
+ * any check leaves nothing.
+ *
+ * Wire format (little endian), request:
+ *   "ZTS1", op ('P' or 'G'), u16 + ticket, u16 + epoch dir, u16 + file
+ *   name, u64 size, 22-byte checksum ("xxh64:" + 16 hex), and for a PUT the
+ *   size bytes of the file;
+ * reply: u8 status (0 ok), u16 + message, and for a GET that succeeded the
+ * file's bytes. Every read and write has a deadline.
+ *
+ * Nothing from the peer is trusted: the ticket's MAC, expiry and scope, the
+ * directory's form (<dir>/job_<job>/step_<n>-g<gen>, under the root, no
+ * ".."), the file name's form, the size (at most 1 TiB, and exact) and the
+ * checksum are checked, and a refusal names the peer and the file.
+ */
+#ifndef ZT_STORE_H
+#define ZT_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ckpt_io.h"
+
+typedef struct zt_store zt_store_t;
+
+typedef struct {
+  const char *host;      /* address to listen on */
+  const char *ckpt_root; /* absolute */
+  /* The current session credential (tickets are checked with it). */
+  void (*session)(void *user, char *buf, size_t n);
+  /* After a copy was stored by a PUT: dir is relative to the root. */
+  void (*stored)(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f);
+  void *user;
+} zt_store_opts_t;
+
+ZT_MUST_CHECK int zt_store_start(const zt_store_opts_t *o, zt_store_t **out);
+/* HOST:PORT of the store. */
+const char *zt_store_addr(const zt_store_t *s);
+/* Stops accepting, waits (bounded) for transfers in flight, frees. */
+void zt_store_stop(zt_store_t *s);
+
+/* Pushes the file at `path` (f: its name, size and checksum) as dir/name
+ * to the store at addr. */
+ZT_MUST_CHECK int zt_store_put(const char *addr, const char *ticket, const char *dir,
+                               const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
+/* Fetches dir/name from the store at addr into `path` (through path.tmp),
+ * checking size and checksum against f. */
+ZT_MUST_CHECK int zt_store_get(const char *addr, const char *ticket, const char *dir,
+                               const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
+
+#endif
