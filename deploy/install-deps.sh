@@ -15,7 +15,7 @@ PACKAGES=(
   libsqlite3-dev libsystemd-dev libmicrohttpd-dev libcjson-dev
   libopenblas-dev libxxhash-dev libssl-dev
   # operator tools and tests
-  sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf
+  sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf python3-xxhash
   protobuf-compiler python3-grpc-tools wrk chromium
   systemd
   # multi-host tests: network namespaces, veth, bridges, tc

@@ -1,0 +1,111 @@
+"""The replica store of a zworker (worker/store.c), spoken to directly.
+
+A real zworker under a real zcoord; tickets are made here exactly as the
+coordinator makes them (HMAC-SHA256 keyed with the holder's session, read
+from the coordinator's SQLite file), so the test can send what a peer
+could: a good copy is stored, and a forged, expired or foreign ticket, a
+file of another job or generation, a wrong checksum and a truncated stream
+are refused with a message naming the file, and leave nothing behind.
+"""
+import hashlib
+import hmac
+import os
+import socket
+import sqlite3
+import struct
+import time
+
+import xxhash
+
+from ztest import start_fleet, wait_until
+
+
+def worker_store(coord, name):
+    with sqlite3.connect(coord.db) as db:
+        row = db.execute("SELECT id, session, store_addr FROM workers WHERE name = ?",
+                         (name,)).fetchone()
+    return row[0], row[1], row[2]
+
+
+def ticket(session, op, job, gen, requester, scope, ttl_s=60):
+    exp = int((time.time() + ttl_s) * 1000)
+    text = f"zt1|{op}|{job}|{gen}|{requester}|{exp}|{scope}"
+    mac = hmac.new(session.encode(), text.encode(), hashlib.sha256).hexdigest()
+    return f"{text}|{mac}"
+
+
+def checksum(data):
+    return "xxh64:" + xxhash.xxh64(data).hexdigest()
+
+
+def request(addr, op, tk, d, name, data, declared=None, send=None):
+    """One request; returns (status, message)."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        head = b"ZTS1" + op
+        for part in (tk, d, name):
+            b = part.encode()
+            head += struct.pack("<H", len(b)) + b
+        head += struct.pack("<Q", len(data)) + (declared or checksum(data)).encode()
+        s.sendall(head + (data if send is None else send))
+        if send is not None and len(send) < len(data):
+            s.shutdown(socket.SHUT_WR)
+        st = s.recv(1)
+        if not st:
+            return None, "closed"
+        (n,) = struct.unpack("<H", s.recv(2))
+        msg = b""
+        while len(msg) < n:
+            msg += s.recv(n - len(msg))
+        return st[0], msg.decode()
+
+
+def test_store_accepts_good_copies_and_refuses_the_rest(procs, tmp_path):
+    coord = start_fleet(procs, 1)
+    wid, session, addr = worker_store(coord, "w0")
+    assert addr.startswith("127.0.0.1:")
+    root = procs.root
+    d = "st/job_5/step_00000010-g2"
+    data = os.urandom(5000)
+    put = ticket(session, "put", 5, 2, 99, "r1")
+
+    # A good copy is stored under the worker's checkpoint root.
+    assert request(addr, b"P", put, d, "rank_1.bin", data) == (0, "stored")
+    with open(os.path.join(root, d, "rank_1.bin"), "rb") as f:
+        assert f.read() == data
+    # ... and can be fetched back with a ticket for that epoch.
+    get = ticket(session, "get", 5, 3, 99, d)
+    st, _ = request(addr, b"G", get, d, "rank_1.bin", data)
+    assert st == 0
+
+    bad = [
+        # (what, ticket, dir, name, declared checksum, bytes actually sent, expected message)
+        ("forged", ticket("not-the-session", "put", 5, 2, 99, "r1"), d, "rank_1.bin", None,
+         None, "not made for this worker"),
+        ("expired", ticket(session, "put", 5, 2, 99, "r1", ttl_s=-5), d, "rank_1.bin", None,
+         None, "expired"),
+        ("other job", put, "st/job_6/step_00000010-g2", "rank_1.bin", None, None,
+         "not an epoch"),
+        ("other generation", put, "st/job_5/step_00000010-g3", "rank_1.bin", None, None,
+         "not an epoch"),
+        ("other rank", put, d, "rank_2.bin", None, None, "does not cover rank_2.bin"),
+        ("not a checkpoint file", put, d, "evil.sh", None, None, "not a checkpoint file"),
+        ("escape", put, "../../etc/job_5/step_00000010-g2", "rank_1.bin", None, None,
+         "not a relative path"),
+        ("wrong checksum", put, d, "rank_1.json", "xxh64:0000000000000000", None,
+         "checksum"),
+        ("get with a put ticket", put, d, "rank_1.bin", None, None, "for a put"),
+    ]
+    for what, tk, dd, name, declared, send, want in bad:
+        op = b"G" if what.startswith("get") else b"P"
+        st, msg = request(addr, op, tk, dd, name, data, declared, send)
+        assert st == 1 and want in msg, (what, st, msg)
+        if name == "rank_1.json":
+            assert not os.path.exists(os.path.join(root, dd, name)), what
+    # A stream cut short: nothing stored, the worker names the peer and file.
+    st, msg = request(addr, b"P", put, d, "rank_1.json", data, send=data[:100])
+    assert st in (None, 1)
+    assert not os.path.exists(os.path.join(root, d, "rank_1.json"))
+    assert not [f for f in os.listdir(os.path.join(root, d)) if f.endswith(".part")]
+    wait_until(lambda: "rank_1.json from 127.0.0.1:" in coord.workers["w0"].output(), 10,
+               "the refusal in the worker's log")
