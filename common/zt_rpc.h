@@ -49,6 +49,15 @@ enum {
 
 const char *zt_rpc_status_name(int status);
 
+/* Whether a failed call may succeed if made again to the same server:
+ * the server was unreachable, too slow, or went away with the call in
+ * flight (a coordinator that stops cancels the calls it holds). Every other
+ * status is the server's answer and retrying it would repeat it. */
+static inline int zt_rpc_transient(int status) {
+  return status == ZT_RPC_UNAVAILABLE || status == ZT_RPC_DEADLINE_EXCEEDED ||
+         status == ZT_RPC_CANCELLED;
+}
+
 /* ---- server ------------------------------------------------------------ */
 
 typedef struct zt_rpc_server zt_rpc_server_t;

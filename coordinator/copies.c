@@ -30,9 +30,12 @@
 #include "coord.h"
 #include "ztrain.pb-c.h"
 
-/* A live worker that can serve files: alive, with a replica store. */
+/* A worker that can serve files: with a replica store, and alive or only
+ * suspect (a silence shorter than the timeout must not make an epoch look
+ * lost: that is decided when the worker is declared lost). */
 static int serves(const zt_member_t *m) {
-  return m && m->row.state == ZT_WORKER_ALIVE && m->row.store_addr[0];
+  return m && (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT) &&
+         m->row.store_addr[0];
 }
 
 /* ---- recording ------------------------------------------------------------ */

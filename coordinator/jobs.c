@@ -241,11 +241,13 @@ static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD],
 }
 
 /* Where the next generation starts: the epoch a rollback chose (or a
- * fresh start), else the newest committed epoch, else checkpoint.load.
- * dir "" means fresh parameters. */
-static void start_point(zt_coord_t *c, zt_job_t *j, int64_t *step, char *dir, size_t dirlen) {
+ * fresh start), else the newest loadable committed epoch, else
+ * checkpoint.load. dir "" means fresh parameters. -1 when the job has
+ * committed epochs but none can be loaded now (their copies are on
+ * machines that are gone): it must not quietly start over. */
+static int start_point(zt_coord_t *c, zt_job_t *j, int64_t *step, char *dir, size_t dirlen) {
   zt_db_ckpt_t ck;
-  int have = 0;
+  int have = 0, any = 0;
   *step = 0;
   dir[0] = 0;
   if (j->rb_ckpt_step >= 0) {
@@ -254,9 +256,14 @@ static void start_point(zt_coord_t *c, zt_job_t *j, int64_t *step, char *dir, si
   } else if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 1, &ck, &have) == 0 && have) {
     *step = ck.step;
     snprintf(dir, dirlen, "%s", ck.dir);
+  } else if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 0, &ck, &any) == 0 && any) {
+    return zt_errk(ZT_E_UNAVAILABLE, "no committed checkpoint can be loaded: the newest (step "
+                   "%lld) and every older one lack a copy on a machine with a live worker",
+                   (long long)ck.step);
   } else if (j->p.ckpt_load[0]) { /* the worker reads the step from its manifest */
     snprintf(dir, dirlen, "%s", j->p.ckpt_load);
   }
+  return 0;
 }
 
 /* The epoch the current generation loads, with its recorded files (the
@@ -344,7 +351,14 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   release_members(c, j);
   int64_t start_step;
   char dir[sizeof j->start_ckpt];
-  start_point(c, j, &start_step, dir, sizeof dir);
+  if (start_point(c, j, &start_step, dir, sizeof dir) != 0) {
+    finish(c, j, ZT_JOB_PAUSED, "job_paused",
+           "paused: %s; bring back a machine that holds copies (the logbook's "
+           "checkpoint_unavailable events name the files), then zctl resume",
+           zt_err_msg());
+    zt_jobs_schedule(c);
+    return;
+  }
   if (commit_generation(c, j, pick, n, start_step, reason) != 0) {
     ZT_ERROR("job %llu: cannot form generation: %s", (unsigned long long)j->row.id, zt_err_msg());
     return;

@@ -285,7 +285,7 @@ static void do_leave(zt_ctl_t *c) {
     ZT_INFO("draining: the job checkpoints before this worker leaves");
     while (!zt_deadline_passed(dl)) {
       int st = 0;
-      if (do_heartbeat(c, &st) != 0 && st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED)
+      if (do_heartbeat(c, &st) != 0 && !zt_rpc_transient(st))
         break;
       if (!c->assigned_job) break;
       zt_sleep_ms(ZT_MIN(c->heartbeat_ms, 200)); /* heartbeat pacing while draining */
@@ -362,7 +362,7 @@ int zt_ctl_report_replica(zt_ctl_t *c, uint64_t job_id, const char *dir, const c
       protobuf_c_message_free_unpacked(m, NULL);
       return 0;
     }
-    if ((st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) || attempt == 4) return -1;
+    if (!zt_rpc_transient(st) || attempt == 4) return -1;
     zt_sleep_ms(zt_ctl_retry_cap_ms(c)); /* retry pacing */
   }
 }

@@ -45,9 +45,10 @@ static const Ztrain__FileCopies *copies_of(const Ztrain__RendezvousReply *rv, co
   return NULL;
 }
 
-/* One file of the epoch: verified locally, or fetched from a holder. */
+/* One file of the epoch: verified locally, or fetched from a holder.
+ * *unavailable is set when a holder could not be reached. */
 static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckpt_file_t *f,
-                  const Ztrain__RendezvousReply *rv) {
+                  const Ztrain__RendezvousReply *rv, int *unavailable) {
   char path[1300], why[1200] = "";
   snprintf(path, sizeof path, "%s/%s", dir, f->name);
   if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
@@ -63,16 +64,20 @@ static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckp
         ZT_WARN("copy of %s/%s not reported: %s", rel, f->name, zt_err_msg());
       return 0;
     }
+    if (zt_err_kind() == ZT_E_UNAVAILABLE) *unavailable = 1;
     size_t l = strlen(why);
     snprintf(why + l, sizeof why - l, "%s (%s): %s; ", t->addr, t->host, zt_err_msg());
   }
-  return zt_err("%s: no good copy (corrupt checkpoint): %s%s", f->name, why,
-                fc && fc->n_holders ? "" : "no other holder");
+  return zt_err("%s: %s: %s%s", f->name,
+                *unavailable ? "no copy can be reached now" : "no good copy (corrupt checkpoint)",
+                why, fc && fc->n_holders ? "" : "no other holder");
 }
 
 int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
-                      const zt_ckpt_record_t *rec, const Ztrain__RendezvousReply *rv) {
+                      const zt_ckpt_record_t *rec, const Ztrain__RendezvousReply *rv,
+                      int *unavailable) {
+  *unavailable = 0;
   for (int i = 0; i < rec->n; i++)
-    if (ensure(ctl, root, dir, &rec->files[i], rv) != 0) return -1;
+    if (ensure(ctl, root, dir, &rec->files[i], rv, unavailable) != 0) return -1;
   return 0;
 }

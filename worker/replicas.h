@@ -12,8 +12,11 @@
  * checkpoint root, verified against the record: a local copy is checked,
  * a missing or corrupt one is fetched from the stores that hold it
  * (checkpoint_copies, in order), and a fetched copy is reported, so it is
- * counted and later deleted with the epoch. A file that no holder can give
- * is a corrupt epoch (the coordinator falls back to an older one).
+ * counted and later deleted with the epoch. A file no holder can give
+ * because every holder answered without a good copy is a corrupt epoch
+ * (the coordinator falls back to an older one); when some holder could not
+ * be reached the epoch is only unavailable for now (*unavailable set: the
+ * generation fails, the epoch stays).
  */
 #ifndef ZT_REPLICAS_H
 #define ZT_REPLICAS_H
@@ -28,6 +31,6 @@ ZT_MUST_CHECK int zt_replicas_push(const char *root, const char *dir, const zt_c
 /* dir: the epoch to load (absolute, under root); rec: its record. */
 ZT_MUST_CHECK int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
                                     const zt_ckpt_record_t *rec,
-                                    const Ztrain__RendezvousReply *rv);
+                                    const Ztrain__RendezvousReply *rv, int *unavailable);
 
 #endif

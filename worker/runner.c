@@ -108,7 +108,7 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
       protobuf_c_message_free_unpacked(m, NULL);
       return train_cmd(cmd);
     }
-    if (st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) {
+    if (!zt_rpc_transient(st)) {
       ZT_WARN("step %lld report refused: %s", (long long)s->step, zt_err_msg());
       return ZT_CMD_STOP; /* fenced: this generation is over for us */
     }
@@ -156,7 +156,7 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
       protobuf_c_message_free_unpacked(m, NULL);
       return 0;
     }
-    if ((st != ZT_RPC_UNAVAILABLE && st != ZT_RPC_DEADLINE_EXCEEDED) || changed(r)) {
+    if (!zt_rpc_transient(st) || changed(r)) {
       ZT_WARN("checkpoint step %lld not recorded: %s", (long long)step, zt_err_msg());
       return -1;
     }
@@ -266,11 +266,16 @@ static int prepare_epoch(zt_runner_t *r, const Ztrain__RendezvousReply *rv, epoc
     return -1;
   }
   zt_ckpt_record_t rec = {e->files, e->n};
-  if (zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv) != 0) {
+  int unavailable;
+  if (zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv, &unavailable) != 0) {
     char why[1400];
     snprintf(why, sizeof why, "%s", zt_err_msg());
     ZT_WARN("%s", why);
-    f.bad_ckpt = rv->checkpoint_dir;
+    /* A holder out of reach: the epoch may well be fine; this generation
+     * fails and the coordinator decides again. Every holder answered
+     * without a good copy: the epoch is corrupt. */
+    f.kind = ZTRAIN__FAILURE_KIND__FAILURE_PEER;
+    f.bad_ckpt = unavailable ? NULL : rv->checkpoint_dir;
     if (!changed(r)) report_failure(r, why, &f);
     return -1;
   }

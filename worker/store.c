@@ -171,7 +171,7 @@ static int recv_status(int fd, const char *addr, zt_deadline_t dl) {
   uint8_t st;
   char msg[513];
   if (io_all(fd, &st, 1, 0, dl) != 0 || get_str(fd, msg, sizeof msg, "message", dl) != 0)
-    return zt_err_wrap("store %s", addr);
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
   return st == 0 ? 0 : zt_err("store %s refused: %s", addr, msg);
 }
 
@@ -441,11 +441,15 @@ void zt_store_stop(zt_store_t *s) {
 
 /* ---- the client side ------------------------------------------------------ */
 
+/* A store that does not answer a connection within this is not there. */
+#define ZT_STORE_CONNECT_MS 5000
+
 static int request_to(const char *addr, request *q, zt_deadline_t dl) {
-  int fd = connect_to(addr, dl);
-  if (fd < 0) return -1;
+  zt_deadline_t cdl = zt_deadline_in(ZT_MIN(ZT_STORE_CONNECT_MS, zt_deadline_left_ms(dl)));
+  int fd = connect_to(addr, cdl);
+  if (fd < 0) return zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
   if (send_request(fd, q, dl) != 0) {
-    zt_err_wrap("store %s", addr);
+    zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
     close(fd);
     return -1;
   }
@@ -504,7 +508,8 @@ int zt_store_get(const char *addr, const char *ticket, const char *dir, const ch
   uint64_t left = f->bytes;
   while (rc == 0 && left) {
     size_t n = (size_t)ZT_MIN(left, (uint64_t)CHUNK);
-    if ((rc = io_all(fd, buf, n, 0, dl)) != 0) zt_err_wrap("store %s: %s", addr, f->name);
+    if ((rc = io_all(fd, buf, n, 0, dl)) != 0)
+      zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s: %s", addr, f->name);
     else if ((rc = zt_write_all(out, buf, n)) == 0) XXH64_update(h, buf, n), left -= n;
   }
   free(buf);
@@ -513,8 +518,8 @@ int zt_store_get(const char *addr, const char *ticket, const char *dir, const ch
   snprintf(got, sizeof got, "xxh64:%016llx", (unsigned long long)XXH64_digest(h));
   XXH64_freeState(h);
   if (rc == 0 && strcmp(got, f->checksum) != 0)
-    rc = zt_err("store %s: %s: checksum %s, expected %s (corrupt copy)", addr, f->name, got,
-                f->checksum);
+    rc = zt_errk(ZT_E_INVALID, "store %s: %s: checksum %s, expected %s (corrupt copy)", addr,
+                 f->name, got, f->checksum);
   if (rc == 0 && fsync(out) != 0) rc = zt_err_errno("fsync %s", tmp);
   if (out >= 0) close(out);
   if (rc == 0 && rename(tmp, path) != 0) rc = zt_err_errno("rename %s", tmp);

@@ -126,3 +126,37 @@ def test_host_loss_with_replicated_checkpoints(net, data, tmp_path):
     kinds = [e["kind"] for e in fleet.events(jid)]
     assert "checkpoint_corrupt" not in kinds, kinds
     print(f"job completed {time.time() - t_lost:.1f} s after the host was lost")
+
+
+def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp_path):
+    """replicas 2 and the two machines holding both copies of a rank's files
+    vanish at once: no committed epoch can be loaded, so the job pauses with
+    the reason instead of starting over or loading part of an epoch."""
+    fleet = Fleet(net, data)
+    for h in ("h1", "h2", "h3", "h4"):
+        fleet.add_worker(h)
+    fleet.wait_alive(["wh1", "wh2", "wh3", "wh4"])
+    s = spec(3000, 4, checkpoint={"dir": "ckpt", "every_steps": 10, "replicas": 2})
+    s["elastic"] = {"min_workers": 2, "max_workers": 4}
+    s["train_batch_size"] = 16
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: max(committed_dirs(fleet, jid), default=0) >= 20, 90, "two epochs")
+    newest = committed_dirs(fleet, jid)[max(committed_dirs(fleet, jid))]
+    where = epoch_files(net, ("h1", "h2", "h3", "h4"), newest)
+    lost = [f for f, hs in where.items() if hs <= {"h3", "h4"}]
+    assert lost, where  # some file lives only on h3 and h4
+    for h in ("h3", "h4"):
+        net.hosts[h].kill_all()
+        shutil.rmtree(net.hosts[h].dir)
+    j = fleet.wait_job(jid, timeout=60, states=("paused",))
+    assert "no committed checkpoint can be loaded" in j["message"], j
+    kinds = [e["kind"] for e in fleet.events(jid)]
+    assert "checkpoint_unavailable" in kinds
+    # A generation formed before the coordinator knew the machines were gone
+    # could not fetch the lost files and failed before any step; nothing was
+    # retired as corrupt, and nothing trained from a partial or fresh state.
+    assert "checkpoint_corrupt" not in kinds and "checkpoint_retired" not in kinds, kinds
+    steps = sorted(fleet.losses(jid))
+    assert steps == list(range(1, steps[-1] + 1)), "no step was computed twice or skipped"
+    starts = [e["detail"] for e in fleet.events(jid) if e["kind"] == "generation_started"]
+    assert not any("start step 0" in d for d in starts[1:]), starts
