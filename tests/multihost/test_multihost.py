@@ -2,9 +2,11 @@
 namespace with its own address and its own directory (mhnet.py).
 
 What holds without shared storage today: training across hosts, the same
-losses as a single rank, and a host that vanishes from the network (no FIN,
+losses as a single rank; a host that vanishes from the network (no FIN,
 no RST) failing every survivor's collective within its deadline, after
-which the job goes on without it.
+which the job goes on without it; a host lost with its disk, the job going
+on from the copies of its files; and both copies of a file lost, the job
+pausing with the reason instead of starting over.
 """
 import json
 import os
@@ -113,7 +115,8 @@ def test_host_loss_with_replicated_checkpoints(net, data, tmp_path):
     fleet.wait_job(ref)
     jid = fleet.submit(s, str(tmp_path / "a.json"))
     wait_until(lambda: max(committed_dirs(fleet, jid), default=0) >= 20, 90, "two epochs")
-    newest = committed_dirs(fleet, jid)[max(committed_dirs(fleet, jid))]
+    dirs = committed_dirs(fleet, jid)
+    newest = dirs[max(dirs)]
     where = epoch_files(net, ("h1", "h2", "h3"), newest)
     assert len(where) == 7 and all(len(hs) >= 2 for hs in where.values()), where
     # h3 vanishes, disk and all.
@@ -141,7 +144,8 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
     s["train_batch_size"] = 16
     jid = fleet.submit(s, str(tmp_path / "a.json"))
     wait_until(lambda: max(committed_dirs(fleet, jid), default=0) >= 20, 90, "two epochs")
-    newest = committed_dirs(fleet, jid)[max(committed_dirs(fleet, jid))]
+    dirs = committed_dirs(fleet, jid)
+    newest = dirs[max(dirs)]
     where = epoch_files(net, ("h1", "h2", "h3", "h4"), newest)
     lost = [f for f, hs in where.items() if hs <= {"h3", "h4"}]
     assert lost, where  # some file lives only on h3 and h4
@@ -157,6 +161,6 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
     # retired as corrupt, and nothing trained from a partial or fresh state.
     assert "checkpoint_corrupt" not in kinds and "checkpoint_retired" not in kinds, kinds
     steps = sorted(fleet.losses(jid))
-    assert steps == list(range(1, steps[-1] + 1)), "no step was computed twice or skipped"
+    assert steps == list(range(1, steps[-1] + 1)), "the stored steps run from 1 without a gap"
     starts = [e["detail"] for e in fleet.events(jid) if e["kind"] == "generation_started"]
     assert not any("start step 0" in d for d in starts[1:]), starts
