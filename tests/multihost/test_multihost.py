@@ -143,16 +143,32 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
     s["elastic"] = {"min_workers": 2, "max_workers": 4}
     s["train_batch_size"] = 16
     jid = fleet.submit(s, str(tmp_path / "a.json"))
-    wait_until(lambda: max(committed_dirs(fleet, jid), default=0) >= 20, 90, "two epochs")
-    dirs = committed_dirs(fleet, jid)
-    newest = dirs[max(dirs)]
-    where = epoch_files(net, ("h1", "h2", "h3", "h4"), newest)
-    lost = [f for f, hs in where.items() if hs <= {"h3", "h4"}]
-    assert lost, where  # some file lives only on h3 and h4
+
+    def four_rank_epoch():
+        """The newest epoch, when the generation that wrote it still runs
+        with all four ranks: its files are where the kill below loses them.
+        (On a loaded machine a generation may re-form before the kill; the
+        check then waits for the next four-rank epoch.)"""
+        j = fleet.job(jid)
+        dirs = committed_dirs(fleet, jid)
+        if j["state"] != "running" or j["world"] != 4 or len(dirs) < 2:
+            return None
+        newest = dirs[max(dirs)]
+        if not newest.endswith(f"-g{j['generation']}"):
+            return None
+        where = epoch_files(net, ("h1", "h2", "h3", "h4"), newest)
+        lost = [f for f, hs in where.items() if hs <= {"h3", "h4"}]
+        return (j["generation"], where) if lost and fleet.job(jid)["generation"] == j["generation"] else None
+
+    gen, where = wait_until(four_rank_epoch, 90, "a committed epoch of a four-rank generation")
     for h in ("h3", "h4"):
         net.hosts[h].kill_all()
         shutil.rmtree(net.hosts[h].dir)
-    j = fleet.wait_job(jid, timeout=60, states=("paused",))
+    try:
+        j = fleet.wait_job(jid, timeout=60, states=("paused",))
+    except AssertionError as e:
+        raise AssertionError(f"{e}; generation at the kill {gen}, files {where}; events "
+                             f"{[(x['kind'], x['detail']) for x in fleet.events(jid)]}") from None
     assert "no committed checkpoint can be loaded" in j["message"], j
     kinds = [e["kind"] for e in fleet.events(jid)]
     assert "checkpoint_unavailable" in kinds
