@@ -43,10 +43,13 @@ static inline size_t zt_dtype_size(zt_dtype_t t) {
 
 typedef struct zt_comm zt_comm_t;
 
-/* Byte counters, for benchmarks and the per-step report. */
+/* Counters, for benchmarks and the per-worker timings (TCP ring: time
+ * inside collectives, and the part of it spent with only sends pending,
+ * i.e. waiting for this rank's outgoing link). Readable from any thread. */
 typedef struct {
   uint64_t bytes_sent, bytes_recv;
   uint64_t ops;
+  uint64_t comm_us, send_wait_us;
 } zt_comm_stats_t;
 
 /* ---- TCP ring backend ---------------------------------------------------- */

@@ -130,7 +130,16 @@ typedef struct {
   zt_dtype_t dt;
 } ring_step;
 
+static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op);
+
 static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
+  int64_t t0 = zt_now_us();
+  int rc = step_run_timed(c, s, dl, op);
+  __atomic_fetch_add(&c->stats.comm_us, (uint64_t)(zt_now_us() - t0), __ATOMIC_RELAXED);
+  return rc;
+}
+
+static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
   size_t sent = 0, got = 0, reduced = 0, esz = zt_dtype_size(s->dt);
   while (sent < s->slen || got < s->rlen) {
     struct pollfd p[3];
@@ -145,7 +154,10 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
                   op, c->rank, got, s->rlen, (c->rank + c->world - 1) % c->world, sent, s->slen,
                   (c->rank + 1) % c->world);
     }
+    int64_t w0 = ip < 0 ? zt_now_us() : 0; /* only the send is left: its wait */
     int r = poll(p, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
+    if (ip < 0)
+      __atomic_fetch_add(&c->stats.send_wait_us, (uint64_t)(zt_now_us() - w0), __ATOMIC_RELAXED);
     if (r < 0) {
       if (errno == EINTR) continue;
       return fail(c, "%s: poll: %s", op, strerror(errno));
@@ -156,7 +168,7 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
       ssize_t w = send(c->next_fd, s->sbuf + sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = (c->rank + 1) % c->world, 1))
         return fail(c, "%s: send to rank %d: %s", op, (c->rank + 1) % c->world, strerror(errno));
-      if (w > 0) sent += (size_t)w, c->stats.bytes_sent += (uint64_t)w;
+      if (w > 0) sent += (size_t)w, __atomic_fetch_add(&c->stats.bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
     }
     if (ip >= 0 && p[ip].revents) {
       size_t want = ZT_MIN(s->rlen - got, c->chunk);
@@ -168,7 +180,7 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
       }
       if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = prev, 1))
         return fail(c, "%s: receive from rank %d: %s", op, prev, strerror(errno));
-      if (rd > 0) got += (size_t)rd, c->stats.bytes_recv += (uint64_t)rd;
+      if (rd > 0) got += (size_t)rd, __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
       if (s->acc) {
         /* Reduce whole chunks as they complete, and the tail at the end. */
         size_t ready = got == s->rlen ? got : (got / c->chunk) * c->chunk;
@@ -250,7 +262,7 @@ zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
 int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-reduce") != 0) return -1;
-  c->stats.ops++;
+  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_all_reduce(c->nccl, buf, count, dt, op, timeout_ms));
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
   if (c->world > 1 && count > 0) {
@@ -268,7 +280,7 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
 int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
                            zt_redop_t op, int64_t timeout_ms) {
   if (check_usable(c, "reduce-scatter") != 0) return -1;
-  c->stats.ops++;
+  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl)
     return nccl_result(c, zt__nccl_reduce_scatter(c->nccl, send, recv, count, dt, op, timeout_ms));
   size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
@@ -284,7 +296,7 @@ int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, z
 int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-gather") != 0) return -1;
-  c->stats.ops++;
+  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_all_gather(c->nccl, send, recv, count, dt, timeout_ms));
   size_t esz = zt_dtype_size(dt);
   uint8_t *mine = (uint8_t *)recv + (size_t)c->rank * count * esz;
@@ -298,7 +310,7 @@ int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int 
                       int64_t timeout_ms) {
   if (check_usable(c, "broadcast") != 0) return -1;
   if (root < 0 || root >= c->world) return zt_err("broadcast: root %d out of range", root);
-  c->stats.ops++;
+  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_broadcast(c->nccl, buf, count, dt, root, timeout_ms));
   if (c->world == 1 || count == 0) return 0;
   /* Pass the buffer around the ring from root, chunk-pipelined by the
@@ -344,7 +356,13 @@ int zt_comm_failed_peer(const zt_comm_t *c) { return c->failed_peer; }
 int zt_comm_rank(const zt_comm_t *c) { return c->rank; }
 int zt_comm_world(const zt_comm_t *c) { return c->world; }
 const char *zt_comm_backend(const zt_comm_t *c) { return c->nccl ? "nccl" : "tcp"; }
-void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) { *s = c->stats; }
+void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
+  s->bytes_sent = __atomic_load_n(&c->stats.bytes_sent, __ATOMIC_RELAXED);
+  s->bytes_recv = __atomic_load_n(&c->stats.bytes_recv, __ATOMIC_RELAXED);
+  s->ops = __atomic_load_n(&c->stats.ops, __ATOMIC_RELAXED);
+  s->comm_us = __atomic_load_n(&c->stats.comm_us, __ATOMIC_RELAXED);
+  s->send_wait_us = __atomic_load_n(&c->stats.send_wait_us, __ATOMIC_RELAXED);
+}
 
 void zt_comm_destroy(zt_comm_t *c) {
   if (!c) return;

@@ -38,6 +38,7 @@
 #include <uv.h>
 
 #include "memory.h"
+#include "reach.h"
 #include "restarts.h"
 #include "spike.h"
 #include "zt_common.h"
@@ -71,7 +72,15 @@ typedef struct {
   uint64_t hb_seq;
   int dirty; /* last_seen not yet flushed to SQLite */
   int draining; /* leaving after the next committed checkpoint */
-  int64_t quarantine_ms; /* a peer reported its connection dead at this time (0: none) */
+  /* Kept out of generations since (0: not): it may be cut off from the
+   * others (reach.h). Let back in once a probe it was asked for after
+   * that (probe_asked) reaches every other worker's store. */
+  int64_t quarantine_ms;
+  int probe_asked;
+  /* Its per-step timings as its heartbeats last reported them (when it
+   * trained; timing_ms: monotonic time of that report, 0: never). */
+  double step_ms, comm_ms, send_wait_ms;
+  int64_t timing_ms;
   /* Assignment: the job generation this worker belongs to (0: idle). */
   uint64_t job_id, gen;
   int rank;
@@ -150,6 +159,8 @@ typedef struct zt_job {
   zt_restarts_t rs;
   int64_t retry_at_ms; /* monotonic; 0: none */
   char retry_reason[400];
+  /* Who is cut off: the current generation's reachability reports. */
+  zt_reach_t reach;
   /* Checkpoint writes failing (disk full): training goes on, within the
    * risk budget of steps past safe_step (the newest step the job can resume
    * from: its last committed epoch, or where its generation started). */
@@ -365,6 +376,18 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
  * (ZT_E_UNAUTHENTICATED otherwise; ZT_E_NOT_FOUND for an unknown id). */
 int zt_members_authenticate(zt_coord_t *c, uint64_t id, const char *session);
 int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out);
+/* A heartbeat's per-step timings (kept while it trains; values that are
+ * not finite and non-negative are ignored). */
+void zt_members_timing(zt_coord_t *c, zt_member_t *m, double step_ms, double comm_ms,
+                       double send_wait_ms);
+/* Keeps m out of generations until it shows it reaches the others. */
+void zt_members_quarantine(zt_coord_t *c, zt_member_t *m);
+/* A quarantined worker's heartbeat: `probed` with n_unreach stores it could
+ * not reach (first: the first) answers the last probe asked; none lets it
+ * back in. Fills addrs (at most max) with the stores to probe next; 0 when
+ * it is not (or no longer) quarantined. */
+int zt_members_probe(zt_coord_t *c, zt_member_t *m, int probed, size_t n_unreach,
+                     const char *first, const char **addrs, int max);
 int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left);
 
 /* ---- views.c: the Status messages, filled from state and rows ------------------ */

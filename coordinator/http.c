@@ -358,6 +358,31 @@ static void metric_head(sbuf *b, const char *name, const char *type, const char 
                   (double)(expr));                                                      \
   } while (0)
 
+/* A Prometheus label value: backslash and quote escaped (host names come
+ * from the workers; control characters were refused at registration). */
+static const char *label(const char *s, char *out, size_t n) {
+  size_t o = 0;
+  for (; *s && o + 3 < n; s++) {
+    if (*s == '\\' || *s == '"') out[o++] = '\\';
+    out[o++] = *s;
+  }
+  out[o] = 0;
+  return out;
+}
+
+/* A worker-labelled series for every worker that reported timings. */
+static void worker_series(zt_coord_t *c, sbuf *b, const char *name, const char *help, int which) {
+  metric_head(b, name, "gauge", help);
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    const zt_member_t *m = c->by_id[i];
+    if (!m || !m->timing_ms) continue;
+    double v = which == 0 ? m->step_ms : which == 1 ? m->comm_ms : m->send_wait_ms;
+    char host[2 * sizeof m->row.host + 1];
+    sb_printf(b, "%s{worker=\"%s\",host=\"%s\"} %.6g\n", name, m->row.name,
+              label(m->row.host, host, sizeof host), v);
+  }
+}
+
 static void r_metrics(zt_http_req_t *r) {
   zt_coord_t *c = r->c;
   sbuf b = {zt_xmalloc(4096), 0, 4096};
@@ -366,6 +391,10 @@ static void r_metrics(zt_http_req_t *r) {
   metric_head(&b, "ztrain_workers", "gauge", "Known workers by state.");
   for (int s = ZT_WORKER_ALIVE; s <= ZT_WORKER_LEFT; s++)
     sb_printf(&b, "ztrain_workers{state=\"%s\"} %u\n", zt_worker_state_name(s), n[s]);
+  worker_series(c, &b, "ztrain_worker_step_ms", "Wall time per training step, as the worker measured it recently.", 0);
+  worker_series(c, &b, "ztrain_worker_comm_ms", "Time per step inside collectives (TCP ring).", 1);
+  worker_series(c, &b, "ztrain_worker_send_wait_ms",
+                "Time per step waiting for the worker's outgoing link (a slow link shows here).", 2);
   int jobs[8] = {0};
   for (zt_job_t *j = c->jobs; j; j = j->next)
     if (j->row.state >= 0 && j->row.state < 8) jobs[j->row.state]++;

@@ -365,6 +365,7 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   }
   j->rb_ckpt_step = -1;
   j->rb_ckpt_dir[0] = 0;
+  zt_reach_reset(&j->reach, 0, 0);
   j->ckpt_request = 0;
   j->poisoned_from = 0;
   j->retry_at_ms = 0;
@@ -413,10 +414,16 @@ static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
   zt_coord_event(c, j->row.id, "checkpoint_requested", 0, "%s", j->reform_reason);
 }
 
+static void judge_reach(zt_coord_t *c, zt_job_t *j);
+
 void zt_jobs_schedule(zt_coord_t *c) {
   int64_t now = zt_now_ms();
   for (zt_job_t *j = c->jobs; j; j = j->next) {
-    if (j->row.state == ZT_JOB_PENDING)
+    if (j->reach.decide_at_ms && now >= j->reach.decide_at_ms &&
+        j->reach.gen == j->row.generation &&
+        (j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING))
+      judge_reach(c, j);
+    else if (j->row.state == ZT_JOB_PENDING)
       try_form(c, j, "enough workers");
     else if (j->retry_at_ms && now >= j->retry_at_ms)
       try_form(c, j, j->retry_reason);
@@ -805,8 +812,12 @@ static void start_copies(zt_coord_t *c, zt_job_t *j, int r, zt_copies_pool_t *po
 
 /* The reply rank r receives, packed (malloc'd). */
 static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) {
-  char *peers[ZT_MAX_WORLD];
-  for (int i = 0; i < j->row.world; i++) peers[i] = j->comm_addr[i];
+  char *peers[ZT_MAX_WORLD], *stores[ZT_MAX_WORLD];
+  for (int i = 0; i < j->row.world; i++) {
+    zt_member_t *m = zt_members_get(c, j->workers[i]);
+    peers[i] = j->comm_addr[i];
+    stores[i] = m ? m->row.store_addr : "";
+  }
   Ztrain__RendezvousReply rep = ZTRAIN__RENDEZVOUS_REPLY__INIT;
   rep.job_id = j->row.id;
   rep.generation = j->row.generation;
@@ -814,6 +825,8 @@ static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) 
   rep.world = (uint32_t)j->row.world;
   rep.n_peers = (size_t)j->row.world;
   rep.peers = peers;
+  rep.n_peer_stores = (size_t)j->row.world;
+  rep.peer_stores = stores;
   rep.spec_json = j->spec;
   rep.start_step = j->start_step;
   rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
@@ -1078,15 +1091,69 @@ int zt_jobs_report_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int
 }
 
 /* The peer whose connection died is kept out of the next generation until
- * it proves alive (a later heartbeat) or is declared lost. */
+ * it shows it reaches the others (a report without probe results). */
 static void quarantine_peer(zt_coord_t *c, zt_job_t *j, zt_member_t *m, int suspect_rank) {
   if (suspect_rank < 0 || suspect_rank >= j->row.world || suspect_rank == m->rank) return;
   zt_member_t *peer = zt_members_get(c, j->workers[suspect_rank]);
   if (!peer || peer->quarantine_ms) return;
-  peer->quarantine_ms = zt_now_ms();
+  zt_members_quarantine(c, peer);
   zt_coord_event(c, j->row.id, "worker_suspected", peer->row.id,
                  "rank %d (%s) reported its connection to rank %d (%s) dead", m->rank,
                  m->row.name, suspect_rank, peer->row.name);
+}
+
+/* How long a verdict on who is cut off waits for the other ranks' reports
+ * when the first ones were not decisive (reach.h). */
+static int64_t reach_wait_ms(const zt_job_t *j) {
+  return ZT_MAX(1000, ZT_MIN(j->p.comm_timeout_ms / 2, 5000));
+}
+
+/* The verdict on the current generation's reachability reports: the ranks
+ * out are kept out (until they reach the others again), then the
+ * generation fails as the restart policy says. */
+static void judge_reach(zt_coord_t *c, zt_job_t *j) {
+  zt_reach_t *rc = &j->reach;
+  uint8_t out[ZT_REACH_MAX / 8];
+  zt_reach_decide(rc, out);
+  for (int k = 0; k < rc->world; k++) {
+    if (!((out[k / 8] >> (k % 8)) & 1)) continue;
+    zt_member_t *w = zt_members_get(c, j->workers[k]);
+    if (!w) continue;
+    char list[256];
+    zt_reach_list(rc, k, list, sizeof list);
+    zt_members_quarantine(c, w);
+    zt_coord_event(c, j->row.id, "worker_cut_off", w->row.id,
+                   "rank %d (%s on %s) and ranks [%s] cannot reach each other (%d of %d ranks "
+                   "reported): kept out until it reaches the others", k, w->row.name,
+                   w->row.host, list, rc->nreported, rc->world);
+  }
+  rc->decide_at_ms = 0;
+  fail_generation(c, j, ZT_FAIL_PEER, rc->step, rc->why);
+}
+
+/* A peer failure with probe results: decided now, or once the other ranks
+ * reported (or reach_wait_ms passed: zt_jobs_schedule). */
+static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                         const Ztrain__ReportFailureRequest *req, const char *why) {
+  zt_reach_t *rc = &j->reach;
+  if (rc->gen != j->row.generation) {
+    zt_reach_reset(rc, j->row.generation, j->row.world);
+    rc->step = req->step;
+    snprintf(rc->why, sizeof rc->why, "%s", why);
+  }
+  if (zt_reach_add(rc, m->rank, req->unreachable_ranks, req->n_unreachable_ranks)) {
+    judge_reach(c, j);
+    return;
+  }
+  if (!rc->decide_at_ms) {
+    rc->decide_at_ms = zt_now_ms() + reach_wait_ms(j);
+    char list[256];
+    zt_reach_list(rc, m->rank, list, sizeof list);
+    zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
+                   "rank %d (%s) reaches only a minority (not ranks [%s]); waiting up to %lld ms "
+                   "for the other ranks' reports", m->rank, m->row.name, list,
+                   (long long)reach_wait_ms(j));
+  }
 }
 
 /* A rank ran out of memory although its worker said it had enough: the
@@ -1136,13 +1203,17 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
     zt_jobs_schedule(c);
     return 0;
   }
-  quarantine_peer(c, j, m, req->suspect_rank - 1);
   char why[512];
   snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);
   zt_fail_kind_t kind = req->kind == ZTRAIN__FAILURE_KIND__FAILURE_LOCAL ? ZT_FAIL_LOCAL
                         : req->kind == ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY
                             ? ZT_FAIL_MEMORY
                             : ZT_FAIL_PEER;
+  if (kind == ZT_FAIL_PEER && req->probed) {
+    peer_failure(c, j, m, req, why);
+    return 0;
+  }
+  quarantine_peer(c, j, m, req->suspect_rank - 1);
   if (kind == ZT_FAIL_MEMORY) learn_memory(c, j, m);
   fail_generation(c, j, kind, req->step, why);
   return 0;

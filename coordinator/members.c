@@ -32,6 +32,7 @@
  * open-addressing hash table of ids. Both are only touched on the loop
  * thread.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -280,15 +281,65 @@ int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
     if (transition(c, m, ZT_WORKER_ALIVE, "recovered", detail) != 0)
       ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
   }
-  /* A heartbeat sent well after a peer called this worker dead proves it
-   * alive: it may be scheduled again. */
-  if (m->quarantine_ms && now - m->quarantine_ms > c->cfg.heartbeat_ms) m->quarantine_ms = 0;
   m->last_hb_mono_ms = now;
   m->row.last_seen_ms = zt_wall_ms();
   m->dirty = 1;
   m->hb_seq++;
   *out = m;
   return 0;
+}
+
+static int sane_ms(double v) { return isfinite(v) && v >= 0 && v < 1e9; }
+
+void zt_members_timing(zt_coord_t *c, zt_member_t *m, double step_ms, double comm_ms,
+                       double send_wait_ms) {
+  int64_t now = zt_now_ms();
+  if (step_ms > 0 && sane_ms(step_ms) && sane_ms(comm_ms) && sane_ms(send_wait_ms)) {
+    m->step_ms = step_ms, m->comm_ms = comm_ms, m->send_wait_ms = send_wait_ms;
+    m->timing_ms = now;
+  } else if (m->timing_ms && now - m->timing_ms > 10 * (int64_t)c->cfg.heartbeat_ms + 10000) {
+    m->step_ms = m->comm_ms = m->send_wait_ms = 0; /* it no longer trains */
+    m->timing_ms = 0;
+  }
+}
+
+void zt_members_quarantine(zt_coord_t *c, zt_member_t *m) {
+  (void)c;
+  m->quarantine_ms = zt_now_ms();
+  m->probe_asked = 0;
+}
+
+static void let_back(zt_coord_t *c, zt_member_t *m, const char *how) {
+  zt_coord_event(c, m->job_id, "worker_reachable", m->row.id,
+                 "worker %s %s after %lld ms kept out; it may be scheduled again", m->row.name,
+                 how, (long long)(zt_now_ms() - m->quarantine_ms));
+  m->quarantine_ms = 0;
+  m->probe_asked = 0;
+}
+
+int zt_members_probe(zt_coord_t *c, zt_member_t *m, int probed, size_t n_unreach,
+                     const char *first, const char **addrs, int max) {
+  if (!m->quarantine_ms) return 0;
+  if (probed && m->probe_asked) {
+    if (!n_unreach) {
+      let_back(c, m, "reaches every other worker's store");
+      return 0;
+    }
+    ZT_DEBUG("worker %s still cannot reach %zu stores (first %.96s)", m->row.name, n_unreach,
+             first ? first : "");
+  }
+  int n = 0;
+  for (size_t i = 0; i < c->by_id_cap && n < max; i++) {
+    zt_member_t *o = c->by_id[i];
+    if (o && o != m && o->row.state == ZT_WORKER_ALIVE && !o->quarantine_ms && o->row.store_addr[0])
+      addrs[n++] = o->row.store_addr;
+  }
+  if (!n) {
+    let_back(c, m, "has no other worker to reach");
+    return 0;
+  }
+  m->probe_asked = 1;
+  return n;
 }
 
 int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left) {

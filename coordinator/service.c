@@ -92,7 +92,14 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   const Ztrain__HeartbeatRequest *req = (const Ztrain__HeartbeatRequest *)m;
   zt_member_t *mem;
   if (zt_members_heartbeat(c, req->worker_id, &mem) != 0) return NULL;
+  zt_members_timing(c, mem, req->step_ms, req->comm_ms, req->send_wait_ms);
   Ztrain__HeartbeatReply *r = new_reply(x, &ztrain__heartbeat_reply__descriptor);
+  /* Kept out as possibly cut off: its probe's answer, and the next probe. */
+  const char **probe = own(x, zt_xcalloc(64, sizeof *probe));
+  r->n_probe_stores = (size_t)zt_members_probe(
+      c, mem, req->probed, req->n_unreachable_stores,
+      req->n_unreachable_stores ? req->unreachable_stores[0] : NULL, probe, 64);
+  r->probe_stores = (char **)probe;
   r->command = (Ztrain__Command)zt_jobs_heartbeat_command(c, mem, req->job_id, req->generation,
                                                           &r->job_id, &r->generation);
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;

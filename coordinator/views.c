@@ -24,6 +24,10 @@ void zt_view_worker(const zt_member_t *m, Ztrain__WorkerInfo *w) {
   w->pid = m->row.pid;
   w->host_memory_bytes = m->row.host_memory;
   w->device_memory_bytes = m->row.device_memory;
+  w->step_ms = m->step_ms;
+  w->comm_ms = m->comm_ms;
+  w->send_wait_ms = m->send_wait_ms;
+  w->quarantined = m->quarantine_ms != 0;
 }
 
 void zt_view_job(const zt_job_t *j, Ztrain__JobInfo *ji) {

@@ -21,6 +21,8 @@ struct zt_ckpt_writer {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int busy, quit; /* under mu */
+  int reporting;   /* under mu: the epoch in flight is durable; done() runs */
+  int64_t reporting_step;
   zt_ckpt_done_fn done;
   void *user;
   /* The epoch in flight (owned by the writer thread while busy). */
@@ -48,6 +50,10 @@ static int write_one(zt_ckpt_writer_t *w) {
     ZT_INFO("checkpoint step %lld written in %lld ms: %s", (long long)w->meta.step,
             (long long)(zt_now_ms() - t0), w->dir);
   }
+  pthread_mutex_lock(&w->mu);
+  w->reporting = !error;
+  w->reporting_step = w->meta.step;
+  pthread_mutex_unlock(&w->mu);
   if (w->done && w->done(w->user, w->meta.step, w->dir, error ? NULL : files, error ? 0 : nf,
                          error) != 0)
     ZT_WARN("checkpoint step %lld: the report was not taken by the coordinator",
@@ -65,6 +71,7 @@ static void *writer_main(void *p) {
     (void)write_one(w); /* a failure was reported; the next epoch is tried */
     pthread_mutex_lock(&w->mu);
     w->busy = 0;
+    w->reporting = 0;
     pthread_cond_broadcast(&w->cv);
   }
   pthread_mutex_unlock(&w->mu);
@@ -85,6 +92,13 @@ int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **ou
   }
   *out = w;
   return 0;
+}
+
+int64_t zt_ckpt_writer_reporting(zt_ckpt_writer_t *w) {
+  pthread_mutex_lock(&w->mu);
+  int64_t step = w->busy && w->reporting ? w->reporting_step : 0;
+  pthread_mutex_unlock(&w->mu);
+  return step;
 }
 
 float *zt_ckpt_writer_buffer(zt_ckpt_writer_t *w, size_t nfloats) {

@@ -357,6 +357,15 @@ static int checkpoint(trainer *t, int64_t step, const step_result *res) {
   int want = c->dir[0] && !res->nonfinite &&
              ((c->every_steps && step % c->every_steps == 0) || res->ckpt_requested);
   if (!want || step >= t->spec.steps) return 0;
+  /* A periodic epoch is skipped rather than stall the ring (and fail it
+   * past the collective timeout) while the previous one, safely on disk,
+   * still waits for its copies or for the coordinator. */
+  int64_t prev = t->writer && !res->ckpt_requested ? zt_ckpt_writer_reporting(t->writer) : 0;
+  if (prev) {
+    ZT_WARN("checkpoint step %lld skipped: step %lld's epoch is still being copied or reported",
+            (long long)step, (long long)prev);
+    return 0;
+  }
   if (save_state(t, step) != 0) return -1;
   if (!res->ckpt_requested) return 0;
   ZT_INFO("step %lld: checkpoint-now epoch written; waiting for the next generation",
@@ -406,6 +415,7 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
       goto out;
     }
     step++;
+    if (g->step_done) g->step_done(g->user, step, res.ms);
     zt_train_cmd_t cmd = report(&t, step, &res);
     rc = checkpoint(&t, step, &res);
     if (rc != 0) {

@@ -81,6 +81,8 @@ typedef struct zt_gen_ctx {
   int (*should_stop)(void *user);
   /* Rank 0 only, after every step. */
   zt_train_cmd_t (*report_step)(void *user, const zt_step_report_t *r);
+  /* Every rank, after every step: its wall time (may be NULL). */
+  void (*step_done)(void *user, int64_t step, double ms);
   /* Every rank, after its files of an epoch are durable or its write
    * failed (writer thread). Returns 0 when the coordinator took the report.
    * May be NULL. */

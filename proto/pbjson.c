@@ -65,6 +65,10 @@ cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
   cJSON_AddNumberToObject(o, "pid", w->pid);
   cJSON_AddNumberToObject(o, "host_memory_bytes", (double)w->host_memory_bytes);
   cJSON_AddNumberToObject(o, "device_memory_bytes", (double)w->device_memory_bytes);
+  cJSON_AddNumberToObject(o, "step_ms", w->step_ms);
+  cJSON_AddNumberToObject(o, "comm_ms", w->comm_ms);
+  cJSON_AddNumberToObject(o, "send_wait_ms", w->send_wait_ms);
+  cJSON_AddBoolToObject(o, "quarantined", w->quarantined);
   return o;
 }
 

@@ -16,6 +16,7 @@
 #include "control.h"
 #include "holdings.h"
 #include "pbcall.h"
+#include "store.h"
 #include "zt_common.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
@@ -45,6 +46,12 @@ struct zt_ctl {
    * the next heartbeat (control thread). */
   char *deleted[64];
   int n_deleted;
+  /* The answer to the coordinator's last probe request (probe_stores),
+   * reported with the next heartbeat (control thread). */
+  int probed;
+  char *unreach[64];
+  int n_unreach;
+  zt_ctl_timing_t last_timing; /* as of the previous heartbeat */
   int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
 
@@ -82,6 +89,7 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
 void zt_ctl_close(zt_ctl_t *c) {
   if (!c) return;
   for (int i = 0; i < c->n_deleted; i++) free(c->deleted[i]);
+  for (int i = 0; i < c->n_unreach; i++) free(c->unreach[i]);
   zt_rpc_client_close(c->rpc);
   pthread_cond_destroy(&c->cv);
   pthread_mutex_destroy(&c->mu);
@@ -224,6 +232,27 @@ static void delete_epochs(zt_ctl_t *c, const Ztrain__HeartbeatReply *r) {
 }
 
 /* Returns 0 on success; -1 with *status on failure. */
+static void forget_probe(zt_ctl_t *c) {
+  for (int i = 0; i < c->n_unreach; i++) free(c->unreach[i]);
+  c->n_unreach = 0;
+  c->probed = 0;
+}
+
+/* The coordinator keeps this worker out of generations until it shows it
+ * can reach the others: connect to their stores, answer next heartbeat. */
+#define ZT_CTL_PROBE_MS 1000
+static void probe_stores(zt_ctl_t *c, const Ztrain__HeartbeatReply *r) {
+  int n = (int)ZT_MIN(r->n_probe_stores, 64);
+  uint8_t ok[64];
+  zt_store_probe((const char *const *)r->probe_stores, n, ZT_CTL_PROBE_MS, ok);
+  for (int i = 0; i < n; i++)
+    if (!ok[i]) c->unreach[c->n_unreach++] = zt_xstrdup(r->probe_stores[i]);
+  c->probed = 1;
+  if (c->n_unreach)
+    ZT_WARN("kept out of jobs: %d of %d peers' stores cannot be reached (first: %s)",
+            c->n_unreach, n, c->unreach[0]);
+}
+
 static int do_heartbeat(zt_ctl_t *c, int *status) {
   char session[sizeof c->session];
   zt_ctl_session(c, session, sizeof session);
@@ -237,11 +266,26 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   pthread_mutex_unlock(&c->mu);
   req.deleted_epochs = c->deleted;
   req.n_deleted_epochs = (size_t)c->n_deleted;
+  req.probed = c->probed;
+  req.unreachable_stores = c->unreach;
+  req.n_unreachable_stores = (size_t)c->n_unreach;
+  zt_ctl_timing_t now = c->last_timing;
+  if (c->o.timing) c->o.timing(c->o.user, &now);
+  int64_t steps = now.steps - c->last_timing.steps;
+  if (steps > 0) {
+    req.step_ms = (now.step_ms - c->last_timing.step_ms) / (double)steps;
+    req.comm_ms = (double)(now.comm_us - c->last_timing.comm_us) / 1000.0 / (double)steps;
+    req.send_wait_ms =
+        (double)(now.send_wait_us - c->last_timing.send_wait_us) / 1000.0 / (double)steps;
+  }
   ProtobufCMessage *m;
   if (call(c, "/ztrain.Control/Heartbeat", &req.base, &ztrain__heartbeat_reply__descriptor, &m,
            status) != 0)
     return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
+  c->last_timing = now;
+  forget_probe(c);
+  if (r->n_probe_stores) probe_stores(c, r);
   delete_epochs(c, r);
   if (r->heartbeat_ms) __atomic_store_n(&c->heartbeat_ms, (int64_t)r->heartbeat_ms, __ATOMIC_RELAXED);
   c->assigned_job = r->job_id;

@@ -21,6 +21,14 @@
 
 typedef struct zt_ctl zt_ctl_t;
 
+/* Training counters since the worker started (runner.c), from which each
+ * heartbeat reports per-step averages over its interval. */
+typedef struct {
+  int64_t steps;
+  double step_ms;                 /* sum over the steps */
+  uint64_t comm_us, send_wait_us; /* zt_comm_stats_t, summed over generations */
+} zt_ctl_timing_t;
+
 typedef struct {
   const char *coordinator; /* HOST:PORT */
   const char *name;
@@ -39,6 +47,8 @@ typedef struct {
    * (ztrain.proto's Command) and assignment; also with STOP when the
    * worker had to register again (its assignment is void). */
   void (*on_command)(void *user, int command, uint64_t job_id, uint64_t generation);
+  /* Reads the training counters (may be NULL). */
+  void (*timing)(void *user, zt_ctl_timing_t *t);
   void *user;
 } zt_ctl_opts_t;
 

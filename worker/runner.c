@@ -24,6 +24,7 @@
 #include "pbcall.h"
 #include "replicas.h"
 #include "runner.h"
+#include "store.h"
 #include "trainer.h"
 #include "zt_common.h"
 #include "zt_rpc.h"
@@ -43,7 +44,44 @@ struct zt_runner {
   /* The rendezvous of the generation being trained (its replica targets
    * are read by the checkpoint writer's thread while it runs). */
   const Ztrain__RendezvousReply *rv;
+  /* Training counters (zt_runner_timing): steps of this process, and the
+   * collective counters of finished generations (under mu). */
+  int64_t steps;
+  double step_ms;
+  uint64_t comm_us_done, send_wait_us_done;
+  /* Rank 0's step reports, sent in order by the reporter thread so that
+   * training does not wait for the coordinator (a short outage of it must
+   * not stall the ring past its timeout). All under mu. The queue is
+   * bounded: when it is full, training waits. A command in a reply
+   * (checkpoint now, stop, roll back) applies from the next step. */
+  pthread_cond_t rep_cv;
+  zt_step_report_t *q;
+  int q_head, q_len, rep_stop;
+  zt_train_cmd_t rep_cmd;
+  int64_t rep_acked; /* newest step whose report was answered */
 };
+
+#define ZT_REPORT_QUEUE 1024
+
+void zt_runner_timing(zt_runner_t *r, zt_ctl_timing_t *t) {
+  pthread_mutex_lock(&r->mu);
+  zt_comm_stats_t s = {0};
+  if (r->active) zt_comm_stats_get(r->active, &s);
+  t->steps = r->steps;
+  t->step_ms = r->step_ms;
+  t->comm_us = r->comm_us_done + s.comm_us;
+  t->send_wait_us = r->send_wait_us_done + s.send_wait_us;
+  pthread_mutex_unlock(&r->mu);
+}
+
+static void step_done_cb(void *user, int64_t step, double ms) {
+  zt_runner_t *r = user;
+  (void)step;
+  pthread_mutex_lock(&r->mu);
+  r->steps++;
+  r->step_ms += ms;
+  pthread_mutex_unlock(&r->mu);
+}
 
 void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen) {
   pthread_mutex_lock(&r->mu);
@@ -52,6 +90,7 @@ void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen) {
     r->target_gen = gen;
     if (r->active) zt_comm_abort(r->active);
     pthread_cond_broadcast(&r->cv);
+    pthread_cond_broadcast(&r->rep_cv);
   }
   pthread_mutex_unlock(&r->mu);
 }
@@ -81,8 +120,7 @@ static zt_train_cmd_t train_cmd(int command) {
   }
 }
 
-static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
-  zt_runner_t *r = user;
+static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s) {
   Ztrain__ReportStepRequest req = ZTRAIN__REPORT_STEP_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
@@ -117,9 +155,58 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
   }
 }
 
+static void *reporter_main(void *p) {
+  zt_runner_t *r = p;
+  pthread_mutex_lock(&r->mu);
+  for (;;) {
+    while (!r->q_len && !r->rep_stop) pthread_cond_wait(&r->rep_cv, &r->mu);
+    if (!r->q_len) break;
+    zt_step_report_t s = r->q[r->q_head];
+    pthread_mutex_unlock(&r->mu);
+    zt_train_cmd_t cmd = send_step(r, &s);
+    pthread_mutex_lock(&r->mu);
+    r->q_head = (r->q_head + 1) % ZT_REPORT_QUEUE;
+    r->q_len--;
+    r->rep_acked = s.step;
+    if (cmd != ZT_CMD_CONTINUE && r->rep_cmd != ZT_CMD_STOP) r->rep_cmd = cmd;
+    pthread_cond_broadcast(&r->rep_cv);
+  }
+  pthread_mutex_unlock(&r->mu);
+  return NULL;
+}
+
+static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
+  zt_runner_t *r = user;
+  pthread_mutex_lock(&r->mu);
+  while (r->q_len == ZT_REPORT_QUEUE && !r->quit && r->target_gen == r->cur_gen &&
+         r->target_job == r->cur_job)
+    pthread_cond_wait(&r->rep_cv, &r->mu);
+  zt_train_cmd_t cmd = r->rep_cmd;
+  if (r->q_len < ZT_REPORT_QUEUE) {
+    r->q[(r->q_head + r->q_len) % ZT_REPORT_QUEUE] = *s;
+    r->q_len++;
+    pthread_cond_broadcast(&r->rep_cv);
+  } else
+    cmd = ZT_CMD_STOP; /* the generation changed while the queue was full */
+  if (cmd != ZT_CMD_STOP) r->rep_cmd = ZT_CMD_CONTINUE;
+  pthread_mutex_unlock(&r->mu);
+  return cmd;
+}
+
+/* Rank 0 reports an epoch only after the coordinator has its steps up to
+ * it: an epoch must never commit ahead of the loss series it resumes. */
+static void wait_steps_acked(zt_runner_t *r, int64_t step) {
+  pthread_mutex_lock(&r->mu);
+  while (r->q && r->rep_acked < step && r->q_len && !r->quit && r->target_gen == r->cur_gen &&
+         r->target_job == r->cur_job)
+    pthread_cond_wait(&r->rep_cv, &r->mu);
+  pthread_mutex_unlock(&r->mu);
+}
+
 static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ckpt_file_t *files,
                           int nfiles, const char *error) {
   zt_runner_t *r = user;
+  wait_steps_acked(r, step);
   Ztrain__ReportCheckpointRequest req = ZTRAIN__REPORT_CHECKPOINT_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
@@ -171,13 +258,52 @@ typedef struct {
   int suspect;            /* the peer rank whose connection failed; -1: unknown */
   Ztrain__FailureKind kind;
   int64_t step;
+  int probed;             /* the peers' stores were probed: */
+  uint32_t *unreach;      /* ... these ranks did not answer */
+  int nunreach;
 } failure_t;
+
+/* How long a rank tries to reach its peers' stores after a collective
+ * failed: a connection within one network takes well under this. */
+#define ZT_PROBE_MS 1000
+
+/* After a peer failure: which ranks this one cannot reach now (their
+ * replica stores do not accept a connection), for the coordinator to judge
+ * who is cut off (coordinator/reach.c). f->unreach is freed by the caller. */
+static void probe_peers(const Ztrain__RendezvousReply *rv, failure_t *f) {
+  int n = (int)rv->world, k = 0;
+  if ((int)rv->n_peer_stores != n || n < 2) return;
+  const char **addrs = zt_xcalloc((size_t)n, sizeof *addrs);
+  uint32_t *rank_of = zt_xcalloc((size_t)n, sizeof *rank_of);
+  uint8_t *ok = zt_xcalloc((size_t)n, 1);
+  for (int i = 0; i < n; i++)
+    if (i != (int)rv->rank && rv->peer_stores[i][0]) addrs[k] = rv->peer_stores[i], rank_of[k++] = (uint32_t)i;
+  int64_t t0 = zt_now_ms();
+  zt_store_probe(addrs, k, ZT_MIN(ZT_PROBE_MS, ZT_MAX(rv->comm_timeout_ms / 2, 100)), ok);
+  f->probed = 1;
+  f->unreach = rank_of; /* compacted in place */
+  char list[256] = "";
+  for (int i = 0; i < k; i++) {
+    if (ok[i]) continue;
+    size_t l = strlen(list);
+    snprintf(list + l, sizeof list - l, "%s%u", f->nunreach ? "," : "", rank_of[i]);
+    f->unreach[f->nunreach++] = rank_of[i];
+  }
+  if (f->nunreach)
+    ZT_WARN("cannot reach the stores of ranks [%s] (%d of %d peers, probed in %lld ms)", list,
+            f->nunreach, k, (long long)(zt_now_ms() - t0));
+  free(addrs);
+  free(ok);
+}
 
 static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) {
   Ztrain__ReportFailureRequest req = ZTRAIN__REPORT_FAILURE_REQUEST__INIT;
   req.suspect_rank = f->suspect + 1;
   req.kind = f->kind;
   req.step = f->step;
+  req.probed = f->probed;
+  req.unreachable_ranks = f->unreach;
+  req.n_unreachable_ranks = (size_t)f->nunreach;
   req.bad_checkpoint = (char *)(f->bad_ckpt ? f->bad_ckpt : "");
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
@@ -295,6 +421,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
                     .lr_factor = rv->lr_factor > 0 ? rv->lr_factor : 1.0,
                     .lr_until = rv->lr_factor_until, .rollbacks = (int)rv->rollbacks,
                     .should_stop = should_stop_cb, .report_step = report_step_cb,
+                    .step_done = step_done_cb,
                     .report_checkpoint = report_ckpt_cb, .user = r};
   g.checkpoint = (zt_ckpt_record_t){e->files, e->n};
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
@@ -303,7 +430,35 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
   g.skips = skips;
   zt_train_failure_t tf = {ZT_FAULT_PEER, rv->start_step};
   r->rv = rv;
+  pthread_t rep;
+  int reporting = rv->rank == 0;
+  if (reporting) {
+    pthread_mutex_lock(&r->mu);
+    r->q = zt_xcalloc(ZT_REPORT_QUEUE, sizeof *r->q);
+    r->q_head = r->q_len = r->rep_stop = 0;
+    r->rep_cmd = ZT_CMD_CONTINUE;
+    r->rep_acked = rv->start_step;
+    pthread_mutex_unlock(&r->mu);
+    if (pthread_create(&rep, NULL, reporter_main, r) != 0) {
+      ZT_ERROR("cannot start the step reporter thread");
+      reporting = 0;
+    }
+  }
   int rc = zt_gen_train(&g, &tf);
+  if (r->q) {
+    /* The last reports go out (training is over, or failed) before the
+     * failure report and the next generation; bounded by a change. */
+    pthread_mutex_lock(&r->mu);
+    r->rep_stop = 1;
+    pthread_cond_broadcast(&r->rep_cv);
+    pthread_mutex_unlock(&r->mu);
+    if (reporting) pthread_join(rep, NULL);
+    pthread_mutex_lock(&r->mu);
+    free(r->q);
+    r->q = NULL;
+    r->q_len = 0;
+    pthread_mutex_unlock(&r->mu);
+  }
   r->rv = NULL;
   if (rc == 0) return;
   char why[800];
@@ -321,7 +476,9 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
                          : tf.fault == ZT_FAULT_MEMORY ? ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY
                                                        : ZTRAIN__FAILURE_KIND__FAILURE_PEER,
                  .step = tf.step};
+  if (f.kind == ZTRAIN__FAILURE_KIND__FAILURE_PEER && !f.fatal && !f.bad_ckpt) probe_peers(rv, &f);
   report_failure(r, why, &f);
+  free(f.unreach);
 }
 
 /* Joins (cur_job, cur_gen): listening socket, rendezvous, ring; trains it. */
@@ -359,7 +516,11 @@ static void run_generation(zt_runner_t *r) {
     ZT_WARN("%s", why);
     failure_t f = {.suspect = -1, .kind = ZTRAIN__FAILURE_KIND__FAILURE_PEER,
                    .step = rv->start_step};
-    if (!changed(r)) report_failure(r, why, &f);
+    if (!changed(r)) {
+      probe_peers(rv, &f);
+      report_failure(r, why, &f);
+    }
+    free(f.unreach);
     goto out;
   }
   pthread_mutex_lock(&r->mu);
@@ -369,6 +530,10 @@ static void run_generation(zt_runner_t *r) {
   train(r, rv, &ep, comm);
   pthread_mutex_lock(&r->mu);
   r->active = NULL;
+  zt_comm_stats_t cs;
+  zt_comm_stats_get(comm, &cs);
+  r->comm_us_done += cs.comm_us;
+  r->send_wait_us_done += cs.send_wait_us;
   pthread_mutex_unlock(&r->mu);
   zt_comm_destroy(comm);
 out:
@@ -405,6 +570,7 @@ int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts_t *o, zt_runner_t **out)
   r->o.workdir = r->workdir;
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->cv, NULL);
+  pthread_cond_init(&r->rep_cv, NULL);
   if (pthread_create(&r->thread, NULL, runner_main, r) != 0) {
     free(r);
     return zt_err("cannot start the runner thread");
@@ -419,9 +585,11 @@ void zt_runner_stop(zt_runner_t *r) {
   r->quit = 1;
   if (r->active) zt_comm_abort(r->active);
   pthread_cond_broadcast(&r->cv);
+  pthread_cond_broadcast(&r->rep_cv);
   pthread_mutex_unlock(&r->mu);
   pthread_join(r->thread, NULL);
   pthread_cond_destroy(&r->cv);
+  pthread_cond_destroy(&r->rep_cv);
   pthread_mutex_destroy(&r->mu);
   free(r);
 }

@@ -38,5 +38,7 @@ int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts_t *o, zt_runner_t **out)
 void zt_runner_assign(zt_runner_t *r, uint64_t job_id, uint64_t generation);
 /* Stops training, joins the thread, frees. */
 void zt_runner_stop(zt_runner_t *r);
+/* The training counters the heartbeat reports (control.h). */
+void zt_runner_timing(zt_runner_t *r, zt_ctl_timing_t *t);
 
 #endif

@@ -74,7 +74,9 @@ static int io_all(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) 
   return 0;
 }
 
-static int connect_to(const char *addr, zt_deadline_t dl) {
+/* Starts a non-blocking connection to addr: the socket, connecting (or
+ * already connected: *done), or -1. */
+static int connect_start(const char *addr, int *done) {
   char host[128];
   int port;
   if (zt_parse_hostport(addr, host, sizeof host, &port) != 0) return -1;
@@ -83,11 +85,18 @@ static int connect_to(const char *addr, zt_deadline_t dl) {
     return zt_err("%s: not an IPv4 address", addr);
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return zt_err_errno("socket");
-  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno != EINPROGRESS) {
+  *done = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+  if (!*done && errno != EINPROGRESS) {
     zt_err_errno("connect %s", addr);
     close(fd);
     return -1;
   }
+  return fd;
+}
+
+static int connect_to(const char *addr, zt_deadline_t dl) {
+  int done, fd = connect_start(addr, &done);
+  if (fd < 0 || done) return fd;
   int err = 0;
   socklen_t el = sizeof err;
   if (wait_fd(fd, POLLOUT, dl) != 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 ||
@@ -98,6 +107,42 @@ static int connect_to(const char *addr, zt_deadline_t dl) {
     return -1;
   }
   return fd;
+}
+
+void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t *reached) {
+  struct pollfd *p = zt_xcalloc((size_t)n + 1, sizeof *p);
+  int pending = 0;
+  for (int i = 0; i < n; i++) {
+    int done;
+    reached[i] = 0;
+    p[i].fd = connect_start(addrs[i], &done);
+    p[i].events = POLLOUT;
+    if (p[i].fd >= 0 && done) {
+      reached[i] = 1;
+      close(p[i].fd);
+      p[i].fd = -1;
+    }
+    pending += p[i].fd >= 0;
+  }
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  while (pending > 0) {
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left <= 0) break;
+    int r = poll(p, (nfds_t)n, (int)ZT_MIN(left, 1000));
+    if (r < 0 && errno != EINTR) break;
+    for (int i = 0; i < n && r > 0; i++) {
+      if (p[i].fd < 0 || !p[i].revents) continue;
+      int err = 0;
+      socklen_t el = sizeof err;
+      reached[i] = getsockopt(p[i].fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && !err;
+      close(p[i].fd);
+      p[i].fd = -1;
+      pending--;
+    }
+  }
+  for (int i = 0; i < n; i++)
+    if (p[i].fd >= 0) close(p[i].fd);
+  free(p);
 }
 
 /* ---- the request header -------------------------------------------------- */
@@ -306,6 +351,9 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   char session[80], abs[1100];
   memset(&q, 0, sizeof q);
   s->o.session(s->o.user, session, sizeof session);
+  /* A probe (zt_store_probe) connects and closes without a byte. */
+  uint8_t first;
+  if (wait_fd(fd, POLLIN, dl) == 0 && recv(fd, &first, 1, MSG_PEEK) == 0) return 0;
   int rc = recv_request(fd, &q, dl);
   if (rc == 0) rc = zt_ticket_check(session, q.ticket, zt_wall_ms(), &t);
   if (rc == 0 && strcmp(t.op, q.op == 'P' ? "put" : "get") != 0)

@@ -16,7 +16,8 @@
  *   name, u64 size, 22-byte checksum ("xxh64:" + 16 hex), and for a PUT the
  *   size bytes of the file;
  * reply: u8 status (0 ok), u16 + message, and for a GET that succeeded the
- * file's bytes. Every read and write has a deadline.
+ * file's bytes. Every read and write has a deadline. A connection closed
+ * before its first byte is a probe (zt_store_probe) and no error.
  *
  * Nothing from the peer is trusted: the ticket's MAC, expiry and scope, the
  * directory's form (<dir>/job_<job>/step_<n>-g<gen>, under the root, no
@@ -57,5 +58,11 @@ ZT_MUST_CHECK int zt_store_put(const char *addr, const char *ticket, const char 
  * checking size and checksum against f. */
 ZT_MUST_CHECK int zt_store_get(const char *addr, const char *ticket, const char *dir,
                                const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
+
+/* Connects to each store at addrs[0..n) at once, within timeout_ms in all,
+ * and closes again: reached[i] says whether addrs[i] accepted. A store
+ * accepts as long as its zworker runs and its machine can be reached, so
+ * this tells a rank which peers are cut off from it (or gone). */
+void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t *reached);
 
 #endif

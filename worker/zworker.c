@@ -168,6 +168,11 @@ static void on_signal(int sig) {
   errno = saved;
 }
 
+static void on_timing(void *user, zt_ctl_timing_t *t) {
+  zt_runner_t **r = user;
+  if (*r) zt_runner_timing(*r, t);
+}
+
 static void on_command(void *user, int command, uint64_t job, uint64_t gen) {
   (void)command;
   zt_runner_t **r = user;
@@ -232,7 +237,8 @@ int main(int argc, char **argv) {
   zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
                      .host = a.host, .ckpt_root = a.ckpt_root,
                      .secret = a.secret, .host_memory = a.memory,
-                     .device_memory = device_memory, .on_command = on_command, .user = &runner};
+                     .device_memory = device_memory, .on_command = on_command,
+                     .timing = on_timing, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;

@@ -1,0 +1,184 @@
+"""Partitions between hosts (mhnet.py), each ending with a job whose loss
+series equals a failure-free run's bit for bit:
+
+- a worker host cut off for longer than the heartbeat timeout is fenced,
+  and when the link heals it rejoins at a checkpoint boundary;
+- an asymmetric partition (a host reaches the coordinator but no ring
+  peer): the coordinator keeps the cut-off host out, never a healthy one it
+  accused, and does not flap while the partition lasts;
+- the coordinator's host cut off briefly (nothing re-forms) and for longer
+  than the timeout (the workers rejoin the same job, one copy of it runs);
+- a slow host (tbf): the job stays correct and every worker's per-step
+  timings show in /v1/workers and /metrics.
+"""
+import time
+
+from mhfleet import Fleet
+from ztest import byte_dataset, tiny_spec, wait_until
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("data"))
+    byte_dataset(d, limit=200_000)
+    return d
+
+
+def spec(steps, workers=3, every=10, **kw):
+    s = tiny_spec("data/train_*.bin", "data/val_*.bin", steps, stage=2, workers=workers,
+                  checkpoint={"dir": "ckpt", "every_steps": every, "replicas": 2}, **kw)
+    s["comm"] = {"timeout_ms": 3000}
+    s["elastic"] = {"min_workers": 2, "max_workers": 3}
+    s["train_batch_size"] = 12
+    return s
+
+
+def three_hosts(net, data, **kw):
+    fleet = Fleet(net, data, **kw)
+    for h in ("h1", "h2", "h3"):
+        fleet.add_worker(h)
+    fleet.wait_alive(["wh1", "wh2", "wh3"])
+    return fleet
+
+
+def reference(fleet, s, tmp_path):
+    """The same job without faults, on one rank (losses do not depend on
+    the world size)."""
+    ref = dict(s, checkpoint={"dir": "ref", "every_steps": 100000})
+    ref["elastic"] = {"min_workers": 1, "max_workers": 1}
+    jid = fleet.submit(ref, str(tmp_path / "ref.json"))
+    fleet.wait_job(jid, timeout=300)
+    return fleet.losses(jid)
+
+
+def kinds(fleet, jid, kind):
+    return [e for e in fleet.events(jid) if e["kind"] == kind]
+
+
+def generations(fleet, jid):
+    return [e["detail"] for e in kinds(fleet, jid, "generation_started")]
+
+
+def test_partitioned_host_is_fenced_and_rejoins_at_a_checkpoint(net, data, tmp_path):
+    fleet = three_hosts(net, data)
+    s = spec(900)
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: fleet.job(jid)["step"] >= 30, 90, "training under way")
+    h3 = net.hosts["h3"]
+    net.link_down(h3)
+    t0 = time.time()
+    # Fenced: declared lost after the heartbeat timeout; the job goes on
+    # with the two hosts left.
+    wait_until(lambda: fleet.workers_by_name()["wh3"]["state"] == "lost", 15, "wh3 lost")
+    wait_until(lambda: fleet.job(jid)["world"] == 2 and fleet.job(jid)["state"] == "running",
+               15, "a generation without h3")
+    print(f"generation without h3 running {time.time() - t0:.1f} s after its link went down")
+    step = fleet.job(jid)["step"]
+    wait_until(lambda: fleet.job(jid)["step"] >= step + 20, 60, "steps without h3")
+    net.link_up(h3)
+    t1 = time.time()
+    # It registers again and is admitted at the next checkpoint boundary.
+    wait_until(lambda: fleet.job(jid)["world"] == 3 or fleet.job(jid)["state"] == "completed",
+               60, "h3 back in the job")
+    assert fleet.job(jid)["world"] == 3, "the job ended before h3 was admitted: make it longer"
+    print(f"h3 training again {time.time() - t1:.1f} s after its link came back")
+    back = generations(fleet, jid)[-1]
+    assert "wh3" in back and "scale-up" in back and "after checkpoint step" in back, back
+    j = fleet.wait_job(jid, timeout=300)
+    assert fleet.losses(jid) == reference(fleet, s, tmp_path)
+    assert j["state"] == "completed"
+
+
+def test_asymmetric_partition_keeps_out_the_cut_off_host_without_flapping(net, data, tmp_path):
+    fleet = three_hosts(net, data, timeout_ms=20000)
+    s = spec(1200)
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: fleet.job(jid)["step"] >= 30, 90, "training under way")
+    h1, h2, h3 = (net.hosts[h] for h in ("h1", "h2", "h3"))
+    # h3 still reaches the coordinator (its heartbeats go on) but neither
+    # ring peer.
+    net.blackhole(h3, h1)
+    net.blackhole(h3, h2)
+    t0 = time.time()
+    wait_until(lambda: fleet.job(jid)["world"] == 2 and fleet.job(jid)["state"] == "running",
+               20, "a generation without the cut-off host")
+    print(f"generation without h3 running {time.time() - t0:.1f} s after the partition")
+    gens = generations(fleet, jid)
+    assert "wh3" not in gens[-1] and "wh1" in gens[-1] and "wh2" in gens[-1], gens
+    # While the partition lasts: no new generation (no flapping), h3 stays
+    # out although it is alive, and nobody else was ever kept out.
+    step, n = fleet.job(jid)["step"], len(gens)
+    wait_until(lambda: fleet.job(jid)["step"] >= step + 120, 90, "steps during the partition")
+    assert len(generations(fleet, jid)) == n, generations(fleet, jid)
+    w3 = fleet.workers_by_name()["wh3"]
+    assert w3["state"] == "alive" and w3["quarantined"], w3
+    out = kinds(fleet, jid, "worker_cut_off")
+    assert out and all("(wh3 on h3)" in e["detail"] for e in out), out
+    assert not kinds(fleet, jid, "worker_suspected")
+    # Healed: h3 reaches the others again and is admitted at a checkpoint.
+    net.unblackhole(h3, h1)
+    net.unblackhole(h3, h2)
+    wait_until(lambda: fleet.job(jid)["world"] == 3 or fleet.job(jid)["state"] == "completed",
+               60, "h3 back in the job")
+    assert fleet.job(jid)["world"] == 3, "the job ended before h3 was admitted: make it longer"
+    fleet.wait_job(jid, timeout=300)
+    assert fleet.losses(jid) == reference(fleet, s, tmp_path)
+
+
+def test_coordinator_partitioned_short_and_long(net, data, tmp_path):
+    # A lost packet waits for TCP's retransmission (backing off from
+    # 200 ms), so a heartbeat gap is longer than the outage: the timeout is
+    # 6 s here, four times the short outage.
+    fleet = three_hosts(net, data, timeout_ms=6000)
+    s = spec(900)
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: fleet.job(jid)["step"] >= 30, 90, "training under way")
+    c = fleet.coord_host
+    # Shorter than the heartbeat timeout: nothing re-forms.
+    step = fleet.job(jid)["step"]
+    net.link_down(c)
+    time.sleep(1.5)  # the partition's length is the fault itself
+    net.link_up(c)
+    wait_until(lambda: fleet.job(jid)["step"] >= step + 30, 60, "steps after a short partition")
+    assert len(generations(fleet, jid)) == 1, generations(fleet, jid)
+    assert not [e for e in fleet.api("/v1/events?limit=100000")["events"] if e["kind"] == "lost"]
+    # Longer than the timeout: the coordinator declares the workers lost
+    # and the job waits; the workers keep their state and register again
+    # when the link returns, and the same job goes on in one generation.
+    net.link_down(c)
+    t0 = time.time()
+    time.sleep(9)  # 1.5 times the heartbeat timeout: the fault's length, not a wait
+    net.link_up(c)
+    wait_until(lambda: fleet.job(jid)["generation"] >= 2 and fleet.job(jid)["state"] == "running",
+               60, "the job running again")
+    print(f"job running again {time.time() - t0 - 9:.1f} s after the link came back")
+    lost = [e for e in fleet.api("/v1/events?limit=100000")["events"] if e["kind"] == "lost"]
+    assert len(lost) == 3, lost
+    fleet.wait_job(jid, timeout=300)
+    losses = fleet.losses(jid)
+    assert sorted(losses) == list(range(1, 901))
+    assert losses == reference(fleet, s, tmp_path)
+
+
+def test_slow_host_stays_correct_and_reports_timings(net, data, tmp_path):
+    fleet = three_hosts(net, data)
+    s = spec(200, every=100)
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: fleet.job(jid)["step"] >= 20, 90, "training under way")
+    net.slow(net.hosts["h2"], "10mbit")
+
+    def timings():
+        ws = fleet.workers_by_name()
+        t = {n: (ws[n]["step_ms"], ws[n]["comm_ms"], ws[n]["send_wait_ms"])
+             for n in ("wh1", "wh2", "wh3")}
+        return t if all(v[0] > 0 for v in t.values()) else None
+    t = wait_until(timings, 60, "per-worker timings in /v1/workers")
+    print("step / comm / send-wait ms per step:", t)
+    metrics = fleet.api("/metrics")
+    for n, h in (("wh1", "h1"), ("wh2", "h2"), ("wh3", "h3")):
+        assert f'ztrain_worker_step_ms{{worker="{n}",host="{h}"}}' in metrics
+        assert f'ztrain_worker_send_wait_ms{{worker="{n}",host="{h}"}}' in metrics
+    fleet.wait_job(jid, timeout=300)
+    assert fleet.losses(jid) == reference(fleet, s, tmp_path)

@@ -1,0 +1,111 @@
+/*
+ * test_reach.c: the verdict on who is cut off (coordinator/reach.c), on
+ * the report patterns a ring produces: one host cut off from all others
+ * (whoever reports first, the healthy ones are never out), a host that is
+ * simply gone, two hosts gone at once (the survivors, who reach only a
+ * minority, are not out), a two-rank world, reports naming nonsense ranks.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "reach.h"
+#include "zt_test.h"
+
+static int out_bit(const uint8_t *out, int k) { return (out[k / 8] >> (k % 8)) & 1; }
+
+/* Verdict as a bit string over world ranks: "001" = rank 2 out. */
+static const char *verdict(const zt_reach_t *r) {
+  static char s[ZT_REACH_MAX + 1];
+  uint8_t out[ZT_REACH_MAX / 8];
+  zt_reach_decide(r, out);
+  for (int k = 0; k < r->world; k++) s[k] = out_bit(out, k) ? '1' : '0';
+  s[r->world] = 0;
+  return s;
+}
+
+ZT_TEST(test_cut_off_host_reporting_first_waits_then_goes) {
+  /* Rank 2 cannot reach 0 or 1, and reports first: not decisive (it
+   * reaches a minority), and it would be out already on its own report. */
+  zt_reach_t r;
+  zt_reach_reset(&r, 5, 3);
+  uint32_t u2[] = {0, 1};
+  ZT_CHECK(!zt_reach_add(&r, 2, u2, 2));
+  ZT_CHECK(strcmp(verdict(&r), "001") == 0);
+  /* A healthy rank's report is decisive, and agrees. */
+  uint32_t u0[] = {2};
+  ZT_CHECK(zt_reach_add(&r, 0, u0, 1));
+  ZT_CHECK(strcmp(verdict(&r), "001") == 0);
+}
+
+ZT_TEST(test_healthy_host_reporting_first_is_decisive) {
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 3);
+  uint32_t u1[] = {2};
+  ZT_CHECK(zt_reach_add(&r, 1, u1, 1));
+  ZT_CHECK(strcmp(verdict(&r), "001") == 0);
+}
+
+ZT_TEST(test_nothing_unreachable_keeps_everyone) {
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 4);
+  ZT_CHECK(zt_reach_add(&r, 3, NULL, 0));
+  ZT_CHECK(strcmp(verdict(&r), "0000") == 0);
+}
+
+ZT_TEST(test_two_hosts_gone_survivors_stay) {
+  /* World 4, ranks 2 and 3 gone: 0 and 1 each reach only half. Neither
+   * report decides; the verdict (at the deadline) removes the silent ones. */
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 4);
+  uint32_t u[] = {2, 3};
+  ZT_CHECK(!zt_reach_add(&r, 0, u, 2));
+  ZT_CHECK(!zt_reach_add(&r, 1, u, 2));
+  ZT_CHECK(strcmp(verdict(&r), "0011") == 0);
+}
+
+ZT_TEST(test_two_ranks_partitioned) {
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 2);
+  uint32_t u0[] = {1};
+  /* Alone, rank 0 reaching only itself of two is no majority: wait. */
+  ZT_CHECK(!zt_reach_add(&r, 0, u0, 1));
+  ZT_CHECK(strcmp(verdict(&r), "01") == 0); /* the silent one goes */
+  uint32_t u1[] = {0};
+  ZT_CHECK(zt_reach_add(&r, 1, u1, 1)); /* everyone reported */
+  const char *v = verdict(&r);
+  ZT_CHECK(strcmp(v, "01") == 0 || strcmp(v, "10") == 0); /* exactly one */
+}
+
+ZT_TEST(test_larger_ring_one_host_cut_off) {
+  /* World 8, rank 5 cut off; every healthy rank's report is decisive. */
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 8);
+  uint32_t u5[] = {0, 1, 2, 3, 4, 6, 7};
+  ZT_CHECK(!zt_reach_add(&r, 5, u5, 7));
+  uint32_t u[] = {5};
+  for (int k = 0; k < 8; k++)
+    if (k != 5) zt_reach_add(&r, k, u, 1);
+  ZT_CHECK(strcmp(verdict(&r), "00000100") == 0);
+}
+
+ZT_TEST(test_bad_ranks_ignored) {
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 3);
+  uint32_t u[] = {1, 7, 300, 0xffffffffu};
+  ZT_CHECK(zt_reach_add(&r, 1, u, 4)); /* only itself named: nothing cut */
+  ZT_CHECK(strcmp(verdict(&r), "000") == 0);
+  ZT_CHECK(!zt_reach_add(&r, -1, u, 1) && !zt_reach_add(&r, 3, u, 1));
+  char list[64];
+  uint32_t u2[] = {0};
+  zt_reach_add(&r, 2, u2, 1);
+  zt_reach_list(&r, 0, list, sizeof list);
+  ZT_CHECK(strcmp(list, "2") == 0);
+  /* A world beyond the limit is clamped, not overrun. */
+  zt_reach_reset(&r, 1, 100000);
+  ZT_CHECK(r.world == ZT_REACH_MAX);
+}
+
+ZT_TEST_MAIN(test_cut_off_host_reporting_first_waits_then_goes,
+             test_healthy_host_reporting_first_is_decisive, test_nothing_unreachable_keeps_everyone,
+             test_two_hosts_gone_survivors_stay, test_two_ranks_partitioned,
+             test_larger_ring_one_host_cut_off, test_bad_ranks_ignored)
