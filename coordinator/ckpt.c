@@ -235,17 +235,63 @@ static int check_files(int rank, const Ztrain__ReportCheckpointRequest *req) {
 
 /* A report for another step than the tally's starts a new tally (the older
  * epoch can no longer complete) and registers the epoch as pending. */
-static int start_tally(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir) {
-  zt_ckpt_tally_t *t = &j->ck;
-  memset(t, 0, sizeof *t);
-  t->step = step;
-  t->gen = j->row.generation;
-  snprintf(t->dir, sizeof t->dir, "%s", dir);
-  zt_db_ckpt_t k = {step, j->row.generation, j->row.world, "", ZT_CKPT_PENDING, 0, zt_wall_ms()};
-  snprintf(k.dir, sizeof k.dir, "%s", dir);
-  if (zt_db_ckpt_put(c->db, j->row.id, &k) != 0)
-    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store checkpoint");
+/* The tally of epoch (step, generation of now); NULL when none is kept. */
+static zt_ckpt_tally_t *find_tally(zt_job_t *j, int64_t step) {
+  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
+    zt_ckpt_tally_t *t = j->tallies[i];
+    if (t && t->step == step && t->gen == j->row.generation) return t;
+  }
+  return NULL;
+}
+
+/* A slot for a new tally: an unused one, else one of an older generation,
+ * else a finished one, else the oldest epoch (which then cannot commit;
+ * its row stays pending and retention removes it). */
+static zt_ckpt_tally_t *free_slot(zt_job_t *j) {
+  int best = 0;
+  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
+    zt_ckpt_tally_t *t = j->tallies[i], *b = j->tallies[best];
+    if (!t) {
+      j->tallies[i] = zt_xcalloc(1, sizeof *t);
+      return j->tallies[i];
+    }
+    int rank_t = t->gen != j->row.generation ? 0 : t->done ? 1 : 2;
+    int rank_b = b->gen != j->row.generation ? 0 : b->done ? 1 : 2;
+    if (rank_t < rank_b || (rank_t == rank_b && t->step < b->step)) best = i;
+  }
+  return j->tallies[best];
+}
+
+/* The tally of epoch `step` of the current generation, started (and its
+ * row stored as pending) when there is none. */
+static int tally_for(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir,
+                     zt_ckpt_tally_t **out) {
+  zt_ckpt_tally_t *t = find_tally(j, step);
+  if (!t) {
+    t = free_slot(j);
+    memset(t, 0, sizeof *t);
+    t->step = step;
+    t->gen = j->row.generation;
+    snprintf(t->dir, sizeof t->dir, "%s", dir);
+    zt_db_ckpt_t k = {step, j->row.generation, j->row.world, "", ZT_CKPT_PENDING, 0,
+                      zt_wall_ms()};
+    snprintf(k.dir, sizeof k.dir, "%s", dir);
+    if (zt_db_ckpt_put(c->db, j->row.id, &k) != 0) {
+      t->step = 0; /* nothing kept */
+      return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store checkpoint");
+    }
+  }
+  j->ck = t;
+  *out = t;
   return 0;
+}
+
+void zt_ckpt_forget(zt_job_t *j) {
+  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
+    free(j->tallies[i]);
+    j->tallies[i] = NULL;
+  }
+  j->ck = NULL;
 }
 
 /* The copies every file needs: checkpoint.replicas, at most one per
@@ -261,8 +307,7 @@ static int popcount(const uint8_t *b, size_t n) {
 }
 
 /* Every rank reported, and every file has its copies. */
-static int complete(const zt_job_t *j) {
-  const zt_ckpt_tally_t *t = &j->ck;
+static int complete(const zt_job_t *j, const zt_ckpt_tally_t *t) {
   if (t->done || t->failed || t->count < j->row.world) return 0;
   for (int i = 0; i < t->nfiles; i++)
     if (t->files[i].written &&
@@ -293,8 +338,7 @@ static int host_index(const zt_job_t *j, const zt_member_t *m) {
 
 /* Every rank reported and every file has its copies: the epoch is
  * committed, in SQLite with its record and its event. */
-static int commit(zt_coord_t *c, zt_job_t *j) {
-  zt_ckpt_tally_t *t = &j->ck;
+static int commit(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_COMMITTED, t->bytes, zt_wall_ms()};
   snprintf(k.dir, sizeof k.dir, "%s", t->dir);
   zt_db_ckpt_file_t *rec = zt_xcalloc((size_t)t->nfiles + 1, sizeof *rec);
@@ -320,8 +364,7 @@ static int commit(zt_coord_t *c, zt_job_t *j) {
 
 /* An epoch with a failed write, once every rank has reported: its row and
  * whatever files the other ranks wrote go (a full disk gets the space). */
-static void drop_failed(zt_coord_t *c, zt_job_t *j) {
-  zt_ckpt_tally_t *t = &j->ck;
+static void drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
   if (t->done || t->count + t->failed < j->row.world) return;
   t->done = 1;
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_DELETED, 0, zt_wall_ms()};
@@ -335,9 +378,8 @@ static void drop_failed(zt_coord_t *c, zt_job_t *j) {
 }
 
 /* A rank's write failed: the epoch cannot commit. */
-static int report_failed(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+static int report_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_member_t *m,
                          const Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out) {
-  zt_ckpt_tally_t *t = &j->ck;
   if (t->seen[m->rank] || t->done) return 0;
   t->seen[m->rank] = 1;
   if (t->failed++ == 0) {
@@ -347,19 +389,19 @@ static int report_failed(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
     zt_coord_event(c, j->row.id, "checkpoint_failed", 0, "step %lld: rank %d (%s): %s",
                    (long long)t->step, m->rank, m->row.name, t->error);
   }
-  drop_failed(c, j);
+  drop_failed(c, j, t);
   return 0;
 }
 
 /* After a report: a failed epoch is dropped once everyone reported; a
  * complete one commits. */
-static int settle(zt_coord_t *c, zt_job_t *j, zt_ckpt_outcome_t *out) {
-  if (j->ck.failed) {
-    drop_failed(c, j);
+static int settle(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_ckpt_outcome_t *out) {
+  if (t->failed) {
+    drop_failed(c, j, t);
     return 0;
   }
-  if (!complete(j)) return 0;
-  if (commit(c, j) != 0) return -1;
+  if (!complete(j, t)) return 0;
+  if (commit(c, j, t) != 0) return -1;
   *out = ZT_CKPT_REPORT_COMMITTED;
   return 0;
 }
@@ -371,7 +413,7 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
     return zt_errk(ZT_E_STATE, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
   /* The worker names the epoch relative to its checkpoint root; the
    * registry keeps it under ours. */
-  char dir[sizeof j->ck.dir];
+  char dir[sizeof ((zt_ckpt_tally_t *)0)->dir];
   if (req->dir[0] == '/' ||
       zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, sizeof dir) != 0 ||
       check_dir(j, dir) != 0)
@@ -385,14 +427,21 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   if (req->step < 1 || req->step > j->row.total_steps)
     return zt_errk(ZT_E_INVALID, "checkpoint step %lld out of range", (long long)req->step);
   if (!req->error[0] && check_files(m->rank, req) != 0) return -1;
-  zt_ckpt_tally_t *t = &j->ck;
-  if ((t->step != req->step || t->gen != j->row.generation) &&
-      start_tally(c, j, req->step, dir) != 0)
-    return -1;
+  /* A repeated report of an epoch committed before (its tally gone) is
+   * already counted: it must not turn the record back into a pending one. */
+  zt_db_ckpt_t k0;
+  uint64_t kjob;
+  int found = 0;
+  if (!find_tally(j, req->step)) {
+    if (zt_db_ckpt_find_dir(c->db, dir, &kjob, &k0, &found) != 0) return -1;
+    if (found && kjob == j->row.id) return 0;
+  }
+  zt_ckpt_tally_t *t;
+  if (tally_for(c, j, req->step, dir, &t) != 0) return -1;
   if (strcmp(t->dir, dir) != 0)
     return zt_errk(ZT_E_INVALID, "rank %d reported dir %.200s, expected %.200s", m->rank,
                    req->dir, zt_path_under(c->cfg.ckpt_root, t->dir));
-  if (req->error[0]) return report_failed(c, j, m, req, out);
+  if (req->error[0]) return report_failed(c, j, t, m, req, out);
   if (!t->seen[m->rank] && !t->done) {
     t->seen[m->rank] = 1;
     t->count++;
@@ -410,7 +459,7 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
       if (zt_copies_add(c, j->row.id, &k, e->f.name, m->row.id) != 0) return -1;
     }
   }
-  return settle(c, j, out);
+  return settle(c, j, t, out);
 }
 
 /* "…/step_<s>-g<g>": the epoch's step and generation; -1 otherwise. */
@@ -457,14 +506,16 @@ int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *
   int found = 0;
   if (zt_db_ckpt_find_dir(c->db, dir, &kjob, &k, &found) != 0) return -1;
   if (found && kjob == j->row.id) return copy_of_committed(c, j, m, &k, f);
-  zt_ckpt_tally_t *t = &j->ck;
-  /* A pushed copy may come before its rank's own report. */
-  if (gen == j->row.generation && (t->step != step || t->gen != gen) && !t->done && step > 0 &&
-      step <= j->row.total_steps && start_tally(c, j, step, dir) != 0)
+  /* A pushed copy may come before its rank's own report: it starts the
+   * epoch's tally. */
+  zt_ckpt_tally_t *t = NULL;
+  int active = j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING;
+  if (active && gen == j->row.generation && step > 0 && step <= j->row.total_steps &&
+      tally_for(c, j, step, dir, &t) != 0)
     return -1;
   zt_db_ckpt_t here = {step, gen, 0, "", 0, 0, 0};
   if (zt_copies_add(c, j->row.id, &here, f->name, m->row.id) != 0) return -1;
-  if (t->step != step || t->gen != gen || t->done || strcmp(t->dir, dir) != 0)
+  if (!t || t->done || strcmp(t->dir, dir) != 0)
     return 0; /* an epoch that can no longer commit: the copy is deleted with it */
   zt_ckpt_entry_t *e = entry(t, f->name);
   if (!e) return zt_errk(ZT_E_TOO_LARGE, "too many files in one epoch");
@@ -473,7 +524,7 @@ int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *
   if (!e->written) e->f = *f;
   int h = host_index(j, m);
   if (h >= 0) e->hosts[h / 8] |= (uint8_t)(1u << (h % 8));
-  return settle(c, j, out);
+  return settle(c, j, t, out);
 }
 
 typedef struct {

@@ -117,7 +117,11 @@ typedef struct {
   uint8_t hosts[ZT_MAX_WORLD / 8];
 } zt_ckpt_entry_t;
 
-/* The tally of the checkpoint epoch being reported (ckpt.c). */
+/* Epochs tallied at once per job: more than this in flight at the same
+ * time and the oldest is given up (it does not commit; a newer one does). */
+#define ZT_CKPT_TALLIES 4
+
+/* The tally of one checkpoint epoch being reported (ckpt.c). */
 typedef struct {
   int64_t step;
   uint64_t gen;
@@ -151,7 +155,11 @@ typedef struct zt_job {
   char start_ckpt[512]; /* committed epoch the current generation loads */
   zt_db_ckpt_file_t *start_files; /* its recorded files (malloc'd) */
   int n_start_files;
-  zt_ckpt_tally_t ck;
+  /* The epochs being reported (ckpt.c): ranks run ahead of each other, and
+   * a pushed copy can come before its rank's report, so a few epochs are
+   * tallied at once; allocated on first use, freed when the job ends. */
+  zt_ckpt_tally_t *tallies[ZT_CKPT_TALLIES];
+  zt_ckpt_tally_t *ck; /* the tally last reported to (its step, its error) */
   /* Checkpoint-now requested (drain, scale-up); re-form after its commit. */
   int ckpt_request;
   char reform_reason[256];
@@ -284,6 +292,8 @@ int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *
  * and acts on the commit; on REPORT_FAILED it decides what the job does without
  * that epoch. An epoch with a failed write is deleted once every rank has
  * reported. */
+/* Frees the job's epoch tallies (a job that ended reports no more). */
+void zt_ckpt_forget(zt_job_t *j);
 int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
                    const struct Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out);
 /* The newest committed epoch of a job at or before max_step (INT64_MAX:

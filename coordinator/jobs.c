@@ -186,6 +186,8 @@ static void finish(zt_coord_t *c, zt_job_t *j, int state, const char *kind, cons
   j->row.state = state;
   save_job(c, j);
   zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
+  if (state == ZT_JOB_COMPLETED || state == ZT_JOB_FAILED || state == ZT_JOB_CANCELED)
+    zt_ckpt_forget(j);
 }
 
 /* ---- forming generations ---------------------------------------------------------- */
@@ -471,14 +473,14 @@ static void checkpoint_committed(zt_coord_t *c, zt_job_t *j) {
   j->ckpt_request = 0;
   char reason[300];
   snprintf(reason, sizeof reason, "%s after checkpoint step %lld", j->reform_reason,
-           (long long)j->ck.step);
+           (long long)j->ck->step);
   try_form(c, j, reason);
   /* Drained workers are out now; they are told STOP and stay idle. */
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
     if (m && m->draining && m->job_id != j->row.id)
       zt_coord_event(c, j->row.id, "drained", m->row.id, "worker %s left the job at step %lld",
-                     m->row.name, (long long)j->ck.step);
+                     m->row.name, (long long)j->ck->step);
   }
 }
 
@@ -672,6 +674,7 @@ void zt_jobs_free(zt_coord_t *c) {
     c->jobs = j->next;
     free(j->spec);
     free(j->start_files);
+    zt_ckpt_forget(j);
     free(j);
   }
 }
@@ -1127,8 +1130,11 @@ static void judge_reach(zt_coord_t *c, zt_job_t *j) {
                    "reported): kept out until it reaches the others", k, w->row.name,
                    w->row.host, list, rc->nreported, rc->world);
   }
+  /* A new generation resets j->reach: the reason must outlive it. */
+  char why[sizeof rc->why];
+  memcpy(why, rc->why, sizeof why);
   rc->decide_at_ms = 0;
-  fail_generation(c, j, ZT_FAIL_PEER, rc->step, rc->why);
+  fail_generation(c, j, ZT_FAIL_PEER, rc->step, why);
 }
 
 /* A peer failure with probe results: decided now, or once the other ranks
@@ -1227,9 +1233,9 @@ static void checkpoint_failed(zt_coord_t *c, zt_job_t *j) {
     zt_coord_event(c, j->row.id, "checkpointing_paused", 0,
                    "checkpoint writes fail; training goes on for at most %lld steps past step "
                    "%lld: %s",
-                   (long long)j->p.max_uncommitted, (long long)j->safe_step, j->ck.error);
+                   (long long)j->p.max_uncommitted, (long long)j->safe_step, j->ck->error);
   j->ckpt_paused = 1;
-  snprintf(j->ckpt_error, sizeof j->ckpt_error, "%s", j->ck.error);
+  snprintf(j->ckpt_error, sizeof j->ckpt_error, "%s", j->ck->error);
   snprintf(j->row.message, sizeof j->row.message,
            "running generation %llu on %d workers; checkpointing paused: %.200s",
            (unsigned long long)j->row.generation, j->row.world, j->ckpt_error);
@@ -1288,11 +1294,11 @@ int zt_jobs_report_replica(zt_coord_t *c, const Ztrain__ReportReplicaRequest *re
  * retention, and a re-form that waited for it. */
 static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
   j->ckpt_commits++;
-  j->safe_step = ZT_MAX(j->safe_step, j->ck.step);
+  j->safe_step = ZT_MAX(j->safe_step, j->ck->step);
   if (j->ckpt_paused) {
     j->ckpt_paused = 0;
     zt_coord_event(c, j->row.id, "checkpointing_resumed", 0, "step %lld committed",
-                   (long long)j->ck.step);
+                   (long long)j->ck->step);
   }
   zt_ckpt_gc(c, j);
   checkpoint_committed(c, j);

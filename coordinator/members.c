@@ -246,8 +246,18 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
     return -1;
   }
   *known = m != NULL;
-  if (m) m->row = row; /* restarted: the caller voids its old assignment */
-  else m = members_add(c, &row);
+  if (m) {
+    /* A new process (restarted, or back after it was lost) starts with a
+     * clean slate: a connection that died with its old process says
+     * nothing about its links. If it still cannot reach the others, the
+     * probes of the next failure keep it out again. */
+    if (m->quarantine_ms && (m->row.pid != r->pid || m->row.state == ZT_WORKER_LOST ||
+                             m->row.state == ZT_WORKER_LEFT))
+      m->quarantine_ms = 0, m->probe_asked = 0;
+    m->row = row; /* restarted: the caller voids its old assignment */
+  } else {
+    m = members_add(c, &row);
+  }
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
   ZT_INFO("worker %s (id %llu) %s from %s", r->name, (unsigned long long)row.id, kind, r->host);

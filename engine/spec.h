@@ -86,6 +86,9 @@ typedef struct zt_spec_fault {
   /* The last rank aborts its ring during this step, in every generation
    * (0: never): a transient failure that repeats. */
   long break_ring_at_step;
+  /* Rank 0 reports each checkpoint epoch this much later (0: at once): its
+   * peers' reports and pushed copies come first. */
+  long delay_checkpoint_report_ms;
 } zt_spec_fault_t;
 
 typedef struct zt_spec {

@@ -330,10 +330,20 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
 
 /* ---- checkpoints ------------------------------------------------------------------ */
 
+/* The writer's report of an epoch, to the caller; under fault injection
+ * rank 0 reports late (after its peers and the copies they pushed). */
+static int report_epoch(void *user, int64_t step, const char *dir, const zt_ckpt_file_t *files,
+                        int nfiles, const char *error) {
+  trainer *t = user;
+  if (t->r == 0 && t->spec.fault.delay_checkpoint_report_ms > 0)
+    zt_sleep_ms(t->spec.fault.delay_checkpoint_report_ms); /* the injected delay */
+  return t->g->report_checkpoint(t->g->user, step, dir, files, nfiles, error);
+}
+
 /* Snapshots this rank's state for `step` and hands it to the writer. */
 static int save_state(trainer *t, int64_t step) {
   const zt_gen_ctx_t *g = t->g;
-  if (!t->writer && zt_ckpt_writer_start(g->report_checkpoint, g->user, &t->writer) != 0)
+  if (!t->writer && zt_ckpt_writer_start(report_epoch, t, &t->writer) != 0)
     return -1;
   float *buf = zt_ckpt_writer_buffer(t->writer, zt_zero_snapshot_floats(&t->z));
   if (!buf) return -1;

@@ -216,7 +216,12 @@ static int report_ckpt_cb(void *user, int64_t step, const char *dir, const zt_ck
   req.generation = r->cur_gen;
   req.step = step;
   char failed[700];
-  if (!error && r->rv && zt_replicas_push(r->o.ckpt_root, dir, files, nfiles, r->rv) != 0) {
+  /* A push for a generation that is over cannot help any more: a peer
+   * that vanished must not hold this worker back from the next one. */
+  zt_store_abort_when(should_stop_cb, r);
+  int pushed = error || !r->rv ? 0 : zt_replicas_push(r->o.ckpt_root, dir, files, nfiles, r->rv);
+  zt_store_abort_when(NULL, NULL);
+  if (pushed != 0) {
     snprintf(failed, sizeof failed, "%s", zt_err_msg());
     ZT_WARN("checkpoint step %lld: %s", (long long)step, failed);
     error = failed, nfiles = 0; /* an epoch without its copies cannot commit */
@@ -393,7 +398,10 @@ static int prepare_epoch(zt_runner_t *r, const Ztrain__RendezvousReply *rv, epoc
   }
   zt_ckpt_record_t rec = {e->files, e->n};
   int unavailable;
-  if (zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv, &unavailable) != 0) {
+  zt_store_abort_when(should_stop_cb, r);
+  int fetched = zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv, &unavailable);
+  zt_store_abort_when(NULL, NULL);
+  if (fetched != 0) {
     char why[1400];
     snprintf(why, sizeof why, "%s", zt_err_msg());
     ZT_WARN("%s", why);

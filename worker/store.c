@@ -46,12 +46,22 @@ struct zt_store {
 
 /* ---- sockets with deadlines ------------------------------------------------ */
 
+/* The calling thread's abort condition (zt_store_abort_when). */
+static _Thread_local int (*abort_fn)(void *);
+static _Thread_local void *abort_user;
+
+void zt_store_abort_when(int (*fn)(void *), void *user) {
+  abort_fn = fn;
+  abort_user = user;
+}
+
 static int wait_fd(int fd, short ev, zt_deadline_t dl) {
   for (;;) {
     int64_t left = zt_deadline_left_ms(dl);
     if (left <= 0) return zt_err("timed out");
+    if (abort_fn && abort_fn(abort_user)) return zt_err("aborted: no longer needed");
     struct pollfd p = {fd, ev, 0};
-    int r = poll(&p, 1, (int)ZT_MIN(left, 1000));
+    int r = poll(&p, 1, (int)ZT_MIN(left, abort_fn ? 100 : 1000));
     if (r > 0) return 0;
     if (r < 0 && errno != EINTR) return zt_err_errno("poll");
   }

@@ -52,6 +52,10 @@ void zt_store_stop(zt_store_t *s);
 
 /* Pushes the file at `path` (f: its name, size and checksum) as dir/name
  * to the store at addr. */
+/* Makes the calling thread's transfers (zt_store_put, zt_store_get) give
+ * up within 100 ms once fn(user) returns nonzero, e.g. when the generation
+ * they were for is over; NULL: only their deadlines end them. */
+void zt_store_abort_when(int (*fn)(void *), void *user);
 ZT_MUST_CHECK int zt_store_put(const char *addr, const char *ticket, const char *dir,
                                const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
 /* Fetches dir/name from the store at addr into `path` (through path.tmp),

@@ -10,6 +10,7 @@ pausing with the reason instead of starting over.
 """
 import json
 import os
+import re
 import shutil
 import time
 
@@ -75,6 +76,42 @@ def test_host_vanishing_fails_collectives_within_deadline(net, data, tmp_path):
     assert first - t_down <= 3 + 2, (first - t_down, failed[0])
     step = fleet.job(jid)["step"]
     wait_until(lambda: fleet.job(jid)["step"] >= step + 10, 60, "steps without h3")
+
+
+def test_late_rank_report_still_commits_every_epoch(net, data, tmp_path):
+    """Rank 0 reports each epoch 60 ms after its peers and after the
+    copies pushed to its store (fault_injection.delay_checkpoint_report_ms),
+    so reports of two epochs interleave and copies come before the report of
+    the rank that wrote them. Every epoch still commits with its copies, and
+    a drain's checkpoint-now epoch commits and re-forms the job."""
+    fleet = Fleet(net, data)
+    for h in ("h1", "h2", "h3"):
+        fleet.add_worker(h)
+    fleet.wait_alive(["wh1", "wh2", "wh3"])
+    s = spec(160, 2, max_workers=3, checkpoint={"dir": "ckpt", "every_steps": 10, "replicas": 2})
+    s["fault_injection"] = {"delay_checkpoint_report_ms": 60}
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: fleet.job(jid)["step"] >= 60 and fleet.job(jid)["world"] == 3, 90,
+               "three ranks past step 60")
+    fleet.zctl("drain", "wh3")
+    wait_until(lambda: fleet.job(jid)["world"] == 2 and fleet.job(jid)["state"] == "running"
+               or fleet.job(jid)["state"] == "completed", 60, "the drain's re-form")
+    fleet.wait_job(jid, timeout=180)
+    ev = fleet.events(jid)
+    steps = sorted(int(os.path.basename(e["detail"])[5:13])
+                   for e in ev if e["kind"] == "checkpoint_committed")
+    # Every epoch both remaining ranks wrote (an epoch is skipped while the
+    # previous one is still being reported) committed; the last ones may
+    # still have been in flight when the job completed.
+    written = [set(int(m) for m in re.findall(r"checkpoint step (\d+) written",
+                                                fleet.workers[n][1].output()))
+               for n in ("wh1", "wh2")]
+    both = sorted(st for st in written[0] & written[1] if st < 140)
+    assert len(both) >= 6, written
+    assert [st for st in both if st not in steps] == [], (both, steps)
+    drained = [e for e in ev if e["kind"] == "generation_started" and "drain of worker wh3" in
+               e["detail"]]
+    assert drained, [e["detail"] for e in ev if e["kind"] == "generation_started"]
 
 
 def epoch_files(net, hosts, rel):
