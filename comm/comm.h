@@ -50,6 +50,7 @@ typedef struct {
   uint64_t bytes_sent, bytes_recv;
   uint64_t ops;
   uint64_t comm_us, send_wait_us;
+  uint32_t next_rtt_us; /* TCP ring: the kernel's smoothed RTT to the next rank now */
 } zt_comm_stats_t;
 
 /* ---- TCP ring backend ---------------------------------------------------- */

@@ -362,6 +362,11 @@ void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
   s->ops = __atomic_load_n(&c->stats.ops, __ATOMIC_RELAXED);
   s->comm_us = __atomic_load_n(&c->stats.comm_us, __ATOMIC_RELAXED);
   s->send_wait_us = __atomic_load_n(&c->stats.send_wait_us, __ATOMIC_RELAXED);
+  s->next_rtt_us = 0;
+  struct tcp_info ti;
+  socklen_t len = sizeof ti;
+  if (c->next_fd >= 0 && getsockopt(c->next_fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0)
+    s->next_rtt_us = ti.tcpi_rtt;
 }
 
 void zt_comm_destroy(zt_comm_t *c) {

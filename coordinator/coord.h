@@ -79,7 +79,7 @@ typedef struct {
   int probe_asked;
   /* Its per-step timings as its heartbeats last reported them (when it
    * trained; timing_ms: monotonic time of that report, 0: never). */
-  double step_ms, comm_ms, send_wait_ms;
+  double step_ms, comm_ms, send_wait_ms, link_rtt_ms;
   int64_t timing_ms;
   /* Assignment: the job generation this worker belongs to (0: idle). */
   uint64_t job_id, gen;
@@ -389,7 +389,7 @@ int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out);
 /* A heartbeat's per-step timings (kept while it trains; values that are
  * not finite and non-negative are ignored). */
 void zt_members_timing(zt_coord_t *c, zt_member_t *m, double step_ms, double comm_ms,
-                       double send_wait_ms);
+                       double send_wait_ms, double link_rtt_ms);
 /* Keeps m out of generations until it shows it reaches the others. */
 void zt_members_quarantine(zt_coord_t *c, zt_member_t *m);
 /* A quarantined worker's heartbeat: `probed` with n_unreach stores it could

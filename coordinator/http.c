@@ -376,7 +376,10 @@ static void worker_series(zt_coord_t *c, sbuf *b, const char *name, const char *
   for (size_t i = 0; i < c->by_id_cap; i++) {
     const zt_member_t *m = c->by_id[i];
     if (!m || !m->timing_ms) continue;
-    double v = which == 0 ? m->step_ms : which == 1 ? m->comm_ms : m->send_wait_ms;
+    double v = which == 0   ? m->step_ms
+               : which == 1 ? m->comm_ms
+               : which == 2 ? m->send_wait_ms
+                            : m->link_rtt_ms;
     char host[2 * sizeof m->row.host + 1];
     sb_printf(b, "%s{worker=\"%s\",host=\"%s\"} %.6g\n", name, m->row.name,
               label(m->row.host, host, sizeof host), v);
@@ -395,6 +398,8 @@ static void r_metrics(zt_http_req_t *r) {
   worker_series(c, &b, "ztrain_worker_comm_ms", "Time per step inside collectives (TCP ring).", 1);
   worker_series(c, &b, "ztrain_worker_send_wait_ms",
                 "Time per step waiting for the worker's outgoing link (a slow link shows here).", 2);
+  worker_series(c, &b, "ztrain_worker_link_rtt_ms",
+                "Smoothed round-trip time of the worker's outgoing ring connection (kernel TCP_INFO): queueing on a slow link shows here.", 3);
   int jobs[8] = {0};
   for (zt_job_t *j = c->jobs; j; j = j->next)
     if (j->row.state >= 0 && j->row.state < 8) jobs[j->row.state]++;

@@ -1147,6 +1147,7 @@ static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
     rc->step = req->step;
     snprintf(rc->why, sizeof rc->why, "%s", why);
   }
+  zt_reach_gone(rc, m->rank, req->gone_ranks, req->n_gone_ranks);
   if (zt_reach_add(rc, m->rank, req->unreachable_ranks, req->n_unreachable_ranks)) {
     judge_reach(c, j);
     return;

@@ -302,13 +302,15 @@ int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
 static int sane_ms(double v) { return isfinite(v) && v >= 0 && v < 1e9; }
 
 void zt_members_timing(zt_coord_t *c, zt_member_t *m, double step_ms, double comm_ms,
-                       double send_wait_ms) {
+                       double send_wait_ms, double link_rtt_ms) {
   int64_t now = zt_now_ms();
-  if (step_ms > 0 && sane_ms(step_ms) && sane_ms(comm_ms) && sane_ms(send_wait_ms)) {
+  if (step_ms > 0 && sane_ms(step_ms) && sane_ms(comm_ms) && sane_ms(send_wait_ms) &&
+      sane_ms(link_rtt_ms)) {
     m->step_ms = step_ms, m->comm_ms = comm_ms, m->send_wait_ms = send_wait_ms;
+    m->link_rtt_ms = link_rtt_ms;
     m->timing_ms = now;
   } else if (m->timing_ms && now - m->timing_ms > 10 * (int64_t)c->cfg.heartbeat_ms + 10000) {
-    m->step_ms = m->comm_ms = m->send_wait_ms = 0; /* it no longer trains */
+    m->step_ms = m->comm_ms = m->send_wait_ms = m->link_rtt_ms = 0; /* it no longer trains */
     m->timing_ms = 0;
   }
 }

@@ -16,8 +16,23 @@ void zt_reach_reset(zt_reach_t *r, uint64_t gen, int world) {
   r->world = world < 0 ? 0 : world > ZT_REACH_MAX ? ZT_REACH_MAX : world;
 }
 
+void zt_reach_gone(zt_reach_t *r, int rank, const uint32_t *gone, size_t n) {
+  if (rank < 0 || rank >= r->world) return;
+  for (size_t i = 0; i < n; i++) {
+    int k = (int)gone[i];
+    if (gone[i] >= (uint32_t)r->world || k == rank || bit(r->reported, k) || bit(r->gone, k))
+      continue; /* out of range, itself, or a rank that reported: not gone */
+    set_bit(r->gone, k);
+    r->ngone++;
+  }
+}
+
 int zt_reach_add(zt_reach_t *r, int rank, const uint32_t *unreach, size_t n) {
   if (rank < 0 || rank >= r->world) return 0;
+  if (bit(r->gone, rank)) { /* said to be gone, yet it reports: it is not */
+    r->gone[rank / 8] &= (uint8_t)~(1u << (rank % 8));
+    r->ngone--;
+  }
   for (size_t i = 0; i < n; i++) {
     int k = (int)unreach[i];
     if (unreach[i] >= (uint32_t)r->world || k == rank || bit(r->cut[rank], k)) continue;
@@ -28,15 +43,18 @@ int zt_reach_add(zt_reach_t *r, int rank, const uint32_t *unreach, size_t n) {
     set_bit(r->reported, rank);
     r->nreported++;
   }
-  /* Ranks this one still reaches, itself included: a majority decides. */
-  int reach = r->world;
-  for (int k = 0; k < r->world; k++) reach -= bit(r->cut[rank], k);
-  return 2 * reach > r->world || r->nreported == r->world;
+  /* Ranks this one still reaches, itself included, among those not gone:
+   * a majority of them decides. */
+  int living = r->world - r->ngone, reach = living;
+  for (int k = 0; k < r->world; k++) reach -= !bit(r->gone, k) && bit(r->cut[rank], k);
+  return 2 * reach > living || r->nreported >= living;
 }
 
 int zt_reach_decide(const zt_reach_t *r, uint8_t *out) {
   memset(out, 0, ZT_REACH_MAX / 8);
   int removed = 0;
+  for (int k = 0; k < r->world; k++)
+    if (bit(r->gone, k)) set_bit(out, k), removed++;
   for (;;) {
     int best = -1, best_deg = 0, best_reported = 1;
     for (int a = 0; a < r->world; a++) {

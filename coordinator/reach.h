@@ -19,7 +19,10 @@
  *
  * A report is decisive on its own when its rank still reaches a majority
  * of the generation (counting itself): then the ranks it cannot reach are
- * the ones out. A rank that reaches only a minority may be the one cut off,
+ * the ones out. A rank whose machine refused the connection (nothing
+ * listens) is gone, not cut off: it is out, and the majority is counted
+ * among the others, so a survivor of a killed process decides at once
+ * even in a two-rank world. A rank that reaches only a minority may be the one cut off,
  * or the survivor of several losses: the verdict waits for the other
  * ranks' reports (all of them, or until a short deadline jobs.c sets).
  */
@@ -37,6 +40,8 @@ typedef struct {
   int nreported;
   uint8_t reported[ZT_REACH_MAX / 8];
   uint8_t cut[ZT_REACH_MAX][ZT_REACH_MAX / 8]; /* symmetric */
+  uint8_t gone[ZT_REACH_MAX / 8]; /* refused connections: their zworker is gone */
+  int ngone;
   /* Set by jobs.c while a verdict waits for more reports. */
   int64_t decide_at_ms; /* monotonic; 0: no verdict pending */
   int64_t step;         /* the failed step, and the first report's reason */
@@ -49,6 +54,11 @@ void zt_reach_reset(zt_reach_t *r, uint64_t gen, int world);
  * or naming itself are ignored). Returns 1 when a verdict can be made now:
  * the report is decisive or every rank has reported. */
 int zt_reach_add(zt_reach_t *r, int rank, const uint32_t *unreach, size_t n);
+/* Rank `rank` found the ranks gone[0..n) gone (their machine refused the
+ * connection: nothing listens), so they will not report; a gone rank is
+ * out, and the majority that decides is counted among the others. A rank
+ * that reports is not gone. Call before zt_reach_add of the same report. */
+void zt_reach_gone(zt_reach_t *r, int rank, const uint32_t *gone, size_t n);
 /* The verdict: sets bit k of out (ZT_REACH_MAX / 8 bytes) for each rank k to
  * keep out; returns how many. */
 int zt_reach_decide(const zt_reach_t *r, uint8_t *out);

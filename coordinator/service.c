@@ -92,7 +92,7 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   const Ztrain__HeartbeatRequest *req = (const Ztrain__HeartbeatRequest *)m;
   zt_member_t *mem;
   if (zt_members_heartbeat(c, req->worker_id, &mem) != 0) return NULL;
-  zt_members_timing(c, mem, req->step_ms, req->comm_ms, req->send_wait_ms);
+  zt_members_timing(c, mem, req->step_ms, req->comm_ms, req->send_wait_ms, req->link_rtt_ms);
   Ztrain__HeartbeatReply *r = new_reply(x, &ztrain__heartbeat_reply__descriptor);
   /* Kept out as possibly cut off: its probe's answer, and the next probe. */
   const char **probe = own(x, zt_xcalloc(64, sizeof *probe));

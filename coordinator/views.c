@@ -27,6 +27,7 @@ void zt_view_worker(const zt_member_t *m, Ztrain__WorkerInfo *w) {
   w->step_ms = m->step_ms;
   w->comm_ms = m->comm_ms;
   w->send_wait_ms = m->send_wait_ms;
+  w->link_rtt_ms = m->link_rtt_ms;
   w->quarantined = m->quarantine_ms != 0;
 }
 

@@ -68,6 +68,7 @@ cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
   cJSON_AddNumberToObject(o, "step_ms", w->step_ms);
   cJSON_AddNumberToObject(o, "comm_ms", w->comm_ms);
   cJSON_AddNumberToObject(o, "send_wait_ms", w->send_wait_ms);
+  cJSON_AddNumberToObject(o, "link_rtt_ms", w->link_rtt_ms);
   cJSON_AddBoolToObject(o, "quarantined", w->quarantined);
   return o;
 }

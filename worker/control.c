@@ -246,7 +246,7 @@ static void probe_stores(zt_ctl_t *c, const Ztrain__HeartbeatReply *r) {
   uint8_t ok[64];
   zt_store_probe((const char *const *)r->probe_stores, n, ZT_CTL_PROBE_MS, ok);
   for (int i = 0; i < n; i++)
-    if (!ok[i]) c->unreach[c->n_unreach++] = zt_xstrdup(r->probe_stores[i]);
+    if (ok[i] != ZT_PROBE_OK) c->unreach[c->n_unreach++] = zt_xstrdup(r->probe_stores[i]);
   c->probed = 1;
   if (c->n_unreach)
     ZT_WARN("kept out of jobs: %d of %d peers' stores cannot be reached (first: %s)",
@@ -277,6 +277,7 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
     req.comm_ms = (double)(now.comm_us - c->last_timing.comm_us) / 1000.0 / (double)steps;
     req.send_wait_ms =
         (double)(now.send_wait_us - c->last_timing.send_wait_us) / 1000.0 / (double)steps;
+    req.link_rtt_ms = now.link_rtt_us / 1000.0;
   }
   ProtobufCMessage *m;
   if (call(c, "/ztrain.Control/Heartbeat", &req.base, &ztrain__heartbeat_reply__descriptor, &m,

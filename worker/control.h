@@ -27,6 +27,7 @@ typedef struct {
   int64_t steps;
   double step_ms;                 /* sum over the steps */
   uint64_t comm_us, send_wait_us; /* zt_comm_stats_t, summed over generations */
+  uint32_t link_rtt_us;           /* the ring's outgoing connection now (0: none) */
 } zt_ctl_timing_t;
 
 typedef struct {

@@ -71,6 +71,7 @@ void zt_runner_timing(zt_runner_t *r, zt_ctl_timing_t *t) {
   t->step_ms = r->step_ms;
   t->comm_us = r->comm_us_done + s.comm_us;
   t->send_wait_us = r->send_wait_us_done + s.send_wait_us;
+  t->link_rtt_us = s.next_rtt_us;
   pthread_mutex_unlock(&r->mu);
 }
 
@@ -266,6 +267,8 @@ typedef struct {
   int probed;             /* the peers' stores were probed: */
   uint32_t *unreach;      /* ... these ranks did not answer */
   int nunreach;
+  uint32_t *gone;         /* ... of them, these refused: their zworker is gone */
+  int ngone;
 } failure_t;
 
 /* How long a rank tries to reach its peers' stores after a collective
@@ -287,11 +290,14 @@ static void probe_peers(const Ztrain__RendezvousReply *rv, failure_t *f) {
   zt_store_probe(addrs, k, ZT_MIN(ZT_PROBE_MS, ZT_MAX(rv->comm_timeout_ms / 2, 100)), ok);
   f->probed = 1;
   f->unreach = rank_of; /* compacted in place */
+  f->gone = zt_xcalloc((size_t)n, sizeof *f->gone);
   char list[256] = "";
   for (int i = 0; i < k; i++) {
-    if (ok[i]) continue;
+    if (ok[i] == ZT_PROBE_OK) continue;
     size_t l = strlen(list);
-    snprintf(list + l, sizeof list - l, "%s%u", f->nunreach ? "," : "", rank_of[i]);
+    snprintf(list + l, sizeof list - l, "%s%u%s", f->nunreach ? "," : "", rank_of[i],
+             ok[i] == ZT_PROBE_REFUSED ? " (gone)" : "");
+    if (ok[i] == ZT_PROBE_REFUSED) f->gone[f->ngone++] = rank_of[i];
     f->unreach[f->nunreach++] = rank_of[i];
   }
   if (f->nunreach)
@@ -309,6 +315,8 @@ static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) 
   req.probed = f->probed;
   req.unreachable_ranks = f->unreach;
   req.n_unreachable_ranks = (size_t)f->nunreach;
+  req.gone_ranks = f->gone;
+  req.n_gone_ranks = (size_t)f->ngone;
   req.bad_checkpoint = (char *)(f->bad_ckpt ? f->bad_ckpt : "");
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
@@ -487,6 +495,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
   if (f.kind == ZTRAIN__FAILURE_KIND__FAILURE_PEER && !f.fatal && !f.bad_ckpt) probe_peers(rv, &f);
   report_failure(r, why, &f);
   free(f.unreach);
+  free(f.gone);
 }
 
 /* Joins (cur_job, cur_gen): listening socket, rendezvous, ring; trains it. */
@@ -529,6 +538,7 @@ static void run_generation(zt_runner_t *r) {
       report_failure(r, why, &f);
     }
     free(f.unreach);
+    free(f.gone);
     goto out;
   }
   pthread_mutex_lock(&r->mu);

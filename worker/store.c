@@ -85,10 +85,11 @@ static int io_all(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) 
 }
 
 /* Starts a non-blocking connection to addr: the socket, connecting (or
- * already connected: *done), or -1. */
-static int connect_start(const char *addr, int *done) {
+ * already connected: *done), or -1 (*refused: nothing listens there). */
+static int connect_start_r(const char *addr, int *done, int *refused) {
   char host[128];
   int port;
+  *refused = 0;
   if (zt_parse_hostport(addr, host, sizeof host, &port) != 0) return -1;
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
   if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
@@ -97,11 +98,18 @@ static int connect_start(const char *addr, int *done) {
   if (fd < 0) return zt_err_errno("socket");
   *done = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
   if (!*done && errno != EINPROGRESS) {
+    *refused = errno == ECONNREFUSED;
     zt_err_errno("connect %s", addr);
     close(fd);
     return -1;
   }
   return fd;
+}
+
+/* connect_start_r without the refusal. */
+static int connect_start(const char *addr, int *done) {
+  int refused;
+  return connect_start_r(addr, done, &refused);
 }
 
 static int connect_to(const char *addr, zt_deadline_t dl) {
@@ -123,12 +131,13 @@ void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t
   struct pollfd *p = zt_xcalloc((size_t)n + 1, sizeof *p);
   int pending = 0;
   for (int i = 0; i < n; i++) {
-    int done;
-    reached[i] = 0;
-    p[i].fd = connect_start(addrs[i], &done);
+    int done, refused;
+    reached[i] = ZT_PROBE_SILENT;
+    p[i].fd = connect_start_r(addrs[i], &done, &refused);
     p[i].events = POLLOUT;
+    if (p[i].fd < 0 && refused) reached[i] = ZT_PROBE_REFUSED;
     if (p[i].fd >= 0 && done) {
-      reached[i] = 1;
+      reached[i] = ZT_PROBE_OK;
       close(p[i].fd);
       p[i].fd = -1;
     }
@@ -144,7 +153,8 @@ void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t
       if (p[i].fd < 0 || !p[i].revents) continue;
       int err = 0;
       socklen_t el = sizeof err;
-      reached[i] = getsockopt(p[i].fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && !err;
+      if (getsockopt(p[i].fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0)
+        reached[i] = !err ? ZT_PROBE_OK : err == ECONNREFUSED ? ZT_PROBE_REFUSED : ZT_PROBE_SILENT;
       close(p[i].fd);
       p[i].fd = -1;
       pending--;

@@ -63,10 +63,17 @@ ZT_MUST_CHECK int zt_store_put(const char *addr, const char *ticket, const char 
 ZT_MUST_CHECK int zt_store_get(const char *addr, const char *ticket, const char *dir,
                                const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
 
+/* What a probe of one store found. */
+enum {
+  ZT_PROBE_SILENT = 0, /* no answer in time: its machine cannot be reached */
+  ZT_PROBE_OK = 1,     /* it accepted */
+  ZT_PROBE_REFUSED = 2 /* its machine answered that nothing listens: the zworker is gone */
+};
+
 /* Connects to each store at addrs[0..n) at once, within timeout_ms in all,
- * and closes again: reached[i] says whether addrs[i] accepted. A store
+ * and closes again: reached[i] is a ZT_PROBE_* value for addrs[i]. A store
  * accepts as long as its zworker runs and its machine can be reached, so
- * this tells a rank which peers are cut off from it (or gone). */
+ * this tells a rank which peers are cut off from it, and which are gone. */
 void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t *reached);
 
 #endif

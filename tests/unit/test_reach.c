@@ -76,6 +76,40 @@ ZT_TEST(test_two_ranks_partitioned) {
   ZT_CHECK(strcmp(v, "01") == 0 || strcmp(v, "10") == 0); /* exactly one */
 }
 
+ZT_TEST(test_two_ranks_peer_gone_decides_at_once) {
+  /* Rank 1's zworker was killed: its machine refuses the connection. The
+   * survivor alone decides, and only the gone rank is out. */
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 2);
+  uint32_t u0[] = {1};
+  zt_reach_gone(&r, 0, u0, 1);
+  ZT_CHECK(zt_reach_add(&r, 0, u0, 1));
+  ZT_CHECK(strcmp(verdict(&r), "01") == 0);
+}
+
+ZT_TEST(test_gone_claims_checked) {
+  /* World 4, rank 3 killed, rank 2 cut off (silent): rank 0 reaches 2 of
+   * the 3 ranks left (itself and 1), a majority: decisive; 2 and 3 out. */
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 4);
+  uint32_t u0[] = {2, 3}, g0[] = {3};
+  zt_reach_gone(&r, 0, g0, 1);
+  ZT_CHECK(zt_reach_add(&r, 0, u0, 2));
+  ZT_CHECK(strcmp(verdict(&r), "0011") == 0);
+  /* Claims of itself, out of range, or of a rank that reported are ignored;
+   * a rank called gone that then reports is not gone. */
+  zt_reach_reset(&r, 1, 3);
+  ZT_CHECK(zt_reach_add(&r, 1, NULL, 0));
+  uint32_t bad[] = {0, 1, 7, 0xffffffffu};
+  zt_reach_gone(&r, 0, bad, 4);
+  ZT_CHECK(r.ngone == 0);
+  uint32_t g2[] = {2};
+  zt_reach_gone(&r, 0, g2, 1);
+  ZT_CHECK(r.ngone == 1);
+  ZT_CHECK(zt_reach_add(&r, 2, NULL, 0));
+  ZT_CHECK(r.ngone == 0 && strcmp(verdict(&r), "000") == 0);
+}
+
 ZT_TEST(test_larger_ring_one_host_cut_off) {
   /* World 8, rank 5 cut off; every healthy rank's report is decisive. */
   zt_reach_t r;
@@ -108,4 +142,5 @@ ZT_TEST(test_bad_ranks_ignored) {
 ZT_TEST_MAIN(test_cut_off_host_reporting_first_waits_then_goes,
              test_healthy_host_reporting_first_is_decisive, test_nothing_unreachable_keeps_everyone,
              test_two_hosts_gone_survivors_stay, test_two_ranks_partitioned,
+             test_two_ranks_peer_gone_decides_at_once, test_gone_claims_checked,
              test_larger_ring_one_host_cut_off, test_bad_ranks_ignored)
