@@ -134,7 +134,8 @@ def committed_dirs(fleet, jid):
     return out
 
 
-def test_host_loss_with_replicated_checkpoints(net, data, tmp_path):
+@pytest.mark.parametrize("when", ["mid-step", "mid-replication"])
+def test_host_loss_with_replicated_checkpoints(net, data, tmp_path, when):
     """replicas 2: every file of an epoch is on two machines before it
     commits. A worker machine vanishes with its disk mid-run; the job goes
     on from the newest epoch (fetching the lost machine's files from their
@@ -156,10 +157,24 @@ def test_host_loss_with_replicated_checkpoints(net, data, tmp_path):
     newest = dirs[max(dirs)]
     where = epoch_files(net, ("h1", "h2", "h3"), newest)
     assert len(where) == 7 and all(len(hs) >= 2 for hs in where.values()), where
-    # h3 vanishes, disk and all.
+    # h3 vanishes, disk and all: at some point of a step, or right after
+    # it wrote an epoch, while its copies are being pushed (that epoch then
+    # never commits; the job goes on from the one before).
+    if when == "mid-replication":
+        log = fleet.workers["wh3"][1]
+        n0 = len(re.findall(r"checkpoint step \d+ written", log.output()))
+        wait_until(lambda: len(re.findall(r"checkpoint step \d+ written", log.output())) > n0,
+                   30, "an epoch written on h3", interval=0.002)
+    gen0, s0 = fleet.job(jid)["generation"], fleet.job(jid)["step"]
     net.hosts["h3"].kill_all()
     shutil.rmtree(net.hosts["h3"].dir)
     t_lost = time.time()
+    wait_until(lambda: fleet.job(jid)["generation"] > gen0 and any(
+        s["generation"] > gen0
+        for s in fleet.api(f"/v1/jobs/{jid}/metrics?from={max(s0 - 30, 0)}")["steps"]),
+        60, "a step of the next generation", interval=0.05)
+    print(f"{when}: first step of the next generation {time.time() - t_lost:.1f} s after "
+          f"the host was lost")
     j = fleet.wait_job(jid, timeout=180)
     assert j["world"] == 2 and j["generation"] >= 2, j
     assert fleet.losses(jid) == fleet.losses(ref)
