@@ -1156,10 +1156,15 @@ static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
     rc->decide_at_ms = zt_now_ms() + reach_wait_ms(j);
     char list[256];
     zt_reach_list(rc, m->rank, list, sizeof list);
-    zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
-                   "rank %d (%s) reaches only a minority (not ranks [%s]); waiting up to %lld ms "
-                   "for the other ranks' reports", m->rank, m->row.name, list,
-                   (long long)reach_wait_ms(j));
+    if (list[0])
+      zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
+                     "rank %d (%s) reaches only a minority (not ranks [%s]); waiting up to "
+                     "%lld ms for the other ranks' reports", m->rank, m->row.name, list,
+                     (long long)reach_wait_ms(j));
+    else
+      zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
+                     "rank %d (%s) reaches every other rank; waiting up to %lld ms for the "
+                     "other ranks' reports", m->rank, m->row.name, (long long)reach_wait_ms(j));
   }
 }
 

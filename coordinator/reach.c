@@ -44,10 +44,15 @@ int zt_reach_add(zt_reach_t *r, int rank, const uint32_t *unreach, size_t n) {
     r->nreported++;
   }
   /* Ranks this one still reaches, itself included, among those not gone:
-   * a majority of them decides. */
-  int living = r->world - r->ngone, reach = living;
-  for (int k = 0; k < r->world; k++) reach -= !bit(r->gone, k) && bit(r->cut[rank], k);
-  return 2 * reach > living || r->nreported >= living;
+   * a majority of them decides, when it names someone. A rank that reaches
+   * every other says nothing of the others' links (one link between two
+   * other ranks may be cut): the verdict waits for their reports. */
+  int living = r->world - r->ngone, reach = living, named = 0;
+  for (int k = 0; k < r->world; k++) {
+    reach -= !bit(r->gone, k) && bit(r->cut[rank], k);
+    named |= bit(r->cut[rank], k);
+  }
+  return (named && 2 * reach > living) || r->nreported >= living;
 }
 
 int zt_reach_decide(const zt_reach_t *r, uint8_t *out) {

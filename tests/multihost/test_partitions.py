@@ -91,38 +91,47 @@ def test_partitioned_host_is_fenced_and_rejoins_at_a_checkpoint(net, data, tmp_p
     assert j["state"] == "completed"
 
 
-def test_asymmetric_partition_keeps_out_the_cut_off_host_without_flapping(net, data, tmp_path):
+@pytest.mark.parametrize("cut", [("h1", "h2"), ("h1",)], ids=["from-both-peers", "one-link"])
+def test_asymmetric_partition_keeps_out_the_cut_off_host_without_flapping(net, data, tmp_path,
+                                                                          cut):
     fleet = three_hosts(net, data, timeout_ms=20000)
     s = spec(1200)
     jid = fleet.submit(s, str(tmp_path / "a.json"))
     wait_until(lambda: fleet.job(jid)["step"] >= 30, 90, "training under way")
-    h1, h2, h3 = (net.hosts[h] for h in ("h1", "h2", "h3"))
-    # h3 still reaches the coordinator (its heartbeats go on) but neither
-    # ring peer.
-    net.blackhole(h3, h1)
-    net.blackhole(h3, h2)
+    h3 = net.hosts["h3"]
+    # h3 still reaches the coordinator (its heartbeats go on) but not the
+    # peers in `cut`. Cut from both, h3 reaches no majority: it is the one
+    # out. With one link cut, h1 and h3 each reach a majority and blame
+    # each other: exactly one of the two is out (nothing tells which is at
+    # fault), never the healthy h2.
+    for peer in cut:
+        net.blackhole(h3, net.hosts[peer])
     t0 = time.time()
     wait_until(lambda: fleet.job(jid)["world"] == 2 and fleet.job(jid)["state"] == "running",
-               20, "a generation without the cut-off host")
-    print(f"generation without h3 running {time.time() - t0:.1f} s after the partition")
+               20, "a generation without a cut-off host")
+    print(f"generation without the cut-off host running {time.time() - t0:.1f} s after the "
+          f"partition")
     gens = generations(fleet, jid)
-    assert "wh3" not in gens[-1] and "wh1" in gens[-1] and "wh2" in gens[-1], gens
-    # While the partition lasts: no new generation (no flapping), h3 stays
-    # out although it is alive, and nobody else was ever kept out.
+    out = [w for w in ("wh1", "wh2", "wh3") if w not in gens[-1]]
+    assert out == ["wh3"] if len(cut) == 2 else out in (["wh1"], ["wh3"]), gens
+    # While the partition lasts: no new generation (no flapping), the host
+    # out stays out although it is alive, and nobody else was ever kept out.
     step, n = fleet.job(jid)["step"], len(gens)
     wait_until(lambda: fleet.job(jid)["step"] >= step + 120, 90, "steps during the partition")
     assert len(generations(fleet, jid)) == n, generations(fleet, jid)
-    w3 = fleet.workers_by_name()["wh3"]
-    assert w3["state"] == "alive" and w3["quarantined"], w3
-    out = kinds(fleet, jid, "worker_cut_off")
-    assert out and all("(wh3 on h3)" in e["detail"] for e in out), out
+    w = fleet.workers_by_name()[out[0]]
+    # Not lost (a heartbeat late under load makes it "suspect" for a moment).
+    assert w["state"] in ("alive", "suspect") and w["quarantined"], w
+    host = out[0][1:]
+    cut_off = kinds(fleet, jid, "worker_cut_off")
+    assert cut_off and all(f"({out[0]} on {host})" in e["detail"] for e in cut_off), cut_off
     assert not kinds(fleet, jid, "worker_suspected")
-    # Healed: h3 reaches the others again and is admitted at a checkpoint.
-    net.unblackhole(h3, h1)
-    net.unblackhole(h3, h2)
+    # Healed: it reaches the others again and is admitted at a checkpoint.
+    for peer in cut:
+        net.unblackhole(h3, net.hosts[peer])
     wait_until(lambda: fleet.job(jid)["world"] == 3 or fleet.job(jid)["state"] == "completed",
-               60, "h3 back in the job")
-    assert fleet.job(jid)["world"] == 3, "the job ended before h3 was admitted: make it longer"
+               60, f"{out[0]} back in the job")
+    assert fleet.job(jid)["world"] == 3, "the job ended before it was admitted: make it longer"
     fleet.wait_job(jid, timeout=300)
     assert fleet.losses(jid) == reference(fleet, s, tmp_path)
 

@@ -46,10 +46,27 @@ ZT_TEST(test_healthy_host_reporting_first_is_decisive) {
 }
 
 ZT_TEST(test_nothing_unreachable_keeps_everyone) {
+  /* A rank that reaches everyone does not decide alone; when all reported
+   * nothing, nobody is out. */
   zt_reach_t r;
-  zt_reach_reset(&r, 1, 4);
-  ZT_CHECK(zt_reach_add(&r, 3, NULL, 0));
-  ZT_CHECK(strcmp(verdict(&r), "0000") == 0);
+  zt_reach_reset(&r, 1, 3);
+  ZT_CHECK(!zt_reach_add(&r, 2, NULL, 0));
+  ZT_CHECK(!zt_reach_add(&r, 0, NULL, 0));
+  ZT_CHECK(zt_reach_add(&r, 1, NULL, 0));
+  ZT_CHECK(strcmp(verdict(&r), "000") == 0);
+}
+
+ZT_TEST(test_one_link_cut_healthy_reporter_waits) {
+  /* World 3, the link 0-2 cut. Rank 1 reaches both and reports first: no
+   * verdict yet (it would keep everyone). Rank 0 then names 2: decisive,
+   * one of the two ends is out, never rank 1. */
+  zt_reach_t r;
+  zt_reach_reset(&r, 1, 3);
+  ZT_CHECK(!zt_reach_add(&r, 1, NULL, 0));
+  uint32_t u0[] = {2};
+  ZT_CHECK(zt_reach_add(&r, 0, u0, 1));
+  const char *v = verdict(&r);
+  ZT_CHECK(strcmp(v, "001") == 0 || strcmp(v, "100") == 0);
 }
 
 ZT_TEST(test_two_hosts_gone_survivors_stay) {
@@ -99,14 +116,14 @@ ZT_TEST(test_gone_claims_checked) {
   /* Claims of itself, out of range, or of a rank that reported are ignored;
    * a rank called gone that then reports is not gone. */
   zt_reach_reset(&r, 1, 3);
-  ZT_CHECK(zt_reach_add(&r, 1, NULL, 0));
+  ZT_CHECK(!zt_reach_add(&r, 1, NULL, 0));
   uint32_t bad[] = {0, 1, 7, 0xffffffffu};
   zt_reach_gone(&r, 0, bad, 4);
   ZT_CHECK(r.ngone == 0);
   uint32_t g2[] = {2};
   zt_reach_gone(&r, 0, g2, 1);
   ZT_CHECK(r.ngone == 1);
-  ZT_CHECK(zt_reach_add(&r, 2, NULL, 0));
+  ZT_CHECK(!zt_reach_add(&r, 2, NULL, 0)); /* 2 of 3 reported */
   ZT_CHECK(r.ngone == 0 && strcmp(verdict(&r), "000") == 0);
 }
 
@@ -126,7 +143,7 @@ ZT_TEST(test_bad_ranks_ignored) {
   zt_reach_t r;
   zt_reach_reset(&r, 1, 3);
   uint32_t u[] = {1, 7, 300, 0xffffffffu};
-  ZT_CHECK(zt_reach_add(&r, 1, u, 4)); /* only itself named: nothing cut */
+  ZT_CHECK(!zt_reach_add(&r, 1, u, 4)); /* only itself named: nothing cut, no verdict */
   ZT_CHECK(strcmp(verdict(&r), "000") == 0);
   ZT_CHECK(!zt_reach_add(&r, -1, u, 1) && !zt_reach_add(&r, 3, u, 1));
   char list[64];
@@ -143,4 +160,5 @@ ZT_TEST_MAIN(test_cut_off_host_reporting_first_waits_then_goes,
              test_healthy_host_reporting_first_is_decisive, test_nothing_unreachable_keeps_everyone,
              test_two_hosts_gone_survivors_stay, test_two_ranks_partitioned,
              test_two_ranks_peer_gone_decides_at_once, test_gone_claims_checked,
+             test_one_link_cut_healthy_reporter_waits,
              test_larger_ring_one_host_cut_off, test_bad_ranks_ignored)
