@@ -233,8 +233,6 @@ static int check_files(int rank, const Ztrain__ReportCheckpointRequest *req) {
   return 0;
 }
 
-/* A report for another step than the tally's starts a new tally (the older
- * epoch can no longer complete) and registers the epoch as pending. */
 /* The tally of epoch (step, generation of now); NULL when none is kept. */
 static zt_ckpt_tally_t *find_tally(zt_job_t *j, int64_t step) {
   for (int i = 0; i < ZT_CKPT_TALLIES; i++) {

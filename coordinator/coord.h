@@ -287,13 +287,13 @@ typedef enum {
  * or checked against a committed epoch's record, and recorded. */
 int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
                         const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out);
+/* Frees the job's epoch tallies (a job that ended reports no more). */
+void zt_ckpt_forget(zt_job_t *j);
 /* Counts one rank's report of the epoch being written (its files, or the
  * error of its failed write). On REPORT_COMMITTED the caller applies retention
  * and acts on the commit; on REPORT_FAILED it decides what the job does without
  * that epoch. An epoch with a failed write is deleted once every rank has
  * reported. */
-/* Frees the job's epoch tallies (a job that ended reports no more). */
-void zt_ckpt_forget(zt_job_t *j);
 int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
                    const struct Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out);
 /* The newest committed epoch of a job at or before max_step (INT64_MAX:

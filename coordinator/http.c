@@ -399,7 +399,8 @@ static void r_metrics(zt_http_req_t *r) {
   worker_series(c, &b, "ztrain_worker_send_wait_ms",
                 "Time per step waiting for the worker's outgoing link (a slow link shows here).", 2);
   worker_series(c, &b, "ztrain_worker_link_rtt_ms",
-                "Smoothed round-trip time of the worker's outgoing ring connection (kernel TCP_INFO): queueing on a slow link shows here.", 3);
+                "Smoothed round-trip time of the worker's outgoing ring connection (kernel "
+                "TCP_INFO): queueing on a slow link shows here.", 3);
   int jobs[8] = {0};
   for (zt_job_t *j = c->jobs; j; j = j->next)
     if (j->row.state >= 0 && j->row.state < 8) jobs[j->row.state]++;

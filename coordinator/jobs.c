@@ -1154,17 +1154,12 @@ static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   }
   if (!rc->decide_at_ms) {
     rc->decide_at_ms = zt_now_ms() + reach_wait_ms(j);
-    char list[256];
+    char list[256], what[300] = "reaches every other rank";
     zt_reach_list(rc, m->rank, list, sizeof list);
-    if (list[0])
-      zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
-                     "rank %d (%s) reaches only a minority (not ranks [%s]); waiting up to "
-                     "%lld ms for the other ranks' reports", m->rank, m->row.name, list,
-                     (long long)reach_wait_ms(j));
-    else
-      zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
-                     "rank %d (%s) reaches every other rank; waiting up to %lld ms for the "
-                     "other ranks' reports", m->rank, m->row.name, (long long)reach_wait_ms(j));
+    if (list[0]) snprintf(what, sizeof what, "reaches only a minority (not ranks [%s])", list);
+    zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
+                   "rank %d (%s) %s; waiting up to %lld ms for the other ranks' reports",
+                   m->rank, m->row.name, what, (long long)reach_wait_ms(j));
   }
 }
 

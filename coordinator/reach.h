@@ -20,12 +20,13 @@
  * A report is decisive on its own when its rank still reaches a majority
  * of the generation (counting itself) and cannot reach some: then the
  * ranks it cannot reach are the ones out. A report that reaches everyone
- * decides nothing alone (the cut may be between two other ranks). A rank whose machine refused the connection (nothing
- * listens) is gone, not cut off: it is out, and the majority is counted
- * among the others, so a survivor of a killed process decides at once
- * even in a two-rank world. A rank that reaches only a minority may be the one cut off,
- * or the survivor of several losses: the verdict waits for the other
- * ranks' reports (all of them, or until a short deadline jobs.c sets).
+ * decides nothing alone (the cut may be between two other ranks). A rank
+ * whose machine refused the connection (nothing listens) is gone, not cut
+ * off: it is out, and the majority is counted among the others, so a
+ * survivor of a killed process decides at once even in a two-rank world.
+ * A rank that reaches only a minority may be the one cut off, or the
+ * survivor of several losses: the verdict waits for the other ranks'
+ * reports (all of them, or until a short deadline jobs.c sets).
  */
 #ifndef ZT_REACH_H
 #define ZT_REACH_H

@@ -85,11 +85,12 @@ static int io_all(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) 
 }
 
 /* Starts a non-blocking connection to addr: the socket, connecting (or
- * already connected: *done), or -1 (*refused: nothing listens there). */
-static int connect_start_r(const char *addr, int *done, int *refused) {
+ * already connected: *done), or -1 (then *refused, when not NULL, says
+ * whether nothing listens there). */
+static int connect_start(const char *addr, int *done, int *refused) {
   char host[128];
   int port;
-  *refused = 0;
+  if (refused) *refused = 0;
   if (zt_parse_hostport(addr, host, sizeof host, &port) != 0) return -1;
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
   if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
@@ -98,7 +99,7 @@ static int connect_start_r(const char *addr, int *done, int *refused) {
   if (fd < 0) return zt_err_errno("socket");
   *done = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
   if (!*done && errno != EINPROGRESS) {
-    *refused = errno == ECONNREFUSED;
+    if (refused) *refused = errno == ECONNREFUSED;
     zt_err_errno("connect %s", addr);
     close(fd);
     return -1;
@@ -106,14 +107,8 @@ static int connect_start_r(const char *addr, int *done, int *refused) {
   return fd;
 }
 
-/* connect_start_r without the refusal. */
-static int connect_start(const char *addr, int *done) {
-  int refused;
-  return connect_start_r(addr, done, &refused);
-}
-
 static int connect_to(const char *addr, zt_deadline_t dl) {
-  int done, fd = connect_start(addr, &done);
+  int done, fd = connect_start(addr, &done, NULL);
   if (fd < 0 || done) return fd;
   int err = 0;
   socklen_t el = sizeof err;
@@ -133,7 +128,7 @@ void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t
   for (int i = 0; i < n; i++) {
     int done, refused;
     reached[i] = ZT_PROBE_SILENT;
-    p[i].fd = connect_start_r(addrs[i], &done, &refused);
+    p[i].fd = connect_start(addrs[i], &done, &refused);
     p[i].events = POLLOUT;
     if (p[i].fd < 0 && refused) reached[i] = ZT_PROBE_REFUSED;
     if (p[i].fd >= 0 && done) {
