@@ -555,6 +555,10 @@ void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
     zt_coord_event(c, j->row.id, "checkpoint_deleted", 0, "step %lld: after the rollback target: %s",
                    (long long)b.k[i].step, b.k[i].dir);
   }
+  zt_db_ckpt_t k;
+  int found = 0;
+  if (zt_ckpt_newest(c, j, INT64_MAX, 0, &k, &found) == 0)
+    j->committed_step = found ? k.step : 0;
 }
 
 typedef struct {

@@ -175,6 +175,10 @@ typedef struct zt_job {
   int ckpt_paused;
   char ckpt_error[300];
   int64_t safe_step;
+  /* The end: the newest committed epoch (for views), and while the last
+   * step's epoch is awaited, until when (monotonic; 0: not awaiting). */
+  int64_t committed_step;
+  int64_t final_by_ms;
   /* Rollback. */
   zt_spike_t det;
   int64_t poisoned_from; /* first step with a non-finite loss; 0: none */

@@ -341,9 +341,58 @@ static void index_hosts(zt_coord_t *c, zt_job_t *j) {
 }
 
 /* Forms the next generation if enough workers are available. */
+/* ---- the end of a job ----------------------------------------------------------- */
+
+/* How long a job whose last step is done waits for its final epoch to
+ * commit before it completes without it (writes and copies of the final
+ * epoch take what any epoch takes; a worker lost meanwhile re-forms the
+ * job, which computes the last steps again). */
+#define ZT_FINAL_CKPT_WAIT_MS 120000
+
+/* The last step is done: the workers write the final epoch (trainer.c) and
+ * the job completes when it commits (final_committed), when its write
+ * fails, or after ZT_FINAL_CKPT_WAIT_MS. */
+static void await_final(zt_coord_t *c, zt_job_t *j) {
+  if (j->final_by_ms) return;
+  j->final_by_ms = zt_now_ms() + ZT_FINAL_CKPT_WAIT_MS;
+  snprintf(j->row.message, sizeof j->row.message,
+           "step %lld of %lld done; committing the final checkpoint",
+           (long long)j->row.step, (long long)j->row.total_steps);
+  save_job(c, j);
+}
+
+static void complete(zt_coord_t *c, zt_job_t *j, const char *ckpt_note) {
+  finish(c, j, ZT_JOB_COMPLETED, "job_completed", "completed %lld steps; final loss %.6g; %s",
+         (long long)j->row.total_steps, j->last.loss, ckpt_note);
+  zt_jobs_schedule(c);
+}
+
+/* Called on every commit: 1 when it was the final epoch and the job is now
+ * complete. */
+static int final_committed(zt_coord_t *c, zt_job_t *j, int64_t step) {
+  if (step < j->row.total_steps || !job_active(j)) return 0;
+  char note[96];
+  snprintf(note, sizeof note, "final checkpoint step %lld committed", (long long)step);
+  complete(c, j, note);
+  return 1;
+}
+
+/* The final epoch failed to write, or did not commit in time. */
+static void final_failed(zt_coord_t *c, zt_job_t *j, const char *why) {
+  zt_coord_event(c, j->row.id, "final_checkpoint_failed", 0, "%s", why);
+  char note[400];
+  snprintf(note, sizeof note, "no final checkpoint (%.300s)", why);
+  complete(c, j, note);
+}
+
 static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   uint64_t pick[ZT_MAX_WORLD];
   char missing[300];
+  /* The final epoch committed before this coordinator restarted, or before
+   * a worker was lost: nothing is left to train. */
+  if (j->rb_ckpt_step < 0 && j->committed_step >= j->row.total_steps &&
+      final_committed(c, j, j->committed_step))
+    return;
   int n = pick_members(c, j, pick, missing, sizeof missing);
   if (!n) {
     to_pending(c, j, missing, reason);
@@ -367,6 +416,7 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   }
   j->rb_ckpt_step = -1;
   j->rb_ckpt_dir[0] = 0;
+  j->final_by_ms = 0;
   zt_reach_reset(&j->reach, 0, 0);
   j->ckpt_request = 0;
   j->poisoned_from = 0;
@@ -421,7 +471,10 @@ static void judge_reach(zt_coord_t *c, zt_job_t *j);
 void zt_jobs_schedule(zt_coord_t *c) {
   int64_t now = zt_now_ms();
   for (zt_job_t *j = c->jobs; j; j = j->next) {
-    if (j->reach.decide_at_ms && now >= j->reach.decide_at_ms &&
+    if (job_active(j) && j->rb_ckpt_step < 0 && j->committed_step >= j->row.total_steps &&
+        j->row.total_steps > 0)
+      final_committed(c, j, j->committed_step);
+    else if (j->reach.decide_at_ms && now >= j->reach.decide_at_ms &&
         j->reach.gen == j->row.generation &&
         (j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING))
       judge_reach(c, j);
@@ -429,6 +482,10 @@ void zt_jobs_schedule(zt_coord_t *c) {
       try_form(c, j, "enough workers");
     else if (j->retry_at_ms && now >= j->retry_at_ms)
       try_form(c, j, j->retry_reason);
+    else if (j->final_by_ms && now >= j->final_by_ms && job_active(j))
+      final_failed(c, j, "the final epoch did not commit in time");
+    else if (j->final_by_ms)
+      continue; /* no scale-up: nothing is left to train */
     else if (j->row.state == ZT_JOB_RUNNING && j->p.ckpt_dir[0] && !j->ckpt_request &&
              !j->ckpt_paused && j->row.world < j->p.max_workers)
       maybe_scale_up(c, j);
@@ -545,10 +602,11 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
 
 static int act_pause_cancel(zt_coord_t *c, zt_job_t *j, zt_job_action_t a, char *msg,
                             size_t msglen) {
-  if (!job_active(j))
+  int pause = a == ZT_ACT_PAUSE;
+  /* A paused job can be canceled (it is kept until then, to be resumed). */
+  if (!job_active(j) && (pause || j->row.state != ZT_JOB_PAUSED))
     return zt_errk(ZT_E_STATE, "job %llu is %s", (unsigned long long)j->row.id,
                    zt_job_state_name(j->row.state));
-  int pause = a == ZT_ACT_PAUSE;
   finish(c, j, pause ? ZT_JOB_PAUSED : ZT_JOB_CANCELED, pause ? "job_paused" : "job_canceled",
          "%s by operator at step %lld", pause ? "paused" : "canceled", (long long)j->row.step);
   snprintf(msg, msglen, "%s", j->row.message);
@@ -655,8 +713,11 @@ static int load_job(const zt_db_job_t *row, void *user) {
   int have = 0;
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 0, &ck, &have) == 0 && have) {
     set_start(c, j, ck.dir);
-    j->start_step = j->safe_step = ck.step;
+    j->start_step = j->safe_step = j->committed_step = ck.step;
   }
+  /* Stopped while its final epoch was awaited: the wait starts again. */
+  if (job_active(j) && j->p.ckpt_dir[0] && j->row.step >= j->row.total_steps)
+    j->final_by_ms = zt_now_ms() + ZT_FINAL_CKPT_WAIT_MS;
   job_append(c, j);
   return 0;
 }
@@ -1085,9 +1146,13 @@ int zt_jobs_report_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int
     return 0;
   }
   if (req->step == j->row.total_steps) {
+    *command = ZTRAIN__COMMAND__COMMAND_STOP;
+    if (j->p.ckpt_dir[0]) { /* complete when the final epoch commits */
+      await_final(c, j);
+      return 0;
+    }
     finish(c, j, ZT_JOB_COMPLETED, "job_completed", "completed %lld steps; final loss %.6g",
            (long long)req->step, req->loss);
-    *command = ZTRAIN__COMMAND__COMMAND_STOP;
     zt_jobs_schedule(c);
   }
   return 0;
@@ -1230,6 +1295,12 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
  * checkpoint-now epoch (drain, scale-up) that was to end the generation
  * ends it without the epoch, and the job re-forms from the last one. */
 static void checkpoint_failed(zt_coord_t *c, zt_job_t *j) {
+  if (j->final_by_ms && j->ck->step >= j->row.total_steps) {
+    char why[400];
+    snprintf(why, sizeof why, "the final epoch's write failed: %.300s", j->ck->error);
+    final_failed(c, j, why);
+    return;
+  }
   if (!j->ckpt_paused)
     zt_coord_event(c, j->row.id, "checkpointing_paused", 0,
                    "checkpoint writes fail; training goes on for at most %lld steps past step "
@@ -1296,12 +1367,14 @@ int zt_jobs_report_replica(zt_coord_t *c, const Ztrain__ReportReplicaRequest *re
 static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
   j->ckpt_commits++;
   j->safe_step = ZT_MAX(j->safe_step, j->ck->step);
+  j->committed_step = ZT_MAX(j->committed_step, j->ck->step);
   if (j->ckpt_paused) {
     j->ckpt_paused = 0;
     zt_coord_event(c, j->row.id, "checkpointing_resumed", 0, "step %lld committed",
                    (long long)j->ck->step);
   }
   zt_ckpt_gc(c, j);
+  if (final_committed(c, j, j->ck->step)) return;
   checkpoint_committed(c, j);
 }
 

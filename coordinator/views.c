@@ -44,6 +44,7 @@ void zt_view_job(const zt_job_t *j, Ztrain__JobInfo *ji) {
   ji->lr = j->last.lr;
   ji->grad_norm = j->last.grad_norm;
   ji->val_loss = j->last.val_loss;
+  ji->checkpoint_step = j->committed_step;
   ji->tokens_per_s = j->last.tokens_per_s;
   ji->message = (char *)j->row.message;
   ji->created_ms = j->row.created_ms;

@@ -174,6 +174,7 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
     cJSON_AddNumberToObject(m, "seed", (double)meta->seed);
     cJSON_AddNumberToObject(m, "global_batch", (double)meta->global_batch);
     cJSON_AddNumberToObject(m, "data_cursor", (double)meta->step * (double)meta->global_batch);
+    if (meta->tokenizer[0]) cJSON_AddStringToObject(m, "tokenizer", meta->tokenizer);
     cJSON *sk = cJSON_AddArrayToObject(m, "skip_ranges");
     for (int i = 0; i < meta->nskips; i++) {
       cJSON *p = cJSON_CreateArray();

@@ -52,6 +52,9 @@ typedef struct {
   int64_t global_batch;
   const zt_range_t *skips;
   int nskips;
+  /* The tokenizer record of the job's data (absolute path), or "": the
+   * manifest names it so that export and sampling find the tokenizer. */
+  char tokenizer[512];
 } zt_ckpt_meta_t;
 
 typedef struct {

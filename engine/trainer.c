@@ -22,6 +22,7 @@
  */
 #include "trainer.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +50,7 @@ typedef struct {
   zt_zero_t z;
   int have_z;
   zt_data_t *train, *val;
+  char tok_record[512]; /* the training data's tokenizer record, or "" */
   int *inp, *tgt;
   zt_ckpt_writer_t *writer; /* started at the first checkpoint */
   zt_mem_need_t need;       /* what one rank needs (memory.h) */
@@ -87,6 +89,20 @@ static int confine(trainer *t) {
   return 0;
 }
 
+/* The tokenizer record zprep wrote beside the first training shard
+ * (PREFIX_train_NNNNNN.bin -> PREFIX_tokenizer.json), if there is one: the
+ * checkpoint manifest names it for export and sampling. */
+static void tokenizer_record(trainer *t, const char *shard) {
+  char rec[ZT_SPEC_PATH_MAX], real[PATH_MAX];
+  t->tok_record[0] = 0;
+  const char *base = strrchr(shard, '/'), *tr;
+  base = base ? base + 1 : shard;
+  if (!(tr = strstr(base, "train_")) || (tr != base && tr[-1] != '_')) return;
+  snprintf(rec, sizeof rec, "%.*stokenizer.json", (int)(tr - shard), shard);
+  if (access(rec, R_OK) == 0 && realpath(rec, real) && strlen(real) < sizeof t->tok_record)
+    snprintf(t->tok_record, sizeof t->tok_record, "%s", real);
+}
+
 /* Opens the shards of a pattern; with a data root, every file must really
  * lie under it (no symbolic link out). */
 static int open_shards(trainer *t, const char *pattern, const char *what, zt_data_t **out) {
@@ -99,6 +115,7 @@ static int open_shards(trainer *t, const char *pattern, const char *what, zt_dat
       rc = zt_errk(ZT_E_INVALID, "%s: %s leads outside the data root %s", what, paths[i],
                    t->g->data_root);
   if (rc == 0) rc = zt_data_open(out, paths, n, t->T, t->cfg.vocab_size, t->spec.seed);
+  if (rc == 0 && out == &t->train) tokenizer_record(t, paths[0]);
   zt_data_free_paths(paths, n);
   return rc;
 }
@@ -110,6 +127,10 @@ static int open_data(trainer *t) {
   if (t->spec.val_glob[0] && t->spec.eval_every &&
       open_shards(t, t->spec.val_glob, "data.val", &t->val) != 0)
     return -1;
+  if (t->val && zt_data_num_samples(t->val) < (uint64_t)t->mb)
+    return zt_err("data.val %s: %llu samples of %d tokens, fewer than one micro batch (%d)",
+                  t->spec.val_glob, (unsigned long long)zt_data_num_samples(t->val), t->T,
+                  t->mb);
   return 0;
 }
 
@@ -231,6 +252,12 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
     return zt_err("checkpoint %s holds step %lld, expected %lld", g->checkpoint_dir,
                   (long long)loaded, (long long)g->start_step);
   }
+  if (loaded >= t->spec.steps) { /* a checkpoint.load at or past the end */
+    *fault = ZT_FAULT_JOB;
+    return zt_errk(ZT_E_INVALID, "checkpoint %s holds step %lld and the job has %ld steps: "
+                   "nothing left to train (raise steps)", g->checkpoint_dir, (long long)loaded,
+                   t->spec.steps);
+  }
   *step = loaded;
   ZT_INFO("loaded checkpoint step %lld into %d ranks, stage %d, in %lld ms: %s", (long long)loaded,
           t->N, t->spec.zero_stage, (long long)(zt_now_ms() - t0), g->checkpoint_dir);
@@ -253,15 +280,17 @@ static double step_lr(trainer *t, int64_t s) {
   return zt_lr_at(&t->spec.sched, t->spec.opt.lr, (long)(s - 1), mult);
 }
 
-/* Mean loss over the spec's evaluation batches, spread over the ranks. */
+/* Mean loss over the validation batches, spread over the ranks: batch b
+ * is samples [b mb, (b + 1) mb) of the validation shards in file order, for
+ * b < min(eval.batches, n_samples / mb) (docs/engine.md; set_up refuses a
+ * validation set smaller than one micro batch). */
 static float eval_loss(trainer *t) {
   int mb = t->mb;
   float acc[2] = {0, 0};
-  uint64_t ns = zt_data_num_samples(t->val);
-  for (int b = t->r; b < t->spec.eval_batches; b += t->N) {
+  uint64_t nb = ZT_MIN((uint64_t)t->spec.eval_batches, zt_data_num_samples(t->val) / (uint64_t)mb);
+  for (uint64_t b = (uint64_t)t->r; b < nb; b += (uint64_t)t->N) {
     float l = NAN;
-    if (zt_data_fill_seq(t->val, ((uint64_t)b * (uint64_t)mb) % (ns - (uint64_t)mb + 1), mb,
-                         t->inp, t->tgt) != 0 ||
+    if (zt_data_fill_seq(t->val, b * (uint64_t)mb, mb, t->inp, t->tgt) != 0 ||
         zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0)
       return NAN;
     acc[0] += l;
@@ -352,21 +381,26 @@ static int save_state(trainer *t, int64_t step) {
   char dir[1024];
   zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
   zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,
-                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips};
+                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, ""};
+  snprintf(meta.tokenizer, sizeof meta.tokenizer, "%s", t->tok_record);
   int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, t->z.U);
   free(rg);
   return rc;
 }
 
-/* Writes an epoch when one is due. Returns 1 when the generation ends
- * here: a checkpoint-now epoch (drain, scale-up) makes the coordinator
- * re-form from exactly this step once it commits, so no step is computed
- * twice. */
+/* Writes an epoch when one is due: on schedule, when asked, and always
+ * after the last step, so every completed job ends with its final model on
+ * disk (the coordinator completes the job when that epoch commits).
+ * Returns 1 when the generation ends here: a checkpoint-now epoch (drain,
+ * scale-up) makes the coordinator re-form from exactly this step once it
+ * commits, so no step is computed twice. */
 static int checkpoint(trainer *t, int64_t step, const step_result *res) {
   const zt_spec_ckpt_t *c = &t->spec.ckpt;
+  int last = step >= t->spec.steps;
   int want = c->dir[0] && !res->nonfinite &&
-             ((c->every_steps && step % c->every_steps == 0) || res->ckpt_requested);
-  if (!want || step >= t->spec.steps) return 0;
+             ((c->every_steps && step % c->every_steps == 0) || res->ckpt_requested || last);
+  if (!want) return 0;
+  if (last) return save_state(t, step); /* waits for the previous epoch: nothing follows */
   /* A periodic epoch is skipped rather than stall the ring (and fail it
    * past the collective timeout) while the previous one, safely on disk,
    * still waits for its copies or for the coordinator. */

@@ -14,6 +14,7 @@ cJSON *zt_json_job(const Ztrain__JobInfo *j) {
   cJSON_AddNumberToObject(o, "world", j->world);
   cJSON_AddNumberToObject(o, "step", (double)j->step);
   cJSON_AddNumberToObject(o, "total_steps", (double)j->total_steps);
+  cJSON_AddNumberToObject(o, "checkpoint_step", (double)j->checkpoint_step);
   cJSON_AddNumberToObject(o, "loss", j->loss);
   cJSON_AddNumberToObject(o, "lr", j->lr);
   cJSON_AddNumberToObject(o, "grad_norm", j->grad_norm);

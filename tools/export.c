@@ -1,16 +1,43 @@
 /*
- * export.c: a committed checkpoint epoch as a safetensors file with
- * Hugging Face GPT-2 names (zctl export).
+ * export.c: a committed checkpoint epoch as a Hugging Face GPT-2 model
+ * directory (zctl export), the form GPT2LMHeadModel.from_pretrained(DIR)
+ * and AutoTokenizer.from_pretrained(DIR) load:
+ *
+ *   model.safetensors   the parameters, GPT-2 names, fp32 or bf16
+ *   config.json         GPT2Config: sizes, gelu_new, layer_norm_epsilon 1e-5,
+ *                       tied embeddings, bos/eos = the end-of-text id,
+ *                       dropout 0 (the model was trained without)
+ *   tokenizer files     gpt2 BPE: vocab.json + merges.txt (the encoder.json
+ *                       and vocab.bpe the shards were made with), byte:
+ *                       tokenizer.json (byte-level BPE with no merges, so
+ *                       token b is byte b and 256 is <|endoftext|>);
+ *                       tokenizer_config.json and special_tokens_map.json
  *
  * The epoch's shards are read back into full unit buffers with the same
  * range reads a resharding load uses (engine/ckpt_io.c, checksums checked),
  * then written by the engine's safetensors writer (engine/safetensors.h:
- * names, Conv1D transposes, fp32 or bf16), the same module a job's
- * init.from_safetensors reads with.
+ * names, Conv1D transposes), the same module a job's init.from_safetensors
+ * reads with, so an exported model can be trained on again.
+ *
+ * The tokenizer is the one named by the epoch's manifest ("tokenizer": the
+ * record zprep wrote next to the training shards, docs/engine.md), or the
+ * caller's record; without either a model of vocab_size 257 is taken to use
+ * the byte tokenizer, and any other model is exported without tokenizer
+ * files (said on stderr).
+ *
+ * Nothing is half-written: every file goes into DIR.tmp-PID, fsynced, and
+ * the directory is renamed to DIR at the end. DIR may not exist yet (its
+ * parents are created) or be an empty directory; anything else is refused.
  */
 #include <cjson/cJSON.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "ckpt_io.h"
 #include "export.h"
@@ -19,14 +46,29 @@
 #include "spec.h"
 #include "zt_common.h"
 
-static int read_model(const char *dir, zt_model_config_t *cfg) {
+#define EOT_TEXT "<|endoftext|>"
+#define MAX_TOKENIZER_FILE (64u << 20)
+
+typedef struct {
+  char type[16]; /* "byte", "gpt2", or "" (none known) */
+  int vocab_size, eot;
+  char encoder[1200], bpe[1200]; /* gpt2: paths of encoder.json and vocab.bpe */
+} tok_info;
+
+/* ---- reading the epoch ------------------------------------------------------------ */
+
+static cJSON *read_manifest(const char *dir) {
   char path[1200], *text;
   size_t len;
   snprintf(path, sizeof path, "%s/manifest.json", dir);
-  if (zt_read_file(path, &text, &len, 1 << 20) != 0) return -1;
-  cJSON *doc = zt_json_parse(text, len, path), *m;
+  if (zt_read_file(path, &text, &len, 1 << 20) != 0) return NULL;
+  cJSON *doc = zt_json_parse(text, len, path);
   free(text);
-  m = doc ? cJSON_GetObjectItemCaseSensitive(doc, "model") : NULL;
+  return doc;
+}
+
+static int read_model(const char *dir, const cJSON *man, zt_model_config_t *cfg) {
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(man, "model");
   int ok = m != NULL;
   const char *keys[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
   int *dst[] = {&cfg->n_layer, &cfg->n_head, &cfg->n_embd, &cfg->seq_len, &cfg->vocab_size};
@@ -35,26 +77,318 @@ static int read_model(const char *dir, zt_model_config_t *cfg) {
     ok = cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble <= 1 << 20;
     if (ok) *dst[i] = (int)v->valuedouble;
   }
-  cJSON_Delete(doc);
-  return ok ? 0 : zt_err("%s: no model config (corrupt checkpoint)", path);
+  return ok ? 0 : zt_err("%s/manifest.json: no model config (corrupt checkpoint)", dir);
 }
 
-int zt_export_safetensors(const char *dir, const char *out, int bf16, size_t *bytes_out) {
+/* The tokenizer record (docs/engine.md, "Tokenizer record"): file names in
+ * it are relative to the record's directory. */
+static int read_record(const char *path, tok_info *t) {
+  char *text;
+  size_t len;
+  if (zt_read_file(path, &text, &len, 1 << 20) != 0) return zt_err_wrap("tokenizer record");
+  cJSON *doc = zt_json_parse(text, len, path);
+  free(text);
+  if (!doc) return -1;
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(doc, "type");
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(doc, "vocab_size");
+  const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "eot");
+  int ok = cJSON_IsString(type) && cJSON_IsNumber(v) && cJSON_IsNumber(e) &&
+           v->valuedouble >= 1 && v->valuedouble <= 1 << 20 && e->valuedouble >= 0 &&
+           e->valuedouble < v->valuedouble &&
+           (!strcmp(type->valuestring, "byte") || !strcmp(type->valuestring, "gpt2"));
+  if (ok) {
+    snprintf(t->type, sizeof t->type, "%s", type->valuestring);
+    t->vocab_size = (int)v->valuedouble, t->eot = (int)e->valuedouble;
+  }
+  if (ok && !strcmp(t->type, "gpt2")) {
+    const cJSON *enc = cJSON_GetObjectItemCaseSensitive(doc, "encoder");
+    const cJSON *bpe = cJSON_GetObjectItemCaseSensitive(doc, "bpe");
+    ok = cJSON_IsString(enc) && cJSON_IsString(bpe) && !strchr(enc->valuestring, '/') &&
+         !strchr(bpe->valuestring, '/');
+    if (ok) {
+      const char *slash = strrchr(path, '/');
+      int dl = slash ? (int)(slash - path) : 1;
+      const char *d = slash ? path : ".";
+      snprintf(t->encoder, sizeof t->encoder, "%.*s/%s", dl, d, enc->valuestring);
+      snprintf(t->bpe, sizeof t->bpe, "%.*s/%s", dl, d, bpe->valuestring);
+    }
+  }
+  cJSON_Delete(doc);
+  return ok ? 0 : zt_err("%s: not a tokenizer record (type byte|gpt2, vocab_size, eot%s)", path,
+                         !strcmp(t->type, "gpt2") ? ", encoder, bpe file names" : "");
+}
+
+static int find_tokenizer(const zt_export_opts_t *o, const cJSON *man,
+                          const zt_model_config_t *cfg, tok_info *t) {
+  memset(t, 0, sizeof *t);
+  const cJSON *rec = cJSON_GetObjectItemCaseSensitive(man, "tokenizer");
+  const char *path = o->tokenizer ? o->tokenizer : cJSON_IsString(rec) ? rec->valuestring : NULL;
+  if (path && read_record(path, t) != 0) return -1;
+  if (!path && cfg->vocab_size == 257) { /* zprep's byte tokenizer */
+    snprintf(t->type, sizeof t->type, "byte");
+    t->vocab_size = 257, t->eot = 256;
+  }
+  if (t->type[0] && t->vocab_size > cfg->vocab_size)
+    return zt_err("the tokenizer has %d tokens, the model's vocabulary only %d", t->vocab_size,
+                  cfg->vocab_size);
+  return 0;
+}
+
+/* ---- writing files ------------------------------------------------------------------ */
+
+static int write_bytes(const char *dir, const char *name, const void *buf, size_t len) {
+  char path[1400];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return zt_err_errno("cannot create %s", path);
+  int rc = zt_write_all(fd, buf, len);
+  if (rc == 0 && fsync(fd) != 0) rc = zt_err_errno("fsync %s", path);
+  if (close(fd) != 0 && rc == 0) rc = zt_err_errno("close %s", path);
+  return rc;
+}
+
+/* Writes a JSON document (consumed). */
+static int write_json(const char *dir, const char *name, cJSON *doc) {
+  char *text = cJSON_Print(doc);
+  cJSON_Delete(doc);
+  if (!text) return zt_err("%s: out of memory", name);
+  size_t n = strlen(text);
+  text[n] = '\n'; /* replaces the terminator; the length is known */
+  int rc = write_bytes(dir, name, text, n + 1);
+  free(text);
+  return rc;
+}
+
+static int copy_file(const char *from, const char *dir, const char *name) {
+  char *buf;
+  size_t len;
+  if (zt_read_file(from, &buf, &len, MAX_TOKENIZER_FILE) != 0) return zt_err_wrap("tokenizer");
+  int rc = write_bytes(dir, name, buf, len);
+  free(buf);
+  return rc;
+}
+
+static cJSON *config_json(const zt_model_config_t *cfg, const tok_info *t, int bf16,
+                          int64_t step) {
+  cJSON *c = cJSON_CreateObject();
+  cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
+  cJSON_AddItemToArray(arch, cJSON_CreateString("GPT2LMHeadModel"));
+  cJSON_AddStringToObject(c, "model_type", "gpt2");
+  cJSON_AddNumberToObject(c, "vocab_size", cfg->vocab_size);
+  cJSON_AddNumberToObject(c, "n_positions", cfg->seq_len);
+  cJSON_AddNumberToObject(c, "n_ctx", cfg->seq_len);
+  cJSON_AddNumberToObject(c, "n_embd", cfg->n_embd);
+  cJSON_AddNumberToObject(c, "n_layer", cfg->n_layer);
+  cJSON_AddNumberToObject(c, "n_head", cfg->n_head);
+  cJSON_AddNullToObject(c, "n_inner"); /* 4 n_embd */
+  cJSON_AddStringToObject(c, "activation_function", "gelu_new");
+  cJSON_AddNumberToObject(c, "layer_norm_epsilon", 1e-5);
+  cJSON_AddNumberToObject(c, "initializer_range", 0.02);
+  cJSON_AddNumberToObject(c, "resid_pdrop", 0.0);
+  cJSON_AddNumberToObject(c, "embd_pdrop", 0.0);
+  cJSON_AddNumberToObject(c, "attn_pdrop", 0.0);
+  cJSON_AddTrueToObject(c, "scale_attn_weights");
+  cJSON_AddTrueToObject(c, "tie_word_embeddings");
+  cJSON_AddTrueToObject(c, "use_cache");
+  if (t->type[0] && t->eot < cfg->vocab_size) {
+    cJSON_AddNumberToObject(c, "bos_token_id", t->eot);
+    cJSON_AddNumberToObject(c, "eos_token_id", t->eot);
+  }
+  cJSON_AddStringToObject(c, "torch_dtype", bf16 ? "bfloat16" : "float32");
+  cJSON *z = cJSON_AddObjectToObject(c, "ztrain");
+  cJSON_AddNumberToObject(z, "step", (double)step);
+  return c;
+}
+
+/* GPT-2's bytes_to_unicode: byte b as the code point byte-level BPE shows
+ * it with, UTF-8 encoded into out (at least 3 bytes). */
+static void byte_char(int b, char *out) {
+  int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  int cp = b;
+  if (!printable) { /* the n-th unprintable byte becomes 256 + n */
+    int n = 0;
+    for (int x = 0; x < b; x++)
+      n += !((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF));
+    cp = 256 + n;
+  }
+  if (cp < 0x80) out[0] = (char)cp, out[1] = 0;
+  else out[0] = (char)(0xC0 | (cp >> 6)), out[1] = (char)(0x80 | (cp & 0x3F)), out[2] = 0;
+}
+
+static cJSON *byte_level(void) {
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "type", "ByteLevel");
+  cJSON_AddFalseToObject(o, "add_prefix_space");
+  cJSON_AddTrueToObject(o, "trim_offsets");
+  cJSON_AddFalseToObject(o, "use_regex");
+  return o;
+}
+
+/* tokenizer.json (Hugging Face tokenizers) of the byte tokenizer: a
+ * byte-level BPE whose vocabulary is the 256 byte characters with no
+ * merges, and the end-of-text token as a special added token. */
+static cJSON *byte_tokenizer_json(int eot) {
+  cJSON *t = cJSON_CreateObject();
+  cJSON_AddStringToObject(t, "version", "1.0");
+  cJSON_AddNullToObject(t, "truncation");
+  cJSON_AddNullToObject(t, "padding");
+  cJSON *added = cJSON_AddArrayToObject(t, "added_tokens"), *a = cJSON_CreateObject();
+  cJSON_AddNumberToObject(a, "id", eot);
+  cJSON_AddStringToObject(a, "content", EOT_TEXT);
+  cJSON_AddFalseToObject(a, "single_word");
+  cJSON_AddFalseToObject(a, "lstrip");
+  cJSON_AddFalseToObject(a, "rstrip");
+  cJSON_AddTrueToObject(a, "normalized");
+  cJSON_AddTrueToObject(a, "special");
+  cJSON_AddItemToArray(added, a);
+  cJSON_AddNullToObject(t, "normalizer");
+  cJSON_AddItemToObject(t, "pre_tokenizer", byte_level());
+  cJSON_AddNullToObject(t, "post_processor");
+  cJSON_AddItemToObject(t, "decoder", byte_level());
+  cJSON *m = cJSON_AddObjectToObject(t, "model");
+  cJSON_AddStringToObject(m, "type", "BPE");
+  cJSON_AddNullToObject(m, "dropout");
+  cJSON_AddNullToObject(m, "unk_token");
+  cJSON_AddNullToObject(m, "continuing_subword_prefix");
+  cJSON_AddNullToObject(m, "end_of_word_suffix");
+  cJSON_AddFalseToObject(m, "fuse_unk");
+  cJSON_AddFalseToObject(m, "byte_fallback");
+  cJSON *vocab = cJSON_AddObjectToObject(m, "vocab");
+  for (int b = 0; b < 256; b++) {
+    char ch[4];
+    byte_char(b, ch);
+    cJSON_AddNumberToObject(vocab, ch, b);
+  }
+  cJSON_AddArrayToObject(m, "merges");
+  return t;
+}
+
+static int write_tokenizer(const char *dir, const tok_info *t, int seq_len) {
+  if (!t->type[0]) return 0;
+  int gpt2 = !strcmp(t->type, "gpt2");
+  if (gpt2 && (copy_file(t->encoder, dir, "vocab.json") != 0 ||
+               copy_file(t->bpe, dir, "merges.txt") != 0))
+    return -1;
+  if (!gpt2 && write_json(dir, "tokenizer.json", byte_tokenizer_json(t->eot)) != 0) return -1;
+  cJSON *tc = cJSON_CreateObject();
+  cJSON_AddStringToObject(tc, "tokenizer_class", gpt2 ? "GPT2Tokenizer" : "PreTrainedTokenizerFast");
+  cJSON_AddNumberToObject(tc, "model_max_length", seq_len);
+  cJSON_AddFalseToObject(tc, "add_prefix_space");
+  cJSON_AddStringToObject(tc, "bos_token", EOT_TEXT);
+  cJSON_AddStringToObject(tc, "eos_token", EOT_TEXT);
+  cJSON_AddStringToObject(tc, "unk_token", EOT_TEXT);
+  if (write_json(dir, "tokenizer_config.json", tc) != 0) return -1;
+  cJSON *sm = cJSON_CreateObject();
+  cJSON_AddStringToObject(sm, "bos_token", EOT_TEXT);
+  cJSON_AddStringToObject(sm, "eos_token", EOT_TEXT);
+  cJSON_AddStringToObject(sm, "unk_token", EOT_TEXT);
+  return write_json(dir, "special_tokens_map.json", sm);
+}
+
+/* ---- the directory ------------------------------------------------------------------ */
+
+/* 1 when dir exists and holds nothing, 0 when it does not exist, -1 when
+ * it cannot be the output (a file, or a non-empty directory). */
+static int out_state(const char *dir) {
+  struct stat st;
+  if (stat(dir, &st) != 0) return errno == ENOENT ? 0 : zt_err_errno("%s", dir);
+  if (!S_ISDIR(st.st_mode)) return zt_err("%s exists and is not a directory", dir);
+  DIR *d = opendir(dir);
+  if (!d) return zt_err_errno("%s", dir);
+  struct dirent *e;
+  int n = 0;
+  while ((e = readdir(d)))
+    n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+  closedir(d);
+  return n ? zt_err("%s exists and is not empty (export into a new directory)", dir) : 1;
+}
+
+static void remove_tree_flat(const char *dir) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  struct dirent *e;
+  char path[1400];
+  while ((e = readdir(d)))
+    if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+      unlink(path);
+    }
+  closedir(d);
+  rmdir(dir);
+}
+
+static int sync_dir(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return zt_err_errno("open %s", dir);
+  int rc = fsync(fd) == 0 ? 0 : zt_err_errno("fsync %s", dir);
+  close(fd);
+  return rc;
+}
+
+/* Reads the epoch's parameters into a flat buffer; *step its step. */
+static int load_flat(const char *dir, const zt_model_config_t *cfg, zt_layout_t *lay,
+                     float **flat_out, int64_t *step) {
+  if (zt_layout_build(lay, cfg) != 0) return -1;
+  float *flat = zt_xcalloc(lay->num_params, sizeof(float));
+  zt_ckpt_dest_t *dest = zt_xcalloc((size_t)lay->num_units, sizeof *dest);
+  for (int u = 0; u < lay->num_units; u++)
+    dest[u] = (zt_ckpt_dest_t){u, 0, lay->unit_size[u], flat + lay->unit_off[u], NULL, NULL};
+  int rc = zt_ckpt_load(dir, cfg, dest, lay->num_units, NULL, step);
+  free(dest);
+  if (rc != 0) free(flat);
+  else *flat_out = flat;
+  return rc;
+}
+
+int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   zt_model_config_t cfg;
   zt_layout_t lay = {0};
+  tok_info tok;
   float *flat = NULL;
-  zt_ckpt_dest_t *dest = NULL;
+  char tmp[1200] = "", parent[1200], out_dir[1100];
   int ret = -1;
-  if (read_model(dir, &cfg) != 0 || zt_layout_build(&lay, &cfg) != 0) goto out;
-  flat = zt_xcalloc(lay.num_params, sizeof(float));
-  dest = zt_xcalloc((size_t)lay.num_units, sizeof *dest);
-  for (int u = 0; u < lay.num_units; u++)
-    dest[u] = (zt_ckpt_dest_t){u, 0, lay.unit_size[u], flat + lay.unit_off[u], NULL, NULL};
-  int64_t step;
-  if (zt_ckpt_load(dir, &cfg, dest, lay.num_units, NULL, &step) != 0) goto out;
-  ret = zt_st_write(out, &lay, flat, bf16, step, bytes_out);
+  memset(info, 0, sizeof *info);
+  size_t ol = strlen(o->out_dir);
+  while (ol > 1 && o->out_dir[ol - 1] == '/') ol--; /* "out/" is "out" */
+  if (ol == 0 || ol >= sizeof out_dir) return zt_err("export: bad output directory name");
+  memcpy(out_dir, o->out_dir, ol);
+  out_dir[ol] = 0;
+  cJSON *man = read_manifest(o->epoch_dir);
+  if (!man || read_model(o->epoch_dir, man, &cfg) != 0 || find_tokenizer(o, man, &cfg, &tok) != 0)
+    goto out;
+  int st = out_state(out_dir);
+  if (st < 0) goto out;
+  snprintf(parent, sizeof parent, "%s", out_dir);
+  char *slash = strrchr(parent, '/');
+  if (slash && slash != parent) *slash = 0;
+  if (slash && slash != parent && zt_mkdirs(parent) != 0) goto out;
+  if (load_flat(o->epoch_dir, &cfg, &lay, &flat, &info->step) != 0) goto out;
+  snprintf(tmp, sizeof tmp, "%s.tmp-%d", out_dir, (int)getpid());
+  if (mkdir(tmp, 0755) != 0) {
+    zt_err_errno("cannot create %s", tmp);
+    tmp[0] = 0;
+    goto out;
+  }
+  char path[1400];
+  snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+  if (zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
+      write_json(tmp, "config.json", config_json(&cfg, &tok, o->bf16, info->step)) != 0 ||
+      write_tokenizer(tmp, &tok, cfg.seq_len) != 0 || sync_dir(tmp) != 0)
+    goto out;
+  if (st == 1 && rmdir(out_dir) != 0) {
+    zt_err_errno("cannot replace the empty directory %s", out_dir);
+    goto out;
+  }
+  if (rename(tmp, out_dir) != 0) {
+    zt_err_errno("cannot rename %s to %s", tmp, out_dir);
+    goto out;
+  }
+  tmp[0] = 0;
+  snprintf(info->tokenizer, sizeof info->tokenizer, "%s", tok.type[0] ? tok.type : "none");
+  ret = 0;
 out:
-  free(dest);
+  if (tmp[0]) remove_tree_flat(tmp);
+  cJSON_Delete(man);
   free(flat);
   zt_layout_free(&lay);
   return ret;

@@ -1,14 +1,28 @@
 /*
- * export.h: a committed checkpoint epoch to a Hugging Face GPT-2
- * safetensors file (tools/export.c).
+ * export.h: a committed checkpoint epoch to a Hugging Face GPT-2 model
+ * directory (tools/export.c).
  */
 #ifndef ZT_EXPORT_H
 #define ZT_EXPORT_H
 
 #include <stddef.h>
+#include <stdint.h>
 
-/* Writes the model of the epoch in `dir` to `out` (fp32, or bf16 when
- * bf16 is set); *bytes_out receives the file size. */
-int zt_export_safetensors(const char *dir, const char *out, int bf16, size_t *bytes_out);
+typedef struct {
+  const char *epoch_dir; /* a committed epoch (its manifest.json and rank files) */
+  const char *out_dir;   /* created; must not exist or be empty */
+  int bf16;              /* model.safetensors in bf16 instead of fp32 */
+  const char *tokenizer; /* a tokenizer record, or NULL: the manifest's */
+} zt_export_opts_t;
+
+typedef struct {
+  int64_t step;          /* the epoch's step */
+  size_t model_bytes;    /* size of model.safetensors */
+  char tokenizer[16];    /* "byte", "gpt2" or "none" (no tokenizer files) */
+} zt_export_info_t;
+
+/* Writes model.safetensors, config.json and the tokenizer files of the
+ * epoch into o->out_dir, through a temporary directory and a rename. */
+int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info);
 
 #endif

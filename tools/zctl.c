@@ -183,9 +183,12 @@ static int cmd_events(zctl *z, int argc, char **argv) {
 }
 
 static void print_job_row(const Ztrain__JobInfo *j) {
-  printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %9.4f %10.0f  %s\n", (unsigned long long)j->id,
-         esc(j->name), zt_job_state_name(j->state), (unsigned long long)j->generation, j->world,
-         (long long)j->step, (long long)j->total_steps, j->loss, j->tokens_per_s, esc(j->message));
+  char ck[24] = "-";
+  if (j->checkpoint_step > 0) snprintf(ck, sizeof ck, "%lld", (long long)j->checkpoint_step);
+  printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %8s %9.4f %10.0f  %s\n",
+         (unsigned long long)j->id, esc(j->name), zt_job_state_name(j->state),
+         (unsigned long long)j->generation, j->world, (long long)j->step, (long long)j->total_steps,
+         ck, j->loss, j->tokens_per_s, esc(j->message));
 }
 
 static int cmd_jobs(zctl *z, int argc, char **argv) {
@@ -200,8 +203,8 @@ static int cmd_jobs(zctl *z, int argc, char **argv) {
     for (size_t i = 0; i < r->n_jobs; i++) cJSON_AddItemToArray(arr, zt_json_job(r->jobs[i]));
     print_json(o);
   } else {
-    printf("%-5s %-16s %-13s %4s %5s %15s %9s %10s  %s\n", "ID", "NAME", "STATE", "GEN", "WORLD",
-           "STEP", "LOSS", "TOK/S", "MESSAGE");
+    printf("%-5s %-16s %-13s %4s %5s %15s %8s %9s %10s  %s\n", "ID", "NAME", "STATE", "GEN",
+           "WORLD", "STEP", "CKPT", "LOSS", "TOK/S", "MESSAGE");
     for (size_t i = 0; i < r->n_jobs; i++) print_job_row(r->jobs[i]);
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -426,10 +429,35 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   return 0;
 }
 
-/* export JOB --step S --out F [--dtype f32|bf16], or export --dir EPOCH --out F. */
+/* The directory of job's committed epoch at `step`, or of its newest
+ * committed epoch when step < 0 (ListCheckpoints). */
+static int find_epoch(zctl *z, uint64_t job, int64_t step, char *out, size_t cap) {
+  Ztrain__ListCheckpointsRequest req = ZTRAIN__LIST_CHECKPOINTS_REQUEST__INIT;
+  req.job_id = job;
+  Ztrain__ListCheckpointsReply *r = (Ztrain__ListCheckpointsReply *)status_call(
+      z, "ListCheckpoints", &req.base, &ztrain__list_checkpoints_reply__descriptor);
+  if (!r) return -1;
+  int64_t best = -1;
+  for (size_t k = 0; k < r->n_checkpoints; k++) {
+    const Ztrain__CheckpointInfo *c = r->checkpoints[k];
+    if (strcmp(c->state, "committed") || (step >= 0 ? c->step != step : c->step <= best)) continue;
+    best = c->step;
+    snprintf(out, cap, "%s", c->dir);
+  }
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  if (best >= 0) return 0;
+  if (step >= 0)
+    return zt_err("job %llu has no committed checkpoint at step %lld (zctl checkpoints %llu lists "
+                  "them)", (unsigned long long)job, (long long)step, (unsigned long long)job);
+  return zt_err("job %llu has no committed checkpoint", (unsigned long long)job);
+}
+
+/* export JOB [--step S] --out DIR [--dtype f32|bf16] [--tokenizer RECORD], or
+ * export --dir EPOCH --out DIR (no coordinator). */
 static int cmd_export(zctl *z, int argc, char **argv) {
-  const char *out = NULL, *dir = NULL, *dtype = "f32";
-  long long step = -1;
+  zt_export_opts_t o = {0};
+  const char *dtype = "f32";
+  int64_t step = -1;
   uint64_t job = 0;
   int i = 0;
   if (argc > 0 && argv[0][0] != '-') {
@@ -438,44 +466,37 @@ static int cmd_export(zctl *z, int argc, char **argv) {
   }
   for (; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--step")) {
-      int64_t v;
-      if (opt_i64("--step", argv[i + 1], 0, INT64_MAX, &v) != 0) return -1;
-      step = v;
-    }
-    else if (!strcmp(argv[i], "--out")) out = argv[i + 1];
+      if (opt_i64("--step", argv[i + 1], 0, INT64_MAX, &step) != 0) return -1;
+    } else if (!strcmp(argv[i], "--out")) o.out_dir = argv[i + 1];
     else if (!strcmp(argv[i], "--dtype")) dtype = argv[i + 1];
-    else if (!strcmp(argv[i], "--dir")) dir = argv[i + 1];
+    else if (!strcmp(argv[i], "--dir")) o.epoch_dir = argv[i + 1];
+    else if (!strcmp(argv[i], "--tokenizer")) o.tokenizer = argv[i + 1];
     else return zt_err("export: unknown option %s", argv[i]);
   }
-  if (i != argc || !out || (!dir && (!job || step < 0)))
-    return zt_err("export: usage: zctl export JOB --step S --out FILE [--dtype f32|bf16]");
+  if (i != argc || !o.out_dir || !!o.epoch_dir == !!job)
+    return zt_err("export: usage: zctl export JOB [--step S] --out DIR [--dtype f32|bf16] "
+                  "[--tokenizer RECORD], or zctl export --dir CHECKPOINT_DIR --out DIR");
   if (strcmp(dtype, "f32") && strcmp(dtype, "bf16"))
     return zt_err("export: --dtype must be f32 or bf16");
-  char found[1024] = "";
-  if (!dir) {
-    Ztrain__ListCheckpointsRequest req = ZTRAIN__LIST_CHECKPOINTS_REQUEST__INIT;
-    req.job_id = job;
-    Ztrain__ListCheckpointsReply *r = (Ztrain__ListCheckpointsReply *)status_call(
-        z, "ListCheckpoints", &req.base, &ztrain__list_checkpoints_reply__descriptor);
-    if (!r) return -1;
-    for (size_t k = 0; k < r->n_checkpoints; k++)
-      if (r->checkpoints[k]->step == step && !strcmp(r->checkpoints[k]->state, "committed"))
-        snprintf(found, sizeof found, "%s", r->checkpoints[k]->dir);
-    protobuf_c_message_free_unpacked(&r->base, NULL);
-    if (!found[0]) return zt_err("export: job %llu has no committed checkpoint at step %lld",
-                                 (unsigned long long)job, step);
-    dir = found;
+  o.bf16 = !strcmp(dtype, "bf16");
+  char found[1024];
+  if (!o.epoch_dir) {
+    if (find_epoch(z, job, step, found, sizeof found) != 0) return zt_err_wrap("export");
+    o.epoch_dir = found;
   }
-  size_t bytes = 0;
-  if (zt_export_safetensors(dir, out, !strcmp(dtype, "bf16"), &bytes) != 0) return -1;
+  zt_export_info_t info;
+  if (zt_export_dir(&o, &info) != 0) return zt_err_wrap("export");
   if (z->json) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "file", out);
-    cJSON_AddStringToObject(o, "checkpoint", dir);
-    cJSON_AddNumberToObject(o, "bytes", (double)bytes);
-    print_json(o);
+    cJSON *out = cJSON_CreateObject();
+    cJSON_AddStringToObject(out, "dir", o.out_dir);
+    cJSON_AddStringToObject(out, "checkpoint", o.epoch_dir);
+    cJSON_AddNumberToObject(out, "step", (double)info.step);
+    cJSON_AddNumberToObject(out, "model_bytes", (double)info.model_bytes);
+    cJSON_AddStringToObject(out, "tokenizer", info.tokenizer);
+    print_json(out);
   } else {
-    printf("wrote %s (%zu bytes) from %s\n", out, bytes, dir);
+    printf("wrote %s (step %lld, model.safetensors %zu bytes, tokenizer %s) from %s\n", o.out_dir,
+           (long long)info.step, info.model_bytes, info.tokenizer, o.epoch_dir);
   }
   return 0;
 }
@@ -504,8 +525,8 @@ static const verb k_verbs[] = {
     {"rollback", -1, cmd_action, "JOB --to-step S [--skip N]",
      "restart from a checkpoint, skipping data"},
     {"drain", 1, cmd_drain, "WORKER", "checkpoint, then take a worker out"},
-    {"export", -1, cmd_export, "JOB --step S --out F [--dtype f32|bf16]",
-     "Hugging Face safetensors (--dir EPOCH: no coordinator)"},
+    {"export", -1, cmd_export, "JOB [--step S] --out DIR [--dtype f32|bf16] [--tokenizer REC]",
+     "Hugging Face model directory; --dir CHECKPOINT_DIR --out DIR needs no coordinator"},
     {"logbook", -1, cmd_logbook, "JOB --markdown", "run report: timeline, rollbacks, loss"},
 };
 
@@ -527,6 +548,7 @@ static const verb *find_verb(const char *name, int nargs) {
 }
 
 int main(int argc, char **argv) {
+  if (zt_version_arg(argc, argv, "zctl")) return 0;
   zt_log_set_prefix("zctl");
   static const struct option opts[] = {
       {"coordinator", required_argument, 0, 'c'}, {"json", no_argument, 0, 'j'},

@@ -12,7 +12,7 @@ import sqlite3
 
 import pytest
 
-from ztest import (byte_dataset, events, losses, start_fleet, submit, tiny_spec, wait_job,
+from ztest import (byte_dataset, events, losses, start_fleet, submit, tiny_spec, wait_job, zctl,
                    wait_until, zctl_json)
 
 
@@ -254,3 +254,29 @@ def test_load_of_an_unknown_epoch_is_refused(procs, tmp_path, data):
     r = zctl(coord.grpc, "submit", str(path), check=False)
     assert r.returncode == 1 and "checkpoint.load" in r.stderr
     assert "not a committed checkpoint epoch" in r.stderr, r.stderr
+
+
+def test_final_step_is_checkpointed(procs, tmp_path, data):
+    """A completed job ends with its last step committed, also when steps is not a multiple
+    of the interval; the job completes only then, and says so. Loading a checkpoint at or
+    past the last step is a job error, not a job that never ends."""
+    train, val = data
+    coord, _ = fleet(procs, 2)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 45, stage=1, workers=2,
+                     checkpoint={"dir": root, "every_steps": 20, "keep_last": 5})
+    jid = submit(coord, spec, tmp_path)
+    j = wait_job(coord, jid)
+    epochs = committed(coord, jid)
+    assert sorted(epochs) == [20, 40, 45]
+    man = json.load(open(epochs[45]["dir"] + "/manifest.json"))
+    assert man["step"] == 45 and man["world"] == 2
+    assert j["checkpoint_step"] == 45 and "final checkpoint step 45 committed" in j["message"]
+    row = [line for line in zctl(coord.grpc, "jobs").stdout.splitlines()
+           if line.split()[0] == str(jid)][0]
+    assert row.split()[5:7] == ["45/45", "45"], row
+    # The final epoch resumes nothing: a job loading it fails at once, naming why.
+    again = tiny_spec(train, val, 45, stage=1, workers=2,
+                      checkpoint={"dir": str(tmp_path / "ck2"), "load": epochs[45]["dir"]})
+    j2 = wait_job(coord, submit(coord, again, tmp_path, "again.json"), states=("failed",))
+    assert "nothing left to train" in j2["message"]

@@ -106,3 +106,38 @@ def test_errors(data, tmp_path):
     assert r.returncode == 1 and "broken_train_000000.bin" in r.stderr and "magic" in r.stderr
     assert run("zsolo", check=False).returncode == 2
     assert run("zsolo", path, "--threads", "x", check=False).returncode == 2
+
+
+def test_validation_batches_are_the_first_samples(tmp_path):
+    """Validation batch b is samples [b mb, (b + 1) mb) in file order, for b < min(eval.batches,
+    n_samples // mb): asking for more batches than the set holds reuses no sample, and data
+    after the first K batches is never read."""
+    from ztest import english_text, write_shard
+    mb, T = 16, 64
+    text = list(english_text(60_000))
+    train = tmp_path / "v_train_000000.bin"
+    write_shard(train, text[10_000:])
+    sets = {"exact": text[:3 * mb * T + 1],                # 48 samples: 3 batches
+            "longer": text[:3 * mb * T + 1 + 31 * T],      # 79 samples: 4 batches
+            "small": text[:10 * T + 1]}                    # 10 samples: less than a batch
+    for name, toks in sets.items():
+        write_shard(tmp_path / f"{name}_val.bin", toks)
+
+    def val_losses(name, batches):
+        path = spec(tmp_path, tmp_path, 25, data={"train": str(train),
+                                                 "val": str(tmp_path / f"{name}_val.bin")},
+                    eval={"every_steps": 1, "batches": batches})
+        r = run("zsolo", path, "--json", "--threads", "2", "--steps", "2", check=False)
+        return r, [x["val_loss"] for x in records(r.stdout)]
+
+    _, exact3 = val_losses("exact", 3)
+    _, exact_many = val_losses("exact", 1000)
+    _, longer3 = val_losses("longer", 3)
+    _, longer4 = val_losses("longer", 4)
+    assert len(exact3) == 2 and all(math.isfinite(v) for v in exact3)
+    assert exact_many == exact3, "batches beyond the set's size reuse no sample"
+    assert longer3 == exact3, "samples after the first K batches are not read"
+    assert longer4 != exact3
+    r, _ = val_losses("small", 2)
+    assert r.returncode == 1 and "fewer than one micro batch" in r.stderr
+    assert "small_val.bin" in r.stderr

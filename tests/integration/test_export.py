@@ -1,17 +1,22 @@
-"""zctl export: a committed epoch as a Hugging Face GPT-2 safetensors file.
+"""zctl export: a committed epoch as a Hugging Face GPT-2 model directory.
 
-The file is parsed here independently (8-byte header length, JSON header,
-dtypes, shapes, contiguous offsets) and every tensor is compared with the
-parameters read straight from the epoch's rank files (their own JSON index,
-not our C reader), transposing the Conv1D weights.
+model.safetensors is parsed here independently (8-byte header length, JSON
+header, dtypes, shapes, contiguous offsets) and every tensor is compared
+with the parameters read straight from the epoch's rank files (their own
+JSON index, not our C reader), transposing the Conv1D weights. config.json
+and the tokenizer files are checked field by field, and a GPT-2 forward
+written here from the Hugging Face definition (config.json + the tensors
+by name) must give the loss our engine computes for the same weights.
 """
 import glob
 import json
+import math
 import os
 import struct
+import subprocess
 from array import array
 
-from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job, zctl, zctl_json
+from ztest import BIN, byte_dataset, start_fleet, submit, tiny_spec, wait_job, zctl, zctl_json
 
 L, C, NH, T, V = 2, 32, 2, 32, 257
 
@@ -80,43 +85,184 @@ def bf16_to_f32(h):
     return struct.unpack("<f", struct.pack("<I", h << 16))[0]
 
 
-def test_export_safetensors(procs, tmp_path):
+def check_tensors(path, want, dtype="F32"):
+    header, data = parse_safetensors(path)
+    assert set(header) == set(want), set(header) ^ set(want)
+    for name, (shape, vals) in want.items():
+        h = header[name]
+        assert h["dtype"] == dtype and h["shape"] == shape, (name, h, shape)
+        b, e = h["data_offsets"]
+        if dtype == "F32":
+            got = array("f", data[b:e])
+            assert list(got) == [array("f", [v])[0] for v in vals], name
+        else:
+            for g, v in zip(array("H", data[b:e]), vals):
+                assert abs(bf16_to_f32(g) - v) <= abs(v) * 2 ** -8 + 1e-30, (name, g, v)
+
+
+def bytes_to_unicode():
+    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) +
+          list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def test_export_directory(procs, tmp_path):
     train, val = byte_dataset(str(tmp_path / "data"), 200_000)
     coord = start_fleet(procs, 2, timeout_ms=None)
     spec = tiny_spec(train, val, 30, stage=3, workers=2,
                      checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 20})
     jid = submit(coord, spec, tmp_path)
     wait_job(coord, jid)
-    epoch = [c for c in zctl_json(coord.grpc, "checkpoints", str(jid))["checkpoints"]
-             if c["step"] == 20][0]["dir"]
-    want = expected_tensors(read_params(epoch))
+    epochs = {c["step"]: c["dir"] for c in zctl_json(coord.grpc, "checkpoints", str(jid))[
+        "checkpoints"] if c["state"] == "committed"}
 
-    f32 = str(tmp_path / "model.safetensors")
-    r = zctl_json(coord.grpc, "export", str(jid), "--step", "20", "--out", f32)
-    assert r["bytes"] == os.path.getsize(f32)
-    header, data = parse_safetensors(f32)
-    assert set(header) == set(want), set(header) ^ set(want)
-    for name, (shape, vals) in want.items():
-        h = header[name]
-        assert h["dtype"] == "F32" and h["shape"] == shape, (name, h, shape)
+    # Default: the newest committed epoch, the final step.
+    out = tmp_path / "exports" / "final"
+    r = zctl_json(coord.grpc, "export", str(jid), "--out", str(out))
+    assert r["step"] == 30 and r["tokenizer"] == "byte" and r["checkpoint"] == epochs[30]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
+                                       "special_tokens_map.json", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    assert r["model_bytes"] == os.path.getsize(out / "model.safetensors")
+    check_tensors(str(out / "model.safetensors"), expected_tensors(read_params(epochs[30])))
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["architectures"] == ["GPT2LMHeadModel"] and cfg["model_type"] == "gpt2"
+    assert (cfg["vocab_size"], cfg["n_positions"], cfg["n_embd"], cfg["n_layer"],
+            cfg["n_head"]) == (V, T, C, L, NH)
+    assert cfg["activation_function"] == "gelu_new" and cfg["layer_norm_epsilon"] == 1e-5
+    assert cfg["tie_word_embeddings"] is True and cfg["bos_token_id"] == cfg["eos_token_id"] == 256
+    # The byte tokenizer.json round-trips every byte: byte-level pre-tokenizer, no merges, so
+    # token b is the character GPT-2 shows byte b as, and 256 is the end of text.
+    tok = json.load(open(out / "tokenizer.json"))
+    assert tok["pre_tokenizer"]["type"] == tok["decoder"]["type"] == "ByteLevel"
+    assert tok["model"]["type"] == "BPE" and tok["model"]["merges"] == []
+    b2u = bytes_to_unicode()
+    assert tok["model"]["vocab"] == {b2u[b]: b for b in range(256)}
+    assert [(a["id"], a["content"], a["special"]) for a in tok["added_tokens"]] == [
+        (256, "<|endoftext|>", True)]
+    text = "Grüße, 世界!\n\t\x00".encode()
+    ids = [tok["model"]["vocab"][b2u[b]] for b in text]
+    inv = {v: k for k, v in tok["model"]["vocab"].items()}
+    u2b = {c: b for b, c in b2u.items()}
+    assert bytes(u2b[inv[i]] for i in ids) == text and ids == list(text)
+
+    # --step, bf16, and --dir with no coordinator give the same tensors.
+    want20 = expected_tensors(read_params(epochs[20]))
+    zctl(coord.grpc, "export", str(jid), "--step", "20", "--out", str(tmp_path / "s20"))
+    check_tensors(str(tmp_path / "s20" / "model.safetensors"), want20)
+    zctl(coord.grpc, "export", str(jid), "--step", "20", "--out", str(tmp_path / "bf"),
+         "--dtype", "bf16")
+    check_tensors(str(tmp_path / "bf" / "model.safetensors"), want20, "BF16")
+    assert json.load(open(tmp_path / "bf" / "config.json"))["torch_dtype"] == "bfloat16"
+    r = subprocess.run([os.path.join(BIN, "zctl"), "--coordinator", "127.0.0.1:1", "export",
+                        "--dir", epochs[20], "--out", str(tmp_path / "nocoord")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    check_tensors(str(tmp_path / "nocoord" / "model.safetensors"), want20)
+    usage = subprocess.run([os.path.join(BIN, "zctl")], capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 2 and "--dir CHECKPOINT_DIR" in usage.stderr
+
+    # Errors name the problem, exit 1, and write nothing.
+    def fails(*args, expect):
+        r = zctl(coord.grpc, "export", *args, check=False)
+        assert r.returncode == 1 and expect in r.stderr and len(r.stderr.splitlines()) == 1, r
+    fails(str(jid), "--step", "7", "--out", str(tmp_path / "x"),
+          expect="no committed checkpoint at step 7")
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "afile").write_text("not a directory")
+    fails(str(jid), "--out", str(tmp_path / "afile" / "out"), expect="afile")
+    fails(str(jid), "--out", str(out), expect="exists and is not empty")
+    assert sorted(os.listdir(out))[1] == "model.safetensors"
+    nock = submit(coord, tiny_spec(train, val, 3, workers=1), tmp_path, "nock.json")
+    wait_job(coord, nock)
+    fails(str(nock), "--out", str(tmp_path / "y"), expect=f"job {nock} has no committed checkpoint")
+    assert not glob.glob(str(tmp_path / "**" / "*.tmp-*"), recursive=True)
+
+
+def hf_gpt2_loss(model_dir, samples):
+    """Mean next-token loss of GPT2LMHeadModel as Hugging Face defines it, built from
+    config.json and model.safetensors by tensor name: Conv1D y = x W + b with W [in, out],
+    pre-LN blocks, gelu_new, attention scaled by 1/sqrt(head size), causal, the LM head tied
+    to wte. Plain Python in double precision (no torch needed)."""
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    header, data = parse_safetensors(os.path.join(model_dir, "model.safetensors"))
+    W = {}
+    for name, h in header.items():
         b, e = h["data_offsets"]
-        got = array("f", data[b:e])
-        assert list(got) == [array("f", [v])[0] for v in vals], name
+        vals = list(array("f", data[b:e]))
+        if len(h["shape"]) == 2:
+            rows, cols = h["shape"]
+            vals = [vals[r * cols:(r + 1) * cols] for r in range(rows)]
+        W[name] = vals
+    C, H, eps = cfg["n_embd"], cfg["n_head"], cfg["layer_norm_epsilon"]
+    assert cfg["activation_function"] == "gelu_new" and cfg["tie_word_embeddings"]
+    hs = C // H
 
-    bf = str(tmp_path / "model-bf16.safetensors")
-    zctl(coord.grpc, "export", str(jid), "--step", "20", "--out", bf, "--dtype", "bf16")
-    header, data = parse_safetensors(bf)
-    for name, (shape, vals) in want.items():
-        h = header[name]
-        assert h["dtype"] == "BF16" and h["shape"] == shape
-        b, e = h["data_offsets"]
-        got = array("H", data[b:e])
-        for g, v in zip(got, vals):
-            assert abs(bf16_to_f32(g) - v) <= abs(v) * 2 ** -8 + 1e-30, (name, g, v)
+    def ln(x, w, b):
+        m = sum(x) / len(x)
+        v = sum((a - m) ** 2 for a in x) / len(x)
+        r = 1 / math.sqrt(v + eps)
+        return [(a - m) * r * g + c for a, g, c in zip(x, w, b)]
 
-    # Errors name the problem.
-    r = zctl(coord.grpc, "export", str(jid), "--step", "7", "--out", f32, check=False)
-    assert r.returncode == 1 and "no committed checkpoint at step 7" in r.stderr
+    def conv1d(x, w, b):  # x [in], w [in][out]
+        out = list(b)
+        for xi, row in zip(x, w):
+            for j, wij in enumerate(row):
+                out[j] += xi * wij
+        return out
+
+    def gelu(a):
+        return 0.5 * a * (1 + math.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a ** 3)))
+
+    total, count = 0.0, 0
+    for toks in samples:
+        inp, tgt = toks[:-1], toks[1:]
+        x = [[e + p for e, p in zip(W["transformer.wte.weight"][t], W["transformer.wpe.weight"][i])]
+             for i, t in enumerate(inp)]
+        for l in range(cfg["n_layer"]):
+            P = f"transformer.h.{l}."
+            h1 = [ln(r, W[P + "ln_1.weight"], W[P + "ln_1.bias"]) for r in x]
+            qkv = [conv1d(r, W[P + "attn.c_attn.weight"], W[P + "attn.c_attn.bias"]) for r in h1]
+            att = []
+            for i in range(len(x)):
+                row = []
+                for h in range(H):
+                    q = qkv[i][h * hs:(h + 1) * hs]
+                    sc = [sum(a * b for a, b in zip(q, qkv[j][C + h * hs:C + (h + 1) * hs]))
+                          / math.sqrt(hs) for j in range(i + 1)]
+                    mx = max(sc)
+                    ex = [math.exp(v - mx) for v in sc]
+                    z = sum(ex)
+                    row += [sum(ex[j] / z * qkv[j][2 * C + h * hs + d] for j in range(i + 1))
+                            for d in range(hs)]
+                att.append(row)
+            x = [[a + b for a, b in zip(r, conv1d(o, W[P + "attn.c_proj.weight"],
+                                                   W[P + "attn.c_proj.bias"]))]
+                 for r, o in zip(x, att)]
+            h2 = [ln(r, W[P + "ln_2.weight"], W[P + "ln_2.bias"]) for r in x]
+            x = [[a + b for a, b in zip(r, conv1d(
+                [gelu(v) for v in conv1d(o, W[P + "mlp.c_fc.weight"], W[P + "mlp.c_fc.bias"])],
+                W[P + "mlp.c_proj.weight"], W[P + "mlp.c_proj.bias"]))] for r, o in zip(x, h2)]
+        for r, t in zip(x, tgt):
+            f = ln(r, W["transformer.ln_f.weight"], W["transformer.ln_f.bias"])
+            logits = [sum(a * b for a, b in zip(f, e)) for e in W["transformer.wte.weight"]]
+            mx = max(logits)
+            total += mx + math.log(sum(math.exp(v - mx) for v in logits)) - logits[t]
+            count += 1
+    return total / count
+
+
+def shard_samples(path, n, T):
+    raw = open(path, "rb").read()
+    toks = array("H", raw[1024:])
+    return [list(toks[k * T:k * T + T + 1]) for k in range(n)]
 
 
 def frozen(spec, **eval_kw):
@@ -146,8 +292,8 @@ def test_import_exported_weights(procs, tmp_path):
     wait_job(coord, ja)
     epoch = [c for c in zctl_json(coord.grpc, "checkpoints", str(ja))["checkpoints"]
              if c["step"] == 20][0]["dir"]
-    model = str(tmp_path / "data" / "model.safetensors")
-    zctl_json(coord.grpc, "export", str(ja), "--step", "20", "--out", model)
+    zctl_json(coord.grpc, "export", str(ja), "--step", "20", "--out", str(tmp_path / "hf"))
+    model = str(tmp_path / "hf" / "model.safetensors")
 
     # The same weights, once imported and once resumed from the epoch.
     b = frozen(tiny_spec(train, val, 1, stage=3, workers=2, init={"from_safetensors": model}))
@@ -159,6 +305,10 @@ def test_import_exported_weights(procs, tmp_path):
     wait_job(coord, jc)
     vb, vc = val_losses(coord, jb), val_losses(coord, jc)
     assert vb[1] == vc[21], (vb, vc)
+    # The exported directory, loaded as Hugging Face defines GPT-2, gives the same loss on the
+    # validation batches (eval.batches 4 x micro batch 2: the first 8 samples, docs/engine.md).
+    ref = hf_gpt2_loss(str(tmp_path / "hf"), shard_samples(glob.glob(val)[0], 8, T))
+    assert abs(ref - vb[1]) <= 1e-6 * ref, (ref, vb[1])
     # ... and not what a random initialisation gives.
     r = frozen(tiny_spec(train, val, 1, stage=3, workers=2))
     jr = submit(coord, r, tmp_path, "r.json")

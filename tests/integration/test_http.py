@@ -76,7 +76,7 @@ def test_read_endpoints(live):
     code, ev = js(p, f"/v1/jobs/{jid}/events")
     assert code == 200 and "job_completed" in [e["kind"] for e in ev["events"]]
     code, ck = js(p, f"/v1/jobs/{jid}/checkpoints")
-    assert code == 200 and [c["step"] for c in ck["checkpoints"]] == [20, 40]
+    assert code == 200 and [c["step"] for c in ck["checkpoints"]] == [20, 40, 60]
     code, ev = js(p, "/v1/events?limit=2")
     assert code == 200 and len(ev["events"]) == 2
     code, ctype, body = curl(p, "/")
@@ -138,6 +138,15 @@ def test_error_statuses(live):
     assert code == 200 and "w1" in b["message"]
     assert js(p, f"/v1/jobs/{j2}/cancel", method="POST", token=TOKEN)[0] == 200
     assert js(p, f"/v1/jobs/{j2}")[1]["state"] == "canceled"
+    # A paused job can be canceled; a canceled one cannot be again.
+    code, b = js(p, "/v1/jobs", method="POST", data=json.dumps(dict(spec, steps=100000)),
+                 token=TOKEN)
+    j3 = b["job_id"]
+    assert js(p, f"/v1/jobs/{j3}/pause", method="POST", token=TOKEN)[0] == 200
+    assert js(p, f"/v1/jobs/{j3}/cancel", method="POST", token=TOKEN)[0] == 200
+    assert js(p, f"/v1/jobs/{j3}")[1]["state"] == "canceled"
+    code, b = js(p, f"/v1/jobs/{j3}/cancel", method="POST", token=TOKEN)
+    assert code == 409 and "canceled" in b["error"]
 
 
 METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$")
@@ -196,5 +205,5 @@ def test_metrics_exposition(live):
         assert fam in types, fam
     assert f'ztrain_job_steps_total{{job="{jid}"}} 60' in text
     assert f'ztrain_job_tokens_total{{job="{jid}"}} {60 * 24 * 32}' in text
-    assert f'ztrain_job_checkpoints_total{{job="{jid}"}} 2' in text
+    assert f'ztrain_job_checkpoints_total{{job="{jid}"}} 3' in text  # 20, 40, the final 60
     assert 'ztrain_workers{state="alive"} 2' in text
