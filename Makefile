@@ -6,16 +6,21 @@
 #               for 10 s on its committed corpus)
 #
 # Other targets: build, deps, test-asan (every test under the sanitizers),
-# fuzz (each fuzz target for FUZZ_SECONDS, default 300), bench, clean.
+# fuzz (each fuzz target for FUZZ_SECONDS, default 300), bench, clean,
+# install (cmake --install into $(DESTDIR)$(PREFIX), PREFIX default
+# /usr/local), deb (the ztrain .deb, prefix /usr, in $(BUILD)/).
+# docs/deploy.md, "Install", says where each file goes.
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
+PREFIX     ?= /usr/local
+DESTDIR    ?=
 
 .PHONY: all deps build build-asan build-fuzz test test-unit-asan test-asan test-fuzz fuzz demo \
-	bench clean
+	bench clean install deb
 
 all: build
 
@@ -60,6 +65,12 @@ demo: build
 
 bench: build
 	bench/heartbeats $(BUILD)
+
+install: build
+	DESTDIR="$(DESTDIR)" cmake --install $(BUILD) --prefix "$(PREFIX)"
+
+deb: build
+	cd $(BUILD) && cpack -G DEB
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

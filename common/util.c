@@ -1,6 +1,7 @@
 /*
  * util.c: time, deadlines, allocation that cannot fail, host:port parsing,
- * whole-file I/O, constant-time comparison and the names of states.
+ * whole-file I/O, constant-time comparison, the names of states and the
+ * --version flag.
  */
 #include <ctype.h>
 #include <errno.h>
@@ -320,4 +321,11 @@ const char *zt_job_state_name(int state) {
 const char *zt_ckpt_state_name(int state) {
   static const char *const names[] = {"pending", "committed", "deleted"};
   return state_name(names, ZT_ARRAY_LEN(names), state);
+}
+
+int zt_version_arg(int argc, char **argv, const char *prog) {
+  if (argc < 2 || strcmp(argv[1], "--version") != 0) return 0;
+  printf("%s %s\n", prog, zt_version_string());
+  fflush(stdout);
+  return 1;
 }

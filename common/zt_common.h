@@ -181,6 +181,16 @@ const char *zt_worker_state_name(int state);
 const char *zt_job_state_name(int state);
 const char *zt_ckpt_state_name(int state);
 
+/* ---- version ------------------------------------------------------------ */
+
+/* "0.1.0 (git 1a2b3c4)": the project's version and, for a build from a git
+ * checkout, the revision it was built from ("-dirty" with local changes).
+ * Generated at build time by common/version.cmake. */
+const char *zt_version_string(void);
+/* When argv[1] is "--version": prints "<prog> <version>" to stdout and
+ * returns 1 (main returns 0); otherwise 0. Every main() calls it first. */
+int zt_version_arg(int argc, char **argv, const char *prog);
+
 /* ---- numbers ------------------------------------------------------------ */
 
 /* bf16 <-> fp32: round to nearest even; a NaN stays a (quiet) NaN. */

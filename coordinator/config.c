@@ -75,6 +75,27 @@ static void usage(FILE *f) {
              "          --heartbeat-ms 1000; data and checkpoint roots: the working directory\n");
 }
 
+/* The dashboard's directory: the installed copy relative to the binary
+ * (ZT_WEB_REL, bin/../share/ztrain/web) when it holds index.html, else the
+ * source tree's web/ (a binary run from the build tree). */
+static void default_web_dir(char *out, size_t n) {
+  char self[PATH_MAX], cand[PATH_MAX + 128], real[PATH_MAX], index[PATH_MAX + 16];
+  ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  char *slash = len > 0 ? memrchr(self, '/', (size_t)len) : NULL;
+  if (slash) {
+    *slash = 0;
+    snprintf(cand, sizeof cand, "%s/%s", self, ZT_WEB_REL);
+    if (realpath(cand, real) && strlen(real) < n) {
+      snprintf(index, sizeof index, "%s/index.html", real);
+      if (access(index, R_OK) == 0) {
+        snprintf(out, n, "%s", real);
+        return;
+      }
+    }
+  }
+  snprintf(out, n, "%s", ZT_WEB_DIR);
+}
+
 void zt_config_defaults(zt_coord_config_t *cfg) {
   memset(cfg, 0, sizeof *cfg);
   snprintf(cfg->grpc_addr, sizeof cfg->grpc_addr, "127.0.0.1:7070");
@@ -83,7 +104,7 @@ void zt_config_defaults(zt_coord_config_t *cfg) {
   cfg->heartbeat_ms = 1000;
   cfg->heartbeat_timeout_ms = 0; /* derived: 3 x heartbeat_ms */
   cfg->max_message_bytes = 4u << 20;
-  snprintf(cfg->web_dir, sizeof cfg->web_dir, "%s", ZT_WEB_DIR);
+  default_web_dir(cfg->web_dir, sizeof cfg->web_dir);
 }
 
 static const setting *find_setting(const char *key) {

@@ -118,6 +118,7 @@ static int start(zt_coord_t *c) {
 }
 
 int main(int argc, char **argv) {
+  if (zt_version_arg(argc, argv, "zcoord")) return 0;
   zt_log_set_prefix("zcoord");
   signal(SIGPIPE, SIG_IGN);
   static zt_coord_t c;

@@ -39,18 +39,29 @@ int zt_device_parse(const char *device) {
   return -2;
 }
 
-/* Opens the library from the first place that has it; -1 with the reasons. */
+/* Where `cmake --install` puts the library, relative to the binaries
+ * (kernels/CMakeLists.txt): ../lib/ztrain for bin/zworker. */
+#ifndef ZT_PKGLIB_REL
+#define ZT_PKGLIB_REL "../lib/ztrain"
+#endif
+
+/* Opens the library from the first place that has it: $ZT_CUDA_KERNELS,
+ * the build tree's lib/ beside bin/, the installed layout, the loader's
+ * search path. -1 with the reasons. */
 static int open_library(void) {
-  char tried[1500] = "", self[PATH_MAX], cand[PATH_MAX + 64];
+  char tried[2000] = "", self[PATH_MAX], build[PATH_MAX + 64], inst[PATH_MAX + 128];
   const char *env = getenv("ZT_CUDA_KERNELS");
-  const char *paths[3] = {env, NULL, "libzt_kernels_cuda.so"};
+  const char *paths[4] = {env, NULL, NULL, "libzt_kernels_cuda.so"};
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   if (n > 0) {
     self[n] = 0;
-    snprintf(cand, sizeof cand, "%s/../lib/libzt_kernels_cuda.so", dirname(self));
-    paths[1] = cand;
+    const char *dir = dirname(self);
+    snprintf(build, sizeof build, "%s/../lib/libzt_kernels_cuda.so", dir);
+    snprintf(inst, sizeof inst, "%s/%s/libzt_kernels_cuda.so", dir, ZT_PKGLIB_REL);
+    paths[1] = build;
+    paths[2] = inst;
   }
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 4; i++) {
     if (!paths[i]) continue;
     g_lib = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
     if (g_lib) return 0;

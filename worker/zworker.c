@@ -202,6 +202,7 @@ static void store_stored(void *user, uint64_t job, const char *dir, const zt_ckp
 }
 
 int main(int argc, char **argv) {
+  if (zt_version_arg(argc, argv, "zworker")) return 0;
   worker_args a;
   signal(SIGPIPE, SIG_IGN);
   if (parse_args(&a, argc, argv) != 0) {
