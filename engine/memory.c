@@ -42,7 +42,8 @@ int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
   out->states = zero_states(&l, s->zero_stage, world, &owned);
   uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
   out->activations = 4 * zt_activation_floats(B, T, (size_t)m->n_embd, (size_t)m->n_layer,
-                                              (size_t)m->n_head, (size_t)l.Vp) +
+                                              (size_t)m->n_head, (size_t)l.Vp,
+                                              s->act_ckpt ? 1 : (size_t)m->n_layer) +
                      3 * 4 * B * T; /* inputs, targets, host losses */
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
   out->host = ZT_MEM_BASE_BYTES + out->states + out->activations + out->snapshot;

@@ -53,7 +53,7 @@ static int acts_create(zt_model_t *m) {
   const zt_kernels_t *k = m->k;
   size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = (size_t)m->cfg.n_embd;
   size_t L = (size_t)m->cfg.n_layer, NH = (size_t)m->cfg.n_head, BT = B * T;
-  size_t Vp = (size_t)m->lay.Vp;
+  size_t Vp = (size_t)m->lay.Vp, LA = m->recompute ? 1 : L;
   a->inputs = k->alloc(BT * sizeof(int));
   a->targets = k->alloc(BT * sizeof(int));
   a->host_losses = zt_xmalloc(BT * sizeof(float));
@@ -64,7 +64,7 @@ static int acts_create(zt_model_t *m) {
   ok &= a->name != NULL;
   ZT_ACTIVATIONS(ZT_ACT_ALLOC)
 #undef ZT_ACT_ALLOC
-  (void)NH, (void)Vp;
+  (void)NH, (void)Vp, (void)LA;
   if (!ok) return zt_errk(ZT_E_NO_MEMORY, "out of memory for activations (%zu bytes)", a->bytes);
   return 0;
 }
@@ -105,6 +105,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
   m->max_B = B;
   m->max_T = T;
   m->k = k;
+  m->recompute = (flags & ZT_MODEL_RECOMPUTE) != 0;
   if (zt_layout_build(&m->lay, cfg) != 0) goto err;
   m->unit_params = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
   m->unit_grads = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
@@ -171,27 +172,30 @@ static int call_hook(zt_model_t *m, zt_hook_fn fn, const char *what, int unit) {
 
 /* ---- forward -------------------------------------------------------------- */
 
-/* Per-layer activation pointers at the capacity stride. */
+/* Per-layer activation pointers at the capacity stride. ZT_SLOT is where
+ * layer l's recomputable activations live: its own slot, or the one slot
+ * every layer shares with activation checkpointing (res3, the next layer's
+ * input, always has its own). */
 #define ZT_LAYER(m, buf, l, per) ((buf) + (size_t)(l) * (size_t)(m)->max_B * (m)->max_T * (per))
+#define ZT_SLOT(m, buf, l, per) ZT_LAYER(m, buf, (m)->recompute ? 0 : (l), per)
 
 static void block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;
   int C = m->cfg.n_embd, NH = m->cfg.n_head, BT = B * T;
-  size_t attper = (size_t)NH * m->max_T; /* att per (b, t) row at capacity */
   zt_block_t p;
   zt_layout_block_views(m->unit_params[1 + l], C, &p);
-  float *ln1 = ZT_LAYER(m, a->ln1, l, C), *ln1m = ZT_LAYER(m, a->ln1_mean, l, 1);
-  float *ln1r = ZT_LAYER(m, a->ln1_rstd, l, 1), *qkv = ZT_LAYER(m, a->qkv, l, 3 * C);
-  float *atty = ZT_LAYER(m, a->atty, l, C), *att = ZT_LAYER(m, a->att, l, attper);
-  float *res2 = ZT_LAYER(m, a->res2, l, C), *ln2 = ZT_LAYER(m, a->ln2, l, C);
-  float *ln2m = ZT_LAYER(m, a->ln2_mean, l, 1), *ln2r = ZT_LAYER(m, a->ln2_rstd, l, 1);
-  float *fch = ZT_LAYER(m, a->fch, l, 4 * C), *fchg = ZT_LAYER(m, a->fch_gelu, l, 4 * C);
+  float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1m = ZT_SLOT(m, a->ln1_mean, l, 1);
+  float *ln1r = ZT_SLOT(m, a->ln1_rstd, l, 1), *qkv = ZT_SLOT(m, a->qkv, l, 3 * C);
+  float *atty = ZT_SLOT(m, a->atty, l, C), *lse = ZT_SLOT(m, a->lse, l, NH);
+  float *res2 = ZT_SLOT(m, a->res2, l, C), *ln2 = ZT_SLOT(m, a->ln2, l, C);
+  float *ln2m = ZT_SLOT(m, a->ln2_mean, l, 1), *ln2r = ZT_SLOT(m, a->ln2_rstd, l, 1);
+  float *fch = ZT_SLOT(m, a->fch, l, 4 * C), *fchg = ZT_SLOT(m, a->fch_gelu, l, 4 * C);
   float *res3 = ZT_LAYER(m, a->res3, l, C);
 
   k->layernorm_forward(ln1, ln1m, ln1r, x, p.ln1w, p.ln1b, BT, C);
   k->matmul_forward(qkv, ln1, p.qkvw, p.qkvb, BT, C, 3 * C);
-  k->attention_forward(atty, att, qkv, B, T, C, NH);
+  k->attention_forward(atty, lse, qkv, B, T, C, NH);
   k->matmul_forward(a->proj, atty, p.attprojw, p.attprojb, BT, C, C);
   k->residual_forward(res2, x, a->proj, (size_t)BT * C);
   k->layernorm_forward(ln2, ln2m, ln2r, res2, p.ln2w, p.ln2b, BT, C);
@@ -259,16 +263,15 @@ static void block_backward(zt_model_t *m, int l, const float *x) {
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;
   int B = a->B, T = a->T, C = m->cfg.n_embd, NH = m->cfg.n_head, BT = B * T;
-  size_t attper = (size_t)NH * m->max_T;
   zt_block_t p, g;
   zt_layout_block_views(m->unit_params[1 + l], C, &p);
   zt_layout_block_views(m->unit_grads[1 + l], C, &g);
-  const float *ln1 = ZT_LAYER(m, a->ln1, l, C), *ln1m = ZT_LAYER(m, a->ln1_mean, l, 1);
-  const float *ln1r = ZT_LAYER(m, a->ln1_rstd, l, 1), *qkv = ZT_LAYER(m, a->qkv, l, 3 * C);
-  const float *atty = ZT_LAYER(m, a->atty, l, C), *att = ZT_LAYER(m, a->att, l, attper);
-  const float *res2 = ZT_LAYER(m, a->res2, l, C), *ln2 = ZT_LAYER(m, a->ln2, l, C);
-  const float *ln2m = ZT_LAYER(m, a->ln2_mean, l, 1), *ln2r = ZT_LAYER(m, a->ln2_rstd, l, 1);
-  const float *fch = ZT_LAYER(m, a->fch, l, 4 * C), *fchg = ZT_LAYER(m, a->fch_gelu, l, 4 * C);
+  const float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1m = ZT_SLOT(m, a->ln1_mean, l, 1);
+  const float *ln1r = ZT_SLOT(m, a->ln1_rstd, l, 1), *qkv = ZT_SLOT(m, a->qkv, l, 3 * C);
+  const float *atty = ZT_SLOT(m, a->atty, l, C), *lse = ZT_SLOT(m, a->lse, l, NH);
+  const float *res2 = ZT_SLOT(m, a->res2, l, C), *ln2 = ZT_SLOT(m, a->ln2, l, C);
+  const float *ln2m = ZT_SLOT(m, a->ln2_mean, l, 1), *ln2r = ZT_SLOT(m, a->ln2_rstd, l, 1);
+  const float *fch = ZT_SLOT(m, a->fch, l, 4 * C), *fchg = ZT_SLOT(m, a->fch_gelu, l, 4 * C);
 
   /* MLP: dres is d res3 = d(mlp output). */
   k->matmul_backward(a->dfch, g.fcprojw, g.fcprojb, a->dres, fchg, p.fcprojw, BT, 4 * C, C);
@@ -277,7 +280,7 @@ static void block_backward(zt_model_t *m, int l, const float *x) {
   k->layernorm_backward(a->dres, g.ln2w, g.ln2b, a->dbtc, res2, p.ln2w, ln2m, ln2r, BT, C);
   /* Attention: dres is now d res2 = d(attention output). */
   k->matmul_backward(a->dbtc, g.attprojw, g.attprojb, a->dres, atty, p.attprojw, BT, C, C);
-  k->attention_backward(a->dqkv, a->dbtc, qkv, att, B, T, C, NH);
+  k->attention_backward(a->dqkv, a->dbtc, qkv, atty, lse, B, T, C, NH);
   k->matmul_backward(a->dbtc, g.qkvw, g.qkvb, a->dqkv, ln1, p.qkvw, BT, C, 3 * C);
   k->layernorm_backward(a->dres, g.ln1w, g.ln1b, a->dbtc, x, p.ln1w, ln1m, ln1r, BT, C);
 }
@@ -305,7 +308,12 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
 
   for (int l = L - 1; l >= 0; l--) {
     ZT_HOOK(m, pre_backward, 1 + l);
-    block_backward(m, l, l == 0 ? a->encoded : ZT_LAYER(m, a->res3, l - 1, C));
+    const float *x = l == 0 ? a->encoded : ZT_LAYER(m, a->res3, l - 1, C);
+    /* Activation checkpointing: the shared slot holds the last layer's
+     * activations from the forward; every other layer is computed again
+     * from its input, with the same kernels and so the same values. */
+    if (m->recompute && l < L - 1) block_forward(m, l, x, B, T);
+    block_backward(m, l, x);
     ZT_HOOK(m, post_backward, 1 + l);
   }
 

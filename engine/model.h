@@ -36,6 +36,13 @@
  * A hook returning -1 aborts the forward or backward, which returns -1 with
  * the hook's error message.
  *
+ * Activation checkpointing (ZT_MODEL_RECOMPUTE). Only each layer's input
+ * is kept per layer; the layer's other activations share one slot, and
+ * backward recomputes layer l's forward (after pre_backward(1 + l), from
+ * the unit pointers then installed) before its backward. The kernels are
+ * deterministic, so the recomputed values, and the gradients, are
+ * bit-identical to a run without it, for about one more forward per step.
+ *
  * Memory. Parameters, gradients and activations live in the kernel table's
  * memory (k->alloc): host memory for the CPU tables, device memory for the
  * CUDA table. Inputs and targets are passed as host arrays and uploaded by
@@ -62,6 +69,7 @@ typedef struct zt_model_hooks {
 
 #define ZT_MODEL_NO_PARAMS 1u /* do not allocate the flat parameter buffer */
 #define ZT_MODEL_NO_GRADS 2u  /* do not allocate the flat gradient buffer */
+#define ZT_MODEL_RECOMPUTE 4u /* activation checkpointing: keep each layer's input only */
 
 struct zt_acts; /* activations, private to model.c */
 
@@ -69,6 +77,7 @@ typedef struct zt_model {
   zt_model_config_t cfg;
   zt_layout_t lay;            /* units, named views, flat-buffer size */
   int max_B, max_T;           /* activation capacity */
+  int recompute;              /* ZT_MODEL_RECOMPUTE: layers recomputed in backward */
   const zt_kernels_t *k;
 
   float *params;              /* flat buffers (NULL with the NO_* flags) */

@@ -293,6 +293,7 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
   if (get_object(root, "", "bf16", 0, &b) ||
       (b && (CHECK_KEYS(b, "bf16", bkeys) || get_bool(b, "bf16", "enabled", &s->bf16))))
     return -1;
+  if (get_bool(root, "", "activation_checkpointing", &s->act_ckpt)) return -1;
   return 0;
 }
 
@@ -432,7 +433,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "name", "seed", "steps", "model", "data", "optimizer", "scheduler",
       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
-      "bf16", "comm", "fault_injection", "init"};
+      "bf16", "comm", "fault_injection", "init", "activation_checkpointing"};
   set_defaults(s);
   cJSON *root = zt_json_parse(json, len, "the spec");
   if (!root) return -1;

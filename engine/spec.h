@@ -122,6 +122,9 @@ typedef struct zt_spec {
   zt_spec_ckpt_t ckpt;
   zt_spec_rollback_t rollback;
   int bf16;
+  /* activation_checkpointing: true keeps only each layer's input and
+   * recomputes the layer in backward (engine/model.h, ZT_MODEL_RECOMPUTE). */
+  int act_ckpt;
   long comm_timeout_ms;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;

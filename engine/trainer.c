@@ -180,7 +180,8 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   if (check_memory(t) != 0) return -1;
   *fault = ZT_FAULT_JOB;
   if (zt_model_create(&t->m, &t->cfg, t->mb, t->T, t->k,
-                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0) {
+                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS |
+                          (t->spec.act_ckpt ? ZT_MODEL_RECOMPUTE : 0)) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return zt_err_wrap("model");
   }
@@ -366,6 +367,7 @@ static int report_epoch(void *user, int64_t step, const char *dir, const zt_ckpt
   trainer *t = user;
   if (t->r == 0 && t->spec.fault.delay_checkpoint_report_ms > 0)
     zt_sleep_ms(t->spec.fault.delay_checkpoint_report_ms); /* the injected delay */
+  if (!t->g->report_checkpoint) return 0; /* zsolo: nobody to tell */
   return t->g->report_checkpoint(t->g->user, step, dir, files, nfiles, error);
 }
 

@@ -60,13 +60,16 @@ typedef struct zt_kernels {
                           const float *inp, const float *w, int N, int IC, int OC);
 
   /* Causal multi-head attention. qkv is [B,T,3C] (q, k, v, each split into
-   * NH heads of C/NH); out is [B,T,C]; att [B,NH,T,T] receives the softmax
-   * probabilities (entries above the diagonal are zero). */
-  void (*attention_forward)(float *out, float *att, const float *qkv, int B, int T, int C,
+   * NH heads of C/NH); out is [B,T,C]; lse [B,NH,T] receives each query
+   * row's log-sum-exp of its scaled scores, the softmax's normaliser: with
+   * it backward recomputes the probabilities (as flash attention does), so
+   * no T x T matrix outlives a call. */
+  void (*attention_forward)(float *out, float *lse, const float *qkv, int B, int T, int C,
                             int NH);
-  /* dqkv = gradient of qkv (overwritten) from dout, qkv and att. */
-  void (*attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *att,
-                             int B, int T, int C, int NH);
+  /* dqkv = gradient of qkv (overwritten) from dout, qkv, and the forward's
+   * out and lse. */
+  void (*attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,
+                             const float *lse, int B, int T, int C, int NH);
 
   /* GELU, tanh approximation. gelu_backward may run in place (dinp == dout). */
   void (*gelu_forward)(float *out, const float *inp, size_t n);

@@ -276,88 +276,163 @@ static void fast_matmul_backward(float *dinp, float *dw, float *dbias, const flo
 
 /* ---- attention ------------------------------------------------------------ */
 
-/* Row-wise causal softmax of a [T, T] block in place: row t keeps columns
- * 0..t (scaled by `scale` first), the rest become zero. */
-static void causal_softmax(float *a, int T, float scale) {
-  for (int t = 0; t < T; t++) {
-    float *row = a + (size_t)t * T;
-    float maxv = -INFINITY;
-    for (int t2 = 0; t2 <= t; t2++) maxv = row[t2] > maxv ? row[t2] : maxv;
-    maxv *= scale;
-    float sum = 0.0f;
+/* Tiled causal attention (flash attention's algorithm on the CPU). Queries
+ * and keys go in blocks of ZT_ATT_BLK rows; a query block meets only the key
+ * blocks at or before it (the masked half is never computed), and no T x T
+ * matrix exists: forward keeps a running maximum m, sum l and output
+ * accumulator per query row (online softmax) and leaves lse = m + log l;
+ * backward recomputes each block's probabilities P = exp(S scale - lse) and
+ * uses D = rowsum(dO * O) for the softmax's sum(P * dP). Each block's
+ * products are sgemm calls on strided views of qkv. */
+#define ZT_ATT_BLK 64
+
+typedef struct {
+  int b, h, hs, T, C, NH;
+  float scale;
+  const float *q, *k, *v; /* this head's columns of qkv (row stride 3C) */
+} att_head;
+
+static att_head att_head_at(const float *qkv, int bh, int T, int C, int NH) {
+  att_head a = {bh / NH, bh % NH, C / NH, T, C, NH, 1.0f / sqrtf((float)(C / NH)), NULL, NULL,
+                NULL};
+  a.q = qkv + (size_t)a.b * T * 3 * C + (size_t)a.h * a.hs;
+  a.k = a.q + C, a.v = a.q + 2 * C;
+  return a;
+}
+
+/* Keys of block j0 that query row i sees (0 when none). */
+static inline int att_visible(int i, int j0, int nk) {
+  return i < j0 ? 0 : ZT_MIN_SZ(nk, i - j0 + 1);
+}
+
+/* One query block [i0, i0 + nq) of one head: out rows and lse. s is nq x
+ * ZT_ATT_BLK scratch, acc nq x hs, m and l nq. */
+static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *lse, float *s,
+                          float *acc, float *m, float *l) {
+  int hs = a->hs, C3 = 3 * a->C;
+  for (int r = 0; r < nq; r++) m[r] = -INFINITY, l[r] = 0.0f;
+  memset(acc, 0, sizeof(float) * (size_t)nq * hs);
+  for (int j0 = 0; j0 < i0 + nq; j0 += ZT_ATT_BLK) {
+    int nk = ZT_MIN_SZ(ZT_ATT_BLK, i0 + nq - j0);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, hs, a->scale,
+                a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, s, ZT_ATT_BLK);
+    for (int r = 0; r < nq; r++) {
+      float *row = s + (size_t)r * ZT_ATT_BLK;
+      int vis = att_visible(i0 + r, j0, nk);
+      float mx = m[r];
+      for (int c = 0; c < vis; c++) mx = row[c] > mx ? row[c] : mx;
+      float corr = vis ? zt_expf(m[r] - mx) : 1.0f, sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int t2 = 0; t2 <= t; t2++) {
-      float e = zt_expf(row[t2] * scale - maxv);
-      row[t2] = e;
-      sum += e;
+      for (int c = 0; c < vis; c++) {
+        float e = zt_expf(row[c] - mx);
+        row[c] = e;
+        sum += e;
+      }
+      for (int c = vis; c < nk; c++) row[c] = 0.0f;
+      if (vis) m[r] = mx;
+      l[r] = l[r] * corr + sum;
+      if (corr != 1.0f)
+        for (int x = 0; x < hs; x++) acc[(size_t)r * hs + x] *= corr;
     }
-    float inv = 1.0f / sum;
-#pragma omp simd
-    for (int t2 = 0; t2 <= t; t2++) row[t2] *= inv;
-    for (int t2 = t + 1; t2 < T; t2++) row[t2] = 0.0f;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, hs, nk, 1.0f, s, ZT_ATT_BLK,
+                a->v + (size_t)j0 * C3, C3, 1.0f, acc, hs);
+  }
+  for (int r = 0; r < nq; r++) {
+    float inv = 1.0f / l[r], *o = out + ((size_t)a->b * a->T + i0 + r) * a->C + (size_t)a->h * hs;
+    for (int x = 0; x < hs; x++) o[x] = acc[(size_t)r * hs + x] * inv;
+    lse[((size_t)a->b * a->NH + a->h) * a->T + i0 + r] = m[r] + logf(l[r]);
   }
 }
 
-/* Per (b, h): S = Q K^T (full T x T by sgemm, the masked half is cheaper to
- * compute than to skip at these sizes), causal softmax, O = P V. */
-static void fast_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+static void fast_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
                                    int NH) {
-  int hs = C / NH, C3 = 3 * C;
-  float scale = 1.0f / sqrtf((float)hs);
-#pragma omp parallel for schedule(static)
-  for (int bh = 0; bh < B * NH; bh++) {
-    int b = bh / NH, h = bh % NH;
-    const float *q = qkv + (size_t)b * T * C3 + (size_t)h * hs;
-    const float *k = q + C, *v = q + 2 * C;
-    float *a = att + (size_t)bh * T * T;
-    float *o = out + (size_t)b * T * C + (size_t)h * hs;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, q, C3, k, C3, 0.0f, a,
-                T);
-    causal_softmax(a, T, scale);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, a, T, v, C3, 0.0f, o,
-                C);
-  }
-}
-
-/* Per (b, h), with P the probabilities and dO the output gradient:
- *   dP = dO V^T;  dV = P^T dO;  dS = P * (dP - rowsum(P * dP)) * scale;
- *   dQ = dS K;    dK = dS^T Q.
- * dS reuses a per-thread T x T scratch buffer. */
-static void fast_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                    const float *att, int B, int T, int C, int NH) {
-  int hs = C / NH, C3 = 3 * C;
-  float scale = 1.0f / sqrtf((float)hs);
+  int nblk = (T + ZT_ATT_BLK - 1) / ZT_ATT_BLK, hs = C / NH;
 #pragma omp parallel
   {
-    float *ds = zt_xmalloc(sizeof(float) * (size_t)T * T);
+    float *s = zt_xmalloc(sizeof(float) * ZT_ATT_BLK * (ZT_ATT_BLK + hs + 2));
+    float *acc = s + ZT_ATT_BLK * ZT_ATT_BLK, *m = acc + ZT_ATT_BLK * hs, *l = m + ZT_ATT_BLK;
+    /* Later query blocks cost more: hand them out first, dynamically. */
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < B * NH * nblk; task++) {
+      int blk = nblk - 1 - task / (B * NH);
+      att_head a = att_head_at(qkv, task % (B * NH), T, C, NH);
+      int i0 = blk * ZT_ATT_BLK;
+      att_fwd_block(&a, i0, ZT_MIN_SZ(ZT_ATT_BLK, T - i0), out, lse, s, acc, m, l);
+    }
+    free(s);
+  }
+}
+
+/* Scratch of one backward thread: p and ds are ZT_ATT_BLK x ZT_ATT_BLK,
+ * dd (D of the head's rows) T. */
+typedef struct {
+  float *p, *ds, *dd;
+} att_bwd_scratch;
+
+/* The gradient contributions of query block i0 against key block j0. */
+static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, const float *dout,
+                         const float *lse, float *dq, float *dk, float *dv,
+                         const att_bwd_scratch *w) {
+  int hs = a->hs, C3 = 3 * a->C, C = a->C;
+  const float *d = dout + ((size_t)a->b * a->T + i0) * C + (size_t)a->h * hs;
+  const float *ls = lse + ((size_t)a->b * a->NH + a->h) * a->T + i0;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, hs, a->scale,
+              a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, w->p, ZT_ATT_BLK);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, hs, 1.0f, d, C,
+              a->v + (size_t)j0 * C3, C3, 0.0f, w->ds, ZT_ATT_BLK);
+  for (int r = 0; r < nq; r++) {
+    float *pr = w->p + (size_t)r * ZT_ATT_BLK, *dr = w->ds + (size_t)r * ZT_ATT_BLK;
+    int vis = att_visible(i0 + r, j0, nk);
+    float l = ls[r], dd = w->dd[i0 + r];
+#pragma omp simd
+    for (int c = 0; c < vis; c++) {
+      float pv = zt_expf(pr[c] - l);
+      pr[c] = pv;
+      dr[c] = pv * (dr[c] - dd) * a->scale;
+    }
+    for (int c = vis; c < nk; c++) pr[c] = 0.0f, dr[c] = 0.0f;
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, hs, nk, 1.0f, w->ds, ZT_ATT_BLK,
+              a->k + (size_t)j0 * C3, C3, 1.0f, dq + (size_t)i0 * C3, C3);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, hs, nq, 1.0f, w->ds, ZT_ATT_BLK,
+              a->q + (size_t)i0 * C3, C3, 1.0f, dk + (size_t)j0 * C3, C3);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, hs, nq, 1.0f, w->p, ZT_ATT_BLK, d, C,
+              1.0f, dv + (size_t)j0 * C3, C3);
+}
+
+static void fast_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                    const float *out, const float *lse, int B, int T, int C,
+                                    int NH) {
+  int hs = C / NH, C3 = 3 * C;
+#pragma omp parallel
+  {
+    att_bwd_scratch w;
+    w.p = zt_xmalloc(sizeof(float) * ((size_t)2 * ZT_ATT_BLK * ZT_ATT_BLK + (size_t)T));
+    w.ds = w.p + ZT_ATT_BLK * ZT_ATT_BLK, w.dd = w.ds + ZT_ATT_BLK * ZT_ATT_BLK;
 #pragma omp for schedule(static)
     for (int bh = 0; bh < B * NH; bh++) {
-      int b = bh / NH, h = bh % NH;
-      size_t base = (size_t)b * T * C3 + (size_t)h * hs;
-      const float *q = qkv + base, *k = q + C, *v = q + 2 * C;
+      att_head a = att_head_at(qkv, bh, T, C, NH);
+      size_t base = (size_t)a.b * T * C3 + (size_t)a.h * hs;
       float *dq = dqkv + base, *dk = dq + C, *dv = dq + 2 * C;
-      const float *p = att + (size_t)bh * T * T;
-      const float *d = dout + (size_t)b * T * C + (size_t)h * hs;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, d, C, v, C3, 0.0f, ds,
-                  T);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, d, C, 0.0f, dv,
-                  C3);
-      for (int t = 0; t < T; t++) {
-        float *r = ds + (size_t)t * T;
-        const float *pr = p + (size_t)t * T;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int t2 = 0; t2 <= t; t2++) s += pr[t2] * r[t2];
-#pragma omp simd
-        for (int t2 = 0; t2 <= t; t2++) r[t2] = pr[t2] * (r[t2] - s) * scale;
-        for (int t2 = t + 1; t2 < T; t2++) r[t2] = 0.0f;
+      for (int t = 0; t < T; t++) { /* D = rowsum(dO * O); the head's gradients start at 0 */
+        const float *d = dout + ((size_t)a.b * T + t) * C + (size_t)a.h * hs;
+        const float *o = out + ((size_t)a.b * T + t) * C + (size_t)a.h * hs;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int x = 0; x < hs; x++) sum += d[x] * o[x];
+        w.dd[t] = sum;
+        float *g = dq + (size_t)t * C3;
+        memset(g, 0, sizeof(float) * (size_t)hs);
+        memset(g + C, 0, sizeof(float) * (size_t)hs);
+        memset(g + 2 * C, 0, sizeof(float) * (size_t)hs);
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, ds, T, k, C3, 0.0f,
-                  dq, C3);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, ds, T, q, C3, 0.0f, dk,
-                  C3);
+      for (int i0 = 0; i0 < T; i0 += ZT_ATT_BLK)
+        for (int j0 = 0; j0 <= i0; j0 += ZT_ATT_BLK)
+          att_bwd_pair(&a, i0, ZT_MIN_SZ(ZT_ATT_BLK, T - i0), j0,
+                       ZT_MIN_SZ(ZT_ATT_BLK, ZT_MIN_SZ(T, i0 + ZT_ATT_BLK) - j0), dout, lse, dq, dk,
+                       dv, &w);
     }
-    free(ds);
+    free(w.p);
   }
 }
 

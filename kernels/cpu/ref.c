@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "zt_common.h"
 #include "zt_kernels.h"
 
 static void ref_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
@@ -131,32 +132,40 @@ static void ref_matmul_backward(float *dinp, float *dw, float *dbias, const floa
   }
 }
 
-static void ref_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+/* Row t of one head: its scaled scores against keys 0..t into a[0..t];
+ * returns their maximum. */
+static float ref_scores(float *a, const float *qkv, int b, int h, int t, int T, int C, int hs,
+                        float scale) {
+  size_t C3 = (size_t)C * 3;
+  const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
+  float maxv = -INFINITY;
+  for (int t2 = 0; t2 <= t; t2++) {
+    const float *k = qkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
+    float dot = 0.0f;
+    for (int i = 0; i < hs; i++) dot += q[i] * k[i];
+    a[t2] = dot * scale;
+    if (a[t2] > maxv) maxv = a[t2];
+  }
+  return maxv;
+}
+
+static void ref_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
                                   int NH) {
   int hs = C / NH;
   float scale = 1.0f / sqrtf((float)hs);
   size_t C3 = (size_t)C * 3;
+  float *a = zt_xmalloc(sizeof(float) * (size_t)T);
   for (int b = 0; b < B; b++) {
     for (int h = 0; h < NH; h++) {
       for (int t = 0; t < T; t++) {
-        const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
-        float *a = att + (((size_t)b * NH + h) * T + t) * T;
-        float maxv = -INFINITY;
-        for (int t2 = 0; t2 <= t; t2++) {
-          const float *k = qkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
-          float dot = 0.0f;
-          for (int i = 0; i < hs; i++) dot += q[i] * k[i];
-          dot *= scale;
-          a[t2] = dot;
-          if (dot > maxv) maxv = dot;
-        }
+        float maxv = ref_scores(a, qkv, b, h, t, T, C, hs, scale);
         float sum = 0.0f;
         for (int t2 = 0; t2 <= t; t2++) {
           a[t2] = expf(a[t2] - maxv);
           sum += a[t2];
         }
         for (int t2 = 0; t2 <= t; t2++) a[t2] /= sum;
-        for (int t2 = t + 1; t2 < T; t2++) a[t2] = 0.0f;
+        lse[((size_t)b * NH + h) * T + t] = maxv + logf(sum);
         float *o = out + ((size_t)b * T + t) * C + (size_t)h * hs;
         for (int i = 0; i < hs; i++) o[i] = 0.0f;
         for (int t2 = 0; t2 <= t; t2++) {
@@ -166,23 +175,30 @@ static void ref_attention_forward(float *out, float *att, const float *qkv, int 
       }
     }
   }
+  free(a);
 }
 
+/* The probabilities are recomputed from the scores and lse; the softmax
+ * backward is written as its definition, sum(att * datt), not through out. */
 static void ref_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                   const float *att, int B, int T, int C, int NH) {
+                                   const float *out, const float *lse, int B, int T, int C,
+                                   int NH) {
+  (void)out;
   int hs = C / NH;
   float scale = 1.0f / sqrtf((float)hs);
   size_t C3 = (size_t)C * 3;
+  float *a = zt_xmalloc(sizeof(float) * (size_t)T), *datt = zt_xmalloc(sizeof(float) * (size_t)T);
   memset(dqkv, 0, sizeof(float) * (size_t)B * T * C3);
   for (int b = 0; b < B; b++) {
     for (int h = 0; h < NH; h++) {
       for (int t = 0; t < T; t++) {
-        const float *a = att + (((size_t)b * NH + h) * T + t) * T;
+        ref_scores(a, qkv, b, h, t, T, C, hs, scale);
+        float l = lse[((size_t)b * NH + h) * T + t];
+        for (int t2 = 0; t2 <= t; t2++) a[t2] = expf(a[t2] - l);
         const float *d = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
         const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
         float *dq = dqkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
         /* datt[t2] = dout . v[t2]; dv[t2] += att[t2] * dout. */
-        float datt[T];
         for (int t2 = 0; t2 <= t; t2++) {
           const float *v = qkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
           float *dv = dqkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
@@ -208,6 +224,8 @@ static void ref_attention_backward(float *dqkv, const float *dout, const float *
       }
     }
   }
+  free(a);
+  free(datt);
 }
 
 static void ref_gelu_forward(float *out, const float *inp, size_t n) {

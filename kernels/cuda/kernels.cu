@@ -513,7 +513,12 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
  * (batch of B*NH) the products run through cuBLASLt on the full T x T, the
  * causal mask is applied by the softmax kernels (entries above the diagonal
  * become 0). Row-major q [T,hs] is column-major Q' [hs,T] (ld hs); a
- * row-major [T,T] matrix A is column-major A' with A'(t2,t) = A[t][t2]. */
+ * row-major [T,T] matrix A is column-major A' with A'(t2,t) = A[t][t2].
+ * The interface is the tiled CPU kernel's (zt_kernels.h): forward keeps
+ * only lse per row, backward recomputes the probabilities from the scores
+ * and lse. The T x T matrices here live in the call's scratch, not in the
+ * activations; a tiled (flash) kernel that never forms them is docs/gpu.md's
+ * next step. */
 
 /* The offset in [B,T,width] rows (at column coff) of element idx of a
  * [B,NH,T,hs] head-major tensor. */
@@ -555,7 +560,7 @@ __global__ void k_heads_rows(float *dst, const float *src, int B, int T, int NH,
 
 /* Causal softmax in place, one warp per row of T: entries t2 <= t are
  * already scaled scores; entries above the diagonal become 0. */
-__global__ void k_causal_softmax(float *att, int rows, int T) {
+__global__ void k_causal_softmax(float *att, float *lse, int rows, int T) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
   int t = row % T;
@@ -571,6 +576,17 @@ __global__ void k_causal_softmax(float *att, int rows, int T) {
   }
   s = warp_sum(s);
   for (int j = lane; j < T; j += 32) a[j] = j <= t ? a[j] / s : 0.0f;
+  if (lane == 0) lse[row] = mx + logf(s);
+}
+
+/* Scaled scores (in place) -> probabilities exp(s - lse) below the
+ * diagonal, 0 above: the forward's softmax, recomputed. */
+__global__ void k_causal_probs(float *att, const float *lse, int rows, int T) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  int t = row % T;
+  float *a = att + (size_t)row * T, l = lse[row];
+  for (int j = lane; j < T; j += 32) a[j] = j <= t ? expf(a[j] - l) : 0.0f;
 }
 
 /* datt (in place) -> dpreatt = att * (datt - sum(att * datt)) * scale below
@@ -588,13 +604,13 @@ __global__ void k_causal_softmax_bwd(float *datt, const float *att, int rows, in
   for (int j = lane; j < T; j += 32) d[j] = j <= t ? a[j] * (d[j] - s) * scale : 0.0f;
 }
 
-static void cu_attention_forward(float *out, float *att, const float *qkv, int B, int T, int C,
+static void cu_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
                                  int NH) {
   if (B <= 0 || T <= 0) return;
   int hs = C / NH, batch = B * NH;
-  size_t n = (size_t)B * T * C;
-  float *q = (float *)scratch(SCR_ATT, 4 * n * sizeof(float)), *k = q + n, *v = k + n,
-        *vacc = v + n;
+  size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
+  float *q = (float *)scratch(SCR_ATT, (4 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
+        *vacc = v + n, *att = vacc + n;
   unsigned grid = grid_for(n, 256);
   k_permute_qkv<<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
   ZT_CUDA_LAUNCHED();
@@ -603,7 +619,7 @@ static void cu_attention_forward(float *out, float *att, const float *qkv, int B
   lt_gemm(1, 0, T, T, hs, k, hs, sh, q, hs, sh, att, T, st, batch, 1.0f / sqrtf((float)hs),
           0.0f, NULL);
   int rows = batch * T;
-  k_causal_softmax<<<(rows + 7) / 8, 256, 0, g.stream>>>(att, rows, T);
+  k_causal_softmax<<<(rows + 7) / 8, 256, 0, g.stream>>>(att, lse, rows, T);
   ZT_CUDA_LAUNCHED();
   /* vacc' [hs,T] = V' [hs,T] att' [T,T]. */
   lt_gemm(0, 0, hs, T, T, v, hs, sh, att, T, st, vacc, hs, sh, batch, 1.0f, 0.0f, NULL);
@@ -612,14 +628,22 @@ static void cu_attention_forward(float *out, float *att, const float *qkv, int B
 }
 
 static void cu_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                  const float *att, int B, int T, int C, int NH) {
+                                  const float *out, const float *lse, int B, int T, int C,
+                                  int NH) {
+  (void)out;
   if (B <= 0 || T <= 0) return;
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
-  float *q = (float *)scratch(SCR_ATT, (7 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
-        *dvacc = v + n, *dq = dvacc + n, *dk = dq + n, *dv = dk + n, *datt = dv + n;
+  float *q = (float *)scratch(SCR_ATT, (7 * n + 2 * tt) * sizeof(float)), *k = q + n,
+        *v = k + n, *dvacc = v + n, *dq = dvacc + n, *dk = dq + n, *dv = dk + n,
+        *datt = dv + n, *att = datt + tt;
   unsigned grid = grid_for(n, 256);
   k_permute_qkv<<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+  ZT_CUDA_LAUNCHED();
+  long long sh0 = (long long)T * hs, st0 = (long long)T * T;
+  lt_gemm(1, 0, T, T, hs, k, hs, sh0, q, hs, sh0, att, T, st0, batch, 1.0f / sqrtf((float)hs),
+          0.0f, NULL);
+  k_causal_probs<<<(batch * T + 7) / 8, 256, 0, g.stream>>>(att, lse, batch * T, T);
   ZT_CUDA_LAUNCHED();
   k_heads_rows<<<grid, 256, 0, g.stream>>>(dvacc, dout, B, T, NH, hs, C, 0, 1);
   ZT_CUDA_LAUNCHED();

@@ -198,24 +198,25 @@ ZT_TEST(matmul_reduced_precision) {
 }
 
 static void check_attention(int B, int T, int C, int NH) {
-  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, na = (size_t)B * NH * T * T;
-  float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *a = malloc(na * 4);
-  float *d_qkv = DEVF(qkv, nq), *dO = dalloc(no * 4), *dA = dalloc(na * 4);
-  G->attention_forward(dO, dA, d_qkv, B, T, C, NH);
-  R->attention_forward(o, a, qkv, B, T, C, NH);
+  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+  float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4);
+  float *d_qkv = DEVF(qkv, nq), *dO = dalloc(no * 4), *dL = dalloc(nl * 4);
+  G->attention_forward(dO, dL, d_qkv, B, T, C, NH);
+  R->attention_forward(o, l, qkv, B, T, C, NH);
   close_dev("attention_forward out", dO, o, no, 1e-5f, 1e-4f);
-  close_dev("attention_forward att", dA, a, na, 1e-6f, 1e-4f);
-  G->upload(dA, a, na * 4);
+  close_dev("attention_forward lse", dL, l, nl, 1e-5f, 1e-5f);
+  G->upload(dO, o, no * 4);
+  G->upload(dL, l, nl * 4);
   float *dout = zt_rnd(no, 1), *g = malloc(nq * 4);
   float *d_dout = DEVF(dout, no), *d_g = dalloc(nq * 4), *d_g2 = dalloc(nq * 4);
-  G->attention_backward(d_g, d_dout, d_qkv, dA, B, T, C, NH);
-  G->attention_backward(d_g2, d_dout, d_qkv, dA, B, T, C, NH);
-  R->attention_backward(g, dout, qkv, a, B, T, C, NH);
+  G->attention_backward(d_g, d_dout, d_qkv, dO, dL, B, T, C, NH);
+  G->attention_backward(d_g2, d_dout, d_qkv, dO, dL, B, T, C, NH);
+  R->attention_backward(g, dout, qkv, o, l, B, T, C, NH);
   close_dev("attention_backward", d_g, g, nq, 1e-5f * T, 1e-4f);
   ZT_CHECK(same_dev(d_g, d_g2, nq));
-  void *ptrs[] = {d_qkv, dO, dA, d_dout, d_g, d_g2};
+  void *ptrs[] = {d_qkv, dO, dL, d_dout, d_g, d_g2};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
-  free(qkv), free(o), free(a), free(dout), free(g);
+  free(qkv), free(o), free(l), free(dout), free(g);
 }
 
 ZT_TEST(attention) {

@@ -227,6 +227,37 @@ ZT_TEST(fast_matches_reference) {
   zt_model_free(r);
 }
 
+/* Activation checkpointing: the same loss and bit-identical gradients
+ * (the fast kernels, several layers, two steps so the recomputed slot is
+ * reused), with the per-layer activations held once instead of L times. */
+ZT_TEST(activation_checkpointing) {
+  zt_model_config_t c = {.n_layer = 4, .n_head = 4, .n_embd = 32, .seq_len = 16, .vocab_size = 70};
+  const int B = 3, T = 16, n = B * T;
+  zt_model_t *plain, *rc;
+  ZT_REQUIRE(zt_model_create(&plain, &c, B, T, zt_kernels_cpu(), 0) == 0);
+  ZT_REQUIRE(zt_model_create(&rc, &c, B, T, zt_kernels_cpu(), ZT_MODEL_RECOMPUTE) == 0);
+  zt_model_init(plain, 5);
+  zt_model_init(rc, 5);
+  int inp[48], tgt[48];
+  zt_model_zero_grads(plain);
+  zt_model_zero_grads(rc);
+  for (int step = 0; step < 2; step++) {
+    random_batch(inp, tgt, n, c.vocab_size);
+    float lp = loss_of(plain, inp, tgt, B, T), lr = loss_of(rc, inp, tgt, B, T);
+    ZT_CHECK(memcmp(&lp, &lr, sizeof lp) == 0);
+    ZT_REQUIRE(zt_model_backward(plain, 1.0f) == 0 && zt_model_backward(rc, 1.0f) == 0);
+    ZT_CHECK(memcmp(plain->grads, rc->grads, plain->lay.num_params * sizeof(float)) == 0);
+  }
+  /* Per layer: ln1, ln2 and atty, res2 (4 C), qkv (3 C), fch, fch_gelu
+   * (8 C), 4 LayerNorm statistics and NH lse per position; recomputation
+   * keeps one layer of these instead of L. */
+  size_t per_layer = (size_t)B * T * (15 * (size_t)c.n_embd + 4 + (size_t)c.n_head) * 4;
+  ZT_CHECK(zt_model_activation_bytes(plain) - zt_model_activation_bytes(rc) ==
+           (size_t)(c.n_layer - 1) * per_layer);
+  zt_model_free(plain);
+  zt_model_free(rc);
+}
+
 /* Two half batches with grad_scale 1/2 accumulate to the full batch. */
 ZT_TEST(accumulation) {
   const int T = 8;
@@ -322,4 +353,5 @@ ZT_TEST(hooks_and_repointing) {
 }
 
 ZT_TEST_MAIN(layout, gpt2_small_param_count, config_errors, init, gradient_check,
-             fast_matches_reference, accumulation, hooks_and_repointing)
+             fast_matches_reference, activation_checkpointing, accumulation,
+             hooks_and_repointing)

@@ -38,6 +38,7 @@ ZT_TEST(full_spec) {
       "\"margin_steps\": 5, \"skip_steps\": 8, \"lr_factor\": 0.25, \"cooldown_steps\": 30, "
       "\"max_rollbacks\": 2, \"per_steps\": 500},"
       "\"bf16\": {\"enabled\": false}, \"comm\": {\"timeout_ms\": 5000},"
+      "\"activation_checkpointing\": true,"
       "\"fault_injection\": {\"lr_scale\": 100, \"from_step\": 30, \"to_step\": 20, "
       "\"repeat\": true}}";
   zt_spec_t s;
@@ -67,7 +68,7 @@ ZT_TEST(full_spec) {
   ZT_CHECK(s.rollback.per_steps == 500);
   ZT_CHECK_NEAR(s.rollback.threshold, 5.5, 0);
   ZT_CHECK_NEAR(s.rollback.lr_factor, 0.25, 0);
-  ZT_CHECK(s.bf16 == 0 && s.comm_timeout_ms == 5000);
+  ZT_CHECK(s.bf16 == 0 && s.comm_timeout_ms == 5000 && s.act_ckpt == 1);
   /* to_step below from_step means the one step from_step. */
   ZT_CHECK(s.fault.lr_scale == 100 && s.fault.from_step == 30 && s.fault.to_step == 30);
   ZT_CHECK(s.fault.repeat == 1);
@@ -129,6 +130,8 @@ ZT_TEST(types_and_ranges) {
   expect_error("{" BASE ", \"optimizer\": {\"type\": \"SGD\"}}", "optimizer.type");
   expect_error("{" BASE ", \"zero_optimization\": {\"stage\": 4}}", "zero_optimization.stage");
   expect_error("{" BASE ", \"bf16\": {\"enabled\": 1}}", "bf16.enabled: expected true or false");
+  expect_error("{" BASE ", \"activation_checkpointing\": {}}",
+               "activation_checkpointing: expected true or false");
   expect_error("{" BASE ", \"elastic\": {\"min_workers\": 3, \"max_workers\": 2}}",
                "elastic.max_workers");
   expect_error("{" BASE ", \"rollback\": {\"lr_factor\": 0}}", "rollback.lr_factor");
