@@ -84,8 +84,10 @@ def check_units(unitdir, bindir, etcdir, docdir, inside):
         assert exe[0] == want, (unit, exe[0], want)
         assert os.access(inside(exe[0]), os.X_OK), exe[0]
         if unit == "zcoord.service":
-            conf = exe[exe.index("--config") + 1]
-            assert conf == os.path.join(etcdir, "ztrain", "zcoord.json")
+            # The 0600 config reaches the dynamic user as a credential.
+            assert exe[exe.index("--config") + 1] == "%d/zcoord.json"
+            name, conf = s["LoadCredential"][0].split(":", 1)
+            assert name == "zcoord.json" and conf == os.path.join(etcdir, "ztrain", "zcoord.json")
             assert os.path.isfile(inside(conf)), conf
         else:
             envf = s["EnvironmentFile"][0]
