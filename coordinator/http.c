@@ -15,11 +15,14 @@
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "coord.h"
 #include "http.h"
@@ -608,6 +611,24 @@ static void request_completed(void *cls, struct MHD_Connection *conn, void **con
   *con_cls = NULL;
 }
 
+/* Why libmicrohttpd could not listen on sa: binds a socket the way it
+ * does (SO_REUSEADDR) to learn the reason, so that a port another process
+ * holds is named as such. */
+static int listen_error(const char *addr, const struct sockaddr_in *sa) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1, e = 0;
+  if (fd >= 0) {
+    if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        bind(fd, (const struct sockaddr *)sa, sizeof *sa) != 0)
+      e = errno;
+    close(fd);
+  }
+  if (e == EADDRINUSE)
+    return zt_errk(ZT_E_UNAVAILABLE, "HTTP port %d is already in use (--http %s)",
+                   (int)ntohs(sa->sin_port), addr);
+  if (e) return zt_errk(ZT_E_UNAVAILABLE, "cannot listen for HTTP on %s: %s", addr, strerror(e));
+  return zt_errk(ZT_E_UNAVAILABLE, "cannot listen for HTTP on %s", addr);
+}
+
 int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
   /* "host:0" asks for a free port, so zt_parse_hostport() (1..65535) won't do. */
   const char *colon = strrchr(addr, ':');
@@ -633,7 +654,7 @@ int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
                           MHD_OPTION_END);
   if (!h->d) {
     free(h);
-    return zt_err("cannot listen for HTTP on %s (address in use?)", addr);
+    return listen_error(addr, &sa);
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
   h->port = di ? di->port : (int)port;

@@ -2,24 +2,36 @@
  * ztrain.c: the local launcher, the default single-machine experience.
  *
  *   ztrain JOB.json [--workers N] [--dir DIR] [--threads T] [--quiet]
+ *                   [--http-port PORT] [--serve]
  *
  * Starts a zcoord (its database and logs under DIR, default ztrain-run/)
- * and N local CPU zworkers, submits the job, prints progress (step, loss,
- * tokens/s) until the job ends, then stops the workers (SIGTERM: they say
- * Leave) and the coordinator. Exit status: 0 when the job completed, 1 when
- * it failed, 2 on a usage error. The daemons' logs stay in DIR.
+ * and N local CPU zworkers, submits the job, prints the dashboard's URL
+ * (zcoord's HTTP port: --http-port, default 7080; 0 takes any free port)
+ * and progress (step, loss, tokens/s) until the job ends, then stops the
+ * workers (SIGTERM: they say Leave) and the coordinator. On a terminal the
+ * progress is one line rewritten in place, with an ETA; otherwise one line
+ * per step seen. With --serve the coordinator and its dashboard stay up
+ * after the job ends (the workers stop as usual) until SIGINT or SIGTERM.
+ * An HTTP port already in use is an error before anything starts. Exit
+ * status: 0 when the job completed, 1 when it failed or could not start,
+ * 2 on a usage error. The daemons' logs stay in DIR.
  *
  * Everything here goes through the same interfaces an operator would use:
  * processes, gRPC (SubmitJob, GetJob), the ready file zcoord writes.
  */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
 #include <limits.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -29,9 +41,13 @@
 #include "ztrain.pb-c.h"
 
 #define MAX_WORKERS 64
+/* zcoord's own default HTTP port: the dashboard's usual address. */
+#define DEFAULT_HTTP_PORT 7080
 
 static volatile sig_atomic_t g_interrupted;
 static void on_sigint(int sig) { (void)sig, g_interrupted = 1; }
+/* Only there so that a child's exit ends sigsuspend() in serve(). */
+static void on_sigchld(int sig) { (void)sig; }
 
 /* Starts `argv` with stdout+stderr appended to `log`. */
 static pid_t spawn(char *const argv[], const char *log) {
@@ -63,22 +79,65 @@ static void reap(pid_t pid, int64_t ms) {
   }
 }
 
-static int read_ready(const char *path, int *grpc_port) {
+static int read_ready(const char *path, int *grpc_port, int *http_port) {
   char *t;
   size_t n;
   if (zt_read_file(path, &t, &n, 4096) != 0) return -1;
-  const char *p = strstr(t, "\"grpc_port\": ");
-  int ok = p && sscanf(p + 13, "%d", grpc_port) == 1;
+  const char *p = strstr(t, "\"grpc_port\": "), *h = strstr(t, "\"http_port\": ");
+  int ok = p && h && sscanf(p + 13, "%d", grpc_port) == 1 && sscanf(h + 13, "%d", http_port) == 1;
   free(t);
   return ok ? 0 : -1;
 }
 
+/* 0 when 127.0.0.1:port can be bound (as zcoord binds it: SO_REUSEADDR),
+ * else an error naming the port. */
+static int check_http_port(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+  if (fd < 0) return zt_err_errno("socket");
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int rc = setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) == 0
+               ? bind(fd, (struct sockaddr *)&sa, sizeof sa)
+               : -1;
+  int e = errno;
+  close(fd);
+  if (rc == 0) return 0;
+  if (e == EADDRINUSE)
+    return zt_err("HTTP port %d is already in use (another ztrain or zcoord?); choose another "
+                  "with --http-port PORT, or --http-port 0 for any free port",
+                  port);
+  errno = e;
+  return zt_err_errno("HTTP port %d", port);
+}
+
+/* The reason zcoord gave for not starting: its last ERROR line at or after
+ * offset `from` of its log, without the line's time and tag. */
+static void coord_failure(const char *log, long from, char *out, size_t n) {
+  char line[1024];
+  snprintf(out, n, "see %.1000s", log);
+  FILE *f = fopen(log, "r");
+  if (!f) return;
+  if (fseek(f, from, SEEK_SET) == 0)
+    while (fgets(line, sizeof line, f)) {
+      const char *e = strstr(line, " ERROR ");
+      const char *msg = e ? strstr(e, "zcoord: ") : NULL;
+      if (!msg) continue;
+      line[strcspn(line, "\n")] = 0;
+      snprintf(out, n, "%.700s (log: %.300s)", msg, log);
+    }
+  fclose(f);
+}
+
 /* One launch: its settings and what it started. */
 typedef struct {
-  int workers, threads, quiet;
+  int workers, threads, quiet, serve;
+  int http_port;   /* asked for (0: any free port), then the one zcoord bound */
+  int tty;         /* stdout is a terminal: progress is one line, rewritten */
+  int line_open;   /* a progress line without its newline is on the terminal */
   const char *dir, *spec_path;
   char bindir[PATH_MAX];
   char target[64]; /* zcoord's gRPC address */
+  char url[64];    /* the dashboard */
   pid_t coord, wk[MAX_WORKERS];
   int started; /* workers started */
   zt_rpc_client_t *rpc;
@@ -89,9 +148,13 @@ static int parse_args(launch *l, int argc, char **argv) {
                                        {"dir", required_argument, 0, 'd'},
                                        {"threads", required_argument, 0, 't'},
                                        {"quiet", no_argument, 0, 'q'},
+                                       {"http-port", required_argument, 0, 'p'},
+                                       {"serve", no_argument, 0, 's'},
                                        {0, 0, 0, 0}};
   l->workers = 2;
   l->dir = "ztrain-run";
+  l->http_port = DEFAULT_HTTP_PORT;
+  int64_t port;
   int ch;
   while ((ch = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
     switch (ch) {
@@ -99,6 +162,14 @@ static int parse_args(launch *l, int argc, char **argv) {
     case 'd': l->dir = optarg; break;
     case 't': l->threads = atoi(optarg); break;
     case 'q': l->quiet = 1; break;
+    case 's': l->serve = 1; break;
+    case 'p':
+      if (zt_parse_i64("--http-port", optarg, 0, 65535, &port) != 0) {
+        fprintf(stderr, "ztrain: %s\n", zt_err_msg());
+        return -1;
+      }
+      l->http_port = (int)port;
+      break;
     default: return -1;
     }
   }
@@ -113,25 +184,36 @@ static int parse_args(launch *l, int argc, char **argv) {
   return 0;
 }
 
-/* Starts zcoord on free ports and waits for its ready file. */
+/* Starts zcoord (gRPC on a free port, HTTP on l->http_port) and waits for
+ * its ready file; when zcoord exits first, its reason is the error. */
 static int start_coord(launch *l) {
-  char zcoord[PATH_MAX + 16], db[PATH_MAX], ready[PATH_MAX], log[PATH_MAX + 32];
+  char zcoord[PATH_MAX + 16], db[PATH_MAX], ready[PATH_MAX], log[PATH_MAX + 32], http[32];
   snprintf(zcoord, sizeof zcoord, "%s/zcoord", l->bindir);
   snprintf(db, sizeof db, "%s/zcoord.db", l->dir);
   snprintf(ready, sizeof ready, "%s/zcoord.ready", l->dir);
   snprintf(log, sizeof log, "%s/zcoord.log", l->dir);
+  snprintf(http, sizeof http, "127.0.0.1:%d", l->http_port);
   unlink(ready);
-  char *argv[] = {zcoord, "--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", db,
+  struct stat st;
+  long log_from = stat(log, &st) == 0 ? (long)st.st_size : 0;
+  char *argv[] = {zcoord, "--grpc", "127.0.0.1:0", "--http", http, "--db", db,
                   "--ready-file", ready, "--heartbeat-ms", "500", NULL};
   l->coord = spawn(argv, log);
   int port = 0;
   zt_deadline_t dl = zt_deadline_in(15000);
-  while (read_ready(ready, &port) != 0) {
-    if (zt_deadline_passed(dl) || waitpid(l->coord, NULL, WNOHANG) == l->coord)
-      return zt_err("zcoord did not start; see %s", log);
+  while (read_ready(ready, &port, &l->http_port) != 0) {
+    char why[1200];
+    if (l->coord > 0 && waitpid(l->coord, NULL, WNOHANG) == l->coord) {
+      l->coord = 0; /* reaped */
+      coord_failure(log, log_from, why, sizeof why);
+      return zt_err("zcoord did not start: %s", why);
+    }
+    if (l->coord < 0 || zt_deadline_passed(dl))
+      return zt_err("zcoord did not start within 15 s; see %s", log);
     zt_sleep_ms(20); /* polling for the ready file with a deadline */
   }
   snprintf(l->target, sizeof l->target, "127.0.0.1:%d", port);
+  snprintf(l->url, sizeof l->url, "http://127.0.0.1:%d/", l->http_port);
   return 0;
 }
 
@@ -162,10 +244,75 @@ static int submit(launch *l, const char *spec, uint64_t *job) {
   return 0;
 }
 
+/* ---- progress ------------------------------------------------------------ */
+
+/* The step rate since an anchor: the first step seen, re-anchored when a
+ * generation starts (a restart or rollback; the gap is not training). */
+typedef struct {
+  int64_t t0_ms, s0;
+  uint64_t gen;
+} eta_t;
+
+static void fmt_duration(double s, char *out, size_t n) {
+  long long t = (long long)(s + 0.5);
+  if (t < 60) snprintf(out, n, "%llds", t);
+  else if (t < 3600) snprintf(out, n, "%lldm%02llds", t / 60, t % 60);
+  else snprintf(out, n, "%lldh%02lldm", t / 3600, t / 60 % 60);
+}
+
+/* The time left at the rate seen since the anchor ("--" until known). */
+static void eta_text(eta_t *e, const Ztrain__JobInfo *ji, char *out, size_t n) {
+  int64_t now = zt_now_ms();
+  if (!e->t0_ms || ji->step < e->s0 || ji->generation != e->gen)
+    e->t0_ms = now, e->s0 = ji->step, e->gen = ji->generation;
+  int64_t ds = ji->step - e->s0, dt = now - e->t0_ms;
+  if (ds <= 0 || dt <= 0) {
+    snprintf(out, n, "--");
+    return;
+  }
+  fmt_duration((double)(ji->total_steps - ji->step) * (double)dt / 1000.0 / (double)ds, out, n);
+}
+
+/* The terminal's width (80 when it does not say). */
+static int term_cols(void) {
+  struct winsize ws;
+  return ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 ? ws.ws_col : 80;
+}
+
+/* On a terminal: one line rewritten in place (carriage return, the text
+ * cut to the width, clear to the end of the line). */
+static void progress_tty(launch *l, const Ztrain__JobInfo *ji, eta_t *e) {
+  char eta[32], line[256];
+  eta_text(e, ji, eta, sizeof eta);
+  snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  %.0f tok/s  ETA %s  gen %llu  world %u",
+           (long long)ji->step, (long long)ji->total_steps, ji->loss, ji->tokens_per_s, eta,
+           (unsigned long long)ji->generation, ji->world);
+  int cols = term_cols();
+  if (cols - 1 < (int)sizeof line) line[cols - 1] = 0;
+  printf("\r%s\033[K", line);
+  fflush(stdout);
+  l->line_open = 1;
+}
+
+/* Elsewhere (a pipe, a file): one line per step seen; scripts parse it. */
+static void progress_plain(const Ztrain__JobInfo *ji) {
+  printf("step %6lld/%lld  loss %.4f  lr %.3g  %8.0f tok/s  gen %llu  world %u\n",
+         (long long)ji->step, (long long)ji->total_steps, ji->loss, ji->lr, ji->tokens_per_s,
+         (unsigned long long)ji->generation, ji->world);
+  fflush(stdout);
+}
+
+/* Ends a progress line left open, so that the next output starts a line. */
+static void end_line(launch *l) {
+  if (l->line_open) putchar('\n');
+  l->line_open = 0;
+}
+
 /* Prints progress until the job ends (or ztrain is interrupted); returns
  * the exit status: 0 when the job completed. */
 static int follow(launch *l, uint64_t job) {
   int64_t last_step = -1;
+  eta_t eta = {0};
   while (!g_interrupted) {
     Ztrain__GetJobRequest req = ZTRAIN__GET_JOB_REQUEST__INIT;
     req.job_id = job;
@@ -174,30 +321,37 @@ static int follow(launch *l, uint64_t job) {
                    5000, &m, NULL) == 0) {
       Ztrain__JobInfo *ji = ((Ztrain__GetJobReply *)m)->job;
       if (ji && ji->step != last_step && ji->step > 0 && !l->quiet) {
-        printf("step %6lld/%lld  loss %.4f  lr %.3g  %8.0f tok/s  gen %llu  world %u\n",
-               (long long)ji->step, (long long)ji->total_steps, ji->loss, ji->lr, ji->tokens_per_s,
-               (unsigned long long)ji->generation, ji->world);
-        fflush(stdout);
+        if (l->tty) progress_tty(l, ji, &eta);
+        else progress_plain(ji);
         last_step = ji->step;
       }
       int state = ji ? ji->state : 0, done = state == ZTRAIN__JOB_STATE__JOB_COMPLETED ||
                                               state == ZTRAIN__JOB_STATE__JOB_FAILED ||
                                               state == ZTRAIN__JOB_STATE__JOB_CANCELED;
-      if (done)
+      if (done) {
+        end_line(l);
         printf("ztrain: job %llu %s: %s\n", (unsigned long long)job, zt_job_state_name(state),
                ji->message);
+      }
       protobuf_c_message_free_unpacked(m, NULL);
       if (done) return state == ZTRAIN__JOB_STATE__JOB_COMPLETED ? 0 : 1;
     }
     zt_sleep_ms(200); /* progress display cadence */
   }
+  end_line(l);
   return 1;
 }
 
-/* Workers first (SIGTERM: they say Leave), then the coordinator. */
-static void stop_all(launch *l) {
+/* SIGTERM: they say Leave. */
+static void stop_workers(launch *l) {
   for (int i = 0; i < l->started; i++) kill(l->wk[i], SIGTERM);
   for (int i = 0; i < l->started; i++) reap(l->wk[i], 10000);
+  l->started = 0;
+}
+
+/* Workers first, then the coordinator. */
+static void stop_all(launch *l) {
+  stop_workers(l);
   if (l->coord > 0) {
     kill(l->coord, SIGTERM);
     reap(l->coord, 10000);
@@ -205,7 +359,33 @@ static void stop_all(launch *l) {
   zt_rpc_client_close(l->rpc);
 }
 
+/* --serve: the job has ended and the workers are stopped; the coordinator
+ * and its dashboard stay up until SIGINT or SIGTERM, or until zcoord
+ * exits. The signals stay blocked between the checks and sigsuspend(),
+ * so none is missed. */
+static void serve(launch *l) {
+  printf("ztrain: workers stopped; serving the dashboard at %s until Ctrl-C\n", l->url);
+  fflush(stdout);
+  sigset_t block, old;
+  sigemptyset(&block);
+  sigaddset(&block, SIGINT);
+  sigaddset(&block, SIGTERM);
+  sigaddset(&block, SIGCHLD);
+  sigprocmask(SIG_BLOCK, &block, &old);
+  signal(SIGCHLD, on_sigchld);
+  while (!g_interrupted) {
+    if (waitpid(l->coord, NULL, WNOHANG) == l->coord) {
+      l->coord = 0; /* reaped */
+      ZT_ERROR("zcoord exited while serving; see %s/zcoord.log", l->dir);
+      break;
+    }
+    sigsuspend(&old);
+  }
+  sigprocmask(SIG_SETMASK, &old, NULL);
+}
+
 int main(int argc, char **argv) {
+  if (zt_version_arg(argc, argv, "ztrain")) return 0;
   zt_log_set_prefix("ztrain");
   launch l = {0};
   char *spec = NULL;
@@ -213,7 +393,10 @@ int main(int argc, char **argv) {
   uint64_t job = 0;
   int rc = 1;
   if (parse_args(&l, argc, argv) != 0) {
-    fprintf(stderr, "usage: ztrain JOB.json [--workers N] [--dir DIR] [--threads T] [--quiet]\n");
+    fprintf(stderr, "usage: ztrain JOB.json [--workers N] [--dir DIR] [--threads T] [--quiet]\n"
+                    "                       [--http-port PORT (default %d; 0: any free)] "
+                    "[--serve]\n",
+            DEFAULT_HTTP_PORT);
     return 2;
   }
   if (zt_read_file(l.spec_path, &spec, &spec_len, 4 << 20) != 0 || zt_mkdirs(l.dir) != 0) {
@@ -223,13 +406,20 @@ int main(int argc, char **argv) {
   }
   signal(SIGINT, on_sigint);
   signal(SIGTERM, on_sigint);
-  if (start_coord(&l) != 0) goto out;
+  l.tty = isatty(STDOUT_FILENO);
+  if ((l.http_port && check_http_port(l.http_port) != 0) || start_coord(&l) != 0) goto out;
+  printf("ztrain: dashboard at %s\n", l.url);
+  fflush(stdout);
   start_workers(&l);
   if (zt_rpc_client_open(l.target, NULL, &l.rpc) != 0 || submit(&l, spec, &job) != 0) goto out;
   printf("ztrain: job %llu submitted to %s with %d workers (logs in %s/)\n",
          (unsigned long long)job, l.target, l.workers, l.dir);
   fflush(stdout);
   rc = follow(&l, job);
+  if (l.serve && !g_interrupted) {
+    stop_workers(&l);
+    serve(&l);
+  }
 out:
   if (rc != 0 && !job) ZT_ERROR("%s", zt_err_msg());
   stop_all(&l);

@@ -1,0 +1,180 @@
+"""ztrain, the local launcher: the dashboard URL it prints, its progress on
+a terminal (one line rewritten in place, with an ETA; through a pty) and
+elsewhere (one plain line per step seen), --serve (the coordinator and the
+dashboard stay up after the job until SIGINT; the workers stop), and an
+HTTP port already in use (one line naming the port, nothing left running).
+ztrain's zcoord and zworkers confine job paths to their working directory,
+so each run happens in the test's own directory."""
+import json
+import os
+import pty
+import re
+import select
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from ztest import BIN, SLOW, byte_dataset, http_get, tiny_spec, wait_until
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ztrain")
+    train, val = byte_dataset(str(d / "data"), 150_000)
+    return d, train, val
+
+
+def write_spec(d, name, spec):
+    path = os.path.join(str(d), name)
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+def ztrain_argv(spec, run_dir, *extra):
+    return [f"{BIN}/ztrain", spec, "--dir", str(run_dir), "--threads", "1", *extra]
+
+
+def running_under(path):
+    """Processes whose command line names path (what a launch left)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in cmd and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def read_until(fd, pred, timeout, buf=b""):
+    """Reads fd until pred(bytes so far) or its end; fails at the deadline."""
+    deadline = time.monotonic() + timeout * SLOW
+    while not pred(buf):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"timed out; output so far: {buf[-3000:]!r}")
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # a pty's reader gets EIO once the writer is gone
+            chunk = b""
+        if not chunk:
+            return buf
+        buf += chunk
+    return buf
+
+
+def test_progress_on_a_terminal_is_one_line(data):
+    d, train, val = data
+    spec = write_spec(d, "tty.json", tiny_spec(train, val, 300, workers=1))
+    master, slave = pty.openpty()
+    p = subprocess.Popen(ztrain_argv(spec, d / "run-tty", "--workers", "1", "--http-port", "0"),
+                         cwd=str(d), stdin=subprocess.DEVNULL, stdout=slave,
+                         stderr=subprocess.STDOUT)
+    os.close(slave)
+    try:
+        out = read_until(master, lambda b: False, 120).decode(errors="replace")
+        assert p.wait(timeout=30 * SLOW) == 0, out
+    finally:
+        os.close(master)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert re.search(r"ztrain: dashboard at http://127\.0\.0\.1:\d+/\r\n", out), out
+    # The progress: carriage return, the line, clear to the end of the line;
+    # no newline until the job ends.
+    first = out.index("\rstep ")
+    end = out.index("ztrain: job 1 completed")
+    progress = out[first:end]
+    assert "\n" not in progress.rstrip("\r\n"), repr(progress[-500:])
+    updates = re.findall(r"\rstep (\d+)/300  loss [\d.]+  \d+ tok/s  ETA (\S+)  gen 1  world 1"
+                         r"\x1b\[K", progress)
+    assert updates and int(updates[-1][0]) == 300, repr(progress[-500:])
+    assert any(re.fullmatch(r"\d+s|\d+m\d\ds", eta) for _, eta in updates), updates
+    assert not re.search(r"step +\d+/300  loss [\d.]+  lr", out)  # not the plain format
+
+
+def test_plain_lines_and_serve_until_interrupted(data):
+    d, train, val = data
+    run = d / "run-serve"
+    spec = write_spec(d, "serve.json", tiny_spec(train, val, 40, workers=2))
+    p = subprocess.Popen(ztrain_argv(spec, run, "--workers", "2", "--http-port", "0", "--serve"),
+                         cwd=str(d), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        out = read_until(p.stdout.fileno(), lambda b: b"until Ctrl-C\n" in b, 120)
+        out = out.decode()
+        url = re.search(r"ztrain: dashboard at (http://127\.0\.0\.1:(\d+)/)\n", out)
+        assert url, out
+        port = int(url.group(2))
+        # Not a terminal: one plain line per step seen, as scripts parse them.
+        assert "\r" not in out and "\x1b" not in out
+        steps = re.findall(r"^step +(\d+)/40  loss [\d.]+  lr \S+ +\d+ tok/s  gen 1  world 2$",
+                           out, re.M)
+        assert steps and steps[-1] == "40", out
+        assert "ztrain: job 1 completed" in out
+        assert f"serving the dashboard at {url.group(1)} until Ctrl-C" in out
+        # The job is over, the workers have left; the dashboard still answers.
+        code, _, jobs = http_get(port, "/v1/jobs")
+        assert code == 200 and [j["state"] for j in jobs["jobs"]] == ["completed"]
+        assert {w["state"] for w in http_get(port, "/v1/workers")[2]["workers"]} == {"left"}
+        code, ctype, page = http_get(port, "/")
+        assert code == 200 and ctype.startswith("text/html") and "job-picker" in page
+        assert p.poll() is None
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30 * SLOW) == 0, p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not running_under(run)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+def test_http_port_in_use_is_one_line_and_starts_nothing(data):
+    d, train, val = data
+    run = d / "run-busy"
+    spec = write_spec(d, "busy.json", tiny_spec(train, val, 10, workers=1))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run(ztrain_argv(spec, run, "--http-port", str(port), "--serve"),
+                           cwd=str(d), capture_output=True, text=True, timeout=30 * SLOW)
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        err = r.stderr.strip()
+        assert "\n" not in err and f"HTTP port {port} is already in use" in err, err
+        assert "--http-port" in err and r.stdout == ""
+        assert not running_under(run) and not os.path.exists(run / "zcoord.log")
+        # zcoord itself, given the port, fails at once and says which port.
+        r = subprocess.run([f"{BIN}/zcoord", "--grpc", "127.0.0.1:0", "--http",
+                            f"127.0.0.1:{port}", "--db", str(d / "busy.db")],
+                           cwd=str(d), capture_output=True, text=True, timeout=30 * SLOW)
+        assert r.returncode == 1
+        assert f"cannot start: HTTP port {port} is already in use" in r.stderr, r.stderr
+
+
+def test_zcoord_failure_is_relayed(procs, data):
+    """zcoord refuses to start (its database is held by another zcoord):
+    ztrain says why in one line and leaves nothing running."""
+    d, train, val = data
+    run = d / "run-locked"
+    os.makedirs(run, exist_ok=True)
+    holder = procs.coord(db=str(run / "zcoord.db"))
+    spec = write_spec(d, "locked.json", tiny_spec(train, val, 10, workers=1))
+    r = subprocess.run(ztrain_argv(spec, run, "--http-port", "0"), cwd=str(d),
+                       capture_output=True, text=True, timeout=30 * SLOW)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert "\n" not in err, err
+    assert "zcoord did not start: zcoord: cannot start:" in err, err
+    assert f"in use by another zcoord (pid {holder.pid}" in err, err
+    assert [x for x in running_under(run) if str(holder.pid) != x.split(":")[0]] == []
