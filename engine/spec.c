@@ -256,7 +256,7 @@ static int parse_batch(zt_spec_t *s, const cJSON *root) {
 }
 
 static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
-  static const char *const zkeys[] = {"stage"};
+  static const char *const zkeys[] = {"stage", "overlap_comm"};
   static const char *const ekeys[] = {"min_workers",      "max_workers",
                                       "max_failed_generations", "backoff_ms",
                                       "max_backoff_ms",   "max_restarts",
@@ -266,7 +266,8 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
   const cJSON *z, *e, *c, *b;
   if (get_object(root, "", "zero_optimization", 0, &z) ||
       (z && (CHECK_KEYS(z, "zero_optimization", zkeys) ||
-             get_int(z, "zero_optimization", "stage", 0, 0, 3, &s->zero_stage))))
+             get_int(z, "zero_optimization", "stage", 0, 0, 3, &s->zero_stage) ||
+             get_bool(z, "zero_optimization", "overlap_comm", &s->overlap_comm))))
     return -1;
   if (get_object(root, "", "elastic", 0, &e) ||
       (e && (CHECK_KEYS(e, "elastic", ekeys) ||
@@ -389,6 +390,7 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
 static void set_defaults(zt_spec_t *s) {
   memset(s, 0, sizeof *s);
   snprintf(s->name, sizeof s->name, "job");
+  s->overlap_comm = 1;
   s->seed = 1337;
   s->accum = 1;
   s->opt = (zt_opt_config_t){.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,

@@ -190,7 +190,8 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   int dev = t->k != zt_kernels_cpu() || zt_knob(ZT_KNOB_STAGE_COLLECTIVES, 0) == 1;
   zt_zero_opts_t zo = {.rank = t->r, .world = t->N, .stage = t->spec.zero_stage, .dev = dev,
                        .timeout_ms = t->tmo,
-                       .inv_k = (double)t->mb / (double)t->spec.global_batch};
+                       .inv_k = (double)t->mb / (double)t->spec.global_batch,
+                       .overlap = t->spec.overlap_comm};
   if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;
@@ -311,7 +312,7 @@ static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
     uint64_t first = zt_data_pos((uint64_t)step, t->mb, t->accum, t->N, t->r, j);
     float l = 0;
     if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) return -1;
-    zt_zero_micro_begin(&t->z);
+    zt_zero_micro_begin(&t->z, j == t->accum - 1);
     if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
     *loss_sum += l;
     if (zt_model_backward(t->m, 1.0f) != 0 && !t->z.fail) return -1;

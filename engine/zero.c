@@ -186,10 +186,97 @@ static int h_pre_backward(void *ctx, int u) {
   return z->fail ? -1 : 0;
 }
 
-/* Stages 2-3: reduce-scatter the unit's gradient (in fp64, so the sum is
- * exact) and add this rank's shard to the running sum. */
+/* ---- overlap: the communication thread (zero.h) ---------------------------------- */
+
+/* Unit u's reduction at stages 0-1: its padded range of the fp64 sum. */
+static int reduce_unit(zt_zero_t *z, int u) {
+  double *g = z->G64 + z->off_full[u];
+  if (z->stage == 0) return c_all_reduce(z, g, z->S[u] * (size_t)z->N, ZT_DT_F64);
+  return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
+}
+
+/* Takes queued units in order; after a failure the rest are only
+ * dequeued (the step fails in zt_zero_reduce). */
+static void *ov_main(void *arg) {
+  zt_zero_t *z = arg;
+  pthread_mutex_lock(&z->ov_mu);
+  for (;;) {
+    while (!z->ov_quit && z->ov_head == z->ov_tail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+    if (z->ov_quit) break;
+    int u = z->ov_queue[z->ov_head], failed = z->ov_fail;
+    pthread_mutex_unlock(&z->ov_mu);
+    int rc = failed ? 0 : reduce_unit(z, u);
+    pthread_mutex_lock(&z->ov_mu);
+    if (rc != 0 && !z->ov_fail) {
+      z->ov_fail = 1;
+      snprintf(z->ov_msg, sizeof z->ov_msg, "gradient reduction of unit %d: %s", u, zt_err_msg());
+    }
+    z->ov_head++;
+    pthread_cond_broadcast(&z->ov_cv);
+  }
+  pthread_mutex_unlock(&z->ov_mu);
+  return NULL;
+}
+
+static void ov_push(zt_zero_t *z, int u) {
+  pthread_mutex_lock(&z->ov_mu);
+  z->ov_queue[z->ov_tail++] = u;
+  pthread_cond_broadcast(&z->ov_cv);
+  pthread_mutex_unlock(&z->ov_mu);
+}
+
+/* Waits until every queued unit is reduced; -1 when one failed. */
+static int ov_wait(zt_zero_t *z) {
+  pthread_mutex_lock(&z->ov_mu);
+  while (z->ov_head != z->ov_tail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  int failed = z->ov_fail;
+  z->ov_head = z->ov_tail = 0;
+  pthread_mutex_unlock(&z->ov_mu);
+  return failed ? zt_err("%s", z->ov_msg) : 0;
+}
+
+static int ov_start(zt_zero_t *z) {
+  z->ov_queue = zt_xcalloc((size_t)z->U, sizeof *z->ov_queue);
+  pthread_mutex_init(&z->ov_mu, NULL);
+  pthread_cond_init(&z->ov_cv, NULL);
+  if (pthread_create(&z->ov_thread, NULL, ov_main, z) != 0) {
+    pthread_cond_destroy(&z->ov_cv);
+    pthread_mutex_destroy(&z->ov_mu);
+    free(z->ov_queue);
+    z->ov_queue = NULL;
+    return zt_err("cannot start the gradient communication thread");
+  }
+  z->overlap = 1;
+  return 0;
+}
+
+/* A reduction still running when the state is freed (the generation
+ * failed elsewhere) is aborted with the communicator, which is over. */
+static void ov_stop(zt_zero_t *z) {
+  if (!z->overlap) return;
+  pthread_mutex_lock(&z->ov_mu);
+  if (z->ov_head != z->ov_tail) zt_comm_abort(z->comm);
+  z->ov_quit = 1;
+  pthread_cond_broadcast(&z->ov_cv);
+  pthread_mutex_unlock(&z->ov_mu);
+  pthread_join(z->ov_thread, NULL);
+  pthread_cond_destroy(&z->ov_cv);
+  pthread_mutex_destroy(&z->ov_mu);
+  free(z->ov_queue);
+}
+
+/* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
+ * into the fp64 sum and onto the communication thread. Stages 2-3:
+ * reduce-scatter the unit's gradient (in fp64, so the sum is exact) and
+ * add this rank's shard to the running sum. */
 static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
+  if (z->stage < 2 && z->overlap && z->last_micro) {
+    size_t off = z->off_full[u];
+    z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
+    ov_push(z, u);
+    return 0;
+  }
   if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
   const float *g = u == 0 ? z->tg0 : z->tg;
   z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
@@ -215,12 +302,14 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->tmo = o->timeout_ms;
   z->inv_k = o->inv_k;
   if (layout(z) != 0) return -1;
+  if (o->overlap && z->stage < 2 && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
   zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
   zt_model_set_hooks(m, &hooks);
   return 0;
 }
 
 void zt_zero_free(zt_zero_t *z) {
+  ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
   void *bufs[] = {z->gbuf, z->P,   z->G,   z->Ps, z->G64, z->M,    z->V,
                   z->gat0, z->gat, z->tg0, z->tg, z->tg64, z->rs64};
@@ -371,12 +460,14 @@ void zt_zero_start_step(zt_zero_t *z) {
   z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
 }
 
-void zt_zero_micro_begin(zt_zero_t *z) {
+void zt_zero_micro_begin(zt_zero_t *z, int last) {
+  z->last_micro = last;
   if (z->G) z->k->zero(z->G, z->full_total);
 }
 
 int zt_zero_micro_end(zt_zero_t *z) {
-  if (z->G) z->k->acc_f64(z->G64, z->G, z->full_total);
+  /* With overlap the hooks have summed the last micro-step unit by unit. */
+  if (z->G && !(z->overlap && z->last_micro)) z->k->acc_f64(z->G64, z->G, z->full_total);
   if (z->fail) return zt_err("%s", z->fail_msg);
   return 0;
 }
@@ -421,6 +512,7 @@ double zt_zero_sumsq(zt_zero_t *z) {
 /* Sums the gradient over ranks: all-reduce (stage 0) or reduce-scatter
  * (stage 1) in fp64; stages 2-3 did it unit by unit during backward. */
 int zt_zero_reduce(zt_zero_t *z) {
+  if (z->overlap) return ov_wait(z);
   if (z->stage == 0) return c_all_reduce(z, z->G64, z->full_total, ZT_DT_F64);
   if (z->stage == 1)
     for (int u = 0; u < z->U; u++) {

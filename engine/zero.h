@@ -24,6 +24,19 @@
  * backward) and drops it after. Gradient sums are kept in fp64, so the
  * reduced gradient is exact and the same for any world size.
  *
+ * Overlap (stages 0-1, host memory, N > 1; zero_optimization.overlap_comm,
+ * on by default). In the last micro-step a unit's gradient is final as
+ * soon as the model's post_backward hook runs for it: the hook adds it to
+ * the fp64 sum and queues the unit's reduction (stage 0 all-reduce, stage 1
+ * reduce-scatter) for a communication thread, and backward goes on with the
+ * next unit while the network carries this one; zt_zero_reduce then waits
+ * for the queue. The thread is the only user of the communicator until
+ * then, units are reduced one at a time in the order backward finishes
+ * them, and the fp64 sums do not depend on how the elements are grouped,
+ * so the results are the same as without overlap (test_zero.py compares
+ * the loss series bit for bit). Stages 2-3 reduce-scatter inside the hook
+ * of every micro-step, as before.
+ *
  * Devices. Every buffer lives in the memory of the kernel table z->k and
  * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
  * adamw, ...): host memory and the CPU kernels, or device memory and the
@@ -34,6 +47,7 @@
 #ifndef ZT_ZERO_H
 #define ZT_ZERO_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -71,6 +85,16 @@ typedef struct zt_zero {
   char fail_msg[512];
   uint64_t state_bytes[4]; /* params, grads, optimizer, in flight */
   uint64_t scratch_bytes;  /* the gather scratch (not a model state) */
+  /* Overlap (zt_zero_opts_t.overlap): the communication thread and its
+   * queue of units whose reduction is due, in the order backward finishes
+   * them; everything under ov_mu. */
+  int overlap, last_micro;
+  pthread_t ov_thread;
+  pthread_mutex_t ov_mu;
+  pthread_cond_t ov_cv;
+  int *ov_queue, ov_head, ov_tail, ov_quit;
+  int ov_fail;           /* a queued reduction failed: ov_msg says why */
+  char ov_msg[512];
 } zt_zero_t;
 
 typedef struct zt_zero_opts {
@@ -78,6 +102,7 @@ typedef struct zt_zero_opts {
   int dev;              /* stage collectives through host memory */
   int64_t timeout_ms;   /* per collective */
   double inv_k;         /* micro_batch / global_batch */
+  int overlap;          /* reduce on a communication thread (see above) */
 } zt_zero_opts_t;
 
 /* Lays out this rank's model states in the kernel table's memory, points
@@ -114,7 +139,8 @@ void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges);
 
 /* The steps of one training step, in order (see above). */
 void zt_zero_start_step(zt_zero_t *z);
-void zt_zero_micro_begin(zt_zero_t *z);
+/* last: this is the step's last micro-step (its gradients are final). */
+void zt_zero_micro_begin(zt_zero_t *z, int last);
 /* -1 with the hook's error when a collective inside forward or backward
  * failed. */
 ZT_MUST_CHECK int zt_zero_micro_end(zt_zero_t *z);

@@ -127,3 +127,18 @@ def test_activation_checkpointing_bit_identical(procs, tmp_path, data):
         per_layer = B * T * (15 * C + 4 + NH) * 4
         assert mem_plain["activation_bytes"] - mem["activation_bytes"] == (L - 1) * per_layer
         assert mem["estimated_activation_bytes"] == mem["activation_bytes"] + 12 * B * T
+
+
+def test_overlap_comm_bit_identical(procs, tmp_path, data):
+    """zero_optimization.overlap_comm (the default) reduces each unit's gradient on a
+    communication thread while backward goes on: the loss series equals the synchronous one to
+    the bit (stages 0 and 1, which reduce after the last micro-step; 2 micro-steps per rank)."""
+    train, val = data
+    coord = start_fleet(procs, 3)
+    for stage, n in ((0, 2), (1, 3), (0, 3)):
+        spec = tiny_spec(train, val, STEPS, stage, n)
+        spec["zero_optimization"]["overlap_comm"] = False
+        ref = run_job(procs, coord, tmp_path, spec, f"sync-s{stage}n{n}")
+        spec["zero_optimization"]["overlap_comm"] = True
+        got = run_job(procs, coord, tmp_path, spec, f"overlap-s{stage}n{n}")
+        assert got == ref, f"stage {stage} N={n}: overlap changed the losses"
