@@ -398,3 +398,46 @@ int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_
     if (load_rank(dir, r, rec, dest, nd) != 0) return -1;
   return 0;
 }
+
+/* ---- a whole epoch, for export and sampling ---------------------------------- */
+
+int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer, size_t cap) {
+  if (tokenizer && cap) tokenizer[0] = 0;
+  cJSON *man = read_json(dir, "manifest.json", NULL);
+  if (!man) return -1;
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(man, "model");
+  const char *keys[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
+  int *dst[] = {&cfg->n_layer, &cfg->n_head, &cfg->n_embd, &cfg->seq_len, &cfg->vocab_size};
+  int ok = cJSON_IsObject(m);
+  for (int i = 0; ok && i < 5; i++) {
+    int64_t v = int_field((cJSON *)m, keys[i], 1 << 20);
+    ok = v >= 1;
+    *dst[i] = (int)v;
+  }
+  const cJSON *tok = cJSON_GetObjectItemCaseSensitive(man, "tokenizer");
+  if (ok && tokenizer && cJSON_IsString(tok)) {
+    ok = strlen(tok->valuestring) < cap;
+    if (ok) snprintf(tokenizer, cap, "%s", tok->valuestring);
+  }
+  cJSON_Delete(man);
+  if (!ok)
+    return zt_err("%s/manifest.json: no model config or a bad tokenizer path (corrupt checkpoint)",
+                  dir);
+  if (zt_model_config_check(cfg) != 0)
+    return zt_err_wrap("%s/manifest.json (corrupt checkpoint)", dir);
+  return 0;
+}
+
+int zt_ckpt_load_flat(const char *dir, const zt_model_config_t *cfg, zt_layout_t *lay,
+                      float **flat_out, int64_t *step) {
+  if (zt_layout_build(lay, cfg) != 0) return -1;
+  float *flat = zt_xcalloc(lay->num_params, sizeof(float));
+  zt_ckpt_dest_t *dest = zt_xcalloc((size_t)lay->num_units, sizeof *dest);
+  for (int u = 0; u < lay->num_units; u++)
+    dest[u] = (zt_ckpt_dest_t){u, 0, lay->unit_size[u], flat + lay->unit_off[u], NULL, NULL};
+  int rc = zt_ckpt_load(dir, cfg, dest, lay->num_units, NULL, step);
+  free(dest);
+  if (rc != 0) free(flat);
+  else *flat_out = flat;
+  return rc;
+}

@@ -96,6 +96,20 @@ ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model,
                                const zt_ckpt_dest_t *dest, int ndest, const zt_ckpt_record_t *rec,
                                int64_t *step);
 
+/* The model config in the manifest of the epoch in `dir` (checked with
+ * zt_model_config_check); when tokenizer is not NULL, it receives the
+ * tokenizer record the manifest names ("" when none; cap bytes). Export
+ * and sampling read an epoch with it and zt_ckpt_load_flat. */
+ZT_MUST_CHECK int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
+                                     size_t cap);
+
+/* Every parameter of the epoch in `dir` in one flat buffer laid out as
+ * *lay (built here from cfg; zt_layout_free it): unit destinations over
+ * zt_ckpt_load with no record (the indexes' checksums are checked). *flat
+ * is host memory (free it); *step the epoch's step. */
+ZT_MUST_CHECK int zt_ckpt_load_flat(const char *dir, const zt_model_config_t *cfg,
+                                    zt_layout_t *lay, float **flat, int64_t *step);
+
 /* Checks that the file at path has `bytes` bytes and xxh64 `want`
  * ("xxh64:..."); -1 naming the file otherwise ("corrupt checkpoint"). */
 ZT_MUST_CHECK int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want);

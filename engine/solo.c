@@ -20,6 +20,13 @@
  * compared bit for bit. Steps where an evaluation ran are always printed.
  * The run is deterministic for a fixed thread count. Exit status: 0 on
  * success, 1 on any error (with the message on stderr), 2 on bad usage.
+ *
+ *   zsolo sample EPOCH_DIR [--prompt TEXT] [--tokens N] [--temperature T]
+ *                [--top-k K] [--seed N] [--tokenizer RECORD.json] [--threads N]
+ *
+ * generates text from a committed checkpoint epoch (engine/sample.h, the
+ * same function as `zctl sample`): the prompt, then each new token's text
+ * as it is made, on stdout; a summary line on stderr.
  */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -29,6 +36,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "sample.h"
 #include "spec.h"
 #include "trainer.h"
 #include "zt_common.h"
@@ -44,7 +52,39 @@ typedef struct {
 static void usage(void) {
   fprintf(stderr,
           "usage: zsolo SPEC.json [--threads N] [--steps N] [--log-every N] [--json]\n"
-          "                       [--device cpu|cuda|cuda:N]\n");
+          "                       [--device cpu|cuda|cuda:N]\n"
+          "       zsolo sample EPOCH_DIR [--prompt TEXT] [--tokens N] [--temperature T]\n"
+          "                    [--top-k K] [--seed N] [--tokenizer RECORD.json] [--threads N]\n");
+}
+
+/* zsolo sample EPOCH_DIR [options] (argv after "sample"). */
+static int sample_main(int argc, char **argv) {
+  zt_sample_cmd_t c;
+  zt_sample_cmd_init(&c, "zsolo");
+  for (int i = 0; i < argc; i++) {
+    int r = argv[i][0] == '-' ? zt_sample_cmd_opt(&c, argv[i], i + 1 < argc ? argv[i + 1] : NULL)
+                              : 0;
+    if (r < 0) {
+      fprintf(stderr, "zsolo: %s\n", zt_err_msg());
+      return 2;
+    }
+    if (r == 1) i++;
+    else if (argv[i][0] != '-' && !c.epoch_dir) c.epoch_dir = argv[i];
+    else {
+      usage();
+      return 2;
+    }
+  }
+  if (!c.epoch_dir) {
+    usage();
+    return 2;
+  }
+  zt_sample_stats_t st;
+  if (zt_sample_run(&c, &st) != 0) {
+    fprintf(stderr, "zsolo: %s\n", zt_err_msg());
+    return 1;
+  }
+  return 0;
 }
 
 static int parse_pos_int(const char *s, long *out) {
@@ -92,10 +132,12 @@ static char *with_steps(const char *text, long steps) {
 }
 
 int main(int argc, char **argv) {
+  if (zt_version_arg(argc, argv, "zsolo")) return 0;
   const char *spec_path = NULL, *device = "cpu";
   long threads = 0, steps = 0;
   solo so = {0, 1, 0};
   zt_log_set_prefix("zsolo");
+  if (argc >= 2 && !strcmp(argv[1], "sample")) return sample_main(argc - 2, argv + 2);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     long *dst = !strcmp(a, "--threads")     ? &threads

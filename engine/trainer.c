@@ -37,6 +37,7 @@
 #include "optim.h"
 #include "safetensors.h"
 #include "spec.h"
+#include "tokenizer.h"
 #include "zero.h"
 #include "zt_common.h"
 #include "zt_kernels.h"
@@ -95,10 +96,7 @@ static int confine(trainer *t) {
 static void tokenizer_record(trainer *t, const char *shard) {
   char rec[ZT_SPEC_PATH_MAX], real[PATH_MAX];
   t->tok_record[0] = 0;
-  const char *base = strrchr(shard, '/'), *tr;
-  base = base ? base + 1 : shard;
-  if (!(tr = strstr(base, "train_")) || (tr != base && tr[-1] != '_')) return;
-  snprintf(rec, sizeof rec, "%.*stokenizer.json", (int)(tr - shard), shard);
+  if (zt_tok_record_for_shard(shard, rec, sizeof rec) != 0) return;
   if (access(rec, R_OK) == 0 && realpath(rec, real) && strlen(real) < sizeof t->tok_record)
     snprintf(t->tok_record, sizeof t->tok_record, "%s", real);
 }

@@ -57,28 +57,8 @@ typedef struct {
 
 /* ---- reading the epoch ------------------------------------------------------------ */
 
-static cJSON *read_manifest(const char *dir) {
-  char path[1200], *text;
-  size_t len;
-  snprintf(path, sizeof path, "%s/manifest.json", dir);
-  if (zt_read_file(path, &text, &len, 1 << 20) != 0) return NULL;
-  cJSON *doc = zt_json_parse(text, len, path);
-  free(text);
-  return doc;
-}
-
-static int read_model(const char *dir, const cJSON *man, zt_model_config_t *cfg) {
-  const cJSON *m = cJSON_GetObjectItemCaseSensitive(man, "model");
-  int ok = m != NULL;
-  const char *keys[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
-  int *dst[] = {&cfg->n_layer, &cfg->n_head, &cfg->n_embd, &cfg->seq_len, &cfg->vocab_size};
-  for (int i = 0; ok && i < 5; i++) {
-    cJSON *v = cJSON_GetObjectItemCaseSensitive(m, keys[i]);
-    ok = cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble <= 1 << 20;
-    if (ok) *dst[i] = (int)v->valuedouble;
-  }
-  return ok ? 0 : zt_err("%s/manifest.json: no model config (corrupt checkpoint)", dir);
-}
+/* The epoch's model config and parameters are read by engine/ckpt_io.c
+ * (zt_ckpt_read_model, zt_ckpt_load_flat), as `zctl sample` reads them. */
 
 /* The tokenizer record (docs/engine.md, "Tokenizer record"): file names in
  * it are relative to the record's directory. */
@@ -118,11 +98,11 @@ static int read_record(const char *path, tok_info *t) {
                          !strcmp(t->type, "gpt2") ? ", encoder, bpe file names" : "");
 }
 
-static int find_tokenizer(const zt_export_opts_t *o, const cJSON *man,
+/* man_tok: the record the manifest names, or "". */
+static int find_tokenizer(const zt_export_opts_t *o, const char *man_tok,
                           const zt_model_config_t *cfg, tok_info *t) {
   memset(t, 0, sizeof *t);
-  const cJSON *rec = cJSON_GetObjectItemCaseSensitive(man, "tokenizer");
-  const char *path = o->tokenizer ? o->tokenizer : cJSON_IsString(rec) ? rec->valuestring : NULL;
+  const char *path = o->tokenizer ? o->tokenizer : man_tok[0] ? man_tok : NULL;
   if (path && read_record(path, t) != 0) return -1;
   if (!path && cfg->vocab_size == 257) { /* zprep's byte tokenizer */
     snprintf(t->type, sizeof t->type, "byte");
@@ -325,27 +305,12 @@ static int sync_dir(const char *dir) {
   return rc;
 }
 
-/* Reads the epoch's parameters into a flat buffer; *step its step. */
-static int load_flat(const char *dir, const zt_model_config_t *cfg, zt_layout_t *lay,
-                     float **flat_out, int64_t *step) {
-  if (zt_layout_build(lay, cfg) != 0) return -1;
-  float *flat = zt_xcalloc(lay->num_params, sizeof(float));
-  zt_ckpt_dest_t *dest = zt_xcalloc((size_t)lay->num_units, sizeof *dest);
-  for (int u = 0; u < lay->num_units; u++)
-    dest[u] = (zt_ckpt_dest_t){u, 0, lay->unit_size[u], flat + lay->unit_off[u], NULL, NULL};
-  int rc = zt_ckpt_load(dir, cfg, dest, lay->num_units, NULL, step);
-  free(dest);
-  if (rc != 0) free(flat);
-  else *flat_out = flat;
-  return rc;
-}
-
 int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   zt_model_config_t cfg;
   zt_layout_t lay = {0};
   tok_info tok;
   float *flat = NULL;
-  char tmp[1200] = "", parent[1200], out_dir[1100];
+  char tmp[1200] = "", parent[1200], out_dir[1100], man_tok[1200];
   int ret = -1;
   memset(info, 0, sizeof *info);
   size_t ol = strlen(o->out_dir);
@@ -353,8 +318,8 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   if (ol == 0 || ol >= sizeof out_dir) return zt_err("export: bad output directory name");
   memcpy(out_dir, o->out_dir, ol);
   out_dir[ol] = 0;
-  cJSON *man = read_manifest(o->epoch_dir);
-  if (!man || read_model(o->epoch_dir, man, &cfg) != 0 || find_tokenizer(o, man, &cfg, &tok) != 0)
+  if (zt_ckpt_read_model(o->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0 ||
+      find_tokenizer(o, man_tok, &cfg, &tok) != 0)
     goto out;
   int st = out_state(out_dir);
   if (st < 0) goto out;
@@ -362,7 +327,7 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   char *slash = strrchr(parent, '/');
   if (slash && slash != parent) *slash = 0;
   if (slash && slash != parent && zt_mkdirs(parent) != 0) goto out;
-  if (load_flat(o->epoch_dir, &cfg, &lay, &flat, &info->step) != 0) goto out;
+  if (zt_ckpt_load_flat(o->epoch_dir, &cfg, &lay, &flat, &info->step) != 0) goto out;
   snprintf(tmp, sizeof tmp, "%s.tmp-%d", out_dir, (int)getpid());
   if (mkdir(tmp, 0755) != 0) {
     zt_err_errno("cannot create %s", tmp);
@@ -388,7 +353,6 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   ret = 0;
 out:
   if (tmp[0]) remove_tree_flat(tmp);
-  cJSON_Delete(man);
   free(flat);
   zt_layout_free(&lay);
   return ret;

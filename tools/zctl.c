@@ -5,7 +5,7 @@
  *
  * The verbs are one table (k_verbs, below), which also makes the usage
  * text: status, workers, events, submit, jobs, job, metrics, checkpoints,
- * pause, resume, cancel, rollback, drain, export, logbook. Every verb prints a readable table, or with --json one JSON document with
+ * pause, resume, cancel, rollback, drain, export, sample, logbook. Every verb prints a readable table, or with --json one JSON document with
  * the same field names as the HTTP API (/v1/status, /v1/workers,
  * /v1/events), so scripts can use either. The coordinator address defaults
  * to $ZTRAIN_COORDINATOR, then 127.0.0.1:7070. Exit status: 0 on success,
@@ -21,6 +21,7 @@
 
 #include "zt_common.h"
 #include "export.h"
+#include "sample.h"
 #include "pbcall.h"
 #include "pbjson.h"
 #include "zt_rpc.h"
@@ -501,6 +502,44 @@ static int cmd_export(zctl *z, int argc, char **argv) {
   return 0;
 }
 
+/* sample JOB [--step S] [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]
+ * [--seed N] [--tokenizer RECORD] [--threads N], or sample --dir EPOCH ... (no
+ * coordinator): text from the newest committed epoch (or step S), generated
+ * here on the CPU by the engine's sampler (engine/sample.h), as zsolo sample. */
+static int cmd_sample(zctl *z, int argc, char **argv) {
+  zt_sample_cmd_t c;
+  zt_sample_cmd_init(&c, "zctl");
+  int64_t step = -1;
+  uint64_t job = 0;
+  int i = 0;
+  if (argc > 0 && argv[0][0] != '-') {
+    if (parse_job_id(argv[0], &job) != 0) return -1;
+    i = 1;
+  }
+  for (; i < argc; i += 2) {
+    const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+    int r = zt_sample_cmd_opt(&c, argv[i], val);
+    if (r < 0) return zt_err_wrap("sample");
+    if (r == 1) continue;
+    if (!val) return zt_err("sample: %s needs a value", argv[i]);
+    if (!strcmp(argv[i], "--step")) {
+      if (opt_i64("--step", val, 0, INT64_MAX, &step) != 0) return -1;
+    } else if (!strcmp(argv[i], "--dir")) c.epoch_dir = val;
+    else return zt_err("sample: unknown option %s", argv[i]);
+  }
+  if (!!c.epoch_dir == !!job)
+    return zt_err("sample: usage: zctl sample JOB [--step S] --prompt TEXT [--tokens N] "
+                  "[--temperature T] [--top-k K] [--seed N] [--tokenizer RECORD], or zctl sample "
+                  "--dir CHECKPOINT_DIR ...");
+  char found[1024];
+  if (!c.epoch_dir) {
+    if (find_epoch(z, job, step, found, sizeof found) != 0) return zt_err_wrap("sample");
+    c.epoch_dir = found;
+  }
+  zt_sample_stats_t st;
+  return zt_sample_run(&c, &st) == 0 ? 0 : zt_err_wrap("sample");
+}
+
 /* The verbs: name, the exact number of arguments (-1: any, the verb checks
  * them), the function, and the usage line. */
 typedef struct {
@@ -527,6 +566,10 @@ static const verb k_verbs[] = {
     {"drain", 1, cmd_drain, "WORKER", "checkpoint, then take a worker out"},
     {"export", -1, cmd_export, "JOB [--step S] --out DIR [--dtype f32|bf16] [--tokenizer REC]",
      "Hugging Face model directory; --dir CHECKPOINT_DIR --out DIR needs no coordinator"},
+    {"sample", -1, cmd_sample,
+     "JOB [--step S] --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed N]",
+     "text from a checkpoint, on this CPU [--tokenizer REC]; --dir CHECKPOINT_DIR needs no "
+     "coordinator"},
     {"logbook", -1, cmd_logbook, "JOB --markdown", "run report: timeline, rollbacks, loss"},
 };
 

@@ -62,6 +62,11 @@ def test_byte_documents_and_split(tmp_path):
     want_val = [256, *docs[1], 256, *docs[3]]
     assert [read_shard(p) for p in shards(out, "t", "train")] == [want_train]
     assert [read_shard(p) for p in shards(out, "t", "val")] == [want_val]
+    # The tokenizer record beside the shards (docs/engine.md, "Tokenizer record").
+    assert json.load(open(out / "t_tokenizer.json")) == {"type": "byte", "vocab_size": 257,
+                                                        "eot": 256}
+    assert sorted(os.listdir(out)) == ["t_tokenizer.json", "t_train_000000.bin",
+                                       "t_val_000000.bin"]
 
 
 def test_byte_shard_size_limit(tmp_path):
@@ -230,6 +235,13 @@ def test_gpt2_bpe_matches_reference(tmp_path):
     first_diff = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
     assert first_diff is None, f"first difference at token {first_diff}"
     assert len(want) < 0.6 * len(text.encode())  # the merges do compress
+    # The record names copies of the two files, beside it.
+    rec = json.load(open(out / "data_tokenizer.json"))
+    assert rec == {"type": "gpt2", "vocab_size": len(encoder), "eot": encoder["<|endoftext|>"],
+                   "encoder": "data_encoder.json", "bpe": "data_vocab.bpe"}
+    assert (out / "data_encoder.json").read_bytes() == (tmp_path / "encoder.json").read_bytes()
+    assert (out / "data_vocab.bpe").read_bytes() == (tmp_path / "vocab.bpe").read_bytes()
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
 
 
 def test_gpt2_bad_files(tmp_path):
@@ -239,3 +251,4 @@ def test_gpt2_bad_files(tmp_path):
     r = zprep(tmp_path / "in.txt", "-o", tmp_path / "o", "--tokenizer", "gpt2", "--encoder",
               tmp_path / "encoder.json", "--bpe", tmp_path / "vocab.bpe", check=False)
     assert r.returncode == 1 and "<|endoftext|>" in r.stderr
+    assert not os.path.exists(tmp_path / "o" / "data_tokenizer.json")

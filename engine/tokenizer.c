@@ -1,0 +1,583 @@
+/*
+ * tokenizer.c: the byte tokenizer and GPT-2's byte-level BPE, both ways,
+ * and the tokenizer record (tokenizer.h says what each is and who uses it).
+ *
+ * GPT-2 encoding (moved here from zprep, unchanged):
+ *
+ *   1. Pre-tokenization: the text is split by GPT-2's pattern
+ *        's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+ *      implemented by hand (pretok_end). Character classes: ASCII exactly as
+ *      the pattern says; whitespace is Unicode's White_Space list; other
+ *      code points are letters when iswalpha() says so in the C.UTF-8 locale
+ *      (if that locale is missing, all of them count as letters), numbers
+ *      when iswalnum() but not iswalpha(), else "other". This matches the
+ *      `regex` module on all ASCII text and on common accented letters and
+ *      punctuation; it can differ on rare scripts and on non-ASCII digits,
+ *      which glibc counts as letters. Invalid UTF-8 bytes are "other", one
+ *      byte each. The locale is opened with newlocale() and used through
+ *      the *_l functions, so the process's own locale is left alone.
+ *   2. Each piece's bytes are mapped to printable characters
+ *      (bytes_to_unicode) and merged with OpenAI's encoder.py algorithm:
+ *      repeatedly take the adjacent pair of lowest rank in vocab.bpe and
+ *      merge every left-to-right occurrence of that pair of strings.
+ *   3. Each resulting symbol is looked up in encoder.json.
+ *
+ * Decoding: every encoder string is turned back into bytes once, at load
+ * (code points of the bytes_to_unicode table become their byte; any other
+ * code point is kept as its UTF-8 bytes), so decode is a table lookup.
+ */
+#include "tokenizer.h"
+
+#include <cjson/cJSON.h>
+#include <locale.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <wctype.h>
+
+#include "spec.h" /* zt_json_parse */
+
+/* ---- string -> int hash table --------------------------------------------- */
+
+typedef struct {
+  char *key; /* NULL: empty slot */
+  size_t len;
+  int val;
+} zt_hent_t;
+
+typedef struct {
+  zt_hent_t *e;
+  size_t cap, n;
+} zt_htab_t;
+
+static uint64_t fnv1a(const char *s, size_t len) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < len; i++) h = (h ^ (uint8_t)s[i]) * 1099511628211ull;
+  return h;
+}
+
+static zt_hent_t *htab_slot(const zt_htab_t *t, const char *key, size_t len) {
+  size_t i = fnv1a(key, len) & (t->cap - 1);
+  while (t->e[i].key && (t->e[i].len != len || memcmp(t->e[i].key, key, len) != 0))
+    i = (i + 1) & (t->cap - 1);
+  return &t->e[i];
+}
+
+static void htab_grow(zt_htab_t *t) {
+  size_t cap = t->cap ? t->cap * 2 : 1024;
+  zt_htab_t n = {zt_xcalloc(cap, sizeof(zt_hent_t)), cap, t->n};
+  for (size_t i = 0; i < t->cap; i++)
+    if (t->e[i].key) *htab_slot(&n, t->e[i].key, t->e[i].len) = t->e[i];
+  free(t->e);
+  *t = n;
+}
+
+/* Inserts a copy of key; an existing key keeps its first value. */
+static void htab_put(zt_htab_t *t, const char *key, size_t len, int val) {
+  if ((t->n + 1) * 2 > t->cap) htab_grow(t);
+  zt_hent_t *e = htab_slot(t, key, len);
+  if (e->key) return;
+  e->key = zt_xmalloc(len + 1);
+  memcpy(e->key, key, len);
+  e->key[len] = 0;
+  e->len = len;
+  e->val = val;
+  t->n++;
+}
+
+static int htab_get(const zt_htab_t *t, const char *key, size_t len) {
+  if (!t->cap) return -1;
+  const zt_hent_t *e = htab_slot(t, key, len);
+  return e->key ? e->val : -1;
+}
+
+static void htab_free(zt_htab_t *t) {
+  for (size_t i = 0; i < t->cap; i++) free(t->e[i].key);
+  free(t->e);
+  memset(t, 0, sizeof *t);
+}
+
+/* ---- the tokenizer ---------------------------------------------------------- */
+
+struct zt_tok {
+  zt_tok_type_t type;
+  int vocab, eot;
+  /* decode: id -> bytes (gpt2: NULL for ids no encoder string has) */
+  char **dec;
+  size_t *dec_len;
+  char bytes[256]; /* byte tokenizer: token b is bytes[b] */
+  /* gpt2 encode */
+  zt_htab_t encoder;     /* mapped token string -> id */
+  zt_htab_t ranks;       /* "first second" -> merge rank */
+  char byte_str[256][3]; /* bytes_to_unicode as UTF-8, NUL-terminated */
+  locale_t loc;          /* C.UTF-8 for the character classes, or 0 */
+  /* scratch */
+  char *mapped;
+  size_t *sym_off, *sym_len;
+  size_t scratch_cap;
+  char *key;
+};
+
+zt_tok_type_t zt_tok_type(const zt_tok_t *t) { return t->type; }
+const char *zt_tok_type_name(const zt_tok_t *t) { return t->type == ZT_TOK_GPT2 ? "gpt2" : "byte"; }
+int zt_tok_vocab_size(const zt_tok_t *t) { return t->vocab; }
+int zt_tok_eot(const zt_tok_t *t) { return t->eot; }
+
+void zt_tok_free(zt_tok_t *t) {
+  if (!t) return;
+  if (t->dec)
+    for (int i = 0; i < t->vocab; i++) free(t->dec[i]);
+  free(t->dec);
+  free(t->dec_len);
+  htab_free(&t->encoder);
+  htab_free(&t->ranks);
+  if (t->loc) freelocale(t->loc);
+  free(t->mapped);
+  free(t->sym_off);
+  free(t->sym_len);
+  free(t->key);
+  free(t);
+}
+
+int zt_tok_open_byte(zt_tok_t **out) {
+  zt_tok_t *t = zt_xcalloc(1, sizeof *t);
+  t->type = ZT_TOK_BYTE;
+  t->vocab = 257;
+  t->eot = 256;
+  for (int b = 0; b < 256; b++) t->bytes[b] = (char)b;
+  *out = t;
+  return 0;
+}
+
+int zt_tok_decode(const zt_tok_t *t, int id, const char **bytes, size_t *len) {
+  if (id == t->eot && t->type == ZT_TOK_BYTE) {
+    *bytes = ZT_TOK_EOT_TEXT;
+    *len = strlen(ZT_TOK_EOT_TEXT);
+    return 0;
+  }
+  if (id < 0 || id >= t->vocab) return zt_err("token %d is outside the vocabulary of %d", id, t->vocab);
+  if (t->type == ZT_TOK_BYTE) {
+    *bytes = &t->bytes[id];
+    *len = 1;
+    return 0;
+  }
+  if (!t->dec[id]) return zt_err("token %d is not in the encoder", id);
+  *bytes = t->dec[id];
+  *len = t->dec_len[id];
+  return 0;
+}
+
+/* ---- GPT-2 pre-tokenization ------------------------------------------------- */
+
+enum { CL_LETTER, CL_NUMBER, CL_SPACE, CL_OTHER };
+
+/* Decodes the UTF-8 code point at s[i]; returns its length in bytes.
+ * Invalid sequences decode as one byte with *cp = UINT32_MAX. */
+static size_t utf8_decode(const uint8_t *s, size_t n, size_t i, uint32_t *cp) {
+  uint8_t c = s[i];
+  size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+  if (len == 1) {
+    *cp = c;
+    return 1;
+  }
+  if (len == 0 || i + len > n) goto bad;
+  uint32_t v = c & (0x7f >> len);
+  for (size_t k = 1; k < len; k++) {
+    if ((s[i + k] & 0xc0) != 0x80) goto bad;
+    v = v << 6 | (s[i + k] & 0x3f);
+  }
+  static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+  if (v < min_cp[len] || v > 0x10ffff || (v >= 0xd800 && v <= 0xdfff)) goto bad;
+  *cp = v;
+  return len;
+bad:
+  *cp = UINT32_MAX;
+  return 1;
+}
+
+static int is_unicode_space(uint32_t cp) {
+  return cp == 0x85 || cp == 0xa0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200a) ||
+         cp == 0x2028 || cp == 0x2029 || cp == 0x202f || cp == 0x205f || cp == 0x3000;
+}
+
+static int char_class(const zt_tok_t *t, uint32_t cp) {
+  if (cp == UINT32_MAX) return CL_OTHER;
+  if (cp < 0x80) {
+    if ((cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z')) return CL_LETTER;
+    if (cp >= '0' && cp <= '9') return CL_NUMBER;
+    if (cp == ' ' || (cp >= '\t' && cp <= '\r')) return CL_SPACE;
+    return CL_OTHER;
+  }
+  if (is_unicode_space(cp)) return CL_SPACE;
+  if (!t->loc) return CL_LETTER;
+  if (iswalpha_l((wint_t)cp, t->loc)) return CL_LETTER;
+  if (iswalnum_l((wint_t)cp, t->loc)) return CL_NUMBER;
+  return CL_OTHER;
+}
+
+/* Class of the code point at i; *len is its length in bytes. */
+static int class_at(const zt_tok_t *t, const uint8_t *s, size_t n, size_t i, size_t *len) {
+  uint32_t cp;
+  *len = utf8_decode(s, n, i, &cp);
+  return char_class(t, cp);
+}
+
+/* End of the run of code points of class cl starting at i. */
+static size_t run_end(const zt_tok_t *t, const uint8_t *s, size_t n, size_t i, int cl) {
+  size_t len;
+  while (i < n && class_at(t, s, n, i, &len) == cl) i += len;
+  return i;
+}
+
+static size_t contraction(const uint8_t *s, size_t n, size_t i) {
+  if (s[i] != '\'' || i + 1 >= n) return 0;
+  uint8_t a = s[i + 1], b = i + 2 < n ? s[i + 2] : 0;
+  if (a == 's' || a == 't' || a == 'm' || a == 'd') return 2;
+  if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return 3;
+  return 0;
+}
+
+/* End of the pre-token that starts at i (i < n), following the pattern's
+ * alternatives in order. */
+static size_t pretok_end(const zt_tok_t *t, const uint8_t *s, size_t n, size_t i) {
+  size_t len, c = contraction(s, n, i);
+  if (c) return i + c;
+  int cl = class_at(t, s, n, i, &len);
+  /* " ?X+" for X = letter, number, other: an optional ASCII space first. */
+  if (s[i] == ' ' && i + 1 < n) {
+    size_t l2;
+    int next = class_at(t, s, n, i + 1, &l2);
+    if (next != CL_SPACE) return run_end(t, s, n, i + 1, next);
+  }
+  if (cl != CL_SPACE) return run_end(t, s, n, i, cl);
+  /* "\s+(?!\S)|\s+": a whitespace run, minus its last code point when a
+   * non-space follows and the run has more than one. */
+  size_t e = run_end(t, s, n, i, CL_SPACE);
+  if (e == n) return e;
+  size_t last = i, k = i;
+  while (k < e) {
+    last = k;
+    k += utf8_decode(s, n, k, &(uint32_t){0});
+  }
+  return last > i ? last : e;
+}
+
+/* ---- GPT-2 files -------------------------------------------------------------- */
+
+static int printable_byte(int c) {
+  return (c >= '!' && c <= '~') || (c >= 0xa1 && c <= 0xac) || (c >= 0xae && c <= 0xff);
+}
+
+/* bytes_to_unicode as UTF-8 strings; inv[cp] = the byte shown as code
+ * point cp (cp < 512), -1 for code points not in the table. */
+static void bytes_to_unicode(zt_tok_t *t, int inv[512]) {
+  int n = 0;
+  for (int i = 0; i < 512; i++) inv[i] = -1;
+  for (int c = 0; c < 256; c++) {
+    uint32_t cp = printable_byte(c) ? (uint32_t)c : (uint32_t)(256 + n++);
+    inv[cp] = c;
+    char *o = t->byte_str[c];
+    if (cp < 0x80) {
+      o[0] = (char)cp;
+      o[1] = 0;
+    } else {
+      o[0] = (char)(0xc0 | (cp >> 6));
+      o[1] = (char)(0x80 | (cp & 0x3f));
+      o[2] = 0;
+    }
+  }
+}
+
+/* The bytes an encoder string stands for (the inverse of bytes_to_unicode;
+ * code points outside the table are kept as UTF-8). */
+static void decode_entry(zt_tok_t *t, const int inv[512], const char *s, int id) {
+  size_t n = strlen(s), o = 0;
+  char *out = zt_xmalloc(n + 1);
+  for (size_t i = 0; i < n;) {
+    uint32_t cp;
+    size_t l = utf8_decode((const uint8_t *)s, n, i, &cp);
+    if (cp < 512 && inv[cp] >= 0) out[o++] = (char)inv[cp];
+    else memcpy(out + o, s + i, l), o += l;
+    i += l;
+  }
+  free(t->dec[id]); /* an id given twice: the last string decodes */
+  t->dec[id] = out;
+  t->dec_len[id] = o;
+}
+
+static int load_encoder(zt_tok_t *t, const char *path) {
+  char *buf;
+  size_t len;
+  int inv[512];
+  bytes_to_unicode(t, inv);
+  if (zt_read_file(path, &buf, &len, ZT_TOK_FILE_MAX) != 0) return -1;
+  cJSON *root = zt_json_parse(buf, len, path);
+  free(buf);
+  if (!root) return -1;
+  int rc = -1;
+  if (!cJSON_IsObject(root)) {
+    zt_err("%s: not a JSON object", path);
+    goto out;
+  }
+  for (cJSON *it = root->child; it; it = it->next) {
+    if (!cJSON_IsNumber(it) || it->valueint < 0 || it->valueint >= ZT_TOK_VOCAB_MAX) {
+      zt_err("%s: token \"%.60s\" has no id in [0, 65535]", path, it->string);
+      goto out;
+    }
+    htab_put(&t->encoder, it->string, strlen(it->string), it->valueint);
+    if (it->valueint + 1 > t->vocab) t->vocab = it->valueint + 1;
+  }
+  t->dec = zt_xcalloc((size_t)t->vocab + 1, sizeof(char *));
+  t->dec_len = zt_xcalloc((size_t)t->vocab + 1, sizeof(size_t));
+  for (cJSON *it = root->child; it; it = it->next) decode_entry(t, inv, it->string, it->valueint);
+  t->eot = htab_get(&t->encoder, ZT_TOK_EOT_TEXT, strlen(ZT_TOK_EOT_TEXT));
+  rc = t->eot < 0 ? zt_err("%s: no \"<|endoftext|>\" token", path) : 0;
+out:
+  cJSON_Delete(root);
+  return rc;
+}
+
+static int load_merges(zt_tok_t *t, const char *path) {
+  char *buf;
+  size_t len;
+  if (zt_read_file(path, &buf, &len, ZT_TOK_FILE_MAX) != 0) return -1;
+  int rank = 0, rc = 0;
+  for (char *line = buf, *next; line && *line; line = next) {
+    next = strchr(line, '\n');
+    if (next) *next++ = 0;
+    size_t l = strlen(line);
+    if (l && line[l - 1] == '\r') line[--l] = 0;
+    if (l == 0 || !strncmp(line, "#version", 8)) continue;
+    char *sp = strchr(line, ' ');
+    if (!sp || sp == line || !sp[1] || strchr(sp + 1, ' ')) {
+      rc = zt_err("%s: bad merge line \"%.60s\"", path, line);
+      break;
+    }
+    htab_put(&t->ranks, line, l, rank++);
+  }
+  free(buf);
+  return rc;
+}
+
+int zt_tok_open_gpt2(const char *encoder_path, const char *bpe_path, zt_tok_t **out) {
+  zt_tok_t *t = zt_xcalloc(1, sizeof *t);
+  t->type = ZT_TOK_GPT2;
+  t->loc = newlocale(LC_CTYPE_MASK, "C.UTF-8", (locale_t)0);
+  if (load_encoder(t, encoder_path) != 0 || load_merges(t, bpe_path) != 0) {
+    zt_tok_free(t);
+    return -1;
+  }
+  *out = t;
+  return 0;
+}
+
+/* ---- GPT-2 BPE ---------------------------------------------------------------- */
+
+static void bpe_reserve(zt_tok_t *t, size_t n) {
+  if (n <= t->scratch_cap) return;
+  size_t cap = n * 2;
+  t->mapped = zt_xrealloc(t->mapped, 2 * cap + 1);
+  t->key = zt_xrealloc(t->key, 4 * cap + 2);
+  t->sym_off = zt_xrealloc(t->sym_off, cap * sizeof(size_t));
+  t->sym_len = zt_xrealloc(t->sym_len, cap * sizeof(size_t));
+  t->scratch_cap = cap;
+}
+
+/* Rank of merging symbols i and i + 1, or -1. */
+static int pair_rank(zt_tok_t *t, size_t i) {
+  size_t la = t->sym_len[i], lb = t->sym_len[i + 1];
+  memcpy(t->key, t->mapped + t->sym_off[i], la);
+  t->key[la] = ' ';
+  memcpy(t->key + la + 1, t->mapped + t->sym_off[i + 1], lb);
+  return htab_get(&t->ranks, t->key, la + 1 + lb);
+}
+
+/* Merges every left-to-right occurrence of the pair (sym[at], sym[at+1]);
+ * returns the new symbol count. */
+static size_t merge_pair(zt_tok_t *t, size_t nsym, size_t at) {
+  size_t out = 0;
+  size_t fo = t->sym_off[at], fl = t->sym_len[at], so = t->sym_off[at + 1], sl = t->sym_len[at + 1];
+  for (size_t i = 0; i < nsym;) {
+    int match = i + 1 < nsym && t->sym_len[i] == fl && t->sym_len[i + 1] == sl &&
+                !memcmp(t->mapped + t->sym_off[i], t->mapped + fo, fl) &&
+                !memcmp(t->mapped + t->sym_off[i + 1], t->mapped + so, sl);
+    t->sym_off[out] = t->sym_off[i];
+    t->sym_len[out] = match ? fl + sl : t->sym_len[i];
+    out++;
+    i += match ? 2 : 1;
+  }
+  return out;
+}
+
+/* Encodes one pre-token (n bytes): repeatedly take the adjacent pair of
+ * lowest rank and merge every occurrence of it (encoder.py's bpe()). */
+static int bpe_encode(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user) {
+  bpe_reserve(t, n);
+  size_t nsym = 0, off = 0;
+  for (size_t i = 0; i < n; i++) {
+    size_t l = strlen(t->byte_str[s[i]]);
+    memcpy(t->mapped + off, t->byte_str[s[i]], l);
+    t->sym_off[nsym] = off;
+    t->sym_len[nsym++] = l;
+    off += l;
+  }
+  while (nsym > 1) {
+    int best = -1;
+    size_t at = 0;
+    for (size_t i = 0; i + 1 < nsym; i++) {
+      int r = pair_rank(t, i);
+      if (r >= 0 && (best < 0 || r < best)) best = r, at = i;
+    }
+    if (best < 0) break;
+    nsym = merge_pair(t, nsym, at);
+  }
+  for (size_t i = 0; i < nsym; i++) {
+    int id = htab_get(&t->encoder, t->mapped + t->sym_off[i], t->sym_len[i]);
+    if (id < 0)
+      return zt_err("symbol \"%.*s\" is not in the encoder", (int)t->sym_len[i],
+                    t->mapped + t->sym_off[i]);
+    if (emit(user, id) != 0) return -1;
+  }
+  return 0;
+}
+
+int zt_tok_encode(zt_tok_t *t, const void *text, size_t len, zt_tok_emit_fn emit, void *user) {
+  const uint8_t *s = text;
+  if (t->type == ZT_TOK_BYTE) {
+    for (size_t k = 0; k < len; k++)
+      if (emit(user, s[k]) != 0) return -1;
+    return 0;
+  }
+  for (size_t k = 0; k < len;) {
+    size_t e = pretok_end(t, s, len, k);
+    if (bpe_encode(t, s + k, e - k, emit, user) != 0) return -1;
+    k = e;
+  }
+  return 0;
+}
+
+typedef struct {
+  int *ids;
+  size_t n, cap;
+} id_list;
+
+static int push_id(void *user, int id) {
+  id_list *l = user;
+  if (l->n == l->cap) {
+    l->cap = l->cap ? 2 * l->cap : 64;
+    l->ids = zt_xrealloc(l->ids, l->cap * sizeof(int));
+  }
+  l->ids[l->n++] = id;
+  return 0;
+}
+
+int zt_tok_encode_ids(zt_tok_t *t, const void *text, size_t len, int **ids, size_t *n) {
+  id_list l = {zt_xmalloc(sizeof(int)), 0, 1};
+  if (zt_tok_encode(t, text, len, push_id, &l) != 0) {
+    free(l.ids);
+    return -1;
+  }
+  *ids = l.ids;
+  *n = l.n;
+  return 0;
+}
+
+/* ---- the record ---------------------------------------------------------------- */
+
+/* An integer member in [lo, hi], or -1 (*ok cleared). */
+static int int_member(const cJSON *o, const char *key, int lo, int hi, int *ok) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!cJSON_IsNumber(v) || v->valuedouble != (double)(int)v->valuedouble || v->valueint < lo ||
+      v->valueint > hi) {
+    *ok = 0;
+    return -1;
+  }
+  return v->valueint;
+}
+
+/* A file name member: a plain name beside the record. */
+static const char *name_member(const cJSON *o, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (!cJSON_IsString(v)) return NULL;
+  const char *s = v->valuestring;
+  if (!s[0] || strchr(s, '/') || !strcmp(s, ".") || !strcmp(s, "..") || strlen(s) > 255)
+    return NULL;
+  return s;
+}
+
+static int open_gpt2_record(const char *path, const cJSON *doc, zt_tok_t **out) {
+  const char *enc = name_member(doc, "encoder"), *bpe = name_member(doc, "bpe");
+  if (!enc || !bpe)
+    return zt_err("%s: \"encoder\" and \"bpe\" must be file names beside the record", path);
+  const char *slash = strrchr(path, '/');
+  int dl = slash ? (int)(slash - path) : 1;
+  const char *dir = slash ? path : ".";
+  char ep[4400], bp[4400];
+  if (strlen(path) > 4000) return zt_err("%s: path too long", path);
+  snprintf(ep, sizeof ep, "%.*s/%s", dl, dir, enc);
+  snprintf(bp, sizeof bp, "%.*s/%s", dl, dir, bpe);
+  if (zt_tok_open_gpt2(ep, bp, out) != 0) return zt_err_wrap("%s", path);
+  return 0;
+}
+
+int zt_tok_open(const char *path, zt_tok_t **out) {
+  char *text;
+  size_t len;
+  *out = NULL;
+  if (zt_read_file(path, &text, &len, ZT_TOK_RECORD_MAX) != 0)
+    return zt_err_wrap("tokenizer record");
+  cJSON *doc = zt_json_parse(text, len, path);
+  free(text);
+  if (!doc) return zt_err_wrap("tokenizer record");
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(doc, "type");
+  int ok = 1, rc = -1;
+  int vocab = int_member(doc, "vocab_size", 1, ZT_TOK_VOCAB_MAX, &ok);
+  int eot = int_member(doc, "eot", 0, ZT_TOK_VOCAB_MAX - 1, &ok);
+  const char *ty = cJSON_IsString(type) ? type->valuestring : "";
+  if (!ok || eot >= vocab || (strcmp(ty, "byte") && strcmp(ty, "gpt2"))) {
+    zt_err("tokenizer record %s: needs \"type\" (byte or gpt2), \"vocab_size\" (1..65536) and "
+           "\"eot\" (an id below vocab_size)", path);
+    goto out;
+  }
+  if (!strcmp(ty, "byte")) {
+    if (vocab != 257 || eot != 256) {
+      zt_err("tokenizer record %s: a byte tokenizer has vocab_size 257 and eot 256 (the record "
+             "says %d and %d)", path, vocab, eot);
+      goto out;
+    }
+    rc = zt_tok_open_byte(out);
+    goto out;
+  }
+  if (open_gpt2_record(path, doc, out) != 0) {
+    zt_err_wrap("tokenizer record");
+    goto out;
+  }
+  if ((*out)->vocab != vocab || (*out)->eot != eot) {
+    zt_err("tokenizer record %s says vocab_size %d and eot %d, its encoder has %d and %d", path,
+           vocab, eot, (*out)->vocab, (*out)->eot);
+    zt_tok_free(*out);
+    *out = NULL;
+    goto out;
+  }
+  rc = 0;
+out:
+  cJSON_Delete(doc);
+  return rc;
+}
+
+int zt_tok_record_for_shard(const char *shard, char *out, size_t cap) {
+  const char *base = strrchr(shard, '/');
+  base = base ? base + 1 : shard;
+  size_t bl = strlen(base);
+  const char *mark = NULL;
+  for (const char *p = base; *p; p++)
+    if ((p == base || p[-1] == '_') && (!strncmp(p, "train_", 6) || !strncmp(p, "val_", 4)))
+      mark = p;
+  if (!mark || bl < 4 || strcmp(base + bl - 4, ".bin") != 0)
+    return zt_err("%s: not a shard name of the form PREFIX_train_*.bin or PREFIX_val_*.bin",
+                  shard);
+  int n = snprintf(out, cap, "%.*stokenizer.json", (int)(mark - shard), shard);
+  if (n < 0 || (size_t)n >= cap) return zt_err("%s: path too long", shard);
+  return 0;
+}

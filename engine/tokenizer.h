@@ -1,0 +1,87 @@
+/*
+ * tokenizer.h: text <-> token ids, the two tokenizers of ztrain's data.
+ *
+ *   byte  each byte is its own token (0..255), 256 is end-of-text:
+ *         vocab_size 257, no files.
+ *   gpt2  GPT-2's byte-level BPE from OpenAI's encoder.json and vocab.bpe
+ *         (pre-tokenization pattern, bytes_to_unicode, merges by rank; see
+ *         tokenizer.c for the details and the limits of the hand-written
+ *         pattern); end-of-text is encoder["<|endoftext|>"].
+ *
+ * zprep encodes its shards with this module and writes, next to them, the
+ * **tokenizer record** `DIR/PREFIX_tokenizer.json` that says which
+ * tokenizer made them (docs/engine.md, "Tokenizer record"):
+ *
+ *   {"type":"byte","vocab_size":257,"eot":256}
+ *   {"type":"gpt2","vocab_size":V,"eot":E,"encoder":"PREFIX_encoder.json",
+ *    "bpe":"PREFIX_vocab.bpe"}
+ *
+ * File names in a record are plain names relative to the record's
+ * directory. The trainer puts the record's path into each checkpoint's
+ * manifest ("tokenizer"), and sampling (sample.h) and export read it back
+ * through zt_tok_open.
+ *
+ * Decoding maps an id to the bytes it stands for: for gpt2 the inverse of
+ * bytes_to_unicode over the encoder's string (so decoding the ids of a text
+ * gives back the text's bytes exactly); end-of-text decodes to the text
+ * "<|endoftext|>" in both tokenizers.
+ *
+ * A zt_tok_t is read-only after opening except for encode's scratch space:
+ * one tokenizer per thread for encoding, decode may be shared.
+ */
+#ifndef ZT_TOKENIZER_H
+#define ZT_TOKENIZER_H
+
+#include <stddef.h>
+
+#include "zt_common.h"
+
+typedef struct zt_tok zt_tok_t;
+
+typedef enum { ZT_TOK_BYTE, ZT_TOK_GPT2 } zt_tok_type_t;
+
+/* Limits on what a record may make us read. */
+#define ZT_TOK_RECORD_MAX (64u << 10)  /* the record itself */
+#define ZT_TOK_FILE_MAX (256u << 20)   /* encoder.json, vocab.bpe */
+#define ZT_TOK_VOCAB_MAX 65536         /* tokens are stored as uint16 */
+
+/* The end-of-text token's text (GPT-2's). */
+#define ZT_TOK_EOT_TEXT "<|endoftext|>"
+
+/* Opens the tokenizer a record names (reads the record, loads the gpt2
+ * files beside it, checks that the record's vocab_size and eot are the
+ * files'). Errors name the record and what is wrong. */
+ZT_MUST_CHECK int zt_tok_open(const char *record_path, zt_tok_t **out);
+/* The byte tokenizer. */
+ZT_MUST_CHECK int zt_tok_open_byte(zt_tok_t **out);
+/* GPT-2 BPE from an encoder.json and a vocab.bpe (zprep --tokenizer gpt2). */
+ZT_MUST_CHECK int zt_tok_open_gpt2(const char *encoder_path, const char *bpe_path,
+                                   zt_tok_t **out);
+void zt_tok_free(zt_tok_t *t);
+
+zt_tok_type_t zt_tok_type(const zt_tok_t *t);
+const char *zt_tok_type_name(const zt_tok_t *t); /* "byte" or "gpt2" */
+int zt_tok_vocab_size(const zt_tok_t *t);        /* largest id + 1 */
+int zt_tok_eot(const zt_tok_t *t);
+
+/* Encodes text[0, len): each id is handed to emit in order; an emit that
+ * returns non-zero stops the encoding, which returns -1 (emit sets the
+ * error). Text is not split into documents and no end-of-text is added. */
+typedef int (*zt_tok_emit_fn)(void *user, int id);
+ZT_MUST_CHECK int zt_tok_encode(zt_tok_t *t, const void *text, size_t len, zt_tok_emit_fn emit,
+                                void *user);
+/* The same into a new array (*ids, *n; free it). */
+ZT_MUST_CHECK int zt_tok_encode_ids(zt_tok_t *t, const void *text, size_t len, int **ids,
+                                    size_t *n);
+
+/* The bytes of token id (not NUL-terminated): *bytes points into the
+ * tokenizer. -1 when no token has that id. */
+ZT_MUST_CHECK int zt_tok_decode(const zt_tok_t *t, int id, const char **bytes, size_t *len);
+
+/* The record's path for a shard path or glob: ".../X_train_000000.bin",
+ * ".../X_val_*.bin" -> ".../X_tokenizer.json" (".../train_000000.bin" ->
+ * ".../tokenizer.json"). -1 when the name has no "train_" or "val_" part
+ * ending in ".bin", or out (cap bytes) is too small. */
+ZT_MUST_CHECK int zt_tok_record_for_shard(const char *shard_path_or_glob, char *out, size_t cap);
+
+#endif
