@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 
-from ztest import BIN
+from ztest import BIN, bytes_to_unicode
 
 FORTUNES = "/usr/share/games/fortunes"
 MAGIC = 20240520
@@ -94,19 +94,6 @@ def test_usage_errors(tmp_path):
 
 
 # ---- GPT-2 BPE ---------------------------------------------------------------------
-
-def bytes_to_unicode():
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
 
 # GPT-2's pattern with \p{L} -> [^\W\d_], \p{N} -> \d (re has no \p{..}).
 PAT = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")

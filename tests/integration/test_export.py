@@ -16,7 +16,8 @@ import struct
 import subprocess
 from array import array
 
-from ztest import BIN, byte_dataset, start_fleet, submit, tiny_spec, wait_job, zctl, zctl_json
+from ztest import (BIN, byte_dataset, bytes_to_unicode, start_fleet, submit, tiny_spec, wait_job,
+                   zctl, zctl_json)
 
 L, C, NH, T, V = 2, 32, 2, 32, 257
 
@@ -98,19 +99,6 @@ def check_tensors(path, want, dtype="F32"):
         else:
             for g, v in zip(array("H", data[b:e]), vals):
                 assert abs(bf16_to_f32(g) - v) <= abs(v) * 2 ** -8 + 1e-30, (name, g, v)
-
-
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) +
-          list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def test_export_directory(procs, tmp_path):

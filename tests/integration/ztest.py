@@ -216,6 +216,19 @@ def english_text(limit=400_000):
     return bytes(out[:limit])
 
 
+def bytes_to_unicode():
+    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py)."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) +
+          list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
 def write_shard(path, tokens):
     """llm.c token shard: 256 int32 header (magic, version, count), uint16 tokens."""
     import array
