@@ -308,3 +308,47 @@ def test_import_exported_weights(procs, tmp_path):
     jd = submit(coord, d, tmp_path, "d.json")
     j = wait_job(coord, jd, states=("failed",))
     assert "transformer.wte.weight has shape [257, 32], the model needs [257, 64]" in j["message"], j
+
+
+def test_export_gpt2_tokenizer(tmp_path):
+    """Shards made with GPT-2's BPE: the epoch's manifest names zprep's record, and the export
+    carries the encoder and merges the shards were made with as vocab.json and merges.txt,
+    with the end-of-text id as bos/eos."""
+    from test_engine_zprep import fortune_text, learn_bpe
+    encoder, merges = learn_bpe(fortune_text("fortunes", 30000), 100)
+    (tmp_path / "encoder.json").write_text(json.dumps(encoder, ensure_ascii=False))
+    with open(tmp_path / "vocab.bpe", "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    (tmp_path / "in.txt").write_text(fortune_text("fortunes", 120000), encoding="utf-8")
+    subprocess.run([os.path.join(BIN, "zprep"), str(tmp_path / "in.txt"), "-o",
+                    str(tmp_path / "d"), "--tokenizer", "gpt2", "--encoder",
+                    str(tmp_path / "encoder.json"), "--bpe", str(tmp_path / "vocab.bpe"),
+                    "--val-fraction", "0", "--prefix", "g"], check=True, capture_output=True)
+    spec = tiny_spec(str(tmp_path / "d" / "g_train_*.bin"), "", 3, workers=1,
+                     checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 100})
+    spec["model"]["vocab_size"] = len(encoder)
+    del spec["data"]["val"]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([os.path.join(BIN, "zsolo"), str(tmp_path / "spec.json")], check=True,
+                   capture_output=True, timeout=120)
+    manifests = glob.glob(str(tmp_path / "ck" / "**" / "manifest.json"), recursive=True)
+    (epoch,) = [os.path.dirname(p) for p in manifests]
+    man = json.load(open(os.path.join(epoch, "manifest.json")))
+    assert man["step"] == 3
+    assert man["tokenizer"] == os.path.realpath(tmp_path / "d" / "g_tokenizer.json")
+    out = tmp_path / "hf"
+    r = subprocess.run([os.path.join(BIN, "zctl"), "--json", "export", "--dir", epoch, "--out",
+                        str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokenizer"] == "gpt2"
+    assert sorted(os.listdir(out)) == ["config.json", "merges.txt", "model.safetensors",
+                                       "special_tokens_map.json", "tokenizer_config.json",
+                                       "vocab.json"]
+    assert (out / "vocab.json").read_bytes() == (tmp_path / "encoder.json").read_bytes()
+    assert (out / "merges.txt").read_bytes() == (tmp_path / "vocab.bpe").read_bytes()
+    cfg = json.load(open(out / "config.json"))
+    eot = encoder["<|endoftext|>"]
+    assert cfg["vocab_size"] == len(encoder) and cfg["bos_token_id"] == cfg["eos_token_id"] == eot
+    tc = json.load(open(out / "tokenizer_config.json"))
+    assert tc["tokenizer_class"] == "GPT2Tokenizer" and tc["eos_token"] == "<|endoftext|>"
+    assert tc["model_max_length"] == T
