@@ -15,7 +15,8 @@
 #include "layout.h"
 
 /* The model states of one rank, as zero.c allocates them. */
-static uint64_t zero_states(const zt_layout_t *l, int stage, int world, uint64_t *owned) {
+static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int overlap,
+                            uint64_t *owned) {
   uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0;
   for (int u = 0; u < l->num_units; u++) {
     uint64_t S = (l->unit_size[u] + N - 1) / N;
@@ -28,6 +29,7 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, uint64_t
   b += stage < 2 ? 4 * full + 8 * full : 8 * shard;          /* gradients */
   b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
   if (stage >= 2) b += 4 * s0 + 4 * max_unit + 8 * max_unit + 8 * (max_unit / N + 1);
+  if (stage == 2 && overlap && N > 1) b += 8 * max_unit + 8 * (max_unit / N + 1); /* 2nd slot */
   if (stage == 3) b += 4 * s0 + 4 * max_unit;
   b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
   *owned = stage == 0 ? (full + N - 1) / N : shard;
@@ -39,7 +41,7 @@ int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   uint64_t owned;
   const zt_model_config_t *m = &s->model;
-  out->states = zero_states(&l, s->zero_stage, world, &owned);
+  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, &owned);
   uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
   out->activations = 4 * zt_activation_floats(B, T, (size_t)m->n_embd, (size_t)m->n_layer,
                                               (size_t)m->n_head, (size_t)l.Vp,

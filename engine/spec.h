@@ -117,9 +117,9 @@ typedef struct zt_spec {
   char init_from[ZT_SPEC_PATH_MAX];
 
   int zero_stage;
-  /* zero_optimization.overlap_comm (default true): stages 0-1 reduce each
-   * unit's gradient on a communication thread as soon as the last
-   * micro-step's backward has finished it (engine/zero.h). */
+  /* zero_optimization.overlap_comm (default true): stages 0-2 reduce each
+   * unit's gradient on a communication thread as soon as backward has
+   * finished it (engine/zero.h). */
   int overlap_comm;
   int min_workers, max_workers;
   zt_spec_restart_t restart; /* elastic{...} */

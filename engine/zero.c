@@ -125,6 +125,10 @@ static int layout(zt_zero_t *z) {
     z->tg64 = alloc_d(z, z->max_unit, FLIGHT);
     z->rs64 = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
   }
+  if (z->stage == 2 && z->want_overlap && z->N > 1) { /* the second slot (zero.h) */
+    z->tg64b = alloc_d(z, z->max_unit, FLIGHT);
+    z->rs64b = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
+  }
   if (z->stage == 3) {
     z->gat0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
     z->gat = alloc_f(z, z->max_unit, FLIGHT);
@@ -188,8 +192,19 @@ static int h_pre_backward(void *ctx, int u) {
 
 /* ---- overlap: the communication thread (zero.h) ---------------------------------- */
 
-/* Unit u's reduction at stages 0-1: its padded range of the fp64 sum. */
-static int reduce_unit(zt_zero_t *z, int u) {
+static double *slot_tg64(zt_zero_t *z, int s) { return s ? z->tg64b : z->tg64; }
+static double *slot_rs64(zt_zero_t *z, int s) { return s ? z->rs64b : z->rs64; }
+
+/* One queued reduction. Stages 0-1: unit u's padded range of the fp64
+ * sum. Stage 2: slot s's fp64 unit gradient, reduce-scattered, then its
+ * shard added into the sum (host memory: a plain loop on this thread). */
+static int reduce_unit(zt_zero_t *z, int u, int s) {
+  if (z->stage == 2) {
+    double *rs = slot_rs64(z, s), *acc = z->G64 + z->off_shard[u];
+    if (c_reduce_scatter(z, slot_tg64(z, s), rs, z->S[u], ZT_DT_F64) != 0) return -1;
+    for (size_t i = 0; i < z->S[u]; i++) acc[i] += rs[i];
+    return 0;
+  }
   double *g = z->G64 + z->off_full[u];
   if (z->stage == 0) return c_all_reduce(z, g, z->S[u] * (size_t)z->N, ZT_DT_F64);
   return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
@@ -201,42 +216,64 @@ static void *ov_main(void *arg) {
   zt_zero_t *z = arg;
   pthread_mutex_lock(&z->ov_mu);
   for (;;) {
-    while (!z->ov_quit && z->ov_head == z->ov_tail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+    while (!z->ov_quit && !z->ov_len) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
     if (z->ov_quit) break;
-    int u = z->ov_queue[z->ov_head], failed = z->ov_fail;
+    int e = z->ov_queue[z->ov_head], failed = z->ov_fail;
     pthread_mutex_unlock(&z->ov_mu);
-    int rc = failed ? 0 : reduce_unit(z, u);
+    int rc = failed ? 0 : reduce_unit(z, e >> 1, e & 1);
     pthread_mutex_lock(&z->ov_mu);
     if (rc != 0 && !z->ov_fail) {
       z->ov_fail = 1;
-      snprintf(z->ov_msg, sizeof z->ov_msg, "gradient reduction of unit %d: %s", u, zt_err_msg());
+      snprintf(z->ov_msg, sizeof z->ov_msg, "gradient reduction of unit %d: %s", e >> 1,
+               zt_err_msg());
     }
-    z->ov_head++;
+    if (z->stage == 2) z->ov_busy[e & 1] = 0;
+    z->ov_head = (z->ov_head + 1) % z->ov_cap;
+    z->ov_len--;
     pthread_cond_broadcast(&z->ov_cv);
   }
   pthread_mutex_unlock(&z->ov_mu);
   return NULL;
 }
 
-static void ov_push(zt_zero_t *z, int u) {
+static void ov_push(zt_zero_t *z, int u, int s) {
   pthread_mutex_lock(&z->ov_mu);
-  z->ov_queue[z->ov_tail++] = u;
+  z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = u << 1 | s;
+  z->ov_len++;
+  if (z->stage == 2) z->ov_busy[s] = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
+}
+
+/* Stage 2: the next fp64 slot, once its previous reduction is done; -1
+ * when a queued reduction failed (the step stops here, as without
+ * overlap). */
+static int ov_slot(zt_zero_t *z) {
+  int s = z->ov_next;
+  z->ov_next ^= 1;
+  pthread_mutex_lock(&z->ov_mu);
+  while (z->ov_busy[s] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  if (z->ov_fail) {
+    snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
+    z->fail = 1;
+    s = -1;
+  }
+  pthread_mutex_unlock(&z->ov_mu);
+  return s;
 }
 
 /* Waits until every queued unit is reduced; -1 when one failed. */
 static int ov_wait(zt_zero_t *z) {
   pthread_mutex_lock(&z->ov_mu);
-  while (z->ov_head != z->ov_tail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  while (z->ov_len) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
   int failed = z->ov_fail;
-  z->ov_head = z->ov_tail = 0;
   pthread_mutex_unlock(&z->ov_mu);
   return failed ? zt_err("%s", z->ov_msg) : 0;
 }
 
 static int ov_start(zt_zero_t *z) {
-  z->ov_queue = zt_xcalloc((size_t)z->U, sizeof *z->ov_queue);
+  z->ov_cap = z->U + 2; /* stages 0-1: U units a step; stage 2: two at a time */
+  z->ov_queue = zt_xcalloc((size_t)z->ov_cap, sizeof *z->ov_queue);
   pthread_mutex_init(&z->ov_mu, NULL);
   pthread_cond_init(&z->ov_cv, NULL);
   if (pthread_create(&z->ov_thread, NULL, ov_main, z) != 0) {
@@ -255,7 +292,7 @@ static int ov_start(zt_zero_t *z) {
 static void ov_stop(zt_zero_t *z) {
   if (!z->overlap) return;
   pthread_mutex_lock(&z->ov_mu);
-  if (z->ov_head != z->ov_tail) zt_comm_abort(z->comm);
+  if (z->ov_len) zt_comm_abort(z->comm);
   z->ov_quit = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
@@ -266,19 +303,27 @@ static void ov_stop(zt_zero_t *z) {
 }
 
 /* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
- * into the fp64 sum and onto the communication thread. Stages 2-3:
- * reduce-scatter the unit's gradient (in fp64, so the sum is exact) and
- * add this rank's shard to the running sum. */
+ * into the fp64 sum and onto the communication thread. Stage 2 with
+ * overlap: widened into a free fp64 slot and onto the thread. Otherwise,
+ * stages 2-3: reduce-scatter the unit's gradient (in fp64, so the sum is
+ * exact) and add this rank's shard to the running sum. */
 static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage < 2 && z->overlap && z->last_micro) {
     size_t off = z->off_full[u];
     z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
-    ov_push(z, u);
+    ov_push(z, u, 0);
     return 0;
   }
   if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
   const float *g = u == 0 ? z->tg0 : z->tg;
+  if (z->stage == 2 && z->overlap) {
+    int s = ov_slot(z);
+    if (s < 0) return -1;
+    z->k->widen_f64(slot_tg64(z, s), g, z->S[u] * (size_t)z->N);
+    ov_push(z, u, s);
+    return 0;
+  }
   z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
   if (c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64) != 0) {
     hook_fail(z, "reduce-scatter of gradients");
@@ -301,8 +346,9 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->stage = o->stage;
   z->tmo = o->timeout_ms;
   z->inv_k = o->inv_k;
+  z->want_overlap = o->overlap;
   if (layout(z) != 0) return -1;
-  if (o->overlap && z->stage < 2 && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
+  if (o->overlap && z->stage < 3 && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
   zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
   zt_model_set_hooks(m, &hooks);
   return 0;
@@ -311,8 +357,8 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
 void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
-  void *bufs[] = {z->gbuf, z->P,   z->G,   z->Ps, z->G64, z->M,    z->V,
-                  z->gat0, z->gat, z->tg0, z->tg, z->tg64, z->rs64};
+  void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,    z->gat0,
+                  z->gat,  z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b};
   for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
     if (bufs[i]) z->k->release(bufs[i]);
   free(z->usz), free(z->S), free(z->off_full), free(z->off_shard);

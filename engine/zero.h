@@ -24,18 +24,22 @@
  * backward) and drops it after. Gradient sums are kept in fp64, so the
  * reduced gradient is exact and the same for any world size.
  *
- * Overlap (stages 0-1, host memory, N > 1; zero_optimization.overlap_comm,
- * on by default). In the last micro-step a unit's gradient is final as
- * soon as the model's post_backward hook runs for it: the hook adds it to
- * the fp64 sum and queues the unit's reduction (stage 0 all-reduce, stage 1
- * reduce-scatter) for a communication thread, and backward goes on with the
- * next unit while the network carries this one; zt_zero_reduce then waits
- * for the queue. The thread is the only user of the communicator until
- * then, units are reduced one at a time in the order backward finishes
- * them, and the fp64 sums do not depend on how the elements are grouped,
- * so the results are the same as without overlap (test_zero.py compares
- * the loss series bit for bit). Stages 2-3 reduce-scatter inside the hook
- * of every micro-step, as before.
+ * Overlap (stages 0-2, host memory, N > 1; zero_optimization.overlap_comm,
+ * on by default). Stages 0-1: in the last micro-step a unit's gradient is
+ * final as soon as the model's post_backward hook runs for it: the hook
+ * adds it to the fp64 sum and queues the unit's reduction (stage 0
+ * all-reduce, stage 1 reduce-scatter) for a communication thread, and
+ * backward goes on with the next unit while the network carries this one.
+ * Stage 2, every micro-step: the hook widens the unit's gradient into one
+ * of two fp64 slots (waiting while both are in flight) and queues its
+ * reduce-scatter; the thread adds the reduced shard into the sum. In both,
+ * zt_zero_reduce waits for the queue. The thread is the only user of the
+ * communicator until then, takes units one at a time in the order backward
+ * finishes them, and adds shards into the sum in that same order; the fp64
+ * sums do not depend on how the elements are grouped, so the results are
+ * the same as without overlap (test_zero.py compares the loss series bit
+ * for bit). Stage 3 gathers parameters on the training thread inside
+ * forward and backward and stays synchronous.
  *
  * Devices. Every buffer lives in the memory of the kernel table z->k and
  * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
@@ -88,11 +92,14 @@ typedef struct zt_zero {
   /* Overlap (zt_zero_opts_t.overlap): the communication thread and its
    * queue of units whose reduction is due, in the order backward finishes
    * them; everything under ov_mu. */
-  int overlap, last_micro;
+  int want_overlap, overlap, last_micro;
   pthread_t ov_thread;
   pthread_mutex_t ov_mu;
   pthread_cond_t ov_cv;
-  int *ov_queue, ov_head, ov_tail, ov_quit;
+  int *ov_queue;         /* ring of (unit << 1 | slot), ov_cap entries */
+  int ov_cap, ov_head, ov_len, ov_quit;
+  int ov_busy[2], ov_next; /* stage 2: the two fp64 unit buffers in flight */
+  double *tg64b, *rs64b;   /* stage 2 with overlap: the second slot */
   int ov_fail;           /* a queued reduction failed: ov_msg says why */
   char ov_msg[512];
 } zt_zero_t;
