@@ -20,6 +20,11 @@ tokens_per_s (B T / median time), loss_first, loss_last.
 
 usage: cpu_train_torch.py SPEC --threads N [--interop K] [--attn manual|sdpa]
                           [--foreach 0|1]
+
+--foreach 1 (bench/cpu-train's choice) is PyTorch's multi-tensor AdamW, the
+faster of its two CPU implementations here (1.13 has no fused CPU AdamW);
+--attn sdpa uses 1.13's private F._scaled_dot_product_attention, which
+measured the same as the explicit attention on CPU.
 Set OPENBLAS_NUM_THREADS to N in the environment (bench/cpu-train does):
 PyTorch's matmuls run in OpenBLAS's own thread pool, which
 torch.set_num_threads does not size.

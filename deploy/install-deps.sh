@@ -5,6 +5,10 @@
 # and changes nothing. `make demo` and `make test` call it first. CUDA and NCCL
 # are not Debian packages here: the build finds them under /usr/local/cuda when
 # present and builds the CPU-only product otherwise.
+#
+#   deploy/install-deps.sh           what building, testing and the demo need
+#   deploy/install-deps.sh --bench   also BENCH_PACKAGES: the references some
+#                                    benchmarks compare with (bench/README.md)
 set -euo pipefail
 
 PACKAGES=(
@@ -25,6 +29,17 @@ PACKAGES=(
   # dashboard
   libjs-chart.js
 )
+
+# Optional, only with --bench: PyTorch (CPU build, with Gloo) for the
+# comparisons of bench/cpu-train and bench/allreduce. Never needed by
+# `make test` or `make demo`.
+BENCH_PACKAGES=(python3-torch)
+
+case "${1:-}" in
+  "") ;;
+  --bench) PACKAGES+=("${BENCH_PACKAGES[@]}") ;;
+  *) echo "usage: $0 [--bench]" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PACKAGES[@]}"; do

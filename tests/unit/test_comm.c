@@ -38,7 +38,25 @@ typedef struct {
   int keep;
 } rank_ctx;
 
-static float val(int rank, size_t i) { return (float)((rank + 1) * (int)(i % 13) - 6); }
+/* Inputs: small integers (exact sums), or, with g_inexact, values of mixed
+ * magnitude whose fp32 sums round, so a result depends on the order of
+ * the additions. */
+static int g_inexact;
+
+static float inexact_val(int rank, size_t i) {
+  static const float scale[8] = {1e-3f, 0.37f, 1.0f, 3.1f, 17.0f, 1e3f, 0.011f, 250.0f};
+  uint64_t h = ((uint64_t)i * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)(rank + 1) * 0xbf58476d1ce4e5b9ull);
+  h ^= h >> 31;
+  h *= 0x94d049bb133111ebull;
+  h ^= h >> 29;
+  float v = (float)(h & 0xfffff) * scale[(h >> 20) & 7];
+  return (h >> 23) & 1 ? -v : v;
+}
+
+static float val(int rank, size_t i) {
+  if (g_inexact) return inexact_val(rank, i);
+  return (float)((rank + 1) * (int)(i % 13) - 6);
+}
 
 static void fill(void *buf, size_t n, zt_dtype_t dt, int rank) {
   for (size_t i = 0; i < n; i++) {
@@ -226,6 +244,51 @@ ZT_TEST(test_large_64mib) {
   }
 }
 
+/* The ring's order of summation, bit for bit: segment j (the layout of
+ * comm.h: the first count % world segments one element longer) is summed
+ * starting at rank j+1, each rank adding its own value to the partial sum
+ * it received, and ending at rank j; every rank then holds the same bits.
+ * Inputs that round make any other order show. 4 MiB buffers, 64 KiB
+ * chunks: many partial sends and receives per step. */
+ZT_TEST(test_all_reduce_sum_order) {
+  g_inexact = 1;
+  size_t n = (1u << 20) + 3;
+  for (int world = 2; world <= MAXR; world++)
+    for (int dt = 0; dt < 2; dt++) {
+      rank_ctx *ctx = run(world, OP_ALLREDUCE, (zt_dtype_t)dt, ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      size_t base = n / (size_t)world, extra = n % (size_t)world, bad = 0, rounded = 0;
+      for (int j = 0; j < world; j++) {
+        size_t off = (size_t)j * base + ZT_MIN((size_t)j, extra), len = base + ((size_t)j < extra);
+        for (size_t i = off; i < off + len; i++) {
+          float acc = val((j + 1) % world, i), exact = acc;
+          if (dt == ZT_DT_BF16) acc = zt_bf16_to_f32(zt_f32_to_bf16(acc));
+          for (int t = 2; t <= world; t++) {
+            float x = val((j + t) % world, i);
+            exact += x;
+            if (dt == ZT_DT_F32) acc += x;
+            else acc = zt_bf16_to_f32(zt_f32_to_bf16(acc + zt_bf16_to_f32(zt_f32_to_bf16(x))));
+          }
+          if (dt == ZT_DT_F32) {
+            /* Summing in another order would give other bits somewhere. */
+            float other = 0;
+            for (int r = 0; r < world; r++) other += val(r, i);
+            rounded += memcmp(&other, &exact, sizeof other) != 0;
+          }
+          for (int r = 0; r < world; r++) {
+            float got = get(ctx[r].buf, i, (zt_dtype_t)dt);
+            if (memcmp(&got, &acc, sizeof got) != 0) bad++;
+          }
+        }
+      }
+      if (bad) fprintf(stderr, "sum order: world %d dt %d: %zu elements differ\n", world, dt, bad);
+      ZT_CHECK(bad == 0);
+      if (dt == ZT_DT_F32 && world > 2) ZT_CHECK(rounded > 0);
+      free_ctx(ctx, world);
+    }
+  g_inexact = 0;
+}
+
 /* A rank that never shows up: set-up fails within its timeout. */
 ZT_TEST(test_connect_timeout) {
   int lfd, port = 0;
@@ -373,5 +436,6 @@ ZT_TEST(test_nccl_backend_guarded) {
 }
 
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
-             test_all_gather_layout, test_broadcast, test_large_64mib, test_connect_timeout,
+             test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
+             test_connect_timeout,
              test_silent_peer_timeout_and_abort, test_stale_session_refused)
