@@ -269,23 +269,34 @@ static int printable_byte(int c) {
   return (c >= '!' && c <= '~') || (c >= 0xa1 && c <= 0xac) || (c >= 0xae && c <= 0xff);
 }
 
+/* The code point GPT-2's bytes_to_unicode shows byte c as: itself when
+ * printable, else 256 + the count of unprintable bytes below it. */
+static uint32_t byte_cp(int c) {
+  if (printable_byte(c)) return (uint32_t)c;
+  int n = 0;
+  for (int x = 0; x < c; x++) n += !printable_byte(x);
+  return (uint32_t)(256 + n);
+}
+
+void zt_tok_byte_char(int c, char out[3]) {
+  uint32_t cp = byte_cp(c);
+  if (cp < 0x80) {
+    out[0] = (char)cp;
+    out[1] = 0;
+  } else {
+    out[0] = (char)(0xc0 | (cp >> 6));
+    out[1] = (char)(0x80 | (cp & 0x3f));
+    out[2] = 0;
+  }
+}
+
 /* bytes_to_unicode as UTF-8 strings; inv[cp] = the byte shown as code
  * point cp (cp < 512), -1 for code points not in the table. */
 static void bytes_to_unicode(zt_tok_t *t, int inv[512]) {
-  int n = 0;
   for (int i = 0; i < 512; i++) inv[i] = -1;
   for (int c = 0; c < 256; c++) {
-    uint32_t cp = printable_byte(c) ? (uint32_t)c : (uint32_t)(256 + n++);
-    inv[cp] = c;
-    char *o = t->byte_str[c];
-    if (cp < 0x80) {
-      o[0] = (char)cp;
-      o[1] = 0;
-    } else {
-      o[0] = (char)(0xc0 | (cp >> 6));
-      o[1] = (char)(0x80 | (cp & 0x3f));
-      o[2] = 0;
-    }
+    inv[byte_cp(c)] = c;
+    zt_tok_byte_char(c, t->byte_str[c]);
   }
 }
 
@@ -506,64 +517,66 @@ static const char *name_member(const cJSON *o, const char *key) {
   return s;
 }
 
-static int open_gpt2_record(const char *path, const cJSON *doc, zt_tok_t **out) {
+static int gpt2_paths(const char *path, const cJSON *doc, zt_tok_record_t *r) {
   const char *enc = name_member(doc, "encoder"), *bpe = name_member(doc, "bpe");
   if (!enc || !bpe)
     return zt_err("%s: \"encoder\" and \"bpe\" must be file names beside the record", path);
+  if (strlen(path) > 4000) return zt_err("%s: path too long", path);
   const char *slash = strrchr(path, '/');
   int dl = slash ? (int)(slash - path) : 1;
   const char *dir = slash ? path : ".";
-  char ep[4400], bp[4400];
-  if (strlen(path) > 4000) return zt_err("%s: path too long", path);
-  snprintf(ep, sizeof ep, "%.*s/%s", dl, dir, enc);
-  snprintf(bp, sizeof bp, "%.*s/%s", dl, dir, bpe);
-  if (zt_tok_open_gpt2(ep, bp, out) != 0) return zt_err_wrap("%s", path);
+  snprintf(r->encoder, sizeof r->encoder, "%.*s/%s", dl, dir, enc);
+  snprintf(r->bpe, sizeof r->bpe, "%.*s/%s", dl, dir, bpe);
   return 0;
 }
 
-int zt_tok_open(const char *path, zt_tok_t **out) {
+static int check_record(const char *path, const cJSON *doc, zt_tok_record_t *r) {
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(doc, "type");
+  int ok = 1;
+  r->vocab_size = int_member(doc, "vocab_size", 1, ZT_TOK_VOCAB_MAX, &ok);
+  r->eot = int_member(doc, "eot", 0, ZT_TOK_VOCAB_MAX - 1, &ok);
+  const char *ty = cJSON_IsString(type) ? type->valuestring : "";
+  if (!ok || r->eot >= r->vocab_size || (strcmp(ty, "byte") && strcmp(ty, "gpt2")))
+    return zt_err("tokenizer record %s: needs \"type\" (byte or gpt2), \"vocab_size\" "
+                  "(1..65536) and \"eot\" (an id below vocab_size)", path);
+  snprintf(r->type, sizeof r->type, "%s", ty);
+  if (!strcmp(ty, "byte") && (r->vocab_size != 257 || r->eot != 256))
+    return zt_err("tokenizer record %s: a byte tokenizer has vocab_size 257 and eot 256 (the "
+                  "record says %d and %d)", path, r->vocab_size, r->eot);
+  if (!strcmp(ty, "gpt2") && gpt2_paths(path, doc, r) != 0)
+    return zt_err_wrap("tokenizer record");
+  return 0;
+}
+
+int zt_tok_read_record(const char *path, zt_tok_record_t *r) {
   char *text;
   size_t len;
-  *out = NULL;
+  memset(r, 0, sizeof *r);
   if (zt_read_file(path, &text, &len, ZT_TOK_RECORD_MAX) != 0)
     return zt_err_wrap("tokenizer record");
   cJSON *doc = zt_json_parse(text, len, path);
   free(text);
   if (!doc) return zt_err_wrap("tokenizer record");
-  const cJSON *type = cJSON_GetObjectItemCaseSensitive(doc, "type");
-  int ok = 1, rc = -1;
-  int vocab = int_member(doc, "vocab_size", 1, ZT_TOK_VOCAB_MAX, &ok);
-  int eot = int_member(doc, "eot", 0, ZT_TOK_VOCAB_MAX - 1, &ok);
-  const char *ty = cJSON_IsString(type) ? type->valuestring : "";
-  if (!ok || eot >= vocab || (strcmp(ty, "byte") && strcmp(ty, "gpt2"))) {
-    zt_err("tokenizer record %s: needs \"type\" (byte or gpt2), \"vocab_size\" (1..65536) and "
-           "\"eot\" (an id below vocab_size)", path);
-    goto out;
-  }
-  if (!strcmp(ty, "byte")) {
-    if (vocab != 257 || eot != 256) {
-      zt_err("tokenizer record %s: a byte tokenizer has vocab_size 257 and eot 256 (the record "
-             "says %d and %d)", path, vocab, eot);
-      goto out;
-    }
-    rc = zt_tok_open_byte(out);
-    goto out;
-  }
-  if (open_gpt2_record(path, doc, out) != 0) {
-    zt_err_wrap("tokenizer record");
-    goto out;
-  }
-  if ((*out)->vocab != vocab || (*out)->eot != eot) {
-    zt_err("tokenizer record %s says vocab_size %d and eot %d, its encoder has %d and %d", path,
-           vocab, eot, (*out)->vocab, (*out)->eot);
-    zt_tok_free(*out);
-    *out = NULL;
-    goto out;
-  }
-  rc = 0;
-out:
+  int rc = check_record(path, doc, r);
   cJSON_Delete(doc);
   return rc;
+}
+
+int zt_tok_open(const char *path, zt_tok_t **out) {
+  zt_tok_record_t r;
+  *out = NULL;
+  if (zt_tok_read_record(path, &r) != 0) return -1;
+  if (!strcmp(r.type, "byte")) return zt_tok_open_byte(out);
+  if (zt_tok_open_gpt2(r.encoder, r.bpe, out) != 0)
+    return zt_err_wrap("tokenizer record: %s", path);
+  if ((*out)->vocab != r.vocab_size || (*out)->eot != r.eot) {
+    zt_err("tokenizer record %s says vocab_size %d and eot %d, its encoder has %d and %d", path,
+           r.vocab_size, r.eot, (*out)->vocab, (*out)->eot);
+    zt_tok_free(*out);
+    *out = NULL;
+    return -1;
+  }
+  return 0;
 }
 
 int zt_tok_record_for_shard(const char *shard, char *out, size_t cap) {

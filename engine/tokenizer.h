@@ -48,6 +48,21 @@ typedef enum { ZT_TOK_BYTE, ZT_TOK_GPT2 } zt_tok_type_t;
 /* The end-of-text token's text (GPT-2's). */
 #define ZT_TOK_EOT_TEXT "<|endoftext|>"
 
+/* GPT-2's bytes_to_unicode: byte c as the character byte-level BPE shows
+ * it with, UTF-8 encoded and terminated (at most 3 bytes). */
+void zt_tok_byte_char(int c, char out[3]);
+
+/* A tokenizer record as read (zt_tok_read_record): its fields checked, and
+ * for gpt2 the paths of the encoder and merges files beside it. */
+typedef struct {
+  char type[8]; /* "byte" or "gpt2" */
+  int vocab_size, eot;
+  char encoder[4400], bpe[4400]; /* gpt2 only */
+} zt_tok_record_t;
+
+/* Reads and checks a record without loading the files it names (zctl
+ * export copies them). Errors name the record and what is wrong. */
+ZT_MUST_CHECK int zt_tok_read_record(const char *record_path, zt_tok_record_t *rec);
 /* Opens the tokenizer a record names (reads the record, loads the gpt2
  * files beside it, checks that the record's vocab_size and eot are the
  * files'). Errors name the record and what is wrong. */

@@ -44,66 +44,25 @@
 #include "layout.h"
 #include "safetensors.h"
 #include "spec.h"
+#include "tokenizer.h"
 #include "zt_common.h"
 
-#define EOT_TEXT "<|endoftext|>"
 #define MAX_TOKENIZER_FILE (64u << 20)
 
-typedef struct {
-  char type[16]; /* "byte", "gpt2", or "" (none known) */
-  int vocab_size, eot;
-  char encoder[1200], bpe[1200]; /* gpt2: paths of encoder.json and vocab.bpe */
-} tok_info;
+/* The tokenizer to export: a record's fields (type "" when none is known). */
+typedef zt_tok_record_t tok_info;
 
 /* ---- reading the epoch ------------------------------------------------------------ */
 
 /* The epoch's model config and parameters are read by engine/ckpt_io.c
  * (zt_ckpt_read_model, zt_ckpt_load_flat), as `zctl sample` reads them. */
 
-/* The tokenizer record (docs/engine.md, "Tokenizer record"): file names in
- * it are relative to the record's directory. */
-static int read_record(const char *path, tok_info *t) {
-  char *text;
-  size_t len;
-  if (zt_read_file(path, &text, &len, 1 << 20) != 0) return zt_err_wrap("tokenizer record");
-  cJSON *doc = zt_json_parse(text, len, path);
-  free(text);
-  if (!doc) return -1;
-  const cJSON *type = cJSON_GetObjectItemCaseSensitive(doc, "type");
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(doc, "vocab_size");
-  const cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "eot");
-  int ok = cJSON_IsString(type) && cJSON_IsNumber(v) && cJSON_IsNumber(e) &&
-           v->valuedouble >= 1 && v->valuedouble <= 1 << 20 && e->valuedouble >= 0 &&
-           e->valuedouble < v->valuedouble &&
-           (!strcmp(type->valuestring, "byte") || !strcmp(type->valuestring, "gpt2"));
-  if (ok) {
-    snprintf(t->type, sizeof t->type, "%s", type->valuestring);
-    t->vocab_size = (int)v->valuedouble, t->eot = (int)e->valuedouble;
-  }
-  if (ok && !strcmp(t->type, "gpt2")) {
-    const cJSON *enc = cJSON_GetObjectItemCaseSensitive(doc, "encoder");
-    const cJSON *bpe = cJSON_GetObjectItemCaseSensitive(doc, "bpe");
-    ok = cJSON_IsString(enc) && cJSON_IsString(bpe) && !strchr(enc->valuestring, '/') &&
-         !strchr(bpe->valuestring, '/');
-    if (ok) {
-      const char *slash = strrchr(path, '/');
-      int dl = slash ? (int)(slash - path) : 1;
-      const char *d = slash ? path : ".";
-      snprintf(t->encoder, sizeof t->encoder, "%.*s/%s", dl, d, enc->valuestring);
-      snprintf(t->bpe, sizeof t->bpe, "%.*s/%s", dl, d, bpe->valuestring);
-    }
-  }
-  cJSON_Delete(doc);
-  return ok ? 0 : zt_err("%s: not a tokenizer record (type byte|gpt2, vocab_size, eot%s)", path,
-                         !strcmp(t->type, "gpt2") ? ", encoder, bpe file names" : "");
-}
-
 /* man_tok: the record the manifest names, or "". */
 static int find_tokenizer(const zt_export_opts_t *o, const char *man_tok,
                           const zt_model_config_t *cfg, tok_info *t) {
   memset(t, 0, sizeof *t);
   const char *path = o->tokenizer ? o->tokenizer : man_tok[0] ? man_tok : NULL;
-  if (path && read_record(path, t) != 0) return -1;
+  if (path && zt_tok_read_record(path, t) != 0) return -1;
   if (!path && cfg->vocab_size == 257) { /* zprep's byte tokenizer */
     snprintf(t->type, sizeof t->type, "byte");
     t->vocab_size = 257, t->eot = 256;
@@ -180,21 +139,6 @@ static cJSON *config_json(const zt_model_config_t *cfg, const tok_info *t, int b
   return c;
 }
 
-/* GPT-2's bytes_to_unicode: byte b as the code point byte-level BPE shows
- * it with, UTF-8 encoded into out (at least 3 bytes). */
-static void byte_char(int b, char *out) {
-  int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-  int cp = b;
-  if (!printable) { /* the n-th unprintable byte becomes 256 + n */
-    int n = 0;
-    for (int x = 0; x < b; x++)
-      n += !((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF));
-    cp = 256 + n;
-  }
-  if (cp < 0x80) out[0] = (char)cp, out[1] = 0;
-  else out[0] = (char)(0xC0 | (cp >> 6)), out[1] = (char)(0x80 | (cp & 0x3F)), out[2] = 0;
-}
-
 static cJSON *byte_level(void) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "type", "ByteLevel");
@@ -214,7 +158,7 @@ static cJSON *byte_tokenizer_json(int eot) {
   cJSON_AddNullToObject(t, "padding");
   cJSON *added = cJSON_AddArrayToObject(t, "added_tokens"), *a = cJSON_CreateObject();
   cJSON_AddNumberToObject(a, "id", eot);
-  cJSON_AddStringToObject(a, "content", EOT_TEXT);
+  cJSON_AddStringToObject(a, "content", ZT_TOK_EOT_TEXT);
   cJSON_AddFalseToObject(a, "single_word");
   cJSON_AddFalseToObject(a, "lstrip");
   cJSON_AddFalseToObject(a, "rstrip");
@@ -235,8 +179,8 @@ static cJSON *byte_tokenizer_json(int eot) {
   cJSON_AddFalseToObject(m, "byte_fallback");
   cJSON *vocab = cJSON_AddObjectToObject(m, "vocab");
   for (int b = 0; b < 256; b++) {
-    char ch[4];
-    byte_char(b, ch);
+    char ch[3];
+    zt_tok_byte_char(b, ch);
     cJSON_AddNumberToObject(vocab, ch, b);
   }
   cJSON_AddArrayToObject(m, "merges");
@@ -254,14 +198,14 @@ static int write_tokenizer(const char *dir, const tok_info *t, int seq_len) {
   cJSON_AddStringToObject(tc, "tokenizer_class", gpt2 ? "GPT2Tokenizer" : "PreTrainedTokenizerFast");
   cJSON_AddNumberToObject(tc, "model_max_length", seq_len);
   cJSON_AddFalseToObject(tc, "add_prefix_space");
-  cJSON_AddStringToObject(tc, "bos_token", EOT_TEXT);
-  cJSON_AddStringToObject(tc, "eos_token", EOT_TEXT);
-  cJSON_AddStringToObject(tc, "unk_token", EOT_TEXT);
+  cJSON_AddStringToObject(tc, "bos_token", ZT_TOK_EOT_TEXT);
+  cJSON_AddStringToObject(tc, "eos_token", ZT_TOK_EOT_TEXT);
+  cJSON_AddStringToObject(tc, "unk_token", ZT_TOK_EOT_TEXT);
   if (write_json(dir, "tokenizer_config.json", tc) != 0) return -1;
   cJSON *sm = cJSON_CreateObject();
-  cJSON_AddStringToObject(sm, "bos_token", EOT_TEXT);
-  cJSON_AddStringToObject(sm, "eos_token", EOT_TEXT);
-  cJSON_AddStringToObject(sm, "unk_token", EOT_TEXT);
+  cJSON_AddStringToObject(sm, "bos_token", ZT_TOK_EOT_TEXT);
+  cJSON_AddStringToObject(sm, "eos_token", ZT_TOK_EOT_TEXT);
+  cJSON_AddStringToObject(sm, "unk_token", ZT_TOK_EOT_TEXT);
   return write_json(dir, "special_tokens_map.json", sm);
 }
 
