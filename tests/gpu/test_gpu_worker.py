@@ -4,12 +4,21 @@ Real zcoord and zworker processes on 127.0.0.1. The tiny job of the
 integration tests runs for 40 steps on CPU workers and on GPU workers (the
 model and its ZeRO state on the CUDA kernel table; docs/gpu.md):
 
-  - 1 GPU worker, fp32 products: every step's loss within 1e-3 relative of
-    the CPU run (summation order differs; AdamW normalises updates, so the
-    gap stays small over 40 steps); with bf16{enabled:true} (bf16 tensor-core
-    products) within 3e-2, and the model learns (loss drops by more than 1).
-  - 2 GPU workers sharing the device, ZeRO stages 2 and 3: within 1e-3 of
-    the same CPU run (the gradient is the same sum, split differently).
+  - 1 GPU worker, fp32 products, against 1 CPU worker: the first 20 steps
+    within 1e-5 relative (only the summation order differs), every step
+    within 1e-2 and the last within 1e-3. Later steps drift apart by more
+    than rounding: AdamW divides by sqrt(v), so a parameter whose gradient
+    is tiny noise (the embedding row of a rare byte) moves by about lr in
+    a direction that the rounding decides, and a batch that holds that byte
+    shows it. Seen on an H100: steps 1-20 within 1e-7, 1e-6 to 5e-5 after
+    step 27, one step (a rare byte) at 2.1e-3, the last at 2.4e-5.
+  - The same with bf16{enabled:true} (bf16 tensor-core products): the
+    first 10 steps within 1e-4, every step within 3e-2, and the model learns
+    (loss drops by more than 1). Seen: 4e-6 and 8.5e-3.
+  - 2 GPU workers sharing the device, ZeRO stages 2 and 3: every loss
+    bit-identical to the 1-GPU-worker run. The reduction order is fixed
+    and the sums are fp64, as on CPU workers (tests/integration/test_zero.py),
+    so the world size does not change a bit.
 
 Without a GPU the file exits 77, which ctest reports as skipped.
 """
@@ -67,8 +76,10 @@ def run(procs, coord, tmp_path, spec, name):
     return losses(coord, jid)
 
 
-def worst_rel(a, b):
-    return max(abs(a[s] - b[s]) / abs(b[s]) for s in range(1, STEPS + 1))
+def rel_diffs(a, b, label):
+    rel = [abs(a[s] - b[s]) / abs(b[s]) for s in range(1, STEPS + 1)]
+    print(f"{label}: relative loss difference by step: " + " ".join(f"{r:.1e}" for r in rel))
+    return rel
 
 
 def test_gpu_worker_tracks_cpu(procs, tmp_path, data):
@@ -77,24 +88,24 @@ def test_gpu_worker_tracks_cpu(procs, tmp_path, data):
     ref = run(procs, cpu, tmp_path, tiny_spec(train, val, STEPS, 0, 1), "cpu")
     gpu = fleet(procs, 1, "cuda:0", "g")
     got = run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, 0, 1), "gpu")
-    w32 = worst_rel(got, ref)
+    r32 = rel_diffs(got, ref, "fp32")
     bf = run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, 0, 1, bf16={"enabled": True}),
              "gpu-bf16")
-    w16 = worst_rel(bf, ref)
-    print(f"worst relative loss difference vs CPU: fp32 {w32:.2e}, bf16 {w16:.2e}; "
-          f"last loss cpu {ref[STEPS]:.4f} gpu {got[STEPS]:.4f} bf16 {bf[STEPS]:.4f}")
-    assert w32 <= 1e-3
-    assert w16 <= 3e-2
+    r16 = rel_diffs(bf, ref, "bf16")
+    print(f"last loss cpu {ref[STEPS]:.4f} gpu {got[STEPS]:.4f} bf16 {bf[STEPS]:.4f}")
+    assert max(r32[:20]) <= 1e-5, r32[:20]
+    assert max(r32) <= 1e-2 and r32[-1] <= 1e-3, r32
+    assert max(r16[:10]) <= 1e-4, r16[:10]
+    assert max(r16) <= 3e-2, r16
     assert bf[STEPS] < bf[1] - 1.0
 
 
 def test_gpu_zero_stages(procs, tmp_path, data):
     train, val = data
-    cpu = fleet(procs, 1, "cpu", "c")
-    ref = run(procs, cpu, tmp_path, tiny_spec(train, val, STEPS, 0, 1), "cpu")
+    gpu1 = fleet(procs, 1, "cuda:0", "o")
+    ref = run(procs, gpu1, tmp_path, tiny_spec(train, val, STEPS, 0, 1), "gpu-1")
     gpu = fleet(procs, 2, "cuda:0", "g")
     for stage in (2, 3):
         got = run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, stage, 2), f"gpu-s{stage}")
-        w = worst_rel(got, ref)
-        print(f"stage {stage}, 2 GPU workers: worst relative difference {w:.2e}")
-        assert w <= 1e-3
+        rel = rel_diffs(got, ref, f"stage {stage}, 2 GPU workers vs 1")
+        assert all(got[s] == ref[s] for s in range(1, STEPS + 1)), rel

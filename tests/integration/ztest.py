@@ -196,7 +196,8 @@ def events(coord, **q):
 
 # ---- training jobs ----------------------------------------------------------
 
-FORTUNES = "/usr/share/games/fortunes"
+# ZT_FORTUNES points elsewhere on a machine without the Debian package.
+FORTUNES = os.environ.get("ZT_FORTUNES", "/usr/share/games/fortunes")
 
 
 def english_text(limit=400_000):
@@ -213,6 +214,9 @@ def english_text(limit=400_000):
         out += data
         if len(out) >= limit:
             break
+    if len(out) < limit // 2:
+        raise RuntimeError(f"english_text: only {len(out)} bytes of text under {FORTUNES} "
+                           "(install fortunes-min/fortune-mod, or set ZT_FORTUNES)")
     return bytes(out[:limit])
 
 

@@ -1,0 +1,338 @@
+/*
+ * cuda_runtime.h of the CPU stand-in (kernels/cuda/sim/; docs/gpu.md, "The
+ * CPU stand-in"). Tests only: it replaces the toolkit's header when
+ * kernels/cuda/kernels.cu is compiled a second time as host C++ (the sim
+ * include directory comes first), and the library built from it is linked
+ * into test programs only.
+ *
+ * Two halves:
+ *   - the runtime API that kernels.cu calls (memory, copies, streams,
+ *     events, errors, devices), with the real error codes; implemented in
+ *     sim_runtime.cpp;
+ *   - the device side (C++ only): the qualifiers, threadIdx/blockIdx/
+ *     blockDim/gridDim (set by the scheduler for the thread that runs),
+ *     __syncthreads, warp shuffles and votes, atomics, CUDA's min/max.
+ * Kernel launches and __shared__ need the rewrite of sim_rewrite.py and
+ * zt_sim.h.
+ */
+#ifndef ZT_SIM_CUDA_RUNTIME_H
+#define ZT_SIM_CUDA_RUNTIME_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ZT_CUDA_SIM 1
+#define CUDART_VERSION 13000
+
+/* ---------------------------------------------------------------------------
+ * Types shared with C. */
+
+typedef enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInitializationError = 3,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInvalidDevicePointer = 17,
+  cudaErrorInvalidMemcpyDirection = 21,
+  cudaErrorInvalidDeviceFunction = 98,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchOutOfResources = 701,
+  cudaErrorLaunchFailure = 719,
+  cudaErrorNotSupported = 801,
+  cudaErrorUnknown = 999
+} cudaError_t;
+
+typedef enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4
+} cudaMemcpyKind;
+
+typedef struct CUstream_st *cudaStream_t;
+typedef struct CUevent_st *cudaEvent_t;
+
+#define cudaStreamDefault 0x00
+#define cudaStreamNonBlocking 0x01
+#define cudaStreamLegacy ((cudaStream_t)0x1)
+#define cudaStreamPerThread ((cudaStream_t)0x2)
+#define cudaEventDefault 0x00
+#define cudaEventBlockingSync 0x01
+#define cudaEventDisableTiming 0x02
+
+#ifdef __cplusplus
+struct uint3 {
+  unsigned int x, y, z;
+};
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1)
+      : x(vx), y(vy), z(vz) {}
+  constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+  constexpr operator uint3() const { return uint3{x, y, z}; }
+};
+#else
+typedef struct uint3 {
+  unsigned int x, y, z;
+} uint3;
+typedef struct dim3 {
+  unsigned int x, y, z;
+} dim3;
+#endif
+
+/* The fields of cudaDeviceProp that the stand-in fills (a subset of the
+ * real struct: code that reads another field does not compile here). */
+typedef struct cudaDeviceProp {
+  char name[256];
+  size_t totalGlobalMem;
+  size_t sharedMemPerBlock;
+  int regsPerBlock;
+  int warpSize;
+  int maxThreadsPerBlock;
+  int maxThreadsDim[3];
+  int maxGridSize[3];
+  int clockRate;
+  size_t totalConstMem;
+  int major;
+  int minor;
+  int multiProcessorCount;
+  int maxThreadsPerMultiProcessor;
+  size_t sharedMemPerMultiprocessor;
+  size_t sharedMemPerBlockOptin;
+  int l2CacheSize;
+  int memoryBusWidth;
+} cudaDeviceProp;
+
+/* ---------------------------------------------------------------------------
+ * The runtime API (sim_runtime.cpp). Kernels run to completion when they
+ * are launched and every stream is in order, so the Async functions are
+ * complete when they return. */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaPeekAtLastError(void);
+const char *cudaGetErrorString(cudaError_t error);
+const char *cudaGetErrorName(cudaError_t error);
+
+cudaError_t cudaGetDeviceCount(int *count);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDevice(int *device);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device);
+cudaError_t cudaDeviceSynchronize(void);
+cudaError_t cudaDeviceReset(void);
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
+cudaError_t cudaDriverGetVersion(int *version);
+cudaError_t cudaRuntimeGetVersion(int *version);
+
+cudaError_t cudaMalloc(void **ptr, size_t size);
+cudaError_t cudaFree(void *ptr);
+cudaError_t cudaMallocHost(void **ptr, size_t size);
+cudaError_t cudaFreeHost(void *ptr);
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind kind,
+                            cudaStream_t stream);
+cudaError_t cudaMemset(void *ptr, int value, size_t count);
+cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t stream);
+
+cudaError_t cudaStreamCreate(cudaStream_t *stream);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamQuery(cudaStream_t stream);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags);
+
+cudaError_t cudaEventCreate(cudaEvent_t *event);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
+cudaError_t cudaEventSynchronize(cudaEvent_t event);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
+
+#ifdef __cplusplus
+}
+
+template <typename T>
+static inline cudaError_t cudaMalloc(T **ptr, size_t size) {
+  return cudaMalloc((void **)ptr, size);
+}
+template <typename T>
+static inline cudaError_t cudaMallocHost(T **ptr, size_t size) {
+  return cudaMallocHost((void **)ptr, size);
+}
+
+/* ---------------------------------------------------------------------------
+ * The device side. */
+
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+/* Set by the scheduler before a thread runs (the thread of a fiber sees
+ * its own values; blockDim and gridDim are uint3 here, dim3 in CUDA). */
+extern __thread uint3 threadIdx;
+extern __thread uint3 blockIdx;
+extern __thread uint3 blockDim;
+extern __thread uint3 gridDim;
+constexpr int warpSize = 32;
+
+void __syncthreads(void);
+int __syncthreads_count(int predicate);
+int __syncthreads_and(int predicate);
+int __syncthreads_or(int predicate);
+void __syncwarp(unsigned mask = 0xffffffffu);
+unsigned __activemask(void);
+static inline void __threadfence(void) {}
+static inline void __threadfence_block(void) {}
+
+namespace zt_sim {
+/* Warp exchange: stores this lane's value (up to 16 bytes), waits until
+ * every lane of `mask` of the warp has stored its own, and returns the
+ * warp's 32 slots of 16 bytes; sets *lane. */
+const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size, int *lane);
+
+template <typename T>
+static inline T shfl_from(unsigned mask, T var, int (*src_of)(int lane, int arg, int width), int arg,
+                          int width) {
+  static_assert(sizeof(T) <= 16, "shuffle of a type wider than 16 bytes");
+  int lane = 0;
+  const unsigned char *slots = warp_exchange(mask, &var, sizeof var, &lane);
+  int src = src_of(lane, arg, width);
+  T r;
+  memcpy(&r, slots + 16 * src, sizeof r);
+  return r;
+}
+static inline int shfl_src_idx(int lane, int src, int width) {
+  return (lane / width) * width + ((src % width) + width) % width;
+}
+static inline int shfl_src_xor(int lane, int m, int width) {
+  int s = lane ^ m;
+  return s / width > lane / width || s > 31 ? lane : s;
+}
+static inline int shfl_src_down(int lane, int d, int width) {
+  int s = lane + d;
+  return s / width != lane / width || s > 31 ? lane : s;
+}
+static inline int shfl_src_up(int lane, int d, int width) {
+  int s = lane - d;
+  return s < (lane / width) * width ? lane : s;
+}
+}  // namespace zt_sim
+
+template <typename T>
+static inline T __shfl_sync(unsigned mask, T var, int src, int width = 32) {
+  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_idx, src, width);
+}
+template <typename T>
+static inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32) {
+  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_xor, lane_mask, width);
+}
+template <typename T>
+static inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_down, (int)delta, width);
+}
+template <typename T>
+static inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
+  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_up, (int)delta, width);
+}
+
+static inline unsigned __ballot_sync(unsigned mask, int pred) {
+  int lane = 0, p = pred != 0;
+  const unsigned char *slots = zt_sim::warp_exchange(mask, &p, sizeof p, &lane);
+  unsigned r = 0;
+  for (int l = 0; l < 32; l++) {
+    int v;
+    memcpy(&v, slots + 16 * l, sizeof v);
+    if ((mask >> l & 1u) && v == 1) r |= 1u << l;
+  }
+  return r;
+}
+static inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
+static inline int __all_sync(unsigned mask, int pred) {
+  return __ballot_sync(mask, pred) == (mask & __activemask());
+}
+
+/* CUDA's min and max (global namespace, host and device). */
+#define ZT_SIM_MINMAX(T)                                          \
+  static inline T min(T a, T b) { return a < b ? a : b; }        \
+  static inline T max(T a, T b) { return a > b ? a : b; }
+ZT_SIM_MINMAX(int)
+ZT_SIM_MINMAX(unsigned int)
+ZT_SIM_MINMAX(long)
+ZT_SIM_MINMAX(unsigned long)
+ZT_SIM_MINMAX(long long)
+ZT_SIM_MINMAX(unsigned long long)
+static inline float min(float a, float b) { return fminf(a, b); }
+static inline float max(float a, float b) { return fmaxf(a, b); }
+static inline double min(double a, double b) { return fmin(a, b); }
+static inline double max(double a, double b) { return fmax(a, b); }
+#undef ZT_SIM_MINMAX
+
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+/* __expf and __logf: glibc declares them (the same functions as expf, logf). */
+static inline float __fdividef(float a, float b) { return a / b; }
+static inline float __saturatef(float x) { return x < 0.0f ? 0.0f : x > 1.0f ? 1.0f : x; }
+template <typename T>
+static inline T __ldg(const T *p) {
+  return *p;
+}
+
+/* Atomics: a thread of the stand-in runs until it reaches a barrier, so a
+ * read-modify-write is never interleaved with another thread's. */
+template <typename T>
+static inline T atomicAdd(T *p, T v) {
+  T old = *p;
+  *p = old + v;
+  return old;
+}
+template <typename T>
+static inline T atomicSub(T *p, T v) {
+  T old = *p;
+  *p = old - v;
+  return old;
+}
+template <typename T>
+static inline T atomicMax(T *p, T v) {
+  T old = *p;
+  *p = old > v ? old : v;
+  return old;
+}
+template <typename T>
+static inline T atomicMin(T *p, T v) {
+  T old = *p;
+  *p = old < v ? old : v;
+  return old;
+}
+template <typename T>
+static inline T atomicExch(T *p, T v) {
+  T old = *p;
+  *p = v;
+  return old;
+}
+template <typename T>
+static inline T atomicCAS(T *p, T cmp, T v) {
+  T old = *p;
+  if (old == cmp) *p = v;
+  return old;
+}
+
+#endif /* __cplusplus */
+
+#endif

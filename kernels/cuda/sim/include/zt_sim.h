@@ -1,0 +1,118 @@
+/*
+ * zt_sim.h: the launch and shared-memory side of the CPU stand-in for CUDA
+ * (kernels/cuda/sim/; docs/gpu.md, "The CPU stand-in"). Tests only.
+ *
+ * sim_rewrite.py puts `#include "zt_sim.h"` at the top of its copy of
+ * kernels.cu and rewrites
+ *   kern<<<grid, block, shmem, stream>>>(args)
+ *       -> zt_sim_launch(ZT_SIM_NAME(kern), kern, grid, block, shmem, stream, args)
+ *   __shared__ T name[N];      -> ZT_SIM_SHARED(T, name, [N]);
+ *   extern __shared__ T name[]; -> T *name = ZT_SIM_DYNAMIC_SHARED(T);
+ * and registers the kernels that need fibers (zt_sim::fiber_kernels).
+ *
+ * A launch converts the arguments to the kernel's parameter types (as a
+ * call would), checks that every pointer argument is device memory (or
+ * NULL), and runs the whole grid before it returns (sim_runtime.cpp):
+ * blocks one after the other in an order drawn from ZT_SIM_SEED, the
+ * threads of a block as fibers in a random order (or, for kernels that
+ * never reach a barrier, one after the other).
+ */
+#ifndef ZT_SIM_H
+#define ZT_SIM_H
+
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace zt_sim {
+
+typedef void (*thread_body)(void *ctx);
+
+/* Runs a grid (see above); returns the launch error (also kept for
+ * cudaGetLastError). `ptrs` are the kernel's pointer arguments. */
+cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream,
+                   thread_body body, void *ctx, const void *const *ptrs, int nptrs);
+
+/* The running block's copy of the __shared__ variable whose key is `key`
+ * (the address of a static of the declaring function): placed at the
+ * first use in a launch, filled with 0xff bytes (NaN) at each block's
+ * start. */
+void *shared_var(const void *key, size_t size, size_t align, const char *name);
+/* The launch's dynamic shared memory (the shmem launch parameter). */
+void *dynamic_shared(void);
+
+/* Registers kernels, by name, that run each thread on a fiber. */
+struct fiber_kernels {
+  fiber_kernels(std::initializer_list<const char *> names);
+};
+
+/* Device work done on the host (copies, cuBLASLt, CUB): device memory is
+ * readable and writable while one of these is alive, and checked for
+ * writes past the ends of allocations when the last one ends. `what`
+ * names the work in error messages. */
+struct device_access {
+  explicit device_access(const char *what);
+  ~device_access();
+  device_access(const device_access &) = delete;
+  device_access &operator=(const device_access &) = delete;
+};
+
+/* 1 when [p, p + bytes) lies inside one live device allocation. */
+int in_device_memory(const void *p, size_t bytes);
+/* Ends the process with a message naming `what` when [p, p + bytes) is not
+ * inside one live device allocation. */
+void require_device_memory(const void *p, size_t bytes, const char *what);
+/* 1 for a stream handle that may be used (0, the legacy and per-thread
+ * streams, or one created and not destroyed). */
+int valid_stream(cudaStream_t stream);
+/* Prints "zt-sim: <message>" and aborts. */
+[[noreturn]] void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+template <typename P, typename A>
+static inline P convert_arg(A &&a) {
+  return std::forward<A>(a); /* the conversions of a call, no casts */
+}
+
+template <typename T>
+static inline void collect_ptr(const void **out, int &n, const T &x) {
+  if constexpr (std::is_pointer<T>::value &&
+                !std::is_function<typename std::remove_pointer<T>::type>::value)
+    out[n++] = (const void *)x;
+}
+
+}  // namespace zt_sim
+
+template <typename... P, typename... A>
+static inline void zt_sim_launch(const char *name, void (*kernel)(P...), dim3 grid, dim3 block,
+                                 size_t shmem, cudaStream_t stream, A &&...args) {
+  static_assert(sizeof...(P) == sizeof...(A), "kernel launched with a wrong number of arguments");
+  typedef std::tuple<typename std::decay<P>::type...> params_t;
+  params_t params(zt_sim::convert_arg<P>(std::forward<A>(args))...);
+  struct ctx_t {
+    void (*kernel)(P...);
+    params_t *params;
+  } ctx = {kernel, &params};
+  zt_sim::thread_body body = [](void *c) {
+    ctx_t *x = static_cast<ctx_t *>(c);
+    std::apply(x->kernel, *x->params);
+  };
+  const void *ptrs[sizeof...(P) + 1];
+  int nptrs = 0;
+  std::apply([&](const auto &...x) { (zt_sim::collect_ptr(ptrs, nptrs, x), ...); }, params);
+  (void)zt_sim::launch(name, grid, block, shmem, stream, body, &ctx, ptrs, nptrs);
+}
+
+#define ZT_SIM_NAME(...) #__VA_ARGS__
+
+#define ZT_SIM_SHARED(T, name, dims)                                                     \
+  static char zt_sim_key_##name;                                                          \
+  using zt_sim_type_##name = T dims;                                                      \
+  zt_sim_type_##name &name = *reinterpret_cast<zt_sim_type_##name *>(zt_sim::shared_var(  \
+      &zt_sim_key_##name, sizeof(zt_sim_type_##name), alignof(zt_sim_type_##name), #name))
+
+#define ZT_SIM_DYNAMIC_SHARED(T) reinterpret_cast<T *>(zt_sim::dynamic_shared())
+
+#endif

@@ -1,0 +1,1156 @@
+/*
+ * sim_runtime.cpp: the CPU stand-in for the CUDA runtime (tests only; see
+ * docs/gpu.md, "The CPU stand-in", and include/zt_sim.h).
+ *
+ * Layout of this file: settings and global state; device memory (guard
+ * pages, poison, canaries, host-access protection, quarantine of freed
+ * memory); the fault handler; the scheduler (blocks, fibers, barriers, warp
+ * exchanges, shared memory); the runtime API.
+ *
+ * Everything the stand-in finds wrong that a GPU would report as a fault or
+ * a hang (an access past an allocation, a deadlocked barrier, a host
+ * pointer given to a kernel, host code reading device memory) ends the
+ * process with a line that starts "zt-sim:" and names the kernel, the
+ * block and the thread. Errors the CUDA runtime returns (bad launch
+ * configuration, out of memory, bad device index, bad copy) are returned
+ * with the real codes and kept for cudaGetLastError.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "zt_sim.h"
+
+__thread uint3 threadIdx;
+__thread uint3 blockIdx;
+__thread uint3 blockDim;
+__thread uint3 gridDim;
+
+namespace zt_sim {
+
+/* ---------------------------------------------------------------------------
+ * Settings (environment, read once) and state. */
+
+namespace {
+
+const size_t kPage = 4096;
+const size_t kAlign = 256;           /* cudaMalloc's alignment */
+const size_t kStaticShared = 48 << 10; /* per block, as on the GPU without opt-in */
+const unsigned char kPoison = 0xff; /* fresh device memory, shared memory: NaN */
+/* Pad and slack: the bytes of the float 0xffa0a5a5, a signalling NaN, by
+ * address mod 4. Read as floats they are NaN; arithmetic on them gives a
+ * quiet NaN, another bit pattern, so a kernel that computes from a value
+ * past the end and stores past the end is caught too (with plain 0xff
+ * bytes it would store the canary back). */
+const unsigned char kCanary[4] = {0xa5, 0xa5, 0xa0, 0xff};
+
+struct settings {
+  uint64_t seed = 1;
+  int devices = 1;
+  size_t memory = (size_t)16 << 30;
+  bool all_fibers = false;
+  bool host_access = false;
+  size_t stack = 64 << 10;
+};
+
+std::recursive_mutex g_mu;
+bool g_init;
+settings g_set;
+uint64_t g_launches;
+
+__thread cudaError_t t_last_error;
+__thread int t_device;
+
+void init_locked() {
+  if (g_init) return;
+  g_init = true;
+  const char *e;
+  if ((e = getenv("ZT_SIM_SEED")) && *e) g_set.seed = strtoull(e, NULL, 0);
+  if ((e = getenv("ZT_SIM_DEVICE_COUNT")) && *e) g_set.devices = atoi(e);
+  if ((e = getenv("ZT_SIM_MEMORY_MB")) && *e) g_set.memory = (size_t)strtoull(e, NULL, 0) << 20;
+  if ((e = getenv("ZT_SIM_FIBERS")) && !strcmp(e, "all")) g_set.all_fibers = true;
+  if ((e = getenv("ZT_SIM_HOST_ACCESS")) && !strcmp(e, "1")) g_set.host_access = true;
+  if ((e = getenv("ZT_SIM_STACK_KB")) && *e) g_set.stack = (size_t)strtoull(e, NULL, 0) << 10;
+  g_set.stack = (g_set.stack + kPage - 1) & ~(kPage - 1);
+  if (g_set.stack < 16 * kPage) g_set.stack = 16 * kPage;
+  fprintf(stderr,
+          "zt-sim: CUDA stand-in on the CPU: seed %llu (ZT_SIM_SEED), %d device(s), %zu MiB%s%s\n",
+          (unsigned long long)g_set.seed, g_set.devices, g_set.memory >> 20,
+          g_set.all_fibers ? ", every kernel on fibers" : "",
+          g_set.host_access ? ", host access to device memory allowed" : "");
+}
+
+uint64_t splitmix(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+cudaError_t set_error(cudaError_t e) {
+  if (e != cudaSuccess) t_last_error = e;
+  return e;
+}
+
+/* What the calling thread is doing on the "device", for fault reports. */
+struct op_state {
+  const char *what;   /* "kernel", "cublasLtMatmul", ... or NULL */
+  const char *kernel; /* name of the running kernel */
+  uint3 block, thread;
+  int in_thread; /* a kernel thread is running (block/thread valid) */
+};
+__thread op_state t_op;
+
+}  // namespace
+
+void fatal(const char *fmt, ...) {
+  char buf[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "zt-sim: %s\n", buf);
+  fflush(stderr);
+  abort();
+}
+
+/* ---------------------------------------------------------------------------
+ * Device memory. Each allocation is its own mapping:
+ *
+ *   [guard page][pad][data: size bytes][slack][guard page]
+ *
+ * data starts 256-byte aligned (as cudaMalloc's) and data + slack ends at
+ * the guard page (slack < 256 bytes), so reading or writing past the end
+ * faults unless it stays in the slack; pad and slack hold a canary
+ * (kCanary) that is checked after every piece of device work (a write into
+ * them is reported with the kernel that did it) and reads as NaN. Fresh
+ * memory is 0xff bytes (NaN), as is shared memory at each block's start, so
+ * a kernel that reads what nobody wrote computes NaN. Outside device work the data pages are PROT_NONE, so host code
+ * that dereferences a device pointer faults (ZT_SIM_HOST_ACCESS=1 allows
+ * it). Freed allocations stay mapped PROT_NONE for a while (quarantine),
+ * so a use after cudaFree faults and is named as such. */
+
+namespace {
+
+struct alloc_t {
+  char *map;
+  size_t maplen;
+  char *p;
+  size_t size;
+  size_t span; /* size rounded up to kAlign */
+};
+
+std::map<uintptr_t, alloc_t> g_allocs; /* live, keyed by p */
+std::deque<alloc_t> g_freed;            /* quarantine, oldest first */
+size_t g_freed_bytes;
+size_t g_used;
+int g_access_depth;
+const char *g_access_what;
+const size_t kQuarantine = (size_t)4 << 30; /* address space, and mappings: */
+const size_t kQuarantineCount = 4096;         /* well under vm.max_map_count */
+
+unsigned char g_canary_page[kPage]; /* kCanary from a page-aligned address */
+
+inline unsigned char canary_at(const void *q) { return kCanary[(uintptr_t)q & 3]; }
+
+void fill_canary(char *q, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = (char)canary_at(q + i);
+}
+
+char *data_begin(const alloc_t &a) { return a.map + kPage; }
+size_t data_len(const alloc_t &a) { return a.maplen - 2 * kPage; }
+
+const alloc_t *find_live(const void *p) {
+  uintptr_t x = (uintptr_t)p;
+  auto it = g_allocs.upper_bound(x);
+  if (it == g_allocs.begin()) return NULL;
+  --it;
+  const alloc_t &a = it->second;
+  if (x >= (uintptr_t)a.map && x < (uintptr_t)a.map + a.maplen) return &a;
+  return NULL;
+}
+
+/* The live allocation whose mapping holds p (guards included). */
+const alloc_t *find_mapping(const void *p) {
+  uintptr_t x = (uintptr_t)p;
+  for (auto &kv : g_allocs) {
+    const alloc_t &a = kv.second;
+    if (x >= (uintptr_t)a.map && x < (uintptr_t)a.map + a.maplen) return &a;
+  }
+  return NULL;
+}
+
+const alloc_t *find_freed(const void *p) {
+  uintptr_t x = (uintptr_t)p;
+  for (auto &a : g_freed)
+    if (x >= (uintptr_t)a.map && x < (uintptr_t)a.map + a.maplen) return &a;
+  return NULL;
+}
+
+void protect(const alloc_t &a, int prot) {
+  if (mprotect(data_begin(a), data_len(a), prot) != 0)
+    fatal("mprotect of device memory failed: %s", strerror(errno));
+}
+
+/* The first byte of pad or slack that is not the canary, or NULL. */
+const char *damaged(const alloc_t &a) {
+  const char *pad = data_begin(a), *slack = a.p + a.size, *end = a.p + a.span;
+  for (const char *q = pad; q < a.p; q += kPage) {
+    size_t n = (size_t)(a.p - q) < kPage ? (size_t)(a.p - q) : kPage;
+    if (memcmp(q, g_canary_page, n) != 0)
+      for (size_t i = 0; i < n; i++)
+        if ((unsigned char)q[i] != canary_at(q + i)) return q + i;
+  }
+  for (const char *q = slack; q < end; q++)
+    if ((unsigned char)*q != canary_at(q)) return q;
+  return NULL;
+}
+
+void check_canaries(const char *what) {
+  for (auto &kv : g_allocs) {
+    const alloc_t &a = kv.second;
+    const char *bad = damaged(a);
+    if (!bad) continue;
+    if (bad >= a.p)
+      fatal("%s wrote past the end of a device allocation: byte %zu after the end of %zu "
+            "bytes at %p",
+            what, (size_t)(bad - (a.p + a.size)), a.size, (void *)a.p);
+    fatal("%s wrote before the start of a device allocation: %zu bytes before %zu bytes at %p",
+          what, (size_t)(a.p - bad), a.size, (void *)a.p);
+  }
+}
+
+}  // namespace
+
+device_access::device_access(const char *what) {
+  g_mu.lock();
+  if (g_access_depth++ == 0) {
+    g_access_what = what;
+    if (!g_set.host_access)
+      for (auto &kv : g_allocs) protect(kv.second, PROT_READ | PROT_WRITE);
+  }
+}
+
+device_access::~device_access() {
+  if (--g_access_depth == 0) {
+    check_canaries(g_access_what);
+    if (!g_set.host_access)
+      for (auto &kv : g_allocs) protect(kv.second, PROT_NONE);
+    g_access_what = NULL;
+  }
+  g_mu.unlock();
+}
+
+int in_device_memory(const void *p, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  const alloc_t *a = find_live(p);
+  return a && (const char *)p >= a->p && (size_t)((const char *)p - a->p) <= a->size &&
+         bytes <= a->size - (size_t)((const char *)p - a->p);
+}
+
+void require_device_memory(const void *p, size_t bytes, const char *what) {
+  if (in_device_memory(p, bytes)) return;
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  const alloc_t *a = find_live(p);
+  if (a)
+    fatal("%s: %zu bytes at %p run past the end of the %zu-byte device allocation at %p", what,
+          bytes, p, a->size, (void *)a->p);
+  if (find_freed(p)) fatal("%s: %p is device memory that was freed (use after cudaFree)", what, p);
+  fatal("%s: %p is not device memory (a host pointer?)", what, p);
+}
+
+/* ---------------------------------------------------------------------------
+ * Faults. SIGSEGV and SIGBUS print what was running and where the address
+ * lies, then abort. The handler runs on an alternate stack (a fiber's stack
+ * overflow lands in its guard page). */
+
+namespace {
+
+struct stack_slot {
+  char *map; /* guard page at map, stack above it */
+  size_t len;
+};
+std::vector<stack_slot> g_stacks;
+
+void describe_address(char *buf, size_t len, const void *addr) {
+  uintptr_t x = (uintptr_t)addr;
+  const alloc_t *a = find_mapping(addr);
+  if (a) {
+    if (x >= (uintptr_t)a->p + a->span)
+      snprintf(buf, len, "%zu bytes past the end of the %zu-byte device allocation at %p",
+               (size_t)(x - ((uintptr_t)a->p + a->size)), a->size, (void *)a->p);
+    else if (x < (uintptr_t)data_begin(*a))
+      snprintf(buf, len, "%zu bytes before the %zu-byte device allocation at %p",
+               (size_t)((uintptr_t)a->p - x), a->size, (void *)a->p);
+    else
+      snprintf(buf, len,
+               "inside the %zu-byte device allocation at %p, which host code may not touch "
+               "(device memory is reachable only through CUDA calls and kernels; "
+               "ZT_SIM_HOST_ACCESS=1 allows it)",
+               a->size, (void *)a->p);
+    return;
+  }
+  if ((a = find_freed(addr))) {
+    snprintf(buf, len, "in the %zu-byte device allocation at %p, freed (use after cudaFree)",
+             a->size, (void *)a->p);
+    return;
+  }
+  for (auto &s : g_stacks)
+    if (x >= (uintptr_t)s.map && x < (uintptr_t)s.map + kPage) {
+      snprintf(buf, len, "in the guard page of a fiber stack: stack overflow (ZT_SIM_STACK_KB)");
+      return;
+    }
+  snprintf(buf, len, "not device memory");
+}
+
+void on_fault(int sig, siginfo_t *si, void *) {
+  char where[512], buf[1400];
+  describe_address(where, sizeof where, si->si_addr);
+  const op_state &o = t_op;
+  if (o.what && o.in_thread)
+    snprintf(buf, sizeof buf,
+             "zt-sim: %s in kernel %s, block (%u,%u,%u), thread (%u,%u,%u): address %p: %s\n",
+             sig == SIGBUS ? "bus error" : "segmentation fault", o.kernel, o.block.x, o.block.y,
+             o.block.z, o.thread.x, o.thread.y, o.thread.z, si->si_addr, where);
+  else if (g_access_depth > 0 && g_access_what)
+    snprintf(buf, sizeof buf, "zt-sim: %s in %s: address %p: %s\n",
+             sig == SIGBUS ? "bus error" : "segmentation fault", g_access_what, si->si_addr, where);
+  else
+    snprintf(buf, sizeof buf, "zt-sim: %s in host code: address %p: %s\n",
+             sig == SIGBUS ? "bus error" : "segmentation fault", si->si_addr, where);
+  ssize_t w = write(2, buf, strlen(buf));
+  (void)w;
+  signal(SIGABRT, SIG_DFL);
+  abort();
+}
+
+__thread bool t_altstack;
+
+void install_fault_handler() {
+  static bool installed;
+  if (!t_altstack) {
+    /* The alternate stack of this thread (kept for the thread's life). */
+    stack_t ss;
+    ss.ss_size = 64 << 10;
+    ss.ss_sp = mmap(NULL, ss.ss_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ss.ss_flags = 0;
+    if (ss.ss_sp != MAP_FAILED) sigaltstack(&ss, NULL);
+    t_altstack = true;
+  }
+  if (installed) return;
+  installed = true;
+  for (size_t i = 0; i < kPage; i++) g_canary_page[i] = kCanary[i & 3];
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, NULL);
+  sigaction(SIGBUS, &sa, NULL);
+}
+
+void ensure_init() {
+  init_locked();
+  install_fault_handler();
+}
+
+}  // namespace
+
+/* ---------------------------------------------------------------------------
+ * The scheduler. One launch runs its blocks one after the other, in an
+ * order drawn from the seed. A block's threads either run one after the
+ * other in a random order (kernels with no barrier) or each on a fiber
+ * (ucontext): the scheduler picks a random runnable fiber and runs it until
+ * it reaches a barrier or returns. __syncthreads releases the block's
+ * fibers when all of them have arrived; a warp operation stores the lane's
+ * value in the warp's exchange area (two areas, used alternately, so a
+ * fast lane cannot overwrite a value a slow lane has yet to read) and
+ * releases the warp's lanes when all of them have stored. When no fiber can
+ * run and some have not returned, the block is deadlocked: a thread
+ * returned without reaching a barrier that others wait at (or lanes
+ * diverged around a shuffle); the stand-in says which and stops. */
+
+namespace {
+
+enum fiber_state { F_RUN, F_BAR, F_WARP, F_DONE };
+
+struct fiber_t {
+  ucontext_t uc;
+  uint3 tid;
+  int warp, lane;
+  fiber_state st;
+  unsigned warp_ops, sync_rounds;
+  int made; /* uc initialised by getcontext */
+};
+
+struct warp_t {
+  int present; /* lanes that exist */
+  unsigned present_mask;
+  int arrived;
+  unsigned mask; /* mask of the operation being gathered */
+  unsigned char slots[2][32][16];
+};
+
+struct launch_t {
+  const char *name;
+  uint3 grid, block;
+  size_t dyn_shmem;
+  bool fibers;
+  thread_body body;
+  void *ctx;
+  int nthreads;
+  /* shared memory: layout found at first use, one arena reused by blocks */
+  std::vector<std::pair<const void *, size_t>> shared_vars;
+  size_t shared_used;
+  /* block state (fiber mode) */
+  int bar_arrived;
+  int tally[3];
+  fiber_t *cur;
+  std::vector<int> runnable;
+  std::vector<warp_t> warps;
+  ucontext_t sched;
+  uint64_t rng;
+};
+
+__thread launch_t *t_launch;
+
+std::vector<fiber_t> g_fibers;
+std::vector<unsigned char> g_shared_arena, g_dynamic_arena;
+
+std::set<std::string> &fiber_names() {
+  static std::set<std::string> names;
+  return names;
+}
+
+std::string base_name(const char *name) {
+  std::string s(name);
+  size_t cut = s.find_first_of("<( ");
+  return cut == std::string::npos ? s : s.substr(0, cut);
+}
+
+bool needs_fibers(const char *name) {
+  static std::unordered_map<const char *, bool> cache;
+  auto it = cache.find(name);
+  if (it != cache.end()) return it->second;
+  bool f = fiber_names().count(base_name(name)) > 0;
+  cache[name] = f;
+  return f;
+}
+
+uint3 unflatten(uint64_t i, uint3 dim) {
+  uint3 r;
+  r.x = (unsigned)(i % dim.x);
+  i /= dim.x;
+  r.y = (unsigned)(i % dim.y);
+  r.z = (unsigned)(i / dim.y);
+  return r;
+}
+
+void ensure_stacks(int n) {
+  while ((int)g_stacks.size() < n) {
+    size_t len = kPage + g_set.stack;
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (m == MAP_FAILED) fatal("cannot map a fiber stack: %s", strerror(errno));
+    mprotect(m, kPage, PROT_NONE);
+    g_stacks.push_back({(char *)m, len});
+  }
+  /* Sized once: a ucontext_t must not move (it points into itself). */
+  if (g_fibers.empty()) g_fibers.resize(1024);
+}
+
+void fiber_entry() {
+  launch_t *L = t_launch;
+  L->body(L->ctx);
+  L->cur->st = F_DONE;
+  /* returns to uc_link: the scheduler */
+}
+
+/* Back to the scheduler from the running fiber. */
+void yield_to_scheduler(launch_t *L) {
+  fiber_t *f = L->cur;
+  t_op.in_thread = 0;
+  if (swapcontext(&f->uc, &L->sched) != 0) fatal("swapcontext failed");
+}
+
+launch_t *running_fiber_launch(const char *what) {
+  launch_t *L = t_launch;
+  if (!L) fatal("%s called outside a kernel", what);
+  if (!L->fibers)
+    fatal("kernel %s reached %s, but sim_rewrite.py did not register it as a kernel that "
+          "needs fibers (a barrier it could not see: run with ZT_SIM_FIBERS=all, and fix "
+          "the rewriter)",
+          L->name, what);
+  return L;
+}
+
+void release_warp(launch_t *L, int w) {
+  for (int i = w * 32; i < L->nthreads && i < w * 32 + 32; i++)
+    if (g_fibers[i].st == F_WARP) {
+      g_fibers[i].st = F_RUN;
+      L->runnable.push_back(i);
+    }
+  L->warps[w].arrived = 0;
+}
+
+void deadlock(launch_t *L) {
+  int bar = 0, warp = 0, done = 0, first_warp = -1;
+  for (int i = 0; i < L->nthreads; i++) {
+    fiber_state s = g_fibers[i].st;
+    bar += s == F_BAR;
+    done += s == F_DONE;
+    if (s == F_WARP) {
+      warp++;
+      if (first_warp < 0) first_warp = g_fibers[i].warp;
+    }
+  }
+  if (warp && !bar)
+    fatal("kernel %s, block (%u,%u,%u): deadlock: %d lane(s) wait at a warp shuffle/vote/"
+          "__syncwarp (first in warp %d) that lanes of their mask never reach (%d thread(s) "
+          "of the block returned)",
+          L->name, blockIdx.x, blockIdx.y, blockIdx.z, warp, first_warp, done);
+  fatal("kernel %s, block (%u,%u,%u): deadlock: %d of %d threads wait at __syncthreads(), "
+        "%d returned without reaching it%s",
+        L->name, blockIdx.x, blockIdx.y, blockIdx.z, bar, L->nthreads, done,
+        warp ? " and others wait at a warp operation" : "");
+}
+
+void poison_shared(launch_t *L) {
+  if (L->shared_used) memset(g_shared_arena.data(), kPoison, L->shared_used);
+  if (L->dyn_shmem) memset(g_dynamic_arena.data(), kPoison, L->dyn_shmem);
+}
+
+void run_block_direct(launch_t *L, std::vector<uint32_t> &order) {
+  int n = L->nthreads;
+  for (int i = 0; i < n; i++) order[i] = (uint32_t)i;
+  for (int i = n - 1; i > 0; i--) std::swap(order[i], order[splitmix(&L->rng) % (uint64_t)(i + 1)]);
+  for (int i = 0; i < n; i++) {
+    threadIdx = unflatten(order[i], L->block);
+    t_op.thread = threadIdx;
+    t_op.in_thread = 1;
+    L->body(L->ctx);
+    t_op.in_thread = 0;
+  }
+}
+
+void run_block_fibers(launch_t *L) {
+  int n = L->nthreads;
+  for (int i = 0; i < n; i++) {
+    fiber_t &f = g_fibers[i];
+    if (!f.made) {
+      if (getcontext(&f.uc) != 0) fatal("getcontext failed");
+      f.made = 1;
+    }
+    f.uc.uc_stack.ss_sp = g_stacks[i].map + kPage;
+    f.uc.uc_stack.ss_size = g_set.stack;
+    f.uc.uc_stack.ss_flags = 0;
+    f.uc.uc_link = &L->sched;
+    makecontext(&f.uc, fiber_entry, 0);
+    f.tid = unflatten((uint64_t)i, L->block);
+    f.warp = i / 32;
+    f.lane = i % 32;
+    f.st = F_RUN;
+    f.warp_ops = 0;
+    f.sync_rounds = 0;
+  }
+  L->tally[0] = L->tally[1] = L->tally[2] = 0;
+  int nwarps = (n + 31) / 32;
+  L->warps.resize(nwarps);
+  for (int w = 0; w < nwarps; w++) {
+    warp_t &wp = L->warps[w];
+    wp.present = n - w * 32 < 32 ? n - w * 32 : 32;
+    wp.present_mask = wp.present == 32 ? 0xffffffffu : ((1u << wp.present) - 1);
+    wp.arrived = 0;
+    wp.mask = 0;
+    memset(wp.slots, kPoison, sizeof wp.slots);
+  }
+  L->bar_arrived = 0;
+  L->runnable.clear();
+  for (int i = 0; i < n; i++) L->runnable.push_back(i);
+  while (!L->runnable.empty()) {
+    size_t j = splitmix(&L->rng) % L->runnable.size();
+    int i = L->runnable[j];
+    L->runnable[j] = L->runnable.back();
+    L->runnable.pop_back();
+    fiber_t *f = &g_fibers[i];
+    L->cur = f;
+    threadIdx = f->tid;
+    t_op.thread = f->tid;
+    t_op.in_thread = 1;
+    if (swapcontext(&L->sched, &f->uc) != 0) fatal("swapcontext failed");
+    t_op.in_thread = 0;
+  }
+  L->cur = NULL;
+  for (int i = 0; i < n; i++)
+    if (g_fibers[i].st != F_DONE) deadlock(L);
+}
+
+}  // namespace
+
+fiber_kernels::fiber_kernels(std::initializer_list<const char *> names) {
+  for (const char *n : names) fiber_names().insert(n);
+}
+
+void *shared_var(const void *key, size_t size, size_t align, const char *name) {
+  launch_t *L = t_launch;
+  if (!L) fatal("__shared__ variable %s used outside a kernel", name);
+  for (auto &v : L->shared_vars)
+    if (v.first == key) return g_shared_arena.data() + v.second;
+  if (align < 16) align = 16;
+  size_t off = (L->shared_used + align - 1) & ~(align - 1);
+  if (off + size + L->dyn_shmem > kStaticShared)
+    fatal("kernel %s: __shared__ %s (%zu bytes) takes the block's shared memory past %zu bytes",
+          L->name, name, size, kStaticShared);
+  L->shared_vars.push_back({key, off});
+  memset(g_shared_arena.data() + L->shared_used, kPoison, off + size - L->shared_used);
+  L->shared_used = off + size;
+  return g_shared_arena.data() + off;
+}
+
+void *dynamic_shared(void) {
+  launch_t *L = t_launch;
+  if (!L) fatal("extern __shared__ memory used outside a kernel");
+  return g_dynamic_arena.data();
+}
+
+const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size, int *lane) {
+  launch_t *L = running_fiber_launch("a warp shuffle, vote or __syncwarp");
+  fiber_t *f = L->cur;
+  warp_t &w = L->warps[f->warp];
+  if (!(mask >> f->lane & 1u))
+    fatal("kernel %s: lane %d of warp %d calls a warp operation with a mask (0x%08x) that "
+          "leaves it out",
+          L->name, f->lane, f->warp, mask);
+  if (w.arrived == 0)
+    w.mask = mask;
+  else if (w.mask != mask)
+    fatal("kernel %s, block (%u,%u,%u), warp %d: lanes call warp operations with different "
+          "masks (0x%08x, 0x%08x): divergent shuffles",
+          L->name, blockIdx.x, blockIdx.y, blockIdx.z, f->warp, w.mask, mask);
+  unsigned parity = f->warp_ops & 1u;
+  f->warp_ops++;
+  if (value) memcpy(w.slots[parity][f->lane], value, size);
+  f->st = F_WARP;
+  if (++w.arrived == __builtin_popcount(mask & w.present_mask)) release_warp(L, f->warp);
+  yield_to_scheduler(L);
+  *lane = f->lane;
+  return &w.slots[parity][0][0];
+}
+
+void launch_barrier(const char *what) {
+  launch_t *L = running_fiber_launch(what);
+  fiber_t *f = L->cur;
+  f->st = F_BAR;
+  if (++L->bar_arrived == L->nthreads) {
+    for (int i = 0; i < L->nthreads; i++)
+      if (g_fibers[i].st == F_BAR) {
+        g_fibers[i].st = F_RUN;
+        L->runnable.push_back(i);
+      }
+    L->bar_arrived = 0;
+  }
+  yield_to_scheduler(L);
+}
+
+cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream,
+                   thread_body body, void *ctx, const void *const *ptrs, int nptrs) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (t_launch) fatal("kernel %s launched from inside kernel %s", name, t_launch->name);
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  uint64_t nthreads = (uint64_t)block.x * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 ||
+      grid.z > 65535 || nthreads == 0 || nthreads > 1024 || block.x > 1024 || block.y > 1024 ||
+      block.z > 64)
+    return set_error(cudaErrorInvalidConfiguration);
+  if (shmem > kStaticShared) return set_error(cudaErrorInvalidValue);
+  for (int i = 0; i < nptrs; i++) {
+    const void *p = ptrs[i];
+    if (!p) continue;
+    const alloc_t *a = find_live(p);
+    if (a && (const char *)p >= a->p && (const char *)p <= a->p + a->size) continue;
+    if (a)
+      fatal("kernel %s: pointer argument %d (%p) lies outside the %zu-byte device allocation "
+            "at %p",
+            name, i + 1, p, a->size, (void *)a->p);
+    if (find_freed(p))
+      fatal("kernel %s: pointer argument %d (%p) is device memory that was freed", name, i + 1,
+            p);
+    fatal("kernel %s: pointer argument %d (%p) is not device memory (a host pointer?)", name,
+          i + 1, p);
+  }
+
+  launch_t L;
+  L.name = name;
+  L.grid = uint3{grid.x, grid.y, grid.z};
+  L.block = uint3{block.x, block.y, block.z};
+  L.dyn_shmem = shmem;
+  L.fibers = g_set.all_fibers || needs_fibers(name);
+  L.body = body;
+  L.ctx = ctx;
+  L.nthreads = (int)nthreads;
+  L.shared_used = 0;
+  L.bar_arrived = 0;
+  L.cur = NULL;
+  uint64_t s = g_set.seed ^ (0x5851f42d4c957f2dull * ++g_launches);
+  L.rng = splitmix(&s);
+  if (g_shared_arena.size() < kStaticShared) g_shared_arena.resize(kStaticShared);
+  if (g_dynamic_arena.size() < shmem) g_dynamic_arena.resize(shmem);
+  if (L.fibers) ensure_stacks(L.nthreads);
+
+  uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
+  std::vector<uint32_t> blocks(nblocks), order(L.nthreads);
+  for (uint64_t i = 0; i < nblocks; i++) blocks[i] = (uint32_t)i;
+  for (uint64_t i = nblocks - 1; i > 0; i--)
+    std::swap(blocks[i], blocks[splitmix(&L.rng) % (i + 1)]);
+
+  static __thread char what[320];
+  snprintf(what, sizeof what, "kernel %s", name);
+  device_access access(what);
+  t_launch = &L;
+  t_op.what = "kernel";
+  t_op.kernel = name;
+  gridDim = L.grid;
+  blockDim = L.block;
+  for (uint64_t b = 0; b < nblocks; b++) {
+    blockIdx = unflatten(blocks[b], L.grid);
+    t_op.block = blockIdx;
+    poison_shared(&L);
+    if (L.fibers)
+      run_block_fibers(&L);
+    else
+      run_block_direct(&L, order);
+  }
+  t_launch = NULL;
+  t_op = op_state();
+  return cudaSuccess;
+}
+
+}  // namespace zt_sim
+
+using namespace zt_sim;
+
+void __syncthreads(void) { zt_sim::launch_barrier("__syncthreads()"); }
+
+/* The predicate forms: a block-wide tally in three slots used in turn.
+ * Round r adds to slot r % 3 before its barrier and reads it after; the
+ * slot of round r + 1 was cleared in round r - 1, after a barrier that
+ * every thread passed having read it. */
+int __syncthreads_count(int predicate) {
+  launch_t *L = running_fiber_launch("__syncthreads_count/and/or()");
+  fiber_t *f = L->cur;
+  unsigned r = f->sync_rounds++;
+  if (predicate) L->tally[r % 3]++;
+  launch_barrier("__syncthreads_count/and/or()");
+  L->tally[(r + 2) % 3] = 0;
+  return L->tally[r % 3];
+}
+int __syncthreads_and(int predicate) {
+  return __syncthreads_count(!predicate) == 0;
+}
+int __syncthreads_or(int predicate) { return __syncthreads_count(predicate) != 0; }
+
+void __syncwarp(unsigned mask) {
+  int lane;
+  (void)zt_sim::warp_exchange(mask, NULL, 0, &lane);
+}
+
+unsigned __activemask(void) {
+  launch_t *L = t_launch;
+  if (!L) zt_sim::fatal("__activemask() called outside a kernel");
+  int linear = (int)(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+  int w = linear / 32, present = L->nthreads - w * 32;
+  return present >= 32 ? 0xffffffffu : ((1u << present) - 1);
+}
+
+/* ---------------------------------------------------------------------------
+ * The runtime API. */
+
+namespace {
+
+struct stream_rec {
+  unsigned flags;
+};
+struct event_rec {
+  double t;
+  unsigned flags;
+  int recorded;
+};
+std::set<const void *> g_streams, g_events;
+
+double now_ms() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+cudaError_t check_device(void) {
+  if (g_set.devices <= 0) return set_error(cudaErrorNoDevice);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+int zt_sim::valid_stream(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread || g_streams.count(s);
+}
+
+extern "C" {
+
+cudaError_t cudaGetLastError(void) {
+  cudaError_t e = t_last_error;
+  t_last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError(void) { return t_last_error; }
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInitializationError: return "initialization error";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInvalidDeviceFunction: return "invalid device function";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorNotSupported: return "operation not supported";
+    default: return "unknown error";
+  }
+}
+
+const char *cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    default: return "cudaErrorUnknown";
+  }
+}
+
+cudaError_t cudaGetDeviceCount(int *count) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!count) return set_error(cudaErrorInvalidValue);
+  *count = g_set.devices > 0 ? g_set.devices : 0;
+  return check_device();
+}
+
+cudaError_t cudaSetDevice(int device) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (g_set.devices <= 0) return set_error(cudaErrorNoDevice);
+  if (device < 0 || device >= g_set.devices) return set_error(cudaErrorInvalidDevice);
+  t_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int *device) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!device) return set_error(cudaErrorInvalidValue);
+  if (check_device() != cudaSuccess) return cudaErrorNoDevice;
+  *device = t_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!prop) return set_error(cudaErrorInvalidValue);
+  if (check_device() != cudaSuccess) return cudaErrorNoDevice;
+  if (device < 0 || device >= g_set.devices) return set_error(cudaErrorInvalidDevice);
+  memset(prop, 0, sizeof *prop);
+  snprintf(prop->name, sizeof prop->name, "zt-sim CPU stand-in %d", device);
+  prop->totalGlobalMem = g_set.memory;
+  prop->sharedMemPerBlock = kStaticShared;
+  prop->sharedMemPerBlockOptin = kStaticShared;
+  prop->sharedMemPerMultiprocessor = kStaticShared;
+  prop->regsPerBlock = 65536;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  prop->maxThreadsDim[0] = 1024, prop->maxThreadsDim[1] = 1024, prop->maxThreadsDim[2] = 64;
+  prop->maxGridSize[0] = 0x7fffffff, prop->maxGridSize[1] = 65535, prop->maxGridSize[2] = 65535;
+  prop->clockRate = 1000000;
+  prop->totalConstMem = 65536;
+  prop->major = 9;
+  prop->minor = 0;
+  prop->multiProcessorCount = 1;
+  prop->maxThreadsPerMultiProcessor = 2048;
+  prop->l2CacheSize = 1 << 20;
+  prop->memoryBusWidth = 64;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!free_bytes || !total_bytes) return set_error(cudaErrorInvalidValue);
+  *total_bytes = g_set.memory;
+  *free_bytes = g_set.memory - g_used;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int *v) {
+  if (!v) return set_error(cudaErrorInvalidValue);
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) { return cudaDriverGetVersion(v); }
+
+cudaError_t cudaMalloc(void **ptr, size_t size) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!ptr) return set_error(cudaErrorInvalidValue);
+  *ptr = NULL;
+  if (check_device() != cudaSuccess) return cudaErrorNoDevice;
+  if (size == 0) return cudaSuccess;
+  if (size > g_set.memory - g_used) return set_error(cudaErrorMemoryAllocation);
+  size_t span = (size + kAlign - 1) & ~(kAlign - 1);
+  size_t body = (span + kPage - 1) & ~(kPage - 1);
+  alloc_t a;
+  a.maplen = body + 2 * kPage;
+  void *m = mmap(NULL, a.maplen, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return set_error(cudaErrorMemoryAllocation);
+  a.map = (char *)m;
+  a.size = size;
+  a.span = span;
+  a.p = a.map + kPage + (body - span);
+  mprotect(a.map, kPage, PROT_NONE);
+  mprotect(a.map + a.maplen - kPage, kPage, PROT_NONE);
+  fill_canary(data_begin(a), (size_t)(a.p - data_begin(a)));
+  memset(a.p, kPoison, a.size);
+  fill_canary(a.p + a.size, span - size);
+  if (!g_set.host_access && g_access_depth == 0) protect(a, PROT_NONE);
+  g_allocs[(uintptr_t)a.p] = a;
+  g_used += size;
+  *ptr = a.p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *ptr) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!ptr) return cudaSuccess;
+  auto it = g_allocs.find((uintptr_t)ptr);
+  if (it == g_allocs.end()) {
+    if (find_freed(ptr))
+      fprintf(stderr, "zt-sim: cudaFree(%p): freed already (double free)\n", ptr);
+    return set_error(cudaErrorInvalidValue);
+  }
+  alloc_t a = it->second;
+  if (g_access_depth == 0 || g_set.host_access) {
+    /* Writes past the end since the last device work would have been
+     * caught then; check once more before the memory goes. */
+    if (!g_set.host_access) protect(a, PROT_READ);
+    const char *bad = damaged(a);
+    if (bad)
+      fatal("cudaFree(%p): the pad or slack of the %zu-byte allocation was overwritten", ptr,
+            a.size);
+  }
+  g_allocs.erase(it);
+  g_used -= a.size;
+  madvise(a.map, a.maplen, MADV_DONTNEED);
+  mprotect(a.map, a.maplen, PROT_NONE);
+  g_freed.push_back(a);
+  g_freed_bytes += a.maplen;
+  while ((g_freed_bytes > kQuarantine || g_freed.size() > kQuarantineCount) && !g_freed.empty()) {
+    munmap(g_freed.front().map, g_freed.front().maplen);
+    g_freed_bytes -= g_freed.front().maplen;
+    g_freed.pop_front();
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **ptr, size_t size) {
+  if (!ptr) return set_error(cudaErrorInvalidValue);
+  *ptr = malloc(size ? size : 1);
+  return *ptr ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFreeHost(void *ptr) {
+  free(ptr);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  if (count == 0) return cudaSuccess;
+  if (!dst || !src) return set_error(cudaErrorInvalidValue);
+  bool ddev = in_device_memory(dst, count), sdev = in_device_memory(src, count);
+  bool dany = find_live(dst) || find_freed(dst), sany = find_live(src) || find_freed(src);
+  switch (kind) {
+    case cudaMemcpyHostToHost:
+      if (dany || sany) return set_error(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyHostToDevice:
+      if (!ddev || sany) return set_error(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyDeviceToHost:
+      if (!sdev || dany) return set_error(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyDeviceToDevice:
+      if (!ddev || !sdev) return set_error(cudaErrorInvalidValue);
+      break;
+    case cudaMemcpyDefault:
+      if ((dany && !ddev) || (sany && !sdev)) return set_error(cudaErrorInvalidValue);
+      break;
+    default: return set_error(cudaErrorInvalidMemcpyDirection);
+  }
+  device_access access("cudaMemcpy");
+  memmove(dst, src, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind kind) {
+  return cudaMemcpyAsync(dst, src, count, kind, NULL);
+}
+
+cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t stream) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  if (count == 0) return cudaSuccess;
+  if (!in_device_memory(ptr, count)) return set_error(cudaErrorInvalidValue);
+  device_access access("cudaMemset");
+  memset(ptr, value, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *ptr, int value, size_t count) {
+  return cudaMemsetAsync(ptr, value, count, NULL);
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int flags) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!stream || flags > cudaStreamNonBlocking) return set_error(cudaErrorInvalidValue);
+  stream_rec *s = new stream_rec{flags};
+  *stream = (cudaStream_t)s;
+  g_streams.insert(s);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *stream) {
+  return cudaStreamCreateWithFlags(stream, cudaStreamDefault);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!stream || !g_streams.count(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  g_streams.erase(stream);
+  delete (stream_rec *)stream;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t stream) { return cudaStreamSynchronize(stream); }
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!valid_stream(stream) || !g_events.count(event))
+    return set_error(cudaErrorInvalidResourceHandle);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!event) return set_error(cudaErrorInvalidValue);
+  event_rec *e = new event_rec{0.0, flags, 0};
+  *event = (cudaEvent_t)e;
+  g_events.insert(e);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *event) {
+  return cudaEventCreateWithFlags(event, cudaEventDefault);
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
+  g_events.erase(event);
+  delete (event_rec *)event;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!g_events.count(event) || !valid_stream(stream))
+    return set_error(cudaErrorInvalidResourceHandle);
+  event_rec *e = (event_rec *)event;
+  e->t = now_ms();
+  e->recorded = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!ms) return set_error(cudaErrorInvalidValue);
+  if (!g_events.count(start) || !g_events.count(end))
+    return set_error(cudaErrorInvalidResourceHandle);
+  event_rec *a = (event_rec *)start, *b = (event_rec *)end;
+  if ((a->flags | b->flags) & cudaEventDisableTiming)
+    return set_error(cudaErrorInvalidResourceHandle);
+  if (!a->recorded || !b->recorded) return set_error(cudaErrorInvalidResourceHandle);
+  *ms = (float)(b->t - a->t);
+  return cudaSuccess;
+}
+
+}  // extern "C"
