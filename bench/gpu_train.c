@@ -17,6 +17,7 @@
  *
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16]
+ *                    [--attention auto|tiled|cublas]
  * Exits 77 without a CUDA device.
  */
 #include <math.h>
@@ -55,7 +56,8 @@ static double peak_tflops(const char *name) {
 static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
-          "                   [--batch B] [--steps N] [--math fp32|tf32|bf16]\n");
+          "                   [--batch B] [--steps N] [--math fp32|tf32|bf16]\n"
+          "                   [--attention auto|tiled|cublas]\n");
   return 2;
 }
 
@@ -63,7 +65,7 @@ int main(int argc, char **argv) {
   zt_model_config_t cfg = {12, 12, 768, 1024, 50257};
   int B = 8, steps = 20;
   zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
-  const char *math_name = "bf16";
+  const char *math_name = "bf16", *att = "auto";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v) return usage();
@@ -75,6 +77,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--vocab")) cfg.vocab_size = atoi(v);
     else if (!strcmp(a, "--batch")) B = atoi(v);
     else if (!strcmp(a, "--steps")) steps = atoi(v);
+    else if (!strcmp(a, "--attention")) {
+      att = v;
+      if (strcmp(v, "auto") && strcmp(v, "tiled") && strcmp(v, "cublas")) return usage();
+    }
     else if (!strcmp(a, "--math")) {
       math_name = v;
       if (!strcmp(v, "fp32")) math = ZT_CUDA_MATH_FP32;
@@ -90,6 +96,8 @@ int main(int argc, char **argv) {
     return 77;
   }
   zt_kern_cuda_set_math(math);
+  if (!strcmp(att, "tiled")) zt_kern_cuda_set_attention_scratch_max(0);
+  if (!strcmp(att, "cublas")) zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
   const zt_kernels_t *k = zt_kernels_cuda();
   int T = cfg.seq_len;
   zt_model_t *m;
@@ -140,9 +148,11 @@ int main(int argc, char **argv) {
   printf("{\"engine\": \"ztrain\", \"math\": \"%s\", \"device\": \"%s\", \"params\": %zu, "
          "\"batch\": %d, \"seq\": %d, \"ms_per_step\": %.2f, \"tokens_per_s\": %.0f, "
          "\"tflops\": %.1f, \"mfu\": %.4f, \"loss_first\": %.4f, \"loss_last\": %.4f, "
-         "\"gib_model_state\": %.2f, \"gib_activations\": %.2f}\n",
+         "\"gib_model_state\": %.2f, \"gib_activations\": %.2f, \"attention\": \"%s\", "
+         "\"gib_device_used\": %.2f}\n",
          math_name, zt_cuda_device_name(), N, B, T, ms, tokens / (ms * 1e-3), tflops,
-         peak > 0 ? tflops / peak : 0.0, first, last, state / 1073741824.0, act / 1073741824.0);
+         peak > 0 ? tflops / peak : 0.0, first, last, state / 1073741824.0, act / 1073741824.0,
+         att, zt_cuda_device_memory_used() / 1073741824.0);
   k->release(mom), k->release(var);
   zt_model_free(m);
   free(inp), free(tgt), free(times);

@@ -509,7 +509,8 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
 }
 
 /* ---------------------------------------------------------------------------
- * Attention. qkv [B,T,3C] is permuted into q, k, v [B,NH,T,hs]; per head
+ * Attention for head sizes above FA_HSMAX (the tiled kernels below take
+ * the rest). qkv [B,T,3C] is permuted into q, k, v [B,NH,T,hs]; per head
  * (batch of B*NH) the products run through cuBLASLt on the full T x T, the
  * causal mask is applied by the softmax kernels (entries above the diagonal
  * become 0). Row-major q [T,hs] is column-major Q' [hs,T] (ld hs); a
@@ -517,8 +518,7 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
  * The interface is the tiled CPU kernel's (zt_kernels.h): forward keeps
  * only lse per row, backward recomputes the probabilities from the scores
  * and lse. The T x T matrices here live in the call's scratch, not in the
- * activations; a tiled (flash) kernel that never forms them is docs/gpu.md's
- * next step. */
+ * activations. */
 
 /* The offset in [B,T,width] rows (at column coff) of element idx of a
  * [B,NH,T,hs] head-major tensor. */
@@ -604,9 +604,293 @@ __global__ void k_causal_softmax_bwd(float *datt, const float *att, int rows, in
   for (int j = lane; j < T; j += 32) d[j] = j <= t ? a[j] * (d[j] - s) * scale : 0.0f;
 }
 
+/* ---------------------------------------------------------------------------
+ * Tiled (flash) causal attention for head sizes up to FA_HSMAX, the CUDA
+ * twin of the CPU kernel: no T x T matrix is formed, not even in scratch.
+ * q, k, v are read where they lie in qkv [B,T,3C] and out is written in
+ * [B,T,C], so no permutation kernels run either.
+ *
+ * A block owns FA_B query rows (forward, dq) or FA_B keys (dk, dv) of one
+ * head, FA_WARPS warps of FA_RPW rows each; the other side streams through
+ * shared memory in tiles of FA_B. Lanes split the tile's 32 columns for the
+ * dot products and the head dimension for the accumulators (FA_NREG values
+ * per lane and row, in registers), and a column's probability reaches all
+ * lanes by shuffle. The forward keeps a running maximum and sum per row
+ * (online softmax) and stores lse = max + log(sum). The backward is two
+ * kernels so that no two blocks add into the same gradient (no atomics:
+ * the result is the same on every run): one per key tile for dk and dv, one
+ * per query tile for dq, each recomputing p = exp(s - lse) and
+ * ds = p (dp - D) with D = rowsum(dout * out) precomputed per row. Tiles
+ * wholly above the diagonal are skipped: about half the work of the full
+ * products. Row strides of hs + 1 where lanes read different rows keep
+ * them off a shared bank. */
+
+#define FA_B 32
+#define FA_WARPS 8
+#define FA_RPW (FA_B / FA_WARPS)
+#define FA_HSMAX 64
+#define FA_NREG (FA_HSMAX / 32)
+#define FA_FULL 0xffffffffu
+
+/* Loops over the register arrays are unrolled so that the arrays stay in
+ * registers (nvcc; the CPU stand-in compiles this file with g++). */
+#ifdef __CUDACC__
+#define ZT_UNROLL _Pragma("unroll")
+#else
+#define ZT_UNROLL
+#endif
+
+/* Rows [t0, t0 + FA_B) of a [T, hs] slice (row stride rs) into dst with row
+ * stride ld; rows at or past T read as 0. */
+__device__ void fa_load(float *dst, int ld, const float *src, size_t rs, int t0, int T, int hs) {
+  for (int e = threadIdx.x; e < FA_B * hs; e += blockDim.x) {
+    int r = e / hs, d = e % hs;
+    dst[r * ld + d] = t0 + r < T ? src[(size_t)(t0 + r) * rs + d] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ float fa_dot(const float *a, const float *b, int hs) {
+  float s = 0.0f;
+  for (int d = 0; d < hs; d++) s += a[d] * b[d];
+  return s;
+}
+
+__global__ void k_flash_fwd(float *out, float *lse, const float *qkv, int T, int C, int NH,
+                            float scale) {
+  __shared__ float qs[FA_B * FA_HSMAX];
+  __shared__ float ks[FA_B * (FA_HSMAX + 1)];
+  __shared__ float vs[FA_B * FA_HSMAX];
+  int hs = C / NH, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  size_t rs = 3 * (size_t)C;
+  const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  fa_load(qs, hs, base, rs, q0, T, hs);
+  float m[FA_RPW], l[FA_RPW], acc[FA_RPW][FA_NREG];
+ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) {
+    m[r] = -INFINITY, l[r] = 0.0f;
+ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++) acc[r][c] = 0.0f;
+  }
+  int kend = min(T, q0 + FA_B);
+  for (int k0 = 0; k0 < kend; k0 += FA_B) {
+    __syncthreads(); /* the previous tile is no longer read */
+    fa_load(ks, hs + 1, base + C, rs, k0, T, hs);
+    fa_load(vs, hs, base + 2 * C, rs, k0, T, hs);
+    __syncthreads();
+ZT_UNROLL
+    for (int r = 0; r < FA_RPW; r++) {
+      int i = q0 + warp * FA_RPW + r;
+      if (i >= T || k0 > i) continue; /* the same for the whole warp */
+      float s = fa_dot(qs + (warp * FA_RPW + r) * hs, ks + lane * (hs + 1), hs);
+      s = k0 + lane <= i ? s * scale : -INFINITY;
+      float mn = fmaxf(m[r], warp_max(s));
+      float p = expf(s - mn), corr = expf(m[r] - mn);
+      l[r] = l[r] * corr + warp_sum(p);
+      m[r] = mn;
+      int jn = min(FA_B, i - k0 + 1);
+ZT_UNROLL
+      for (int c = 0; c < FA_NREG; c++) acc[r][c] *= corr;
+      for (int j = 0; j < jn; j++) {
+        float pj = __shfl_sync(FA_FULL, p, j);
+ZT_UNROLL
+        for (int c = 0; c < FA_NREG; c++)
+          if (lane + 32 * c < hs) acc[r][c] += pj * vs[j * hs + lane + 32 * c];
+      }
+    }
+  }
+ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) {
+    int i = q0 + warp * FA_RPW + r;
+    if (i >= T) continue;
+    float *o = out + ((size_t)b * T + i) * C + (size_t)h * hs;
+ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++)
+      if (lane + 32 * c < hs) o[lane + 32 * c] = acc[r][c] / l[r];
+    if (lane == 0) lse[(size_t)bh * T + i] = m[r] + logf(l[r]);
+  }
+}
+
+/* D [B,NH,T] = rowsum(dout * out) per head, one warp per row. */
+__global__ void k_flash_bwd_d(float *D, const float *dout, const float *out, int B, int T, int C,
+                              int NH) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= B * NH * T) return;
+  int hs = C / NH, bh = row / T, i = row % T, b = bh / NH, h = bh % NH;
+  size_t off = ((size_t)b * T + i) * C + (size_t)h * hs;
+  float s = 0.0f;
+  for (int d = lane; d < hs; d += 32) s += dout[off + d] * out[off + d];
+  s = warp_sum(s);
+  if (lane == 0) D[row] = s;
+}
+
+/* dk and dv of FA_B keys: the query tiles at and after the keys stream by. */
+__global__ void k_flash_bwd_kv(float *dqkv, const float *qkv, const float *dout,
+                               const float *lse, const float *D, int T, int C, int NH,
+                               float scale) {
+  __shared__ float kb[FA_B * FA_HSMAX];
+  __shared__ float vb[FA_B * FA_HSMAX];
+  __shared__ float qs[FA_B * (FA_HSMAX + 1)];
+  __shared__ float gs[FA_B * (FA_HSMAX + 1)];
+  __shared__ float ls[FA_B];
+  __shared__ float dsh[FA_B];
+  int hs = C / NH, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int k0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  size_t rs = 3 * (size_t)C;
+  const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const float *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
+  fa_load(kb, hs, base + C, rs, k0, T, hs);
+  fa_load(vb, hs, base + 2 * C, rs, k0, T, hs);
+  float dk[FA_RPW][FA_NREG], dv[FA_RPW][FA_NREG];
+ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++)
+ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++) dk[r][c] = dv[r][c] = 0.0f;
+  for (int q0 = k0; q0 < T; q0 += FA_B) {
+    __syncthreads();
+    fa_load(qs, hs + 1, base, rs, q0, T, hs);
+    fa_load(gs, hs + 1, gbase, C, q0, T, hs);
+    if (threadIdx.x < FA_B) {
+      int i = q0 + threadIdx.x;
+      ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
+      dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
+    }
+    __syncthreads();
+    int i = q0 + lane;
+ZT_UNROLL
+    for (int r = 0; r < FA_RPW; r++) {
+      int j = k0 + warp * FA_RPW + r;
+      if (j >= T) continue; /* the same for the whole warp */
+      const float *q = qs + lane * (hs + 1), *g = gs + lane * (hs + 1);
+      float s = fa_dot(q, kb + (warp * FA_RPW + r) * hs, hs);
+      float dp = fa_dot(g, vb + (warp * FA_RPW + r) * hs, hs);
+      float p = i < T && i >= j ? expf(s * scale - ls[lane]) : 0.0f;
+      float ds = p * (dp - dsh[lane]);
+      for (int t = 0; t < FA_B; t++) {
+        float pt = __shfl_sync(FA_FULL, p, t), dst = __shfl_sync(FA_FULL, ds, t);
+ZT_UNROLL
+        for (int c = 0; c < FA_NREG; c++)
+          if (lane + 32 * c < hs) {
+            dv[r][c] += pt * gs[t * (hs + 1) + lane + 32 * c];
+            dk[r][c] += dst * qs[t * (hs + 1) + lane + 32 * c];
+          }
+      }
+    }
+  }
+ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) {
+    int j = k0 + warp * FA_RPW + r;
+    if (j >= T) continue;
+    float *o = dqkv + ((size_t)b * T + j) * rs + (size_t)h * hs;
+ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++)
+      if (lane + 32 * c < hs) {
+        o[C + lane + 32 * c] = dk[r][c] * scale;
+        o[2 * C + lane + 32 * c] = dv[r][c];
+      }
+  }
+}
+
+/* dq of FA_B query rows: the key tiles at and before the rows stream by. */
+__global__ void k_flash_bwd_q(float *dqkv, const float *qkv, const float *dout, const float *lse,
+                              const float *D, int T, int C, int NH, float scale) {
+  __shared__ float qs[FA_B * FA_HSMAX];
+  __shared__ float gs[FA_B * FA_HSMAX];
+  __shared__ float ks[FA_B * (FA_HSMAX + 1)];
+  __shared__ float vs[FA_B * (FA_HSMAX + 1)];
+  int hs = C / NH, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  size_t rs = 3 * (size_t)C;
+  const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  fa_load(qs, hs, base, rs, q0, T, hs);
+  fa_load(gs, hs, dout + (size_t)b * T * C + (size_t)h * hs, C, q0, T, hs);
+  float dq[FA_RPW][FA_NREG], lr[FA_RPW], dr[FA_RPW];
+ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) {
+    int i = q0 + warp * FA_RPW + r;
+    lr[r] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
+    dr[r] = i < T ? D[(size_t)bh * T + i] : 0.0f;
+ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++) dq[r][c] = 0.0f;
+  }
+  int kend = min(T, q0 + FA_B);
+  for (int k0 = 0; k0 < kend; k0 += FA_B) {
+    __syncthreads();
+    fa_load(ks, hs + 1, base + C, rs, k0, T, hs);
+    fa_load(vs, hs + 1, base + 2 * C, rs, k0, T, hs);
+    __syncthreads();
+ZT_UNROLL
+    for (int r = 0; r < FA_RPW; r++) {
+      int i = q0 + warp * FA_RPW + r;
+      if (i >= T || k0 > i) continue; /* the same for the whole warp */
+      float s = fa_dot(qs + (warp * FA_RPW + r) * hs, ks + lane * (hs + 1), hs);
+      float dp = fa_dot(gs + (warp * FA_RPW + r) * hs, vs + lane * (hs + 1), hs);
+      float p = k0 + lane <= i ? expf(s * scale - lr[r]) : 0.0f;
+      float ds = p * (dp - dr[r]);
+      int jn = min(FA_B, i - k0 + 1);
+      for (int j = 0; j < jn; j++) {
+        float dsj = __shfl_sync(FA_FULL, ds, j);
+ZT_UNROLL
+        for (int c = 0; c < FA_NREG; c++)
+          if (lane + 32 * c < hs) dq[r][c] += dsj * ks[j * (hs + 1) + lane + 32 * c];
+      }
+    }
+  }
+ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) {
+    int i = q0 + warp * FA_RPW + r;
+    if (i >= T) continue;
+    float *o = dqkv + ((size_t)b * T + i) * rs + (size_t)h * hs;
+ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++)
+      if (lane + 32 * c < hs) o[lane + 32 * c] = dq[r][c] * scale;
+  }
+}
+
+/* The cuBLASLt path forms B*NH*T*T matrices in scratch (two in backward);
+ * it is the faster one (on an H100, GPT-2 124M: the tiled kernels, fp32 on
+ * the CUDA cores, take 2.2x as long at T = 1024 and 3.1x at T = 4096;
+ * docs/gpu.md). So the tiled kernels take over only once that scratch would
+ * pass att_scr_max bytes: by default a quarter of the device's memory, set
+ * at init unless zt_kern_cuda_set_attention_scratch_max chose it. Head
+ * sizes above FA_HSMAX always take the cuBLASLt path. */
+static size_t att_scr_max = SIZE_MAX;
+static int att_scr_max_set;
+
+static size_t att_cublas_scratch(int B, int T, int C, int NH) {
+  size_t n = (size_t)B * T * C, tt = (size_t)B * NH * T * T;
+  return (7 * n + 2 * tt) * sizeof(float);
+}
+
+static int att_tiled(int B, int T, int C, int NH) {
+  return C / NH <= FA_HSMAX && att_cublas_scratch(B, T, C, NH) > att_scr_max;
+}
+
+static void flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH) {
+  dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
+  k_flash_fwd<<<grid, FA_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, C, NH,
+                                                    1.0f / sqrtf((float)(C / NH)));
+  ZT_CUDA_LAUNCHED();
+}
+
+static void flash_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                           const float *lse, int B, int T, int C, int NH) {
+  int rows = B * NH * T;
+  float scale = 1.0f / sqrtf((float)(C / NH));
+  float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
+  k_flash_bwd_d<<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
+  ZT_CUDA_LAUNCHED();
+  dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
+  k_flash_bwd_kv<<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH, scale);
+  ZT_CUDA_LAUNCHED();
+  k_flash_bwd_q<<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH, scale);
+  ZT_CUDA_LAUNCHED();
+}
+
 static void cu_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
                                  int NH) {
   if (B <= 0 || T <= 0) return;
+  if (att_tiled(B, T, C, NH)) return flash_forward(out, lse, qkv, B, T, C, NH);
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
   float *q = (float *)scratch(SCR_ATT, (4 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
@@ -630,8 +914,8 @@ static void cu_attention_forward(float *out, float *lse, const float *qkv, int B
 static void cu_attention_backward(float *dqkv, const float *dout, const float *qkv,
                                   const float *out, const float *lse, int B, int T, int C,
                                   int NH) {
-  (void)out;
   if (B <= 0 || T <= 0) return;
+  if (att_tiled(B, T, C, NH)) return flash_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
   float *q = (float *)scratch(SCR_ATT, (7 * n + 2 * tt) * sizeof(float)), *k = q + n,
@@ -997,6 +1281,7 @@ extern "C" int zt_kern_cuda_init(int device, char *err, size_t errlen) {
   ZT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   snprintf(g.name, sizeof g.name, "%s", prop.name);
   g.mem = prop.totalGlobalMem;
+  if (!att_scr_max_set) att_scr_max = g.mem / 4;
   ZT_CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   ZT_CUBLAS_CHECK(cublasLtCreate(&g.lt));
   g.lt_ws_size = 32u << 20;
@@ -1011,6 +1296,16 @@ extern "C" int zt_kern_cuda_init(int device, char *err, size_t errlen) {
 extern "C" const zt_kernels_t *zt_kernels_cuda(void) { return g.init ? &zt_cuda_table : NULL; }
 extern "C" void zt_kern_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
 extern "C" zt_cuda_math_t zt_kern_cuda_math(void) { return g.math; }
+extern "C" void zt_kern_cuda_set_attention_scratch_max(size_t bytes) {
+  att_scr_max = bytes;
+  att_scr_max_set = 1;
+}
+
+extern "C" size_t zt_cuda_device_memory_used(void) {
+  size_t free_b = 0, total_b = 0;
+  ZT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return total_b - free_b;
+}
 extern "C" const char *zt_cuda_device_name(void) { return g.name; }
 extern "C" size_t zt_cuda_device_memory(void) { return g.mem; }
 

@@ -23,7 +23,9 @@
  * zt_kern_cuda_set_math selects the matmul precision: exact fp32, TF32 or
  * bf16 tensor cores (fp32 storage and accumulation; inputs rounded to
  * bf16 inside the product). Attention uses strided-batched cuBLASLt products
- * over [B*NH] heads and a warp-per-row causal softmax.
+ * over [B*NH] heads and a warp-per-row causal softmax while its T x T
+ * matrices fit in the scratch limit, and tiled (flash) kernels that never
+ * form them beyond it (head size <= 64).
  *
  * Errors: every CUDA and cuBLAS call is checked; a failure prints the call,
  * the file:line and the library's message and ends the process (exit 1), as
@@ -64,6 +66,14 @@ const zt_kernels_t *zt_kernels_cuda(void);
 
 void zt_kern_cuda_set_math(zt_cuda_math_t math);
 zt_cuda_math_t zt_kern_cuda_math(void);
+
+/* Attention takes the tiled kernels when the cuBLASLt path's T x T scratch
+ * would pass `bytes` (default: a quarter of the device's memory): 0 makes
+ * every head size <= 64 tiled, SIZE_MAX none. */
+void zt_kern_cuda_set_attention_scratch_max(size_t bytes);
+
+/* Device memory in use on this process's device, all processes (bytes). */
+size_t zt_cuda_device_memory_used(void);
 
 /* Device name and memory, for logs ("NVIDIA H100 80GB HBM3", bytes). */
 const char *zt_cuda_device_name(void);

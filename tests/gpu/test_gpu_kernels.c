@@ -197,7 +197,7 @@ ZT_TEST(matmul_reduced_precision) {
   zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
 }
 
-static void check_attention(int B, int T, int C, int NH) {
+static void check_attention_path(int B, int T, int C, int NH) {
   size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
   float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4);
   float *d_qkv = DEVF(qkv, nq), *dO = dalloc(no * 4), *dL = dalloc(nl * 4);
@@ -219,11 +219,23 @@ static void check_attention(int B, int T, int C, int NH) {
   free(qkv), free(o), free(l), free(dout), free(g);
 }
 
+/* Both paths of attention against the reference: the tiled kernels
+ * (scratch limit 0) and cuBLASLt with the T x T matrices (no limit). */
+static void check_attention(int B, int T, int C, int NH) {
+  zt_kern_cuda_set_attention_scratch_max(0);
+  check_attention_path(B, T, C, NH);
+  zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
+  check_attention_path(B, T, C, NH);
+  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
+}
+
 ZT_TEST(attention) {
   check_attention(2, 13, 24, 3);
   check_attention(1, 64, 64, 4);
   check_attention(3, 7, 16, 1);
   check_attention(2, 128, 192, 6);
+  check_attention(2, 100, 128, 2); /* head size 64: the largest the tiled kernels take */
+  check_attention(1, 45, 256, 2);  /* head size 128: cuBLASLt either way */
 }
 
 ZT_TEST(gelu_residual_scale) {
