@@ -96,6 +96,7 @@ cublasStatus_t validate(const zt_sim_lt_desc *op, const zt_sim_lt_layout *a,
     if (l->rows == 0 || l->cols == 0 || l->rows > 0x7fffffff || l->cols > 0x7fffffff ||
         l->ld < (int64_t)l->rows || l->batch < 1 || l->stride < 0)
       return CUBLAS_STATUS_INVALID_VALUE;
+    if (l->ld > 0x7fffffff) return CUBLAS_STATUS_NOT_SUPPORTED; /* sgemm takes int */
   }
   uint64_t am = op->ta ? a->cols : a->rows, ak = op->ta ? a->rows : a->cols;
   uint64_t bk = op->tb ? b->cols : b->rows, bn = op->tb ? b->rows : b->cols;
@@ -154,6 +155,30 @@ void round_into(std::vector<float> &dst, const float *src, uint64_t rows, uint64
       float v = src[j * ld + i];
       dst[j * rows + i] = bf ? round_bf16(v) : round_tf32(v);
     }
+}
+
+/* The checks of an algorithm from cublasLtMatmulAlgoGetHeuristic against
+ * the matmul it is used for: the same compute type, and pointers A, B, C, D
+ * (with their batch strides) as aligned as the preference said (up to 16
+ * bytes). */
+cublasStatus_t check_algo(const cublasLtMatmulAlgo_t *algo, const zt_sim_lt_desc *op,
+                          const void *const ptrs[4], const zt_sim_lt_layout *const ls[4]) {
+  if (algo->data[0] != kAlgoMagic) return CUBLAS_STATUS_INVALID_VALUE;
+  if (algo->data[5] != (uint64_t)(uint32_t)op->compute) {
+    fprintf(stderr, "zt-sim: cublasLtMatmul: the algorithm was chosen for compute type %d, "
+                    "the descriptor has %d\n",
+            (int)algo->data[5], op->compute);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  for (int i = 0; i < 4; i++) {
+    uint64_t want = algo->data[1 + i] < 16 ? algo->data[1 + i] : 16;
+    if (alignment(ptrs[i], ls[i]) >= want) continue;
+    fprintf(stderr, "zt-sim: cublasLtMatmul: matrix %c at %p (batch stride %lld) is "
+                    "less aligned than the %llu bytes its algorithm was chosen for\n",
+            "ABCD"[i], ptrs[i], (long long)ls[i]->stride, (unsigned long long)algo->data[1 + i]);
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  return CUBLAS_STATUS_SUCCESS;
 }
 
 }  // namespace
@@ -343,36 +368,22 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
     return CUBLAS_STATUS_INVALID_VALUE;
   bool bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS;
   if (bias && !op->bias) return CUBLAS_STATUS_INVALID_VALUE;
-  if (algo) {
-    if (algo->data[0] != kAlgoMagic) return CUBLAS_STATUS_INVALID_VALUE;
-    if (algo->data[5] != (uint64_t)(uint32_t)op->compute) {
-      fprintf(stderr, "zt-sim: cublasLtMatmul: the algorithm was chosen for compute type %d, "
-                      "the descriptor has %d\n",
-              (int)algo->data[5], op->compute);
-      return CUBLAS_STATUS_INVALID_VALUE;
-    }
-    const void *ptrs[4] = {A, B, C, D};
-    const zt_sim_lt_layout *ls[4] = {ad, bd, cd, dd};
-    for (int i = 0; i < 4; i++) {
-      uint64_t want = algo->data[1 + i] < 16 ? algo->data[1 + i] : 16;
-      if (alignment(ptrs[i], ls[i]) < want) {
-        fprintf(stderr, "zt-sim: cublasLtMatmul: matrix %c at %p (batch stride %lld) is "
-                        "less aligned than the %llu bytes its algorithm was chosen for\n",
-                "ABCD"[i], ptrs[i], (long long)ls[i]->stride,
-                (unsigned long long)algo->data[1 + i]);
-        return CUBLAS_STATUS_INVALID_VALUE;
-      }
-    }
+  const void *ptrs[4] = {A, B, C, D};
+  const zt_sim_lt_layout *ls[4] = {ad, bd, cd, dd};
+  if (algo && (st = check_algo(algo, op, ptrs, ls)) != CUBLAS_STATUS_SUCCESS) return st;
+  for (int i = 0; i < 4; i++) {
+    char what[40];
+    snprintf(what, sizeof what, "cublasLtMatmul: matrix %c", "ABCD"[i]);
+    zt_sim::require_device_memory(ptrs[i], extent_bytes(ls[i]), what);
   }
-  zt_sim::require_device_memory(A, extent_bytes(ad), "cublasLtMatmul: matrix A");
-  zt_sim::require_device_memory(B, extent_bytes(bd), "cublasLtMatmul: matrix B");
-  zt_sim::require_device_memory(C, extent_bytes(cd), "cublasLtMatmul: matrix C");
-  zt_sim::require_device_memory(D, extent_bytes(dd), "cublasLtMatmul: matrix D");
   if (bias) zt_sim::require_device_memory(op->bias, s.m * sizeof(float), "cublasLtMatmul: bias");
-  if (workspace_size) zt_sim::require_device_memory(workspace, workspace_size, "cublasLtMatmul: workspace");
+  if (workspace_size)
+    zt_sim::require_device_memory(workspace, workspace_size, "cublasLtMatmul: workspace");
 
-  zt_sim::device_access access("cublasLtMatmul");
+  /* alpha and beta are host pointers (CUBLASLT_POINTER_MODE_HOST): read
+   * before device memory opens, so a device pointer faults here. */
   float al = *(const float *)alpha, be = *(const float *)beta;
+  zt_sim::device_access access("cublasLtMatmul");
   std::vector<float> ra, rb;
   for (int bi = 0; bi < s.batch; bi++) {
     const float *a = (const float *)A + (size_t)bi * ad->stride;

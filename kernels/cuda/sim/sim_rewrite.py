@@ -321,6 +321,8 @@ def main():
     if launches == 0:
         fail("no kernel launch found: is this the right file?")
     out = rw.apply()
+    if not out.endswith("\n"):
+        out += "\n"
     mutated = " (mutated)" if a.drop_sync or a.replace else ""
     path = a.input.replace("\\", "\\\\").replace('"', '\\"')
     os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
@@ -331,8 +333,8 @@ def main():
                 "#include \"zt_sim.h\"\n"
                 f"#line 1 \"{path}\"\n")
         f.write(out)
-        if not out.endswith("\n"):
-            f.write("\n")
+        # The header above is 5 lines and `out` ends with a newline: the
+        # line after this directive is line count + 7 of the output.
         out_path = a.output.replace("\\", "\\\\").replace('"', '\\"')
         f.write(f'#line {out.count(chr(10)) + 7} "{out_path}"\n')
         f.write("\n/* Kernels that run each thread on a fiber (they reach barriers, shuffles or\n"

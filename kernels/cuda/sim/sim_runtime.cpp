@@ -140,9 +140,9 @@ void fatal(const char *fmt, ...) {
  * (kCanary) that is checked after every piece of device work (a write into
  * them is reported with the kernel that did it) and reads as NaN. Fresh
  * memory is 0xff bytes (NaN), as is shared memory at each block's start, so
- * a kernel that reads what nobody wrote computes NaN. Outside device work the data pages are PROT_NONE, so host code
- * that dereferences a device pointer faults (ZT_SIM_HOST_ACCESS=1 allows
- * it). Freed allocations stay mapped PROT_NONE for a while (quarantine),
+ * a kernel that reads what nobody wrote computes NaN. Outside device work
+ * the data pages are PROT_NONE, so host code that dereferences a device
+ * pointer faults (ZT_SIM_HOST_ACCESS=1 allows it). Freed allocations stay mapped PROT_NONE for a while (quarantine),
  * so a use after cudaFree faults and is named as such. */
 
 namespace {
@@ -175,24 +175,18 @@ void fill_canary(char *q, size_t n) {
 char *data_begin(const alloc_t &a) { return a.map + kPage; }
 size_t data_len(const alloc_t &a) { return a.maplen - 2 * kPage; }
 
+/* The live allocation whose mapping holds p (guard pages and pad
+ * included), or NULL. The map is keyed by the data's start, which lies
+ * after the guard page and pad: an address in those belongs to the first
+ * allocation whose key is above it. */
 const alloc_t *find_live(const void *p) {
   uintptr_t x = (uintptr_t)p;
   auto it = g_allocs.upper_bound(x);
+  if (it != g_allocs.end() && x >= (uintptr_t)it->second.map) return &it->second;
   if (it == g_allocs.begin()) return NULL;
   --it;
   const alloc_t &a = it->second;
-  if (x >= (uintptr_t)a.map && x < (uintptr_t)a.map + a.maplen) return &a;
-  return NULL;
-}
-
-/* The live allocation whose mapping holds p (guards included). */
-const alloc_t *find_mapping(const void *p) {
-  uintptr_t x = (uintptr_t)p;
-  for (auto &kv : g_allocs) {
-    const alloc_t &a = kv.second;
-    if (x >= (uintptr_t)a.map && x < (uintptr_t)a.map + a.maplen) return &a;
-  }
-  return NULL;
+  return x < (uintptr_t)a.map + a.maplen ? &a : NULL;
 }
 
 const alloc_t *find_freed(const void *p) {
@@ -267,6 +261,9 @@ void require_device_memory(const void *p, size_t bytes, const char *what) {
   if (in_device_memory(p, bytes)) return;
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   const alloc_t *a = find_live(p);
+  if (a && (const char *)p < a->p)
+    fatal("%s: %p lies %zu bytes before the %zu-byte device allocation at %p", what, p,
+          (size_t)(a->p - (const char *)p), a->size, (void *)a->p);
   if (a)
     fatal("%s: %zu bytes at %p run past the end of the %zu-byte device allocation at %p", what,
           bytes, p, a->size, (void *)a->p);
@@ -289,7 +286,7 @@ std::vector<stack_slot> g_stacks;
 
 void describe_address(char *buf, size_t len, const void *addr) {
   uintptr_t x = (uintptr_t)addr;
-  const alloc_t *a = find_mapping(addr);
+  const alloc_t *a = find_live(addr);
   if (a) {
     if (x >= (uintptr_t)a->p + a->span)
       snprintf(buf, len, "%zu bytes past the end of the %zu-byte device allocation at %p",
@@ -378,32 +375,51 @@ void ensure_init() {
  * (ucontext): the scheduler picks a random runnable fiber and runs it until
  * it reaches a barrier or returns. __syncthreads releases the block's
  * fibers when all of them have arrived; a warp operation stores the lane's
- * value in the warp's exchange area (two areas, used alternately, so a
- * fast lane cannot overwrite a value a slow lane has yet to read) and
- * releases the warp's lanes when all of them have stored. When no fiber can
- * run and some have not returned, the block is deadlocked: a thread
- * returned without reaching a barrier that others wait at (or lanes
- * diverged around a shuffle); the stand-in says which and stops. */
+ * value in the warp's exchange area and waits; when every lane of its mask
+ * that has not returned has stored (CUDA asks that of the non-exited lanes
+ * only), they are released with one copy of the values of the mask's lanes,
+ * kept until each has read it (so a fast lane's next operation cannot
+ * overwrite a value a slow lane has yet to read), and the area's slots go
+ * back to 0xff. Operations with different masks are gathered apart, so
+ * lanes may wait at one while others finish another first. When no fiber
+ * can run and some have not returned, the block is deadlocked: a thread
+ * returned without reaching a barrier that others wait at (or lanes wait
+ * for each other at warp operations); the stand-in says which and stops. */
 
 namespace {
 
 enum fiber_state { F_RUN, F_BAR, F_WARP, F_DONE };
+
+typedef unsigned char warp_slots[32][16];
 
 struct fiber_t {
   ucontext_t uc;
   uint3 tid;
   int warp, lane;
   fiber_state st;
-  unsigned warp_ops, sync_rounds;
-  int made; /* uc initialised by getcontext */
+  unsigned sync_rounds;
+  int result; /* what its last warp operation gathered (launch_t::results), or -1 */
+  int made;   /* uc initialised by getcontext */
+};
+
+/* A warp operation that lanes wait at: its mask and the lanes there. */
+struct warp_op {
+  unsigned mask, waiting;
 };
 
 struct warp_t {
-  int present; /* lanes that exist */
-  unsigned present_mask;
-  int arrived;
-  unsigned mask; /* mask of the operation being gathered */
-  unsigned char slots[2][32][16];
+  unsigned present;   /* lanes that exist */
+  unsigned done;      /* lanes that returned */
+  int npend;          /* pending operations (one per mask) */
+  warp_op pend[32];
+  warp_slots slots;   /* the values the waiting lanes stored */
+};
+
+/* The values a warp operation gathered, kept until each lane it released
+ * has read them (its next warp operation, or its return). */
+struct warp_result {
+  warp_slots slots;
+  int refs;
 };
 
 struct launch_t {
@@ -423,6 +439,8 @@ struct launch_t {
   fiber_t *cur;
   std::vector<int> runnable;
   std::vector<warp_t> warps;
+  std::vector<warp_result> results;
+  std::vector<int> free_results;
   ucontext_t sched;
   uint64_t rng;
 };
@@ -474,10 +492,69 @@ void ensure_stacks(int n) {
   if (g_fibers.empty()) g_fibers.resize(1024);
 }
 
+/* The lanes 0 .. n - 1 of a warp (all 32 for n >= 32). */
+unsigned lanes_below(int n) { return n >= 32 ? 0xffffffffu : (1u << n) - 1; }
+
+fiber_t &lane_fiber(int warp, int lane) { return g_fibers[warp * 32 + lane]; }
+
+/* A free entry of L->results, used by `refs` lanes. */
+int new_result(launch_t *L, int refs) {
+  int i;
+  if (L->free_results.empty()) {
+    i = (int)L->results.size();
+    L->results.emplace_back();
+  } else {
+    i = L->free_results.back();
+    L->free_results.pop_back();
+  }
+  L->results[i].refs = refs;
+  return i;
+}
+
+/* Lane f has read what its last warp operation gathered. */
+void drop_result(launch_t *L, fiber_t *f) {
+  if (f->result >= 0 && --L->results[f->result].refs == 0) L->free_results.push_back(f->result);
+  f->result = -1;
+}
+
+/* Releases the lanes of pending operation i of the warp when every lane
+ * of its mask that exists and has not returned waits there: they share one
+ * copy of the values those lanes stored (0xff bytes for the others), and
+ * their slots go back to 0xff. Returns whether it did. */
+bool release_if_complete(launch_t *L, int warp, int i) {
+  warp_t &w = L->warps[warp];
+  unsigned need = w.pend[i].mask & w.present & ~w.done;
+  if (w.pend[i].waiting != need) return false;
+  int r = new_result(L, __builtin_popcount(need));
+  warp_slots &got = L->results[r].slots;
+  memset(got, kPoison, sizeof got);
+  for (int l = 0; l < 32; l++) {
+    if (!(need >> l & 1u)) continue;
+    memcpy(got[l], w.slots[l], sizeof got[l]);
+    memset(w.slots[l], kPoison, sizeof w.slots[l]);
+    fiber_t &f = lane_fiber(warp, l);
+    f.result = r;
+    f.st = F_RUN;
+    L->runnable.push_back(warp * 32 + l);
+  }
+  w.pend[i] = w.pend[--w.npend];
+  return true;
+}
+
+/* A returned lane no longer holds up the warp operations of its warp. */
+void lane_returned(launch_t *L, fiber_t *f) {
+  drop_result(L, f);
+  warp_t &w = L->warps[f->warp];
+  w.done |= 1u << f->lane;
+  for (int i = 0; i < w.npend;)
+    if (!release_if_complete(L, f->warp, i)) i++;
+}
+
 void fiber_entry() {
   launch_t *L = t_launch;
   L->body(L->ctx);
   L->cur->st = F_DONE;
+  lane_returned(L, L->cur);
   /* returns to uc_link: the scheduler */
 }
 
@@ -497,15 +574,6 @@ launch_t *running_fiber_launch(const char *what) {
           "the rewriter)",
           L->name, what);
   return L;
-}
-
-void release_warp(launch_t *L, int w) {
-  for (int i = w * 32; i < L->nthreads && i < w * 32 + 32; i++)
-    if (g_fibers[i].st == F_WARP) {
-      g_fibers[i].st = F_RUN;
-      L->runnable.push_back(i);
-    }
-  L->warps[w].arrived = 0;
 }
 
 void deadlock(launch_t *L) {
@@ -535,10 +603,17 @@ void poison_shared(launch_t *L) {
   if (L->dyn_shmem) memset(g_dynamic_arena.data(), kPoison, L->dyn_shmem);
 }
 
-void run_block_direct(launch_t *L, std::vector<uint32_t> &order) {
+/* The indices 0 .. n - 1 in an order drawn from *rng. */
+std::vector<uint32_t> shuffled(uint64_t n, uint64_t *rng) {
+  std::vector<uint32_t> v(n);
+  for (uint64_t i = 0; i < n; i++) v[i] = (uint32_t)i;
+  for (uint64_t i = n - 1; i > 0; i--) std::swap(v[i], v[splitmix(rng) % (i + 1)]);
+  return v;
+}
+
+void run_block_direct(launch_t *L) {
   int n = L->nthreads;
-  for (int i = 0; i < n; i++) order[i] = (uint32_t)i;
-  for (int i = n - 1; i > 0; i--) std::swap(order[i], order[splitmix(&L->rng) % (uint64_t)(i + 1)]);
+  std::vector<uint32_t> order = shuffled((uint64_t)n, &L->rng);
   for (int i = 0; i < n; i++) {
     threadIdx = unflatten(order[i], L->block);
     t_op.thread = threadIdx;
@@ -565,18 +640,19 @@ void run_block_fibers(launch_t *L) {
     f.warp = i / 32;
     f.lane = i % 32;
     f.st = F_RUN;
-    f.warp_ops = 0;
     f.sync_rounds = 0;
+    f.result = -1;
   }
+  L->results.clear();
+  L->free_results.clear();
   L->tally[0] = L->tally[1] = L->tally[2] = 0;
   int nwarps = (n + 31) / 32;
   L->warps.resize(nwarps);
   for (int w = 0; w < nwarps; w++) {
     warp_t &wp = L->warps[w];
-    wp.present = n - w * 32 < 32 ? n - w * 32 : 32;
-    wp.present_mask = wp.present == 32 ? 0xffffffffu : ((1u << wp.present) - 1);
-    wp.arrived = 0;
-    wp.mask = 0;
+    wp.present = lanes_below(n - w * 32);
+    wp.done = 0;
+    wp.npend = 0;
     memset(wp.slots, kPoison, sizeof wp.slots);
   }
   L->bar_arrived = 0;
@@ -628,28 +704,44 @@ void *dynamic_shared(void) {
   return g_dynamic_arena.data();
 }
 
-const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size, int *lane) {
-  launch_t *L = running_fiber_launch("a warp shuffle, vote or __syncwarp");
-  fiber_t *f = L->cur;
-  warp_t &w = L->warps[f->warp];
+/* Lane f waits at the pending warp operation with `mask` (a new one if
+ * none); returns its index. Lanes with different masks wait at different
+ * operations, even when the masks overlap (lanes 0-15 at __syncwarp(0xffff)
+ * while 16-31 are already at a full-warp shuffle that 0-15 reach next): a
+ * lane that never comes shows as a deadlock. Ends the process when the
+ * mask leaves f out. */
+int join_warp_op(launch_t *L, const fiber_t *f, unsigned mask) {
   if (!(mask >> f->lane & 1u))
     fatal("kernel %s: lane %d of warp %d calls a warp operation with a mask (0x%08x) that "
           "leaves it out",
           L->name, f->lane, f->warp, mask);
-  if (w.arrived == 0)
-    w.mask = mask;
-  else if (w.mask != mask)
-    fatal("kernel %s, block (%u,%u,%u), warp %d: lanes call warp operations with different "
-          "masks (0x%08x, 0x%08x): divergent shuffles",
-          L->name, blockIdx.x, blockIdx.y, blockIdx.z, f->warp, w.mask, mask);
-  unsigned parity = f->warp_ops & 1u;
-  f->warp_ops++;
-  if (value) memcpy(w.slots[parity][f->lane], value, size);
+  warp_t &w = L->warps[f->warp];
+  int i = 0;
+  while (i < w.npend && w.pend[i].mask != mask) i++;
+  if (i == w.npend) w.pend[w.npend++] = warp_op{mask, 0};
+  w.pend[i].waiting |= 1u << f->lane;
+  return i;
+}
+
+const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size, int *lane) {
+  launch_t *L = running_fiber_launch("a warp shuffle, vote or __syncwarp");
+  fiber_t *f = L->cur;
+  warp_t &w = L->warps[f->warp];
+  drop_result(L, f);
+  if (value) memcpy(w.slots[f->lane], value, size);
   f->st = F_WARP;
-  if (++w.arrived == __builtin_popcount(mask & w.present_mask)) release_warp(L, f->warp);
+  release_if_complete(L, f->warp, join_warp_op(L, f, mask));
   yield_to_scheduler(L);
   *lane = f->lane;
-  return &w.slots[parity][0][0];
+  /* Valid until this lane's next warp operation: L->results may grow (and
+   * move) only when another operation completes. */
+  return &L->results[f->result].slots[0][0];
+}
+
+int shfl_width(int width) {
+  if (width >= 1 && width <= 32 && (width & (width - 1)) == 0) return width;
+  fatal("kernel %s: a shuffle of width %d (CUDA defines the widths 1, 2, 4, 8, 16 and 32)",
+        t_launch ? t_launch->name : "(none)", width);
 }
 
 void launch_barrier(const char *what) {
@@ -667,18 +759,25 @@ void launch_barrier(const char *what) {
   yield_to_scheduler(L);
 }
 
-cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream,
-                   thread_body body, void *ctx, const void *const *ptrs, int nptrs) {
-  std::lock_guard<std::recursive_mutex> lk(g_mu);
-  ensure_init();
-  if (t_launch) fatal("kernel %s launched from inside kernel %s", name, t_launch->name);
-  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+namespace {
+
+/* The error CUDA gives a launch with this configuration (cudaSuccess when
+ * it may run). */
+cudaError_t launch_config_error(dim3 grid, dim3 block, size_t shmem, cudaStream_t stream) {
+  if (g_set.devices <= 0) return cudaErrorNoDevice;
+  if (!valid_stream(stream)) return cudaErrorInvalidResourceHandle;
   uint64_t nthreads = (uint64_t)block.x * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 ||
       grid.z > 65535 || nthreads == 0 || nthreads > 1024 || block.x > 1024 || block.y > 1024 ||
       block.z > 64)
-    return set_error(cudaErrorInvalidConfiguration);
-  if (shmem > kStaticShared) return set_error(cudaErrorInvalidValue);
+    return cudaErrorInvalidConfiguration;
+  if (shmem > kStaticShared) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+/* Ends the process when a pointer argument of the kernel is not NULL and
+ * not inside (or one past the end of) a live device allocation. */
+void check_pointer_args(const char *name, const void *const *ptrs, int nptrs) {
   for (int i = 0; i < nptrs; i++) {
     const void *p = ptrs[i];
     if (!p) continue;
@@ -694,6 +793,22 @@ cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaSt
     fatal("kernel %s: pointer argument %d (%p) is not device memory (a host pointer?)", name,
           i + 1, p);
   }
+}
+
+}  // namespace
+
+cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream,
+                   thread_body body, void *ctx, const void *const *ptrs, int nptrs) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (t_launch) fatal("kernel %s launched from inside kernel %s", name, t_launch->name);
+  cudaError_t err = launch_config_error(grid, block, shmem, stream);
+  if (err != cudaSuccess) return set_error(err);
+  uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
+  if (nblocks > UINT32_MAX)
+    fatal("kernel %s: a grid of %llu blocks, more than the stand-in runs (2^32 - 1)", name,
+          (unsigned long long)nblocks);
+  check_pointer_args(name, ptrs, nptrs);
 
   launch_t L;
   L.name = name;
@@ -703,7 +818,7 @@ cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaSt
   L.fibers = g_set.all_fibers || needs_fibers(name);
   L.body = body;
   L.ctx = ctx;
-  L.nthreads = (int)nthreads;
+  L.nthreads = (int)(block.x * block.y * block.z);
   L.shared_used = 0;
   L.bar_arrived = 0;
   L.cur = NULL;
@@ -713,11 +828,7 @@ cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaSt
   if (g_dynamic_arena.size() < shmem) g_dynamic_arena.resize(shmem);
   if (L.fibers) ensure_stacks(L.nthreads);
 
-  uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
-  std::vector<uint32_t> blocks(nblocks), order(L.nthreads);
-  for (uint64_t i = 0; i < nblocks; i++) blocks[i] = (uint32_t)i;
-  for (uint64_t i = nblocks - 1; i > 0; i--)
-    std::swap(blocks[i], blocks[splitmix(&L.rng) % (i + 1)]);
+  std::vector<uint32_t> blocks = shuffled(nblocks, &L.rng);
 
   static __thread char what[320];
   snprintf(what, sizeof what, "kernel %s", name);
@@ -734,7 +845,7 @@ cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaSt
     if (L.fibers)
       run_block_fibers(&L);
     else
-      run_block_direct(&L, order);
+      run_block_direct(&L);
   }
   t_launch = NULL;
   t_op = op_state();
@@ -770,12 +881,15 @@ void __syncwarp(unsigned mask) {
   (void)zt_sim::warp_exchange(mask, NULL, 0, &lane);
 }
 
+/* The lanes of the caller's warp that exist and, on fibers, have not
+ * returned (the stand-in has no divergence: the others are all active). */
 unsigned __activemask(void) {
   launch_t *L = t_launch;
   if (!L) zt_sim::fatal("__activemask() called outside a kernel");
   int linear = (int)(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
-  int w = linear / 32, present = L->nthreads - w * 32;
-  return present >= 32 ? 0xffffffffu : ((1u << present) - 1);
+  int w = linear / 32;
+  unsigned active = lanes_below(L->nthreads - w * 32);
+  return L->fibers ? active & ~L->warps[w].done : active;
 }
 
 /* ---------------------------------------------------------------------------
@@ -792,6 +906,27 @@ struct event_rec {
   int recorded;
 };
 std::set<const void *> g_streams, g_events;
+
+/* Creates the record of a stream or an event, registers it in `live` and
+ * stores it, as the API's handle type, at *out. */
+template <typename H, typename R>
+cudaError_t create_handle(H *out, const R &init, std::set<const void *> &live) {
+  if (!out) return set_error(cudaErrorInvalidValue);
+  R *r = new R(init);
+  live.insert(r);
+  *out = (H)r;
+  return cudaSuccess;
+}
+
+/* Unregisters and frees the record of a stream or an event; a handle that
+ * is not live is cudaErrorInvalidResourceHandle. */
+template <typename R>
+cudaError_t destroy_handle(const void *h, std::set<const void *> &live) {
+  if (!h || !live.count(h)) return set_error(cudaErrorInvalidResourceHandle);
+  live.erase(h);
+  delete (const R *)h;
+  return cudaSuccess;
+}
 
 double now_ms() {
   struct timespec ts;
@@ -1068,11 +1203,8 @@ cudaError_t cudaMemset(void *ptr, int value, size_t count) {
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   ensure_init();
-  if (!stream || flags > cudaStreamNonBlocking) return set_error(cudaErrorInvalidValue);
-  stream_rec *s = new stream_rec{flags};
-  *stream = (cudaStream_t)s;
-  g_streams.insert(s);
-  return cudaSuccess;
+  if (flags > cudaStreamNonBlocking) return set_error(cudaErrorInvalidValue);
+  return create_handle(stream, stream_rec{flags}, g_streams);
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *stream) {
@@ -1081,10 +1213,7 @@ cudaError_t cudaStreamCreate(cudaStream_t *stream) {
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (!stream || !g_streams.count(stream)) return set_error(cudaErrorInvalidResourceHandle);
-  g_streams.erase(stream);
-  delete (stream_rec *)stream;
-  return cudaSuccess;
+  return destroy_handle<stream_rec>(stream, g_streams);
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
@@ -1103,11 +1232,9 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (!event) return set_error(cudaErrorInvalidValue);
-  event_rec *e = new event_rec{0.0, flags, 0};
-  *event = (cudaEvent_t)e;
-  g_events.insert(e);
-  return cudaSuccess;
+  if (flags & ~(unsigned)(cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess))
+    return set_error(cudaErrorInvalidValue);
+  return create_handle(event, event_rec{0.0, flags, 0}, g_events);
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t *event) {
@@ -1116,10 +1243,7 @@ cudaError_t cudaEventCreate(cudaEvent_t *event) {
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
-  g_events.erase(event);
-  delete (event_rec *)event;
-  return cudaSuccess;
+  return destroy_handle<event_rec>(event, g_events);
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {

@@ -67,6 +67,7 @@ typedef struct CUevent_st *cudaEvent_t;
 #define cudaEventDefault 0x00
 #define cudaEventBlockingSync 0x01
 #define cudaEventDisableTiming 0x02
+#define cudaEventInterprocess 0x04
 
 #ifdef __cplusplus
 struct uint3 {
@@ -203,35 +204,47 @@ static inline void __threadfence_block(void) {}
 
 namespace zt_sim {
 /* Warp exchange: stores this lane's value (up to 16 bytes), waits until
- * every lane of `mask` of the warp has stored its own, and returns the
- * warp's 32 slots of 16 bytes; sets *lane. */
+ * every lane of `mask` of the warp that has not returned has stored its
+ * own (lanes outside the mask may exchange at the same time with a mask of
+ * their own), and returns the 32 slots of 16 bytes that the lanes of the
+ * mask stored; the slot of a lane that stored nothing reads as 0xff bytes
+ * (NaN). Sets *lane. */
 const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size, int *lane);
+/* `width` when it is a power of two from 1 to 32 (CUDA defines no other
+ * shuffle width); otherwise ends the process, naming the kernel. */
+int shfl_width(int width);
 
-template <typename T>
-static inline T shfl_from(unsigned mask, T var, int (*src_of)(int lane, int arg, int width), int arg,
-                          int width) {
-  static_assert(sizeof(T) <= 16, "shuffle of a type wider than 16 bytes");
-  int lane = 0;
-  const unsigned char *slots = warp_exchange(mask, &var, sizeof var, &lane);
-  int src = src_of(lane, arg, width);
-  T r;
-  memcpy(&r, slots + 16 * src, sizeof r);
-  return r;
-}
+/* The source lanes of the shuffles, as the hardware computes them (PTX
+ * shfl.sync): the lane argument is taken mod 32, the warp is cut into
+ * segments of `width` lanes, and a lane whose source falls outside the
+ * range a mode allows reads its own value. An xor may read from an earlier
+ * segment but not from a later one. */
 static inline int shfl_src_idx(int lane, int src, int width) {
-  return (lane / width) * width + ((src % width) + width) % width;
+  return (lane & ~(width - 1)) | (src & (width - 1));
 }
 static inline int shfl_src_xor(int lane, int m, int width) {
-  int s = lane ^ m;
-  return s / width > lane / width || s > 31 ? lane : s;
+  int s = lane ^ (m & 31);
+  return s > (lane | (width - 1)) ? lane : s;
 }
 static inline int shfl_src_down(int lane, int d, int width) {
-  int s = lane + d;
-  return s / width != lane / width || s > 31 ? lane : s;
+  int s = lane + (d & 31);
+  return s > (lane | (width - 1)) ? lane : s;
 }
 static inline int shfl_src_up(int lane, int d, int width) {
-  int s = lane - d;
-  return s < (lane / width) * width ? lane : s;
+  int s = lane - (d & 31);
+  return s < (lane & ~(width - 1)) ? lane : s;
+}
+
+template <typename T>
+static inline T shfl_from(unsigned mask, T var, int (*src_of)(int lane, int arg, int width),
+                          int arg, int width) {
+  static_assert(sizeof(T) <= 16, "shuffle of a type wider than 16 bytes");
+  width = shfl_width(width);
+  int lane = 0;
+  const unsigned char *slots = warp_exchange(mask, &var, sizeof var, &lane);
+  T r;
+  memcpy(&r, slots + 16 * src_of(lane, arg, width), sizeof r);
+  return r;
 }
 }  // namespace zt_sim
 
@@ -245,13 +258,16 @@ static inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width =
 }
 template <typename T>
 static inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_down, (int)delta, width);
+  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_down, (int)(delta & 31u), width);
 }
 template <typename T>
 static inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32) {
-  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_up, (int)delta, width);
+  return zt_sim::shfl_from(mask, var, zt_sim::shfl_src_up, (int)(delta & 31u), width);
 }
 
+/* The votes count the lanes of the mask that have not returned: a lane
+ * that returned stored nothing, so it is in no ballot, and __all_sync is
+ * "no lane that votes says no". */
 static inline unsigned __ballot_sync(unsigned mask, int pred) {
   int lane = 0, p = pred != 0;
   const unsigned char *slots = zt_sim::warp_exchange(mask, &p, sizeof p, &lane);
@@ -264,9 +280,7 @@ static inline unsigned __ballot_sync(unsigned mask, int pred) {
   return r;
 }
 static inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
-static inline int __all_sync(unsigned mask, int pred) {
-  return __ballot_sync(mask, pred) == (mask & __activemask());
-}
+static inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, !pred) == 0; }
 
 /* CUDA's min and max (global namespace, host and device). */
 #define ZT_SIM_MINMAX(T)                                          \
@@ -295,42 +309,38 @@ static inline T __ldg(const T *p) {
 }
 
 /* Atomics: a thread of the stand-in runs until it reaches a barrier, so a
- * read-modify-write is never interleaved with another thread's. */
+ * read-modify-write is never interleaved with another thread's. The value
+ * converts to *p's type, as with CUDA's overloads (atomicAdd(&u, 1) for an
+ * unsigned u). */
+namespace zt_sim {
 template <typename T>
-static inline T atomicAdd(T *p, T v) {
+struct same_type {
+  typedef T type;
+};
+/* Stores update(*p) at p and returns the old value. */
+template <typename T, typename F>
+static inline T atomic_update(T *p, F update) {
   T old = *p;
-  *p = old + v;
+  *p = update(old);
   return old;
 }
+}  // namespace zt_sim
+
+#define ZT_SIM_ATOMIC(name, expr)                                                       \
+  template <typename T>                                                                 \
+  static inline T name(T *p, typename zt_sim::same_type<T>::type v) {                   \
+    return zt_sim::atomic_update(p, [v](T old) -> T { return (expr); });                \
+  }
+ZT_SIM_ATOMIC(atomicAdd, old + v)
+ZT_SIM_ATOMIC(atomicSub, old - v)
+ZT_SIM_ATOMIC(atomicMax, old > v ? old : v)
+ZT_SIM_ATOMIC(atomicMin, old < v ? old : v)
+ZT_SIM_ATOMIC(atomicExch, ((void)old, v))
+#undef ZT_SIM_ATOMIC
 template <typename T>
-static inline T atomicSub(T *p, T v) {
-  T old = *p;
-  *p = old - v;
-  return old;
-}
-template <typename T>
-static inline T atomicMax(T *p, T v) {
-  T old = *p;
-  *p = old > v ? old : v;
-  return old;
-}
-template <typename T>
-static inline T atomicMin(T *p, T v) {
-  T old = *p;
-  *p = old < v ? old : v;
-  return old;
-}
-template <typename T>
-static inline T atomicExch(T *p, T v) {
-  T old = *p;
-  *p = v;
-  return old;
-}
-template <typename T>
-static inline T atomicCAS(T *p, T cmp, T v) {
-  T old = *p;
-  if (old == cmp) *p = v;
-  return old;
+static inline T atomicCAS(T *p, typename zt_sim::same_type<T>::type cmp,
+                          typename zt_sim::same_type<T>::type v) {
+  return zt_sim::atomic_update(p, [cmp, v](T old) -> T { return old == cmp ? v : old; });
 }
 
 #endif /* __cplusplus */

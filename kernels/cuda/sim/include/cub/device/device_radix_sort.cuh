@@ -26,7 +26,8 @@ namespace cub {
 
 namespace zt_sim_detail {
 
-/* The unsigned image of a key whose order is CUB's order of the key. */
+/* The unsigned image of a key whose order is CUB's order of the key. CUB
+ * sorts -0.0 and +0.0 as one key (a stable sort keeps their input order). */
 template <typename K>
 static inline uint64_t radix_bits(K k) {
   static_assert(std::is_arithmetic<K>::value && sizeof(K) <= 8, "radix sort of this key type");
@@ -38,6 +39,7 @@ static inline uint64_t radix_bits(K k) {
   U u;
   memcpy(&u, &k, sizeof u);
   const U top = (U)((U)1 << (8 * sizeof(U) - 1));
+  if (std::is_floating_point<K>::value && u == top) u = 0; /* -0.0 as +0.0 */
   if (std::is_floating_point<K>::value)
     u = (u & top) ? (U)~u : (U)(u | top);
   else if (std::is_signed<K>::value)
