@@ -509,8 +509,8 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
 }
 
 /* ---------------------------------------------------------------------------
- * Attention for head sizes above FA_HSMAX (the tiled kernels below take
- * the rest). qkv [B,T,3C] is permuted into q, k, v [B,NH,T,hs]; per head
+ * Attention through cuBLASLt: the default path, and the only one for head
+ * sizes the tiled kernels below do not take (att_tiled). qkv [B,T,3C] is permuted into q, k, v [B,NH,T,hs]; per head
  * (batch of B*NH) the products run through cuBLASLt on the full T x T, the
  * causal mask is applied by the softmax kernels (entries above the diagonal
  * become 0). Row-major q [T,hs] is column-major Q' [hs,T] (ld hs); a
@@ -614,16 +614,20 @@ __global__ void k_causal_softmax_bwd(float *datt, const float *att, int rows, in
  * head, FA_WARPS warps of FA_RPW rows each; the other side streams through
  * shared memory in tiles of FA_B. Lanes split the tile's 32 columns for the
  * dot products and the head dimension for the accumulators (FA_NREG values
- * per lane and row, in registers), and a column's probability reaches all
- * lanes by shuffle. The forward keeps a running maximum and sum per row
+ * per lane and row, in registers). Each warp works on its FA_RPW rows at
+ * once, so a streamed row read from shared memory serves four dot products,
+ * and the weights of a tile (probabilities, or ds in the backward) go
+ * through the warp's own slice of shared memory, read back four at a time
+ * by every lane; 16-byte accesses throughout (head sizes a multiple of 4).
+ * The forward keeps a running maximum and sum per row
  * (online softmax) and stores lse = max + log(sum). The backward is two
  * kernels so that no two blocks add into the same gradient (no atomics:
  * the result is the same on every run): one per key tile for dk and dv, one
  * per query tile for dq, each recomputing p = exp(s - lse) and
  * ds = p (dp - D) with D = rowsum(dout * out) precomputed per row. Tiles
  * wholly above the diagonal are skipped: about half the work of the full
- * products. Row strides of hs + 1 where lanes read different rows keep
- * them off a shared bank. */
+ * products. Streamed tiles have a row stride of hs + 4, so that the 16-byte
+ * reads of eight lanes at a time fall on distinct banks. */
 
 #define FA_B 32
 #define FA_WARPS 8
@@ -649,62 +653,111 @@ __device__ void fa_load(float *dst, int ld, const float *src, size_t rs, int t0,
   }
 }
 
-__device__ __forceinline__ float fa_dot(const float *a, const float *b, int hs) {
-  float s = 0.0f;
-  for (int d = 0; d < hs; d++) s += a[d] * b[d];
-  return s;
+/* Four floats loaded from shared memory as one 16-byte access. */
+struct alignas(16) fa4 {
+  float x, y, z, w;
+};
+
+/* s[r] = dot(rows + r * hs, col) for the FA_RPW resident rows of a warp
+ * (the same address in every lane: a broadcast) and this lane's streamed
+ * row col, four elements per access. */
+__device__ __forceinline__ void fa_dots(float s[FA_RPW], const float *rows, const float *col,
+                                        int hs) {
+  ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) s[r] = 0.0f;
+  for (int d = 0; d < hs; d += 4) {
+    fa4 c = *(const fa4 *)(col + d);
+    ZT_UNROLL
+    for (int r = 0; r < FA_RPW; r++) {
+      fa4 a = *(const fa4 *)(rows + r * hs + d);
+      s[r] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
+    }
+  }
 }
+
+/* acc[r][c] += sum over the streamed rows j < jn (a multiple of 4) of
+ * w[r * FA_B + j] * m[j * ld + lane + 32c]: the weights of each resident
+ * row (this warp's, in shared memory) times the streamed tile's columns. */
+__device__ __forceinline__ void fa_accum(float acc[FA_RPW][FA_NREG], const float *w,
+                                         const float *m, int ld, int jn, int hs, int lane) {
+  for (int j = 0; j < jn; j += 4) {
+    fa4 wr[FA_RPW];
+    ZT_UNROLL
+    for (int r = 0; r < FA_RPW; r++) wr[r] = *(const fa4 *)(w + r * FA_B + j);
+    ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++) {
+      int d = lane + 32 * c;
+      if (d >= hs) continue;
+      float m0 = m[j * ld + d], m1 = m[(j + 1) * ld + d], m2 = m[(j + 2) * ld + d],
+            m3 = m[(j + 3) * ld + d];
+      ZT_UNROLL
+      for (int r = 0; r < FA_RPW; r++)
+        acc[r][c] += wr[r].x * m0 + wr[r].y * m1 + wr[r].z * m2 + wr[r].w * m3;
+    }
+  }
+}
+
+__device__ __forceinline__ void fa_zero(float a[FA_RPW][FA_NREG]) {
+  ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++)
+    ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++) a[r][c] = 0.0f;
+}
+
+/* Rounds a column count up to the 4 that fa_accum takes at a time (the
+ * weights past it are 0 or the tile's own). */
+__device__ __forceinline__ int fa_round4(int n) { return (n + 3) & ~3; }
 
 __global__ void k_flash_fwd(float *out, float *lse, const float *qkv, int T, int C, int NH,
                             float scale) {
-  __shared__ float qs[FA_B * FA_HSMAX];
-  __shared__ float ks[FA_B * (FA_HSMAX + 1)];
-  __shared__ float vs[FA_B * FA_HSMAX];
-  int hs = C / NH, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
+  __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
+  __shared__ fa4 vs4[FA_B * FA_HSMAX / 4];
+  __shared__ fa4 pw4[FA_WARPS * FA_RPW * FA_B / 4];
+  float *qs = (float *)qs4, *ks = (float *)ks4, *vs = (float *)vs4;
+  int hs = C / NH, ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int r0 = q0 + warp * FA_RPW; /* this warp's first row */
+  float *pw = (float *)pw4 + warp * FA_RPW * FA_B;
   size_t rs = 3 * (size_t)C;
   const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
   fa_load(qs, hs, base, rs, q0, T, hs);
   float m[FA_RPW], l[FA_RPW], acc[FA_RPW][FA_NREG];
-ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) {
-    m[r] = -INFINITY, l[r] = 0.0f;
-ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++) acc[r][c] = 0.0f;
-  }
+  fa_zero(acc);
+  ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) m[r] = -INFINITY, l[r] = 0.0f;
   int kend = min(T, q0 + FA_B);
   for (int k0 = 0; k0 < kend; k0 += FA_B) {
     __syncthreads(); /* the previous tile is no longer read */
-    fa_load(ks, hs + 1, base + C, rs, k0, T, hs);
+    fa_load(ks, ld, base + C, rs, k0, T, hs);
     fa_load(vs, hs, base + 2 * C, rs, k0, T, hs);
     __syncthreads();
-ZT_UNROLL
+    if (k0 > r0 + FA_RPW - 1) continue; /* the tile is above all this warp's rows */
+    float s[FA_RPW];
+    fa_dots(s, qs + warp * FA_RPW * hs, ks + lane * ld, hs);
+    ZT_UNROLL
     for (int r = 0; r < FA_RPW; r++) {
-      int i = q0 + warp * FA_RPW + r;
-      if (i >= T || k0 > i) continue; /* the same for the whole warp */
-      float s = fa_dot(qs + (warp * FA_RPW + r) * hs, ks + lane * (hs + 1), hs);
-      s = k0 + lane <= i ? s * scale : -INFINITY;
-      float mn = fmaxf(m[r], warp_max(s));
-      float p = expf(s - mn), corr = expf(m[r] - mn);
+      /* Row r0 + r has seen key 0 in the first tile, so m[r] is finite
+       * from then on even when this tile is all above it. */
+      float sr = k0 + lane <= r0 + r ? s[r] * scale : -INFINITY;
+      float mn = fmaxf(m[r], warp_max(sr));
+      float p = expf(sr - mn), corr = expf(m[r] - mn);
       l[r] = l[r] * corr + warp_sum(p);
       m[r] = mn;
-      int jn = min(FA_B, i - k0 + 1);
-ZT_UNROLL
+      ZT_UNROLL
       for (int c = 0; c < FA_NREG; c++) acc[r][c] *= corr;
-      for (int j = 0; j < jn; j++) {
-        float pj = __shfl_sync(FA_FULL, p, j);
-ZT_UNROLL
-        for (int c = 0; c < FA_NREG; c++)
-          if (lane + 32 * c < hs) acc[r][c] += pj * vs[j * hs + lane + 32 * c];
-      }
+      pw[r * FA_B + lane] = p;
     }
+    __syncwarp();
+    fa_accum(acc, pw, vs, hs, fa_round4(min(FA_B, r0 + FA_RPW - k0)), hs, lane);
+    __syncwarp(); /* pw is written again for the next tile */
   }
-ZT_UNROLL
+  ZT_UNROLL
   for (int r = 0; r < FA_RPW; r++) {
-    int i = q0 + warp * FA_RPW + r;
+    int i = r0 + r;
     if (i >= T) continue;
     float *o = out + ((size_t)b * T + i) * C + (size_t)h * hs;
-ZT_UNROLL
+    ZT_UNROLL
     for (int c = 0; c < FA_NREG; c++)
       if (lane + 32 * c < hs) o[lane + 32 * c] = acc[r][c] / l[r];
     if (lane == 0) lse[(size_t)bh * T + i] = m[r] + logf(l[r]);
@@ -728,61 +781,59 @@ __global__ void k_flash_bwd_d(float *D, const float *dout, const float *out, int
 __global__ void k_flash_bwd_kv(float *dqkv, const float *qkv, const float *dout,
                                const float *lse, const float *D, int T, int C, int NH,
                                float scale) {
-  __shared__ float kb[FA_B * FA_HSMAX];
-  __shared__ float vb[FA_B * FA_HSMAX];
-  __shared__ float qs[FA_B * (FA_HSMAX + 1)];
-  __shared__ float gs[FA_B * (FA_HSMAX + 1)];
+  __shared__ fa4 kb4[FA_B * FA_HSMAX / 4];
+  __shared__ fa4 vb4[FA_B * FA_HSMAX / 4];
+  __shared__ fa4 qs4[FA_B * (FA_HSMAX + 4) / 4];
+  __shared__ fa4 gs4[FA_B * (FA_HSMAX + 4) / 4];
+  __shared__ fa4 pw4[FA_WARPS * FA_RPW * FA_B / 4];
+  __shared__ fa4 dw4[FA_WARPS * FA_RPW * FA_B / 4];
   __shared__ float ls[FA_B];
   __shared__ float dsh[FA_B];
-  int hs = C / NH, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  float *kb = (float *)kb4, *vb = (float *)vb4, *qs = (float *)qs4, *gs = (float *)gs4;
+  int hs = C / NH, ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int k0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int j0 = k0 + warp * FA_RPW; /* this warp's first key */
+  float *pw = (float *)pw4 + warp * FA_RPW * FA_B, *dw = (float *)dw4 + warp * FA_RPW * FA_B;
   size_t rs = 3 * (size_t)C;
   const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
   const float *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
   fa_load(kb, hs, base + C, rs, k0, T, hs);
   fa_load(vb, hs, base + 2 * C, rs, k0, T, hs);
   float dk[FA_RPW][FA_NREG], dv[FA_RPW][FA_NREG];
-ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++)
-ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++) dk[r][c] = dv[r][c] = 0.0f;
-  for (int q0 = k0; q0 < T; q0 += FA_B) {
+  fa_zero(dk);
+  fa_zero(dv);
+  for (int t0 = k0; t0 < T; t0 += FA_B) {
     __syncthreads();
-    fa_load(qs, hs + 1, base, rs, q0, T, hs);
-    fa_load(gs, hs + 1, gbase, C, q0, T, hs);
+    fa_load(qs, ld, base, rs, t0, T, hs);
+    fa_load(gs, ld, gbase, C, t0, T, hs);
     if (threadIdx.x < FA_B) {
-      int i = q0 + threadIdx.x;
+      int i = t0 + threadIdx.x;
       ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
       dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
     }
     __syncthreads();
-    int i = q0 + lane;
-ZT_UNROLL
+    float s[FA_RPW], dp[FA_RPW];
+    fa_dots(s, kb + warp * FA_RPW * hs, qs + lane * ld, hs);
+    fa_dots(dp, vb + warp * FA_RPW * hs, gs + lane * ld, hs);
+    int i = t0 + lane;
+    ZT_UNROLL
     for (int r = 0; r < FA_RPW; r++) {
-      int j = k0 + warp * FA_RPW + r;
-      if (j >= T) continue; /* the same for the whole warp */
-      const float *q = qs + lane * (hs + 1), *g = gs + lane * (hs + 1);
-      float s = fa_dot(q, kb + (warp * FA_RPW + r) * hs, hs);
-      float dp = fa_dot(g, vb + (warp * FA_RPW + r) * hs, hs);
-      float p = i < T && i >= j ? expf(s * scale - ls[lane]) : 0.0f;
-      float ds = p * (dp - dsh[lane]);
-      for (int t = 0; t < FA_B; t++) {
-        float pt = __shfl_sync(FA_FULL, p, t), dst = __shfl_sync(FA_FULL, ds, t);
-ZT_UNROLL
-        for (int c = 0; c < FA_NREG; c++)
-          if (lane + 32 * c < hs) {
-            dv[r][c] += pt * gs[t * (hs + 1) + lane + 32 * c];
-            dk[r][c] += dst * qs[t * (hs + 1) + lane + 32 * c];
-          }
-      }
+      int j = j0 + r;
+      float p = i < T && i >= j ? expf(s[r] * scale - ls[lane]) : 0.0f;
+      pw[r * FA_B + lane] = p;
+      dw[r * FA_B + lane] = p * (dp[r] - dsh[lane]);
     }
+    __syncwarp();
+    fa_accum(dv, pw, gs, ld, FA_B, hs, lane);
+    fa_accum(dk, dw, qs, ld, FA_B, hs, lane);
+    __syncwarp();
   }
-ZT_UNROLL
+  ZT_UNROLL
   for (int r = 0; r < FA_RPW; r++) {
-    int j = k0 + warp * FA_RPW + r;
+    int j = j0 + r;
     if (j >= T) continue;
     float *o = dqkv + ((size_t)b * T + j) * rs + (size_t)h * hs;
-ZT_UNROLL
+    ZT_UNROLL
     for (int c = 0; c < FA_NREG; c++)
       if (lane + 32 * c < hs) {
         o[C + lane + 32 * c] = dk[r][c] * scale;
@@ -794,66 +845,67 @@ ZT_UNROLL
 /* dq of FA_B query rows: the key tiles at and before the rows stream by. */
 __global__ void k_flash_bwd_q(float *dqkv, const float *qkv, const float *dout, const float *lse,
                               const float *D, int T, int C, int NH, float scale) {
-  __shared__ float qs[FA_B * FA_HSMAX];
-  __shared__ float gs[FA_B * FA_HSMAX];
-  __shared__ float ks[FA_B * (FA_HSMAX + 1)];
-  __shared__ float vs[FA_B * (FA_HSMAX + 1)];
-  int hs = C / NH, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
+  __shared__ fa4 gs4[FA_B * FA_HSMAX / 4];
+  __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
+  __shared__ fa4 vs4[FA_B * (FA_HSMAX + 4) / 4];
+  __shared__ fa4 dw4[FA_WARPS * FA_RPW * FA_B / 4];
+  float *qs = (float *)qs4, *gs = (float *)gs4, *ks = (float *)ks4, *vs = (float *)vs4;
+  int hs = C / NH, ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int r0 = q0 + warp * FA_RPW;
+  float *dw = (float *)dw4 + warp * FA_RPW * FA_B;
   size_t rs = 3 * (size_t)C;
   const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
   fa_load(qs, hs, base, rs, q0, T, hs);
   fa_load(gs, hs, dout + (size_t)b * T * C + (size_t)h * hs, C, q0, T, hs);
   float dq[FA_RPW][FA_NREG], lr[FA_RPW], dr[FA_RPW];
-ZT_UNROLL
+  fa_zero(dq);
+  ZT_UNROLL
   for (int r = 0; r < FA_RPW; r++) {
-    int i = q0 + warp * FA_RPW + r;
+    int i = r0 + r;
     lr[r] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
     dr[r] = i < T ? D[(size_t)bh * T + i] : 0.0f;
-ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++) dq[r][c] = 0.0f;
   }
   int kend = min(T, q0 + FA_B);
   for (int k0 = 0; k0 < kend; k0 += FA_B) {
     __syncthreads();
-    fa_load(ks, hs + 1, base + C, rs, k0, T, hs);
-    fa_load(vs, hs + 1, base + 2 * C, rs, k0, T, hs);
+    fa_load(ks, ld, base + C, rs, k0, T, hs);
+    fa_load(vs, ld, base + 2 * C, rs, k0, T, hs);
     __syncthreads();
-ZT_UNROLL
+    if (k0 > r0 + FA_RPW - 1) continue; /* the tile is above all this warp's rows */
+    float s[FA_RPW], dp[FA_RPW];
+    fa_dots(s, qs + warp * FA_RPW * hs, ks + lane * ld, hs);
+    fa_dots(dp, gs + warp * FA_RPW * hs, vs + lane * ld, hs);
+    ZT_UNROLL
     for (int r = 0; r < FA_RPW; r++) {
-      int i = q0 + warp * FA_RPW + r;
-      if (i >= T || k0 > i) continue; /* the same for the whole warp */
-      float s = fa_dot(qs + (warp * FA_RPW + r) * hs, ks + lane * (hs + 1), hs);
-      float dp = fa_dot(gs + (warp * FA_RPW + r) * hs, vs + lane * (hs + 1), hs);
-      float p = k0 + lane <= i ? expf(s * scale - lr[r]) : 0.0f;
-      float ds = p * (dp - dr[r]);
-      int jn = min(FA_B, i - k0 + 1);
-      for (int j = 0; j < jn; j++) {
-        float dsj = __shfl_sync(FA_FULL, ds, j);
-ZT_UNROLL
-        for (int c = 0; c < FA_NREG; c++)
-          if (lane + 32 * c < hs) dq[r][c] += dsj * ks[j * (hs + 1) + lane + 32 * c];
-      }
+      int i = r0 + r;
+      float p = k0 + lane <= i && i < T ? expf(s[r] * scale - lr[r]) : 0.0f;
+      dw[r * FA_B + lane] = p * (dp[r] - dr[r]);
     }
+    __syncwarp();
+    fa_accum(dq, dw, ks, ld, fa_round4(min(FA_B, r0 + FA_RPW - k0)), hs, lane);
+    __syncwarp();
   }
-ZT_UNROLL
+  ZT_UNROLL
   for (int r = 0; r < FA_RPW; r++) {
-    int i = q0 + warp * FA_RPW + r;
+    int i = r0 + r;
     if (i >= T) continue;
     float *o = dqkv + ((size_t)b * T + i) * rs + (size_t)h * hs;
-ZT_UNROLL
+    ZT_UNROLL
     for (int c = 0; c < FA_NREG; c++)
       if (lane + 32 * c < hs) o[lane + 32 * c] = dq[r][c] * scale;
   }
 }
 
 /* The cuBLASLt path forms B*NH*T*T matrices in scratch (two in backward);
- * it is the faster one (on an H100, GPT-2 124M: the tiled kernels, fp32 on
- * the CUDA cores, take 2.2x as long at T = 1024 and 3.1x at T = 4096;
- * docs/gpu.md). So the tiled kernels take over only once that scratch would
+ * it is the faster one (on an H100, GPT-2 124M: with the tiled kernels,
+ * fp32 on the CUDA cores, a step takes 1.7x as long at T = 1024 and 2.1x at
+ * T = 4096; docs/gpu.md). So the tiled kernels take over only once that scratch would
  * pass att_scr_max bytes: by default a quarter of the device's memory, set
  * at init unless zt_kern_cuda_set_attention_scratch_max chose it. Head
- * sizes above FA_HSMAX always take the cuBLASLt path. */
+ * sizes above FA_HSMAX, or not a multiple of 4, always take the cuBLASLt
+ * path. */
 static size_t att_scr_max = SIZE_MAX;
 static int att_scr_max_set;
 
@@ -863,7 +915,8 @@ static size_t att_cublas_scratch(int B, int T, int C, int NH) {
 }
 
 static int att_tiled(int B, int T, int C, int NH) {
-  return C / NH <= FA_HSMAX && att_cublas_scratch(B, T, C, NH) > att_scr_max;
+  int hs = C / NH;
+  return hs <= FA_HSMAX && hs % 4 == 0 && att_cublas_scratch(B, T, C, NH) > att_scr_max;
 }
 
 static void flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH) {
