@@ -108,9 +108,11 @@ class Net:
     def unblackhole(self, a, b):
         sh("ip", "netns", "exec", a.ns, "ip", "route", "del", "blackhole", f"{b.addr}/32")
 
-    def slow(self, h, rate):
+    def slow(self, h, rate, burst="32kbit"):
+        """tbf on the host's egress; a fast rate needs a burst of at least
+        rate / HZ (bench/overlap passes one)."""
         sh("ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", h.veth + "p", "root",
-           "tbf", "rate", rate, "burst", "32kbit", "latency", "400ms")
+           "tbf", "rate", rate, "burst", burst, "latency", "400ms")
 
     def close(self):
         for p in self.procs:
