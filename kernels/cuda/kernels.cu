@@ -916,7 +916,8 @@ static size_t att_cublas_scratch(int B, int T, int C, int NH) {
 
 static int att_tiled(int B, int T, int C, int NH) {
   int hs = C / NH;
-  return hs <= FA_HSMAX && hs % 4 == 0 && att_cublas_scratch(B, T, C, NH) > att_scr_max;
+  return hs <= FA_HSMAX && hs % 4 == 0 && B * NH <= 65535 /* gridDim.y */ &&
+         att_cublas_scratch(B, T, C, NH) > att_scr_max;
 }
 
 static void flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH) {
