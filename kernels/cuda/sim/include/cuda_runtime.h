@@ -181,7 +181,8 @@ static inline cudaError_t cudaMallocHost(T **ptr, size_t size) {
 #define __host__
 #define __constant__
 #define __forceinline__ inline __attribute__((always_inline))
-#define __noinline__ __attribute__((noinline))
+/* No __noinline__: libstdc++ 13 writes __attribute__((__noinline__)), which
+ * such a macro would break (our kernels do not use it). */
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 
