@@ -704,6 +704,21 @@ __device__ __forceinline__ void fa_zero(float a[FA_RPW][FA_NREG]) {
     for (int c = 0; c < FA_NREG; c++) a[r][c] = 0.0f;
 }
 
+/* Row r0 + r of a [T, *] array with row stride rs, columns [0, hs) from
+ * base: a[r][c] * scale, for the warp's FA_RPW rows below T. */
+__device__ __forceinline__ void fa_store(float *base, size_t rs, int r0, int T,
+                                         float a[FA_RPW][FA_NREG], float scale, int hs,
+                                         int lane) {
+  ZT_UNROLL
+  for (int r = 0; r < FA_RPW; r++) {
+    if (r0 + r >= T) continue;
+    float *o = base + (size_t)(r0 + r) * rs;
+    ZT_UNROLL
+    for (int c = 0; c < FA_NREG; c++)
+      if (lane + 32 * c < hs) o[lane + 32 * c] = a[r][c] * scale;
+  }
+}
+
 /* Rounds a column count up to the 4 that fa_accum takes at a time (the
  * weights past it are 0 or the tile's own). */
 __device__ __forceinline__ int fa_round4(int n) { return (n + 3) & ~3; }
@@ -828,18 +843,9 @@ __global__ void k_flash_bwd_kv(float *dqkv, const float *qkv, const float *dout,
     fa_accum(dk, dw, qs, ld, FA_B, hs, lane);
     __syncwarp();
   }
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) {
-    int j = j0 + r;
-    if (j >= T) continue;
-    float *o = dqkv + ((size_t)b * T + j) * rs + (size_t)h * hs;
-    ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++)
-      if (lane + 32 * c < hs) {
-        o[C + lane + 32 * c] = dk[r][c] * scale;
-        o[2 * C + lane + 32 * c] = dv[r][c];
-      }
-  }
+  float *o = dqkv + (size_t)b * T * rs + (size_t)h * hs;
+  fa_store(o + C, rs, j0, T, dk, scale, hs, lane);
+  fa_store(o + 2 * C, rs, j0, T, dv, 1.0f, hs, lane);
 }
 
 /* dq of FA_B query rows: the key tiles at and before the rows stream by. */
@@ -887,15 +893,7 @@ __global__ void k_flash_bwd_q(float *dqkv, const float *qkv, const float *dout, 
     fa_accum(dq, dw, ks, ld, fa_round4(min(FA_B, r0 + FA_RPW - k0)), hs, lane);
     __syncwarp();
   }
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) {
-    int i = r0 + r;
-    if (i >= T) continue;
-    float *o = dqkv + ((size_t)b * T + i) * rs + (size_t)h * hs;
-    ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++)
-      if (lane + 32 * c < hs) o[lane + 32 * c] = dq[r][c] * scale;
-  }
+  fa_store(dqkv + (size_t)b * T * rs + (size_t)h * hs, rs, r0, T, dq, scale, hs, lane);
 }
 
 /* The cuBLASLt path forms B*NH*T*T matrices in scratch (two in backward);
