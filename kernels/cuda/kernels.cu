@@ -510,15 +510,15 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
 
 /* ---------------------------------------------------------------------------
  * Attention through cuBLASLt: the default path, and the only one for head
- * sizes the tiled kernels below do not take (att_tiled). qkv [B,T,3C] is permuted into q, k, v [B,NH,T,hs]; per head
- * (batch of B*NH) the products run through cuBLASLt on the full T x T, the
- * causal mask is applied by the softmax kernels (entries above the diagonal
- * become 0). Row-major q [T,hs] is column-major Q' [hs,T] (ld hs); a
- * row-major [T,T] matrix A is column-major A' with A'(t2,t) = A[t][t2].
- * The interface is the tiled CPU kernel's (zt_kernels.h): forward keeps
- * only lse per row, backward recomputes the probabilities from the scores
- * and lse. The T x T matrices here live in the call's scratch, not in the
- * activations. */
+ * sizes the tiled kernels below do not take (att_tiled). qkv [B,T,3C] is
+ * permuted into q, k, v [B,NH,T,hs]; per head (batch of B*NH) the products
+ * run through cuBLASLt on the full T x T, the causal mask is applied by the
+ * softmax kernels (entries above the diagonal become 0). Row-major q [T,hs]
+ * is column-major Q' [hs,T] (ld hs); a row-major [T,T] matrix A is
+ * column-major A' with A'(t2,t) = A[t][t2]. The interface is the tiled CPU
+ * kernel's (zt_kernels.h): forward keeps only lse per row, backward
+ * recomputes the probabilities from the scores and lse. The T x T matrices
+ * here live in the call's scratch, not in the activations. */
 
 /* The offset in [B,T,width] rows (at column coff) of element idx of a
  * [B,NH,T,hs] head-major tensor. */
@@ -899,14 +899,16 @@ __global__ void k_flash_bwd_q(float *dqkv, const float *qkv, const float *dout, 
 /* The cuBLASLt path forms B*NH*T*T matrices in scratch (two in backward);
  * it is the faster one (on an H100, GPT-2 124M: with the tiled kernels,
  * fp32 on the CUDA cores, a step takes 1.7x as long at T = 1024 and 2.1x at
- * T = 4096; docs/gpu.md). So the tiled kernels take over only once that scratch would
- * pass att_scr_max bytes: by default a quarter of the device's memory, set
- * at init unless zt_kern_cuda_set_attention_scratch_max chose it. Head
- * sizes above FA_HSMAX, or not a multiple of 4, always take the cuBLASLt
- * path. */
+ * T = 4096; docs/gpu.md). So the tiled kernels take over only once that
+ * scratch would pass att_scr_max bytes: by default a quarter of the device's
+ * memory, set at init unless zt_kern_cuda_set_attention_scratch_max chose
+ * it. Head sizes above FA_HSMAX, or not a multiple of 4, always take the
+ * cuBLASLt path. */
 static size_t att_scr_max = SIZE_MAX;
 static int att_scr_max_set;
 
+/* Bytes of scratch the cuBLASLt backward takes (the forward, less): q, k,
+ * v, dvacc, dq, dk, dv of [B,T,C] each and two [B,NH,T,T] matrices. */
 static size_t att_cublas_scratch(int B, int T, int C, int NH) {
   size_t n = (size_t)B * T * C, tt = (size_t)B * NH * T * T;
   return (7 * n + 2 * tt) * sizeof(float);
@@ -970,7 +972,7 @@ static void cu_attention_backward(float *dqkv, const float *dout, const float *q
   if (att_tiled(B, T, C, NH)) return flash_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
-  float *q = (float *)scratch(SCR_ATT, (7 * n + 2 * tt) * sizeof(float)), *k = q + n,
+  float *q = (float *)scratch(SCR_ATT, att_cublas_scratch(B, T, C, NH)), *k = q + n,
         *v = k + n, *dvacc = v + n, *dq = dvacc + n, *dk = dq + n, *dv = dk + n,
         *datt = dv + n, *att = datt + tt;
   unsigned grid = grid_for(n, 256);
