@@ -86,6 +86,9 @@ ZT_MUST_CHECK int zt_comm_nccl_create(int rank, int world, const char *id_hex, i
 int zt_comm_rank(const zt_comm_t *c);
 int zt_comm_world(const zt_comm_t *c);
 const char *zt_comm_backend(const zt_comm_t *c);
+/* 1 when the operations take device pointers only (NCCL), 0 when they take
+ * host memory (the TCP ring). */
+int zt_comm_device_memory(const zt_comm_t *c);
 
 ZT_MUST_CHECK int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                        int64_t timeout_ms);

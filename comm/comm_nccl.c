@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm.h"
 #include "comm_backend.h"
@@ -67,12 +68,17 @@ static void *open_first(const char *const *names) {
 
 static int load(void) {
   if (nc.loaded) return 0;
-  static const char *const cudart[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12",
-                                       "/usr/local/cuda/lib64/libcudart.so", NULL};
-  static const char *const nccl[] = {"libnccl.so.2", "libnccl.so",
-                                     "/usr/local/cuda/lib64/libnccl.so.2", NULL};
+  /* $ZT_CUDART_LIB and $ZT_NCCL_LIB, when set, are the only candidates: a
+   * library elsewhere, or the CPU stand-ins of the gpu-sim tests. */
+  const char *ec = getenv("ZT_CUDART_LIB"), *en = getenv("ZT_NCCL_LIB");
+  const char *cudart[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12",
+                          "/usr/local/cuda/lib64/libcudart.so", NULL};
+  const char *nccl[] = {"libnccl.so.2", "libnccl.so", "/usr/local/cuda/lib64/libnccl.so.2", NULL};
+  if (ec && *ec) cudart[0] = ec, cudart[1] = NULL;
+  if (en && *en) nccl[0] = en, nccl[1] = NULL;
   void *hc = open_first(cudart), *hn = open_first(nccl);
-  if (!hc || !hn) return zt_err("NCCL backend: cannot load %s", !hc ? "libcudart" : "libnccl");
+  if (!hc || !hn)
+    return zt_err("NCCL backend: cannot load %s: %s", !hc ? "libcudart" : "libnccl", dlerror());
   SYM(hn, GetUniqueId, "ncclGetUniqueId");
   SYM(hn, CommInitRankConfig, "ncclCommInitRankConfig");
   SYM(hn, CommGetAsyncError, "ncclCommGetAsyncError");
@@ -103,9 +109,13 @@ static ncclDataType_t nccl_type(zt_dtype_t dt) {
   return dt == ZT_DT_F64 ? ncclFloat64 : dt == ZT_DT_F32 ? ncclFloat32 : ncclBfloat16;
 }
 
-/* Polls an enqueued operation (or the initialisation) to completion. */
+/* Polls an enqueued operation (or the initialisation) to completion:
+ * busily for the first polls (a collective of a training step takes
+ * microseconds to milliseconds), then every 50 us, so a long wait does not
+ * take a core from the process's other threads. */
 static int wait_done(struct zt_nccl *n, int check_stream, zt_deadline_t dl, const char *op) {
-  for (;;) {
+  for (int polls = 0;; polls++) {
+    if (polls > 1000) nanosleep(&(struct timespec){.tv_nsec = 50000}, NULL);
     ncclResult_t st = ncclSuccess;
     nc.CommGetAsyncError(n->comm, &st);
     if (st != ncclSuccess && st != ncclInProgress) {

@@ -150,6 +150,11 @@ typedef struct zt_job {
   int arrived;
   struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
   char comm_addr[ZT_MAX_WORLD][64];
+  /* NCCL: every rank of the generation has a GPU of its own (choose_comm),
+   * and the unique id rank 0 sent with its Rendezvous call ("" until then,
+   * or when it sent none: the ring is used). */
+  int nccl;
+  char nccl_id[257];
   zt_db_step_t last; /* last reported step */
   uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
   char start_ckpt[512]; /* committed epoch the current generation loads */
@@ -252,6 +257,8 @@ int zt_jobs_load(zt_coord_t *c);
 void zt_jobs_free(zt_coord_t *c);
 void zt_jobs_release_calls(zt_coord_t *c); /* answers held calls before the server stops */
 zt_job_t *zt_jobs_get(zt_coord_t *c, uint64_t id);
+/* 1 when m is rank 0 of an NCCL generation (it makes the unique id). */
+int zt_jobs_nccl_root(zt_coord_t *c, const zt_member_t *m);
 void zt_jobs_schedule(zt_coord_t *c);
 /* A member left its generation: lost or restarted (failure 1, which the
  * restart policy counts), left or drained (failure 0). */

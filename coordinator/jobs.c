@@ -340,6 +340,28 @@ static void index_hosts(zt_coord_t *c, zt_job_t *j) {
   }
 }
 
+/* Which collectives the generation uses: NCCL when it has two ranks or
+ * more and each has a GPU of its own (a "cuda:N" device that no other rank
+ * on its machine names: NCCL refuses two ranks on one GPU), the TCP ring
+ * otherwise (CPU workers, mixed generations, ranks sharing a GPU). */
+static void choose_comm(zt_coord_t *c, zt_job_t *j) {
+  j->nccl = j->row.world >= 2;
+  j->nccl_id[0] = 0;
+  for (int r = 0; r < j->row.world && j->nccl; r++) {
+    zt_member_t *m = zt_members_get(c, j->workers[r]);
+    if (!m || strncmp(m->row.device, "cuda:", 5) != 0) j->nccl = 0;
+    for (int q = 0; q < r && j->nccl; q++)
+      if (j->host_of[q] == j->host_of[r] &&
+          !strcmp(zt_members_get(c, j->workers[q])->row.device, m->row.device))
+        j->nccl = 0;
+  }
+}
+
+int zt_jobs_nccl_root(zt_coord_t *c, const zt_member_t *m) {
+  zt_job_t *j = m && m->job_id ? zt_jobs_get(c, m->job_id) : NULL;
+  return j && j->nccl && m->rank == 0 && m->gen == j->row.generation;
+}
+
 /* Forms the next generation if enough workers are available. */
 /* ---- the end of a job ----------------------------------------------------------- */
 
@@ -427,6 +449,7 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   j->det.run = 0;
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
   index_hosts(c, j);
+  choose_comm(c, j);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
   set_start(c, j, dir);
@@ -704,6 +727,7 @@ static int load_job(const zt_db_job_t *row, void *user) {
       if (m) m->job_id = j->row.id, m->gen = j->row.generation, m->rank = r;
     }
     index_hosts(c, j);
+    choose_comm(c, j);
   }
   j->formed_ms = zt_now_ms();
   /* The current generation resumed from the newest committed epoch that
@@ -895,6 +919,7 @@ static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) 
   rep.start_step = j->start_step;
   rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
   rep.comm_timeout_ms = j->p.comm_timeout_ms;
+  rep.nccl_id = j->nccl ? j->nccl_id : "";
   /* Paths cross the wire relative to the checkpoint root: each host
    * resolves them under its own. */
   const char *rel = zt_path_under(c->cfg.ckpt_root, j->start_ckpt);
@@ -977,6 +1002,17 @@ void zt_jobs_rendezvous(zt_coord_t *c, zt_rpc_call_t *call, const Ztrain__Rendez
     goto err;
   }
   int r = m->rank;
+  if (req->nccl_id[0] && (r != 0 || !j->nccl)) {
+    zt_errk(ZT_E_INVALID, "nccl_id from rank %d: only rank 0 of a generation whose ranks all "
+            "have GPUs of their own makes one", r);
+    goto err;
+  }
+  if (req->nccl_id[0] && (strlen(req->nccl_id) != 256 ||
+                          strspn(req->nccl_id, "0123456789abcdef") != 256)) {
+    zt_errk(ZT_E_INVALID, "nccl_id is not 256 lowercase hex characters");
+    goto err;
+  }
+  if (r == 0 && j->nccl) snprintf(j->nccl_id, sizeof j->nccl_id, "%s", req->nccl_id);
   if (j->rdv[r]) { /* a retry replaces the earlier call */
     zt_rpc_reply(j->rdv[r], ZT_RPC_ABORTED, "replaced by a newer rendezvous call", NULL, 0);
     j->arrived--;

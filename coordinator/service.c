@@ -102,6 +102,7 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   r->probe_stores = (char **)probe;
   r->command = (Ztrain__Command)zt_jobs_heartbeat_command(c, mem, req->job_id, req->generation,
                                                           &r->job_id, &r->generation);
+  r->nccl_root = zt_jobs_nccl_root(c, mem);
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->coordinator_epoch = (uint64_t)c->epoch;
   /* Epochs to delete: those it deleted are forgotten, the rest asked again. */
@@ -157,7 +158,7 @@ static ProtobufCMessage *h_report_failure(zt_coord_t *c, zt_rpc_call_t *call,
   if (zt_jobs_report_failure(c, req) != 0) return NULL;
   Ztrain__ReportFailureReply *r = new_reply(x, &ztrain__report_failure_reply__descriptor);
   zt_member_t *mem = zt_members_get(c, req->worker_id);
-  if (mem) r->job_id = mem->job_id, r->generation = mem->gen;
+  if (mem) r->job_id = mem->job_id, r->generation = mem->gen, r->nccl_root = zt_jobs_nccl_root(c, mem);
   return &r->base;
 }
 

@@ -296,7 +296,7 @@ static float eval_loss(trainer *t) {
     acc[0] += l;
     acc[1] += 1;
   }
-  if (zt_comm_all_reduce(t->g->comm, acc, 2, ZT_DT_F32, ZT_RED_SUM, t->tmo) != 0) return NAN;
+  if (zt_zero_host_all_reduce(&t->z, acc, 2, ZT_DT_F32) != 0) return NAN;
   return acc[1] > 0 ? acc[0] / acc[1] : NAN;
 }
 
@@ -334,7 +334,7 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   if (zt_zero_reduce(&t->z) != 0) return -1;
   double ctl[4] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag};
   ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0 : 1.0;
-  if (zt_comm_all_reduce(t->g->comm, ctl, 4, ZT_DT_F64, ZT_RED_SUM, t->tmo) != 0) return -1;
+  if (zt_zero_host_all_reduce(&t->z, ctl, 4, ZT_DT_F64) != 0) return -1;
   res->loss = ctl[0] * t->z.inv_k;
   res->norm = sqrt(ctl[1]);
   res->nonfinite = ctl[2] > 0 || !isfinite(res->loss) || !isfinite(res->norm);

@@ -13,6 +13,8 @@
 
 #include "zt_common.h"
 
+#define ZT_ZERO_CTL_BYTES 64
+
 /* ---- allocation and accounting ------------------------------------------------- */
 
 /* Zeroed table memory; NULL (and z->oom set) when there is not enough. */
@@ -29,10 +31,11 @@ static double *alloc_d(zt_zero_t *z, size_t n, int kind) { return alloc_b(z, n, 
 /* ---- collectives on table memory ---------------------------------------------------
  *
  * With one rank a collective is a local copy. Otherwise host memory goes
- * straight to the communicator; device memory is staged: the region the
- * call reads (send, or recv when send lies inside it, as in the in-place
- * calls of stages 1-2) is downloaded, the collective runs on host memory,
- * and what it wrote is uploaded. */
+ * straight to the communicator, and so does device memory when the
+ * communicator takes it (NCCL, z->dcomm). Otherwise device memory is
+ * staged: the region the call reads (send, or recv when send lies inside
+ * it, as in the in-place calls of stages 1-2) is downloaded, the
+ * collective runs on host memory, and what it wrote is uploaded. */
 
 static char *stage(zt_zero_t *z, size_t bytes) {
   if (bytes > z->stage_cap) {
@@ -46,7 +49,7 @@ static char *stage(zt_zero_t *z, size_t bytes) {
 static int c_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
   size_t bytes = count * zt_dtype_size(dt);
   if (z->N == 1) return 0;
-  if (!z->dev) return zt_comm_all_reduce(z->comm, buf, count, dt, ZT_RED_SUM, z->tmo);
+  if (!z->dev || z->dcomm) return zt_comm_all_reduce(z->comm, buf, count, dt, ZT_RED_SUM, z->tmo);
   char *h = stage(z, bytes);
   z->k->download(h, buf, bytes);
   if (zt_comm_all_reduce(z->comm, h, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
@@ -78,7 +81,7 @@ static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, 
     if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
     return 0;
   }
-  if (!z->dev)
+  if (!z->dev || z->dcomm)
     return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
   return c_staged(z, send, recv, count, dt, 0);
 }
@@ -88,8 +91,18 @@ static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count
     if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
     return 0;
   }
-  if (!z->dev) return zt_comm_all_gather(z->comm, send, recv, count, dt, z->tmo);
+  if (!z->dev || z->dcomm) return zt_comm_all_gather(z->comm, send, recv, count, dt, z->tmo);
   return c_staged(z, recv, (char *)send, count, dt, 1);
+}
+
+int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
+  size_t bytes = count * zt_dtype_size(dt);
+  if (!z->dcomm) return zt_comm_all_reduce(z->comm, buf, count, dt, ZT_RED_SUM, z->tmo);
+  if (bytes > ZT_ZERO_CTL_BYTES) return zt_err("host all-reduce of %zu bytes: too large", bytes);
+  z->k->upload(z->ctl_dev, buf, bytes);
+  if (zt_comm_all_reduce(z->comm, z->ctl_dev, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
+  z->k->download(buf, z->ctl_dev, bytes);
+  return 0;
 }
 
 static int layout(zt_zero_t *z) {
@@ -341,6 +354,7 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->k = k;
   z->comm = comm;
   z->dev = o->dev;
+  z->dcomm = o->dev && comm && zt_comm_device_memory(comm);
   z->N = o->world;
   z->r = o->rank;
   z->stage = o->stage;
@@ -348,6 +362,8 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->inv_k = o->inv_k;
   z->want_overlap = o->overlap;
   if (layout(z) != 0) return -1;
+  if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES)))
+    return zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");
   if (o->overlap && z->stage < 3 && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
   zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
   zt_model_set_hooks(m, &hooks);
@@ -358,7 +374,7 @@ void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
   void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,    z->gat0,
-                  z->gat,  z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b};
+                  z->gat,  z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev};
   for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
     if (bufs[i]) z->k->release(bufs[i]);
   free(z->usz), free(z->S), free(z->off_full), free(z->off_shard);

@@ -66,6 +66,8 @@ typedef struct zt_zero {
   zt_model_t *m;         /* the model whose unit pointers this rank's state feeds */
   const zt_kernels_t *k; /* kernels and memory of the model and its state */
   int dev;               /* that memory is a device's (collectives are staged) */
+  int dcomm;             /* ... and the communicator takes it as is (NCCL) */
+  void *ctl_dev;         /* dcomm: device room for the trainer's control values */
   zt_comm_t *comm;
   int N, r, stage, U;
   int64_t tmo;           /* deadline of each collective, ms */
@@ -159,5 +161,9 @@ double zt_zero_sumsq(zt_zero_t *z);
  * clip factor gscale, step t (1-based). */
 void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t);
 ZT_MUST_CHECK int zt_zero_gather(zt_zero_t *z);
+/* Sums `count` values of host memory (the trainer's control values, at
+ * most 64 bytes) over the ranks: directly, or through device memory when
+ * the communicator takes only that (NCCL). */
+ZT_MUST_CHECK int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt);
 
 #endif

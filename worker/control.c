@@ -290,7 +290,8 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   delete_epochs(c, r);
   if (r->heartbeat_ms) __atomic_store_n(&c->heartbeat_ms, (int64_t)r->heartbeat_ms, __ATOMIC_RELAXED);
   c->assigned_job = r->job_id;
-  if (c->o.on_command) c->o.on_command(c->o.user, r->command, r->job_id, r->generation);
+  if (c->o.on_command)
+    c->o.on_command(c->o.user, r->command, r->job_id, r->generation, r->nccl_root);
   if (r->coordinator_epoch != c->epoch) {
     ZT_INFO("coordinator restarted (epoch %llu -> %llu); still worker %llu",
             (unsigned long long)c->epoch, (unsigned long long)r->coordinator_epoch,
@@ -373,7 +374,7 @@ int zt_ctl_run(zt_ctl_t *c) {
         status == ZT_RPC_UNAUTHENTICATED) {
       ZT_WARN("%s; registering again", zt_err_msg());
       registered = 0;
-      if (c->o.on_command) c->o.on_command(c->o.user, ZTRAIN__COMMAND__COMMAND_STOP, 0, 0);
+      if (c->o.on_command) c->o.on_command(c->o.user, ZTRAIN__COMMAND__COMMAND_STOP, 0, 0, 0);
       continue;
     }
     if (!failing++) ZT_WARN("heartbeat failed (will retry with backoff): %s", zt_err_msg());

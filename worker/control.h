@@ -47,7 +47,9 @@ typedef struct {
   /* Called on the control thread with every heartbeat reply's command
    * (ztrain.proto's Command) and assignment; also with STOP when the
    * worker had to register again (its assignment is void). */
-  void (*on_command)(void *user, int command, uint64_t job_id, uint64_t generation);
+  /* nccl_root: this worker makes the NCCL unique id of that generation. */
+  void (*on_command)(void *user, int command, uint64_t job_id, uint64_t generation,
+                     int nccl_root);
   /* Reads the training counters (may be NULL). */
   void (*timing)(void *user, zt_ctl_timing_t *t);
   void *user;

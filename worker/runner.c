@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "comm.h"
+#include "device.h"
 #include "pbcall.h"
 #include "replicas.h"
 #include "runner.h"
@@ -38,6 +39,7 @@ struct zt_runner {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   uint64_t target_job, target_gen; /* under mu */
+  int target_nccl_root;            /* under mu: we make its NCCL unique id */
   int quit;                        /* under mu */
   zt_comm_t *active;               /* under mu: the comm to abort on change */
   uint64_t cur_job, cur_gen;       /* runner thread only */
@@ -84,8 +86,9 @@ static void step_done_cb(void *user, int64_t step, double ms) {
   pthread_mutex_unlock(&r->mu);
 }
 
-void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen) {
+void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen, int nccl_root) {
   pthread_mutex_lock(&r->mu);
+  r->target_nccl_root = nccl_root;
   if (job != r->target_job || gen != r->target_gen) {
     r->target_job = job;
     r->target_gen = gen;
@@ -333,7 +336,7 @@ static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) 
     /* The new assignment comes back at once: no need to wait for the next
      * heartbeat to join the next generation. */
     Ztrain__ReportFailureReply *rep = (Ztrain__ReportFailureReply *)m;
-    if (rep->job_id) zt_runner_assign(r, rep->job_id, rep->generation);
+    if (rep->job_id) zt_runner_assign(r, rep->job_id, rep->generation, rep->nccl_root);
     protobuf_c_message_free_unpacked(m, NULL);
   } else
     ZT_INFO("failure report not taken: %s", zt_err_msg());
@@ -341,7 +344,7 @@ static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) 
 
 /* Rendezvous for (cur_job, cur_gen), advertising our ring socket addr:
  * the reply, or NULL when the generation ended (or we moved on) first. */
-static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
+static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *nccl_id) {
   Ztrain__RendezvousRequest req = ZTRAIN__RENDEZVOUS_REQUEST__INIT;
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
@@ -350,6 +353,7 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
   req.comm_addr = addr;
+  req.nccl_id = nccl_id;
   int64_t t0 = zt_now_ms();
   while (!changed(r)) {
     ProtobufCMessage *m;
@@ -357,11 +361,11 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr) {
     if (call(r, "/ztrain.Control/Rendezvous", &req.base, &ztrain__rendezvous_reply__descriptor,
              10000, &m, &st) == 0) {
       Ztrain__RendezvousReply *rv = (Ztrain__RendezvousReply *)m;
-      ZT_INFO("job %llu generation %llu: rank %u of %u, start step %lld, accum %u (rendezvous "
-              "%lld ms)",
+      ZT_INFO("job %llu generation %llu: rank %u of %u, start step %lld, accum %u, %s "
+              "(rendezvous %lld ms)",
               (unsigned long long)rv->job_id, (unsigned long long)rv->generation, rv->rank,
               rv->world, (long long)rv->start_step, rv->accum_steps,
-              (long long)(zt_now_ms() - t0));
+              rv->nccl_id[0] ? "NCCL" : "TCP ring", (long long)(zt_now_ms() - t0));
       return rv;
     }
     if (st == ZT_RPC_FAILED_PRECONDITION || st == ZT_RPC_NOT_FOUND || st == ZT_RPC_ABORTED) {
@@ -498,7 +502,29 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
   free(f.gone);
 }
 
-/* Joins (cur_job, cur_gen): listening socket, rendezvous, ring; trains it. */
+/* The generation's communicator: NCCL when the reply carries a unique id
+ * (our listening socket is closed then), else the TCP ring, which takes
+ * over *lfd. */
+static int make_comm(zt_runner_t *r, const Ztrain__RendezvousReply *rv, int *lfd,
+                     zt_comm_t **comm) {
+  if (rv->nccl_id[0]) {
+    close(*lfd);
+    *lfd = -1;
+    int dev = zt_device_parse(r->o.device);
+    if (dev < 0) return zt_err("an NCCL generation on device %s", r->o.device);
+    return zt_comm_nccl_create((int)rv->rank, (int)rv->world, rv->nccl_id, dev,
+                               rv->comm_timeout_ms, comm);
+  }
+  zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
+                           .peers = (const char *const *)rv->peers, .listen_fd = *lfd,
+                           .session = (rv->job_id << 32) ^ rv->generation,
+                           .connect_timeout_ms = rv->comm_timeout_ms};
+  *lfd = -1; /* owned by the communicator from here on */
+  return zt_comm_tcp_create(&co, comm);
+}
+
+/* Joins (cur_job, cur_gen): listening socket, rendezvous, communicator;
+ * trains it. */
 static void run_generation(zt_runner_t *r) {
   int port = 0, lfd = -1;
   epoch_t ep = {.files = NULL};
@@ -509,7 +535,18 @@ static void run_generation(zt_runner_t *r) {
   char addr[96];
   snprintf(addr, sizeof addr, "%s:%d", r->comm_host, port);
   zt_ctl_set_assignment(r->ctl, r->cur_job, r->cur_gen);
-  Ztrain__RendezvousReply *rv = rendezvous(r, addr);
+  /* Rank 0 of an all-GPU generation makes its NCCL unique id; without one
+   * the generation uses the ring. */
+  char nccl_id[257] = "";
+  pthread_mutex_lock(&r->mu);
+  int nccl_root = r->target_nccl_root && !(r->target_job != r->cur_job || r->target_gen != r->cur_gen);
+  pthread_mutex_unlock(&r->mu);
+  if (nccl_root && zt_comm_nccl_unique_id(nccl_id) != 0) {
+    ZT_WARN("no NCCL unique id (%s): generation %llu uses the TCP ring", zt_err_msg(),
+            (unsigned long long)r->cur_gen);
+    nccl_id[0] = 0;
+  }
+  Ztrain__RendezvousReply *rv = rendezvous(r, addr, nccl_id);
   if (!rv) goto out;
   if (rv->n_skips > ZT_MAX_SKIP_RANGES) { /* the coordinator never sends more */
     char why[200];
@@ -521,15 +558,10 @@ static void run_generation(zt_runner_t *r) {
     goto out;
   }
   if (prepare_epoch(r, rv, &ep) != 0) goto out;
-  zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
-                           .peers = (const char *const *)rv->peers, .listen_fd = lfd,
-                           .session = (rv->job_id << 32) ^ rv->generation,
-                           .connect_timeout_ms = rv->comm_timeout_ms};
-  lfd = -1; /* owned by the communicator from here on */
   zt_comm_t *comm;
-  if (zt_comm_tcp_create(&co, &comm) != 0) {
+  if (make_comm(r, rv, &lfd, &comm) != 0) {
     char why[600];
-    snprintf(why, sizeof why, "ring set-up: %s", zt_err_msg());
+    snprintf(why, sizeof why, "%s set-up: %s", rv->nccl_id[0] ? "NCCL" : "ring", zt_err_msg());
     ZT_WARN("%s", why);
     failure_t f = {.suspect = -1, .kind = ZTRAIN__FAILURE_KIND__FAILURE_PEER,
                    .step = rv->start_step};

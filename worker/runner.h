@@ -34,8 +34,9 @@ typedef struct {
 } zt_runner_opts_t;
 
 int zt_runner_start(zt_ctl_t *ctl, const zt_runner_opts_t *o, zt_runner_t **out);
-/* From the control thread: the generation to work on (job 0: none). */
-void zt_runner_assign(zt_runner_t *r, uint64_t job_id, uint64_t generation);
+/* From the control thread: the generation to work on (job 0: none), and
+ * whether this worker makes its NCCL unique id (its rank 0, all GPUs). */
+void zt_runner_assign(zt_runner_t *r, uint64_t job_id, uint64_t generation, int nccl_root);
 /* Stops training, joins the thread, frees. */
 void zt_runner_stop(zt_runner_t *r);
 /* The training counters the heartbeat reports (control.h). */

@@ -173,10 +173,10 @@ static void on_timing(void *user, zt_ctl_timing_t *t) {
   if (*r) zt_runner_timing(*r, t);
 }
 
-static void on_command(void *user, int command, uint64_t job, uint64_t gen) {
+static void on_command(void *user, int command, uint64_t job, uint64_t gen, int nccl_root) {
   (void)command;
   zt_runner_t **r = user;
-  if (*r) zt_runner_assign(*r, job, gen);
+  if (*r) zt_runner_assign(*r, job, gen, nccl_root);
 }
 
 static void *signal_thread(void *p) {

@@ -15,14 +15,27 @@ model and its ZeRO state on the CUDA kernel table; docs/gpu.md):
   - The same with bf16{enabled:true} (bf16 tensor-core products): the
     first 10 steps within 1e-4, every step within 3e-2, and the model learns
     (loss drops by more than 1). Seen: 4e-6 and 8.5e-3.
-  - 2 GPU workers sharing the device, ZeRO stages 2 and 3: every loss
-    bit-identical to the 1-GPU-worker run. The reduction order is fixed
-    and the sums are fp64, as on CPU workers (tests/integration/test_zero.py),
-    so the world size does not change a bit.
+  - 2 GPU workers, ZeRO stages 2 and 3: every loss bit-identical to the
+    1-GPU-worker run. The sums are fp64, as on CPU workers
+    (tests/integration/test_zero.py), so the world size does not change a
+    bit. On one real GPU the two share it, and the coordinator gives them
+    the TCP ring (NCCL refuses two ranks on one GPU); on the stand-in each
+    has a device of its own and the generation runs over NCCL.
+  - On the stand-in: 3 GPU workers over NCCL, one killed with SIGKILL in the
+    middle of training. The survivors' NCCL communicator reports the dead
+    peer (ncclCommGetAsyncError), is aborted, and they form the next
+    generation, over NCCL again, and finish with the losses of a run
+    without a failure.
 
-Without a GPU the file exits 77, which ctest reports as skipped.
+ZT_GPU_SIM=1 (ctest's gpu_worker_sim, label gpu-sim) runs the file on the
+CPU stand-ins for CUDA and NCCL (kernels/cuda/sim/; docs/gpu.md): zworker
+--device cuda:N loads libzt_kernels_cuda_sim.so ($ZT_CUDA_KERNELS), and
+comm/comm_nccl.c loads libzt_cudart_sim.so and libzt_nccl_sim.so
+($ZT_CUDART_LIB, $ZT_NCCL_LIB). Otherwise, without a GPU the file exits 77,
+which ctest reports as skipped.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,17 +51,24 @@ def _have_gpu():
     return p.returncode == 0 and "GPU " in p.stdout
 
 
-if not _have_gpu():
+SIM = os.environ.get("ZT_GPU_SIM") == "1"
+
+if not SIM and not _have_gpu():
     print("test_gpu_worker: skipped: no GPU (nvidia-smi -L lists none)")
     sys.stdout.flush()
     os._exit(77)
 
 import pytest  # noqa: E402
 
-from ztest import (Procs, byte_dataset, losses, start_fleet, submit,  # noqa: E402
-                   tiny_spec, wait_job)
+from ztest import (BIN, Procs, byte_dataset, job, losses, start_fleet, submit,  # noqa: E402
+                   tiny_spec, wait_job, wait_until)
 
 STEPS = 40
+LIB = os.path.join(BIN, "..", "lib")
+SIM_ENV = {"ZT_CUDA_KERNELS": os.path.join(LIB, "libzt_kernels_cuda_sim.so"),
+           "ZT_CUDART_LIB": os.path.join(LIB, "libzt_cudart_sim.so"),
+           "ZT_NCCL_LIB": os.path.join(LIB, "libzt_nccl_sim.so"),
+           "ZT_SIM_DEVICE_COUNT": "4", "ZT_SIM_HOST_ACCESS": "1"} if SIM else {}
 
 
 @pytest.fixture
@@ -63,17 +83,34 @@ def data(tmp_path_factory):
     return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
 
 
-def fleet(procs, n, device, tag):
-    return start_fleet(procs, n, extra=("--threads", "1", "--device", device), prefix=tag,
-                       timeout_ms=5000, wait_s=60, name=f"zcoord-{tag}",
-                       db=os.path.join(procs.tmp, f"{tag}.db"))
+def fleet(procs, n, device, tag, own_devices=False):
+    """n workers on `device`, or on cuda:0..n-1 (own_devices)."""
+    names = [f"{tag}{i}" for i in range(n)]
+    by_name = {nm: ("--device", f"cuda:{i}") for i, nm in enumerate(names)} if own_devices else {}
+    return start_fleet(procs, names=names, extra=("--threads", "1", "--device", device),
+                       extra_by_name=by_name, timeout_ms=5000, wait_s=60, name=f"zcoord-{tag}",
+                       db=os.path.join(procs.tmp, f"{tag}.db"),
+                       worker_env=SIM_ENV if device != "cpu" else None)
+
+
+def comm_used(procs, names):
+    """Each worker's collectives by generation, from its rendezvous log lines."""
+    out = {}
+    for nm in names:
+        with open(os.path.join(procs.tmp, f"{nm}.log"), errors="replace") as f:
+            out[nm] = re.findall(r"generation (\d+): rank \d+ of \d+, .*?, (NCCL|TCP ring)", f.read())
+    return out
+
+
+def run_steps(procs, coord, tmp_path, spec, name, steps):
+    jid = submit(coord, spec, tmp_path, name + ".json")
+    j = wait_job(coord, jid, timeout=600)
+    assert j["step"] == steps
+    return losses(coord, jid)
 
 
 def run(procs, coord, tmp_path, spec, name):
-    jid = submit(coord, spec, tmp_path, name + ".json")
-    j = wait_job(coord, jid, timeout=300)
-    assert j["step"] == STEPS
-    return losses(coord, jid)
+    return run_steps(procs, coord, tmp_path, spec, name, STEPS)
 
 
 def rel_diffs(a, b, label):
@@ -104,8 +141,41 @@ def test_gpu_zero_stages(procs, tmp_path, data):
     train, val = data
     gpu1 = fleet(procs, 1, "cuda:0", "o")
     ref = run(procs, gpu1, tmp_path, tiny_spec(train, val, STEPS, 0, 1), "gpu-1")
-    gpu = fleet(procs, 2, "cuda:0", "g")
+    gpu = fleet(procs, 2, "cuda:0", "g", own_devices=SIM)
     for stage in (2, 3):
         got = run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, stage, 2), f"gpu-s{stage}")
         rel = rel_diffs(got, ref, f"stage {stage}, 2 GPU workers vs 1")
         assert all(got[s] == ref[s] for s in range(1, STEPS + 1)), rel
+    used = comm_used(procs, ["g0", "g1"])
+    print("collectives by worker:", used)
+    want = "NCCL" if SIM else "TCP ring"  # one real GPU: shared, so the ring
+    assert all(len(u) == 2 and all(c == want for _, c in u) for u in used.values()), used
+
+
+@pytest.mark.skipif(not SIM, reason="needs three GPUs; runs on the stand-in")
+def test_gpu_nccl_kill9(procs, tmp_path, data):
+    train, val = data
+    steps = 60
+    ref = run_steps(procs, fleet(procs, 1, "cuda:0", "r"), tmp_path,
+                    tiny_spec(train, val, steps, 2, 1), "ref", steps)
+    coord = fleet(procs, 3, "cuda:0", "k", own_devices=True)
+    spec = tiny_spec(train, val, steps, 2, 2, max_workers=3)
+    jid = submit(coord, spec, tmp_path, "kill.json")
+    wait_until(lambda: job(coord, jid)["step"] >= 15 and job(coord, jid)["world"] == 3, 300,
+               "training on 3 GPU workers")
+    coord.workers["k2"].kill()
+    j = wait_job(coord, jid, timeout=600)
+    assert j["step"] == steps
+    got = losses(coord, jid)
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in range(1, steps + 1))
+    print(f"kill -9 of a GPU worker: worst relative difference to the run without one {worst:.1e}")
+    assert worst <= 1e-4  # as tests/integration/test_elastic.py
+    used = comm_used(procs, ["k0", "k1"])
+    print("collectives by worker:", used)
+    for u in used.values():
+        assert len(u) >= 2 and all(c == "NCCL" for _, c in u), used
+    logs = "".join(open(os.path.join(procs.tmp, f"k{i}.log"), errors="replace").read()
+                   for i in (0, 1))
+    assert "ncclAllReduce: remote process exited" in logs or \
+        "ncclReduceScatter: remote process exited" in logs or \
+        "ncclAllGather: remote process exited" in logs, "the survivors saw NCCL's async error"

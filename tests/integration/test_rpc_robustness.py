@@ -63,7 +63,7 @@ def read_varint(buf, i):
 
 
 def decode(buf):
-    """{field number: value} of a message's varint and length-delimited fields."""
+    """{field number: value} of a message's fields (fixed-size ones as raw bytes)."""
     out, i = {}, 0
     while i < len(buf):
         key, i = read_varint(buf, i)
@@ -71,6 +71,9 @@ def decode(buf):
             out[key >> 3], i = read_varint(buf, i)
         elif key & 7 == 2:
             n, i = read_varint(buf, i)
+            out[key >> 3], i = buf[i:i + n], i + n
+        elif key & 7 in (1, 5):  # fixed64 (double), fixed32: raw bytes
+            n = 8 if key & 7 == 1 else 4
             out[key >> 3], i = buf[i:i + n], i + n
         else:
             raise ValueError(f"wire type {key & 7}")
@@ -174,3 +177,61 @@ def test_stale_worker_told_to_register_again(coord_and_channel):
     assert register(ch, "short-lived") == wid  # same name, same identity
     kinds = [e["kind"] for e in events(coord) if e["worker_id"] == wid]
     assert kinds == ["registered", "left", "rejoined"]
+
+
+def test_rendezvous_relays_nccl_id(procs, tmp_path):
+    """An all-GPU generation: the coordinator tells its rank 0 (nccl_root in
+    the heartbeat reply), takes the NCCL unique id from rank 0's Rendezvous
+    call only, refuses a malformed one or one from another rank, and hands
+    rank 0's to every rank. Two raw clients play GPU workers."""
+    from ztest import byte_dataset, submit, tiny_spec
+    coord = procs.coord(hb_ms=200, timeout_ms=30000)
+    ch = grpc.insecure_channel(coord.grpc)
+    ws = {}
+    for i in range(2):
+        code, reply, det = call(ch, "/ztrain.Control/RegisterWorker",
+                                field_bytes(1, f"gpu{i}".encode()) + field_bytes(3, f"cuda:{i}".encode())
+                                + field_varint(8, 16 << 30) + field_varint(9, 16 << 30))
+        assert code == grpc.StatusCode.OK, det
+        f = decode(reply)
+        ws[i] = (f[1], f[5])
+    train, val = byte_dataset(str(tmp_path / "data"), limit=50_000)
+    jid = submit(coord, tiny_spec(train, val, 10, 2, 2), tmp_path)
+    hb = {}
+
+    def assigned():
+        for i, (wid, s) in ws.items():
+            code, reply, det = call(ch, "/ztrain.Control/Heartbeat", cred(wid, s))
+            assert code == grpc.StatusCode.OK, det
+            hb[i] = decode(reply)
+        return all(h.get(2) == jid for h in hb.values())
+    wait_until(assigned, 30, "both raw workers assigned to the job")
+    roots = [i for i in ws if hb[i].get(8) == 1]
+    assert len(roots) == 1, hb
+    r0, r1 = roots[0], 1 - roots[0]
+    gen = hb[r0][3]
+
+    def rdv(i, nccl_id=b"", timeout=5):
+        wid, s = ws[i]
+        body = (cred(wid, s) + field_varint(2, jid) + field_varint(3, gen)
+                + field_bytes(4, f"127.0.0.1:{9000 + i}".encode())
+                + (field_bytes(5, nccl_id) if nccl_id else b""))
+        return call(ch, "/ztrain.Control/Rendezvous", body, timeout=timeout)
+    rng = random.Random(3)
+    good = bytes(rng.choice(b"0123456789abcdef") for _ in range(256))
+    assert good != good.upper()
+    code, _, det = rdv(r1, good)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "only rank 0" in det, (code, det)
+    for bad in (b"zz" * 128, good[:100], good.upper()):
+        code, _, det = rdv(r0, bad)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "256 lowercase hex" in det, (bad, code, det)
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(rdv, r0, good, 20)
+        b = ex.submit(rdv, r1, b"", 20)
+        replies = {r0: a.result(), r1: b.result()}
+    for i, (code, reply, det) in replies.items():
+        assert code == grpc.StatusCode.OK, det
+        f = decode(reply)
+        assert f.get(20) == good and f.get(3, 0) == (0 if i == r0 else 1), f
+    ch.close()

@@ -157,7 +157,7 @@ class Procs:
 
 def start_fleet(procs, n=None, names=None, extra=("--threads", "1"), prefix="w", hb_ms=300,
                 timeout_ms=3000, wait_s=20, worker_env=None, env_by_name=None, coord=None,
-                **coord_kw):
+                extra_by_name=None, **coord_kw):
     """Starts zworkers (the given names, or n named prefix0..) under a new
     zcoord (or `coord`) and waits until every one of them is alive. Returns
     zcoord; coord.workers maps each started worker's name to its Proc."""
@@ -167,7 +167,8 @@ def start_fleet(procs, n=None, names=None, extra=("--threads", "1"), prefix="w",
         coord.workers = {}
     for nm in names:
         env = {**(worker_env or {}), **(env_by_name or {}).get(nm, {})}
-        coord.workers[nm] = procs.worker(coord.grpc, nm, extra=list(extra), env=env)
+        more = list((extra_by_name or {}).get(nm, ()))
+        coord.workers[nm] = procs.worker(coord.grpc, nm, extra=list(extra) + more, env=env)
     wait_until(lambda: all(workers_by_name(coord).get(nm, {}).get("state") == "alive"
                            for nm in names), wait_s, f"workers {names} alive")
     return coord

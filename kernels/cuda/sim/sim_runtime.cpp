@@ -386,6 +386,45 @@ void ensure_init() {
  * returned without reaching a barrier that others wait at (or lanes wait
  * for each other at warp operations); the stand-in says which and stops. */
 
+/* Switching fibers. glibc's swapcontext saves and restores the signal mask
+ * with a system call on every switch, which made a training step of the
+ * gpu-sim worker tests take seconds; on x86-64 a switch is instead the
+ * twelve instructions below (callee-saved registers, MXCSR and the x87
+ * control word, as Boost.Context's fcontext does), and a new fiber starts
+ * from a frame laid out by hand (fiber_stack). Elsewhere ucontext is used. */
+#if defined(__x86_64__)
+#define ZT_SIM_FAST_SWITCH 1
+extern "C" void zt_sim_switch(void **save_sp, void *load_sp);
+__asm__(
+    ".text\n"
+    ".globl zt_sim_switch\n"
+    ".hidden zt_sim_switch\n"
+    ".type zt_sim_switch,@function\n"
+    "zt_sim_switch:\n"
+    "  pushq %rbp\n"
+    "  pushq %rbx\n"
+    "  pushq %r12\n"
+    "  pushq %r13\n"
+    "  pushq %r14\n"
+    "  pushq %r15\n"
+    "  subq $8, %rsp\n"
+    "  stmxcsr (%rsp)\n"
+    "  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n"
+    "  fldcw 4(%rsp)\n"
+    "  addq $8, %rsp\n"
+    "  popq %r15\n"
+    "  popq %r14\n"
+    "  popq %r13\n"
+    "  popq %r12\n"
+    "  popq %rbx\n"
+    "  popq %rbp\n"
+    "  ret\n"
+    ".size zt_sim_switch, .-zt_sim_switch\n");
+#endif
+
 namespace {
 
 enum fiber_state { F_RUN, F_BAR, F_WARP, F_DONE };
@@ -394,6 +433,7 @@ typedef unsigned char warp_slots[32][16];
 
 struct fiber_t {
   ucontext_t uc;
+  void *sp; /* ZT_SIM_FAST_SWITCH: the stack pointer it was switched out at */
   uint3 tid;
   int warp, lane;
   fiber_state st;
@@ -442,6 +482,7 @@ struct launch_t {
   std::vector<warp_result> results;
   std::vector<int> free_results;
   ucontext_t sched;
+  void *sched_sp; /* ZT_SIM_FAST_SWITCH */
   uint64_t rng;
 };
 
@@ -562,8 +603,40 @@ void fiber_entry() {
 void yield_to_scheduler(launch_t *L) {
   fiber_t *f = L->cur;
   t_op.in_thread = 0;
+#ifdef ZT_SIM_FAST_SWITCH
+  zt_sim_switch(&f->sp, L->sched_sp);
+#else
   if (swapcontext(&f->uc, &L->sched) != 0) fatal("swapcontext failed");
+#endif
 }
+
+#ifdef ZT_SIM_FAST_SWITCH
+/* A new fiber's first frame: fiber_entry, then back to the scheduler for
+ * good (the fiber is never switched to again). */
+void fiber_start() {
+  fiber_entry();
+  launch_t *L = t_launch;
+  void *dead;
+  zt_sim_switch(&dead, L->sched_sp);
+  fatal("a finished fiber was resumed");
+}
+
+/* Lays out, below `top`, what zt_sim_switch pops for a fiber that has not
+ * run: MXCSR and control word, six registers, then fiber_start as the
+ * return address, placed so that fiber_start starts with the stack
+ * alignment of a called function. Returns the stack pointer to switch to. */
+void *fiber_stack(char *top) {
+  uint64_t *p = (uint64_t *)((uintptr_t)top & ~(uintptr_t)15);
+  *--p = 0;                       /* fiber_start's return address: none */
+  *--p = (uint64_t)(uintptr_t)fiber_start;
+  for (int i = 0; i < 6; i++) *--p = 0; /* rbp rbx r12 r13 r14 r15 */
+  uint32_t csr[2] = {0, 0};
+  __asm__ volatile("stmxcsr %0" : "=m"(csr[0]));
+  __asm__ volatile("fnstcw %0" : "=m"(csr[1]));
+  *--p = (uint64_t)csr[0] | ((uint64_t)(csr[1] & 0xffff) << 32);
+  return p;
+}
+#endif
 
 launch_t *running_fiber_launch(const char *what) {
   launch_t *L = t_launch;
@@ -627,6 +700,9 @@ void run_block_fibers(launch_t *L) {
   int n = L->nthreads;
   for (int i = 0; i < n; i++) {
     fiber_t &f = g_fibers[i];
+#ifdef ZT_SIM_FAST_SWITCH
+    f.sp = fiber_stack(g_stacks[i].map + kPage + g_set.stack);
+#else
     if (!f.made) {
       if (getcontext(&f.uc) != 0) fatal("getcontext failed");
       f.made = 1;
@@ -636,6 +712,7 @@ void run_block_fibers(launch_t *L) {
     f.uc.uc_stack.ss_flags = 0;
     f.uc.uc_link = &L->sched;
     makecontext(&f.uc, fiber_entry, 0);
+#endif
     f.tid = unflatten((uint64_t)i, L->block);
     f.warp = i / 32;
     f.lane = i % 32;
@@ -668,7 +745,11 @@ void run_block_fibers(launch_t *L) {
     threadIdx = f->tid;
     t_op.thread = f->tid;
     t_op.in_thread = 1;
+#ifdef ZT_SIM_FAST_SWITCH
+    zt_sim_switch(&L->sched_sp, f->sp);
+#else
     if (swapcontext(&L->sched, &f->uc) != 0) fatal("swapcontext failed");
+#endif
     t_op.in_thread = 0;
   }
   L->cur = NULL;
@@ -899,6 +980,7 @@ namespace {
 
 struct stream_rec {
   unsigned flags;
+  int held; /* host work enqueued and not done (zt_sim::stream_hold) */
 };
 struct event_rec {
   double t;
@@ -939,6 +1021,22 @@ cudaError_t check_device(void) {
   return cudaSuccess;
 }
 
+}  // namespace
+
+int zt_sim::stream_hold(cudaStream_t s, int delta) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!s || !g_streams.count(s)) return -1;
+  stream_rec *r = (stream_rec *)s;
+  if (r->held + delta < 0) fatal("stream_hold: more work done than enqueued on stream %p", s);
+  r->held += delta;
+  return 0;
+}
+
+namespace {
+bool stream_busy(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return s && g_streams.count(s) && ((stream_rec *)s)->held > 0;
+}
 }  // namespace
 
 int zt_sim::valid_stream(cudaStream_t s) {
@@ -1204,7 +1302,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int flags) 
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   ensure_init();
   if (flags > cudaStreamNonBlocking) return set_error(cudaErrorInvalidValue);
-  return create_handle(stream, stream_rec{flags}, g_streams);
+  return create_handle(stream, stream_rec{flags, 0}, g_streams);
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *stream) {
@@ -1216,12 +1314,18 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return destroy_handle<stream_rec>(stream, g_streams);
 }
 
+/* Kernels and copies run when they are launched, so only host work a
+ * stream holds (stream_hold) is ever outstanding. */
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  while (stream_busy(stream)) usleep(100);
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamQuery(cudaStream_t stream) { return cudaStreamSynchronize(stream); }
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  return stream_busy(stream) ? cudaErrorNotReady : cudaSuccess;
+}
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);

@@ -68,6 +68,12 @@ void require_device_memory(const void *p, size_t bytes, const char *what);
 /* 1 for a stream handle that may be used (0, the legacy and per-thread
  * streams, or one created and not destroyed). */
 int valid_stream(cudaStream_t stream);
+/* Work enqueued on a stream by the host (the NCCL stand-in, sim_nccl.cpp):
+ * while a stream holds some, cudaStreamQuery says cudaErrorNotReady and
+ * cudaStreamSynchronize waits. delta is +1 (enqueued) or -1 (done or
+ * abandoned by an abort); -1 when the stream is not one cudaStreamCreate
+ * made. */
+int stream_hold(cudaStream_t stream, int delta);
 /* Prints "zt-sim: <message>" and aborts. */
 [[noreturn]] void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
