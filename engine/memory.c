@@ -29,8 +29,9 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
   b += stage < 2 ? 4 * full + 8 * full : 8 * shard;          /* gradients */
   b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
   if (stage >= 2) b += 4 * s0 + 4 * max_unit + 8 * max_unit + 8 * (max_unit / N + 1);
-  if (stage == 2 && overlap && N > 1) b += 8 * max_unit + 8 * (max_unit / N + 1); /* 2nd slot */
+  if (stage >= 2 && overlap && N > 1) b += 8 * max_unit + 8 * (max_unit / N + 1); /* 2nd slot */
   if (stage == 3) b += 4 * s0 + 4 * max_unit;
+  if (stage == 3 && overlap && N > 1) b += 4 * max_unit; /* the prefetch slot */
   b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
   *owned = stage == 0 ? (full + N - 1) / N : shard;
   return b;

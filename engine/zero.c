@@ -15,6 +15,8 @@
 
 #define ZT_ZERO_CTL_BYTES 64
 
+static int ov_wait(zt_zero_t *z);
+
 /* ---- allocation and accounting ------------------------------------------------- */
 
 /* Zeroed table memory; NULL (and z->oom set) when there is not enough. */
@@ -97,6 +99,7 @@ static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count
 
 int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
   size_t bytes = count * zt_dtype_size(dt);
+  if (z->overlap && ov_wait(z) != 0) return -1; /* the communicator is the thread's until then */
   if (!z->dcomm) return zt_comm_all_reduce(z->comm, buf, count, dt, ZT_RED_SUM, z->tmo);
   if (bytes > ZT_ZERO_CTL_BYTES) return zt_err("host all-reduce of %zu bytes: too large", bytes);
   z->k->upload(z->ctl_dev, buf, bytes);
@@ -138,13 +141,14 @@ static int layout(zt_zero_t *z) {
     z->tg64 = alloc_d(z, z->max_unit, FLIGHT);
     z->rs64 = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
   }
-  if (z->stage == 2 && z->want_overlap && z->N > 1) { /* the second slot (zero.h) */
+  if (z->stage >= 2 && z->want_overlap && z->N > 1) { /* the second slot (zero.h) */
     z->tg64b = alloc_d(z, z->max_unit, FLIGHT);
     z->rs64b = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
   }
   if (z->stage == 3) {
     z->gat0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
     z->gat = alloc_f(z, z->max_unit, FLIGHT);
+    if (z->want_overlap && z->N > 1) z->gatb = alloc_f(z, z->max_unit, FLIGHT); /* prefetch */
   }
   z->gbuf = z->k->alloc((z->max_unit ? z->max_unit : 1) * sizeof(float)); /* not a model state */
   z->scratch_bytes = z->max_unit * sizeof(float);
@@ -186,15 +190,22 @@ static void gather_unit(zt_zero_t *z, int u) {
   z->m->unit_params[u] = buf;
 }
 
+static void fetch_unit(zt_zero_t *z, int u, int next);
+
 static int h_pre_forward(void *ctx, int u) {
   zt_zero_t *z = ctx;
-  if (z->stage == 3) gather_unit(z, u);
+  if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
+  else if (z->stage == 3) gather_unit(z, u);
   return z->fail ? -1 : 0;
 }
 
 static int h_pre_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
-  if (z->stage == 3 && u != 0) gather_unit(z, u); /* unit 0 is still gathered */
+  /* Backward runs units 0 (the head; unit 0 is still gathered), U-1, ...,
+   * 1; the next one to fetch is u - 1, and U - 1 after 0. */
+  if (z->stage == 3 && z->overlap && u != 0) fetch_unit(z, u, u - 1);
+  else if (z->stage == 3 && z->overlap) fetch_unit(z, 0, z->U - 1);
+  else if (z->stage == 3 && u != 0) gather_unit(z, u);
   if (z->stage >= 2) {
     float *g = u == 0 ? z->tg0 : z->tg;
     z->k->zero(g, z->S[u] * (size_t)z->N);
@@ -208,11 +219,13 @@ static int h_pre_backward(void *ctx, int u) {
 static double *slot_tg64(zt_zero_t *z, int s) { return s ? z->tg64b : z->tg64; }
 static double *slot_rs64(zt_zero_t *z, int s) { return s ? z->rs64b : z->rs64; }
 
+static float *gat_slot(zt_zero_t *z, int s) { return s == 2 ? z->gat0 : s ? z->gatb : z->gat; }
+
 /* One queued reduction. Stages 0-1: unit u's padded range of the fp64
- * sum. Stage 2: slot s's fp64 unit gradient, reduce-scattered, then its
- * shard added into the sum (host memory: a plain loop on this thread). */
+ * sum. Stages 2-3: slot s's fp64 unit gradient, reduce-scattered, then
+ * its shard added into the sum (host memory: a plain loop on this thread). */
 static int reduce_unit(zt_zero_t *z, int u, int s) {
-  if (z->stage == 2) {
+  if (z->stage >= 2) {
     double *rs = slot_rs64(z, s), *acc = z->G64 + z->off_shard[u];
     if (c_reduce_scatter(z, slot_tg64(z, s), rs, z->S[u], ZT_DT_F64) != 0) return -1;
     for (size_t i = 0; i < z->S[u]; i++) acc[i] += rs[i];
@@ -223,8 +236,13 @@ static int reduce_unit(zt_zero_t *z, int u, int s) {
   return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
 }
 
-/* Takes queued units in order; after a failure the rest are only
- * dequeued (the step fails in zt_zero_reduce). */
+/* A queue entry: unit, what to do (gather its parameters or reduce its
+ * gradient) and the slot (gat_slot or the fp64 gradient slot). */
+enum { OV_REDUCE = 0, OV_GATHER = 1 };
+#define OV_ENTRY(u, kind, s) ((u) << 3 | (kind) << 2 | (s))
+
+/* Takes queued entries in order; after a failure the rest are only
+ * dequeued (the step fails in zt_zero_reduce or the next fetch). */
 static void *ov_main(void *arg) {
   zt_zero_t *z = arg;
   pthread_mutex_lock(&z->ov_mu);
@@ -232,15 +250,22 @@ static void *ov_main(void *arg) {
     while (!z->ov_quit && !z->ov_len) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
     if (z->ov_quit) break;
     int e = z->ov_queue[z->ov_head], failed = z->ov_fail;
+    int u = e >> 3, kind = (e >> 2) & 1, s = e & 3;
     pthread_mutex_unlock(&z->ov_mu);
-    int rc = failed ? 0 : reduce_unit(z, e >> 1, e & 1);
+    int rc = 0;
+    if (!failed && kind == OV_GATHER)
+      rc = c_all_gather(z, z->Ps + z->off_shard[u], gat_slot(z, s), z->S[u], ZT_DT_F32);
+    else if (!failed)
+      rc = reduce_unit(z, u, s);
     pthread_mutex_lock(&z->ov_mu);
     if (rc != 0 && !z->ov_fail) {
       z->ov_fail = 1;
-      snprintf(z->ov_msg, sizeof z->ov_msg, "gradient reduction of unit %d: %s", e >> 1,
+      snprintf(z->ov_msg, sizeof z->ov_msg, "%s of unit %d: %s",
+               kind == OV_GATHER ? "all-gather of parameters" : "gradient reduction", u,
                zt_err_msg());
     }
-    if (z->stage == 2) z->ov_busy[e & 1] = 0;
+    if (kind == OV_GATHER) z->pf_busy[s] = 0;
+    else if (z->stage >= 2) z->ov_busy[s] = 0;
     z->ov_head = (z->ov_head + 1) % z->ov_cap;
     z->ov_len--;
     pthread_cond_broadcast(&z->ov_cv);
@@ -249,11 +274,12 @@ static void *ov_main(void *arg) {
   return NULL;
 }
 
-static void ov_push(zt_zero_t *z, int u, int s) {
+static void ov_push(zt_zero_t *z, int u, int kind, int s) {
   pthread_mutex_lock(&z->ov_mu);
-  z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = u << 1 | s;
+  z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s);
   z->ov_len++;
-  if (z->stage == 2) z->ov_busy[s] = 1;
+  if (kind == OV_GATHER) z->pf_busy[s] = 1;
+  else if (z->stage >= 2) z->ov_busy[s] = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
 }
@@ -275,6 +301,69 @@ static int ov_slot(zt_zero_t *z) {
   return s;
 }
 
+/* ---- stage 3 prefetch ------------------------------------------------------------ */
+
+/* Waits until gather slot s (gat_slot) is filled; -1 when a queued
+ * operation failed (the hook fails the step, as a gather would). */
+static int pf_wait(zt_zero_t *z, int s) {
+  int rc = 0;
+  pthread_mutex_lock(&z->ov_mu);
+  while (z->pf_busy[s] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  if (z->ov_fail) {
+    if (!z->fail) snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
+    z->fail = 1;
+    rc = -1;
+  }
+  pthread_mutex_unlock(&z->ov_mu);
+  return rc;
+}
+
+/* The gather slot (0 or 1) that holds, or is receiving, unit u's current
+ * parameters (pver: they change only in the optimizer step and loads);
+ * -1 if none. */
+static int pf_find(const zt_zero_t *z, int u) {
+  for (int s = 0; s < 2; s++)
+    if (z->pf_unit[s] == u && z->pf_ver[s] == z->pver) return s;
+  return -1;
+}
+
+/* Queues the gather of unit u into slot s (waiting first for a gather
+ * still arriving there). */
+static void pf_queue(zt_zero_t *z, int u, int s) {
+  if (pf_wait(z, s) != 0) return;
+  z->pf_unit[s] = u;
+  z->pf_ver[s] = z->pver;
+  ov_push(z, u, OV_GATHER, s);
+}
+
+/* Stage 3 with overlap, the hooks before a unit's forward or backward:
+ * unit u's parameters from the slot that has them (or is receiving
+ * them), else gathered now (queued behind what is in flight, so the
+ * communicator keeps one order on every rank); then `next`, the unit the
+ * model uses after u, is queued into the other slot so that the network
+ * carries it while u computes. Unit 0 (the embeddings, used at both ends
+ * of forward and first in backward) has a slot of its own. Every rank
+ * runs the same hooks in the same order, so the queues match. */
+static void fetch_unit(zt_zero_t *z, int u, int next) {
+  if (z->fail) return;
+  int s;
+  if (u == 0) {
+    s = 2;
+    if (z->pf_unit[2] != 0 || z->pf_ver[2] != z->pver) {
+      z->pf_unit[2] = 0;
+      z->pf_ver[2] = z->pver;
+      ov_push(z, 0, OV_GATHER, 2);
+    }
+  } else if ((s = pf_find(z, u)) < 0) {
+    s = z->pf_cur ^ 1; /* the slot of the unit before is free */
+    pf_queue(z, u, s);
+  }
+  if (u != 0) z->pf_cur = s;
+  if (next > 0 && next < z->U && pf_find(z, next) < 0) pf_queue(z, next, z->pf_cur ^ 1);
+  if (pf_wait(z, s) != 0) return;
+  z->m->unit_params[u] = gat_slot(z, s);
+}
+
 /* Waits until every queued unit is reduced; -1 when one failed. */
 static int ov_wait(zt_zero_t *z) {
   pthread_mutex_lock(&z->ov_mu);
@@ -285,7 +374,9 @@ static int ov_wait(zt_zero_t *z) {
 }
 
 static int ov_start(zt_zero_t *z) {
-  z->ov_cap = z->U + 2; /* stages 0-1: U units a step; stage 2: two at a time */
+  /* stages 0-1: U units a step; stages 2-3: two reductions and three
+   * gathers at a time */
+  z->ov_cap = z->U + 5;
   z->ov_queue = zt_xcalloc((size_t)z->ov_cap, sizeof *z->ov_queue);
   pthread_mutex_init(&z->ov_mu, NULL);
   pthread_cond_init(&z->ov_cv, NULL);
@@ -325,16 +416,16 @@ static int h_post_backward(void *ctx, int u) {
   if (z->stage < 2 && z->overlap && z->last_micro) {
     size_t off = z->off_full[u];
     z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
-    ov_push(z, u, 0);
+    ov_push(z, u, OV_REDUCE, 0);
     return 0;
   }
   if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
   const float *g = u == 0 ? z->tg0 : z->tg;
-  if (z->stage == 2 && z->overlap) {
+  if (z->overlap) {
     int s = ov_slot(z);
     if (s < 0) return -1;
     z->k->widen_f64(slot_tg64(z, s), g, z->S[u] * (size_t)z->N);
-    ov_push(z, u, s);
+    ov_push(z, u, OV_REDUCE, s);
     return 0;
   }
   z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
@@ -364,7 +455,9 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   if (layout(z) != 0) return -1;
   if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES)))
     return zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");
-  if (o->overlap && z->stage < 3 && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
+  z->pver = 1;
+  z->pf_unit[0] = z->pf_unit[1] = z->pf_unit[2] = -1;
+  if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
   zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
   zt_model_set_hooks(m, &hooks);
   return 0;
@@ -373,8 +466,8 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
 void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
-  void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,    z->gat0,
-                  z->gat,  z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev};
+  void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,      z->gat0, z->gat,
+                  z->gatb, z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev};
   for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
     if (bufs[i]) z->k->release(bufs[i]);
   free(z->usz), free(z->S), free(z->off_full), free(z->off_shard);
@@ -408,6 +501,7 @@ int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
  * initialisation (zt_layout_init_unit), and uploaded: whole (stages 0-2)
  * or this rank's shard (stage 3). */
 static void put_params(zt_zero_t *z, uint64_t seed, const float *flat) {
+  z->pver++;
   float *tmp = zt_xmalloc((z->max_unit ? z->max_unit : 1) * sizeof(float));
   for (int u = 0; u < z->U; u++) {
     memset(tmp, 0, z->S[u] * (size_t)z->N * sizeof(float));
@@ -448,6 +542,7 @@ int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int
    * host views of P (or Ps), M and V. */
   size_t np = z->stage < 3 ? z->full_total : z->shard_total;
   size_t no = z->stage == 0 ? z->full_total : z->shard_total;
+  z->pver++;
   float *pbuf = z->stage < 3 ? z->P : z->Ps;
   float *hp = host_view(z, pbuf, np), *hm = host_view(z, z->M, no), *hv = host_view(z, z->V, no);
   zt_ckpt_dest_t *dest = zt_xcalloc((size_t)z->U * 2, sizeof *dest);
@@ -554,6 +649,7 @@ static void adamw_unit(zt_zero_t *z, const zt_opt_config_t *o, int u, float lr, 
 }
 
 void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t) {
+  z->pver++; /* gathered copies are stale from here on */
   for (int u = 0; u < z->U; u++) adamw_unit(z, o, u, lr, gscale, t);
 }
 
@@ -586,6 +682,7 @@ int zt_zero_reduce(zt_zero_t *z) {
 
 int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
+  if (z->overlap && ov_wait(z) != 0) return -1;
   for (int u = 0; u < z->U; u++) {
     float *p = z->P + z->off_full[u];
     if (c_all_gather(z, p + (size_t)z->r * z->S[u], p, z->S[u], ZT_DT_F32) != 0) return -1;

@@ -24,13 +24,13 @@
  * backward) and drops it after. Gradient sums are kept in fp64, so the
  * reduced gradient is exact and the same for any world size.
  *
- * Overlap (stages 0-2, host memory, N > 1; zero_optimization.overlap_comm,
+ * Overlap (host memory, N > 1; zero_optimization.overlap_comm,
  * on by default). Stages 0-1: in the last micro-step a unit's gradient is
  * final as soon as the model's post_backward hook runs for it: the hook
  * adds it to the fp64 sum and queues the unit's reduction (stage 0
  * all-reduce, stage 1 reduce-scatter) for a communication thread, and
  * backward goes on with the next unit while the network carries this one.
- * Stage 2, every micro-step: the hook widens the unit's gradient into one
+ * Stages 2-3, every micro-step: the hook widens the unit's gradient into one
  * of two fp64 slots (waiting while both are in flight) and queues its
  * reduce-scatter; the thread adds the reduced shard into the sum. In both,
  * zt_zero_reduce waits for the queue. The thread is the only user of the
@@ -38,8 +38,13 @@
  * finishes them, and adds shards into the sum in that same order; the fp64
  * sums do not depend on how the elements are grouped, so the results are
  * the same as without overlap (test_zero.py compares the loss series bit
- * for bit). Stage 3 gathers parameters on the training thread inside
- * forward and backward and stays synchronous.
+ * for bit). Stage 3 also prefetches: the hook before a unit's forward or
+ * backward takes its parameters from the gather slot that holds them (or
+ * waits for the gather arriving there) and queues the gather of the unit
+ * the model uses next into the other slot, so the network carries unit
+ * l + 1 (l - 1 in backward) while unit l computes; gathers and reductions
+ * share the thread's one queue, so every rank issues them in the same
+ * order. An all-gather copies bits, so prefetching changes no value.
  *
  * Devices. Every buffer lives in the memory of the kernel table z->k and
  * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
@@ -100,8 +105,15 @@ typedef struct zt_zero {
   pthread_cond_t ov_cv;
   int *ov_queue;         /* ring of (unit << 1 | slot), ov_cap entries */
   int ov_cap, ov_head, ov_len, ov_quit;
-  int ov_busy[2], ov_next; /* stage 2: the two fp64 unit buffers in flight */
-  double *tg64b, *rs64b;   /* stage 2 with overlap: the second slot */
+  int ov_busy[2], ov_next; /* stages 2-3: the two fp64 unit buffers in flight */
+  double *tg64b, *rs64b;   /* stages 2-3 with overlap: the second slot */
+  /* Stage 3 prefetch (fetch_unit): gather slots 0 and 1 (gat, gatb) and 2
+   * (gat0, unit 0); the unit each holds or receives, at which parameter
+   * version (pver, bumped by every change of the parameters), whether its
+   * gather is still queued (under ov_mu), and the slot in use. */
+  float *gatb;
+  int pf_unit[3], pf_busy[3], pf_cur;
+  uint64_t pf_ver[3], pver;
   int ov_fail;           /* a queued reduction failed: ov_msg says why */
   char ov_msg[512];
 } zt_zero_t;

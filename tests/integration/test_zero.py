@@ -132,11 +132,12 @@ def test_activation_checkpointing_bit_identical(procs, tmp_path, data):
 def test_overlap_comm_bit_identical(procs, tmp_path, data):
     """zero_optimization.overlap_comm (the default) reduces each unit's gradient on a
     communication thread while backward goes on: the loss series equals the synchronous one to
-    the bit (stages 0 and 1 reduce after the last micro-step, stage 2 in every micro-step, with
-    2 or 4 micro-steps per rank)."""
+    the bit (stages 0 and 1 reduce after the last micro-step, stages 2 and 3 in every
+    micro-step, with 2 or 4 micro-steps per rank; stage 3 also prefetches the next unit's
+    parameters on the thread)."""
     train, val = data
     coord = start_fleet(procs, 3)
-    for stage, n in ((0, 2), (1, 3), (2, 3), (2, 2)):
+    for stage, n in ((0, 2), (1, 3), (2, 3), (2, 2), (3, 3), (3, 2)):
         spec = tiny_spec(train, val, STEPS, stage, n)
         spec["zero_optimization"]["overlap_comm"] = False
         ref = run_job(procs, coord, tmp_path, spec, f"sync-s{stage}n{n}")
