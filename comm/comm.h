@@ -78,6 +78,9 @@ ZT_MUST_CHECK int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **ou
  * every rank; each rank then creates its communicator on GPU `device`.
  * Buffers passed to the operations are then device pointers. */
 ZT_MUST_CHECK int zt_comm_nccl_unique_id(char hex[257]);
+/* 1 when the NCCL and CUDA runtime libraries load (a GPU worker says so
+ * when it registers); 0 with the reason as the error otherwise. */
+int zt_comm_nccl_available(void);
 ZT_MUST_CHECK int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
                         zt_comm_t **out);
 

@@ -142,6 +142,8 @@ static int wait_done(struct zt_nccl *n, int check_stream, zt_deadline_t dl, cons
   }
 }
 
+int zt_comm_nccl_available(void) { return load() == 0; }
+
 int zt_comm_nccl_unique_id(char hex[2 * NCCL_UNIQUE_ID_BYTES + 1]) {
   if (load() != 0) return -1;
   ncclUniqueId id;

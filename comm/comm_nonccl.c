@@ -6,6 +6,11 @@
 #include "comm_backend.h"
 #include "zt_common.h"
 
+int zt_comm_nccl_available(void) {
+  zt_err("this build has no NCCL backend (CUDA was not found at build time)");
+  return 0;
+}
+
 int zt_comm_nccl_unique_id(char hex[257]) {
   (void)hex;
   return zt_err("this build has no NCCL backend (CUDA was not found at build time)");

@@ -84,6 +84,10 @@ typedef struct {
   /* Assignment: the job generation this worker belongs to (0: idle). */
   uint64_t job_id, gen;
   int rank;
+  /* It said at registration that its NCCL libraries load (not stored:
+   * after a coordinator restart it counts as without, until it registers
+   * again, and its generations use the ring). */
+  int nccl;
 } zt_member_t;
 
 #define ZT_MAX_WORLD 256
@@ -386,6 +390,7 @@ typedef struct {
   const char *store_addr; /* HOST:PORT of its replica store, or "" */
   int pid;
   uint64_t host_memory, device_memory;
+  int nccl; /* a GPU worker whose NCCL libraries load */
 } zt_register_t;
 /* Register / heartbeat / leave. Register gives the member a new session
  * credential; it sets *known when the name was registered before (the

@@ -342,14 +342,15 @@ static void index_hosts(zt_coord_t *c, zt_job_t *j) {
 
 /* Which collectives the generation uses: NCCL when it has two ranks or
  * more and each has a GPU of its own (a "cuda:N" device that no other rank
- * on its machine names: NCCL refuses two ranks on one GPU), the TCP ring
- * otherwise (CPU workers, mixed generations, ranks sharing a GPU). */
+ * on its machine names: NCCL refuses two ranks on one GPU) and NCCL
+ * libraries that load, the TCP ring otherwise (CPU workers, mixed
+ * generations, ranks sharing a GPU, a worker without NCCL). */
 static void choose_comm(zt_coord_t *c, zt_job_t *j) {
   j->nccl = j->row.world >= 2;
   j->nccl_id[0] = 0;
   for (int r = 0; r < j->row.world && j->nccl; r++) {
     zt_member_t *m = zt_members_get(c, j->workers[r]);
-    if (!m || strncmp(m->row.device, "cuda:", 5) != 0) j->nccl = 0;
+    if (!m || !m->nccl || strncmp(m->row.device, "cuda:", 5) != 0) j->nccl = 0;
     for (int q = 0; q < r && j->nccl; q++)
       if (j->host_of[q] == j->host_of[r] &&
           !strcmp(zt_members_get(c, j->workers[q])->row.device, m->row.device))

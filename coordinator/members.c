@@ -260,6 +260,7 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   }
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
+  m->nccl = r->nccl;
   ZT_INFO("worker %s (id %llu) %s from %s", r->name, (unsigned long long)row.id, kind, r->host);
   *out = m;
   return 0;

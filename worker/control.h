@@ -40,6 +40,7 @@ typedef struct {
   int64_t backoff_max_ms;  /* 0: 5000 */
   int64_t drain_timeout_ms; /* longest wait for a checkpoint before leaving; 0: 90000 */
   uint64_t host_memory, device_memory; /* reported at registration (bytes) */
+  int nccl;                            /* ... and whether NCCL loads (GPU workers) */
   /* The checkpoint root (absolute): its files are reported at
    * registration, and epochs the coordinator drops are deleted under it.
    * NULL: neither. */

@@ -27,6 +27,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include "comm.h"
 #include "control.h"
 #include "device.h"
 #include "runner.h"
@@ -233,12 +234,15 @@ int main(int argc, char **argv) {
 
   static zt_runner_t *runner;
   uint64_t device_memory = 0;
+  int nccl = 0;
   if (zt_device_parse(a.device) >= 0 && !(device_memory = zt_device_memory(a.device)))
     ZT_WARN("%s: %s; jobs will fail on this worker until it is fixed", a.device, zt_err_msg());
+  if (zt_device_parse(a.device) >= 0 && !(nccl = zt_comm_nccl_available()))
+    ZT_WARN("no NCCL (%s): this worker's generations use the TCP ring", zt_err_msg());
   zt_ctl_opts_t o = {.coordinator = a.coordinator, .name = a.name, .device = a.device,
                      .host = a.host, .ckpt_root = a.ckpt_root,
                      .secret = a.secret, .host_memory = a.memory,
-                     .device_memory = device_memory, .on_command = on_command,
+                     .device_memory = device_memory, .nccl = nccl, .on_command = on_command,
                      .timing = on_timing, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());

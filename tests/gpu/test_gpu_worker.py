@@ -83,14 +83,14 @@ def data(tmp_path_factory):
     return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
 
 
-def fleet(procs, n, device, tag, own_devices=False):
+def fleet(procs, n, device, tag, own_devices=False, env_by_name=None):
     """n workers on `device`, or on cuda:0..n-1 (own_devices)."""
     names = [f"{tag}{i}" for i in range(n)]
     by_name = {nm: ("--device", f"cuda:{i}") for i, nm in enumerate(names)} if own_devices else {}
     return start_fleet(procs, names=names, extra=("--threads", "1", "--device", device),
                        extra_by_name=by_name, timeout_ms=5000, wait_s=60, name=f"zcoord-{tag}",
                        db=os.path.join(procs.tmp, f"{tag}.db"),
-                       worker_env=SIM_ENV if device != "cpu" else None)
+                       worker_env=SIM_ENV if device != "cpu" else None, env_by_name=env_by_name)
 
 
 def comm_used(procs, names):
@@ -180,3 +180,22 @@ def test_gpu_nccl_kill9(procs, tmp_path, data):
     assert "ncclAllReduce: remote process exited" in logs or \
         "ncclReduceScatter: remote process exited" in logs or \
         "ncclAllGather: remote process exited" in logs, "the survivors saw NCCL's async error"
+
+
+@pytest.mark.skipif(not SIM, reason="a worker without NCCL is made on the stand-in")
+def test_gpu_worker_without_nccl_gets_the_ring(procs, tmp_path, data):
+    """A GPU worker whose NCCL library does not load says so when it
+    registers; the coordinator gives its generations the TCP ring, and the
+    job trains to the same losses."""
+    train, val = data
+    coord = fleet(procs, 2, "cuda:0", "n", own_devices=True,
+                  env_by_name={"n1": {"ZT_NCCL_LIB": "/nonexistent/libnccl.so.2"}})
+    steps = 10
+    got = run_steps(procs, coord, tmp_path, tiny_spec(train, val, steps, 2, 2), "no-nccl", steps)
+    ref = run_steps(procs, fleet(procs, 1, "cuda:0", "m"), tmp_path,
+                    tiny_spec(train, val, steps, 2, 1), "one", steps)
+    assert all(got[s] == ref[s] for s in range(1, steps + 1)), (got, ref)
+    used = comm_used(procs, ["n0", "n1"])
+    assert all(u and all(c == "TCP ring" for _, c in u) for u in used.values()), used
+    with open(os.path.join(procs.tmp, "n1.log"), errors="replace") as f:
+        assert "no NCCL (NCCL backend: cannot load libnccl" in f.read()

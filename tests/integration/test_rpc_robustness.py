@@ -191,7 +191,8 @@ def test_rendezvous_relays_nccl_id(procs, tmp_path):
     for i in range(2):
         code, reply, det = call(ch, "/ztrain.Control/RegisterWorker",
                                 field_bytes(1, f"gpu{i}".encode()) + field_bytes(3, f"cuda:{i}".encode())
-                                + field_varint(8, 16 << 30) + field_varint(9, 16 << 30))
+                                + field_varint(8, 16 << 30) + field_varint(9, 16 << 30)
+                                + field_varint(12, 1))  # NCCL loads
         assert code == grpc.StatusCode.OK, det
         f = decode(reply)
         ws[i] = (f[1], f[5])
