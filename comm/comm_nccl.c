@@ -76,9 +76,12 @@ static int load(void) {
   const char *nccl[] = {"libnccl.so.2", "libnccl.so", "/usr/local/cuda/lib64/libnccl.so.2", NULL};
   if (ec && *ec) cudart[0] = ec, cudart[1] = NULL;
   if (en && *en) nccl[0] = en, nccl[1] = NULL;
-  void *hc = open_first(cudart), *hn = open_first(nccl);
-  if (!hc || !hn)
-    return zt_err("NCCL backend: cannot load %s: %s", !hc ? "libcudart" : "libnccl", dlerror());
+  char why[512] = "";
+  void *hc = open_first(cudart);
+  if (!hc) snprintf(why, sizeof why, "%s", dlerror());
+  void *hn = hc ? open_first(nccl) : NULL;
+  if (hc && !hn) snprintf(why, sizeof why, "%s", dlerror());
+  if (!hc || !hn) return zt_err("NCCL backend: cannot load %s: %s", !hc ? "libcudart" : "libnccl", why);
   SYM(hn, GetUniqueId, "ncclGetUniqueId");
   SYM(hn, CommInitRankConfig, "ncclCommInitRankConfig");
   SYM(hn, CommGetAsyncError, "ncclCommGetAsyncError");

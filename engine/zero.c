@@ -451,7 +451,7 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->stage = o->stage;
   z->tmo = o->timeout_ms;
   z->inv_k = o->inv_k;
-  z->want_overlap = o->overlap;
+  z->want_overlap = o->overlap && !o->dev; /* the thread runs on host memory only */
   if (layout(z) != 0) return -1;
   if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES)))
     return zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");

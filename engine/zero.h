@@ -103,7 +103,7 @@ typedef struct zt_zero {
   pthread_t ov_thread;
   pthread_mutex_t ov_mu;
   pthread_cond_t ov_cv;
-  int *ov_queue;         /* ring of (unit << 1 | slot), ov_cap entries */
+  int *ov_queue;         /* ring of OV_ENTRY(unit, kind, slot), ov_cap entries */
   int ov_cap, ov_head, ov_len, ov_quit;
   int ov_busy[2], ov_next; /* stages 2-3: the two fp64 unit buffers in flight */
   double *tg64b, *rs64b;   /* stages 2-3 with overlap: the second slot */

@@ -368,6 +368,13 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
               rv->nccl_id[0] ? "NCCL" : "TCP ring", (long long)(zt_now_ms() - t0));
       return rv;
     }
+    if (st == ZT_RPC_INVALID_ARGUMENT && req.nccl_id[0]) {
+      /* The coordinator does not take our NCCL id (it restarted and no
+       * longer counts this generation as an NCCL one): use the ring. */
+      ZT_WARN("rendezvous: %s; calling again without an NCCL id", zt_err_msg());
+      req.nccl_id = "";
+      continue;
+    }
     if (st == ZT_RPC_FAILED_PRECONDITION || st == ZT_RPC_NOT_FOUND || st == ZT_RPC_ABORTED) {
       ZT_INFO("rendezvous for job %llu generation %llu ended: %s", (unsigned long long)r->cur_job,
               (unsigned long long)r->cur_gen, zt_err_msg());

@@ -272,12 +272,14 @@ bool init_root(ncclComm *c) {
     int fd = accept4(c->lfd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) continue;
     uint32_t h[3];
-    if (!recv_all(c, fd, h, sizeof h) || h[0] != kHello || (int)h[2] != c->nranks ||
-        h[1] == 0 || (int)h[1] >= c->nranks || c->fds[h[1]] >= 0) {
-      say("ncclCommInitRank: %s: a bad hello from a peer", c->token);
+    if (!recv_all(c, fd, h, sizeof h) || h[0] != kHello || h[2] != (uint32_t)c->nranks ||
+        h[1] == 0 || h[1] >= (uint32_t)c->nranks || c->fds[h[1]] >= 0) {
+      if (c->aborting.load()) return false;
+      say("ncclCommInitRank: %s: a bad hello, ignored", c->token); /* not one of ours */
       close(fd);
-      return false;
+      continue;
     }
+    std::lock_guard<std::mutex> lk(c->mu); /* fds: finish() reads them */
     c->fds[h[1]] = fd;
     got++;
   }
@@ -298,6 +300,7 @@ bool init_peer(ncclComm *c) {
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return false;
     if (connect(fd, (struct sockaddr *)&a, len) == 0) {
+      std::lock_guard<std::mutex> lk(c->mu); /* fds: finish() reads them */
       c->fds[0] = fd;
       break;
     }
@@ -445,13 +448,13 @@ ncclResult_t enqueue(ncclComm *c, int kind, const void *send, void *recv, size_t
  * it finish what is enqueued. Every hold still on a stream is released. */
 ncclResult_t finish(ncclComm *c, bool abort) {
   if (!c) return ncclInvalidArgument;
-  if (abort) {
-    c->aborting.store(1);
-    for (int fd : c->fds)
-      if (fd >= 0) shutdown(fd, SHUT_RDWR);
-  }
+  if (abort) c->aborting.store(1); /* first: the threads poll it, never under mu */
   {
     std::lock_guard<std::mutex> lk(c->mu);
+    if (abort) {
+      for (int fd : c->fds)
+        if (fd >= 0) shutdown(fd, SHUT_RDWR);
+    }
     c->closing = true;
     c->cv.notify_one();
   }

@@ -391,12 +391,15 @@ void ensure_init() {
  * gpu-sim worker tests take seconds; on x86-64 a switch is instead the
  * twelve instructions below (callee-saved registers, MXCSR and the x87
  * control word, as Boost.Context's fcontext does), and a new fiber starts
- * from a frame laid out by hand (fiber_stack). Elsewhere ucontext is used. */
+ * from a frame laid out by hand (fiber_stack). Elsewhere ucontext is used.
+ * The switch returns into another stack, which a CET shadow stack would
+ * refuse; Linux enables those only for programs that ask for them, and
+ * these test programs do not. */
 #if defined(__x86_64__)
 #define ZT_SIM_FAST_SWITCH 1
 extern "C" void zt_sim_switch(void **save_sp, void *load_sp);
 __asm__(
-    ".text\n"
+    ".pushsection .text\n"
     ".globl zt_sim_switch\n"
     ".hidden zt_sim_switch\n"
     ".type zt_sim_switch,@function\n"
@@ -422,7 +425,8 @@ __asm__(
     "  popq %rbx\n"
     "  popq %rbp\n"
     "  ret\n"
-    ".size zt_sim_switch, .-zt_sim_switch\n");
+    ".size zt_sim_switch, .-zt_sim_switch\n"
+    ".popsection\n");
 #endif
 
 namespace {
@@ -1152,7 +1156,18 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
   return cudaSuccess;
 }
 
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+/* Waits for host work held on any stream (zt_sim::stream_hold). */
+cudaError_t cudaDeviceSynchronize(void) {
+  for (;;) {
+    bool busy = false;
+    {
+      std::lock_guard<std::recursive_mutex> lk(g_mu);
+      for (const void *s : g_streams) busy = busy || ((const stream_rec *)s)->held > 0;
+    }
+    if (!busy) return cudaSuccess;
+    usleep(100);
+  }
+}
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
