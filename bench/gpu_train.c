@@ -16,7 +16,7 @@
  * use.
  *
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
- *                    [--batch B] [--steps N] [--math fp32|tf32|bf16]
+ *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
  *                    [--attention auto|tiled|cublas]
  * Exits 77 without a CUDA device.
  */
@@ -56,7 +56,7 @@ static double peak_tflops(const char *name) {
 static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
-          "                   [--batch B] [--steps N] [--math fp32|tf32|bf16]\n"
+          "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
           "                   [--attention auto|tiled|cublas]\n");
   return 2;
 }
@@ -66,6 +66,7 @@ int main(int argc, char **argv) {
   int B = 8, steps = 20;
   zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
   const char *math_name = "bf16", *att = "auto";
+  int storage16 = 0; /* bf16-storage: the bf16 table and an fp32 master (zt_kernels.h) */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v) return usage();
@@ -86,6 +87,7 @@ int main(int argc, char **argv) {
       if (!strcmp(v, "fp32")) math = ZT_CUDA_MATH_FP32;
       else if (!strcmp(v, "tf32")) math = ZT_CUDA_MATH_TF32;
       else if (!strcmp(v, "bf16")) math = ZT_CUDA_MATH_BF16;
+      else if (!strcmp(v, "bf16-storage")) math = ZT_CUDA_MATH_BF16, storage16 = 1;
       else return usage();
     } else return usage();
   }
@@ -98,7 +100,7 @@ int main(int argc, char **argv) {
   zt_kern_cuda_set_math(math);
   if (!strcmp(att, "tiled")) zt_kern_cuda_set_attention_scratch_max(0);
   if (!strcmp(att, "cublas")) zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
-  const zt_kernels_t *k = zt_kernels_cuda();
+  const zt_kernels_t *k = storage16 ? zt_kernels_cuda_bf16() : zt_kernels_cuda();
   int T = cfg.seq_len;
   zt_model_t *m;
   if (zt_model_create(&m, &cfg, B, T, k, 0) != 0) {
@@ -108,7 +110,12 @@ int main(int argc, char **argv) {
   zt_model_init(m, 1337);
   size_t P = m->lay.num_params;
   float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
-  if (!mom || !var) {
+  /* With bf16 storage AdamW updates an fp32 master, rounded into the
+   * model's bf16 parameters after each step (as engine/zero.c does); the
+   * master starts from the rounded initial values. */
+  float *master = storage16 ? k->alloc(P * sizeof(float)) : m->params;
+  if (storage16 && master) k->widen_x(master, m->params, P);
+  if (!mom || !var || !master) {
     fprintf(stderr, "zt_gpubench: out of device memory for the optimizer state\n");
     return 1;
   }
@@ -130,8 +137,9 @@ int main(int argc, char **argv) {
       return 1;
     }
     float t = (float)(step + 1);
-    k->adamw(m->params, m->grads, mom, var, P, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.0f,
+    k->adamw(master, m->grads, mom, var, P, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.0f,
              1.0f - powf(0.9f, t), 1.0f - powf(0.95f, t));
+    if (storage16) k->narrow_x(m->params, master, P);
     zt_cuda_sync();
     times[step] = now_s() - t0;
     if (step == 0) first = loss;
@@ -144,7 +152,9 @@ int main(int argc, char **argv) {
   size_t N = zt_model_param_count(&cfg, 0);
   double flops = (6.0 * N + 6.0 * cfg.n_layer * cfg.n_embd * (double)T) * tokens;
   double tflops = flops / (ms * 1e-3) / 1e12, peak = peak_tflops(zt_cuda_device_name());
-  size_t act = zt_model_activation_bytes(m), state = 4 * P * sizeof(float);
+  /* params (+ master), grads, m, v */
+  size_t act = zt_model_activation_bytes(m),
+         state = P * (3 * sizeof(float) + (size_t)k->xbytes) + (storage16 ? P * sizeof(float) : 0);
   printf("{\"engine\": \"ztrain\", \"math\": \"%s\", \"device\": \"%s\", \"params\": %zu, "
          "\"batch\": %d, \"seq\": %d, \"ms_per_step\": %.2f, \"tokens_per_s\": %.0f, "
          "\"tflops\": %.1f, \"mfu\": %.4f, \"loss_first\": %.4f, \"loss_last\": %.4f, "
@@ -154,6 +164,7 @@ int main(int argc, char **argv) {
          peak > 0 ? tflops / peak : 0.0, first, last, state / 1073741824.0, act / 1073741824.0,
          att, zt_cuda_device_memory_used() / 1073741824.0);
   k->release(mom), k->release(var);
+  if (storage16) k->release(master);
   zt_model_free(m);
   free(inp), free(tgt), free(times);
   return 0;

@@ -7,46 +7,53 @@
 #ifndef ZT_ACTIVATIONS_H
 #define ZT_ACTIVATIONS_H
 
-/* The activation tensors, in floats, for a capacity of B x T (BT = B * T):
- * one entry per tensor, in allocation order. Per-layer tensors are held for
- * LA layers: L, or 1 with activation checkpointing (each layer's input,
- * res3 of the layer before, stays for all L; the rest is recomputed in
- * backward, one layer at a time). This list declares the fields of struct
- * zt_acts, allocates, frees and counts them (as llm.c's table of activation
- * sizes does). */
-#define ZT_ACTIVATIONS(X)              \
-  X(encoded, BT * C)                  \
-  X(ln1, LA * BT * C)                 \
-  X(ln1_mean, LA * BT)                \
-  X(ln1_rstd, LA * BT)                \
-  X(qkv, LA * BT * 3 * C)             \
-  X(atty, LA * BT * C)                \
-  X(lse, LA * BT * NH)                \
-  X(res2, LA * BT * C)                \
-  X(ln2, LA * BT * C)                 \
-  X(ln2_mean, LA * BT)                \
-  X(ln2_rstd, LA * BT)                \
-  X(fch, LA * BT * 4 * C)             \
-  X(fch_gelu, LA * BT * 4 * C)        \
-  X(res3, L * BT * C)                 \
-  X(lnf, BT * C)                      \
-  X(lnf_mean, BT)                     \
-  X(lnf_rstd, BT)                     \
-  X(logits, BT * Vp)                  \
-  X(losses, BT)                       \
-  X(dres, BT * C)                     \
-  X(dbtc, BT * C)                     \
-  X(dqkv, BT * 3 * C)                 \
-  X(dfch, BT * 4 * C)                 \
-  X(proj, BT * C)
+/* The activation tensors, in elements for a capacity of B x T (BT = B * T),
+ * and their type: X (the kernel table's storage type, xbytes bytes: fp32,
+ * or bf16 on the CUDA bf16 table; zt_kernels.h) or F (always fp32: the
+ * LayerNorm statistics, attention's lse, the losses). One entry per tensor,
+ * in allocation order. Per-layer tensors are held for LA layers: L, or 1
+ * with activation checkpointing (each layer's input, res3 of the layer
+ * before, stays for all L; the rest is recomputed in backward, one layer at
+ * a time). This list declares the fields of struct zt_acts, allocates,
+ * frees and counts them (as llm.c's table of activation sizes does). */
+#define ZT_ACTIVATIONS(X)                  \
+  X(encoded, BT * C, ZT_ACT_X)            \
+  X(ln1, LA * BT * C, ZT_ACT_X)           \
+  X(ln1_mean, LA * BT, ZT_ACT_F)          \
+  X(ln1_rstd, LA * BT, ZT_ACT_F)          \
+  X(qkv, LA * BT * 3 * C, ZT_ACT_X)       \
+  X(atty, LA * BT * C, ZT_ACT_X)          \
+  X(lse, LA * BT * NH, ZT_ACT_F)          \
+  X(res2, LA * BT * C, ZT_ACT_X)          \
+  X(ln2, LA * BT * C, ZT_ACT_X)           \
+  X(ln2_mean, LA * BT, ZT_ACT_F)          \
+  X(ln2_rstd, LA * BT, ZT_ACT_F)          \
+  X(fch, LA * BT * 4 * C, ZT_ACT_X)       \
+  X(fch_gelu, LA * BT * 4 * C, ZT_ACT_X)  \
+  X(res3, L * BT * C, ZT_ACT_X)           \
+  X(lnf, BT * C, ZT_ACT_X)                \
+  X(lnf_mean, BT, ZT_ACT_F)               \
+  X(lnf_rstd, BT, ZT_ACT_F)               \
+  X(logits, BT * Vp, ZT_ACT_X)            \
+  X(losses, BT, ZT_ACT_F)                 \
+  X(dres, BT * C, ZT_ACT_X)               \
+  X(dbtc, BT * C, ZT_ACT_X)               \
+  X(dqkv, BT * 3 * C, ZT_ACT_X)           \
+  X(dfch, BT * 4 * C, ZT_ACT_X)           \
+  X(proj, BT * C, ZT_ACT_X)
+
+/* Bytes of one element of either type, for storage type of xb bytes. */
+#define ZT_ACT_X(xb) ((size_t)(xb))
+#define ZT_ACT_F(xb) ((size_t)4)
 
 #include <stddef.h>
 
-/* Floats of all activations for a capacity of B x T (the sum of the list). */
-static inline size_t zt_activation_floats(size_t B, size_t T, size_t C, size_t L, size_t NH,
-                                          size_t Vp, size_t LA) {
+/* Bytes of all activations for a capacity of B x T (the sum of the list)
+ * with a storage type of xb bytes. */
+static inline size_t zt_activation_bytes(size_t B, size_t T, size_t C, size_t L, size_t NH,
+                                         size_t Vp, size_t LA, size_t xb) {
   size_t BT = B * T, total = 0;
-#define ZT_ACT_SUM(name, size) total += (size);
+#define ZT_ACT_SUM(name, size, type) total += (size) * type(xb);
   ZT_ACTIVATIONS(ZT_ACT_SUM)
 #undef ZT_ACT_SUM
   return total;

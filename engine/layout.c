@@ -31,7 +31,7 @@ static const struct {
     {"mlp.c_proj.weight", ZT_T_FCPROJW, 1, 4, 1}, {"mlp.c_proj.bias", ZT_T_FCPROJB, 0, 1, 0},
 };
 
-void zt_layout_block_views(float *base, int C, zt_block_t *b) {
+void zt_layout_block_views(float *base, int C, size_t esz, zt_block_t *b) {
   float **dst[ZT_BLOCK_TENSORS] = {&b->ln1w, &b->ln1b, &b->qkvw, &b->qkvb, &b->attprojw,
                                    &b->attprojb, &b->ln2w, &b->ln2b, &b->fcw, &b->fcb,
                                    &b->fcprojw, &b->fcprojb};
@@ -39,7 +39,7 @@ void zt_layout_block_views(float *base, int C, zt_block_t *b) {
   for (int i = 0; i < ZT_BLOCK_TENSORS; i++) {
     int rows = k_block_spec[i].rows ? k_block_spec[i].rows * C : 1;
     size_t n = (size_t)rows * k_block_spec[i].cols * C;
-    *dst[i] = base ? base + off : NULL;
+    *dst[i] = base ? (float *)((char *)base + off * esz) : NULL;
     off += n;
   }
 }

@@ -113,12 +113,13 @@ const zt_tensor_t *zt_layout_find(const zt_layout_t *l, const char *name);
 void zt_layout_init_unit(const zt_layout_t *l, uint64_t seed, int u, float *dst);
 
 /* The views of one block's tensors from the unit's base pointer (any of
- * its buffers: parameters, gradients). */
+ * its buffers: parameters, gradients), for elements of esz bytes (4, or 2
+ * for parameters in bf16 storage, zt_kernels.h). */
 typedef struct zt_block {
   float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb;
   float *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
 } zt_block_t;
 
-void zt_layout_block_views(float *base, int C, zt_block_t *b);
+void zt_layout_block_views(float *base, int C, size_t esz, zt_block_t *b);
 
 #endif

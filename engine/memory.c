@@ -14,8 +14,9 @@
 #include "activations.h"
 #include "layout.h"
 
-/* The model states of one rank, as zero.c allocates them. */
-static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int overlap,
+/* The model states of one rank, as zero.c allocates them, for a working
+ * copy of xb bytes per parameter (4: it is the fp32 master itself). */
+static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int overlap, uint64_t xb,
                             uint64_t *owned) {
   uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0;
   for (int u = 0; u < l->num_units; u++) {
@@ -25,33 +26,53 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
     if (S * N > max_unit) max_unit = S * N;
     if (u == 0) s0 = S * N;
   }
-  uint64_t b = 4 * (stage < 3 ? full : shard);              /* parameters */
+  int split = xb != 4;
+  uint64_t b = 4 * (stage == 0 || (stage < 3 && !split) ? full : shard); /* fp32 master */
+  if (split) b += xb * (stage < 3 ? full : shard);          /* working copy */
   b += stage < 2 ? 4 * full + 8 * full : 8 * shard;          /* gradients */
   b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
   if (stage >= 2) b += 4 * s0 + 4 * max_unit + 8 * max_unit + 8 * (max_unit / N + 1);
   if (stage >= 2 && overlap && N > 1) b += 8 * max_unit + 8 * (max_unit / N + 1); /* 2nd slot */
-  if (stage == 3) b += 4 * s0 + 4 * max_unit;
-  if (stage == 3 && overlap && N > 1) b += 4 * max_unit; /* the prefetch slot */
+  if (stage == 3) b += xb * s0 + xb * max_unit;
+  if (stage == 3 && overlap && N > 1) b += xb * max_unit; /* the prefetch slot */
   b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
   *owned = stage == 0 ? (full + N - 1) / N : shard;
   return b;
 }
 
+static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t xb) {
+  const zt_model_config_t *m = &s->model;
+  uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
+  return zt_activation_bytes(B, T, (size_t)m->n_embd, (size_t)m->n_layer, (size_t)m->n_head,
+                             (size_t)l->Vp, s->act_ckpt ? 1 : (size_t)m->n_layer, xb) +
+         3 * 4 * B * T; /* inputs, targets, host losses */
+}
+
+int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, uint64_t *states,
+                   uint64_t *acts) {
+  zt_layout_t l;
+  uint64_t owned;
+  if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
+  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, &owned);
+  *acts = activations(s, &l, (uint64_t)xbytes);
+  zt_layout_free(&l);
+  return 0;
+}
+
 int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
   zt_layout_t l;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
-  uint64_t owned;
-  const zt_model_config_t *m = &s->model;
-  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, &owned);
-  uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
-  out->activations = 4 * zt_activation_floats(B, T, (size_t)m->n_embd, (size_t)m->n_layer,
-                                              (size_t)m->n_head, (size_t)l.Vp,
-                                              s->act_ckpt ? 1 : (size_t)m->n_layer) +
-                     3 * 4 * B * T; /* inputs, targets, host losses */
+  uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
+  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, &owned);
+  out->activations = activations(s, &l, 4);
+  /* GPU workers run without the overlap thread (zero.c). */
+  out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, &owned);
+  out->dev_activations = activations(s, &l, dev_xb);
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
   out->host = ZT_MEM_BASE_BYTES + out->states + out->activations + out->snapshot;
-  out->device = ZT_MEM_DEVICE_BASE_BYTES + out->states + out->activations;
-  /* Loading a checkpoint stages the states through host buffers. */
+  out->device = ZT_MEM_DEVICE_BASE_BYTES + out->dev_states + out->dev_activations;
+  /* Loading a checkpoint stages the states through host buffers (no more
+   * than the fp32 states of a CPU worker). */
   out->host_with_device = ZT_MEM_BASE_BYTES + out->states + out->snapshot;
   zt_layout_free(&l);
   return 0;

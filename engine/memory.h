@@ -21,7 +21,11 @@
  * A CPU worker holds everything in host memory. A GPU worker holds states
  * and activations in device memory, plus ZT_MEM_DEVICE_BASE_BYTES for the
  * CUDA context and cuBLASLt workspace; in host memory the base, the
- * snapshot and, while a checkpoint loads, host copies of the states.
+ * snapshot and, while a checkpoint loads, host copies of the states. With
+ * bf16.enabled a GPU worker stores activations and its working copy of
+ * the parameters in bf16 next to an fp32 master (zero.h, docs/zero.md):
+ * dev_states and dev_activations are its figures, states and activations
+ * the fp32 ones of a CPU worker.
  */
 #ifndef ZT_MEMORY_H
 #define ZT_MEMORY_H
@@ -35,6 +39,7 @@
 
 typedef struct {
   uint64_t states, activations, snapshot;
+  uint64_t dev_states, dev_activations; /* a GPU worker's (bf16 storage if the spec says) */
   uint64_t host;   /* what a CPU worker needs: everything */
   uint64_t device; /* what a GPU worker needs of its device memory */
   uint64_t host_with_device; /* ... and of its host memory */
@@ -43,6 +48,11 @@ typedef struct {
 /* The per-rank need of spec s on `world` ranks; -1 when the model is
  * invalid (the spec parser already refuses such specs). */
 ZT_MUST_CHECK int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out);
+
+/* The states and activations of one rank as it really runs: overlap
+ * thread or not, a working copy of xbytes (4, or 2 for bf16 storage). */
+ZT_MUST_CHECK int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes,
+                                 uint64_t *states, uint64_t *acts);
 
 /* Whether a worker with host_bytes of RAM and device_bytes of GPU memory
  * (0: a CPU worker) can hold one rank; 0 bytes of RAM means "not said" and

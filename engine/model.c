@@ -34,7 +34,7 @@ struct zt_acts {
   int *inputs;         /* [B, T] copies of the last batch */
   int *targets;
   float *host_losses;  /* [B, T] host copy of the per-token losses */
-#define ZT_ACT_FIELD(name, size) float *name;
+#define ZT_ACT_FIELD(name, size, type) float *name;
   ZT_ACTIVATIONS(ZT_ACT_FIELD)
 #undef ZT_ACT_FIELD
   /* Per layer ones ([L, ...]) are strided by the capacity; logits hold the
@@ -46,21 +46,22 @@ struct zt_acts {
 /* ---- activations ---------------------------------------------------------- */
 
 /* Activations live in the kernel table's memory (device memory for CUDA),
- * one allocation per tensor. */
+ * one allocation per tensor, X tensors in the table's storage type
+ * (activations.h, zt_kernels.h). */
 static int acts_create(zt_model_t *m) {
   struct zt_acts *a = zt_xcalloc(1, sizeof *a);
   m->acts = a;
   const zt_kernels_t *k = m->k;
   size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = (size_t)m->cfg.n_embd;
   size_t L = (size_t)m->cfg.n_layer, NH = (size_t)m->cfg.n_head, BT = B * T;
-  size_t Vp = (size_t)m->lay.Vp, LA = m->recompute ? 1 : L;
+  size_t Vp = (size_t)m->lay.Vp, LA = m->recompute ? 1 : L, xb = (size_t)k->xbytes;
   a->inputs = k->alloc(BT * sizeof(int));
   a->targets = k->alloc(BT * sizeof(int));
   a->host_losses = zt_xmalloc(BT * sizeof(float));
   int ok = a->inputs && a->targets;
-#define ZT_ACT_ALLOC(name, size)                   \
-  a->bytes += (size) * sizeof(float);              \
-  a->name = k->alloc((size) * sizeof(float));      \
+#define ZT_ACT_ALLOC(name, size, type)             \
+  a->bytes += (size) * type(xb);                   \
+  a->name = k->alloc((size) * type(xb));           \
   ok &= a->name != NULL;
   ZT_ACTIVATIONS(ZT_ACT_ALLOC)
 #undef ZT_ACT_ALLOC
@@ -71,7 +72,7 @@ static int acts_create(zt_model_t *m) {
 
 static void acts_free(const zt_kernels_t *k, struct zt_acts *a) {
   if (!a) return;
-#define ZT_ACT_FREE(name, size) k->release(a->name);
+#define ZT_ACT_FREE(name, size, type) k->release(a->name);
   ZT_ACTIVATIONS(ZT_ACT_FREE)
 #undef ZT_ACT_FREE
   k->release(a->inputs);
@@ -84,12 +85,13 @@ size_t zt_model_activation_bytes(const zt_model_t *m) { return m->acts ? m->acts
 
 /* ---- create / free -------------------------------------------------------- */
 
-/* A flat buffer of every unit in table memory, with the unit pointers
- * pointing into it. */
-static int alloc_flat(zt_model_t *m, float **flat, float **units, const char *what) {
-  *flat = m->k->alloc(m->lay.num_params * sizeof(float));
+/* A flat buffer of every unit in table memory, elements of esz bytes, with
+ * the unit pointers pointing into it. */
+static int alloc_flat(zt_model_t *m, float **flat, float **units, size_t esz, const char *what) {
+  *flat = m->k->alloc(m->lay.num_params * esz);
   if (!*flat) return zt_errk(ZT_E_NO_MEMORY, "out of memory for %zu %s", m->lay.num_params, what);
-  for (int u = 0; u < m->lay.num_units; u++) units[u] = *flat + m->lay.unit_off[u];
+  for (int u = 0; u < m->lay.num_units; u++)
+    units[u] = (float *)((char *)*flat + m->lay.unit_off[u] * esz);
   return 0;
 }
 
@@ -110,8 +112,9 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
   m->unit_params = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
   m->unit_grads = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
   if ((!(flags & ZT_MODEL_NO_PARAMS) &&
-       alloc_flat(m, &m->params, m->unit_params, "parameters") != 0) ||
-      (!(flags & ZT_MODEL_NO_GRADS) && alloc_flat(m, &m->grads, m->unit_grads, "gradients") != 0))
+       alloc_flat(m, &m->params, m->unit_params, (size_t)k->xbytes, "parameters") != 0) ||
+      (!(flags & ZT_MODEL_NO_GRADS) &&
+       alloc_flat(m, &m->grads, m->unit_grads, sizeof(float), "gradients") != 0))
     goto err;
   if (acts_create(m) != 0) goto err;
   *out = m;
@@ -143,10 +146,19 @@ const float *zt_model_logits(const zt_model_t *m) { return m->acts->logits; }
 
 void zt_model_init(zt_model_t *m, uint64_t seed) {
   for (int u = 0; u < m->lay.num_units; u++) {
-    /* Initialised on the host, then copied into the table's memory. */
-    float *tmp = zt_xmalloc(m->lay.unit_size[u] * sizeof(float) + 1);
+    /* Initialised on the host, rounded to the storage type, then copied
+     * into the table's memory. */
+    size_t n = m->lay.unit_size[u];
+    float *tmp = zt_xmalloc(n * sizeof(float) + 1);
     zt_layout_init_unit(&m->lay, seed, u, tmp);
-    m->k->upload(m->unit_params[u], tmp, m->lay.unit_size[u] * sizeof(float));
+    if (m->k->xbytes == 2) { /* bf16 storage: rounded on the host, as narrow_x would */
+      uint16_t *h = zt_xmalloc(n * sizeof(uint16_t) + 1);
+      for (size_t i = 0; i < n; i++) h[i] = zt_f32_to_bf16(tmp[i]);
+      m->k->upload(m->unit_params[u], h, n * sizeof(uint16_t));
+      free(h);
+    } else {
+      m->k->upload(m->unit_params[u], tmp, n * sizeof(float));
+    }
     free(tmp);
   }
 }
@@ -172,24 +184,31 @@ static int call_hook(zt_model_t *m, zt_hook_fn fn, const char *what, int unit) {
 
 /* ---- forward -------------------------------------------------------------- */
 
+/* p advanced by n elements of the storage type: X tensors and parameters
+ * (zt_kernels.h) are addressed in units of the table's xbytes. */
+#define ZT_XADV(m, p, n) ((float *)((char *)(p) + (size_t)(n) * (size_t)(m)->k->xbytes))
+
 /* Per-layer activation pointers at the capacity stride. ZT_SLOT is where
  * layer l's recomputable activations live: its own slot, or the one slot
  * every layer shares with activation checkpointing (res3, the next layer's
- * input, always has its own). */
-#define ZT_LAYER(m, buf, l, per) ((buf) + (size_t)(l) * (size_t)(m)->max_B * (m)->max_T * (per))
+ * input, always has its own). ZT_LAYER and ZT_SLOT address X tensors,
+ * ZT_SLOT_F the fp32 ones. */
+#define ZT_LAYER_OFF(m, l, per) ((size_t)(l) * (size_t)(m)->max_B * (m)->max_T * (per))
+#define ZT_LAYER(m, buf, l, per) ZT_XADV(m, buf, ZT_LAYER_OFF(m, l, per))
 #define ZT_SLOT(m, buf, l, per) ZT_LAYER(m, buf, (m)->recompute ? 0 : (l), per)
+#define ZT_SLOT_F(m, buf, l, per) ((buf) + ZT_LAYER_OFF(m, (m)->recompute ? 0 : (l), per))
 
 static void block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;
   int C = m->cfg.n_embd, NH = m->cfg.n_head, BT = B * T;
   zt_block_t p;
-  zt_layout_block_views(m->unit_params[1 + l], C, &p);
-  float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1m = ZT_SLOT(m, a->ln1_mean, l, 1);
-  float *ln1r = ZT_SLOT(m, a->ln1_rstd, l, 1), *qkv = ZT_SLOT(m, a->qkv, l, 3 * C);
-  float *atty = ZT_SLOT(m, a->atty, l, C), *lse = ZT_SLOT(m, a->lse, l, NH);
+  zt_layout_block_views(m->unit_params[1 + l], C, (size_t)k->xbytes, &p);
+  float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1m = ZT_SLOT_F(m, a->ln1_mean, l, 1);
+  float *ln1r = ZT_SLOT_F(m, a->ln1_rstd, l, 1), *qkv = ZT_SLOT(m, a->qkv, l, 3 * C);
+  float *atty = ZT_SLOT(m, a->atty, l, C), *lse = ZT_SLOT_F(m, a->lse, l, NH);
   float *res2 = ZT_SLOT(m, a->res2, l, C), *ln2 = ZT_SLOT(m, a->ln2, l, C);
-  float *ln2m = ZT_SLOT(m, a->ln2_mean, l, 1), *ln2r = ZT_SLOT(m, a->ln2_rstd, l, 1);
+  float *ln2m = ZT_SLOT_F(m, a->ln2_mean, l, 1), *ln2r = ZT_SLOT_F(m, a->ln2_rstd, l, 1);
   float *fch = ZT_SLOT(m, a->fch, l, 4 * C), *fchg = ZT_SLOT(m, a->fch_gelu, l, 4 * C);
   float *res3 = ZT_LAYER(m, a->res3, l, C);
 
@@ -229,7 +248,7 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
   m->k->upload(a->inputs, inputs, sizeof(int) * (size_t)BT);
 
   ZT_HOOK(m, pre_forward, 0);
-  const float *wte = m->unit_params[0], *wpe = wte + (size_t)m->lay.Vp * C;
+  const float *wte = m->unit_params[0], *wpe = ZT_XADV(m, wte, (size_t)m->lay.Vp * C);
   k->encoder_forward(a->encoded, a->inputs, wte, wpe, B, T, C);
   for (int l = 0; l < L; l++) {
     ZT_HOOK(m, pre_forward, 1 + l);
@@ -237,7 +256,7 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
     ZT_HOOK(m, post_forward, 1 + l);
   }
   ZT_HOOK(m, pre_forward, L + 1);
-  const float *lnf_w = m->unit_params[L + 1], *lnf_b = lnf_w + C;
+  const float *lnf_w = m->unit_params[L + 1], *lnf_b = ZT_XADV(m, lnf_w, C);
   k->layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, ZT_LAYER(m, a->res3, L - 1, C), lnf_w,
                        lnf_b, BT, C);
   ZT_HOOK(m, post_forward, L + 1);
@@ -264,13 +283,13 @@ static void block_backward(zt_model_t *m, int l, const float *x) {
   struct zt_acts *a = m->acts;
   int B = a->B, T = a->T, C = m->cfg.n_embd, NH = m->cfg.n_head, BT = B * T;
   zt_block_t p, g;
-  zt_layout_block_views(m->unit_params[1 + l], C, &p);
-  zt_layout_block_views(m->unit_grads[1 + l], C, &g);
-  const float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1m = ZT_SLOT(m, a->ln1_mean, l, 1);
-  const float *ln1r = ZT_SLOT(m, a->ln1_rstd, l, 1), *qkv = ZT_SLOT(m, a->qkv, l, 3 * C);
-  const float *atty = ZT_SLOT(m, a->atty, l, C), *lse = ZT_SLOT(m, a->lse, l, NH);
+  zt_layout_block_views(m->unit_params[1 + l], C, (size_t)k->xbytes, &p);
+  zt_layout_block_views(m->unit_grads[1 + l], C, sizeof(float), &g);
+  const float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1m = ZT_SLOT_F(m, a->ln1_mean, l, 1);
+  const float *ln1r = ZT_SLOT_F(m, a->ln1_rstd, l, 1), *qkv = ZT_SLOT(m, a->qkv, l, 3 * C);
+  const float *atty = ZT_SLOT(m, a->atty, l, C), *lse = ZT_SLOT_F(m, a->lse, l, NH);
   const float *res2 = ZT_SLOT(m, a->res2, l, C), *ln2 = ZT_SLOT(m, a->ln2, l, C);
-  const float *ln2m = ZT_SLOT(m, a->ln2_mean, l, 1), *ln2r = ZT_SLOT(m, a->ln2_rstd, l, 1);
+  const float *ln2m = ZT_SLOT_F(m, a->ln2_mean, l, 1), *ln2r = ZT_SLOT_F(m, a->ln2_rstd, l, 1);
   const float *fch = ZT_SLOT(m, a->fch, l, 4 * C), *fchg = ZT_SLOT(m, a->fch_gelu, l, 4 * C);
 
   /* MLP: dres is d res3 = d(mlp output). */
@@ -301,7 +320,7 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
 
   ZT_HOOK(m, pre_backward, L + 1);
   float *lnf_w = m->unit_params[L + 1], *dlnf_w = m->unit_grads[L + 1];
-  k->zero(a->dres, (size_t)BT * C);
+  k->memzero(a->dres, (size_t)BT * C * (size_t)k->xbytes);
   k->layernorm_backward(a->dres, dlnf_w, dlnf_w + C, a->dbtc, ZT_LAYER(m, a->res3, L - 1, C),
                         lnf_w, a->lnf_mean, a->lnf_rstd, BT, C);
   ZT_HOOK(m, post_backward, L + 1);

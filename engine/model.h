@@ -45,7 +45,11 @@
  *
  * Memory. Parameters, gradients and activations live in the kernel table's
  * memory (k->alloc): host memory for the CPU tables, device memory for the
- * CUDA table. Inputs and targets are passed as host arrays and uploaded by
+ * CUDA table. Parameters and activations are of the table's storage type
+ * (zt_kernels.h: fp32, or bf16 for the CUDA bf16 table, xbytes per
+ * element; activations.h says which activations), gradients are fp32; a
+ * bf16 model's parameters are a copy that its owner rounds from an fp32
+ * master (engine/zero.c) with narrow_x. Inputs and targets are passed as host arrays and uploaded by
  * zt_model_forward, the loss comes back as a host float; every pointer the
  * model exposes (params, grads, unit pointers, logits) is table memory, and
  * pointers a caller installs must be too.

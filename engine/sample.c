@@ -157,7 +157,7 @@ static void block(zt_sampler_t *s, int l, int p0, int n) {
   const zt_kernels_t *k = s->k;
   int C = s->cfg.n_embd, T = s->cfg.seq_len;
   zt_block_t b;
-  zt_layout_block_views((float *)s->params + s->lay.unit_off[1 + l], C, &b);
+  zt_layout_block_views((float *)s->params + s->lay.unit_off[1 + l], C, sizeof(float), &b);
   k->layernorm_forward(s->ln, s->mean, s->rstd, s->x, b.ln1w, b.ln1b, n, C);
   linear(s, s->qkv, s->ln, b.qkvw, b.qkvb, n, C, 3 * C);
   for (int i = 0; i < n; i++) {

@@ -195,8 +195,12 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     return -1;
   }
   t->have_z = 1;
-  if (g->workdir && zt_zero_write_memory_report(&t->z, g->workdir,
-                                                zt_model_activation_bytes(t->m), &t->need) != 0)
+  /* The report's estimate: this rank's own figures (overlap thread, storage type). */
+  zt_mem_need_t est = t->need;
+  if (g->workdir &&
+      (zt_memory_rank(&t->spec, t->N, t->z.overlap, t->k->xbytes, &est.states,
+                      &est.activations) != 0 ||
+       zt_zero_write_memory_report(&t->z, g->workdir, zt_model_activation_bytes(t->m), &est) != 0))
     ZT_WARN("%s", zt_err_msg());
   t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
   t->tgt = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);

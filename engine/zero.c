@@ -28,6 +28,13 @@ static void *alloc_b(zt_zero_t *z, size_t n, size_t esz, int kind) {
 }
 
 static float *alloc_f(zt_zero_t *z, size_t n, int kind) { return alloc_b(z, n, sizeof(float), kind); }
+/* n elements of the kernel table's storage type (zt_kernels.h, xbytes). */
+static float *alloc_x(zt_zero_t *z, size_t n, int kind) { return alloc_b(z, n, z->xb, kind); }
+
+/* p advanced by n elements of the storage type. */
+static float *xadv(const zt_zero_t *z, const float *p, size_t n) {
+  return (float *)((char *)p + n * z->xb);
+}
 static double *alloc_d(zt_zero_t *z, size_t n, int kind) { return alloc_b(z, n, sizeof(double), kind); }
 
 /* ---- collectives on table memory ---------------------------------------------------
@@ -124,8 +131,13 @@ static int layout(zt_zero_t *z) {
     if (z->S[u] * (size_t)z->N > z->max_unit) z->max_unit = z->S[u] * (size_t)z->N;
   }
   enum { PARAMS, GRADS, OPT, FLIGHT };
-  if (z->stage < 3) z->P = alloc_f(z, z->full_total, PARAMS);
+  /* The fp32 master (zero.h): whole where the stage keeps the parameters
+   * whole and they are the working copy too, else the owned shard. */
+  if (z->stage == 0 || (z->stage < 3 && !z->split)) z->P = alloc_f(z, z->full_total, PARAMS);
   else z->Ps = alloc_f(z, z->shard_total, PARAMS);
+  if (!z->split) z->W = z->P, z->Ws = z->Ps;
+  else if (z->stage < 3) z->W = alloc_x(z, z->full_total, PARAMS);
+  else z->Ws = alloc_x(z, z->shard_total, PARAMS);
   if (z->stage < 2) {
     z->G = alloc_f(z, z->full_total, GRADS);
     z->G64 = alloc_d(z, z->full_total, GRADS);
@@ -146,9 +158,9 @@ static int layout(zt_zero_t *z) {
     z->rs64b = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
   }
   if (z->stage == 3) {
-    z->gat0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
-    z->gat = alloc_f(z, z->max_unit, FLIGHT);
-    if (z->want_overlap && z->N > 1) z->gatb = alloc_f(z, z->max_unit, FLIGHT); /* prefetch */
+    z->gat0 = alloc_x(z, z->S[0] * (size_t)z->N, FLIGHT);
+    z->gat = alloc_x(z, z->max_unit, FLIGHT);
+    if (z->want_overlap && z->N > 1) z->gatb = alloc_x(z, z->max_unit, FLIGHT); /* prefetch */
   }
   z->gbuf = z->k->alloc((z->max_unit ? z->max_unit : 1) * sizeof(float)); /* not a model state */
   z->scratch_bytes = z->max_unit * sizeof(float);
@@ -158,7 +170,7 @@ static int layout(zt_zero_t *z) {
                   (unsigned long long)(z->state_bytes[0] + z->state_bytes[1] +
                                        z->state_bytes[2] + z->state_bytes[3]));
   for (int u = 0; u < z->U; u++) {
-    z->m->unit_params[u] = z->P ? z->P + z->off_full[u] : NULL;
+    z->m->unit_params[u] = z->W ? xadv(z, z->W, z->off_full[u]) : NULL;
     z->m->unit_grads[u] = z->G ? z->G + z->off_full[u] : NULL;
   }
   return 0;
@@ -185,7 +197,7 @@ static void hook_fail(zt_zero_t *z, const char *what) {
 static void gather_unit(zt_zero_t *z, int u) {
   float *buf = u == 0 ? z->gat0 : z->gat;
   if (z->fail) return;
-  if (c_all_gather(z, z->Ps + z->off_shard[u], buf, z->S[u], ZT_DT_F32) != 0)
+  if (c_all_gather(z, xadv(z, z->Ws, z->off_shard[u]), buf, z->S[u], z->xdt) != 0)
     hook_fail(z, "all-gather of parameters");
   z->m->unit_params[u] = buf;
 }
@@ -254,7 +266,7 @@ static void *ov_main(void *arg) {
     pthread_mutex_unlock(&z->ov_mu);
     int rc = 0;
     if (!failed && kind == OV_GATHER)
-      rc = c_all_gather(z, z->Ps + z->off_shard[u], gat_slot(z, s), z->S[u], ZT_DT_F32);
+      rc = c_all_gather(z, xadv(z, z->Ws, z->off_shard[u]), gat_slot(z, s), z->S[u], z->xdt);
     else if (!failed)
       rc = reduce_unit(z, u, s);
     pthread_mutex_lock(&z->ov_mu);
@@ -452,6 +464,9 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->tmo = o->timeout_ms;
   z->inv_k = o->inv_k;
   z->want_overlap = o->overlap && !o->dev; /* the thread runs on host memory only */
+  z->xb = (size_t)k->xbytes;
+  z->xdt = z->xb == 2 ? ZT_DT_BF16 : ZT_DT_F32;
+  z->split = z->xb != sizeof(float);
   if (layout(z) != 0) return -1;
   if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES)))
     return zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");
@@ -467,7 +482,8 @@ void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
   void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,      z->gat0, z->gat,
-                  z->gatb, z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev};
+                  z->gatb, z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev,
+                  z->split ? z->W : NULL, z->split ? z->Ws : NULL};
   for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
     if (bufs[i]) z->k->release(bufs[i]);
   free(z->usz), free(z->S), free(z->off_full), free(z->off_shard);
@@ -497,20 +513,42 @@ int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
   return 0;
 }
 
+/* With a separate working copy (split), the working copy of unit u from
+ * `full`, the whole unit in fp32 table memory (S[u] * N elements), or from
+ * the fp32 master. */
+static void refresh_unit(zt_zero_t *z, int u, const float *full) {
+  if (!z->split) return;
+  size_t SN = z->S[u] * (size_t)z->N;
+  if (z->stage == 3)
+    z->k->narrow_x(xadv(z, z->Ws, z->off_shard[u]), z->Ps + z->off_shard[u], z->S[u]);
+  else if (full)
+    z->k->narrow_x(xadv(z, z->W, z->off_full[u]), full, SN);
+  else
+    z->k->narrow_x(xadv(z, z->W, z->off_full[u]), z->P + z->off_full[u], SN);
+}
+
 /* Each unit is built on the host, from `flat` or by the seeded
- * initialisation (zt_layout_init_unit), and uploaded: whole (stages 0-2)
- * or this rank's shard (stage 3). */
+ * initialisation (zt_layout_init_unit), and uploaded: whole (P) or this
+ * rank's shard (Ps); a separate working copy is rounded from the whole
+ * unit (through gbuf) or from the master. */
 static void put_params(zt_zero_t *z, uint64_t seed, const float *flat) {
   z->pver++;
   float *tmp = zt_xmalloc((z->max_unit ? z->max_unit : 1) * sizeof(float));
   for (int u = 0; u < z->U; u++) {
-    memset(tmp, 0, z->S[u] * (size_t)z->N * sizeof(float));
+    size_t SN = z->S[u] * (size_t)z->N;
+    memset(tmp, 0, SN * sizeof(float));
     if (flat) memcpy(tmp, flat + z->m->lay.unit_off[u], z->usz[u] * sizeof(float));
     else zt_layout_init_unit(&z->m->lay, seed, u, tmp);
-    if (z->stage < 3)
-      z->k->upload(z->P + z->off_full[u], tmp, z->S[u] * (size_t)z->N * sizeof(float));
+    if (z->P)
+      z->k->upload(z->P + z->off_full[u], tmp, SN * sizeof(float));
     else
       z->k->upload(z->Ps + z->off_shard[u], tmp + (size_t)z->r * z->S[u], z->S[u] * sizeof(float));
+    if (z->split && z->stage > 0 && z->stage < 3) {
+      z->k->upload(z->gbuf, tmp, SN * sizeof(float));
+      refresh_unit(z, u, z->gbuf);
+    } else {
+      refresh_unit(z, u, NULL);
+    }
   }
   free(tmp);
 }
@@ -537,14 +575,18 @@ static void host_done(zt_zero_t *z, float *buf, float *view, size_t n) {
 }
 
 int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int64_t *step) {
-  /* Stages 0-2 need every unit's full parameters; all stages need the
-   * owned Adam state (stage 0 then re-shares it below). Files are read into
-   * host views of P (or Ps), M and V. */
-  size_t np = z->stage < 3 ? z->full_total : z->shard_total;
+  /* The master gets every unit's full parameters (P) or the owned shard
+   * (Ps), the working copy of stages 1-2 with a split the full units
+   * (through hw); all stages need the owned Adam state (stage 0 then
+   * re-shares it below). Files are read into host views of P (or Ps), M
+   * and V. */
+  size_t np = z->P ? z->full_total : z->shard_total;
   size_t no = z->stage == 0 ? z->full_total : z->shard_total;
+  int whole_w = z->split && z->stage > 0 && z->stage < 3;
   z->pver++;
-  float *pbuf = z->stage < 3 ? z->P : z->Ps;
+  float *pbuf = z->P ? z->P : z->Ps;
   float *hp = host_view(z, pbuf, np), *hm = host_view(z, z->M, no), *hv = host_view(z, z->V, no);
+  float *hw = whole_w ? zt_xcalloc(z->full_total, sizeof(float)) : NULL;
   zt_ckpt_dest_t *dest = zt_xcalloc((size_t)z->U * 2, sizeof *dest);
   int nd = 0, rc = -1;
   if (!hp || !hm || !hv || !dest) {
@@ -555,11 +597,12 @@ int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int
     size_t lo, n;
     owned(z, u, &lo, &n);
     float *m = hm + (opt_ptr(z, z->M, u) - z->M), *v = hv + (opt_ptr(z, z->V, u) - z->V);
-    if (z->stage < 3) {
+    if (z->P) {
       dest[nd++] = (zt_ckpt_dest_t){u, 0, z->usz[u], hp + z->off_full[u], NULL, NULL};
       dest[nd++] = (zt_ckpt_dest_t){u, lo, n, NULL, m, v};
     } else {
       dest[nd++] = (zt_ckpt_dest_t){u, lo, n, hp + z->off_shard[u], m, v};
+      if (whole_w) dest[nd++] = (zt_ckpt_dest_t){u, 0, z->usz[u], hw + z->off_full[u], NULL, NULL};
     }
   }
   rc = zt_ckpt_load(dir, &z->m->cfg, dest, nd, rec, step);
@@ -568,6 +611,11 @@ out:
   host_done(z, pbuf, hp, np);
   host_done(z, z->M, hm, no);
   host_done(z, z->V, hv, no);
+  for (int u = 0; rc == 0 && z->split && u < z->U; u++) {
+    if (whole_w) z->k->upload(z->gbuf, hw + z->off_full[u], z->S[u] * (size_t)z->N * sizeof(float));
+    refresh_unit(z, u, whole_w ? z->gbuf : NULL);
+  }
+  free(hw);
   if (rc != 0) return -1;
   if (z->stage == 0) {
     /* Full Adam state on every rank: share the owned slices. */
@@ -599,7 +647,7 @@ void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
   for (int u = 0; u < z->U; u++) {
     size_t lo, n;
     owned(z, u, &lo, &n);
-    const float *src[3] = {z->stage < 3 ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u],
+    const float *src[3] = {z->P ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u],
                            opt_ptr(z, z->M, u), opt_ptr(z, z->V, u)};
     float *dst[3];
     for (int k = 0; k < 3; k++) {
@@ -642,10 +690,16 @@ static void adamw_unit(zt_zero_t *z, const zt_opt_config_t *o, int u, float lr, 
     m = z->M + z->off_full[u], v = z->V + z->off_full[u];
   }
   if (!n) return;
-  float *p = z->stage < 3 ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
+  float *p = z->P ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
   const double *g = z->stage < 2 ? z->G64 + z->off_full[u] + lo : z->G64 + z->off_shard[u];
   z->k->narrow_f64(z->gbuf, g, n, z->inv_k, gscale);
   zt_opt_adamw_unit(z->k, &z->m->lay, o, u, lo, n, p, z->gbuf, m, v, lr, t);
+  /* The working copy of what changed: stage 0 the whole unit, stage 3 the
+   * shard, stages 1-2 the owned range (zt_zero_gather shares it). */
+  if (z->split && z->stage > 0 && z->stage < 3)
+    z->k->narrow_x(xadv(z, z->W, z->off_full[u] + lo), p, n);
+  else
+    refresh_unit(z, u, NULL);
 }
 
 void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t) {
@@ -684,8 +738,8 @@ int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
   if (z->overlap && ov_wait(z) != 0) return -1;
   for (int u = 0; u < z->U; u++) {
-    float *p = z->P + z->off_full[u];
-    if (c_all_gather(z, p + (size_t)z->r * z->S[u], p, z->S[u], ZT_DT_F32) != 0) return -1;
+    float *p = xadv(z, z->W, z->off_full[u]);
+    if (c_all_gather(z, xadv(z, p, (size_t)z->r * z->S[u]), p, z->S[u], z->xdt) != 0) return -1;
   }
   return 0;
 }

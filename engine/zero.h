@@ -83,11 +83,22 @@ typedef struct zt_zero {
   size_t *off_full;      /* offset of unit u in full (padded) buffers */
   size_t *off_shard;     /* offset of unit u in shard buffers */
   size_t full_total, shard_total, max_unit;
-  float *P, *G;          /* full params; one micro-step's full grads (stages 0-1) */
-  float *Ps;             /* stage 3 parameter shard */
+  /* Parameters. P and Ps are the fp32 master: P whole (stage 0, and
+   * stages 1-2 without a split), else Ps, the owned shard. The model reads
+   * the working copy in the table's storage type (xb bytes, zt_kernels.h):
+   * W whole (stages 0-2) or Ws, the shard that stage 3 gathers. With fp32
+   * storage W is P and Ws is Ps; with bf16 storage (split) they are their
+   * own buffers, rounded from the master after each change (AdamW, load,
+   * init) and all-gathered in bf16. */
+  float *P, *Ps;
+  float *W, *Ws;
+  size_t xb;             /* bytes of a working-copy element */
+  zt_dtype_t xdt;        /* ... as a collective's type */
+  int split;             /* the working copy is not the master */
+  float *G;              /* one micro-step's full grads (stages 0-1) */
   double *G64;           /* gradient sum: full (stages 0-1) or shard (2-3) */
   float *M, *V;          /* Adam state: full (stage 0) or shard */
-  float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit */
+  float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit (working copy) */
   float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
   double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
   double inv_k;          /* 1 / micro-batches per step (all ranks) */

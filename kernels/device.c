@@ -2,9 +2,9 @@
  * device.c: the kernel table for a device name; finds, loads and
  * initialises the CUDA kernel table (see device.h).
  *
- * Only four entry points of libzt_kernels_cuda.so are used, resolved by
- * dlsym: zt_kern_cuda_init, zt_kernels_cuda, zt_kern_cuda_set_math and
- * zt_cuda_device_memory (their contracts are in
+ * Only five entry points of libzt_kernels_cuda.so are used, resolved by
+ * dlsym: zt_kern_cuda_init, zt_kernels_cuda, zt_kernels_cuda_bf16,
+ * zt_kern_cuda_set_math and zt_cuda_device_memory (their contracts are in
  * kernels/cuda/zt_kernels_cuda.h). The handle is kept for
  * the life of the process: the library owns the CUDA context and stream.
  */
@@ -24,6 +24,7 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static void *g_lib;
 static int (*g_init)(int, char *, size_t);
 static const zt_kernels_t *(*g_table)(void);
+static const zt_kernels_t *(*g_table_bf16)(void);
 static void (*g_set_math)(int);
 static size_t (*g_memory)(void);
 
@@ -78,9 +79,10 @@ static const zt_kernels_t *cuda_kernels(int index, int bf16) {
     if (open_library() != 0) goto out;
     *(void **)&g_init = dlsym(g_lib, "zt_kern_cuda_init");
     *(void **)&g_table = dlsym(g_lib, "zt_kernels_cuda");
+    *(void **)&g_table_bf16 = dlsym(g_lib, "zt_kernels_cuda_bf16");
     *(void **)&g_set_math = dlsym(g_lib, "zt_kern_cuda_set_math");
     *(void **)&g_memory = dlsym(g_lib, "zt_cuda_device_memory");
-    if (!g_init || !g_table || !g_set_math || !g_memory) {
+    if (!g_init || !g_table || !g_table_bf16 || !g_set_math || !g_memory) {
       zt_err("libzt_kernels_cuda.so lacks an entry point: %s", dlerror());
       dlclose(g_lib);
       g_lib = NULL;
@@ -93,7 +95,7 @@ static const zt_kernels_t *cuda_kernels(int index, int bf16) {
     goto out;
   }
   g_set_math(bf16 ? 2 /* ZT_CUDA_MATH_BF16 */ : 0 /* ZT_CUDA_MATH_FP32 */);
-  t = g_table();
+  t = bf16 ? g_table_bf16() : g_table();
 out:
   pthread_mutex_unlock(&g_mu);
   return t;

@@ -23,9 +23,10 @@
  * -2 (with an error) for anything else. */
 int zt_device_parse(const char *device);
 
-/* The kernel table for `device` with bf16 (bf16 != 0) or fp32 tensor
- * products: the fast CPU table for "cpu" (or NULL), the CUDA table on GPU
- * N for "cuda:N". NULL with an error naming the cause (bad name, library
+/* The kernel table for `device`, bf16 != 0 for bf16.enabled: the fast CPU
+ * table for "cpu" (fp32 whatever bf16 says), or NULL; for "cuda:N" the CUDA
+ * table on GPU N, with bf16 its bf16-storage table (zt_kernels.h: bf16
+ * activations and parameter copies, bf16 products with fp32 accumulation). NULL with an error naming the cause (bad name, library
  * not found, no such device, no driver). The CUDA library is loaded and
  * initialised once per process; later calls must name the same device. */
 const zt_kernels_t *zt_device_kernels(const char *device, int bf16);

@@ -16,8 +16,20 @@
  *
  * Conventions shared by every implementation:
  *
- *   - Tensors are dense row-major fp32. A linear layer's weight is [OC, IC]
+ *   - Tensors are dense row-major. A linear layer's weight is [OC, IC]
  *     (out = inp @ W^T + b), as in llm.c; token ids are int32.
+ *   - Storage type. Activations, their gradients and the parameters that
+ *     forward and backward read are stored as the table's "X" type, xbytes
+ *     bytes per element: fp32 (4) in every table but the CUDA bf16 table
+ *     (zt_kernels_cuda_bf16, 2), whose kernels take bf16 there. Everything
+ *     else is fp32 in every table: parameter gradients (dw, db, dwte, dwpe),
+ *     LayerNorm's mean and rstd, attention's lse, the losses, AdamW's
+ *     parameters (the fp32 master copy) and state, and the fp64 helpers'
+ *     fp32 side. The signatures say float * for X tensors too; for a bf16
+ *     table those pointers hold bf16 elements (as llm.c's floatX), and a
+ *     caller addresses them in units of xbytes. Arithmetic is fp32 in
+ *     every table: a bf16 kernel widens its inputs, computes in fp32 and
+ *     rounds its output once.
  *   - Forward kernels overwrite their outputs.
  *   - Backward kernels ACCUMULATE (+=) into parameter gradients (dw, db, dwte,
  *     dwpe), so micro-batches accumulate without extra copies. Gradients of
@@ -35,6 +47,7 @@
 
 typedef struct zt_kernels {
   const char *name;
+  int xbytes; /* bytes of one element of the storage type X (above): 4 or 2 */
 
   /* out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]. */
   void (*encoder_forward)(float *out, const int *inp, const float *wte, const float *wpe, int B,
@@ -101,6 +114,12 @@ typedef struct zt_kernels {
   void (*scale)(float *x, size_t n, float s);
   /* x = 0. */
   void (*zero)(float *x, size_t n);
+  /* Between fp32 and the storage type: dst (X) = src rounded to nearest
+   * even; dst = src (X) widened, exactly. Plain copies when X is fp32. The
+   * trainer narrows its fp32 master parameters into the copy the model
+   * reads. */
+  void (*narrow_x)(void *dst, const float *src, size_t n);
+  void (*widen_x)(float *dst, const void *src, size_t n);
 
   /* Optimizer-state helpers for the ZeRO trainer, engine/zero.c (docs/zero.md): gradient
    * sums are kept in fp64 so that they are exact and independent of how
@@ -146,8 +165,12 @@ void *zt_kern_host_alloc(size_t bytes);
 void zt_kern_host_release(void *p);
 void zt_kern_host_copy(void *dst, const void *src, size_t bytes);
 void zt_kern_host_memzero(void *p, size_t bytes);
-/* The memory entries of a CPU table (designated initializers). */
+void zt_kern_host_narrow_x(void *dst, const float *src, size_t n);
+void zt_kern_host_widen_x(float *dst, const void *src, size_t n);
+/* The memory entries of a CPU table (designated initializers): fp32
+ * storage, host memory. */
 #define ZT_KERN_HOST_MEMORY                                                     \
+  .xbytes = 4, .narrow_x = zt_kern_host_narrow_x, .widen_x = zt_kern_host_widen_x, \
   .alloc = zt_kern_host_alloc, .release = zt_kern_host_release,                 \
   .upload = zt_kern_host_copy, .download = zt_kern_host_copy,                   \
   .copy = zt_kern_host_copy, .memzero = zt_kern_host_memzero

@@ -348,6 +348,12 @@ void zt_kern_host_copy(void *dst, const void *src, size_t bytes) {
 void zt_kern_host_memzero(void *p, size_t bytes) {
   if (bytes) memset(p, 0, bytes);
 }
+void zt_kern_host_narrow_x(void *dst, const float *src, size_t n) {
+  zt_kern_host_copy(dst, src, n * sizeof(float));
+}
+void zt_kern_host_widen_x(float *dst, const void *src, size_t n) {
+  zt_kern_host_copy(dst, src, n * sizeof(float));
+}
 
 static const zt_kernels_t zt_ref_table = {
     .name = "cpu-ref",

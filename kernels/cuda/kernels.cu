@@ -13,6 +13,7 @@
  * host-side launcher.
  */
 #include <cublasLt.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
@@ -52,7 +53,7 @@ static void cuda_fail(const char *what, const char *msg, const char *file, int l
 #define ZT_CUDA_LAUNCHED() ZT_CUDA_CHECK(cudaGetLastError())
 
 /* Scratch buffers, one per purpose, each grown on demand. */
-enum { SCR_ATT, SCR_SORT, SCR_COLSUM, SCR_SUMSQ, SCR_COUNT };
+enum { SCR_ATT, SCR_SORT, SCR_COLSUM, SCR_SUMSQ, SCR_BIAS, SCR_COUNT };
 
 static struct {
   int init;
@@ -131,6 +132,25 @@ __device__ T block_reduce(T v, T *sh) {
   return r;
 }
 
+/* Storage types. Two tables are built from the same kernels: "cuda" stores
+ * activations and the parameters that forward and backward read as fp32,
+ * "cuda-bf16" as bf16 (zt_kernels.h, xbytes). Kernels that touch those
+ * tensors are templates over their storage type X: every load widens to
+ * fp32 (ldx), every store rounds once to X (put, to nearest even), and the
+ * arithmetic between is fp32, so a bf16 kernel computes what the fp32 one
+ * computes from the same (bf16-valued) inputs, rounded once at the end.
+ * Gradients of parameters, statistics (LayerNorm's mean and rstd,
+ * attention's lse, the losses) and the optimizer's state stay fp32. */
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float ldx(float v) { return v; }
+__device__ __forceinline__ float ldx(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ void put(float &d, float v) { d = v; }
+__device__ __forceinline__ void put(bf16 &d, float v) { d = __float2bfloat16(v); }
+
+static cudaDataType_t dtype_of(const float *) { return CUDA_R_32F; }
+static cudaDataType_t dtype_of(const bf16 *) { return CUDA_R_16BF; }
+
 /* ---------------------------------------------------------------------------
  * cuBLASLt products. Column-major, as cuBLAS sees them: D[m,n] = alpha *
  * op(A)[m,k] op(B)[k,n] + beta * D, batched with strides, optional bias
@@ -148,14 +168,16 @@ static cublasComputeType_t compute_type(void) {
 /* The alignment cuBLASLt may assume for a matrix: the largest power of two
  * up to 256 dividing its address and, when batched, its batch stride in
  * bytes. Model views start at arbitrary offsets of a flat buffer. */
-static uint32_t align_of(const void *p, long long stride, int batch) {
+static uint32_t align_of(const void *p, long long stride, int batch, size_t esz) {
   uint64_t a = (uint64_t)(uintptr_t)p | 256u;
-  if (batch > 1) a |= (uint64_t)stride * sizeof(float);
+  if (batch > 1) a |= (uint64_t)stride * esz;
   return (uint32_t)(a & (~a + 1));
 }
 
-/* The operation descriptor: compute type, transposes, optional bias. */
-static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, const float *bias) {
+/* The operation descriptor: compute type, transposes, optional bias (of
+ * type bias_type, D's). */
+static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, const void *bias,
+                                    cudaDataType_t bias_type) {
   cublasLtMatmulDesc_t op = NULL;
   cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   ZT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
@@ -166,6 +188,8 @@ static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, cons
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                    sizeof bias));
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                   &bias_type, sizeof bias_type));
   }
   return op;
 }
@@ -177,6 +201,7 @@ static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, cons
  * set on each call; the alignments are part of the key). */
 typedef struct {
   int ta, tb, m, n, k, lda, ldb, ldd, batch, has_bias;
+  int tab, td; /* cudaDataType_t of A and B, of C and D (and the bias) */
   long long sA, sB, sD;
   uint32_t al[3];
   zt_cuda_math_t math;
@@ -204,15 +229,17 @@ static void plan_destroy(lt_plan *p) {
 }
 
 static void plan_build(lt_plan *p, const lt_key *kk) {
-  const float *fake_bias = kk->has_bias ? (const float *)g.lt_ws : NULL;
-  cublasComputeType_t ct = compute_type();
+  const void *fake_bias = kk->has_bias ? g.lt_ws : NULL;
+  cudaDataType_t tab = (cudaDataType_t)kk->tab, td = (cudaDataType_t)kk->td;
+  /* bf16 data: the products are exact in fp32 and accumulate in fp32. */
+  cublasComputeType_t ct = tab == CUDA_R_16BF ? CUBLAS_COMPUTE_32F : compute_type();
   p->key = *kk;
-  p->op = make_op(ct, kk->ta, kk->tb, fake_bias);
-  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, CUDA_R_32F, kk->ta ? kk->k : kk->m,
+  p->op = make_op(ct, kk->ta, kk->tb, fake_bias, td);
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, tab, kk->ta ? kk->k : kk->m,
                                              kk->ta ? kk->m : kk->k, kk->lda));
-  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, CUDA_R_32F, kk->tb ? kk->n : kk->k,
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, tab, kk->tb ? kk->n : kk->k,
                                              kk->tb ? kk->k : kk->n, kk->ldb));
-  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->ld, CUDA_R_32F, kk->m, kk->n, kk->ldd));
+  ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->ld, td, kk->m, kk->n, kk->ldd));
   if (kk->batch > 1) {
     cublasLtMatrixLayout_t ls[3] = {p->la, p->lb, p->ld};
     long long strides[3] = {kk->sA, kk->sB, kk->sD};
@@ -243,7 +270,7 @@ static void plan_build(lt_plan *p, const lt_key *kk) {
   if (found == 0 && ct != CUBLAS_COMPUTE_32F) {
     /* No reduced-precision kernel for this shape or alignment: plain fp32. */
     cublasLtMatmulDescDestroy(p->op);
-    p->op = make_op(CUBLAS_COMPUTE_32F, kk->ta, kk->tb, fake_bias);
+    p->op = make_op(CUBLAS_COMPUTE_32F, kk->ta, kk->tb, fake_bias, td);
     ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref,
                                                    1, &res, &found));
   }
@@ -267,16 +294,25 @@ static lt_plan *plan_get(const lt_key *kk) {
   return p;
 }
 
-static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda, long long sA,
-                    const float *Bm, int ldb, long long sB, float *D, int ldd, long long sD,
-                    int batch, float alpha, float beta, const float *bias) {
+/* A and B of one storage type, D (and the bias) of another, or the same;
+ * the bias takes D's type (not deduced from it, so that NULL passes). */
+template <typename T>
+struct same_type {
+  typedef T type;
+};
+
+template <typename XA, typename XD>
+static void lt_gemm(int ta, int tb, int m, int n, int k, const XA *A, int lda, long long sA,
+                    const XA *Bm, int ldb, long long sB, XD *D, int ldd, long long sD,
+                    int batch, float alpha, float beta, const typename same_type<XD>::type *bias) {
   lt_key kk;
   memset(&kk, 0, sizeof kk); /* the key is compared bytewise, padding included */
   kk.ta = ta, kk.tb = tb, kk.m = m, kk.n = n, kk.k = k, kk.lda = lda, kk.ldb = ldb, kk.ldd = ldd;
   kk.batch = batch, kk.has_bias = bias != NULL;
+  kk.tab = dtype_of(A), kk.td = dtype_of(D);
   kk.sA = batch > 1 ? sA : 0, kk.sB = batch > 1 ? sB : 0, kk.sD = batch > 1 ? sD : 0;
-  kk.al[0] = align_of(A, sA, batch), kk.al[1] = align_of(Bm, sB, batch);
-  kk.al[2] = align_of(D, sD, batch);
+  kk.al[0] = align_of(A, sA, batch, sizeof(XA)), kk.al[1] = align_of(Bm, sB, batch, sizeof(XA));
+  kk.al[2] = align_of(D, sD, batch, sizeof(XD));
   kk.math = g.math;
   lt_plan *p = plan_get(&kk);
   if (bias)
@@ -292,18 +328,18 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const float *A, int lda
  * of ZT_COLSUM_ROWS rows per column; stage 2 adds the chunk sums in order. */
 #define ZT_COLSUM_ROWS 64
 
-__global__ void k_colsum_chunks(float *part_a, float *part_b, const float *dout,
-                                const float *inp, const float *mean, const float *rstd, int N,
-                                int C, int rows) {
+template <typename X>
+__global__ void k_colsum_chunks(float *part_a, float *part_b, const X *dout, const X *inp,
+                                const float *mean, const float *rstd, int N, int C, int rows) {
   int c = blockIdx.x * blockDim.x + threadIdx.x;
   int chunk = blockIdx.y;
   if (c >= C) return;
   int r0 = chunk * rows, r1 = min(N, r0 + rows);
   float sa = 0.0f, sb = 0.0f;
   for (int r = r0; r < r1; r++) {
-    float d = dout[(size_t)r * C + c];
+    float d = ldx(dout[(size_t)r * C + c]);
     sa += d;
-    if (part_b) sb += (inp[(size_t)r * C + c] - mean[r]) * rstd[r] * d;
+    if (part_b) sb += (ldx(inp[(size_t)r * C + c]) - mean[r]) * rstd[r] * d;
   }
   part_a[(size_t)chunk * C + c] = sa;
   if (part_b) part_b[(size_t)chunk * C + c] = sb;
@@ -324,8 +360,9 @@ __global__ void k_colsum_finish(float *dst_a, float *dst_b, const float *part_a,
 
 /* dsum[c] += sum_n dout[n,c]; with inp/mean/rstd also dnorm[c] += sum_n
  * norm[n,c] * dout[n,c]. */
-static void colsums(float *dsum, float *dnorm, const float *dout, const float *inp,
-                    const float *mean, const float *rstd, int N, int C) {
+template <typename X>
+static void colsums(float *dsum, float *dnorm, const X *dout, const X *inp, const float *mean,
+                    const float *rstd, int N, int C) {
   if (N <= 0 || C <= 0) return;
   /* Chunks of ZT_COLSUM_ROWS rows, more for very tall inputs (grid y <= 65535). */
   int rows = ZT_COLSUM_ROWS;
@@ -335,7 +372,7 @@ static void colsums(float *dsum, float *dnorm, const float *dout, const float *i
   float *part = (float *)scratch(SCR_COLSUM, per * (dnorm ? 2 : 1) * sizeof(float));
   float *part_b = dnorm ? part + per : NULL;
   dim3 grid((C + 127) / 128, nchunks);
-  k_colsum_chunks<<<grid, 128, 0, g.stream>>>(part, part_b, dout, inp, mean, rstd, N, C, rows);
+  k_colsum_chunks<X><<<grid, 128, 0, g.stream>>>(part, part_b, dout, inp, mean, rstd, N, C, rows);
   ZT_CUDA_LAUNCHED();
   k_colsum_finish<<<(C + 127) / 128, 128, 0, g.stream>>>(dsum, dnorm, part, part_b, nchunks, C);
   ZT_CUDA_LAUNCHED();
@@ -344,28 +381,31 @@ static void colsums(float *dsum, float *dnorm, const float *dout, const float *i
 /* ---------------------------------------------------------------------------
  * Encoder. */
 
-__global__ void k_encoder_fwd(float *out, const int *inp, const float *wte, const float *wpe,
-                              int T, int C, size_t n) {
+template <typename X>
+__global__ void k_encoder_fwd(X *out, const int *inp, const X *wte, const X *wpe, int T, int C,
+                              size_t n) {
   ZT_GRID_STRIDE(i, n) {
     size_t bt = i / C;
     int c = (int)(i % C), t = (int)(bt % T);
-    out[i] = wte[(size_t)inp[bt] * C + c] + wpe[(size_t)t * C + c];
+    put(out[i], ldx(wte[(size_t)inp[bt] * C + c]) + ldx(wpe[(size_t)t * C + c]));
   }
 }
 
+template <typename X>
 static void cu_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
                                int B, int T, int C) {
   size_t n = (size_t)B * T * C;
-  ZT_LAUNCH_1D(k_encoder_fwd, n, out, inp, wte, wpe, T, C, n);
+  ZT_LAUNCH_1D(k_encoder_fwd<X>, n, (X *)out, inp, (const X *)wte, (const X *)wpe, T, C, n);
 }
 
 /* dwpe[t,c] += sum over b in order. */
-__global__ void k_encoder_bwd_wpe(float *dwpe, const float *dout, int B, int T, int C) {
+template <typename X>
+__global__ void k_encoder_bwd_wpe(float *dwpe, const X *dout, int B, int T, int C) {
   size_t n = (size_t)T * C;
   ZT_GRID_STRIDE(i, n) {
     int t = (int)(i / C), c = (int)(i % C);
     float acc = dwpe[i];
-    for (int b = 0; b < B; b++) acc += dout[((size_t)b * T + t) * C + c];
+    for (int b = 0; b < B; b++) acc += ldx(dout[((size_t)b * T + t) * C + c]);
     dwpe[i] = acc;
   }
 }
@@ -379,7 +419,8 @@ __global__ void k_iota_keys(unsigned *keys, int *vals, const int *inp, int n) {
 
 /* One block per sorted position; the first position of each token's run
  * adds that token's rows, in position order, into its dwte row. */
-__global__ void k_encoder_bwd_wte(float *dwte, const float *dout, const unsigned *keys,
+template <typename X>
+__global__ void k_encoder_bwd_wte(float *dwte, const X *dout, const unsigned *keys,
                                   const int *pos, int n, int C) {
   int j = blockIdx.x;
   unsigned key = keys[j];
@@ -389,17 +430,19 @@ __global__ void k_encoder_bwd_wte(float *dwte, const float *dout, const unsigned
   float *row = dwte + (size_t)key * C;
   for (int c = threadIdx.x; c < C; c += blockDim.x) {
     float acc = row[c];
-    for (int r = j; r < end; r++) acc += dout[(size_t)pos[r] * C + c];
+    for (int r = j; r < end; r++) acc += ldx(dout[(size_t)pos[r] * C + c]);
     row[c] = acc;
   }
 }
 
-static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout, const int *inp,
+template <typename X>
+static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout_, const int *inp,
                                 int B, int T, int C) {
+  const X *dout = (const X *)dout_;
   int n = B * T;
   if (n <= 0 || C <= 0) return;
   size_t tc = (size_t)T * C;
-  ZT_LAUNCH_1D(k_encoder_bwd_wpe, tc, dwpe, dout, B, T, C);
+  ZT_LAUNCH_1D(k_encoder_bwd_wpe<X>, tc, dwpe, dout, B, T, C);
   size_t temp = 0;
   ZT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, temp, (const unsigned *)NULL,
                                                 (unsigned *)NULL, (const int *)NULL, (int *)NULL,
@@ -411,70 +454,75 @@ static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout, con
   ZT_LAUNCH_1D(k_iota_keys, (size_t)n, keys_in, vals_in, inp, n);
   ZT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(s + 4 * arr, temp, keys_in, keys_out, vals_in,
                                                 vals_out, n, 0, 32, g.stream));
-  k_encoder_bwd_wte<<<n, 128, 0, g.stream>>>(dwte, dout, keys_out, vals_out, n, C);
+  k_encoder_bwd_wte<X><<<n, 128, 0, g.stream>>>(dwte, dout, keys_out, vals_out, n, C);
   ZT_CUDA_LAUNCHED();
 }
 
 /* ---------------------------------------------------------------------------
  * LayerNorm: one warp per row. */
 
-__global__ void k_layernorm_fwd(float *out, float *mean, float *rstd, const float *inp,
-                                const float *w, const float *b, int N, int C) {
+template <typename X>
+__global__ void k_layernorm_fwd(X *out, float *mean, float *rstd, const X *inp, const X *w,
+                                const X *b, int N, int C) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= N) return;
-  const float *x = inp + (size_t)row * C;
+  const X *x = inp + (size_t)row * C;
   float s = 0.0f;
-  for (int i = lane; i < C; i += 32) s += x[i];
+  for (int i = lane; i < C; i += 32) s += ldx(x[i]);
   float m = warp_sum(s) / C;
   float v = 0.0f;
   for (int i = lane; i < C; i += 32) {
-    float d = x[i] - m;
+    float d = ldx(x[i]) - m;
     v += d * d;
   }
   float r = 1.0f / sqrtf(warp_sum(v) / C + ZT_LN_EPS);
-  float *o = out + (size_t)row * C;
-  for (int i = lane; i < C; i += 32) o[i] = (x[i] - m) * r * w[i] + b[i];
+  X *o = out + (size_t)row * C;
+  for (int i = lane; i < C; i += 32) put(o[i], (ldx(x[i]) - m) * r * ldx(w[i]) + ldx(b[i]));
   if (lane == 0) {
     mean[row] = m;
     rstd[row] = r;
   }
 }
 
+template <typename X>
 static void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
                                  const float *w, const float *b, int N, int C) {
   if (N <= 0) return;
-  k_layernorm_fwd<<<(N + 7) / 8, 256, 0, g.stream>>>(out, mean, rstd, inp, w, b, N, C);
+  k_layernorm_fwd<X><<<(N + 7) / 8, 256, 0, g.stream>>>((X *)out, mean, rstd, (const X *)inp,
+                                                        (const X *)w, (const X *)b, N, C);
   ZT_CUDA_LAUNCHED();
 }
 
-__global__ void k_layernorm_bwd_inp(float *dinp, const float *dout, const float *inp,
-                                    const float *w, const float *mean, const float *rstd, int N,
-                                    int C) {
+template <typename X>
+__global__ void k_layernorm_bwd_inp(X *dinp, const X *dout, const X *inp, const X *w,
+                                    const float *mean, const float *rstd, int N, int C) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= N) return;
-  const float *d = dout + (size_t)row * C, *x = inp + (size_t)row * C;
-  float *dx = dinp + (size_t)row * C;
+  const X *d = dout + (size_t)row * C, *x = inp + (size_t)row * C;
+  X *dx = dinp + (size_t)row * C;
   float m = mean[row], s = rstd[row];
   float a = 0.0f, bsum = 0.0f;
   for (int i = lane; i < C; i += 32) {
-    float norm = (x[i] - m) * s, dnorm = w[i] * d[i];
+    float norm = (ldx(x[i]) - m) * s, dnorm = ldx(w[i]) * ldx(d[i]);
     a += dnorm;
     bsum += dnorm * norm;
   }
   float dnorm_mean = warp_sum(a) / C, dnorm_norm_mean = warp_sum(bsum) / C;
   for (int i = lane; i < C; i += 32) {
-    float norm = (x[i] - m) * s, dnorm = w[i] * d[i];
-    dx[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+    float norm = (ldx(x[i]) - m) * s, dnorm = ldx(w[i]) * ldx(d[i]);
+    put(dx[i], ldx(dx[i]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
   }
 }
 
+template <typename X>
 static void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
                                   const float *inp, const float *w, const float *mean,
                                   const float *rstd, int N, int C) {
   if (N <= 0) return;
-  k_layernorm_bwd_inp<<<(N + 7) / 8, 256, 0, g.stream>>>(dinp, dout, inp, w, mean, rstd, N, C);
+  k_layernorm_bwd_inp<X><<<(N + 7) / 8, 256, 0, g.stream>>>(
+      (X *)dinp, (const X *)dout, (const X *)inp, (const X *)w, mean, rstd, N, C);
   ZT_CUDA_LAUNCHED();
-  colsums(db, dw, dout, inp, mean, rstd, N, C);
+  colsums(db, dw, (const X *)dout, (const X *)inp, mean, rstd, N, C);
 }
 
 /* ---------------------------------------------------------------------------
@@ -482,30 +530,37 @@ static void cu_layernorm_backward(float *dinp, float *dw, float *db, const float
  * is W'[IC,OC] (ld IC); out[N,OC] is out'[OC,N] (ld OC). */
 
 /* out[n, o] += bias[o], for a bias the epilogue cannot take. */
-__global__ void k_add_bias(float *out, const float *bias, int OC, size_t n) {
-  ZT_GRID_STRIDE(i, n) out[i] += bias[i % OC];
-}
-
-static void cu_matmul_forward(float *out, const float *inp, const float *w, const float *bias,
-                              int N, int IC, int OC) {
+template <typename X>
+static void cu_matmul_forward(float *out_, const float *inp_, const float *w_,
+                              const float *bias_, int N, int IC, int OC) {
   if (N <= 0 || OC <= 0) return;
-  /* out' = W'^T X' (+ bias per row of out', fused when 16-byte aligned). */
-  int fused = bias && ((uintptr_t)bias % 16) == 0;
-  lt_gemm(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, out, OC, 0, 1, 1.0f, 0.0f, fused ? bias : NULL);
-  if (bias && !fused) {
-    size_t n = (size_t)N * OC;
-    ZT_LAUNCH_1D(k_add_bias, n, out, bias, OC, n);
+  X *out = (X *)out_;
+  const X *inp = (const X *)inp_, *w = (const X *)w_, *bias = (const X *)bias_;
+  /* out' = W'^T X' + bias per row of out', the bias always fused as the
+   * epilogue: one rounding of the sum, the same whatever the bias's
+   * address. The epilogue wants it 16-byte aligned; a bias inside a flat
+   * parameter buffer often is not, and is copied into aligned scratch. */
+  if (bias && ((uintptr_t)bias % 16) != 0) {
+    X *b = (X *)scratch(SCR_BIAS, (size_t)OC * sizeof(X));
+    ZT_CUDA_CHECK(cudaMemcpyAsync(b, bias, (size_t)OC * sizeof(X), cudaMemcpyDeviceToDevice,
+                                  g.stream));
+    bias = b;
   }
+  lt_gemm(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, out, OC, 0, 1, 1.0f, 0.0f, bias);
 }
 
-static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
-                               const float *inp, const float *w, int N, int IC, int OC) {
+/* dw is fp32 (a parameter gradient) whatever X is. */
+template <typename X>
+static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout_,
+                               const float *inp_, const float *w_, int N, int IC, int OC) {
   if (N <= 0 || OC <= 0) return;
+  const X *dout = (const X *)dout_, *inp = (const X *)inp_, *w = (const X *)w_;
   /* dinp' [IC,N] = W' [IC,OC] dout' [OC,N]. */
-  if (dinp) lt_gemm(0, 0, IC, N, OC, w, IC, 0, dout, OC, 0, dinp, IC, 0, 1, 1.0f, 0.0f, NULL);
+  if (dinp)
+    lt_gemm(0, 0, IC, N, OC, w, IC, 0, dout, OC, 0, (X *)dinp, IC, 0, 1, 1.0f, 0.0f, NULL);
   /* dw' [IC,OC] += X' [IC,N] dout'^T [N,OC]. */
   lt_gemm(0, 1, IC, OC, N, inp, IC, 0, dout, OC, 0, dw, IC, 0, 1, 1.0f, 1.0f, NULL);
-  if (dbias) colsums(dbias, NULL, dout, NULL, NULL, NULL, N, OC);
+  if (dbias) colsums(dbias, NULL, dout, (const X *)NULL, NULL, NULL, N, OC);
 }
 
 /* ---------------------------------------------------------------------------
@@ -532,29 +587,32 @@ __device__ __forceinline__ size_t head_to_row(size_t idx, int T, int NH, int hs,
   return ((size_t)b * T + t) * width + coff + (size_t)h * hs + i;
 }
 
-__global__ void k_permute_qkv(float *q, float *k, float *v, const float *qkv, int B, int T,
-                              int NH, int hs) {
+template <typename X>
+__global__ void k_permute_qkv(float *q, float *k, float *v, const X *qkv, int B, int T, int NH,
+                              int hs) {
   size_t n = (size_t)B * NH * T * hs;
   int C = NH * hs;
   ZT_GRID_STRIDE(idx, n) {
-    const float *src = qkv + head_to_row(idx, T, NH, hs, 3 * C, 0);
-    q[idx] = src[0];
-    k[idx] = src[C];
-    v[idx] = src[2 * C];
+    const X *src = qkv + head_to_row(idx, T, NH, hs, 3 * C, 0);
+    q[idx] = ldx(src[0]);
+    k[idx] = ldx(src[C]);
+    v[idx] = ldx(src[2 * C]);
   }
 }
 
 /* [B,NH,T,hs] <-> [B,T,C] at column offset `coff` of rows of width `width`.
- * dir 0: dst (rows) = src (heads); dir 1: dst (heads) = src (rows). */
-__global__ void k_heads_rows(float *dst, const float *src, int B, int T, int NH, int hs,
-                             int width, int coff, int dir) {
+ * dir 0: dst (rows) = src (heads); dir 1: dst (heads) = src (rows). The
+ * heads are fp32 scratch, the rows of either storage type. */
+template <typename D, typename S>
+__global__ void k_heads_rows(D *dst, const S *src, int B, int T, int NH, int hs, int width,
+                             int coff, int dir) {
   size_t n = (size_t)B * NH * T * hs;
   ZT_GRID_STRIDE(idx, n) {
     size_t row = head_to_row(idx, T, NH, hs, width, coff);
     if (dir == 0)
-      dst[row] = src[idx];
+      put(dst[row], ldx(src[idx]));
     else
-      dst[idx] = src[row];
+      put(dst[idx], ldx(src[row]));
   }
 }
 
@@ -646,10 +704,11 @@ __global__ void k_causal_softmax_bwd(float *datt, const float *att, int rows, in
 
 /* Rows [t0, t0 + FA_B) of a [T, hs] slice (row stride rs) into dst with row
  * stride ld; rows at or past T read as 0. */
-__device__ void fa_load(float *dst, int ld, const float *src, size_t rs, int t0, int T, int hs) {
+template <typename X>
+__device__ void fa_load(float *dst, int ld, const X *src, size_t rs, int t0, int T, int hs) {
   for (int e = threadIdx.x; e < FA_B * hs; e += blockDim.x) {
     int r = e / hs, d = e % hs;
-    dst[r * ld + d] = t0 + r < T ? src[(size_t)(t0 + r) * rs + d] : 0.0f;
+    dst[r * ld + d] = t0 + r < T ? ldx(src[(size_t)(t0 + r) * rs + d]) : 0.0f;
   }
 }
 
@@ -706,16 +765,17 @@ __device__ __forceinline__ void fa_zero(float a[FA_RPW][FA_NREG]) {
 
 /* Row r0 + r of a [T, *] array with row stride rs, columns [0, hs) from
  * base: a[r][c] * scale, for the warp's FA_RPW rows below T. */
-__device__ __forceinline__ void fa_store(float *base, size_t rs, int r0, int T,
+template <typename X>
+__device__ __forceinline__ void fa_store(X *base, size_t rs, int r0, int T,
                                          float a[FA_RPW][FA_NREG], float scale, int hs,
                                          int lane) {
   ZT_UNROLL
   for (int r = 0; r < FA_RPW; r++) {
     if (r0 + r >= T) continue;
-    float *o = base + (size_t)(r0 + r) * rs;
+    X *o = base + (size_t)(r0 + r) * rs;
     ZT_UNROLL
     for (int c = 0; c < FA_NREG; c++)
-      if (lane + 32 * c < hs) o[lane + 32 * c] = a[r][c] * scale;
+      if (lane + 32 * c < hs) put(o[lane + 32 * c], a[r][c] * scale);
   }
 }
 
@@ -723,7 +783,8 @@ __device__ __forceinline__ void fa_store(float *base, size_t rs, int r0, int T,
  * weights past it are 0 or the tile's own). */
 __device__ __forceinline__ int fa_round4(int n) { return (n + 3) & ~3; }
 
-__global__ void k_flash_fwd(float *out, float *lse, const float *qkv, int T, int C, int NH,
+template <typename X>
+__global__ void k_flash_fwd(X *out, float *lse, const X *qkv, int T, int C, int NH,
                             float scale) {
   __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
@@ -735,7 +796,7 @@ __global__ void k_flash_fwd(float *out, float *lse, const float *qkv, int T, int
   int r0 = q0 + warp * FA_RPW; /* this warp's first row */
   float *pw = (float *)pw4 + warp * FA_RPW * FA_B;
   size_t rs = 3 * (size_t)C;
-  const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
   fa_load(qs, hs, base, rs, q0, T, hs);
   float m[FA_RPW], l[FA_RPW], acc[FA_RPW][FA_NREG];
   fa_zero(acc);
@@ -771,31 +832,32 @@ __global__ void k_flash_fwd(float *out, float *lse, const float *qkv, int T, int
   for (int r = 0; r < FA_RPW; r++) {
     int i = r0 + r;
     if (i >= T) continue;
-    float *o = out + ((size_t)b * T + i) * C + (size_t)h * hs;
+    X *o = out + ((size_t)b * T + i) * C + (size_t)h * hs;
     ZT_UNROLL
     for (int c = 0; c < FA_NREG; c++)
-      if (lane + 32 * c < hs) o[lane + 32 * c] = acc[r][c] / l[r];
+      if (lane + 32 * c < hs) put(o[lane + 32 * c], acc[r][c] / l[r]);
     if (lane == 0) lse[(size_t)bh * T + i] = m[r] + logf(l[r]);
   }
 }
 
 /* D [B,NH,T] = rowsum(dout * out) per head, one warp per row. */
-__global__ void k_flash_bwd_d(float *D, const float *dout, const float *out, int B, int T, int C,
+template <typename X>
+__global__ void k_flash_bwd_d(float *D, const X *dout, const X *out, int B, int T, int C,
                               int NH) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= B * NH * T) return;
   int hs = C / NH, bh = row / T, i = row % T, b = bh / NH, h = bh % NH;
   size_t off = ((size_t)b * T + i) * C + (size_t)h * hs;
   float s = 0.0f;
-  for (int d = lane; d < hs; d += 32) s += dout[off + d] * out[off + d];
+  for (int d = lane; d < hs; d += 32) s += ldx(dout[off + d]) * ldx(out[off + d]);
   s = warp_sum(s);
   if (lane == 0) D[row] = s;
 }
 
 /* dk and dv of FA_B keys: the query tiles at and after the keys stream by. */
-__global__ void k_flash_bwd_kv(float *dqkv, const float *qkv, const float *dout,
-                               const float *lse, const float *D, int T, int C, int NH,
-                               float scale) {
+template <typename X>
+__global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float *lse,
+                               const float *D, int T, int C, int NH, float scale) {
   __shared__ fa4 kb4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 vb4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 qs4[FA_B * (FA_HSMAX + 4) / 4];
@@ -810,8 +872,8 @@ __global__ void k_flash_bwd_kv(float *dqkv, const float *qkv, const float *dout,
   int j0 = k0 + warp * FA_RPW; /* this warp's first key */
   float *pw = (float *)pw4 + warp * FA_RPW * FA_B, *dw = (float *)dw4 + warp * FA_RPW * FA_B;
   size_t rs = 3 * (size_t)C;
-  const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  const float *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
+  const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const X *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
   fa_load(kb, hs, base + C, rs, k0, T, hs);
   fa_load(vb, hs, base + 2 * C, rs, k0, T, hs);
   float dk[FA_RPW][FA_NREG], dv[FA_RPW][FA_NREG];
@@ -843,13 +905,14 @@ __global__ void k_flash_bwd_kv(float *dqkv, const float *qkv, const float *dout,
     fa_accum(dk, dw, qs, ld, FA_B, hs, lane);
     __syncwarp();
   }
-  float *o = dqkv + (size_t)b * T * rs + (size_t)h * hs;
+  X *o = dqkv + (size_t)b * T * rs + (size_t)h * hs;
   fa_store(o + C, rs, j0, T, dk, scale, hs, lane);
   fa_store(o + 2 * C, rs, j0, T, dv, 1.0f, hs, lane);
 }
 
 /* dq of FA_B query rows: the key tiles at and before the rows stream by. */
-__global__ void k_flash_bwd_q(float *dqkv, const float *qkv, const float *dout, const float *lse,
+template <typename X>
+__global__ void k_flash_bwd_q(X *dqkv, const X *qkv, const X *dout, const float *lse,
                               const float *D, int T, int C, int NH, float scale) {
   __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 gs4[FA_B * FA_HSMAX / 4];
@@ -862,7 +925,7 @@ __global__ void k_flash_bwd_q(float *dqkv, const float *qkv, const float *dout, 
   int r0 = q0 + warp * FA_RPW;
   float *dw = (float *)dw4 + warp * FA_RPW * FA_B;
   size_t rs = 3 * (size_t)C;
-  const float *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
   fa_load(qs, hs, base, rs, q0, T, hs);
   fa_load(gs, hs, dout + (size_t)b * T * C + (size_t)h * hs, C, q0, T, hs);
   float dq[FA_RPW][FA_NREG], lr[FA_RPW], dr[FA_RPW];
@@ -920,37 +983,44 @@ static int att_tiled(int B, int T, int C, int NH) {
          att_cublas_scratch(B, T, C, NH) > att_scr_max;
 }
 
-static void flash_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH) {
+template <typename X>
+static void flash_forward(X *out, float *lse, const X *qkv, int B, int T, int C, int NH) {
   dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
-  k_flash_fwd<<<grid, FA_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, C, NH,
-                                                    1.0f / sqrtf((float)(C / NH)));
+  k_flash_fwd<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, C, NH,
+                                                       1.0f / sqrtf((float)(C / NH)));
   ZT_CUDA_LAUNCHED();
 }
 
-static void flash_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
-                           const float *lse, int B, int T, int C, int NH) {
+template <typename X>
+static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, const float *lse,
+                           int B, int T, int C, int NH) {
   int rows = B * NH * T;
   float scale = 1.0f / sqrtf((float)(C / NH));
   float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
-  k_flash_bwd_d<<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
+  k_flash_bwd_d<X><<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
   ZT_CUDA_LAUNCHED();
   dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
-  k_flash_bwd_kv<<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH, scale);
+  k_flash_bwd_kv<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
+                                                          scale);
   ZT_CUDA_LAUNCHED();
-  k_flash_bwd_q<<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH, scale);
+  k_flash_bwd_q<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
+                                                         scale);
   ZT_CUDA_LAUNCHED();
 }
 
-static void cu_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+template <typename X>
+static void cu_attention_forward(float *out_, float *lse, const float *qkv_, int B, int T, int C,
                                  int NH) {
   if (B <= 0 || T <= 0) return;
+  X *out = (X *)out_;
+  const X *qkv = (const X *)qkv_;
   if (att_tiled(B, T, C, NH)) return flash_forward(out, lse, qkv, B, T, C, NH);
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
   float *q = (float *)scratch(SCR_ATT, (4 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
         *vacc = v + n, *att = vacc + n;
   unsigned grid = grid_for(n, 256);
-  k_permute_qkv<<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+  k_permute_qkv<X><<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
   ZT_CUDA_LAUNCHED();
   long long sh = (long long)T * hs, st = (long long)T * T;
   /* att'(t2,t) = K'^T Q' * scale. */
@@ -961,14 +1031,17 @@ static void cu_attention_forward(float *out, float *lse, const float *qkv, int B
   ZT_CUDA_LAUNCHED();
   /* vacc' [hs,T] = V' [hs,T] att' [T,T]. */
   lt_gemm(0, 0, hs, T, T, v, hs, sh, att, T, st, vacc, hs, sh, batch, 1.0f, 0.0f, NULL);
-  k_heads_rows<<<grid, 256, 0, g.stream>>>(out, vacc, B, T, NH, hs, C, 0, 0);
+  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(out, vacc, B, T, NH, hs, C, 0, 0);
   ZT_CUDA_LAUNCHED();
 }
 
-static void cu_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                  const float *out, const float *lse, int B, int T, int C,
+template <typename X>
+static void cu_attention_backward(float *dqkv_, const float *dout_, const float *qkv_,
+                                  const float *out_, const float *lse, int B, int T, int C,
                                   int NH) {
   if (B <= 0 || T <= 0) return;
+  X *dqkv = (X *)dqkv_;
+  const X *dout = (const X *)dout_, *qkv = (const X *)qkv_, *out = (const X *)out_;
   if (att_tiled(B, T, C, NH)) return flash_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
@@ -976,14 +1049,14 @@ static void cu_attention_backward(float *dqkv, const float *dout, const float *q
         *v = k + n, *dvacc = v + n, *dq = dvacc + n, *dk = dq + n, *dv = dk + n,
         *datt = dv + n, *att = datt + tt;
   unsigned grid = grid_for(n, 256);
-  k_permute_qkv<<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+  k_permute_qkv<X><<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
   ZT_CUDA_LAUNCHED();
   long long sh0 = (long long)T * hs, st0 = (long long)T * T;
   lt_gemm(1, 0, T, T, hs, k, hs, sh0, q, hs, sh0, att, T, st0, batch, 1.0f / sqrtf((float)hs),
           0.0f, NULL);
   k_causal_probs<<<(batch * T + 7) / 8, 256, 0, g.stream>>>(att, lse, batch * T, T);
   ZT_CUDA_LAUNCHED();
-  k_heads_rows<<<grid, 256, 0, g.stream>>>(dvacc, dout, B, T, NH, hs, C, 0, 1);
+  k_heads_rows<float, X><<<grid, 256, 0, g.stream>>>(dvacc, dout, B, T, NH, hs, C, 0, 1);
   ZT_CUDA_LAUNCHED();
   long long sh = (long long)T * hs, st = (long long)T * T;
   /* datt'(t2,t) = V'^T dVacc'. */
@@ -998,56 +1071,84 @@ static void cu_attention_backward(float *dqkv, const float *dout, const float *q
   lt_gemm(0, 0, hs, T, T, k, hs, sh, datt, T, st, dq, hs, sh, batch, 1.0f, 0.0f, NULL);
   lt_gemm(0, 1, hs, T, T, q, hs, sh, datt, T, st, dk, hs, sh, batch, 1.0f, 0.0f, NULL);
   int C3 = 3 * C;
-  k_heads_rows<<<grid, 256, 0, g.stream>>>(dqkv, dq, B, T, NH, hs, C3, 0, 0);
+  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(dqkv, dq, B, T, NH, hs, C3, 0, 0);
   ZT_CUDA_LAUNCHED();
-  k_heads_rows<<<grid, 256, 0, g.stream>>>(dqkv, dk, B, T, NH, hs, C3, C, 0);
+  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(dqkv, dk, B, T, NH, hs, C3, C, 0);
   ZT_CUDA_LAUNCHED();
-  k_heads_rows<<<grid, 256, 0, g.stream>>>(dqkv, dv, B, T, NH, hs, C3, 2 * C, 0);
+  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(dqkv, dv, B, T, NH, hs, C3, 2 * C, 0);
   ZT_CUDA_LAUNCHED();
 }
 
 /* ---------------------------------------------------------------------------
  * Elementwise kernels. */
 
-__global__ void k_gelu_fwd(float *out, const float *inp, size_t n) {
+template <typename X>
+__global__ void k_gelu_fwd(X *out, const X *inp, size_t n) {
   ZT_GRID_STRIDE(i, n) {
-    float x = inp[i];
+    float x = ldx(inp[i]);
     float cube = ZT_GELU_CUBE * x * x * x;
-    out[i] = 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube)));
+    put(out[i], 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube))));
   }
 }
 
-__global__ void k_gelu_bwd(float *dinp, const float *inp, const float *dout, size_t n) {
+template <typename X>
+__global__ void k_gelu_bwd(X *dinp, const X *inp, const X *dout, size_t n) {
   ZT_GRID_STRIDE(i, n) {
-    float x = inp[i];
+    float x = ldx(inp[i]);
     float cube = ZT_GELU_CUBE * x * x * x;
     float arg = ZT_GELU_SCALE * (x + cube);
     float th = tanhf(arg), ch = coshf(arg);
     float sech2 = 1.0f / (ch * ch);
     float grad = 0.5f * (1.0f + th) +
                  x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * ZT_GELU_CUBE * x * x);
-    dinp[i] = grad * dout[i];
+    put(dinp[i], grad * ldx(dout[i]));
   }
 }
 
-__global__ void k_residual(float *out, const float *a, const float *b, size_t n) {
-  ZT_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+template <typename X>
+__global__ void k_residual(X *out, const X *a, const X *b, size_t n) {
+  ZT_GRID_STRIDE(i, n) put(out[i], ldx(a[i]) + ldx(b[i]));
+}
+
+/* Between fp32 and the storage type: dst = src rounded (narrow), or
+ * widened (widen, exact). */
+template <typename X>
+__global__ void k_narrow_x(X *dst, const float *src, size_t n) {
+  ZT_GRID_STRIDE(i, n) put(dst[i], src[i]);
+}
+
+template <typename X>
+__global__ void k_widen_x(float *dst, const X *src, size_t n) {
+  ZT_GRID_STRIDE(i, n) dst[i] = ldx(src[i]);
 }
 
 __global__ void k_scale(float *x, size_t n, float s) {
   ZT_GRID_STRIDE(i, n) x[i] *= s;
 }
 
+template <typename X>
 static void cu_gelu_forward(float *out, const float *inp, size_t n) {
-  ZT_LAUNCH_1D(k_gelu_fwd, n, out, inp, n);
+  ZT_LAUNCH_1D(k_gelu_fwd<X>, n, (X *)out, (const X *)inp, n);
 }
 
+template <typename X>
 static void cu_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
-  ZT_LAUNCH_1D(k_gelu_bwd, n, dinp, inp, dout, n);
+  ZT_LAUNCH_1D(k_gelu_bwd<X>, n, (X *)dinp, (const X *)inp, (const X *)dout, n);
 }
 
+template <typename X>
 static void cu_residual_forward(float *out, const float *a, const float *b, size_t n) {
-  ZT_LAUNCH_1D(k_residual, n, out, a, b, n);
+  ZT_LAUNCH_1D(k_residual<X>, n, (X *)out, (const X *)a, (const X *)b, n);
+}
+
+template <typename X>
+static void cu_narrow_x(void *dst, const float *src, size_t n) {
+  ZT_LAUNCH_1D(k_narrow_x<X>, n, (X *)dst, src, n);
+}
+
+template <typename X>
+static void cu_widen_x(float *dst, const void *src, size_t n) {
+  ZT_LAUNCH_1D(k_widen_x<X>, n, dst, (const X *)src, n);
 }
 
 static void cu_scale(float *x, size_t n, float s) {
@@ -1064,44 +1165,51 @@ static void cu_zero(float *x, size_t n) {
  * read of the row (maximum, sum, the target's logit) happens before the
  * barrier that precedes the first write. */
 
-__global__ void k_crossentropy_fwd(float *losses, float *probs, const float *logits,
-                                   const int *targets, int V, int Vp) {
+template <typename X>
+__global__ void k_crossentropy_fwd(float *losses, X *probs, const X *logits, const int *targets,
+                                   int V, int Vp) {
   __shared__ float sh[ZT_RED_THREADS];
   size_t n = blockIdx.x;
-  const float *l = logits + n * Vp;
-  float *p = probs + n * Vp;
+  const X *l = logits + n * Vp;
+  X *p = probs + n * Vp;
   float mx = -INFINITY;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, l[i]);
+  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, ldx(l[i]));
   mx = block_reduce<float, true>(mx, sh);
   float s = 0.0f;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(l[i] - mx);
+  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(ldx(l[i]) - mx);
   s = block_reduce<float, false>(s, sh);
-  float lt = l[targets[n]];
+  float lt = ldx(l[targets[n]]);
   __syncthreads();
-  for (int i = threadIdx.x; i < Vp; i += blockDim.x) p[i] = i < V ? expf(l[i] - mx) / s : 0.0f;
+  for (int i = threadIdx.x; i < Vp; i += blockDim.x)
+    put(p[i], i < V ? expf(ldx(l[i]) - mx) / s : 0.0f);
   if (threadIdx.x == 0) losses[n] = -logf(expf(lt - mx) / s);
 }
 
-__global__ void k_crossentropy_bwd(float *dlogits, const float *probs, const int *targets,
-                                   float dloss, int V, int Vp, size_t n) {
+template <typename X>
+__global__ void k_crossentropy_bwd(X *dlogits, const X *probs, const int *targets, float dloss,
+                                   int V, int Vp, size_t n) {
   ZT_GRID_STRIDE(i, n) {
     size_t row = i / Vp;
     int c = (int)(i % Vp);
-    dlogits[i] = c < V ? (probs[i] - (c == targets[row] ? 1.0f : 0.0f)) * dloss : 0.0f;
+    put(dlogits[i], c < V ? (ldx(probs[i]) - (c == targets[row] ? 1.0f : 0.0f)) * dloss : 0.0f);
   }
 }
 
+template <typename X>
 static void cu_crossentropy_forward(float *losses, float *probs, const float *logits,
                                     const int *targets, int N, int V, int Vp) {
   if (N <= 0) return;
-  k_crossentropy_fwd<<<N, ZT_RED_THREADS, 0, g.stream>>>(losses, probs, logits, targets, V, Vp);
+  k_crossentropy_fwd<X><<<N, ZT_RED_THREADS, 0, g.stream>>>(losses, (X *)probs, (const X *)logits,
+                                                            targets, V, Vp);
   ZT_CUDA_LAUNCHED();
 }
 
+template <typename X>
 static void cu_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
                                      float dloss, int N, int V, int Vp) {
   size_t n = (size_t)N * Vp;
-  ZT_LAUNCH_1D(k_crossentropy_bwd, n, dlogits, probs, targets, dloss, V, Vp, n);
+  ZT_LAUNCH_1D(k_crossentropy_bwd<X>, n, (X *)dlogits, (const X *)probs, targets, dloss, V, Vp,
+               n);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1262,24 +1370,29 @@ static void cu_memzero(void *p, size_t bytes) {
   ZT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.stream));
 }
 
-static zt_kernels_t zt_cuda_table;
+/* The two tables, filled at init: fp32 storage ("cuda") and bf16 storage
+ * ("cuda-bf16"); everything but the storage-typed kernels is shared. */
+static zt_kernels_t zt_cuda_table, zt_cuda_table_bf16;
 
-static void fill_table(void) {
-  zt_kernels_t *t = &zt_cuda_table;
-  t->name = "cuda";
-  t->encoder_forward = cu_encoder_forward;
-  t->encoder_backward = cu_encoder_backward;
-  t->layernorm_forward = cu_layernorm_forward;
-  t->layernorm_backward = cu_layernorm_backward;
-  t->matmul_forward = cu_matmul_forward;
-  t->matmul_backward = cu_matmul_backward;
-  t->attention_forward = cu_attention_forward;
-  t->attention_backward = cu_attention_backward;
-  t->gelu_forward = cu_gelu_forward;
-  t->gelu_backward = cu_gelu_backward;
-  t->residual_forward = cu_residual_forward;
-  t->crossentropy_forward = cu_crossentropy_forward;
-  t->crossentropy_backward = cu_crossentropy_backward;
+template <typename X>
+static void fill_table(zt_kernels_t *t, const char *name) {
+  t->name = name;
+  t->xbytes = (int)sizeof(X);
+  t->encoder_forward = cu_encoder_forward<X>;
+  t->encoder_backward = cu_encoder_backward<X>;
+  t->layernorm_forward = cu_layernorm_forward<X>;
+  t->layernorm_backward = cu_layernorm_backward<X>;
+  t->matmul_forward = cu_matmul_forward<X>;
+  t->matmul_backward = cu_matmul_backward<X>;
+  t->attention_forward = cu_attention_forward<X>;
+  t->attention_backward = cu_attention_backward<X>;
+  t->gelu_forward = cu_gelu_forward<X>;
+  t->gelu_backward = cu_gelu_backward<X>;
+  t->residual_forward = cu_residual_forward<X>;
+  t->crossentropy_forward = cu_crossentropy_forward<X>;
+  t->crossentropy_backward = cu_crossentropy_backward<X>;
+  t->narrow_x = cu_narrow_x<X>;
+  t->widen_x = cu_widen_x<X>;
   t->adamw = cu_adamw;
   t->sumsq = cu_sumsq;
   t->scale = cu_scale;
@@ -1342,12 +1455,16 @@ extern "C" int zt_kern_cuda_init(int device, char *err, size_t errlen) {
   ZT_CUDA_CHECK(cudaMalloc(&g.lt_ws, g.lt_ws_size));
   g.device = device;
   g.math = ZT_CUDA_MATH_FP32;
-  fill_table();
+  fill_table<float>(&zt_cuda_table, "cuda");
+  fill_table<bf16>(&zt_cuda_table_bf16, "cuda-bf16");
   g.init = 1;
   return 0;
 }
 
 extern "C" const zt_kernels_t *zt_kernels_cuda(void) { return g.init ? &zt_cuda_table : NULL; }
+extern "C" const zt_kernels_t *zt_kernels_cuda_bf16(void) {
+  return g.init ? &zt_cuda_table_bf16 : NULL;
+}
 extern "C" void zt_kern_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
 extern "C" zt_cuda_math_t zt_kern_cuda_math(void) { return g.math; }
 extern "C" void zt_kern_cuda_set_attention_scratch_max(size_t bytes) {

@@ -61,8 +61,12 @@ int zt_cuda_device_count(void);
  * calls it once (it makes the device current for the calling thread). */
 int zt_kern_cuda_init(int device, char *err, size_t errlen);
 
-/* The kernel table (zt_kern_cuda_init must have succeeded). */
+/* The kernel table (zt_kern_cuda_init must have succeeded): fp32 storage.
+ * zt_kernels_cuda_bf16: the same kernels with bf16 storage (zt_kernels.h,
+ * xbytes 2), their products on cuBLASLt's bf16 kernels with fp32
+ * accumulation whatever zt_kern_cuda_set_math says. */
 const zt_kernels_t *zt_kernels_cuda(void);
+const zt_kernels_t *zt_kernels_cuda_bf16(void);
 
 void zt_kern_cuda_set_math(zt_cuda_math_t math);
 zt_cuda_math_t zt_kern_cuda_math(void);

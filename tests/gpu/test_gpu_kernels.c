@@ -15,6 +15,7 @@
  *     kernels: they differ from the serial loops only in summation order;
  *   - the token-embedding gradient is summed in the reference's order and
  *     must match bit for bit; so must two runs of every backward kernel.
+ * bf16 storage (zt_kernels_cuda_bf16): see the tests at the end.
  * bf16 products (ZT_CUDA_MATH_BF16): inputs rounded to 8 mantissa bits,
  * fp32 accumulation: |err| <= 8e-3 x sqrt(K) for inputs in [-1, 1] (the
  * expected error is about 1e-3 x sqrt(K)); TF32 (10 bits): 2e-3 x sqrt(K).
@@ -366,6 +367,231 @@ ZT_TEST(state_helpers) {
   free(x), free(a), free(y), free(ha), free(f), free(z), free(hp);
 }
 
+/* ---------------------------------------------------------------------------
+ * bf16 storage (zt_kernels_cuda_bf16): every kernel that takes X tensors,
+ * on bf16 copies of inputs whose values are already bf16 (rounded on the
+ * host), against the reference on the same values in fp32. A bf16 kernel
+ * computes in fp32 and rounds its X outputs once, so an X output is within
+ * the fp32 test's tolerance plus 2^-8 relative (half a bf16 ulp, 3.9e-3)
+ * of the reference; fp32 outputs (parameter gradients, statistics,
+ * losses) keep the fp32 tolerances, and sums formed in the reference's
+ * order stay exact. */
+#define XB zt_kernels_cuda_bf16()
+#define BF_RTOL 4e-3f
+
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* n random floats in [-scale, scale] with bf16 values. */
+static float *rnd_bf(size_t n, float scale) {
+  float *p = zt_rnd(n, scale);
+  for (size_t i = 0; i < n; i++) p[i] = from_bf16(to_bf16(p[i]));
+  return p;
+}
+
+/* A bf16 device copy of n host floats (bf16-valued, so exact). */
+static float *devx(const float *host, size_t n) {
+  uint16_t *h = malloc(n * 2 + 2);
+  for (size_t i = 0; i < n; i++) h[i] = to_bf16(host[i]);
+  float *d = dev(h, n * 2);
+  free(h);
+  return d;
+}
+
+static void close_x(const char *what, const float *d, const float *ref, size_t n, float atol) {
+  uint16_t *h = malloc(n * 2 + 2);
+  float *w = malloc(n * 4 + 4);
+  XB->download(h, d, n * 2);
+  for (size_t i = 0; i < n; i++) w[i] = from_bf16(h[i]);
+  zt_close_all(what, w, ref, n, atol, BF_RTOL);
+  free(h), free(w);
+}
+
+/* Host copy of a bf16 device buffer's values, and the same rounding of a
+ * host buffer in place (for the reference's next inputs). */
+static float *round_bf(float *p, size_t n) {
+  for (size_t i = 0; i < n; i++) p[i] = from_bf16(to_bf16(p[i]));
+  return p;
+}
+
+ZT_TEST(bf16_convert) {
+  ZT_CHECK_STR(XB->name, "cuda-bf16");
+  ZT_CHECK(XB->xbytes == 2 && G->xbytes == 4 && R->xbytes == 4);
+  size_t n = 100003;
+  float *x = zt_rnd(n, 100);
+  x[0] = 1.0f + 1.0f / 256, x[1] = 1.0f + 3.0f / 256, x[2] = -0.0f, x[3] = 3.0e38f; /* ties; max */
+  float *dx = DEVF(x, n), *db = dalloc(n * 2), *dw = dalloc(n * 4);
+  XB->narrow_x(db, dx, n);
+  uint16_t *h = malloc(n * 2);
+  XB->download(h, db, n * 2);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) bad += h[i] != to_bf16(x[i]);
+  ZT_CHECK(bad == 0);
+  ZT_CHECK(h[0] == 0x3f80 && h[1] == 0x3f82); /* to nearest even */
+  XB->widen_x(dw, db, n);
+  float *w = back(dw, n);
+  bad = 0;
+  for (size_t i = 0; i < n; i++) bad += w[i] != from_bf16(h[i]);
+  ZT_CHECK(bad == 0);
+  G->narrow_x(dw, dx, n); /* fp32 storage: a copy */
+  ZT_CHECK(same_dev(dw, dx, n));
+  G->release(dx), G->release(db), G->release(dw);
+  free(x), free(h), free(w);
+}
+
+ZT_TEST(bf16_elementwise) {
+  /* Encoder. */
+  int B = 4, T = 64, C = 96, V = 257;
+  size_t n = (size_t)B * T * C;
+  int *inp = malloc(sizeof(int) * B * T);
+  for (int i = 0; i < B * T; i++) inp[i] = (i * 7 + i / 5) % V;
+  float *wte = rnd_bf((size_t)V * C, 1), *wpe = rnd_bf((size_t)T * C, 1), *o = malloc(n * 4);
+  int *dinp = dev(inp, sizeof(int) * B * T);
+  float *d_wte = devx(wte, (size_t)V * C), *d_wpe = devx(wpe, (size_t)T * C), *d_o = dalloc(n * 2);
+  XB->encoder_forward(d_o, dinp, d_wte, d_wpe, B, T, C);
+  R->encoder_forward(o, inp, wte, wpe, B, T, C);
+  close_x("bf16 encoder_forward", d_o, o, n, 0);
+  float *dout = rnd_bf(n, 1), *gwte = zt_rnd((size_t)V * C, 1), *gwpe = zt_rnd((size_t)T * C, 1);
+  float *d_dout = devx(dout, n), *d_gwte = DEVF(gwte, (size_t)V * C);
+  float *d_gwpe = DEVF(gwpe, (size_t)T * C);
+  XB->encoder_backward(d_gwte, d_gwpe, d_dout, dinp, B, T, C);
+  R->encoder_backward(gwte, gwpe, dout, inp, B, T, C);
+  close_dev("bf16 encoder_backward dwte", d_gwte, gwte, (size_t)V * C, 0, 0); /* same order */
+  close_dev("bf16 encoder_backward dwpe", d_gwpe, gwpe, (size_t)T * C, 0, 0);
+  /* GELU and the residual. */
+  float *x = rnd_bf(n, 6), *d_x = devx(x, n), *y = malloc(n * 4);
+  XB->gelu_forward(d_o, d_x, n);
+  R->gelu_forward(y, x, n);
+  close_x("bf16 gelu_forward", d_o, y, n, 2e-6f);
+  XB->gelu_backward(d_o, d_x, d_dout, n);
+  R->gelu_backward(y, x, dout, n);
+  close_x("bf16 gelu_backward", d_o, y, n, 2e-6f);
+  XB->residual_forward(d_o, d_x, d_dout, n);
+  R->residual_forward(y, x, dout, n);
+  close_x("bf16 residual_forward", d_o, y, n, 0);
+  void *ptrs[] = {dinp, d_wte, d_wpe, d_o, d_dout, d_gwte, d_gwpe, d_x};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(inp), free(wte), free(wpe), free(o), free(dout), free(gwte), free(gwpe), free(x), free(y);
+}
+
+ZT_TEST(bf16_norm_linear) {
+  int N = 300, C = 96, OC = 200;
+  size_t NC = (size_t)N * C, NO = (size_t)N * OC, W = (size_t)OC * C;
+  float *x = rnd_bf(NC, 2), *w = rnd_bf(C, 1), *b = rnd_bf(C, 1), *o = malloc(NC * 4);
+  float *m = malloc(N * 4), *r = malloc(N * 4);
+  float *d_x = devx(x, NC), *d_w = devx(w, C), *d_b = devx(b, C), *d_o = dalloc(NC * 2);
+  float *d_m = dalloc(N * 4), *d_r = dalloc(N * 4);
+  XB->layernorm_forward(d_o, d_m, d_r, d_x, d_w, d_b, N, C);
+  R->layernorm_forward(o, m, r, x, w, b, N, C);
+  close_x("bf16 layernorm_forward out", d_o, o, NC, 1e-5f);
+  close_dev("bf16 layernorm_forward mean", d_m, m, N, 1e-6f, 1e-5f);
+  close_dev("bf16 layernorm_forward rstd", d_r, r, N, 1e-6f, 1e-5f);
+  G->upload(d_m, m, N * 4), G->upload(d_r, r, N * 4);
+  float *dout = rnd_bf(NC, 1), *gx = rnd_bf(NC, 1), *gw = zt_rnd(C, 1), *gb = zt_rnd(C, 1);
+  float *d_dout = devx(dout, NC), *d_gx = devx(gx, NC), *d_gw = DEVF(gw, C), *d_gb = DEVF(gb, C);
+  XB->layernorm_backward(d_gx, d_gw, d_gb, d_dout, d_x, d_w, d_m, d_r, N, C);
+  R->layernorm_backward(gx, gw, gb, dout, x, w, m, r, N, C);
+  close_x("bf16 layernorm_backward dinp", d_gx, gx, NC, 1e-5f);
+  close_dev("bf16 layernorm_backward dw", d_gw, gw, C, 1e-5f * N, 1e-5f);
+  close_dev("bf16 layernorm_backward db", d_gb, gb, C, 1e-5f * N, 1e-5f);
+  /* A linear layer C -> OC on the LayerNorm's (rounded) output. */
+  round_bf(o, NC);
+  float *wm = rnd_bf(W, 1), *bias = rnd_bf(OC, 1), *y = malloc(NO * 4);
+  float *d_wm = devx(wm, W), *d_bias = devx(bias, OC), *d_y = dalloc(NO * 2);
+  for (int with_bias = 0; with_bias < 2; with_bias++) {
+    XB->matmul_forward(d_y, d_o, d_wm, with_bias ? d_bias : NULL, N, C, OC);
+    R->matmul_forward(y, o, wm, with_bias ? bias : NULL, N, C, OC);
+    close_x("bf16 matmul_forward", d_y, y, NO, 1e-5f * C);
+  }
+  float *dy = rnd_bf(NO, 1), *gi = malloc(NC * 4), *gwm = zt_rnd(W, 1), *gbias = zt_rnd(OC, 1);
+  float *d_dy = devx(dy, NO), *d_gi = dalloc(NC * 2), *d_gwm = DEVF(gwm, W);
+  float *d_gbias = DEVF(gbias, OC);
+  XB->matmul_backward(d_gi, d_gwm, d_gbias, d_dy, d_o, d_wm, N, C, OC);
+  R->matmul_backward(gi, gwm, gbias, dy, o, wm, N, C, OC);
+  close_x("bf16 matmul_backward dinp", d_gi, gi, NC, 1e-5f * OC);
+  close_dev("bf16 matmul_backward dw", d_gwm, gwm, W, 1e-5f * N, 1e-5f);
+  close_dev("bf16 matmul_backward dbias", d_gbias, gbias, OC, 1e-5f * N, 1e-5f);
+  void *ptrs[] = {d_x, d_w, d_b, d_o, d_m, d_r, d_dout, d_gx, d_gw, d_gb,
+                  d_wm, d_bias, d_y, d_dy, d_gi, d_gwm, d_gbias};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(x), free(w), free(b), free(o), free(m), free(r), free(dout), free(gx), free(gw), free(gb);
+  free(wm), free(bias), free(y), free(dy), free(gi), free(gwm), free(gbias);
+}
+
+/* Attention on both paths (tiled, cuBLASLt), and cross-entropy. The
+ * backward is compared with the fp32 table's on the same inputs rather
+ * than with the reference: the tiled backward forms D = rowsum(dout * out)
+ * from the stored out (as flash attention does), so with out stored in
+ * bf16 its gradients move by up to a few 1e-3 where dp - D cancels, which
+ * the reference (it recomputes out) does not see. The fp32 kernels are
+ * held to the reference by the fp32 tests above. */
+static void check_attention_bf16(int B, int T, int C, int NH) {
+  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+  float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
+  float *dout = rnd_bf(no, 1);
+  R->attention_forward(o, l, qkv, B, T, C, NH);
+  memcpy(o32, o, no * 4);
+  round_bf(o, no); /* backward's input, as the bf16 forward stores it */
+  float *d_qkv = devx(qkv, nq), *d_o = dalloc(no * 2), *d_l = dalloc(nl * 4);
+  float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_or = devx(o, no);
+  float *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no), *f_o = DEVF(o, no);
+  float *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
+  for (int tiled = 0; tiled < 2; tiled++) {
+    zt_kern_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
+    XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+    close_x(tiled ? "bf16 attention_forward (tiled)" : "bf16 attention_forward", d_o, o32, no,
+            1e-5f);
+    close_dev("bf16 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
+    G->upload(d_l, l, nl * 4);
+    XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
+    G->attention_backward(f_g, f_dout, f_qkv, f_o, f_l, B, T, C, NH);
+    float *g = back(f_g, nq);
+    close_x(tiled ? "bf16 attention_backward (tiled)" : "bf16 attention_backward", d_g, g, nq,
+            1e-5f * T);
+    free(g);
+  }
+  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
+  void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_or, f_qkv, f_dout, f_o, f_l, f_g};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(qkv), free(o), free(l), free(dout), free(o32);
+}
+
+ZT_TEST(bf16_attn_xent) {
+  check_attention_bf16(2, 13, 24, 3);
+  check_attention_bf16(2, 100, 128, 2);
+  int N = 37, V = 500, Vp = 512;
+  size_t n = (size_t)N * Vp;
+  float *logits = rnd_bf(n, 5), *p = malloc(n * 4), *l = malloc(N * 4), *d = malloc(n * 4);
+  int *targets = malloc(N * sizeof(int));
+  for (int i = 0; i < N; i++) targets[i] = (i * 7919) % V;
+  int *dt = dev(targets, N * sizeof(int));
+  float *d_log = devx(logits, n), *d_l = dalloc(N * 4), *d_d = dalloc(n * 2);
+  R->crossentropy_forward(l, p, logits, targets, N, V, Vp);
+  XB->crossentropy_forward(d_l, d_log, d_log, dt, N, V, Vp); /* in place, as the model does */
+  close_x("bf16 crossentropy_forward probs", d_log, p, n, 1e-7f);
+  close_dev("bf16 crossentropy_forward losses", d_l, l, N, 2e-6f, 2e-6f);
+  round_bf(p, n); /* backward from the reference's probabilities */
+  float *d_p = devx(p, n);
+  R->crossentropy_backward(d, p, targets, 0.25f, N, V, Vp);
+  XB->crossentropy_backward(d_d, d_p, dt, 0.25f, N, V, Vp);
+  G->release(d_p);
+  close_x("bf16 crossentropy_backward", d_d, d, n, 0);
+  G->release(dt), G->release(d_log), G->release(d_l), G->release(d_d);
+  free(logits), free(p), free(l), free(d), free(targets);
+}
+
 int run_all(int argc, char **argv);
 
 int main(int argc, char **argv) {
@@ -381,4 +607,5 @@ int main(int argc, char **argv) {
 
 ZT_TEST_MAIN_NAMED(run_all, table, encoder, layernorm, matmul, matmul_reduced_precision,
                    attention, gelu_residual_scale, crossentropy, optimizer_and_reductions,
-                   state_helpers)
+                   state_helpers, bf16_convert, bf16_elementwise,
+                   bf16_norm_linear, bf16_attn_xent)

@@ -15,8 +15,11 @@
  *               within 1e-4 relative of the CPU's (summation order is the
  *               only difference; Adam normalises the updates, so the gap
  *               stays at rounding level over 20 steps), with bf16 tensor-core
- *               products within 2e-2 relative; both must learn (loss of step
- *               20 at least 1.0 below step 1).
+ *               products within 2e-2 relative, and so with bf16 storage (the
+ *               bf16 table: bf16 activations and parameter copy, fp32 master
+ *               updated by AdamW and rounded into the copy after each step;
+ *               2.9e-4 measured on the CPU stand-in); all must learn (loss of
+ *               step 20 at least 1.0 below step 1).
  *
  * Exits 77 (skipped) without a CUDA device.
  */
@@ -98,13 +101,26 @@ ZT_TEST(gradients_match_reference) {
   zt_model_free(m[0]), zt_model_free(m[1]);
 }
 
-/* 20 AdamW steps (lr 3e-3, no weight decay) with table k; losses out. */
+/* 20 AdamW steps (lr 3e-3, no weight decay) with table k; losses out.
+ * With bf16 storage (xbytes 2) the model's parameters are a bf16 copy of
+ * an fp32 master that AdamW updates, rounded again after each step, as the
+ * trainer (engine/zero.c) keeps them. */
 static int train(const zt_kernels_t *k, const int *stream, float *losses) {
   zt_model_t *m;
   if (zt_model_create(&m, &cfg, B, T, k, 0) != 0) return -1;
   zt_model_init(m, 1);
   size_t P = m->lay.num_params;
   float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
+  float *master = m->params;
+  if (k->xbytes != 4) {
+    master = k->alloc(P * sizeof(float));
+    for (int u = 0; u < m->lay.num_units; u++) {
+      float *h = malloc(m->lay.unit_size[u] * sizeof(float) + 1);
+      zt_layout_init_unit(&m->lay, 1, u, h);
+      k->upload(master + m->lay.unit_off[u], h, m->lay.unit_size[u] * sizeof(float));
+      free(h);
+    }
+  }
   int inp[B * T], tgt[B * T];
   for (int s = 0; s < STEPS; s++) {
     batch(stream, s, inp, tgt);
@@ -112,10 +128,12 @@ static int train(const zt_kernels_t *k, const int *stream, float *losses) {
     if (zt_model_forward(m, inp, tgt, B, T, &losses[s]) != 0 || zt_model_backward(m, 1.0f) != 0)
       return -1;
     float t = (float)(s + 1);
-    k->adamw(m->params, m->grads, mom, var, P, 3e-3f, 0.9f, 0.95f, 1e-8f, 0.0f,
+    k->adamw(master, m->grads, mom, var, P, 3e-3f, 0.9f, 0.95f, 1e-8f, 0.0f,
              1.0f - powf(0.9f, t), 1.0f - powf(0.95f, t));
+    if (master != m->params) k->narrow_x(m->params, master, P);
   }
   k->release(mom), k->release(var);
+  if (master != m->params) k->release(master);
   zt_model_free(m);
   return 0;
 }
@@ -123,24 +141,29 @@ static int train(const zt_kernels_t *k, const int *stream, float *losses) {
 ZT_TEST(training_tracks_cpu) {
   int *stream = malloc(sizeof(int) * STEPS * B * (T + 1));
   make_stream(stream, (size_t)STEPS * B * (T + 1));
-  float cpu[STEPS], gpu[STEPS], gbf[STEPS];
+  float cpu[STEPS], gpu[STEPS], gbf[STEPS], gx[STEPS];
   ZT_REQUIRE(train(zt_kernels_cpu(), stream, cpu) == 0);
   zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
   ZT_REQUIRE(train(zt_kernels_cuda(), stream, gpu) == 0);
   zt_kern_cuda_set_math(ZT_CUDA_MATH_BF16);
   ZT_REQUIRE(train(zt_kernels_cuda(), stream, gbf) == 0);
   zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
-  double worst32 = 0, worst16 = 0;
+  ZT_REQUIRE(train(zt_kernels_cuda_bf16(), stream, gx) == 0);
+  double worst32 = 0, worst16 = 0, worstx = 0;
   for (int s = 0; s < STEPS; s++) {
     worst32 = fmax(worst32, fabs((double)gpu[s] - cpu[s]) / cpu[s]);
     worst16 = fmax(worst16, fabs((double)gbf[s] - cpu[s]) / cpu[s]);
+    worstx = fmax(worstx, fabs((double)gx[s] - cpu[s]) / cpu[s]);
     if (s % 5 == 0 || s == STEPS - 1)
-      fprintf(stderr, "  step %2d  cpu %.6f  gpu-fp32 %.6f  gpu-bf16 %.6f\n", s + 1, cpu[s],
-              gpu[s], gbf[s]);
+      fprintf(stderr, "  step %2d  cpu %.6f  gpu-fp32 %.6f  gpu-bf16 %.6f  bf16 storage %.6f\n",
+              s + 1, cpu[s], gpu[s], gbf[s], gx[s]);
   }
-  fprintf(stderr, "  worst relative difference: fp32 %.2e, bf16 %.2e\n", worst32, worst16);
+  fprintf(stderr, "  worst relative difference: fp32 %.2e, bf16 products %.2e, bf16 storage %.2e\n",
+          worst32, worst16, worstx);
   ZT_CHECK(worst32 <= 1e-4);
   ZT_CHECK(worst16 <= 2e-2);
+  ZT_CHECK(worstx <= 2e-2);
+  ZT_CHECK(gx[STEPS - 1] < gx[0] - 1.0f);
   ZT_CHECK(cpu[STEPS - 1] < cpu[0] - 1.0f);
   ZT_CHECK(gpu[STEPS - 1] < gpu[0] - 1.0f);
   ZT_CHECK(gbf[STEPS - 1] < gbf[0] - 1.0f);

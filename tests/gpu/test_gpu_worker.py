@@ -12,9 +12,18 @@ model and its ZeRO state on the CUDA kernel table; docs/gpu.md):
     a direction that the rounding decides, and a batch that holds that byte
     shows it. Seen on an H100: steps 1-20 within 1e-7, 1e-6 to 5e-5 after
     step 27, one step (a rare byte) at 2.1e-3, the last at 2.4e-5.
-  - The same with bf16{enabled:true} (bf16 tensor-core products): the
-    first 10 steps within 1e-4, every step within 3e-2, and the model learns
-    (loss drops by more than 1). Seen: 4e-6 and 8.5e-3.
+  - The same with bf16{enabled:true} (bf16 storage: activations and the
+    parameters the model reads in bf16, an fp32 master, bf16 products with
+    fp32 accumulation): the first 10 steps within 5e-4, every step within
+    3e-2, and the model learns (loss drops by more than 1). Seen on the
+    stand-in: 7.6e-5 and 4.2e-3 (bf16 products on fp32 storage, on an H100
+    before bf16 storage existed: 4e-6 and 8.5e-3).
+  - bf16 storage on 2 GPU workers, ZeRO stages 0 to 3: every loss
+    bit-identical to 1 GPU worker with bf16 (the master, the fp64 sums and
+    the rounding into the working copy do not depend on the world size),
+    and the bytes each worker allocates (its zero_memory.json) equal the
+    bf16 formulas of docs/zero.md and the scheduler's estimate, activations
+    about half of fp32's.
   - 2 GPU workers, ZeRO stages 0 to 3: every loss bit-identical to the
     1-GPU-worker run. The sums are fp64, as on CPU workers
     (tests/integration/test_zero.py), so the world size does not change a
@@ -132,7 +141,7 @@ def test_gpu_worker_tracks_cpu(procs, tmp_path, data):
     print(f"last loss cpu {ref[STEPS]:.4f} gpu {got[STEPS]:.4f} bf16 {bf[STEPS]:.4f}")
     assert max(r32[:20]) <= 1e-5, r32[:20]
     assert max(r32) <= 1e-2 and r32[-1] <= 1e-3, r32
-    assert max(r16[:10]) <= 1e-4, r16[:10]
+    assert max(r16[:10]) <= 5e-4, r16[:10]
     assert max(r16) <= 3e-2, r16
     assert bf[STEPS] < bf[1] - 1.0
 
@@ -153,14 +162,64 @@ def test_gpu_zero_stages(procs, tmp_path, data):
     assert all(len(u) == len(stages) and all(c == want for _, c in u) for u in used.values()), used
 
 
+def memory_report(procs, name):
+    import json
+    with open(os.path.join(procs.tmp, "work", name, "zero_memory.json")) as f:
+        return json.load(f)
+
+
+def bf16_state_bytes(stage, n, psi):
+    """Model-state bytes per rank with bf16 storage (docs/zero.md): an fp32
+    master (whole at stage 0, else the shard) and a bf16 working copy
+    (whole at stages 0-2, the shard at 3), gradients and Adam as with fp32."""
+    return {0: 26 * psi, 1: 14 * psi + 12 * psi / n, 2: 2 * psi + 20 * psi / n,
+            3: 22 * psi / n}[stage]
+
+
+def test_gpu_bf16_storage_stages_and_memory(procs, tmp_path, data):
+    train, val = data
+    bf16 = {"enabled": True}
+    gpu1 = fleet(procs, 1, "cuda:0", "b")
+    ref = run(procs, gpu1, tmp_path, tiny_spec(train, val, STEPS, 0, 1, bf16=bf16), "bf-1")
+    fp32_acts = None
+    gpu = fleet(procs, 2, "cuda:0", "d", own_devices=SIM)
+    for stage in (0, 1, 2, 3):
+        if stage == 0:  # the fp32 figures of the same job, for the activations
+            run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, 0, 2), "fp32-s0")
+            fp32_acts = memory_report(procs, "d0")["activation_bytes"]
+        got = run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, stage, 2, bf16=bf16),
+                  f"bf-s{stage}")
+        rel = rel_diffs(got, ref, f"bf16 storage, stage {stage}, 2 GPU workers vs 1")
+        assert all(got[s] == ref[s] for s in range(1, STEPS + 1)), rel
+        for name in ("d0", "d1"):
+            m = memory_report(procs, name)
+            psi, pad = m["psi"], m["padding"]
+            held = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
+            want = bf16_state_bytes(stage, 2, psi)
+            print(f"stage {stage} {name}: states {held} bytes, formula {want:.0f}, "
+                  f"activations {m['activation_bytes']} (fp32 {fp32_acts})")
+            assert abs(held - want) <= 0.01 * want + 26 * pad, (stage, name, held, want, m)
+            assert m["estimated_states_bytes"] == held + m["inflight_bytes"] + m["scratch_bytes"]
+            assert m["estimated_activation_bytes"] > m["activation_bytes"]
+            assert m["activation_bytes"] < 0.6 * fp32_acts, (m["activation_bytes"], fp32_acts)
+    assert ref[STEPS] < ref[1] - 1.0
+
+
 @pytest.mark.skipif(not SIM, reason="needs three GPUs; runs on the stand-in")
-def test_gpu_nccl_kill9(procs, tmp_path, data):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-checkpoints"])
+def test_gpu_nccl_kill9(procs, tmp_path, data, bf16):
+    """With bf16 storage the job also checkpoints every 5 steps, so the
+    next generation loads the fp32 master from disk and rounds its bf16
+    working copy from it (the stage-2 load of engine/zero.c)."""
     train, val = data
     steps = 60
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
     ref = run_steps(procs, fleet(procs, 1, "cuda:0", "r"), tmp_path,
-                    tiny_spec(train, val, steps, 2, 1), "ref", steps)
+                    tiny_spec(train, val, steps, 2, 1, **extra), "ref", steps)
     coord = fleet(procs, 3, "cuda:0", "k", own_devices=True)
-    spec = tiny_spec(train, val, steps, 2, 2, max_workers=3)
+    if bf16:
+        extra["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every_steps": 5, "keep_last": 3}
+    spec = tiny_spec(train, val, steps, 2, 2, max_workers=3, **extra)
     jid = submit(coord, spec, tmp_path, "kill.json")
     wait_until(lambda: job(coord, jid)["step"] >= 15 and job(coord, jid)["world"] == 3, 300,
                "training on 3 GPU workers")
@@ -177,6 +236,10 @@ def test_gpu_nccl_kill9(procs, tmp_path, data):
         assert len(u) >= 2 and all(c == "NCCL" for _, c in u), used
     logs = "".join(open(os.path.join(procs.tmp, f"k{i}.log"), errors="replace").read()
                    for i in (0, 1))
+    if bf16:
+        gens = re.findall(r"generation (\d+): rank \d+ of \d+, start step (\d+)", logs)
+        print("generations and their start steps:", gens)
+        assert any(int(st) > 0 for _, st in gens), "a generation started from a checkpoint"
     assert "ncclAllReduce: remote process exited" in logs or \
         "ncclReduceScatter: remote process exited" in logs or \
         "ncclAllGather: remote process exited" in logs, "the survivors saw NCCL's async error"

@@ -9,6 +9,12 @@
  * nearest, ties away) or bf16 (7 bits, to nearest even), as tensor cores
  * take them; C, bias and the sums stay fp32.
  *
+ * Data types: A and B both fp32 or both bf16 (CUDA_R_16BF; then compute
+ * 32F only), C and D both fp32 or both bf16 (bf16 D only from bf16 A and
+ * B), the bias fp32 or D's type. bf16 elements widen exactly; a bf16 D is
+ * formed in fp32 (C, products, bias) and rounded once, to nearest even, as
+ * the tensor cores' epilogue does.
+ *
  * Checks beyond the arithmetic: attribute sizes; layouts that agree with
  * op(A) [m,k], op(B) [k,n], C and D [m,n] and ld >= rows; equal batch
  * counts; every matrix (all its batches), the bias and the workspace inside
@@ -85,19 +91,25 @@ cublasStatus_t validate(const zt_sim_lt_desc *op, const zt_sim_lt_layout *a,
     return CUBLAS_STATUS_NOT_SUPPORTED;
   if (op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && op->epilogue != CUBLASLT_EPILOGUE_BIAS)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias_type != CUDA_R_32F)
+  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias_type != CUDA_R_32F &&
+      op->bias_type != (int32_t)d->type)
     return CUBLAS_STATUS_NOT_SUPPORTED;
   if ((op->ta != CUBLAS_OP_N && op->ta != CUBLAS_OP_T) ||
       (op->tb != CUBLAS_OP_N && op->tb != CUBLAS_OP_T))
     return CUBLAS_STATUS_NOT_SUPPORTED;
   const zt_sim_lt_layout *ls[4] = {a, b, c, d};
   for (auto *l : ls) {
-    if (l->type != CUDA_R_32F || l->order != CUBLASLT_ORDER_COL) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if ((l->type != CUDA_R_32F && l->type != CUDA_R_16BF) || l->order != CUBLASLT_ORDER_COL)
+      return CUBLAS_STATUS_NOT_SUPPORTED;
     if (l->rows == 0 || l->cols == 0 || l->rows > 0x7fffffff || l->cols > 0x7fffffff ||
         l->ld < (int64_t)l->rows || l->batch < 1 || l->stride < 0)
       return CUBLAS_STATUS_INVALID_VALUE;
     if (l->ld > 0x7fffffff) return CUBLAS_STATUS_NOT_SUPPORTED; /* sgemm takes int */
   }
+  if (a->type != b->type || c->type != d->type ||
+      (d->type == CUDA_R_16BF && a->type != CUDA_R_16BF) ||
+      (a->type == CUDA_R_16BF && op->compute != CUBLAS_COMPUTE_32F))
+    return CUBLAS_STATUS_NOT_SUPPORTED;
   uint64_t am = op->ta ? a->cols : a->rows, ak = op->ta ? a->rows : a->cols;
   uint64_t bk = op->tb ? b->cols : b->rows, bn = op->tb ? b->rows : b->cols;
   if (am != d->rows || bn != d->cols || ak != bk || c->rows != d->rows || c->cols != d->cols)
@@ -108,15 +120,17 @@ cublasStatus_t validate(const zt_sim_lt_desc *op, const zt_sim_lt_layout *a,
   return CUBLAS_STATUS_SUCCESS;
 }
 
+size_t elem_bytes(uint32_t type) { return type == CUDA_R_16BF ? 2 : 4; }
+
 size_t extent_bytes(const zt_sim_lt_layout *l) {
   uint64_t last = (uint64_t)(l->batch - 1) * (uint64_t)l->stride +
                   (l->cols - 1) * (uint64_t)l->ld + l->rows;
-  return (size_t)last * sizeof(float);
+  return (size_t)last * elem_bytes(l->type);
 }
 
 uint64_t alignment(const void *p, const zt_sim_lt_layout *l) {
   uint64_t x = (uint64_t)(uintptr_t)p | 4096;
-  if (l->batch > 1) x |= (uint64_t)l->stride * sizeof(float);
+  if (l->batch > 1) x |= (uint64_t)l->stride * elem_bytes(l->type);
   return x & (~x + 1);
 }
 
@@ -155,6 +169,43 @@ void round_into(std::vector<float> &dst, const float *src, uint64_t rows, uint64
       float v = src[j * ld + i];
       dst[j * rows + i] = bf ? round_bf16(v) : round_tf32(v);
     }
+}
+
+/* Element i of a bf16 array, widened (exact). */
+float bf16_value(const void *p, size_t i) {
+  uint16_t h;
+  memcpy(&h, (const char *)p + 2 * i, 2);
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* Element i of a bf16 array = f rounded to nearest even. */
+void store_bf16(void *p, size_t i, float f) {
+  float r = round_bf16(f);
+  uint32_t u;
+  memcpy(&u, &r, 4);
+  uint16_t h = (uint16_t)(u >> 16);
+  memcpy((char *)p + 2 * i, &h, 2);
+}
+
+/* A rows x cols column-order bf16 matrix (ld) widened into a packed copy. */
+void widen_into(std::vector<float> &dst, const void *src, uint64_t rows, uint64_t cols,
+                int64_t ld) {
+  dst.resize(rows * cols);
+  for (uint64_t j = 0; j < cols; j++)
+    for (uint64_t i = 0; i < rows; i++) dst[j * rows + i] = bf16_value(src, j * ld + i);
+}
+
+/* The fp32 room for a bf16 D of s.m x s.n (packed), holding beta's C. */
+float *fp32_d(std::vector<float> &rd, const void *c, const zt_sim_lt_layout *cd, float beta,
+              const shape &s) {
+  rd.assign((size_t)s.m * s.n, 0.0f);
+  if (beta != 0.0f)
+    for (int j = 0; j < s.n; j++)
+      for (int i = 0; i < s.m; i++) rd[(size_t)j * s.m + i] = bf16_value(c, j * cd->ld + i);
+  return rd.data();
 }
 
 /* The checks of an algorithm from cublasLtMatmulAlgoGetHeuristic against
@@ -376,7 +427,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
     snprintf(what, sizeof what, "cublasLtMatmul: matrix %c", "ABCD"[i]);
     zt_sim::require_device_memory(ptrs[i], extent_bytes(ls[i]), what);
   }
-  if (bias) zt_sim::require_device_memory(op->bias, s.m * sizeof(float), "cublasLtMatmul: bias");
+  if (bias)
+    zt_sim::require_device_memory(op->bias, s.m * elem_bytes(op->bias_type),
+                                  "cublasLtMatmul: bias");
   if (workspace_size)
     zt_sim::require_device_memory(workspace, workspace_size, "cublasLtMatmul: workspace");
 
@@ -384,33 +437,50 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
    * before device memory opens, so a device pointer faults here. */
   float al = *(const float *)alpha, be = *(const float *)beta;
   zt_sim::device_access access("cublasLtMatmul");
-  std::vector<float> ra, rb;
+  std::vector<float> ra, rb, rd, rbias;
+  size_t ea = elem_bytes(ad->type), ed = elem_bytes(dd->type);
+  if (bias && op->bias_type == CUDA_R_16BF) {
+    rbias.resize(s.m);
+    for (int i = 0; i < s.m; i++) rbias[i] = bf16_value(op->bias, i);
+  }
+  const float *bv = rbias.empty() ? (const float *)op->bias : rbias.data();
   for (int bi = 0; bi < s.batch; bi++) {
-    const float *a = (const float *)A + (size_t)bi * ad->stride;
-    const float *b = (const float *)B + (size_t)bi * bd->stride;
-    const float *c = (const float *)C + (size_t)bi * cd->stride;
-    float *d = (float *)D + (size_t)bi * dd->stride;
-    for (int j = 0; j < s.n; j++) {
-      float *dcol = d + (size_t)j * dd->ld;
-      if (be == 0.0f)
-        memset(dcol, 0, s.m * sizeof(float)); /* C is not read when beta is 0 */
-      else if (c != d || cd->ld != dd->ld)
-        memmove(dcol, c + (size_t)j * cd->ld, s.m * sizeof(float));
-    }
+    const char *a = (const char *)A + (size_t)bi * ad->stride * ea;
+    const char *b = (const char *)B + (size_t)bi * bd->stride * ea;
+    const char *c = (const char *)C + (size_t)bi * cd->stride * ed;
+    char *draw = (char *)D + (size_t)bi * dd->stride * ed;
+    /* The product is formed in fp32: in D itself, or in rd for a bf16 D. */
+    float *d = dd->type == CUDA_R_16BF ? fp32_d(rd, c, cd, be, s) : (float *)draw;
+    int64_t ldd = dd->type == CUDA_R_16BF ? s.m : dd->ld;
+    if (dd->type != CUDA_R_16BF)
+      for (int j = 0; j < s.n; j++) {
+        float *dcol = d + (size_t)j * ldd;
+        if (be == 0.0f)
+          memset(dcol, 0, s.m * sizeof(float)); /* C is not read when beta is 0 */
+        else if (c != draw || cd->ld != dd->ld)
+          memmove(dcol, (const float *)c + (size_t)j * cd->ld, s.m * sizeof(float));
+      }
     int64_t lda = ad->ld, ldb = bd->ld;
-    if (reduced(op->compute)) {
-      round_into(ra, a, ad->rows, ad->cols, ad->ld, op->compute);
-      round_into(rb, b, bd->rows, bd->cols, bd->ld, op->compute);
-      a = ra.data(), b = rb.data(), lda = (int64_t)ad->rows, ldb = (int64_t)bd->rows;
+    const float *fa = (const float *)a, *fb = (const float *)b;
+    if (ad->type == CUDA_R_16BF) {
+      widen_into(ra, a, ad->rows, ad->cols, ad->ld);
+      widen_into(rb, b, bd->rows, bd->cols, bd->ld);
+      fa = ra.data(), fb = rb.data(), lda = (int64_t)ad->rows, ldb = (int64_t)bd->rows;
+    } else if (reduced(op->compute)) {
+      round_into(ra, fa, ad->rows, ad->cols, ad->ld, op->compute);
+      round_into(rb, fb, bd->rows, bd->cols, bd->ld, op->compute);
+      fa = ra.data(), fb = rb.data(), lda = (int64_t)ad->rows, ldb = (int64_t)bd->rows;
     }
     cblas_sgemm(CblasColMajor, op->ta ? CblasTrans : CblasNoTrans,
-                op->tb ? CblasTrans : CblasNoTrans, s.m, s.n, s.k, al, a, (int)lda, b, (int)ldb,
-                be, d, (int)dd->ld);
-    if (bias) {
-      const float *bv = (const float *)op->bias;
+                op->tb ? CblasTrans : CblasNoTrans, s.m, s.n, s.k, al, fa, (int)lda, fb, (int)ldb,
+                be, d, (int)ldd);
+    if (bias)
       for (int j = 0; j < s.n; j++)
-        for (int i = 0; i < s.m; i++) d[(size_t)j * dd->ld + i] += bv[i];
-    }
+        for (int i = 0; i < s.m; i++) d[(size_t)j * ldd + i] += bv[i];
+    if (dd->type == CUDA_R_16BF)
+      for (int j = 0; j < s.n; j++)
+        for (int i = 0; i < s.m; i++)
+          store_bf16(draw, (size_t)j * dd->ld + i, d[(size_t)j * ldd + i]);
   }
   return CUBLAS_STATUS_SUCCESS;
 }
