@@ -45,7 +45,7 @@ static int write_ready_file(zt_coord_t *c) {
 static void on_check(uv_timer_t *t) {
   zt_coord_t *c = t->data;
   int64_t now = zt_now_ms(), every = (int64_t)uv_timer_get_repeat(t);
-  int64_t stall = c->last_check_ms ? now - c->last_check_ms - every : 0;
+  int64_t stall = now - c->last_check_ms - every;
   c->last_check_ms = now;
   if (stall > c->max_stall_ms) c->max_stall_ms = stall;
   if (stall > every) zt_members_credit(c, stall);
@@ -105,6 +105,9 @@ static int start(zt_coord_t *c) {
   uv_timer_init(c->loop, &c->watchdog_timer);
   c->check_timer.data = c->flush_timer.data = c->watchdog_timer.data = c;
   uint64_t check_every = (uint64_t)ZT_MAX(10, c->cfg.heartbeat_ms / 4);
+  /* The first check measures its stall from here: a pause before it (the
+   * process stopped right after start) is credited like any other. */
+  c->last_check_ms = zt_now_ms();
   uv_timer_start(&c->check_timer, on_check, check_every, check_every);
   uv_timer_start(&c->flush_timer, on_flush, 5000, 5000);
   uv_signal_init(c->loop, &c->sigint);

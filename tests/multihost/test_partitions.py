@@ -63,7 +63,7 @@ def generations(fleet, jid):
 
 def test_partitioned_host_is_fenced_and_rejoins_at_a_checkpoint(net, data, tmp_path):
     fleet = three_hosts(net, data)
-    s = spec(900)
+    s = spec(2500)
     jid = fleet.submit(s, str(tmp_path / "a.json"))
     wait_until(lambda: fleet.job(jid)["step"] >= 30, 90, "training under way")
     h3 = net.hosts["h3"]
@@ -95,7 +95,7 @@ def test_partitioned_host_is_fenced_and_rejoins_at_a_checkpoint(net, data, tmp_p
 def test_asymmetric_partition_keeps_out_the_cut_off_host_without_flapping(net, data, tmp_path,
                                                                           cut):
     fleet = three_hosts(net, data, timeout_ms=20000)
-    s = spec(1200)
+    s = spec(3000)
     jid = fleet.submit(s, str(tmp_path / "a.json"))
     wait_until(lambda: fleet.job(jid)["step"] >= 30, 90, "training under way")
     h3 = net.hosts["h3"]
