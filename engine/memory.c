@@ -2,7 +2,7 @@
  * memory.c: the per-rank memory a job needs (see memory.h).
  *
  * The ZeRO part walks the units of the model's layout exactly as zero.c's
- * layout() does (shards of ceil(unit / N) elements, the buffers each stage
+ * layout() does (shards of zt_zero_shard_size elements, the buffers each stage
  * keeps whole or sharded, the in-flight buffers of stages 2 and 3); the
  * test in tests/unit/test_engine_spec.c compares it with the bytes zero.c
  * really allocates.
@@ -20,7 +20,7 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
                             uint64_t *owned) {
   uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0;
   for (int u = 0; u < l->num_units; u++) {
-    uint64_t S = (l->unit_size[u] + N - 1) / N;
+    uint64_t S = zt_zero_shard_size(l->unit_size[u], N);
     full += S * N;
     shard += S;
     if (S * N > max_unit) max_unit = S * N;

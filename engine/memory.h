@@ -30,9 +30,22 @@
 #ifndef ZT_MEMORY_H
 #define ZT_MEMORY_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "spec.h"
+
+/* ZeRO's shard of a unit of n elements over `world` ranks: ceil(n / world)
+ * rounded up to ZT_ZERO_SHARD_ALIGN elements, so that every unit and shard
+ * starts 16-byte aligned in fp32 and in bf16 buffers alike, whatever the
+ * world size (matmuls then see the same alignments, and cuBLASLt the same
+ * algorithms, on every world size). engine/zero.c lays out by it and this
+ * file's estimate counts by it. */
+#define ZT_ZERO_SHARD_ALIGN 8
+static inline size_t zt_zero_shard_size(size_t n, size_t world) {
+  size_t s = (n + world - 1) / world;
+  return (s + ZT_ZERO_SHARD_ALIGN - 1) / ZT_ZERO_SHARD_ALIGN * ZT_ZERO_SHARD_ALIGN;
+}
 
 #define ZT_MEM_BASE_BYTES (128ull << 20)
 #define ZT_MEM_DEVICE_BASE_BYTES (512ull << 20)

@@ -123,7 +123,7 @@ static int layout(zt_zero_t *z) {
   z->off_shard = zt_xcalloc((size_t)z->U, sizeof(size_t));
   for (int u = 0; u < z->U; u++) {
     z->usz[u] = z->m->lay.unit_size[u];
-    z->S[u] = (z->usz[u] + (size_t)z->N - 1) / (size_t)z->N;
+    z->S[u] = zt_zero_shard_size(z->usz[u], (size_t)z->N);
     z->off_full[u] = z->full_total;
     z->off_shard[u] = z->shard_total;
     z->full_total += z->S[u] * (size_t)z->N;
@@ -565,7 +565,7 @@ static float *opt_ptr(zt_zero_t *z, float *base, int u) {
 /* A host view of n floats of table memory: the memory itself on the host,
  * else a host buffer (freed by host_done, after copying it up). */
 static float *host_view(zt_zero_t *z, float *buf, size_t n) {
-  return z->dev ? zt_xmalloc(n * sizeof(float)) : buf;
+  return z->dev ? zt_xcalloc(n ? n : 1, sizeof(float)) : buf; /* padding stays 0 */
 }
 
 static void host_done(zt_zero_t *z, float *buf, float *view, size_t n) {

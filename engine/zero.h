@@ -3,7 +3,9 @@
  * operations on them that involve the other ranks.
  *
  * Layout. Every unit u (layout.h) of U_u elements is padded to N*S_u,
- * S_u = ceil(U_u / N); rank r owns [r*S_u, (r+1)*S_u). Storage per stage
+ * S_u = ceil(U_u / N) rounded up to a multiple of 8 (zt_zero_shard_size,
+ * memory.h: units and shards 16-byte aligned); rank r owns
+ * [r*S_u, (r+1)*S_u). Storage per stage
  * (docs/zero.md has the byte formulas):
  *
  *   stage  params          grads                    Adam m, v

@@ -166,10 +166,13 @@ static cublasComputeType_t compute_type(void) {
 }
 
 /* The alignment cuBLASLt may assume for a matrix: the largest power of two
- * up to 256 dividing its address and, when batched, its batch stride in
- * bytes. Model views start at arbitrary offsets of a flat buffer. */
+ * up to 16 (what its kernels' vector loads need) dividing its address and,
+ * when batched, its batch stride in bytes. Model views start at offsets of
+ * a flat buffer; capped at 16, a view's alignment, and so the algorithm
+ * chosen for it, does not change with where ZeRO's padding (which keeps
+ * units 16-byte aligned, engine/memory.h) puts the unit. */
 static uint32_t align_of(const void *p, long long stride, int batch, size_t esz) {
-  uint64_t a = (uint64_t)(uintptr_t)p | 256u;
+  uint64_t a = (uint64_t)(uintptr_t)p | 16u;
   if (batch > 1) a |= (uint64_t)stride * esz;
   return (uint32_t)(a & (~a + 1));
 }

@@ -155,11 +155,14 @@ ZT_TEST(layernorm) {
 }
 
 /* Checks the matmul pair; tol_k scales the absolute tolerance by sqrt(K)
- * for reduced-precision products (0: fp32 rule). */
+ * for reduced-precision products (0: fp32 rule). with_bias 2: the bias
+ * one element past an aligned address (as inside a parameter buffer). */
 static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
   size_t nx = (size_t)N * IC, nw = (size_t)OC * IC, no = (size_t)N * OC;
   float *x = zt_rnd(nx, 1), *w = zt_rnd(nw, 1), *bias = zt_rnd(OC, 1), *o = malloc(no * 4);
-  float *dx = DEVF(x, nx), *dw = DEVF(w, nw), *dbias = DEVF(bias, OC);
+  float *dx = DEVF(x, nx), *dw = DEVF(w, nw), *dbias0 = dalloc((OC + 1) * 4);
+  float *dbias = dbias0 + (with_bias == 2);
+  G->upload(dbias, bias, OC * 4);
   float *dO = dalloc(no * 4);
   G->matmul_forward(dO, dx, dw, with_bias ? dbias : NULL, N, IC, OC);
   R->matmul_forward(o, x, w, with_bias ? bias : NULL, N, IC, OC);
@@ -175,7 +178,7 @@ static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
 #undef TOL
   /* dinp NULL is allowed and leaves everything else the same. */
   G->matmul_backward(NULL, d_gw, NULL, d_dout, dx, dw, N, IC, OC);
-  void *ptrs[] = {dx, dw, dbias, dO, d_dout, d_gx, d_gw, d_gb};
+  void *ptrs[] = {dx, dw, dbias0, dO, d_dout, d_gx, d_gw, d_gb};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(x), free(w), free(bias), free(o), free(dout), free(gx), free(gw), free(gb);
 }
@@ -185,6 +188,7 @@ ZT_TEST(matmul) {
   check_matmul(37, 24, 72, 1, 0);
   check_matmul(5, 64, 200, 0, 0);
   check_matmul(130, 96, 33, 1, 0);
+  check_matmul(130, 96, 33, 2, 0);
   check_matmul(512, 768, 2304, 1, 0);
 }
 
@@ -509,12 +513,23 @@ ZT_TEST(bf16_norm_linear) {
   /* A linear layer C -> OC on the LayerNorm's (rounded) output. */
   round_bf(o, NC);
   float *wm = rnd_bf(W, 1), *bias = rnd_bf(OC, 1), *y = malloc(NO * 4);
-  float *d_wm = devx(wm, W), *d_bias = devx(bias, OC), *d_y = dalloc(NO * 2);
-  for (int with_bias = 0; with_bias < 2; with_bias++) {
-    XB->matmul_forward(d_y, d_o, d_wm, with_bias ? d_bias : NULL, N, C, OC);
+  float *d_wm = devx(wm, W), *d_y = dalloc(NO * 2);
+  /* The bias at an aligned address, and one element past one (the epilogue
+   * then takes it from aligned scratch: still one rounding). */
+  float *bias1 = malloc((OC + 1) * 4);
+  bias1[0] = 0.0f;
+  memcpy(bias1 + 1, bias, OC * 4);
+  float *d_bias = devx(bias, OC), *d_bias1 = devx(bias1, OC + 1);
+  const float *d_bias_u = (const float *)((const uint16_t *)d_bias1 + 1);
+  for (int with_bias = 0; with_bias < 3; with_bias++) {
+    const float *db_ = with_bias == 0 ? NULL : with_bias == 1 ? d_bias : d_bias_u;
+    XB->matmul_forward(d_y, d_o, d_wm, db_, N, C, OC);
     R->matmul_forward(y, o, wm, with_bias ? bias : NULL, N, C, OC);
-    close_x("bf16 matmul_forward", d_y, y, NO, 1e-5f * C);
+    close_x(with_bias == 2 ? "bf16 matmul_forward (unaligned bias)" : "bf16 matmul_forward", d_y,
+            y, NO, 1e-5f * C);
   }
+  G->release(d_bias1);
+  free(bias1);
   float *dy = rnd_bf(NO, 1), *gi = malloc(NC * 4), *gwm = zt_rnd(W, 1), *gbias = zt_rnd(OC, 1);
   float *d_dy = devx(dy, NO), *d_gi = dalloc(NC * 2), *d_gwm = DEVF(gwm, W);
   float *d_gbias = DEVF(gbias, OC);

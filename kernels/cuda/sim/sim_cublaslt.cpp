@@ -11,7 +11,7 @@
  *
  * Data types: A and B both fp32 or both bf16 (CUDA_R_16BF; then compute
  * 32F only), C and D both fp32 or both bf16 (bf16 D only from bf16 A and
- * B), the bias fp32 or D's type. bf16 elements widen exactly; a bf16 D is
+ * B), the bias of D's type (the default, -1, says so, as in cuBLASLt). bf16 elements widen exactly; a bf16 D is
  * formed in fp32 (C, products, bias) and rounded once, to nearest even, as
  * the tensor cores' epilogue does.
  *
@@ -91,9 +91,9 @@ cublasStatus_t validate(const zt_sim_lt_desc *op, const zt_sim_lt_layout *a,
     return CUBLAS_STATUS_NOT_SUPPORTED;
   if (op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && op->epilogue != CUBLASLT_EPILOGUE_BIAS)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias_type != CUDA_R_32F &&
+  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias_type != -1 &&
       op->bias_type != (int32_t)d->type)
-    return CUBLAS_STATUS_NOT_SUPPORTED;
+    return CUBLAS_STATUS_NOT_SUPPORTED; /* the bias is of D's type */
   if ((op->ta != CUBLAS_OP_N && op->ta != CUBLAS_OP_T) ||
       (op->tb != CUBLAS_OP_N && op->tb != CUBLAS_OP_T))
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -292,7 +292,7 @@ cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *desc, cublasComput
   d->scale = scale_type;
   d->ta = d->tb = d->tc = CUBLAS_OP_N;
   d->epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  d->bias_type = CUDA_R_32F;
+  d->bias_type = -1; /* D's type */
   *desc = d;
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -428,7 +428,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
     zt_sim::require_device_memory(ptrs[i], extent_bytes(ls[i]), what);
   }
   if (bias)
-    zt_sim::require_device_memory(op->bias, s.m * elem_bytes(op->bias_type),
+    zt_sim::require_device_memory(op->bias, s.m * elem_bytes(dd->type),
                                   "cublasLtMatmul: bias");
   if (workspace_size)
     zt_sim::require_device_memory(workspace, workspace_size, "cublasLtMatmul: workspace");
@@ -439,7 +439,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
   zt_sim::device_access access("cublasLtMatmul");
   std::vector<float> ra, rb, rd, rbias;
   size_t ea = elem_bytes(ad->type), ed = elem_bytes(dd->type);
-  if (bias && op->bias_type == CUDA_R_16BF) {
+  if (bias && dd->type == CUDA_R_16BF) {
     rbias.resize(s.m);
     for (int i = 0; i < s.m; i++) rbias[i] = bf16_value(op->bias, i);
   }
