@@ -25,8 +25,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       abort();
     zt_mem_need_t need;
     if (zt_memory_need(&s, n, &need) != 0) continue;
+    /* A GPU worker's figures: bf16 storage when the spec asks for it
+     * (activations then smaller), else the fp32 ones without overlap. */
     if (need.host != ZT_MEM_BASE_BYTES + need.states + need.activations + need.snapshot ||
-        need.device != ZT_MEM_DEVICE_BASE_BYTES + need.states + need.activations)
+        need.device != ZT_MEM_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||
+        need.host_with_device != ZT_MEM_BASE_BYTES + need.states + need.snapshot ||
+        need.dev_activations > need.activations ||
+        (!s.bf16 && (need.dev_activations != need.activations || need.dev_states > need.states)))
       abort();
   }
   return 0;
