@@ -190,12 +190,21 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
 }
 
 /* A failed write takes back what it wrote (a full disk gets its space
- * back), and the directory too when no other rank's files are in it. */
+ * back), and the directory too when no other rank's files are in it. So a
+ * rank's directory can vanish under it when another rank's write failed
+ * first (its files not yet created, the directory empty): it then makes
+ * the directory again and retries, at most twice, so that it reports its
+ * own failure (a full disk) rather than the missing directory. */
 int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_range_t *r, int nr,
                   zt_ckpt_file_t *files, int *nfiles) {
   *nfiles = 0;
-  if (zt_mkdirs(dir) != 0) return zt_err_wrap("checkpoint");
-  if (write_epoch_files(dir, meta, r, nr, files, nfiles) == 0) return 0;
+  for (int attempt = 0;; attempt++) {
+    if (zt_mkdirs(dir) != 0) return zt_err_wrap("checkpoint");
+    if (write_epoch_files(dir, meta, r, nr, files, nfiles) == 0) return 0;
+    struct stat st;
+    if (attempt == 2 || stat(dir, &st) == 0) break; /* still there: a failure of its own */
+    *nfiles = 0;
+  }
   char path[1200];
   snprintf(path, sizeof path, "%s/rank_%d.bin", dir, meta->rank);
   unlink(path);
