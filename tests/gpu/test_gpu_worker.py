@@ -18,8 +18,10 @@ model and its ZeRO state on the CUDA kernel table; docs/gpu.md):
     3e-2, and the model learns (loss drops by more than 1). Seen on the
     stand-in: 7.6e-5 and 4.2e-3 (bf16 products on fp32 storage, on an H100
     before bf16 storage existed: 4e-6 and 8.5e-3).
-  - bf16 storage on 2 GPU workers, ZeRO stages 0 to 3: every loss
-    bit-identical to 1 GPU worker with bf16 (the master, the fp64 sums and
+  - bf16 storage on 2 GPU workers, ZeRO stages 0 to 3, over NCCL (devices
+    of their own, on the stand-in) and over the TCP ring (sharing one GPU,
+    collectives staged through host memory): every loss bit-identical to 1
+    GPU worker with bf16 (the master, the fp64 sums and
     the rounding into the working copy do not depend on the world size),
     and the bytes each worker allocates (its zero_memory.json) equal the
     bf16 formulas of docs/zero.md and the scheduler's estimate, activations
@@ -176,13 +178,17 @@ def bf16_state_bytes(stage, n, psi):
             3: 22 * psi / n}[stage]
 
 
-def test_gpu_bf16_storage_stages_and_memory(procs, tmp_path, data):
+@pytest.mark.parametrize("comm", ["nccl", "ring"] if SIM else ["ring"])
+def test_gpu_bf16_storage_stages_and_memory(procs, tmp_path, data, comm):
+    """comm: the two workers on devices of their own (NCCL, on the stand-in)
+    or sharing cuda:0 (the TCP ring, the collectives staged through host
+    memory: one real GPU)."""
     train, val = data
     bf16 = {"enabled": True}
     gpu1 = fleet(procs, 1, "cuda:0", "b")
     ref = run(procs, gpu1, tmp_path, tiny_spec(train, val, STEPS, 0, 1, bf16=bf16), "bf-1")
     fp32_acts = None
-    gpu = fleet(procs, 2, "cuda:0", "d", own_devices=SIM)
+    gpu = fleet(procs, 2, "cuda:0", "d", own_devices=comm == "nccl")
     for stage in (0, 1, 2, 3):
         if stage == 0:  # the fp32 figures of the same job, for the activations
             run(procs, gpu, tmp_path, tiny_spec(train, val, STEPS, 0, 2), "fp32-s0")
@@ -202,6 +208,8 @@ def test_gpu_bf16_storage_stages_and_memory(procs, tmp_path, data):
             assert m["estimated_states_bytes"] == held + m["inflight_bytes"] + m["scratch_bytes"]
             assert m["estimated_activation_bytes"] > m["activation_bytes"]
             assert m["activation_bytes"] < 0.6 * fp32_acts, (m["activation_bytes"], fp32_acts)
+    used = comm_used(procs, ["d0", "d1"])
+    assert all(c == ("NCCL" if comm == "nccl" else "TCP ring") for u in used.values() for _, c in u), used
     assert ref[STEPS] < ref[1] - 1.0
 
 
