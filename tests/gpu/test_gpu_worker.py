@@ -32,6 +32,8 @@ model and its ZeRO state on the CUDA kernel table; docs/gpu.md):
     bit. On one real GPU the two share it, and the coordinator gives them
     the TCP ring (NCCL refuses two ranks on one GPU); on the stand-in each
     has a device of its own and the generation runs over NCCL.
+  - A CPU worker and a GPU worker in one generation: the TCP ring, losses
+    as a CPU worker's (first 20 steps within 1e-5).
   - On the stand-in: 3 GPU workers over NCCL, one killed with SIGKILL in the
     middle of training. The survivors' NCCL communicator reports the dead
     peer (ncclCommGetAsyncError), is aborted, and they form the next
@@ -251,6 +253,28 @@ def test_gpu_nccl_kill9(procs, tmp_path, data, bf16):
     assert "ncclAllReduce: remote process exited" in logs or \
         "ncclReduceScatter: remote process exited" in logs or \
         "ncclAllGather: remote process exited" in logs, "the survivors saw NCCL's async error"
+
+
+def test_mixed_cpu_gpu_generation_uses_the_ring(procs, tmp_path, data):
+    """A generation of a CPU worker and a GPU worker runs over the TCP ring
+    (NCCL takes GPU ranks only) and trains like CPU workers: the fp64 sums
+    are the same, only each rank's kernels round differently."""
+    train, val = data
+    cpu = fleet(procs, 1, "cpu", "c")
+    ref = run(procs, cpu, tmp_path, tiny_spec(train, val, STEPS, 2, 1), "cpu")
+    coord = start_fleet(procs, names=["x0", "x1"], extra=("--threads", "1", "--device", "cpu"),
+                        extra_by_name={"x1": ("--device", "cuda:0")}, timeout_ms=5000,
+                        wait_s=60, name="zcoord-x", db=os.path.join(procs.tmp, "x.db"),
+                        env_by_name={"x1": SIM_ENV})
+    got = run(procs, coord, tmp_path, tiny_spec(train, val, STEPS, 2, 2), "mixed")
+    rel = rel_diffs(got, ref, "CPU + GPU worker vs 1 CPU worker")
+    assert max(rel[:20]) <= 1e-5 and max(rel) <= 1e-2, rel
+    used = comm_used(procs, ["x0", "x1"])
+    print("collectives by worker:", used)
+    assert all(len(u) == 1 and u[0][1] == "TCP ring" for u in used.values()), used
+    logs = {nm: open(os.path.join(procs.tmp, f"{nm}.log"), errors="replace").read()
+            for nm in ("x0", "x1")}
+    assert "device cpu" in logs["x0"] and "device cuda:0" in logs["x1"], "one of each"
 
 
 @pytest.mark.skipif(not SIM, reason="a worker without NCCL is made on the stand-in")
