@@ -51,7 +51,7 @@ def test_kill9_twenty_times(procs, tmp_path, data):
     train, val = data
     names = [f"w{i}" for i in range(4)]
     coord, ws = start(procs, names)
-    spec = tiny_spec(train, val, 1500, stage=2, workers=2, max_workers=4,
+    spec = tiny_spec(train, val, 4000, stage=2, workers=2, max_workers=4,
                      checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 5,
                                  "keep_last": 3})
     jid = submit(coord, spec, tmp_path)
