@@ -140,14 +140,20 @@ def test_dashboard_watches_a_run(procs, tmp_path):
         assert f"operator rollback to step {to}" in mark["title"], mark
         assert f"reason: rollback to step {target}" in mark["title"], mark
         assert int(canvas_counts(b)["loss"]["marks"]) >= 1
-        # Hovering the marker on the loss chart shows the reason.
-        x, y = b.eval("(() => { const c = Chart.getChart('loss'), p = c.getDatasetMeta(2).data[0];"
-                      " c.canvas.scrollIntoView(); const r = c.canvas.getBoundingClientRect();"
-                      " return [r.left + p.x, r.top + p.y]; })()")
-        b.call("Input.dispatchMouseEvent", session=True, type="mouseMoved", x=x, y=y)
-        tip = b.eval("(Chart.getChart('loss').tooltip.body || []).flatMap((l) => l.lines)"
-                     ".join(' | ')")
-        assert f"operator rollback to step {to}" in tip, tip
+        # Hovering the marker on the loss chart shows the reason. The chart
+        # redraws as steps arrive, so the pointer is moved to the marker's
+        # current place until the tooltip is the marker's (bounded).
+        def hover_tip():
+            x, y = b.eval("(() => { const c = Chart.getChart('loss'),"
+                          " p = c.getDatasetMeta(2).data[0]; c.canvas.scrollIntoView();"
+                          " const r = c.canvas.getBoundingClientRect();"
+                          " return [r.left + p.x, r.top + p.y]; })()")
+            b.call("Input.dispatchMouseEvent", session=True, type="mouseMoved", x=x, y=y)
+            tip = b.eval("(Chart.getChart('loss').tooltip.body || []).flatMap((l) => l.lines)"
+                         ".join(' | ')")
+            return tip if f"operator rollback to step {to}" in tip else None
+
+        wait_until(hover_tip, 10 * SLOW, "the rollback marker's tooltip")
         shot = os.path.join(procs.tmp, "dashboard-live.png")
         b.screenshot(shot)
         with open(shot, "rb") as f:
