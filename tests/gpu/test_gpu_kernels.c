@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "zt_common.h"
 #include "zt_kernels.h"
 #include "zt_kernels_cuda.h"
 #include "zt_test.h"
@@ -383,32 +384,20 @@ ZT_TEST(state_helpers) {
 #define XB zt_kernels_cuda_bf16()
 #define BF_RTOL 4e-3f
 
-static uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
-static float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+/* The rounding a bf16 store does, in place on a host buffer (the
+ * reference's inputs and expected values; common/util.c's conversions). */
+static float *round_bf(float *p, size_t n) {
+  for (size_t i = 0; i < n; i++) p[i] = zt_bf16_to_f32(zt_f32_to_bf16(p[i]));
+  return p;
 }
 
 /* n random floats in [-scale, scale] with bf16 values. */
-static float *rnd_bf(size_t n, float scale) {
-  float *p = zt_rnd(n, scale);
-  for (size_t i = 0; i < n; i++) p[i] = from_bf16(to_bf16(p[i]));
-  return p;
-}
+static float *rnd_bf(size_t n, float scale) { return round_bf(zt_rnd(n, scale), n); }
 
 /* A bf16 device copy of n host floats (bf16-valued, so exact). */
 static float *devx(const float *host, size_t n) {
   uint16_t *h = malloc(n * 2 + 2);
-  for (size_t i = 0; i < n; i++) h[i] = to_bf16(host[i]);
+  for (size_t i = 0; i < n; i++) h[i] = zt_f32_to_bf16(host[i]);
   float *d = dev(h, n * 2);
   free(h);
   return d;
@@ -418,17 +407,11 @@ static void close_x(const char *what, const float *d, const float *ref, size_t n
   uint16_t *h = malloc(n * 2 + 2);
   float *w = malloc(n * 4 + 4);
   XB->download(h, d, n * 2);
-  for (size_t i = 0; i < n; i++) w[i] = from_bf16(h[i]);
+  for (size_t i = 0; i < n; i++) w[i] = zt_bf16_to_f32(h[i]);
   zt_close_all(what, w, ref, n, atol, BF_RTOL);
   free(h), free(w);
 }
 
-/* Host copy of a bf16 device buffer's values, and the same rounding of a
- * host buffer in place (for the reference's next inputs). */
-static float *round_bf(float *p, size_t n) {
-  for (size_t i = 0; i < n; i++) p[i] = from_bf16(to_bf16(p[i]));
-  return p;
-}
 
 ZT_TEST(bf16_convert) {
   ZT_CHECK_STR(XB->name, "cuda-bf16");
@@ -441,13 +424,13 @@ ZT_TEST(bf16_convert) {
   uint16_t *h = malloc(n * 2);
   XB->download(h, db, n * 2);
   size_t bad = 0;
-  for (size_t i = 0; i < n; i++) bad += h[i] != to_bf16(x[i]);
+  for (size_t i = 0; i < n; i++) bad += h[i] != zt_f32_to_bf16(x[i]);
   ZT_CHECK(bad == 0);
   ZT_CHECK(h[0] == 0x3f80 && h[1] == 0x3f82); /* to nearest even */
   XB->widen_x(dw, db, n);
   float *w = back(dw, n);
   bad = 0;
-  for (size_t i = 0; i < n; i++) bad += w[i] != from_bf16(h[i]);
+  for (size_t i = 0; i < n; i++) bad += w[i] != zt_bf16_to_f32(h[i]);
   ZT_CHECK(bad == 0);
   G->narrow_x(dw, dx, n); /* fp32 storage: a copy */
   ZT_CHECK(same_dev(dw, dx, n));
