@@ -3,22 +3,30 @@
  *
  *   zt_bench_sgemm [--threads N] [--iters I]
  *
- * Prints two figures in GFLOP/s (2*M*N*K flops per product):
+ * Prints three figures in GFLOP/s (2*M*N*K flops per product):
  *
  *   peak    OpenBLAS sgemm with N threads on 2048 x 2048 x 2048, the
- *           practical peak of this machine;
+ *           practical peak of this machine's BLAS;
+ *   own     zt_sgemm (kernels/cpu/gemm.c) on the same product, its rows
+ *           split over N OpenMP threads as the engine splits them; the same
+ *           as peak where zt_sgemm is OpenBLAS (no AVX-512F, ZT_SGEMM=blas);
  *   kernel  the engine's matmul_forward (zt_kernels_cpu, N OpenMP threads,
- *           single-threaded OpenBLAS per thread) on the small example's MLP
- *           shape: [2048 tokens, 384] x [1536, 384]^T.
+ *           one zt_sgemm per thread) on the small example's MLP shape:
+ *           [2048 tokens, 384] x [1536, 384]^T;
  *
- * One line per figure: "peak <gflops>" and "kernel <gflops>"; the best of
- * I timed repetitions after one warm-up.
+ * and "sgemm <impl>", the implementation zt_sgemm uses (avx512 or blas).
+ * One line per figure; each is the best of I timed repetitions after
+ * repeating the product for at least 300 ms, so that the threads have
+ * settled on their own cores (a shorter warm-up sometimes timed two threads
+ * sharing one core).
  */
 #include <cblas.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/gemm.h"
 #include "zt_common.h"
 #include "zt_kernels.h"
 
@@ -31,7 +39,9 @@ static float *filled(size_t n) {
 
 static double best_gflops(double flops, int iters, void (*fn)(void *), void *arg) {
   double best = 0.0;
-  fn(arg);
+  int64_t warm = zt_now_us();
+  do fn(arg);
+  while (zt_now_us() - warm < 300000);
   for (int i = 0; i < iters; i++) {
     int64_t t0 = zt_now_us();
     fn(arg);
@@ -50,6 +60,17 @@ static void run_blas(void *arg) {
   prob_t *p = arg;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p->m, p->n, p->k, 1.0f, p->a, p->k, p->b,
               p->k, 0.0f, p->c, p->n);
+}
+
+static void run_own(void *arg) {
+  prob_t *p = arg;
+#pragma omp parallel
+  {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int lo = p->m * t / nt, hi = p->m * (t + 1) / nt;
+    zt_sgemm(0, 1, hi - lo, p->n, p->k, 1.0f, p->a + (size_t)lo * p->k, p->k, p->b, p->k, 0.0f,
+             p->c + (size_t)lo * p->n, p->n);
+  }
 }
 
 static void run_kernel(void *arg) {
@@ -74,7 +95,9 @@ int main(int argc, char **argv) {
   openblas_set_num_threads(threads);
   prob_t s = {2048, 2048, 2048, filled(2048 * 2048), filled(2048 * 2048), filled(2048 * 2048)};
   double peak = best_gflops(2.0 * s.m * s.n * s.k, iters, run_blas, &s);
-  printf("peak %.1f\nkernel %.1f\n", peak, kern);
+  openblas_set_num_threads(1);
+  double own = best_gflops(2.0 * s.m * s.n * s.k, iters, run_own, &s);
+  printf("peak %.1f\nown %.1f\nkernel %.1f\nsgemm %s\n", peak, own, kern, zt_sgemm_impl());
   free(k.a), free(k.b), free(k.c), free(s.a), free(s.b), free(s.c);
   return 0;
 }

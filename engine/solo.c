@@ -40,6 +40,7 @@
 #include "spec.h"
 #include "trainer.h"
 #include "zt_common.h"
+#include "zt_kernels.h"
 
 static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) { (void)sig, g_stop = 1; }
@@ -181,12 +182,18 @@ int main(int argc, char **argv) {
     goto err0;
   }
   so.steps = spec.steps;
+  char kern[96]; /* on the CPU, also the sgemm and the thread count */
+  if (!strcmp(device, "cpu"))
+    snprintf(kern, sizeof kern, "cpu (sgemm %s, %d threads)", zt_kern_cpu_sgemm(),
+             zt_kern_cpu_set_threads((int)threads));
+  else
+    snprintf(kern, sizeof kern, "%s", device);
   fprintf(stderr,
           "zsolo: %s: %zu parameters, %d layers, %d heads, %d wide, T=%d, vocab %d; batch %ld "
-          "of %d; ZeRO stage %d\n",
+          "of %d; ZeRO stage %d; %s\n",
           spec.name, zt_model_param_count(&spec.model, 0), spec.model.n_layer, spec.model.n_head,
           spec.model.n_embd, spec.model.seq_len, spec.model.vocab_size, spec.global_batch,
-          spec.micro_batch, spec.zero_stage);
+          spec.micro_batch, spec.zero_stage, kern);
   signal(SIGINT, on_signal);
   signal(SIGTERM, on_signal);
   zt_comm_t *comm;

@@ -198,4 +198,9 @@ const zt_kernels_t *zt_kernels_ref(void);
  * (n <= 0 leaves the defaults). Returns the number now in use. */
 int zt_kern_cpu_set_threads(int n);
 
+/* The matrix product under zt_kernels_cpu(): "avx512" (our own, on CPUs
+ * with AVX-512F; its results do not depend on the thread count) or "blas"
+ * (OpenBLAS's sgemm; ZT_SGEMM=blas forces it). kernels/cpu/gemm.c. */
+const char *zt_kern_cpu_sgemm(void);
+
 #endif

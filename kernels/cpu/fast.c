@@ -4,12 +4,14 @@
  * The same functions as the reference table (ref.c), organised for speed on a
  * multi-core CPU:
  *
- *   - Threads. One OpenMP thread team does all the parallel work; OpenBLAS is
- *     pinned to a single thread and every sgemm is called from inside an
- *     OpenMP region on a thread's own slice of the problem (rows of the
- *     output, or rows of the weight gradient). Two thread pools (OpenMP and
- *     OpenBLAS's pthreads) never compete for the cores.
- *   - Matmuls. Linear layers are CBLAS sgemm calls on contiguous row blocks.
+ *   - Threads. One OpenMP thread team does all the parallel work, and every
+ *     matrix product is a single-threaded zt_sgemm (gemm.c) called from
+ *     inside an OpenMP region on a thread's own slice of the problem (rows
+ *     of the output, or rows of the weight gradient). zt_sgemm is our own
+ *     AVX-512 product where the CPU has AVX-512F and OpenBLAS's sgemm
+ *     otherwise; OpenBLAS is pinned to one thread, so two thread pools
+ *     (OpenMP and OpenBLAS's pthreads) never compete for the cores.
+ *   - Matmuls. Linear layers are sgemm calls on contiguous row blocks.
  *     Attention runs one (batch, head) pair per loop iteration, each with
  *     four or five small sgemm calls over strided views of qkv (the leading
  *     dimension is 3C), so no head is ever copied out.
@@ -21,10 +23,12 @@
  * fixed order that does not depend on the number of threads (LayerNorm
  * weight gradients are summed over fixed chunks of rows, sumsq over fixed
  * chunks of ZT_KERN_SUMSQ_CHUNK elements, bias gradients per column). The
- * kernels themselves are therefore bitwise reproducible for any thread count;
- * OpenBLAS's sgemm is reproducible for a fixed problem split, which the
- * thread count determines, so end-to-end results are guaranteed bit-identical
- * only for a fixed thread count.
+ * kernels themselves are therefore bitwise reproducible for any thread count.
+ * Our AVX-512 sgemm gives the same bits for any split of its rows, so with
+ * it whole steps are too; OpenBLAS's sgemm is reproducible only for a fixed
+ * problem split, which the thread count determines, so where it runs
+ * end-to-end results are guaranteed bit-identical only for a fixed thread
+ * count.
  */
 #include <cblas.h>
 #include <math.h>
@@ -33,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm.h"
 #include "zt_common.h"
 #include "zt_kernels.h"
 
@@ -233,7 +238,7 @@ static void fast_matmul_forward(float *out, const float *inp, const float *w, co
         for (size_t n = lo; n < hi; n++) memcpy(out + n * OC, bias, sizeof(float) * OC);
         beta = 1.0f;
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(hi - lo), OC, IC, 1.0f,
+      zt_sgemm(0, 1, (int)(hi - lo), OC, IC, 1.0f,
                   inp + lo * IC, IC, w, IC, beta, out + lo * OC, OC);
     }
   }
@@ -249,14 +254,14 @@ static void fast_matmul_backward(float *dinp, float *dw, float *dbias, const flo
     if (dinp) {
       zt_split((size_t)N, tid, nt, &lo, &hi);
       if (hi > lo)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)(hi - lo), IC, OC, 1.0f,
+        zt_sgemm(0, 0, (int)(hi - lo), IC, OC, 1.0f,
                     dout + lo * OC, OC, w, IC, 0.0f, dinp + lo * IC, IC);
     }
     /* dw[OC, IC] += dout^T @ inp, split by rows of dw; dbias by the same
      * columns of dout, each column summed over all rows in order. */
     zt_split_aligned((size_t)OC, 16, tid, nt, &lo, &hi);
     if (hi > lo) {
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)(hi - lo), IC, N, 1.0f, dout + lo,
+      zt_sgemm(1, 0, (int)(hi - lo), IC, N, 1.0f, dout + lo,
                   OC, inp, IC, 1.0f, dw + lo * IC, IC);
       if (dbias) {
         float acc[16];
@@ -314,7 +319,7 @@ static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *
   memset(acc, 0, sizeof(float) * (size_t)nq * hs);
   for (int j0 = 0; j0 < i0 + nq; j0 += ZT_ATT_BLK) {
     int nk = ZT_MIN_SZ(ZT_ATT_BLK, i0 + nq - j0);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, hs, a->scale,
+    zt_sgemm(0, 1, nq, nk, hs, a->scale,
                 a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, s, ZT_ATT_BLK);
     for (int r = 0; r < nq; r++) {
       float *row = s + (size_t)r * ZT_ATT_BLK;
@@ -334,7 +339,7 @@ static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *
       if (corr != 1.0f)
         for (int x = 0; x < hs; x++) acc[(size_t)r * hs + x] *= corr;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, hs, nk, 1.0f, s, ZT_ATT_BLK,
+    zt_sgemm(0, 0, nq, hs, nk, 1.0f, s, ZT_ATT_BLK,
                 a->v + (size_t)j0 * C3, C3, 1.0f, acc, hs);
   }
   for (int r = 0; r < nq; r++) {
@@ -376,9 +381,9 @@ static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, cons
   int hs = a->hs, C3 = 3 * a->C, C = a->C;
   const float *d = dout + ((size_t)a->b * a->T + i0) * C + (size_t)a->h * hs;
   const float *ls = lse + ((size_t)a->b * a->NH + a->h) * a->T + i0;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, hs, a->scale,
+  zt_sgemm(0, 1, nq, nk, hs, a->scale,
               a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, w->p, ZT_ATT_BLK);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nk, hs, 1.0f, d, C,
+  zt_sgemm(0, 1, nq, nk, hs, 1.0f, d, C,
               a->v + (size_t)j0 * C3, C3, 0.0f, w->ds, ZT_ATT_BLK);
   for (int r = 0; r < nq; r++) {
     float *pr = w->p + (size_t)r * ZT_ATT_BLK, *dr = w->ds + (size_t)r * ZT_ATT_BLK;
@@ -392,11 +397,11 @@ static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, cons
     }
     for (int c = vis; c < nk; c++) pr[c] = 0.0f, dr[c] = 0.0f;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, hs, nk, 1.0f, w->ds, ZT_ATT_BLK,
+  zt_sgemm(0, 0, nq, hs, nk, 1.0f, w->ds, ZT_ATT_BLK,
               a->k + (size_t)j0 * C3, C3, 1.0f, dq + (size_t)i0 * C3, C3);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, hs, nq, 1.0f, w->ds, ZT_ATT_BLK,
+  zt_sgemm(1, 0, nk, hs, nq, 1.0f, w->ds, ZT_ATT_BLK,
               a->q + (size_t)i0 * C3, C3, 1.0f, dk + (size_t)j0 * C3, C3);
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, nk, hs, nq, 1.0f, w->p, ZT_ATT_BLK, d, C,
+  zt_sgemm(1, 0, nk, hs, nq, 1.0f, w->p, ZT_ATT_BLK, d, C,
               1.0f, dv + (size_t)j0 * C3, C3);
 }
 
@@ -595,3 +600,5 @@ int zt_kern_cpu_set_threads(int n) {
   if (n > 0) omp_set_num_threads(n);
   return omp_get_max_threads();
 }
+
+const char *zt_kern_cpu_sgemm(void) { return zt_sgemm_impl(); }

@@ -4,7 +4,8 @@ The tiny configuration (2 layers, 64 wide, byte-level vocabulary of 257)
 starts at the uniform loss ln(257) = 5.55 and must get its training and
 validation loss below 2.65 nats per byte within 400 steps (about 10 s on
 two cores). Runs with the same spec and thread count must print
-bit-identical numbers.
+bit-identical numbers, and with our AVX-512 sgemm the same numbers at any
+thread count.
 """
 import json
 import math
@@ -92,6 +93,26 @@ def test_deterministic(data, tmp_path):
     r = run("zsolo", path, "--threads", "2", "--log-every", "5")
     losses = [float(line.split("| loss ")[1].split()[0]) for line in r.stdout.splitlines()]
     assert losses == [x[1] for x in outs[0] if x[0] == 1 or x[0] % 5 == 0 or x[4] is not None]
+
+
+def test_thread_count(data, tmp_path):
+    """With our AVX-512 sgemm (kernels/cpu/gemm.c), every kernel's result is
+    independent of how its rows are split, so 1, 2 and 3 threads print the
+    same bits; with OpenBLAS's sgemm that holds only for a fixed count."""
+    path = spec(data, tmp_path, 25, eval={"every_steps": 10, "batches": 2})
+    keys = ("step", "loss", "grad_norm", "lr", "val_loss")
+    outs, impl = [], set()
+    for threads in (1, 2, 3):
+        r = run("zsolo", path, "--json", "--threads", threads)
+        banner = r.stderr.split("(sgemm ")[1]
+        assert banner.startswith(("avx512, ", "blas, ")) and f", {threads} threads)" in banner
+        impl.add(banner.split(",")[0])
+        outs.append([tuple(x[k] for k in keys) for x in records(r.stdout)])
+    assert len(impl) == 1 and len(outs[0]) == 25
+    if impl == {"blas"}:
+        pytest.skip("zt_sgemm is OpenBLAS here (no AVX-512F, or ZT_SGEMM=blas): reproducible "
+                    "only for a fixed thread count")
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_errors(data, tmp_path):
