@@ -118,46 +118,94 @@ static float *pack_buffer(size_t floats) {
   return (float *)(b->mem + (64 - (uintptr_t)b->mem % 64));
 }
 
+/* Mask of the first n (0..16) lanes. */
+static inline __mmask16 lanes(int n) {
+  return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n < 0 ? 0 : n)) - 1);
+}
+
+/* Transposes the 16 x 16 block in r (r[i] is row i) in registers:
+ * afterwards r[c] holds column c. Four rounds of shuffles: pairs of rows
+ * within 128-bit lanes, then quads, then the 128-bit lanes themselves. */
+ZT_AVX512 static inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int j = 0; j < 8; j++) {
+    t[2 * j] = _mm512_unpacklo_ps(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm512_unpackhi_ps(r[2 * j], r[2 * j + 1]);
+  }
+  for (int j = 0; j < 4; j++) { /* u[4j + m], lane L: column 4L + m of rows 4j..4j+3 */
+    u[4 * j] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
+    u[4 * j + 1] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
+    u[4 * j + 2] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
+    u[4 * j + 3] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
+  }
+  for (int m = 0; m < 4; m++) {
+    __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44);
+    __m512 v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+    __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+    __m512 v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[8 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+/* Reads `rows` (<= 16) rows of a row-major matrix, kc elements each from
+ * src (row stride ld), and writes them transposed: element (row i, k) goes
+ * to dst[k * dstride + i], for i < 16 (rows past `rows` as zeros) under
+ * mask `keep` (the lanes the destination has). 16 k at a time through
+ * transpose16. */
+ZT_AVX512 static void pack_transposed(const float *src, size_t ld, int rows, int kc, float *dst,
+                                      int dstride, __mmask16 keep) {
+  __m512 r[16];
+  for (int k = 0; k < kc; k += 16) {
+    __mmask16 km = lanes(kc - k);
+    for (int i = 0; i < 16; i++)
+      r[i] = i < rows ? _mm512_maskz_loadu_ps(km, src + (size_t)i * ld + k) : _mm512_setzero_ps();
+    transpose16(r);
+    int n = kc - k < 16 ? kc - k : 16;
+    for (int kk = 0; kk < n; kk++)
+      _mm512_mask_storeu_ps(dst + (size_t)(k + kk) * dstride, keep, r[kk]);
+  }
+}
+
 /* Packs op(B)[pc:pc+kc, jc:jc+nc] into NR-wide strips, k-major inside a
  * strip, columns past nc zero. */
-static void pack_b(int tb, const float *B, int ldb, int pc, int jc, int kc, int nc, float *bp) {
+ZT_AVX512 static void pack_b(int tb, const float *B, int ldb, int pc, int jc, int kc, int nc,
+                             float *bp) {
   for (int s = 0; s < nc; s += ZT_GEMM_NR, bp += (size_t)kc * ZT_GEMM_NR) {
     int nr = imin(ZT_GEMM_NR, nc - s);
     if (!tb) {
+      __mmask16 m0 = lanes(nr), m1 = lanes(nr - 16);
       for (int k = 0; k < kc; k++) {
         const float *src = B + (size_t)(pc + k) * ldb + jc + s;
         float *dst = bp + (size_t)k * ZT_GEMM_NR;
-        memcpy(dst, src, sizeof(float) * (size_t)nr);
-        if (nr < ZT_GEMM_NR) memset(dst + nr, 0, sizeof(float) * (size_t)(ZT_GEMM_NR - nr));
+        _mm512_store_ps(dst, _mm512_maskz_loadu_ps(m0, src));
+        _mm512_store_ps(dst + 16, _mm512_maskz_loadu_ps(m1, src + 16));
       }
     } else {
-      if (nr < ZT_GEMM_NR) memset(bp, 0, sizeof(float) * (size_t)kc * ZT_GEMM_NR);
-      for (int n = 0; n < nr; n++) {
-        const float *src = B + (size_t)(jc + s + n) * ldb + pc;
-        for (int k = 0; k < kc; k++) bp[(size_t)k * ZT_GEMM_NR + n] = src[k];
-      }
+      for (int h = 0; h < ZT_GEMM_NR; h += 16)
+        pack_transposed(B + (size_t)(jc + s + h) * ldb + pc, (size_t)ldb, nr - h, kc, bp + h,
+                        ZT_GEMM_NR, 0xFFFF);
     }
   }
 }
 
 /* Packs op(A)[ic:ic+mc, pc:pc+kc] into MR-high strips, k-major inside a
  * strip, rows past mc zero. */
-static void pack_a(int ta, const float *A, int lda, int ic, int pc, int mc, int kc, float *ap) {
+ZT_AVX512 static void pack_a(int ta, const float *A, int lda, int ic, int pc, int mc, int kc,
+                             float *ap) {
+  const __mmask16 strip = lanes(ZT_GEMM_MR);
   for (int s = 0; s < mc; s += ZT_GEMM_MR, ap += (size_t)kc * ZT_GEMM_MR) {
     int mr = imin(ZT_GEMM_MR, mc - s);
     if (ta) {
-      for (int k = 0; k < kc; k++) {
-        const float *src = A + (size_t)(pc + k) * lda + ic + s;
-        float *dst = ap + (size_t)k * ZT_GEMM_MR;
-        memcpy(dst, src, sizeof(float) * (size_t)mr);
-        if (mr < ZT_GEMM_MR) memset(dst + mr, 0, sizeof(float) * (size_t)(ZT_GEMM_MR - mr));
-      }
+      __mmask16 m = lanes(mr);
+      for (int k = 0; k < kc; k++)
+        _mm512_mask_storeu_ps(ap + (size_t)k * ZT_GEMM_MR, strip,
+                              _mm512_maskz_loadu_ps(m, A + (size_t)(pc + k) * lda + ic + s));
     } else {
-      if (mr < ZT_GEMM_MR) memset(ap, 0, sizeof(float) * (size_t)kc * ZT_GEMM_MR);
-      for (int i = 0; i < mr; i++) {
-        const float *src = A + (size_t)(ic + s + i) * lda + pc;
-        for (int k = 0; k < kc; k++) ap[(size_t)k * ZT_GEMM_MR + i] = src[k];
-      }
+      pack_transposed(A + (size_t)(ic + s) * lda + pc, (size_t)lda, mr, kc, ap, ZT_GEMM_MR,
+                      strip);
     }
   }
 }
