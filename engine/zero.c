@@ -204,10 +204,13 @@ static void gather_unit(zt_zero_t *z, int u) {
 
 static void fetch_unit(zt_zero_t *z, int u, int next);
 
+static void ag_wait(zt_zero_t *z, int u);
+
 static int h_pre_forward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3) gather_unit(z, u);
+  else if (z->overlap && z->ag_ticket) ag_wait(z, u);
   return z->fail ? -1 : 0;
 }
 
@@ -249,8 +252,16 @@ static int reduce_unit(zt_zero_t *z, int u, int s) {
 }
 
 /* A queue entry: unit, what to do (gather its parameters or reduce its
- * gradient) and the slot (gat_slot or the fp64 gradient slot). */
+ * gradient) and the slot (gat_slot, OV_IN_PLACE for the deferred gathers
+ * of stages 1-2, or the fp64 gradient slot). */
 enum { OV_REDUCE = 0, OV_GATHER = 1 };
+#define OV_IN_PLACE 3
+
+/* Stages 1-2: unit u of the working copy, from every rank's owned range. */
+static int gather_in_place(zt_zero_t *z, int u) {
+  float *p = xadv(z, z->W, z->off_full[u]);
+  return c_all_gather(z, xadv(z, p, (size_t)z->r * z->S[u]), p, z->S[u], z->xdt);
+}
 #define OV_ENTRY(u, kind, s) ((u) << 3 | (kind) << 2 | (s))
 
 /* Takes queued entries in order; after a failure the rest are only
@@ -265,7 +276,9 @@ static void *ov_main(void *arg) {
     int u = e >> 3, kind = (e >> 2) & 1, s = e & 3;
     pthread_mutex_unlock(&z->ov_mu);
     int rc = 0;
-    if (!failed && kind == OV_GATHER)
+    if (!failed && kind == OV_GATHER && s == OV_IN_PLACE)
+      rc = gather_in_place(z, u);
+    else if (!failed && kind == OV_GATHER)
       rc = c_all_gather(z, xadv(z, z->Ws, z->off_shard[u]), gat_slot(z, s), z->S[u], z->xdt);
     else if (!failed)
       rc = reduce_unit(z, u, s);
@@ -276,7 +289,8 @@ static void *ov_main(void *arg) {
                kind == OV_GATHER ? "all-gather of parameters" : "gradient reduction", u,
                zt_err_msg());
     }
-    if (kind == OV_GATHER) z->pf_busy[s] = 0;
+    if (kind == OV_GATHER && s == OV_IN_PLACE) z->ag_done++;
+    else if (kind == OV_GATHER) z->pf_busy[s] = 0;
     else if (z->stage >= 2) z->ov_busy[s] = 0;
     z->ov_head = (z->ov_head + 1) % z->ov_cap;
     z->ov_len--;
@@ -290,8 +304,8 @@ static void ov_push(zt_zero_t *z, int u, int kind, int s) {
   pthread_mutex_lock(&z->ov_mu);
   z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s);
   z->ov_len++;
-  if (kind == OV_GATHER) z->pf_busy[s] = 1;
-  else if (z->stage >= 2) z->ov_busy[s] = 1;
+  if (kind == OV_GATHER && s != OV_IN_PLACE) z->pf_busy[s] = 1;
+  else if (kind == OV_REDUCE && z->stage >= 2) z->ov_busy[s] = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
 }
@@ -328,6 +342,19 @@ static int pf_wait(zt_zero_t *z, int s) {
   }
   pthread_mutex_unlock(&z->ov_mu);
   return rc;
+}
+
+/* Stages 1-2: waits until unit u's deferred gather is done (it was
+ * queued by zt_zero_gather); a failure fails the hook. */
+static void ag_wait(zt_zero_t *z, int u) {
+  if (z->fail) return;
+  pthread_mutex_lock(&z->ov_mu);
+  while (z->ag_done < z->ag_ticket[u] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  if (z->ov_fail) {
+    snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
+    z->fail = 1;
+  }
+  pthread_mutex_unlock(&z->ov_mu);
 }
 
 /* The gather slot (0 or 1) that holds, or is receiving, unit u's current
@@ -376,7 +403,7 @@ static void fetch_unit(zt_zero_t *z, int u, int next) {
   z->m->unit_params[u] = gat_slot(z, s);
 }
 
-/* Waits until every queued unit is reduced; -1 when one failed. */
+/* Waits until every queued operation is done; -1 when one failed. */
 static int ov_wait(zt_zero_t *z) {
   pthread_mutex_lock(&z->ov_mu);
   while (z->ov_len) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
@@ -386,9 +413,9 @@ static int ov_wait(zt_zero_t *z) {
 }
 
 static int ov_start(zt_zero_t *z) {
-  /* stages 0-1: U units a step; stages 2-3: two reductions and three
-   * gathers at a time */
-  z->ov_cap = z->U + 5;
+  /* stages 0-1: U units a step; stages 1-2: U deferred gathers after it;
+   * stages 2-3: two reductions and three gathers at a time */
+  z->ov_cap = 2 * z->U + 5;
   z->ov_queue = zt_xcalloc((size_t)z->ov_cap, sizeof *z->ov_queue);
   pthread_mutex_init(&z->ov_mu, NULL);
   pthread_cond_init(&z->ov_cv, NULL);
@@ -400,6 +427,7 @@ static int ov_start(zt_zero_t *z) {
     return zt_err("cannot start the gradient communication thread");
   }
   z->overlap = 1;
+  if (z->stage == 1 || z->stage == 2) z->ag_ticket = zt_xcalloc((size_t)z->U, sizeof *z->ag_ticket);
   return 0;
 }
 
@@ -416,6 +444,7 @@ static void ov_stop(zt_zero_t *z) {
   pthread_cond_destroy(&z->ov_cv);
   pthread_mutex_destroy(&z->ov_mu);
   free(z->ov_queue);
+  free(z->ag_ticket);
 }
 
 /* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
@@ -532,6 +561,8 @@ static void refresh_unit(zt_zero_t *z, int u, const float *full) {
  * rank's shard (Ps); a separate working copy is rounded from the whole
  * unit (through gbuf) or from the master. */
 static void put_params(zt_zero_t *z, uint64_t seed, const float *flat) {
+  if (zt_zero_settle(z) != 0) /* no gather may land on the new values */
+    ZT_WARN("new parameters: %s (the next step fails)", zt_err_msg());
   z->pver++;
   float *tmp = zt_xmalloc((z->max_unit ? z->max_unit : 1) * sizeof(float));
   for (int u = 0; u < z->U; u++) {
@@ -583,6 +614,7 @@ int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int
   size_t np = z->P ? z->full_total : z->shard_total;
   size_t no = z->stage == 0 ? z->full_total : z->shard_total;
   int whole_w = z->split && z->stage > 0 && z->stage < 3;
+  if (zt_zero_settle(z) != 0) return -1; /* no gather may land on the loaded values */
   z->pver++;
   float *pbuf = z->P ? z->P : z->Ps;
   float *hp = host_view(z, pbuf, np), *hm = host_view(z, z->M, no), *hv = host_view(z, z->V, no);
@@ -644,6 +676,10 @@ size_t zt_zero_snapshot_floats(const zt_zero_t *z) {
 
 void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
   float *at = buf;
+  /* The owned ranges do not change in a gather, but a gather writes the
+   * whole unit: read after it. A failure stays recorded (ov_fail) and
+   * fails the next step; the owned ranges written here are still right. */
+  if (zt_zero_settle(z) != 0) ZT_WARN("checkpoint snapshot: %s", zt_err_msg());
   for (int u = 0; u < z->U; u++) {
     size_t lo, n;
     owned(z, u, &lo, &n);
@@ -736,11 +772,20 @@ int zt_zero_reduce(zt_zero_t *z) {
 
 int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
-  if (z->overlap && ov_wait(z) != 0) return -1;
-  for (int u = 0; u < z->U; u++) {
-    float *p = xadv(z, z->W, z->off_full[u]);
-    if (c_all_gather(z, xadv(z, p, (size_t)z->r * z->S[u]), p, z->S[u], z->xdt) != 0) return -1;
+  if (z->overlap) { /* deferred: the next forward waits unit by unit */
+    if (ov_wait(z) != 0) return -1;
+    for (int u = 0; u < z->U; u++) {
+      pthread_mutex_lock(&z->ov_mu);
+      z->ag_ticket[u] = ++z->ag_queued;
+      pthread_mutex_unlock(&z->ov_mu);
+      ov_push(z, u, OV_GATHER, OV_IN_PLACE);
+    }
+    return 0;
   }
+  for (int u = 0; u < z->U; u++)
+    if (gather_in_place(z, u) != 0) return -1;
   return 0;
 }
+
+int zt_zero_settle(zt_zero_t *z) { return z->overlap ? ov_wait(z) : 0; }
 

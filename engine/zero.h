@@ -47,6 +47,13 @@
  * l + 1 (l - 1 in backward) while unit l computes; gathers and reductions
  * share the thread's one queue, so every rank issues them in the same
  * order. An all-gather copies bits, so prefetching changes no value.
+ * Stages 1-2 defer the all-gather of the updated parameters: zt_zero_gather
+ * queues one gather per unit, in forward order, on the same thread and
+ * returns; the hook before unit u's forward (the next step's, or an
+ * evaluation's) waits for unit u's gather only, so the network carries the
+ * later units while the earlier ones compute. zt_zero_settle waits for
+ * everything queued (the trainer calls it when a generation ends well; a
+ * snapshot, a load and new parameters wait first too).
  *
  * Devices. Every buffer lives in the memory of the kernel table z->k and
  * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
@@ -127,6 +134,9 @@ typedef struct zt_zero {
   float *gatb;
   int pf_unit[3], pf_busy[3], pf_cur;
   uint64_t pf_ver[3], pver;
+  /* Stages 1-2 deferred gathers: unit u's is done once ag_done reaches
+   * ag_ticket[u] (tickets count gathers queued; under ov_mu). */
+  int64_t *ag_ticket, ag_queued, ag_done;
   int ov_fail;           /* a queued reduction failed: ov_msg says why */
   char ov_msg[512];
 } zt_zero_t;
@@ -185,7 +195,12 @@ double zt_zero_sumsq(zt_zero_t *z);
 /* AdamW on the owned shard of every unit: gradients scaled by 1/K and the
  * clip factor gscale, step t (1-based). */
 void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t);
+/* Stages 1-2: all-gathers the updated parameters (with overlap: queues
+ * the gathers; see "Overlap" above). */
 ZT_MUST_CHECK int zt_zero_gather(zt_zero_t *z);
+/* Waits for every operation queued on the communication thread; -1 (the
+ * reason in zt_err) when one failed. 0 at once without overlap. */
+ZT_MUST_CHECK int zt_zero_settle(zt_zero_t *z);
 /* Sums `count` values of host memory (the trainer's control values, at
  * most 64 bytes) over the ranks: directly, or through device memory when
  * the communicator takes only that (NCCL). */

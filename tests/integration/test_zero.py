@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from ztest import byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job
+from ztest import byte_dataset, http_get, losses, start_fleet, submit, tiny_spec, wait_job
 
 STEPS = 50
 
@@ -133,8 +133,9 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
     """zero_optimization.overlap_comm (the default) reduces each unit's gradient on a
     communication thread while backward goes on: the loss series equals the synchronous one to
     the bit (stages 0 and 1 reduce after the last micro-step, stages 2 and 3 in every
-    micro-step, with 2 or 4 micro-steps per rank; stage 3 also prefetches the next unit's
-    parameters on the thread)."""
+    micro-step, with 2 or 4 micro-steps per rank; stages 1 and 2 gather the updated
+    parameters on the thread while the next forward computes, waiting unit by unit; stage 3
+    also prefetches the next unit's parameters on the thread)."""
     train, val = data
     coord = start_fleet(procs, 3)
     for stage, n in ((0, 2), (1, 3), (2, 3), (2, 2), (3, 3), (3, 2)):
@@ -144,3 +145,21 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
         spec["zero_optimization"]["overlap_comm"] = True
         got = run_job(procs, coord, tmp_path, spec, f"overlap-s{stage}n{n}")
         assert got == ref, f"stage {stage} N={n}: overlap changed the losses"
+    # Stages 1-2 with an evaluation and a checkpoint between steps: both
+    # run while the deferred gathers may still be in flight (the
+    # evaluation's forward waits unit by unit, the snapshot for all), so
+    # validation losses and the final checkpoint's loss series match too.
+    for stage, n in ((1, 3), (2, 2)):
+        out = {}
+        for ov in (False, True):
+            spec = tiny_spec(train, val, STEPS, stage, n, eval={"every_steps": 3, "batches": 2},
+                             checkpoint={"dir": str(tmp_path / f"ck-{stage}-{ov}"),
+                                         "every_steps": 4})
+            spec["zero_optimization"]["overlap_comm"] = ov
+            jid = submit(coord, spec, tmp_path, f"ev-s{stage}-{ov}.json")
+            assert wait_job(coord, jid, timeout=180)["step"] == STEPS
+            steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
+            out[ov] = {x["step"]: (x["loss"], x.get("val_loss")) for x in steps}
+        vals = [v for _, v in out[True].values() if v is not None]
+        assert len(vals) >= STEPS // 3 - 1, out[True]
+        assert out[True] == out[False], f"stage {stage}: overlap changed losses or val losses"
