@@ -256,13 +256,13 @@ static int reduce_unit(zt_zero_t *z, int u, int s) {
  * of stages 1-2, or the fp64 gradient slot). */
 enum { OV_REDUCE = 0, OV_GATHER = 1 };
 #define OV_IN_PLACE 3
+#define OV_ENTRY(u, kind, s) ((u) << 3 | (kind) << 2 | (s))
 
 /* Stages 1-2: unit u of the working copy, from every rank's owned range. */
 static int gather_in_place(zt_zero_t *z, int u) {
   float *p = xadv(z, z->W, z->off_full[u]);
   return c_all_gather(z, xadv(z, p, (size_t)z->r * z->S[u]), p, z->S[u], z->xdt);
 }
-#define OV_ENTRY(u, kind, s) ((u) << 3 | (kind) << 2 | (s))
 
 /* Takes queued entries in order; after a failure the rest are only
  * dequeued (the step fails in zt_zero_reduce or the next fetch). */
