@@ -7,9 +7,9 @@
  *
  *   peak    OpenBLAS sgemm with N threads on 2048 x 2048 x 2048, the
  *           practical peak of this machine's BLAS;
- *   own     zt_sgemm (kernels/cpu/gemm.c) on the same product, its rows
- *           split over N OpenMP threads as the engine splits them; the same
- *           as peak where zt_sgemm is OpenBLAS (no AVX-512F, ZT_SGEMM=blas);
+ *   own     the engine's matmul_forward, as for `kernel` below, on the
+ *           same 2048^3 product: our zt_sgemm (kernels/cpu/gemm.c) where
+ *           the CPU has AVX-512F, else OpenBLAS single-threaded per thread;
  *   kernel  the engine's matmul_forward (zt_kernels_cpu, N OpenMP threads,
  *           one zt_sgemm per thread) on the small example's MLP shape:
  *           [2048 tokens, 384] x [1536, 384]^T;
@@ -21,12 +21,10 @@
  * sharing one core).
  */
 #include <cblas.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu/gemm.h"
 #include "zt_common.h"
 #include "zt_kernels.h"
 
@@ -62,17 +60,6 @@ static void run_blas(void *arg) {
               p->k, 0.0f, p->c, p->n);
 }
 
-static void run_own(void *arg) {
-  prob_t *p = arg;
-#pragma omp parallel
-  {
-    int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int lo = p->m * t / nt, hi = p->m * (t + 1) / nt;
-    zt_sgemm(0, 1, hi - lo, p->n, p->k, 1.0f, p->a + (size_t)lo * p->k, p->k, p->b, p->k, 0.0f,
-             p->c + (size_t)lo * p->n, p->n);
-  }
-}
-
 static void run_kernel(void *arg) {
   prob_t *p = arg;
   zt_kernels_cpu()->matmul_forward(p->c, p->a, p->b, NULL, p->m, p->k, p->n);
@@ -96,8 +83,8 @@ int main(int argc, char **argv) {
   prob_t s = {2048, 2048, 2048, filled(2048 * 2048), filled(2048 * 2048), filled(2048 * 2048)};
   double peak = best_gflops(2.0 * s.m * s.n * s.k, iters, run_blas, &s);
   openblas_set_num_threads(1);
-  double own = best_gflops(2.0 * s.m * s.n * s.k, iters, run_own, &s);
-  printf("peak %.1f\nown %.1f\nkernel %.1f\nsgemm %s\n", peak, own, kern, zt_sgemm_impl());
+  double own = best_gflops(2.0 * s.m * s.n * s.k, iters, run_kernel, &s);
+  printf("peak %.1f\nown %.1f\nkernel %.1f\nsgemm %s\n", peak, own, kern, zt_kern_cpu_sgemm());
   free(k.a), free(k.b), free(k.c), free(s.a), free(s.b), free(s.c);
   return 0;
 }

@@ -310,6 +310,16 @@ static void ov_push(zt_zero_t *z, int u, int kind, int s) {
   pthread_mutex_unlock(&z->ov_mu);
 }
 
+/* With ov_mu held: when a queued operation has failed, its reason becomes
+ * the hooks' failure (the step stops, as it would without overlap) and -1
+ * is returned; else 0. */
+static int ov_take_failure(zt_zero_t *z) {
+  if (!z->ov_fail) return 0;
+  if (!z->fail) snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
+  z->fail = 1;
+  return -1;
+}
+
 /* Stage 2: the next fp64 slot, once its previous reduction is done; -1
  * when a queued reduction failed (the step stops here, as without
  * overlap). */
@@ -318,11 +328,7 @@ static int ov_slot(zt_zero_t *z) {
   z->ov_next ^= 1;
   pthread_mutex_lock(&z->ov_mu);
   while (z->ov_busy[s] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
-  if (z->ov_fail) {
-    snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
-    z->fail = 1;
-    s = -1;
-  }
+  if (ov_take_failure(z) != 0) s = -1;
   pthread_mutex_unlock(&z->ov_mu);
   return s;
 }
@@ -332,14 +338,9 @@ static int ov_slot(zt_zero_t *z) {
 /* Waits until gather slot s (gat_slot) is filled; -1 when a queued
  * operation failed (the hook fails the step, as a gather would). */
 static int pf_wait(zt_zero_t *z, int s) {
-  int rc = 0;
   pthread_mutex_lock(&z->ov_mu);
   while (z->pf_busy[s] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
-  if (z->ov_fail) {
-    if (!z->fail) snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
-    z->fail = 1;
-    rc = -1;
-  }
+  int rc = ov_take_failure(z);
   pthread_mutex_unlock(&z->ov_mu);
   return rc;
 }
@@ -350,10 +351,7 @@ static void ag_wait(zt_zero_t *z, int u) {
   if (z->fail) return;
   pthread_mutex_lock(&z->ov_mu);
   while (z->ag_done < z->ag_ticket[u] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
-  if (z->ov_fail) {
-    snprintf(z->fail_msg, sizeof z->fail_msg, "%s", z->ov_msg);
-    z->fail = 1;
-  }
+  (void)ov_take_failure(z); /* sets z->fail, which the hook returns */
   pthread_mutex_unlock(&z->ov_mu);
 }
 
@@ -774,12 +772,10 @@ int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
   if (z->overlap) { /* deferred: the next forward waits unit by unit */
     if (ov_wait(z) != 0) return -1;
-    for (int u = 0; u < z->U; u++) {
-      pthread_mutex_lock(&z->ov_mu);
-      z->ag_ticket[u] = ++z->ag_queued;
-      pthread_mutex_unlock(&z->ov_mu);
-      ov_push(z, u, OV_GATHER, OV_IN_PLACE);
-    }
+    pthread_mutex_lock(&z->ov_mu);
+    for (int u = 0; u < z->U; u++) z->ag_ticket[u] = ++z->ag_queued;
+    pthread_mutex_unlock(&z->ov_mu);
+    for (int u = 0; u < z->U; u++) ov_push(z, u, OV_GATHER, OV_IN_PLACE);
     return 0;
   }
   for (int u = 0; u < z->U; u++)

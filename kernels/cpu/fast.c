@@ -239,7 +239,7 @@ static void fast_matmul_forward(float *out, const float *inp, const float *w, co
         beta = 1.0f;
       }
       zt_sgemm(0, 1, (int)(hi - lo), OC, IC, 1.0f,
-                  inp + lo * IC, IC, w, IC, beta, out + lo * OC, OC);
+               inp + lo * IC, IC, w, IC, beta, out + lo * OC, OC);
     }
   }
 }
@@ -255,14 +255,14 @@ static void fast_matmul_backward(float *dinp, float *dw, float *dbias, const flo
       zt_split((size_t)N, tid, nt, &lo, &hi);
       if (hi > lo)
         zt_sgemm(0, 0, (int)(hi - lo), IC, OC, 1.0f,
-                    dout + lo * OC, OC, w, IC, 0.0f, dinp + lo * IC, IC);
+                 dout + lo * OC, OC, w, IC, 0.0f, dinp + lo * IC, IC);
     }
     /* dw[OC, IC] += dout^T @ inp, split by rows of dw; dbias by the same
      * columns of dout, each column summed over all rows in order. */
     zt_split_aligned((size_t)OC, 16, tid, nt, &lo, &hi);
     if (hi > lo) {
       zt_sgemm(1, 0, (int)(hi - lo), IC, N, 1.0f, dout + lo,
-                  OC, inp, IC, 1.0f, dw + lo * IC, IC);
+               OC, inp, IC, 1.0f, dw + lo * IC, IC);
       if (dbias) {
         float acc[16];
         for (size_t o0 = lo; o0 < hi; o0 += 16) {
@@ -320,7 +320,7 @@ static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *
   for (int j0 = 0; j0 < i0 + nq; j0 += ZT_ATT_BLK) {
     int nk = ZT_MIN_SZ(ZT_ATT_BLK, i0 + nq - j0);
     zt_sgemm(0, 1, nq, nk, hs, a->scale,
-                a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, s, ZT_ATT_BLK);
+             a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, s, ZT_ATT_BLK);
     for (int r = 0; r < nq; r++) {
       float *row = s + (size_t)r * ZT_ATT_BLK;
       int vis = att_visible(i0 + r, j0, nk);
@@ -340,7 +340,7 @@ static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *
         for (int x = 0; x < hs; x++) acc[(size_t)r * hs + x] *= corr;
     }
     zt_sgemm(0, 0, nq, hs, nk, 1.0f, s, ZT_ATT_BLK,
-                a->v + (size_t)j0 * C3, C3, 1.0f, acc, hs);
+             a->v + (size_t)j0 * C3, C3, 1.0f, acc, hs);
   }
   for (int r = 0; r < nq; r++) {
     float inv = 1.0f / l[r], *o = out + ((size_t)a->b * a->T + i0 + r) * a->C + (size_t)a->h * hs;
@@ -382,9 +382,9 @@ static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, cons
   const float *d = dout + ((size_t)a->b * a->T + i0) * C + (size_t)a->h * hs;
   const float *ls = lse + ((size_t)a->b * a->NH + a->h) * a->T + i0;
   zt_sgemm(0, 1, nq, nk, hs, a->scale,
-              a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, w->p, ZT_ATT_BLK);
+           a->q + (size_t)i0 * C3, C3, a->k + (size_t)j0 * C3, C3, 0.0f, w->p, ZT_ATT_BLK);
   zt_sgemm(0, 1, nq, nk, hs, 1.0f, d, C,
-              a->v + (size_t)j0 * C3, C3, 0.0f, w->ds, ZT_ATT_BLK);
+           a->v + (size_t)j0 * C3, C3, 0.0f, w->ds, ZT_ATT_BLK);
   for (int r = 0; r < nq; r++) {
     float *pr = w->p + (size_t)r * ZT_ATT_BLK, *dr = w->ds + (size_t)r * ZT_ATT_BLK;
     int vis = att_visible(i0 + r, j0, nk);
@@ -398,11 +398,11 @@ static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, cons
     for (int c = vis; c < nk; c++) pr[c] = 0.0f, dr[c] = 0.0f;
   }
   zt_sgemm(0, 0, nq, hs, nk, 1.0f, w->ds, ZT_ATT_BLK,
-              a->k + (size_t)j0 * C3, C3, 1.0f, dq + (size_t)i0 * C3, C3);
+           a->k + (size_t)j0 * C3, C3, 1.0f, dq + (size_t)i0 * C3, C3);
   zt_sgemm(1, 0, nk, hs, nq, 1.0f, w->ds, ZT_ATT_BLK,
-              a->q + (size_t)i0 * C3, C3, 1.0f, dk + (size_t)j0 * C3, C3);
+           a->q + (size_t)i0 * C3, C3, 1.0f, dk + (size_t)j0 * C3, C3);
   zt_sgemm(1, 0, nk, hs, nq, 1.0f, w->p, ZT_ATT_BLK, d, C,
-              1.0f, dv + (size_t)j0 * C3, C3);
+           1.0f, dv + (size_t)j0 * C3, C3);
 }
 
 static void fast_attention_backward(float *dqkv, const float *dout, const float *qkv,

@@ -226,8 +226,7 @@ ZT_AVX512 static void kernel_14x32(int kc, const float *a, const float *b, float
       acc[i][1] = _mm512_fmadd_ps(av, b1, acc[i][1]);
     }
   }
-  __mmask16 m0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
-  __mmask16 m1 = nr >= 32 ? (__mmask16)0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
+  __mmask16 m0 = lanes(nr), m1 = lanes(nr - 16);
   __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
 #pragma GCC unroll 14
   for (int i = 0; i < ZT_GEMM_MR; i++) {

@@ -11,9 +11,10 @@
  *
  * Data types: A and B both fp32 or both bf16 (CUDA_R_16BF; then compute
  * 32F only), C and D both fp32 or both bf16 (bf16 D only from bf16 A and
- * B), the bias of D's type (the default, -1, says so, as in cuBLASLt). bf16 elements widen exactly; a bf16 D is
- * formed in fp32 (C, products, bias) and rounded once, to nearest even, as
- * the tensor cores' epilogue does.
+ * B), the bias of D's type (the default, -1, says so, as in cuBLASLt).
+ * bf16 elements widen exactly; a bf16 D is formed in fp32 (C, products,
+ * bias) and rounded once, to nearest even, as the tensor cores' epilogue
+ * does.
  *
  * Checks beyond the arithmetic: attribute sizes; layouts that agree with
  * op(A) [m,k], op(B) [k,n], C and D [m,n] and ld >= rows; equal batch
