@@ -412,7 +412,6 @@ static void close_x(const char *what, const float *d, const float *ref, size_t n
   free(h), free(w);
 }
 
-
 ZT_TEST(bf16_convert) {
   ZT_CHECK_STR(XB->name, "cuda-bf16");
   ZT_CHECK(XB->xbytes == 2 && G->xbytes == 4 && R->xbytes == 4);

@@ -109,13 +109,16 @@ def fleet(procs, n, device, tag, own_devices=False, env_by_name=None):
                        worker_env=SIM_ENV if device != "cpu" else None, env_by_name=env_by_name)
 
 
+def worker_log(procs, name):
+    """Everything the process `name` (a worker, by its log name) printed."""
+    with open(os.path.join(procs.tmp, f"{name}.log"), errors="replace") as f:
+        return f.read()
+
+
 def comm_used(procs, names):
     """Each worker's collectives by generation, from its rendezvous log lines."""
-    out = {}
-    for nm in names:
-        with open(os.path.join(procs.tmp, f"{nm}.log"), errors="replace") as f:
-            out[nm] = re.findall(r"generation (\d+): rank \d+ of \d+, .*?, (NCCL|TCP ring)", f.read())
-    return out
+    return {nm: re.findall(r"generation (\d+): rank \d+ of \d+, .*?, (NCCL|TCP ring)",
+                           worker_log(procs, nm)) for nm in names}
 
 
 def run_steps(procs, coord, tmp_path, spec, name, steps):
@@ -247,8 +250,7 @@ def test_gpu_nccl_kill9(procs, tmp_path, data, bf16):
     print("collectives by worker:", used)
     for u in used.values():
         assert len(u) >= 2 and all(c == "NCCL" for _, c in u), used
-    logs = "".join(open(os.path.join(procs.tmp, f"k{i}.log"), errors="replace").read()
-                   for i in (0, 1))
+    logs = worker_log(procs, "k0") + worker_log(procs, "k1")
     if bf16:
         gens = re.findall(r"generation (\d+): rank \d+ of \d+, start step (\d+)", logs)
         print("generations and their start steps:", gens)
@@ -275,9 +277,8 @@ def test_mixed_cpu_gpu_generation_uses_the_ring(procs, tmp_path, data):
     used = comm_used(procs, ["x0", "x1"])
     print("collectives by worker:", used)
     assert all(len(u) == 1 and u[0][1] == "TCP ring" for u in used.values()), used
-    logs = {nm: open(os.path.join(procs.tmp, f"{nm}.log"), errors="replace").read()
-            for nm in ("x0", "x1")}
-    assert "device cpu" in logs["x0"] and "device cuda:0" in logs["x1"], "one of each"
+    assert "device cpu" in worker_log(procs, "x0"), "one CPU worker"
+    assert "device cuda:0" in worker_log(procs, "x1"), "one GPU worker"
 
 
 @pytest.mark.skipif(not SIM, reason="a worker without NCCL is made on the stand-in")
@@ -295,5 +296,4 @@ def test_gpu_worker_without_nccl_gets_the_ring(procs, tmp_path, data):
     assert all(got[s] == ref[s] for s in range(1, steps + 1)), (got, ref)
     used = comm_used(procs, ["n0", "n1"])
     assert all(u and all(c == "TCP ring" for _, c in u) for u in used.values()), used
-    with open(os.path.join(procs.tmp, "n1.log"), errors="replace") as f:
-        assert "no NCCL (NCCL backend: cannot load libnccl" in f.read()
+    assert "no NCCL (NCCL backend: cannot load libnccl" in worker_log(procs, "n1")

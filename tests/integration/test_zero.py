@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from ztest import byte_dataset, http_get, losses, start_fleet, submit, tiny_spec, wait_job
+from ztest import byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job
 
 STEPS = 50
 
@@ -22,11 +22,11 @@ def data(tmp_path_factory):
     return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=300_000)
 
 
-def run_job(procs, coord, tmp_path, spec, name):
+def run_job(procs, coord, tmp_path, spec, name, val=False):
     jid = submit(coord, spec, tmp_path, name + ".json")
     j = wait_job(coord, jid, timeout=180)
     assert j["step"] == STEPS
-    return losses(coord, jid)
+    return losses(coord, jid, val)
 
 
 def test_stages_match_single_process(procs, tmp_path, data):
@@ -156,10 +156,7 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
                              checkpoint={"dir": str(tmp_path / f"ck-{stage}-{ov}"),
                                          "every_steps": 4})
             spec["zero_optimization"]["overlap_comm"] = ov
-            jid = submit(coord, spec, tmp_path, f"ev-s{stage}-{ov}.json")
-            assert wait_job(coord, jid, timeout=180)["step"] == STEPS
-            steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
-            out[ov] = {x["step"]: (x["loss"], x.get("val_loss")) for x in steps}
+            out[ov] = run_job(procs, coord, tmp_path, spec, f"ev-s{stage}-{ov}", val=True)
         vals = [v for _, v in out[True].values() if v is not None]
         assert len(vals) >= STEPS // 3 - 1, out[True]
         assert out[True] == out[False], f"stage {stage}: overlap changed losses or val losses"

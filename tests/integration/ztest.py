@@ -309,9 +309,10 @@ def job_members(coord, jid, current_only=True):
             " WHERE m.job_id = ?", (jid,))}
 
 
-def losses(coord, jid):
+def losses(coord, jid, val=False):
+    """{step: loss}, or with val {step: (loss, validation loss or None)}."""
     steps = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics")[2]["steps"]
-    return {s["step"]: s["loss"] for s in steps}
+    return {s["step"]: (s["loss"], s.get("val_loss")) if val else s["loss"] for s in steps}
 
 
 # ---- pytest glue shared by the conftest files ---------------------------------
