@@ -17,7 +17,8 @@ void zt_sgemm(int ta, int tb, int M, int N, int K, float alpha, const float *A, 
 
 /* Which implementation zt_sgemm uses: "avx512" (our own, on CPUs with
  * AVX-512F) or "blas" (OpenBLAS's cblas_sgemm). ZT_SGEMM=blas in the
- * environment forces OpenBLAS; the choice is made once per process. */
+ * environment forces OpenBLAS (another value than blas or avx512 is
+ * logged once and ignored); the choice is made once per process. */
 const char *zt_sgemm_impl(void);
 
 /* For tests and benchmarks: 1 selects our AVX-512 product (ignored when

@@ -194,6 +194,11 @@ ZT_TEST(environment_selects_blas) {
   const char *impl = zt_sgemm_force(-1);
   ZT_CHECK(!strcmp(impl, "avx512") || !strcmp(impl, "blas"));
   printf("  this CPU: %s\n", impl);
+  /* A value it does not know leaves the choice to the CPU (with a warning). */
+  setenv("ZT_SGEMM", "BLAS", 1);
+  ZT_CHECK_STR(zt_sgemm_force(-1), impl);
+  unsetenv("ZT_SGEMM");
+  zt_sgemm_force(-1);
 }
 
 ZT_TEST_MAIN(blas_against_reference, own_against_reference, own_row_split_is_bit_identical,
