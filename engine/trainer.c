@@ -346,7 +346,7 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   res->lr = step_lr(t, s);
   if (!res->nonfinite) {
     float gscale = zt_opt_clip_coef(ctl[1], t->spec.grad_clip, NULL);
-    zt_zero_adamw(&t->z, &t->spec.opt, (float)res->lr, gscale, s);
+    if (zt_zero_adamw(&t->z, &t->spec.opt, (float)res->lr, gscale, s) != 0) return -1;
     if (zt_zero_gather(&t->z) != 0) return -1;
   } else {
     ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",

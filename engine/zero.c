@@ -55,17 +55,6 @@ static char *stage(zt_zero_t *z, size_t bytes) {
   return z->stage_buf;
 }
 
-static int c_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
-  size_t bytes = count * zt_dtype_size(dt);
-  if (z->N == 1) return 0;
-  if (!z->dev || z->dcomm) return zt_comm_all_reduce(z->comm, buf, count, dt, ZT_RED_SUM, z->tmo);
-  char *h = stage(z, bytes);
-  z->k->download(h, buf, bytes);
-  if (zt_comm_all_reduce(z->comm, h, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
-  z->k->upload(buf, h, bytes);
-  return 0;
-}
-
 /* Covers both in-place forms: recv inside send (reduce-scatter) and send
  * inside recv (all-gather). `big` is the world*count side. */
 static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype_t dt, int gather) {
@@ -205,12 +194,14 @@ static void gather_unit(zt_zero_t *z, int u) {
 static void fetch_unit(zt_zero_t *z, int u, int next);
 
 static void ag_wait(zt_zero_t *z, int u);
+static void apply_due(zt_zero_t *z, int u);
 
 static int h_pre_forward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3) gather_unit(z, u);
   else if (z->overlap && z->ag_ticket) ag_wait(z, u);
+  if (z->stage == 0 && z->due_n && z->due[u] && !z->fail) apply_due(z, u);
   return z->fail ? -1 : 0;
 }
 
@@ -237,7 +228,7 @@ static double *slot_rs64(zt_zero_t *z, int s) { return s ? z->rs64b : z->rs64; }
 static float *gat_slot(zt_zero_t *z, int s) { return s == 2 ? z->gat0 : s ? z->gatb : z->gat; }
 
 /* One queued reduction. Stages 0-1: unit u's padded range of the fp64
- * sum. Stages 2-3: slot s's fp64 unit gradient, reduce-scattered, then
+ * sum, reduce-scattered in place. Stages 2-3: slot s's fp64 unit gradient, reduce-scattered, then
  * its shard added into the sum (host memory: a plain loop on this thread). */
 static int reduce_unit(zt_zero_t *z, int u, int s) {
   if (z->stage >= 2) {
@@ -247,7 +238,6 @@ static int reduce_unit(zt_zero_t *z, int u, int s) {
     return 0;
   }
   double *g = z->G64 + z->off_full[u];
-  if (z->stage == 0) return c_all_reduce(z, g, z->S[u] * (size_t)z->N, ZT_DT_F64);
   return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
 }
 
@@ -258,8 +248,13 @@ enum { OV_REDUCE = 0, OV_GATHER = 1 };
 #define OV_IN_PLACE 3
 #define OV_ENTRY(u, kind, s) ((u) << 3 | (kind) << 2 | (s))
 
-/* Stages 1-2: unit u of the working copy, from every rank's owned range. */
+/* Unit u from every rank's owned range: stages 1-2 the working copy of
+ * the parameters, stage 0 the scaled fp32 gradient in G (zt_zero_adamw). */
 static int gather_in_place(zt_zero_t *z, int u) {
+  if (z->stage == 0) {
+    float *g = z->G + z->off_full[u];
+    return c_all_gather(z, g + (size_t)z->r * z->S[u], g, z->S[u], ZT_DT_F32);
+  }
   float *p = xadv(z, z->W, z->off_full[u]);
   return c_all_gather(z, xadv(z, p, (size_t)z->r * z->S[u]), p, z->S[u], z->xdt);
 }
@@ -425,7 +420,8 @@ static int ov_start(zt_zero_t *z) {
     return zt_err("cannot start the gradient communication thread");
   }
   z->overlap = 1;
-  if (z->stage == 1 || z->stage == 2) z->ag_ticket = zt_xcalloc((size_t)z->U, sizeof *z->ag_ticket);
+  if (z->stage < 3) z->ag_ticket = zt_xcalloc((size_t)z->U, sizeof *z->ag_ticket);
+  if (z->stage == 0) z->due = zt_xcalloc((size_t)z->U, sizeof *z->due);
   return 0;
 }
 
@@ -443,6 +439,7 @@ static void ov_stop(zt_zero_t *z) {
   pthread_mutex_destroy(&z->ov_mu);
   free(z->ov_queue);
   free(z->ag_ticket);
+  free(z->due);
 }
 
 /* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
@@ -701,7 +698,16 @@ void zt_zero_start_step(zt_zero_t *z) {
 
 void zt_zero_micro_begin(zt_zero_t *z, int last) {
   z->last_micro = last;
-  if (z->G) z->k->zero(z->G, z->full_total);
+  if (!z->G) return;
+  if (!z->due_n) {
+    z->k->zero(z->G, z->full_total);
+    return;
+  }
+  /* Stage 0 with updates still due: their gradients stay in G until the
+   * hook before the unit's forward has applied them (apply_due zeroes it
+   * then, before any backward writes it). */
+  for (int u = 0; u < z->U; u++)
+    if (!z->due[u]) z->k->zero(z->G + z->off_full[u], z->S[u] * (size_t)z->N);
 }
 
 int zt_zero_micro_end(zt_zero_t *z) {
@@ -711,23 +717,28 @@ int zt_zero_micro_end(zt_zero_t *z) {
   return 0;
 }
 
-/* AdamW on the owned shard of unit u through the kernel table; the fp64
- * gradient sum is scaled (1/K, clip factor) into fp32 first. Weight decay
- * applies to the tensors the model marks (matmul weights, embeddings). */
-static void adamw_unit(zt_zero_t *z, const zt_opt_config_t *o, int u, float lr, float gscale,
-                       int64_t t) {
+/* AdamW on unit u through the kernel table, with the step's settings
+ * (z->opt ... z->t, from zt_zero_adamw). Stages 1-3: the owned shard, its
+ * fp64 gradient sum scaled (1/K, clip factor) into fp32 first. Stage 0
+ * (replicated): every rank updates the whole unit from the gathered fp32
+ * gradient in G. Weight decay applies to the tensors the model marks
+ * (matmul weights, embeddings). */
+static void adamw_unit(zt_zero_t *z, int u) {
   size_t lo, n;
   owned(z, u, &lo, &n);
   float *m = opt_ptr(z, z->M, u), *v = opt_ptr(z, z->V, u);
-  if (z->stage == 0) { /* replicated: every rank updates the whole unit */
+  const float *g = z->gbuf;
+  if (z->stage == 0) {
     lo = 0, n = z->usz[u];
     m = z->M + z->off_full[u], v = z->V + z->off_full[u];
+    g = z->G + z->off_full[u];
   }
   if (!n) return;
   float *p = z->P ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
-  const double *g = z->stage < 2 ? z->G64 + z->off_full[u] + lo : z->G64 + z->off_shard[u];
-  z->k->narrow_f64(z->gbuf, g, n, z->inv_k, gscale);
-  zt_opt_adamw_unit(z->k, &z->m->lay, o, u, lo, n, p, z->gbuf, m, v, lr, t);
+  if (z->stage > 0)
+    z->k->narrow_f64(z->gbuf, z->stage < 2 ? z->G64 + z->off_full[u] + lo : z->G64 + z->off_shard[u],
+                     n, z->inv_k, z->gscale);
+  zt_opt_adamw_unit(z->k, &z->m->lay, z->opt, u, lo, n, p, g, m, v, z->lr, z->t);
   /* The working copy of what changed: stage 0 the whole unit, stage 3 the
    * shard, stages 1-2 the owned range (zt_zero_gather shares it). */
   if (z->split && z->stage > 0 && z->stage < 3)
@@ -736,9 +747,56 @@ static void adamw_unit(zt_zero_t *z, const zt_opt_config_t *o, int u, float lr, 
     refresh_unit(z, u, NULL);
 }
 
-void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t) {
+/* Stage 0 with overlap: unit u's gathered gradient has arrived (the
+ * caller waited); its update is applied and its G range zeroed for the
+ * micro-step's backward. */
+static void apply_due(zt_zero_t *z, int u) {
+  adamw_unit(z, u);
+  z->k->zero(z->G + z->off_full[u], z->S[u] * (size_t)z->N);
+  z->due[u] = 0;
+  z->due_n--;
+}
+
+/* Stage 0: the owned range of each unit's reduced sum is scaled into G
+ * (fp32) and G is all-gathered unit by unit, so every rank updates the
+ * whole unit from the same fp32 gradient that it would have scaled from
+ * an all-reduced fp64 sum, with half the bytes on the all-gather. With
+ * overlap the gathers are queued and each unit's update is due: the hook
+ * before its forward (or zt_zero_settle) applies it once its gather is
+ * in. */
+static int adamw_replicated(zt_zero_t *z) {
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n;
+    owned(z, u, &lo, &n);
+    if (n)
+      z->k->narrow_f64(z->G + z->off_full[u] + lo, z->G64 + z->off_full[u] + lo, n, z->inv_k,
+                       z->gscale);
+  }
+  if (!z->overlap) {
+    for (int u = 0; u < z->U; u++) {
+      if (gather_in_place(z, u) != 0) return zt_err_wrap("all-gather of gradients");
+      adamw_unit(z, u);
+    }
+    return 0;
+  }
+  if (ov_wait(z) != 0) return -1;
+  pthread_mutex_lock(&z->ov_mu);
+  for (int u = 0; u < z->U; u++) z->ag_ticket[u] = ++z->ag_queued;
+  pthread_mutex_unlock(&z->ov_mu);
+  for (int u = 0; u < z->U; u++) {
+    z->due[u] = 1;
+    ov_push(z, u, OV_GATHER, OV_IN_PLACE);
+  }
+  z->due_n = z->U;
+  return 0;
+}
+
+int zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t) {
   z->pver++; /* gathered copies are stale from here on */
-  for (int u = 0; u < z->U; u++) adamw_unit(z, o, u, lr, gscale, t);
+  z->opt = o, z->lr = lr, z->gscale = gscale, z->t = t;
+  if (z->stage == 0) return adamw_replicated(z);
+  for (int u = 0; u < z->U; u++) adamw_unit(z, u);
+  return 0;
 }
 
 
@@ -755,12 +813,12 @@ double zt_zero_sumsq(zt_zero_t *z) {
   return s;
 }
 
-/* Sums the gradient over ranks: all-reduce (stage 0) or reduce-scatter
- * (stage 1) in fp64; stages 2-3 did it unit by unit during backward. */
+/* Sums the gradient over ranks: stages 0-1 reduce-scatter it in fp64
+ * (stage 0 gathers the scaled result in zt_zero_adamw); stages 2-3 did it
+ * unit by unit during backward. */
 int zt_zero_reduce(zt_zero_t *z) {
   if (z->overlap) return ov_wait(z);
-  if (z->stage == 0) return c_all_reduce(z, z->G64, z->full_total, ZT_DT_F64);
-  if (z->stage == 1)
+  if (z->stage < 2)
     for (int u = 0; u < z->U; u++) {
       double *g = z->G64 + z->off_full[u];
       if (c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64) != 0) return -1;
@@ -783,5 +841,11 @@ int zt_zero_gather(zt_zero_t *z) {
   return 0;
 }
 
-int zt_zero_settle(zt_zero_t *z) { return z->overlap ? ov_wait(z) : 0; }
+int zt_zero_settle(zt_zero_t *z) {
+  if (!z->overlap) return 0;
+  if (ov_wait(z) != 0) return -1;
+  for (int u = 0; z->due_n && u < z->U; u++)
+    if (z->due[u]) apply_due(z, u);
+  return 0;
+}
 

@@ -17,11 +17,14 @@
  *
  * One step, as the trainer (trainer.c) drives it: zt_zero_start_step, then
  * for each micro-step zt_zero_micro_begin, forward + backward of the model,
- * zt_zero_micro_end; then zt_zero_reduce (stage 0 all-reduces the
- * gradients, stage 1 reduce-scatters them; stages 2 and 3 have already
- * reduce-scattered each unit's gradient in the backward hook of every
- * micro-step), zt_zero_sumsq for the global norm, zt_zero_adamw on the owned
- * shard and zt_zero_gather (stages 1 and 2 all-gather the parameters). Stage
+ * zt_zero_micro_end; then zt_zero_reduce (stages 0 and 1 reduce-scatter
+ * the gradients; stages 2 and 3 have already reduce-scattered each unit's
+ * gradient in the backward hook of every micro-step), zt_zero_sumsq for
+ * the global norm, zt_zero_adamw on the owned shard (stage 0: each rank
+ * scales its shard of the gradient to fp32, all-gathers the scaled
+ * gradient and updates every unit; an fp32 all-gather is half the bytes
+ * of the fp64 one an all-reduce would end with) and zt_zero_gather
+ * (stages 1 and 2 all-gather the parameters). Stage
  * 3 all-gathers a unit right before the model uses it (forward and
  * backward) and drops it after. Gradient sums are kept in fp64, so the
  * reduced gradient is exact and the same for any world size.
@@ -29,8 +32,8 @@
  * Overlap (host memory, N > 1; zero_optimization.overlap_comm,
  * on by default). Stages 0-1: in the last micro-step a unit's gradient is
  * final as soon as the model's post_backward hook runs for it: the hook
- * adds it to the fp64 sum and queues the unit's reduction (stage 0
- * all-reduce, stage 1 reduce-scatter) for a communication thread, and
+ * adds it to the fp64 sum and queues the unit's reduce-scatter for a
+ * communication thread, and
  * backward goes on with the next unit while the network carries this one.
  * Stages 2-3, every micro-step: the hook widens the unit's gradient into one
  * of two fp64 slots (waiting while both are in flight) and queues its
@@ -51,9 +54,12 @@
  * queues one gather per unit, in forward order, on the same thread and
  * returns; the hook before unit u's forward (the next step's, or an
  * evaluation's) waits for unit u's gather only, so the network carries the
- * later units while the earlier ones compute. zt_zero_settle waits for
- * everything queued (the trainer calls it when a generation ends well; a
- * snapshot, a load and new parameters wait first too).
+ * later units while the earlier ones compute. Stage 0 defers the
+ * all-gather of the scaled gradient the same way, and with it each unit's
+ * update: the hook before unit u's forward waits for unit u's gradient and
+ * applies AdamW to the unit. zt_zero_settle waits for everything queued and
+ * applies the updates still due (the trainer calls it when a generation
+ * ends well; a snapshot, a load and new parameters wait first too).
  *
  * Devices. Every buffer lives in the memory of the kernel table z->k and
  * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
@@ -137,6 +143,16 @@ typedef struct zt_zero {
   /* Stages 1-2 deferred gathers: unit u's is done once ag_done reaches
    * ag_ticket[u] (tickets count gathers queued; under ov_mu). */
   int64_t *ag_ticket, ag_queued, ag_done;
+  /* Stage 0 with overlap: units whose update waits for their gathered
+   * gradient (applied by the hook before their forward, or by
+   * zt_zero_settle), and how many. */
+  char *due;
+  int due_n;
+  /* The optimizer step's settings (zt_zero_adamw), kept for the updates
+   * that are due. */
+  const zt_opt_config_t *opt;
+  float lr, gscale;
+  int64_t t;
   int ov_fail;           /* a queued reduction failed: ov_msg says why */
   char ov_msg[512];
 } zt_zero_t;
@@ -192,14 +208,18 @@ ZT_MUST_CHECK int zt_zero_reduce(zt_zero_t *z);
 /* Sum of squares of the owned gradient elements (the global sum is the
  * all-reduce of these). */
 double zt_zero_sumsq(zt_zero_t *z);
-/* AdamW on the owned shard of every unit: gradients scaled by 1/K and the
- * clip factor gscale, step t (1-based). */
-void zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale, int64_t t);
+/* AdamW on the owned shard of every unit (stage 0: every rank on every
+ * unit, after an all-gather of the scaled gradient): gradients scaled by
+ * 1/K and the clip factor gscale, step t (1-based). -1 when stage 0's
+ * all-gather fails. */
+ZT_MUST_CHECK int zt_zero_adamw(zt_zero_t *z, const zt_opt_config_t *o, float lr, float gscale,
+                                int64_t t);
 /* Stages 1-2: all-gathers the updated parameters (with overlap: queues
  * the gathers; see "Overlap" above). */
 ZT_MUST_CHECK int zt_zero_gather(zt_zero_t *z);
-/* Waits for every operation queued on the communication thread; -1 (the
- * reason in zt_err) when one failed. 0 at once without overlap. */
+/* Waits for every operation queued on the communication thread and
+ * applies stage 0's due updates; -1 (the reason in zt_err) when one
+ * failed. 0 at once without overlap. */
 ZT_MUST_CHECK int zt_zero_settle(zt_zero_t *z);
 /* Sums `count` values of host memory (the trainer's control values, at
  * most 64 bytes) over the ranks: directly, or through device memory when

@@ -134,7 +134,8 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
     communication thread while backward goes on: the loss series equals the synchronous one to
     the bit (stages 0 and 1 reduce after the last micro-step, stages 2 and 3 in every
     micro-step, with 2 or 4 micro-steps per rank; stages 1 and 2 gather the updated
-    parameters on the thread while the next forward computes, waiting unit by unit; stage 3
+    parameters, and stage 0 the scaled gradient (each unit's update waits for it), on the
+    thread while the next forward computes, waiting unit by unit; stage 3
     also prefetches the next unit's parameters on the thread)."""
     train, val = data
     coord = start_fleet(procs, 3)
@@ -145,11 +146,12 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
         spec["zero_optimization"]["overlap_comm"] = True
         got = run_job(procs, coord, tmp_path, spec, f"overlap-s{stage}n{n}")
         assert got == ref, f"stage {stage} N={n}: overlap changed the losses"
-    # Stages 1-2 with an evaluation and a checkpoint between steps: both
-    # run while the deferred gathers may still be in flight (the
-    # evaluation's forward waits unit by unit, the snapshot for all), so
-    # validation losses and the final checkpoint's loss series match too.
-    for stage, n in ((1, 3), (2, 2)):
+    # Stages 0-2 with an evaluation and a checkpoint between steps: both
+    # run while the deferred gathers (stage 0: of the gradient, with the
+    # update of each unit still due) may be in flight (the evaluation's
+    # forward waits unit by unit, the snapshot for all), so validation
+    # losses and the final checkpoint's loss series match too.
+    for stage, n in ((0, 3), (1, 3), (2, 2)):
         out = {}
         for ov in (False, True):
             spec = tiny_spec(train, val, STEPS, stage, n, eval={"every_steps": 3, "batches": 2},
