@@ -294,7 +294,9 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
   if (get_object(root, "", "bf16", 0, &b) ||
       (b && (CHECK_KEYS(b, "bf16", bkeys) || get_bool(b, "bf16", "enabled", &s->bf16))))
     return -1;
-  if (get_bool(root, "", "activation_checkpointing", &s->act_ckpt)) return -1;
+  if (get_bool(root, "", "activation_checkpointing", &s->act_ckpt) ||
+      get_bool(root, "", "wall_clock_breakdown", &s->wall_clock_breakdown))
+    return -1;
   return 0;
 }
 
@@ -435,7 +437,8 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "name", "seed", "steps", "model", "data", "optimizer", "scheduler",
       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
-      "bf16", "comm", "fault_injection", "init", "activation_checkpointing"};
+      "bf16", "comm", "fault_injection", "init", "activation_checkpointing",
+      "wall_clock_breakdown"};
   set_defaults(s);
   cJSON *root = zt_json_parse(json, len, "the spec");
   if (!root) return -1;

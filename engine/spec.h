@@ -129,6 +129,9 @@ typedef struct zt_spec {
   /* activation_checkpointing: true keeps only each layer's input and
    * recomputes the layer in backward (engine/model.h, ZT_MODEL_RECOMPUTE). */
   int act_ckpt;
+  /* wall_clock_breakdown (DeepSpeed's key): each worker logs, per step,
+   * how long it waited for communication (engine/zero.h, zt_zero_times_t). */
+  int wall_clock_breakdown;
   long comm_timeout_ms;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;

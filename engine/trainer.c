@@ -358,6 +358,14 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
     if (isnan(res->val_loss) && zt_comm_broken(t->g->comm)) return -1;
   }
   res->ms = (double)(zt_now_us() - t0) / 1000.0;
+  if (t->spec.wall_clock_breakdown) {
+    zt_zero_times_t tm;
+    zt_zero_take_times(&t->z, &tm);
+    ZT_INFO("step %lld: %.1f ms; waited %.1f ms for gradient reductions, %.1f ms for gathers; "
+            "communication thread %.1f ms busy, %.1f ms CPU",
+            (long long)s, res->ms, tm.wait_reduce_ms, tm.wait_gather_ms, tm.comm_busy_ms,
+            tm.comm_cpu_ms);
+  }
   return 0;
 }
 

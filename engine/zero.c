@@ -10,12 +10,21 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "zt_common.h"
 
 #define ZT_ZERO_CTL_BYTES 64
 
 static int ov_wait(zt_zero_t *z);
+
+/* Milliseconds of wall clock, and of this thread's CPU time. */
+static double wall_ms(void) { return (double)zt_now_us() / 1000.0; }
+static double thread_cpu_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
 
 /* ---- allocation and accounting ------------------------------------------------- */
 
@@ -198,20 +207,24 @@ static void apply_due(zt_zero_t *z, int u);
 
 static int h_pre_forward(void *ctx, int u) {
   zt_zero_t *z = ctx;
+  double w0 = wall_ms();
   if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3) gather_unit(z, u);
   else if (z->overlap && z->ag_ticket) ag_wait(z, u);
+  z->tm.wait_gather_ms += wall_ms() - w0;
   if (z->stage == 0 && z->due_n && z->due[u] && !z->fail) apply_due(z, u);
   return z->fail ? -1 : 0;
 }
 
 static int h_pre_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
+  double w0 = wall_ms();
   /* Backward runs units 0 (the head; unit 0 is still gathered), U-1, ...,
    * 1; the next one to fetch is u - 1, and U - 1 after 0. */
   if (z->stage == 3 && z->overlap && u != 0) fetch_unit(z, u, u - 1);
   else if (z->stage == 3 && z->overlap) fetch_unit(z, 0, z->U - 1);
   else if (z->stage == 3 && u != 0) gather_unit(z, u);
+  z->tm.wait_gather_ms += wall_ms() - w0;
   if (z->stage >= 2) {
     float *g = u == 0 ? z->tg0 : z->tg;
     z->k->zero(g, z->S[u] * (size_t)z->N);
@@ -271,13 +284,17 @@ static void *ov_main(void *arg) {
     int u = e >> 3, kind = (e >> 2) & 1, s = e & 3;
     pthread_mutex_unlock(&z->ov_mu);
     int rc = 0;
+    double w0 = wall_ms(), c0 = thread_cpu_ms();
     if (!failed && kind == OV_GATHER && s == OV_IN_PLACE)
       rc = gather_in_place(z, u);
     else if (!failed && kind == OV_GATHER)
       rc = c_all_gather(z, xadv(z, z->Ws, z->off_shard[u]), gat_slot(z, s), z->S[u], z->xdt);
     else if (!failed)
       rc = reduce_unit(z, u, s);
+    double w1 = wall_ms(), c1 = thread_cpu_ms();
     pthread_mutex_lock(&z->ov_mu);
+    z->tm.comm_busy_ms += w1 - w0;
+    z->tm.comm_cpu_ms += c1 - c0;
     if (rc != 0 && !z->ov_fail) {
       z->ov_fail = 1;
       snprintf(z->ov_msg, sizeof z->ov_msg, "%s of unit %d: %s",
@@ -458,14 +475,19 @@ static int h_post_backward(void *ctx, int u) {
   if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
   const float *g = u == 0 ? z->tg0 : z->tg;
   if (z->overlap) {
+    double w0 = wall_ms();
     int s = ov_slot(z);
+    z->tm.wait_reduce_ms += wall_ms() - w0;
     if (s < 0) return -1;
     z->k->widen_f64(slot_tg64(z, s), g, z->S[u] * (size_t)z->N);
     ov_push(z, u, OV_REDUCE, s);
     return 0;
   }
   z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
-  if (c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64) != 0) {
+  double w0 = wall_ms();
+  int rc = c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64);
+  z->tm.wait_reduce_ms += wall_ms() - w0;
+  if (rc != 0) {
     hook_fail(z, "reduce-scatter of gradients");
     return -1;
   }
@@ -774,7 +796,10 @@ static int adamw_replicated(zt_zero_t *z) {
   }
   if (!z->overlap) {
     for (int u = 0; u < z->U; u++) {
-      if (gather_in_place(z, u) != 0) return zt_err_wrap("all-gather of gradients");
+      double w0 = wall_ms();
+      int rc = gather_in_place(z, u);
+      z->tm.wait_gather_ms += wall_ms() - w0;
+      if (rc != 0) return zt_err_wrap("all-gather of gradients");
       adamw_unit(z, u);
     }
     return 0;
@@ -817,13 +842,17 @@ double zt_zero_sumsq(zt_zero_t *z) {
  * (stage 0 gathers the scaled result in zt_zero_adamw); stages 2-3 did it
  * unit by unit during backward. */
 int zt_zero_reduce(zt_zero_t *z) {
-  if (z->overlap) return ov_wait(z);
-  if (z->stage < 2)
-    for (int u = 0; u < z->U; u++) {
+  double w0 = wall_ms();
+  int rc = 0;
+  if (z->overlap)
+    rc = ov_wait(z);
+  else if (z->stage < 2)
+    for (int u = 0; rc == 0 && u < z->U; u++) {
       double *g = z->G64 + z->off_full[u];
-      if (c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64) != 0) return -1;
+      rc = c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
     }
-  return 0;
+  z->tm.wait_reduce_ms += wall_ms() - w0;
+  return rc;
 }
 
 int zt_zero_gather(zt_zero_t *z) {
@@ -836,9 +865,11 @@ int zt_zero_gather(zt_zero_t *z) {
     for (int u = 0; u < z->U; u++) ov_push(z, u, OV_GATHER, OV_IN_PLACE);
     return 0;
   }
-  for (int u = 0; u < z->U; u++)
-    if (gather_in_place(z, u) != 0) return -1;
-  return 0;
+  double w0 = wall_ms();
+  int rc = 0;
+  for (int u = 0; rc == 0 && u < z->U; u++) rc = gather_in_place(z, u);
+  z->tm.wait_gather_ms += wall_ms() - w0;
+  return rc;
 }
 
 int zt_zero_settle(zt_zero_t *z) {
@@ -849,3 +880,10 @@ int zt_zero_settle(zt_zero_t *z) {
   return 0;
 }
 
+
+void zt_zero_take_times(zt_zero_t *z, zt_zero_times_t *out) {
+  if (z->overlap) pthread_mutex_lock(&z->ov_mu);
+  *out = z->tm;
+  memset(&z->tm, 0, sizeof z->tm);
+  if (z->overlap) pthread_mutex_unlock(&z->ov_mu);
+}

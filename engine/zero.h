@@ -82,6 +82,17 @@
 #include "optim.h"
 #include "zt_kernels.h"
 
+/* Where a step's time went around communication, since the last
+ * zt_zero_take_times: what the training thread waited for, and what the
+ * communication thread (overlap) spent. Without overlap the collectives
+ * run on the training thread and all of their time is waiting. */
+typedef struct zt_zero_times {
+  double wait_reduce_ms; /* gradient reductions (and stage 2-3 slots) */
+  double wait_gather_ms; /* gathers: parameters (stages 1-3), stage 0's gradient */
+  double comm_busy_ms;   /* the communication thread ran collectives */
+  double comm_cpu_ms;    /* ... and the CPU time it used in them */
+} zt_zero_times_t;
+
 typedef struct zt_zero {
   zt_model_t *m;         /* the model whose unit pointers this rank's state feeds */
   const zt_kernels_t *k; /* kernels and memory of the model and its state */
@@ -153,6 +164,7 @@ typedef struct zt_zero {
   const zt_opt_config_t *opt;
   float lr, gscale;
   int64_t t;
+  zt_zero_times_t tm;    /* waits: training thread; busy, cpu: the thread, under ov_mu */
   int ov_fail;           /* a queued reduction failed: ov_msg says why */
   char ov_msg[512];
 } zt_zero_t;
@@ -221,6 +233,8 @@ ZT_MUST_CHECK int zt_zero_gather(zt_zero_t *z);
  * applies stage 0's due updates; -1 (the reason in zt_err) when one
  * failed. 0 at once without overlap. */
 ZT_MUST_CHECK int zt_zero_settle(zt_zero_t *z);
+/* The times since the last call (wall_clock_breakdown); resets them. */
+void zt_zero_take_times(zt_zero_t *z, zt_zero_times_t *out);
 /* Sums `count` values of host memory (the trainer's control values, at
  * most 64 bytes) over the ranks: directly, or through device memory when
  * the communicator takes only that (NCCL). */

@@ -9,6 +9,7 @@ reports) must match the formulas of docs/zero.md.
 """
 import json
 import os
+import re
 
 import pytest
 
@@ -162,3 +163,41 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
         vals = [v for _, v in out[True].values() if v is not None]
         assert len(vals) >= STEPS // 3 - 1, out[True]
         assert out[True] == out[False], f"stage {stage}: overlap changed losses or val losses"
+
+
+BREAKDOWN = re.compile(r"step (\d+): ([\d.]+) ms; waited ([\d.]+) ms for gradient reductions, "
+                       r"([\d.]+) ms for gathers; communication thread ([\d.]+) ms busy, "
+                       r"([\d.]+) ms CPU")
+
+
+def test_wall_clock_breakdown(procs, tmp_path, data):
+    """wall_clock_breakdown: true makes every worker log, per step, how long it waited for
+    communication and what the communication thread spent. With overlap the thread is
+    busy and its CPU time fits inside its busy time; without it the thread does nothing
+    and the training thread's waits are the collectives themselves; without the key
+    nothing is logged."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    ws = list(coord.workers.values())
+    steps = 6
+    for stage, overlap, on in ((1, True, True), (2, False, True), (0, True, False)):
+        spec = tiny_spec(train, val, steps, stage, 2)
+        spec["zero_optimization"]["overlap_comm"] = overlap
+        if on:
+            spec["wall_clock_breakdown"] = True
+        start = [len(w.output()) for w in ws]
+        wait_job(coord, submit(coord, spec, tmp_path, f"wcb-{stage}.json"), timeout=180)
+        for w, at in zip(ws, start):
+            rows = [tuple(float(x) for x in m.groups())
+                    for m in BREAKDOWN.finditer(w.output()[at:])]
+            if not on:
+                assert rows == [], rows
+                continue
+            assert [int(r[0]) for r in rows] == list(range(1, steps + 1)), rows
+            for _, ms, red, gat, busy, cpu in rows:
+                assert red + gat <= ms + 0.5, rows
+                assert cpu <= busy + 1.0, rows
+                if overlap:
+                    assert busy > 0, rows
+                else:
+                    assert busy == 0 and cpu == 0 and red > 0, rows
