@@ -56,6 +56,7 @@ struct zt_comm {
   zt_comm_stats_t stats;
   uint8_t *scratch;
   size_t scratch_cap;
+  int lowat; /* SO_RCVLOWAT of prev_fd now (set_lowat) */
 };
 
 typedef struct {
@@ -139,6 +140,23 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
   return rc;
 }
 
+/* The receive socket reports readable only once a quarter chunk (or what
+ * is still to come, if less: the wait always ends) has arrived. On a link
+ * slower than the CPU a receiver otherwise wakes for every few packets,
+ * and each wake-up takes a core from the compute that the transfer
+ * overlaps. On 2 Gbit/s links (network namespaces, tbf) this cut the CPU
+ * time of 20 all-reduces of 16 MiB from 0.37 to 0.26-0.30 s per rank at 2
+ * ranks and from 0.45 to 0.38 s at 4, at the same bandwidth; on loopback
+ * the bus bandwidths stayed within their run-to-run spread (a whole chunk
+ * saved a little more CPU on the link but cost loopback bandwidth at 4
+ * ranks). */
+static void set_lowat(zt_comm_t *c, size_t want) {
+  int v = (int)ZT_MIN(want, ZT_MIN(c->chunk / 4, (size_t)INT32_MAX));
+  if (v < 1) v = 1;
+  if (v == c->lowat) return;
+  if (setsockopt(c->prev_fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c->lowat = v;
+}
+
 static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
   size_t sent = 0, got = 0, reduced = 0, esz = zt_dtype_size(s->dt);
   while (sent < s->slen || got < s->rlen) {
@@ -146,7 +164,10 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
     int n = 0, ip = -1, is = -1;
     p[n++] = (struct pollfd){.fd = c->abort_fd, .events = POLLIN};
     if (sent < s->slen) is = n, p[n++] = (struct pollfd){.fd = c->next_fd, .events = POLLOUT};
-    if (got < s->rlen) ip = n, p[n++] = (struct pollfd){.fd = c->prev_fd, .events = POLLIN};
+    if (got < s->rlen) {
+      ip = n, p[n++] = (struct pollfd){.fd = c->prev_fd, .events = POLLIN};
+      set_lowat(c, s->rlen - got);
+    }
     int64_t left = zt_deadline_left_ms(dl);
     if (left == 0) {
       c->failed_peer = got < s->rlen ? (c->rank + c->world - 1) % c->world : (c->rank + 1) % c->world;
