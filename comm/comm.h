@@ -99,6 +99,15 @@ ZT_MUST_CHECK int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_d
  * recv may not overlap except recv == send + rank*count. send is clobbered. */
 ZT_MUST_CHECK int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
                            zt_redop_t op, int64_t timeout_ms);
+/* zt_comm_reduce_scatter of fp64 values (sum) that are all exactly fp32
+ * values (widened fp32 gradients): the same sums to the bit, in the same
+ * order, but the first ring step carries each rank's own values as fp32,
+ * so at 2 ranks the whole operation moves half the bytes, at N ranks
+ * (2N-3)/(2N-2) of them; partial sums travel as fp64. A value that is not
+ * an fp32 one would be rounded: callers widen fp32 buffers only. NCCL
+ * runs it as the fp64 reduce-scatter. */
+ZT_MUST_CHECK int zt_comm_reduce_scatter_f32in64(zt_comm_t *c, double *send, double *recv,
+                                                 size_t count, int64_t timeout_ms);
 /* send holds count elements; recv receives world*count. send may be
  * recv + rank*count (in place). */
 ZT_MUST_CHECK int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,

@@ -129,7 +129,13 @@ typedef struct {
   size_t rlen;
   uint8_t *acc;
   zt_dtype_t dt;
+  int widen; /* the received elements are fp32, acc is fp64 */
 } ring_step;
+
+/* acc[i] += (double)src[i]: a received fp32 element, exactly. */
+static void add_widened(double *acc, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++) acc[i] += (double)src[i];
+}
 
 static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op);
 
@@ -205,10 +211,12 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
       if (s->acc) {
         /* Reduce whole chunks as they complete, and the tail at the end. */
         size_t ready = got == s->rlen ? got : (got / c->chunk) * c->chunk;
-        if (ready > reduced) {
+        if (ready > reduced && s->widen)
+          add_widened((double *)s->acc + reduced / esz, (const float *)(s->rbuf + reduced),
+                      (ready - reduced) / esz);
+        else if (ready > reduced)
           zt_comm_reduce_add(s->acc + reduced, s->rbuf + reduced, (ready - reduced) / esz, s->dt);
-          reduced = ready;
-        }
+        reduced = ready > reduced ? ready : reduced;
       }
     }
   }
@@ -235,16 +243,27 @@ static void segment(size_t count, int world, int i, size_t *off, size_t *len) {
 static int mod(int a, int n) { return ((a % n) + n) % n; }
 
 /* Ring reduce-scatter in place: afterwards segment `rank` of buf holds the
- * full reduction. Segments given by (count, uniform) layout. */
+ * full reduction. Segments given by (count, uniform) layout. With
+ * `first32` (dt fp64, every value exactly an fp32 one) the first step
+ * sends this rank's own segment as fp32 and widens what it receives: the
+ * same values, so the same sums, in half the bytes; later steps carry
+ * partial sums, which need fp64. */
 static int ring_reduce_scatter(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t dt,
-                               zt_deadline_t dl, const char *op) {
+                               int first32, zt_deadline_t dl, const char *op) {
   size_t esz = zt_dtype_size(dt), maxseg = count / (size_t)c->world + 1;
-  uint8_t *tmp = scratch(c, maxseg * esz);
+  uint8_t *tmp = scratch(c, maxseg * esz + (first32 ? maxseg * sizeof(float) : 0));
   for (int st = 0; st < c->world - 1; st++) {
     size_t so, sl, ro, rl;
     segment(count, c->world, mod(c->rank - st - 1, c->world), &so, &sl);
     segment(count, c->world, mod(c->rank - st - 2, c->world), &ro, &rl);
-    ring_step s = {buf + so * esz, sl * esz, tmp, rl * esz, buf + ro * esz, dt};
+    ring_step s = {buf + so * esz, sl * esz, tmp, rl * esz, buf + ro * esz, dt, 0};
+    if (first32 && st == 0) {
+      float *out = (float *)(tmp + maxseg * esz);
+      const double *in = (const double *)(buf + so * esz);
+      for (size_t i = 0; i < sl; i++) out[i] = (float)in[i];
+      s = (ring_step){(uint8_t *)out, sl * sizeof(float), tmp, rl * sizeof(float),
+                      buf + ro * esz, ZT_DT_F32, 1};
+    }
     if (step_run(c, &s, dl, op) != 0) return -1;
   }
   return 0;
@@ -257,7 +276,7 @@ static int ring_all_gather(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t 
     size_t so, sl, ro, rl;
     segment(count, c->world, mod(c->rank - st, c->world), &so, &sl);
     segment(count, c->world, mod(c->rank - st - 1, c->world), &ro, &rl);
-    ring_step s = {buf + so * esz, sl * esz, buf + ro * esz, rl * esz, NULL, dt};
+    ring_step s = {buf + so * esz, sl * esz, buf + ro * esz, rl * esz, NULL, dt, 0};
     if (step_run(c, &s, dl, op) != 0) return -1;
   }
   return 0;
@@ -287,7 +306,7 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
   if (c->nccl) return nccl_result(c, zt__nccl_all_reduce(c->nccl, buf, count, dt, op, timeout_ms));
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
   if (c->world > 1 && count > 0) {
-    if (ring_reduce_scatter(c, buf, count, dt, dl, "all-reduce") != 0) return -1;
+    if (ring_reduce_scatter(c, buf, count, dt, 0, dl, "all-reduce") != 0) return -1;
     if (op == ZT_RED_AVG) {
       size_t o, l;
       segment(count, c->world, c->rank, &o, &l);
@@ -298,8 +317,8 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
   return 0;
 }
 
-int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
-                           zt_redop_t op, int64_t timeout_ms) {
+static int reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+                          zt_redop_t op, int first32, int64_t timeout_ms) {
   if (check_usable(c, "reduce-scatter") != 0) return -1;
   __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl)
@@ -307,11 +326,22 @@ int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, z
   size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
   uint8_t *mine = (uint8_t *)send + (size_t)c->rank * count * esz;
   if (c->world > 1 && count > 0 &&
-      ring_reduce_scatter(c, send, total, dt, zt_deadline_in(timeout_ms), "reduce-scatter") != 0)
+      ring_reduce_scatter(c, send, total, dt, first32, zt_deadline_in(timeout_ms),
+                          "reduce-scatter") != 0)
     return -1;
   if (op == ZT_RED_AVG && c->world > 1) zt_comm_scale(mine, count, dt, 1.0f / (float)c->world);
   if (count && (uint8_t *)recv != mine) memmove(recv, mine, count * esz);
   return 0;
+}
+
+int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+                           zt_redop_t op, int64_t timeout_ms) {
+  return reduce_scatter(c, send, recv, count, dt, op, 0, timeout_ms);
+}
+
+int zt_comm_reduce_scatter_f32in64(zt_comm_t *c, double *send, double *recv, size_t count,
+                                   int64_t timeout_ms) {
+  return reduce_scatter(c, send, recv, count, ZT_DT_F64, ZT_RED_SUM, 1, timeout_ms);
 }
 
 int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
@@ -343,11 +373,11 @@ int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int 
     size_t n = ZT_MIN(c->chunk, len - off);
     uint8_t *p = (uint8_t *)buf + off;
     if (pos > 0) {
-      ring_step r = {NULL, 0, p, n, NULL, dt};
+      ring_step r = {NULL, 0, p, n, NULL, dt, 0};
       if (step_run(c, &r, dl, "broadcast") != 0) return -1;
     }
     if (pos < c->world - 1) {
-      ring_step s = {p, n, NULL, 0, NULL, dt};
+      ring_step s = {p, n, NULL, 0, NULL, dt, 0};
       if (step_run(c, &s, dl, "broadcast") != 0) return -1;
     }
   }

@@ -64,9 +64,18 @@ static char *stage(zt_zero_t *z, size_t bytes) {
   return z->stage_buf;
 }
 
+/* A sum reduce-scatter on memory the communicator takes; `exact32`: the
+ * fp64 values are widened fp32 ones (zt_comm_reduce_scatter_f32in64). */
+static int rs_call(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt, int exact32) {
+  if (exact32 && dt == ZT_DT_F64)
+    return zt_comm_reduce_scatter_f32in64(z->comm, send, recv, count, z->tmo);
+  return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
+}
+
 /* Covers both in-place forms: recv inside send (reduce-scatter) and send
  * inside recv (all-gather). `big` is the world*count side. */
-static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype_t dt, int gather) {
+static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype_t dt, int gather,
+                    int exact32) {
   size_t es = zt_dtype_size(dt), bb = count * es * (size_t)z->N, sb = count * es;
   int inside = small >= big && small < big + bb;
   char *h = stage(z, bb + (inside ? 0 : sb));
@@ -77,20 +86,20 @@ static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype
     z->k->upload(big, h, bb);
   } else {
     z->k->download(h, big, bb);
-    if (zt_comm_reduce_scatter(z->comm, h, hs, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
+    if (rs_call(z, h, hs, count, dt, exact32) != 0) return -1;
     z->k->upload(small, hs, sb);
   }
   return 0;
 }
 
-static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt) {
+static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt,
+                            int exact32) {
   if (z->N == 1) {
     if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
     return 0;
   }
-  if (!z->dev || z->dcomm)
-    return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
-  return c_staged(z, send, recv, count, dt, 0);
+  if (!z->dev || z->dcomm) return rs_call(z, send, recv, count, dt, exact32);
+  return c_staged(z, send, recv, count, dt, 0, exact32);
 }
 
 static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count, zt_dtype_t dt) {
@@ -99,7 +108,7 @@ static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count
     return 0;
   }
   if (!z->dev || z->dcomm) return zt_comm_all_gather(z->comm, send, recv, count, dt, z->tmo);
-  return c_staged(z, recv, (char *)send, count, dt, 1);
+  return c_staged(z, recv, (char *)send, count, dt, 1, 0);
 }
 
 int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
@@ -246,12 +255,12 @@ static float *gat_slot(zt_zero_t *z, int s) { return s == 2 ? z->gat0 : s ? z->g
 static int reduce_unit(zt_zero_t *z, int u, int s) {
   if (z->stage >= 2) {
     double *rs = slot_rs64(z, s), *acc = z->G64 + z->off_shard[u];
-    if (c_reduce_scatter(z, slot_tg64(z, s), rs, z->S[u], ZT_DT_F64) != 0) return -1;
+    if (c_reduce_scatter(z, slot_tg64(z, s), rs, z->S[u], ZT_DT_F64, 1) != 0) return -1;
     for (size_t i = 0; i < z->S[u]; i++) acc[i] += rs[i];
     return 0;
   }
   double *g = z->G64 + z->off_full[u];
-  return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
+  return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64, 0);
 }
 
 /* A queue entry: unit, what to do (gather its parameters or reduce its
@@ -485,7 +494,7 @@ static int h_post_backward(void *ctx, int u) {
   }
   z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
   double w0 = wall_ms();
-  int rc = c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64);
+  int rc = c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64, 1);
   z->tm.wait_reduce_ms += wall_ms() - w0;
   if (rc != 0) {
     hook_fail(z, "reduce-scatter of gradients");
@@ -849,7 +858,7 @@ int zt_zero_reduce(zt_zero_t *z) {
   else if (z->stage < 2)
     for (int u = 0; rc == 0 && u < z->U; u++) {
       double *g = z->G64 + z->off_full[u];
-      rc = c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64);
+      rc = c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64, 0);
     }
   z->tm.wait_reduce_ms += wall_ms() - w0;
   return rc;

@@ -19,7 +19,7 @@
 
 #define MAXR 5
 
-typedef enum { OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_BROADCAST } op_kind;
+typedef enum { OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_BROADCAST, OP_RS_F32IN64 } op_kind;
 
 typedef struct {
   int rank, world;
@@ -36,6 +36,7 @@ typedef struct {
   char err[512];
   zt_comm_t *comm; /* kept open when keep is set */
   int keep;
+  uint64_t sent; /* bytes this rank sent */
 } rank_ctx;
 
 /* Inputs: small integers (exact sums), or, with g_inexact, values of mixed
@@ -61,6 +62,7 @@ static float val(int rank, size_t i) {
 static void fill(void *buf, size_t n, zt_dtype_t dt, int rank) {
   for (size_t i = 0; i < n; i++) {
     if (dt == ZT_DT_F32) ((float *)buf)[i] = val(rank, i);
+    else if (dt == ZT_DT_F64) ((double *)buf)[i] = val(rank, i); /* widened fp32 */
     else ((uint16_t *)buf)[i] = zt_f32_to_bf16(val(rank, i));
   }
 }
@@ -85,7 +87,13 @@ static void *rank_main(void *p) {
     break;
   case OP_ALLGATHER: r->rc = zt_comm_all_gather(c, r->buf, r->out, r->count, r->dt, to); break;
   case OP_BROADCAST: r->rc = zt_comm_broadcast(c, r->buf, r->count, r->dt, r->root, to); break;
+  case OP_RS_F32IN64:
+    r->rc = zt_comm_reduce_scatter_f32in64(c, r->buf, r->out, r->count, to);
+    break;
   }
+  zt_comm_stats_t st;
+  zt_comm_stats_get(c, &st);
+  r->sent = st.bytes_sent;
   if (r->keep) {
     r->comm = c;
     return NULL;
@@ -118,8 +126,9 @@ static rank_ctx *run(int world, op_kind op, zt_dtype_t dt, zt_redop_t red, size_
       snprintf(x->peers[k], sizeof x->peers[k], "%.40s", ports[k]);
       x->peerp[k] = x->peers[k];
     }
-    size_t in = (op == OP_REDUCE_SCATTER ? count * (size_t)world : count);
-    size_t outn = op == OP_REDUCE_SCATTER ? count : op == OP_ALLGATHER ? count * (size_t)world : 0;
+    int rs = op == OP_REDUCE_SCATTER || op == OP_RS_F32IN64;
+    size_t in = rs ? count * (size_t)world : count;
+    size_t outn = rs ? count : op == OP_ALLGATHER ? count * (size_t)world : 0;
     x->buf = malloc(in * esz + 1);
     x->out = outn ? malloc(outn * esz) : NULL;
     fill(x->buf, in, dt, r);
@@ -196,6 +205,40 @@ ZT_TEST(test_reduce_scatter_layout) {
       ZT_CHECK(bad == 0);
       free_ctx(ctx, world);
     }
+}
+
+/* The reduce-scatter of widened fp32 values sends the first ring step as
+ * fp32: the fp64 sums are the same to the bit as the fp64 reduce-scatter's
+ * (inputs of mixed magnitude, whose sums need more than fp32's bits, so a
+ * value rounded on the way would show), and at 2 ranks half the bytes go
+ * out, at N ranks (2N-3)/(2N-2) of them. */
+ZT_TEST(test_reduce_scatter_f32in64) {
+  static const size_t sizes[] = {0, 1, 7, 12345, 300001};
+  g_inexact = 1;
+  for (int world = 1; world <= MAXR; world++)
+    for (size_t si = 0; si < ZT_ARRAY_LEN(sizes); si++) {
+      size_t n = sizes[si];
+      double *ref[MAXR];
+      uint64_t ref_sent[MAXR];
+      rank_ctx *ctx = run(world, OP_REDUCE_SCATTER, ZT_DT_F64, ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      for (int r = 0; r < world; r++) {
+        ref[r] = ctx[r].out, ctx[r].out = NULL, ref_sent[r] = ctx[r].sent;
+      }
+      free_ctx(ctx, world);
+      ctx = run(world, OP_RS_F32IN64, ZT_DT_F64, ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      for (int r = 0; r < world; r++) {
+        ZT_CHECK(n == 0 || memcmp(ctx[r].out, ref[r], n * sizeof(double)) == 0);
+        if (world > 1 && n > 1000) /* segment sizes differ by at most 1 element */
+          ZT_CHECK(llabs((long long)(ctx[r].sent * (uint64_t)(2 * world - 2)) -
+                         (long long)(ref_sent[r] * (uint64_t)(2 * world - 3))) <=
+                   (long long)(16 * world * world));
+        free(ref[r]);
+      }
+      free_ctx(ctx, world);
+    }
+  g_inexact = 0;
 }
 
 ZT_TEST(test_all_gather_layout) {
@@ -436,6 +479,7 @@ ZT_TEST(test_nccl_backend_guarded) {
 }
 
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
+             test_reduce_scatter_f32in64,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout,
              test_silent_peer_timeout_and_abort, test_stale_session_refused)
