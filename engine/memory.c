@@ -18,23 +18,25 @@
  * copy of xb bytes per parameter (4: it is the fp32 master itself). */
 static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int overlap, uint64_t xb,
                             uint64_t *owned) {
-  uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0;
+  uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0, slot = 0;
   for (int u = 0; u < l->num_units; u++) {
     uint64_t S = zt_zero_shard_size(l->unit_size[u], N);
     full += S * N;
     shard += S;
     if (S * N > max_unit) max_unit = S * N;
+    if (u > 0 && S * N > slot) slot = S * N; /* zero.h: slot_unit */
     if (u == 0) s0 = S * N;
   }
+  if (!slot) slot = max_unit;
   int split = xb != 4;
   uint64_t b = 4 * (stage == 0 || (stage < 3 && !split) ? full : shard); /* fp32 master */
   if (split) b += xb * (stage < 3 ? full : shard);          /* working copy */
   b += stage < 2 ? 4 * full + 8 * full : 8 * shard;          /* gradients */
   b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
-  if (stage >= 2) b += 4 * s0 + 4 * max_unit + 8 * max_unit + 8 * (max_unit / N + 1);
-  if (stage >= 2 && overlap && N > 1) b += 8 * max_unit + 8 * (max_unit / N + 1); /* 2nd slot */
-  if (stage == 3) b += xb * s0 + xb * max_unit;
-  if (stage == 3 && overlap && N > 1) b += xb * max_unit; /* the prefetch slot */
+  if (stage >= 2) b += 4 * s0 + 4 * slot + 8 * slot + 8 * (slot / N + 1);
+  if (stage >= 2 && overlap && N > 1) b += 8 * slot + 8 * (slot / N + 1); /* 2nd slot */
+  if (stage == 3) b += xb * s0 + xb * slot;
+  if (stage == 3 && overlap && N > 1) b += xb * slot; /* the prefetch slot */
   b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
   *owned = stage == 0 ? (full + N - 1) / N : shard;
   return b;

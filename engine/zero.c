@@ -136,7 +136,9 @@ static int layout(zt_zero_t *z) {
     z->full_total += z->S[u] * (size_t)z->N;
     z->shard_total += z->S[u];
     if (z->S[u] * (size_t)z->N > z->max_unit) z->max_unit = z->S[u] * (size_t)z->N;
+    if (u > 0 && z->S[u] * (size_t)z->N > z->slot_unit) z->slot_unit = z->S[u] * (size_t)z->N;
   }
+  if (!z->slot_unit) z->slot_unit = z->max_unit; /* unit 0 alone */
   enum { PARAMS, GRADS, OPT, FLIGHT };
   /* The fp32 master (zero.h): whole where the stage keeps the parameters
    * whole and they are the working copy too, else the owned shard. */
@@ -156,18 +158,18 @@ static int layout(zt_zero_t *z) {
   z->V = alloc_f(z, opt_n, OPT);
   if (z->stage >= 2) {
     z->tg0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
-    z->tg = alloc_f(z, z->max_unit, FLIGHT);
-    z->tg64 = alloc_d(z, z->max_unit, FLIGHT);
-    z->rs64 = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
+    z->tg = alloc_f(z, z->slot_unit, FLIGHT);
+    z->tg64 = alloc_d(z, z->slot_unit, FLIGHT);
+    z->rs64 = alloc_d(z, z->slot_unit / (size_t)z->N + 1, FLIGHT);
   }
   if (z->stage >= 2 && z->want_overlap && z->N > 1) { /* the second slot (zero.h) */
-    z->tg64b = alloc_d(z, z->max_unit, FLIGHT);
-    z->rs64b = alloc_d(z, z->max_unit / (size_t)z->N + 1, FLIGHT);
+    z->tg64b = alloc_d(z, z->slot_unit, FLIGHT);
+    z->rs64b = alloc_d(z, z->slot_unit / (size_t)z->N + 1, FLIGHT);
   }
   if (z->stage == 3) {
     z->gat0 = alloc_x(z, z->S[0] * (size_t)z->N, FLIGHT);
-    z->gat = alloc_x(z, z->max_unit, FLIGHT);
-    if (z->want_overlap && z->N > 1) z->gatb = alloc_x(z, z->max_unit, FLIGHT); /* prefetch */
+    z->gat = alloc_x(z, z->slot_unit, FLIGHT);
+    if (z->want_overlap && z->N > 1) z->gatb = alloc_x(z, z->slot_unit, FLIGHT); /* prefetch */
   }
   z->gbuf = z->k->alloc((z->max_unit ? z->max_unit : 1) * sizeof(float)); /* not a model state */
   z->scratch_bytes = z->max_unit * sizeof(float);
@@ -249,14 +251,38 @@ static double *slot_rs64(zt_zero_t *z, int s) { return s ? z->rs64b : z->rs64; }
 
 static float *gat_slot(zt_zero_t *z, int s) { return s == 2 ? z->gat0 : s ? z->gatb : z->gat; }
 
+/* Stages 2-3 reduce a unit's gradient in pieces of at most slot_unit / N
+ * elements of each rank's shard: one piece for every unit but unit 0
+ * (the embeddings, often the largest by far: GPT-2's is five times a
+ * layer), so the in-flight buffers are sized by the largest other unit.
+ * The piece at shard offset lo: n elements of each of the N shards. */
+static size_t piece_len(const zt_zero_t *z, int u, size_t lo) {
+  return ZT_MIN(z->slot_unit / (size_t)z->N, z->S[u] - lo);
+}
+
+/* Widens piece lo of unit u's fp32 gradient g into dst, shard after
+ * shard (contiguous when the piece is the whole unit). */
+static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t lo) {
+  size_t n = piece_len(z, u, lo);
+  if (n == z->S[u]) {
+    z->k->widen_f64(dst, g, n * (size_t)z->N);
+    return;
+  }
+  for (int r = 0; r < z->N; r++) z->k->widen_f64(dst + (size_t)r * n, g + (size_t)r * z->S[u] + lo, n);
+}
+
 /* One queued reduction. Stages 0-1: unit u's padded range of the fp64
- * sum, reduce-scattered in place. Stages 2-3: slot s's fp64 unit gradient, reduce-scattered, then
- * its shard added into the sum (host memory: a plain loop on this thread). */
-static int reduce_unit(zt_zero_t *z, int u, int s) {
+ * sum, reduce-scattered in place. Stages 2-3: slot s's fp64 piece lo of
+ * the unit gradient, reduce-scattered, then its shard added into the sum
+ * (host memory: a plain loop on this thread). A piece's elements are
+ * summed over the ranks in the ring's order whatever its size, so the
+ * pieces change no bit. */
+static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
   if (z->stage >= 2) {
-    double *rs = slot_rs64(z, s), *acc = z->G64 + z->off_shard[u];
-    if (c_reduce_scatter(z, slot_tg64(z, s), rs, z->S[u], ZT_DT_F64, 1) != 0) return -1;
-    for (size_t i = 0; i < z->S[u]; i++) acc[i] += rs[i];
+    size_t n = piece_len(z, u, lo);
+    double *rs = slot_rs64(z, s), *acc = z->G64 + z->off_shard[u] + lo;
+    if (c_reduce_scatter(z, slot_tg64(z, s), rs, n, ZT_DT_F64, 1) != 0) return -1;
+    for (size_t i = 0; i < n; i++) acc[i] += rs[i];
     return 0;
   }
   double *g = z->G64 + z->off_full[u];
@@ -268,7 +294,7 @@ static int reduce_unit(zt_zero_t *z, int u, int s) {
  * of stages 1-2, or the fp64 gradient slot). */
 enum { OV_REDUCE = 0, OV_GATHER = 1 };
 #define OV_IN_PLACE 3
-#define OV_ENTRY(u, kind, s) ((u) << 3 | (kind) << 2 | (s))
+#define OV_ENTRY(u, kind, s, lo) ((int64_t)(lo) << 32 | (u) << 3 | (kind) << 2 | (s))
 
 /* Unit u from every rank's owned range: stages 1-2 the working copy of
  * the parameters, stage 0 the scaled fp32 gradient in G (zt_zero_adamw). */
@@ -289,8 +315,9 @@ static void *ov_main(void *arg) {
   for (;;) {
     while (!z->ov_quit && !z->ov_len) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
     if (z->ov_quit) break;
-    int e = z->ov_queue[z->ov_head], failed = z->ov_fail;
-    int u = e >> 3, kind = (e >> 2) & 1, s = e & 3;
+    int64_t e = z->ov_queue[z->ov_head];
+    int failed = z->ov_fail, u = (int)(e & 0xffffffff) >> 3, kind = (int)(e >> 2) & 1, s = (int)(e & 3);
+    size_t lo = (size_t)(e >> 32);
     pthread_mutex_unlock(&z->ov_mu);
     int rc = 0;
     double w0 = wall_ms(), c0 = thread_cpu_ms();
@@ -299,7 +326,7 @@ static void *ov_main(void *arg) {
     else if (!failed && kind == OV_GATHER)
       rc = c_all_gather(z, xadv(z, z->Ws, z->off_shard[u]), gat_slot(z, s), z->S[u], z->xdt);
     else if (!failed)
-      rc = reduce_unit(z, u, s);
+      rc = reduce_unit(z, u, s, lo);
     double w1 = wall_ms(), c1 = thread_cpu_ms();
     pthread_mutex_lock(&z->ov_mu);
     z->tm.comm_busy_ms += w1 - w0;
@@ -321,15 +348,18 @@ static void *ov_main(void *arg) {
   return NULL;
 }
 
-static void ov_push(zt_zero_t *z, int u, int kind, int s) {
+/* Queues an entry; lo: the piece (shard offset) of a stage 2-3 reduction. */
+static void ov_push_piece(zt_zero_t *z, int u, int kind, int s, size_t lo) {
   pthread_mutex_lock(&z->ov_mu);
-  z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s);
+  z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s, lo);
   z->ov_len++;
   if (kind == OV_GATHER && s != OV_IN_PLACE) z->pf_busy[s] = 1;
   else if (kind == OV_REDUCE && z->stage >= 2) z->ov_busy[s] = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
 }
+
+static void ov_push(zt_zero_t *z, int u, int kind, int s) { ov_push_piece(z, u, kind, s, 0); }
 
 /* With ov_mu held: when a queued operation has failed, its reason becomes
  * the hooks' failure (the step stops, as it would without overlap) and -1
@@ -483,24 +513,27 @@ static int h_post_backward(void *ctx, int u) {
   }
   if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
   const float *g = u == 0 ? z->tg0 : z->tg;
-  if (z->overlap) {
+  for (size_t lo = 0; lo < z->S[u]; lo += piece_len(z, u, lo)) {
+    if (z->overlap) {
+      double w0 = wall_ms();
+      int s = ov_slot(z);
+      z->tm.wait_reduce_ms += wall_ms() - w0;
+      if (s < 0) return -1;
+      widen_piece(z, slot_tg64(z, s), g, u, lo);
+      ov_push_piece(z, u, OV_REDUCE, s, lo);
+      continue;
+    }
+    size_t n = piece_len(z, u, lo);
+    widen_piece(z, z->tg64, g, u, lo);
     double w0 = wall_ms();
-    int s = ov_slot(z);
+    int rc = c_reduce_scatter(z, z->tg64, z->rs64, n, ZT_DT_F64, 1);
     z->tm.wait_reduce_ms += wall_ms() - w0;
-    if (s < 0) return -1;
-    z->k->widen_f64(slot_tg64(z, s), g, z->S[u] * (size_t)z->N);
-    ov_push(z, u, OV_REDUCE, s);
-    return 0;
+    if (rc != 0) {
+      hook_fail(z, "reduce-scatter of gradients");
+      return -1;
+    }
+    z->k->add_f64(z->G64 + z->off_shard[u] + lo, z->rs64, n);
   }
-  z->k->widen_f64(z->tg64, g, z->S[u] * (size_t)z->N);
-  double w0 = wall_ms();
-  int rc = c_reduce_scatter(z, z->tg64, z->rs64, z->S[u], ZT_DT_F64, 1);
-  z->tm.wait_reduce_ms += wall_ms() - w0;
-  if (rc != 0) {
-    hook_fail(z, "reduce-scatter of gradients");
-    return -1;
-  }
-  z->k->add_f64(z->G64 + z->off_shard[u], z->rs64, z->S[u]);
   return 0;
 }
 

@@ -109,6 +109,9 @@ typedef struct zt_zero {
   size_t *off_full;      /* offset of unit u in full (padded) buffers */
   size_t *off_shard;     /* offset of unit u in shard buffers */
   size_t full_total, shard_total, max_unit;
+  /* Stages 2-3: the in-flight buffers' size in elements, N * S of the
+   * largest unit but unit 0, which is reduced in pieces (zero.c). */
+  size_t slot_unit;
   /* Parameters. P and Ps are the fp32 master: P whole (stage 0, and
    * stages 1-2 without a split), else Ps, the owned shard. The model reads
    * the working copy in the table's storage type (xb bytes, zt_kernels.h):
@@ -140,7 +143,7 @@ typedef struct zt_zero {
   pthread_t ov_thread;
   pthread_mutex_t ov_mu;
   pthread_cond_t ov_cv;
-  int *ov_queue;         /* ring of OV_ENTRY(unit, kind, slot), ov_cap entries */
+  int64_t *ov_queue;     /* ring of OV_ENTRY(unit, kind, slot, piece), ov_cap entries */
   int ov_cap, ov_head, ov_len, ov_quit;
   int ov_busy[2], ov_next; /* stages 2-3: the two fp64 unit buffers in flight */
   double *tg64b, *rs64b;   /* stages 2-3 with overlap: the second slot */

@@ -201,3 +201,51 @@ def test_wall_clock_breakdown(procs, tmp_path, data):
                     assert busy > 0, rows
                 else:
                     assert busy == 0 and cpu == 0 and red > 0, rows
+
+
+def test_embedding_unit_reduced_in_pieces(procs, tmp_path, data):
+    """Stages 2-3 size their in-flight buffers by the largest unit other than unit 0 (the
+    embeddings) and reduce unit 0's gradient in pieces of that size. With a vocabulary of
+    1024 unit 0 is 2.7 times a layer: the loss series still equals the single-process run
+    to the bit (with overlap and without, N = 2 and 3), and the in-flight bytes grow only
+    by unit 0's own gradient buffer against a vocabulary of 257."""
+    train, val = data
+    coord = start_fleet(procs, 3)
+    steps = 12
+
+    def spec(stage, n, vocab=1024, overlap=True):
+        s = tiny_spec(train, val, steps, stage, n)
+        s["model"]["vocab_size"] = vocab
+        s["zero_optimization"]["overlap_comm"] = overlap
+        return s
+
+    def run(s, name):
+        jid = submit(coord, s, tmp_path, name + ".json")
+        assert wait_job(coord, jid, timeout=180)["step"] == steps
+        return losses(coord, jid)
+
+    def reports():
+        return [os.path.join(procs.tmp, "work", w, "zero_memory.json") for w in coord.workers]
+
+    def inflight(s, name):
+        """The in-flight bytes the job's ranks report (each worker rewrites its report)."""
+        for path in reports():
+            if os.path.exists(path):
+                os.unlink(path)
+        run(s, name)
+        got = set()
+        for path in filter(os.path.exists, reports()):
+            with open(path) as f:
+                got.add(json.load(f)["inflight_bytes"])
+        assert len(got) == 1, got
+        return got.pop()
+
+    ref = run(spec(0, 1), "pieces-ref")
+    for stage, n, ov in ((2, 2, True), (2, 2, False), (3, 3, True), (3, 2, False)):
+        got = run(spec(stage, n, overlap=ov), f"pieces-s{stage}n{n}{ov}")
+        assert got == ref, f"stage {stage} N={n} overlap {ov}: losses differ"
+    big = inflight(spec(2, 2), "pieces-mem-1024")
+    small = inflight(spec(2, 2, vocab=257), "pieces-mem-257")
+    C = 32
+    # Only tg0 (4 bytes per element of unit 0, padded to 8 N elements) grows.
+    assert 0 < big - small <= 4 * (1024 - 257) * C + 4 * 8 * 2, (big, small)
