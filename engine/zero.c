@@ -821,6 +821,18 @@ static void apply_due(zt_zero_t *z, int u) {
   z->due_n--;
 }
 
+/* Overlap, stages 0-2: once the queue is empty (it holds the step's
+ * reductions), one in-place gather per unit in forward order, each with
+ * the ticket the hook before the unit's forward waits for (ag_wait). */
+static int queue_gathers(zt_zero_t *z) {
+  if (ov_wait(z) != 0) return -1;
+  pthread_mutex_lock(&z->ov_mu);
+  for (int u = 0; u < z->U; u++) z->ag_ticket[u] = ++z->ag_queued;
+  pthread_mutex_unlock(&z->ov_mu);
+  for (int u = 0; u < z->U; u++) ov_push(z, u, OV_GATHER, OV_IN_PLACE);
+  return 0;
+}
+
 /* Stage 0: the owned range of each unit's reduced sum is scaled into G
  * (fp32) and G is all-gathered unit by unit, so every rank updates the
  * whole unit from the same fp32 gradient that it would have scaled from
@@ -846,14 +858,8 @@ static int adamw_replicated(zt_zero_t *z) {
     }
     return 0;
   }
-  if (ov_wait(z) != 0) return -1;
-  pthread_mutex_lock(&z->ov_mu);
-  for (int u = 0; u < z->U; u++) z->ag_ticket[u] = ++z->ag_queued;
-  pthread_mutex_unlock(&z->ov_mu);
-  for (int u = 0; u < z->U; u++) {
-    z->due[u] = 1;
-    ov_push(z, u, OV_GATHER, OV_IN_PLACE);
-  }
+  if (queue_gathers(z) != 0) return -1;
+  for (int u = 0; u < z->U; u++) z->due[u] = 1;
   z->due_n = z->U;
   return 0;
 }
@@ -899,14 +905,7 @@ int zt_zero_reduce(zt_zero_t *z) {
 
 int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
-  if (z->overlap) { /* deferred: the next forward waits unit by unit */
-    if (ov_wait(z) != 0) return -1;
-    pthread_mutex_lock(&z->ov_mu);
-    for (int u = 0; u < z->U; u++) z->ag_ticket[u] = ++z->ag_queued;
-    pthread_mutex_unlock(&z->ov_mu);
-    for (int u = 0; u < z->U; u++) ov_push(z, u, OV_GATHER, OV_IN_PLACE);
-    return 0;
-  }
+  if (z->overlap) return queue_gathers(z); /* deferred: the next forward waits unit by unit */
   double w0 = wall_ms();
   int rc = 0;
   for (int u = 0; rc == 0 && u < z->U; u++) rc = gather_in_place(z, u);

@@ -9,11 +9,11 @@ reports) must match the formulas of docs/zero.md.
 """
 import json
 import os
-import re
 
 import pytest
 
-from ztest import byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job
+from ztest import (breakdown_rows, byte_dataset, losses, start_fleet, submit, tiny_spec,
+                   wait_job)
 
 STEPS = 50
 
@@ -165,11 +165,6 @@ def test_overlap_comm_bit_identical(procs, tmp_path, data):
         assert out[True] == out[False], f"stage {stage}: overlap changed losses or val losses"
 
 
-BREAKDOWN = re.compile(r"step (\d+): ([\d.]+) ms; waited ([\d.]+) ms for gradient reductions, "
-                       r"([\d.]+) ms for gathers; communication thread ([\d.]+) ms busy, "
-                       r"([\d.]+) ms CPU")
-
-
 def test_wall_clock_breakdown(procs, tmp_path, data):
     """wall_clock_breakdown: true makes every worker log, per step, how long it waited for
     communication and what the communication thread spent. With overlap the thread is
@@ -188,8 +183,7 @@ def test_wall_clock_breakdown(procs, tmp_path, data):
         start = [len(w.output()) for w in ws]
         wait_job(coord, submit(coord, spec, tmp_path, f"wcb-{stage}.json"), timeout=180)
         for w, at in zip(ws, start):
-            rows = [tuple(float(x) for x in m.groups())
-                    for m in BREAKDOWN.finditer(w.output()[at:])]
+            rows = breakdown_rows(w.output()[at:])
             if not on:
                 assert rows == [], rows
                 continue

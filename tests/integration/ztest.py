@@ -8,6 +8,7 @@ is printed when a test fails.
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -307,6 +308,18 @@ def job_members(coord, jid, current_only=True):
         return {r[0] for r in db.execute(
             "SELECT DISTINCT w.name FROM members m JOIN workers w ON w.id = m.worker_id" + join +
             " WHERE m.job_id = ?", (jid,))}
+
+
+BREAKDOWN = re.compile(r"step (\d+): ([\d.]+) ms; waited ([\d.]+) ms for gradient reductions, "
+                       r"([\d.]+) ms for gathers; communication thread ([\d.]+) ms busy, "
+                       r"([\d.]+) ms CPU")
+
+
+def breakdown_rows(text):
+    """The wall_clock_breakdown lines of a worker log: (step, ms, waited for reductions,
+    waited for gathers, communication thread busy, its CPU) per line, in order."""
+    return [(int(m[1]),) + tuple(float(x) for x in m.groups()[1:])
+            for m in BREAKDOWN.finditer(text)]
 
 
 def losses(coord, jid, val=False):
