@@ -108,6 +108,16 @@ ZT_MUST_CHECK int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, s
  * runs it as the fp64 reduce-scatter. */
 ZT_MUST_CHECK int zt_comm_reduce_scatter_f32in64(zt_comm_t *c, double *send, double *recv,
                                                  size_t count, int64_t timeout_ms);
+/* The sums of zt_comm_reduce_scatter_f32in64 straight from fp32 input,
+ * which stays unchanged: segment i (count elements, for rank i) starts at
+ * send + i * stride (stride >= count, so the segments can be pieces of
+ * larger shards), and this rank's fp64 sums land in recv, which may not
+ * overlap send. The same values, order, bits and bytes on the wire as
+ * widening the input and calling that function, without a widened copy of
+ * the input: the ring keeps two fp64 segments of scratch. TCP ring only
+ * (an NCCL communicator reports an error). */
+ZT_MUST_CHECK int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t stride,
+                                                 double *recv, size_t count, int64_t timeout_ms);
 /* send holds count elements; recv receives world*count. send may be
  * recv + rank*count (in place). */
 ZT_MUST_CHECK int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,

@@ -121,7 +121,8 @@ static int check_usable(zt_comm_t *c, const char *op) {
 
 /* One step of a ring algorithm: send `slen` bytes to next while receiving
  * `rlen` bytes from prev into `rbuf`. When `acc` is set, received bytes are
- * added (as dt elements) into `acc` chunk by chunk as they arrive. */
+ * added (as dt elements) into `acc` chunk by chunk as they arrive; with
+ * `own` set, acc is written instead: own (fp32, widened) plus what arrived. */
 typedef struct {
   const uint8_t *sbuf;
   size_t slen;
@@ -129,12 +130,26 @@ typedef struct {
   size_t rlen;
   uint8_t *acc;
   zt_dtype_t dt;
-  int widen; /* the received elements are fp32, acc is fp64 */
+  int widen;        /* the received elements are fp32, acc is fp64 */
+  const float *own; /* acc = (double)own + received (fp32-input reduce-scatter) */
 } ring_step;
 
 /* acc[i] += (double)src[i]: a received fp32 element, exactly. */
 static void add_widened(double *acc, const float *src, size_t n) {
   for (size_t i = 0; i < n; i++) acc[i] += (double)src[i];
+}
+
+/* acc[i] = (double)own[i] + src[i], src fp32 (widened) or fp64: the one
+ * rounding add_widened or an fp64 reduce_add makes once own has been
+ * widened into acc (IEEE addition is commutative), without that copy. */
+static void add_own(double *acc, const float *own, const uint8_t *src, size_t n, int src32) {
+  if (src32) {
+    const float *f = (const float *)src;
+    for (size_t i = 0; i < n; i++) acc[i] = (double)own[i] + (double)f[i];
+  } else {
+    const double *d = (const double *)src;
+    for (size_t i = 0; i < n; i++) acc[i] = (double)own[i] + d[i];
+  }
 }
 
 static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op);
@@ -211,7 +226,10 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
       if (s->acc) {
         /* Reduce whole chunks as they complete, and the tail at the end. */
         size_t ready = got == s->rlen ? got : (got / c->chunk) * c->chunk;
-        if (ready > reduced && s->widen)
+        if (ready > reduced && s->own)
+          add_own((double *)s->acc + reduced / esz, s->own + reduced / esz, s->rbuf + reduced,
+                  (ready - reduced) / esz, s->widen);
+        else if (ready > reduced && s->widen)
           add_widened((double *)s->acc + reduced / esz, (const float *)(s->rbuf + reduced),
                       (ready - reduced) / esz);
         else if (ready > reduced)
@@ -256,15 +274,42 @@ static int ring_reduce_scatter(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtyp
     size_t so, sl, ro, rl;
     segment(count, c->world, mod(c->rank - st - 1, c->world), &so, &sl);
     segment(count, c->world, mod(c->rank - st - 2, c->world), &ro, &rl);
-    ring_step s = {buf + so * esz, sl * esz, tmp, rl * esz, buf + ro * esz, dt, 0};
+    ring_step s = {buf + so * esz, sl * esz, tmp, rl * esz, buf + ro * esz, dt, 0, NULL};
     if (first32 && st == 0) {
       float *out = (float *)(tmp + maxseg * esz);
       const double *in = (const double *)(buf + so * esz);
       for (size_t i = 0; i < sl; i++) out[i] = (float)in[i];
       s = (ring_step){(uint8_t *)out, sl * sizeof(float), tmp, rl * sizeof(float),
-                      buf + ro * esz, ZT_DT_F32, 1};
+                      buf + ro * esz, ZT_DT_F32, 1, NULL};
     }
     if (step_run(c, &s, dl, op) != 0) return -1;
+  }
+  return 0;
+}
+
+/* ring_reduce_scatter with first32 on fp32 input that stays as it is:
+ * segment i of the input at src + i * stride, count elements each. The
+ * first step sends this rank's fp32 segment from src; every step writes
+ * this rank's own values (widened) plus what arrived into an fp64 buffer,
+ * which the next step sends. The buffers alternate between `out` and
+ * scratch so that the last step's sums land in `out`: the same values,
+ * order and bytes as widening the input and calling ring_reduce_scatter,
+ * without the widened copy of world * count elements. */
+static int ring_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, double *out,
+                                 size_t count, zt_deadline_t dl, const char *op) {
+  int w = c->world;
+  uint8_t *tmp = scratch(c, 2 * count * sizeof(double));
+  double *other = (double *)(tmp + count * sizeof(double));
+  const double *sent = NULL; /* the sums the previous step made */
+  for (int st = 0; st < w - 1; st++) {
+    int si = mod(c->rank - st - 1, w), ri = mod(c->rank - st - 2, w);
+    double *acc = (w - 2 - st) % 2 == 0 ? out : other;
+    size_t esz = st == 0 ? sizeof(float) : sizeof(double);
+    const uint8_t *sbuf = st == 0 ? (const uint8_t *)(src + (size_t)si * stride) : (const uint8_t *)sent;
+    ring_step s = {sbuf, count * esz, tmp, count * esz, (uint8_t *)acc,
+                   st == 0 ? ZT_DT_F32 : ZT_DT_F64, st == 0, src + (size_t)ri * stride};
+    if (step_run(c, &s, dl, op) != 0) return -1;
+    sent = acc;
   }
   return 0;
 }
@@ -276,7 +321,7 @@ static int ring_all_gather(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t 
     size_t so, sl, ro, rl;
     segment(count, c->world, mod(c->rank - st, c->world), &so, &sl);
     segment(count, c->world, mod(c->rank - st - 1, c->world), &ro, &rl);
-    ring_step s = {buf + so * esz, sl * esz, buf + ro * esz, rl * esz, NULL, dt, 0};
+    ring_step s = {buf + so * esz, sl * esz, buf + ro * esz, rl * esz, NULL, dt, 0, NULL};
     if (step_run(c, &s, dl, op) != 0) return -1;
   }
   return 0;
@@ -344,6 +389,20 @@ int zt_comm_reduce_scatter_f32in64(zt_comm_t *c, double *send, double *recv, siz
   return reduce_scatter(c, send, recv, count, ZT_DT_F64, ZT_RED_SUM, 1, timeout_ms);
 }
 
+int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t stride, double *recv,
+                                   size_t count, int64_t timeout_ms) {
+  if (check_usable(c, "reduce-scatter") != 0) return -1;
+  if (c->nccl) return zt_err("reduce-scatter from fp32 into fp64: not available over NCCL");
+  if (stride < count) return zt_err("reduce-scatter: stride %zu below count %zu", stride, count);
+  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  if (c->world == 1 || count == 0) {
+    for (size_t i = 0; i < count; i++) recv[i] = (double)send[i];
+    return 0;
+  }
+  return ring_reduce_scatter32(c, send, stride, recv, count, zt_deadline_in(timeout_ms),
+                               "reduce-scatter");
+}
+
 int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-gather") != 0) return -1;
@@ -373,11 +432,11 @@ int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int 
     size_t n = ZT_MIN(c->chunk, len - off);
     uint8_t *p = (uint8_t *)buf + off;
     if (pos > 0) {
-      ring_step r = {NULL, 0, p, n, NULL, dt, 0};
+      ring_step r = {NULL, 0, p, n, NULL, dt, 0, NULL};
       if (step_run(c, &r, dl, "broadcast") != 0) return -1;
     }
     if (pos < c->world - 1) {
-      ring_step s = {p, n, NULL, 0, NULL, dt, 0};
+      ring_step s = {p, n, NULL, 0, NULL, dt, 0, NULL};
       if (step_run(c, &s, dl, "broadcast") != 0) return -1;
     }
   }

@@ -182,7 +182,7 @@ static void dims_text(char *buf, size_t len, const int64_t d[2], int n) {
  * count. */
 static int check_shape(const reader *r, const zt_tensor_t *t, const char *name, const cJSON *e,
                        uint64_t *numel) {
-  int64_t want[2], got[2] = {-1, -1};
+  int64_t want[2] = {0, 0}, got[2] = {-1, -1};
   int nd = want_shape(r, t, want);
   const cJSON *shape = cJSON_GetObjectItemCaseSensitive(e, "shape");
   int n = cJSON_IsArray(shape) ? cJSON_GetArraySize(shape) : -1;

@@ -159,13 +159,11 @@ static int layout(zt_zero_t *z) {
   if (z->stage >= 2) {
     z->tg0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
     z->tg = alloc_f(z, z->slot_unit, FLIGHT);
-    z->tg64 = alloc_d(z, z->slot_unit, FLIGHT);
     z->rs64 = alloc_d(z, z->slot_unit / (size_t)z->N + 1, FLIGHT);
+    if (z->dev) z->tg64 = alloc_d(z, z->slot_unit, FLIGHT); /* widened for NCCL / staging */
   }
-  if (z->stage >= 2 && z->want_overlap && z->N > 1) { /* the second slot (zero.h) */
-    z->tg64b = alloc_d(z, z->slot_unit, FLIGHT);
-    z->rs64b = alloc_d(z, z->slot_unit / (size_t)z->N + 1, FLIGHT);
-  }
+  if (z->stage >= 2 && z->want_overlap && z->N > 1) /* the second slot (zero.h) */
+    z->tgb = alloc_f(z, z->slot_unit, FLIGHT);
   if (z->stage == 3) {
     z->gat0 = alloc_x(z, z->S[0] * (size_t)z->N, FLIGHT);
     z->gat = alloc_x(z, z->slot_unit, FLIGHT);
@@ -227,6 +225,8 @@ static int h_pre_forward(void *ctx, int u) {
   return z->fail ? -1 : 0;
 }
 
+static int grad_slot(zt_zero_t *z, int u, float **g);
+
 static int h_pre_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   double w0 = wall_ms();
@@ -238,6 +238,7 @@ static int h_pre_backward(void *ctx, int u) {
   z->tm.wait_gather_ms += wall_ms() - w0;
   if (z->stage >= 2) {
     float *g = u == 0 ? z->tg0 : z->tg;
+    if (z->overlap && grad_slot(z, u, &g) != 0) return -1;
     z->k->zero(g, z->S[u] * (size_t)z->N);
     z->m->unit_grads[u] = g;
   }
@@ -246,8 +247,10 @@ static int h_pre_backward(void *ctx, int u) {
 
 /* ---- overlap: the communication thread (zero.h) ---------------------------------- */
 
-static double *slot_tg64(zt_zero_t *z, int s) { return s ? z->tg64b : z->tg64; }
-static double *slot_rs64(zt_zero_t *z, int s) { return s ? z->rs64b : z->rs64; }
+/* Stages 2-3 with overlap: the fp32 gradient buffer that reduction slot
+ * s reads (zero.h: slots 0 and 1 take turns for units 1..U-1, slot 2 is
+ * unit 0's, whose pieces it counts). */
+static float *slot_tg(zt_zero_t *z, int s) { return s == 2 ? z->tg0 : s ? z->tgb : z->tg; }
 
 static float *gat_slot(zt_zero_t *z, int s) { return s == 2 ? z->gat0 : s ? z->gatb : z->gat; }
 
@@ -260,8 +263,9 @@ static size_t piece_len(const zt_zero_t *z, int u, size_t lo) {
   return ZT_MIN(z->slot_unit / (size_t)z->N, z->S[u] - lo);
 }
 
-/* Widens piece lo of unit u's fp32 gradient g into dst, shard after
- * shard (contiguous when the piece is the whole unit). */
+/* The device path (NCCL, or collectives staged through host memory):
+ * widens piece lo of unit u's fp32 gradient g into dst, shard after shard
+ * (contiguous when the piece is the whole unit). */
 static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t lo) {
   size_t n = piece_len(z, u, lo);
   if (n == z->S[u]) {
@@ -271,18 +275,29 @@ static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t
   for (int r = 0; r < z->N; r++) z->k->widen_f64(dst + (size_t)r * n, g + (size_t)r * z->S[u] + lo, n);
 }
 
+/* Stages 2-3 on host memory: piece lo of unit u's fp32 gradient g (n
+ * elements of each rank's shard, S[u] apart) reduce-scattered into fp64
+ * sums in rs64, straight from g (zt_comm_reduce_scatter_f32to64). */
+static int rs_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
+  size_t n = piece_len(z, u, lo);
+  if (z->N == 1) {
+    z->k->widen_f64(z->rs64, g + lo, n);
+    return 0;
+  }
+  return zt_comm_reduce_scatter_f32to64(z->comm, g + lo, z->S[u], z->rs64, n, z->tmo);
+}
+
 /* One queued reduction. Stages 0-1: unit u's padded range of the fp64
- * sum, reduce-scattered in place. Stages 2-3: slot s's fp64 piece lo of
- * the unit gradient, reduce-scattered, then its shard added into the sum
- * (host memory: a plain loop on this thread). A piece's elements are
+ * sum, reduce-scattered in place. Stages 2-3: piece lo of the fp32
+ * gradient in slot s, reduce-scattered, then its shard added into the
+ * sum (host memory: a plain loop on this thread). A piece's elements are
  * summed over the ranks in the ring's order whatever its size, so the
  * pieces change no bit. */
 static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
   if (z->stage >= 2) {
-    size_t n = piece_len(z, u, lo);
-    double *rs = slot_rs64(z, s), *acc = z->G64 + z->off_shard[u] + lo;
-    if (c_reduce_scatter(z, slot_tg64(z, s), rs, n, ZT_DT_F64, 1) != 0) return -1;
-    for (size_t i = 0; i < n; i++) acc[i] += rs[i];
+    double *acc = z->G64 + z->off_shard[u] + lo;
+    if (rs_piece(z, slot_tg(z, s), u, lo) != 0) return -1;
+    for (size_t i = 0, n = piece_len(z, u, lo); i < n; i++) acc[i] += z->rs64[i];
     return 0;
   }
   double *g = z->G64 + z->off_full[u];
@@ -339,6 +354,7 @@ static void *ov_main(void *arg) {
     }
     if (kind == OV_GATHER && s == OV_IN_PLACE) z->ag_done++;
     else if (kind == OV_GATHER) z->pf_busy[s] = 0;
+    else if (z->stage >= 2 && s == 2) z->ov_busy[2]--;
     else if (z->stage >= 2) z->ov_busy[s] = 0;
     z->ov_head = (z->ov_head + 1) % z->ov_cap;
     z->ov_len--;
@@ -354,6 +370,7 @@ static void ov_push_piece(zt_zero_t *z, int u, int kind, int s, size_t lo) {
   z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s, lo);
   z->ov_len++;
   if (kind == OV_GATHER && s != OV_IN_PLACE) z->pf_busy[s] = 1;
+  else if (kind == OV_REDUCE && z->stage >= 2 && s == 2) z->ov_busy[2]++;
   else if (kind == OV_REDUCE && z->stage >= 2) z->ov_busy[s] = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
@@ -371,17 +388,22 @@ static int ov_take_failure(zt_zero_t *z) {
   return -1;
 }
 
-/* Stage 2: the next fp64 slot, once its previous reduction is done; -1
- * when a queued reduction failed (the step stops here, as without
- * overlap). */
-static int ov_slot(zt_zero_t *z) {
-  int s = z->ov_next;
-  z->ov_next ^= 1;
+/* Stages 2-3, before unit u's backward: the gradient buffer it writes
+ * into, once the reductions that still read it are done: unit 0's own
+ * (its pieces from the micro-step before), else the next of slots 0 and 1,
+ * whose number post-backward queues. -1 when a queued reduction failed
+ * (the step stops here, as without overlap). */
+static int grad_slot(zt_zero_t *z, int u, float **g) {
+  int s = u == 0 ? 2 : z->ov_next;
+  if (u != 0) z->ov_next ^= 1, z->ov_cur = s;
+  double w0 = wall_ms();
   pthread_mutex_lock(&z->ov_mu);
   while (z->ov_busy[s] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
-  if (ov_take_failure(z) != 0) s = -1;
+  int rc = ov_take_failure(z);
   pthread_mutex_unlock(&z->ov_mu);
-  return s;
+  z->tm.wait_reduce_ms += wall_ms() - w0;
+  *g = slot_tg(z, s);
+  return rc;
 }
 
 /* ---- stage 3 prefetch ------------------------------------------------------------ */
@@ -475,6 +497,7 @@ static int ov_start(zt_zero_t *z) {
     z->ov_queue = NULL;
     return zt_err("cannot start the gradient communication thread");
   }
+  pthread_setname_np(z->ov_thread, "zt-comm");
   z->overlap = 1;
   if (z->stage < 3) z->ag_ticket = zt_xcalloc((size_t)z->U, sizeof *z->ag_ticket);
   if (z->stage == 0) z->due = zt_xcalloc((size_t)z->U, sizeof *z->due);
@@ -499,10 +522,12 @@ static void ov_stop(zt_zero_t *z) {
 }
 
 /* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
- * into the fp64 sum and onto the communication thread. Stage 2 with
- * overlap: widened into a free fp64 slot and onto the thread. Otherwise,
- * stages 2-3: reduce-scatter the unit's gradient (in fp64, so the sum is
- * exact) and add this rank's shard to the running sum. */
+ * into the fp64 sum and onto the communication thread. Stages 2-3 with
+ * overlap: its slot (grad_slot) onto the thread, which reduces it from
+ * there. Otherwise, stages 2-3: reduce-scatter the unit's gradient (fp64
+ * sums, so they are exact) and add this rank's shard to the running sum;
+ * on host memory straight from the fp32 gradient, on a device widened
+ * first (NCCL has no fp32-to-fp64 reduction). */
 static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage < 2 && z->overlap && z->last_micro) {
@@ -515,18 +540,18 @@ static int h_post_backward(void *ctx, int u) {
   const float *g = u == 0 ? z->tg0 : z->tg;
   for (size_t lo = 0; lo < z->S[u]; lo += piece_len(z, u, lo)) {
     if (z->overlap) {
-      double w0 = wall_ms();
-      int s = ov_slot(z);
-      z->tm.wait_reduce_ms += wall_ms() - w0;
-      if (s < 0) return -1;
-      widen_piece(z, slot_tg64(z, s), g, u, lo);
-      ov_push_piece(z, u, OV_REDUCE, s, lo);
+      ov_push_piece(z, u, OV_REDUCE, u == 0 ? 2 : z->ov_cur, lo);
       continue;
     }
     size_t n = piece_len(z, u, lo);
-    widen_piece(z, z->tg64, g, u, lo);
     double w0 = wall_ms();
-    int rc = c_reduce_scatter(z, z->tg64, z->rs64, n, ZT_DT_F64, 1);
+    int rc;
+    if (z->dev) {
+      widen_piece(z, z->tg64, g, u, lo);
+      rc = c_reduce_scatter(z, z->tg64, z->rs64, n, ZT_DT_F64, 1);
+    } else {
+      rc = rs_piece(z, g, u, lo);
+    }
     z->tm.wait_reduce_ms += wall_ms() - w0;
     if (rc != 0) {
       hook_fail(z, "reduce-scatter of gradients");
@@ -570,7 +595,7 @@ void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
   void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,      z->gat0, z->gat,
-                  z->gatb, z->tg0, z->tg, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev,
+                  z->gatb, z->tg0, z->tg, z->tgb, z->tg64, z->rs64, z->ctl_dev,
                   z->split ? z->W : NULL, z->split ? z->Ws : NULL};
   for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
     if (bufs[i]) z->k->release(bufs[i]);

@@ -129,7 +129,8 @@ typedef struct zt_zero {
   float *M, *V;          /* Adam state: full (stage 0) or shard */
   float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit (working copy) */
   float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
-  double *tg64, *rs64;   /* stage 2-3: a unit's grads in fp64, and its reduced shard */
+  double *rs64;          /* stage 2-3: a piece's reduced shard (fp64 sums) */
+  double *tg64;          /* stage 2-3 on a device: a piece widened to fp64 */
   double inv_k;          /* 1 / micro-batches per step (all ranks) */
   int fail;              /* a collective in a hook failed */
   int oom;               /* an allocation of the layout failed */
@@ -145,8 +146,12 @@ typedef struct zt_zero {
   pthread_cond_t ov_cv;
   int64_t *ov_queue;     /* ring of OV_ENTRY(unit, kind, slot, piece), ov_cap entries */
   int ov_cap, ov_head, ov_len, ov_quit;
-  int ov_busy[2], ov_next; /* stages 2-3: the two fp64 unit buffers in flight */
-  double *tg64b, *rs64b;   /* stages 2-3 with overlap: the second slot */
+  /* Stages 2-3: gradient slots whose reduction is queued or running: 0
+   * and 1 (tg, tgb) take turns for units 1..U-1, the slot of the next
+   * unit is ov_next and of the current one ov_cur; ov_busy[2] counts the
+   * queued pieces of unit 0 (tg0). */
+  int ov_busy[3], ov_next, ov_cur;
+  float *tgb;
   /* Stage 3 prefetch (fetch_unit): gather slots 0 and 1 (gat, gatb) and 2
    * (gat0, unit 0); the unit each holds or receives, at which parameter
    * version (pver, bumped by every change of the parameters), whether its

@@ -7,6 +7,7 @@
  * bf16 and results can be compared for equality whatever the reduction
  * order. Sizes: 0, 1, odd, not divisible by N, and 64 MiB.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +20,18 @@
 
 #define MAXR 5
 
-typedef enum { OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_BROADCAST, OP_RS_F32IN64 } op_kind;
+typedef enum {
+  OP_ALLREDUCE,
+  OP_REDUCE_SCATTER,
+  OP_ALLGATHER,
+  OP_BROADCAST,
+  OP_RS_F32IN64,
+  OP_RS_F32TO64
+} op_kind;
+
+/* OP_RS_F32TO64's input: segment i at i * (count + PAD32), the PAD32
+ * elements between segments NaN (a read of them would show in the sums). */
+#define PAD32 3
 
 typedef struct {
   int rank, world;
@@ -90,6 +102,9 @@ static void *rank_main(void *p) {
   case OP_RS_F32IN64:
     r->rc = zt_comm_reduce_scatter_f32in64(c, r->buf, r->out, r->count, to);
     break;
+  case OP_RS_F32TO64:
+    r->rc = zt_comm_reduce_scatter_f32to64(c, r->buf, r->count + PAD32, r->out, r->count, to);
+    break;
   }
   zt_comm_stats_t st;
   zt_comm_stats_get(c, &st);
@@ -125,6 +140,17 @@ static rank_ctx *run(int world, op_kind op, zt_dtype_t dt, zt_redop_t red, size_
     for (int k = 0; k < world; k++) {
       snprintf(x->peers[k], sizeof x->peers[k], "%.40s", ports[k]);
       x->peerp[k] = x->peers[k];
+    }
+    if (op == OP_RS_F32TO64) {
+      size_t stride = count + PAD32;
+      float *b = malloc(stride * (size_t)world * sizeof(float));
+      for (int i = 0; i < world; i++)
+        for (size_t j = 0; j < stride; j++)
+          b[(size_t)i * stride + j] = j < count ? val(r, (size_t)i * count + j) : NAN;
+      x->buf = b;
+      x->out = malloc(count * sizeof(double) + 1);
+      pthread_create(&th[r], NULL, rank_main, x);
+      continue;
     }
     int rs = op == OP_REDUCE_SCATTER || op == OP_RS_F32IN64;
     size_t in = rs ? count * (size_t)world : count;
@@ -236,6 +262,41 @@ ZT_TEST(test_reduce_scatter_f32in64) {
                    (long long)(16 * world * world));
         free(ref[r]);
       }
+      free_ctx(ctx, world);
+    }
+  g_inexact = 0;
+}
+
+/* The reduce-scatter straight from fp32 segments (strided, the input left
+ * as it was) gives the fp64 reduce-scatter's sums to the bit and sends the
+ * bytes zt_comm_reduce_scatter_f32in64 sends. */
+ZT_TEST(test_reduce_scatter_f32to64) {
+  static const size_t sizes[] = {0, 1, 7, 12345, 300001};
+  g_inexact = 1;
+  for (int world = 1; world <= MAXR; world++)
+    for (size_t si = 0; si < ZT_ARRAY_LEN(sizes); si++) {
+      size_t n = sizes[si];
+      double *ref[MAXR];
+      uint64_t ref_sent[MAXR];
+      rank_ctx *ctx = run(world, OP_RS_F32IN64, ZT_DT_F64, ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      for (int r = 0; r < world; r++) {
+        ref[r] = ctx[r].out, ctx[r].out = NULL, ref_sent[r] = ctx[r].sent;
+      }
+      free_ctx(ctx, world);
+      ctx = run(world, OP_RS_F32TO64, ZT_DT_F32, ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      size_t stride = n + PAD32, changed = 0;
+      for (int r = 0; r < world; r++) {
+        ZT_CHECK(n == 0 || memcmp(ctx[r].out, ref[r], n * sizeof(double)) == 0);
+        ZT_CHECK(ctx[r].sent == ref_sent[r]);
+        const float *b = ctx[r].buf;
+        for (int i = 0; i < world; i++)
+          for (size_t j = 0; j < n; j++)
+            if (b[(size_t)i * stride + j] != val(r, (size_t)i * n + j)) changed++;
+        free(ref[r]);
+      }
+      ZT_CHECK(changed == 0);
       free_ctx(ctx, world);
     }
   g_inexact = 0;
@@ -479,7 +540,7 @@ ZT_TEST(test_nccl_backend_guarded) {
 }
 
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
-             test_reduce_scatter_f32in64,
+             test_reduce_scatter_f32in64, test_reduce_scatter_f32to64,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout,
              test_silent_peer_timeout_and_abort, test_stale_session_refused)
