@@ -157,6 +157,27 @@ static int check_memory(trainer *t) {
                  zt_memory_text(g->host_memory, have, sizeof have));
 }
 
+/* overlap_comm changes the order of the collectives (stages 0-1 reduce
+ * units in backward's order and defer gathers into the next forward, stage
+ * 3 prefetches and keeps gathered units), and the ring has no framing that
+ * would notice two orders: every rank of a generation must make the same
+ * choice. A rank on a device cannot overlap (the thread works on host
+ * memory), so a generation that mixes CPU and GPU workers (the TCP ring)
+ * runs without; one all-reduce of a count decides. Over NCCL every rank is
+ * on a device, and alone there is nothing to agree on. */
+static int agree_overlap(trainer *t, int dev, int *overlap) {
+  *overlap = t->spec.overlap_comm && !dev;
+  if (!t->spec.overlap_comm || t->N == 1 || zt_comm_device_memory(t->g->comm)) return 0;
+  float can = (float)*overlap;
+  if (zt_comm_all_reduce(t->g->comm, &can, 1, ZT_DT_F32, ZT_RED_SUM, t->tmo) != 0)
+    return zt_err_wrap("agreeing on overlap_comm");
+  if (*overlap && can != (float)t->N)
+    ZT_INFO("overlap_comm: off for this generation (%d of %d ranks run on a device)",
+            t->N - (int)can, t->N);
+  *overlap = can == (float)t->N;
+  return 0;
+}
+
 /* Everything before the first step. *fault says who is to blame. */
 static int set_up(trainer *t, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
@@ -186,10 +207,15 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   if (open_data(t) != 0) return -1;
   /* Test knob: CPU workers stage collectives as the device path does. */
   int dev = t->k != zt_kernels_cpu() || zt_knob(ZT_KNOB_STAGE_COLLECTIVES, 0) == 1;
+  int overlap;
+  if (agree_overlap(t, dev, &overlap) != 0) {
+    *fault = ZT_FAULT_PEER;
+    return -1;
+  }
   zt_zero_opts_t zo = {.rank = t->r, .world = t->N, .stage = t->spec.zero_stage, .dev = dev,
                        .timeout_ms = t->tmo,
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
-                       .overlap = t->spec.overlap_comm};
+                       .overlap = overlap};
   if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;

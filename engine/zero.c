@@ -275,20 +275,28 @@ static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t
   for (int r = 0; r < z->N; r++) z->k->widen_f64(dst + (size_t)r * n, g + (size_t)r * z->S[u] + lo, n);
 }
 
-/* Stages 2-3 on host memory: piece lo of unit u's fp32 gradient g (n
- * elements of each rank's shard, S[u] apart) reduce-scattered into fp64
- * sums in rs64, straight from g (zt_comm_reduce_scatter_f32to64). */
-static int rs_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
-  size_t n = piece_len(z, u, lo);
+/* Host memory: fp32 segments of n elements, `stride` apart, one per
+ * rank, reduce-scattered into this rank's fp64 sums in out
+ * (zt_comm_reduce_scatter_f32to64). */
+static int rs_f32(zt_zero_t *z, const float *src, size_t stride, double *out, size_t n) {
   if (z->N == 1) {
-    z->k->widen_f64(z->rs64, g + lo, n);
+    z->k->widen_f64(out, src, n);
     return 0;
   }
-  return zt_comm_reduce_scatter_f32to64(z->comm, g + lo, z->S[u], z->rs64, n, z->tmo);
+  return zt_comm_reduce_scatter_f32to64(z->comm, src, stride, out, n, z->tmo);
 }
 
-/* One queued reduction. Stages 0-1: unit u's padded range of the fp64
- * sum, reduce-scattered in place. Stages 2-3: piece lo of the fp32
+/* Stages 2-3 on host memory: piece lo of unit u's fp32 gradient g (n
+ * elements of each rank's shard, S[u] apart) into fp64 sums in rs64. */
+static int rs_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
+  return rs_f32(z, g + lo, z->S[u], z->rs64, piece_len(z, u, lo));
+}
+
+/* One reduction, queued or not. Stages 0-1: unit u's padded range of the
+ * fp64 sum, reduce-scattered in place; or, where the step has one
+ * micro-step per rank (sum32), its fp32 gradient in G straight into this
+ * rank's range of the sum (on a device: the widened sum, whose first ring
+ * step travels as fp32; the same bytes either way). Stages 2-3: piece lo of the fp32
  * gradient in slot s, reduce-scattered, then its shard added into the
  * sum (host memory: a plain loop on this thread). A piece's elements are
  * summed over the ranks in the ring's order whatever its size, so the
@@ -300,8 +308,9 @@ static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
     for (size_t i = 0, n = piece_len(z, u, lo); i < n; i++) acc[i] += z->rs64[i];
     return 0;
   }
-  double *g = z->G64 + z->off_full[u];
-  return c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64, 0);
+  double *g = z->G64 + z->off_full[u], *mine = g + (size_t)z->r * z->S[u];
+  if (z->sum32 && !z->dev) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
+  return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64, z->sum32);
 }
 
 /* A queue entry: unit, what to do (gather its parameters or reduce its
@@ -532,7 +541,7 @@ static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage < 2 && z->overlap && z->last_micro) {
     size_t off = z->off_full[u];
-    z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
+    if (!z->sum32 || z->dev) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
     ov_push(z, u, OV_REDUCE, 0);
     return 0;
   }
@@ -783,10 +792,15 @@ void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
 
 void zt_zero_start_step(zt_zero_t *z) {
   z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
+  z->micro_n = 0;
 }
 
 void zt_zero_micro_begin(zt_zero_t *z, int last) {
   z->last_micro = last;
+  /* Every rank runs the same number of micro-steps (the trainer's accum),
+   * so every rank decides the same way. */
+  z->micro_n++;
+  z->sum32 = z->stage < 2 && last && z->micro_n == 1;
   if (!z->G) return;
   if (!z->due_n) {
     z->k->zero(z->G, z->full_total);
@@ -801,7 +815,8 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
 
 int zt_zero_micro_end(zt_zero_t *z) {
   /* With overlap the hooks have summed the last micro-step unit by unit. */
-  if (z->G && !(z->overlap && z->last_micro)) z->k->acc_f64(z->G64, z->G, z->full_total);
+  if (z->G && !(z->overlap && z->last_micro) && (!z->sum32 || z->dev))
+    z->k->acc_f64(z->G64, z->G, z->full_total);
   if (z->fail) return zt_err("%s", z->fail_msg);
   return 0;
 }
@@ -920,10 +935,7 @@ int zt_zero_reduce(zt_zero_t *z) {
   if (z->overlap)
     rc = ov_wait(z);
   else if (z->stage < 2)
-    for (int u = 0; rc == 0 && u < z->U; u++) {
-      double *g = z->G64 + z->off_full[u];
-      rc = c_reduce_scatter(z, g, g + (size_t)z->r * z->S[u], z->S[u], ZT_DT_F64, 0);
-    }
+    for (int u = 0; rc == 0 && u < z->U; u++) rc = reduce_unit(z, u, 0, 0);
   z->tm.wait_reduce_ms += wall_ms() - w0;
   return rc;
 }

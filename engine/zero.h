@@ -141,6 +141,11 @@ typedef struct zt_zero {
    * queue of units whose reduction is due, in the order backward finishes
    * them; everything under ov_mu. */
   int want_overlap, overlap, last_micro;
+  /* Stages 0-1: micro-steps begun this step, and whether the step has one
+   * per rank, so that the sum over micro-steps is the fp32 gradient in G
+   * itself: it is then reduce-scattered from G (the first ring step as
+   * fp32), and on host memory never widened into G64 (zero.c). */
+  int micro_n, sum32;
   pthread_t ov_thread;
   pthread_mutex_t ov_mu;
   pthread_cond_t ov_cv;

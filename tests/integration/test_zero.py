@@ -87,6 +87,40 @@ def test_model_state_memory(procs, tmp_path, data, stage):
         assert m["estimated_activation_bytes"] == m["activation_bytes"] + 12 * B * T, m
 
 
+def test_one_micro_step_per_rank_and_mixed_paths(procs, tmp_path, data):
+    """With one micro-step per rank (train_batch_size = micro batch x N) the gradient sum of
+    stages 0-1 is the fp32 gradient itself, so the ring reduce-scatters it from there, its
+    first step as fp32, without an fp64 copy. A generation whose w0 takes the device path
+    (ZT_TEST_STAGE_COLLECTIVES: staged collectives from a widened copy, no overlap thread)
+    mixes both paths on the wire (the same bytes), and since overlap changes the order of
+    the collectives its ranks agree to run without it (the CPU ranks log why). The loss
+    series equals the single-process run's (three micro-steps) to the bit: CPU-only with
+    overlap on and off, and mixed at every stage."""
+    train, val = data
+
+    def series(coord, stage, n, ov, name):
+        spec = tiny_spec(train, val, STEPS, stage, n, gbs=6)
+        spec["zero_optimization"]["overlap_comm"] = ov
+        return run_job(procs, coord, tmp_path, spec, name)
+
+    def check(got, ref, what):
+        assert got == ref, (what, [(s, got[s], ref[s]) for s in ref if got[s] != ref[s]][:3])
+
+    cpu = start_fleet(procs, 3, prefix="c")
+    ref = series(cpu, 0, 1, True, "one-ref")
+    for stage in (0, 1):
+        for ov in (True, False):
+            check(series(cpu, stage, 3, ov, f"one-s{stage}{ov}"), ref, (stage, ov))
+    mixed = start_fleet(procs, 3, env_by_name={"w0": {"ZT_TEST_STAGE_COLLECTIVES": "1"}},
+                        db=os.path.join(procs.tmp, "mixed.db"), name="zcoord-mixed")
+    for stage in (0, 1, 2, 3):
+        check(series(mixed, stage, 3, True, f"mixed-s{stage}"), ref, ("mixed", stage))
+    for name in ("w1", "w2"):
+        assert "overlap_comm: off for this generation (1 of 3 ranks run on a device)" in \
+            mixed.workers[name].output()
+    assert "overlap_comm: off" not in "".join(w.output() for w in cpu.workers.values())
+
+
 def test_staged_collectives_match(procs, tmp_path, data):
     """The device path's collectives (buffers staged through host memory,
     in-place reduce-scatter and all-gather included) give the same losses.
