@@ -233,68 +233,52 @@ ZT_TEST(test_reduce_scatter_layout) {
     }
 }
 
-/* The reduce-scatter of widened fp32 values sends the first ring step as
- * fp32: the fp64 sums are the same to the bit as the fp64 reduce-scatter's
- * (inputs of mixed magnitude, whose sums need more than fp32's bits, so a
- * value rounded on the way would show), and at 2 ranks half the bytes go
- * out, at N ranks (2N-3)/(2N-2) of them. */
-ZT_TEST(test_reduce_scatter_f32in64) {
-  static const size_t sizes[] = {0, 1, 7, 12345, 300001};
-  g_inexact = 1;
-  for (int world = 1; world <= MAXR; world++)
-    for (size_t si = 0; si < ZT_ARRAY_LEN(sizes); si++) {
-      size_t n = sizes[si];
-      double *ref[MAXR];
-      uint64_t ref_sent[MAXR];
-      rank_ctx *ctx = run(world, OP_REDUCE_SCATTER, ZT_DT_F64, ZT_RED_SUM, n, 0);
-      ZT_CHECK(all_ok(ctx, world));
-      for (int r = 0; r < world; r++) {
-        ref[r] = ctx[r].out, ctx[r].out = NULL, ref_sent[r] = ctx[r].sent;
-      }
-      free_ctx(ctx, world);
-      ctx = run(world, OP_RS_F32IN64, ZT_DT_F64, ZT_RED_SUM, n, 0);
-      ZT_CHECK(all_ok(ctx, world));
-      for (int r = 0; r < world; r++) {
-        ZT_CHECK(n == 0 || memcmp(ctx[r].out, ref[r], n * sizeof(double)) == 0);
-        if (world > 1 && n > 1000) /* segment sizes differ by at most 1 element */
-          ZT_CHECK(llabs((long long)(ctx[r].sent * (uint64_t)(2 * world - 2)) -
-                         (long long)(ref_sent[r] * (uint64_t)(2 * world - 3))) <=
-                   (long long)(16 * world * world));
-        free(ref[r]);
-      }
-      free_ctx(ctx, world);
-    }
-  g_inexact = 0;
+/* Runs a reduce-scatter of n elements per rank on `world` ranks and
+ * collects each rank's sums and bytes sent; 0 if a rank failed. */
+static int rs_collect(int world, op_kind op, zt_dtype_t dt, size_t n, double **out,
+                      uint64_t *sent) {
+  rank_ctx *ctx = run(world, op, dt, ZT_RED_SUM, n, 0);
+  int ok = all_ok(ctx, world);
+  for (int r = 0; r < world; r++) out[r] = ctx[r].out, ctx[r].out = NULL, sent[r] = ctx[r].sent;
+  free_ctx(ctx, world);
+  return ok;
 }
 
-/* The reduce-scatter straight from fp32 segments (strided, the input left
- * as it was) gives the fp64 reduce-scatter's sums to the bit and sends the
- * bytes zt_comm_reduce_scatter_f32in64 sends. */
-ZT_TEST(test_reduce_scatter_f32to64) {
+/* The reduce-scatters of fp32 values into fp64 sums, against the fp64
+ * reduce-scatter of the widened values (inputs of mixed magnitude, whose
+ * sums need more than fp32's bits, so a value rounded on the way would
+ * show): zt_comm_reduce_scatter_f32in64 gives the same sums to the bit and
+ * sends the first ring step as fp32, so at 2 ranks half the bytes go out,
+ * at N ranks (2N-3)/(2N-2) of them; zt_comm_reduce_scatter_f32to64, from
+ * strided fp32 segments that it leaves as they were, gives the same sums
+ * again and sends exactly the bytes f32in64 sends. */
+ZT_TEST(test_reduce_scatter_fp32_into_fp64) {
   static const size_t sizes[] = {0, 1, 7, 12345, 300001};
   g_inexact = 1;
   for (int world = 1; world <= MAXR; world++)
     for (size_t si = 0; si < ZT_ARRAY_LEN(sizes); si++) {
       size_t n = sizes[si];
-      double *ref[MAXR];
-      uint64_t ref_sent[MAXR];
-      rank_ctx *ctx = run(world, OP_RS_F32IN64, ZT_DT_F64, ZT_RED_SUM, n, 0);
-      ZT_CHECK(all_ok(ctx, world));
-      for (int r = 0; r < world; r++) {
-        ref[r] = ctx[r].out, ctx[r].out = NULL, ref_sent[r] = ctx[r].sent;
-      }
-      free_ctx(ctx, world);
-      ctx = run(world, OP_RS_F32TO64, ZT_DT_F32, ZT_RED_SUM, n, 0);
+      double *ref[MAXR], *in64[MAXR];
+      uint64_t ref_sent[MAXR], in64_sent[MAXR];
+      ZT_CHECK(rs_collect(world, OP_REDUCE_SCATTER, ZT_DT_F64, n, ref, ref_sent));
+      ZT_CHECK(rs_collect(world, OP_RS_F32IN64, ZT_DT_F64, n, in64, in64_sent));
+      rank_ctx *ctx = run(world, OP_RS_F32TO64, ZT_DT_F32, ZT_RED_SUM, n, 0);
       ZT_CHECK(all_ok(ctx, world));
       size_t stride = n + PAD32, changed = 0;
       for (int r = 0; r < world; r++) {
+        ZT_CHECK(n == 0 || memcmp(in64[r], ref[r], n * sizeof(double)) == 0);
         ZT_CHECK(n == 0 || memcmp(ctx[r].out, ref[r], n * sizeof(double)) == 0);
-        ZT_CHECK(ctx[r].sent == ref_sent[r]);
+        if (world > 1 && n > 1000) /* segment sizes differ by at most 1 element */
+          ZT_CHECK(llabs((long long)(in64_sent[r] * (uint64_t)(2 * world - 2)) -
+                         (long long)(ref_sent[r] * (uint64_t)(2 * world - 3))) <=
+                   (long long)(16 * world * world));
+        ZT_CHECK(ctx[r].sent == in64_sent[r]);
         const float *b = ctx[r].buf;
         for (int i = 0; i < world; i++)
           for (size_t j = 0; j < n; j++)
             if (b[(size_t)i * stride + j] != val(r, (size_t)i * n + j)) changed++;
         free(ref[r]);
+        free(in64[r]);
       }
       ZT_CHECK(changed == 0);
       free_ctx(ctx, world);
@@ -540,7 +524,7 @@ ZT_TEST(test_nccl_backend_guarded) {
 }
 
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
-             test_reduce_scatter_f32in64, test_reduce_scatter_f32to64,
+             test_reduce_scatter_fp32_into_fp64,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout,
              test_silent_peer_timeout_and_abort, test_stale_session_refused)
