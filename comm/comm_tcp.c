@@ -15,7 +15,8 @@
  * from one poll() loop, and reduces the received bytes into place chunk by
  * chunk as they arrive, so the reduction overlaps the transfer. Segment s
  * of a reduce-scatter ends on rank s (see comm.h), which is the shard layout
- * ZeRO uses.
+ * ZeRO uses. Each collective begins with an operation header from every
+ * rank to the next (agree()), so ranks whose calls differ fail at once.
  *
  * Failure. Every poll() waits at most until the operation's deadline; the
  * poll set also holds an eventfd that zt_comm_abort() writes. A closed or
@@ -42,7 +43,8 @@
 #include "zt_common.h"
 
 #define ZT_RING_MAGIC 0x5a545247u /* "ZTRG" */
-#define ZT_RING_VERSION 1u
+#define ZT_RING_VERSION 2u /* 2: every collective starts with an op_header */
+#define ZT_OP_MAGIC 0x5a544f50u   /* "ZTOP" */
 
 struct zt_comm {
   int rank, world;
@@ -57,6 +59,7 @@ struct zt_comm {
   uint8_t *scratch;
   size_t scratch_cap;
   int lowat; /* SO_RCVLOWAT of prev_fd now (set_lowat) */
+  uint64_t seq; /* collectives begun on the ring (op_header) */
 };
 
 typedef struct {
@@ -314,6 +317,56 @@ static int ring_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, 
   return 0;
 }
 
+/* ---- agreeing on the operation ------------------------------------------------ */
+
+/* Every collective on the ring starts with this header from each rank to
+ * the next. The ring carries bytes without any other framing, so ranks
+ * whose calls differ (another operation, type, count or root, or a call
+ * one of them skipped) would otherwise reduce one another's bytes into
+ * wrong sums, or wait until the deadline; with it the collective fails at
+ * once, naming both calls. 32 bytes and one message latency per call. The
+ * two fp32-into-fp64 reduce-scatters send the same bytes and share a code
+ * (a GPU rank runs f32in64 where a CPU rank runs f32to64). */
+typedef struct {
+  uint32_t magic;
+  uint8_t op, dt, pad[2];
+  uint32_t arg, pad2; /* the reduction (all-reduce, reduce-scatter) or the root (broadcast) */
+  uint64_t count;     /* elements per rank's segment, or of the whole buffer (all-reduce, broadcast) */
+  uint64_t seq;       /* this call's number on the communicator, from 1 */
+} op_header;
+
+enum { OPH_ALL_REDUCE = 1, OPH_REDUCE_SCATTER, OPH_RS_FIRST32, OPH_ALL_GATHER, OPH_BROADCAST };
+
+static const char *op_name(unsigned op) {
+  static const char *names[] = {"?", "all-reduce", "reduce-scatter", "fp32-into-fp64 reduce-scatter",
+                                "all-gather", "broadcast"};
+  return op < ZT_ARRAY_LEN(names) ? names[op] : "?";
+}
+
+static const char *dt_name(unsigned dt) {
+  return dt == ZT_DT_F32 ? "fp32" : dt == ZT_DT_BF16 ? "bf16" : dt == ZT_DT_F64 ? "fp64" : "?";
+}
+
+static int agree(zt_comm_t *c, int op, zt_dtype_t dt, uint32_t arg, size_t count,
+                 zt_deadline_t dl, const char *name) {
+  op_header mine = {ZT_OP_MAGIC, (uint8_t)op, (uint8_t)dt, {0}, arg, 0, count, ++c->seq}, got;
+  ring_step s = {(const uint8_t *)&mine, sizeof mine, (uint8_t *)&got, sizeof got, NULL, dt, 0, NULL};
+  if (step_run(c, &s, dl, name) != 0) return -1;
+  if (got.magic == mine.magic && got.op == mine.op && got.dt == mine.dt && got.arg == mine.arg &&
+      got.count == mine.count && got.seq == mine.seq)
+    return 0;
+  int prev = mod(c->rank - 1, c->world);
+  if (got.magic != ZT_OP_MAGIC)
+    return fail(c, "%s: rank %d sent no operation header (another version, or a stream out of step)",
+                name, prev);
+  return fail(c, "%s: the ranks' calls differ: rank %d is at collective %llu, %s of %llu %s "
+                 "elements (arg %u); rank %d at collective %llu, %s of %llu %s elements (arg %u)",
+              name, prev, (unsigned long long)got.seq, op_name(got.op),
+              (unsigned long long)got.count, dt_name(got.dt), got.arg, c->rank,
+              (unsigned long long)mine.seq, op_name(mine.op), (unsigned long long)mine.count,
+              dt_name(mine.dt), mine.arg);
+}
+
 static int ring_all_gather(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t dt,
                            zt_deadline_t dl, const char *op) {
   size_t esz = zt_dtype_size(dt);
@@ -350,6 +403,7 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
   __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_all_reduce(c->nccl, buf, count, dt, op, timeout_ms));
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (c->world > 1 && agree(c, OPH_ALL_REDUCE, dt, op, count, dl, "all-reduce") != 0) return -1;
   if (c->world > 1 && count > 0) {
     if (ring_reduce_scatter(c, buf, count, dt, 0, dl, "all-reduce") != 0) return -1;
     if (op == ZT_RED_AVG) {
@@ -370,9 +424,12 @@ static int reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt
     return nccl_result(c, zt__nccl_reduce_scatter(c->nccl, send, recv, count, dt, op, timeout_ms));
   size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
   uint8_t *mine = (uint8_t *)send + (size_t)c->rank * count * esz;
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (c->world > 1 && agree(c, first32 ? OPH_RS_FIRST32 : OPH_REDUCE_SCATTER, dt, op, count, dl,
+                            "reduce-scatter") != 0)
+    return -1;
   if (c->world > 1 && count > 0 &&
-      ring_reduce_scatter(c, send, total, dt, first32, zt_deadline_in(timeout_ms),
-                          "reduce-scatter") != 0)
+      ring_reduce_scatter(c, send, total, dt, first32, dl, "reduce-scatter") != 0)
     return -1;
   if (op == ZT_RED_AVG && c->world > 1) zt_comm_scale(mine, count, dt, 1.0f / (float)c->world);
   if (count && (uint8_t *)recv != mine) memmove(recv, mine, count * esz);
@@ -395,12 +452,14 @@ int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t strid
   if (c->nccl) return zt_err("reduce-scatter from fp32 into fp64: not available over NCCL");
   if (stride < count) return zt_err("reduce-scatter: stride %zu below count %zu", stride, count);
   __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
-  if (c->world == 1 || count == 0) {
+  if (c->world == 1) {
     for (size_t i = 0; i < count; i++) recv[i] = (double)send[i];
     return 0;
   }
-  return ring_reduce_scatter32(c, send, stride, recv, count, zt_deadline_in(timeout_ms),
-                               "reduce-scatter");
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (agree(c, OPH_RS_FIRST32, ZT_DT_F64, ZT_RED_SUM, count, dl, "reduce-scatter") != 0) return -1;
+  if (count == 0) return 0;
+  return ring_reduce_scatter32(c, send, stride, recv, count, dl, "reduce-scatter");
 }
 
 int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
@@ -411,9 +470,11 @@ int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count,
   size_t esz = zt_dtype_size(dt);
   uint8_t *mine = (uint8_t *)recv + (size_t)c->rank * count * esz;
   if (count && (const uint8_t *)send != mine) memmove(mine, send, count * esz);
-  if (c->world == 1 || count == 0) return 0;
-  return ring_all_gather(c, recv, count * (size_t)c->world, dt, zt_deadline_in(timeout_ms),
-                         "all-gather");
+  if (c->world == 1) return 0;
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (agree(c, OPH_ALL_GATHER, dt, 0, count, dl, "all-gather") != 0) return -1;
+  if (count == 0) return 0;
+  return ring_all_gather(c, recv, count * (size_t)c->world, dt, dl, "all-gather");
 }
 
 int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
@@ -422,11 +483,12 @@ int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int 
   if (root < 0 || root >= c->world) return zt_err("broadcast: root %d out of range", root);
   __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_broadcast(c->nccl, buf, count, dt, root, timeout_ms));
-  if (c->world == 1 || count == 0) return 0;
+  if (c->world == 1) return 0;
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (agree(c, OPH_BROADCAST, dt, (uint32_t)root, count, dl, "broadcast") != 0) return -1;
   /* Pass the buffer around the ring from root, chunk-pipelined by the
    * socket buffers: each rank forwards what it received, except the last. */
   size_t len = count * zt_dtype_size(dt);
-  zt_deadline_t dl = zt_deadline_in(timeout_ms);
   int pos = mod(c->rank - root, c->world); /* 0 for root */
   for (size_t off = 0; off < len; off += c->chunk) {
     size_t n = ZT_MIN(c->chunk, len - off);

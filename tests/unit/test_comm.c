@@ -412,10 +412,9 @@ static void *abort_later(void *p) {
   return NULL;
 }
 
-ZT_TEST(test_silent_peer_timeout_and_abort) {
-  /* A 2-rank ring whose communicators stay open after set-up. */
-  static rank_ctx keep[2];
-  memset(keep, 0, sizeof keep);
+/* Sets up a 2-rank ring whose communicators stay open (keep[r].comm). */
+static void open_pair(rank_ctx keep[2]) {
+  memset(keep, 0, 2 * sizeof *keep);
   {
     char ports[2][32];
     int lfds[2];
@@ -437,6 +436,18 @@ ZT_TEST(test_silent_peer_timeout_and_abort) {
     }
     for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
   }
+}
+
+static void close_pair(rank_ctx keep[2]) {
+  for (int r = 0; r < 2; r++) {
+    zt_comm_destroy(keep[r].comm);
+    free(keep[r].buf);
+  }
+}
+
+ZT_TEST(test_silent_peer_timeout_and_abort) {
+  static rank_ctx keep[2];
+  open_pair(keep);
   ZT_REQUIRE(keep[0].comm && keep[1].comm);
   /* Rank 1 stays silent: rank 0's all-reduce must time out near 200 ms. */
   float x[1000] = {0};
@@ -459,10 +470,89 @@ ZT_TEST(test_silent_peer_timeout_and_abort) {
   pthread_join(th, NULL);
   ZT_CHECK(el < 3000);
   ZT_CHECK(strstr(zt_err_msg(), "abort") != NULL || strstr(zt_err_msg(), "closed") != NULL);
-  for (int r = 0; r < 2; r++) {
-    zt_comm_destroy(keep[r].comm);
-    free(keep[r].buf);
+  close_pair(keep);
+}
+
+/* One rank's call in test_calls_must_agree. */
+typedef struct {
+  zt_comm_t *c;
+  op_kind op;
+  zt_dtype_t dt;
+  size_t count;
+  void *buf, *out;
+  int rc;
+  char err[512];
+} call_ctx;
+
+static void *call_main(void *p) {
+  call_ctx *x = p;
+  switch (x->op) {
+  case OP_ALLREDUCE:
+    x->rc = zt_comm_all_reduce(x->c, x->buf, x->count, x->dt, ZT_RED_SUM, 5000);
+    break;
+  case OP_ALLGATHER: x->rc = zt_comm_all_gather(x->c, x->buf, x->out, x->count, x->dt, 5000); break;
+  case OP_REDUCE_SCATTER:
+    x->rc = zt_comm_reduce_scatter(x->c, x->buf, x->out, x->count, x->dt, ZT_RED_SUM, 5000);
+    break;
+  case OP_RS_F32IN64: x->rc = zt_comm_reduce_scatter_f32in64(x->c, x->buf, x->out, x->count, 5000); break;
+  case OP_RS_F32TO64:
+    x->rc = zt_comm_reduce_scatter_f32to64(x->c, x->buf, x->count, x->out, x->count, 5000);
+    break;
+  default: x->rc = -1;
   }
+  if (x->rc != 0) snprintf(x->err, sizeof x->err, "%s", zt_err_msg());
+  return NULL;
+}
+
+/* Runs call a on rank 0 and call b on rank 1 of a fresh pair. */
+static void call_pair(call_ctx *a, call_ctx *b) {
+  static rank_ctx keep[2];
+  open_pair(keep);
+  ZT_REQUIRE(keep[0].comm && keep[1].comm);
+  a->c = keep[0].comm, b->c = keep[1].comm;
+  pthread_t t0, t1;
+  pthread_create(&t0, NULL, call_main, a);
+  pthread_create(&t1, NULL, call_main, b);
+  pthread_join(t0, NULL);
+  pthread_join(t1, NULL);
+  close_pair(keep);
+}
+
+/* Ranks whose calls differ (the operation, the count) fail at once with a
+ * message naming both calls, well before the 5 s deadline, instead of
+ * reducing each other's bytes; the two fp32-into-fp64 reduce-scatters
+ * (a GPU rank's and a CPU rank's) agree with each other and give the
+ * fp64 sums. */
+ZT_TEST(test_calls_must_agree) {
+  static float fa[4000], fb[4000], oa[4000], ob[4000];
+  call_ctx a = {.op = OP_ALLREDUCE, .dt = ZT_DT_F32, .count = 1000, .buf = fa};
+  call_ctx b = {.op = OP_ALLGATHER, .dt = ZT_DT_F32, .count = 1000, .buf = fb, .out = ob};
+  int64_t t0 = zt_now_ms();
+  call_pair(&a, &b);
+  ZT_CHECK(a.rc != 0 && b.rc != 0);
+  ZT_CHECK(strstr(a.err, "calls differ") && strstr(a.err, "all-gather of 1000 fp32"));
+  ZT_CHECK(strstr(b.err, "calls differ") && strstr(b.err, "all-reduce of 1000 fp32"));
+  a = (call_ctx){.op = OP_REDUCE_SCATTER, .dt = ZT_DT_F32, .count = 1000, .buf = fa, .out = oa};
+  b = (call_ctx){.op = OP_REDUCE_SCATTER, .dt = ZT_DT_F32, .count = 999, .buf = fb, .out = ob};
+  call_pair(&a, &b);
+  ZT_CHECK(a.rc != 0 && b.rc != 0);
+  ZT_CHECK(strstr(a.err, "reduce-scatter of 999 fp32") != NULL);
+  ZT_CHECK(zt_now_ms() - t0 < 4000);
+  /* Rank 0 widened (f32in64), rank 1 straight from fp32 (f32to64). */
+  static double wa[2000], ra[1000], rb[1000];
+  g_inexact = 1;
+  for (size_t i = 0; i < 2000; i++) wa[i] = val(0, i), fb[i] = val(1, i);
+  a = (call_ctx){.op = OP_RS_F32IN64, .dt = ZT_DT_F64, .count = 1000, .buf = wa, .out = ra};
+  b = (call_ctx){.op = OP_RS_F32TO64, .dt = ZT_DT_F32, .count = 1000, .buf = fb, .out = rb};
+  call_pair(&a, &b);
+  ZT_CHECK(a.rc == 0 && b.rc == 0);
+  size_t bad = 0;
+  for (size_t i = 0; i < 1000; i++) {
+    if (ra[i] != (double)val(0, i) + (double)val(1, i)) bad++;
+    if (rb[i] != (double)val(0, 1000 + i) + (double)val(1, 1000 + i)) bad++;
+  }
+  ZT_CHECK(bad == 0);
+  g_inexact = 0;
 }
 
 /* A peer of another session (stale generation) is refused at the handshake. */
@@ -524,7 +614,7 @@ ZT_TEST(test_nccl_backend_guarded) {
 }
 
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
-             test_reduce_scatter_fp32_into_fp64,
+             test_reduce_scatter_fp32_into_fp64, test_calls_must_agree,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout,
              test_silent_peer_timeout_and_abort, test_stale_session_refused)
