@@ -685,9 +685,10 @@ static int ring_accept(zt_comm_t *c, int lfd, int from, zt_deadline_t dl) {
     }
     if (h.magic != ZT_RING_MAGIC || h.version != ZT_RING_VERSION || h.session != c->session ||
         (int)h.rank != from || (int)h.world != c->world) {
-      ZT_WARN("comm: refused a peer (rank %u of %u, session %llx; expected rank %d of %d, "
-              "session %llx)",
-              h.rank, h.world, (unsigned long long)h.session, from, c->world,
+      ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx; expected "
+              "version %u, rank %d of %d, session %llx)",
+              h.magic == ZT_RING_MAGIC ? h.version : 0, h.rank, h.world,
+              (unsigned long long)h.session, ZT_RING_VERSION, from, c->world,
               (unsigned long long)c->session);
       close(fd);
       continue;
@@ -727,7 +728,7 @@ int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
     if (ring_connect(c, o->peers[next], next, dl) != 0 || ring_accept(c, o->listen_fd, prev, dl) != 0)
       goto err;
     if (io_exact(c->next_fd, &ack, 1, 0, dl) != 0 || ack != 1) {
-      zt_err("rank %d at %s refused the ring handshake (other generation?)", next,
+      zt_err("rank %d at %s refused the ring handshake (other generation or ring version?)", next,
              o->peers[next]);
       goto err;
     }
