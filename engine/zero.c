@@ -790,17 +790,17 @@ void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
 
 /* ---- one step ------------------------------------------------------------------------------ */
 
-void zt_zero_start_step(zt_zero_t *z) {
-  z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
-  z->micro_n = 0;
-}
+void zt_zero_start_step(zt_zero_t *z) { z->micro_n = 0; }
 
 void zt_zero_micro_begin(zt_zero_t *z, int last) {
   z->last_micro = last;
   /* Every rank runs the same number of micro-steps (the trainer's accum),
-   * so every rank decides the same way. */
+   * so every rank decides the same way. The fp64 sum starts at zero,
+   * except where the reduction writes this rank's range from G itself. */
   z->micro_n++;
   z->sum32 = z->stage < 2 && last && z->micro_n == 1;
+  if (z->micro_n == 1 && !(z->sum32 && !z->dev))
+    z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
   if (!z->G) return;
   if (!z->due_n) {
     z->k->zero(z->G, z->full_total);
