@@ -26,12 +26,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     zt_mem_need_t need;
     if (zt_memory_need(&s, n, &need) != 0) continue;
     /* A GPU worker's figures: bf16 storage when the spec asks for it
-     * (activations then smaller), else the fp32 ones without overlap. */
+     * (activations then smaller), else the fp32 ones without overlap, plus
+     * the fp64 copy a device widens a unit's gradient into (stages 2-3);
+     * a rank's own estimate (zt_memory_rank) gives the same numbers. */
+    uint64_t host0, dev0, acts0, dev_acts;
+    if (zt_memory_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
+        zt_memory_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
+      abort();
     if (need.host != ZT_MEM_BASE_BYTES + need.states + need.activations + need.snapshot ||
         need.device != ZT_MEM_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||
         need.host_with_device != ZT_MEM_BASE_BYTES + need.states + need.snapshot ||
-        need.dev_activations > need.activations ||
-        (!s.bf16 && (need.dev_activations != need.activations || need.dev_states > need.states)))
+        need.dev_activations > need.activations || dev0 != need.dev_states ||
+        dev_acts != need.dev_activations || acts0 != need.activations || host0 > need.states ||
+        (!s.bf16 && (need.dev_activations != need.activations || need.dev_states < host0)))
       abort();
   }
   return 0;
