@@ -159,9 +159,9 @@ static int check_memory(trainer *t) {
 
 /* overlap_comm changes the order of the collectives (stages 0-1 reduce
  * units in backward's order and defer gathers into the next forward, stage
- * 3 prefetches and keeps gathered units), and the ring has no framing that
- * would notice two orders: every rank of a generation must make the same
- * choice. A rank on a device cannot overlap (the thread works on host
+ * 3 prefetches and keeps gathered units), so every rank of a generation
+ * must make the same choice (the ring's operation headers would stop a
+ * generation at its first call in another order). A rank on a device cannot overlap (the thread works on host
  * memory), so a generation that mixes CPU and GPU workers (the TCP ring)
  * runs without; one all-reduce of a count decides. Over NCCL every rank is
  * on a device, and alone there is nothing to agree on. */
