@@ -15,10 +15,10 @@
 #include "layout.h"
 
 /* The model states of one rank, as zero.c allocates them, for a working
- * copy of xb bytes per parameter (4: it is the fp32 master itself), on a
- * device (dev) or in host memory. */
+ * copy of xb bytes per parameter (4: it is the fp32 master itself), with
+ * NCCL collectives (nccl: stages 2-3 widen a unit's gradient for them). */
 static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int overlap, uint64_t xb,
-                            int dev, uint64_t *owned) {
+                            int nccl, uint64_t *owned) {
   uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0, slot = 0;
   for (int u = 0; u < l->num_units; u++) {
     uint64_t S = zt_zero_shard_size(l->unit_size[u], N);
@@ -35,7 +35,7 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
   b += stage < 2 ? 4 * full + 8 * full : 8 * shard;          /* gradients */
   b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
   if (stage >= 2) b += 4 * s0 + 4 * slot + 8 * (slot / N + 1);
-  if (stage >= 2 && dev) b += 8 * slot;               /* the widened piece */
+  if (stage >= 2 && nccl) b += 8 * slot;              /* the widened piece */
   if (stage >= 2 && overlap && N > 1) b += 4 * slot; /* the 2nd gradient slot */
   if (stage == 3) b += xb * s0 + xb * slot;
   if (stage == 3 && overlap && N > 1) b += xb * slot; /* the prefetch slot */
@@ -52,12 +52,12 @@ static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t x
          3 * 4 * B * T; /* inputs, targets, host losses */
 }
 
-int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int dev,
+int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
                    uint64_t *states, uint64_t *acts) {
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
-  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, dev, &owned);
+  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned);
   *acts = activations(s, &l, (uint64_t)xbytes);
   zt_layout_free(&l);
   return 0;
@@ -69,7 +69,8 @@ int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned);
   out->activations = activations(s, &l, 4);
-  /* GPU workers run without the overlap thread (zero.c). */
+  /* GPU workers run without the overlap thread (zero.c), and are counted
+   * with NCCL's widened copy (on the TCP ring they need less). */
   out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned);
   out->dev_activations = activations(s, &l, dev_xb);
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;

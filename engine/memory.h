@@ -63,9 +63,9 @@ typedef struct {
 ZT_MUST_CHECK int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out);
 
 /* The states and activations of one rank as it really runs: overlap
- * thread or not, a working copy of xbytes (4, or 2 for bf16 storage), the
- * states on a device (dev) or in host memory. */
-ZT_MUST_CHECK int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int dev,
+ * thread or not, a working copy of xbytes (4, or 2 for bf16 storage),
+ * NCCL collectives or not (on a device). */
+ZT_MUST_CHECK int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
                                  uint64_t *states, uint64_t *acts);
 
 /* Whether a worker with host_bytes of RAM and device_bytes of GPU memory

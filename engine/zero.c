@@ -160,7 +160,7 @@ static int layout(zt_zero_t *z) {
     z->tg0 = alloc_f(z, z->S[0] * (size_t)z->N, FLIGHT);
     z->tg = alloc_f(z, z->slot_unit, FLIGHT);
     z->rs64 = alloc_d(z, z->slot_unit / (size_t)z->N + 1, FLIGHT);
-    if (z->dev) z->tg64 = alloc_d(z, z->slot_unit, FLIGHT); /* widened for NCCL / staging */
+    if (z->dcomm) z->tg64 = alloc_d(z, z->slot_unit, FLIGHT); /* widened for NCCL */
   }
   if (z->stage >= 2 && z->want_overlap && z->N > 1) /* the second slot (zero.h) */
     z->tgb = alloc_f(z, z->slot_unit, FLIGHT);
@@ -263,8 +263,7 @@ static size_t piece_len(const zt_zero_t *z, int u, size_t lo) {
   return ZT_MIN(z->slot_unit / (size_t)z->N, z->S[u] - lo);
 }
 
-/* The device path (NCCL, or collectives staged through host memory):
- * widens piece lo of unit u's fp32 gradient g into dst, shard after shard
+/* The NCCL path (it has no fp32-to-fp64 reduction): widens piece lo of unit u's fp32 gradient g into dst, shard after shard
  * (contiguous when the piece is the whole unit). */
 static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t lo) {
   size_t n = piece_len(z, u, lo);
@@ -275,15 +274,25 @@ static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t
   for (int r = 0; r < z->N; r++) z->k->widen_f64(dst + (size_t)r * n, g + (size_t)r * z->S[u] + lo, n);
 }
 
-/* Host memory: fp32 segments of n elements, `stride` apart, one per
- * rank, reduce-scattered into this rank's fp64 sums in out
- * (zt_comm_reduce_scatter_f32to64). */
+/* fp32 segments of n elements, `stride` apart, one per rank,
+ * reduce-scattered into this rank's fp64 sums in out
+ * (zt_comm_reduce_scatter_f32to64): straight from host memory; from a
+ * device without NCCL the segments are downloaded (half the bytes of
+ * widened ones), summed on the host and the sums uploaded. Over NCCL the
+ * callers widen first (it has no fp32-to-fp64 reduction). */
 static int rs_f32(zt_zero_t *z, const float *src, size_t stride, double *out, size_t n) {
   if (z->N == 1) {
     z->k->widen_f64(out, src, n);
     return 0;
   }
-  return zt_comm_reduce_scatter_f32to64(z->comm, src, stride, out, n, z->tmo);
+  if (!z->dev) return zt_comm_reduce_scatter_f32to64(z->comm, src, stride, out, n, z->tmo);
+  size_t seg = n * sizeof(float), at = ((size_t)z->N * seg + 7) & ~(size_t)7;
+  char *h = stage(z, at + n * sizeof(double));
+  for (int r = 0; r < z->N; r++) z->k->download(h + (size_t)r * seg, src + (size_t)r * stride, seg);
+  if (zt_comm_reduce_scatter_f32to64(z->comm, (const float *)h, n, (double *)(h + at), n, z->tmo) != 0)
+    return -1;
+  z->k->upload(out, h + at, n * sizeof(double));
+  return 0;
 }
 
 /* Stages 2-3 on host memory: piece lo of unit u's fp32 gradient g (n
@@ -295,8 +304,7 @@ static int rs_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
 /* One reduction, queued or not. Stages 0-1: unit u's padded range of the
  * fp64 sum, reduce-scattered in place; or, where the step has one
  * micro-step per rank (sum32), its fp32 gradient in G straight into this
- * rank's range of the sum (on a device: the widened sum, whose first ring
- * step travels as fp32; the same bytes either way). Stages 2-3: piece lo of the fp32
+ * rank's range of the sum (over NCCL: from the widened sum). Stages 2-3: piece lo of the fp32
  * gradient in slot s, reduce-scattered, then its shard added into the
  * sum (host memory: a plain loop on this thread). A piece's elements are
  * summed over the ranks in the ring's order whatever its size, so the
@@ -309,7 +317,7 @@ static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
     return 0;
   }
   double *g = z->G64 + z->off_full[u], *mine = g + (size_t)z->r * z->S[u];
-  if (z->sum32 && !z->dev) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
+  if (z->sum32 && !z->dcomm) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
   return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64, z->sum32);
 }
 
@@ -534,14 +542,13 @@ static void ov_stop(zt_zero_t *z) {
  * into the fp64 sum and onto the communication thread. Stages 2-3 with
  * overlap: its slot (grad_slot) onto the thread, which reduces it from
  * there. Otherwise, stages 2-3: reduce-scatter the unit's gradient (fp64
- * sums, so they are exact) and add this rank's shard to the running sum;
- * on host memory straight from the fp32 gradient, on a device widened
- * first (NCCL has no fp32-to-fp64 reduction). */
+ * sums, so they are exact) and add this rank's shard to the running sum,
+ * from the fp32 gradient (rs_f32), or over NCCL widened first. */
 static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage < 2 && z->overlap && z->last_micro) {
     size_t off = z->off_full[u];
-    if (!z->sum32 || z->dev) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
+    if (!z->sum32 || z->dcomm) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
     ov_push(z, u, OV_REDUCE, 0);
     return 0;
   }
@@ -555,7 +562,7 @@ static int h_post_backward(void *ctx, int u) {
     size_t n = piece_len(z, u, lo);
     double w0 = wall_ms();
     int rc;
-    if (z->dev) {
+    if (z->dcomm) {
       widen_piece(z, z->tg64, g, u, lo);
       rc = c_reduce_scatter(z, z->tg64, z->rs64, n, ZT_DT_F64, 1);
     } else {
@@ -799,7 +806,7 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
    * except where the reduction writes this rank's range from G itself. */
   z->micro_n++;
   z->sum32 = z->stage < 2 && last && z->micro_n == 1;
-  if (z->micro_n == 1 && !(z->sum32 && !z->dev))
+  if (z->micro_n == 1 && !(z->sum32 && !z->dcomm))
     z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
   if (!z->G) return;
   if (!z->due_n) {
@@ -815,7 +822,7 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
 
 int zt_zero_micro_end(zt_zero_t *z) {
   /* With overlap the hooks have summed the last micro-step unit by unit. */
-  if (z->G && !(z->overlap && z->last_micro) && (!z->sum32 || z->dev))
+  if (z->G && !(z->overlap && z->last_micro) && (!z->sum32 || z->dcomm))
     z->k->acc_f64(z->G64, z->G, z->full_total);
   if (z->fail) return zt_err("%s", z->fail_msg);
   return 0;

@@ -130,7 +130,7 @@ typedef struct zt_zero {
   float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit (working copy) */
   float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
   double *rs64;          /* stage 2-3: a piece's reduced shard (fp64 sums) */
-  double *tg64;          /* stage 2-3 on a device: a piece widened to fp64 */
+  double *tg64;          /* stage 2-3 over NCCL: a piece widened to fp64 */
   double inv_k;          /* 1 / micro-batches per step (all ranks) */
   int fail;              /* a collective in a hook failed */
   int oom;               /* an allocation of the layout failed */

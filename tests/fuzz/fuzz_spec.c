@@ -27,8 +27,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (zt_memory_need(&s, n, &need) != 0) continue;
     /* A GPU worker's figures: bf16 storage when the spec asks for it
      * (activations then smaller), else the fp32 ones without overlap, plus
-     * the fp64 copy a device widens a unit's gradient into (stages 2-3);
-     * a rank's own estimate (zt_memory_rank) gives the same numbers. */
+     * the fp64 copy a unit's gradient is widened into for NCCL (stages
+     * 2-3); a rank's own estimate (zt_memory_rank) gives the same numbers. */
     uint64_t host0, dev0, acts0, dev_acts;
     if (zt_memory_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
         zt_memory_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)

@@ -91,8 +91,8 @@ def test_one_micro_step_per_rank_and_mixed_paths(procs, tmp_path, data):
     """With one micro-step per rank (train_batch_size = micro batch x N) the gradient sum of
     stages 0-1 is the fp32 gradient itself, so the ring reduce-scatters it from there, its
     first step as fp32, without an fp64 copy. A generation whose w0 takes the device path
-    (ZT_TEST_STAGE_COLLECTIVES: staged collectives from a widened copy, no overlap thread)
-    mixes both paths on the wire (the same bytes), and since overlap changes the order of
+    (ZT_TEST_STAGE_COLLECTIVES: collectives staged through host memory, no overlap thread)
+    mixes both paths, and since overlap changes the order of
     the collectives its ranks agree to run without it (the CPU ranks log why). The loss
     series equals the single-process run's (three micro-steps) to the bit: CPU-only with
     overlap on and off, and mixed at every stage."""
