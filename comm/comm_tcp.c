@@ -325,8 +325,8 @@ static int ring_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, 
  * one of them skipped) would otherwise reduce one another's bytes into
  * wrong sums, or wait until the deadline; with it the collective fails at
  * once, naming both calls. 32 bytes and one message latency per call. The
- * two fp32-into-fp64 reduce-scatters send the same bytes and share a code
- * (a GPU rank runs f32in64 where a CPU rank runs f32to64). */
+ * two fp32-into-fp64 reduce-scatters send the same bytes and share a code,
+ * so ranks may mix them. */
 typedef struct {
   uint32_t magic;
   uint8_t op, dt, pad[2];

@@ -304,7 +304,7 @@ static int rs_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
 /* One reduction, queued or not. Stages 0-1: unit u's padded range of the
  * fp64 sum, reduce-scattered in place; or, where the step has one
  * micro-step per rank (sum32), its fp32 gradient in G straight into this
- * rank's range of the sum (over NCCL: from the widened sum). Stages 2-3: piece lo of the fp32
+ * rank's range of the sum (not over NCCL). Stages 2-3: piece lo of the fp32
  * gradient in slot s, reduce-scattered, then its shard added into the
  * sum (host memory: a plain loop on this thread). A piece's elements are
  * summed over the ranks in the ring's order whatever its size, so the
@@ -317,8 +317,8 @@ static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
     return 0;
   }
   double *g = z->G64 + z->off_full[u], *mine = g + (size_t)z->r * z->S[u];
-  if (z->sum32 && !z->dcomm) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
-  return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64, z->sum32);
+  if (z->sum32) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
+  return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64, 0);
 }
 
 /* A queue entry: unit, what to do (gather its parameters or reduce its
@@ -548,7 +548,7 @@ static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   if (z->stage < 2 && z->overlap && z->last_micro) {
     size_t off = z->off_full[u];
-    if (!z->sum32 || z->dcomm) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
+    if (!z->sum32) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
     ov_push(z, u, OV_REDUCE, 0);
     return 0;
   }
@@ -802,11 +802,12 @@ void zt_zero_start_step(zt_zero_t *z) { z->micro_n = 0; }
 void zt_zero_micro_begin(zt_zero_t *z, int last) {
   z->last_micro = last;
   /* Every rank runs the same number of micro-steps (the trainer's accum),
-   * so every rank decides the same way. The fp64 sum starts at zero,
-   * except where the reduction writes this rank's range from G itself. */
+   * so every rank decides the same way (NCCL ranks are all on devices).
+   * The fp64 sum starts at zero, except where the reduction writes this
+   * rank's range from G itself. */
   z->micro_n++;
-  z->sum32 = z->stage < 2 && last && z->micro_n == 1;
-  if (z->micro_n == 1 && !(z->sum32 && !z->dcomm))
+  z->sum32 = z->stage < 2 && last && z->micro_n == 1 && !z->dcomm;
+  if (z->micro_n == 1 && !z->sum32)
     z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
   if (!z->G) return;
   if (!z->due_n) {
@@ -822,7 +823,7 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
 
 int zt_zero_micro_end(zt_zero_t *z) {
   /* With overlap the hooks have summed the last micro-step unit by unit. */
-  if (z->G && !(z->overlap && z->last_micro) && (!z->sum32 || z->dcomm))
+  if (z->G && !(z->overlap && z->last_micro) && !z->sum32)
     z->k->acc_f64(z->G64, z->G, z->full_total);
   if (z->fail) return zt_err("%s", z->fail_msg);
   return 0;

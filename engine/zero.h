@@ -144,7 +144,7 @@ typedef struct zt_zero {
   /* Stages 0-1: micro-steps begun this step, and whether the step has one
    * per rank, so that the sum over micro-steps is the fp32 gradient in G
    * itself: it is then reduce-scattered from G (the first ring step as
-   * fp32), and on host memory never widened into G64 (zero.c). */
+   * fp32) and never widened into G64; not over NCCL (zero.c). */
   int micro_n, sum32;
   pthread_t ov_thread;
   pthread_mutex_t ov_mu;

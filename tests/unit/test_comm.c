@@ -521,8 +521,7 @@ static void call_pair(call_ctx *a, call_ctx *b) {
 /* Ranks whose calls differ (the operation, the count) fail at once with a
  * message naming both calls, well before the 5 s deadline, instead of
  * reducing each other's bytes; the two fp32-into-fp64 reduce-scatters
- * (a GPU rank's and a CPU rank's) agree with each other and give the
- * fp64 sums. */
+ * agree with each other and give the fp64 sums. */
 ZT_TEST(test_calls_must_agree) {
   static float fa[4000], fb[4000], oa[4000], ob[4000];
   call_ctx a = {.op = OP_ALLREDUCE, .dt = ZT_DT_F32, .count = 1000, .buf = fa};
