@@ -99,23 +99,17 @@ ZT_MUST_CHECK int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_d
  * recv may not overlap except recv == send + rank*count. send is clobbered. */
 ZT_MUST_CHECK int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
                            zt_redop_t op, int64_t timeout_ms);
-/* zt_comm_reduce_scatter of fp64 values (sum) that are all exactly fp32
- * values (widened fp32 gradients): the same sums to the bit, in the same
- * order, but the first ring step carries each rank's own values as fp32,
- * so at 2 ranks the whole operation moves half the bytes, at N ranks
- * (2N-3)/(2N-2) of them; partial sums travel as fp64. A value that is not
- * an fp32 one would be rounded: callers widen fp32 buffers only. NCCL
- * runs it as the fp64 reduce-scatter. */
-ZT_MUST_CHECK int zt_comm_reduce_scatter_f32in64(zt_comm_t *c, double *send, double *recv,
-                                                 size_t count, int64_t timeout_ms);
-/* The sums of zt_comm_reduce_scatter_f32in64 straight from fp32 input,
- * which stays unchanged: segment i (count elements, for rank i) starts at
- * send + i * stride (stride >= count, so the segments can be pieces of
- * larger shards), and this rank's fp64 sums land in recv, which may not
- * overlap send. The same values, order, bits and bytes on the wire as
- * widening the input and calling that function, without a widened copy of
- * the input: the ring keeps two fp64 segments of scratch. TCP ring only
- * (an NCCL communicator reports an error). */
+/* A sum reduce-scatter of fp32 input into fp64 sums (exact sums of fp32
+ * gradients), the input staying unchanged: segment i (count elements, for
+ * rank i) starts at send + i * stride (stride >= count, so the segments
+ * can be pieces of larger shards), and this rank's fp64 sums land in recv,
+ * which may not overlap send. The same sums, to the bit and in the same
+ * order, as zt_comm_reduce_scatter of the widened input in fp64, but the
+ * first ring step carries each rank's own values as fp32 (partial sums
+ * travel as fp64), so at 2 ranks it moves half the bytes, at N ranks
+ * (2N-3)/(2N-2) of them, and no widened copy of the input is made: the
+ * ring keeps two fp64 segments of scratch. TCP ring only (an NCCL
+ * communicator reports an error; NCCL has no fp32-to-fp64 reduction). */
 ZT_MUST_CHECK int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t stride,
                                                  double *recv, size_t count, int64_t timeout_ms);
 /* send holds count elements; recv receives world*count. send may be

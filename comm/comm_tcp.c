@@ -264,40 +264,31 @@ static void segment(size_t count, int world, int i, size_t *off, size_t *len) {
 static int mod(int a, int n) { return ((a % n) + n) % n; }
 
 /* Ring reduce-scatter in place: afterwards segment `rank` of buf holds the
- * full reduction. Segments given by (count, uniform) layout. With
- * `first32` (dt fp64, every value exactly an fp32 one) the first step
- * sends this rank's own segment as fp32 and widens what it receives: the
- * same values, so the same sums, in half the bytes; later steps carry
- * partial sums, which need fp64. */
+ * full reduction. Segments given by (count, uniform) layout. */
 static int ring_reduce_scatter(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t dt,
-                               int first32, zt_deadline_t dl, const char *op) {
+                               zt_deadline_t dl, const char *op) {
   size_t esz = zt_dtype_size(dt), maxseg = count / (size_t)c->world + 1;
-  uint8_t *tmp = scratch(c, maxseg * esz + (first32 ? maxseg * sizeof(float) : 0));
+  uint8_t *tmp = scratch(c, maxseg * esz);
   for (int st = 0; st < c->world - 1; st++) {
     size_t so, sl, ro, rl;
     segment(count, c->world, mod(c->rank - st - 1, c->world), &so, &sl);
     segment(count, c->world, mod(c->rank - st - 2, c->world), &ro, &rl);
     ring_step s = {buf + so * esz, sl * esz, tmp, rl * esz, buf + ro * esz, dt, 0, NULL};
-    if (first32 && st == 0) {
-      float *out = (float *)(tmp + maxseg * esz);
-      const double *in = (const double *)(buf + so * esz);
-      for (size_t i = 0; i < sl; i++) out[i] = (float)in[i];
-      s = (ring_step){(uint8_t *)out, sl * sizeof(float), tmp, rl * sizeof(float),
-                      buf + ro * esz, ZT_DT_F32, 1, NULL};
-    }
     if (step_run(c, &s, dl, op) != 0) return -1;
   }
   return 0;
 }
 
-/* ring_reduce_scatter with first32 on fp32 input that stays as it is:
- * segment i of the input at src + i * stride, count elements each. The
- * first step sends this rank's fp32 segment from src; every step writes
- * this rank's own values (widened) plus what arrived into an fp64 buffer,
- * which the next step sends. The buffers alternate between `out` and
- * scratch so that the last step's sums land in `out`: the same values,
- * order and bytes as widening the input and calling ring_reduce_scatter,
- * without the widened copy of world * count elements. */
+/* The reduce-scatter of fp32 input into fp64 sums, the input staying as it
+ * is: segment i of the input at src + i * stride, count elements each.
+ * The first step sends this rank's fp32 segment from src (its values are
+ * exact in fp32, so they need no more bits); every step writes this rank's
+ * own values (widened) plus what arrived into an fp64 buffer, which the
+ * next step sends, since partial sums need fp64. The buffers alternate
+ * between `out` and scratch so that the last step's sums land in `out`:
+ * the same values and order as widening the input and calling
+ * ring_reduce_scatter on fp64, in fewer bytes and without the widened
+ * copy of world * count elements. */
 static int ring_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, double *out,
                                  size_t count, zt_deadline_t dl, const char *op) {
   int w = c->world;
@@ -324,9 +315,7 @@ static int ring_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, 
  * whose calls differ (another operation, type, count or root, or a call
  * one of them skipped) would otherwise reduce one another's bytes into
  * wrong sums, or wait until the deadline; with it the collective fails at
- * once, naming both calls. 32 bytes and one message latency per call. The
- * two fp32-into-fp64 reduce-scatters send the same bytes and share a code,
- * so ranks may mix them. */
+ * once, naming both calls. 32 bytes and one message latency per call. */
 typedef struct {
   uint32_t magic;
   uint8_t op, dt, pad[2];
@@ -405,7 +394,7 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
   if (c->world > 1 && agree(c, OPH_ALL_REDUCE, dt, op, count, dl, "all-reduce") != 0) return -1;
   if (c->world > 1 && count > 0) {
-    if (ring_reduce_scatter(c, buf, count, dt, 0, dl, "all-reduce") != 0) return -1;
+    if (ring_reduce_scatter(c, buf, count, dt, dl, "all-reduce") != 0) return -1;
     if (op == ZT_RED_AVG) {
       size_t o, l;
       segment(count, c->world, c->rank, &o, &l);
@@ -416,8 +405,8 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
   return 0;
 }
 
-static int reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
-                          zt_redop_t op, int first32, int64_t timeout_ms) {
+int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+                           zt_redop_t op, int64_t timeout_ms) {
   if (check_usable(c, "reduce-scatter") != 0) return -1;
   __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
   if (c->nccl)
@@ -425,25 +414,14 @@ static int reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt
   size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
   uint8_t *mine = (uint8_t *)send + (size_t)c->rank * count * esz;
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
-  if (c->world > 1 && agree(c, first32 ? OPH_RS_FIRST32 : OPH_REDUCE_SCATTER, dt, op, count, dl,
-                            "reduce-scatter") != 0)
+  if (c->world > 1 && agree(c, OPH_REDUCE_SCATTER, dt, op, count, dl, "reduce-scatter") != 0)
     return -1;
   if (c->world > 1 && count > 0 &&
-      ring_reduce_scatter(c, send, total, dt, first32, dl, "reduce-scatter") != 0)
+      ring_reduce_scatter(c, send, total, dt, dl, "reduce-scatter") != 0)
     return -1;
   if (op == ZT_RED_AVG && c->world > 1) zt_comm_scale(mine, count, dt, 1.0f / (float)c->world);
   if (count && (uint8_t *)recv != mine) memmove(recv, mine, count * esz);
   return 0;
-}
-
-int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
-                           zt_redop_t op, int64_t timeout_ms) {
-  return reduce_scatter(c, send, recv, count, dt, op, 0, timeout_ms);
-}
-
-int zt_comm_reduce_scatter_f32in64(zt_comm_t *c, double *send, double *recv, size_t count,
-                                   int64_t timeout_ms) {
-  return reduce_scatter(c, send, recv, count, ZT_DT_F64, ZT_RED_SUM, 1, timeout_ms);
 }
 
 int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t stride, double *recv,

@@ -64,18 +64,9 @@ static char *stage(zt_zero_t *z, size_t bytes) {
   return z->stage_buf;
 }
 
-/* A sum reduce-scatter on memory the communicator takes; `exact32`: the
- * fp64 values are widened fp32 ones (zt_comm_reduce_scatter_f32in64). */
-static int rs_call(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt, int exact32) {
-  if (exact32 && dt == ZT_DT_F64)
-    return zt_comm_reduce_scatter_f32in64(z->comm, send, recv, count, z->tmo);
-  return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
-}
-
 /* Covers both in-place forms: recv inside send (reduce-scatter) and send
  * inside recv (all-gather). `big` is the world*count side. */
-static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype_t dt, int gather,
-                    int exact32) {
+static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype_t dt, int gather) {
   size_t es = zt_dtype_size(dt), bb = count * es * (size_t)z->N, sb = count * es;
   int inside = small >= big && small < big + bb;
   char *h = stage(z, bb + (inside ? 0 : sb));
@@ -86,20 +77,20 @@ static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype
     z->k->upload(big, h, bb);
   } else {
     z->k->download(h, big, bb);
-    if (rs_call(z, h, hs, count, dt, exact32) != 0) return -1;
+    if (zt_comm_reduce_scatter(z->comm, h, hs, count, dt, ZT_RED_SUM, z->tmo) != 0) return -1;
     z->k->upload(small, hs, sb);
   }
   return 0;
 }
 
-static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt,
-                            int exact32) {
+static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt) {
   if (z->N == 1) {
     if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
     return 0;
   }
-  if (!z->dev || z->dcomm) return rs_call(z, send, recv, count, dt, exact32);
-  return c_staged(z, send, recv, count, dt, 0, exact32);
+  if (!z->dev || z->dcomm)
+    return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
+  return c_staged(z, send, recv, count, dt, 0);
 }
 
 static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count, zt_dtype_t dt) {
@@ -108,7 +99,7 @@ static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count
     return 0;
   }
   if (!z->dev || z->dcomm) return zt_comm_all_gather(z->comm, send, recv, count, dt, z->tmo);
-  return c_staged(z, recv, (char *)send, count, dt, 1, 0);
+  return c_staged(z, recv, (char *)send, count, dt, 1);
 }
 
 int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt) {
@@ -318,7 +309,7 @@ static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
   }
   double *g = z->G64 + z->off_full[u], *mine = g + (size_t)z->r * z->S[u];
   if (z->sum32) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
-  return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64, 0);
+  return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64);
 }
 
 /* A queue entry: unit, what to do (gather its parameters or reduce its
@@ -564,7 +555,7 @@ static int h_post_backward(void *ctx, int u) {
     int rc;
     if (z->dcomm) {
       widen_piece(z, z->tg64, g, u, lo);
-      rc = c_reduce_scatter(z, z->tg64, z->rs64, n, ZT_DT_F64, 1);
+      rc = c_reduce_scatter(z, z->tg64, z->rs64, n, ZT_DT_F64);
     } else {
       rc = rs_piece(z, g, u, lo);
     }
