@@ -17,8 +17,9 @@
  *
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
- *                    [--attention auto|tiled|cublas]
- * Exits 77 without a CUDA device.
+ *                    [--attention auto|tiled|tiled-tc|cublas]
+ * (tiled-tc: the tiled kernels on the tensor cores, bf16 storage only;
+ * zt_kern_cuda_set_attention_tc.) Exits 77 without a CUDA device.
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,7 +58,7 @@ static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
-          "                   [--attention auto|tiled|cublas]\n");
+          "                   [--attention auto|tiled|tiled-tc|cublas]\n");
   return 2;
 }
 
@@ -80,7 +81,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--steps")) steps = atoi(v);
     else if (!strcmp(a, "--attention")) {
       att = v;
-      if (strcmp(v, "auto") && strcmp(v, "tiled") && strcmp(v, "cublas")) return usage();
+      if (strcmp(v, "auto") && strcmp(v, "tiled") && strcmp(v, "tiled-tc") && strcmp(v, "cublas"))
+        return usage();
     }
     else if (!strcmp(a, "--math")) {
       math_name = v;
@@ -98,7 +100,14 @@ int main(int argc, char **argv) {
     return 77;
   }
   zt_kern_cuda_set_math(math);
-  if (!strcmp(att, "tiled")) zt_kern_cuda_set_attention_scratch_max(0);
+  if (!strcmp(att, "tiled") || !strcmp(att, "tiled-tc")) zt_kern_cuda_set_attention_scratch_max(0);
+  if (!strcmp(att, "tiled-tc")) {
+    if (!storage16) {
+      fprintf(stderr, "zt_gpubench: --attention tiled-tc takes --math bf16-storage\n");
+      return 2;
+    }
+    zt_kern_cuda_set_attention_tc(1);
+  }
   if (!strcmp(att, "cublas")) zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
   const zt_kernels_t *k = storage16 ? zt_kernels_cuda_bf16() : zt_kernels_cuda();
   int T = cfg.seq_len;

@@ -15,6 +15,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -1011,13 +1012,343 @@ static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, c
   ZT_CUDA_LAUNCHED();
 }
 
+/* ---------------------------------------------------------------------------
+ * The tiled attention on the tensor cores: bf16 storage, head sizes a
+ * multiple of 16 up to FA_HSMAX, behind zt_kern_cuda_set_attention_tc (off
+ * by default until it has been measured on a GPU; docs/gpu.md). The same
+ * three kernels as above (forward; dk and dv per key tile; dq per query
+ * tile), with the products on warp matrix instructions (nvcuda::wmma,
+ * 16 x 16 x 16 tiles of bf16 with fp32 accumulation): a warp owns 16 rows,
+ * a block TC_WARPS warps, and the other side streams by in tiles of TC_T
+ * rows. Fragments are never read element by element (their layout is the
+ * hardware's): scores go through the warp's slice of shared memory, where
+ * each lane works on half a row (16 columns), and the probabilities (and
+ * ds in the backward) come back as bf16 operands of the second product,
+ * rounded once, as flash attention does. Because the accumulators cannot
+ * be rescaled row by row, the forward makes two passes over the keys: the
+ * row maxima and sums first (lse), then out = sum exp(s - lse) v, which
+ * recomputes q k^T (1.5 times the products of one pass) and needs no
+ * rescaling. No atomics; each block writes its own rows. */
+
+namespace wm = nvcuda::wmma;
+#define TC_R 16                   /* a warp's rows: one fragment high */
+#define TC_WARPS 4
+#define TC_BR (TC_R * TC_WARPS)   /* a block's rows */
+#define TC_T 32                   /* rows of a streamed tile: two fragments */
+#define TC_LDH (FA_HSMAX + 8)     /* bf16 row stride of q, k, v and dout tiles */
+#define TC_LDS (TC_T + 4)         /* fp32 row stride of a warp's 16 x TC_T scores */
+#define TC_LDP (TC_T + 8)         /* bf16 row stride of a warp's 16 x TC_T weights */
+#define TC_NK (FA_HSMAX / 16)     /* fragments across the head, at most */
+
+typedef wm::fragment<wm::matrix_a, 16, 16, 16, bf16, wm::row_major> tc_a;
+typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf16, wm::row_major> tc_b;
+typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf16, wm::col_major> tc_bt; /* a row-major M^T */
+typedef wm::fragment<wm::accumulator, 16, 16, 16, float> tc_acc;
+
+/* 32 bytes: shared arrays of it are 256-bit aligned, as wmma loads and
+ * stores require. 16 bytes: one vector access. */
+struct alignas(32) tc32 {
+  unsigned char b[32];
+};
+struct alignas(16) tc16 {
+  unsigned x[4];
+};
+
+/* Rows [t0, t0 + n) of a [T, hs] bf16 slice (row stride rs) into dst (row
+ * stride TC_LDH), 16 bytes at a time; rows at or past T read as 0. */
+__device__ void tc_load(bf16 *dst, const bf16 *src, size_t rs, int t0, int n, int T, int hs) {
+  int per = hs / 8;
+  for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
+    int r = e / per, c = (e % per) * 8;
+    tc16 v = {{0, 0, 0, 0}};
+    if (t0 + r < T) v = *(const tc16 *)(src + (size_t)(t0 + r) * rs + c);
+    *(tc16 *)(dst + r * TC_LDH + c) = v;
+  }
+}
+
+/* s (a warp's 16 x TC_T fp32, row stride TC_LDS) = rows (16 x hs) times
+ * the transpose of tile (TC_T x hs), both bf16 with row stride TC_LDH. */
+__device__ __forceinline__ void tc_scores(float *s, const bf16 *rows, const bf16 *tile, int nk) {
+  ZT_UNROLL
+  for (int n = 0; n < TC_T / 16; n++) {
+    tc_acc acc;
+    wm::fill_fragment(acc, 0.0f);
+    ZT_UNROLL
+    for (int kk = 0; kk < TC_NK; kk++) {
+      if (kk >= nk) continue;
+      tc_a a;
+      tc_bt bt;
+      wm::load_matrix_sync(a, rows + kk * 16, TC_LDH);
+      wm::load_matrix_sync(bt, tile + n * 16 * TC_LDH + kk * 16, TC_LDH);
+      wm::mma_sync(acc, a, bt, acc);
+    }
+    wm::store_matrix_sync(s + n * 16, acc, TC_LDS, wm::mem_row_major);
+  }
+}
+
+/* acc[n] += w (a warp's 16 x TC_T bf16 weights, row stride TC_LDP) times
+ * the tile m (TC_T x hs, row stride TC_LDH). */
+__device__ __forceinline__ void tc_accum(tc_acc (&acc)[TC_NK], const bf16 *w, const bf16 *m,
+                                         int nk) {
+  ZT_UNROLL
+  for (int kk = 0; kk < TC_T / 16; kk++) {
+    tc_a a;
+    wm::load_matrix_sync(a, w + kk * 16, TC_LDP);
+    ZT_UNROLL
+    for (int n = 0; n < TC_NK; n++) {
+      if (n >= nk) continue;
+      tc_b bm;
+      wm::load_matrix_sync(bm, m + kk * 16 * TC_LDH + n * 16, TC_LDH);
+      wm::mma_sync(acc[n], a, bm, acc[n]);
+    }
+  }
+}
+
+__device__ __forceinline__ void tc_zero(tc_acc (&acc)[TC_NK]) {
+  ZT_UNROLL
+  for (int n = 0; n < TC_NK; n++) wm::fill_fragment(acc[n], 0.0f);
+}
+
+/* Rows r0 .. r0 + 15 below T of a [T, *] bf16 array (row stride rs),
+ * columns [0, 16 nk): acc * scale, through the warp's scores slice s, two
+ * fragments at a time. */
+__device__ __forceinline__ void tc_store(bf16 *base, size_t rs, int r0, int T,
+                                         tc_acc (&acc)[TC_NK], int nk, float scale, float *s,
+                                         int lane) {
+  int r = lane / 2, half = lane % 2;
+  ZT_UNROLL
+  for (int n = 0; n < TC_NK; n += 2) {
+    if (n >= nk) continue;
+    wm::store_matrix_sync(s, acc[n], TC_LDS, wm::mem_row_major);
+    if (n + 1 < nk) wm::store_matrix_sync(s + 16, acc[n + 1], TC_LDS, wm::mem_row_major);
+    __syncwarp();
+    if (r0 + r < T && n + half < nk) {
+      bf16 *o = base + (size_t)(r0 + r) * rs + (n + half) * 16;
+      for (int c = 0; c < 16; c++) put(o[c], s[r * TC_LDS + half * 16 + c] * scale);
+    }
+    __syncwarp();
+  }
+}
+
+__global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, int C, int NH,
+                               float scale) {
+  __shared__ tc32 qs_[TC_BR * TC_LDH * 2 / 32];
+  __shared__ tc32 ks_[TC_T * TC_LDH * 2 / 32];
+  __shared__ tc32 vs_[TC_T * TC_LDH * 2 / 32];
+  __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
+  __shared__ tc32 pw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
+  bf16 *qs = (bf16 *)qs_, *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
+  int hs = C / NH, nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int q0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int r0 = q0 + warp * TC_R, row = r0 + lane / 2, c0 = (lane % 2) * 16;
+  float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
+  bf16 *pw = (bf16 *)pw_ + warp * TC_R * TC_LDP, *prow = pw + (lane / 2) * TC_LDP + c0;
+  const bf16 *qw = qs + warp * TC_R * TC_LDH;
+  size_t rs = 3 * (size_t)C;
+  const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  tc_load(qs, base, rs, q0, TC_BR, T, hs);
+  int kend = min(T, q0 + TC_BR);
+  /* Pass 1: the maximum and the sum of exponentials of this lane's row
+   * (both lanes of a row keep them). Key 0 is in the first tile of every
+   * row, so m is finite from then on. */
+  float m = -INFINITY, l = 0.0f;
+  for (int k0 = 0; k0 < kend; k0 += TC_T) {
+    __syncthreads(); /* the previous tile is no longer read */
+    tc_load(ks, base + C, rs, k0, TC_T, T, hs);
+    __syncthreads();
+    if (k0 > r0 + TC_R - 1) continue; /* the tile is above all this warp's rows */
+    tc_scores(sw, qw, ks, nk);
+    __syncwarp();
+    float s[16], mx = -INFINITY, sum = 0.0f;
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++) {
+      s[c] = k0 + c0 + c <= row ? srow[c] * scale : -INFINITY;
+      mx = fmaxf(mx, s[c]);
+    }
+    float mn = fmaxf(m, fmaxf(mx, __shfl_xor_sync(FA_FULL, mx, 1)));
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++) sum += expf(s[c] - mn);
+    l = l * expf(m - mn) + sum + __shfl_xor_sync(FA_FULL, sum, 1);
+    m = mn;
+    __syncwarp(); /* the scores are written again */
+  }
+  float lr = m + logf(l);
+  /* Pass 2: out = the sum over keys of exp(s - lse) v. */
+  tc_acc o[TC_NK];
+  tc_zero(o);
+  for (int k0 = 0; k0 < kend; k0 += TC_T) {
+    __syncthreads();
+    tc_load(ks, base + C, rs, k0, TC_T, T, hs);
+    tc_load(vs, base + 2 * C, rs, k0, TC_T, T, hs);
+    __syncthreads();
+    if (k0 > r0 + TC_R - 1) continue;
+    tc_scores(sw, qw, ks, nk);
+    __syncwarp();
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++)
+      put(prow[c], k0 + c0 + c <= row ? expf(srow[c] * scale - lr) : 0.0f);
+    __syncwarp();
+    tc_accum(o, pw, vs, nk);
+  }
+  tc_store(out + (size_t)b * T * C + (size_t)h * hs, C, r0, T, o, nk, 1.0f, sw, lane);
+  if (lane % 2 == 0 && row < T) lse[(size_t)bh * T + row] = lr;
+}
+
+/* dq of TC_BR query rows: the key tiles at and before them stream by. */
+__global__ void k_flash_tc_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
+                                 const float *D, int T, int C, int NH, float scale) {
+  __shared__ tc32 qs_[TC_BR * TC_LDH * 2 / 32];
+  __shared__ tc32 gs_[TC_BR * TC_LDH * 2 / 32];
+  __shared__ tc32 ks_[TC_T * TC_LDH * 2 / 32];
+  __shared__ tc32 vs_[TC_T * TC_LDH * 2 / 32];
+  __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
+  __shared__ tc32 dw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
+  bf16 *qs = (bf16 *)qs_, *gs = (bf16 *)gs_, *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
+  int hs = C / NH, nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int q0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int r0 = q0 + warp * TC_R, row = r0 + lane / 2, c0 = (lane % 2) * 16;
+  float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
+  bf16 *dw = (bf16 *)dw_ + warp * TC_R * TC_LDP, *drow = dw + (lane / 2) * TC_LDP + c0;
+  size_t rs = 3 * (size_t)C;
+  const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  tc_load(qs, base, rs, q0, TC_BR, T, hs);
+  tc_load(gs, dout + (size_t)b * T * C + (size_t)h * hs, C, q0, TC_BR, T, hs);
+  float lr = row < T ? lse[(size_t)bh * T + row] : 0.0f;
+  float dr = row < T ? D[(size_t)bh * T + row] : 0.0f;
+  tc_acc dq[TC_NK];
+  tc_zero(dq);
+  int kend = min(T, q0 + TC_BR);
+  for (int k0 = 0; k0 < kend; k0 += TC_T) {
+    __syncthreads();
+    tc_load(ks, base + C, rs, k0, TC_T, T, hs);
+    tc_load(vs, base + 2 * C, rs, k0, TC_T, T, hs);
+    __syncthreads();
+    if (k0 > r0 + TC_R - 1) continue;
+    tc_scores(sw, qs + warp * TC_R * TC_LDH, ks, nk);
+    __syncwarp();
+    float p[16];
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++)
+      p[c] = k0 + c0 + c <= row && row < T ? expf(srow[c] * scale - lr) : 0.0f;
+    __syncwarp(); /* the slice now takes dp = dout v^T */
+    tc_scores(sw, gs + warp * TC_R * TC_LDH, vs, nk);
+    __syncwarp();
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++) put(drow[c], p[c] * (srow[c] - dr));
+    __syncwarp();
+    tc_accum(dq, dw, ks, nk);
+  }
+  tc_store(dqkv + (size_t)b * T * rs + (size_t)h * hs, rs, r0, T, dq, nk, scale, sw, lane);
+}
+
+/* dk and dv of TC_BR keys: the query tiles at and after them stream by. */
+__global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
+                                  const float *lse, const float *D, int T, int C, int NH,
+                                  float scale) {
+  __shared__ tc32 kb_[TC_BR * TC_LDH * 2 / 32];
+  __shared__ tc32 vb_[TC_BR * TC_LDH * 2 / 32];
+  __shared__ tc32 qs_[TC_T * TC_LDH * 2 / 32];
+  __shared__ tc32 gs_[TC_T * TC_LDH * 2 / 32];
+  __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
+  __shared__ tc32 pw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
+  __shared__ tc32 dw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
+  __shared__ float ls[TC_T];
+  __shared__ float dsh[TC_T];
+  bf16 *kb = (bf16 *)kb_, *vb = (bf16 *)vb_, *qs = (bf16 *)qs_, *gs = (bf16 *)gs_;
+  int hs = C / NH, nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int k0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int j0 = k0 + warp * TC_R, key = j0 + lane / 2, c0 = (lane % 2) * 16;
+  float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
+  bf16 *pw = (bf16 *)pw_ + warp * TC_R * TC_LDP, *prow = pw + (lane / 2) * TC_LDP + c0;
+  bf16 *dw = (bf16 *)dw_ + warp * TC_R * TC_LDP, *drow = dw + (lane / 2) * TC_LDP + c0;
+  size_t rs = 3 * (size_t)C;
+  const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const bf16 *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
+  tc_load(kb, base + C, rs, k0, TC_BR, T, hs);
+  tc_load(vb, base + 2 * C, rs, k0, TC_BR, T, hs);
+  tc_acc dk[TC_NK], dv[TC_NK];
+  tc_zero(dk);
+  tc_zero(dv);
+  for (int t0 = k0; t0 < T; t0 += TC_T) {
+    __syncthreads();
+    tc_load(qs, base, rs, t0, TC_T, T, hs);
+    tc_load(gs, gbase, C, t0, TC_T, T, hs);
+    if (threadIdx.x < TC_T) {
+      int i = t0 + threadIdx.x;
+      ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
+      dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
+    }
+    __syncthreads();
+    if (t0 + TC_T - 1 < j0) continue; /* every query of the tile is before this warp's keys */
+    tc_scores(sw, kb + warp * TC_R * TC_LDH, qs, nk); /* s^T: keys x queries */
+    __syncwarp();
+    float p[16];
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++) {
+      int i = t0 + c0 + c;
+      p[c] = i < T && i >= key ? expf(srow[c] * scale - ls[c0 + c]) : 0.0f;
+      put(prow[c], p[c]);
+    }
+    __syncwarp(); /* the slice now takes dp^T = v dout^T */
+    tc_scores(sw, vb + warp * TC_R * TC_LDH, gs, nk);
+    __syncwarp();
+    ZT_UNROLL
+    for (int c = 0; c < 16; c++) put(drow[c], p[c] * (srow[c] - dsh[c0 + c]));
+    __syncwarp();
+    tc_accum(dv, pw, gs, nk);
+    tc_accum(dk, dw, qs, nk);
+  }
+  bf16 *o = dqkv + (size_t)b * T * rs + (size_t)h * hs;
+  tc_store(o + C, rs, j0, T, dk, nk, scale, sw, lane);
+  tc_store(o + 2 * C, rs, j0, T, dv, nk, 1.0f, sw, lane);
+}
+
+/* The tensor-core kernels take bf16 storage, head sizes a multiple of 16
+ * up to FA_HSMAX, and 16-byte aligned q, k, v, dout and gradient rows
+ * (C a multiple of 8, as head sizes of 16 make it). */
+static int att_tc_on;
+
+static int att_tc(int C, int NH, const void *a, const void *b, const void *c) {
+  int hs = C / NH;
+  return att_tc_on && hs % 16 == 0 && hs <= FA_HSMAX &&
+         ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
+}
+
+static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int C,
+                             int NH) {
+  dim3 grid((unsigned)((T + TC_BR - 1) / TC_BR), (unsigned)(B * NH));
+  k_flash_tc_fwd<<<grid, TC_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, C, NH,
+                                                      1.0f / sqrtf((float)(C / NH)));
+  ZT_CUDA_LAUNCHED();
+}
+
+static void flash_tc_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out,
+                              const float *lse, int B, int T, int C, int NH) {
+  int rows = B * NH * T;
+  float scale = 1.0f / sqrtf((float)(C / NH));
+  float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
+  k_flash_bwd_d<bf16><<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
+  ZT_CUDA_LAUNCHED();
+  dim3 grid((unsigned)((T + TC_BR - 1) / TC_BR), (unsigned)(B * NH));
+  k_flash_tc_bwd_kv<<<grid, TC_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
+                                                         scale);
+  ZT_CUDA_LAUNCHED();
+  k_flash_tc_bwd_q<<<grid, TC_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
+                                                        scale);
+  ZT_CUDA_LAUNCHED();
+}
+
 template <typename X>
 static void cu_attention_forward(float *out_, float *lse, const float *qkv_, int B, int T, int C,
                                  int NH) {
   if (B <= 0 || T <= 0) return;
   X *out = (X *)out_;
   const X *qkv = (const X *)qkv_;
-  if (att_tiled(B, T, C, NH)) return flash_forward(out, lse, qkv, B, T, C, NH);
+  if (att_tiled(B, T, C, NH)) {
+    if (sizeof(X) == 2 && att_tc(C, NH, qkv, out, out))
+      return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, C, NH);
+    return flash_forward(out, lse, qkv, B, T, C, NH);
+  }
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
   float *q = (float *)scratch(SCR_ATT, (4 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
@@ -1045,7 +1376,12 @@ static void cu_attention_backward(float *dqkv_, const float *dout_, const float 
   if (B <= 0 || T <= 0) return;
   X *dqkv = (X *)dqkv_;
   const X *dout = (const X *)dout_, *qkv = (const X *)qkv_, *out = (const X *)out_;
-  if (att_tiled(B, T, C, NH)) return flash_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
+  if (att_tiled(B, T, C, NH)) {
+    if (sizeof(X) == 2 && att_tc(C, NH, qkv, dout, dqkv))
+      return flash_tc_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv,
+                               (const bf16 *)out, lse, B, T, C, NH);
+    return flash_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
+  }
   int hs = C / NH, batch = B * NH;
   size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
   float *q = (float *)scratch(SCR_ATT, att_cublas_scratch(B, T, C, NH)), *k = q + n,
@@ -1470,6 +1806,8 @@ extern "C" const zt_kernels_t *zt_kernels_cuda_bf16(void) {
 }
 extern "C" void zt_kern_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
 extern "C" zt_cuda_math_t zt_kern_cuda_math(void) { return g.math; }
+extern "C" void zt_kern_cuda_set_attention_tc(int on) { att_tc_on = on; }
+
 extern "C" void zt_kern_cuda_set_attention_scratch_max(size_t bytes) {
   att_scr_max = bytes;
   att_scr_max_set = 1;

@@ -76,6 +76,13 @@ zt_cuda_math_t zt_kern_cuda_math(void);
  * every head size <= 64 tiled, SIZE_MAX none. */
 void zt_kern_cuda_set_attention_scratch_max(size_t bytes);
 
+/* 1: with bf16 storage, the tiled attention runs on the tensor cores (bf16
+ * products, the probabilities and ds rounded to bf16 as flash attention
+ * does) where the head size is a multiple of 16 up to 64; 0 (the default):
+ * on the CUDA cores in fp32. Off by default until it has been measured on a
+ * GPU (docs/gpu.md). */
+void zt_kern_cuda_set_attention_tc(int on);
+
 /* Device memory in use on this process's device, all processes (bytes). */
 size_t zt_cuda_device_memory_used(void);
 

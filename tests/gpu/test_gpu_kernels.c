@@ -565,6 +565,82 @@ static void check_attention_bf16(int B, int T, int C, int NH) {
   free(qkv), free(o), free(l), free(dout), free(o32);
 }
 
+/* The largest |x| of n host floats. */
+static float max_abs(const float *x, size_t n) {
+  float m = 0;
+  for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+  return m;
+}
+
+/* The tiled attention on the tensor cores (zt_kern_cuda_set_attention_tc)
+ * against the fp32 reference (forward) and the fp32 kernels (backward) on
+ * the same bf16 inputs. Its second products take the probabilities
+ * (out, dv) and ds (dk, dq) rounded to bf16, a relative error of at most
+ * u = 2^-8 each. out is a sum of v rows with non-negative weights that add
+ * up to 1, so |error| <= u max |v|, plus the bf16 rounding of the result
+ * (BF_RTOL). The gradients are held to 2^-6 of the largest element of
+ * each of dq, dk and dv: the roundings of p and ds and of the result, with
+ * room for the cancellations in dp - D (the stand-in measured at most
+ * 0.5%). lse comes from fp32 scores and keeps the fp32 tolerance; two runs
+ * of the backward are bit-identical. */
+static void check_attention_tc(int B, int T, int C, int NH) {
+  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+  float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
+  float *dout = rnd_bf(no, 1);
+  R->attention_forward(o, l, qkv, B, T, C, NH);
+  memcpy(o32, o, no * 4);
+  round_bf(o, no);
+  float *d_qkv = devx(qkv, nq), *d_o = dalloc(no * 2), *d_l = dalloc(nl * 4);
+  float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
+  float *d_or = devx(o, no), *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no);
+  float *f_o = DEVF(o, no), *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
+  zt_kern_cuda_set_attention_scratch_max(0);
+  zt_kern_cuda_set_attention_tc(1);
+  XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+  close_x("tensor-core attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
+  close_dev("tensor-core attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
+  G->upload(d_l, l, nl * 4);
+  XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
+  XB->attention_backward(d_g2, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
+  zt_kern_cuda_set_attention_tc(0);
+  G->attention_backward(f_g, f_dout, f_qkv, f_o, f_l, B, T, C, NH);
+  float *g = back(f_g, nq);
+  uint16_t *h = malloc(nq * 2), *h2 = malloc(nq * 2);
+  float *w = malloc(nq * 4);
+  XB->download(h, d_g, nq * 2);
+  XB->download(h2, d_g2, nq * 2);
+  ZT_CHECK(memcmp(h, h2, nq * 2) == 0);
+  for (size_t i = 0; i < nq; i++) w[i] = zt_bf16_to_f32(h[i]);
+  /* dq, dk, dv of each row lie side by side: compare each part on its own. */
+  for (int part = 0; part < 3; part++) {
+    float *gp = malloc(no * 4), *wp = malloc(no * 4);
+    for (size_t r = 0; r < (size_t)B * T; r++) {
+      memcpy(gp + r * C, g + r * 3 * C + (size_t)part * C, (size_t)C * 4);
+      memcpy(wp + r * C, w + r * 3 * C + (size_t)part * C, (size_t)C * 4);
+    }
+    static const char *names[] = {"tensor-core attention_backward dq",
+                                  "tensor-core attention_backward dk",
+                                  "tensor-core attention_backward dv"};
+    float worst = 0, big = max_abs(gp, no);
+    for (size_t i = 0; i < no; i++) worst = fmaxf(worst, fabsf(gp[i] - wp[i]));
+    fprintf(stderr, "  %s: worst |error| %.3g of largest %.3g (%.2g)\n", names[part], worst, big,
+            worst / big);
+    zt_close_all(names[part], wp, gp, no, big / 64, BF_RTOL);
+    free(gp), free(wp);
+  }
+  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
+  void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_g2, d_or, f_qkv, f_dout, f_o, f_l, f_g};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(qkv), free(o), free(l), free(dout), free(o32), free(g), free(h), free(h2), free(w);
+}
+
+ZT_TEST(bf16_attn_tensor_cores) {
+  check_attention_tc(2, 100, 128, 2); /* head size 64 */
+  check_attention_tc(1, 70, 96, 3);   /* 32 */
+  check_attention_tc(2, 45, 48, 1);   /* 48, one block */
+  check_attention_tc(1, 130, 64, 4);  /* 16 */
+}
+
 ZT_TEST(bf16_attn_xent) {
   check_attention_bf16(2, 13, 24, 3);
   check_attention_bf16(2, 100, 128, 2);
@@ -605,4 +681,4 @@ int main(int argc, char **argv) {
 ZT_TEST_MAIN_NAMED(run_all, table, encoder, layernorm, matmul, matmul_reduced_precision,
                    attention, gelu_residual_scale, crossentropy, optimizer_and_reductions,
                    state_helpers, bf16_convert, bf16_elementwise,
-                   bf16_norm_linear, bf16_attn_xent)
+                   bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)

@@ -40,7 +40,8 @@ import sys
 
 SYNC_PRIMS = re.compile(
     r"\b(__syncthreads\w*|__syncwarp|__shfl\w*_sync|__ballot_sync|__any_sync|__all_sync|"
-    r"__activemask|__match_\w+_sync|__reduce_\w+_sync)\b")
+    r"__activemask|__match_\w+_sync|__reduce_\w+_sync|load_matrix_sync|store_matrix_sync|"
+    r"mma_sync|fill_fragment)\b")
 IDENT = re.compile(r"[A-Za-z_]\w*")
 
 

@@ -495,6 +495,14 @@ __thread launch_t *t_launch;
 std::vector<fiber_t> g_fibers;
 std::vector<unsigned char> g_shared_arena, g_dynamic_arena;
 
+/* The arenas' first byte at a multiple of 128, as shared memory is on the
+ * GPU (wmma wants 256-bit aligned tiles, and a __shared__ variable's
+ * alignment is taken from there); each arena is 128 bytes longer. */
+const size_t kSharedAlign = 128;
+unsigned char *arena(std::vector<unsigned char> &v) {
+  return (unsigned char *)(((uintptr_t)v.data() + kSharedAlign - 1) & ~(uintptr_t)(kSharedAlign - 1));
+}
+
 std::set<std::string> &fiber_names() {
   static std::set<std::string> names;
   return names;
@@ -676,8 +684,8 @@ void deadlock(launch_t *L) {
 }
 
 void poison_shared(launch_t *L) {
-  if (L->shared_used) memset(g_shared_arena.data(), kPoison, L->shared_used);
-  if (L->dyn_shmem) memset(g_dynamic_arena.data(), kPoison, L->dyn_shmem);
+  if (L->shared_used) memset(arena(g_shared_arena), kPoison, L->shared_used);
+  if (L->dyn_shmem) memset(arena(g_dynamic_arena), kPoison, L->dyn_shmem);
 }
 
 /* The indices 0 .. n - 1 in an order drawn from *rng. */
@@ -771,22 +779,22 @@ void *shared_var(const void *key, size_t size, size_t align, const char *name) {
   launch_t *L = t_launch;
   if (!L) fatal("__shared__ variable %s used outside a kernel", name);
   for (auto &v : L->shared_vars)
-    if (v.first == key) return g_shared_arena.data() + v.second;
+    if (v.first == key) return arena(g_shared_arena) + v.second;
   if (align < 16) align = 16;
   size_t off = (L->shared_used + align - 1) & ~(align - 1);
   if (off + size + L->dyn_shmem > kStaticShared)
     fatal("kernel %s: __shared__ %s (%zu bytes) takes the block's shared memory past %zu bytes",
           L->name, name, size, kStaticShared);
   L->shared_vars.push_back({key, off});
-  memset(g_shared_arena.data() + L->shared_used, kPoison, off + size - L->shared_used);
+  memset(arena(g_shared_arena) + L->shared_used, kPoison, off + size - L->shared_used);
   L->shared_used = off + size;
-  return g_shared_arena.data() + off;
+  return arena(g_shared_arena) + off;
 }
 
 void *dynamic_shared(void) {
   launch_t *L = t_launch;
   if (!L) fatal("extern __shared__ memory used outside a kernel");
-  return g_dynamic_arena.data();
+  return arena(g_dynamic_arena);
 }
 
 /* Lane f waits at the pending warp operation with `mask` (a new one if
@@ -909,8 +917,9 @@ cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaSt
   L.cur = NULL;
   uint64_t s = g_set.seed ^ (0x5851f42d4c957f2dull * ++g_launches);
   L.rng = splitmix(&s);
-  if (g_shared_arena.size() < kStaticShared) g_shared_arena.resize(kStaticShared);
-  if (g_dynamic_arena.size() < shmem) g_dynamic_arena.resize(shmem);
+  if (g_shared_arena.size() < kStaticShared + kSharedAlign)
+    g_shared_arena.resize(kStaticShared + kSharedAlign);
+  if (g_dynamic_arena.size() < shmem + kSharedAlign) g_dynamic_arena.resize(shmem + kSharedAlign);
   if (L.fibers) ensure_stacks(L.nthreads);
 
   std::vector<uint32_t> blocks = shuffled(nblocks, &L.rng);
