@@ -858,6 +858,17 @@ __global__ void k_flash_bwd_d(float *D, const X *dout, const X *out, int B, int 
   if (lane == 0) D[row] = s;
 }
 
+/* lse and D of rows [t0, t0 + n) of head bh into ls and dsh (0 past T),
+ * by the block's first n threads. */
+__device__ __forceinline__ void fa_row_stats(float *ls, float *dsh, const float *lse,
+                                             const float *D, int bh, int T, int t0, int n) {
+  if ((int)threadIdx.x < n) {
+    int i = t0 + threadIdx.x;
+    ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
+    dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
+  }
+}
+
 /* dk and dv of FA_B keys: the query tiles at and after the keys stream by. */
 template <typename X>
 __global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float *lse,
@@ -887,11 +898,7 @@ __global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float
     __syncthreads();
     fa_load(qs, ld, base, rs, t0, T, hs);
     fa_load(gs, ld, gbase, C, t0, T, hs);
-    if (threadIdx.x < FA_B) {
-      int i = t0 + threadIdx.x;
-      ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
-      dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
-    }
+    fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA_B);
     __syncthreads();
     float s[FA_RPW], dp[FA_RPW];
     fa_dots(s, kb + warp * FA_RPW * hs, qs + lane * ld, hs);
@@ -1273,11 +1280,7 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
     __syncthreads();
     tc_load(qs, base, rs, t0, TC_T, T, hs);
     tc_load(gs, gbase, C, t0, TC_T, T, hs);
-    if (threadIdx.x < TC_T) {
-      int i = t0 + threadIdx.x;
-      ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
-      dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
-    }
+    fa_row_stats(ls, dsh, lse, D, bh, T, t0, TC_T);
     __syncthreads();
     if (t0 + TC_T - 1 < j0) continue; /* every query of the tile is before this warp's keys */
     tc_scores(sw, kb + warp * TC_R * TC_LDH, qs, nk); /* s^T: keys x queries */
