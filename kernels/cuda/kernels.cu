@@ -1002,14 +1002,22 @@ static void flash_forward(X *out, float *lse, const X *qkv, int B, int T, int C,
   ZT_CUDA_LAUNCHED();
 }
 
+/* D = rowsum(dout * out) per head and row, in the attention scratch; both
+ * tiled backwards start with it. */
 template <typename X>
-static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, const float *lse,
-                           int B, int T, int C, int NH) {
+static float *flash_row_d(const X *dout, const X *out, int B, int T, int C, int NH) {
   int rows = B * NH * T;
-  float scale = 1.0f / sqrtf((float)(C / NH));
   float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
   k_flash_bwd_d<X><<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
   ZT_CUDA_LAUNCHED();
+  return D;
+}
+
+template <typename X>
+static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, const float *lse,
+                           int B, int T, int C, int NH) {
+  float scale = 1.0f / sqrtf((float)(C / NH));
+  float *D = flash_row_d(dout, out, B, T, C, NH);
   dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
   k_flash_bwd_kv<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
                                                           scale);
@@ -1327,11 +1335,8 @@ static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int 
 
 static void flash_tc_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out,
                               const float *lse, int B, int T, int C, int NH) {
-  int rows = B * NH * T;
   float scale = 1.0f / sqrtf((float)(C / NH));
-  float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
-  k_flash_bwd_d<bf16><<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
-  ZT_CUDA_LAUNCHED();
+  float *D = flash_row_d(dout, out, B, T, C, NH);
   dim3 grid((unsigned)((T + TC_BR - 1) / TC_BR), (unsigned)(B * NH));
   k_flash_tc_bwd_kv<<<grid, TC_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
                                                          scale);

@@ -527,44 +527,6 @@ ZT_TEST(bf16_norm_linear) {
   free(wm), free(bias), free(y), free(dy), free(gi), free(gwm), free(gbias);
 }
 
-/* Attention on both paths (tiled, cuBLASLt), and cross-entropy. The
- * backward is compared with the fp32 table's on the same inputs rather
- * than with the reference: the tiled backward forms D = rowsum(dout * out)
- * from the stored out (as flash attention does), so with out stored in
- * bf16 its gradients move by up to a few 1e-3 where dp - D cancels, which
- * the reference (it recomputes out) does not see. The fp32 kernels are
- * held to the reference by the fp32 tests above. */
-static void check_attention_bf16(int B, int T, int C, int NH) {
-  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
-  float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
-  float *dout = rnd_bf(no, 1);
-  R->attention_forward(o, l, qkv, B, T, C, NH);
-  memcpy(o32, o, no * 4);
-  round_bf(o, no); /* backward's input, as the bf16 forward stores it */
-  float *d_qkv = devx(qkv, nq), *d_o = dalloc(no * 2), *d_l = dalloc(nl * 4);
-  float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_or = devx(o, no);
-  float *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no), *f_o = DEVF(o, no);
-  float *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
-  for (int tiled = 0; tiled < 2; tiled++) {
-    zt_kern_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
-    XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
-    close_x(tiled ? "bf16 attention_forward (tiled)" : "bf16 attention_forward", d_o, o32, no,
-            1e-5f);
-    close_dev("bf16 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
-    G->upload(d_l, l, nl * 4);
-    XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
-    G->attention_backward(f_g, f_dout, f_qkv, f_o, f_l, B, T, C, NH);
-    float *g = back(f_g, nq);
-    close_x(tiled ? "bf16 attention_backward (tiled)" : "bf16 attention_backward", d_g, g, nq,
-            1e-5f * T);
-    free(g);
-  }
-  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
-  void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_or, f_qkv, f_dout, f_o, f_l, f_g};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
-  free(qkv), free(o), free(l), free(dout), free(o32);
-}
-
 /* The largest |x| of n host floats. */
 static float max_abs(const float *x, size_t n) {
   float m = 0;
@@ -573,27 +535,23 @@ static float max_abs(const float *x, size_t n) {
 }
 
 /* The tiled attention on the tensor cores (zt_kern_cuda_set_attention_tc)
- * against the fp32 reference (forward) and the fp32 kernels (backward) on
- * the same bf16 inputs. Its second products take the probabilities
- * (out, dv) and ds (dk, dq) rounded to bf16, a relative error of at most
- * u = 2^-8 each. out is a sum of v rows with non-negative weights that add
- * up to 1, so |error| <= u max |v|, plus the bf16 rounding of the result
- * (BF_RTOL). The gradients are held to 2^-6 of the largest element of
- * each of dq, dk and dv: the roundings of p and ds and of the result, with
- * room for the cancellations in dp - D (the stand-in measured at most
- * 0.5%). lse comes from fp32 scores and keeps the fp32 tolerance; two runs
- * of the backward are bit-identical. */
-static void check_attention_tc(int B, int T, int C, int NH) {
+ * on check_attention_bf16's inputs (bf16 qkv, dout and out on the device;
+ * o32 and l the fp32 reference's out and lse) against the reference
+ * (forward) and g, the fp32 tiled kernels' backward on the same inputs.
+ * Its second products take the probabilities (out, dv) and ds (dk, dq)
+ * rounded to bf16, a relative error of at most u = 2^-8 each. out is a
+ * sum of v rows with non-negative weights that add up to 1, so
+ * |error| <= u max |v|, plus the bf16 rounding of the result (BF_RTOL).
+ * The gradients are held to 2^-6 of the largest element of each of dq, dk
+ * and dv: the roundings of p and ds and of the result, with room for the
+ * cancellations in dp - D (the stand-in measured at most 0.5%). lse comes
+ * from fp32 scores and keeps the fp32 tolerance; two runs of the backward
+ * are bit-identical. */
+static void check_attention_tc(int B, int T, int C, int NH, const float *qkv, const float *o32,
+                               const float *l, const float *g, float *d_qkv, float *d_dout,
+                               float *d_or, float *d_o, float *d_l) {
   size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
-  float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
-  float *dout = rnd_bf(no, 1);
-  R->attention_forward(o, l, qkv, B, T, C, NH);
-  memcpy(o32, o, no * 4);
-  round_bf(o, no);
-  float *d_qkv = devx(qkv, nq), *d_o = dalloc(no * 2), *d_l = dalloc(nl * 4);
-  float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
-  float *d_or = devx(o, no), *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no);
-  float *f_o = DEVF(o, no), *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
+  float *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
   zt_kern_cuda_set_attention_scratch_max(0);
   zt_kern_cuda_set_attention_tc(1);
   XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
@@ -603,8 +561,6 @@ static void check_attention_tc(int B, int T, int C, int NH) {
   XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
   XB->attention_backward(d_g2, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
   zt_kern_cuda_set_attention_tc(0);
-  G->attention_backward(f_g, f_dout, f_qkv, f_o, f_l, B, T, C, NH);
-  float *g = back(f_g, nq);
   uint16_t *h = malloc(nq * 2), *h2 = malloc(nq * 2);
   float *w = malloc(nq * 4);
   XB->download(h, d_g, nq * 2);
@@ -628,22 +584,61 @@ static void check_attention_tc(int B, int T, int C, int NH) {
     zt_close_all(names[part], wp, gp, no, big / 64, BF_RTOL);
     free(gp), free(wp);
   }
-  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
-  void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_g2, d_or, f_qkv, f_dout, f_o, f_l, f_g};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
-  free(qkv), free(o), free(l), free(dout), free(o32), free(g), free(h), free(h2), free(w);
+  G->release(d_g), G->release(d_g2);
+  free(h), free(h2), free(w);
 }
 
+/* Attention on both paths (tiled, cuBLASLt), and cross-entropy. The
+ * backward is compared with the fp32 table's on the same inputs rather
+ * than with the reference: the tiled backward forms D = rowsum(dout * out)
+ * from the stored out (as flash attention does), so with out stored in
+ * bf16 its gradients move by up to a few 1e-3 where dp - D cancels, which
+ * the reference (it recomputes out) does not see. The fp32 kernels are
+ * held to the reference by the fp32 tests above. */
+static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
+  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+  float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
+  float *dout = rnd_bf(no, 1);
+  R->attention_forward(o, l, qkv, B, T, C, NH);
+  memcpy(o32, o, no * 4);
+  round_bf(o, no); /* backward's input, as the bf16 forward stores it */
+  float *d_qkv = devx(qkv, nq), *d_o = dalloc(no * 2), *d_l = dalloc(nl * 4);
+  float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_or = devx(o, no);
+  float *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no), *f_o = DEVF(o, no);
+  float *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
+  for (int tiled = 0; tiled < 2; tiled++) {
+    zt_kern_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
+    XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+    close_x(tiled ? "bf16 attention_forward (tiled)" : "bf16 attention_forward", d_o, o32, no,
+            1e-5f);
+    close_dev("bf16 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
+    G->upload(d_l, l, nl * 4);
+    XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
+    G->attention_backward(f_g, f_dout, f_qkv, f_o, f_l, B, T, C, NH);
+    float *g = back(f_g, nq);
+    close_x(tiled ? "bf16 attention_backward (tiled)" : "bf16 attention_backward", d_g, g, nq,
+            1e-5f * T);
+    if (tiled && tc)
+      check_attention_tc(B, T, C, NH, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
+    free(g);
+  }
+  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
+  void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_or, f_qkv, f_dout, f_o, f_l, f_g};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(qkv), free(o), free(l), free(dout), free(o32);
+}
+
+/* Both bf16 paths again, then the tensor-core kernels on the same inputs. */
 ZT_TEST(bf16_attn_tensor_cores) {
-  check_attention_tc(2, 100, 128, 2); /* head size 64 */
-  check_attention_tc(1, 70, 96, 3);   /* 32 */
-  check_attention_tc(2, 45, 48, 1);   /* 48, one block */
-  check_attention_tc(1, 130, 64, 4);  /* 16 */
+  check_attention_bf16(2, 100, 128, 2, 1); /* head size 64 */
+  check_attention_bf16(1, 70, 96, 3, 1);   /* 32 */
+  check_attention_bf16(2, 45, 48, 1, 1);   /* 48, one block */
+  check_attention_bf16(1, 130, 64, 4, 1);  /* 16 */
 }
 
 ZT_TEST(bf16_attn_xent) {
-  check_attention_bf16(2, 13, 24, 3);
-  check_attention_bf16(2, 100, 128, 2);
+  check_attention_bf16(2, 13, 24, 3, 0);
+  check_attention_bf16(2, 100, 128, 2, 0);
   int N = 37, V = 500, Vp = 512;
   size_t n = (size_t)N * Vp;
   float *logits = rnd_bf(n, 5), *p = malloc(n * 4), *l = malloc(N * 4), *d = malloc(n * 4);
