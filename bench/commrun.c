@@ -3,14 +3,18 @@
  * comm fault-injection tests.
  *
  *   zt_commrun --rank R --world N --peers H:P,H:P,... [--op all_reduce|
- *              reduce_scatter|all_gather] [--sizes 1M,16M,64M] [--iters K]
- *              [--warmup W] [--timeout-ms T]
+ *              reduce_scatter|all_gather|rs_f32to64] [--sizes 1M,16M,64M]
+ *              [--iters K] [--warmup W] [--timeout-ms T] [--ring-only]
  *
  * Rank R listens on the port given for it in --peers, joins the ring, and
  * runs each size K times after W warm-up runs. Rank 0 prints one JSON line
  * per size: {"op":..,"world":N,"bytes":..,"avg_ms":..,"algbw_GBps":..,
  * "busbw_GBps":..}; bus bandwidth follows the NCCL convention (all-reduce
- * moves 2(N-1)/N of the buffer per rank, the others (N-1)/N). After the
+ * moves 2(N-1)/N of the buffer per rank, the others (N-1)/N). rs_f32to64
+ * is ZeRO's gradient reduction (zt_comm_reduce_scatter_f32to64: fp32 in,
+ * fp64 sums out; sizes are of the fp32 input), made on the mesh from 3
+ * ranks on unless --ring-only; its line also has "mb_sent", the MiB rank
+ * 0 sent per call. After the
  * first completed operation every rank prints "running" on stderr. A failed
  * operation prints "comm error after X ms: ..." and exits with status 3.
  */
@@ -32,7 +36,7 @@ static size_t parse_size(const char *s) {
 }
 
 int main(int argc, char **argv) {
-  int rank = -1, world = 0, iters = 10, warmup = 2;
+  int rank = -1, world = 0, iters = 10, warmup = 2, ring_only = 0;
   int64_t timeout_ms = 30000;
   const char *peers_s = NULL, *op = "all_reduce", *sizes_s = "1M,16M,64M";
   static const struct option opts[] = {
@@ -40,7 +44,7 @@ int main(int argc, char **argv) {
       {"peers", required_argument, 0, 'p'}, {"op", required_argument, 0, 'o'},
       {"sizes", required_argument, 0, 's'}, {"iters", required_argument, 0, 'i'},
       {"warmup", required_argument, 0, 'W'}, {"timeout-ms", required_argument, 0, 't'},
-      {0, 0, 0, 0}};
+      {"ring-only", no_argument, 0, 'R'},   {0, 0, 0, 0}};
   int ch;
   while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (ch) {
@@ -52,6 +56,7 @@ int main(int argc, char **argv) {
     case 'i': iters = atoi(optarg); break;
     case 'W': warmup = atoi(optarg); break;
     case 't': timeout_ms = atoll(optarg); break;
+    case 'R': ring_only = 1; break;
     default: return 2;
     }
   }
@@ -80,18 +85,30 @@ int main(int argc, char **argv) {
     return 1;
   }
   zt_comm_tcp_opts_t o = {.rank = rank, .world = world, .peers = peers, .listen_fd = lfd,
-                        .session = 0xbe7c, .connect_timeout_ms = timeout_ms};
+                        .session = 0xbe7c, .connect_timeout_ms = timeout_ms,
+                        .ring_only = ring_only};
   zt_comm_t *c;
   if (zt_comm_tcp_create(&o, &c) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
-  int kind = !strcmp(op, "all_reduce") ? 0 : !strcmp(op, "reduce_scatter") ? 1 : 2;
+  int kind = !strcmp(op, "all_reduce")       ? 0
+             : !strcmp(op, "reduce_scatter") ? 1
+             : !strcmp(op, "all_gather")     ? 2
+             : !strcmp(op, "rs_f32to64")     ? 3
+                                             : -1;
+  if (kind < 0) {
+    fprintf(stderr, "unknown --op %s\n", op);
+    zt_comm_destroy(c);
+    return 2;
+  }
   int announced = 0, ret = 0;
   char *sc = strdup(sizes_s);
   for (char *t = strtok_r(sc, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
     size_t bytes = parse_size(t), n = bytes / 4, per = n / (size_t)world;
-    float *buf = calloc(n ? n : 1, 4), *out = calloc(n ? n : 1, 4);
+    float *buf = calloc(n ? n : 1, 4), *out = calloc(n ? n : 1, 8);
+    zt_comm_stats_t s0, s1;
+    zt_comm_stats_get(c, &s0);
     for (size_t i = 0; i < n; i++) buf[i] = (float)(i % 7);
     double total = 0;
     for (int it = 0; it < warmup + iters; it++) {
@@ -99,7 +116,9 @@ int main(int argc, char **argv) {
       int rc = kind == 0   ? zt_comm_all_reduce(c, buf, n, ZT_DT_F32, ZT_RED_SUM, timeout_ms)
                : kind == 1 ? zt_comm_reduce_scatter(c, buf, out, per, ZT_DT_F32, ZT_RED_SUM,
                                                     timeout_ms)
-                           : zt_comm_all_gather(c, buf, out, per, ZT_DT_F32, timeout_ms);
+               : kind == 2 ? zt_comm_all_gather(c, buf, out, per, ZT_DT_F32, timeout_ms)
+                           : zt_comm_reduce_scatter_f32to64(c, buf, per, (double *)out, per,
+                                                            timeout_ms);
       int64_t dt = zt_now_us() - t0;
       if (rc != 0) {
         fprintf(stderr, "comm error after %lld ms: %s\n", (long long)(dt / 1000), zt_err_msg());
@@ -113,10 +132,12 @@ int main(int argc, char **argv) {
     }
     double avg = total / iters, algbw = (double)bytes / avg / 1e9;
     double factor = kind == 0 ? 2.0 * (world - 1) / world : (double)(world - 1) / world;
+    zt_comm_stats_get(c, &s1);
     if (rank == 0)
       printf("{\"op\":\"%s\",\"world\":%d,\"bytes\":%zu,\"avg_ms\":%.3f,\"algbw_GBps\":%.3f,"
-             "\"busbw_GBps\":%.3f}\n",
-             op, world, bytes, avg * 1e3, algbw, algbw * factor);
+             "\"busbw_GBps\":%.3f,\"mb_sent\":%.3f}\n",
+             op, world, bytes, avg * 1e3, algbw, algbw * factor,
+             (double)(s1.bytes_sent - s0.bytes_sent) / (warmup + iters) / (1 << 20));
     fflush(stdout);
     free(buf);
     free(out);

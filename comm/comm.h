@@ -66,10 +66,17 @@ typedef struct {
   uint64_t session;         /* same on every rank of one generation, e.g. job<<32|gen */
   int64_t connect_timeout_ms;
   size_t chunk_bytes; /* pipelining granularity; 0: 1 MiB */
+  int ring_only;      /* connect the ring alone, even where a mesh would be made */
 } zt_comm_tcp_opts_t;
 
+/* The largest world whose ranks are all connected pairwise (a mesh). */
+#define ZT_COMM_MESH_MAX 64
+
 /* Connects the ring: rank r connects to rank r+1 and accepts rank r-1.
- * Fails after connect_timeout_ms if a neighbour does not show up. */
+ * From 3 to ZT_COMM_MESH_MAX ranks (unless ring_only), every rank also
+ * connects to every other one (a mesh), and zt_comm_reduce_scatter_f32to64
+ * sends each segment straight to its owner; the other collectives stay on
+ * the ring. Fails after connect_timeout_ms if a peer does not show up. */
 ZT_MUST_CHECK int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out);
 
 /* ---- NCCL backend (built when CUDA and NCCL are found; ZT_HAVE_NCCL) ----- */
@@ -104,12 +111,14 @@ ZT_MUST_CHECK int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, s
  * rank i) starts at send + i * stride (stride >= count, so the segments
  * can be pieces of larger shards), and this rank's fp64 sums land in recv,
  * which may not overlap send. The same sums, to the bit and in the same
- * order, as zt_comm_reduce_scatter of the widened input in fp64, but the
- * first ring step carries each rank's own values as fp32 (partial sums
- * travel as fp64), so at 2 ranks it moves half the bytes, at N ranks
- * (2N-3)/(2N-2) of them, and no widened copy of the input is made: the
- * ring keeps two fp64 segments of scratch. TCP ring only (an NCCL
- * communicator reports an error; NCCL has no fp32-to-fp64 reduction). */
+ * order, as zt_comm_reduce_scatter of the widened input in fp64, without
+ * a widened copy of the input. On a mesh every rank sends each segment as
+ * fp32 straight to its owner, half the fp64 ring's bytes, and the owner
+ * sums in the ring's order (world fp32 segments of scratch). On a
+ * ring (2 ranks, or ring_only) the first step carries each rank's own
+ * values as fp32 and the partial sums travel as fp64: (2N-3)/(2N-2) of
+ * the fp64 ring's bytes. TCP only (an NCCL communicator reports an error;
+ * NCCL has no fp32-to-fp64 reduction). */
 ZT_MUST_CHECK int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t stride,
                                                  double *recv, size_t count, int64_t timeout_ms);
 /* send holds count elements; recv receives world*count. send may be

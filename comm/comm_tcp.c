@@ -3,10 +3,15 @@
  *
  * Topology. Rank r keeps two TCP connections: one it opened to rank r+1
  * (`next`, it only sends there) and one it accepted from rank r-1 (`prev`,
- * it only receives there). Each connection starts with a handshake naming
- * the session (job and generation) and the sender's rank; the acceptor
- * checks both and answers one ack byte, so a rank of another generation is
- * turned away before a single payload byte flows.
+ * it only receives there). From 3 ranks on (up to ZT_COMM_MESH_MAX) it
+ * also opens one to every other rank and accepts one from each (a mesh;
+ * the ring's two are among them), for the direct reduce-scatter below.
+ * Each connection starts with a handshake naming the session (job and
+ * generation) and the sender's rank; the acceptor checks both and answers
+ * one ack byte, so a rank of another generation is turned away before a
+ * single payload byte flows. A connection carries one byte stream in one
+ * direction, so every call must send and receive all of its bytes before
+ * it returns: the next call's bytes follow them on the same socket.
  *
  * Algorithms. Ring reduce-scatter and ring all-gather, N-1 steps each; an
  * all-reduce is one followed by the other, so each rank sends and receives
@@ -17,6 +22,16 @@
  * of a reduce-scatter ends on rank s (see comm.h), which is the shard layout
  * ZeRO uses. Each collective begins with an operation header from every
  * rank to the next (agree()), so ranks whose calls differ fail at once.
+ *
+ * ZeRO's gradient reduction (fp32 in, fp64 sums out) runs on the mesh
+ * where there is one: each rank sends segment j of its fp32 input straight
+ * to rank j and sums the N-1 pieces it receives in the ring's order, so
+ * the sums are the ring's to the bit. A ring would carry fp64 partial sums
+ * in N-2 of its N-1 steps; the mesh sends (N-1)/N of the fp32 input
+ * against the ring's (2N-3)/N (3 against 5 quarters at N = 4), and a
+ * piece is summed after one transfer instead of N-1 in a row. (An
+ * all-gather moves the same bytes either way, and measured the same on
+ * the mesh: it stays on the ring.)
  *
  * Failure. Every poll() waits at most until the operation's deadline; the
  * poll set also holds an eventfd that zt_comm_abort() writes. A closed or
@@ -43,12 +58,18 @@
 #include "zt_common.h"
 
 #define ZT_RING_MAGIC 0x5a545247u /* "ZTRG" */
-#define ZT_RING_VERSION 2u /* 2: every collective starts with an op_header */
+#define ZT_RING_VERSION 3u /* 2: every collective starts with an op_header; 3: the mesh */
 #define ZT_OP_MAGIC 0x5a544f50u   /* "ZTOP" */
 
 struct zt_comm {
   int rank, world;
-  int next_fd, prev_fd, abort_fd;
+  int next, prev;           /* the ring neighbours' ranks */
+  int next_fd, prev_fd;     /* out_fd[next] and in_fd[prev] (not owned separately) */
+  int abort_fd;
+  int *out_fd, *in_fd;      /* [world]: the socket to / from each rank, -1 where none */
+  int *in_lowat;            /* [world]: SO_RCVLOWAT of in_fd[j] now (set_lowat) */
+  size_t *mpos;             /* [2 * world]: a mesh call's bytes sent to / received from each rank */
+  int mesh;                 /* every pair of ranks connected (the direct reduce-scatter) */
   size_t chunk;
   uint64_t session;
   atomic_int broken;
@@ -58,7 +79,6 @@ struct zt_comm {
   zt_comm_stats_t stats;
   uint8_t *scratch;
   size_t scratch_cap;
-  int lowat; /* SO_RCVLOWAT of prev_fd now (set_lowat) */
   uint64_t seq; /* collectives begun on the ring (op_header) */
 };
 
@@ -174,11 +194,11 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
  * the bus bandwidths stayed within their run-to-run spread (a whole chunk
  * saved a little more CPU on the link but cost loopback bandwidth at 4
  * ranks). */
-static void set_lowat(zt_comm_t *c, size_t want) {
+static void set_lowat(zt_comm_t *c, int from, size_t want) {
   int v = (int)ZT_MIN(want, ZT_MIN(c->chunk / 4, (size_t)INT32_MAX));
   if (v < 1) v = 1;
-  if (v == c->lowat) return;
-  if (setsockopt(c->prev_fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c->lowat = v;
+  if (v == c->in_lowat[from]) return;
+  if (setsockopt(c->in_fd[from], SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c->in_lowat[from] = v;
 }
 
 static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
@@ -190,7 +210,7 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
     if (sent < s->slen) is = n, p[n++] = (struct pollfd){.fd = c->next_fd, .events = POLLOUT};
     if (got < s->rlen) {
       ip = n, p[n++] = (struct pollfd){.fd = c->prev_fd, .events = POLLIN};
-      set_lowat(c, s->rlen - got);
+      set_lowat(c, c->prev, s->rlen - got);
     }
     int64_t left = zt_deadline_left_ms(dl);
     if (left == 0) {
@@ -308,6 +328,168 @@ static int ring_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, 
   return 0;
 }
 
+/* ---- the direct reduce-scatter (mesh) ------------------------------------------ */
+
+/* out[lo, hi) = the sums of segment `rank` in the ring's order: rank+1's
+ * value, plus rank+2's, ..., plus this rank's own last (in + j * count
+ * holds rank j's values). ring_reduce_scatter32 adds the same values in
+ * the same order, each addition rounded once in fp64, so the two give the
+ * same bits (test_comm checks it). */
+static void mesh_sum(const zt_comm_t *c, double *out, const float *in, const float *own,
+                     size_t count, size_t lo, size_t hi) {
+  int w = c->world;
+  const float *a = in + (size_t)((c->rank + 1) % w) * count;
+  for (size_t i = lo; i < hi; i++) out[i] = (double)a[i];
+  for (int k = 2; k < w; k++) {
+    const float *p = in + (size_t)((c->rank + k) % w) * count;
+    for (size_t i = lo; i < hi; i++) out[i] += (double)p[i];
+  }
+  for (size_t i = lo; i < hi; i++) out[i] += (double)own[i];
+}
+
+/* Fails a mesh call at its deadline, naming every rank it still waited
+ * for (up to 8); the first of them, in ring order from the predecessor
+ * back, is reported as the failed peer. */
+static int mesh_timeout(zt_comm_t *c, size_t bytes, const char *op) {
+  const size_t *sent = c->mpos, *got = c->mpos + c->world;
+  char list[320] = "";
+  size_t len = 0;
+  int named = 0;
+  for (int k = 1; k < c->world && named < 8; k++) {
+    int j = (c->rank + c->world - k) % c->world;
+    if (got[j] >= bytes && sent[j] >= bytes) continue;
+    if (!named++) c->failed_peer = j;
+    int w = snprintf(list + len, sizeof list - len, "%s%zu/%zu bytes from rank %d, %zu/%zu to it",
+                     len ? "; " : "", got[j], bytes, j, sent[j], bytes);
+    len = w > 0 ? ZT_MIN(len + (size_t)w, sizeof list - 1) : len;
+  }
+  return fail(c, "%s: timed out (rank %d: %s)", op, c->rank, list);
+}
+
+/* A mesh call: every rank sends `bytes` to every other rank and receives
+ * as many from each, all at once. Rank j gets send + j * sstride; rank j's
+ * bytes land at recv + j * rstride. The received fp32 values are summed
+ * into sum->out as soon as a chunk has arrived from every rank. */
+typedef struct {
+  double *out;
+  const float *own;
+  size_t count;
+} mesh_sum_t;
+
+typedef struct {
+  const uint8_t *send;
+  size_t sstride;
+  uint8_t *recv;
+  size_t rstride, bytes;
+  const mesh_sum_t *sum;
+} mesh_call;
+
+/* One poll() round of the exchange: sends to and receives from every rank
+ * whose socket is ready. `pf[k]`/`who[k]` are the poll set mesh_run built. */
+static int mesh_io(zt_comm_t *c, const struct pollfd *pf, const int *who, int n,
+                   const mesh_call *m, const char *op) {
+  size_t *sent = c->mpos, *got = c->mpos + c->world;
+  for (int k = 1; k < n; k++) {
+    if (!pf[k].revents) continue;
+    int j = who[k];
+    if (pf[k].events & POLLOUT) {
+      const uint8_t *b = m->send + (size_t)j * m->sstride;
+      ssize_t w = send(pf[k].fd, b + sent[j], ZT_MIN(m->bytes - sent[j], c->chunk),
+                       MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = j, 1))
+        return fail(c, "%s: send to rank %d: %s", op, j, strerror(errno));
+      if (w > 0) sent[j] += (size_t)w, __atomic_fetch_add(&c->stats.bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
+      continue;
+    }
+    uint8_t *b = m->recv + (size_t)j * m->rstride;
+    ssize_t rd = recv(pf[k].fd, b + got[j], ZT_MIN(m->bytes - got[j], c->chunk), MSG_DONTWAIT);
+    if (rd == 0 && (c->failed_peer = j, 1))
+      return fail(c, "%s: rank %d closed the connection", op, j);
+    if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = j, 1))
+      return fail(c, "%s: receive from rank %d: %s", op, j, strerror(errno));
+    if (rd > 0) got[j] += (size_t)rd, __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
+    /* Acknowledge at once, not after the delayed-ACK timer: a sender's
+     * smoothed RTT is what link_rtt_ms reports (docs/deploy.md), and with
+     * delayed ACKs on the mesh's receives a healthy link between
+     * namespaces read 1-4 ms instead of 0.1-0.2 ms, too close to the
+     * 8-30 ms of a link slowed to 10 Mbit/s (tests/multihost,
+     * test_partitions). Quick-ack mode ends by itself, hence every time. */
+    int one = 1;
+    setsockopt(pf[k].fd, IPPROTO_TCP, TCP_QUICKACK, &one, sizeof one);
+  }
+  return 0;
+}
+
+/* Runs a mesh call from one poll() loop until every byte is sent, received
+ * and summed, or until the deadline or an abort. */
+static int mesh_run(zt_comm_t *c, const mesh_call *m, zt_deadline_t dl, const char *op) {
+  int w = c->world, n, rc = 0;
+  size_t *sent = c->mpos, *got = c->mpos + w, summed = 0;
+  size_t step = ZT_MAX(c->chunk / sizeof(float), 1), count = m->sum->count;
+  struct pollfd *pf = zt_xmalloc((size_t)(2 * w + 1) * sizeof *pf);
+  int *who = zt_xmalloc((size_t)(2 * w + 1) * sizeof *who);
+  memset(c->mpos, 0, 2 * (size_t)w * sizeof *c->mpos);
+  sent[c->rank] = got[c->rank] = m->bytes; /* nothing to itself */
+  int64_t t0 = zt_now_us();
+  for (;;) {
+    size_t have = m->bytes; /* bytes received from every rank */
+    n = 0;
+    pf[n++] = (struct pollfd){.fd = c->abort_fd, .events = POLLIN};
+    for (int j = 0; j < w; j++) {
+      have = ZT_MIN(have, got[j]);
+      if (sent[j] < m->bytes) who[n] = j, pf[n++] = (struct pollfd){.fd = c->out_fd[j], .events = POLLOUT};
+      if (got[j] < m->bytes) {
+        set_lowat(c, j, m->bytes - got[j]);
+        who[n] = j, pf[n++] = (struct pollfd){.fd = c->in_fd[j], .events = POLLIN};
+      }
+    }
+    size_t ready = have == m->bytes ? count : (have / sizeof(float)) / step * step;
+    if (ready > summed) {
+      mesh_sum(c, m->sum->out, (const float *)m->recv, m->sum->own, count, summed, ready);
+      summed = ready;
+      continue;
+    }
+    if (n == 1) break; /* everything sent, received and summed */
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) {
+      rc = mesh_timeout(c, m->bytes, op);
+      break;
+    }
+    int r = poll(pf, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
+    if (r < 0 && errno != EINTR) {
+      rc = fail(c, "%s: poll: %s", op, strerror(errno));
+      break;
+    }
+    if (r > 0 && pf[0].revents) {
+      rc = fail(c, "%s: aborted", op);
+      break;
+    }
+    if (r > 0 && (rc = mesh_io(c, pf, who, n, m, op)) != 0) break;
+  }
+  __atomic_fetch_add(&c->stats.comm_us, (uint64_t)(zt_now_us() - t0), __ATOMIC_RELAXED);
+  free(pf);
+  free(who);
+  return rc;
+}
+
+/* The reduce-scatter of fp32 input into fp64 sums over the mesh: every
+ * rank sends segment j of its input, as fp32, straight to rank j, and
+ * receives every other rank's values of its own segment (rank j's at
+ * scratch + j * count); the sums are made in the ring's order (mesh_sum)
+ * as soon as a chunk has arrived from every rank. Each rank sends N-1
+ * segments of fp32, where the ring sends one of fp32 and N-2 of fp64
+ * partial sums: 3 segments' worth of bytes against 5 at N = 4, half the
+ * fp64 ring's as N grows; and a piece of the gradient is summed after one
+ * transfer instead of N-1 in a row. */
+static int mesh_reduce_scatter32(zt_comm_t *c, const float *src, size_t stride, double *out,
+                                 size_t count, zt_deadline_t dl, const char *op) {
+  size_t bytes = count * sizeof(float);
+  uint8_t *in = scratch(c, (size_t)c->world * bytes);
+  mesh_sum_t sum = {out, src + (size_t)c->rank * stride, count};
+  mesh_call m = {(const uint8_t *)src, stride * sizeof(float), in, bytes, bytes, &sum};
+  return mesh_run(c, &m, dl, op);
+}
+
 /* ---- agreeing on the operation ------------------------------------------------ */
 
 /* Every collective on the ring starts with this header from each rank to
@@ -380,6 +562,7 @@ static int nccl_result(zt_comm_t *c, int rc) {
 zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = rank, c->world = world, c->nccl = n;
+  c->next = (rank + 1) % world, c->prev = (rank + world - 1) % world;
   c->next_fd = c->prev_fd = -1;
   c->failed_peer = -1;
   c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -437,6 +620,7 @@ int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t strid
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
   if (agree(c, OPH_RS_FIRST32, ZT_DT_F64, ZT_RED_SUM, count, dl, "reduce-scatter") != 0) return -1;
   if (count == 0) return 0;
+  if (c->mesh) return mesh_reduce_scatter32(c, send, stride, recv, count, dl, "reduce-scatter");
   return ring_reduce_scatter32(c, send, stride, recv, count, dl, "reduce-scatter");
 }
 
@@ -523,8 +707,14 @@ void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
 void zt_comm_destroy(zt_comm_t *c) {
   if (!c) return;
   if (c->nccl) zt__nccl_destroy(c->nccl);
-  if (c->next_fd >= 0) close(c->next_fd);
-  if (c->prev_fd >= 0) close(c->prev_fd);
+  for (int j = 0; c->out_fd && j < c->world; j++) {
+    if (c->out_fd[j] >= 0) close(c->out_fd[j]);
+    if (c->in_fd[j] >= 0) close(c->in_fd[j]);
+  }
+  free(c->out_fd);
+  free(c->in_fd);
+  free(c->in_lowat);
+  free(c->mpos);
   if (c->abort_fd >= 0) close(c->abort_fd);
   free(c->scratch);
   free(c);
@@ -611,7 +801,7 @@ static int io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl
 
 /* Connects to rank `to` and sends our hello; retries refused connections
  * (the peer may not listen yet) until the deadline. */
-static int ring_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl) {
+static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl) {
   char host[256];
   int port;
   if (zt_parse_hostport(peer, host, sizeof host, &port) != 0)
@@ -633,7 +823,7 @@ static int ring_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
         close(fd);
         return zt_err_wrap("hello to rank %d at %s", to, peer);
       }
-      c->next_fd = fd;
+      c->out_fd[to] = fd;
       return 0;
     }
     int e = errno;
@@ -644,14 +834,25 @@ static int ring_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
   }
 }
 
-/* Accepts connections until one carries a valid hello from rank `from`. */
-static int ring_accept(zt_comm_t *c, int lfd, int from, zt_deadline_t dl) {
-  for (;;) {
+/* Accepts connections until every rank that connects to this one (the
+ * predecessor on a ring, every other rank on a mesh) has sent a valid
+ * hello; a connection of another session, world or ring version, from
+ * this rank itself or from a rank already connected is dropped. */
+static int accept_peers(zt_comm_t *c, int lfd, zt_deadline_t dl) {
+  int missing = c->mesh ? c->world - 1 : 1;
+  while (missing > 0) {
     int64_t left = zt_deadline_left_ms(dl);
-    if (left == 0) return zt_err("rank %d did not connect in time", from);
+    if (left == 0) {
+      for (int k = 1; k < c->world; k++) { /* name the predecessor first */
+        int j = (c->rank + c->world - k) % c->world;
+        if (c->in_fd[j] < 0 && (c->mesh || j == c->prev))
+          return zt_err("rank %d did not connect in time", j);
+      }
+      return zt_err("peers did not connect in time");
+    }
     struct pollfd p[2] = {{.fd = lfd, .events = POLLIN}, {.fd = c->abort_fd, .events = POLLIN}};
     if (poll(p, 2, (int)ZT_MIN(left, 1000000)) <= 0) continue;
-    if (p[1].revents) return zt_err("aborted while waiting for rank %d", from);
+    if (p[1].revents) return zt_err("aborted while waiting for peers to connect");
     int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
     if (fd < 0) continue;
     tune(fd);
@@ -661,12 +862,16 @@ static int ring_accept(zt_comm_t *c, int lfd, int from, zt_deadline_t dl) {
       close(fd);
       continue;
     }
-    if (h.magic != ZT_RING_MAGIC || h.version != ZT_RING_VERSION || h.session != c->session ||
-        (int)h.rank != from || (int)h.world != c->world) {
+    int from = (int)h.rank, ok = h.magic == ZT_RING_MAGIC && h.version == ZT_RING_VERSION &&
+                                 h.session == c->session && (int)h.world == c->world &&
+                                 h.rank < (uint32_t)c->world && from != c->rank &&
+                                 (c->mesh || from == c->prev) && c->in_fd[from] < 0;
+    if (!ok) {
       ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx; expected "
-              "version %u, rank %d of %d, session %llx)",
+              "version %u, %s of %d, session %llx)",
               h.magic == ZT_RING_MAGIC ? h.version : 0, h.rank, h.world,
-              (unsigned long long)h.session, ZT_RING_VERSION, from, c->world,
+              (unsigned long long)h.session, ZT_RING_VERSION,
+              c->mesh ? "a rank not yet connected" : "the ring predecessor", c->world,
               (unsigned long long)c->session);
       close(fd);
       continue;
@@ -676,9 +881,20 @@ static int ring_accept(zt_comm_t *c, int lfd, int from, zt_deadline_t dl) {
       close(fd);
       continue;
     }
-    c->prev_fd = fd;
-    return 0;
+    c->in_fd[from] = fd;
+    missing--;
   }
+  return 0;
+}
+
+/* The sockets' tables, every entry -1 (no socket). */
+static void alloc_peers(zt_comm_t *c) {
+  size_t w = (size_t)c->world;
+  c->out_fd = zt_xmalloc(w * sizeof *c->out_fd);
+  c->in_fd = zt_xmalloc(w * sizeof *c->in_fd);
+  c->in_lowat = zt_xcalloc(w, sizeof *c->in_lowat);
+  c->mpos = zt_xcalloc(2 * w, sizeof *c->mpos);
+  for (size_t j = 0; j < w; j++) c->out_fd[j] = c->in_fd[j] = -1;
 }
 
 int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
@@ -687,29 +903,41 @@ int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = o->rank;
   c->world = o->world;
+  c->next = (c->rank + 1) % c->world;
+  c->prev = (c->rank + c->world - 1) % c->world;
   c->session = o->session;
   c->chunk = o->chunk_bytes ? o->chunk_bytes : (1u << 20);
+  c->mesh = !o->ring_only && c->world >= 3 && c->world <= ZT_COMM_MESH_MAX;
   c->next_fd = c->prev_fd = -1;
   c->failed_peer = -1;
+  alloc_peers(c);
   c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (c->abort_fd < 0) {
-    free(c);
-    return zt_err_errno("eventfd");
+    zt_err_errno("eventfd");
+    goto err;
   }
   zt_deadline_t dl = zt_deadline_in(o->connect_timeout_ms > 0 ? o->connect_timeout_ms : 30000);
   if (c->world > 1) {
-    int next = (c->rank + 1) % c->world, prev = (c->rank + c->world - 1) % c->world;
-    uint8_t ack;
     /* Connect and say hello first (it sits in the peer's socket buffer),
-     * then accept our predecessor, then wait for our successor's ack: no
-     * rank waits for another to accept before it accepts itself. */
-    if (ring_connect(c, o->peers[next], next, dl) != 0 || ring_accept(c, o->listen_fd, prev, dl) != 0)
-      goto err;
-    if (io_exact(c->next_fd, &ack, 1, 0, dl) != 0 || ack != 1) {
-      zt_err("rank %d at %s refused the ring handshake (other generation or ring version?)", next,
-             o->peers[next]);
-      goto err;
+     * then accept, then wait for the acks: no rank waits for another to
+     * accept before it accepts itself. A mesh connects to every rank in
+     * ring order from its successor on. */
+    for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
+      int j = (c->rank + k) % c->world;
+      if (peer_connect(c, o->peers[j], j, dl) != 0) goto err;
     }
+    if (accept_peers(c, o->listen_fd, dl) != 0) goto err;
+    for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
+      int j = (c->rank + k) % c->world;
+      uint8_t ack;
+      if (io_exact(c->out_fd[j], &ack, 1, 0, dl) != 0 || ack != 1) {
+        zt_err("rank %d at %s refused the handshake (other generation or ring version?)", j,
+               o->peers[j]);
+        goto err;
+      }
+    }
+    c->next_fd = c->out_fd[c->next];
+    c->prev_fd = c->in_fd[c->prev];
   }
   if (o->listen_fd >= 0) close(o->listen_fd);
   *out = c;

@@ -54,6 +54,8 @@ typedef struct {
  * magnitude whose fp32 sums round, so a result depends on the order of
  * the additions. */
 static int g_inexact;
+/* Communicators connect the ring alone, no mesh (comm.h: ring_only). */
+static int g_ring_only;
 
 static float inexact_val(int rank, size_t i) {
   static const float scale[8] = {1e-3f, 0.37f, 1.0f, 3.1f, 17.0f, 1e3f, 0.011f, 250.0f};
@@ -86,7 +88,7 @@ static void *rank_main(void *p) {
   rank_ctx *r = p;
   zt_comm_tcp_opts_t o = {.rank = r->rank, .world = r->world, .peers = r->peerp,
                         .listen_fd = r->lfd, .session = 77, .connect_timeout_ms = 20000,
-                        .chunk_bytes = 64 << 10};
+                        .chunk_bytes = 64 << 10, .ring_only = g_ring_only};
   zt_comm_t *c;
   r->rc = zt_comm_tcp_create(&o, &c);
   if (r->rc != 0) goto out;
@@ -105,6 +107,9 @@ static void *rank_main(void *p) {
   zt_comm_stats_t st;
   zt_comm_stats_get(c, &st);
   r->sent = st.bytes_sent;
+  /* A collective on the ring right after: a call that left bytes of its
+   * own behind on a socket (the mesh shares the ring's) fails it. */
+  if (r->rc == 0 && !r->keep) r->rc = zt_comm_barrier(c, to);
   if (r->keep) {
     r->comm = c;
     return NULL;
@@ -243,27 +248,33 @@ static int rs_collect(int world, op_kind op, zt_dtype_t dt, size_t n, double **o
 /* The reduce-scatter of fp32 values into fp64 sums, against the fp64
  * reduce-scatter of the widened values (inputs of mixed magnitude, whose
  * sums need more than fp32's bits, so a value rounded on the way would
- * show): zt_comm_reduce_scatter_f32to64, from strided fp32 segments that
- * it leaves as they were, gives the same sums to the bit and sends the
- * first ring step as fp32, so at 2 ranks half the bytes go out, at N
- * ranks (2N-3)/(2N-2) of them. */
+ * show, as would a change in the order of the additions):
+ * zt_comm_reduce_scatter_f32to64, from strided fp32 segments that it
+ * leaves as they were, gives the same sums to the bit, on the ring and on
+ * the mesh. The ring sends its first step as fp32, so at 2 ranks half the
+ * bytes go out, at N ranks (2N-3)/(2N-2) of them; the mesh sends only
+ * fp32, half the bytes at every N. */
 ZT_TEST(test_reduce_scatter_fp32_into_fp64) {
   static const size_t sizes[] = {0, 1, 7, 12345, 300001};
   g_inexact = 1;
+  for (int ring = 0; ring < 2; ring++)
   for (int world = 1; world <= MAXR; world++)
     for (size_t si = 0; si < ZT_ARRAY_LEN(sizes); si++) {
       size_t n = sizes[si];
       double *ref[MAXR];
       uint64_t ref_sent[MAXR];
       ZT_CHECK(rs_collect(world, OP_REDUCE_SCATTER, ZT_DT_F64, n, ref, ref_sent));
+      g_ring_only = ring;
       rank_ctx *ctx = run(world, OP_RS_F32TO64, ZT_DT_F32, ZT_RED_SUM, n, 0);
+      g_ring_only = 0;
       ZT_CHECK(all_ok(ctx, world));
       size_t stride = n + PAD32, changed = 0;
+      /* sent / ref_sent should be num / den */
+      uint64_t num = ring ? (uint64_t)(2 * world - 3) : 1, den = ring ? (uint64_t)(2 * world - 2) : 2;
       for (int r = 0; r < world; r++) {
         ZT_CHECK(n == 0 || memcmp(ctx[r].out, ref[r], n * sizeof(double)) == 0);
         if (world > 1 && n > 1000) /* segment sizes differ by at most 1 element */
-          ZT_CHECK(llabs((long long)(ctx[r].sent * (uint64_t)(2 * world - 2)) -
-                         (long long)(ref_sent[r] * (uint64_t)(2 * world - 3))) <=
+          ZT_CHECK(llabs((long long)(ctx[r].sent * den) - (long long)(ref_sent[r] * num)) <=
                    (long long)(16 * world * world));
         const float *b = ctx[r].buf;
         for (int i = 0; i < world; i++)
@@ -278,6 +289,7 @@ ZT_TEST(test_reduce_scatter_fp32_into_fp64) {
 }
 
 ZT_TEST(test_all_gather_layout) {
+  for (g_ring_only = 0; g_ring_only < 2; g_ring_only++) /* the mesh from 3 ranks on, the ring */
   for (int world = 1; world <= MAXR; world++)
     for (size_t si = 0; si < ZT_ARRAY_LEN(k_sizes); si++)
       for (int dt = 0; dt < 2; dt++) {
@@ -292,6 +304,7 @@ ZT_TEST(test_all_gather_layout) {
         ZT_CHECK(bad == 0);
         free_ctx(ctx, world);
       }
+  g_ring_only = 0;
 }
 
 ZT_TEST(test_broadcast) {
@@ -403,38 +416,40 @@ static void *abort_later(void *p) {
   return NULL;
 }
 
-/* Sets up a 2-rank ring whose communicators stay open (keep[r].comm). */
-static void open_pair(rank_ctx keep[2]) {
-  memset(keep, 0, 2 * sizeof *keep);
-  {
-    char ports[2][32];
-    int lfds[2];
-    for (int r = 0; r < 2; r++) {
-      int port = 0;
-      ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
-      snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
-    }
-    pthread_t th[2];
-    for (int r = 0; r < 2; r++) {
-      keep[r].rank = r, keep[r].world = 2, keep[r].op = OP_BROADCAST, keep[r].lfd = lfds[r];
-      keep[r].keep = 1, keep[r].count = 0;
-      for (int k = 0; k < 2; k++) {
-        snprintf(keep[r].peers[k], sizeof keep[r].peers[k], "%.40s", ports[k]);
-        keep[r].peerp[k] = keep[r].peers[k];
-      }
-      keep[r].buf = malloc(4);
-      pthread_create(&th[r], NULL, rank_main, &keep[r]);
-    }
-    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+/* Sets up `world` ranks whose communicators stay open (keep[r].comm). */
+static void open_ranks(rank_ctx *keep, int world) {
+  memset(keep, 0, (size_t)world * sizeof *keep);
+  char ports[MAXR][32];
+  int lfds[MAXR];
+  for (int r = 0; r < world; r++) {
+    int port = 0;
+    ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
+    snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
   }
+  pthread_t th[MAXR];
+  for (int r = 0; r < world; r++) {
+    keep[r].rank = r, keep[r].world = world, keep[r].op = OP_BROADCAST, keep[r].lfd = lfds[r];
+    keep[r].keep = 1, keep[r].count = 0;
+    for (int k = 0; k < world; k++) {
+      snprintf(keep[r].peers[k], sizeof keep[r].peers[k], "%.40s", ports[k]);
+      keep[r].peerp[k] = keep[r].peers[k];
+    }
+    keep[r].buf = malloc(4);
+    pthread_create(&th[r], NULL, rank_main, &keep[r]);
+  }
+  for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
 }
 
-static void close_pair(rank_ctx keep[2]) {
-  for (int r = 0; r < 2; r++) {
+static void open_pair(rank_ctx keep[2]) { open_ranks(keep, 2); }
+
+static void close_ranks(rank_ctx *keep, int world) {
+  for (int r = 0; r < world; r++) {
     zt_comm_destroy(keep[r].comm);
     free(keep[r].buf);
   }
 }
+
+static void close_pair(rank_ctx keep[2]) { close_ranks(keep, 2); }
 
 ZT_TEST(test_silent_peer_timeout_and_abort) {
   static rank_ctx keep[2];
@@ -471,22 +486,24 @@ typedef struct {
   zt_dtype_t dt;
   size_t count;
   void *buf, *out;
+  int64_t timeout_ms; /* 0: 5000 */
   int rc;
   char err[512];
 } call_ctx;
 
 static void *call_main(void *p) {
   call_ctx *x = p;
+  int64_t to = x->timeout_ms ? x->timeout_ms : 5000;
   switch (x->op) {
   case OP_ALLREDUCE:
-    x->rc = zt_comm_all_reduce(x->c, x->buf, x->count, x->dt, ZT_RED_SUM, 5000);
+    x->rc = zt_comm_all_reduce(x->c, x->buf, x->count, x->dt, ZT_RED_SUM, to);
     break;
-  case OP_ALLGATHER: x->rc = zt_comm_all_gather(x->c, x->buf, x->out, x->count, x->dt, 5000); break;
+  case OP_ALLGATHER: x->rc = zt_comm_all_gather(x->c, x->buf, x->out, x->count, x->dt, to); break;
   case OP_REDUCE_SCATTER:
-    x->rc = zt_comm_reduce_scatter(x->c, x->buf, x->out, x->count, x->dt, ZT_RED_SUM, 5000);
+    x->rc = zt_comm_reduce_scatter(x->c, x->buf, x->out, x->count, x->dt, ZT_RED_SUM, to);
     break;
   case OP_RS_F32TO64:
-    x->rc = zt_comm_reduce_scatter_f32to64(x->c, x->buf, x->count, x->out, x->count, 5000);
+    x->rc = zt_comm_reduce_scatter_f32to64(x->c, x->buf, x->count, x->out, x->count, to);
     break;
   default: x->rc = -1;
   }
@@ -537,6 +554,109 @@ ZT_TEST(test_calls_must_agree) {
   ZT_CHECK(zt_now_ms() - t0 < 4000);
 }
 
+/* Mesh reduce-scatters and all-gathers back to back, each followed by a
+ * ring collective, with 8 MiB segments (more than the socket buffers hold,
+ * so a rank can have received everything while its own sends are still
+ * queued): every call must finish its sends before it returns, or the
+ * bytes it left behind would reach the next call on the same socket. */
+typedef struct {
+  zt_comm_t *c;
+  float *in;
+  double *out, *all;
+  size_t count;
+  int rc, bad;
+  char err[512];
+} b2b_ctx;
+
+static void *b2b_main(void *p) {
+  b2b_ctx *x = p;
+  int rank = zt_comm_rank(x->c), world = zt_comm_world(x->c);
+  for (int it = 0; it < 3 && x->rc == 0; it++) {
+    for (size_t i = 0; i < x->count * (size_t)world; i++) x->in[i] = val(rank, i + (size_t)it);
+    x->rc = zt_comm_reduce_scatter_f32to64(x->c, x->in, x->count, x->out, x->count, 20000);
+    if (x->rc == 0) x->rc = zt_comm_barrier(x->c, 20000);
+    if (x->rc == 0) x->rc = zt_comm_all_gather(x->c, x->out, x->all, x->count, ZT_DT_F64, 20000);
+    if (x->rc == 0) x->rc = zt_comm_barrier(x->c, 20000);
+    for (size_t i = 0; x->rc == 0 && i < x->count * (size_t)world; i++) {
+      double want = 0;
+      for (int r = 0; r < world; r++) want += val(r, i + (size_t)it);
+      x->bad += x->all[i] != want;
+    }
+  }
+  if (x->rc != 0) snprintf(x->err, sizeof x->err, "%s", zt_err_msg());
+  return NULL;
+}
+
+ZT_TEST(test_mesh_back_to_back) {
+  static rank_ctx keep[4];
+  static b2b_ctx x[4];
+  size_t count = 2u << 20;
+  open_ranks(keep, 4);
+  pthread_t th[4];
+  for (int r = 0; r < 4; r++) {
+    ZT_REQUIRE(keep[r].comm != NULL);
+    x[r] = (b2b_ctx){.c = keep[r].comm, .count = count};
+    x[r].in = malloc(4 * count * sizeof(float));
+    x[r].out = malloc(count * sizeof(double));
+    x[r].all = malloc(4 * count * sizeof(double));
+    pthread_create(&th[r], NULL, b2b_main, &x[r]);
+  }
+  for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 4; r++) {
+    if (x[r].rc != 0) fprintf(stderr, "rank %d: %s\n", r, x[r].err);
+    ZT_CHECK(x[r].rc == 0 && x[r].bad == 0);
+    free(x[r].in);
+    free(x[r].out);
+    free(x[r].all);
+  }
+  close_ranks(keep, 4);
+}
+
+/* A mesh reduce-scatter (3 ranks) whose third rank never calls. While it
+ * is silent, rank 0 times out at the operation header (from rank 2, its
+ * ring predecessor) and rank 1 in the exchange, naming every rank whose
+ * bytes it still waited for, rank 2 among them. Once rank 2 has closed its
+ * communicator, both fail at once, long before the deadline, naming rank
+ * 2 and reporting it as the failed peer. */
+ZT_TEST(test_mesh_peer_silent_or_gone) {
+  static rank_ctx keep[3];
+  static float in[2][3 * 1000];
+  static double out[2][1000];
+  for (int gone = 0; gone < 2; gone++) {
+    open_ranks(keep, 3);
+    ZT_REQUIRE(keep[0].comm && keep[1].comm && keep[2].comm);
+    if (gone) {
+      zt_comm_destroy(keep[2].comm);
+      keep[2].comm = NULL;
+    }
+    call_ctx x[2];
+    pthread_t th[2];
+    int64_t t0 = zt_now_ms();
+    for (int r = 0; r < 2; r++) {
+      x[r] = (call_ctx){.c = keep[r].comm, .op = OP_RS_F32TO64, .count = 1000, .buf = in[r],
+                        .out = out[r], .timeout_ms = gone ? 5000 : 300};
+      pthread_create(&th[r], NULL, call_main, &x[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    int64_t el = zt_now_ms() - t0;
+    for (int r = 0; r < 2; r++) {
+      ZT_CHECK(x[r].rc != 0);
+      ZT_CHECK(strstr(x[r].err, "rank 2") != NULL);
+    }
+    ZT_CHECK(zt_comm_failed_peer(keep[0].comm) == 2);
+    if (gone) {
+      ZT_CHECK(el < 2000);
+      ZT_CHECK(zt_comm_failed_peer(keep[1].comm) == 2);
+    } else {
+      ZT_CHECK(el >= 290 && el < 3000);
+      ZT_CHECK(strstr(x[0].err, "timed out (rank 0: 0/32 bytes from rank 2") != NULL);
+      ZT_CHECK(strstr(x[1].err, "timed out (rank 1: ") != NULL);
+      ZT_CHECK(strstr(x[1].err, "0/4000 bytes from rank 2, 4000/4000 to it") != NULL);
+    }
+    close_ranks(keep, 3);
+  }
+}
+
 /* A peer of another session (stale generation) is refused at the handshake. */
 typedef struct {
   zt_comm_tcp_opts_t o;
@@ -551,26 +671,31 @@ static void *create_thread(void *p) {
 }
 
 ZT_TEST(test_stale_session_refused) {
-  char ports[2][32];
-  int lfds[2];
-  for (int r = 0; r < 2; r++) {
-    int port = 0;
-    ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
-    snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
+  /* 2 ranks (the ring) and 3 (the mesh), the last of another generation. */
+  for (int world = 2; world <= 3; world++) {
+    char ports[3][32];
+    const char *peers[3];
+    int lfds[3];
+    for (int r = 0; r < world; r++) {
+      int port = 0;
+      ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
+      snprintf(ports[r], sizeof ports[r], "127.0.0.1:%d", port);
+      peers[r] = ports[r];
+    }
+    create_arg a[3];
+    pthread_t th[3];
+    for (int r = 0; r < world; r++) {
+      a[r] = (create_arg){{.rank = r, .world = world, .peers = peers, .listen_fd = lfds[r],
+                           .session = r == world - 1 ? 2 : 1, .connect_timeout_ms = 500},
+                          NULL, 0};
+      pthread_create(&th[r], NULL, create_thread, &a[r]);
+    }
+    for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < world; r++) {
+      ZT_CHECK(a[r].rc != 0);
+      zt_comm_destroy(a[r].c);
+    }
   }
-  const char *peers[2] = {ports[0], ports[1]};
-  create_arg a0 = {{.rank = 0, .world = 2, .peers = peers, .listen_fd = lfds[0], .session = 1,
-                    .connect_timeout_ms = 500}, NULL, 0};
-  create_arg a1 = a0;
-  a1.o.rank = 1, a1.o.listen_fd = lfds[1], a1.o.session = 2; /* another generation */
-  pthread_t t0, t1;
-  pthread_create(&t0, NULL, create_thread, &a0);
-  pthread_create(&t1, NULL, create_thread, &a1);
-  pthread_join(t0, NULL);
-  pthread_join(t1, NULL);
-  ZT_CHECK(a0.rc != 0 && a1.rc != 0);
-  zt_comm_destroy(a0.c);
-  zt_comm_destroy(a1.c);
 }
 
 /* The NCCL backend: without a GPU (or without CUDA in the build) creation
@@ -599,4 +724,6 @@ ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, te
              test_reduce_scatter_fp32_into_fp64, test_calls_must_agree,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout,
-             test_silent_peer_timeout_and_abort, test_stale_session_refused)
+             test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
+             test_mesh_peer_silent_or_gone,
+             test_stale_session_refused)
