@@ -29,12 +29,15 @@
  * the sums are the ring's to the bit. A ring would carry fp64 partial sums
  * in N-2 of its N-1 steps; the mesh sends (N-1)/N of the fp32 input
  * against the ring's (2N-3)/N (3 against 5 quarters at N = 4), and a
- * piece is summed after one transfer instead of N-1 in a row. (An
- * all-gather moves the same bytes either way, and measured the same on
- * the mesh: it stays on the ring.)
+ * piece is summed after one transfer instead of N-1 in a row. Its
+ * operation header goes to every rank, so a rank that has not made the
+ * call is the one every other rank waits for and names. (An all-gather
+ * moves the same bytes either way, and measured the same on the mesh: it
+ * stays on the ring.)
  *
  * Failure. Every poll() waits at most until the operation's deadline; the
- * poll set also holds an eventfd that zt_comm_abort() writes. A closed or
+ * poll set also holds an eventfd that zt_comm_abort() writes. Connections
+ * are made non-blocking, under the set-up deadline. A closed or
  * reset socket, a deadline or an abort breaks the communicator with a
  * message naming the peer and the operation; later calls fail at once.
  */
@@ -86,6 +89,7 @@ typedef struct {
   uint32_t magic, version;
   uint64_t session;
   uint32_t rank, world;
+  uint32_t mesh, pad; /* the sender connects a mesh (comm.h: ring_only) */
 } ring_hello;
 
 /* ---- bf16 and reductions --------------------------------------------------- */
@@ -367,8 +371,9 @@ static int mesh_timeout(zt_comm_t *c, size_t bytes, const char *op) {
 }
 
 /* A mesh call: every rank sends `bytes` to every other rank and receives
- * as many from each, all at once. Rank j gets send + j * sstride; rank j's
- * bytes land at recv + j * rstride. The received fp32 values are summed
+ * as many from each, all at once. Rank j gets send + j * sstride (0: the
+ * same bytes to every rank); rank j's bytes land at recv + j * rstride.
+ * With `sum` (the reduce-scatter), the received fp32 values are summed
  * into sum->out as soon as a chunk has arrived from every rank. */
 typedef struct {
   double *out;
@@ -407,7 +412,9 @@ static int mesh_io(zt_comm_t *c, const struct pollfd *pf, const int *who, int n,
       return fail(c, "%s: rank %d closed the connection", op, j);
     if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = j, 1))
       return fail(c, "%s: receive from rank %d: %s", op, j, strerror(errno));
-    if (rd > 0) got[j] += (size_t)rd, __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
+    if (rd <= 0) continue; /* EAGAIN, EINTR */
+    got[j] += (size_t)rd;
+    __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
     /* Acknowledge at once, not after the delayed-ACK timer: a sender's
      * smoothed RTT is what link_rtt_ms reports (docs/deploy.md), and with
      * delayed ACKs on the mesh's receives a healthy link between
@@ -421,11 +428,12 @@ static int mesh_io(zt_comm_t *c, const struct pollfd *pf, const int *who, int n,
 }
 
 /* Runs a mesh call from one poll() loop until every byte is sent, received
- * and summed, or until the deadline or an abort. */
+ * and summed, or until the deadline or an abort. The wait while only sends
+ * are left counts as send_wait_us, as on the ring. */
 static int mesh_run(zt_comm_t *c, const mesh_call *m, zt_deadline_t dl, const char *op) {
   int w = c->world, n, rc = 0;
   size_t *sent = c->mpos, *got = c->mpos + w, summed = 0;
-  size_t step = ZT_MAX(c->chunk / sizeof(float), 1), count = m->sum->count;
+  size_t step = ZT_MAX(c->chunk / sizeof(float), 1), count = m->sum ? m->sum->count : 0;
   struct pollfd *pf = zt_xmalloc((size_t)(2 * w + 1) * sizeof *pf);
   int *who = zt_xmalloc((size_t)(2 * w + 1) * sizeof *who);
   memset(c->mpos, 0, 2 * (size_t)w * sizeof *c->mpos);
@@ -443,7 +451,7 @@ static int mesh_run(zt_comm_t *c, const mesh_call *m, zt_deadline_t dl, const ch
         who[n] = j, pf[n++] = (struct pollfd){.fd = c->in_fd[j], .events = POLLIN};
       }
     }
-    size_t ready = have == m->bytes ? count : (have / sizeof(float)) / step * step;
+    size_t ready = !m->sum ? 0 : have == m->bytes ? count : (have / sizeof(float)) / step * step;
     if (ready > summed) {
       mesh_sum(c, m->sum->out, (const float *)m->recv, m->sum->own, count, summed, ready);
       summed = ready;
@@ -455,7 +463,12 @@ static int mesh_run(zt_comm_t *c, const mesh_call *m, zt_deadline_t dl, const ch
       rc = mesh_timeout(c, m->bytes, op);
       break;
     }
+    int only_sends = 1;
+    for (int k = 1; k < n; k++) only_sends &= (pf[k].events & POLLOUT) != 0;
+    int64_t w0 = only_sends ? zt_now_us() : 0;
     int r = poll(pf, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
+    if (only_sends)
+      __atomic_fetch_add(&c->stats.send_wait_us, (uint64_t)(zt_now_us() - w0), __ATOMIC_RELAXED);
     if (r < 0 && errno != EINTR) {
       rc = fail(c, "%s: poll: %s", op, strerror(errno));
       break;
@@ -518,24 +531,49 @@ static const char *dt_name(unsigned dt) {
   return dt == ZT_DT_F32 ? "fp32" : dt == ZT_DT_BF16 ? "bf16" : dt == ZT_DT_F64 ? "fp64" : "?";
 }
 
+/* 0 when rank `from`'s header is this rank's call; else the failure,
+ * naming both calls. */
+static int check_header(zt_comm_t *c, const op_header *mine, const op_header *got, int from,
+                        const char *name) {
+  if (got->magic == mine->magic && got->op == mine->op && got->dt == mine->dt &&
+      got->arg == mine->arg && got->count == mine->count && got->seq == mine->seq)
+    return 0;
+  if (got->magic != ZT_OP_MAGIC)
+    return fail(c, "%s: rank %d sent no operation header (another version, or a stream out of step)",
+                name, from);
+  return fail(c, "%s: the ranks' calls differ: rank %d is at collective %llu, %s of %llu %s "
+                 "elements (arg %u); rank %d at collective %llu, %s of %llu %s elements (arg %u)",
+              name, from, (unsigned long long)got->seq, op_name(got->op),
+              (unsigned long long)got->count, dt_name(got->dt), got->arg, c->rank,
+              (unsigned long long)mine->seq, op_name(mine->op), (unsigned long long)mine->count,
+              dt_name(mine->dt), mine->arg);
+}
+
 static int agree(zt_comm_t *c, int op, zt_dtype_t dt, uint32_t arg, size_t count,
                  zt_deadline_t dl, const char *name) {
   op_header mine = {ZT_OP_MAGIC, (uint8_t)op, (uint8_t)dt, {0}, arg, 0, count, ++c->seq}, got;
   ring_step s = {(const uint8_t *)&mine, sizeof mine, (uint8_t *)&got, sizeof got, NULL, dt, 0, NULL};
   if (step_run(c, &s, dl, name) != 0) return -1;
-  if (got.magic == mine.magic && got.op == mine.op && got.dt == mine.dt && got.arg == mine.arg &&
-      got.count == mine.count && got.seq == mine.seq)
-    return 0;
-  int prev = mod(c->rank - 1, c->world);
-  if (got.magic != ZT_OP_MAGIC)
-    return fail(c, "%s: rank %d sent no operation header (another version, or a stream out of step)",
-                name, prev);
-  return fail(c, "%s: the ranks' calls differ: rank %d is at collective %llu, %s of %llu %s "
-                 "elements (arg %u); rank %d at collective %llu, %s of %llu %s elements (arg %u)",
-              name, prev, (unsigned long long)got.seq, op_name(got.op),
-              (unsigned long long)got.count, dt_name(got.dt), got.arg, c->rank,
-              (unsigned long long)mine.seq, op_name(mine.op), (unsigned long long)mine.count,
-              dt_name(mine.dt), mine.arg);
+  return check_header(c, &mine, &got, c->prev, name);
+}
+
+/* A mesh call's header goes to every rank and comes from every rank. A
+ * rank that has not made the call (or is gone) is then the one every other
+ * rank waits for and names (on the ring only its successor would, and the
+ * others would wait for that successor's data), and every rank sees a
+ * call that differs from its own. (N-1) x 32 bytes, one message latency. */
+static int mesh_agree(zt_comm_t *c, int op, zt_dtype_t dt, uint32_t arg, size_t count,
+                      zt_deadline_t dl, const char *name) {
+  op_header mine = {ZT_OP_MAGIC, (uint8_t)op, (uint8_t)dt, {0}, arg, 0, count, ++c->seq};
+  op_header *got = zt_xcalloc((size_t)c->world, sizeof *got);
+  mesh_call m = {(const uint8_t *)&mine, 0, (uint8_t *)got, sizeof *got, sizeof *got, NULL};
+  int rc = mesh_run(c, &m, dl, name);
+  for (int k = 1; rc == 0 && k < c->world; k++) {
+    int j = (c->rank + c->world - k) % c->world;
+    rc = check_header(c, &mine, &got[j], j, name);
+  }
+  free(got);
+  return rc;
 }
 
 static int ring_all_gather(zt_comm_t *c, uint8_t *buf, size_t count, zt_dtype_t dt,
@@ -618,9 +656,13 @@ int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t strid
     return 0;
   }
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  if (c->mesh) {
+    if (mesh_agree(c, OPH_RS_FIRST32, ZT_DT_F64, ZT_RED_SUM, count, dl, "reduce-scatter") != 0)
+      return -1;
+    return count ? mesh_reduce_scatter32(c, send, stride, recv, count, dl, "reduce-scatter") : 0;
+  }
   if (agree(c, OPH_RS_FIRST32, ZT_DT_F64, ZT_RED_SUM, count, dl, "reduce-scatter") != 0) return -1;
   if (count == 0) return 0;
-  if (c->mesh) return mesh_reduce_scatter32(c, send, stride, recv, count, dl, "reduce-scatter");
   return ring_reduce_scatter32(c, send, stride, recv, count, dl, "reduce-scatter");
 }
 
@@ -799,6 +841,28 @@ static int io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl
   return 0;
 }
 
+/* Waits for a non-blocking connect() until the deadline or an abort:
+ * the outcome as an errno value (0: connected; ETIMEDOUT; ECANCELED:
+ * aborted). A blocking connect() to an address that drops packets would
+ * wait for the kernel's SYN retries, about two minutes, whatever the
+ * deadline. */
+static int connect_wait(zt_comm_t *c, int fd, zt_deadline_t dl) {
+  for (;;) {
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) return ETIMEDOUT;
+    struct pollfd p[2] = {{.fd = fd, .events = POLLOUT}, {.fd = c->abort_fd, .events = POLLIN}};
+    int r = poll(p, 2, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
+    if (r < 0 && errno != EINTR) return errno;
+    if (r > 0 && p[1].revents) return ECANCELED;
+    if (r > 0 && p[0].revents) {
+      int e = 0;
+      socklen_t len = sizeof e;
+      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) return errno;
+      return e;
+    }
+  }
+}
+
 /* Connects to rank `to` and sends our hello; retries refused connections
  * (the peer may not listen yet) until the deadline. */
 static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl) {
@@ -813,12 +877,18 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
   if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
     return zt_err("address of rank %d: %s is not an IPv4 address", to, host);
   for (;;) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return zt_err_errno("socket");
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+    int e = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0 ? 0 : errno;
+    if (e == EINPROGRESS) e = connect_wait(c, fd, dl);
+    if (e == ECANCELED) {
+      close(fd);
+      return zt_err("aborted while connecting to rank %d at %s", to, peer);
+    }
+    if (e == 0) {
       tune(fd);
       ring_hello h = {ZT_RING_MAGIC, ZT_RING_VERSION, c->session, (uint32_t)c->rank,
-                      (uint32_t)c->world};
+                      (uint32_t)c->world, (uint32_t)c->mesh, 0};
       if (io_exact(fd, &h, sizeof h, 1, dl) != 0) {
         close(fd);
         return zt_err_wrap("hello to rank %d at %s", to, peer);
@@ -826,7 +896,6 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
       c->out_fd[to] = fd;
       return 0;
     }
-    int e = errno;
     close(fd);
     if (zt_deadline_passed(dl))
       return zt_err("cannot connect to rank %d at %s: %s", to, peer, strerror(e));
@@ -864,15 +933,16 @@ static int accept_peers(zt_comm_t *c, int lfd, zt_deadline_t dl) {
     }
     int from = (int)h.rank, ok = h.magic == ZT_RING_MAGIC && h.version == ZT_RING_VERSION &&
                                  h.session == c->session && (int)h.world == c->world &&
+                                 h.mesh == (uint32_t)c->mesh &&
                                  h.rank < (uint32_t)c->world && from != c->rank &&
                                  (c->mesh || from == c->prev) && c->in_fd[from] < 0;
     if (!ok) {
-      ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx; expected "
-              "version %u, %s of %d, session %llx)",
+      ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx, %s; "
+              "expected version %u, %s of %d, session %llx, %s)",
               h.magic == ZT_RING_MAGIC ? h.version : 0, h.rank, h.world,
-              (unsigned long long)h.session, ZT_RING_VERSION,
+              (unsigned long long)h.session, h.mesh ? "mesh" : "ring", ZT_RING_VERSION,
               c->mesh ? "a rank not yet connected" : "the ring predecessor", c->world,
-              (unsigned long long)c->session);
+              (unsigned long long)c->session, c->mesh ? "mesh" : "ring");
       close(fd);
       continue;
     }

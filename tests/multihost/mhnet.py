@@ -62,9 +62,7 @@ class Host:
 
     def kill_all(self):
         """Every process of this host, as a machine that vanishes."""
-        for p in self.net.procs:
-            if p.name.startswith(self.name + "-"):
-                p.kill()
+        self.net.kill_hosts(self)
 
 
 class Net:
@@ -95,6 +93,18 @@ class Net:
             sh("ip", "netns", "exec", h.ns, *cmd)
         self.hosts[name] = h
         return h
+
+    def kill_hosts(self, *hosts):
+        """Every process of these hosts at once, as machines that vanish
+        together: SIGKILL goes to all of them before any is waited for, so
+        no survivor can copy anything from one while the other is already
+        gone."""
+        victims = [p for p in self.procs if p.name.startswith(tuple(h.name + "-" for h in hosts))]
+        for p in victims:
+            if p.alive():
+                p.p.kill()
+        for p in victims:
+            p.kill()  # reaps it
 
     def link_down(self, h):
         sh("ip", "link", "set", h.veth, "down")

@@ -267,8 +267,11 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
         return (j["generation"], where) if lost and fleet.job(jid)["generation"] == j["generation"] else None
 
     gen, where = wait_until(four_rank_epoch, 90, "a committed epoch of a four-rank generation")
+    # Both machines at once: a survivor that notices the first one gone
+    # (within milliseconds, from its sockets) would otherwise copy the files
+    # from the second before that one is killed too.
+    net.kill_hosts(net.hosts["h3"], net.hosts["h4"])
     for h in ("h3", "h4"):
-        net.hosts[h].kill_all()
         shutil.rmtree(net.hosts[h].dir)
     try:
         j = fleet.wait_job(jid, timeout=60, states=("paused",))

@@ -108,7 +108,8 @@ static void *rank_main(void *p) {
   zt_comm_stats_get(c, &st);
   r->sent = st.bytes_sent;
   /* A collective on the ring right after: a call that left bytes of its
-   * own behind on a socket (the mesh shares the ring's) fails it. */
+   * own behind on the ring's sockets fails it (test_mesh_back_to_back
+   * checks the mesh's other sockets). */
   if (r->rc == 0 && !r->keep) r->rc = zt_comm_barrier(c, to);
   if (r->keep) {
     r->comm = c;
@@ -593,8 +594,8 @@ ZT_TEST(test_mesh_back_to_back) {
   size_t count = 2u << 20;
   open_ranks(keep, 4);
   pthread_t th[4];
+  for (int r = 0; r < 4; r++) ZT_REQUIRE(keep[r].comm != NULL);
   for (int r = 0; r < 4; r++) {
-    ZT_REQUIRE(keep[r].comm != NULL);
     x[r] = (b2b_ctx){.c = keep[r].comm, .count = count};
     x[r].in = malloc(4 * count * sizeof(float));
     x[r].out = malloc(count * sizeof(double));
@@ -612,48 +613,81 @@ ZT_TEST(test_mesh_back_to_back) {
   close_ranks(keep, 4);
 }
 
-/* A mesh reduce-scatter (3 ranks) whose third rank never calls. While it
- * is silent, rank 0 times out at the operation header (from rank 2, its
- * ring predecessor) and rank 1 in the exchange, naming every rank whose
- * bytes it still waited for, rank 2 among them. Once rank 2 has closed its
- * communicator, both fail at once, long before the deadline, naming rank
- * 2 and reporting it as the failed peer. */
+/* Aborts keep[2]'s call (started by the thread in *p) after 20 ms, then
+ * closes its communicator: a rank that vanishes mid-exchange. */
+typedef struct {
+  rank_ctx *keep;
+  call_ctx *x;
+} vanish_arg;
+
+static void *call_then_vanish(void *p) {
+  vanish_arg *v = p;
+  pthread_t th;
+  pthread_create(&th, NULL, call_main, v->x);
+  zt_sleep_ms(20); /* the test's stimulus timing, not synchronisation */
+  zt_comm_abort(v->keep[2].comm);
+  pthread_join(th, NULL);
+  zt_comm_destroy(v->keep[2].comm);
+  v->keep[2].comm = NULL;
+  return NULL;
+}
+
+/* A mesh reduce-scatter (3 ranks) whose third rank (a) never calls, (b)
+ * has closed its communicator before the call, (c) vanishes in the middle
+ * of the exchange (64 MiB segments). The two others fail, name rank 2 and
+ * report it as the failed peer: (a) at the deadline, both at the
+ * operation header, which goes to and comes from every rank on a mesh
+ * (each waits for rank 2's, not rank 1 for rank 0's data); (b) and (c)
+ * long before it. */
 ZT_TEST(test_mesh_peer_silent_or_gone) {
   static rank_ctx keep[3];
-  static float in[2][3 * 1000];
-  static double out[2][1000];
-  for (int gone = 0; gone < 2; gone++) {
+  size_t big = 16u << 20;
+  float *in[3];
+  double *out[3];
+  for (int r = 0; r < 3; r++) {
+    in[r] = calloc(3 * big, sizeof(float));
+    out[r] = malloc(big * sizeof(double));
+  }
+  for (int mode = 0; mode < 3; mode++) {
     open_ranks(keep, 3);
     ZT_REQUIRE(keep[0].comm && keep[1].comm && keep[2].comm);
-    if (gone) {
+    if (mode == 1) {
       zt_comm_destroy(keep[2].comm);
       keep[2].comm = NULL;
     }
-    call_ctx x[2];
-    pthread_t th[2];
+    size_t count = mode == 2 ? big : 1000;
+    call_ctx x[3];
+    pthread_t th[3];
+    vanish_arg v = {keep, &x[2]};
     int64_t t0 = zt_now_ms();
-    for (int r = 0; r < 2; r++) {
-      x[r] = (call_ctx){.c = keep[r].comm, .op = OP_RS_F32TO64, .count = 1000, .buf = in[r],
-                        .out = out[r], .timeout_ms = gone ? 5000 : 300};
-      pthread_create(&th[r], NULL, call_main, &x[r]);
+    for (int r = 0; r < 3; r++) {
+      x[r] = (call_ctx){.c = keep[r].comm, .op = OP_RS_F32TO64, .count = count, .buf = in[r],
+                        .out = out[r], .timeout_ms = mode == 0 ? 300 : 5000};
+      if (r < 2) pthread_create(&th[r], NULL, call_main, &x[r]);
     }
+    if (mode == 2) pthread_create(&th[2], NULL, call_then_vanish, &v);
     for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    if (mode == 2) pthread_join(th[2], NULL);
     int64_t el = zt_now_ms() - t0;
     for (int r = 0; r < 2; r++) {
       ZT_CHECK(x[r].rc != 0);
+      if (!strstr(x[r].err, "rank 2")) fprintf(stderr, "mode %d rank %d: %s\n", mode, r, x[r].err);
       ZT_CHECK(strstr(x[r].err, "rank 2") != NULL);
+      ZT_CHECK(zt_comm_failed_peer(keep[r].comm) == 2);
+      if (mode == 0) {
+        char want[64];
+        snprintf(want, sizeof want, "timed out (rank %d: 0/32 bytes from rank 2, 32/32 to it)", r);
+        ZT_CHECK(strstr(x[r].err, want) != NULL);
+      }
     }
-    ZT_CHECK(zt_comm_failed_peer(keep[0].comm) == 2);
-    if (gone) {
-      ZT_CHECK(el < 2000);
-      ZT_CHECK(zt_comm_failed_peer(keep[1].comm) == 2);
-    } else {
-      ZT_CHECK(el >= 290 && el < 3000);
-      ZT_CHECK(strstr(x[0].err, "timed out (rank 0: 0/32 bytes from rank 2") != NULL);
-      ZT_CHECK(strstr(x[1].err, "timed out (rank 1: ") != NULL);
-      ZT_CHECK(strstr(x[1].err, "0/4000 bytes from rank 2, 4000/4000 to it") != NULL);
-    }
+    if (mode == 0) ZT_CHECK(el >= 290 && el < 3000);
+    else ZT_CHECK(el < 4000);
+    if (mode == 2) ZT_CHECK(x[2].rc != 0 && strstr(x[2].err, "abort") != NULL);
     close_ranks(keep, 3);
+  }
+  for (int r = 0; r < 3; r++) {
+    free(in[r]);
+    free(out[r]);
   }
 }
 
@@ -662,17 +696,25 @@ typedef struct {
   zt_comm_tcp_opts_t o;
   zt_comm_t *c;
   int rc;
+  char err[512];
 } create_arg;
 
 static void *create_thread(void *p) {
   create_arg *a = p;
   a->rc = zt_comm_tcp_create(&a->o, &a->c);
+  if (a->rc != 0) snprintf(a->err, sizeof a->err, "%s", zt_err_msg());
   return NULL;
 }
 
 ZT_TEST(test_stale_session_refused) {
-  /* 2 ranks (the ring) and 3 (the mesh), the last of another generation. */
-  for (int world = 2; world <= 3; world++) {
+  /* The last rank of another generation: 2 ranks (the ring) and 3 (the
+   * mesh); and one that connects only the ring where the others make a
+   * mesh. Every rank fails, the others naming the odd one out. */
+  static const struct {
+    int world, session, ring_only;
+  } cases[] = {{2, 2, 0}, {3, 2, 0}, {3, 1, 1}};
+  for (size_t ci = 0; ci < ZT_ARRAY_LEN(cases); ci++) {
+    int world = cases[ci].world, odd = world - 1;
     char ports[3][32];
     const char *peers[3];
     int lfds[3];
@@ -685,14 +727,19 @@ ZT_TEST(test_stale_session_refused) {
     create_arg a[3];
     pthread_t th[3];
     for (int r = 0; r < world; r++) {
-      a[r] = (create_arg){{.rank = r, .world = world, .peers = peers, .listen_fd = lfds[r],
-                           .session = r == world - 1 ? 2 : 1, .connect_timeout_ms = 500},
-                          NULL, 0};
+      a[r] = (create_arg){.o = {.rank = r, .world = world, .peers = peers, .listen_fd = lfds[r],
+                                .session = r == odd ? (uint64_t)cases[ci].session : 1,
+                                .connect_timeout_ms = 500,
+                                .ring_only = r == odd && cases[ci].ring_only}};
       pthread_create(&th[r], NULL, create_thread, &a[r]);
     }
     for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+    char want[64];
+    snprintf(want, sizeof want, "rank %d did not connect in time", odd);
     for (int r = 0; r < world; r++) {
       ZT_CHECK(a[r].rc != 0);
+      if (r != odd && !strstr(a[r].err, want)) fprintf(stderr, "case %zu rank %d: %s\n", ci, r, a[r].err);
+      ZT_CHECK(r == odd || strstr(a[r].err, want) != NULL);
       zt_comm_destroy(a[r].c);
     }
   }
