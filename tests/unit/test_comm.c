@@ -7,6 +7,11 @@
  * bf16 and results can be compared for equality whatever the reduction
  * order. Sizes: 0, 1, odd, not divisible by N, and 64 MiB.
  */
+#include <errno.h>
+#include <poll.h>
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -403,6 +408,50 @@ ZT_TEST(test_connect_timeout) {
   close(lfd2);
 }
 
+/* A peer whose host drops the connection attempts (here: a listening
+ * socket whose accept queue is full, so the kernel drops further SYNs, as
+ * a firewall or a vanished host would): set-up ends at its 300 ms
+ * deadline, naming the rank, instead of waiting out the kernel's SYN
+ * retries (about two minutes for a blocking connect()). */
+ZT_TEST(test_connect_to_silent_host_times_out) {
+  int lfd, port = 0;
+  ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfd) == 0);
+  int full = socket(AF_INET, SOCK_STREAM, 0), port2;
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  ZT_REQUIRE(full >= 0 && bind(full, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(full, 0) == 0);
+  socklen_t sl = sizeof sa;
+  getsockname(full, (struct sockaddr *)&sa, &sl);
+  port2 = ntohs(sa.sin_port);
+  /* Fill the accept queue: connections the kernel completes but nobody
+   * accepts. Those past the queue stay pending; stop at the first. */
+  int fillers[4], nf = 0;
+  for (; nf < 4; nf++) {
+    fillers[nf] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    if (connect(fillers[nf], (struct sockaddr *)&sa, sizeof sa) != 0 && errno == EINPROGRESS) {
+      struct pollfd p = {.fd = fillers[nf], .events = POLLOUT};
+      if (poll(&p, 1, 200) == 0) { /* not completed: the queue is full */
+        nf++;
+        break;
+      }
+    }
+  }
+  char p0[32], p1[32];
+  snprintf(p0, sizeof p0, "127.0.0.1:%d", port);
+  snprintf(p1, sizeof p1, "127.0.0.1:%d", port2);
+  const char *peers[2] = {p0, p1};
+  zt_comm_tcp_opts_t o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfd, .session = 1,
+                          .connect_timeout_ms = 300};
+  zt_comm_t *c;
+  int64_t t0 = zt_now_ms();
+  ZT_CHECK(zt_comm_tcp_create(&o, &c) != 0);
+  int64_t el = zt_now_ms() - t0;
+  fprintf(stderr, "set-up failed after %lld ms: %s\n", (long long)el, zt_err_msg());
+  ZT_CHECK(el >= 250 && el < 3000);
+  ZT_CHECK(strstr(zt_err_msg(), "cannot connect to rank 1") != NULL);
+  for (int i = 0; i < nf; i++) close(fillers[i]);
+  close(full);
+}
+
 /* A silent peer (connected, never sends) makes the op time out; abort from
  * another thread ends a wait at once; the comm stays broken afterwards. */
 typedef struct {
@@ -770,7 +819,7 @@ ZT_TEST(test_nccl_backend_guarded) {
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
              test_reduce_scatter_fp32_into_fp64, test_calls_must_agree,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
-             test_connect_timeout,
+             test_connect_timeout, test_connect_to_silent_host_times_out,
              test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
              test_mesh_peer_silent_or_gone,
              test_stale_session_refused)
