@@ -3,6 +3,7 @@
  */
 #include "fuzz_coord.h"
 
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,10 +94,23 @@ static void submit_job(void) {
   free(buf);
 }
 
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *f) {
+  (void)st, (void)flag, (void)f;
+  remove(path);
+  return 0;
+}
+
+/* The coordinator's directory (database, checkpoints) goes when the fuzzer
+ * exits normally; a crash leaves it for the report. */
+static void remove_dir(void) {
+  if (g_dir[0]) nftw(g_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 static void build(void) {
   if (!g_dir[0]) {
     snprintf(g_dir, sizeof g_dir, "/tmp/zt-fuzz-XXXXXX");
     must(mkdtemp(g_dir) != NULL, "mkdtemp");
+    atexit(remove_dir);
   }
   zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1)); /* quiet */
   g_c = zt_xcalloc(1, sizeof *g_c);
