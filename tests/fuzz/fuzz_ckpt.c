@@ -13,6 +13,7 @@
  * With ZT_FUZZ_MAKE_SEED=DIR set, the target first writes a valid epoch of
  * that model, in the input format, as DIR/valid (the committed seed).
  */
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,11 +87,21 @@ static void make_seed(const char *out) {
   free(buf);
 }
 
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *f) {
+  (void)st, (void)flag, (void)f;
+  remove(path);
+  return 0;
+}
+
+/* The epoch directory goes when the fuzzer exits normally. */
+static void remove_dir(void) { nftw(g_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc, (void)argv;
   zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1));
   snprintf(g_dir, sizeof g_dir, "/tmp/zt-fuzz-ckpt-XXXXXX");
   if (!mkdtemp(g_dir) || zt_layout_build(&g_lay, &k_cfg) != 0) abort();
+  atexit(remove_dir);
   const char *seed = getenv("ZT_FUZZ_MAKE_SEED");
   if (seed) {
     char out[512];

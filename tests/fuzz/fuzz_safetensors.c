@@ -33,10 +33,14 @@ static void make_seeds(const char *dir) {
   free(flat);
 }
 
+/* The input file goes when the fuzzer exits normally. */
+static void remove_input(void) { unlink(g_path); }
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc, (void)argv;
   zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1));
   snprintf(g_path, sizeof g_path, "/tmp/zt-fuzz-st-%d.safetensors", (int)getpid());
+  atexit(remove_input);
   if (zt_layout_build(&g_lay, &k_cfg) != 0) abort();
   const char *seed = getenv("ZT_FUZZ_MAKE_SEED");
   if (seed) make_seeds(seed);

@@ -16,11 +16,16 @@
 #define T 8
 #define VOCAB 300
 
+static char path[64];
+
+/* The input file goes when the fuzzer exits normally. */
+static void remove_input(void) { unlink(path); }
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  static char path[64];
   if (!path[0]) {
     snprintf(path, sizeof path, "/tmp/zt-fuzz-shard-%d.bin", (int)getpid());
     zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1));
+    atexit(remove_input);
   }
   FILE *f = fopen(path, "wb");
   if (!f) abort();
