@@ -6,6 +6,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -188,6 +189,14 @@ int zt_mkdirs(const char *path) {
   if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return zt_err_errno("mkdir %s", tmp);
   return 0;
 }
+
+static int remove_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+  (void)sb, (void)flag, (void)ftw;
+  if (remove(path) != 0) ZT_WARN("cannot remove %s", path);
+  return 0;
+}
+
+void zt_remove_tree(const char *path) { nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS); }
 
 /* ---- text from the network ----------------------------------------------------- */
 

@@ -119,6 +119,9 @@ ZT_MUST_CHECK int zt_write_all(int fd, const void *buf, size_t len);
 ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
 /* Creates a directory and its parents (mkdir -p). */
 ZT_MUST_CHECK int zt_mkdirs(const char *path);
+/* Removes a directory and everything under it (rm -r, without following
+ * symbolic links); an entry that cannot be removed is logged and skipped. */
+void zt_remove_tree(const char *path);
 /* Confines a path from untrusted input (a job spec) to a root directory
  * (absolute): a relative path is taken under root, an absolute one must lie
  * under it already, and a ".." component is refused anywhere. out receives

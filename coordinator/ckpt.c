@@ -19,7 +19,6 @@
  * delete anything else.
  */
 #define _XOPEN_SOURCE 700
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,12 +27,6 @@
 #include "coord.h"
 #include "ztrain.pb-c.h"
 
-static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-  (void)sb, (void)flag, (void)ftw;
-  if (remove(path) != 0) ZT_WARN("cannot remove %s", path);
-  return 0;
-}
-
 /* Deleting an epoch's files can take long (many files, a slow disk), so it
  * runs on libuv's thread pool, never on the loop. */
 typedef struct {
@@ -41,9 +34,7 @@ typedef struct {
   char dir[512];
 } rm_work;
 
-static void rm_work_run(uv_work_t *w) {
-  nftw(((rm_work *)w->data)->dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-}
+static void rm_work_run(uv_work_t *w) { zt_remove_tree(((rm_work *)w->data)->dir); }
 
 static void rm_work_done(uv_work_t *w, int status) {
   (void)status;

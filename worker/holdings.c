@@ -5,7 +5,6 @@
 #include "holdings.h"
 
 #include <dirent.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,18 +93,12 @@ void zt_hold_free(char **files, int n) {
   free(files);
 }
 
-static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-  (void)sb, (void)flag, (void)ftw;
-  if (remove(path) != 0) ZT_WARN("cannot remove %s", path);
-  return 0;
-}
-
 int zt_hold_delete(const char *root, const char *rel) {
   char abs[2048];
   if (!zt_hold_is_epoch_dir(rel) || zt_path_confine(root, rel, "epoch", abs, sizeof abs) != 0)
     return zt_errk(ZT_E_INVALID, "%.200s is not an epoch directory", rel);
   struct stat st;
   if (lstat(abs, &st) != 0) return 0;
-  nftw(abs, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+  zt_remove_tree(abs);
   return 0;
 }

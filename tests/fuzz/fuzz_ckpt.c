@@ -13,7 +13,6 @@
  * With ZT_FUZZ_MAKE_SEED=DIR set, the target first writes a valid epoch of
  * that model, in the input format, as DIR/valid (the committed seed).
  */
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,14 +86,8 @@ static void make_seed(const char *out) {
   free(buf);
 }
 
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *f) {
-  (void)st, (void)flag, (void)f;
-  remove(path);
-  return 0;
-}
-
 /* The epoch directory goes when the fuzzer exits normally. */
-static void remove_dir(void) { nftw(g_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+static void remove_dir(void) { zt_remove_tree(g_dir); }
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc, (void)argv;

@@ -3,7 +3,6 @@
  */
 #include "fuzz_coord.h"
 
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,17 +93,9 @@ static void submit_job(void) {
   free(buf);
 }
 
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *f) {
-  (void)st, (void)flag, (void)f;
-  remove(path);
-  return 0;
-}
-
 /* The coordinator's directory (database, checkpoints) goes when the fuzzer
  * exits normally; a crash leaves it for the report. */
-static void remove_dir(void) {
-  if (g_dir[0]) nftw(g_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
+static void remove_dir(void) { zt_remove_tree(g_dir); }
 
 static void build(void) {
   if (!g_dir[0]) {
