@@ -218,10 +218,9 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
     }
     int64_t left = zt_deadline_left_ms(dl);
     if (left == 0) {
-      c->failed_peer = got < s->rlen ? (c->rank + c->world - 1) % c->world : (c->rank + 1) % c->world;
+      c->failed_peer = got < s->rlen ? c->prev : c->next;
       return fail(c, "%s: timed out (rank %d: %zu/%zu bytes from rank %d, %zu/%zu to rank %d)",
-                  op, c->rank, got, s->rlen, (c->rank + c->world - 1) % c->world, sent, s->slen,
-                  (c->rank + 1) % c->world);
+                  op, c->rank, got, s->rlen, c->prev, sent, s->slen, c->next);
     }
     int64_t w0 = ip < 0 ? zt_now_us() : 0; /* only the send is left: its wait */
     int r = poll(p, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
@@ -235,20 +234,19 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
     if (is >= 0 && p[is].revents) {
       size_t want = ZT_MIN(s->slen - sent, c->chunk);
       ssize_t w = send(c->next_fd, s->sbuf + sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = (c->rank + 1) % c->world, 1))
-        return fail(c, "%s: send to rank %d: %s", op, (c->rank + 1) % c->world, strerror(errno));
+      if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = c->next, 1))
+        return fail(c, "%s: send to rank %d: %s", op, c->next, strerror(errno));
       if (w > 0) sent += (size_t)w, __atomic_fetch_add(&c->stats.bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
     }
     if (ip >= 0 && p[ip].revents) {
       size_t want = ZT_MIN(s->rlen - got, c->chunk);
       ssize_t rd = recv(c->prev_fd, s->rbuf + got, want, MSG_DONTWAIT);
-      int prev = (c->rank + c->world - 1) % c->world;
       if (rd == 0) {
-        c->failed_peer = prev;
-        return fail(c, "%s: rank %d closed the connection", op, prev);
+        c->failed_peer = c->prev;
+        return fail(c, "%s: rank %d closed the connection", op, c->prev);
       }
-      if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = prev, 1))
-        return fail(c, "%s: receive from rank %d: %s", op, prev, strerror(errno));
+      if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = c->prev, 1))
+        return fail(c, "%s: receive from rank %d: %s", op, c->prev, strerror(errno));
       if (rd > 0) got += (size_t)rd, __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
       if (s->acc) {
         /* Reduce whole chunks as they complete, and the tail at the end. */
@@ -360,7 +358,7 @@ static int mesh_timeout(zt_comm_t *c, size_t bytes, const char *op) {
   size_t len = 0;
   int named = 0;
   for (int k = 1; k < c->world && named < 8; k++) {
-    int j = (c->rank + c->world - k) % c->world;
+    int j = mod(c->rank - k, c->world);
     if (got[j] >= bytes && sent[j] >= bytes) continue;
     if (!named++) c->failed_peer = j;
     int w = snprintf(list + len, sizeof list - len, "%s%zu/%zu bytes from rank %d, %zu/%zu to it",
@@ -569,7 +567,7 @@ static int mesh_agree(zt_comm_t *c, int op, zt_dtype_t dt, uint32_t arg, size_t 
   mesh_call m = {(const uint8_t *)&mine, 0, (uint8_t *)got, sizeof *got, sizeof *got, NULL};
   int rc = mesh_run(c, &m, dl, name);
   for (int k = 1; rc == 0 && k < c->world; k++) {
-    int j = (c->rank + c->world - k) % c->world;
+    int j = mod(c->rank - k, c->world);
     rc = check_header(c, &mine, &got[j], j, name);
   }
   free(got);
@@ -600,7 +598,7 @@ static int nccl_result(zt_comm_t *c, int rc) {
 zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = rank, c->world = world, c->nccl = n;
-  c->next = (rank + 1) % world, c->prev = (rank + world - 1) % world;
+  c->next = (rank + 1) % world, c->prev = mod(rank - 1, world);
   c->next_fd = c->prev_fd = -1;
   c->failed_peer = -1;
   c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -913,7 +911,7 @@ static int accept_peers(zt_comm_t *c, int lfd, zt_deadline_t dl) {
     int64_t left = zt_deadline_left_ms(dl);
     if (left == 0) {
       for (int k = 1; k < c->world; k++) { /* name the predecessor first */
-        int j = (c->rank + c->world - k) % c->world;
+        int j = mod(c->rank - k, c->world);
         if (c->in_fd[j] < 0 && (c->mesh || j == c->prev))
           return zt_err("rank %d did not connect in time", j);
       }
@@ -974,7 +972,7 @@ int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
   c->rank = o->rank;
   c->world = o->world;
   c->next = (c->rank + 1) % c->world;
-  c->prev = (c->rank + c->world - 1) % c->world;
+  c->prev = mod(c->rank - 1, c->world);
   c->session = o->session;
   c->chunk = o->chunk_bytes ? o->chunk_bytes : (1u << 20);
   c->mesh = !o->ring_only && c->world >= 3 && c->world <= ZT_COMM_MESH_MAX;
