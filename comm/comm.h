@@ -99,6 +99,11 @@ const char *zt_comm_backend(const zt_comm_t *c);
 /* 1 when the operations take device pointers only (NCCL), 0 when they take
  * host memory (the TCP ring). */
 int zt_comm_device_memory(const zt_comm_t *c);
+/* 1 when zt_comm_reduce_scatter_f32to64 sends each rank (N-1)/N of its
+ * fp32 input and nothing more: a mesh, or two ranks (whose one ring step
+ * is the same exchange); then an fp32 reduce-scatter moves half the bytes
+ * of an fp64 one. 0 on a ring of 3 or more ranks and over NCCL. */
+int zt_comm_f32_direct(const zt_comm_t *c);
 
 ZT_MUST_CHECK int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                        int64_t timeout_ms);

@@ -731,6 +731,7 @@ int zt_comm_rank(const zt_comm_t *c) { return c->rank; }
 int zt_comm_world(const zt_comm_t *c) { return c->world; }
 const char *zt_comm_backend(const zt_comm_t *c) { return c->nccl ? "nccl" : "tcp"; }
 int zt_comm_device_memory(const zt_comm_t *c) { return c->nccl != NULL; }
+int zt_comm_f32_direct(const zt_comm_t *c) { return !c->nccl && (c->mesh || c->world == 2); }
 void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
   s->bytes_sent = __atomic_load_n(&c->stats.bytes_sent, __ATOMIC_RELAXED);
   s->bytes_recv = __atomic_load_n(&c->stats.bytes_recv, __ATOMIC_RELAXED);

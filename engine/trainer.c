@@ -215,12 +215,16 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   zt_zero_opts_t zo = {.rank = t->r, .world = t->N, .stage = t->spec.zero_stage, .dev = dev,
                        .timeout_ms = t->tmo,
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
+                       .accum = t->accum,
                        .overlap = overlap};
   if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;
   }
   t->have_z = 1;
+  if (t->z.each && t->accum > 1 && t->r == 0)
+    ZT_INFO("gradients: each of the %d micro-steps' fp32 gradients is reduce-scattered straight "
+            "to its owners (stage %d, %d ranks)", t->accum, t->spec.zero_stage, t->N);
   /* The report's estimate: this rank's own figures (overlap thread, storage type). */
   zt_mem_need_t est = t->need;
   if (g->workdir &&

@@ -217,6 +217,7 @@ static int h_pre_forward(void *ctx, int u) {
 }
 
 static int grad_slot(zt_zero_t *z, int u, float **g);
+static int reduced(zt_zero_t *z, const int *busy);
 
 static int h_pre_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
@@ -227,6 +228,12 @@ static int h_pre_backward(void *ctx, int u) {
   else if (z->stage == 3 && z->overlap) fetch_unit(z, 0, z->U - 1);
   else if (z->stage == 3 && u != 0) gather_unit(z, u);
   z->tm.wait_gather_ms += wall_ms() - w0;
+  if (z->stage < 2 && z->each && z->overlap && z->micro_n > 1) {
+    /* G's unit u as the micro-step before left it may still be on the
+     * thread (zt_zero_micro_begin did not zero it). */
+    if (reduced(z, &z->rd_busy[u]) != 0) return -1;
+    z->k->zero(z->G + z->off_full[u], z->S[u] * (size_t)z->N);
+  }
   if (z->stage >= 2) {
     float *g = u == 0 ? z->tg0 : z->tg;
     if (z->overlap && grad_slot(z, u, &g) != 0) return -1;
@@ -292,24 +299,38 @@ static int rs_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
   return rs_f32(z, g + lo, z->S[u], z->rs64, piece_len(z, u, lo));
 }
 
+/* acc += x, n fp64 values of table memory: on the communication thread
+ * (host memory) a plain loop, since the kernel table is the training
+ * thread's. */
+static void add_sums(zt_zero_t *z, double *acc, const double *x, size_t n) {
+  if (!z->overlap) {
+    z->k->add_f64(acc, x, n);
+    return;
+  }
+  for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+
 /* One reduction, queued or not. Stages 0-1: unit u's padded range of the
- * fp64 sum, reduce-scattered in place; or, where the step has one
- * micro-step per rank (sum32), its fp32 gradient in G straight into this
- * rank's range of the sum (not over NCCL). Stages 2-3: piece lo of the fp32
- * gradient in slot s, reduce-scattered, then its shard added into the
- * sum (host memory: a plain loop on this thread). A piece's elements are
- * summed over the ranks in the ring's order whatever its size, so the
- * pieces change no bit. */
+ * fp64 sum, reduce-scattered in place; or, where each micro-step is
+ * reduced by itself (z->each), its fp32 gradient in G into this rank's
+ * range of the sum: written there in the first micro-step (s = 0), else
+ * (s = 1) into the range after it, which this path leaves unused, and
+ * added (not over NCCL). Stages 2-3: piece lo of the fp32 gradient in
+ * slot s, reduce-scattered, then its shard added into the sum. A piece's
+ * elements are summed over the ranks in the ring's order whatever its
+ * size, so the pieces change no bit. */
 static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
   if (z->stage >= 2) {
-    double *acc = z->G64 + z->off_shard[u] + lo;
     if (rs_piece(z, slot_tg(z, s), u, lo) != 0) return -1;
-    for (size_t i = 0, n = piece_len(z, u, lo); i < n; i++) acc[i] += z->rs64[i];
+    add_sums(z, z->G64 + z->off_shard[u] + lo, z->rs64, piece_len(z, u, lo));
     return 0;
   }
   double *g = z->G64 + z->off_full[u], *mine = g + (size_t)z->r * z->S[u];
-  if (z->sum32) return rs_f32(z, z->G + z->off_full[u], z->S[u], mine, z->S[u]);
-  return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64);
+  if (!z->each) return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64);
+  double *out = s ? g + (size_t)((z->r + 1) % z->N) * z->S[u] : mine;
+  if (rs_f32(z, z->G + z->off_full[u], z->S[u], out, z->S[u]) != 0) return -1;
+  if (s) add_sums(z, mine, out, z->S[u]);
+  return 0;
 }
 
 /* A queue entry: unit, what to do (gather its parameters or reduce its
@@ -364,6 +385,7 @@ static void *ov_main(void *arg) {
     else if (kind == OV_GATHER) z->pf_busy[s] = 0;
     else if (z->stage >= 2 && s == 2) z->ov_busy[2]--;
     else if (z->stage >= 2) z->ov_busy[s] = 0;
+    else z->rd_busy[u] = 0;
     z->ov_head = (z->ov_head + 1) % z->ov_cap;
     z->ov_len--;
     pthread_cond_broadcast(&z->ov_cv);
@@ -380,6 +402,7 @@ static void ov_push_piece(zt_zero_t *z, int u, int kind, int s, size_t lo) {
   if (kind == OV_GATHER && s != OV_IN_PLACE) z->pf_busy[s] = 1;
   else if (kind == OV_REDUCE && z->stage >= 2 && s == 2) z->ov_busy[2]++;
   else if (kind == OV_REDUCE && z->stage >= 2) z->ov_busy[s] = 1;
+  else if (kind == OV_REDUCE) z->rd_busy[u] = 1;
   pthread_cond_broadcast(&z->ov_cv);
   pthread_mutex_unlock(&z->ov_mu);
 }
@@ -396,6 +419,19 @@ static int ov_take_failure(zt_zero_t *z) {
   return -1;
 }
 
+/* Waits, as time waited for reductions, until the reductions that *busy
+ * counts (under ov_mu) are done; -1 when a queued one failed (the step
+ * stops here, as it would without overlap). */
+static int reduced(zt_zero_t *z, const int *busy) {
+  double w0 = wall_ms();
+  pthread_mutex_lock(&z->ov_mu);
+  while (*busy && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  int rc = ov_take_failure(z);
+  pthread_mutex_unlock(&z->ov_mu);
+  z->tm.wait_reduce_ms += wall_ms() - w0;
+  return rc;
+}
+
 /* Stages 2-3, before unit u's backward: the gradient buffer it writes
  * into, once the reductions that still read it are done: unit 0's own
  * (its pieces from the micro-step before), else the next of slots 0 and 1,
@@ -404,14 +440,8 @@ static int ov_take_failure(zt_zero_t *z) {
 static int grad_slot(zt_zero_t *z, int u, float **g) {
   int s = u == 0 ? 2 : z->ov_next;
   if (u != 0) z->ov_next ^= 1, z->ov_cur = s;
-  double w0 = wall_ms();
-  pthread_mutex_lock(&z->ov_mu);
-  while (z->ov_busy[s] && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
-  int rc = ov_take_failure(z);
-  pthread_mutex_unlock(&z->ov_mu);
-  z->tm.wait_reduce_ms += wall_ms() - w0;
   *g = slot_tg(z, s);
-  return rc;
+  return reduced(z, &z->ov_busy[s]);
 }
 
 /* ---- stage 3 prefetch ------------------------------------------------------------ */
@@ -508,6 +538,7 @@ static int ov_start(zt_zero_t *z) {
   pthread_setname_np(z->ov_thread, "zt-comm");
   z->overlap = 1;
   if (z->stage < 3) z->ag_ticket = zt_xcalloc((size_t)z->U, sizeof *z->ag_ticket);
+  if (z->stage < 2) z->rd_busy = zt_xcalloc((size_t)z->U, sizeof *z->rd_busy);
   if (z->stage == 0) z->due = zt_xcalloc((size_t)z->U, sizeof *z->due);
   return 0;
 }
@@ -526,21 +557,24 @@ static void ov_stop(zt_zero_t *z) {
   pthread_mutex_destroy(&z->ov_mu);
   free(z->ov_queue);
   free(z->ag_ticket);
+  free(z->rd_busy);
   free(z->due);
 }
 
 /* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
- * into the fp64 sum and onto the communication thread. Stages 2-3 with
+ * into the fp64 sum and onto the communication thread; where each
+ * micro-step is reduced by itself (z->each), onto the thread in every
+ * micro-step, straight from G. Stages 2-3 with
  * overlap: its slot (grad_slot) onto the thread, which reduces it from
  * there. Otherwise, stages 2-3: reduce-scatter the unit's gradient (fp64
  * sums, so they are exact) and add this rank's shard to the running sum,
  * from the fp32 gradient (rs_f32), or over NCCL widened first. */
 static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
-  if (z->stage < 2 && z->overlap && z->last_micro) {
+  if (z->stage < 2 && z->overlap && (z->each || z->last_micro)) {
     size_t off = z->off_full[u];
-    if (!z->sum32) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
-    ov_push(z, u, OV_REDUCE, 0);
+    if (!z->each) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
+    ov_push(z, u, OV_REDUCE, z->each && z->micro_n > 1);
     return 0;
   }
   if (z->stage < 2 || z->fail) return z->fail ? -1 : 0;
@@ -583,6 +617,10 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->stage = o->stage;
   z->tmo = o->timeout_ms;
   z->inv_k = o->inv_k;
+  /* The same choice on every rank: stage, accum, N and the communicator's
+   * kind are the generation's. */
+  z->each = z->stage < 2 && !z->dcomm &&
+            (o->accum == 1 || (o->accum == 2 && z->N > 1 && comm && zt_comm_f32_direct(comm)));
   z->want_overlap = o->overlap && !o->dev; /* the thread runs on host memory only */
   z->xb = (size_t)k->xbytes;
   z->xdt = z->xb == 2 ? ZT_DT_BF16 : ZT_DT_F32;
@@ -792,15 +830,15 @@ void zt_zero_start_step(zt_zero_t *z) { z->micro_n = 0; }
 
 void zt_zero_micro_begin(zt_zero_t *z, int last) {
   z->last_micro = last;
-  /* Every rank runs the same number of micro-steps (the trainer's accum),
-   * so every rank decides the same way (NCCL ranks are all on devices).
-   * The fp64 sum starts at zero, except where the reduction writes this
-   * rank's range from G itself. */
+  /* The fp64 sum starts at zero, except where the first micro-step's
+   * reduction writes this rank's range (z->each). */
   z->micro_n++;
-  z->sum32 = z->stage < 2 && last && z->micro_n == 1 && !z->dcomm;
-  if (z->micro_n == 1 && !z->sum32)
+  if (z->micro_n == 1 && !z->each)
     z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
   if (!z->G) return;
+  /* Each micro-step reduced with overlap: the thread may still read G;
+   * the hook before each unit's backward zeroes it once it is done. */
+  if (z->each && z->overlap && z->micro_n > 1) return;
   if (!z->due_n) {
     z->k->zero(z->G, z->full_total);
     return;
@@ -813,11 +851,17 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
 }
 
 int zt_zero_micro_end(zt_zero_t *z) {
-  /* With overlap the hooks have summed the last micro-step unit by unit. */
-  if (z->G && !(z->overlap && z->last_micro) && !z->sum32)
+  /* With overlap the hooks have summed the last micro-step unit by unit
+   * (z->each: every micro-step, on the thread). */
+  if (z->G && !(z->overlap && z->last_micro) && !z->each)
     z->k->acc_f64(z->G64, z->G, z->full_total);
   if (z->fail) return zt_err("%s", z->fail_msg);
-  return 0;
+  if (!z->each || z->overlap) return 0;
+  double w0 = wall_ms();
+  int rc = 0;
+  for (int u = 0; rc == 0 && u < z->U; u++) rc = reduce_unit(z, u, z->micro_n > 1, 0);
+  z->tm.wait_reduce_ms += wall_ms() - w0;
+  return rc == 0 ? 0 : zt_err_wrap("reduce-scatter of gradients");
 }
 
 /* AdamW on unit u through the kernel table, with the step's settings
@@ -933,7 +977,7 @@ int zt_zero_reduce(zt_zero_t *z) {
   int rc = 0;
   if (z->overlap)
     rc = ov_wait(z);
-  else if (z->stage < 2)
+  else if (z->stage < 2 && !z->each) /* else done in zt_zero_micro_end */
     for (int u = 0; rc == 0 && u < z->U; u++) rc = reduce_unit(z, u, 0, 0);
   z->tm.wait_reduce_ms += wall_ms() - w0;
   return rc;

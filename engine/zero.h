@@ -35,6 +35,10 @@
  * adds it to the fp64 sum and queues the unit's reduce-scatter for a
  * communication thread, and
  * backward goes on with the next unit while the network carries this one.
+ * Where each micro-step is reduced by itself (`each` below: one or two
+ * micro-steps per rank), the hook queues the unit's fp32 gradient in
+ * every micro-step, and the next micro-step's hook before the unit's
+ * backward waits for that reduction before zeroing the unit's gradient.
  * Stages 2-3, every micro-step: the hook widens the unit's gradient into one
  * of two fp64 slots (waiting while both are in flight) and queues its
  * reduce-scatter; the thread adds the reduced shard into the sum. In both,
@@ -141,11 +145,16 @@ typedef struct zt_zero {
    * queue of units whose reduction is due, in the order backward finishes
    * them; everything under ov_mu. */
   int want_overlap, overlap, last_micro;
-  /* Stages 0-1: micro-steps begun this step, and whether the step has one
-   * per rank, so that the sum over micro-steps is the fp32 gradient in G
-   * itself: it is then reduce-scattered from G (the first ring step as
-   * fp32) and never widened into G64; not over NCCL (zero.c). */
-  int micro_n, sum32;
+  /* Stages 0-1: micro-steps begun this step, and whether each micro-step's
+   * fp32 gradient in G is reduce-scattered by itself into this rank's
+   * range of G64 (the first one's sums written there, the later ones'
+   * added), instead of the fp64 sum over the micro-steps once: with one
+   * micro-step per rank (the sum is G itself), and with two where the
+   * communicator sends fp32 straight to each owner (zt_comm_f32_direct),
+   * so that two fp32 reductions move the bytes of one fp64 one and the
+   * first hides behind the rest of the step. Not over NCCL (zero.c). */
+  int micro_n, each;
+  int *rd_busy;          /* stages 0-1 with overlap: unit u's reduction is queued or running */
   pthread_t ov_thread;
   pthread_mutex_t ov_mu;
   pthread_cond_t ov_cv;
@@ -187,6 +196,7 @@ typedef struct zt_zero_opts {
   int dev;              /* stage collectives through host memory */
   int64_t timeout_ms;   /* per collective */
   double inv_k;         /* micro_batch / global_batch */
+  int accum;            /* micro-steps per rank and step */
   int overlap;          /* reduce on a communication thread (see above) */
 } zt_zero_opts_t;
 

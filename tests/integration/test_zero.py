@@ -121,6 +121,40 @@ def test_one_micro_step_per_rank_and_mixed_paths(procs, tmp_path, data):
     assert "overlap_comm: off" not in "".join(w.output() for w in cpu.workers.values())
 
 
+def test_two_micro_steps_per_rank_reduced_each(procs, tmp_path, data):
+    """With two micro-steps per rank, stages 0-1 reduce-scatter each micro-step's fp32 gradient
+    by itself where the communicator sends fp32 straight to each owner (two ranks, or a mesh
+    from three): the bytes of one fp64 reduction, the first half of them hidden behind the
+    rest of the step. The loss series equals the single-process run's to the bit, with
+    overlap on and off; rank 0 says which plan it runs, and with four micro-steps per rank
+    it keeps the one fp64 reduction."""
+    train, val = data
+    coord = start_fleet(procs, 3, prefix="k")
+    plan = "fp32 gradients is reduce-scattered straight to its owners"
+
+    def series(stage, n, gbs, ov, name):
+        spec = tiny_spec(train, val, STEPS, stage, n, gbs=gbs)
+        spec["zero_optimization"]["overlap_comm"] = ov
+        return run_job(procs, coord, tmp_path, spec, name)
+
+    def said():
+        return sum(w.output().count(plan) for w in coord.workers.values())
+
+    for n in (2, 3):
+        gbs = 2 * 2 * n  # micro batch 2, two micro-steps per rank
+        ref = series(0, 1, gbs, True, f"each-ref{n}")
+        for stage in (0, 1):
+            for ov in (True, False):
+                before = said()
+                got = series(stage, n, gbs, ov, f"each-s{stage}n{n}{ov}")
+                assert got == ref, (stage, n, ov,
+                                    [(s, got[s], ref[s]) for s in ref if got[s] != ref[s]][:3])
+                assert said() == before + 1, (stage, n, ov)
+    before = said()
+    series(1, 3, 24, True, "each-k4")
+    assert said() == before
+
+
 def test_staged_collectives_match(procs, tmp_path, data):
     """The device path's collectives (buffers staged through host memory,
     in-place reduce-scatter and all-gather included) give the same losses.
