@@ -160,3 +160,26 @@ def test_scale_up_keeps_trajectory(procs, tmp_path, data):
     worlds = [g[1] for g in generations(coord, jid)]
     assert worlds[0] == 2 and worlds[-1] == 4
     assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
+
+
+def test_kill_mid_step_across_reduction_plans(procs, tmp_path, data):
+    """Stage 1 with train_batch_size 12 and micro batch 2: three ranks run two micro-steps
+    each and reduce-scatter each one's fp32 gradient on the mesh, on the communication
+    thread, whose next backward waits for it unit by unit. A rank SIGKILLed mid-run makes the
+    others fail the step wherever they are (a reduction, the wait for one, a gather); the job
+    goes on with two ranks, three micro-steps each, which reduce the fp64 sum once (the
+    other plan), and its loss series equals a failure-free single-process run's."""
+    train, val = data
+    coord, ws = start(procs, ["a", "b", "c"])
+    spec = tiny_spec(train, val, 600, stage=1, workers=2, max_workers=3, gbs=12,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 10})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["world"] == 3 and job(coord, jid)["step"] > 20, 60,
+               "3 ranks training")
+    plan = "each of the 2 micro-steps' fp32 gradients is reduce-scattered"
+    assert any(plan in w.output() for w in ws.values())
+    ws["c"].kill()
+    j = wait_job(coord, jid, timeout=300)
+    worlds = [g[1] for g in generations(coord, jid)]
+    assert 3 in worlds and worlds[-1] == 2, worlds
+    assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
