@@ -62,6 +62,13 @@ static void zt_split_aligned(size_t n, size_t align, int tid, int nt, size_t *lo
   *hi = ZT_MIN_SZ(*hi * align, n);
 }
 
+/* A float's bits. A named type: clang rejects an anonymous union declared
+ * inside a function marked `omp declare simd`. */
+typedef union {
+  int32_t i;
+  float f;
+} zt_f32bits;
+
 /* exp(x) for float, vectorizable. Cephes expf: x = n ln2 + r, |r| <= ln2/2,
  * a degree-6 polynomial for e^r, then scale by 2^n built in the exponent
  * bits. Inputs are clamped to the finite range, so it never overflows. */
@@ -79,10 +86,7 @@ static inline float zt_expf(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  union {
-    int32_t i;
-    float f;
-  } p;
+  zt_f32bits p;
   p.i = ((int32_t)fx + 127) << 23;
   return y * p.f;
 }
