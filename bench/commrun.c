@@ -17,6 +17,8 @@
  * 0 sent per call. After the
  * first completed operation every rank prints "running" on stderr. A failed
  * operation prints "comm error after X ms: ..." and exits with status 3.
+ * The ranks prove the ring key $ZT_COMM_KEY to each other, or a fixed one
+ * when it is unset (a benchmark's ranks are its own processes).
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -86,6 +88,8 @@ int main(int argc, char **argv) {
   }
   zt_comm_tcp_opts_t o = {.rank = rank, .world = world, .peers = peers, .listen_fd = lfd,
                         .session = 0xbe7c, .connect_timeout_ms = timeout_ms,
+                        .key = getenv("ZT_COMM_KEY") ? getenv("ZT_COMM_KEY")
+                                                     : "zt_commrun: the benchmark's own ring key",
                         .ring_only = ring_only};
   zt_comm_t *c;
   if (zt_comm_tcp_create(&o, &c) != 0) {

@@ -64,6 +64,12 @@ typedef struct {
   const char *const *peers; /* "host:port" of every rank's listening socket */
   int listen_fd;            /* from zt_comm_tcp_listen; the communicator owns it */
   uint64_t session;         /* same on every rank of one generation, e.g. job<<32|gen */
+  /* The generation's secret (RendezvousReply.comm_key; at least 32
+   * characters; needed from 2 ranks on). Every connection proves it both
+   * ways with HMAC-SHA256 over fresh nonces (comm_tcp.c, "the handshake"),
+   * so a process without it cannot join the ring or pose as a rank; it
+   * never crosses the ring itself. */
+  const char *key;
   int64_t connect_timeout_ms;
   size_t chunk_bytes; /* pipelining granularity; 0: 1 MiB */
   int ring_only;      /* connect the ring alone, even where a mesh would be made */
@@ -76,8 +82,15 @@ typedef struct {
  * From 3 to ZT_COMM_MESH_MAX ranks (unless ring_only), every rank also
  * connects to every other one (a mesh), and zt_comm_reduce_scatter_f32to64
  * sends each segment straight to its owner; the other collectives stay on
- * the ring. Fails after connect_timeout_ms if a peer does not show up. */
+ * the ring. Fails after connect_timeout_ms if a peer does not show up, or
+ * at once if a peer does not prove the key. zt_comm_tcp_create is
+ * zt_comm_tcp_new then zt_comm_tcp_connect; apart, the communicator exists
+ * before it connects, so another thread can zt_comm_abort() the set-up
+ * (o->peers must then stay valid until zt_comm_tcp_connect returns). A
+ * communicator whose set-up failed is broken; destroy it. */
 ZT_MUST_CHECK int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out);
+ZT_MUST_CHECK int zt_comm_tcp_new(const zt_comm_tcp_opts_t *o, zt_comm_t **out);
+ZT_MUST_CHECK int zt_comm_tcp_connect(zt_comm_t *c);
 
 /* ---- NCCL backend (built when CUDA and NCCL are found; ZT_HAVE_NCCL) ----- */
 

@@ -7,11 +7,13 @@
  * also opens one to every other rank and accepts one from each (a mesh;
  * the ring's two are among them), for the direct reduce-scatter below.
  * Each connection starts with a handshake naming the session (job and
- * generation) and the sender's rank; the acceptor checks both and answers
- * one ack byte, so a rank of another generation is turned away before a
- * single payload byte flows. A connection carries one byte stream in one
- * direction, so every call must send and receive all of its bytes before
- * it returns: the next call's bytes follow them on the same socket.
+ * generation) and the sender's rank, in which both ends prove that they
+ * hold the generation's key (HMAC-SHA256 over each other's fresh nonce):
+ * a rank of another generation, or anything else that reaches the port,
+ * is turned away before a single payload byte flows. A connection
+ * carries one byte stream in one direction, so every call must send and
+ * receive all of its bytes before it returns: the next call's bytes follow
+ * them on the same socket.
  *
  * Algorithms. Ring reduce-scatter and ring all-gather, N-1 steps each; an
  * all-reduce is one followed by the other, so each rank sends and receives
@@ -47,12 +49,17 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -61,7 +68,9 @@
 #include "zt_common.h"
 
 #define ZT_RING_MAGIC 0x5a545247u /* "ZTRG" */
-#define ZT_RING_VERSION 3u /* 2: every collective starts with an op_header; 3: the mesh */
+/* 2: every collective starts with an op_header; 3: the mesh; 4: the key's
+ * proofs in the handshake */
+#define ZT_RING_VERSION 4u
 #define ZT_OP_MAGIC 0x5a544f50u   /* "ZTOP" */
 
 struct zt_comm {
@@ -75,7 +84,15 @@ struct zt_comm {
   int mesh;                 /* every pair of ranks connected (the direct reduce-scatter) */
   size_t chunk;
   uint64_t session;
-  atomic_int broken;
+  /* Set-up (zt_comm_tcp_new to zt_comm_tcp_connect): the listening socket,
+   * the peers' addresses (the caller's), the deadline and the key, which
+   * is wiped once connected. */
+  int listen_fd;
+  const char *const *peers;
+  int64_t setup_ms;
+  char key[129];
+  atomic_int err_claimed; /* the first failure or abort writes err, once */
+  atomic_int broken;      /* set after err is written */
   int failed_peer; /* rank whose connection failed, -1 when unknown */
   struct zt_nccl *nccl; /* set: operations go to NCCL (comm_nccl.c) */
   char err[512];
@@ -90,6 +107,7 @@ typedef struct {
   uint64_t session;
   uint32_t rank, world;
   uint32_t mesh, pad; /* the sender connects a mesh (comm.h: ring_only) */
+  uint8_t nonce[16];  /* the connector's challenge (the handshake, below) */
 } ring_hello;
 
 /* ---- bf16 and reductions --------------------------------------------------- */
@@ -128,13 +146,17 @@ void zt_comm_scale(void *buf, size_t n, zt_dtype_t dt, float s) {
 /* Records the first failure; the communicator is unusable from then on. */
 static int fail(zt_comm_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(zt_comm_t *c, const char *fmt, ...) {
-  if (!atomic_load(&c->broken)) {
+  int no = 0;
+  if (atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(c->err, sizeof c->err, fmt, ap);
     va_end(ap);
     atomic_store(&c->broken, 1);
   }
+  /* An abort from another thread may be writing err: it is done when
+   * broken is set, a few instructions later. */
+  while (!atomic_load(&c->broken)) sched_yield();
   return zt_err("%s", c->err);
 }
 
@@ -599,7 +621,7 @@ zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = rank, c->world = world, c->nccl = n;
   c->next = (rank + 1) % world, c->prev = mod(rank - 1, world);
-  c->next_fd = c->prev_fd = -1;
+  c->next_fd = c->prev_fd = c->listen_fd = -1;
   c->failed_peer = -1;
   c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   return c;
@@ -715,7 +737,8 @@ int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms) {
 }
 
 void zt_comm_abort(zt_comm_t *c) {
-  if (!atomic_load(&c->broken)) {
+  int no = 0;
+  if (atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) {
     snprintf(c->err, sizeof c->err, "aborted");
     atomic_store(&c->broken, 1);
   }
@@ -757,6 +780,7 @@ void zt_comm_destroy(zt_comm_t *c) {
   free(c->in_lowat);
   free(c->mpos);
   if (c->abort_fd >= 0) close(c->abort_fd);
+  if (c->listen_fd >= 0) close(c->listen_fd);
   free(c->scratch);
   free(c);
 }
@@ -820,8 +844,9 @@ static void tune(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
-/* Blocking-with-deadline exact read/write on a non-blocking socket. */
-static int io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
+/* Blocking-with-deadline exact read/write on a non-blocking socket, which
+ * zt_comm_abort() interrupts. */
+static int io_exact(zt_comm_t *c, int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
   size_t done = 0;
   while (done < len) {
     ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
@@ -834,8 +859,9 @@ static int io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl
     if (errno != EAGAIN && errno != EINTR) return zt_err_errno(writing ? "send" : "recv");
     int64_t left = zt_deadline_left_ms(dl);
     if (left == 0) return zt_err("timed out");
-    struct pollfd p = {.fd = fd, .events = writing ? POLLOUT : POLLIN};
-    poll(&p, 1, (int)ZT_MIN(left, 1000000));
+    struct pollfd p[2] = {{.fd = fd, .events = writing ? POLLOUT : POLLIN},
+                          {.fd = c->abort_fd, .events = POLLIN}};
+    if (poll(p, 2, (int)ZT_MIN(left, 1000000)) > 0 && p[1].revents) return zt_err("aborted");
   }
   return 0;
 }
@@ -862,9 +888,81 @@ static int connect_wait(zt_comm_t *c, int fd, zt_deadline_t dl) {
   }
 }
 
+/* ---- the handshake ------------------------------------------------------------
+ *
+ * Every connection proves, both ways, that its two ends hold the
+ * generation's key (RendezvousReply.comm_key, which the coordinator gives
+ * only to the generation's ranks): without it, anything that reaches a
+ * rank's port could take its predecessor's place and feed it bytes.
+ *
+ *   connector -> acceptor  hello:  session, rank, world, mesh, nonce_c
+ *   acceptor -> connector  accept: its rank, nonce_a,
+ *                                  HMAC(key, 'A' hello rank_a nonce_a)
+ *   connector -> acceptor  proof:  HMAC(key, 'C' hello rank_a nonce_a)
+ *
+ * Each side's MAC covers the other's fresh nonce, so a recorded handshake
+ * proves nothing a second time, and the key itself never crosses the
+ * ring. The acceptor checks the hello's fields first (a rank of another
+ * generation is turned away with a message naming both sessions) and
+ * answers at once; the proofs are read only after every rank has accepted
+ * its connections, so no rank waits for another's accept loop, which
+ * waits for its own predecessor's in turn (a ring of such waits would
+ * never end). */
+
+#define ZT_RING_NONCE 16
+#define ZT_RING_MAC 32
+#define ZT_RING_ACCEPT_MAGIC 0x5a545241u /* "ZTRA" */
+
+typedef struct {
+  uint32_t magic; /* ZT_RING_ACCEPT_MAGIC */
+  uint32_t rank;  /* the acceptor's */
+  uint8_t nonce[ZT_RING_NONCE];
+  uint8_t mac[ZT_RING_MAC];
+} ring_accept;
+_Static_assert(sizeof(ring_hello) == 48 && sizeof(ring_accept) == 56, "ring handshake layout");
+
+/* Set-up state: what this rank sent to each rank it connected to, and the
+ * proof it expects from each rank that connected to it. */
+typedef struct {
+  ring_hello *sent;                /* [world] */
+  uint8_t (*want)[ZT_RING_MAC];    /* [world] */
+} handshake;
+
+
+/* HMAC-SHA256 under the generation's key of: tag, the hello, and the
+ * acceptor's rank and nonce. */
+static int ring_mac(const zt_comm_t *c, char tag, const ring_hello *h, uint32_t rank_a,
+                    const uint8_t nonce_a[ZT_RING_NONCE], uint8_t out[ZT_RING_MAC]) {
+  uint8_t msg[1 + sizeof *h + 4 + ZT_RING_NONCE];
+  msg[0] = (uint8_t)tag;
+  memcpy(msg + 1, h, sizeof *h);
+  memcpy(msg + 1 + sizeof *h, &rank_a, 4);
+  memcpy(msg + 5 + sizeof *h, nonce_a, ZT_RING_NONCE);
+  unsigned n = 0;
+  if (!HMAC(EVP_sha256(), c->key, (int)strlen(c->key), msg, sizeof msg, out, &n) ||
+      n != ZT_RING_MAC)
+    return zt_err("comm: HMAC-SHA256 failed");
+  return 0;
+}
+
+static int mac_equal(const uint8_t *a, const uint8_t *b) {
+  return CRYPTO_memcmp(a, b, ZT_RING_MAC) == 0;
+}
+
+static int nonce(uint8_t out[ZT_RING_NONCE]) {
+  size_t got = 0;
+  while (got < ZT_RING_NONCE) {
+    ssize_t r = getrandom(out + got, ZT_RING_NONCE - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return zt_err_errno("getrandom");
+    got += (size_t)r;
+  }
+  return 0;
+}
+
 /* Connects to rank `to` and sends our hello; retries refused connections
  * (the peer may not listen yet) until the deadline. */
-static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl) {
+static int peer_connect(zt_comm_t *c, const char *peer, int to, handshake *hs, zt_deadline_t dl) {
   char host[256];
   int port;
   if (zt_parse_hostport(peer, host, sizeof host, &port) != 0)
@@ -875,6 +973,10 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
   sa.sin_port = htons((uint16_t)port);
   if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
     return zt_err("address of rank %d: %s is not an IPv4 address", to, host);
+  ring_hello *h = &hs->sent[to];
+  *h = (ring_hello){ZT_RING_MAGIC, ZT_RING_VERSION, c->session, (uint32_t)c->rank,
+                    (uint32_t)c->world, (uint32_t)c->mesh, 0, {0}};
+  if (nonce(h->nonce) != 0) return -1;
   for (;;) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return zt_err_errno("socket");
@@ -886,9 +988,7 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
     }
     if (e == 0) {
       tune(fd);
-      ring_hello h = {ZT_RING_MAGIC, ZT_RING_VERSION, c->session, (uint32_t)c->rank,
-                      (uint32_t)c->world, (uint32_t)c->mesh, 0};
-      if (io_exact(fd, &h, sizeof h, 1, dl) != 0) {
+      if (io_exact(c, fd, h, sizeof *h, 1, dl) != 0) {
         close(fd);
         return zt_err_wrap("hello to rank %d at %s", to, peer);
       }
@@ -902,11 +1002,48 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, zt_deadline_t dl
   }
 }
 
+/* The hello of a connection just accepted: 1 when it is one this rank
+ * waits for (its ring predecessor's, or on a mesh any rank's not yet
+ * connected) of this generation and ring version. */
+static int hello_ok(const zt_comm_t *c, const ring_hello *h) {
+  int from = (int)h->rank;
+  int ok = h->magic == ZT_RING_MAGIC && h->version == ZT_RING_VERSION &&
+           h->session == c->session && (int)h->world == c->world &&
+           h->mesh == (uint32_t)c->mesh && h->rank < (uint32_t)c->world && from != c->rank &&
+           (c->mesh || from == c->prev) && c->in_fd[from] < 0;
+  if (!ok)
+    ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx, %s; "
+            "expected version %u, %s of %d, session %llx, %s)",
+            h->magic == ZT_RING_MAGIC ? h->version : 0, h->rank, h->world,
+            (unsigned long long)h->session, h->mesh ? "mesh" : "ring", ZT_RING_VERSION,
+            c->mesh ? "a rank not yet connected" : "the ring predecessor", c->world,
+            (unsigned long long)c->session, c->mesh ? "mesh" : "ring");
+  return ok;
+}
+
+/* Answers a valid hello with our accept message, and notes the proof the
+ * connector must send back. */
+static int answer_hello(zt_comm_t *c, int fd, const ring_hello *h, handshake *hs,
+                        zt_deadline_t dl) {
+  ring_accept a = {.magic = ZT_RING_ACCEPT_MAGIC, .rank = (uint32_t)c->rank};
+  if (nonce(a.nonce) != 0 || ring_mac(c, 'A', h, a.rank, a.nonce, a.mac) != 0 ||
+      ring_mac(c, 'C', h, a.rank, a.nonce, hs->want[h->rank]) != 0)
+    return -1;
+  return io_exact(c, fd, &a, sizeof a, 1, dl);
+}
+
+/* How long an accepted connection may take to send its hello. A rank
+ * sends it as soon as it is connected, so this only bounds what a stray
+ * connection (a port scan, a process of an old generation) can hold up
+ * the accept loop, which reads one hello at a time. */
+#define ZT_RING_HELLO_MS 2000
+
 /* Accepts connections until every rank that connects to this one (the
  * predecessor on a ring, every other rank on a mesh) has sent a valid
- * hello; a connection of another session, world or ring version, from
- * this rank itself or from a rank already connected is dropped. */
-static int accept_peers(zt_comm_t *c, int lfd, zt_deadline_t dl) {
+ * hello, and answers each; a connection of another session, world or ring
+ * version, from this rank itself or from a rank already connected is
+ * dropped. */
+static int accept_peers(zt_comm_t *c, int lfd, handshake *hs, zt_deadline_t dl) {
   int missing = c->mesh ? c->world - 1 : 1;
   while (missing > 0) {
     int64_t left = zt_deadline_left_ms(dl);
@@ -919,40 +1056,66 @@ static int accept_peers(zt_comm_t *c, int lfd, zt_deadline_t dl) {
       return zt_err("peers did not connect in time");
     }
     struct pollfd p[2] = {{.fd = lfd, .events = POLLIN}, {.fd = c->abort_fd, .events = POLLIN}};
-    if (poll(p, 2, (int)ZT_MIN(left, 1000000)) <= 0) continue;
+    int pr = poll(p, 2, (int)ZT_MIN(left, 1000000));
+    if (pr < 0 && errno != EINTR) return zt_err_errno("comm: poll while accepting peers");
+    if (pr <= 0) continue;
     if (p[1].revents) return zt_err("aborted while waiting for peers to connect");
     int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd < 0) continue;
+    if (fd < 0) {
+      /* Out of descriptors or buffers: the connection stays queued, so
+       * pace the retries instead of spinning on it until the deadline. */
+      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+        ZT_WARN("comm: accept: %s", strerror(errno));
+        zt_sleep_ms(20);
+      }
+      continue;
+    }
     tune(fd);
     ring_hello h;
-    if (io_exact(fd, &h, sizeof h, 0, zt_deadline_in(ZT_MIN(left, 5000))) != 0) {
+    if (io_exact(c, fd, &h, sizeof h, 0, zt_deadline_in(ZT_MIN(left, ZT_RING_HELLO_MS))) != 0) {
       ZT_WARN("comm: dropped a connection without a hello: %s", zt_err_msg());
       close(fd);
       continue;
     }
-    int from = (int)h.rank, ok = h.magic == ZT_RING_MAGIC && h.version == ZT_RING_VERSION &&
-                                 h.session == c->session && (int)h.world == c->world &&
-                                 h.mesh == (uint32_t)c->mesh &&
-                                 h.rank < (uint32_t)c->world && from != c->rank &&
-                                 (c->mesh || from == c->prev) && c->in_fd[from] < 0;
-    if (!ok) {
-      ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx, %s; "
-              "expected version %u, %s of %d, session %llx, %s)",
-              h.magic == ZT_RING_MAGIC ? h.version : 0, h.rank, h.world,
-              (unsigned long long)h.session, h.mesh ? "mesh" : "ring", ZT_RING_VERSION,
-              c->mesh ? "a rank not yet connected" : "the ring predecessor", c->world,
-              (unsigned long long)c->session, c->mesh ? "mesh" : "ring");
+    if (!hello_ok(c, &h) || answer_hello(c, fd, &h, hs, dl) != 0) {
       close(fd);
       continue;
     }
-    uint8_t ack = 1;
-    if (io_exact(fd, &ack, 1, 1, dl) != 0) {
-      close(fd);
-      continue;
-    }
-    c->in_fd[from] = fd;
+    c->in_fd[h.rank] = fd;
     missing--;
   }
+  return 0;
+}
+
+/* The connector's half: checks rank `to`'s accept message (its MAC proves
+ * the key) and sends our proof. */
+static int prove_to(zt_comm_t *c, const char *peer, int to, handshake *hs, zt_deadline_t dl) {
+  ring_accept a;
+  uint8_t mac[ZT_RING_MAC];
+  if (io_exact(c, c->out_fd[to], &a, sizeof a, 0, dl) != 0)
+    return zt_err_wrap("rank %d at %s refused the handshake (another generation, ring version "
+                       "or key?)", to, peer);
+  if (a.magic != ZT_RING_ACCEPT_MAGIC || a.rank != (uint32_t)to)
+    return zt_err("rank %d at %s answered the handshake as something else (rank %u)", to, peer,
+                  a.rank);
+  if (ring_mac(c, 'A', &hs->sent[to], a.rank, a.nonce, mac) != 0) return -1;
+  if (!mac_equal(mac, a.mac))
+    return zt_err("the listener at %s, rank %d's address, does not hold this generation's ring "
+                  "key", peer, to);
+  if (ring_mac(c, 'C', &hs->sent[to], a.rank, a.nonce, mac) != 0 ||
+      io_exact(c, c->out_fd[to], mac, sizeof mac, 1, dl) != 0)
+    return zt_err_wrap("proof to rank %d at %s", to, peer);
+  return 0;
+}
+
+/* The acceptor's half: the proof of rank `from`. */
+static int check_proof(zt_comm_t *c, int from, handshake *hs, zt_deadline_t dl) {
+  uint8_t mac[ZT_RING_MAC];
+  if (io_exact(c, c->in_fd[from], mac, sizeof mac, 0, dl) != 0)
+    return zt_err_wrap("the connection from rank %d sent no proof of the ring key", from);
+  if (!mac_equal(mac, hs->want[from]))
+    return zt_err("the connection that said it was rank %d does not hold this generation's "
+                  "ring key (refused)", from);
   return 0;
 }
 
@@ -966,54 +1129,100 @@ static void alloc_peers(zt_comm_t *c) {
   for (size_t j = 0; j < w; j++) c->out_fd[j] = c->in_fd[j] = -1;
 }
 
-int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
-  if (o->world < 1 || o->rank < 0 || o->rank >= o->world)
+int zt_comm_tcp_new(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
+  if (o->world < 1 || o->rank < 0 || o->rank >= o->world) {
+    if (o->listen_fd >= 0) close(o->listen_fd);
     return zt_err("comm: rank %d of world %d is invalid", o->rank, o->world);
+  }
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
   c->rank = o->rank;
   c->world = o->world;
   c->next = (c->rank + 1) % c->world;
   c->prev = mod(c->rank - 1, c->world);
   c->session = o->session;
-  c->chunk = o->chunk_bytes ? o->chunk_bytes : (1u << 20);
+  /* Received bytes are reduced a whole chunk of elements at a time. */
+  c->chunk = o->chunk_bytes ? ZT_MAX(8, o->chunk_bytes & ~(size_t)7) : (1u << 20);
   c->mesh = !o->ring_only && c->world >= 3 && c->world <= ZT_COMM_MESH_MAX;
   c->next_fd = c->prev_fd = -1;
   c->failed_peer = -1;
+  c->listen_fd = o->listen_fd;
+  c->peers = o->peers;
+  c->setup_ms = o->connect_timeout_ms > 0 ? o->connect_timeout_ms : 30000;
+  snprintf(c->key, sizeof c->key, "%s", o->key ? o->key : "");
   alloc_peers(c);
   c->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (c->abort_fd < 0) {
-    zt_err_errno("eventfd");
-    goto err;
+    zt_err_errno("comm: eventfd");
+    zt_comm_destroy(c);
+    return -1;
   }
-  zt_deadline_t dl = zt_deadline_in(o->connect_timeout_ms > 0 ? o->connect_timeout_ms : 30000);
+  *out = c;
+  return 0;
+}
+
+/* Connects, accepts, then proves the key on every connection (see the
+ * handshake above). */
+static int handshake_all(zt_comm_t *c, handshake *hs, zt_deadline_t dl) {
+  /* Connect and say hello first (it sits in the peer's socket buffer),
+   * then accept, then exchange proofs: no rank waits for another to
+   * accept before it accepts itself. A mesh connects to every rank in
+   * ring order from its successor on. */
+  for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
+    int j = (c->rank + k) % c->world;
+    if (peer_connect(c, c->peers[j], j, hs, dl) != 0) return -1;
+  }
+  if (accept_peers(c, c->listen_fd, hs, dl) != 0) return -1;
+  for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
+    int j = (c->rank + k) % c->world;
+    if (prove_to(c, c->peers[j], j, hs, dl) != 0) return -1;
+  }
+  for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
+    int j = mod(c->rank - k, c->world);
+    if (check_proof(c, j, hs, dl) != 0) return -1;
+  }
+  return 0;
+}
+
+int zt_comm_tcp_connect(zt_comm_t *c) {
+  handshake hs = {0};
+  int rc = -1;
+  if (check_usable(c, "comm set-up") != 0) goto out;
   if (c->world > 1) {
-    /* Connect and say hello first (it sits in the peer's socket buffer),
-     * then accept, then wait for the acks: no rank waits for another to
-     * accept before it accepts itself. A mesh connects to every rank in
-     * ring order from its successor on. */
-    for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
-      int j = (c->rank + k) % c->world;
-      if (peer_connect(c, o->peers[j], j, dl) != 0) goto err;
+    if (strlen(c->key) < 32) {
+      zt_err("no ring key, or one shorter than 32 characters (RendezvousReply.comm_key)");
+      goto out;
     }
-    if (accept_peers(c, o->listen_fd, dl) != 0) goto err;
-    for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
-      int j = (c->rank + k) % c->world;
-      uint8_t ack;
-      if (io_exact(c->out_fd[j], &ack, 1, 0, dl) != 0 || ack != 1) {
-        zt_err("rank %d at %s refused the handshake (other generation or ring version?)", j,
-               o->peers[j]);
-        goto err;
-      }
-    }
+    hs.sent = zt_xcalloc((size_t)c->world, sizeof *hs.sent);
+    hs.want = zt_xcalloc((size_t)c->world, sizeof *hs.want);
+    if (handshake_all(c, &hs, zt_deadline_in(c->setup_ms)) != 0) goto out;
     c->next_fd = c->out_fd[c->next];
     c->prev_fd = c->in_fd[c->prev];
   }
-  if (o->listen_fd >= 0) close(o->listen_fd);
+  rc = 0;
+out:
+  if (c->listen_fd >= 0) close(c->listen_fd);
+  c->listen_fd = -1;
+  c->peers = NULL;
+  explicit_bzero(c->key, sizeof c->key);
+  free(hs.sent);
+  free(hs.want);
+  if (rc != 0) { /* broken from now on, with this message unless aborted first */
+    zt_err_wrap("comm rank %d/%d", c->rank, c->world);
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", zt_err_msg());
+    fail(c, "%s", msg);
+    zt_err("%s", msg);
+  }
+  return rc;
+}
+
+int zt_comm_tcp_create(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
+  zt_comm_t *c;
+  if (zt_comm_tcp_new(o, &c) != 0) return -1;
+  if (zt_comm_tcp_connect(c) != 0) {
+    zt_comm_destroy(c);
+    return -1;
+  }
   *out = c;
   return 0;
-err:
-  zt_err_wrap("comm rank %d/%d", o->rank, o->world);
-  if (o->listen_fd >= 0) close(o->listen_fd);
-  zt_comm_destroy(c);
-  return -1;
 }

@@ -159,6 +159,10 @@ typedef struct zt_job {
    * or when it sent none: the ring is used). */
   int nccl;
   char nccl_id[257];
+  /* The TCP ring's key of the generation (RendezvousReply.comm_key): made
+   * when its rendezvous completes, never stored (a new rendezvous makes a
+   * new one). */
+  char comm_key[65];
   zt_db_step_t last; /* last reported step */
   uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
   char start_ckpt[512]; /* committed epoch the current generation loads */

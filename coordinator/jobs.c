@@ -921,6 +921,7 @@ static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) 
   rep.accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
   rep.comm_timeout_ms = j->p.comm_timeout_ms;
   rep.nccl_id = j->nccl ? j->nccl_id : "";
+  rep.comm_key = j->comm_key;
   /* Paths cross the wire relative to the checkpoint root: each host
    * resolves them under its own. */
   const char *rel = zt_path_under(c->cfg.ckpt_root, j->start_ckpt);
@@ -972,6 +973,12 @@ static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) 
 }
 
 static void reply_rendezvous(zt_coord_t *c, zt_job_t *j) {
+  /* Without a key the ranks refuse to connect the ring, and say why. */
+  if (zt_random_hex(j->comm_key, 32) != 0) {
+    ZT_ERROR("job %llu: no ring key for generation %llu: %s", (unsigned long long)j->row.id,
+             (unsigned long long)j->row.generation, zt_err_msg());
+    j->comm_key[0] = 0;
+  }
   for (int r = 0; r < j->row.world; r++) {
     size_t n;
     uint8_t *buf = pack_rendezvous(c, j, r, &n);

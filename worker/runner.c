@@ -522,12 +522,31 @@ static int make_comm(zt_runner_t *r, const Ztrain__RendezvousReply *rv, int *lfd
     return zt_comm_nccl_create((int)rv->rank, (int)rv->world, rv->nccl_id, dev,
                                rv->comm_timeout_ms, comm);
   }
+  if (rv->n_peers != rv->world || rv->rank >= rv->world)
+    return zt_err("the rendezvous reply names %zu peers for rank %u of %u", rv->n_peers, rv->rank,
+                  rv->world);
   zt_comm_tcp_opts_t co = {.rank = (int)rv->rank, .world = (int)rv->world,
                            .peers = (const char *const *)rv->peers, .listen_fd = *lfd,
                            .session = (rv->job_id << 32) ^ rv->generation,
-                           .connect_timeout_ms = rv->comm_timeout_ms};
+                           .key = rv->comm_key, .connect_timeout_ms = rv->comm_timeout_ms};
   *lfd = -1; /* owned by the communicator from here on */
-  return zt_comm_tcp_create(&co, comm);
+  zt_comm_t *c;
+  if (zt_comm_tcp_new(&co, &c) != 0) return -1;
+  /* Published before it connects, so that a new assignment or a stop
+   * aborts the set-up instead of waiting out its timeout. */
+  pthread_mutex_lock(&r->mu);
+  r->active = c;
+  if (r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(c);
+  pthread_mutex_unlock(&r->mu);
+  if (zt_comm_tcp_connect(c) != 0) {
+    pthread_mutex_lock(&r->mu);
+    r->active = NULL;
+    pthread_mutex_unlock(&r->mu);
+    zt_comm_destroy(c);
+    return -1;
+  }
+  *comm = c;
+  return 0;
 }
 
 /* Joins (cur_job, cur_gen): listening socket, rendezvous, communicator;

@@ -231,8 +231,23 @@ def test_rendezvous_relays_nccl_id(procs, tmp_path):
         a = ex.submit(rdv, r0, good, 20)
         b = ex.submit(rdv, r1, b"", 20)
         replies = {r0: a.result(), r1: b.result()}
+    keys = set()
     for i, (code, reply, det) in replies.items():
         assert code == grpc.StatusCode.OK, det
         f = decode(reply)
         assert f.get(20) == good and f.get(3, 0) == (0 if i == r0 else 1), f
+        keys.add(f.get(21))
+    # One ring key for the generation's ranks: 64 random hex characters.
+    (key,) = keys
+    assert isinstance(key, bytes) and len(key) == 64 and all(c in b"0123456789abcdef" for c in key)
+    # A rendezvous again (the ranks retry after a failed set-up): a new key.
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(rdv, r0, good, 20)
+        b = ex.submit(rdv, r1, b"", 20)
+        again = [a.result(), b.result()]
+    keys2 = set()
+    for code, reply, det in again:
+        assert code == grpc.StatusCode.OK, det
+        keys2.add(decode(reply).get(21))
+    assert len(keys2) == 1 and keys2 != keys, (keys, keys2)
     ch.close()

@@ -24,6 +24,8 @@
 #include "zt_test.h"
 
 #define MAXR 5
+/* The ring key every test rank holds (comm.h: at least 32 characters). */
+#define TEST_KEY "0123456789abcdef0123456789abcdef"
 
 typedef enum {
   OP_ALLREDUCE,
@@ -92,7 +94,8 @@ static float get(const void *buf, size_t i, zt_dtype_t dt) {
 static void *rank_main(void *p) {
   rank_ctx *r = p;
   zt_comm_tcp_opts_t o = {.rank = r->rank, .world = r->world, .peers = r->peerp,
-                        .listen_fd = r->lfd, .session = 77, .connect_timeout_ms = 20000,
+                        .listen_fd = r->lfd, .session = 77, .key = TEST_KEY,
+                        .connect_timeout_ms = 20000,
                         .chunk_bytes = 64 << 10, .ring_only = g_ring_only};
   zt_comm_t *c;
   r->rc = zt_comm_tcp_create(&o, &c);
@@ -397,7 +400,7 @@ static int64_t rank0_setup_ms(int port1) {
   snprintf(p1, sizeof p1, "127.0.0.1:%d", port1);
   const char *peers[2] = {p0, p1};
   zt_comm_tcp_opts_t o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfd, .session = 1,
-                          .connect_timeout_ms = 300};
+                          .key = TEST_KEY, .connect_timeout_ms = 300};
   zt_comm_t *c;
   int64_t t0 = zt_now_ms();
   if (zt_comm_tcp_create(&o, &c) == 0) {
@@ -776,7 +779,7 @@ ZT_TEST(test_stale_session_refused) {
     for (int r = 0; r < world; r++) {
       a[r] = (create_arg){.o = {.rank = r, .world = world, .peers = peers, .listen_fd = lfds[r],
                                 .session = r == odd ? (uint64_t)cases[ci].session : 1,
-                                .connect_timeout_ms = 500,
+                                .key = TEST_KEY, .connect_timeout_ms = 500,
                                 .ring_only = r == odd && cases[ci].ring_only}};
       pthread_create(&th[r], NULL, create_thread, &a[r]);
     }
@@ -790,6 +793,123 @@ ZT_TEST(test_stale_session_refused) {
       zt_comm_destroy(a[r].c);
     }
   }
+}
+
+/* Listening sockets for `world` ranks on loopback. */
+static void listen_all(int world, char ports[][32], const char **peers, int *lfds) {
+  for (int r = 0; r < world; r++) {
+    int port = 0;
+    ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &lfds[r]) == 0);
+    snprintf(ports[r], 32, "127.0.0.1:%d", port);
+    peers[r] = ports[r];
+  }
+}
+
+/* A rank with another key (a process of another generation that guessed
+ * the session, or an old key): 2 ranks and 3 (the mesh). No connection is
+ * made: every rank fails, each naming the key. */
+ZT_TEST(test_wrong_ring_key_refused) {
+  for (int world = 2; world <= 3; world++) {
+    char ports[3][32];
+    const char *peers[3];
+    int lfds[3];
+    listen_all(world, ports, peers, lfds);
+    create_arg a[3];
+    pthread_t th[3];
+    for (int r = 0; r < world; r++) {
+      a[r] = (create_arg){.o = {.rank = r, .world = world, .peers = peers, .listen_fd = lfds[r],
+                                .session = 1,
+                                .key = r == world - 1 ? TEST_KEY "x" : TEST_KEY,
+                                .connect_timeout_ms = 5000}};
+      pthread_create(&th[r], NULL, create_thread, &a[r]);
+    }
+    for (int r = 0; r < world; r++) pthread_join(th[r], NULL);
+    /* The odd rank always reads an honest rank's answer and finds its MAC
+     * wrong. An honest rank finds the odd rank's MAC wrong, or, where the
+     * odd rank has given up and closed first, its connection closed. */
+    int named = 0;
+    for (int r = 0; r < world; r++) {
+      fprintf(stderr, "world %d rank %d: %s\n", world, r, a[r].err);
+      ZT_CHECK(a[r].rc != 0);
+      ZT_CHECK(strstr(a[r].err, "ring key") || strstr(a[r].err, "refused the handshake"));
+      named += r < world - 1 && strstr(a[r].err, "does not hold this generation's ring key");
+      if (a[r].rc == 0) zt_comm_destroy(a[r].c);
+    }
+    ZT_CHECK(strstr(a[world - 1].err, "does not hold this generation's ring key") != NULL);
+    ZT_CHECK(named >= 1);
+  }
+}
+
+/* The wire layout of a hello (comm_tcp.c), for the impostor below. */
+typedef struct {
+  uint32_t magic, version;
+  uint64_t session;
+  uint32_t rank, world, mesh, pad;
+  uint8_t nonce[16];
+} test_hello;
+
+/* An impostor that reaches rank 1's port first and sends a hello that is
+ * right in every field (the session and ranks are not secret), posing as
+ * rank 0, then bytes where the proof of the key belongs. Rank 1 refuses
+ * it, naming the rank it posed as, and never runs a collective with it. */
+ZT_TEST(test_impostor_refused) {
+  char ports[2][32];
+  const char *peers[2];
+  int lfds[2];
+  listen_all(2, ports, peers, lfds);
+  int port1 = atoi(strchr(ports[1], ':') + 1);
+  int imp = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port1),
+                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  ZT_REQUIRE(imp >= 0 && connect(imp, (struct sockaddr *)&sa, sizeof sa) == 0);
+  test_hello h = {0x5a545247u, 4, 1, 0, 2, 0, 0, {1, 2, 3}};
+  uint8_t junk[32 + sizeof h];
+  memcpy(junk, &h, sizeof h);
+  memset(junk + sizeof h, 0x5a, 32);
+  ZT_REQUIRE(send(imp, junk, sizeof junk, MSG_NOSIGNAL) == (ssize_t)sizeof junk);
+  create_arg a[2];
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++) {
+    a[r] = (create_arg){.o = {.rank = r, .world = 2, .peers = peers, .listen_fd = lfds[r],
+                              .session = 1, .key = TEST_KEY, .connect_timeout_ms = 5000}};
+    pthread_create(&th[r], NULL, create_thread, &a[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  fprintf(stderr, "rank 0: %s\nrank 1: %s\n", a[0].err, a[1].err);
+  ZT_CHECK(a[1].rc != 0);
+  ZT_CHECK(strstr(a[1].err, "said it was rank 0 does not hold this generation's ring key") !=
+           NULL);
+  ZT_CHECK(a[0].rc != 0);
+  for (int r = 0; r < 2; r++)
+    if (a[r].rc == 0) zt_comm_destroy(a[r].c);
+  close(imp);
+}
+
+/* zt_comm_tcp_new, then zt_comm_tcp_connect waiting for a rank that never
+ * comes: an abort from another thread ends the set-up at once instead of
+ * at its 20 s deadline. */
+ZT_TEST(test_setup_abort) {
+  char ports[2][32];
+  const char *peers[2];
+  int lfds[2];
+  listen_all(2, ports, peers, lfds);
+  zt_comm_tcp_opts_t o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfds[0],
+                          .session = 1, .key = TEST_KEY, .connect_timeout_ms = 20000};
+  zt_comm_t *c;
+  ZT_REQUIRE(zt_comm_tcp_new(&o, &c) == 0);
+  aborter ab = {c, 200};
+  pthread_t th;
+  pthread_create(&th, NULL, abort_later, &ab);
+  int64_t t0 = zt_now_ms();
+  ZT_CHECK(zt_comm_tcp_connect(c) != 0);
+  int64_t el = zt_now_ms() - t0;
+  fprintf(stderr, "set-up aborted after %lld ms: %s\n", (long long)el, zt_err_msg());
+  ZT_CHECK(el >= 150 && el < 5000);
+  ZT_CHECK(strstr(zt_err_msg(), "aborted") != NULL);
+  ZT_CHECK(zt_comm_broken(c));
+  pthread_join(th, NULL);
+  zt_comm_destroy(c);
+  close(lfds[1]);
 }
 
 /* The NCCL backend: without a GPU (or without CUDA in the build) creation
@@ -820,4 +940,5 @@ ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, te
              test_connect_timeout, test_connect_to_silent_host_times_out,
              test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
              test_mesh_peer_silent_or_gone,
-             test_stale_session_refused)
+             test_stale_session_refused, test_wrong_ring_key_refused, test_impostor_refused,
+             test_setup_abort)
