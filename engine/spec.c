@@ -366,10 +366,12 @@ static int parse_misc(zt_spec_t *s, const cJSON *root) {
 }
 
 /* fault_injection{lr_scale, from_step, to_step, repeat, break_ring_at_step,
- * delay_checkpoint_report_ms}: tests only. */
+ * break_ring_before_update_at_step, delay_checkpoint_report_ms}: tests
+ * only. */
 static int parse_fault(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"lr_scale", "from_step", "to_step", "repeat",
-                                     "break_ring_at_step", "delay_checkpoint_report_ms"};
+                                     "break_ring_at_step", "break_ring_before_update_at_step",
+                                     "delay_checkpoint_report_ms"};
   const char *P = "fault_injection";
   const cJSON *o;
   zt_spec_fault_t *f = &s->fault;
@@ -381,6 +383,8 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
       get_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) ||
       get_bool(o, P, "repeat", &f->repeat) ||
       get_long(o, P, "break_ring_at_step", 0, 0, 1L << 40, &f->break_ring_at_step) ||
+      get_long(o, P, "break_ring_before_update_at_step", 0, 0, 1L << 40,
+               &f->break_ring_before_update_at_step) ||
       get_long(o, P, "delay_checkpoint_report_ms", 0, 0, 60000, &f->delay_checkpoint_report_ms))
     return -1;
   if (f->to_step < f->from_step) f->to_step = f->from_step;

@@ -86,6 +86,12 @@ typedef struct zt_spec_fault {
   /* The last rank aborts its ring during this step, in every generation
    * (0: never): a transient failure that repeats. */
   long break_ring_at_step;
+  /* The last rank aborts its ring in this step of the first generation,
+   * after the gradients are reduced and before the optimizer step (0:
+   * never): with stage 0's overlap the queued gathers of the scaled
+   * gradient then fail with the updates still due, just before the
+   * step's checkpoint snapshot. */
+  long break_ring_before_update_at_step;
   /* Rank 0 reports each checkpoint epoch this much later (0: at once): its
    * peers' reports and pushed copies come first. */
   long delay_checkpoint_report_ms;

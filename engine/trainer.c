@@ -314,24 +314,41 @@ static double step_lr(trainer *t, int64_t s) {
   return zt_lr_at(&t->spec.sched, t->spec.opt.lr, (long)(s - 1), mult);
 }
 
+/* How many validation forwards this rank runs over nb batches: one for
+ * each of its batches (b = r, r + N, ...), or at stage 3, where every
+ * forward all-gathers each unit's parameters from all ranks, as many as
+ * the rank with the most, ceil(nb / N): ranks that ran different numbers
+ * of forwards would issue different collectives. */
+static uint64_t eval_rounds(const trainer *t, uint64_t nb) {
+  uint64_t N = (uint64_t)t->N, r = (uint64_t)t->r;
+  if (t->z.stage == 3) return (nb + N - 1) / N;
+  return nb > r ? (nb - r + N - 1) / N : 0;
+}
+
 /* Mean loss over the validation batches, spread over the ranks: batch b
  * is samples [b mb, (b + 1) mb) of the validation shards in file order, for
  * b < min(eval.batches, n_samples / mb) (docs/engine.md; set_up refuses a
- * validation set smaller than one micro batch). */
+ * validation set smaller than one micro batch). A forward past the last
+ * batch (stage 3, eval_rounds) runs batch 0 again and is not counted. The
+ * losses are summed in fp64, which is exact for so few fp32 values, so the
+ * mean does not depend on how the batches were spread over the ranks. */
 static float eval_loss(trainer *t) {
   int mb = t->mb;
-  float acc[2] = {0, 0};
+  double acc[2] = {0, 0};
   uint64_t nb = ZT_MIN((uint64_t)t->spec.eval_batches, zt_data_num_samples(t->val) / (uint64_t)mb);
-  for (uint64_t b = (uint64_t)t->r; b < nb; b += (uint64_t)t->N) {
+  uint64_t rounds = eval_rounds(t, nb);
+  for (uint64_t i = 0; i < rounds; i++) {
+    uint64_t b = (uint64_t)t->r + i * (uint64_t)t->N;
     float l = NAN;
-    if (zt_data_fill_seq(t->val, b * (uint64_t)mb, mb, t->inp, t->tgt) != 0 ||
+    if (zt_data_fill_seq(t->val, (b < nb ? b : 0) * (uint64_t)mb, mb, t->inp, t->tgt) != 0 ||
         zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0)
       return NAN;
+    if (b >= nb) continue; /* a forward only to keep the collectives in step */
     acc[0] += l;
     acc[1] += 1;
   }
-  if (zt_zero_host_all_reduce(&t->z, acc, 2, ZT_DT_F32) != 0) return NAN;
-  return acc[1] > 0 ? acc[0] / acc[1] : NAN;
+  if (zt_zero_host_all_reduce(&t->z, acc, 2, ZT_DT_F64) != 0) return NAN;
+  return acc[1] > 0 ? (float)(acc[0] / acc[1]) : NAN;
 }
 
 /* Forward and backward of every micro-step of step `step` (0-based);
@@ -374,6 +391,11 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   res->nonfinite = ctl[2] > 0 || !isfinite(res->loss) || !isfinite(res->norm);
   res->ckpt_requested = ctl[3] > 0;
   res->lr = step_lr(t, s);
+  if (t->spec.fault.break_ring_before_update_at_step == s && t->N > 1 && t->r == t->N - 1 &&
+      t->g->generation == 1) { /* test knob: the update's collectives fail */
+    ZT_WARN("fault injection: ring broken before the update of step %lld", (long long)s);
+    zt_comm_abort(t->g->comm);
+  }
   if (!res->nonfinite) {
     float gscale = zt_opt_clip_coef(ctl[1], t->spec.grad_clip, NULL);
     if (zt_zero_adamw(&t->z, &t->spec.opt, (float)res->lr, gscale, s) != 0) return -1;
@@ -420,7 +442,10 @@ static int save_state(trainer *t, int64_t step) {
   float *buf = zt_ckpt_writer_buffer(t->writer, zt_zero_snapshot_floats(&t->z));
   if (!buf) return -1;
   zt_ckpt_range_t *rg = zt_xcalloc((size_t)t->z.U, sizeof *rg);
-  zt_zero_snapshot(&t->z, buf, rg);
+  if (zt_zero_snapshot(&t->z, buf, rg) != 0) {
+    free(rg);
+    return zt_err_wrap("checkpoint of step %lld not written", (long long)step);
+  }
   char dir[1024];
   zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
   zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,

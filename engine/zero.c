@@ -378,8 +378,10 @@ static void *ov_main(void *arg) {
     if (rc != 0 && !z->ov_fail) {
       z->ov_fail = 1;
       snprintf(z->ov_msg, sizeof z->ov_msg, "%s of unit %d: %s",
-               kind == OV_GATHER ? "all-gather of parameters" : "gradient reduction", u,
-               zt_err_msg());
+               kind == OV_REDUCE  ? "gradient reduction"
+               : z->stage == 0    ? "all-gather of the scaled gradient"
+                                  : "all-gather of parameters",
+               u, zt_err_msg());
     }
     if (kind == OV_GATHER && s == OV_IN_PLACE) z->ag_done++;
     else if (kind == OV_GATHER) z->pf_busy[s] = 0;
@@ -394,16 +396,26 @@ static void *ov_main(void *arg) {
   return NULL;
 }
 
-/* Queues an entry; lo: the piece (shard offset) of a stage 2-3 reduction. */
+/* Queues an entry; lo: the piece (shard offset) of a stage 2-3 reduction.
+ * A full queue is waited on until the thread has taken an entry (it
+ * broadcasts after each one), so no entry is ever written over one the
+ * thread has not read; ov_start sizes the queue so that this wait is
+ * rare. Once a queued operation has failed, the wait stops and the entry
+ * is dropped: the thread would only dequeue it, and every wait for it
+ * (reduced, pf_wait, ag_wait, ov_wait) stops at that failure too and
+ * reports it. */
 static void ov_push_piece(zt_zero_t *z, int u, int kind, int s, size_t lo) {
   pthread_mutex_lock(&z->ov_mu);
-  z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s, lo);
-  z->ov_len++;
-  if (kind == OV_GATHER && s != OV_IN_PLACE) z->pf_busy[s] = 1;
-  else if (kind == OV_REDUCE && z->stage >= 2 && s == 2) z->ov_busy[2]++;
-  else if (kind == OV_REDUCE && z->stage >= 2) z->ov_busy[s] = 1;
-  else if (kind == OV_REDUCE) z->rd_busy[u] = 1;
-  pthread_cond_broadcast(&z->ov_cv);
+  while (z->ov_len == z->ov_cap && !z->ov_fail) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  if (!z->ov_fail) {
+    z->ov_queue[(z->ov_head + z->ov_len) % z->ov_cap] = OV_ENTRY(u, kind, s, lo);
+    z->ov_len++;
+    if (kind == OV_GATHER && s != OV_IN_PLACE) z->pf_busy[s] = 1;
+    else if (kind == OV_REDUCE && z->stage >= 2 && s == 2) z->ov_busy[2]++;
+    else if (kind == OV_REDUCE && z->stage >= 2) z->ov_busy[s] = 1;
+    else if (kind == OV_REDUCE) z->rd_busy[u] = 1;
+    pthread_cond_broadcast(&z->ov_cv);
+  }
   pthread_mutex_unlock(&z->ov_mu);
 }
 
@@ -521,10 +533,23 @@ static int ov_wait(zt_zero_t *z) {
   return failed ? zt_err("%s", z->ov_msg) : 0;
 }
 
+/* How many pieces unit u's gradient is reduced in at stages 2-3
+ * (piece_len): one, but for unit 0 as many as its shard holds shards of
+ * the largest other unit. */
+static int num_pieces(const zt_zero_t *z, int u) {
+  int n = 0;
+  for (size_t lo = 0; lo < z->S[u]; lo += piece_len(z, u, lo)) n++;
+  return n;
+}
+
 static int ov_start(zt_zero_t *z) {
-  /* stages 0-1: U units a step; stages 1-2: U deferred gathers after it;
-   * stages 2-3: two reductions and three gathers at a time */
-  z->ov_cap = 2 * z->U + 5;
+  /* The most entries ever queued at once, so that pushes (which wait for
+   * room) do not wait in practice: stages 0-1, U units a step; stages
+   * 1-2, U deferred gathers after it; stages 2-3, two reductions, three
+   * gathers and all the pieces of unit 0, which its post-backward hook
+   * queues at once (one per block's worth of embeddings: dozens with a
+   * large vocabulary). */
+  z->ov_cap = 2 * z->U + 5 + (z->stage >= 2 ? num_pieces(z, 0) : 0);
   z->ov_queue = zt_xcalloc((size_t)z->ov_cap, sizeof *z->ov_queue);
   pthread_mutex_init(&z->ov_mu, NULL);
   pthread_cond_init(&z->ov_cv, NULL);
@@ -625,17 +650,27 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->xb = (size_t)k->xbytes;
   z->xdt = z->xb == 2 ? ZT_DT_BF16 : ZT_DT_F32;
   z->split = z->xb != sizeof(float);
-  if (layout(z) != 0) return -1;
-  if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES)))
-    return zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");
+  if (layout(z) != 0) goto err;
+  if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES))) {
+    zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");
+    goto err;
+  }
   z->pver = 1;
   z->pf_unit[0] = z->pf_unit[1] = z->pf_unit[2] = -1;
-  if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) return -1;
+  if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) goto err;
   zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
   zt_model_set_hooks(m, &hooks);
   return 0;
+err:
+  /* The caller frees only what was created (the worker outlives the
+   * generation, so every failed attempt would leak its buffers): free what
+   * was allocated here. zt_err keeps the reason and its kind. */
+  zt_zero_free(z);
+  return -1;
 }
 
+/* Safe on a state that zt_zero_create built only in part: every buffer
+ * not allocated is NULL, and the thread is stopped only if it started. */
 void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
@@ -803,12 +838,25 @@ size_t zt_zero_snapshot_floats(const zt_zero_t *z) {
   return total;
 }
 
-void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
+/* Waits for the queued operations before a snapshot. The owned ranges
+ * do not change in a gather, but a gather writes the whole unit: read
+ * after it. A failed gather of stages 1-3 stays recorded (ov_fail) and
+ * fails the next step; the owned ranges are still the step's. Stage 0's
+ * updates still due are not applied after a failure, so the parameters
+ * would be partly the step before's: that is an error. */
+static int snapshot_settle(zt_zero_t *z) {
+  if (zt_zero_settle(z) == 0) return 0;
+  if (z->due_n)
+    return zt_err_wrap("the updates of %d of %d units were not applied, so the snapshot "
+                       "would mix this step's parameters with the step before's",
+                       z->due_n, z->U);
+  ZT_WARN("checkpoint snapshot: %s", zt_err_msg());
+  return 0;
+}
+
+int zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
   float *at = buf;
-  /* The owned ranges do not change in a gather, but a gather writes the
-   * whole unit: read after it. A failure stays recorded (ov_fail) and
-   * fails the next step; the owned ranges written here are still right. */
-  if (zt_zero_settle(z) != 0) ZT_WARN("checkpoint snapshot: %s", zt_err_msg());
+  if (snapshot_settle(z) != 0) return -1;
   for (int u = 0; u < z->U; u++) {
     size_t lo, n;
     owned(z, u, &lo, &n);
@@ -822,6 +870,7 @@ void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges) {
     }
     ranges[u] = (zt_ckpt_range_t){u, lo, n, dst[0], dst[1], dst[2]};
   }
+  return 0;
 }
 
 /* ---- one step ------------------------------------------------------------------------------ */

@@ -42,7 +42,10 @@
  * Stages 2-3, every micro-step: the hook widens the unit's gradient into one
  * of two fp64 slots (waiting while both are in flight) and queues its
  * reduce-scatter; the thread adds the reduced shard into the sum. In both,
- * zt_zero_reduce waits for the queue. The thread is the only user of the
+ * zt_zero_reduce waits for the queue. The queue has room for everything
+ * queued at once (unit 0's hook queues all of its pieces, dozens with a
+ * large vocabulary), and a push that finds it full waits for the thread.
+ * The thread is the only user of the
  * communicator until then, takes units one at a time in the order backward
  * finishes them, and adds shards into the sum in that same order; the fp64
  * sums do not depend on how the elements are grouped, so the results are
@@ -203,7 +206,8 @@ typedef struct zt_zero_opts {
 /* Lays out this rank's model states in the kernel table's memory, points
  * the model's units at them and installs the ZeRO hooks on the model. The
  * model must have been created with ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS;
- * it stays the caller's. -1 when out of (device or host) memory. */
+ * it stays the caller's. -1 when out of (device or host) memory, with
+ * whatever was allocated freed again (nothing to free for the caller). */
 ZT_MUST_CHECK int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t *comm,
                    const zt_zero_opts_t *o);
 void zt_zero_free(zt_zero_t *z);
@@ -228,9 +232,13 @@ ZT_MUST_CHECK int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_reco
                                int64_t *step);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
- * unit into buf and describes them in ranges[0..U). */
+ * unit into buf and describes them in ranges[0..U), after zt_zero_settle.
+ * -1 (the reason in zt_err) when that failed with stage 0's updates still
+ * due: the parameters are not all the step's, and no epoch may hold them.
+ * A failed gather of stages 1-3 leaves the owned ranges right (logged;
+ * the next step fails). */
 size_t zt_zero_snapshot_floats(const zt_zero_t *z);
-void zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges);
+ZT_MUST_CHECK int zt_zero_snapshot(zt_zero_t *z, float *buf, zt_ckpt_range_t *ranges);
 
 /* The steps of one training step, in order (see above). */
 void zt_zero_start_step(zt_zero_t *z);

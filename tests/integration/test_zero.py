@@ -7,6 +7,7 @@ relative: same global batch, same seed, the same samples in every step
 The bytes of model states each rank holds (the allocations the worker
 reports) must match the formulas of docs/zero.md.
 """
+import glob
 import json
 import os
 
@@ -311,3 +312,107 @@ def test_embedding_unit_reduced_in_pieces(procs, tmp_path, data):
     C = 32
     # Only tg0 (4 bytes per element of unit 0, padded to 8 N elements) grows.
     assert 0 < big - small <= 4 * (1024 - 257) * C + 4 * 8 * 2, (big, small)
+
+
+def unit0_pieces(model, n):
+    """How many pieces stages 2-3 reduce unit 0's gradient (the embeddings and the tied head)
+    in at N = n (engine/zero.c, piece_len): unit 0's shard over the shard of the largest other
+    unit, shards being ceil(size / n) rounded up to 8 elements, the vocabulary padded to 64."""
+    C, T = model["n_embd"], model["seq_len"]
+    V = -(-model["vocab_size"] // 64) * 64
+
+    def shard(size):
+        return -(-(-(-size // n)) // 8) * 8
+
+    piece = max(shard(12 * C * C + 13 * C), shard(2 * C))
+    return -(-shard((V + T) * C) // piece)
+
+
+def test_overlap_queue_holds_many_unit0_pieces(procs, tmp_path, data):
+    """Stages 2-3 with overlap queue every piece of unit 0's gradient at once, when its backward
+    ends. With a vocabulary of 16384 (the byte data uses 257 of it) and two small layers, unit 0
+    is 42 pieces at N = 2, more than three times the 2 U + 5 = 13 entries the communication
+    queue used to hold, where pushes wrote over entries the thread had not read yet. The queue
+    now waits for room and is sized from the real piece count: the loss series of stages 2 and 3
+    with overlap equals the synchronous one and the single-process run's to the bit."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    steps = 8
+    model = {**tiny_spec(train, val)["model"], "vocab_size": 16384}
+    units = model["n_layer"] + 2
+    assert unit0_pieces(model, 2) > 3 * (2 * units + 5), unit0_pieces(model, 2)
+
+    def series(stage, n, overlap, name):
+        spec = tiny_spec(train, val, steps, stage, n)
+        spec["model"] = dict(model)
+        spec["zero_optimization"]["overlap_comm"] = overlap
+        jid = submit(coord, spec, tmp_path, name + ".json")
+        assert wait_job(coord, jid, timeout=120)["step"] == steps
+        return losses(coord, jid)
+
+    ref = series(0, 1, False, "queue-ref")
+    for stage in (2, 3):
+        for ov in (False, True):
+            got = series(stage, 2, ov, f"queue-s{stage}-{ov}")
+            assert got == ref, (stage, ov, [(s, got[s], ref[s]) for s in ref
+                                            if got.get(s) != ref[s]][:3])
+
+
+def test_stage3_evaluation_batches_not_divisible_by_ranks(procs, tmp_path, data):
+    """At stage 3 each forward all-gathers every unit's parameters, so all ranks must run as
+    many validation forwards: with 4 batches over 3 ranks each runs 2 (a forward past the last
+    batch repeats batch 0 and is not counted), where rank 0 used to run 2 and the others 1,
+    so the ranks issued different collectives and the generation failed at every evaluation.
+    The job completes, with overlap on and off, and its losses and validation losses equal
+    the single-process run's to the bit (the validation losses are summed in fp64, so how the
+    batches are spread over the ranks changes no bit)."""
+    train, val = data
+    coord = start_fleet(procs, 3)
+    steps = 12
+
+    def series(stage, n, overlap, name):
+        spec = tiny_spec(train, val, steps, stage, n, eval={"every_steps": 3, "batches": 4})
+        spec["zero_optimization"]["overlap_comm"] = overlap
+        jid = submit(coord, spec, tmp_path, name + ".json")
+        assert wait_job(coord, jid, timeout=120)["step"] == steps
+        return losses(coord, jid, val=True)
+
+    ref = series(0, 1, True, "eval-ref")
+    assert [s for s, (_, v) in sorted(ref.items()) if v is not None] == [3, 6, 9, 12], ref
+    for ov in (True, False):
+        got = series(3, 3, ov, f"eval-s3-{ov}")
+        assert got == ref, (ov, [(s, got[s], ref[s]) for s in ref if got.get(s) != ref[s]][:3])
+
+
+def test_stage0_checkpoint_refused_without_the_updates(procs, tmp_path, data):
+    """Stage 0 with overlap applies each unit's update when the all-gather of its scaled
+    gradient arrives: in the hook before the next forward, or when a checkpoint snapshot
+    settles the queue first. fault_injection.break_ring_before_update_at_step makes the last
+    rank abort its ring after the reduction of step 6, the first checkpoint step, so those
+    gathers fail on both ranks and the updates of step 6 are never applied: an epoch labelled
+    step 6 would hold step 5's parameters. No rank writes it; each fails the generation naming
+    the reason, the next generation starts over, and the loss series equals a failure-free
+    run's."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    steps = 12
+
+    def run(name, fault):
+        spec = tiny_spec(train, val, steps, 0, 2,
+                         checkpoint={"dir": str(tmp_path / name), "every_steps": 6})
+        if fault:
+            spec["fault_injection"] = {"break_ring_before_update_at_step": 6}
+        jid = submit(coord, spec, tmp_path, name + ".json")
+        assert wait_job(coord, jid, timeout=120)["step"] == steps
+        return jid, losses(coord, jid)
+
+    _, ref = run("ck-ref", False)
+    jid, got = run("ck-fault", True)
+    first = os.path.join(str(tmp_path), "ck-fault", f"job_{jid}", "step_00000006-g1")
+    assert glob.glob(os.path.join(first, "rank_*")) == [], os.listdir(first)
+    why = ("checkpoint of step 6 not written: the updates of 4 of 4 units were not applied, so "
+           "the snapshot would mix this step's parameters with the step before's: "
+           "all-gather of the scaled gradient of unit")
+    for name, w in coord.workers.items():
+        assert why in w.output(), name
+    assert got == ref, [(s, got[s], ref[s]) for s in ref if got.get(s) != ref[s]][:3]
