@@ -7,7 +7,11 @@
  * Then each rank calls ReportCheckpoint with its file list. An epoch is
  * committed, here and in SQLite, only when every rank of the generation has
  * reported it; a generation that ends before that leaves a pending epoch
- * that is never loaded and is deleted.
+ * that is never loaded and is deleted. A rank's report counts only once
+ * its files and their copies are recorded, so a report refused half-way (a
+ * busy database) counts in full when the rank retries. Copies (ReportReplica)
+ * are taken only from workers of the generation that wrote the epoch or of
+ * the current one, and only of the files such an epoch has.
  *
  * Retention (checkpoint.keep_last, checkpoint.keep_every) is applied after
  * each commit (the scheduler, jobs.c, calls zt_ckpt_gc when zt_ckpt_report
@@ -352,24 +356,29 @@ static int commit(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
 }
 
 /* An epoch with a failed write, once every rank has reported: its row and
- * whatever files the other ranks wrote go (a full disk gets the space). */
-static void drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
-  if (t->done || t->count + t->failed < j->row.world) return;
-  t->done = 1;
+ * whatever files the other ranks wrote go (a full disk gets the space).
+ * Done only once the row says so: a refused write is tried again at the
+ * epoch's next report (the reporter retries on the error). */
+static int drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
+  if (t->done || t->count + t->failed < j->row.world) return 0;
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_DELETED, 0, zt_wall_ms()};
   snprintf(k.dir, sizeof k.dir, "%s", t->dir);
   if (zt_db_ckpt_put(c->db, j->row.id, &k) != 0) {
-    ZT_ERROR("checkpoint step %lld: %s", (long long)t->step, zt_err_msg());
-    return;
+    zt_err_wrapk(ZT_E_UNAVAILABLE, "checkpoint step %lld: cannot delete the failed epoch",
+                 (long long)t->step);
+    ZT_ERROR("%s", zt_err_msg());
+    return -1;
   }
+  t->done = 1;
   rm_tree(c, t->dir);
   zt_copies_forget_epoch(c, j->row.id, &k);
+  return 0;
 }
 
 /* A rank's write failed: the epoch cannot commit. */
 static int report_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_member_t *m,
                          const Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out) {
-  if (t->seen[m->rank] || t->done) return 0;
+  if (t->seen[m->rank] || t->done) return drop_failed(c, j, t); /* a retry: it may be due */
   t->seen[m->rank] = 1;
   if (t->failed++ == 0) {
     char err[256];
@@ -378,17 +387,48 @@ static int report_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_memb
     zt_coord_event(c, j->row.id, "checkpoint_failed", 0, "step %lld: rank %d (%s): %s",
                    (long long)t->step, m->rank, m->row.name, t->error);
   }
-  drop_failed(c, j, t);
+  /* A refused deletion makes the rank retry, unless this report is the
+   * epoch's first failure: the scheduler must learn of that (*out) now. */
+  if (drop_failed(c, j, t) != 0 && *out != ZT_CKPT_REPORT_FAILED) return -1;
+  return 0;
+}
+
+/* Counts rank m's files toward the epoch. Everything that can fail comes
+ * first (the files' entries, the copies in SQLite), so that a refused
+ * report changes nothing here: the rank's retry is counted in full, and
+ * an epoch never commits without a file its rank reported. */
+static int count_files(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_member_t *m,
+                       const Ztrain__ReportCheckpointRequest *req) {
+  zt_ckpt_entry_t *e[3]; /* check_files: at most 3 */
+  zt_db_ckpt_t k = {t->step, t->gen, 0, "", 0, 0, 0};
+  if (req->n_files > ZT_ARRAY_LEN(e))
+    return zt_errk(ZT_E_INVALID, "rank %d reported %zu files", m->rank, req->n_files);
+  for (size_t i = 0; i < req->n_files; i++)
+    if (!(e[i] = entry(t, req->files[i]->name)))
+      return zt_errk(ZT_E_TOO_LARGE, "step %lld: more than %zu files in one epoch",
+                     (long long)t->step, ZT_ARRAY_LEN(t->files));
+  for (size_t i = 0; i < req->n_files; i++)
+    if (zt_copies_add(c, j->row.id, &k, req->files[i]->name, m->row.id) != 0) return -1;
+  int h = j->host_of[m->rank];
+  for (size_t i = 0; i < req->n_files; i++) {
+    const Ztrain__CheckpointFile *f = req->files[i];
+    if (strcmp(e[i]->f.checksum, f->checksum) != 0 || e[i]->f.bytes != f->bytes)
+      memset(e[i]->hosts, 0, sizeof e[i]->hosts); /* copies of something else: not copies */
+    snprintf(e[i]->f.checksum, sizeof e[i]->f.checksum, "%s", f->checksum);
+    e[i]->f.bytes = f->bytes;
+    e[i]->written = 1;
+    e[i]->hosts[h / 8] |= (uint8_t)(1u << (h % 8));
+    t->bytes += f->bytes;
+  }
+  t->seen[m->rank] = 1;
+  t->count++;
   return 0;
 }
 
 /* After a report: a failed epoch is dropped once everyone reported; a
  * complete one commits. */
 static int settle(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_ckpt_outcome_t *out) {
-  if (t->failed) {
-    drop_failed(c, j, t);
-    return 0;
-  }
+  if (t->failed) return drop_failed(c, j, t);
   if (!complete(j, t)) return 0;
   if (commit(c, j, t) != 0) return -1;
   *out = ZT_CKPT_REPORT_COMMITTED;
@@ -431,23 +471,7 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
     return zt_errk(ZT_E_INVALID, "rank %d reported dir %.200s, expected %.200s", m->rank,
                    req->dir, zt_path_under(c->cfg.ckpt_root, t->dir));
   if (req->error[0]) return report_failed(c, j, t, m, req, out);
-  if (!t->seen[m->rank] && !t->done) {
-    t->seen[m->rank] = 1;
-    t->count++;
-    zt_db_ckpt_t k = {t->step, t->gen, 0, "", 0, 0, 0};
-    for (size_t i = 0; i < req->n_files; i++) {
-      zt_ckpt_entry_t *e = entry(t, req->files[i]->name);
-      if (!e) return zt_errk(ZT_E_TOO_LARGE, "too many files in one epoch");
-      if (strcmp(e->f.checksum, req->files[i]->checksum) != 0 || e->f.bytes != req->files[i]->bytes)
-        memset(e->hosts, 0, sizeof e->hosts); /* copies of something else: not copies */
-      snprintf(e->f.checksum, sizeof e->f.checksum, "%s", req->files[i]->checksum);
-      e->f.bytes = req->files[i]->bytes;
-      e->written = 1;
-      e->hosts[j->host_of[m->rank] / 8] |= (uint8_t)(1u << (j->host_of[m->rank] % 8));
-      t->bytes += e->f.bytes;
-      if (zt_copies_add(c, j->row.id, &k, e->f.name, m->row.id) != 0) return -1;
-    }
-  }
+  if (!t->seen[m->rank] && !t->done && count_files(c, j, t, m, req) != 0) return -1;
   return settle(c, j, t, out);
 }
 
@@ -481,20 +505,61 @@ static int copy_of_committed(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const z
   return zt_copies_add(c, j->row.id, k, f->name, m->row.id);
 }
 
+/* Who may hold a copy of a file of an epoch generation `gen` wrote: a
+ * worker of that generation (its ranks push to each other), or a rank of
+ * the current one (it fetches the epoch it starts from). *world receives
+ * the size of generation gen (0 when there is no such generation). */
+static int check_holder(zt_coord_t *c, zt_job_t *j, zt_member_t *m, uint64_t gen, int *world) {
+  uint64_t ids[ZT_MAX_WORLD];
+  int n = 0, member = host_index(j, m) >= 0;
+  if (zt_db_generation_members(c->db, j->row.id, gen, ids, ZT_MAX_WORLD, &n) != 0) return -1;
+  for (int i = 0; i < n && !member; i++) member = ids[i] == m->row.id;
+  *world = n;
+  if (!member)
+    return zt_errk(ZT_E_STATE,
+                   "worker %s is not a member of generation %llu of job %llu (which wrote the "
+                   "epoch) nor of its current generation %llu: it holds no copies of the epoch",
+                   m->row.name, (unsigned long long)gen, (unsigned long long)j->row.id,
+                   (unsigned long long)j->row.generation);
+  return 0;
+}
+
+/* A file of an epoch of `world` ranks: rank_<r>.bin or rank_<r>.json for
+ * a rank r of it, or manifest.json. */
+static int epoch_file(const char *name, int world) {
+  if (!strcmp(name, "manifest.json")) return world > 0;
+  if (strncmp(name, "rank_", 5) != 0) return 0;
+  char *end;
+  long r = strtol(name + 5, &end, 10);
+  if (end == name + 5 || r < 0 || r >= world) return 0;
+  char bin[32], js[32];
+  snprintf(bin, sizeof bin, "rank_%ld.bin", r);
+  snprintf(js, sizeof js, "rank_%ld.json", r);
+  return !strcmp(name, bin) || !strcmp(name, js);
+}
+
 int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
                         const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out) {
   *out = ZT_CKPT_REPORT_COUNTED;
   int64_t step;
   uint64_t gen;
+  int world;
   if (!j->p.ckpt_dir[0] || check_dir(j, dir) != 0 || parse_epoch(dir, &step, &gen) != 0 ||
       !checksum_valid(f->checksum))
     return zt_errk(ZT_E_INVALID, "%.200s/%.64s is not a checkpoint file of job %llu", dir,
                    f->name, (unsigned long long)j->row.id);
+  if (check_holder(c, j, m, gen, &world) != 0) return -1;
   zt_db_ckpt_t k;
   uint64_t kjob;
   int found = 0;
   if (zt_db_ckpt_find_dir(c->db, dir, &kjob, &k, &found) != 0) return -1;
   if (found && kjob == j->row.id) return copy_of_committed(c, j, m, &k, f);
+  /* Only the files such an epoch has: no report can make up names (and
+   * use up the tally's room for the ranks' own files). */
+  const char *rel = zt_path_under(c->cfg.ckpt_root, dir);
+  if (!epoch_file(f->name, world))
+    return zt_errk(ZT_E_INVALID, "\"%.64s\" is not a file of the %d-rank epoch %.200s", f->name,
+                   world, rel ? rel : dir);
   /* A pushed copy may come before its rank's own report: it starts the
    * epoch's tally. */
   zt_ckpt_tally_t *t = NULL;
@@ -502,14 +567,17 @@ int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *
   if (active && gen == j->row.generation && step > 0 && step <= j->row.total_steps &&
       tally_for(c, j, step, dir, &t) != 0)
     return -1;
+  zt_ckpt_entry_t *e = NULL;
+  if (t && !t->done && !strcmp(t->dir, dir)) {
+    if (!(e = entry(t, f->name)))
+      return zt_errk(ZT_E_TOO_LARGE, "step %lld: more than %zu files in one epoch",
+                     (long long)t->step, ZT_ARRAY_LEN(t->files));
+    if (e->written && (strcmp(e->f.checksum, f->checksum) || e->f.bytes != f->bytes))
+      return zt_errk(ZT_E_INVALID, "%s: the copy differs from what its rank wrote", f->name);
+  }
   zt_db_ckpt_t here = {step, gen, 0, "", 0, 0, 0};
   if (zt_copies_add(c, j->row.id, &here, f->name, m->row.id) != 0) return -1;
-  if (!t || t->done || strcmp(t->dir, dir) != 0)
-    return 0; /* an epoch that can no longer commit: the copy is deleted with it */
-  zt_ckpt_entry_t *e = entry(t, f->name);
-  if (!e) return zt_errk(ZT_E_TOO_LARGE, "too many files in one epoch");
-  if (e->written && (strcmp(e->f.checksum, f->checksum) || e->f.bytes != f->bytes))
-    return zt_errk(ZT_E_INVALID, "%s: the copy differs from what its rank wrote", f->name);
+  if (!e) return 0; /* an epoch that can no longer commit: the copy is deleted with it */
   if (!e->written) e->f = *f;
   int h = host_index(j, m);
   if (h >= 0) e->hosts[h / 8] |= (uint8_t)(1u << (h % 8));

@@ -146,6 +146,10 @@ typedef struct zt_job {
   zt_db_job_t row;
   char *spec;
   zt_job_params_t p;
+  /* Why the stored spec fails this coordinator's checks ("" when it
+   * passes): p is then unset, so the job is failed at load, never
+   * scheduled and never resumed (jobs.c). */
+  char spec_error[300];
   uint64_t workers[ZT_MAX_WORLD]; /* worker id by rank, current generation */
   uint8_t host_of[ZT_MAX_WORLD];  /* each rank's machine, as an index ... */
   int n_hosts;                    /* ... into the generation's distinct machines */
@@ -457,6 +461,11 @@ void zt_config_defaults(zt_coord_config_t *cfg);
 int zt_config_parse(zt_coord_config_t *cfg, int argc, char **argv);
 
 /* ---- service.c, http.c: the front ends ------------------------------------------ */
+
+/* The most step records one metrics read returns (GET /v1/jobs/{id}/metrics,
+ * GetMetrics), and what it returns when it names no limit: reads run on the
+ * loop, so a long history is read in pages (from = the last step + 1). */
+#define ZT_METRICS_MAX_ROWS 10000
 
 void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_t *req,
                            size_t len, void *user);

@@ -263,12 +263,19 @@ static void r_job(zt_http_req_t *r) {
     return;
   }
   if (!strcmp(end, "/metrics")) {
-    int64_t from, to;
-    if (zt_http_query_i64(r, "from", 0, &from) || zt_http_query_i64(r, "to", INT64_MAX, &to)) return;
+    int64_t from, to, limit;
+    if (zt_http_query_i64(r, "from", 0, &from) || zt_http_query_i64(r, "to", INT64_MAX, &to) ||
+        zt_http_query_i64(r, "limit", ZT_METRICS_MAX_ROWS, &limit))
+      return;
+    if (limit <= 0 || limit > ZT_METRICS_MAX_ROWS) {
+      zt_http_error(r, 400, "limit must be 1..%d (read longer histories in pages with from=)",
+                    ZT_METRICS_MAX_ROWS);
+      return;
+    }
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "job_id", (double)id);
     cJSON *arr = cJSON_AddArrayToObject(o, "steps");
-    if (zt_db_steps_each(r->c->db, id, from, to, add_step, arr) != 0) {
+    if (zt_db_steps_each(r->c->db, id, from, to, (int)limit, add_step, arr) != 0) {
       cJSON_Delete(o);
       zt_http_error(r, 503, "%s", zt_err_msg());
       return;

@@ -408,6 +408,23 @@ static void final_failed(zt_coord_t *c, zt_job_t *j, const char *why) {
   complete(c, j, note);
 }
 
+static void hold(zt_coord_t *c, zt_job_t *j, int64_t delay_ms, const char *reason,
+                 const char *why);
+
+/* The next generation could not be stored (the database refused the
+ * write) after the members of the last one were let go: the job waits and
+ * tries again, as after a failed generation, instead of staying without
+ * one. */
+static void form_failed(zt_coord_t *c, zt_job_t *j, const char *reason) {
+  char again[sizeof j->retry_reason], why[sizeof j->row.message];
+  int64_t delay = ZT_MAX(1000, j->p.restart.backoff_ms);
+  snprintf(again, sizeof again, "%s", reason); /* reason may be j->retry_reason */
+  snprintf(why, sizeof why, "cannot store generation %llu: %.300s; re-forming in %lld ms",
+           (unsigned long long)(j->row.generation + 1), zt_err_msg(), (long long)delay);
+  ZT_ERROR("job %llu: %s", (unsigned long long)j->row.id, why);
+  hold(c, j, delay, again, why);
+}
+
 static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   uint64_t pick[ZT_MAX_WORLD];
   char missing[300];
@@ -434,7 +451,7 @@ static void try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
     return;
   }
   if (commit_generation(c, j, pick, n, start_step, reason) != 0) {
-    ZT_ERROR("job %llu: cannot form generation: %s", (unsigned long long)j->row.id, zt_err_msg());
+    form_failed(c, j, reason);
     return;
   }
   j->rb_ckpt_step = -1;
@@ -639,6 +656,9 @@ static int act_pause_cancel(zt_coord_t *c, zt_job_t *j, zt_job_action_t a, char 
 }
 
 static int act_resume(zt_coord_t *c, zt_job_t *j, char *msg, size_t msglen) {
+  if (j->spec_error[0])
+    return zt_errk(ZT_E_STATE, "job %llu cannot be resumed: stored spec invalid: %s",
+                   (unsigned long long)j->row.id, j->spec_error);
   if (j->row.state != ZT_JOB_PAUSED)
     return zt_errk(ZT_E_STATE, "job %llu is %s, not paused", (unsigned long long)j->row.id,
                    zt_job_state_name(j->row.state));
@@ -667,17 +687,24 @@ static int act_rollback(zt_coord_t *c, zt_job_t *j, int64_t to_step, int64_t ski
                    (long long)j->row.total_steps, (long long)j->row.total_steps);
   char why[128];
   snprintf(why, sizeof why, "operator rollback to step %lld", (long long)to_step);
-  if (j->row.state == ZT_JOB_PAUSED) j->row.state = ZT_JOB_RECONFIGURING;
   zt_coord_event(c, j->row.id, "rollback_requested", 0, "%s, skipping %lld batches", why,
                  (long long)skip_steps);
+  /* A paused job comes back to life only when the rollback goes ahead: a
+   * refusal leaves it paused (it could never be scheduled otherwise). */
+  int was = j->row.state;
   zt_db_ckpt_t ck;
   int have = 0;
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, to_step, 1, &ck, &have) != 0) return -1;
-  int64_t from = (have ? ck.step : 0) + 1;
-  if (rollback(c, j, from, from - 1, to_step, skip_steps, 0, why) != 0) return -1;
+  int64_t from;
+  if (j->row.state == ZT_JOB_PAUSED) j->row.state = ZT_JOB_RECONFIGURING;
+  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, to_step, 1, &ck, &have) != 0) goto err;
+  from = (have ? ck.step : 0) + 1;
+  if (rollback(c, j, from, from - 1, to_step, skip_steps, 0, why) != 0) goto err;
   snprintf(msg, msglen, "job %llu rolling back to step %lld", (unsigned long long)j->row.id,
            (long long)(from - 1));
   return 0;
+err:
+  j->row.state = was;
+  return -1;
 }
 
 int zt_jobs_action(zt_coord_t *c, uint64_t id, zt_job_action_t action, int64_t to_step,
@@ -715,11 +742,13 @@ static void job_append(zt_coord_t *c, zt_job_t *j) {
 static int load_job(const zt_db_job_t *row, void *user) {
   zt_coord_t *c = user;
   zt_job_t *j = job_new(row);
-  if (zt_job_params_parse(j->spec, &c->cfg, &j->p) != 0)
+  if (zt_job_params_parse(j->spec, &c->cfg, &j->p) != 0) {
+    snprintf(j->spec_error, sizeof j->spec_error, "%s", zt_err_msg());
     ZT_WARN("job %llu: stored spec no longer valid: %s", (unsigned long long)row->id,
-            zt_err_msg());
+            j->spec_error);
+  }
   int n = 0;
-  if (j->row.generation &&
+  if (j->row.generation && !j->spec_error[0] &&
       zt_db_generation_members(c->db, j->row.id, j->row.generation, j->workers, ZT_MAX_WORLD,
                                &n) == 0 &&
       job_active(j) && j->row.state != ZT_JOB_PENDING) {
@@ -747,7 +776,22 @@ static int load_job(const zt_db_job_t *row, void *user) {
   return 0;
 }
 
-int zt_jobs_load(zt_coord_t *c) { return zt_db_jobs_each(c->db, load_job, c); }
+/* A job whose stored spec fails this coordinator's checks (submitted with
+ * fault_injection under --allow-test-knobs, restarted without it; a data
+ * path outside a new --data-root) has no scheduling parameters: it fails,
+ * saying why, in memory and in the database, unless it has ended already.
+ * Done once every row is read: no job row is written while they are. */
+static void fail_invalid_specs(zt_coord_t *c) {
+  for (zt_job_t *j = c->jobs; j; j = j->next)
+    if (j->spec_error[0] && (job_active(j) || j->row.state == ZT_JOB_PAUSED))
+      finish(c, j, ZT_JOB_FAILED, "job_failed", "stored spec invalid: %s", j->spec_error);
+}
+
+int zt_jobs_load(zt_coord_t *c) {
+  if (zt_db_jobs_each(c->db, load_job, c) != 0) return -1;
+  fail_invalid_specs(c);
+  return 0;
+}
 
 void zt_jobs_release_calls(zt_coord_t *c) {
   for (zt_job_t *j = c->jobs; j; j = j->next)
@@ -1055,11 +1099,14 @@ static void remember_rollback(zt_job_t *j, int64_t step) {
 
 /* Adds the sample-stream positions of steps [first_step, last_step +
  * skip_steps], past the ranges already skipped, to the job's skip list;
- * [*lo, *hi) is the new range. */
+ * [*lo, *hi) is the new range, empty when those steps are none (an
+ * operator's rollback with nothing to skip). */
 static int skip_data(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last_step,
                      int64_t skip_steps, uint64_t *lo, uint64_t *hi) {
   const zt_range_list_t *sk = &j->row.skips;
   uint64_t gb = (uint64_t)j->p.global_batch;
+  *lo = *hi = 0;
+  if (last_step + skip_steps < first_step) return 0; /* the end below would wrap around */
   *lo = zt_range_map(sk->r, sk->n, (uint64_t)(first_step - 1) * gb);
   *hi = zt_range_map(sk->r, sk->n, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
   if (*hi > *lo && zt_range_list_add(&j->row.skips, *lo, *hi) != 0) {
@@ -1108,10 +1155,11 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
   save_job(c, j);
   zt_coord_event(c, j->row.id, "rollback", 0, "rollback %d: %s; restarting from %s (step %lld)",
                  j->row.rollbacks, why, have ? "checkpoint" : "initialization", (long long)to);
-  zt_coord_event(c, j->row.id, "skip_range", 0,
-                 "data of steps %lld..%lld skipped: sample stream positions [%llu, %llu)",
-                 (long long)first_step, (long long)(last_step + skip_steps),
-                 (unsigned long long)lo, (unsigned long long)hi);
+  if (hi > lo)
+    zt_coord_event(c, j->row.id, "skip_range", 0,
+                   "data of steps %lld..%lld skipped: sample stream positions [%llu, %llu)",
+                   (long long)first_step, (long long)(last_step + skip_steps),
+                   (unsigned long long)lo, (unsigned long long)hi);
   zt_coord_event(c, j->row.id, "lr_change", 0, "learning rate x%g (was x%g) until step %lld",
                  j->row.lr_factor, old_factor, (long long)j->row.lr_until);
   zt_ckpt_drop_after(c, j, to);
@@ -1169,15 +1217,19 @@ int zt_jobs_report_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int
                    (long long)j->row.total_steps);
   zt_db_step_t s = {req->step, req->generation, req->loss, req->grad_norm, req->lr,
                     req->tokens_per_s, req->val_loss, zt_wall_ms()};
-  j->row.step = req->step;
-  j->last = s;
-  j->row.updated_ms = zt_wall_ms();
+  /* The job moves to the step only once it is stored: a refused write
+   * leaves memory as the database is, and the rank's retry stores it. */
+  zt_db_job_t next = j->row;
+  next.step = req->step;
+  next.updated_ms = zt_wall_ms();
   if (zt_db_begin(c->db) != 0 || zt_db_step_put(c->db, j->row.id, &s) != 0 ||
-      zt_db_job_update(c->db, &j->row) != 0 || zt_db_commit(c->db) != 0) {
-    zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store step");
+      zt_db_job_update(c->db, &next) != 0 || zt_db_commit(c->db) != 0) {
+    zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store step %lld", (long long)req->step);
     zt_db_rollback(c->db);
     return -1;
   }
+  j->row = next;
+  j->last = s;
   *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
                              : ZTRAIN__COMMAND__COMMAND_CONTINUE;
   if (req->step > j->start_step) zt_restarts_progress(&j->rs);

@@ -241,7 +241,8 @@ static ProtobufCMessage *h_get_metrics(zt_coord_t *c, zt_rpc_call_t *call, const
   row_list l = {.size = sizeof(zt_db_step_t)};
   if (!job_known(c, req->job_id)) return NULL;
   int64_t to = req->to_step > 0 ? req->to_step : INT64_MAX;
-  int rc = zt_db_steps_each(c->db, req->job_id, req->from_step, to, collect_step, &l);
+  int limit = req->limit == 0 ? ZT_METRICS_MAX_ROWS : (int)ZT_MIN(req->limit, (uint32_t)ZT_METRICS_MAX_ROWS);
+  int rc = zt_db_steps_each(c->db, req->job_id, req->from_step, to, limit, collect_step, &l);
   own(x, l.rows);
   if (rc != 0) return NULL;
   Ztrain__GetMetricsReply *r = new_reply(x, &ztrain__get_metrics_reply__descriptor);

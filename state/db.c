@@ -215,7 +215,8 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_STEP_PUT] = "INSERT OR REPLACE INTO steps(job_id, step, gen, loss, grad_norm, lr, "
                     "tokens_per_s, val_loss, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
     [ST_STEPS_RANGE] = "SELECT step, gen, loss, grad_norm, lr, tokens_per_s, val_loss, t_ms "
-                       "FROM steps WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 ORDER BY step",
+                       "FROM steps WHERE job_id = ?1 AND step >= ?2 AND step <= ?3 ORDER BY step "
+                       "LIMIT ?4",
     [ST_CKPT_PUT] = "INSERT OR REPLACE INTO checkpoints(job_id, step, gen, world, dir, state, "
                     "bytes, t_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     [ST_CKPTS_JOB] = "SELECT step, gen, world, dir, state, bytes, t_ms FROM checkpoints "
@@ -830,12 +831,13 @@ int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s) {
   return run(db, st, "store step");
 }
 
-int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
-                     void *user) {
+int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, int limit,
+                     zt_db_step_fn fn, void *user) {
   sqlite3_stmt *st = db->st[ST_STEPS_RANGE];
   sqlite3_bind_int64(st, 1, (int64_t)job_id);
   sqlite3_bind_int64(st, 2, from);
   sqlite3_bind_int64(st, 3, to);
+  sqlite3_bind_int(st, 4, limit);
   rows_ctx x = {ROW_STEP, {.step = fn}, user};
   return each_row(db, st, "list steps", typed_row, &x);
 }

@@ -160,8 +160,10 @@ ZT_MUST_CHECK int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_
 /* Stores a step's metrics; a replayed step (after a reload) replaces the row. */
 ZT_MUST_CHECK int zt_db_step_put(zt_db_t *db, uint64_t job_id, const zt_db_step_t *s);
 typedef int (*zt_db_step_fn)(const zt_db_step_t *s, void *user);
-ZT_MUST_CHECK int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to, zt_db_step_fn fn,
-                     void *user);
+/* Steps from..to of a job, in step order, at most `limit` (a negative
+ * limit: all). */
+ZT_MUST_CHECK int zt_db_steps_each(zt_db_t *db, uint64_t job_id, int64_t from, int64_t to,
+                                   int limit, zt_db_step_fn fn, void *user);
 
 /* ---- checkpoint epochs (schema version 3) --------------------------------- */
 

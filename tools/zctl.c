@@ -238,40 +238,83 @@ static int cmd_job(zctl *z, int argc, char **argv) {
   return 0;
 }
 
+/* A job's step records, read in pages: the coordinator answers a
+ * GetMetrics call with at most 10000, so each next call starts after the
+ * last step of the previous one, until a call returns none. */
+typedef struct {
+  Ztrain__GetMetricsReply **pages;
+  size_t n_pages;
+  Ztrain__StepRecord **steps;
+  size_t n;
+} step_list;
+
+static void step_list_free(step_list *l) {
+  for (size_t i = 0; i < l->n_pages; i++) protobuf_c_message_free_unpacked(&l->pages[i]->base, NULL);
+  free(l->pages);
+  free(l->steps);
+  memset(l, 0, sizeof *l);
+}
+
+/* Steps from..to (to 0: to the last) of job into l. */
+static int fetch_steps(zctl *z, uint64_t job, int64_t from, int64_t to, step_list *l) {
+  memset(l, 0, sizeof *l);
+  for (;;) { /* ends: every page moves `from` past its last step, or is the last */
+    Ztrain__GetMetricsRequest req = ZTRAIN__GET_METRICS_REQUEST__INIT;
+    req.job_id = job;
+    req.from_step = from;
+    req.to_step = to;
+    Ztrain__GetMetricsReply *r = (Ztrain__GetMetricsReply *)status_call(
+        z, "GetMetrics", &req.base, &ztrain__get_metrics_reply__descriptor);
+    if (!r) goto err;
+    l->pages = zt_xrealloc(l->pages, (l->n_pages + 1) * sizeof *l->pages);
+    l->pages[l->n_pages++] = r;
+    if (!r->n_steps) return 0;
+    l->steps = zt_xrealloc(l->steps, (l->n + r->n_steps) * sizeof *l->steps);
+    memcpy(l->steps + l->n, r->steps, r->n_steps * sizeof *r->steps);
+    l->n += r->n_steps;
+    int64_t last = r->steps[r->n_steps - 1]->step;
+    if (last < from || last == INT64_MAX || (to > 0 && last >= to)) return 0;
+    from = last + 1;
+  }
+err:
+  step_list_free(l);
+  return -1;
+}
+
 static int cmd_metrics(zctl *z, int argc, char **argv) {
-  Ztrain__GetMetricsRequest req = ZTRAIN__GET_METRICS_REQUEST__INIT;
-  if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
+  uint64_t job = 0;
+  int64_t from = 0, to = 0;
+  if (argc < 1 || parse_job_id(argv[0], &job) != 0)
     return zt_err("metrics: usage: zctl metrics JOB [--from S] [--to S]");
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!strcmp(argv[i], "--from")) {
-      if (opt_i64("--from", argv[i + 1], 0, INT64_MAX, &req.from_step) != 0) return -1;
+      if (opt_i64("--from", argv[i + 1], 0, INT64_MAX, &from) != 0) return -1;
     } else if (!strcmp(argv[i], "--to")) {
-      if (opt_i64("--to", argv[i + 1], 0, INT64_MAX, &req.to_step) != 0) return -1;
+      if (opt_i64("--to", argv[i + 1], 0, INT64_MAX, &to) != 0) return -1;
     }
     else return zt_err("metrics: unknown option %s", argv[i]);
   }
-  Ztrain__GetMetricsReply *r = (Ztrain__GetMetricsReply *)status_call(
-      z, "GetMetrics", &req.base, &ztrain__get_metrics_reply__descriptor);
-  if (!r) return -1;
+  step_list l;
+  if (fetch_steps(z, job, from, to, &l) != 0) return -1;
   if (z->json) {
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddNumberToObject(o, "job_id", (double)req.job_id);
+    cJSON_AddNumberToObject(o, "job_id", (double)job);
     cJSON *arr = cJSON_AddArrayToObject(o, "steps");
-    for (size_t i = 0; i < r->n_steps; i++) {
-      cJSON_AddItemToArray(arr, zt_json_step(r->steps[i]));
+    for (size_t i = 0; i < l.n; i++) {
+      cJSON_AddItemToArray(arr, zt_json_step(l.steps[i]));
     }
     print_json(o);
   } else {
     printf("%7s %4s %12s %10s %10s %10s %10s\n", "STEP", "GEN", "LOSS", "GRAD_NORM", "LR",
            "TOK/S", "VAL_LOSS");
-    for (size_t i = 0; i < r->n_steps; i++) {
-      Ztrain__StepRecord *s = r->steps[i];
+    for (size_t i = 0; i < l.n; i++) {
+      Ztrain__StepRecord *s = l.steps[i];
       printf("%7lld %4llu %12.6f %10.4f %10.3g %10.0f %10.4f\n", (long long)s->step,
              (unsigned long long)s->generation, s->loss, s->grad_norm, s->lr, s->tokens_per_s,
              s->val_loss);
     }
   }
-  protobuf_c_message_free_unpacked(&r->base, NULL);
+  step_list_free(&l);
   return 0;
 }
 
@@ -381,11 +424,8 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   le.limit = 100000;
   Ztrain__ListEventsReply *er = (Ztrain__ListEventsReply *)status_call(
       z, "ListEvents", &le.base, &ztrain__list_events_reply__descriptor);
-  Ztrain__GetMetricsRequest gm = ZTRAIN__GET_METRICS_REQUEST__INIT;
-  gm.job_id = id;
-  Ztrain__GetMetricsReply *mr = (Ztrain__GetMetricsReply *)status_call(
-      z, "GetMetrics", &gm.base, &ztrain__get_metrics_reply__descriptor);
-  if (!er || !mr) return -1;
+  step_list mr;
+  if (!er || fetch_steps(z, id, 0, 0, &mr) != 0) return -1;
   Ztrain__JobInfo *j = jr->job;
   printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, esc(j->name));
   printf("- state: **%s** (%s)\n", zt_job_state_name(j->state), esc(j->message));
@@ -402,14 +442,14 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   }
   printf("- generations: %d; loss spikes: %d; rollbacks: %d; checkpoints committed: %d\n\n",
          gens, spikes, rollbacks, commits);
-  if (mr->n_steps) {
-    double lo = mr->steps[0]->loss, sum = 0;
-    size_t n = mr->n_steps, tail = n < 50 ? n : 50;
-    for (size_t i = 0; i < n; i++) lo = mr->steps[i]->loss < lo ? mr->steps[i]->loss : lo;
-    for (size_t i = n - tail; i < n; i++) sum += mr->steps[i]->loss;
+  if (mr.n) {
+    double lo = mr.steps[0]->loss, sum = 0;
+    size_t n = mr.n, tail = n < 50 ? n : 50;
+    for (size_t i = 0; i < n; i++) lo = mr.steps[i]->loss < lo ? mr.steps[i]->loss : lo;
+    for (size_t i = n - tail; i < n; i++) sum += mr.steps[i]->loss;
     printf("## Loss\n\n| first | lowest | mean of last %zu | last |\n|---|---|---|---|\n", tail);
-    printf("| %.4f | %.4f | %.4f | %.4f |\n\n", mr->steps[0]->loss, lo, sum / (double)tail,
-           mr->steps[n - 1]->loss);
+    printf("| %.4f | %.4f | %.4f | %.4f |\n\n", mr.steps[0]->loss, lo, sum / (double)tail,
+           mr.steps[n - 1]->loss);
   }
   printf("## Timeline\n\n| time | event | detail |\n|---|---|---|\n");
   for (size_t i = 0; i < er->n_events; i++) {
@@ -426,7 +466,7 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   }
   protobuf_c_message_free_unpacked(&jr->base, NULL);
   protobuf_c_message_free_unpacked(&er->base, NULL);
-  protobuf_c_message_free_unpacked(&mr->base, NULL);
+  step_list_free(&mr);
   return 0;
 }
 

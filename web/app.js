@@ -141,10 +141,20 @@ function stepsFrom(job) {
   return m ? m.step + 1 : 0;
 }
 
+// The API returns at most this many steps per request; a longer history
+// is read in pages, each from the step after the previous page's last.
+const STEPS_PAGE = 10000;
+
 async function fetchSteps(job) {
   const from = stepsFrom(job);
-  const r = await get(`/v1/jobs/${job.id}/metrics?from=${from}`);
-  view.steps = view.steps.filter((s) => s.step < from).concat(r.steps);
+  let steps = [];
+  for (let next = from; ;) {
+    const r = await get(`/v1/jobs/${job.id}/metrics?from=${next}&limit=${STEPS_PAGE}`);
+    steps = steps.concat(r.steps);
+    if (r.steps.length < STEPS_PAGE) break;
+    next = r.steps[r.steps.length - 1].step + 1;
+  }
+  view.steps = view.steps.filter((s) => s.step < from).concat(steps);
 }
 
 // ---- markers -----------------------------------------------------------------------

@@ -8,13 +8,16 @@ period based on that, so every member reconnects in time: the generation
 goes on, nobody is declared lost, and the losses equal an uninterrupted
 run's. Real processes; each case restarts the coordinator four times.
 """
+import json
 import signal
 import sqlite3
+import urllib.error
+import urllib.request
 
 import pytest
 
 from ztest import (byte_dataset, events, job, losses, start_fleet, submit, tiny_spec, wait_job,
-                   wait_until, workers_by_name)
+                   wait_until, workers_by_name, zctl)
 
 HB, TIMEOUT = 300, 3000
 STEPS = 1500
@@ -63,3 +66,54 @@ def test_restart_with_busy_workers_keeps_the_generation(procs, tmp_path, data, h
     assert "lost" not in kinds and "rank_failed" not in kinds, kinds
     assert kinds.count("coordinator_started") == 5
     assert losses(coord, jid) == losses(coord, ref)
+
+
+def post(coord, path):
+    req = urllib.request.Request(f"http://127.0.0.1:{coord.http_port}{path}", data=b"",
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_stored_spec_refused_after_restart_fails_its_job(procs, tmp_path, data):
+    """Jobs submitted with a test knob (fault_injection, accepted under
+    --allow-test-knobs), then zcoord restarted without the flag: their specs
+    no longer pass its checks. They fail with the reason, in memory and in
+    the database, cannot be resumed, and zcoord stays up and runs the other
+    jobs."""
+    train, val = data
+    coord = procs.coord(hb_ms=HB, timeout_ms=TIMEOUT)  # --allow-test-knobs
+    knob = {"lr_scale": 1.0, "from_step": 2}
+    pending = submit(coord, tiny_spec(train, val, 5, fault_injection=knob), tmp_path, "a.json")
+    paused = submit(coord, tiny_spec(train, val, 5, fault_injection=knob), tmp_path, "b.json")
+    zctl(coord.grpc, "pause", str(paused))
+    plain = submit(coord, tiny_spec(train, val, 5), tmp_path, "c.json")
+    coord.signal(signal.SIGTERM)
+    coord.wait(10)
+    coord = procs.coord(db=coord.db, hb_ms=HB, timeout_ms=TIMEOUT, name="zcoord2",
+                        test_knobs=False)
+    for jid in (pending, paused):
+        j = job(coord, jid)
+        assert j["state"] == "failed", j
+        assert j["message"].startswith("stored spec invalid: fault_injection"), j
+        assert "--allow-test-knobs" in j["message"], j
+    # Resuming one is refused, saying why.
+    code, body = post(coord, f"/v1/jobs/{paused}/resume")
+    assert code == 409 and "cannot be resumed: stored spec invalid" in body["error"], body
+    r = zctl(coord.grpc, "resume", str(paused), check=False)
+    assert r.returncode == 1 and "stored spec invalid: fault_injection" in r.stderr, r.stderr
+    # The other job runs once a worker comes, and zcoord stays up.
+    procs.worker(coord.grpc, "w0", extra=["--threads", "1"])
+    assert wait_job(coord, plain, timeout=120)["state"] == "completed"
+    assert coord.alive()
+    assert [job(coord, jid)["state"] for jid in (pending, paused)] == ["failed", "failed"]
+    # The database agrees, and the logbook says why.
+    with sqlite3.connect(coord.db) as db:
+        stored = dict(db.execute("SELECT id, message FROM jobs WHERE id IN (?, ?)",
+                                 (pending, paused)).fetchall())
+    assert all(m.startswith("stored spec invalid") for m in stored.values()), stored
+    failed = [e for e in events(coord, job=pending) if e["kind"] == "job_failed"]
+    assert len(failed) == 1 and "fault_injection" in failed[0]["detail"], failed

@@ -213,8 +213,12 @@ ZT_TEST(test_jobs_generations_steps) {
 
   ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
   double acc[3] = {0, 0, 0};
-  ZT_CHECK(zt_db_steps_each(db, 1, 1, 100, collect_step, acc) == 0);
+  ZT_CHECK(zt_db_steps_each(db, 1, 1, 100, -1, collect_step, acc) == 0);
   ZT_CHECK(acc[0] == 3 && acc[1] == 1 + 2 + 10 && acc[2] == 2);
+  /* At most `limit` rows, the first ones in step order. */
+  double two[3] = {0, 0, 0};
+  ZT_CHECK(zt_db_steps_each(db, 1, 1, 100, 2, collect_step, two) == 0);
+  ZT_CHECK(two[0] == 2 && two[1] == 1 + 2 && two[2] == 1);
   uint64_t got[4] = {0};
   int n = 0;
   ZT_CHECK(zt_db_generation_members(db, 1, 1, got, 4, &n) == 0 && n == 2);

@@ -1,0 +1,357 @@
+"""The coordinator's state under refused writes and reports that do not fit.
+
+zcoord keeps its state in memory and in SQLite; what it shows must be what
+it stored. Here the database refuses writes the way it does in production:
+another writer holds SQLite's write lock past zcoord's busy timeout (5 s),
+so zcoord's write fails with "database is locked". The workers are played
+by this test over gRPC with real credentials (hand-encoded messages, see
+test_rpc_robustness.py), so every report arrives exactly when the test
+says; zcoord, its database and the job are real.
+
+Each test would fail against a coordinator without its guard:
+- a step whose write failed must not show as the job's step;
+- a generation whose write failed must be formed again later, not never;
+- a rank's checkpoint report that failed half-way must count in full when
+  the rank retries, so the epoch never commits without one of its files;
+- an epoch whose write failed is deleted even when the first try to record
+  that was refused;
+- a copy report from a worker outside the job, or naming a file the epoch
+  does not have, is refused;
+- an operator's rollback with nothing to skip adds no skip range;
+- a job's metrics come back in pages of at most 10000 steps.
+"""
+import contextlib
+import json
+import os
+import sqlite3
+import struct
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from test_rpc_robustness import call, cred, field_bytes, field_varint, read_varint, varint
+from ztest import (byte_dataset, events, http_get, job, submit, tiny_spec, wait_until,
+                   zctl_json)
+
+REGISTER = "/ztrain.Control/RegisterWorker"
+OK = grpc.StatusCode.OK
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=50_000)
+
+
+def fields(buf):
+    """[(field number, value)] of a message, in order (repeated fields
+    appear once per value; doubles as floats)."""
+    out, i = [], 0
+    while i < len(buf):
+        key, i = read_varint(buf, i)
+        if key & 7 == 0:
+            v, i = read_varint(buf, i)
+        elif key & 7 == 2:
+            n, i = read_varint(buf, i)
+            v, i = buf[i:i + n], i + n
+        elif key & 7 == 1:
+            v, i = struct.unpack("<d", buf[i:i + 8])[0], i + 8
+        elif key & 7 == 5:
+            v, i = buf[i:i + 4], i + 4
+        else:
+            raise ValueError(f"wire type {key & 7}")
+        out.append((key >> 3, v))
+    return out
+
+
+def field_double(num, v):
+    return varint((num << 3) | 1) + struct.pack("<d", v)
+
+
+class RawWorker:
+    """A worker played by the test: registered (it fits any job, and names
+    a replica store so that its epochs count as loadable), then every call
+    carries its id and session."""
+
+    def __init__(self, ch, name):
+        self.ch, self.name = ch, name
+        code, reply, det = call(ch, REGISTER, field_bytes(1, name.encode()) + field_bytes(3, b"cpu")
+                                + field_varint(8, 16 << 30) + field_bytes(10, b"127.0.0.1:9"))
+        assert code == OK, det
+        f = dict(fields(reply))
+        self.id, self.session = f[1], f[5]
+
+    def call(self, method, body=b"", timeout=5):
+        return call(self.ch, "/ztrain.Control/" + method, cred(self.id, self.session) + body,
+                    timeout=timeout)
+
+    def assignment(self):
+        """(job, generation) its heartbeat reply names."""
+        code, reply, det = self.call("Heartbeat")
+        assert code == OK, det
+        f = dict(fields(reply))
+        return f.get(2, 0), f.get(3, 0)
+
+
+class RawJob:
+    """zcoord, raw workers, and one job of `world` ranks formed from them."""
+
+    def __init__(self, procs, tmp_path, data, n_workers=1, world=1, steps=100, **spec):
+        self.procs = procs
+        self.coord = procs.coord(hb_ms=200, timeout_ms=60000)
+        self.ch = grpc.insecure_channel(self.coord.grpc)
+        self.workers = [RawWorker(self.ch, f"raw{i}") for i in range(n_workers)]
+        train, val = data
+        self.ck = os.path.join(os.path.realpath(str(tmp_path)), "ck")
+        self.jid = submit(self.coord, tiny_spec(train, val, steps, workers=world,
+                                                checkpoint={"dir": self.ck, "every_steps": 1000},
+                                                **spec), tmp_path)
+        self.gen = 0
+        self.ranks = self.wait_generation(1)
+
+    def wait_generation(self, gen):
+        """Waits until generation gen is formed and its members know it;
+        returns the members by rank."""
+        def formed():
+            with sqlite3.connect(self.coord.db) as db:
+                rows = db.execute("SELECT rank, worker_id FROM members WHERE job_id = ? AND "
+                                  "gen = ? ORDER BY rank", (self.jid, gen)).fetchall()
+            by_id = {w.id: w for w in self.workers}
+            ranks = [by_id[wid] for _, wid in rows]
+            return ranks if ranks and all(w.assignment() == (self.jid, gen) for w in ranks) \
+                else None
+        ranks = wait_until(formed, 20, f"generation {gen} of job {self.jid} formed")
+        self.gen = gen
+        return ranks
+
+    def head(self):
+        return field_varint(2, self.jid) + field_varint(3, self.gen)
+
+    def report_step(self, w, step, loss=2.5, timeout=5):
+        return w.call("ReportStep", self.head() + field_varint(4, step) + field_double(5, loss),
+                      timeout=timeout)
+
+    def epoch_rel(self, step):
+        path = os.path.join(self.ck, f"job_{self.jid}", f"step_{step:08d}-g{self.gen}")
+        return os.path.relpath(path, self.procs.root)
+
+    @staticmethod
+    def files_of(rank):
+        """(name, bytes, checksum) of the files rank writes to an epoch."""
+        names = (["manifest.json"] if rank == 0 else []) + [f"rank_{rank}.bin", f"rank_{rank}.json"]
+        return [(n, 1000 + i, f"xxh64:{rank:08x}{i:08x}") for i, n in enumerate(names)]
+
+    @staticmethod
+    def file_msg(name, size, checksum):
+        return field_bytes(1, name.encode()) + field_varint(2, size) + field_bytes(3, checksum.encode())
+
+    def report_checkpoint(self, rank, step, timeout=5):
+        body = self.head() + field_varint(4, step) + field_bytes(5, self.epoch_rel(step).encode())
+        for f in self.files_of(rank):
+            body += field_bytes(6, self.file_msg(*f))
+        return self.ranks[rank].call("ReportCheckpoint", body, timeout=timeout)
+
+    def report_copy(self, w, step, name, size=1000, checksum="xxh64:00000000000000aa"):
+        body = (field_varint(2, self.jid) + field_bytes(3, self.epoch_rel(step).encode())
+                + field_bytes(4, self.file_msg(name, size, checksum)))
+        return w.call("ReportReplica", body)
+
+    def recorded_files(self, step):
+        with sqlite3.connect(self.coord.db) as db:
+            return sorted(r[0] for r in db.execute(
+                "SELECT name FROM checkpoint_files WHERE job_id = ? AND step = ?", (self.jid, step)))
+
+    def close(self):
+        self.ch.close()
+
+
+@pytest.fixture
+def raw(procs, tmp_path, data, request):
+    jobs = []
+
+    def make(**kw):
+        j = RawJob(procs, tmp_path, data, **kw)
+        jobs.append(j)
+        return j
+    yield make
+    for j in jobs:
+        j.close()
+
+
+@contextlib.contextmanager
+def db_locked(path):
+    """Holds the database's write lock as another writer would: zcoord's
+    writes wait its busy timeout, then fail ("database is locked")."""
+    db = sqlite3.connect(path, isolation_level=None, timeout=10)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+
+
+def test_refused_step_write_leaves_the_job_at_the_stored_step(raw):
+    r = raw()
+    w = r.ranks[0]
+    assert r.report_step(w, 1, loss=3.0)[0] == OK
+    with db_locked(r.coord.db) as db:
+        code, _, det = r.report_step(w, 2, loss=2.0, timeout=30)
+        assert code == grpc.StatusCode.UNAVAILABLE and "cannot store step" in det, (code, det)
+        stored = db.execute("SELECT MAX(step) FROM steps WHERE job_id = ?", (r.jid,)).fetchone()[0]
+        # (zcoord's other writes wait too, the HTTP call with them)
+        j = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}", timeout=30)[2]
+        assert stored == 1 and j["step"] == 1 and j["loss"] == 3.0, j
+    # The rank's retry stores it.
+    assert r.report_step(w, 2, loss=2.0)[0] == OK
+    j = job(r.coord, r.jid)
+    assert j["step"] == 2 and j["loss"] == 2.0, j
+
+
+def test_refused_generation_write_forms_it_later(raw):
+    r = raw()
+    w = r.ranks[0]
+    assert r.report_step(w, 1)[0] == OK
+    # The failure re-forms the job at once, and the new generation's
+    # write is refused (each of zcoord's writes meanwhile waits 5 s).
+    with db_locked(r.coord.db):
+        code, _, det = w.call("ReportFailure", r.head() + field_bytes(4, b"ring broke")
+                              + field_varint(9, 1), timeout=60)
+        assert code == OK, det
+    # The database is back: the job forms it after its backoff, with the
+    # same worker; the log said why it waited.
+    assert r.wait_generation(2) == [w]
+    assert "cannot store generation 2" in r.coord.output()
+
+
+def test_checkpoint_report_refused_half_way_counts_in_full_on_retry(raw):
+    r = raw(n_workers=2, world=2)
+    code, reply, det = r.report_checkpoint(1, 10)
+    assert code == OK and dict(fields(reply)).get(1, 0) == 0, det
+    with db_locked(r.coord.db):
+        code, _, det = r.report_checkpoint(0, 10, timeout=30)
+        assert code == grpc.StatusCode.UNAVAILABLE and "cannot record the copy" in det, (code, det)
+    assert r.recorded_files(10) == []  # not committed
+    code, reply, det = r.report_checkpoint(0, 10)
+    assert code == OK and dict(fields(reply)).get(1) == 1, det  # committed now
+    assert r.recorded_files(10) == sorted(["manifest.json", "rank_0.bin", "rank_0.json",
+                                           "rank_1.bin", "rank_1.json"])
+
+
+def test_refused_deletion_of_a_failed_epoch_is_retried(raw):
+    r = raw(n_workers=2, world=2)
+
+    def report_error(rank, timeout=5):
+        body = (r.head() + field_varint(4, 30) + field_bytes(5, r.epoch_rel(30).encode())
+                + field_bytes(7, b"No space left on device"))
+        return r.ranks[rank].call("ReportCheckpoint", body, timeout=timeout)
+    assert report_error(1)[0] == OK  # the epoch cannot commit now
+    with db_locked(r.coord.db):  # the last report: the epoch is to be deleted
+        code, _, det = report_error(0, timeout=30)
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, det)
+        assert "step 30: cannot delete the failed epoch" in det, det
+    assert report_error(0)[0] == OK  # the rank's retry
+    code, _, ck = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}/checkpoints")
+    assert code == 200 and [(c["step"], c["state"]) for c in ck["checkpoints"]] == [(30, "deleted")]
+
+
+def test_copy_reports_only_from_members_and_of_epoch_files(raw):
+    r = raw(n_workers=3, world=2)
+    outsider = next(w for w in r.workers if w not in r.ranks)
+    # A registered worker outside the job cannot fill the epoch's tally.
+    for i in range(3 * 256 + 8):
+        code, _, det = r.report_copy(outsider, 20, f"junk_{i}.bin")
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (i, code, det)
+        assert f"worker {outsider.name} is not a member of generation 1" in det, det
+    code, _, det = r.report_copy(outsider, 20, "rank_0.bin")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, det)
+    # A member reports only files an epoch of two ranks has.
+    for name in ("junk.bin", "rank_2.bin", "rank_01.bin", "rank_0.txt", "manifest.json.bak"):
+        code, _, det = r.report_copy(r.ranks[1], 20, name)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, det)
+        assert f'"{name}" is not a file of the 2-rank epoch' in det, det
+    # The ranks' reports commit the epoch with every file they wrote.
+    assert r.report_checkpoint(1, 20)[0] == OK
+    code, reply, det = r.report_checkpoint(0, 20)
+    assert code == OK and dict(fields(reply)).get(1) == 1, det
+    assert r.recorded_files(20) == sorted(["manifest.json", "rank_0.bin", "rank_0.json",
+                                           "rank_1.bin", "rank_1.json"])
+    with sqlite3.connect(r.coord.db) as db:
+        holders = db.execute("SELECT DISTINCT worker_id FROM checkpoint_copies WHERE job_id = ?",
+                             (r.jid,)).fetchall()
+    assert outsider.id not in {h[0] for h in holders}
+
+
+def post(coord, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{coord.http_port}{path}",
+                                 data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def skips(coord, jid):
+    with sqlite3.connect(coord.db) as db:
+        return db.execute("SELECT skips FROM jobs WHERE id = ?", (jid,)).fetchone()[0]
+
+
+def test_rollback_with_nothing_to_skip_adds_no_skip_range(raw):
+    r = raw()
+    w = r.ranks[0]
+    for s in range(1, 13):
+        assert r.report_step(w, s)[0] == OK
+    code, reply, det = r.report_checkpoint(0, 10)
+    assert code == OK and dict(fields(reply)).get(1) == 1, det
+    # Back to step 10, skipping the data of 5 steps: one range.
+    code, body = post(r.coord, f"/v1/jobs/{r.jid}/rollback", {"to_step": 10, "skip": 5})
+    assert code == 200, body
+    r.wait_generation(2)
+    before = skips(r.coord, r.jid)
+    assert before, "the first rollback skipped nothing"
+    # Back to the start, skipping nothing: the skip list stays as it was.
+    code, body = post(r.coord, f"/v1/jobs/{r.jid}/rollback", {"to_step": 0, "skip": 0})
+    assert code == 200, body
+    r.wait_generation(3)
+    assert skips(r.coord, r.jid) == before
+    kinds = [e["kind"] for e in events(r.coord, job=r.jid)]
+    assert kinds.count("rollback") == 2 and kinds.count("skip_range") == 1, kinds
+
+
+def steps_of(reply):
+    """The step numbers of a GetMetricsReply."""
+    return [dict(fields(v))[1] for f, v in fields(reply) if f == 1]
+
+
+def test_metrics_come_in_pages(raw):
+    cap, total = 10000, 10040
+    r = raw(steps=total)
+    w = r.ranks[0]
+    for s in range(1, total + 1):
+        code, _, det = r.report_step(w, s, loss=1.0 + 1.0 / s)
+        assert code == OK, (s, det)
+    p, path = r.coord.http_port, f"/v1/jobs/{r.jid}/metrics"
+    # Asked for everything, the API returns the first `cap` steps...
+    code, _, m = http_get(p, path)
+    assert code == 200 and [s["step"] for s in m["steps"]] == list(range(1, cap + 1))
+    # ...and the next page the rest.
+    code, _, m = http_get(p, f"{path}?from={cap + 1}")
+    assert code == 200 and [s["step"] for s in m["steps"]] == list(range(cap + 1, total + 1))
+    code, _, m = http_get(p, f"{path}?from=100&limit=5")
+    assert code == 200 and [s["step"] for s in m["steps"]] == list(range(100, 105))
+    for bad in (0, cap + 1, 1 << 40):
+        code, _, m = http_get(p, f"{path}?limit={bad}")
+        assert code == 400 and "limit must be 1..10000" in m["error"], (bad, m)
+    # The gRPC call: a larger limit is read as the cap; pages by from_step.
+    for limit in (0, cap + 1, 50000):
+        code, reply, det = call(r.ch, "/ztrain.Status/GetMetrics",
+                                field_varint(1, r.jid) + field_varint(4, limit))
+        assert code == OK and steps_of(reply) == list(range(1, cap + 1)), (limit, det)
+    code, reply, det = call(r.ch, "/ztrain.Status/GetMetrics",
+                            field_varint(1, r.jid) + field_varint(2, cap + 1))
+    assert code == OK and steps_of(reply) == list(range(cap + 1, total + 1)), det
+    # zctl reads every page.
+    got = zctl_json(r.coord.grpc, "metrics", str(r.jid))["steps"]
+    assert [s["step"] for s in got] == list(range(1, total + 1))
