@@ -45,17 +45,22 @@ static const Ztrain__FileCopies *copies_of(const Ztrain__RendezvousReply *rv, co
   return NULL;
 }
 
-/* One file of the epoch: verified locally, or fetched from a holder.
- * *unavailable is set when a holder could not be reached. */
+/* One file of the epoch: verified locally, or fetched from a holder. On
+ * failure *why is ZT_FETCH_LOCAL when this worker could not store it,
+ * ZT_FETCH_UNAVAILABLE when some holder could not serve it (busy, out of
+ * reach, a ticket it no longer takes), and ZT_FETCH_CORRUPT only when every
+ * holder answered about the file itself: no copy there, or bytes that fail
+ * the record's checksum. */
 static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckpt_file_t *f,
-                  const Ztrain__RendezvousReply *rv, int *unavailable) {
+                  const Ztrain__RendezvousReply *rv, zt_fetch_fail_t *why_kind) {
   char path[1300], why[1200] = "";
   snprintf(path, sizeof path, "%s/%s", dir, f->name);
   if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
   if (access(path, F_OK) == 0) snprintf(why, sizeof why, "local copy: %s; ", zt_err_msg());
   const Ztrain__FileCopies *fc = copies_of(rv, f->name);
   const char *rel = zt_path_under(root, dir);
-  if (zt_mkdirs(dir) != 0) return -1;
+  if (zt_mkdirs(dir) != 0) goto local;
+  int unavailable = 0;
   for (size_t h = 0; fc && rel && h < fc->n_holders; h++) {
     const Ztrain__ReplicaTarget *t = fc->holders[h];
     if (zt_store_get(t->addr, t->ticket, rel, path, f, transfer_ms(f->bytes)) == 0) {
@@ -64,20 +69,26 @@ static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckp
         ZT_WARN("copy of %s/%s not reported: %s", rel, f->name, zt_err_msg());
       return 0;
     }
-    if (zt_err_kind() == ZT_E_UNAVAILABLE) *unavailable = 1;
+    zt_errkind_t k = zt_err_kind();
+    if (k != ZT_E_NOT_FOUND && k != ZT_E_INVALID && k != ZT_E_UNAVAILABLE) goto local;
+    if (k == ZT_E_UNAVAILABLE) unavailable = 1;
     size_t l = strlen(why);
     snprintf(why + l, sizeof why - l, "%s (%s): %s; ", t->addr, t->host, zt_err_msg());
   }
+  *why_kind = unavailable ? ZT_FETCH_UNAVAILABLE : ZT_FETCH_CORRUPT;
   return zt_err("%s: %s: %s%s", f->name,
-                *unavailable ? "no copy can be reached now" : "no good copy (corrupt checkpoint)",
+                unavailable ? "no copy can be reached now" : "no good copy (corrupt checkpoint)",
                 why, fc && fc->n_holders ? "" : "no other holder");
+local:
+  /* Our own disk or directory failed: another holder would not help. */
+  *why_kind = ZT_FETCH_LOCAL;
+  return zt_err_wrap("%s: cannot store a copy on this worker", f->name);
 }
 
 int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
                       const zt_ckpt_record_t *rec, const Ztrain__RendezvousReply *rv,
-                      int *unavailable) {
-  *unavailable = 0;
+                      zt_fetch_fail_t *why) {
   for (int i = 0; i < rec->n; i++)
-    if (ensure(ctl, root, dir, &rec->files[i], rv, unavailable) != 0) return -1;
+    if (ensure(ctl, root, dir, &rec->files[i], rv, why) != 0) return -1;
   return 0;
 }

@@ -12,11 +12,14 @@
  * checkpoint root, verified against the record: a local copy is checked,
  * a missing or corrupt one is fetched from the stores that hold it
  * (checkpoint_copies, in order), and a fetched copy is reported, so it is
- * counted and later deleted with the epoch. A file no holder can give
- * because every holder answered without a good copy is a corrupt epoch
- * (the coordinator falls back to an older one); when some holder could not
- * be reached the epoch is only unavailable for now (*unavailable set: the
- * generation fails, the epoch stays).
+ * counted and later deleted with the epoch. Why a file could not be had
+ * decides what the coordinator is told (zt_fetch_fail_t): only when every
+ * holder answered about the file itself (it has no copy, or the bytes it
+ * sent fail the record's size or checksum) is the epoch corrupt; a holder
+ * that could not be reached, was busy or did not take its ticket leaves
+ * the epoch merely unavailable for now; and a failure on this machine
+ * (its disk full or failing, a directory that cannot be made) is this
+ * worker's own, which says nothing about the epoch either.
  */
 #ifndef ZT_REPLICAS_H
 #define ZT_REPLICAS_H
@@ -28,9 +31,17 @@
 /* dir: the epoch directory (absolute, under root). */
 ZT_MUST_CHECK int zt_replicas_push(const char *root, const char *dir, const zt_ckpt_file_t *files,
                                    int nfiles, const Ztrain__RendezvousReply *rv);
-/* dir: the epoch to load (absolute, under root); rec: its record. */
+/* Why zt_replicas_fetch failed. */
+typedef enum {
+  ZT_FETCH_CORRUPT = 1,     /* every holder answered without a good copy: a bad epoch */
+  ZT_FETCH_UNAVAILABLE = 2, /* some holder could not serve it now: the epoch stays */
+  ZT_FETCH_LOCAL = 3        /* this worker could not store it: a local failure */
+} zt_fetch_fail_t;
+
+/* dir: the epoch to load (absolute, under root); rec: its record. On
+ * failure *why says which kind it was. */
 ZT_MUST_CHECK int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
                                     const zt_ckpt_record_t *rec,
-                                    const Ztrain__RendezvousReply *rv, int *unavailable);
+                                    const Ztrain__RendezvousReply *rv, zt_fetch_fail_t *why);
 
 #endif

@@ -416,19 +416,21 @@ static int prepare_epoch(zt_runner_t *r, const Ztrain__RendezvousReply *rv, epoc
     return -1;
   }
   zt_ckpt_record_t rec = {e->files, e->n};
-  int unavailable;
+  zt_fetch_fail_t fail = ZT_FETCH_UNAVAILABLE;
   zt_store_abort_when(should_stop_cb, r);
-  int fetched = zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv, &unavailable);
+  int fetched = zt_replicas_fetch(r->ctl, r->o.ckpt_root, e->path, &rec, rv, &fail);
   zt_store_abort_when(NULL, NULL);
   if (fetched != 0) {
     char why[1400];
     snprintf(why, sizeof why, "%s", zt_err_msg());
     ZT_WARN("%s", why);
     /* A holder out of reach: the epoch may well be fine; this generation
-     * fails and the coordinator decides again. Every holder answered
-     * without a good copy: the epoch is corrupt. */
-    f.kind = ZTRAIN__FAILURE_KIND__FAILURE_PEER;
-    f.bad_ckpt = unavailable ? NULL : rv->checkpoint_dir;
+     * fails and the coordinator decides again. Our own disk failed: that
+     * is this worker's failure, not the epoch's. Only when every holder
+     * answered without a good copy is the epoch corrupt. */
+    f.kind = fail == ZT_FETCH_LOCAL ? ZTRAIN__FAILURE_KIND__FAILURE_LOCAL
+                                    : ZTRAIN__FAILURE_KIND__FAILURE_PEER;
+    f.bad_ckpt = fail == ZT_FETCH_CORRUPT ? rv->checkpoint_dir : NULL;
     if (!changed(r)) report_failure(r, why, &f);
     return -1;
   }

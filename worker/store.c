@@ -216,23 +216,35 @@ static int recv_request(int fd, request *q, zt_deadline_t dl) {
   return 0;
 }
 
-static int send_status(int fd, int ok, const char *msg, zt_deadline_t dl) {
+/* Reply statuses: what the client may conclude about the file. */
+enum {
+  ST_OK = 0,      /* stored, or the file follows */
+  ST_REFUSED = 1, /* busy, not authorised, a bad request: nothing said about the file */
+  ST_NO_COPY = 2  /* GET: this store has no copy of that file at that size */
+};
+
+static int send_status(int fd, uint8_t st, const char *msg, zt_deadline_t dl) {
   uint8_t b[3 + 512];
   size_t n = ZT_MIN(strlen(msg), 512);
   uint16_t l = (uint16_t)n;
-  b[0] = ok ? 0 : 1;
+  b[0] = st;
   memcpy(b + 1, &l, 2);
   memcpy(b + 3, msg, n);
   return io_all(fd, b, 3 + n, 1, dl);
 }
 
-/* The store's answer; -1 with its message when it refused. */
+/* The store's answer; -1 with its message when it refused: ZT_E_NOT_FOUND
+ * when it said it has no copy of the file, ZT_E_UNAVAILABLE for any other
+ * refusal (busy, a ticket it does not take) and for a broken connection,
+ * none of which says anything about the file itself. */
 static int recv_status(int fd, const char *addr, zt_deadline_t dl) {
   uint8_t st;
   char msg[513];
   if (io_all(fd, &st, 1, 0, dl) != 0 || get_str(fd, msg, sizeof msg, "message", dl) != 0)
     return zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
-  return st == 0 ? 0 : zt_err("store %s refused: %s", addr, msg);
+  if (st == ST_OK) return 0;
+  if (st == ST_NO_COPY) return zt_errk(ZT_E_NOT_FOUND, "store %s has no copy: %s", addr, msg);
+  return zt_errk(ZT_E_UNAVAILABLE, "store %s refused: %s", addr, msg);
 }
 
 /* ---- checks on what a peer sends ------------------------------------------ */
@@ -341,7 +353,7 @@ static int serve_get(int fd, const request *q, const char *abs, zt_deadline_t dl
     return zt_errk(ZT_E_NOT_FOUND, "%s: size %lld here, not %llu", q->name,
                    (long long)st.st_size, (unsigned long long)q->bytes);
   }
-  int rc = send_status(fd, 1, "", dl);
+  int rc = send_status(fd, ST_OK, "", dl);
   char *buf = zt_xmalloc(CHUNK);
   uint64_t left = q->bytes;
   while (rc == 0 && left) {
@@ -385,13 +397,14 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   }
   if (rc != 0) {
     char why[600];
+    uint8_t st = zt_err_kind() == ZT_E_NOT_FOUND ? ST_NO_COPY : ST_REFUSED;
     snprintf(why, sizeof why, "%s", zt_err_msg());
     ZT_WARN("replica store: refused %s %.64s/%.64s from %s: %s", q.op == 'P' ? "PUT" : "GET",
             q.dir, q.name, peer, why);
-    (void)send_status(fd, 0, why, dl);
+    (void)send_status(fd, st, why, dl);
     return -1;
   }
-  return q.op == 'P' ? send_status(fd, 1, "stored", dl) : 0;
+  return q.op == 'P' ? send_status(fd, ST_OK, "stored", dl) : 0;
 }
 
 typedef struct {
@@ -436,7 +449,8 @@ static void accept_one(zt_store_t *s) {
       s->active--;
       pthread_mutex_unlock(&s->mu);
     }
-    (void)send_status(fd, 0, "replica store busy; try another copy", zt_deadline_in(1000));
+    (void)send_status(fd, ST_REFUSED, "replica store busy; try another copy",
+                      zt_deadline_in(1000));
     close(fd);
     free(a);
   }

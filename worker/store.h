@@ -15,8 +15,13 @@
  *   "ZTS1", op ('P' or 'G'), u16 + ticket, u16 + epoch dir, u16 + file
  *   name, u64 size, 22-byte checksum ("xxh64:" + 16 hex), and for a PUT the
  *   size bytes of the file;
- * reply: u8 status (0 ok), u16 + message, and for a GET that succeeded the
- * file's bytes. Every read and write has a deadline. A connection closed
+ * reply: u8 status (0 ok; 1 refused: busy, not authorised, a bad request;
+ * 2 for a GET: no copy of that file at that size here), u16 + message,
+ * and for a GET that succeeded the file's bytes. The client tells these
+ * apart (zt_store_get: ZT_E_NOT_FOUND for 2, ZT_E_UNAVAILABLE for 1 or a
+ * broken connection, ZT_E_INVALID for bytes that fail the checksum,
+ * ZT_E_FAILED for its own disk), so a fetcher knows whether the epoch is
+ * bad or only out of reach. Every read and write has a deadline. A connection closed
  * before its first byte is a probe (zt_store_probe) and no error.
  *
  * Nothing from the peer is trusted: the ticket's MAC, expiry and scope, the

@@ -237,6 +237,40 @@ def test_host_loss_with_replicated_checkpoints(net, data, tmp_path, when):
     print(f"job completed {time.time() - t_lost:.1f} s after the host was lost")
 
 
+def test_fetch_failing_on_the_fetcher_keeps_the_epoch(net, data, tmp_path):
+    """A worker that cannot store the copies it fetches (here a file stands
+    where its epoch directory must go, which stops root as well) fails as
+    itself: the epoch it was loading is neither called corrupt nor
+    retired, and stays committed for the workers that can load it."""
+    fleet = Fleet(net, data)
+    for h in ("h1", "h2"):
+        fleet.add_worker(h)
+    fleet.wait_alive(["wh1", "wh2"])
+    s = spec(3000, 2, checkpoint={"dir": "ckpt", "every_steps": 10, "replicas": 2})
+    s["elastic"] = {"min_workers": 2, "max_workers": 2}
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: committed_dirs(fleet, jid), 90, "a committed epoch")
+    h3 = net.add_host("h3")
+    os.makedirs(os.path.join(h3.dir, "ckpt"))
+    with open(os.path.join(h3.dir, "ckpt", f"job_{jid}"), "w") as f:
+        f.write("not a directory\n")
+    fleet.add_worker("h3")
+    fleet.wait_alive(["wh3"])
+    net.hosts["h2"].kill_all()
+    shutil.rmtree(net.hosts["h2"].dir)
+
+    def fetch_failed():
+        ev = fleet.events(jid)
+        return [e for e in ev if e["kind"] in ("checkpoint_corrupt", "checkpoint_retired")
+                or (e["kind"] == "rank_failed" and "copy" in e["detail"])] or None
+
+    ev = wait_until(fetch_failed, 60, "the fetch on h3 to fail")
+    kinds = [e["kind"] for e in fleet.events(jid)]
+    assert "checkpoint_corrupt" not in kinds and "checkpoint_retired" not in kinds, ev
+    assert "cannot store a copy on this worker" in ev[0]["detail"], ev
+    assert committed_dirs(fleet, jid), "the epoch is still committed"
+
+
 def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp_path):
     """replicas 2 and the two machines holding both copies of a rank's files
     vanish at once: no committed epoch can be loaded, so the job pauses with
