@@ -10,10 +10,6 @@
 #include "store.h"
 #include "zt_common.h"
 
-/* A transfer's deadline: generous for the size (at 20 MB/s) on top of a
- * fixed part, so a slow link finishes and a dead one fails. */
-static int64_t transfer_ms(uint64_t bytes) { return 30000 + (int64_t)(bytes / 20000); }
-
 int zt_replicas_push(const char *root, const char *dir, const zt_ckpt_file_t *files,
                      int nfiles, const Ztrain__RendezvousReply *rv) {
   int need = (int)rv->replicas - 1;
@@ -27,7 +23,7 @@ int zt_replicas_push(const char *root, const char *dir, const zt_ckpt_file_t *fi
     for (size_t t = 0; t < rv->n_replica_targets && copies < need; t++) {
       const Ztrain__ReplicaTarget *tg = rv->replica_targets[t];
       if (zt_store_put(tg->addr, tg->ticket, rel, path, &files[i],
-                       transfer_ms(files[i].bytes)) == 0)
+                       zt_store_transfer_ms(files[i].bytes)) == 0)
         copies++;
       else
         snprintf(why, sizeof why, "%s (%s): %s", tg->addr, tg->host, zt_err_msg());
@@ -63,7 +59,7 @@ static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckp
   int unavailable = 0;
   for (size_t h = 0; fc && rel && h < fc->n_holders; h++) {
     const Ztrain__ReplicaTarget *t = fc->holders[h];
-    if (zt_store_get(t->addr, t->ticket, rel, path, f, transfer_ms(f->bytes)) == 0) {
+    if (zt_store_get(t->addr, t->ticket, rel, path, f, zt_store_transfer_ms(f->bytes)) == 0) {
       ZT_INFO("fetched %s/%s from %s (%s)", rel, f->name, t->addr, t->host);
       if (zt_ctl_report_replica(ctl, rv->job_id, rel, f->name, f->bytes, f->checksum) != 0)
         ZT_WARN("copy of %s/%s not reported: %s", rel, f->name, zt_err_msg());

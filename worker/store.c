@@ -2,11 +2,16 @@
  * store.c: the worker's replica store (see store.h).
  *
  * One acceptor thread; each connection is served by a detached thread of
- * its own (at most ZT_STORE_MAX_CONN at once: more are refused with a
- * message), which reads one request, answers it and closes. Sockets are
- * non-blocking and every read and write waits in poll() against the
- * request's deadline, so a peer that stops sending (or vanishes) costs a
- * handler thread ZT_STORE_TIMEOUT_MS at most.
+ * its own (at most ZT_STORE_MAX_CONN at once, and ZT_STORE_MAX_PER_PEER
+ * from one address: more are refused with a message), which reads one
+ * request, answers it and closes. Sockets are non-blocking and every read
+ * and write waits in poll() against a deadline. The header, ticket
+ * included, must arrive within ZT_STORE_HEADER_MS; only a request whose
+ * ticket and names passed the checks takes one of the ZT_STORE_MAX_XFER
+ * transfer slots, so connections that send nothing cannot keep good peers
+ * out for longer than that. The data then has ZT_STORE_TIMEOUT_MS plus its
+ * size at ZT_STORE_MIN_RATE, the pace the client allows too
+ * (zt_store_transfer_ms), so a large file on a slow link is not cut off.
  */
 #include "store.h"
 
@@ -28,8 +33,11 @@
 #include "comm.h"
 #include "zt_common.h"
 
-#define ZT_STORE_MAX_CONN 16
-#define ZT_STORE_TIMEOUT_MS 60000 /* one request, start to end, beyond the data's own pace */
+#define ZT_STORE_MAX_CONN 64     /* connections at once, header not yet read included */
+#define ZT_STORE_MAX_PER_PEER 32 /* of those from one address */
+#define ZT_STORE_MAX_XFER 16     /* transfers at once, after their checks */
+#define ZT_STORE_HEADER_MS 5000  /* from accept to the end of the header */
+#define ZT_STORE_TIMEOUT_MS 60000 /* a transfer, beyond the data's own pace */
 #define ZT_STORE_MAX_FILE (1ull << 40)
 #define CHUNK (1u << 20)
 
@@ -41,7 +49,12 @@ struct zt_store {
   pthread_t acceptor;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int active, stopping; /* under mu */
+  int active, stopping; /* under mu: handler threads; shutting down */
+  int xfers;            /* under mu: transfers past their checks */
+  struct {
+    uint32_t ip; /* network order; n == 0: a free entry */
+    int n;
+  } peers[ZT_STORE_MAX_CONN]; /* under mu: connections per address */
 };
 
 /* ---- sockets with deadlines ------------------------------------------------ */
@@ -370,9 +383,29 @@ static int serve_get(int fd, const request *q, const char *abs, zt_deadline_t dl
   return rc == 0 ? 0 : -2; /* -2: the status was already sent */
 }
 
-/* One request: checks, then the transfer. */
+int64_t zt_store_transfer_ms(uint64_t bytes) {
+  return 30000 + (int64_t)(bytes / (ZT_STORE_MIN_RATE / 1000));
+}
+
+/* Takes one of the transfer slots: 0, or -1 when all are in use. */
+static int xfer_take(zt_store_t *s) {
+  pthread_mutex_lock(&s->mu);
+  int ok = s->xfers < ZT_STORE_MAX_XFER;
+  if (ok) s->xfers++;
+  pthread_mutex_unlock(&s->mu);
+  return ok ? 0 : zt_errk(ZT_E_UNAVAILABLE, "replica store busy; try another copy");
+}
+
+static void xfer_give(zt_store_t *s) {
+  pthread_mutex_lock(&s->mu);
+  s->xfers--;
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* One request: the header within ZT_STORE_HEADER_MS, the checks, then the
+ * transfer in a slot, with a deadline for its size. */
 static int serve(zt_store_t *s, int fd, const char *peer) {
-  zt_deadline_t dl = zt_deadline_in(ZT_STORE_TIMEOUT_MS);
+  zt_deadline_t dl = zt_deadline_in(ZT_STORE_HEADER_MS);
   request q;
   zt_ticket_t t;
   char session[80], abs[1100];
@@ -381,8 +414,13 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   /* A probe (zt_store_probe) connects and closes without a byte. */
   uint8_t first;
   if (wait_fd(fd, POLLIN, dl) == 0 && recv(fd, &first, 1, MSG_PEEK) == 0) return 0;
-  int rc = recv_request(fd, &q, dl);
-  if (rc == 0) rc = zt_ticket_check(session, q.ticket, zt_wall_ms(), &t);
+  if (recv_request(fd, &q, dl) != 0) {
+    ZT_WARN("replica store: no request from %s within %d ms: %s", peer, ZT_STORE_HEADER_MS,
+            zt_err_msg());
+    (void)send_status(fd, ST_REFUSED, zt_err_msg(), zt_deadline_in(1000));
+    return -1;
+  }
+  int rc = zt_ticket_check(session, q.ticket, zt_wall_ms(), &t);
   if (rc == 0 && strcmp(t.op, q.op == 'P' ? "put" : "get") != 0)
     rc = zt_errk(ZT_E_UNAUTHENTICATED, "the ticket is for a %s", t.op);
   if (rc == 0) rc = check_dir(s, &q, &t, abs, sizeof abs);
@@ -390,7 +428,12 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   if (rc == 0 && (q.bytes > ZT_STORE_MAX_FILE || !zt_ckpt_checksum_valid(q.checksum)))
     rc = zt_errk(ZT_E_TOO_LARGE, "%s: size %llu or checksum %.22s refused", q.name,
                  (unsigned long long)q.bytes, q.checksum);
-  if (rc == 0) rc = q.op == 'P' ? serve_put(s, fd, &q, abs, &t, dl) : serve_get(fd, &q, abs, dl);
+  int slot = rc == 0 && (rc = xfer_take(s)) == 0;
+  if (rc == 0) {
+    dl = zt_deadline_in(ZT_STORE_TIMEOUT_MS + (int64_t)(q.bytes / (ZT_STORE_MIN_RATE / 1000)));
+    rc = q.op == 'P' ? serve_put(s, fd, &q, abs, &t, dl) : serve_get(fd, &q, abs, dl);
+  }
+  if (slot) xfer_give(s);
   if (rc == -2) {
     ZT_WARN("replica store: %s from %s: %s", q.name, peer, zt_err_msg());
     return -1;
@@ -401,7 +444,7 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
     snprintf(why, sizeof why, "%s", zt_err_msg());
     ZT_WARN("replica store: refused %s %.64s/%.64s from %s: %s", q.op == 'P' ? "PUT" : "GET",
             q.dir, q.name, peer, why);
-    (void)send_status(fd, st, why, dl);
+    (void)send_status(fd, st, why, zt_deadline_in(1000)); /* dl may be spent */
     return -1;
   }
   return q.op == 'P' ? send_status(fd, ST_OK, "stored", dl) : 0;
@@ -410,14 +453,33 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
 typedef struct {
   zt_store_t *s;
   int fd;
+  uint32_t ip;
   char peer[64];
 } conn_arg;
+
+/* Counts a connection from ip (d = +1 or -1; under mu): 0, or -1 when ip
+ * already has ZT_STORE_MAX_PER_PEER. */
+static int peer_count(zt_store_t *s, uint32_t ip, int d) {
+  int freei = -1;
+  for (int i = 0; i < ZT_STORE_MAX_CONN; i++) {
+    if (s->peers[i].n && s->peers[i].ip == ip) {
+      if (d > 0 && s->peers[i].n >= ZT_STORE_MAX_PER_PEER) return -1;
+      s->peers[i].n += d;
+      return 0;
+    }
+    if (!s->peers[i].n && freei < 0) freei = i;
+  }
+  if (d < 0 || freei < 0) return d < 0 ? 0 : -1;
+  s->peers[freei].ip = ip, s->peers[freei].n = 1;
+  return 0;
+}
 
 static void *conn_main(void *p) {
   conn_arg *a = p;
   (void)serve(a->s, a->fd, a->peer);
   close(a->fd);
   pthread_mutex_lock(&a->s->mu);
+  (void)peer_count(a->s, a->ip, -1);
   a->s->active--;
   pthread_cond_broadcast(&a->s->cv);
   pthread_mutex_unlock(&a->s->mu);
@@ -431,12 +493,12 @@ static void accept_one(zt_store_t *s) {
   int fd = accept4(s->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
   if (fd < 0) return;
   conn_arg *a = zt_xcalloc(1, sizeof *a);
-  a->s = s, a->fd = fd;
+  a->s = s, a->fd = fd, a->ip = sa.sin_addr.s_addr;
   char ip[32] = "?";
   inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof ip);
   snprintf(a->peer, sizeof a->peer, "%s:%d", ip, ntohs(sa.sin_port));
   pthread_mutex_lock(&s->mu);
-  int full = s->active >= ZT_STORE_MAX_CONN;
+  int full = s->active >= ZT_STORE_MAX_CONN || peer_count(s, a->ip, +1) != 0;
   if (!full) s->active++;
   pthread_mutex_unlock(&s->mu);
   pthread_t th;
@@ -446,6 +508,7 @@ static void accept_one(zt_store_t *s) {
   if (full || pthread_create(&th, &at, conn_main, a) != 0) {
     if (!full) {
       pthread_mutex_lock(&s->mu);
+      (void)peer_count(s, a->ip, -1);
       s->active--;
       pthread_mutex_unlock(&s->mu);
     }
@@ -501,7 +564,7 @@ void zt_store_stop(zt_store_t *s) {
   pthread_join(s->acceptor, NULL);
   close(s->lfd);
   /* Transfers in flight end by their own deadline at the latest. */
-  zt_deadline_t dl = zt_deadline_in(ZT_STORE_TIMEOUT_MS + 1000);
+  zt_deadline_t dl = zt_deadline_in(ZT_STORE_HEADER_MS + ZT_STORE_TIMEOUT_MS + 1000);
   pthread_mutex_lock(&s->mu);
   while (s->active > 0 && !zt_deadline_passed(dl)) {
     pthread_mutex_unlock(&s->mu);

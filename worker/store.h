@@ -55,6 +55,14 @@ const char *zt_store_addr(const zt_store_t *s);
 /* Stops accepting, waits (bounded) for transfers in flight, frees. */
 void zt_store_stop(zt_store_t *s);
 
+/* The slowest pace a transfer may take, in bytes per second. */
+#define ZT_STORE_MIN_RATE 20000000ull
+
+/* A client's deadline for moving `bytes`: a fixed part, and the size at
+ * ZT_STORE_MIN_RATE. The store gives the data the same pace (and a longer
+ * fixed part), so a slow link finishes and a dead one fails. */
+int64_t zt_store_transfer_ms(uint64_t bytes);
+
 /* Pushes the file at `path` (f: its name, size and checksum) as dir/name
  * to the store at addr. */
 /* Makes the calling thread's transfers (zt_store_put, zt_store_get) give

@@ -6,6 +6,7 @@ from the coordinator's SQLite file), so the test can send what a peer
 could: a good copy is stored, and a forged, expired or foreign ticket, a
 file of another job or generation, a wrong checksum and a truncated stream
 are refused with a message naming the file, and leave nothing behind.
+Connections that send nothing do not keep a peer with a ticket out.
 """
 import hashlib
 import hmac
@@ -109,3 +110,27 @@ def test_store_accepts_good_copies_and_refuses_the_rest(procs, tmp_path):
     assert not [f for f in os.listdir(os.path.join(root, d)) if f.endswith(".part")]
     wait_until(lambda: "rank_1.json from 127.0.0.1:" in coord.workers["w0"].output(), 10,
                "the refusal in the worker's log")
+
+
+def test_idle_connections_do_not_lock_out_a_peer_with_a_ticket(procs, tmp_path):
+    """Sixteen connections that never send a byte (as many as the store
+    serves transfers at once) neither refuse nor delay a good push."""
+    coord = start_fleet(procs, 1)
+    _, session, addr = worker_store(coord, "w0")
+    host, port = addr.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(16)]
+    try:
+        d = "st/job_7/step_00000010-g1"
+        data = os.urandom(3000)
+        t0 = time.monotonic()
+        got = request(addr, b"P", ticket(session, "put", 7, 1, 99, "r0"), d, "rank_0.bin", data)
+        took = time.monotonic() - t0
+        assert got == (0, "stored"), got
+        assert took < 3, f"the push took {took:.1f} s behind idle connections"
+        # The idle ones are cut off after the header's deadline, not held
+        # for the length of a transfer.
+        wait_until(lambda: coord.workers["w0"].output().count("no request from") >= 16, 15,
+                   "the idle connections dropped for not sending their header")
+    finally:
+        for s in idle:
+            s.close()
