@@ -16,6 +16,12 @@
  * for "put" the requester's rank ("r3": that rank's files of that
  * generation), for "get" one epoch directory. The coordinator makes
  * tickets only for members of a job's current generation.
+ *
+ * A get ticket is used once, right after the rendezvous, and expires a
+ * day later. A put ticket serves its rank for the whole generation, which
+ * may run for weeks, so the coordinator gives it no expiry (0): instead
+ * the holder takes it only while it works on the ticket's job and
+ * generation itself (worker/store.c), which ends with the generation.
  */
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
@@ -64,6 +70,7 @@ int zt_ticket_check(const char *key, const char *text, int64_t now_ms, zt_ticket
     return zt_errk(ZT_E_UNAUTHENTICATED, "malformed ticket");
   t->job = job, t->gen = gen, t->requester = req, t->expiry_ms = exp;
   memcpy(t->scope, text + used, (size_t)(bar - text - used));
-  if (t->expiry_ms < now_ms) return zt_errk(ZT_E_UNAUTHENTICATED, "ticket expired");
+  if (t->expiry_ms && t->expiry_ms < now_ms)
+    return zt_errk(ZT_E_UNAUTHENTICATED, "ticket expired");
   return 0;
 }

@@ -155,7 +155,7 @@ typedef struct {
   char op[8];          /* "put" or "get" */
   uint64_t job, gen;   /* the job and the generation the requester is in */
   uint64_t requester;  /* its worker id */
-  int64_t expiry_ms;   /* wall clock */
+  int64_t expiry_ms;   /* wall clock; 0: none (put tickets, see ticket.c) */
   char scope[512];     /* put: "r<rank>"; get: an epoch directory (relative) */
 } zt_ticket_t;
 #define ZT_TICKET_MAX 800

@@ -364,8 +364,10 @@ int zt_copies_available(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,
 int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_db_ckpt_t *k,
                       const zt_db_ckpt_file_t *files, int n, uint64_t requester,
                       zt_copies_pool_t *pool);
-/* Tickets (common/ticket.c) outlive a generation's set-up by far; a fenced
- * worker's copies of an epoch that cannot commit are deleted later anyway. */
+/* Get tickets (common/ticket.c) outlive a generation's set-up by far; a
+ * fenced worker's copies of an epoch that cannot commit are deleted later
+ * anyway. Put tickets have no expiry: the holder takes them only while it
+ * works on their generation. */
 #define ZT_TICKET_TTL_MS (24ll * 3600 * 1000)
 void zt_copies_pool_free(zt_copies_pool_t *pool);
 /* Epoch directories (relative) worker m is to delete (at most max), and

@@ -914,7 +914,7 @@ static int replica_targets(zt_coord_t *c, zt_job_t *j, int r, Ztrain__ReplicaTar
     zt_member_t *m = zt_members_get(c, j->workers[q]);
     if ((used[h / 8] >> (h % 8)) & 1 || !m || !m->row.store_addr[0]) continue;
     zt_ticket_t tk = {.op = "put", .job = j->row.id, .gen = j->row.generation,
-                      .requester = j->workers[r], .expiry_ms = zt_wall_ms() + ZT_TICKET_TTL_MS};
+                      .requester = j->workers[r], .expiry_ms = 0 /* ends with the generation */};
     snprintf(tk.scope, sizeof tk.scope, "r%d", r);
     if (zt_ticket_make(m->row.session, &tk, tickets[n], ZT_TICKET_MAX) != 0) continue;
     ztrain__replica_target__init(&t[n]);

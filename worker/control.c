@@ -121,6 +121,13 @@ void zt_ctl_set_assignment(zt_ctl_t *c, uint64_t job_id, uint64_t generation) {
   pthread_mutex_unlock(&c->mu);
 }
 
+void zt_ctl_assignment(zt_ctl_t *c, uint64_t *job_id, uint64_t *generation) {
+  pthread_mutex_lock(&c->mu);
+  *job_id = c->job_id;
+  *generation = c->generation;
+  pthread_mutex_unlock(&c->mu);
+}
+
 void zt_ctl_stop(zt_ctl_t *c, const char *reason) {
   pthread_mutex_lock(&c->mu);
   if (!c->stopping) snprintf(c->stop_reason, sizeof c->stop_reason, "%s", reason);

@@ -64,6 +64,8 @@ void zt_ctl_stop(zt_ctl_t *c, const char *reason);
 uint64_t zt_ctl_worker_id(zt_ctl_t *c);
 /* The job generation this worker is working on, sent with each heartbeat. */
 void zt_ctl_set_assignment(zt_ctl_t *c, uint64_t job_id, uint64_t generation);
+/* The job generation last set with zt_ctl_set_assignment (thread-safe). */
+void zt_ctl_assignment(zt_ctl_t *c, uint64_t *job_id, uint64_t *generation);
 
 struct zt_rpc_client;
 /* The coordinator connection, for the trainer's own calls (thread-safe). */

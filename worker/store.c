@@ -262,6 +262,22 @@ static int recv_status(int fd, const char *addr, zt_deadline_t dl) {
 
 /* ---- checks on what a peer sends ------------------------------------------ */
 
+/* A put ticket without an expiry is good while this worker works on the
+ * ticket's job and generation: pushes end with the generation. */
+static int check_current(const zt_store_t *s, const zt_ticket_t *t) {
+  if (t->expiry_ms) return 0;
+  if (strcmp(t->op, "put") != 0)
+    return zt_errk(ZT_E_UNAUTHENTICATED, "a get ticket without an expiry");
+  uint64_t job = 0, gen = 0;
+  if (s->o.assignment) s->o.assignment(s->o.user, &job, &gen);
+  if (job == t->job && gen == t->gen) return 0;
+  return zt_errk(ZT_E_UNAUTHENTICATED,
+                 "the ticket is for job %llu generation %llu; this worker is on job %llu "
+                 "generation %llu",
+                 (unsigned long long)t->job, (unsigned long long)t->gen,
+                 (unsigned long long)job, (unsigned long long)gen);
+}
+
 /* The epoch directory: relative, under the root, ending in
  * job_<job>/step_<n>-g<gen> for the ticket's job (and, for a PUT, its
  * generation; for a GET, exactly the ticket's directory). */
@@ -423,6 +439,7 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   int rc = zt_ticket_check(session, q.ticket, zt_wall_ms(), &t);
   if (rc == 0 && strcmp(t.op, q.op == 'P' ? "put" : "get") != 0)
     rc = zt_errk(ZT_E_UNAUTHENTICATED, "the ticket is for a %s", t.op);
+  if (rc == 0) rc = check_current(s, &t);
   if (rc == 0) rc = check_dir(s, &q, &t, abs, sizeof abs);
   if (rc == 0) rc = check_name(&q, &t);
   if (rc == 0 && (q.bytes > ZT_STORE_MAX_FILE || !zt_ckpt_checksum_valid(q.checksum)))

@@ -24,7 +24,8 @@
  * bad or only out of reach. Every read and write has a deadline. A connection closed
  * before its first byte is a probe (zt_store_probe) and no error.
  *
- * Nothing from the peer is trusted: the ticket's MAC, expiry and scope, the
+ * Nothing from the peer is trusted: the ticket's MAC, expiry (or, for a put
+ * ticket without one, that this worker still works on its generation) and scope, the
  * directory's form (<dir>/job_<job>/step_<n>-g<gen>, under the root, no
  * ".."), the file name's form, the size (at most 1 TiB, and exact) and the
  * checksum are checked, and a refusal names the peer and the file.
@@ -44,6 +45,9 @@ typedef struct {
   const char *ckpt_root; /* absolute */
   /* The current session credential (tickets are checked with it). */
   void (*session)(void *user, char *buf, size_t n);
+  /* The job and generation the worker works on (0, 0: none): a put ticket
+   * without an expiry is taken only for those. */
+  void (*assignment)(void *user, uint64_t *job, uint64_t *gen);
   /* After a copy was stored by a PUT: dir is relative to the root. */
   void (*stored)(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f);
   void *user;

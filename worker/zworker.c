@@ -197,6 +197,10 @@ static void *signal_thread(void *p) {
  * the copies it stored. */
 static void store_session(void *user, char *buf, size_t n) { zt_ctl_session(user, buf, n); }
 
+static void store_assignment(void *user, uint64_t *job, uint64_t *gen) {
+  zt_ctl_assignment(user, job, gen);
+}
+
 static void store_stored(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f) {
   if (zt_ctl_report_replica(user, job, dir, f->name, f->bytes, f->checksum) != 0)
     ZT_WARN("copy of %s/%s not reported: %s", dir, f->name, zt_err_msg());
@@ -250,7 +254,7 @@ int main(int argc, char **argv) {
   }
   zt_store_t *store;
   zt_store_opts_t so = {.host = a.comm_host, .ckpt_root = a.ckpt_root, .session = store_session,
-                        .stored = store_stored, .user = sa.ctl};
+                        .assignment = store_assignment, .stored = store_stored, .user = sa.ctl};
   if (zt_store_start(&so, &store) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;

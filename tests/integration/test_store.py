@@ -29,7 +29,7 @@ def worker_store(coord, name):
 
 
 def ticket(session, op, job, gen, requester, scope, ttl_s=60):
-    exp = int((time.time() + ttl_s) * 1000)
+    exp = 0 if ttl_s is None else int((time.time() + ttl_s) * 1000)
     text = f"zt1|{op}|{job}|{gen}|{requester}|{exp}|{scope}"
     mac = hmac.new(session.encode(), text.encode(), hashlib.sha256).hexdigest()
     return f"{text}|{mac}"
@@ -96,6 +96,10 @@ def test_store_accepts_good_copies_and_refuses_the_rest(procs, tmp_path):
         ("wrong checksum", put, d, "rank_1.json", "xxh64:0000000000000000", None,
          "checksum"),
         ("get with a put ticket", put, d, "rank_1.bin", None, None, "for a put"),
+        # A put ticket without an expiry (as the coordinator makes them) is
+        # good only while the holder works on its generation; w0 is idle.
+        ("generation not the holder's", ticket(session, "put", 5, 2, 99, "r1", ttl_s=None), d,
+         "rank_1.bin", None, None, "this worker is on job 0 generation 0"),
     ]
     for what, tk, dd, name, declared, send, want in bad:
         op = b"G" if what.startswith("get") else b"P"
