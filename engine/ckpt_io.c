@@ -23,7 +23,7 @@ void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_
            (long long)step, (unsigned long long)gen);
 }
 
-static int fsync_dir(const char *dir) {
+int zt_ckpt_fsync_dir(const char *dir) {
   int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return zt_err_errno("open %s", dir);
   int rc = fsync(fd);
@@ -186,7 +186,7 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
     cJSON_Delete(m);
     if (rc != 0) return -1;
   }
-  return fsync_dir(dir);
+  return zt_ckpt_fsync_dir(dir);
 }
 
 /* A failed write takes back what it wrote (a full disk gets its space

@@ -116,6 +116,9 @@ ZT_MUST_CHECK int zt_ckpt_verify_file(const char *path, uint64_t bytes, const ch
 
 /* 1 when s is a checksum of the form "xxh64:<16 lower-case hex digits>". */
 int zt_ckpt_checksum_valid(const char *s);
+/* fsyncs a directory, so that a file just renamed into it stays there
+ * after a crash. */
+ZT_MUST_CHECK int zt_ckpt_fsync_dir(const char *dir);
 
 /* The epoch directory name for (root, job, step, generation). */
 void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,

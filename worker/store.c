@@ -358,11 +358,7 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
     unlink(tmp);
     return -1;
   }
-  int dfd = open(abs, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    if (fsync(dfd) != 0) ZT_WARN("fsync %s: %s", abs, strerror(errno));
-    close(dfd);
-  }
+  if (zt_ckpt_fsync_dir(abs) != 0) ZT_WARN("%s", zt_err_msg());
   zt_ckpt_file_t f = {.bytes = q->bytes};
   snprintf(f.name, sizeof f.name, "%s", q->name);
   snprintf(f.checksum, sizeof f.checksum, "%s", q->checksum);
@@ -681,5 +677,12 @@ int zt_store_get(const char *addr, const char *ticket, const char *dir, const ch
   if (out >= 0) close(out);
   if (rc == 0 && rename(tmp, path) != 0) rc = zt_err_errno("rename %s", tmp);
   if (rc != 0 && out >= 0) unlink(tmp);
+  /* The copy is reported next: its name must survive a crash too. */
+  if (rc == 0) {
+    char dir[1200];
+    const char *slash = strrchr(path, '/');
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+    rc = zt_ckpt_fsync_dir(dir);
+  }
   return rc;
 }
