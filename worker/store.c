@@ -500,11 +500,24 @@ static void *conn_main(void *p) {
   return NULL;
 }
 
-static void accept_one(zt_store_t *s) {
+/* Out of descriptors, the pending connection stays and the listening
+ * socket stays readable: the acceptor waits this long before it tries
+ * again, rather than spin. */
+#define ZT_STORE_EMFILE_PAUSE_MS 100
+
+static void accept_one(zt_store_t *s, int *starved) {
   struct sockaddr_in sa;
   socklen_t sl = sizeof sa;
   int fd = accept4(s->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC | SOCK_NONBLOCK);
+  if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+    if (!*starved) ZT_WARN("replica store: accept: %s; pausing new connections", strerror(errno));
+    *starved = 1;
+    zt_sleep_ms(ZT_STORE_EMFILE_PAUSE_MS); /* pacing: no event says descriptors are free */
+    return;
+  }
   if (fd < 0) return;
+  if (*starved) ZT_INFO("replica store: accepting connections again");
+  *starved = 0;
   conn_arg *a = zt_xcalloc(1, sizeof *a);
   a->s = s, a->fd = fd, a->ip = sa.sin_addr.s_addr;
   char ip[32] = "?";
@@ -535,13 +548,14 @@ static void accept_one(zt_store_t *s) {
 
 static void *acceptor_main(void *p) {
   zt_store_t *s = p;
+  int starved = 0; /* accept ran out of descriptors: logged once per burst */
   for (;;) {
     pthread_mutex_lock(&s->mu);
     int stop = s->stopping;
     pthread_mutex_unlock(&s->mu);
     if (stop) break;
     struct pollfd pf = {s->lfd, POLLIN, 0};
-    if (poll(&pf, 1, 200) > 0) accept_one(s);
+    if (poll(&pf, 1, 200) > 0) accept_one(s, &starved);
   }
   return NULL;
 }
