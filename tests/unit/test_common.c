@@ -155,6 +155,14 @@ ZT_TEST(test_tickets) {
   ZT_CHECK(zt_ticket_check("holder-session", bad, 4000, &got) == -1);
   ZT_CHECK(zt_ticket_check("holder-session", "zt1|get|x", 0, &got) == -1);
   ZT_CHECK(zt_ticket_check("", text, 0, &got) == -1);
+  /* A push ticket has no expiry (0): the clock never voids it (the holder
+   * checks its generation instead), and its MAC still does. */
+  zt_ticket_t p = {.op = "put", .job = 3, .gen = 7, .requester = 12, .expiry_ms = 0,
+                   .scope = "r1"};
+  ZT_REQUIRE(zt_ticket_make("holder-session", &p, text, sizeof text) == 0);
+  ZT_CHECK(zt_ticket_check("holder-session", text, INT64_MAX / 2, &got) == 0);
+  ZT_CHECK(got.expiry_ms == 0 && !strcmp(got.op, "put"));
+  ZT_CHECK(zt_ticket_check("other-session", text, 0, &got) == -1);
 }
 
 ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine,
