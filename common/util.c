@@ -1,7 +1,7 @@
 /*
  * util.c: time, deadlines, allocation that cannot fail, host:port parsing,
- * whole-file I/O, constant-time comparison, the names of states and the
- * --version flag.
+ * whole-file I/O, constant-time comparison, the names of states, the
+ * names of checkpoint epochs and their files, and the --version flag.
  */
 #include <ctype.h>
 #include <errno.h>
@@ -308,6 +308,79 @@ int zt_path_real_under(const char *root, const char *path) {
   size_t n = strlen(rr);
   if (n == 1) return 1; /* the root is "/" */
   return strncmp(rp, rr, n) == 0 && (rp[n] == '/' || rp[n] == 0);
+}
+
+/* ---- checkpoint epoch names ------------------------------------------------ */
+
+void zt_epoch_name(char *buf, size_t n, uint64_t job, int64_t step, uint64_t gen) {
+  snprintf(buf, n, "job_%llu/step_%08lld-g%llu", (unsigned long long)job, (long long)step,
+           (unsigned long long)gen);
+}
+
+/* The decimal number of the digits s[*i..] (at least one, at most 19);
+ * -1 when there are none or too many. */
+static int take_digits(const char *s, size_t *i, uint64_t *out) {
+  size_t start = *i;
+  uint64_t v = 0;
+  while (s[*i] >= '0' && s[*i] <= '9' && *i - start < 20) v = v * 10 + (uint64_t)(s[(*i)++] - '0');
+  if (*i == start || *i - start > 19) return -1;
+  *out = v;
+  return 0;
+}
+
+/* The numbers of "job_<j>/step_<s>-g<g>" (digits only); -1 otherwise. */
+static int take_epoch(const char *s, zt_epoch_t *e) {
+  size_t i = 4;
+  uint64_t step;
+  if (strncmp(s, "job_", 4) != 0 || take_digits(s, &i, &e->job) != 0 ||
+      strncmp(s + i, "/step_", 6) != 0)
+    return -1;
+  i += 6;
+  if (take_digits(s, &i, &step) != 0 || strncmp(s + i, "-g", 2) != 0) return -1;
+  i += 2;
+  if (take_digits(s, &i, &e->gen) != 0 || s[i] || step > INT64_MAX) return -1;
+  e->step = (int64_t)step;
+  return 0;
+}
+
+int zt_epoch_parse(const char *rel, zt_epoch_t *e) {
+  int depth = 0;
+  const char *tail[2] = {NULL, NULL}; /* the last two components */
+  for (const char *p = rel;; p++) {
+    size_t n = strcspn(p, "/");
+    if (n == 0 || p[0] == '.')
+      return zt_errk(ZT_E_INVALID, "epoch directory \"%.200s\" has an empty or hidden component",
+                     rel);
+    tail[0] = tail[1], tail[1] = p;
+    depth++;
+    p += n;
+    if (!*p) break;
+  }
+  if (depth > ZT_EPOCH_MAX_DEPTH)
+    return zt_errk(ZT_E_INVALID, "epoch directory \"%.200s\" is %d directories deep (at most %d)",
+                   rel, depth, ZT_EPOCH_MAX_DEPTH);
+  char canon[ZT_EPOCH_NAME_MAX];
+  if (!tail[0] || take_epoch(tail[0], e) != 0 ||
+      (zt_epoch_name(canon, sizeof canon, e->job, e->step, e->gen), strcmp(canon, tail[0]) != 0))
+    return zt_errk(ZT_E_INVALID,
+                   "\"%.200s\" does not end in job_<n>/step_<8 digits>-g<n> (digits only)", rel);
+  e->dir_len = tail[0] == rel ? 0 : (size_t)(tail[0] - rel - 1);
+  return 0;
+}
+
+int zt_epoch_file(const char *name, int *rank) {
+  *rank = -1;
+  if (!strcmp(name, "manifest.json")) return 1;
+  size_t i = 5;
+  uint64_t r;
+  char canon[64];
+  if (strncmp(name, "rank_", 5) != 0 || take_digits(name, &i, &r) != 0 || r > INT32_MAX ||
+      (strcmp(name + i, ".bin") != 0 && strcmp(name + i, ".json") != 0))
+    return 0;
+  snprintf(canon, sizeof canon, "rank_%llu%s", (unsigned long long)r, name + i);
+  if (strcmp(canon, name) != 0) return 0;
+  *rank = (int)r;
+  return 1;
 }
 
 /* ---- state names --------------------------------------------------------- */

@@ -138,6 +138,34 @@ const char *zt_path_under(const char *root, const char *path);
 /* 1 when the existing file or directory `path`, with every symbolic link
  * resolved, lies under root (which is itself resolved). */
 int zt_path_real_under(const char *root, const char *path);
+
+/* ---- checkpoint epoch names ----------------------------------------------- */
+
+/* An epoch directory, relative to a checkpoint root, is
+ * <dir>/job_<job>/step_<step>-g<gen>: zt_epoch_name writes the last two
+ * components (step zero-padded to 8 digits, no other leading zeros). Names
+ * that cross the wire are taken only in exactly that form, so that what a
+ * store creates is what the holdings scan lists and a deletion names. */
+#define ZT_EPOCH_NAME_MAX 96
+/* At most this many components in all, <dir> included: as deep as the
+ * holdings scan looks. */
+#define ZT_EPOCH_MAX_DEPTH 8
+void zt_epoch_name(char *buf, size_t n, uint64_t job, int64_t step, uint64_t gen);
+typedef struct {
+  uint64_t job, gen;
+  int64_t step;
+  size_t dir_len; /* of <dir>, without its trailing slash (0: none) */
+} zt_epoch_t;
+/* 0 with *e when rel is an epoch directory in the canonical form: no
+ * leading slash, every component non-empty and not starting with '.',
+ * at most ZT_EPOCH_MAX_DEPTH of them, and job_/step_ exactly as
+ * zt_epoch_name writes them (digits only: no sign, space or extra zero);
+ * -1 (ZT_E_INVALID) with a message naming the fault otherwise. */
+ZT_MUST_CHECK int zt_epoch_parse(const char *rel, zt_epoch_t *e);
+/* 1 when name is a file of an epoch: manifest.json, rank_<r>.bin or
+ * rank_<r>.json (r in decimal without a sign or leading zeros); *rank gets
+ * r, or -1 for the manifest. */
+int zt_epoch_file(const char *name, int *rank);
 /* Compares two strings in time that depends only on their lengths, for
  * secrets and tokens. Returns 1 when they are equal. */
 int zt_secret_equal(const char *a, const char *b);

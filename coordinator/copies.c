@@ -213,23 +213,19 @@ void zt_copies_deleted(zt_coord_t *c, zt_member_t *m, char *const *dirs, size_t 
 
 /* ---- what a registering worker holds ---------------------------------------- */
 
-/* "<dir>/job_<id>/step_<s>-g<g>/<file>" split; 0 when it has that form. */
-static int parse_held(const char *held, char *dir, size_t n, uint64_t *job, int64_t *step,
-                      uint64_t *gen, const char **file) {
+/* "<dir>/job_<id>/step_<s>-g<g>/<file>" split; 0 when it has exactly the
+ * canonical form (zt_epoch_parse, zt_epoch_file), -1 with a message naming
+ * the fault otherwise. */
+static int parse_held(const char *held, char *dir, size_t n, zt_epoch_t *e, const char **file) {
   const char *slash = strrchr(held, '/');
-  if (!slash || (size_t)(slash - held) >= n) return -1;
+  int rank;
+  if (!slash || (size_t)(slash - held) >= n)
+    return zt_errk(ZT_E_INVALID, "\"%.200s\" is not a file of an epoch directory", held);
   snprintf(dir, n, "%.*s", (int)(slash - held), held);
   *file = slash + 1;
-  const char *st = strrchr(dir, '/');
-  const char *jb = st;
-  while (jb && jb > dir && jb[-1] != '/') jb--;
-  unsigned long long j, g;
-  long long s;
-  int used = 0;
-  if (!st || !jb || sscanf(st + 1, "step_%lld-g%llu%n", &s, &g, &used) != 2 || st[1 + used] ||
-      sscanf(jb, "job_%llu/", &j) != 1)
-    return -1;
-  *job = j, *step = s, *gen = g;
+  if (zt_epoch_parse(dir, e) != 0) return -1;
+  if (!zt_epoch_file(*file, &rank))
+    return zt_errk(ZT_E_INVALID, "\"%.200s\" is not a checkpoint file", held);
   return 0;
 }
 
@@ -247,27 +243,33 @@ static int find_epoch(const zt_db_ckpt_t *k, void *user) {
 
 void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_t n) {
   char last_deleted[ZT_DB_DIR_MAX] = "";
-  int kept = 0, deleted = 0;
+  int kept = 0, deleted = 0, malformed = 0;
   for (size_t i = 0; i < n && i < 4096; i++) {
     char rel[ZT_DB_DIR_MAX], abs[ZT_DB_DIR_MAX + 600];
-    uint64_t job, gen;
-    int64_t step;
-    const char *file;
-    if (strstr(held[i], "..") || held[i][0] == '/' ||
-        parse_held(held[i], rel, sizeof rel, &job, &step, &gen, &file) != 0)
+    zt_epoch_t e;
+    const char *file = NULL;
+    if (parse_held(held[i], rel, sizeof rel, &e, &file) != 0) {
+      /* Not a name this coordinator could ever have asked for: ignored,
+       * and the first one reported. */
+      if (malformed++ == 0)
+        ZT_WARN("worker %s reports holding a file of no epoch, ignored: %s", m->row.name,
+                zt_err_msg());
       continue;
+    }
     snprintf(abs, sizeof abs, "%s/%s", c->cfg.ckpt_root, rel);
     known_ctx x = {abs, {0}, 0};
-    if (zt_db_ckpts_each(c->db, job, find_epoch, &x) != 0 || !x.found)
+    if (zt_db_ckpts_each(c->db, e.job, find_epoch, &x) != 0 || !x.found)
       continue; /* not an epoch this coordinator registered: not ours to judge */
     if (x.k.state == ZT_CKPT_COMMITTED) {
-      kept += zt_copies_add(c, job, &x.k, file, m->row.id) == 0;
+      kept += zt_copies_add(c, e.job, &x.k, file, m->row.id) == 0;
       continue;
     }
     if (!strcmp(rel, last_deleted)) continue;
     snprintf(last_deleted, sizeof last_deleted, "%s", rel);
     deleted += zt_db_deletion_add(c->db, m->row.id, rel) == 0;
   }
+  if (malformed > 1)
+    ZT_WARN("worker %s reports %d files of no epoch in all, ignored", m->row.name, malformed);
   if (kept || deleted)
     ZT_INFO("worker %s holds %d files of committed epochs; %d stale epoch directories to "
             "delete",

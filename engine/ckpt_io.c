@@ -19,8 +19,9 @@
 
 void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,
                      uint64_t gen) {
-  snprintf(buf, n, "%s/job_%llu/step_%08lld-g%llu", root, (unsigned long long)job,
-           (long long)step, (unsigned long long)gen);
+  char name[ZT_EPOCH_NAME_MAX];
+  zt_epoch_name(name, sizeof name, job, step, gen);
+  snprintf(buf, n, "%s/%s", root, name);
 }
 
 int zt_ckpt_fsync_dir(const char *dir) {

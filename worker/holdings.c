@@ -13,36 +13,11 @@
 
 #include "zt_common.h"
 
-/* "job_<digits>" / "step_<digits>-g<digits>": a whole component. */
-static int digits(const char *s, size_t n, size_t *i);
-
-static int is_job(const char *s, size_t n) {
-  size_t i = 4;
-  return n > 4 && strncmp(s, "job_", 4) == 0 && digits(s, n, &i) && i == n;
-}
-
-/* Digits from s[*i] on; 1 when there was at least one. */
-static int digits(const char *s, size_t n, size_t *i) {
-  size_t start = *i;
-  while (*i < n && s[*i] >= '0' && s[*i] <= '9') (*i)++;
-  return *i > start;
-}
-
-static int is_step(const char *s, size_t n) {
-  size_t i = 5;
-  if (n <= 5 || strncmp(s, "step_", 5) != 0 || !digits(s, n, &i)) return 0;
-  if (i + 1 >= n || s[i] != '-' || s[i + 1] != 'g') return 0;
-  i += 2;
-  return digits(s, n, &i) && i == n;
-}
-
+/* The canonical form only (zt_epoch_parse): what a store accepts is what
+ * this scan lists and what a deletion may name. */
 int zt_hold_is_epoch_dir(const char *rel) {
-  if (!rel[0] || rel[0] == '/' || strstr(rel, "..")) return 0;
-  const char *step = strrchr(rel, '/');
-  if (!step || !is_step(step + 1, strlen(step + 1))) return 0;
-  const char *job = step;
-  while (job > rel && job[-1] != '/') job--;
-  return is_job(job, (size_t)(step - job));
+  zt_epoch_t e;
+  return zt_epoch_parse(rel, &e) == 0;
 }
 
 typedef struct {
@@ -82,7 +57,7 @@ static void walk(inv *v, const char *root, const char *rel, int depth) {
 
 int zt_hold_inventory(const char *root, char ***files, int *n) {
   inv v = {NULL, 0};
-  walk(&v, root, "", 8);
+  walk(&v, root, "", ZT_EPOCH_MAX_DEPTH);
   *files = v.files;
   *n = v.n;
   return 0;

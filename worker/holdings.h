@@ -18,8 +18,8 @@
 
 /* The checkpoint files under root: paths relative to it of the form
  * <dir>/job_<n>/step_<n>-g<n>/<file> (at most ZT_HOLD_MAX_FILES, found at
- * most 8 directories deep). *files is malloc'd, each entry too; free with
- * zt_hold_free. */
+ * most ZT_EPOCH_MAX_DEPTH directories deep). *files is malloc'd, each entry
+ * too; free with zt_hold_free. */
 int zt_hold_inventory(const char *root, char ***files, int *n);
 void zt_hold_free(char **files, int n);
 
@@ -28,7 +28,9 @@ void zt_hold_free(char **files, int n);
  * what is not there succeeds. */
 int zt_hold_delete(const char *root, const char *rel);
 
-/* 1 when rel (relative) ends in job_<n>/step_<n>-g<n>. */
+/* 1 when rel (relative) is an epoch directory in the canonical form
+ * zt_epoch_parse takes: <dir>/job_<n>/step_<8 digits>-g<n>, digits only,
+ * no empty or hidden component, at most ZT_EPOCH_MAX_DEPTH deep. */
 int zt_hold_is_epoch_dir(const char *rel);
 
 #endif

@@ -278,45 +278,37 @@ static int check_current(const zt_store_t *s, const zt_ticket_t *t) {
                  (unsigned long long)job, (unsigned long long)gen);
 }
 
-/* The epoch directory: relative, under the root, ending in
- * job_<job>/step_<n>-g<gen> for the ticket's job (and, for a PUT, its
- * generation; for a GET, exactly the ticket's directory). */
+/* The epoch directory: relative, under the root, in the canonical form
+ * <dir>/job_<job>/step_<n>-g<gen> (zt_epoch_parse: what the holdings scan
+ * lists, so nothing stored here escapes deletion), for the ticket's job
+ * (and, for a PUT, its generation; for a GET, exactly the ticket's
+ * directory). */
 static int check_dir(const zt_store_t *s, const request *q, const zt_ticket_t *t, char *abs,
                      size_t n) {
   if (q->dir[0] == '/' || zt_path_confine(s->root, q->dir, "directory", abs, n) != 0)
     return zt_errk(ZT_E_INVALID, "directory %.200s is not a relative path", q->dir);
-  /* The last two components: job_<id> and step_<n>-g<gen>. */
-  char tail[600];
-  const char *step = strrchr(abs, '/'), *job = NULL;
-  snprintf(tail, sizeof tail, "%.*s", step ? (int)(step - abs) : 0, abs);
-  job = strrchr(tail, '/');
-  unsigned long long jid = 0, g = 0;
-  long long st;
-  int used = 0, jused = 0;
-  if (!step || !job || sscanf(step + 1, "step_%lld-g%llu%n", &st, &g, &used) != 2 ||
-      step[1 + used] || sscanf(job + 1, "job_%llu%n", &jid, &jused) != 1 || job[1 + jused] ||
-      (q->op == 'P' && (jid != t->job || g != t->gen)))
-    return zt_errk(ZT_E_INVALID, "directory %.200s is not an epoch%s", q->dir,
-                   q->op == 'P' ? " of the ticket's job and generation" : "");
+  zt_epoch_t e;
+  if (zt_epoch_parse(q->dir, &e) != 0)
+    return zt_err_wrapk(ZT_E_INVALID, "directory %.200s is not an epoch", q->dir);
+  if (q->op == 'P' && (e.job != t->job || e.gen != t->gen))
+    return zt_errk(ZT_E_INVALID,
+                   "directory %.200s is not an epoch of the ticket's job and generation", q->dir);
   if (q->op == 'G' && strcmp(zt_path_under(s->root, abs), t->scope) != 0)
     return zt_errk(ZT_E_UNAUTHENTICATED, "the ticket is for %.200s, not %.200s", t->scope,
                    q->dir);
   return 0;
 }
 
-/* The file name: rank_<r>.bin, rank_<r>.json or manifest.json; a PUT only
- * its own rank's files (and rank 0 the manifest). */
+/* The file name: rank_<r>.bin, rank_<r>.json or manifest.json, exactly
+ * (zt_epoch_file); a PUT only its own rank's files (and rank 0 the
+ * manifest). */
 static int check_name(const request *q, const zt_ticket_t *t) {
-  int r = -1, used = 0;
-  char ext[8] = "";
-  int ok = !strcmp(q->name, "manifest.json") ||
-           (sscanf(q->name, "rank_%d.%4[a-z]%n", &r, ext, &used) == 2 && !q->name[used] &&
-            r >= 0 && (!strcmp(ext, "bin") || !strcmp(ext, "json")));
-  if (!ok) return zt_errk(ZT_E_INVALID, "file name %.64s is not a checkpoint file", q->name);
+  int r = -1;
+  if (!zt_epoch_file(q->name, &r))
+    return zt_errk(ZT_E_INVALID, "file name %.64s is not a checkpoint file", q->name);
   if (q->op == 'P') {
     int rank = -1;
-    if (sscanf(t->scope, "r%d", &rank) != 1 ||
-        (strcmp(q->name, "manifest.json") ? r != rank : rank != 0))
+    if (sscanf(t->scope, "r%d", &rank) != 1 || (r >= 0 ? r != rank : rank != 0))
       return zt_errk(ZT_E_UNAUTHENTICATED, "the ticket does not cover %.64s", q->name);
   }
   return 0;

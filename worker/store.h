@@ -26,8 +26,8 @@
  *
  * Nothing from the peer is trusted: the ticket's MAC, expiry (or, for a put
  * ticket without one, that this worker still works on its generation) and scope, the
- * directory's form (<dir>/job_<job>/step_<n>-g<gen>, under the root, no
- * ".."), the file name's form, the size (at most 1 TiB, and exact) and the
+ * directory's form (exactly <dir>/job_<job>/step_<n>-g<gen> as zt_epoch_parse
+ * takes it, under the root, no ".."), the file name's form (zt_epoch_file), the size (at most 1 TiB, and exact) and the
  * checksum are checked, and a refusal names the peer and the file.
  */
 #ifndef ZT_STORE_H

@@ -116,6 +116,43 @@ def test_store_accepts_good_copies_and_refuses_the_rest(procs, tmp_path):
                "the refusal in the worker's log")
 
 
+def test_store_takes_only_canonical_epoch_names(procs, tmp_path):
+    """A push or fetch naming a directory or file in any other form than
+    the checkpoint layout writes (signs, spaces, padding, hidden or extra
+    components) is refused with a message, and creates nothing: the
+    holdings scan would never list such a file, so it would never be
+    deleted."""
+    coord = start_fleet(procs, 1)
+    _, session, addr = worker_store(coord, "w0")
+    root = procs.root
+    data = os.urandom(1000)
+    put = ticket(session, "put", 1, 1, 99, "r1")
+    good = "canon/job_1/step_00000005-g1"
+    cases = [
+        ("canon/job_+1/step_00000005-g1", "rank_1.bin", "not an epoch"),
+        ("canon/job_ 1/step_00000005-g1", "rank_1.bin", "not an epoch"),
+        ("canon/job_01/step_00000005-g1", "rank_1.bin", "not an epoch"),
+        ("canon/job_1/step_-5-g1", "rank_1.bin", "not an epoch"),
+        ("canon/job_1/step_5-g1", "rank_1.bin", "not an epoch"),
+        ("canon/job_1/step_00000005-g+1", "rank_1.bin", "not an epoch"),
+        (".hidden/job_1/step_00000005-g1", "rank_1.bin", "hidden component"),
+        ("a/b/c/d/e/f/g/job_1/step_00000005-g1", "rank_1.bin", "directories deep"),
+        (good, "rank_+1.bin", "not a checkpoint file"),
+        (good, "rank_ 1.bin", "not a checkpoint file"),
+        (good, "rank_01.bin", "not a checkpoint file"),
+    ]
+    for d, name, want in cases:
+        st, msg = request(addr, b"P", put, d, name, data)
+        assert st == 1 and want in msg, (d, name, st, msg)
+        get = ticket(session, "get", 1, 1, 99, d)
+        st, msg = request(addr, b"G", get, d, name, data)
+        assert st == 1 and want in msg, ("get", d, name, st, msg)
+    for top in ("canon", ".hidden", "a"):
+        assert not os.path.exists(os.path.join(root, top)), f"a refused request made {top}"
+    # The canonical form of the same is taken.
+    assert request(addr, b"P", put, good, "rank_1.bin", data) == (0, "stored")
+
+
 def test_idle_connections_do_not_lock_out_a_peer_with_a_ticket(procs, tmp_path):
     """Sixteen connections that never send a byte (as many as the store
     serves transfers at once) neither refuse nor delay a good push."""

@@ -137,6 +137,41 @@ ZT_TEST(test_text_shape) {
   ZT_CHECK(strlen(zt_text_shape("abcdefgh", tiny, sizeof tiny)) == 3);
 }
 
+/* Epoch names cross the wire: only the form zt_epoch_name writes, digits
+ * only, as deep as the holdings scan looks, is taken. */
+ZT_TEST(test_epoch_names) {
+  char name[ZT_EPOCH_NAME_MAX];
+  zt_epoch_t e;
+  zt_epoch_name(name, sizeof name, 5, 10, 2);
+  ZT_CHECK_STR(name, "job_5/step_00000010-g2");
+  ZT_REQUIRE(zt_epoch_parse("st/job_5/step_00000010-g2", &e) == 0);
+  ZT_CHECK(e.job == 5 && e.step == 10 && e.gen == 2 && e.dir_len == 2);
+  ZT_REQUIRE(zt_epoch_parse("job_0/step_123456789-g0", &e) == 0);
+  ZT_CHECK(e.step == 123456789 && e.dir_len == 0);
+  ZT_CHECK(zt_epoch_parse("a/b/c/d/e/f/job_1/step_00000001-g1", &e) == 0);
+  static const char *const bad[] = {
+      "st/job_+5/step_00000010-g2", "st/job_ 5/step_00000010-g2", "st/job_05/step_00000010-g2",
+      "st/job_5/step_-0000010-g2",  "st/job_5/step_10-g2",         "st/job_5/step_00000010-g+2",
+      "st/job_5/step_00000010-g2x", "st/job_5/step_00000010-g2/",  "st//job_5/step_00000010-g2",
+      "./job_5/step_00000010-g2",   ".h/job_5/step_00000010-g2",   "/job_5/step_00000010-g2",
+      "step_00000010-g2",           "",                            "job_5/x/step_00000010-g2",
+      "a/b/c/d/e/f/g/job_1/step_00000001-g1",
+      "job_99999999999999999999/step_00000001-g1"};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(bad); i++) {
+    ZT_CHECK(zt_epoch_parse(bad[i], &e) == -1);
+    ZT_CHECK(zt_err_kind() == ZT_E_INVALID);
+  }
+  int r;
+  ZT_CHECK(zt_epoch_file("rank_12.bin", &r) == 1 && r == 12);
+  ZT_CHECK(zt_epoch_file("rank_0.json", &r) == 1 && r == 0);
+  ZT_CHECK(zt_epoch_file("manifest.json", &r) == 1 && r == -1);
+  static const char *const bad_files[] = {"rank_+1.bin", "rank_ 1.bin", "rank_01.bin",
+                                          "rank_-1.bin", "rank_1.binx", "rank_.bin",
+                                          "rank_1.sh",   "x/rank_1.bin"};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(bad_files); i++)
+    ZT_CHECK(zt_epoch_file(bad_files[i], &r) == 0);
+}
+
 ZT_TEST(test_tickets) {
   zt_ticket_t t = {.op = "get", .job = 3, .gen = 7, .requester = 12, .expiry_ms = 5000,
                    .scope = "ckpt/job_3/step_00000010-g7"};
@@ -165,5 +200,5 @@ ZT_TEST(test_tickets) {
   ZT_CHECK(zt_ticket_check("other-session", text, 0, &got) == -1);
 }
 
-ZT_TEST_MAIN(test_errors_wrap, test_hostport, test_deadlines, test_files, test_path_confine,
+ZT_TEST_MAIN(test_errors_wrap, test_epoch_names, test_hostport, test_deadlines, test_files, test_path_confine,
              test_printable_and_numbers, test_text_shape, test_tickets)
