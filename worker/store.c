@@ -575,8 +575,8 @@ int zt_store_start(const zt_store_opts_t *o, zt_store_t **out) {
 
 const char *zt_store_addr(const zt_store_t *s) { return s->addr; }
 
-void zt_store_stop(zt_store_t *s) {
-  if (!s) return;
+int zt_store_stop(zt_store_t *s) {
+  if (!s) return 0;
   pthread_mutex_lock(&s->mu);
   s->stopping = 1;
   pthread_mutex_unlock(&s->mu);
@@ -592,10 +592,15 @@ void zt_store_stop(zt_store_t *s) {
   }
   int left = s->active;
   pthread_mutex_unlock(&s->mu);
-  if (left) return; /* a handler still runs: leak the store rather than free it under it */
+  /* A handler still runs: leak the store rather than free it under it. */
+  if (left)
+    return zt_errk(ZT_E_UNAVAILABLE, "%d replica store transfer%s still running after %d s",
+                   left, left == 1 ? "" : "s",
+                   (ZT_STORE_HEADER_MS + ZT_STORE_TIMEOUT_MS + 1000) / 1000);
   pthread_mutex_destroy(&s->mu);
   pthread_cond_destroy(&s->cv);
   free(s);
+  return 0;
 }
 
 /* ---- the client side ------------------------------------------------------ */

@@ -56,8 +56,12 @@ typedef struct {
 ZT_MUST_CHECK int zt_store_start(const zt_store_opts_t *o, zt_store_t **out);
 /* HOST:PORT of the store. */
 const char *zt_store_addr(const zt_store_t *s);
-/* Stops accepting, waits (bounded) for transfers in flight, frees. */
-void zt_store_stop(zt_store_t *s);
+/* Stops accepting, waits (bounded: a transfer's longest deadline) for the
+ * handlers in flight, and frees the store. -1 with a message when some
+ * handler still runs after that: the store is then left allocated, and
+ * its handlers may still call the opts' callbacks, so the caller must keep
+ * whatever those use (the user pointer) alive too, i.e. leak it at exit. */
+ZT_MUST_CHECK int zt_store_stop(zt_store_t *s);
 
 /* The slowest pace a transfer may take, in bytes per second. */
 #define ZT_STORE_MIN_RATE 20000000ull
