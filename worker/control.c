@@ -21,7 +21,6 @@
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
 
-#define ZT_CTL_BACKOFF_MIN_MS 100
 
 struct zt_ctl {
   zt_ctl_opts_t o;
@@ -154,13 +153,17 @@ static int wait_or_stop(zt_ctl_t *c, int64_t ms) {
   return s;
 }
 
+int64_t zt_ctl_backoff(int64_t *cur_ms, int64_t cap_ms, uint64_t *rng) {
+  *rng ^= *rng << 13, *rng ^= *rng >> 7, *rng ^= *rng << 17;
+  int64_t b = ZT_MAX(*cur_ms, 1);
+  int64_t wait = b - b / 4 + (int64_t)(*rng % (uint64_t)(b / 2 + 1));
+  *cur_ms = ZT_MIN(b * 2, ZT_MAX(cap_ms, ZT_CTL_BACKOFF_MIN_MS));
+  return wait;
+}
+
 /* Next backoff wait: the current one with +-25% jitter; then doubles. */
 static int64_t next_backoff(zt_ctl_t *c) {
-  c->rng ^= c->rng << 13, c->rng ^= c->rng >> 7, c->rng ^= c->rng << 17;
-  int64_t b = c->backoff_ms;
-  int64_t wait = b - b / 4 + (int64_t)(c->rng % (uint64_t)(b / 2 + 1));
-  c->backoff_ms = ZT_MIN(c->backoff_ms * 2, c->backoff_cap_ms);
-  return wait;
+  return zt_ctl_backoff(&c->backoff_ms, c->backoff_cap_ms, &c->rng);
 }
 
 static int call(zt_ctl_t *c, const char *method, const ProtobufCMessage *msg,
@@ -349,13 +352,15 @@ static void do_leave(zt_ctl_t *c) {
 }
 
 int zt_ctl_run(zt_ctl_t *c) {
-  int registered = 0, ret = 0, failing = 0;
+  /* failing: calls in a row that got no answer; refused: heartbeats in a
+   * row the coordinator refused, which a registration does not end. */
+  int registered = 0, ret = 0, failing = 0, refused = 0;
   while (!wait_or_stop(c, 0)) {
     if (!registered) {
       int fatal;
       if (do_register(c, &fatal) == 0) {
         registered = 1;
-        c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
+        if (!refused) c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
         failing = 0;
         continue;
       }
@@ -364,7 +369,9 @@ int zt_ctl_run(zt_ctl_t *c) {
         ret = -1;
         break;
       }
-      if (!failing++) ZT_WARN("cannot register (will retry with backoff): %s", zt_err_msg());
+      if (zt_ctl_log_failure(++failing))
+        ZT_WARN("cannot register (attempt %d, retrying with backoff): %s", failing,
+                zt_err_msg());
       wait_or_stop(c, next_backoff(c));
       continue;
     }
@@ -372,7 +379,8 @@ int zt_ctl_run(zt_ctl_t *c) {
     int st = 0;
     if (do_heartbeat(c, &st) == 0) {
       if (failing) ZT_INFO("coordinator reachable again after %d failed heartbeats", failing);
-      failing = 0;
+      if (refused > 1) ZT_INFO("heartbeats accepted again after %d refusals", refused);
+      failing = 0, refused = 0;
       c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
       wait_or_stop(c, ZT_MAX(0, c->heartbeat_ms - (zt_now_ms() - t0)));
       continue;
@@ -380,14 +388,21 @@ int zt_ctl_run(zt_ctl_t *c) {
     status = st;
     if (status == ZT_RPC_NOT_FOUND || status == ZT_RPC_FAILED_PRECONDITION ||
         status == ZT_RPC_UNAUTHENTICATED) {
-      ZT_WARN("%s; registering again", zt_err_msg());
+      /* The first refusal registers again at once (a restarted
+       * coordinator); one that keeps refusing is paced by the backoff. */
+      if (zt_ctl_log_failure(++refused))
+        ZT_WARN("%s; registering again (heartbeat refused %d time%s in a row)", zt_err_msg(),
+                refused, refused == 1 ? "" : "s");
       registered = 0;
       if (c->o.on_command) c->o.on_command(c->o.user, ZTRAIN__COMMAND__COMMAND_STOP, 0, 0, 0);
+      if (refused > 1) wait_or_stop(c, next_backoff(c));
       continue;
     }
-    if (!failing++) ZT_WARN("heartbeat failed (will retry with backoff): %s", zt_err_msg());
-    else ZT_DEBUG("heartbeat %d failed after %lld ms: %s", failing, (long long)(zt_now_ms() - t0),
-                  zt_err_msg());
+    if (zt_ctl_log_failure(++failing))
+      ZT_WARN("heartbeat failed (attempt %d, retrying with backoff): %s", failing, zt_err_msg());
+    else
+      ZT_DEBUG("heartbeat %d failed after %lld ms: %s", failing, (long long)(zt_now_ms() - t0),
+               zt_err_msg());
     wait_or_stop(c, next_backoff(c));
   }
   if (registered) do_leave(c);

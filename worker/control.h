@@ -7,7 +7,11 @@
  * that fail with UNAVAILABLE or DEADLINE_EXCEEDED are retried with capped
  * exponential backoff (100 ms doubling to 5 s, with jitter), and a
  * coordinator that no longer knows the worker (NOT_FOUND) or has declared it
- * lost (FAILED_PRECONDITION) gets a fresh registration at once.
+ * lost (FAILED_PRECONDITION) gets a fresh registration at once; when it
+ * keeps refusing heartbeats, the registrations after the first are paced
+ * by the same backoff. The first failure of a kind is logged, and then
+ * every ZT_CTL_LOG_EVERY-th with the count, so a coordinator that stays
+ * away fills no log.
  *
  * zt_ctl_run() runs the loop on the calling thread until zt_ctl_stop() is
  * called from any thread (a signal handler thread, typically); it then sends
@@ -84,5 +88,18 @@ int zt_ctl_report_replica(zt_ctl_t *c, uint64_t job_id, const char *dir, const c
  * heartbeat interval it asked for, so that a restarted coordinator hears
  * from every worker within about one interval of coming back. */
 int64_t zt_ctl_retry_cap_ms(zt_ctl_t *c);
+
+/* The backoff of zt_ctl's own retries, for other loops that call the
+ * coordinator (the runner's Rendezvous): *cur_ms (start it at
+ * ZT_CTL_BACKOFF_MIN_MS) with +-25% jitter from *rng (any nonzero seed) is
+ * the wait returned; *cur_ms then doubles up to cap_ms. */
+#define ZT_CTL_BACKOFF_MIN_MS 100
+int64_t zt_ctl_backoff(int64_t *cur_ms, int64_t cap_ms, uint64_t *rng);
+/* Failures logged: the first, then every ZT_CTL_LOG_EVERY-th (with the
+ * count); the rest only at debug level. */
+#define ZT_CTL_LOG_EVERY 20
+static inline int zt_ctl_log_failure(int count) {
+  return count == 1 || count % ZT_CTL_LOG_EVERY == 0;
+}
 
 #endif

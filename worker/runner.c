@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "comm.h"
@@ -107,6 +108,22 @@ static int changed(zt_runner_t *r) {
 }
 
 static int should_stop_cb(void *user) { return changed(user); }
+
+/* Waits up to ms for the assignment to change (or a stop); 1 when it did.
+ * Retry pacing that a new assignment ends at once. */
+static int wait_changed(zt_runner_t *r, int64_t ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += ms / 1000;
+  ts.tv_nsec += (ms % 1000) * 1000000;
+  if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+  pthread_mutex_lock(&r->mu);
+  int rc = 0;
+  while (!(r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen) && rc == 0)
+    rc = pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+  pthread_mutex_unlock(&r->mu);
+  return changed(r);
+}
 
 static int call(zt_runner_t *r, const char *method, const ProtobufCMessage *req,
                 const ProtobufCMessageDescriptor *rd, int64_t timeout_ms, ProtobufCMessage **rep,
@@ -354,7 +371,9 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
   req.generation = r->cur_gen;
   req.comm_addr = addr;
   req.nccl_id = nccl_id;
-  int64_t t0 = zt_now_ms();
+  int64_t t0 = zt_now_ms(), backoff = ZT_CTL_BACKOFF_MIN_MS;
+  uint64_t rng = (uint64_t)t0 ^ ((uint64_t)req.worker_id << 20) ^ 0x9e3779b97f4a7c15ull;
+  int failed = 0;
   while (!changed(r)) {
     ProtobufCMessage *m;
     int st = 0;
@@ -380,7 +399,17 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
               (unsigned long long)r->cur_gen, zt_err_msg());
       return NULL;
     }
-    if (st != ZT_RPC_DEADLINE_EXCEEDED) zt_sleep_ms(200); /* coordinator away: retry pacing */
+    /* A held call that ran out of time is called again at once; any other
+     * status (UNAVAILABLE, INTERNAL, ...) means the coordinator is away or
+     * failing: retried with backoff until it answers or the assignment
+     * changes. */
+    if (st == ZT_RPC_DEADLINE_EXCEEDED) continue;
+    if (zt_ctl_log_failure(++failed))
+      ZT_WARN("rendezvous for job %llu generation %llu failed (attempt %d, retrying with "
+              "backoff): %s",
+              (unsigned long long)r->cur_job, (unsigned long long)r->cur_gen, failed,
+              zt_err_msg());
+    if (wait_changed(r, zt_ctl_backoff(&backoff, zt_ctl_retry_cap_ms(r->ctl), &rng))) break;
   }
   return NULL;
 }

@@ -117,3 +117,18 @@ def test_stored_spec_refused_after_restart_fails_its_job(procs, tmp_path, data):
     assert all(m.startswith("stored spec invalid") for m in stored.values()), stored
     failed = [e for e in events(coord, job=pending) if e["kind"] == "job_failed"]
     assert len(failed) == 1 and "fault_injection" in failed[0]["detail"], failed
+
+
+def test_worker_backs_off_and_counts_while_the_coordinator_is_away(procs, tmp_path):
+    """With zcoord gone, a worker retries with backoff and logs the first
+    failure and then every 20th with its count: not a line per attempt."""
+    coord = start_fleet(procs, 1, hb_ms=HB, timeout_ms=TIMEOUT)
+    w = coord.workers["w0"]
+    coord.kill()
+    wait_until(lambda: "(attempt 20," in w.output(), 120,
+               "the worker's 20th failed attempt, counted, in its log")
+    out = w.output()
+    lines = [l for l in out.splitlines() if "retrying with backoff" in l]
+    assert "(attempt 1," in out, out[-2000:]
+    assert len(lines) <= 3, "\n".join(lines)
+    assert w.alive()
