@@ -60,6 +60,26 @@
 /* The numbers that shape scheduling, from the trainer's own parser
  * (engine/spec.c), so the coordinator and the workers can never read a
  * spec differently. */
+/* The epochs under checkpoint.dir (resolved: dir) must have names that the
+ * replica stores take and the holdings scan lists (zt_epoch_parse: no
+ * hidden component, at most ZT_EPOCH_MAX_DEPTH deep under the root), or
+ * their copies would be refused at every checkpoint: refused at submit
+ * instead. */
+static int check_epoch_names(const zt_coord_config_t *cfg, const char *spec_dir,
+                             const char *dir) {
+  const char *rel = dir[0] ? zt_path_under(cfg->ckpt_root, dir) : NULL;
+  if (!rel || !rel[0]) return 0;
+  char name[ZT_EPOCH_NAME_MAX], probe[1200];
+  zt_epoch_t e;
+  zt_epoch_name(name, sizeof name, 1, 1, 1);
+  snprintf(probe, sizeof probe, "%s/%s", rel, name);
+  if (zt_epoch_parse(probe, &e) != 0)
+    return zt_err_wrapk(ZT_E_INVALID, "checkpoint.dir \"%.200s\": its epochs cannot be named "
+                        "for the replica stores (at most %d directories under the checkpoint "
+                        "root, none hidden)", spec_dir, ZT_EPOCH_MAX_DEPTH - 2);
+  return 0;
+}
+
 /* The spec's paths must lie under the coordinator's roots; the checkpoint
  * directories are kept resolved (the coordinator deletes what is under
  * them). */
@@ -75,7 +95,7 @@ static int confine_paths(const zt_spec_t *s, const zt_coord_config_t *cfg, zt_jo
       (s->ckpt.load[0] && zt_path_confine(cfg->ckpt_root, s->ckpt.load, "checkpoint.load",
                                           p->ckpt_load, sizeof p->ckpt_load) != 0))
     return -1;
-  return 0;
+  return check_epoch_names(cfg, s->ckpt.dir, p->ckpt_dir);
 }
 
 int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_params_t *p) {

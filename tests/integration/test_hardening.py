@@ -164,6 +164,9 @@ def test_spec_paths_are_confined_at_submit(procs, tmp_path):
          "checkpoint.load"),
         ({"data": {"train": "/etc/passwd", "val": val}}, "data.train"),
         ({"data": {"train": train, "val": "/proc/self/environ"}}, "data.val"),
+        # Epochs the replica stores would refuse: too deep, or hidden.
+        ({"checkpoint": {"dir": str(tmp_path / "a/b/c/d/e/f/g/h")}}, "checkpoint.dir"),
+        ({"checkpoint": {"dir": str(tmp_path / ".hidden" / "ck")}}, "checkpoint.dir"),
     ]
     for extra, key in cases:
         spec = tiny_spec(train, val, 5, **extra)
