@@ -21,12 +21,9 @@ Each test would fail against a coordinator without its guard:
 - a job's metrics come back in pages of at most 10000 steps.
 """
 import contextlib
-import json
 import os
 import sqlite3
 import struct
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -284,13 +281,8 @@ def test_copy_reports_only_from_members_and_of_epoch_files(raw):
 
 
 def post(coord, path, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{coord.http_port}{path}",
-                                 data=json.dumps(body).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    from ztest import http_post_json
+    return http_post_json(coord.http_port, path, body)
 
 
 def skips(coord, jid):

@@ -7,8 +7,6 @@ import socket
 import sqlite3
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 from ztest import BIN, SLOW, events, http_get, wait_until, workers_by_name
 
@@ -142,15 +140,9 @@ def test_one_client_cannot_take_every_http_slot(procs):
 
 # ---- paths from job specs --------------------------------------------------------
 
-def post_spec(coord, spec, token=None):
-    import json as _json
-    req = urllib.request.Request(f"http://127.0.0.1:{coord.http_port}/v1/jobs",
-                                 data=_json.dumps(spec).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, _json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, _json.loads(e.read())
+def post_spec(coord, spec):
+    from ztest import http_post_json
+    return http_post_json(coord.http_port, "/v1/jobs", spec)
 
 
 def test_spec_paths_are_confined_at_submit(procs, tmp_path):

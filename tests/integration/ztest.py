@@ -46,6 +46,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def http_post_json(port, path, body, timeout=10, host="127.0.0.1"):
+    """POSTs body as JSON; returns (status, parsed JSON reply)."""
+    req = urllib.request.Request(f"http://{host}:{port}{path}", data=json.dumps(body).encode(),
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def http_get(port, path, timeout=5, host="127.0.0.1"):
     """Returns (status, content_type, parsed JSON or text)."""
     try:
