@@ -35,10 +35,22 @@
  * runs on libuv's thread pool, never on the loop. */
 typedef struct {
   uv_work_t req;
-  char dir[512];
+  char dir[512], root[512];
 } rm_work;
 
-static void rm_work_run(uv_work_t *w) { zt_remove_tree(((rm_work *)w->data)->dir); }
+/* The directory is checked again with every symbolic link resolved: a
+ * link on the shared storage (job_N pointing elsewhere) must not lead a
+ * deletion out of the checkpoint root. */
+static void rm_work_run(uv_work_t *req) {
+  rm_work *w = req->data;
+  if (access(w->dir, F_OK) != 0) return;
+  if (!zt_path_real_under(w->root, w->dir)) {
+    ZT_WARN("not deleting %s: with its links resolved it lies outside the checkpoint root %s",
+            w->dir, w->root);
+    return;
+  }
+  zt_remove_tree(w->dir);
+}
 
 static void rm_work_done(uv_work_t *w, int status) {
   (void)status;
@@ -48,6 +60,7 @@ static void rm_work_done(uv_work_t *w, int status) {
 static void rm_tree(zt_coord_t *c, const char *dir) {
   rm_work *w = zt_xcalloc(1, sizeof *w);
   snprintf(w->dir, sizeof w->dir, "%s", dir);
+  snprintf(w->root, sizeof w->root, "%s", c->cfg.ckpt_root);
   w->req.data = w;
   if (uv_queue_work(c->loop, &w->req, rm_work_run, rm_work_done) != 0) {
     ZT_WARN("cannot queue the deletion of %s", dir);
