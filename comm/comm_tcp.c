@@ -59,7 +59,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -949,16 +948,7 @@ static int mac_equal(const uint8_t *a, const uint8_t *b) {
   return CRYPTO_memcmp(a, b, ZT_RING_MAC) == 0;
 }
 
-static int nonce(uint8_t out[ZT_RING_NONCE]) {
-  size_t got = 0;
-  while (got < ZT_RING_NONCE) {
-    ssize_t r = getrandom(out + got, ZT_RING_NONCE - got, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return zt_err_errno("getrandom");
-    got += (size_t)r;
-  }
-  return 0;
-}
+static int nonce(uint8_t out[ZT_RING_NONCE]) { return zt_random_bytes(out, ZT_RING_NONCE); }
 
 /* Connects to rank `to` and sends our hello; retries refused connections
  * (the peer may not listen yet) until the deadline. */

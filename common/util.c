@@ -73,16 +73,21 @@ int zt_secret_equal(const char *a, const char *b) {
   return diff == 0;
 }
 
-int zt_random_hex(char *out, size_t bytes) {
-  unsigned char raw[64];
-  if (bytes > sizeof raw) return zt_err("zt_random_hex: %zu bytes is too many", bytes);
+int zt_random_bytes(void *out, size_t n) {
   size_t got = 0;
-  while (got < bytes) {
-    ssize_t r = getrandom(raw + got, bytes - got, 0);
+  while (got < n) {
+    ssize_t r = getrandom((unsigned char *)out + got, n - got, 0);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return zt_err_errno("getrandom");
     got += (size_t)r;
   }
+  return 0;
+}
+
+int zt_random_hex(char *out, size_t bytes) {
+  unsigned char raw[64];
+  if (bytes > sizeof raw) return zt_err("zt_random_hex: %zu bytes is too many", bytes);
+  if (zt_random_bytes(raw, bytes) != 0) return -1;
   for (size_t i = 0; i < bytes; i++) snprintf(out + 2 * i, 3, "%02x", raw[i]);
   return 0;
 }

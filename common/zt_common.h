@@ -172,6 +172,8 @@ int zt_secret_equal(const char *a, const char *b);
 /* A fresh random credential: 2 * bytes hex digits from the kernel's CSPRNG
  * (getrandom), NUL-terminated; out holds at least 2 * bytes + 1. */
 int zt_random_hex(char *out, size_t bytes);
+/* n bytes from the kernel's CSPRNG (getrandom). */
+int zt_random_bytes(void *out, size_t n);
 
 /* s with every control character (and DEL, and every byte of an invalid
  * UTF-8 sequence) written as \xNN, so that text from the network cannot
