@@ -14,7 +14,7 @@ Each test would fail against a coordinator without its guard:
 - a rank's checkpoint report that failed half-way must count in full when
   the rank retries, so the epoch never commits without one of its files;
 - an epoch whose write failed is deleted even when the first try to record
-  that was refused;
+  that was refused, and never through a link that leads out of the root;
 - a copy report from a worker outside the job, or naming a file the epoch
   does not have, is refused;
 - an operator's rollback with nothing to skip adds no skip range;
@@ -251,6 +251,39 @@ def test_refused_deletion_of_a_failed_epoch_is_retried(raw):
     assert report_error(0)[0] == OK  # the rank's retry
     code, _, ck = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}/checkpoints")
     assert code == 200 and [(c["step"], c["state"]) for c in ck["checkpoints"]] == [(30, "deleted")]
+
+
+def test_failed_epoch_deleted_only_inside_the_root(raw, tmp_path):
+    """A failed epoch's directory goes once every rank has reported; but
+    where a symbolic link in its path (job_N on the shared storage) leads
+    out of the checkpoint root, the coordinator leaves it and says why."""
+    r = raw(n_workers=1, world=1)
+
+    def report_error(step):
+        body = (r.head() + field_varint(4, step) + field_bytes(5, r.epoch_rel(step).encode())
+                + field_bytes(7, b"No space left on device"))
+        return r.ranks[0].call("ReportCheckpoint", body)
+    job_dir = os.path.join(r.ck, f"job_{r.jid}")
+    inside = os.path.join(job_dir, "step_00000020-g1")
+    os.makedirs(inside)
+    open(os.path.join(inside, "rank_0.bin"), "wb").close()
+    assert report_error(20)[0] == OK
+    wait_until(lambda: not os.path.exists(inside), 10, "the failed epoch inside the root deleted")
+    # job_N now leads elsewhere: outside the root (the procs' base directory).
+    outside = os.path.join("/var/tmp", f"zt-outside-{os.getpid()}-{r.jid}")
+    os.makedirs(os.path.join(outside, "step_00000030-g1"))
+    keep = os.path.join(outside, "step_00000030-g1", "rank_0.bin")
+    open(keep, "wb").close()
+    try:
+        os.rename(job_dir, job_dir + ".old")
+        os.symlink(outside, job_dir)
+        assert report_error(30)[0] == OK
+        wait_until(lambda: "lies outside the checkpoint root" in r.coord.output(), 10,
+                   "zcoord refusing to delete through the link")
+        assert os.path.exists(keep)
+    finally:
+        import shutil
+        shutil.rmtree(outside, ignore_errors=True)
 
 
 def test_copy_reports_only_from_members_and_of_epoch_files(raw):
