@@ -100,9 +100,15 @@ void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen, int nccl_root)
   pthread_mutex_unlock(&r->mu);
 }
 
+/* The generation being run is no longer the one to run, or the runner is
+ * stopping (under mu). */
+static int changed_locked(const zt_runner_t *r) {
+  return r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen;
+}
+
 static int changed(zt_runner_t *r) {
   pthread_mutex_lock(&r->mu);
-  int ch = r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen;
+  int ch = changed_locked(r);
   pthread_mutex_unlock(&r->mu);
   return ch;
 }
@@ -119,10 +125,11 @@ static int wait_changed(zt_runner_t *r, int64_t ms) {
   if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
   pthread_mutex_lock(&r->mu);
   int rc = 0;
-  while (!(r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen) && rc == 0)
+  while (!changed_locked(r) && rc == 0)
     rc = pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+  int ch = changed_locked(r);
   pthread_mutex_unlock(&r->mu);
-  return changed(r);
+  return ch;
 }
 
 static int call(zt_runner_t *r, const char *method, const ProtobufCMessage *req,
@@ -567,7 +574,7 @@ static int make_comm(zt_runner_t *r, const Ztrain__RendezvousReply *rv, int *lfd
    * aborts the set-up instead of waiting out its timeout. */
   pthread_mutex_lock(&r->mu);
   r->active = c;
-  if (r->quit || r->target_job != r->cur_job || r->target_gen != r->cur_gen) zt_comm_abort(c);
+  if (changed_locked(r)) zt_comm_abort(c);
   pthread_mutex_unlock(&r->mu);
   if (zt_comm_tcp_connect(c) != 0) {
     pthread_mutex_lock(&r->mu);
