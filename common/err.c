@@ -16,8 +16,11 @@
 static _Thread_local char t_msg[ZT_ERR_MAX];
 static _Thread_local zt_errkind_t t_kind;
 
+/* Formats into a copy first: an argument may be zt_err_msg() itself. */
 static void set_msg(zt_errkind_t kind, const char *fmt, va_list ap) {
-  vsnprintf(t_msg, sizeof t_msg, fmt, ap);
+  char msg[ZT_ERR_MAX];
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  memcpy(t_msg, msg, sizeof t_msg);
   t_kind = kind;
 }
 

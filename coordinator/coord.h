@@ -201,6 +201,10 @@ typedef struct zt_job {
   int64_t poisoned_from; /* first step with a non-finite loss; 0: none */
   char rb_ckpt_dir[512]; /* forced start of the next generation */
   int64_t rb_ckpt_step;  /* -1: none forced */
+  /* The row's last write failed: memory is ahead of SQLite until
+   * zt_jobs_flush (every few seconds) stores it; failed tries so far. */
+  int row_unsaved;
+  int64_t save_failures;
   struct zt_job *next;
 } zt_job_t;
 
@@ -272,6 +276,8 @@ zt_job_t *zt_jobs_get(zt_coord_t *c, uint64_t id);
 /* 1 when m is rank 0 of an NCCL generation (it makes the unique id). */
 int zt_jobs_nccl_root(zt_coord_t *c, const zt_member_t *m);
 void zt_jobs_schedule(zt_coord_t *c);
+/* Writes again every job row whose last write failed. */
+void zt_jobs_flush(zt_coord_t *c);
 /* A member left its generation: lost or restarted (failure 1, which the
  * restart policy counts), left or drained (failure 0). */
 void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why, int failure);

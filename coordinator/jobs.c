@@ -165,13 +165,39 @@ static int job_active(const zt_job_t *j) {
 }
 
 /* Writes the job row. A failure is logged and returned; the in-memory
- * state stays ahead of the database until the next successful save. */
+ * state stays ahead of the database until the next successful save, made
+ * at the latest by zt_jobs_flush a few seconds later. Operator actions
+ * store their row before they change anything (store_first), so that a
+ * refused write refuses the action. */
 static int save_job(zt_coord_t *c, zt_job_t *j) {
   j->row.updated_ms = zt_wall_ms();
   if (zt_db_job_update(c->db, &j->row) != 0) {
-    ZT_ERROR("job %llu: %s", (unsigned long long)j->row.id, zt_err_msg());
+    j->row_unsaved = 1;
+    j->save_failures++;
+    ZT_ERROR("job %llu: %s (%lld failed writes of the job's state; retried every few seconds)",
+             (unsigned long long)j->row.id, zt_err_msg(), (long long)j->save_failures);
     return -1;
   }
+  if (j->row_unsaved)
+    ZT_INFO("job %llu: state stored after %lld failed writes", (unsigned long long)j->row.id,
+            (long long)j->save_failures);
+  j->row_unsaved = 0;
+  j->save_failures = 0;
+  return 0;
+}
+
+void zt_jobs_flush(zt_coord_t *c) {
+  for (zt_job_t *j = c->jobs; j; j = j->next)
+    if (j->row_unsaved) (void)save_job(c, j);
+}
+
+/* Stores row, the job's row as an operator's action would leave it, before
+ * the action changes anything; UNAVAILABLE when the write fails. */
+static int store_first(zt_coord_t *c, zt_job_t *j, zt_db_job_t *row, const char *action) {
+  row->updated_ms = zt_wall_ms();
+  if (zt_db_job_update(c->db, row) != 0)
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "job %llu: cannot store the %s, nothing changed",
+                        (unsigned long long)j->row.id, action);
   return 0;
 }
 
@@ -668,8 +694,12 @@ static int act_pause_cancel(zt_coord_t *c, zt_job_t *j, zt_job_action_t a, char 
   if (!job_active(j) && (pause || j->row.state != ZT_JOB_PAUSED))
     return zt_errk(ZT_E_STATE, "job %llu is %s", (unsigned long long)j->row.id,
                    zt_job_state_name(j->row.state));
-  finish(c, j, pause ? ZT_JOB_PAUSED : ZT_JOB_CANCELED, pause ? "job_paused" : "job_canceled",
-         "%s by operator at step %lld", pause ? "paused" : "canceled", (long long)j->row.step);
+  zt_db_job_t next = j->row;
+  next.state = pause ? ZT_JOB_PAUSED : ZT_JOB_CANCELED;
+  snprintf(next.message, sizeof next.message, "%s by operator at step %lld",
+           pause ? "paused" : "canceled", (long long)j->row.step);
+  if (store_first(c, j, &next, pause ? "pause" : "cancellation") != 0) return -1;
+  finish(c, j, next.state, pause ? "job_paused" : "job_canceled", "%s", next.message);
   snprintf(msg, msglen, "%s", j->row.message);
   zt_jobs_schedule(c);
   return 0;
@@ -682,12 +712,14 @@ static int act_resume(zt_coord_t *c, zt_job_t *j, char *msg, size_t msglen) {
   if (j->row.state != ZT_JOB_PAUSED)
     return zt_errk(ZT_E_STATE, "job %llu is %s, not paused", (unsigned long long)j->row.id,
                    zt_job_state_name(j->row.state));
-  j->row.state = ZT_JOB_PENDING;
-  snprintf(j->row.message, sizeof j->row.message, "resumed by operator");
-  j->row.n_rollback_steps = 0; /* the rollback and restart budgets start afresh */
+  zt_db_job_t next = j->row;
+  next.state = ZT_JOB_PENDING;
+  snprintf(next.message, sizeof next.message, "resumed by operator");
+  next.n_rollback_steps = 0; /* the rollback and restart budgets start afresh */
+  if (store_first(c, j, &next, "resumption") != 0) return -1;
+  j->row = next;
   zt_restarts_reset(&j->rs);
   j->ckpt_paused = 0;
-  save_job(c, j);
   zt_coord_event(c, j->row.id, "job_resumed", 0, "resumed at step %lld", (long long)j->row.step);
   snprintf(msg, msglen, "job %llu resumed", (unsigned long long)j->row.id);
   zt_jobs_schedule(c);
@@ -719,8 +751,11 @@ static int act_rollback(zt_coord_t *c, zt_job_t *j, int64_t to_step, int64_t ski
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, to_step, 1, &ck, &have) != 0) goto err;
   from = (have ? ck.step : 0) + 1;
   if (rollback(c, j, from, from - 1, to_step, skip_steps, 0, why) != 0) goto err;
-  snprintf(msg, msglen, "job %llu rolling back to step %lld", (unsigned long long)j->row.id,
-           (long long)(from - 1));
+  if (j->row.state == ZT_JOB_PAUSED) /* its data could not be skipped */
+    snprintf(msg, msglen, "%s", j->row.message);
+  else
+    snprintf(msg, msglen, "job %llu rolling back to step %lld", (unsigned long long)j->row.id,
+             (long long)(from - 1));
   return 0;
 err:
   j->row.state = was;
@@ -1099,6 +1134,12 @@ err:
 
 /* ---- rollback --------------------------------------------------------------- */
 
+/* The next generation starts from the epoch dir at step (fresh: ""). */
+static void force_start(zt_job_t *j, int64_t step, const char *dir) {
+  j->rb_ckpt_step = step;
+  snprintf(j->rb_ckpt_dir, sizeof j->rb_ckpt_dir, "%s", dir);
+}
+
 /* Rollbacks within the budget window ending at last_step. */
 static int recent_rollbacks(const zt_job_t *j, int64_t last_step) {
   int recent = 0;
@@ -1107,8 +1148,7 @@ static int recent_rollbacks(const zt_job_t *j, int64_t last_step) {
   return recent;
 }
 
-static void remember_rollback(zt_job_t *j, int64_t step) {
-  zt_db_job_t *r = &j->row;
+static void remember_rollback(zt_db_job_t *r, int64_t step) {
   if (r->n_rollback_steps == ZT_MAX_ROLLBACK_STEPS) { /* keep the newest */
     memmove(r->rollback_steps, r->rollback_steps + 1,
             (ZT_MAX_ROLLBACK_STEPS - 1) * sizeof r->rollback_steps[0]);
@@ -1118,18 +1158,17 @@ static void remember_rollback(zt_job_t *j, int64_t step) {
 }
 
 /* Adds the sample-stream positions of steps [first_step, last_step +
- * skip_steps], past the ranges already skipped, to the job's skip list;
- * [*lo, *hi) is the new range, empty when those steps are none (an
- * operator's rollback with nothing to skip). */
-static int skip_data(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last_step,
-                     int64_t skip_steps, uint64_t *lo, uint64_t *hi) {
-  const zt_range_list_t *sk = &j->row.skips;
+ * skip_steps], past the ranges already skipped, to the skip list sk (the
+ * job's, in the row being made); [*lo, *hi) is the new range, empty when
+ * those steps are none (an operator's rollback with nothing to skip). */
+static int skip_data(zt_coord_t *c, zt_job_t *j, zt_range_list_t *sk, int64_t first_step,
+                     int64_t last_step, int64_t skip_steps, uint64_t *lo, uint64_t *hi) {
   uint64_t gb = (uint64_t)j->p.global_batch;
   *lo = *hi = 0;
   if (last_step + skip_steps < first_step) return 0; /* the end below would wrap around */
   *lo = zt_range_map(sk->r, sk->n, (uint64_t)(first_step - 1) * gb);
   *hi = zt_range_map(sk->r, sk->n, (uint64_t)(last_step + skip_steps) * gb - 1) + 1;
-  if (*hi > *lo && zt_range_list_add(&j->row.skips, *lo, *hi) != 0) {
+  if (*hi > *lo && zt_range_list_add(sk, *lo, *hi) != 0) {
     zt_coord_event(c, j->row.id, "skip_range_refused", 0,
                    "cannot skip the data of steps %lld..%lld: %s", (long long)first_step,
                    (long long)(last_step + skip_steps), zt_err_msg());
@@ -1149,30 +1188,36 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
   int have = 0;
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, max_ckpt_step, 1, &ck, &have) != 0) return -1;
   int64_t to = have ? ck.step : 0;
-  j->rb_ckpt_step = to;
-  snprintf(j->rb_ckpt_dir, sizeof j->rb_ckpt_dir, "%s", have ? ck.dir : "");
   int recent = recent_rollbacks(j, last_step);
   if (budgeted && recent >= j->p.rb_max) {
+    force_start(j, to, have ? ck.dir : ""); /* where zctl resume continues */
     finish(c, j, ZT_JOB_PAUSED, "job_paused",
            "paused: %d rollbacks within %lld steps (max_rollbacks %lld) and another spike: %s; "
            "zctl resume continues from the last good checkpoint",
            recent, (long long)j->p.rb_per_steps, (long long)j->p.rb_max, why);
     return 0;
   }
+  /* The row the rollback leaves; an operator's is stored before anything
+   * changes, so that a refused write refuses it. */
+  zt_db_job_t next = j->row;
   uint64_t lo, hi;
-  if (skip_data(c, j, first_step, last_step, skip_steps, &lo, &hi) != 0) {
+  if (skip_data(c, j, &next.skips, first_step, last_step, skip_steps, &lo, &hi) != 0) {
+    force_start(j, to, have ? ck.dir : "");
     finish(c, j, ZT_JOB_PAUSED, "job_paused",
            "paused: the data of the spike cannot be skipped (%d skip ranges, the limit): %s; "
            "zctl rollback or resume continue",
            j->row.skips.n, why);
     return 0;
   }
-  j->row.rollbacks++;
-  remember_rollback(j, last_step);
+  next.rollbacks++;
+  remember_rollback(&next, last_step);
+  next.lr_factor = j->p.rb_lr_factor;
+  next.lr_until = last_step + j->p.rb_cooldown;
+  if (!budgeted && store_first(c, j, &next, "rollback") != 0) return -1;
   double old_factor = j->row.lr_factor > 0 ? j->row.lr_factor : 1.0;
-  j->row.lr_factor = j->p.rb_lr_factor;
-  j->row.lr_until = last_step + j->p.rb_cooldown;
-  save_job(c, j);
+  j->row = next;
+  force_start(j, to, have ? ck.dir : "");
+  if (budgeted) save_job(c, j);
   zt_coord_event(c, j->row.id, "rollback", 0, "rollback %d: %s; restarting from %s (step %lld)",
                  j->row.rollbacks, why, have ? "checkpoint" : "initialization", (long long)to);
   if (hi > lo)

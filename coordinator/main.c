@@ -56,7 +56,10 @@ static void on_check(uv_timer_t *t) {
   free(lost);
   zt_jobs_schedule(c);
 }
-static void on_flush(uv_timer_t *t) { zt_members_flush(t->data); }
+static void on_flush(uv_timer_t *t) {
+  zt_members_flush(t->data);
+  zt_jobs_flush(t->data);
+}
 
 static void stop(zt_coord_t *c, const char *why) {
   ZT_INFO("stopping (%s)", why);
@@ -137,6 +140,7 @@ int main(int argc, char **argv) {
   }
   uv_run(c.loop, UV_RUN_DEFAULT);
   zt_members_flush(&c);
+  zt_jobs_flush(&c);
   zt_jobs_free(&c);
   zt_members_free(&c);
   zt_db_close(c.db);

@@ -18,6 +18,10 @@ Each test would fail against a coordinator without its guard:
 - a copy report from a worker outside the job, or naming a file the epoch
   does not have, is refused;
 - an operator's rollback with nothing to skip adds no skip range;
+- an operator's pause, cancel, resume or rollback whose write is refused
+  is refused and changes nothing (a paused job stays paused);
+- a job's state whose write was refused is stored a few seconds after the
+  database is back, not only at the job's next change;
 - a job's metrics come back in pages of at most 10000 steps.
 """
 import contextlib
@@ -315,7 +319,7 @@ def test_copy_reports_only_from_members_and_of_epoch_files(raw):
 
 def post(coord, path, body):
     from ztest import http_post_json
-    return http_post_json(coord.http_port, path, body)
+    return http_post_json(coord.http_port, path, body, timeout=30)
 
 
 def skips(coord, jid):
@@ -343,6 +347,63 @@ def test_rollback_with_nothing_to_skip_adds_no_skip_range(raw):
     assert skips(r.coord, r.jid) == before
     kinds = [e["kind"] for e in events(r.coord, job=r.jid)]
     assert kinds.count("rollback") == 2 and kinds.count("skip_range") == 1, kinds
+
+
+def state_of(r):
+    """(state in memory, as served; state stored) of r's job."""
+    j = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}", timeout=30)[2]
+    with sqlite3.connect(r.coord.db, timeout=30) as db:
+        stored = db.execute("SELECT state FROM jobs WHERE id = ?", (r.jid,)).fetchone()[0]
+    return j["state"], stored
+
+
+def test_refused_operator_actions_change_nothing(raw):
+    r = raw()
+    w = r.ranks[0]
+    assert r.report_step(w, 1)[0] == OK
+    running = state_of(r)
+    with db_locked(r.coord.db):
+        for action, body in (("pause", {}), ("cancel", {}), ("rollback", {"to_step": 0})):
+            code, reply = post(r.coord, f"/v1/jobs/{r.jid}/{action}", body)
+            assert code == 503, (action, code, reply)
+            assert "nothing changed" in reply["error"] and "locked" in reply["error"], reply
+    assert state_of(r) == running
+    assert w.assignment() == (r.jid, 1)  # still a member of generation 1
+    code, reply = post(r.coord, f"/v1/jobs/{r.jid}/pause", {})
+    assert code == 200, reply
+    paused = state_of(r)
+    assert paused[0] == "paused", paused
+    # A paused job stays paused when its resumption or rollback is refused
+    # (a rollback first takes it out of "paused": that must be undone).
+    with db_locked(r.coord.db):
+        for action, body in (("resume", {}), ("rollback", {"to_step": 0})):
+            code, reply = post(r.coord, f"/v1/jobs/{r.jid}/{action}", body)
+            assert code == 503 and "nothing changed" in reply["error"], (action, code, reply)
+    assert state_of(r) == paused
+    code, reply = post(r.coord, f"/v1/jobs/{r.jid}/rollback", {"to_step": 0})
+    assert code == 200, reply
+    r.wait_generation(2)
+    kinds = [e["kind"] for e in events(r.coord, job=r.jid)]
+    assert kinds.count("rollback") == 1 and kinds.count("job_paused") == 1, kinds
+
+
+def test_refused_job_write_is_stored_when_the_database_is_back(raw):
+    # A long backoff: nothing but the flush writes the job again soon.
+    r = raw(elastic={"min_workers": 1, "max_workers": 1, "backoff_ms": 120000})
+    w = r.ranks[0]
+    assert r.report_step(w, 1)[0] == OK
+    with db_locked(r.coord.db):
+        code, _, det = w.call("ReportFailure", r.head() + field_bytes(4, b"ring broke")
+                              + field_varint(9, 1), timeout=60)
+        assert code == OK, det
+        msg = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}", timeout=30)[2]["message"]
+        assert "cannot store generation 2" in msg, msg
+
+    def stored():
+        with sqlite3.connect(r.coord.db, timeout=30) as db:
+            return db.execute("SELECT message FROM jobs WHERE id = ?", (r.jid,)).fetchone()[0]
+    wait_until(lambda: stored() == msg, 20, "the job's state stored once the database is back")
+    assert "state stored after" in r.coord.output()
 
 
 def steps_of(reply):
