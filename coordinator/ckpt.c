@@ -200,13 +200,24 @@ int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadab
 
 /* A report names a directory under the job's root, or nothing is done:
  * the coordinator deletes what it registers. */
-static int check_dir(const zt_job_t *j, const char *dir) {
+/* dir (absolute: confined under our checkpoint root) must be an epoch of
+ * job j exactly as the ranks name them, <checkpoint.dir>/job_<id>/
+ * step_<8 digits>-g<gen>; *e gets its step and generation. One spelling
+ * per epoch: the registry finds records by their directory, so another
+ * spelling of a committed epoch would pass for a new one. */
+static int check_epoch(zt_coord_t *c, const zt_job_t *j, const char *dir, zt_epoch_t *e) {
   char root[600];
   job_root(j, root, sizeof root);
   size_t rl = strlen(root);
-  if (strncmp(dir, root, rl) != 0 || dir[rl] != '/' || strstr(dir, "..") ||
-      strlen(dir) >= sizeof(((zt_db_ckpt_t *)0)->dir))
-    return zt_errk(ZT_E_INVALID, "checkpoint dir %.200s is not under %.200s", dir, root);
+  const char *rel = zt_path_under(c->cfg.ckpt_root, dir);
+  if (strncmp(dir, root, rl) != 0 || dir[rl] != '/' || strchr(dir + rl + 1, '/') || !rel ||
+      strlen(dir) >= sizeof(((zt_db_ckpt_t *)0)->dir) || zt_epoch_parse(rel, e) != 0)
+    return zt_errk(ZT_E_INVALID,
+                   "checkpoint dir %.200s is not an epoch directory of job %llu "
+                   "(%.200s/step_<8 digits>-g<generation>)",
+                   rel ? rel : dir, (unsigned long long)j->row.id,
+                   zt_path_under(c->cfg.ckpt_root, root) ? zt_path_under(c->cfg.ckpt_root, root)
+                                                          : root);
   return 0;
 }
 
@@ -371,7 +382,9 @@ static int commit(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
 /* An epoch with a failed write, once every rank has reported: its row and
  * whatever files the other ranks wrote go (a full disk gets the space).
  * Done only once the row says so: a refused write is tried again at the
- * epoch's next report (the reporter retries on the error). */
+ * epoch's next report (the reporter retries on the error), and at every
+ * flush (zt_ckpt_retry_drops: the last report may have been answered OK,
+ * when it was the epoch's first failure). */
 static int drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
   if (t->done || t->count + t->failed < j->row.world) return 0;
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_DELETED, 0, zt_wall_ms()};
@@ -386,6 +399,13 @@ static int drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
   rm_tree(c, t->dir);
   zt_copies_forget_epoch(c, j->row.id, &k);
   return 0;
+}
+
+void zt_ckpt_retry_drops(zt_coord_t *c, zt_job_t *j) {
+  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
+    zt_ckpt_tally_t *t = j->tallies[i];
+    if (t && t->failed && !t->done && t->gen == j->row.generation) (void)drop_failed(c, j, t);
+  }
 }
 
 /* A rank's write failed: the epoch cannot commit. */
@@ -456,12 +476,19 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   /* The worker names the epoch relative to its checkpoint root; the
    * registry keeps it under ours. */
   char dir[sizeof ((zt_ckpt_tally_t *)0)->dir];
+  zt_epoch_t e;
   if (req->dir[0] == '/' ||
-      zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, sizeof dir) != 0 ||
-      check_dir(j, dir) != 0)
+      zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, sizeof dir) != 0)
     return zt_errk(ZT_E_INVALID, "checkpoint dir %.200s is not a relative path under job %llu's "
                    "checkpoint directory",
                    req->dir, (unsigned long long)j->row.id);
+  if (check_epoch(c, j, dir, &e) != 0) return -1;
+  if (e.step != req->step || e.gen != req->generation)
+    return zt_errk(ZT_E_INVALID,
+                   "checkpoint dir %.200s is the epoch of step %lld, generation %llu; the report "
+                   "is for step %lld, generation %llu",
+                   req->dir, (long long)e.step, (unsigned long long)e.gen, (long long)req->step,
+                   (unsigned long long)req->generation);
   if (j->poisoned_from && req->step >= j->poisoned_from)
     return zt_errk(ZT_E_STATE,
                    "checkpoint at step %lld refused: the loss was not finite at step %lld",
@@ -486,18 +513,6 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
   if (req->error[0]) return report_failed(c, j, t, m, req, out);
   if (!t->seen[m->rank] && !t->done && count_files(c, j, t, m, req) != 0) return -1;
   return settle(c, j, t, out);
-}
-
-/* "…/step_<s>-g<g>": the epoch's step and generation; -1 otherwise. */
-static int parse_epoch(const char *dir, int64_t *step, uint64_t *gen) {
-  const char *st = strrchr(dir, '/');
-  long long s;
-  unsigned long long g;
-  int used = 0;
-  if (!st || sscanf(st + 1, "step_%lld-g%llu%n", &s, &g, &used) != 2 || st[1 + used])
-    return -1;
-  *step = s, *gen = g;
-  return 0;
 }
 
 /* A copy of a file of a committed epoch (fetched to load it): it must be
@@ -554,13 +569,16 @@ static int epoch_file(const char *name, int world) {
 int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
                         const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out) {
   *out = ZT_CKPT_REPORT_COUNTED;
-  int64_t step;
-  uint64_t gen;
+  zt_epoch_t ep;
   int world;
-  if (!j->p.ckpt_dir[0] || check_dir(j, dir) != 0 || parse_epoch(dir, &step, &gen) != 0 ||
-      !checksum_valid(f->checksum))
-    return zt_errk(ZT_E_INVALID, "%.200s/%.64s is not a checkpoint file of job %llu", dir,
-                   f->name, (unsigned long long)j->row.id);
+  if (!j->p.ckpt_dir[0])
+    return zt_errk(ZT_E_STATE, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
+  if (check_epoch(c, j, dir, &ep) != 0) return -1;
+  if (!checksum_valid(f->checksum))
+    return zt_errk(ZT_E_INVALID, "%.200s/%.64s: the checksum is not xxh64:<16 hex digits>",
+                   zt_path_under(c->cfg.ckpt_root, dir), f->name);
+  int64_t step = ep.step;
+  uint64_t gen = ep.gen;
   if (check_holder(c, j, m, gen, &world) != 0) return -1;
   zt_db_ckpt_t k;
   uint64_t kjob;

@@ -331,6 +331,9 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
  * there is none. */
 int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
                    zt_db_ckpt_t *out, int *found);
+/* Deletes again the failed epochs of the current generation whose
+ * deletion the database refused (called every few seconds). */
+void zt_ckpt_retry_drops(zt_coord_t *c, zt_job_t *j);
 /* Applies retention and removes pending epochs that can never commit. */
 void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j);
 /* Deletes every epoch after `step` (a rollback abandons them). */

@@ -187,8 +187,10 @@ static int save_job(zt_coord_t *c, zt_job_t *j) {
 }
 
 void zt_jobs_flush(zt_coord_t *c) {
-  for (zt_job_t *j = c->jobs; j; j = j->next)
+  for (zt_job_t *j = c->jobs; j; j = j->next) {
     if (j->row_unsaved) (void)save_job(c, j);
+    if (job_active(j)) zt_ckpt_retry_drops(c, j);
+  }
 }
 
 /* Stores row, the job's row as an operator's action would leave it, before

@@ -14,7 +14,10 @@ Each test would fail against a coordinator without its guard:
 - a rank's checkpoint report that failed half-way must count in full when
   the rank retries, so the epoch never commits without one of its files;
 - an epoch whose write failed is deleted even when the first try to record
-  that was refused, and never through a link that leads out of the root;
+  that was refused (also when the rank that made it fail was answered OK),
+  and never through a link that leads out of the root;
+- an epoch is named in one spelling only, the one of its step and
+  generation: another spelling of a committed epoch passes for nothing;
 - a copy report from a worker outside the job, or naming a file the epoch
   does not have, is refused;
 - an operator's rollback with nothing to skip adds no skip range;
@@ -255,6 +258,59 @@ def test_refused_deletion_of_a_failed_epoch_is_retried(raw):
     assert report_error(0)[0] == OK  # the rank's retry
     code, _, ck = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}/checkpoints")
     assert code == 200 and [(c["step"], c["state"]) for c in ck["checkpoints"]] == [(30, "deleted")]
+
+
+def test_refused_deletion_after_an_answered_failure_is_retried(raw):
+    """The epoch's first failure is also its last report: the rank is
+    answered OK (the scheduler must learn of the failure), so no retry of
+    the rank's will delete the epoch: the coordinator tries again itself."""
+    r = raw(n_workers=2, world=2)
+    assert r.report_checkpoint(1, 30)[0] == OK
+    body = (r.head() + field_varint(4, 30) + field_bytes(5, r.epoch_rel(30).encode())
+            + field_bytes(7, b"No space left on device"))
+    with db_locked(r.coord.db):
+        code, _, det = r.ranks[0].call("ReportCheckpoint", body, timeout=60)
+        assert code == OK, (code, det)
+
+    def state():
+        code, _, ck = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}/checkpoints", timeout=30)
+        assert code == 200, ck
+        return [(c["step"], c["state"]) for c in ck["checkpoints"]]
+    wait_until(lambda: state() == [(30, "deleted")], 20, "the failed epoch deleted")
+
+
+def test_epochs_are_named_in_one_spelling(raw):
+    r = raw(n_workers=2, world=2)
+    # A report names the directory of its own step and generation.
+    body = r.head() + field_varint(4, 10) + field_bytes(5, r.epoch_rel(20).encode())
+    for f in r.files_of(1):
+        body += field_bytes(6, r.file_msg(*f))
+    code, _, det = r.ranks[1].call("ReportCheckpoint", body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, det)
+    assert "is the epoch of step 20, generation 1; the report is for step 10" in det, det
+    assert r.report_checkpoint(1, 10)[0] == OK
+    code, reply, det = r.report_checkpoint(0, 10)
+    assert code == OK and dict(fields(reply)).get(1) == 1, det
+    # The committed epoch under other spellings: no copy, no record.
+    canon = r.epoch_rel(10)
+    parent = os.path.dirname(canon)
+    # ("./step_00000010-g1" is the same path once normalized.)
+    for other in ("step_10-g1", "step_+0000010-g1", "step_00000010-g01",
+                  "step_00000010-g1/x"):
+        body = (field_varint(2, r.jid) + field_bytes(3, f"{parent}/{other}".encode())
+                + field_bytes(4, r.file_msg("rank_0.bin", 999, "xxh64:00000000000000bb")))
+        code, _, det = r.ranks[1].call("ReportReplica", body)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (other, code, det)
+        assert "is not an epoch directory of job" in det, (other, det)
+    # The canonical spelling is checked against the record.
+    code, _, det = r.report_copy(r.ranks[1], 10, "rank_0.bin", size=999,
+                                 checksum="xxh64:00000000000000bb")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "differs" in det, (code, det)
+    code, _, ck = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}/checkpoints")
+    assert [(c["step"], c["state"]) for c in ck["checkpoints"]] == [(10, "committed")], ck
+    with sqlite3.connect(r.coord.db) as db:
+        n = db.execute("SELECT COUNT(*) FROM checkpoints WHERE job_id = ?", (r.jid,)).fetchone()[0]
+    assert n == 1
 
 
 def test_failed_epoch_deleted_only_inside_the_root(raw, tmp_path):
