@@ -92,6 +92,10 @@ struct zt_comm {
   char key[129];
   atomic_int err_claimed; /* the first failure or abort writes err, once */
   atomic_int broken;      /* set after err is written */
+  /* Set (release) once zt_comm_tcp_connect has set next_fd and prev_fd:
+   * zt_comm_stats_get, callable from any thread during the set-up too,
+   * reads next_fd only after it reads this set (acquire). */
+  atomic_int connected;
   int failed_peer; /* rank whose connection failed, -1 when unknown */
   struct zt_nccl *nccl; /* set: operations go to NCCL (comm_nccl.c) */
   char err[512];
@@ -137,6 +141,19 @@ void zt_comm_scale(void *buf, size_t n, zt_dtype_t dt, float s) {
   } else {
     uint16_t *d = buf;
     for (size_t i = 0; i < n; i++) d[i] = zt_f32_to_bf16(zt_bf16_to_f32(d[i]) * s);
+  }
+}
+
+/* AVG's last step: the sum divided by the world size (comm.h). fp64 sums
+ * are divided in fp64: a scale by the fp32 reciprocal of the world size
+ * would be off in the eighth digit (1.0000000298 for an average of 1.0 on
+ * 3 ranks). fp32 and bf16 keep the scale by the fp32 reciprocal. */
+static void avg_scale(void *buf, size_t n, zt_dtype_t dt, int world) {
+  if (dt == ZT_DT_F64) {
+    double *d = buf;
+    for (size_t i = 0; i < n; i++) d[i] /= (double)world;
+  } else {
+    zt_comm_scale(buf, n, dt, 1.0f / (float)world);
   }
 }
 
@@ -638,7 +655,7 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
     if (op == ZT_RED_AVG) {
       size_t o, l;
       segment(count, c->world, c->rank, &o, &l);
-      zt_comm_scale((uint8_t *)buf + o * zt_dtype_size(dt), l, dt, 1.0f / (float)c->world);
+      avg_scale((uint8_t *)buf + o * zt_dtype_size(dt), l, dt, c->world);
     }
     return ring_all_gather(c, buf, count, dt, dl, "all-reduce");
   }
@@ -659,7 +676,7 @@ int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, z
   if (c->world > 1 && count > 0 &&
       ring_reduce_scatter(c, send, total, dt, dl, "reduce-scatter") != 0)
     return -1;
-  if (op == ZT_RED_AVG && c->world > 1) zt_comm_scale(mine, count, dt, 1.0f / (float)c->world);
+  if (op == ZT_RED_AVG && c->world > 1) avg_scale(mine, count, dt, c->world);
   if (count && (uint8_t *)recv != mine) memmove(recv, mine, count * esz);
   return 0;
 }
@@ -763,7 +780,8 @@ void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
   s->next_rtt_us = 0;
   struct tcp_info ti;
   socklen_t len = sizeof ti;
-  if (c->next_fd >= 0 && getsockopt(c->next_fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0)
+  if (atomic_load_explicit(&c->connected, memory_order_acquire) && c->next_fd >= 0 &&
+      getsockopt(c->next_fd, IPPROTO_TCP, TCP_INFO, &ti, &len) == 0)
     s->next_rtt_us = ti.tcpi_rtt;
 }
 
@@ -951,7 +969,7 @@ static int mac_equal(const uint8_t *a, const uint8_t *b) {
 static int nonce(uint8_t out[ZT_RING_NONCE]) { return zt_random_bytes(out, ZT_RING_NONCE); }
 
 /* Connects to rank `to` and sends our hello; retries refused connections
- * (the peer may not listen yet) until the deadline. */
+ * (the peer may not listen yet) until the deadline or an abort. */
 static int peer_connect(zt_comm_t *c, const char *peer, int to, handshake *hs, zt_deadline_t dl) {
   char host[256];
   int port;
@@ -988,7 +1006,16 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, handshake *hs, z
     close(fd);
     if (zt_deadline_passed(dl))
       return zt_err("cannot connect to rank %d at %s: %s", to, peer, strerror(e));
-    zt_sleep_ms(20); /* pacing of connection retries, not synchronisation */
+    /* Pace the retries on the abort eventfd: an attempt that fails at
+     * once (no route, refused) never reaches connect_wait's poll, and
+     * would otherwise retry until the deadline after zt_comm_abort(). */
+    struct pollfd p = {.fd = c->abort_fd, .events = POLLIN};
+    int pr = poll(&p, 1, 20);
+    if (pr < 0 && errno != EINTR)
+      return zt_err_errno("comm: poll while connecting to rank %d at %s", to, peer);
+    if (pr > 0 && p.revents)
+      return zt_err("aborted while connecting to rank %d at %s (last attempt: %s)", to, peer,
+                    strerror(e));
   }
 }
 
@@ -1188,6 +1215,7 @@ int zt_comm_tcp_connect(zt_comm_t *c) {
     c->next_fd = c->out_fd[c->next];
     c->prev_fd = c->in_fd[c->prev];
   }
+  atomic_store_explicit(&c->connected, 1, memory_order_release);
   rc = 0;
 out:
   if (c->listen_fd >= 0) close(c->listen_fd);

@@ -14,6 +14,7 @@
 #include <netinet/in.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,9 +80,16 @@ static float val(int rank, size_t i) {
   return (float)((rank + 1) * (int)(i % 13) - 6);
 }
 
+/* fp64 inputs that fp32 cannot hold, with g_val64 set (the fp64 AVG
+ * test): 1.0 at even indices, 0.1 * rank plus the index at odd ones. */
+static int g_val64;
+
+static double val64(int rank, size_t i) { return i % 2 == 0 ? 1.0 : 0.1 * rank + (double)i; }
+
 static void fill(void *buf, size_t n, zt_dtype_t dt, int rank) {
   for (size_t i = 0; i < n; i++) {
-    if (dt == ZT_DT_F32) ((float *)buf)[i] = val(rank, i);
+    if (dt == ZT_DT_F64 && g_val64) ((double *)buf)[i] = val64(rank, i);
+    else if (dt == ZT_DT_F32) ((float *)buf)[i] = val(rank, i);
     else if (dt == ZT_DT_F64) ((double *)buf)[i] = val(rank, i); /* widened fp32 */
     else ((uint16_t *)buf)[i] = zt_f32_to_bf16(val(rank, i));
   }
@@ -226,6 +234,48 @@ ZT_TEST(test_all_reduce_avg) {
         ZT_CHECK_NEAR(get(ctx[r].buf, i, ZT_DT_F32), ref_sum(world, i, ZT_RED_AVG), 1e-6);
     free_ctx(ctx, world);
   }
+}
+
+/* fp64 AVG is the fp64 sum divided by the world size (comm.h), to the
+ * bit: the SUM of the same inputs (the same additions in the same order)
+ * divided by 3.0, and 1.0 where every rank holds 1.0. A scale by the
+ * fp32 reciprocal of 3 would give 1.0000000298 there. All-reduce and
+ * reduce-scatter, on 3 ranks. */
+ZT_TEST(test_avg_fp64_divides_by_world) {
+  const int world = 3;
+  const size_t n = 1001;
+  g_val64 = 1;
+  for (int rs = 0; rs < 2; rs++) {
+    op_kind op = rs ? OP_REDUCE_SCATTER : OP_ALLREDUCE;
+    double *sum[3], *avg[3];
+    for (int red = 0; red < 2; red++) {
+      rank_ctx *ctx = run(world, op, ZT_DT_F64, red ? ZT_RED_AVG : ZT_RED_SUM, n, 0);
+      ZT_CHECK(all_ok(ctx, world));
+      for (int r = 0; r < world; r++) {
+        double **keep = red ? &avg[r] : &sum[r];
+        *keep = rs ? ctx[r].out : ctx[r].buf;
+        if (rs) ctx[r].out = NULL;
+        else ctx[r].buf = NULL;
+      }
+      free_ctx(ctx, world);
+    }
+    size_t bad = 0, evens = 0, ones = 0;
+    for (int r = 0; r < world; r++)
+      for (size_t i = 0; i < n; i++) {
+        double want = sum[r][i] / 3.0;
+        if (memcmp(&avg[r][i], &want, sizeof want) != 0) {
+          if (bad++ < 3)
+            fprintf(stderr, "%s rank %d [%zu]: %.17g, want %.17g\n", rs ? "reduce-scatter" : "all-reduce",
+                    r, i, avg[r][i], want);
+        }
+        /* Element i of rank r's reduce-scatter output is element r*n+i. */
+        if ((rs ? (size_t)r * n + i : i) % 2 == 0) evens++, ones += avg[r][i] == 1.0;
+      }
+    ZT_CHECK(bad == 0);
+    ZT_CHECK(evens > 0 && ones == evens);
+    for (int r = 0; r < world; r++) free(sum[r]), free(avg[r]);
+  }
+  g_val64 = 0;
 }
 
 ZT_TEST(test_reduce_scatter_layout) {
@@ -912,6 +962,82 @@ ZT_TEST(test_setup_abort) {
   close(lfds[1]);
 }
 
+/* The same, where every connection attempt fails at once instead of
+ * waiting for an answer (here: a broadcast address, which connect()
+ * refuses with ENETUNREACH; a host without a route or a local firewall
+ * rule fails the same way): the retries between attempts also end at the
+ * abort, not at the 20 s deadline. */
+ZT_TEST(test_setup_abort_while_connect_fails) {
+  char ports[2][32];
+  const char *peers[2];
+  int lfds[2];
+  listen_all(1, ports, peers, lfds);
+  peers[1] = "255.255.255.255:9";
+  zt_comm_tcp_opts_t o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfds[0],
+                          .session = 1, .key = TEST_KEY, .connect_timeout_ms = 20000};
+  zt_comm_t *c;
+  ZT_REQUIRE(zt_comm_tcp_new(&o, &c) == 0);
+  aborter ab = {c, 200};
+  pthread_t th;
+  pthread_create(&th, NULL, abort_later, &ab);
+  int64_t t0 = zt_now_ms();
+  ZT_CHECK(zt_comm_tcp_connect(c) != 0);
+  int64_t el = zt_now_ms() - t0;
+  fprintf(stderr, "set-up aborted after %lld ms: %s\n", (long long)el, zt_err_msg());
+  ZT_CHECK(el >= 150 && el < 5000);
+  ZT_CHECK(strstr(zt_err_msg(), "aborted") != NULL);
+  ZT_CHECK(zt_comm_broken(c));
+  pthread_join(th, NULL);
+  zt_comm_destroy(c);
+}
+
+/* zt_comm_stats_get from another thread while zt_comm_tcp_connect runs
+ * (a worker's heartbeats read the counters of a communicator that is
+ * still connecting): no data race on the ring's sockets (ThreadSanitizer
+ * would name one), and the set-up succeeds. */
+typedef struct {
+  zt_comm_t *c;
+  atomic_int stop;
+  long polls;
+} stats_poller;
+
+static void *poll_stats(void *p) {
+  stats_poller *sp = p;
+  while (!atomic_load(&sp->stop)) {
+    zt_comm_stats_t st;
+    zt_comm_stats_get(sp->c, &st);
+    sp->polls++;
+  }
+  return NULL;
+}
+
+ZT_TEST(test_stats_during_setup) {
+  char ports[2][32];
+  const char *peers[2];
+  int lfds[2];
+  listen_all(2, ports, peers, lfds);
+  create_arg other = {.o = {.rank = 1, .world = 2, .peers = peers, .listen_fd = lfds[1],
+                            .session = 1, .key = TEST_KEY, .connect_timeout_ms = 5000}};
+  zt_comm_tcp_opts_t o = {.rank = 0, .world = 2, .peers = peers, .listen_fd = lfds[0],
+                          .session = 1, .key = TEST_KEY, .connect_timeout_ms = 5000};
+  zt_comm_t *c;
+  ZT_REQUIRE(zt_comm_tcp_new(&o, &c) == 0);
+  stats_poller sp = {.c = c};
+  pthread_t poller, th;
+  pthread_create(&poller, NULL, poll_stats, &sp);
+  pthread_create(&th, NULL, create_thread, &other);
+  int rc = zt_comm_tcp_connect(c);
+  if (rc != 0) fprintf(stderr, "rank 0: %s\n", zt_err_msg());
+  pthread_join(th, NULL);
+  atomic_store(&sp.stop, 1);
+  pthread_join(poller, NULL);
+  ZT_CHECK(rc == 0);
+  ZT_CHECK(other.rc == 0);
+  ZT_CHECK(sp.polls > 0);
+  if (other.rc == 0) zt_comm_destroy(other.c);
+  zt_comm_destroy(c);
+}
+
 /* The NCCL backend: without a GPU (or without CUDA in the build) creation
  * fails with a clear message instead of crashing or hanging; on a GPU
  * machine a one-rank communicator is created and torn down. */
@@ -934,11 +1060,12 @@ ZT_TEST(test_nccl_backend_guarded) {
   zt_comm_destroy(c);
 }
 
-ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg, test_reduce_scatter_layout,
+ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg,
+             test_avg_fp64_divides_by_world, test_reduce_scatter_layout,
              test_reduce_scatter_fp32_into_fp64, test_calls_must_agree,
              test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout, test_connect_to_silent_host_times_out,
              test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
              test_mesh_peer_silent_or_gone,
              test_stale_session_refused, test_wrong_ring_key_refused, test_impostor_refused,
-             test_setup_abort)
+             test_setup_abort, test_setup_abort_while_connect_fails, test_stats_during_setup)
