@@ -924,7 +924,15 @@ static int connect_wait(zt_comm_t *c, int fd, zt_deadline_t dl) {
  * answers at once; the proofs are read only after every rank has accepted
  * its connections, so no rank waits for another's accept loop, which
  * waits for its own predecessor's in turn (a ring of such waits would
- * never end). */
+ * never end).
+ *
+ * The hello's fields are no secret, so a connection that merely says it
+ * is rank j proves nothing: up to ZT_RING_CANDIDATES connections per rank
+ * are answered and wait for their proofs side by side, and the first that
+ * proves the key is rank j's. An impostor that comes first, then stalls or
+ * sends a wrong proof, is refused and costs the ring nothing; only a flood
+ * of such connections could still hold a rank's own out until the
+ * deadline. */
 
 #define ZT_RING_NONCE 16
 #define ZT_RING_MAC 32
@@ -938,11 +946,22 @@ typedef struct {
 } ring_accept;
 _Static_assert(sizeof(ring_hello) == 48 && sizeof(ring_accept) == 56, "ring handshake layout");
 
-/* Set-up state: what this rank sent to each rank it connected to, and the
- * proof it expects from each rank that connected to it. */
+/* An accepted connection whose hello named a rank, until it proves the
+ * key: the proof it must send. More than one connection may say it is
+ * the same rank (an impostor may come first); the first that proves the
+ * key becomes in_fd[rank], and the others are closed. */
+#define ZT_RING_CANDIDATES 4
 typedef struct {
-  ring_hello *sent;                /* [world] */
-  uint8_t (*want)[ZT_RING_MAC];    /* [world] */
+  int fd; /* -1: a free slot */
+  uint8_t want[ZT_RING_MAC];
+} candidate;
+
+/* Set-up state: what this rank sent to each rank it connected to, and the
+ * connections that said they were each rank. */
+typedef struct {
+  ring_hello *sent;                       /* [world] */
+  candidate (*cand)[ZT_RING_CANDIDATES];  /* [world] */
+  char refused[256]; /* why the last candidate was refused, for the error */
 } handshake;
 
 
@@ -1019,15 +1038,32 @@ static int peer_connect(zt_comm_t *c, const char *peer, int to, handshake *hs, z
   }
 }
 
+/* 1 when rank j connects to this one: its ring predecessor, or on a mesh
+ * any other rank. */
+static int expects(const zt_comm_t *c, int j) { return j != c->rank && (c->mesh || j == c->prev); }
+
+/* A free candidate slot of rank `from`; NULL when all are taken. */
+static candidate *free_candidate(handshake *hs, int from) {
+  for (int i = 0; i < ZT_RING_CANDIDATES; i++)
+    if (hs->cand[from][i].fd < 0) return &hs->cand[from][i];
+  return NULL;
+}
+
 /* The hello of a connection just accepted: 1 when it is one this rank
  * waits for (its ring predecessor's, or on a mesh any rank's not yet
- * connected) of this generation and ring version. */
-static int hello_ok(const zt_comm_t *c, const ring_hello *h) {
+ * proven) of this generation and ring version, and there is room for
+ * another connection that says it is that rank. */
+static int hello_ok(const zt_comm_t *c, const ring_hello *h, handshake *hs) {
   int from = (int)h->rank;
   int ok = h->magic == ZT_RING_MAGIC && h->version == ZT_RING_VERSION &&
            h->session == c->session && (int)h->world == c->world &&
-           h->mesh == (uint32_t)c->mesh && h->rank < (uint32_t)c->world && from != c->rank &&
-           (c->mesh || from == c->prev) && c->in_fd[from] < 0;
+           h->mesh == (uint32_t)c->mesh && h->rank < (uint32_t)c->world && expects(c, from) &&
+           c->in_fd[from] < 0;
+  if (ok && !free_candidate(hs, from)) {
+    ZT_WARN("comm: refused a connection that said it was rank %d: %d others that said so "
+            "are still to prove the ring key", from, ZT_RING_CANDIDATES);
+    return 0;
+  }
   if (!ok)
     ZT_WARN("comm: refused a peer (ring version %u, rank %u of %u, session %llx, %s; "
             "expected version %u, %s of %d, session %llx, %s)",
@@ -1038,15 +1074,18 @@ static int hello_ok(const zt_comm_t *c, const ring_hello *h) {
   return ok;
 }
 
-/* Answers a valid hello with our accept message, and notes the proof the
- * connector must send back. */
+/* Answers a valid hello with our accept message, and keeps the
+ * connection as a candidate for its rank with the proof it must send. */
 static int answer_hello(zt_comm_t *c, int fd, const ring_hello *h, handshake *hs,
                         zt_deadline_t dl) {
+  candidate *k = free_candidate(hs, (int)h->rank);
   ring_accept a = {.magic = ZT_RING_ACCEPT_MAGIC, .rank = (uint32_t)c->rank};
   if (nonce(a.nonce) != 0 || ring_mac(c, 'A', h, a.rank, a.nonce, a.mac) != 0 ||
-      ring_mac(c, 'C', h, a.rank, a.nonce, hs->want[h->rank]) != 0)
+      ring_mac(c, 'C', h, a.rank, a.nonce, k->want) != 0 ||
+      io_exact(c, fd, &a, sizeof a, 1, dl) != 0)
     return -1;
-  return io_exact(c, fd, &a, sizeof a, 1, dl);
+  k->fd = fd;
+  return 0;
 }
 
 /* How long an accepted connection may take to send its hello. A rank
@@ -1055,53 +1094,68 @@ static int answer_hello(zt_comm_t *c, int fd, const ring_hello *h, handshake *hs
  * the accept loop, which reads one hello at a time. */
 #define ZT_RING_HELLO_MS 2000
 
-/* Accepts connections until every rank that connects to this one (the
- * predecessor on a ring, every other rank on a mesh) has sent a valid
- * hello, and answers each; a connection of another session, world or ring
- * version, from this rank itself or from a rank already connected is
- * dropped. */
-static int accept_peers(zt_comm_t *c, int lfd, handshake *hs, zt_deadline_t dl) {
-  int missing = c->mesh ? c->world - 1 : 1;
-  while (missing > 0) {
-    int64_t left = zt_deadline_left_ms(dl);
-    if (left == 0) {
-      for (int k = 1; k < c->world; k++) { /* name the predecessor first */
-        int j = mod(c->rank - k, c->world);
-        if (c->in_fd[j] < 0 && (c->mesh || j == c->prev))
-          return zt_err("rank %d did not connect in time", j);
-      }
-      return zt_err("peers did not connect in time");
+/* Accepts one connection: reads its hello (for at most
+ * ZT_RING_HELLO_MS) and, when it is one this rank waits for, answers it
+ * and keeps it as a candidate (1); 0 when there was nothing to accept or
+ * the connection was dropped. */
+static int accept_one(zt_comm_t *c, int lfd, handshake *hs, zt_deadline_t dl) {
+  int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+  if (fd < 0) {
+    /* Out of descriptors or buffers: the connection stays queued, so
+     * pace the retries instead of spinning on it until the deadline. */
+    if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
+      ZT_WARN("comm: accept: %s", strerror(errno));
+      zt_sleep_ms(20);
     }
-    struct pollfd p[2] = {{.fd = lfd, .events = POLLIN}, {.fd = c->abort_fd, .events = POLLIN}};
-    int pr = poll(p, 2, (int)ZT_MIN(left, 1000000));
-    if (pr < 0 && errno != EINTR) return zt_err_errno("comm: poll while accepting peers");
-    if (pr <= 0) continue;
-    if (p[1].revents) return zt_err("aborted while waiting for peers to connect");
-    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-    if (fd < 0) {
-      /* Out of descriptors or buffers: the connection stays queued, so
-       * pace the retries instead of spinning on it until the deadline. */
-      if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED) {
-        ZT_WARN("comm: accept: %s", strerror(errno));
-        zt_sleep_ms(20);
-      }
-      continue;
-    }
-    tune(fd);
-    ring_hello h;
-    if (io_exact(c, fd, &h, sizeof h, 0, zt_deadline_in(ZT_MIN(left, ZT_RING_HELLO_MS))) != 0) {
-      ZT_WARN("comm: dropped a connection without a hello: %s", zt_err_msg());
-      close(fd);
-      continue;
-    }
-    if (!hello_ok(c, &h) || answer_hello(c, fd, &h, hs, dl) != 0) {
-      close(fd);
-      continue;
-    }
-    c->in_fd[h.rank] = fd;
-    missing--;
+    return 0;
   }
-  return 0;
+  tune(fd);
+  ring_hello h;
+  int64_t left = zt_deadline_left_ms(dl);
+  if (io_exact(c, fd, &h, sizeof h, 0, zt_deadline_in(ZT_MIN(left, ZT_RING_HELLO_MS))) != 0) {
+    ZT_WARN("comm: dropped a connection without a hello: %s", zt_err_msg());
+    close(fd);
+    return 0;
+  }
+  if (!hello_ok(c, &h, hs) || answer_hello(c, fd, &h, hs, dl) != 0) {
+    close(fd);
+    return 0;
+  }
+  return 1;
+}
+
+/* Polls the listening socket and the abort eventfd; 1 when a connection
+ * waits, 0 on a timeout, -1 on an abort or error. */
+static int wait_listen(zt_comm_t *c, int lfd, int64_t ms) {
+  struct pollfd p[2] = {{.fd = lfd, .events = POLLIN}, {.fd = c->abort_fd, .events = POLLIN}};
+  int pr = poll(p, 2, (int)ZT_MIN(ms, 1000000));
+  if (pr < 0 && errno != EINTR) return zt_err_errno("comm: poll while accepting peers");
+  if (pr <= 0) return 0;
+  if (p[1].revents) return zt_err("aborted while waiting for peers to connect");
+  return 1;
+}
+
+/* Accepts connections until every rank that connects to this one (the
+ * predecessor on a ring, every other rank on a mesh) has at least one
+ * candidate connection with a valid hello, and answers each; a
+ * connection of another session, world or ring version, or from this
+ * rank itself, is dropped. */
+static int accept_peers(zt_comm_t *c, int lfd, handshake *hs, zt_deadline_t dl) {
+  for (;;) {
+    int missing = -1;
+    for (int k = 1; k < c->world && missing < 0; k++) { /* the predecessor first */
+      int j = mod(c->rank - k, c->world);
+      int have = 0;
+      for (int i = 0; i < ZT_RING_CANDIDATES; i++) have |= hs->cand[j][i].fd >= 0;
+      if (expects(c, j) && !have) missing = j;
+    }
+    if (missing < 0) return 0;
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) return zt_err("rank %d did not connect in time", missing);
+    int w = wait_listen(c, lfd, left);
+    if (w < 0) return -1;
+    if (w > 0) (void)accept_one(c, lfd, hs, dl);
+  }
 }
 
 /* The connector's half: checks rank `to`'s accept message (its MAC proves
@@ -1125,15 +1179,82 @@ static int prove_to(zt_comm_t *c, const char *peer, int to, handshake *hs, zt_de
   return 0;
 }
 
-/* The acceptor's half: the proof of rank `from`. */
-static int check_proof(zt_comm_t *c, int from, handshake *hs, zt_deadline_t dl) {
+/* Reads the proof of candidate k of rank `from` (it is readable: at most
+ * ZT_RING_HELLO_MS for all of it). A proof of the key makes it in_fd[from]
+ * and closes the rank's other candidates; any other answer closes it. */
+static void take_proof(zt_comm_t *c, int from, candidate *k, handshake *hs) {
   uint8_t mac[ZT_RING_MAC];
-  if (io_exact(c, c->in_fd[from], mac, sizeof mac, 0, dl) != 0)
-    return zt_err_wrap("the connection from rank %d sent no proof of the ring key", from);
-  if (!mac_equal(mac, hs->want[from]))
-    return zt_err("the connection that said it was rank %d does not hold this generation's "
-                  "ring key (refused)", from);
-  return 0;
+  if (io_exact(c, k->fd, mac, sizeof mac, 0, zt_deadline_in(ZT_RING_HELLO_MS)) != 0 ||
+      !mac_equal(mac, k->want)) {
+    snprintf(hs->refused, sizeof hs->refused,
+             "the connection that said it was rank %d does not hold this generation's ring key",
+             from);
+    ZT_WARN("comm: %s (refused)", hs->refused);
+    close(k->fd);
+    k->fd = -1;
+    return;
+  }
+  c->in_fd[from] = k->fd;
+  k->fd = -1;
+  for (int i = 0; i < ZT_RING_CANDIDATES; i++)
+    if (hs->cand[from][i].fd >= 0) {
+      close(hs->cand[from][i].fd);
+      hs->cand[from][i].fd = -1;
+    }
+}
+
+/* The acceptor's half: waits until every rank that connects to this one
+ * has proven the key on one of its candidate connections. Connections are
+ * still accepted meanwhile: where an impostor that said it was rank j came
+ * first, rank j's own connection may be the next one, or still queued. */
+static int await_proofs(zt_comm_t *c, int lfd, handshake *hs, zt_deadline_t dl) {
+  size_t cap = 2 + (size_t)c->world * ZT_RING_CANDIDATES;
+  struct pollfd *p = zt_xmalloc(cap * sizeof *p);
+  int *who = zt_xmalloc(cap * sizeof *who), rc = -1;
+  for (;;) {
+    int n = 2, unproven = -1;
+    p[0] = (struct pollfd){.fd = lfd, .events = POLLIN};
+    p[1] = (struct pollfd){.fd = c->abort_fd, .events = POLLIN};
+    for (int k = 1; k < c->world; k++) {
+      int j = mod(c->rank - k, c->world);
+      if (!expects(c, j) || c->in_fd[j] >= 0) continue;
+      if (unproven < 0) unproven = j;
+      for (int i = 0; i < ZT_RING_CANDIDATES; i++)
+        if (hs->cand[j][i].fd >= 0)
+          who[n] = j * ZT_RING_CANDIDATES + i,
+          p[n++] = (struct pollfd){.fd = hs->cand[j][i].fd, .events = POLLIN};
+    }
+    if (unproven < 0) {
+      rc = 0;
+      break;
+    }
+    int64_t left = zt_deadline_left_ms(dl);
+    if (left == 0) {
+      zt_err("rank %d did not prove this generation's ring key in time%s%s", unproven,
+             hs->refused[0] ? ": " : "", hs->refused);
+      break;
+    }
+    int pr = poll(p, (nfds_t)n, (int)ZT_MIN(left, 1000000));
+    if (pr < 0 && errno != EINTR) {
+      zt_err_errno("comm: poll while waiting for the peers' proofs");
+      break;
+    }
+    if (pr <= 0) continue;
+    if (p[1].revents) {
+      zt_err("aborted while waiting for the peers' proofs of the ring key");
+      break;
+    }
+    for (int i = 2; i < n; i++)
+      if (p[i].revents) {
+        int j = who[i] / ZT_RING_CANDIDATES;
+        candidate *k = &hs->cand[j][who[i] % ZT_RING_CANDIDATES];
+        if (k->fd == p[i].fd && c->in_fd[j] < 0) take_proof(c, j, k, hs);
+      }
+    if (p[0].revents) (void)accept_one(c, lfd, hs, dl);
+  }
+  free(p);
+  free(who);
+  return rc;
 }
 
 /* The sockets' tables, every entry -1 (no socket). */
@@ -1193,11 +1314,7 @@ static int handshake_all(zt_comm_t *c, handshake *hs, zt_deadline_t dl) {
     int j = (c->rank + k) % c->world;
     if (prove_to(c, c->peers[j], j, hs, dl) != 0) return -1;
   }
-  for (int k = 1; k < c->world && (k == 1 || c->mesh); k++) {
-    int j = mod(c->rank - k, c->world);
-    if (check_proof(c, j, hs, dl) != 0) return -1;
-  }
-  return 0;
+  return await_proofs(c, c->listen_fd, hs, dl);
 }
 
 int zt_comm_tcp_connect(zt_comm_t *c) {
@@ -1210,7 +1327,9 @@ int zt_comm_tcp_connect(zt_comm_t *c) {
       goto out;
     }
     hs.sent = zt_xcalloc((size_t)c->world, sizeof *hs.sent);
-    hs.want = zt_xcalloc((size_t)c->world, sizeof *hs.want);
+    hs.cand = zt_xcalloc((size_t)c->world, sizeof *hs.cand);
+    for (int j = 0; j < c->world; j++)
+      for (int i = 0; i < ZT_RING_CANDIDATES; i++) hs.cand[j][i].fd = -1;
     if (handshake_all(c, &hs, zt_deadline_in(c->setup_ms)) != 0) goto out;
     c->next_fd = c->out_fd[c->next];
     c->prev_fd = c->in_fd[c->prev];
@@ -1223,7 +1342,10 @@ out:
   c->peers = NULL;
   explicit_bzero(c->key, sizeof c->key);
   free(hs.sent);
-  free(hs.want);
+  for (int j = 0; hs.cand && j < c->world; j++) /* connections that proved nothing */
+    for (int i = 0; i < ZT_RING_CANDIDATES; i++)
+      if (hs.cand[j][i].fd >= 0) close(hs.cand[j][i].fd);
+  free(hs.cand);
   if (rc != 0) { /* broken from now on, with this message unless aborted first */
     zt_err_wrap("comm rank %d/%d", c->rank, c->world);
     char msg[512];

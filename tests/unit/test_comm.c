@@ -898,25 +898,32 @@ typedef struct {
   uint8_t nonce[16];
 } test_hello;
 
-/* An impostor that reaches rank 1's port first and sends a hello that is
+/* Impostors that reach rank 1's port first, each with a hello that is
  * right in every field (the session and ranks are not secret), posing as
- * rank 0, then bytes where the proof of the key belongs. Rank 1 refuses
- * it, naming the rank it posed as, and never runs a collective with it. */
+ * rank 0: one then sends bytes where the proof of the key belongs, one
+ * sends nothing more, one closes. Rank 1 refuses the first and the last,
+ * naming the rank they posed as, and takes rank 0's own connection: the
+ * ring forms, and an all-reduce over it is right. */
 ZT_TEST(test_impostor_refused) {
   char ports[2][32];
   const char *peers[2];
   int lfds[2];
   listen_all(2, ports, peers, lfds);
   int port1 = atoi(strchr(ports[1], ':') + 1);
-  int imp = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port1),
-                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  ZT_REQUIRE(imp >= 0 && connect(imp, (struct sockaddr *)&sa, sizeof sa) == 0);
-  test_hello h = {0x5a545247u, 4, 1, 0, 2, 0, 0, {1, 2, 3}};
-  uint8_t junk[32 + sizeof h];
-  memcpy(junk, &h, sizeof h);
-  memset(junk + sizeof h, 0x5a, 32);
-  ZT_REQUIRE(send(imp, junk, sizeof junk, MSG_NOSIGNAL) == (ssize_t)sizeof junk);
+  int imp[3];
+  for (int i = 0; i < 3; i++) {
+    imp[i] = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port1),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    ZT_REQUIRE(imp[i] >= 0 && connect(imp[i], (struct sockaddr *)&sa, sizeof sa) == 0);
+    test_hello h = {0x5a545247u, 4, 1, 0, 2, 0, 0, {1, 2, 3, (uint8_t)i}};
+    uint8_t junk[32 + sizeof h];
+    memcpy(junk, &h, sizeof h);
+    memset(junk + sizeof h, 0x5a, 32);
+    size_t len = i == 0 ? sizeof junk : sizeof h;
+    ZT_REQUIRE(send(imp[i], junk, len, MSG_NOSIGNAL) == (ssize_t)len);
+    if (i == 2) shutdown(imp[i], SHUT_WR);
+  }
   create_arg a[2];
   pthread_t th[2];
   for (int r = 0; r < 2; r++) {
@@ -926,13 +933,55 @@ ZT_TEST(test_impostor_refused) {
   }
   for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
   fprintf(stderr, "rank 0: %s\nrank 1: %s\n", a[0].err, a[1].err);
-  ZT_CHECK(a[1].rc != 0);
-  ZT_CHECK(strstr(a[1].err, "said it was rank 0 does not hold this generation's ring key") !=
-           NULL);
+  ZT_REQUIRE(a[0].rc == 0 && a[1].rc == 0);
+  float b0[3] = {1, 2, 3}, b1[3] = {10, 20, 30};
+  call_ctx x = {.c = a[0].c, .op = OP_ALLREDUCE, .dt = ZT_DT_F32, .count = 3, .buf = b0};
+  call_ctx y = {.c = a[1].c, .op = OP_ALLREDUCE, .dt = ZT_DT_F32, .count = 3, .buf = b1};
+  pthread_t t0, t1;
+  pthread_create(&t0, NULL, call_main, &x);
+  pthread_create(&t1, NULL, call_main, &y);
+  pthread_join(t0, NULL);
+  pthread_join(t1, NULL);
+  ZT_CHECK(x.rc == 0 && y.rc == 0);
+  for (int i = 0; i < 3; i++) ZT_CHECK(b0[i] == 11.0f * (float)(i + 1) && b1[i] == b0[i]);
+  for (int r = 0; r < 2; r++) zt_comm_destroy(a[r].c);
+  for (int i = 0; i < 3; i++) close(imp[i]);
+}
+
+/* More impostors than a rank keeps candidates for, every one stalling
+ * after its hello: rank 0's own connection finds no room, and the set-up
+ * fails at its deadline naming the rank that did not prove the key (a
+ * flood can still deny a generation; it can never join one). */
+ZT_TEST(test_impostor_flood_fails_at_deadline) {
+  char ports[2][32];
+  const char *peers[2];
+  int lfds[2];
+  listen_all(2, ports, peers, lfds);
+  int port1 = atoi(strchr(ports[1], ':') + 1);
+  enum { N = 6 };
+  int imp[N];
+  for (int i = 0; i < N; i++) {
+    imp[i] = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port1),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    ZT_REQUIRE(imp[i] >= 0 && connect(imp[i], (struct sockaddr *)&sa, sizeof sa) == 0);
+    test_hello h = {0x5a545247u, 4, 1, 0, 2, 0, 0, {9, (uint8_t)i}};
+    ZT_REQUIRE(send(imp[i], &h, sizeof h, MSG_NOSIGNAL) == (ssize_t)sizeof h);
+  }
+  create_arg a[2];
+  pthread_t th[2];
+  for (int r = 0; r < 2; r++) {
+    a[r] = (create_arg){.o = {.rank = r, .world = 2, .peers = peers, .listen_fd = lfds[r],
+                              .session = 1, .key = TEST_KEY, .connect_timeout_ms = 3000}};
+    pthread_create(&th[r], NULL, create_thread, &a[r]);
+  }
+  for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+  fprintf(stderr, "rank 0: %s\nrank 1: %s\n", a[0].err, a[1].err);
+  ZT_CHECK(a[1].rc != 0 && strstr(a[1].err, "rank 0 did not prove") != NULL);
   ZT_CHECK(a[0].rc != 0);
   for (int r = 0; r < 2; r++)
     if (a[r].rc == 0) zt_comm_destroy(a[r].c);
-  close(imp);
+  for (int i = 0; i < N; i++) close(imp[i]);
 }
 
 /* zt_comm_tcp_new, then zt_comm_tcp_connect waiting for a rank that never
@@ -1067,5 +1116,5 @@ ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg,
              test_connect_timeout, test_connect_to_silent_host_times_out,
              test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
              test_mesh_peer_silent_or_gone,
-             test_stale_session_refused, test_wrong_ring_key_refused, test_impostor_refused,
+             test_stale_session_refused, test_wrong_ring_key_refused, test_impostor_refused, test_impostor_flood_fails_at_deadline,
              test_setup_abort, test_setup_abort_while_connect_fails, test_stats_during_setup)
