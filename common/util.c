@@ -195,13 +195,28 @@ int zt_mkdirs(const char *path) {
   return 0;
 }
 
+/* Entries zt_remove_tree could not remove, on this thread (nftw passes
+ * no user pointer). */
+static _Thread_local int remove_failed;
+
 static int remove_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
   (void)sb, (void)flag, (void)ftw;
-  if (remove(path) != 0) ZT_WARN("cannot remove %s", path);
+  if (remove(path) == 0) return 0;
+  ZT_WARN("cannot remove %s: %s", path, strerror(errno));
+  if (!remove_failed++) zt_err_errno("remove %s", path); /* the first names the reason */
   return 0;
 }
 
-void zt_remove_tree(const char *path) { nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS); }
+int zt_remove_tree(const char *path) {
+  struct stat st;
+  if (lstat(path, &st) != 0 && errno == ENOENT) return 0;
+  remove_failed = 0;
+  if (nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    ZT_WARN("cannot walk %s to remove it: %s", path, strerror(errno));
+    return zt_err_errno("remove %s: walking the tree", path);
+  }
+  return remove_failed;
+}
 
 /* ---- text from the network ----------------------------------------------------- */
 

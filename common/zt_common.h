@@ -120,8 +120,12 @@ ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, siz
 /* Creates a directory and its parents (mkdir -p). */
 ZT_MUST_CHECK int zt_mkdirs(const char *path);
 /* Removes a directory and everything under it (rm -r, without following
- * symbolic links); an entry that cannot be removed is logged and skipped. */
-void zt_remove_tree(const char *path);
+ * symbolic links); an entry that cannot be removed is logged and skipped.
+ * Returns the number of entries left behind (0: all gone, or nothing was
+ * there), the first one's reason as the thread's message; -1 with the
+ * reason when the walk itself failed (out of descriptors, an unreadable
+ * top directory), in which case nothing may have been removed. */
+int zt_remove_tree(const char *path);
 /* Confines a path from untrusted input (a job spec) to a root directory
  * (absolute): a relative path is taken under root, an absolute one must lie
  * under it already, and a ".." component is refused anywhere. out receives

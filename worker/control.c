@@ -227,7 +227,9 @@ static int do_register(zt_ctl_t *c, int *fatal) {
 }
 
 /* The epochs a heartbeat reply asks us to delete: deleted, then reported
- * with the next heartbeat (the reply asks again until then). */
+ * with the next heartbeat (the reply asks again until then). One that is
+ * not gone is logged with the reason and not reported: it is tried again
+ * at the next request. */
 static void delete_epochs(zt_ctl_t *c, const Ztrain__HeartbeatReply *r) {
   for (int i = 0; i < c->n_deleted; i++) free(c->deleted[i]);
   c->n_deleted = 0;

@@ -5,6 +5,7 @@
 #include "holdings.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,12 +69,32 @@ void zt_hold_free(char **files, int n) {
   free(files);
 }
 
+/* rel was checked as text only: a symbolic link in the middle of the path
+ * (job_5 -> /elsewhere) would lead the deletion out of the root, so the
+ * directory that holds the epoch is checked again with its links resolved
+ * (the epoch directory itself is not followed: zt_remove_tree removes a
+ * link, not what it points to). Only a directory that is gone afterwards
+ * counts as deleted. */
 int zt_hold_delete(const char *root, const char *rel) {
-  char abs[2048];
+  char abs[2048], parent[2048];
   if (!zt_hold_is_epoch_dir(rel) || zt_path_confine(root, rel, "epoch", abs, sizeof abs) != 0)
     return zt_errk(ZT_E_INVALID, "%.200s is not an epoch directory", rel);
   struct stat st;
-  if (lstat(abs, &st) != 0) return 0;
-  zt_remove_tree(abs);
+  if (lstat(abs, &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return 0;
+    return zt_err_errno("epoch %.200s: not deleted: lstat", rel);
+  }
+  snprintf(parent, sizeof parent, "%.*s", (int)(strrchr(abs, '/') - abs), abs);
+  if (!zt_path_real_under(root, parent))
+    return zt_errk(ZT_E_INVALID,
+                   "epoch %.200s: not deleted: with its links resolved it lies outside the "
+                   "checkpoint root %.200s",
+                   rel, root);
+  int left = zt_remove_tree(abs);
+  if (lstat(abs, &st) == 0 || errno != ENOENT) {
+    if (left > 0) return zt_err_wrap("epoch %.200s: not deleted: %d entries left", rel, left);
+    if (left < 0) return zt_err_wrap("epoch %.200s: not deleted", rel);
+    return zt_err("epoch %.200s: not deleted: it is still there", rel);
+  }
   return 0;
 }

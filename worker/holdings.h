@@ -25,7 +25,9 @@ void zt_hold_free(char **files, int n);
 
 /* Deletes the epoch directory rel (relative to root; it must have the form
  * <dir>/job_<n>/step_<n>-g<n>, no ".."), with everything in it. Deleting
- * what is not there succeeds. */
+ * what is not there succeeds. -1 with the reason when the directory is
+ * still there afterwards, or when the directory holding it lies outside
+ * root once symbolic links are resolved (then nothing is touched). */
 int zt_hold_delete(const char *root, const char *rel);
 
 /* 1 when rel (relative) is an epoch directory in the canonical form

@@ -56,6 +56,11 @@ static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckp
   const Ztrain__FileCopies *fc = copies_of(rv, f->name);
   const char *rel = zt_path_under(root, dir);
   if (zt_mkdirs(dir) != 0) goto local;
+  /* A symbolic link in our root must not lead the copy out of it. */
+  if (!zt_path_real_under(root, dir)) {
+    zt_err("%s: with its links resolved it lies outside the checkpoint root", dir);
+    goto local;
+  }
   int unavailable = 0;
   for (size_t h = 0; fc && rel && h < fc->n_holders; h++) {
     const Ztrain__ReplicaTarget *t = fc->holders[h];
@@ -81,9 +86,39 @@ local:
   return zt_err_wrap("%s: cannot store a copy on this worker", f->name);
 }
 
+/* The directory and the file names come from the coordinator's reply: only
+ * an epoch directory (zt_epoch_parse) and checkpoint file names
+ * (zt_epoch_file) are taken, so that no name leads a read or a write out
+ * of the epoch. A refusal says nothing about the epoch itself. */
+static int check_names(const char *root, const char *dir, const zt_ckpt_record_t *rec) {
+  const char *rel = zt_path_under(root, dir);
+  zt_epoch_t e;
+  char shown[300];
+  if (!rel)
+    return zt_errk(ZT_E_INVALID,
+                   "checkpoint to load %.200s is not under the checkpoint root %.200s",
+                   zt_printable(dir, shown, sizeof shown), root);
+  if (zt_epoch_parse(rel, &e) != 0)
+    return zt_err_wrapk(ZT_E_INVALID, "checkpoint to load %.200s is not an epoch directory",
+                        zt_printable(rel, shown, sizeof shown));
+  for (int i = 0; i < rec->n; i++) {
+    int rank;
+    char name[300];
+    if (!zt_epoch_file(rec->files[i].name, &rank))
+      return zt_errk(ZT_E_INVALID, "checkpoint to load %.200s: %.200s is not a checkpoint file",
+                     zt_printable(rel, shown, sizeof shown),
+                     zt_printable(rec->files[i].name, name, sizeof name));
+  }
+  return 0;
+}
+
 int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
                       const zt_ckpt_record_t *rec, const Ztrain__RendezvousReply *rv,
                       zt_fetch_fail_t *why) {
+  if (check_names(root, dir, rec) != 0) {
+    *why = ZT_FETCH_UNAVAILABLE;
+    return -1;
+  }
   for (int i = 0; i < rec->n; i++)
     if (ensure(ctl, root, dir, &rec->files[i], rv, why) != 0) return -1;
   return 0;

@@ -39,7 +39,10 @@ typedef enum {
 } zt_fetch_fail_t;
 
 /* dir: the epoch to load (absolute, under root); rec: its record. On
- * failure *why says which kind it was. */
+ * failure *why says which kind it was. A directory that is not an epoch
+ * (zt_epoch_parse) or a file name that is not a checkpoint file
+ * (zt_epoch_file) is refused before anything is read or written
+ * (ZT_FETCH_UNAVAILABLE: it says nothing about the epoch). */
 ZT_MUST_CHECK int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
                                     const zt_ckpt_record_t *rec,
                                     const Ztrain__RendezvousReply *rv, zt_fetch_fail_t *why);

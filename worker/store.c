@@ -253,11 +253,13 @@ static int send_status(int fd, uint8_t st, const char *msg, zt_deadline_t dl) {
 static int recv_status(int fd, const char *addr, zt_deadline_t dl) {
   uint8_t st;
   char msg[513];
+  char shown[1100];
   if (io_all(fd, &st, 1, 0, dl) != 0 || get_str(fd, msg, sizeof msg, "message", dl) != 0)
     return zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
   if (st == ST_OK) return 0;
-  if (st == ST_NO_COPY) return zt_errk(ZT_E_NOT_FOUND, "store %s has no copy: %s", addr, msg);
-  return zt_errk(ZT_E_UNAVAILABLE, "store %s refused: %s", addr, msg);
+  zt_printable(msg, shown, sizeof shown); /* it ends up in our log */
+  if (st == ST_NO_COPY) return zt_errk(ZT_E_NOT_FOUND, "store %s has no copy: %s", addr, shown);
+  return zt_errk(ZT_E_UNAVAILABLE, "store %s refused: %s", addr, shown);
 }
 
 /* ---- checks on what a peer sends ------------------------------------------ */
@@ -316,14 +318,22 @@ static int check_name(const request *q, const zt_ticket_t *t) {
 
 /* ---- serving -------------------------------------------------------------- */
 
-/* Receives a PUT's data into dir/name, checked; reports the copy. */
+/* Receives a PUT's data into dir/name, checked; reports the copy. Only a
+ * copy that is durable and reported is answered OK: otherwise the pusher
+ * tries its next target. */
 static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
                      const zt_ticket_t *t, zt_deadline_t dl) {
   char tmp[1400], final[1300];
   snprintf(final, sizeof final, "%s/%s", abs, q->name);
   snprintf(tmp, sizeof tmp, "%s/%s.%d.part", abs, q->name, (int)gettid());
   if (zt_mkdirs(abs) != 0) return -1;
-  int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  /* check_dir checked the text: a symbolic link in the middle of the path
+   * (job_5 -> /elsewhere) would still lead the write out of the root. */
+  if (!zt_path_real_under(s->root, abs))
+    return zt_errk(ZT_E_INVALID,
+                   "directory %.200s: with its links resolved it lies outside the checkpoint root",
+                   q->dir);
+  int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (out < 0) return zt_err_errno("create %s", tmp);
   XXH64_state_t *h = XXH64_createState();
   XXH64_reset(h, 0);
@@ -350,27 +360,58 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
     unlink(tmp);
     return -1;
   }
-  if (zt_ckpt_fsync_dir(abs) != 0) ZT_WARN("%s", zt_err_msg());
+  /* A name that may not survive a crash is no copy to count: nothing was
+   * reported, so nothing is left. */
+  if (zt_ckpt_fsync_dir(abs) != 0) {
+    zt_err_wrap("%s: stored, but its name is not durable", q->name);
+    unlink(final);
+    return -1;
+  }
   zt_ckpt_file_t f = {.bytes = q->bytes};
   snprintf(f.name, sizeof f.name, "%s", q->name);
   snprintf(f.checksum, sizeof f.checksum, "%s", q->checksum);
-  if (s->o.stored) s->o.stored(s->o.user, t->job, zt_path_under(s->root, abs), &f);
+  /* A copy that could not be reported stays (the report may have arrived
+   * though its answer did not, and a recorded copy must exist); the next
+   * registration's inventory counts it or has it deleted. */
+  if (s->o.stored && s->o.stored(s->o.user, t->job, zt_path_under(s->root, abs), &f) != 0)
+    return zt_err_wrap("%s: stored, but not recorded", q->name);
   return 0;
 }
 
-/* Sends dir/name after the OK status. */
-static int serve_get(int fd, const request *q, const char *abs, zt_deadline_t dl) {
+/* Sends dir/name after the OK status. ZT_E_NOT_FOUND (no copy, which the
+ * fetcher counts against the epoch) only when the file is not there, is
+ * not a regular file or has another size; any other failure (out of
+ * descriptors or memory, an I/O error, a symbolic link in its place or
+ * above it leading out of the root) says nothing about the file. The file
+ * is opened without blocking, so that a FIFO in its place cannot hold the
+ * thread. */
+static int serve_get(zt_store_t *s, int fd, const request *q, const char *abs,
+                     zt_deadline_t dl) {
   char path[1300];
   snprintf(path, sizeof path, "%s/%s", abs, q->name);
-  int in = open(path, O_RDONLY | O_CLOEXEC);
+  int in = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (in < 0 && (errno == ENOENT || errno == ENOTDIR))
+    return zt_errk(ZT_E_NOT_FOUND, "%s: no such file here", q->name);
+  if (in < 0)
+    return zt_errk(ZT_E_UNAVAILABLE, "%s: cannot open it: %s", q->name,
+                   errno == ELOOP ? "a symbolic link in its place" : strerror(errno));
   struct stat st;
-  if (in < 0) return zt_errk(ZT_E_NOT_FOUND, "%s: no such file here", q->name);
-  if (fstat(in, &st) != 0 || (uint64_t)st.st_size != q->bytes) {
+  int rc = 0;
+  if (fstat(in, &st) != 0)
+    rc = zt_errk(ZT_E_UNAVAILABLE, "%s: fstat: %s", q->name, strerror(errno));
+  else if (!S_ISREG(st.st_mode))
+    rc = zt_errk(ZT_E_NOT_FOUND, "%s: not a regular file here", q->name);
+  else if ((uint64_t)st.st_size != q->bytes)
+    rc = zt_errk(ZT_E_NOT_FOUND, "%s: size %lld here, not %llu", q->name, (long long)st.st_size,
+                 (unsigned long long)q->bytes);
+  else if (!zt_path_real_under(s->root, path))
+    rc = zt_errk(ZT_E_UNAVAILABLE,
+                 "%s: with its links resolved it lies outside the checkpoint root", q->name);
+  if (rc != 0) {
     close(in);
-    return zt_errk(ZT_E_NOT_FOUND, "%s: size %lld here, not %llu", q->name,
-                   (long long)st.st_size, (unsigned long long)q->bytes);
+    return -1;
   }
-  int rc = send_status(fd, ST_OK, "", dl);
+  rc = send_status(fd, ST_OK, "", dl);
   char *buf = zt_xmalloc(CHUNK);
   uint64_t left = q->bytes;
   while (rc == 0 && left) {
@@ -436,7 +477,7 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   int slot = rc == 0 && (rc = xfer_take(s)) == 0;
   if (rc == 0) {
     dl = zt_deadline_in(ZT_STORE_TIMEOUT_MS + (int64_t)(q.bytes / (ZT_STORE_MIN_RATE / 1000)));
-    rc = q.op == 'P' ? serve_put(s, fd, &q, abs, &t, dl) : serve_get(fd, &q, abs, dl);
+    rc = q.op == 'P' ? serve_put(s, fd, &q, abs, &t, dl) : serve_get(s, fd, &q, abs, dl);
   }
   if (slot) xfer_give(s);
   if (rc == -2) {
@@ -444,11 +485,17 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
     return -1;
   }
   if (rc != 0) {
-    char why[600];
+    /* The directory and the name come from the peer, and so may parts of
+     * the reason: escaped, so they cannot forge log lines. */
+    char why[600], raw[65], dir[300], name[300], shown[1200];
     uint8_t st = zt_err_kind() == ZT_E_NOT_FOUND ? ST_NO_COPY : ST_REFUSED;
     snprintf(why, sizeof why, "%s", zt_err_msg());
-    ZT_WARN("replica store: refused %s %.64s/%.64s from %s: %s", q.op == 'P' ? "PUT" : "GET",
-            q.dir, q.name, peer, why);
+    snprintf(raw, sizeof raw, "%.64s", q.dir);
+    zt_printable(raw, dir, sizeof dir);
+    snprintf(raw, sizeof raw, "%.64s", q.name);
+    zt_printable(raw, name, sizeof name);
+    ZT_WARN("replica store: refused %s %s/%s from %s: %s", q.op == 'P' ? "PUT" : "GET", dir,
+            name, peer, zt_printable(why, shown, sizeof shown));
     (void)send_status(fd, st, why, zt_deadline_in(1000)); /* dl may be spent */
     return -1;
   }
@@ -657,13 +704,18 @@ int zt_store_put(const char *addr, const char *ticket, const char *dir, const ch
 int zt_store_get(const char *addr, const char *ticket, const char *dir, const char *path,
                  const zt_ckpt_file_t *f, int64_t timeout_ms) {
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  /* The temporary name must never be cut to the final one (a copy that
+   * fails its checksum would then take the file already there with it). */
+  char tmp[1400], pdir[1400];
+  int tl = snprintf(tmp, sizeof tmp, "%s.%d.part", path, (int)gettid());
+  if (tl < 0 || (size_t)tl >= sizeof tmp)
+    return zt_err("%.200s...: a path of %zu bytes is too long to fetch a copy into", path,
+                  strlen(path));
   request q;
   fill(&q, 'G', ticket, dir, f);
   int fd = request_to(addr, &q, dl);
   if (fd < 0) return -1;
   int rc = recv_status(fd, addr, dl);
-  char tmp[1200];
-  snprintf(tmp, sizeof tmp, "%s.%d.part", path, (int)gettid());
   int out = rc == 0 ? open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;
   if (rc == 0 && out < 0) rc = zt_err_errno("create %s", tmp);
   XXH64_state_t *h = XXH64_createState();
@@ -690,10 +742,9 @@ int zt_store_get(const char *addr, const char *ticket, const char *dir, const ch
   if (rc != 0 && out >= 0) unlink(tmp);
   /* The copy is reported next: its name must survive a crash too. */
   if (rc == 0) {
-    char dir[1200];
     const char *slash = strrchr(path, '/');
-    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
-    rc = zt_ckpt_fsync_dir(dir);
+    snprintf(pdir, sizeof pdir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+    rc = zt_ckpt_fsync_dir(pdir);
   }
   return rc;
 }

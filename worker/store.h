@@ -9,7 +9,8 @@
  * generation get anything. Files live under the worker's checkpoint root at
  * the epoch directory the request names (relative), written as name.tmp,
  * fsynced, checked against the declared xxh64, renamed; a PUT that fails
- * any check leaves nothing.
+ * any check leaves nothing, and one is answered OK only once the copy is
+ * durable and recorded (opts.stored).
  *
  * Wire format (little endian), request:
  *   "ZTS1", op ('P' or 'G'), u16 + ticket, u16 + epoch dir, u16 + file
@@ -48,17 +49,25 @@ typedef struct {
   /* The job and generation the worker works on (0, 0: none): a put ticket
    * without an expiry is taken only for those. */
   void (*assignment)(void *user, uint64_t *job, uint64_t *gen);
-  /* After a copy was stored by a PUT: dir is relative to the root. */
-  void (*stored)(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f);
+  /* After a copy was stored by a PUT (durable): dir is relative to the
+   * root. Returns 0 once the copy is recorded (reported to the
+   * coordinator), or -1 with a message: the PUT is then refused (status
+   * 1), so the pusher tries its next target rather than count a copy
+   * nobody recorded. The file stays (the report may have arrived though
+   * its answer did not); the next registration's inventory counts it or
+   * has it deleted. */
+  int (*stored)(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f);
   void *user;
 } zt_store_opts_t;
 
 ZT_MUST_CHECK int zt_store_start(const zt_store_opts_t *o, zt_store_t **out);
 /* HOST:PORT of the store. */
 const char *zt_store_addr(const zt_store_t *s);
-/* Stops accepting, waits (bounded: a transfer's longest deadline) for the
- * handlers in flight, and frees the store. -1 with a message when some
- * handler still runs after that: the store is then left allocated, and
+/* Stops accepting, waits for the handlers in flight (at most 66 s: the
+ * header's deadline and a transfer's fixed part, which a large file's
+ * deadline exceeds by its size at ZT_STORE_MIN_RATE), and frees the store.
+ * -1 with a message when some handler still runs after that (a large
+ * transfer still within its deadline): the store is then left allocated, and
  * its handlers may still call the opts' callbacks, so the caller must keep
  * whatever those use (the user pointer) alive too, i.e. leak it at exit. */
 ZT_MUST_CHECK int zt_store_stop(zt_store_t *s);

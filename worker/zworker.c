@@ -201,9 +201,11 @@ static void store_assignment(void *user, uint64_t *job, uint64_t *gen) {
   zt_ctl_assignment(user, job, gen);
 }
 
-static void store_stored(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f) {
+/* A copy the coordinator did not record is refused to its pusher. */
+static int store_stored(void *user, uint64_t job, const char *dir, const zt_ckpt_file_t *f) {
   if (zt_ctl_report_replica(user, job, dir, f->name, f->bytes, f->checksum) != 0)
-    ZT_WARN("copy of %s/%s not reported: %s", dir, f->name, zt_err_msg());
+    return zt_err_wrap("copy of %s/%s not reported to the coordinator", dir, f->name);
+  return 0;
 }
 
 int main(int argc, char **argv) {
