@@ -147,6 +147,24 @@ int zt_write_all(int fd, const void *buf, size_t len) {
   return 0;
 }
 
+/* Linux reads at most 0x7ffff000 bytes per call, and a signal may cut a
+ * read short, so a short count is not the end of the file: only 0 is. */
+int zt_pread_all(int fd, void *buf, size_t len, uint64_t off, const char *path) {
+  char *p = buf;
+  size_t got = 0;
+  while (got < len) {
+    ssize_t r = pread(fd, p + got, len - got, (off_t)(off + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0)
+      return zt_err_errno("read %s at offset %llu", path, (unsigned long long)(off + got));
+    if (r == 0)
+      return zt_err("%s: end of file at offset %llu, %zu of %zu bytes read", path,
+                    (unsigned long long)(off + got), got, len);
+    got += (size_t)r;
+  }
+  return 0;
+}
+
 int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return zt_err_errno("%s", path);

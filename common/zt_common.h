@@ -117,6 +117,10 @@ ZT_MUST_CHECK int zt_parse_hostport(const char *s, char *host, size_t hostlen, i
 /* Writes a whole buffer / reads a whole file; -1 with a message on failure. */
 ZT_MUST_CHECK int zt_write_all(int fd, const void *buf, size_t len);
 ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
+/* Reads exactly len bytes at offset off (pread, resumed after a short count
+ * or EINTR); the end of the file first is an error naming path and the
+ * offset reached. */
+ZT_MUST_CHECK int zt_pread_all(int fd, void *buf, size_t len, uint64_t off, const char *path);
 /* Creates a directory and its parents (mkdir -p). */
 ZT_MUST_CHECK int zt_mkdirs(const char *path);
 /* Removes a directory and everything under it (rm -r, without following
