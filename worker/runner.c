@@ -164,10 +164,12 @@ static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s) {
   req.step_ms = s->step_ms;
   req.val_loss = s->val_loss;
   /* Retried while the coordinator is unreachable, so no report is lost;
-   * bounded by a change of target. */
+   * bounded by a change of target, which also drops the reports still
+   * queued (a stop must not wait for each one's call to time out). */
   for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, zt_ctl_retry_cap_ms(r->ctl))) {
     ProtobufCMessage *m;
     int st = 0;
+    if (changed(r)) return ZT_CMD_STOP;
     if (call(r, "/ztrain.Control/ReportStep", &req.base, &ztrain__report_step_reply__descriptor,
              5000, &m, &st) == 0) {
       int cmd = ((Ztrain__ReportStepReply *)m)->command;
@@ -178,8 +180,7 @@ static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s) {
       ZT_WARN("step %lld report refused: %s", (long long)s->step, zt_err_msg());
       return ZT_CMD_STOP; /* fenced: this generation is over for us */
     }
-    if (changed(r)) return ZT_CMD_STOP;
-    zt_sleep_ms(backoff); /* retry pacing */
+    if (wait_changed(r, backoff)) return ZT_CMD_STOP; /* retry pacing */
   }
 }
 
@@ -353,17 +354,35 @@ static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) 
   req.generation = r->cur_gen;
   req.reason = (char *)why;
   req.fatal = f->fatal;
-  ProtobufCMessage *m;
-  int st;
-  if (call(r, "/ztrain.Control/ReportFailure", &req.base, &ztrain__report_failure_reply__descriptor,
-           5000, &m, &st) == 0) {
-    /* The new assignment comes back at once: no need to wait for the next
-     * heartbeat to join the next generation. */
-    Ztrain__ReportFailureReply *rep = (Ztrain__ReportFailureReply *)m;
-    if (rep->job_id) zt_runner_assign(r, rep->job_id, rep->generation, rep->nccl_root);
-    protobuf_c_message_free_unpacked(m, NULL);
-  } else
-    ZT_INFO("failure report not taken: %s", zt_err_msg());
+  /* Until the coordinator takes the report, nothing else re-forms the job
+   * (heartbeats still name this generation): retried with backoff while
+   * the coordinator is unreachable, until it answers or the assignment
+   * changes (or the worker stops). */
+  int64_t backoff = ZT_CTL_BACKOFF_MIN_MS;
+  uint64_t rng = (uint64_t)zt_now_ms() ^ ((uint64_t)req.worker_id << 20) ^ 0x2545f4914f6cdd1dull;
+  for (int failed = 0;;) {
+    ProtobufCMessage *m;
+    int st = 0;
+    if (call(r, "/ztrain.Control/ReportFailure", &req.base,
+             &ztrain__report_failure_reply__descriptor, 5000, &m, &st) == 0) {
+      /* The new assignment comes back at once: no need to wait for the
+       * next heartbeat to join the next generation. */
+      Ztrain__ReportFailureReply *rep = (Ztrain__ReportFailureReply *)m;
+      if (rep->job_id) zt_runner_assign(r, rep->job_id, rep->generation, rep->nccl_root);
+      protobuf_c_message_free_unpacked(m, NULL);
+      return;
+    }
+    if (!zt_rpc_transient(st)) { /* fenced: the generation is already over */
+      ZT_INFO("failure report not taken: %s", zt_err_msg());
+      return;
+    }
+    if (zt_ctl_log_failure(++failed))
+      ZT_WARN("failure report for job %llu generation %llu not delivered (attempt %d, retrying "
+              "with backoff): %s",
+              (unsigned long long)r->cur_job, (unsigned long long)r->cur_gen, failed,
+              zt_err_msg());
+    if (wait_changed(r, zt_ctl_backoff(&backoff, zt_ctl_retry_cap_ms(r->ctl), &rng))) return;
+  }
 }
 
 /* Rendezvous for (cur_job, cur_gen), advertising our ring socket addr:
@@ -593,7 +612,12 @@ static void run_generation(zt_runner_t *r) {
   int port = 0, lfd = -1;
   epoch_t ep = {.files = NULL};
   if (zt_comm_tcp_listen(r->comm_host, &port, &lfd) != 0) {
-    ZT_ERROR("%s", zt_err_msg());
+    /* Said, or the other ranks would wait in their rendezvous for us. */
+    char why[600];
+    snprintf(why, sizeof why, "no ring socket: %s", zt_err_msg());
+    ZT_ERROR("%s", why);
+    failure_t f = {.suspect = -1, .kind = ZTRAIN__FAILURE_KIND__FAILURE_LOCAL};
+    report_failure(r, why, &f);
     return;
   }
   char addr[96];

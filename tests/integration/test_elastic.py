@@ -183,3 +183,56 @@ def test_kill_mid_step_across_reduction_plans(procs, tmp_path, data):
     worlds = [g[1] for g in generations(coord, jid)]
     assert 3 in worlds and worlds[-1] == 2, worlds
     assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
+
+
+def test_failure_reports_reach_a_coordinator_that_was_stopped(procs, tmp_path, data):
+    """Rank 1's process is stopped, then, once rank 0's step reports are
+    all in, zcoord too (SIGSTOP): rank 0's collective times out and its
+    failure report with it. Retried with backoff, the report reaches zcoord
+    when it resumes, which takes the job out of its broken generation
+    (rank 1 is not lost: its liveness timeout is long), and the job
+    re-forms once rank 1 runs again. A report that was dropped
+    left the job in its broken generation for good: heartbeats still named
+    it, and nothing else re-forms a job."""
+    train, val = data
+    coord, ws = start(procs, ["a", "b"], timeout=120000)
+    spec = tiny_spec(train, val, 400, workers=2)
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["step"] >= 3, 60, "training under way")
+    with sqlite3.connect(coord.db) as db:
+        a, b = (ws[r[0]] for r in db.execute(
+            "SELECT w.name FROM members m JOIN workers w ON w.id = m.worker_id "
+            "WHERE m.job_id = ? AND m.gen = 1 ORDER BY m.rank", (jid,)))
+    b.signal(signal.SIGSTOP)
+    try:
+        # Rank 0 can finish no step without rank 1: once the job's step
+        # stays put, rank 0 has no step report left to send.
+        def settled():
+            s0 = job(coord, jid)["step"]
+            time.sleep(0.5)  # two reads apart, to see that nothing moves
+            return job(coord, jid)["step"] == s0
+        wait_until(settled, 30, "the job's step settled")
+        coord.signal(signal.SIGSTOP)
+        try:
+            # (The ring times out after comm.timeout_ms, 10 s; a report's
+            # call after 5 s.)
+            wait_until(lambda: "failure report" in a.output(), 60,
+                       "rank 0's failure report timing out")
+            assert job_generation(coord.db, jid) == 1
+        finally:
+            coord.signal(signal.SIGCONT)
+        # The coordinator takes it: the job leaves its broken generation
+        # (and waits for rank 1, still stopped, to come back).
+        wait_until(lambda: job(coord, jid)["state"] != "running", 60,
+                   "the broken generation ended")
+        assert "rank_failed" in [e["kind"] for e in events(coord, job=jid)]
+    finally:
+        b.signal(signal.SIGCONT)
+    wait_until(lambda: job(coord, jid)["generation"] >= 2, 60, "the job re-formed")
+    j = wait_job(coord, jid, timeout=300)
+    assert j["state"] == "completed", j
+
+
+def job_generation(db_path, jid):
+    with sqlite3.connect(db_path) as db:
+        return db.execute("SELECT generation FROM jobs WHERE id = ?", (jid,)).fetchone()[0]
