@@ -330,9 +330,60 @@ static int read_manifest(const char *dir, const zt_model_config_t *model,
   return 0;
 }
 
-/* Copies the parts of one index's ranges that the destinations want. */
+/* What the ranges of an epoch filled of destination d: elements [a, b). */
+typedef struct {
+  int d;
+  uint64_t a, b;
+} piece_t;
+
+typedef struct {
+  piece_t *v;
+  size_t n, cap;
+} pieces_t;
+
+static void add_piece(pieces_t *got, int d, uint64_t a, uint64_t b) {
+  if (got->n == got->cap) {
+    got->cap = got->cap ? 2 * got->cap : 64;
+    got->v = zt_xrealloc(got->v, got->cap * sizeof *got->v);
+  }
+  got->v[got->n++] = (piece_t){d, a, b};
+}
+
+static int cmp_piece(const void *x, const void *y) {
+  const piece_t *p = x, *q = y;
+  if (p->d != q->d) return p->d < q->d ? -1 : 1;
+  return p->a < q->a ? -1 : p->a > q->a;
+}
+
+/* Every element of every destination was read, and once: the ranks'
+ * ranges neither miss one (a manifest whose world leaves a rank out, an
+ * index that drops a range) nor overlap. */
+static int check_coverage(const char *dir, int world, const zt_ckpt_dest_t *dest, int nd,
+                          pieces_t *got) {
+  qsort(got->v, got->n, sizeof *got->v, cmp_piece);
+  size_t i = 0;
+  for (int d = 0; d < nd; d++) {
+    uint64_t end = dest[d].lo, covered = 0;
+    for (; i < got->n && got->v[i].d == d; i++) {
+      if (got->v[i].a < end)
+        return zt_err("%s: %d ranks: unit %d: ranges overlap at element %llu (corrupt "
+                      "checkpoint)",
+                      dir, world, dest[d].unit, (unsigned long long)got->v[i].a);
+      covered += got->v[i].b - got->v[i].a;
+      end = got->v[i].b;
+    }
+    if (covered != dest[d].n)
+      return zt_err("%s: %d ranks: unit %d: %llu of %llu elements (corrupt checkpoint)", dir,
+                    world, dest[d].unit, (unsigned long long)covered,
+                    (unsigned long long)dest[d].n);
+  }
+  return 0;
+}
+
+/* Copies the parts of one index's ranges that the destinations want,
+ * adding what each filled to got. */
 static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ranges,
-                       const zt_ckpt_dest_t *dest, int nd) {
+                       const zt_ckpt_dest_t *dest, int nd, pieces_t *got) {
   cJSON *rg;
   cJSON_ArrayForEach(rg, ranges) {
     int u = (int)int_field(rg, "unit", 1 << 20);
@@ -345,22 +396,24 @@ static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ran
       uint64_t a = ZT_MAX((uint64_t)lo, dest[d].lo);
       uint64_t b = ZT_MIN((uint64_t)lo + (uint64_t)n, dest[d].lo + dest[d].n);
       if (a >= b) continue;
+      add_piece(got, d, a, b);
       size_t cnt = (size_t)(b - a) * sizeof(float);
       float *dst[3] = {dest[d].p, dest[d].m, dest[d].v};
       for (int k = 0; k < 3; k++) {
         if (!dst[k]) continue;
-        off_t at = (off_t)off + (off_t)((uint64_t)k * (uint64_t)n + (a - (uint64_t)lo)) * 4;
-        if (pread(fd, dst[k] + (a - dest[d].lo), cnt, at) != (ssize_t)cnt)
-          return zt_err("%s: short read (corrupt checkpoint)", path);
+        uint64_t at = (uint64_t)off + ((uint64_t)k * (uint64_t)n + (a - (uint64_t)lo)) * 4;
+        if (zt_pread_all(fd, dst[k] + (a - dest[d].lo), cnt, at, path) != 0)
+          return zt_err_wrap("corrupt checkpoint");
       }
     }
   }
   return 0;
 }
 
-/* Rank r's index and data: verified, then the wanted ranges copied. */
-static int load_rank(const char *dir, int r, const zt_ckpt_record_t *rec, const zt_ckpt_dest_t *dest,
-                     int nd) {
+/* Rank r's index and data: verified, then the wanted ranges copied. The
+ * index must be rank r's of the manifest's world and step. */
+static int load_rank(const char *dir, int r, int world, int64_t step, const zt_ckpt_record_t *rec,
+                     const zt_ckpt_dest_t *dest, int nd, pieces_t *got) {
   char js[64], path[1200];
   snprintf(js, sizeof js, "rank_%d.json", r);
   cJSON *idx = read_json(dir, js, rec);
@@ -372,6 +425,13 @@ static int load_rank(const char *dir, int r, const zt_ckpt_record_t *rec, const 
   if (!cJSON_IsString(file) || !cJSON_IsString(sum) || !cJSON_IsArray(ranges) ||
       strchr(file->valuestring, '/')) {
     zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
+    goto out;
+  }
+  if (int_field(idx, "rank", 65536) != r || int_field(idx, "world", 65536) != world ||
+      int_field(idx, "step", 1ll << 53) != step) {
+    zt_err("%s/%s: not the index of rank %d of %d at step %lld that manifest.json names (corrupt "
+           "checkpoint)",
+           dir, js, r, world, (long long)step);
     goto out;
   }
   snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
@@ -393,7 +453,7 @@ static int load_rank(const char *dir, int r, const zt_ckpt_record_t *rec, const 
     zt_err_errno("%s", path);
     goto out;
   }
-  rc = copy_ranges(path, fd, js, ranges, dest, nd);
+  rc = copy_ranges(path, fd, js, ranges, dest, nd, got);
 out:
   if (fd >= 0) close(fd);
   cJSON_Delete(idx);
@@ -404,9 +464,13 @@ int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_
                  int nd, const zt_ckpt_record_t *rec, int64_t *step) {
   int world;
   if (read_manifest(dir, model, rec, &world, step) != 0) return zt_err_wrap("load checkpoint");
-  for (int r = 0; r < world; r++)
-    if (load_rank(dir, r, rec, dest, nd) != 0) return -1;
-  return 0;
+  pieces_t got = {NULL, 0, 0};
+  int rc = 0;
+  for (int r = 0; rc == 0 && r < world; r++)
+    rc = load_rank(dir, r, world, *step, rec, dest, nd, &got);
+  if (rc == 0) rc = check_coverage(dir, world, dest, nd, &got);
+  free(got.v);
+  return rc;
 }
 
 /* ---- a whole epoch, for export and sampling ---------------------------------- */
@@ -417,10 +481,12 @@ int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
   if (!man) return -1;
   const cJSON *m = cJSON_GetObjectItemCaseSensitive(man, "model");
   const char *keys[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
+  const int max[] = {ZT_MODEL_MAX_LAYER, ZT_MODEL_MAX_HEAD, ZT_MODEL_MAX_EMBD, ZT_MODEL_MAX_SEQ,
+                     ZT_MODEL_MAX_VOCAB};
   int *dst[] = {&cfg->n_layer, &cfg->n_head, &cfg->n_embd, &cfg->seq_len, &cfg->vocab_size};
   int ok = cJSON_IsObject(m);
   for (int i = 0; ok && i < 5; i++) {
-    int64_t v = int_field((cJSON *)m, keys[i], 1 << 20);
+    int64_t v = int_field((cJSON *)m, keys[i], max[i]);
     ok = v >= 1;
     *dst[i] = (int)v;
   }
@@ -431,16 +497,48 @@ int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
   }
   cJSON_Delete(man);
   if (!ok)
-    return zt_err("%s/manifest.json: no model config or a bad tokenizer path (corrupt checkpoint)",
+    return zt_err("%s/manifest.json: no model config, a field of it out of range or a bad "
+                  "tokenizer path (corrupt checkpoint)",
                   dir);
   if (zt_model_config_check(cfg) != 0)
     return zt_err_wrap("%s/manifest.json (corrupt checkpoint)", dir);
   return 0;
 }
 
+/* The rank files of the epoch in dir hold 3 floats (the parameter, Adam m
+ * and v) per parameter: a manifest that names a larger model is refused
+ * before a buffer of its size is allocated. */
+static int check_size(const char *dir, const zt_model_config_t *cfg) {
+  int world;
+  int64_t step;
+  if (read_manifest(dir, cfg, NULL, &world, &step) != 0) return -1;
+  uint64_t held = 0;
+  for (int r = 0; r < world; r++) {
+    char js[64], path[1200];
+    snprintf(js, sizeof js, "rank_%d.json", r);
+    cJSON *idx = read_json(dir, js, NULL);
+    if (!idx) return -1;
+    cJSON *file = cJSON_GetObjectItemCaseSensitive(idx, "file");
+    int ok = cJSON_IsString(file) && !strchr(file->valuestring, '/');
+    if (ok) snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+    cJSON_Delete(idx);
+    if (!ok) return zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
+    struct stat st;
+    if (stat(path, &st) != 0) return zt_err_errno("%s", path);
+    held += (uint64_t)st.st_size;
+  }
+  uint64_t params = zt_model_param_count(cfg, 1), need = params * 3 * sizeof(float);
+  if (held < need)
+    return zt_err("%s/manifest.json: a model of %llu parameters needs %llu bytes of rank files, "
+                  "its %d ranks hold %llu (corrupt checkpoint)",
+                  dir, (unsigned long long)params, (unsigned long long)need, world,
+                  (unsigned long long)held);
+  return 0;
+}
+
 int zt_ckpt_load_flat(const char *dir, const zt_model_config_t *cfg, zt_layout_t *lay,
                       float **flat_out, int64_t *step) {
-  if (zt_layout_build(lay, cfg) != 0) return -1;
+  if (zt_layout_build(lay, cfg) != 0 || check_size(dir, cfg) != 0) return -1;
   float *flat = zt_xcalloc(lay->num_params, sizeof(float));
   zt_ckpt_dest_t *dest = zt_xcalloc((size_t)lay->num_units, sizeof *dest);
   for (int u = 0; u < lay->num_units; u++)

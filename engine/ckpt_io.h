@@ -25,7 +25,9 @@
  * missing, extra, truncated or changed is an error naming the file
  * ("corrupt checkpoint"). Then the ranges the new rank needs are copied,
  * whatever world size or stage wrote them: resharding is just a range
- * intersection.
+ * intersection. Each index must be its rank's of the manifest's world and
+ * step, and the ranks' ranges must hold every element wanted exactly once
+ * (none missing, none overlapping), else the load fails the same way.
  */
 #ifndef ZT_CKPT_IO_H
 #define ZT_CKPT_IO_H
@@ -97,16 +99,18 @@ ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model,
                                int64_t *step);
 
 /* The model config in the manifest of the epoch in `dir` (checked with
- * zt_model_config_check); when tokenizer is not NULL, it receives the
- * tokenizer record the manifest names ("" when none; cap bytes). Export
- * and sampling read an epoch with it and zt_ckpt_load_flat. */
+ * zt_model_config_check, so within the ZT_MODEL_MAX_* limits); when
+ * tokenizer is not NULL, it receives the tokenizer record the manifest
+ * names ("" when none; cap bytes). Export and sampling read an epoch with
+ * it and zt_ckpt_load_flat. */
 ZT_MUST_CHECK int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
                                      size_t cap);
 
 /* Every parameter of the epoch in `dir` in one flat buffer laid out as
  * *lay (built here from cfg; zt_layout_free it): unit destinations over
- * zt_ckpt_load with no record (the indexes' checksums are checked). *flat
- * is host memory (free it); *step the epoch's step. */
+ * zt_ckpt_load with no record (the indexes' checksums are checked). A
+ * model larger than the rank files can hold is refused before its buffer
+ * is allocated. *flat is host memory (free it); *step the epoch's step. */
 ZT_MUST_CHECK int zt_ckpt_load_flat(const char *dir, const zt_model_config_t *cfg,
                                     zt_layout_t *lay, float **flat, int64_t *step);
 

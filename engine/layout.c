@@ -50,11 +50,18 @@ int zt_model_config_check(const zt_model_config_t *c) {
   if (c->n_layer < 1) return zt_err("n_layer must be >= 1 (got %d)", c->n_layer);
   if (c->n_head < 1) return zt_err("n_head must be >= 1 (got %d)", c->n_head);
   if (c->n_embd < 1) return zt_err("n_embd must be >= 1 (got %d)", c->n_embd);
+  if (c->n_layer > ZT_MODEL_MAX_LAYER)
+    return zt_err("n_layer must be <= %d (got %d)", ZT_MODEL_MAX_LAYER, c->n_layer);
+  if (c->n_head > ZT_MODEL_MAX_HEAD)
+    return zt_err("n_head must be <= %d (got %d)", ZT_MODEL_MAX_HEAD, c->n_head);
+  if (c->n_embd > ZT_MODEL_MAX_EMBD)
+    return zt_err("n_embd must be <= %d (got %d)", ZT_MODEL_MAX_EMBD, c->n_embd);
   if (c->n_embd % c->n_head != 0)
     return zt_err("n_embd (%d) must be divisible by n_head (%d)", c->n_embd, c->n_head);
-  if (c->seq_len < 1) return zt_err("seq_len must be >= 1 (got %d)", c->seq_len);
-  if (c->vocab_size < 2 || c->vocab_size > 65536)
-    return zt_err("vocab_size must be in [2, 65536] (got %d)", c->vocab_size);
+  if (c->seq_len < 1 || c->seq_len > ZT_MODEL_MAX_SEQ)
+    return zt_err("seq_len must be in [1, %d] (got %d)", ZT_MODEL_MAX_SEQ, c->seq_len);
+  if (c->vocab_size < 2 || c->vocab_size > ZT_MODEL_MAX_VOCAB)
+    return zt_err("vocab_size must be in [2, %d] (got %d)", ZT_MODEL_MAX_VOCAB, c->vocab_size);
   return 0;
 }
 

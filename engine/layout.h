@@ -89,8 +89,16 @@ typedef struct zt_layout {
   int num_tensors;
 } zt_layout_t;
 
-/* Checks a configuration: positive sizes, n_embd divisible by n_head,
- * vocab_size <= 65536 (tokens are stored as uint16). */
+/* The largest value of each field of a configuration, one definition for
+ * every place that accepts one (a job spec, a checkpoint's manifest). */
+#define ZT_MODEL_MAX_LAYER 1024
+#define ZT_MODEL_MAX_HEAD 1024
+#define ZT_MODEL_MAX_EMBD 65536
+#define ZT_MODEL_MAX_SEQ (1 << 20)
+#define ZT_MODEL_MAX_VOCAB 65536 /* tokens are stored as uint16 */
+
+/* Checks a configuration: each field in [1, its ZT_MODEL_MAX_*] (vocab_size
+ * from 2), n_embd divisible by n_head. */
 int zt_model_config_check(const zt_model_config_t *cfg);
 
 /* Parameter count. padded == 0: as GPT-2 reports it (vocab_size rows of wte);

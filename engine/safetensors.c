@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "ckpt_io.h" /* zt_ckpt_fsync_dir */
 #include "spec.h"
 
 #define PREFIX "transformer."
@@ -56,23 +57,49 @@ static void add_entry(cJSON *hdr, const zt_tensor_t *t, size_t rows, int bf16, s
   cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)(off + bytes)));
 }
 
+/* Writes the file as path.tmp, fsyncs it, renames it to path and fsyncs
+ * the directory, so that a crash leaves the old file or the whole new one;
+ * a failure takes path.tmp back. */
 static int write_file(const char *path, const char *htext, const uint8_t *data, size_t len,
                       size_t *bytes) {
   size_t hlen = strlen(htext), padded = (hlen + 7) / 8 * 8;
   uint64_t le = padded; /* little-endian on every platform we build for */
-  char tmp[1100];
+  char tmp[1100], dir[1100];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash) snprintf(dir, sizeof dir, ".");
+  else slash[slash == dir] = 0; /* "/x" is in "/" */
   FILE *f = fopen(tmp, "wb");
-  int ok = f && fwrite(&le, 8, 1, f) == 1 && fwrite(htext, 1, hlen, f) == hlen;
+  if (!f) return zt_err_errno("create %s", tmp);
+  int ok = fwrite(&le, 8, 1, f) == 1 && fwrite(htext, 1, hlen, f) == hlen;
   for (size_t i = hlen; ok && i < padded; i++) ok = fputc(' ', f) != EOF;
-  ok = ok && fwrite(data, 1, len, f) == len;
-  if (!f || fclose(f) != 0 || !ok) {
-    unlink(tmp);
-    return zt_err_errno("write %s", tmp);
+  ok = ok && fwrite(data, 1, len, f) == len && fflush(f) == 0;
+  if (!ok) {
+    zt_err_errno("write %s", tmp);
+    goto err;
   }
-  if (rename(tmp, path) != 0) return zt_err_errno("rename %s", tmp);
+  if (fsync(fileno(f)) != 0) {
+    zt_err_errno("fsync %s", tmp);
+    goto err;
+  }
+  int rc = fclose(f);
+  f = NULL;
+  if (rc != 0) {
+    zt_err_errno("close %s", tmp);
+    goto err;
+  }
+  if (rename(tmp, path) != 0) {
+    zt_err_errno("rename %s to %s", tmp, path);
+    goto err;
+  }
+  if (zt_ckpt_fsync_dir(dir) != 0) return zt_err_wrap("%s", path);
   if (bytes) *bytes = 8 + padded + len;
   return 0;
+err:
+  if (f) fclose(f);
+  unlink(tmp);
+  return -1;
 }
 
 int zt_st_write(const char *path, const zt_layout_t *l, const float *flat, int bf16, int64_t step,
@@ -222,10 +249,9 @@ static int read_tensor(const reader *r, const zt_tensor_t *t, float *flat) {
                    r->path, name, (unsigned long long)all);
   size_t rows = file_rows(r->l, t), n = rows * (size_t)cols; /* what we take */
   uint8_t *buf = zt_xmalloc(n * (size_t)esz + 1);
-  ssize_t got = pread(r->fd, buf, n * (size_t)esz, (off_t)(r->data_off + (uint64_t)b));
-  if (got != (ssize_t)(n * (size_t)esz)) {
+  if (zt_pread_all(r->fd, buf, n * (size_t)esz, r->data_off + (uint64_t)b, r->path) != 0) {
     free(buf);
-    return zt_errk(ZT_E_INVALID, "%s: tensor %s: short read (truncated file)", r->path, name);
+    return zt_err_wrapk(ZT_E_INVALID, "tensor %s", name);
   }
   float *dst = flat + t->off;
   int tr = is_conv1d(t->kind);
@@ -245,13 +271,14 @@ static int open_reader(reader *r, const char *path, const zt_layout_t *l) {
   if (r->fd < 0) return zt_err_errno("%s", path);
   struct stat st;
   uint64_t hlen = 0;
-  if (fstat(r->fd, &st) != 0 || st.st_size < 8 || pread(r->fd, &hlen, 8, 0) != 8 || hlen < 2 ||
-      hlen > ZT_ST_MAX_HEADER || hlen > (uint64_t)st.st_size - 8)
+  if (fstat(r->fd, &st) != 0) return zt_err_errno("%s", path);
+  if (st.st_size >= 8 && zt_pread_all(r->fd, &hlen, 8, 0, path) != 0) return -1;
+  if (st.st_size < 8 || hlen < 2 || hlen > ZT_ST_MAX_HEADER || hlen > (uint64_t)st.st_size - 8)
     return zt_errk(ZT_E_INVALID, "%s: not a safetensors file (header length)", path);
   char *text = zt_xmalloc(hlen + 1);
-  if (pread(r->fd, text, hlen, 8) != (ssize_t)hlen) {
+  if (zt_pread_all(r->fd, text, hlen, 8, path) != 0) {
     free(text);
-    return zt_err_errno("read %s", path);
+    return -1;
   }
   r->hdr = zt_json_parse(text, hlen, path);
   free(text);
@@ -263,10 +290,46 @@ static int open_reader(reader *r, const char *path, const zt_layout_t *l) {
   return 0;
 }
 
+/* Entry `full` of the header is a tensor of the model or one the reader
+ * ignores (lm_head.weight, the attention masks h.{i}.attn.bias and
+ * .masked_bias); anything else (a layer the model does not have, a name
+ * it does not know) is an error naming it, so that a file of another
+ * model is not read in part. */
+static int known_entry(const reader *r, const char *full) {
+  const zt_layout_t *l = r->l;
+  const char *s = full;
+  if (!strcmp(full, "__metadata__")) return 0;
+  if (!strncmp(s, PREFIX, strlen(PREFIX))) s += strlen(PREFIX);
+  if (!strcmp(s, "lm_head.weight")) return 0;
+  if (!strncmp(s, "h.", 2) && s[2] >= '0' && s[2] <= '9' && (s[2] != '0' || s[3] == '.')) {
+    /* h.<layer>.<name>, the layer written without leading zeros. */
+    const char *p = s + 2;
+    long layer = 0;
+    for (; *p >= '0' && *p <= '9' && layer <= INT32_MAX; p++) layer = 10 * layer + (*p - '0');
+    if (*p == '.' && layer >= l->cfg.n_layer)
+      return zt_errk(ZT_E_INVALID, "%s: tensor %s is of layer %ld, but the model has %d layers",
+                     r->path, full, layer, l->cfg.n_layer);
+    if (*p == '.' && (!strcmp(p, ".attn.bias") || !strcmp(p, ".attn.masked_bias"))) return 0;
+    /* The tensors of layer 0 come right after wte and wpe, named "h.0.<name>". */
+    for (int i = 0; *p == '.' && i < l->num_tensors && l->tensors[i].layer <= 0; i++)
+      if (l->tensors[i].layer == 0 && !strcmp(l->tensors[i].name + 3, p)) return 0;
+  } else {
+    char name[96];
+    for (int i = 0; i < l->num_tensors; i++) {
+      if (l->tensors[i].layer >= 0) continue;
+      hf_name(&l->tensors[i], name, sizeof name);
+      if (!strcmp(s, name + strlen(PREFIX))) return 0;
+    }
+  }
+  return zt_errk(ZT_E_INVALID, "%s: tensor %s is not one of the model's", r->path, full);
+}
+
 int zt_st_read(const char *path, const zt_layout_t *l, float *flat) {
   reader r;
   int rc = open_reader(&r, path, l);
   memset(flat, 0, l->num_params * sizeof(float));
+  for (const cJSON *e = rc == 0 ? r.hdr->child : NULL; rc == 0 && e; e = e->next)
+    rc = known_entry(&r, e->string);
   for (int i = 0; rc == 0 && i < l->num_tensors; i++) rc = read_tensor(&r, &l->tensors[i], flat);
   if (r.fd >= 0) close(r.fd);
   cJSON_Delete(r.hdr);

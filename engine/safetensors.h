@@ -15,7 +15,9 @@
  * Reading trusts nothing in the file: the header length is bounded by the
  * file, every tensor of the model must be there with a known dtype (F32,
  * BF16, F16), the expected shape and data offsets inside the data section
- * that hold exactly its elements; a mismatch is an error naming the tensor.
+ * that hold exactly its elements, and no other tensor may be there (a
+ * layer the model does not have, a name it does not know, the ignored
+ * ones above aside); a mismatch is an error naming the tensor.
  * A file whose wpe has more positions than the model's seq_len gives its
  * first seq_len rows (fine-tuning with a shorter context).
  *
@@ -33,7 +35,8 @@
 #include "zt_common.h"
 
 /* Writes the parameters in `flat` (l->num_params floats, layout order) to
- * `path` (through path.tmp and a rename), fp32 or bf16; `step` goes into
+ * `path` (through path.tmp, fsynced, a rename and an fsync of the
+ * directory; a failure removes path.tmp), fp32 or bf16; `step` goes into
  * the metadata. *bytes receives the file's size (may be NULL). */
 ZT_MUST_CHECK int zt_st_write(const char *path, const zt_layout_t *l, const float *flat, int bf16,
                               int64_t step, size_t *bytes);

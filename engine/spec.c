@@ -135,11 +135,11 @@ static int parse_model(zt_spec_t *s, const cJSON *root) {
   const cJSON *o;
   if (get_object(root, "", "model", 1, &o) || CHECK_KEYS(o, "model", keys)) return -1;
   zt_model_config_t *c = &s->model;
-  if (get_int(o, "model", "n_layer", 1, 1, 1024, &c->n_layer) ||
-      get_int(o, "model", "n_head", 1, 1, 1024, &c->n_head) ||
-      get_int(o, "model", "n_embd", 1, 1, 65536, &c->n_embd) ||
-      get_int(o, "model", "seq_len", 1, 1, 1 << 20, &c->seq_len) ||
-      get_int(o, "model", "vocab_size", 1, 2, 65536, &c->vocab_size))
+  if (get_int(o, "model", "n_layer", 1, 1, ZT_MODEL_MAX_LAYER, &c->n_layer) ||
+      get_int(o, "model", "n_head", 1, 1, ZT_MODEL_MAX_HEAD, &c->n_head) ||
+      get_int(o, "model", "n_embd", 1, 1, ZT_MODEL_MAX_EMBD, &c->n_embd) ||
+      get_int(o, "model", "seq_len", 1, 1, ZT_MODEL_MAX_SEQ, &c->seq_len) ||
+      get_int(o, "model", "vocab_size", 1, 2, ZT_MODEL_MAX_VOCAB, &c->vocab_size))
     return -1;
   if (zt_model_config_check(c) != 0) return zt_err_wrap("model");
   return 0;

@@ -30,6 +30,7 @@
 
 #include <cjson/cJSON.h>
 #include <locale.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -496,15 +497,17 @@ int zt_tok_encode_ids(zt_tok_t *t, const void *text, size_t len, int **ids, size
 
 /* ---- the record ---------------------------------------------------------------- */
 
-/* An integer member in [lo, hi], or -1 (*ok cleared). */
+/* An integer member in [lo, hi], or -1 (*ok cleared). The double is
+ * checked before it is converted: converting one outside int's range
+ * (1e10) is undefined. */
 static int int_member(const cJSON *o, const char *key, int lo, int hi, int *ok) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!cJSON_IsNumber(v) || v->valuedouble != (double)(int)v->valuedouble || v->valueint < lo ||
-      v->valueint > hi) {
+  double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+  if (!(d >= lo && d <= hi) || d != floor(d)) {
     *ok = 0;
     return -1;
   }
-  return v->valueint;
+  return (int)d;
 }
 
 /* A file name member: a plain name beside the record. */

@@ -7,8 +7,11 @@
  * written into an epoch directory and loaded into a small model's units,
  * once trusting the indexes (an empty record, as zctl export does) and
  * once against a record made from the files as written (as the workers
- * load). Property: no crash, no sanitizer report, no leak; a load that
- * succeeds wrote only inside the destination buffers (ASan).
+ * load); then read whole as zctl export and sampling read it, the model
+ * taken from the manifest (zt_ckpt_read_model, zt_ckpt_load_flat).
+ * Property: no crash, no sanitizer report, no leak, no allocation larger
+ * than the rank file can hold; a load that succeeds wrote only inside the
+ * destination buffers (ASan).
  *
  * With ZT_FUZZ_MAKE_SEED=DIR set, the target first writes a valid epoch of
  * that model, in the input format, as DIR/valid (the committed seed).
@@ -128,5 +131,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   (void)zt_ckpt_load(g_dir, &k_cfg, dest, g_lay.num_units, &recorded, &step);
   free(dest);
   free(buf);
+  zt_model_config_t cfg;
+  zt_layout_t lay = {0};
+  float *flat = NULL;
+  if (zt_ckpt_read_model(g_dir, &cfg, NULL, 0) == 0 &&
+      zt_ckpt_load_flat(g_dir, &cfg, &lay, &flat, &step) == 0)
+    free(flat);
+  zt_layout_free(&lay);
   return 0;
 }

@@ -178,6 +178,7 @@ ZT_TEST(bad_records) {
   refused("{\"type\":\"bpe\",\"vocab_size\":257,\"eot\":256}", "needs \"type\"");
   refused("{\"type\":\"byte\",\"vocab_size\":257,\"eot\":257}", "needs \"type\"");
   refused("{\"type\":\"byte\",\"vocab_size\":257.5,\"eot\":256}", "needs \"type\"");
+  refused("{\"type\":\"byte\",\"vocab_size\":1e10,\"eot\":256}", "needs \"type\"");
   refused("{\"type\":\"byte\",\"vocab_size\":300,\"eot\":256}", "vocab_size 257 and eot 256");
   refused("{\"type\":\"gpt2\",\"vocab_size\":262,\"eot\":261}", "\"encoder\" and \"bpe\"");
   refused("{\"type\":\"gpt2\",\"vocab_size\":262,\"eot\":261,\"encoder\":\"../t_encoder.json\","
