@@ -57,6 +57,7 @@ typedef struct {
   zt_mem_need_t need;       /* what one rank needs (memory.h) */
   int N, r, accum, mb, T;
   int64_t tmo;
+  int local_fault; /* the failure is this rank's own (its data), not the ring's */
 } trainer;
 
 /* What one step produced. */
@@ -332,23 +333,48 @@ static uint64_t eval_rounds(const trainer *t, uint64_t nb) {
  * batch (stage 3, eval_rounds) runs batch 0 again and is not counted. The
  * losses are summed in fp64, which is exact for so few fp32 values, so the
  * mean does not depend on how the batches were spread over the ranks. */
-static float eval_loss(trainer *t) {
+static int eval_loss(trainer *t, double *out) {
   int mb = t->mb;
-  double acc[2] = {0, 0};
+  /* The loss sum, the batches counted, and the ranks whose own batch
+   * failed (a bad token in a validation shard): every rank still joins the
+   * collectives (stage 3's forwards, the sum below), then every rank fails
+   * with the reason, instead of leaving the others waiting in a
+   * collective this rank never calls. */
+  double acc[3] = {0, 0, 0};
+  char why[400] = "";
   uint64_t nb = ZT_MIN((uint64_t)t->spec.eval_batches, zt_data_num_samples(t->val) / (uint64_t)mb);
   uint64_t rounds = eval_rounds(t, nb);
+  *out = NAN;
   for (uint64_t i = 0; i < rounds; i++) {
     uint64_t b = (uint64_t)t->r + i * (uint64_t)t->N;
     float l = NAN;
-    if (zt_data_fill_seq(t->val, (b < nb ? b : 0) * (uint64_t)mb, mb, t->inp, t->tgt) != 0 ||
-        zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0)
-      return NAN;
+    if (why[0]) { /* failed: only the forwards that keep stage 3's collectives in step */
+      if (t->spec.zero_stage < 3) break;
+      memset(t->inp, 0, sizeof(int) * (size_t)mb * (size_t)t->T);
+      memset(t->tgt, 0, sizeof(int) * (size_t)mb * (size_t)t->T);
+      if (zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0) return -1;
+      continue;
+    }
+    if (zt_data_fill_seq(t->val, (b < nb ? b : 0) * (uint64_t)mb, mb, t->inp, t->tgt) != 0) {
+      snprintf(why, sizeof why, "%s", zt_err_msg());
+      acc[2] = 1;
+      i--; /* this round's forward is still owed to the collectives */
+      continue;
+    }
+    if (zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0) return -1;
     if (b >= nb) continue; /* a forward only to keep the collectives in step */
     acc[0] += l;
     acc[1] += 1;
   }
-  if (zt_zero_host_all_reduce(&t->z, acc, 2, ZT_DT_F64) != 0) return NAN;
-  return acc[1] > 0 ? (float)(acc[0] / acc[1]) : NAN;
+  if (zt_zero_host_all_reduce(&t->z, acc, 3, ZT_DT_F64) != 0) return -1;
+  if (why[0]) {
+    t->local_fault = 1;
+    return zt_err("validation: %s", why);
+  }
+  if (acc[2] > 0)
+    return zt_err("validation: a batch of another rank could not be read (that rank names it)");
+  *out = acc[1] > 0 ? (double)(float)(acc[0] / acc[1]) : NAN;
+  return 0;
 }
 
 /* Forward and backward of every micro-step of step `step` (0-based);
@@ -360,7 +386,10 @@ static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
     if (g->should_stop(g->user)) return 1;
     uint64_t first = zt_data_pos((uint64_t)step, t->mb, t->accum, t->N, t->r, j);
     float l = 0;
-    if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) return -1;
+    if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) {
+      t->local_fault = 1; /* this rank's data: the others fail in the next collective */
+      return -1;
+    }
     zt_zero_micro_begin(&t->z, j == t->accum - 1);
     if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
     *loss_sum += l;
@@ -406,8 +435,7 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   }
   res->val_loss = NAN;
   if (t->val && t->spec.eval_every && s % t->spec.eval_every == 0) {
-    res->val_loss = eval_loss(t);
-    if (isnan(res->val_loss) && zt_comm_broken(t->g->comm)) return -1;
+    if (eval_loss(t, &res->val_loss) != 0) return -1;
   }
   res->ms = (double)(zt_now_us() - t0) / 1000.0;
   if (t->spec.wall_clock_breakdown) {
@@ -545,6 +573,7 @@ out:
    * the checkpoint), so a failure here is only logged. */
   if (ret == 0 && t.have_z && zt_zero_settle(&t.z) != 0)
     ZT_WARN("the last step's parameter gathers failed: %s", zt_err_msg());
+  if (ret != 0 && t.local_fault) f->fault = ZT_FAULT_LOCAL;
   if (ret != 0 && f->fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))
     f->fault = ZT_FAULT_PEER;
   tear_down(&t);

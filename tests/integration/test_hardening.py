@@ -8,6 +8,8 @@ import sqlite3
 import subprocess
 import time
 
+import pytest
+
 from ztest import BIN, SLOW, events, http_get, wait_until, workers_by_name
 
 HB, TIMEOUT = 200, 600
@@ -209,6 +211,33 @@ def test_bad_shard_error_does_not_echo_the_file(procs, tmp_path):
     assert "SECRET" not in text
     for n in (int.from_bytes(secret[:4], "little"), int.from_bytes(secret[:4], "big")):
         assert str(n) not in text
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bad_validation_batch_of_one_rank_fails_every_rank_with_its_reason(procs, tmp_path,
+                                                                           stage):
+    """Rank 1's validation batch holds a token beyond the vocabulary: every
+    rank still joins the evaluation's collectives (stage 3's forwards
+    gather parameters), then rank 1 fails naming the token, as a local
+    fault, and the others say the batch was another rank's; no rank waits
+    for a collective the other never calls (which failed every generation
+    as a ring timeout or mismatched calls, blaming the wrong rank)."""
+    from ztest import byte_dataset, start_fleet, submit, tiny_spec, write_shard
+    train, _ = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    # Batch 0 (rank 0: samples 0-1 of 33 tokens) is good; batch 1 is not.
+    write_shard(str(tmp_path / "data" / "badval_000000.bin"), [65] * 70 + [300] * 2000)
+    coord = start_fleet(procs, 2)
+    spec = tiny_spec(train, str(tmp_path / "data" / "badval_*.bin"), 20, stage=stage, workers=2,
+                     eval={"every_steps": 2, "batches": 2})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: len([e for e in events(coord, job=jid) if e["kind"] == "rank_failed"]) >= 2,
+               60, "both ranks' failures")
+    failed = [e["detail"] for e in events(coord, job=jid) if e["kind"] == "rank_failed"][:2]
+    assert any("validation:" in d and "token 300" in d and ">= vocab_size 257" in d
+               for d in failed), failed
+    assert any("a batch of another rank could not be read" in d for d in failed), failed
+    for d in failed:
+        assert "timed out" not in d and "differ" not in d, failed
 
 
 def test_shipped_config_placeholders_are_refused(procs, tmp_path):
