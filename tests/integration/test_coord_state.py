@@ -150,6 +150,11 @@ class RawJob:
     def file_msg(name, size, checksum):
         return field_bytes(1, name.encode()) + field_varint(2, size) + field_bytes(3, checksum.encode())
 
+    def report_ring_failure(self, w, timeout=60):
+        """w reports that the ring broke (a peer failure)."""
+        return w.call("ReportFailure", self.head() + field_bytes(4, b"ring broke")
+                      + field_varint(9, 1), timeout=timeout)
+
     def report_checkpoint(self, rank, step, timeout=5):
         body = self.head() + field_varint(4, step) + field_bytes(5, self.epoch_rel(step).encode())
         for f in self.files_of(rank):
@@ -220,8 +225,7 @@ def test_refused_generation_write_forms_it_later(raw):
     # The failure re-forms the job at once, and the new generation's
     # write is refused (each of zcoord's writes meanwhile waits 5 s).
     with db_locked(r.coord.db):
-        code, _, det = w.call("ReportFailure", r.head() + field_bytes(4, b"ring broke")
-                              + field_varint(9, 1), timeout=60)
+        code, _, det = r.report_ring_failure(w)
         assert code == OK, det
     # The database is back: the job forms it after its backoff, with the
     # same worker; the log said why it waited.
@@ -449,8 +453,7 @@ def test_refused_job_write_is_stored_when_the_database_is_back(raw):
     w = r.ranks[0]
     assert r.report_step(w, 1)[0] == OK
     with db_locked(r.coord.db):
-        code, _, det = w.call("ReportFailure", r.head() + field_bytes(4, b"ring broke")
-                              + field_varint(9, 1), timeout=60)
+        code, _, det = r.report_ring_failure(w)
         assert code == OK, det
         msg = http_get(r.coord.http_port, f"/v1/jobs/{r.jid}", timeout=30)[2]["message"]
         assert "cannot store generation 2" in msg, msg
