@@ -218,11 +218,12 @@ def test_bad_validation_batch_of_one_rank_fails_every_rank_with_its_reason(procs
                                                                            stage):
     """Rank 1's validation batch holds a token beyond the vocabulary: every
     rank still joins the evaluation's collectives (stage 3's forwards
-    gather parameters), then rank 1 fails naming the token, as a local
-    fault, and the others say the batch was another rank's; no rank waits
-    for a collective the other never calls (which failed every generation
-    as a ring timeout or mismatched calls, blaming the wrong rank)."""
-    from ztest import byte_dataset, start_fleet, submit, tiny_spec, write_shard
+    gather parameters), then every rank fails: rank 1 naming the token, as
+    a local fault (twice at the same step: the job pauses with it), rank 0
+    saying the batch was another rank's. No rank waits for a collective
+    the other never calls (which failed every generation as a ring timeout
+    or mismatched calls, blaming the wrong rank)."""
+    from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job, write_shard
     train, _ = byte_dataset(str(tmp_path / "data"), limit=60_000)
     # Batch 0 (rank 0: samples 0-1 of 33 tokens) is good; batch 1 is not.
     write_shard(str(tmp_path / "data" / "badval_000000.bin"), [65] * 70 + [300] * 2000)
@@ -230,14 +231,14 @@ def test_bad_validation_batch_of_one_rank_fails_every_rank_with_its_reason(procs
     spec = tiny_spec(train, str(tmp_path / "data" / "badval_*.bin"), 20, stage=stage, workers=2,
                      eval={"every_steps": 2, "batches": 2})
     jid = submit(coord, spec, tmp_path)
-    wait_until(lambda: len([e for e in events(coord, job=jid) if e["kind"] == "rank_failed"]) >= 2,
-               60, "both ranks' failures")
-    failed = [e["detail"] for e in events(coord, job=jid) if e["kind"] == "rank_failed"][:2]
-    assert any("validation:" in d and "token 300" in d and ">= vocab_size 257" in d
-               for d in failed), failed
-    assert any("a batch of another rank could not be read" in d for d in failed), failed
-    for d in failed:
-        assert "timed out" not in d and "differ" not in d, failed
+    j = wait_job(coord, jid, timeout=60, states=("paused",))
+    assert "the same local error twice at step 2" in j["message"], j
+    assert "validation:" in j["message"] and "token 300 at index 70 is >= vocab_size 257" \
+        in j["message"], j
+    wait_until(lambda: any("validation: a batch of another rank could not be read" in w.output()
+                           for w in coord.workers.values()), 10, "rank 0's reason")
+    failed = [e["detail"] for e in events(coord, job=jid) if e["kind"] == "rank_failed"]
+    assert failed and all("timed out" not in d and "differ" not in d for d in failed), failed
 
 
 def test_shipped_config_placeholders_are_refused(procs, tmp_path):
