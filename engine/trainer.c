@@ -57,7 +57,10 @@ typedef struct {
   zt_mem_need_t need;       /* what one rank needs (memory.h) */
   int N, r, accum, mb, T;
   int64_t tmo;
-  int local_fault; /* the failure is this rank's own (its data), not the ring's */
+  /* The failure was another rank's (its validation batch), which says
+   * why: reported as a peer's, so that the coordinator weighs that rank's
+   * own (local) report, not this one. */
+  int peer_fault;
 } trainer;
 
 /* What one step produced. */
@@ -367,12 +370,11 @@ static int eval_loss(trainer *t, double *out) {
     acc[1] += 1;
   }
   if (zt_zero_host_all_reduce(&t->z, acc, 3, ZT_DT_F64) != 0) return -1;
-  if (why[0]) {
-    t->local_fault = 1;
-    return zt_err("validation: %s", why);
-  }
-  if (acc[2] > 0)
+  if (why[0]) return zt_err("validation: %s", why); /* a local fault, as set_up left it */
+  if (acc[2] > 0) {
+    t->peer_fault = 1;
     return zt_err("validation: a batch of another rank could not be read (that rank names it)");
+  }
   *out = acc[1] > 0 ? (double)(float)(acc[0] / acc[1]) : NAN;
   return 0;
 }
@@ -386,10 +388,7 @@ static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
     if (g->should_stop(g->user)) return 1;
     uint64_t first = zt_data_pos((uint64_t)step, t->mb, t->accum, t->N, t->r, j);
     float l = 0;
-    if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) {
-      t->local_fault = 1; /* this rank's data: the others fail in the next collective */
-      return -1;
-    }
+    if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) return -1;
     zt_zero_micro_begin(&t->z, j == t->accum - 1);
     if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
     *loss_sum += l;
@@ -573,7 +572,7 @@ out:
    * the checkpoint), so a failure here is only logged. */
   if (ret == 0 && t.have_z && zt_zero_settle(&t.z) != 0)
     ZT_WARN("the last step's parameter gathers failed: %s", zt_err_msg());
-  if (ret != 0 && t.local_fault) f->fault = ZT_FAULT_LOCAL;
+  if (ret != 0 && t.peer_fault) f->fault = ZT_FAULT_PEER;
   if (ret != 0 && f->fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))
     f->fault = ZT_FAULT_PEER;
   tear_down(&t);
