@@ -132,6 +132,30 @@ static int wait_changed(zt_runner_t *r, int64_t ms) {
   return ch;
 }
 
+/* The pacing of a call to the coordinator retried while it is away:
+ * backoff with jitter (zt_ctl_backoff), failures counted and logged
+ * (zt_ctl_log_failure). */
+typedef struct {
+  int64_t backoff;
+  uint64_t rng;
+  int failed;
+} retry_t;
+
+static retry_t retry_start(const zt_runner_t *r, uint64_t salt) {
+  uint64_t id = zt_ctl_worker_id(r->ctl);
+  return (retry_t){ZT_CTL_BACKOFF_MIN_MS, (uint64_t)zt_now_ms() ^ (id << 20) ^ salt, 0};
+}
+
+/* After a failed call of `what`: logged (counted), then its backoff waited
+ * out; 1 when the assignment changed meanwhile (give up). */
+static int retry_wait(zt_runner_t *r, retry_t *rt, const char *what) {
+  if (zt_ctl_log_failure(++rt->failed))
+    ZT_WARN("%s for job %llu generation %llu failed (attempt %d, retrying with backoff): %s", what,
+            (unsigned long long)r->cur_job, (unsigned long long)r->cur_gen, rt->failed,
+            zt_err_msg());
+  return wait_changed(r, zt_ctl_backoff(&rt->backoff, zt_ctl_retry_cap_ms(r->ctl), &rt->rng));
+}
+
 static int call(zt_runner_t *r, const char *method, const ProtobufCMessage *req,
                 const ProtobufCMessageDescriptor *rd, int64_t timeout_ms, ProtobufCMessage **rep,
                 int *status) {
@@ -358,9 +382,7 @@ static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) 
    * (heartbeats still name this generation): retried with backoff while
    * the coordinator is unreachable, until it answers or the assignment
    * changes (or the worker stops). */
-  int64_t backoff = ZT_CTL_BACKOFF_MIN_MS;
-  uint64_t rng = (uint64_t)zt_now_ms() ^ ((uint64_t)req.worker_id << 20) ^ 0x2545f4914f6cdd1dull;
-  for (int failed = 0;;) {
+  for (retry_t rt = retry_start(r, 0x2545f4914f6cdd1dull);;) {
     ProtobufCMessage *m;
     int st = 0;
     if (call(r, "/ztrain.Control/ReportFailure", &req.base,
@@ -376,12 +398,7 @@ static void report_failure(zt_runner_t *r, const char *why, const failure_t *f) 
       ZT_INFO("failure report not taken: %s", zt_err_msg());
       return;
     }
-    if (zt_ctl_log_failure(++failed))
-      ZT_WARN("failure report for job %llu generation %llu not delivered (attempt %d, retrying "
-              "with backoff): %s",
-              (unsigned long long)r->cur_job, (unsigned long long)r->cur_gen, failed,
-              zt_err_msg());
-    if (wait_changed(r, zt_ctl_backoff(&backoff, zt_ctl_retry_cap_ms(r->ctl), &rng))) return;
+    if (retry_wait(r, &rt, "failure report")) return;
   }
 }
 
@@ -397,9 +414,8 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
   req.generation = r->cur_gen;
   req.comm_addr = addr;
   req.nccl_id = nccl_id;
-  int64_t t0 = zt_now_ms(), backoff = ZT_CTL_BACKOFF_MIN_MS;
-  uint64_t rng = (uint64_t)t0 ^ ((uint64_t)req.worker_id << 20) ^ 0x9e3779b97f4a7c15ull;
-  int failed = 0;
+  int64_t t0 = zt_now_ms();
+  retry_t rt = retry_start(r, 0x9e3779b97f4a7c15ull);
   while (!changed(r)) {
     ProtobufCMessage *m;
     int st = 0;
@@ -430,12 +446,7 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
      * failing: retried with backoff until it answers or the assignment
      * changes. */
     if (st == ZT_RPC_DEADLINE_EXCEEDED) continue;
-    if (zt_ctl_log_failure(++failed))
-      ZT_WARN("rendezvous for job %llu generation %llu failed (attempt %d, retrying with "
-              "backoff): %s",
-              (unsigned long long)r->cur_job, (unsigned long long)r->cur_gen, failed,
-              zt_err_msg());
-    if (wait_changed(r, zt_ctl_backoff(&backoff, zt_ctl_retry_cap_ms(r->ctl), &rng))) break;
+    if (retry_wait(r, &rt, "rendezvous")) break;
   }
   return NULL;
 }
