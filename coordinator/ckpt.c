@@ -198,9 +198,9 @@ int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadab
   return 0;
 }
 
-/* A report names a directory under the job's root, or nothing is done:
- * the coordinator deletes what it registers. */
-/* dir (absolute: confined under our checkpoint root) must be an epoch of
+/* A report names an epoch directory of the job, or nothing is done (the
+ * coordinator deletes what it registers): dir (absolute: confined under
+ * our checkpoint root) must be an epoch of
  * job j exactly as the ranks name them, <checkpoint.dir>/job_<id>/
  * step_<8 digits>-g<gen>; *e gets its step and generation. One spelling
  * per epoch: the registry finds records by their directory, so another
@@ -210,14 +210,13 @@ static int check_epoch(zt_coord_t *c, const zt_job_t *j, const char *dir, zt_epo
   job_root(j, root, sizeof root);
   size_t rl = strlen(root);
   const char *rel = zt_path_under(c->cfg.ckpt_root, dir);
+  const char *rel_root = zt_path_under(c->cfg.ckpt_root, root);
   if (strncmp(dir, root, rl) != 0 || dir[rl] != '/' || strchr(dir + rl + 1, '/') || !rel ||
       strlen(dir) >= sizeof(((zt_db_ckpt_t *)0)->dir) || zt_epoch_parse(rel, e) != 0)
     return zt_errk(ZT_E_INVALID,
                    "checkpoint dir %.200s is not an epoch directory of job %llu "
                    "(%.200s/step_<8 digits>-g<generation>)",
-                   rel ? rel : dir, (unsigned long long)j->row.id,
-                   zt_path_under(c->cfg.ckpt_root, root) ? zt_path_under(c->cfg.ckpt_root, root)
-                                                          : root);
+                   rel ? rel : dir, (unsigned long long)j->row.id, rel_root ? rel_root : root);
   return 0;
 }
 
@@ -555,15 +554,8 @@ static int check_holder(zt_coord_t *c, zt_job_t *j, zt_member_t *m, uint64_t gen
 /* A file of an epoch of `world` ranks: rank_<r>.bin or rank_<r>.json for
  * a rank r of it, or manifest.json. */
 static int epoch_file(const char *name, int world) {
-  if (!strcmp(name, "manifest.json")) return world > 0;
-  if (strncmp(name, "rank_", 5) != 0) return 0;
-  char *end;
-  long r = strtol(name + 5, &end, 10);
-  if (end == name + 5 || r < 0 || r >= world) return 0;
-  char bin[32], js[32];
-  snprintf(bin, sizeof bin, "rank_%ld.bin", r);
-  snprintf(js, sizeof js, "rank_%ld.json", r);
-  return !strcmp(name, bin) || !strcmp(name, js);
+  int r;
+  return world > 0 && zt_epoch_file(name, &r) && r < world;
 }
 
 int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,

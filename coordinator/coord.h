@@ -201,9 +201,9 @@ typedef struct zt_job {
   int64_t poisoned_from; /* first step with a non-finite loss; 0: none */
   char rb_ckpt_dir[512]; /* forced start of the next generation */
   int64_t rb_ckpt_step;  /* -1: none forced */
-  /* The row's last write failed: memory is ahead of SQLite until
-   * zt_jobs_flush (every few seconds) stores it; failed tries so far. */
-  int row_unsaved;
+  /* Failed writes of the row since its last stored one: while not 0,
+   * memory is ahead of SQLite, until zt_jobs_flush (every few seconds)
+   * stores it. */
   int64_t save_failures;
   struct zt_job *next;
 } zt_job_t;

@@ -172,23 +172,21 @@ static int job_active(const zt_job_t *j) {
 static int save_job(zt_coord_t *c, zt_job_t *j) {
   j->row.updated_ms = zt_wall_ms();
   if (zt_db_job_update(c->db, &j->row) != 0) {
-    j->row_unsaved = 1;
     j->save_failures++;
     ZT_ERROR("job %llu: %s (%lld failed writes of the job's state; retried every few seconds)",
              (unsigned long long)j->row.id, zt_err_msg(), (long long)j->save_failures);
     return -1;
   }
-  if (j->row_unsaved)
+  if (j->save_failures)
     ZT_INFO("job %llu: state stored after %lld failed writes", (unsigned long long)j->row.id,
             (long long)j->save_failures);
-  j->row_unsaved = 0;
   j->save_failures = 0;
   return 0;
 }
 
 void zt_jobs_flush(zt_coord_t *c) {
   for (zt_job_t *j = c->jobs; j; j = j->next) {
-    if (j->row_unsaved) (void)save_job(c, j);
+    if (j->save_failures) (void)save_job(c, j);
     if (job_active(j)) zt_ckpt_retry_drops(c, j);
   }
 }
