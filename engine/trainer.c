@@ -351,21 +351,18 @@ static int eval_loss(trainer *t, double *out) {
   for (uint64_t i = 0; i < rounds; i++) {
     uint64_t b = (uint64_t)t->r + i * (uint64_t)t->N;
     float l = NAN;
+    if (!why[0] &&
+        zt_data_fill_seq(t->val, (b < nb ? b : 0) * (uint64_t)mb, mb, t->inp, t->tgt) != 0) {
+      snprintf(why, sizeof why, "%s", zt_err_msg());
+      acc[2] = 1;
+    }
     if (why[0]) { /* failed: only the forwards that keep stage 3's collectives in step */
       if (t->spec.zero_stage < 3) break;
       memset(t->inp, 0, sizeof(int) * (size_t)mb * (size_t)t->T);
       memset(t->tgt, 0, sizeof(int) * (size_t)mb * (size_t)t->T);
-      if (zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0) return -1;
-      continue;
-    }
-    if (zt_data_fill_seq(t->val, (b < nb ? b : 0) * (uint64_t)mb, mb, t->inp, t->tgt) != 0) {
-      snprintf(why, sizeof why, "%s", zt_err_msg());
-      acc[2] = 1;
-      i--; /* this round's forward is still owed to the collectives */
-      continue;
     }
     if (zt_model_forward(t->m, t->inp, t->tgt, mb, t->T, &l) != 0) return -1;
-    if (b >= nb) continue; /* a forward only to keep the collectives in step */
+    if (why[0] || b >= nb) continue; /* a forward only to keep the collectives in step */
     acc[0] += l;
     acc[1] += 1;
   }
