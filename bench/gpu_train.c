@@ -18,8 +18,11 @@
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
  *                    [--attention auto|tiled|tiled-tc|cublas]
- * (tiled-tc: the tiled kernels on the tensor cores, bf16 storage only;
- * zt_kern_cuda_set_attention_tc.) Exits 77 without a CUDA device.
+ * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
+ * the head size allows; tiled: the fp32 tiled kernels on the CUDA cores;
+ * tiled-tc: the tiled kernels on the tensor cores, bf16 storage only;
+ * cublas: the cuBLASLt products with T x T matrices.) Exits 77 without a
+ * CUDA device.
  */
 #include <math.h>
 #include <stdint.h>
@@ -100,15 +103,14 @@ int main(int argc, char **argv) {
     return 77;
   }
   zt_kern_cuda_set_math(math);
-  if (!strcmp(att, "tiled") || !strcmp(att, "tiled-tc")) zt_kern_cuda_set_attention_scratch_max(0);
-  if (!strcmp(att, "tiled-tc")) {
-    if (!storage16) {
-      fprintf(stderr, "zt_gpubench: --attention tiled-tc takes --math bf16-storage\n");
-      return 2;
-    }
-    zt_kern_cuda_set_attention_tc(1);
+  if (!strcmp(att, "tiled-tc") && !storage16) {
+    fprintf(stderr, "zt_gpubench: --attention tiled-tc takes --math bf16-storage\n");
+    return 2;
   }
-  if (!strcmp(att, "cublas")) zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
+  if (strcmp(att, "auto")) {
+    zt_kern_cuda_set_attention_tc(!strcmp(att, "tiled-tc"));
+    zt_kern_cuda_set_attention_scratch_max(strcmp(att, "cublas") ? 0 : SIZE_MAX);
+  }
   const zt_kernels_t *k = storage16 ? zt_kernels_cuda_bf16() : zt_kernels_cuda();
   int T = cfg.seq_len;
   zt_model_t *m;

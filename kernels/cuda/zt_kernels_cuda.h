@@ -76,11 +76,12 @@ zt_cuda_math_t zt_kern_cuda_math(void);
  * every head size <= 64 tiled, SIZE_MAX none. */
 void zt_kern_cuda_set_attention_scratch_max(size_t bytes);
 
-/* 1: with bf16 storage, the tiled attention runs on the tensor cores (bf16
- * products, the probabilities and ds rounded to bf16 as flash attention
- * does) where the head size is a multiple of 16 up to 64; 0 (the default):
- * on the CUDA cores in fp32. Off by default until it has been measured on a
- * GPU (docs/gpu.md). */
+/* 1 (the default): with bf16 storage, attention runs on the tiled
+ * tensor-core kernels (bf16 products, the probabilities and ds rounded to
+ * bf16 as flash attention does) wherever the head size is a multiple of 16
+ * up to 64, whatever the scratch limit above: on an H200 they were the
+ * fastest path and keep no T x T matrix (docs/gpu.md). 0: bf16 attention
+ * takes the cuBLASLt or the fp32 tiled path, as fp32 storage does. */
 void zt_kern_cuda_set_attention_tc(int on);
 
 /* Device memory in use on this process's device, all processes (bytes). */

@@ -556,6 +556,16 @@ static void check_attention_tc(int B, int T, int C, int NH, const float *qkv, co
   zt_kern_cuda_set_attention_tc(1);
   XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
   close_x("tensor-core attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
+  /* They are the default path of bf16 attention, whatever the scratch
+   * limit: the default settings give the same bits. */
+  uint16_t *o1 = malloc(no * 2), *o2 = malloc(no * 2);
+  XB->download(o1, d_o, no * 2);
+  zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
+  XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+  XB->download(o2, d_o, no * 2);
+  ZT_CHECK(memcmp(o1, o2, no * 2) == 0);
+  free(o1), free(o2);
+  zt_kern_cuda_set_attention_scratch_max(0);
   close_dev("tensor-core attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
   G->upload(d_l, l, nl * 4);
   XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
@@ -606,6 +616,7 @@ static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
   float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_or = devx(o, no);
   float *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no), *f_o = DEVF(o, no);
   float *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
+  zt_kern_cuda_set_attention_tc(0); /* the cuBLASLt and fp32 tiled paths first */
   for (int tiled = 0; tiled < 2; tiled++) {
     zt_kern_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
     XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
@@ -623,6 +634,7 @@ static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
     free(g);
   }
   zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
+  zt_kern_cuda_set_attention_tc(1); /* the defaults */
   void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_or, f_qkv, f_dout, f_o, f_l, f_g};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(qkv), free(o), free(l), free(dout), free(o32);
