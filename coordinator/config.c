@@ -16,6 +16,7 @@
 #include <cjson/cJSON.h>
 #include <getopt.h>
 #include <limits.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -147,6 +148,34 @@ static int apply(zt_coord_config_t *cfg, const char *key, const char *v) {
   return zt_err("%s: bad setting", key);
 }
 
+/* The text form of one config value, in *v, for apply(), once its JSON
+ * type is the setting's: a string for strings (a token of `true` or 12345
+ * would be a guessable secret), a whole number for integers (9.6 is not
+ * rounded to 10), true or false for booleans (0.6 does not turn one on). */
+static int json_value(const cJSON *it, char *buf, size_t n, const char **v) {
+  const setting *s = find_setting(it->string);
+  if (!s) return zt_err("unknown setting \"%.64s\"", it->string);
+  switch (s->kind) {
+    case SET_STR:
+    case SET_LOG:
+      if (!cJSON_IsString(it)) return zt_err("%s: expected a string", it->string);
+      *v = it->valuestring;
+      return 0;
+    case SET_INT: {
+      double d = cJSON_IsNumber(it) ? it->valuedouble : 0.5;
+      if (d != floor(d) || d < s->lo || d > s->hi)
+        return zt_err("%s: expected an integer in %d..%d", it->string, s->lo, s->hi);
+      snprintf(buf, n, "%.0f", d);
+      return 0;
+    }
+    case SET_BOOL:
+      if (!cJSON_IsBool(it)) return zt_err("%s: expected true or false", it->string);
+      snprintf(buf, n, "%s", cJSON_IsTrue(it) ? "true" : "false");
+      return 0;
+  }
+  return zt_err("%s: bad setting", it->string);
+}
+
 /* Reads a flat JSON object of settings; an unknown key is an error. */
 static int load_config(zt_coord_config_t *cfg, const char *path) {
   char *text = NULL;
@@ -164,14 +193,7 @@ static int load_config(zt_coord_config_t *cfg, const char *path) {
   for (cJSON *it = doc->child; it; it = it->next) {
     char buf[64];
     const char *v = buf;
-    if (cJSON_IsString(it)) v = it->valuestring;
-    else if (cJSON_IsNumber(it)) snprintf(buf, sizeof buf, "%.0f", it->valuedouble);
-    else if (cJSON_IsBool(it)) snprintf(buf, sizeof buf, "%s", cJSON_IsTrue(it) ? "true" : "false");
-    else {
-      zt_err("config %s: %s: expected a string, a number or a boolean", path, it->string);
-      goto out;
-    }
-    if (apply(cfg, it->string, v) != 0) {
+    if (json_value(it, buf, sizeof buf, &v) != 0 || apply(cfg, it->string, v) != 0) {
       zt_err_wrap("config %s", path);
       goto out;
     }
@@ -247,10 +269,16 @@ int zt_config_parse(zt_coord_config_t *cfg, int argc, char **argv) {
   opts[n++] = (struct option){"config", required_argument, 0, 'c'};
   opts[n++] = (struct option){"help", no_argument, 0, 'h'};
   opts[n] = (struct option){0, 0, 0, 0};
-  /* The config file is applied first so that flags override it. */
-  for (int i = 1; i < argc - 1; i++)
-    if (!strcmp(argv[i], "--config") && load_config(cfg, argv[i + 1]) != 0) return -1;
+  /* The config file is applied first so that flags override it: a first
+   * pass takes only --config, in every spelling getopt accepts (--config
+   * FILE, --config=FILE, --conf FILE), and a second, from the start
+   * (optind 0 re-initialises GNU getopt), the rest. */
   int ch;
+  opterr = 0;
+  while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1)
+    if (ch == 'c' && load_config(cfg, optarg) != 0) return -1;
+  opterr = 1;
+  optind = 0;
   while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     if (ch == 'c') continue;
     if (ch == 'h') {

@@ -37,6 +37,7 @@ struct zt_http {
   zt_coord_t *c;
   struct MHD_Daemon *d;
   int port;
+  int loopback; /* bound to a 127.0.0.0/8 address */
 };
 
 /* Per-connection state while a request body arrives. */
@@ -44,6 +45,7 @@ typedef struct {
   char *body;
   size_t len;
   int too_large;
+  int answered; /* refused before its body (refuse_early) */
 } conn_ctx;
 
 /* ---- JSON helpers used by the routes ------------------------------------ */
@@ -535,6 +537,76 @@ static int authorized(zt_http_req_t *r) {
                                         : r->authorization);
 }
 
+static const route *find_route(const char *method, const char *url) {
+  for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++)
+    if (path_match(k_routes[i].path, url) && !strcmp(k_routes[i].method, method))
+      return &k_routes[i];
+  return NULL;
+}
+
+/* 1 when the n bytes at h name this machine's loopback: localhost, a
+ * 127.0.0.0/8 literal or [::1], with or without a port. */
+static int loopback_name(const char *h, size_t n) {
+  char host[64];
+  const char *colon = h[0] == '[' ? NULL : memchr(h, ':', n);
+  if (h[0] == '[') {
+    const char *close = memchr(h, ']', n);
+    if (!close) return 0;
+    return close - h == 4 && !memcmp(h, "[::1]", 5) &&
+           ((size_t)(close - h) + 1 == n || close[1] == ':');
+  }
+  size_t hn = colon ? (size_t)(colon - h) : n;
+  if (hn == 0 || hn >= sizeof host) return 0;
+  memcpy(host, h, hn);
+  host[hn] = 0;
+  struct in_addr a4;
+  if (!strcmp(host, "localhost")) return 1;
+  return inet_pton(AF_INET, host, &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
+}
+
+/* What a request needs refused before its body is read, or NULL. Without
+ * an API token a web page the operator opens could change state (a form or
+ * fetch() needs no permission to POST to 127.0.0.1) or, by re-pointing its
+ * own name at 127.0.0.1 (DNS rebinding), read the API. So, with no token:
+ * a request that names a foreign site in Origin may not change state, and
+ * a server bound to loopback answers only requests addressed to loopback
+ * (Host). With a token, a page cannot send the Authorization header
+ * without a preflight that zcoord does not answer. A mutating request
+ * without the token, or a body over the limit, is answered at once, so
+ * that no unauthenticated body is buffered. */
+static int refuse_early(zt_http_t *h, struct MHD_Connection *conn, const char *method,
+                        const char *url, zt_http_req_t *r) {
+  const route *rt = find_route(method, url);
+  const char *origin = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Origin");
+  const char *host = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Host");
+  const char *clen = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
+  int open = !h->c->cfg.api_token[0];
+  if (open && h->loopback && host && !loopback_name(host, strlen(host))) {
+    zt_http_error(r, 403, "request for host \"%.64s\" refused: this coordinator answers only "
+                  "requests addressed to loopback when no api_token is set", host);
+    return 1;
+  }
+  if (open && rt && rt->mutating && origin) {
+    const char *sep = strstr(origin, "://");
+    const char *o = sep ? sep + 3 : origin;
+    size_t on = strcspn(o, "/");
+    if (!sep || !loopback_name(o, on)) {
+      zt_http_error(r, 403, "%s %s from the web page of \"%.64s\" refused: a cross-site "
+                    "request may not change state", method, url, origin);
+      return 1;
+    }
+  }
+  if (rt && rt->mutating && !authorized(r)) {
+    zt_http_error(r, 401, "%s %s needs \"Authorization: Bearer <api_token>\"", method, url);
+    return 1;
+  }
+  if (clen && strtoull(clen, NULL, 10) > ZT_HTTP_MAX_BODY) {
+    zt_http_error(r, 413, "request body larger than %u bytes", ZT_HTTP_MAX_BODY);
+    return 1;
+  }
+  return 0;
+}
+
 static void route_on_loop(void *arg) { zt__http_route(arg); }
 
 void zt__http_route(zt_http_req_t *r) {
@@ -584,6 +656,15 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
   if (!cc) {
     cc = zt_xcalloc(1, sizeof *cc);
     *con_cls = cc;
+    zt_http_req_t r = {.c = h->c, .conn = conn, .method = method, .url = url};
+    if (refuse_early(h, conn, method, url, &r)) {
+      cc->answered = 1;
+      return send_req(conn, &r);
+    }
+    return MHD_YES;
+  }
+  if (cc->answered) { /* the rest of a refused request's body */
+    *upload_size = 0;
     return MHD_YES;
   }
   if (*upload_size) {
@@ -665,6 +746,7 @@ int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
   h->port = di ? di->port : (int)port;
+  h->loopback = (ntohl(sa.sin_addr.s_addr) >> 24) == 127;
   *out = h;
   return 0;
 }

@@ -180,6 +180,26 @@ def test_bad_config_and_flags(procs, tmp_path):
     coord = procs.coord(hb_ms=250, extra=["--config", str(good)])
     st = zctl_json(coord.grpc, "status")
     assert st["heartbeat_ms"] == 250 and st["heartbeat_timeout_ms"] == 2000
+    # Every spelling getopt accepts loads the file (--config=FILE and the
+    # abbreviation --conf were once taken and ignored).
+    for i, flag in enumerate((["--config=" + str(good)], ["--conf", str(good)])):
+        c = procs.coord(db=str(tmp_path / f"spelling{i}.db"), name=f"spelling{i}", hb_ms=250,
+                        extra=flag)
+        assert zctl_json(c.grpc, "status")["heartbeat_timeout_ms"] == 2000, flag
+    r = run("--config=" + str(unk))
+    assert r.returncode == 2 and "heartbeat_msec" in r.stderr
+    # A value of the wrong JSON type is refused, naming the key: a secret
+    # must be a string, an integer whole, a boolean true or false.
+    typed = tmp_path / "typed.json"
+    for doc, key, what in (({"api_token": True}, "api_token", "expected a string"),
+                           ({"worker_secret": 12345}, "worker_secret", "expected a string"),
+                           ({"heartbeat_ms": 9.6}, "heartbeat_ms", "expected an integer"),
+                           ({"heartbeat_ms": 1e300}, "heartbeat_ms", "expected an integer"),
+                           ({"insecure": 0.6}, "insecure", "expected true or false"),
+                           ({"log_level": 2}, "log_level", "expected a string")):
+        typed.write_text(json.dumps(doc))
+        r = run("--config", str(typed))
+        assert r.returncode == 2 and f"{key}: {what}" in r.stderr, (doc, r.stderr)
 
 
 def test_worker_secret(procs):

@@ -207,3 +207,63 @@ def test_metrics_exposition(live):
     assert f'ztrain_job_tokens_total{{job="{jid}"}} {60 * 24 * 32}' in text
     assert f'ztrain_job_checkpoints_total{{job="{jid}"}} 3' in text  # 20, 40, the final 60
     assert 'ztrain_workers{state="alive"} 2' in text
+
+
+def raw_request(port, head, body=b"", timeout=10):
+    """Sends a request's head (and the start of its body) on a socket and
+    returns what the server answers before `timeout`, or b"" if nothing."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head + body)
+        try:
+            return s.recv(4096)
+        except socket.timeout:
+            return b""
+
+
+def test_unauthenticated_body_is_not_read(live):
+    """A mutating request without the token is refused as soon as its head
+    is in: its body (here announced as 1,000,000 bytes, 10 sent) is never
+    waited for or buffered. So is a body announced above the limit."""
+    coord, _, _ = live
+    p = coord.http_port
+    head = (b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000\r\n\r\n")
+    answer = raw_request(p, head, b"{\"steps\": 1")
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+    head = (b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + TOKEN.encode() + b"\r\nContent-Length: 5000000\r\n\r\n")
+    answer = raw_request(p, head, b"{")
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+
+
+def test_browser_requests_without_token(procs, tmp_path):
+    """With no api_token (the loopback default) a web page the operator
+    opens may not change state (a cross-site Origin is refused) nor read the
+    API through a name of its own pointed at 127.0.0.1 (Host is checked);
+    the dashboard itself, curl and zctl are unaffected."""
+    train, val = byte_dataset(str(tmp_path / "data"), 20_000)
+    coord = procs.coord(hb_ms=300)
+    p = coord.http_port
+    spec = json.dumps(tiny_spec(train, val, 5, workers=1))
+    code, b = js(p, "/v1/jobs", method="POST", data=spec, headers=["Origin: http://evil.example"])
+    assert code == 403 and "cross-site" in b["error"] and "evil.example" in b["error"], b
+    code, b = js(p, "/v1/jobs", method="POST", data=spec, headers=["Origin: null"])
+    assert code == 403, b
+    assert js(p, "/v1/jobs")[1]["jobs"] == []
+    code, b = js(p, "/v1/jobs", method="POST", data=spec, headers=[f"Origin: http://127.0.0.1:{p}"])
+    assert code == 201, b
+    jid = b["job_id"]
+    code, b = js(p, f"/v1/jobs/{jid}/cancel", method="POST",
+                 headers=["Origin: https://localhost.evil.example"])
+    assert code == 403, b
+    assert js(p, f"/v1/jobs/{jid}")[1]["state"] != "canceled"
+    code, b = js(p, "/v1/jobs", headers=["Host: evil.example:7080"])
+    assert code == 403 and "evil.example" in b["error"], b
+    code, b = js(p, "/v1/jobs", headers=["Host: 127.0.0.1.evil.example"])
+    assert code == 403, b
+    for host in (f"localhost:{p}", f"127.0.0.1:{p}", "127.0.0.1", "[::1]:80"):
+        code, b = js(p, "/v1/jobs", headers=[f"Host: {host}"])
+        assert code == 200 and [j["id"] for j in b["jobs"]] == [jid], (host, b)
+    code, b = js(p, f"/v1/jobs/{jid}/cancel", method="POST")
+    assert code == 200, b
