@@ -238,13 +238,31 @@ int zt_remove_tree(const char *path) {
 
 /* ---- text from the network ----------------------------------------------------- */
 
-/* Length of the valid UTF-8 sequence at s (2..4), or 0. */
+/* Length of the valid UTF-8 sequence at s (2..4), or 0: RFC 3629's
+ * table, so that overlong forms, UTF-16 surrogates (ED A0..BF) and code
+ * points above U+10FFFF are not valid, as JSON decoders and Prometheus
+ * hold them. */
 static size_t utf8_len(const unsigned char *s) {
-  size_t n = s[0] >= 0xf0 && s[0] <= 0xf4 ? 4 : s[0] >= 0xe0 ? 3 : s[0] >= 0xc2 ? 2 : 0;
-  if (s[0] >= 0xf8) return 0;
-  for (size_t i = 1; i < n; i++)
+  size_t n = s[0] >= 0xf0 && s[0] <= 0xf4 ? 4 : s[0] >= 0xe0 && s[0] < 0xf0 ? 3
+             : s[0] >= 0xc2 && s[0] < 0xe0 ? 2 : 0;
+  unsigned lo = 0x80, hi = 0xbf; /* the second byte's range */
+  if (s[0] == 0xe0) lo = 0xa0;
+  if (s[0] == 0xed) hi = 0x9f;
+  if (s[0] == 0xf0) lo = 0x90;
+  if (s[0] == 0xf4) hi = 0x8f;
+  if (n && (s[1] < lo || s[1] > hi)) return 0;
+  for (size_t i = 2; i < n; i++)
     if ((s[i] & 0xc0) != 0x80) return 0;
   return n;
+}
+
+int zt_text_valid(const char *s) {
+  for (const unsigned char *p = (const unsigned char *)s; *p;) {
+    size_t u = *p >= 0x80 ? utf8_len(p) : 1;
+    if (!u || *p < 0x20 || *p == 0x7f) return 0;
+    p += u;
+  }
+  return 1;
 }
 
 const char *zt_text_shape(const char *s, char *out, size_t n) {

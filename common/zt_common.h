@@ -174,6 +174,9 @@ ZT_MUST_CHECK int zt_epoch_parse(const char *rel, zt_epoch_t *e);
  * rank_<r>.json (r in decimal without a sign or leading zeros); *rank gets
  * r, or -1 for the manifest. */
 int zt_epoch_file(const char *name, int *rank);
+/* The most epoch deletions one heartbeat reports (HeartbeatRequest's
+ * deleted_epochs): what a worker keeps, and what the coordinator takes. */
+#define ZT_DELETED_EPOCHS_MAX 64
 /* Compares two strings in time that depends only on their lengths, for
  * secrets and tokens. Returns 1 when they are equal. */
 int zt_secret_equal(const char *a, const char *b);
@@ -187,6 +190,9 @@ int zt_random_bytes(void *out, size_t n);
  * UTF-8 sequence) written as \xNN, so that text from the network cannot
  * drive a terminal. Returns buf (n > 4). */
 const char *zt_printable(const char *s, char *buf, size_t n);
+/* 1 when s is valid UTF-8 without control characters (or DEL): text that
+ * may be stored and served as it is (JSON, Prometheus labels). */
+int zt_text_valid(const char *s);
 /* Tickets for transfers between workers (ticket.c): the coordinator makes
  * them with the holder's session as the key; the holder checks them. */
 typedef struct {

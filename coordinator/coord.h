@@ -88,6 +88,11 @@ typedef struct {
    * after a coordinator restart it counts as without, until it registers
    * again, and its generations use the ring). */
   int nccl;
+  /* The credential this registration replaced, until the worker is heard
+   * with the new one: if the reply that carried the new one was lost
+   * (deadline, a connection cut), the worker asks again with the old one
+   * and is let in, instead of waiting to be declared lost. Not stored. */
+  char prev_session[sizeof(((zt_db_worker_t *)0)->session)];
 } zt_member_t;
 
 #define ZT_MAX_WORLD 256

@@ -1446,7 +1446,9 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
     peer_failure(c, j, m, req, why);
     return 0;
   }
-  quarantine_peer(c, j, m, req->suspect_rank - 1);
+  /* 1 + the rank, or 0; any int32 may arrive, so the range check comes
+   * before the subtraction (INT32_MIN - 1 overflows). */
+  quarantine_peer(c, j, m, req->suspect_rank > 0 ? req->suspect_rank - 1 : -1);
   if (kind == ZT_FAIL_MEMORY) learn_memory(c, j, m);
   fail_generation(c, j, kind, req->step, why);
   return 0;

@@ -183,10 +183,14 @@ static int valid_name(const char *s) {
 }
 
 /* A name may be registered when nobody holds it, when its holder is lost
- * or left, or by its holder itself (it presents its current session). */
+ * or left, or by its holder itself (it presents its current session, or
+ * the one before it while the new one has not been used: a lost reply). */
 static int name_free(zt_coord_t *c, const zt_member_t *m, const zt_register_t *r) {
   if (!m || m->row.state == ZT_WORKER_LOST || m->row.state == ZT_WORKER_LEFT) return 1;
-  if (r->session && r->session[0] && zt_secret_equal(r->session, m->row.session)) return 1;
+  if (r->session && r->session[0] &&
+      (zt_secret_equal(r->session, m->row.session) ||
+       (m->prev_session[0] && zt_secret_equal(r->session, m->prev_session))))
+    return 1;
   zt_errk(ZT_E_EXISTS,
           "worker name \"%s\" is in use by a live worker (pid %d on %s, heard from %lld ms ago); "
           "another worker needs another --name, a restarted one is let in once the old one is "
@@ -204,12 +208,12 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   if (strlen(r->host) >= sizeof(((zt_db_worker_t *)0)->host) ||
       strlen(r->device) >= sizeof(((zt_db_worker_t *)0)->device))
     return zt_errk(ZT_E_INVALID, "host or device name too long");
-  for (const char *p = r->host; *p; p++)
-    if ((unsigned char)*p < 0x20 || *p == 0x7f)
-      return zt_errk(ZT_E_INVALID, "host name contains control characters");
-  for (const char *p = r->device; *p; p++)
-    if ((unsigned char)*p < 0x20 || *p == 0x7f)
-      return zt_errk(ZT_E_INVALID, "device name contains control characters");
+  if (!zt_text_valid(r->host))
+    return zt_errk(ZT_E_INVALID, "host name is not UTF-8 text (control characters or "
+                                 "invalid bytes)");
+  if (!zt_text_valid(r->device))
+    return zt_errk(ZT_E_INVALID, "device name is not UTF-8 text (control characters or "
+                                 "invalid bytes)");
   zt_member_t *m = zt_members_find_name(c, r->name);
   if (!name_free(c, m, r)) return -1;
   zt_db_worker_t row;
@@ -254,6 +258,14 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
     if (m->quarantine_ms && (m->row.pid != r->pid || m->row.state == ZT_WORKER_LOST ||
                              m->row.state == ZT_WORKER_LEFT))
       m->quarantine_ms = 0, m->probe_asked = 0;
+    /* The credential the worker may still hold if this reply is lost:
+     * the one it presented (the replaced one, or the one before that when
+     * it asks again after a lost reply). */
+    int live = m->row.state != ZT_WORKER_LOST && m->row.state != ZT_WORKER_LEFT;
+    if (!live)
+      m->prev_session[0] = 0;
+    else if (!(r->session && zt_secret_equal(r->session, m->prev_session)))
+      memcpy(m->prev_session, m->row.session, sizeof m->prev_session);
     m->row = row; /* restarted: the caller voids its old assignment */
   } else {
     m = members_add(c, &row);
@@ -275,6 +287,7 @@ int zt_members_authenticate(zt_coord_t *c, uint64_t id, const char *session) {
     return zt_errk(ZT_E_UNAUTHENTICATED,
                    "worker %llu: session credential missing or wrong (register again)",
                    (unsigned long long)id);
+  m->prev_session[0] = 0; /* the new credential arrived */
   return 0;
 }
 

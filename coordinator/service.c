@@ -92,6 +92,14 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   (void)call;
   const Ztrain__HeartbeatRequest *req = (const Ztrain__HeartbeatRequest *)m;
   zt_member_t *mem;
+  /* Each deleted epoch is a database write on the loop: a worker reports
+   * at most the 64 it was asked about (worker/control.c), and a longer
+   * list is refused before any is written. */
+  if (req->n_deleted_epochs > ZT_DELETED_EPOCHS_MAX) {
+    zt_errk(ZT_E_INVALID, "deleted_epochs: %zu entries, at most %d", req->n_deleted_epochs,
+            ZT_DELETED_EPOCHS_MAX);
+    return NULL;
+  }
   if (zt_members_heartbeat(c, req->worker_id, &mem) != 0) return NULL;
   zt_members_timing(c, mem, req->step_ms, req->comm_ms, req->send_wait_ms, req->link_rtt_ms);
   Ztrain__HeartbeatReply *r = new_reply(x, &ztrain__heartbeat_reply__descriptor);
@@ -123,9 +131,10 @@ static ProtobufCMessage *h_leave(zt_coord_t *c, zt_rpc_call_t *call, const Proto
   const Ztrain__LeaveRequest *req = (const Ztrain__LeaveRequest *)m;
   zt_member_t *mem = zt_members_get(c, req->worker_id);
   Ztrain__LeaveReply *r = new_reply(x, &ztrain__leave_reply__descriptor);
-  /* A worker that leaves a checkpointed running job drains first. */
-  if (mem && mem->row.state == ZT_WORKER_ALIVE && (mem->draining || zt_jobs_leave_drains(c, mem)) &&
-      mem->job_id) {
+  /* A worker that leaves a checkpointed running job drains first, unless
+   * its drain deadline has passed (now). */
+  if (!req->now && mem && mem->row.state == ZT_WORKER_ALIVE &&
+      (mem->draining || zt_jobs_leave_drains(c, mem)) && mem->job_id) {
     r->drain_pending = 1;
     return &r->base;
   }

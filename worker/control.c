@@ -43,7 +43,7 @@ struct zt_ctl {
   char ckpt_root[1024];
   /* Epoch directories deleted as a heartbeat reply asked, reported with
    * the next heartbeat (control thread). */
-  char *deleted[64];
+  char *deleted[ZT_DELETED_EPOCHS_MAX];
   int n_deleted;
   /* The answer to the coordinator's last probe request (probe_stores),
    * reported with the next heartbeat (control thread). */
@@ -320,10 +320,14 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
  * worker keeps training and heartbeating until its generation is replaced
  * (the heartbeat reply no longer names a job), then leaves for good. The
  * wait is bounded (drain_timeout_ms, default 90 s: inside a spot
- * instance's two-minute notice). */
+ * instance's two-minute notice); past it, a last Leave with `now` set
+ * leaves at once, so that the job re-forms without this worker instead of
+ * waiting for its heartbeats to stop. */
 static void do_leave(zt_ctl_t *c) {
   if (!c->worker_id) return;
-  zt_deadline_t dl = zt_deadline_in(c->o.drain_timeout_ms > 0 ? c->o.drain_timeout_ms : 90000);
+  int64_t limit = c->o.drain_timeout_ms > 0 ? c->o.drain_timeout_ms : 90000;
+  zt_deadline_t dl = zt_deadline_in(limit);
+  int now = 0;
   for (;;) {
     char session[sizeof c->session];
     zt_ctl_session(c, session, sizeof session);
@@ -331,6 +335,7 @@ static void do_leave(zt_ctl_t *c) {
     req.worker_id = c->worker_id;
     req.session = session;
     req.reason = c->stop_reason;
+    req.now = now;
     ProtobufCMessage *m;
     int status;
     if (call(c, "/ztrain.Control/Leave", &req.base, &ztrain__leave_reply__descriptor, &m,
@@ -340,7 +345,13 @@ static void do_leave(zt_ctl_t *c) {
     }
     int drain = ((Ztrain__LeaveReply *)m)->drain_pending;
     protobuf_c_message_free_unpacked(m, NULL);
-    if (!drain || zt_deadline_passed(dl)) break;
+    if (!drain || now) break;
+    if (zt_deadline_passed(dl)) {
+      ZT_WARN("draining: no checkpoint within %lld ms (--drain-timeout-ms); leaving without it",
+              (long long)limit);
+      now = 1;
+      continue;
+    }
     ZT_INFO("draining: the job checkpoints before this worker leaves");
     while (!zt_deadline_passed(dl)) {
       int st = 0;

@@ -39,6 +39,7 @@ typedef struct {
   int threads;
   char data_root[PATH_MAX], ckpt_root[PATH_MAX]; /* resolved */
   uint64_t memory;                               /* bytes this worker may use */
+  int64_t drain_timeout_ms;                      /* 0: the default (90 s) */
 } worker_args;
 
 static void usage(FILE *f) {
@@ -46,12 +47,15 @@ static void usage(FILE *f) {
              "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n"
              "               [--threads N] [--comm-host ADDR] [--memory BYTES[K|M|G]]\n"
              "               [--data-root DIR] [--checkpoint-root DIR] [--host NAME]\n"
+             "               [--drain-timeout-ms N]\n"
              "Job data and checkpoints must lie under the roots (default: the working\n"
              "directory); --memory (default: the machine's RAM) is what the scheduler\n"
              "assumes this worker may use. --comm-host is the address peers reach this\n"
              "worker's ring on (default 127.0.0.1: one machine only); --host names the\n"
              "machine (default: its hostname), so that workers of one machine are known\n"
-             "to share its fate.\n");
+             "to share its fate. On SIGTERM a worker of a running job waits for a\n"
+             "checkpoint before it leaves, at most --drain-timeout-ms (default 90000:\n"
+             "inside a two-minute spot notice; 25000 for a 30-second one).\n");
 }
 
 /* "2G", "512M", "1000000": bytes. */
@@ -80,6 +84,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       {"threads", required_argument, 0, 't'},     {"comm-host", required_argument, 0, 'H'},
       {"data-root", required_argument, 0, 'D'},   {"checkpoint-root", required_argument, 0, 'C'},
       {"memory", required_argument, 0, 'm'},      {"host", required_argument, 0, 'o'},
+      {"drain-timeout-ms", required_argument, 0, 'T'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0},
   };
@@ -89,6 +94,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   a->comm_host = "127.0.0.1";
   a->secret = getenv("ZTRAIN_WORKER_SECRET");
   int ch;
+  int64_t v;
   while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
     switch (ch) {
     case 'c': a->coordinator = optarg; break;
@@ -96,7 +102,14 @@ static int parse_args(worker_args *a, int argc, char **argv) {
     case 'd': a->device = optarg; break;
     case 'w': a->workdir = optarg; break;
     case 's': a->secret = optarg; break;
-    case 't': a->threads = atoi(optarg); break;
+    case 't':
+      if (zt_parse_i64("--threads", optarg, 0, 1024, &v) != 0) return -1;
+      a->threads = (int)v;
+      break;
+    case 'T':
+      if (zt_parse_i64("--drain-timeout-ms", optarg, 1, 3600000, &a->drain_timeout_ms) != 0)
+        return -1;
+      break;
     case 'H': a->comm_host = optarg; break;
     case 'o': a->host = optarg; break;
     case 'D': data_root = optarg; break;
@@ -249,6 +262,7 @@ int main(int argc, char **argv) {
                      .host = a.host, .ckpt_root = a.ckpt_root,
                      .secret = a.secret, .host_memory = a.memory,
                      .device_memory = device_memory, .nccl = nccl, .on_command = on_command,
+                     .drain_timeout_ms = a.drain_timeout_ms,
                      .timing = on_timing, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());

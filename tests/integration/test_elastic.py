@@ -108,6 +108,33 @@ def test_sigterm_drains_without_recomputing(procs, tmp_path, data):
     assert j["step"] == 600
 
 
+def test_drain_past_its_deadline_still_leaves(procs, tmp_path, data):
+    """A SIGTERM whose drain cannot finish within --drain-timeout-ms (rank
+    0 reports each checkpoint 8 s late) ends with the worker leaving at
+    once, told so by a last Leave: it is 'left', and the job re-forms
+    without it and completes. Before, the coordinator still held a drain
+    pending, the worker exited without leaving, and it was declared lost
+    only at its heartbeat timeout (30 s here)."""
+    train, val = data
+    coord = start_fleet(procs, names=["a", "b", "c"], hb_ms=HB, timeout_ms=30000,
+                        extra_by_name={"b": ["--drain-timeout-ms", "1500"]})
+    ws = coord.workers
+    spec = tiny_spec(train, val, 300, stage=1, workers=2, max_workers=3,
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 1000},
+                     fault_injection={"delay_checkpoint_report_ms": 8000})
+    jid = submit(coord, spec, tmp_path)
+    wait_until(lambda: job(coord, jid)["world"] == 3 and job(coord, jid)["step"] > 20, 60,
+               "3 ranks training")
+    ws["b"].signal(signal.SIGTERM)
+    assert ws["b"].wait(30) == 0
+    assert "leaving without it" in ws["b"].output()
+    wait_until(lambda: workers_by_name(coord)["b"]["state"] == "left", 10, "b left")
+    kinds = [e["kind"] for e in events(coord) if e["worker_id"] == workers_by_name(coord)["b"]["id"]]
+    assert "left" in kinds and "lost" not in kinds, kinds
+    j = wait_job(coord, jid, timeout=300)
+    assert j["step"] == 300 and "b" not in job_members(coord, jid)
+
+
 def test_sigstop_worker_is_fenced_and_rejoins(procs, tmp_path, data):
     train, val = data
     coord, ws = start(procs, ["a", "b", "c"])

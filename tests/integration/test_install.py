@@ -93,6 +93,15 @@ def check_units(unitdir, bindir, etcdir, docdir, inside):
             envf = s["EnvironmentFile"][0]
             assert envf == os.path.join(etcdir, "ztrain", "zworker.env")
             assert os.path.isfile(inside(envf)), envf
+            # Every variable ExecStart uses is set by the unit itself or the
+            # shipped env file; the drain timeout has a default in the unit,
+            # so an env file from before it still starts the worker.
+            unit_env = {e.split("=", 1)[0] for e in s.get("Environment", [])}
+            file_env = {l.split("=", 1)[0] for l in open(inside(envf))
+                        if "=" in l and not l.startswith("#")}
+            used = set(re.findall(r"\$\{(\w+)\}", s["ExecStart"][0]))
+            assert used <= unit_env | file_env, used - unit_env - file_env
+            assert "ZTRAIN_DRAIN_TIMEOUT_MS" in unit_env and "--drain-timeout-ms" in exe
         doc = s["Documentation"][0]
         assert doc == "file://" + os.path.join(docdir, "architecture.md")
         assert os.path.isfile(inside(doc[len("file://"):])), doc

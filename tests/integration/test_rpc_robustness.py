@@ -6,7 +6,6 @@ The client is Python grpcio with identity (de)serializers, so the test can
 put any bytes on the wire. Valid messages are encoded by hand (tiny protobuf
 writer below) to keep this test independent of our own C encoder.
 """
-import os
 import random
 
 import grpc
@@ -141,6 +140,23 @@ def test_malformed_truncated_unknown(coord_and_channel, procs):
     code, _, det = call(ch, "/ztrain.Control/RegisterWorker", field_bytes(1, b""))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
 
+    # Host and device names are served as they are (JSON, Prometheus
+    # labels): they must be UTF-8 text. One bad byte once made /v1/workers
+    # invalid JSON and every /metrics scrape fail.
+    for field, value in ((2, b"h\xff"), (2, b"h\xed\xa0\x80"), (3, b"cuda:\xc0\xb0"),
+                         (2, b"tab\there")):
+        code, _, det = call(ch, "/ztrain.Control/RegisterWorker",
+                            field_bytes(1, b"bad-text") + field_bytes(field, value))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not UTF-8 text" in det, (value, det)
+    assert "bad-text" not in workers_by_name(coord)
+
+    # A heartbeat reports at most 64 deleted epochs, each a database write:
+    # a longer list is refused before any work.
+    code, _, det = call(ch, hb, cred(wid, session) + field_bytes(6, b"x") * 100000)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "deleted_epochs: 100000" in det, det
+    code, _, det = call(ch, hb, cred(wid, session) + field_bytes(6, b"job_1/step_00000001-g1") * 64)
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION), det
+
     # Oversized: above the 4 MiB request limit.
     code, _, det = call(ch, hb, field_bytes(15, b"x" * (5 << 20)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, det)
@@ -177,6 +193,31 @@ def test_stale_worker_told_to_register_again(coord_and_channel):
     assert register(ch, "short-lived") == wid  # same name, same identity
     kinds = [e["kind"] for e in events(coord) if e["worker_id"] == wid]
     assert kinds == ["registered", "left", "rejoined"]
+
+
+def test_lost_register_reply(coord_and_channel):
+    """A re-registration whose reply is lost (its deadline passed after the
+    coordinator stored the new credential) leaves the worker with the old
+    one: asking again with it is let in, however many replies were lost,
+    until the new credential has been used. Before, the name stayed taken
+    until the worker was declared lost."""
+    _, ch = coord_and_channel
+    reg = "/ztrain.Control/RegisterWorker"
+    wid, s1 = register_session(ch, "unlucky")
+    wid2, s2 = register_session(ch, "unlucky", s1)  # this reply is "lost"
+    assert wid2 == wid and s2 != s1
+    wid3, _ = register_session(ch, "unlucky", s1)   # and this one
+    wid4, s4 = register_session(ch, "unlucky", s1)
+    assert wid3 == wid4 == wid
+    code, _, det = call(ch, "/ztrain.Control/Heartbeat", cred(wid, s4))
+    assert code == grpc.StatusCode.OK, det
+    # Once the new credential is used, the old ones are worthless.
+    for old in (s1, s2):
+        code, _, det = call(ch, reg, field_bytes(1, b"unlucky") + field_bytes(7, old))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "in use" in det, det
+    code, _, det = call(ch, "/ztrain.Control/Heartbeat", cred(wid, s1))
+    assert code == grpc.StatusCode.UNAUTHENTICATED, det
+    assert register_session(ch, "unlucky", s4)[0] == wid
 
 
 def test_rendezvous_relays_nccl_id(procs, tmp_path):

@@ -113,6 +113,18 @@ ZT_TEST(test_printable_and_numbers) {
   ZT_CHECK_STR(zt_printable("plain name", buf, sizeof buf), "plain name");
   ZT_CHECK_STR(zt_printable("a\x1b[31mred\x07\n", buf, sizeof buf), "a\\x1b[31mred\\x07\\x0a");
   ZT_CHECK_STR(zt_printable("caf\xc3\xa9 \xff", buf, sizeof buf), "caf\xc3\xa9 \\xff");
+  /* Overlong forms, surrogates and code points past U+10FFFF are escaped. */
+  ZT_CHECK_STR(zt_printable("\xc0\xaf\xe0\x80\xaf\xed\xa0\x80\xf4\x90\x80\x80", buf, sizeof buf),
+               "\\xc0\\xaf\\xe0\\x80\\xaf\\xed\\xa0\\x80\\xf4\\x90\\x80\\x80");
+  ZT_CHECK_STR(zt_printable("\xe2\x82\xac\xf0\x9f\x98\x80\xf4\x8f\xbf\xbf", buf, sizeof buf),
+               "\xe2\x82\xac\xf0\x9f\x98\x80\xf4\x8f\xbf\xbf");
+  ZT_CHECK(zt_text_valid("gpu-host-7 caf\xc3\xa9 \xe2\x82\xac"));
+  ZT_CHECK(zt_text_valid(""));
+  ZT_CHECK(!zt_text_valid("h\xff"));
+  ZT_CHECK(!zt_text_valid("h\xed\xa0\x80"));
+  ZT_CHECK(!zt_text_valid("h\xc3"));
+  ZT_CHECK(!zt_text_valid("tab\there"));
+  ZT_CHECK(!zt_text_valid("del\x7f"));
   char tiny[8];
   zt_printable("\x01\x02\x03\x04", tiny, sizeof tiny); /* cut, never overflowed */
   ZT_CHECK(strlen(tiny) < sizeof tiny);
