@@ -140,23 +140,33 @@ static int add_event(const zt_db_event_t *e, void *user) {
   return 0;
 }
 
-static void r_events(zt_http_req_t *r) {
-  int64_t after, limit, job;
-  if (zt_http_query_i64(r, "after", 0, &after) || zt_http_query_i64(r, "limit", 1000, &limit) ||
-      zt_http_query_i64(r, "job", 0, &job))
+/* Logbook entries of one job (job > 0) or all, as the query asks: after=ID
+ * (those after it), limit=N (the first N, default `limit`) or tail=N (the
+ * newest N), oldest first either way. */
+static void events_json(zt_http_req_t *r, int64_t job, int64_t limit) {
+  int64_t after, tail;
+  if (zt_http_query_i64(r, "after", 0, &after) || zt_http_query_i64(r, "limit", limit, &limit) ||
+      zt_http_query_i64(r, "tail", 0, &tail))
     return;
-  if (limit <= 0 || limit > 100000) {
-    zt_http_error(r, 400, "limit must be 1..100000");
+  if (limit <= 0 || limit > 100000 || tail < 0 || tail > 100000) {
+    zt_http_error(r, 400, "limit and tail must be 1..100000");
     return;
   }
   cJSON *o = cJSON_CreateObject();
   cJSON *arr = cJSON_AddArrayToObject(o, "events");
-  if (zt_db_events_each(r->c->db, (uint64_t)job, after, (int)limit, add_event, arr) != 0) {
+  if (zt_db_events_each(r->c->db, (uint64_t)job, after, tail ? (int)-tail : (int)limit, add_event,
+                        arr) != 0) {
     cJSON_Delete(o);
     zt_http_error(r, 503, "%s", zt_err_msg());
     return;
   }
   zt_http_json(r, 200, o);
+}
+
+static void r_events(zt_http_req_t *r) {
+  int64_t job;
+  if (zt_http_query_i64(r, "job", 0, &job)) return;
+  events_json(r, job, 1000);
 }
 
 static cJSON *job_json(const zt_job_t *j) {
@@ -298,14 +308,7 @@ static void r_job(zt_http_req_t *r) {
     return;
   }
   if (!strcmp(end, "/events")) {
-    cJSON *o = cJSON_CreateObject();
-    cJSON *arr = cJSON_AddArrayToObject(o, "events");
-    if (zt_db_events_each(r->c->db, id, 0, 100000, add_event, arr) != 0) {
-      cJSON_Delete(o);
-      zt_http_error(r, 503, "%s", zt_err_msg());
-      return;
-    }
-    zt_http_json(r, 200, o);
+    events_json(r, (int64_t)id, 100000);
     return;
   }
   zt_http_error(r, 404, "no such resource: %s", r->url);

@@ -11,6 +11,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <sqlite3.h>
 #include <stddef.h>
@@ -144,6 +145,8 @@ enum {
   ST_EVENT_REPEAT,
   ST_EVENTS_ALL,
   ST_EVENTS_JOB,
+  ST_EVENTS_ALL_TAIL,
+  ST_EVENTS_JOB_TAIL,
   ST_JOB_INSERT,
   ST_JOB_UPDATE,
   ST_JOBS_ALL,
@@ -198,6 +201,12 @@ static const char *const k_sql[ST_COUNT] = {
                       "FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
     [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms "
                       "FROM events WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
+    [ST_EVENTS_ALL_TAIL] = "SELECT * FROM (SELECT id, t_ms, job_id, kind, worker_id, detail, "
+                           "count, last_ms FROM events WHERE id > ?1 ORDER BY id DESC LIMIT ?2) "
+                           "ORDER BY id",
+    [ST_EVENTS_JOB_TAIL] = "SELECT * FROM (SELECT id, t_ms, job_id, kind, worker_id, detail, "
+                           "count, last_ms FROM events WHERE job_id = ?3 AND id > ?1 "
+                           "ORDER BY id DESC LIMIT ?2) ORDER BY id",
     [ST_JOB_INSERT] = "INSERT INTO jobs(name, spec, state, total_steps, min_workers, max_workers, "
                       "created_ms, updated_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
     [ST_JOB_UPDATE] = "UPDATE jobs SET state = ?2, generation = ?3, world = ?4, step = ?5, "
@@ -655,9 +664,11 @@ int zt_db_event_repeat(zt_db_t *db, int64_t id, const char *detail) {
 
 int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user) {
-  sqlite3_stmt *st = db->st[job_id ? ST_EVENTS_JOB : ST_EVENTS_ALL];
+  int tail = limit < 0 && limit != INT_MIN;
+  sqlite3_stmt *st = db->st[tail ? (job_id ? ST_EVENTS_JOB_TAIL : ST_EVENTS_ALL_TAIL)
+                                 : (job_id ? ST_EVENTS_JOB : ST_EVENTS_ALL)];
   sqlite3_bind_int64(st, 1, after_id);
-  sqlite3_bind_int(st, 2, limit > 0 ? limit : 1000);
+  sqlite3_bind_int(st, 2, tail ? -limit : limit > 0 ? limit : 1000);
   if (job_id) sqlite3_bind_int64(st, 3, (int64_t)job_id);
   rows_ctx x = {ROW_EVENT, {.event = fn}, user};
   return each_row(db, st, "list events", typed_row, &x);

@@ -95,7 +95,9 @@ ZT_MUST_CHECK int zt_db_event_add(zt_db_t *db, uint64_t job_id, const char *kind
 /* One more occurrence of event `id`: count + 1, the time and this detail. */
 ZT_MUST_CHECK int zt_db_event_repeat(zt_db_t *db, int64_t id, const char *detail);
 typedef int (*zt_db_event_fn)(const zt_db_event_t *e, void *user);
-/* Events with id > after_id, oldest first, at most `limit`; job_id 0: all. */
+/* Events with id > after_id, oldest first, at most `limit` (0: 1000), or
+ * with limit < 0 the newest -limit of them, still oldest first; job_id 0:
+ * all. */
 ZT_MUST_CHECK int zt_db_events_each(zt_db_t *db, uint64_t job_id, int64_t after_id, int limit, zt_db_event_fn fn,
                       void *user);
 

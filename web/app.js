@@ -382,7 +382,9 @@ async function showJob(job) {
 // ---- the other tables ------------------------------------------------------------------------
 
 async function fetchLogbook() {
-  const r = await get(`/v1/events?after=${logbook.after}&limit=100000`);
+  // The newest 50 at first, then whatever came after them.
+  const r = await get(logbook.after ? `/v1/events?after=${logbook.after}&limit=100000`
+                                    : "/v1/events?tail=50");
   for (const e of r.events) logbook.after = Math.max(logbook.after, e.id);
   logbook.rows = logbook.rows.concat(r.events).slice(-50);
 }

@@ -79,6 +79,20 @@ def test_read_endpoints(live):
     assert code == 200 and [c["step"] for c in ck["checkpoints"]] == [20, 40, 60]
     code, ev = js(p, "/v1/events?limit=2")
     assert code == 200 and len(ev["events"]) == 2
+    # tail: the newest, oldest first (the dashboard's logbook starts there).
+    code, every = js(p, "/v1/events?limit=100000")
+    ids = [e["id"] for e in every["events"]]
+    code, ev = js(p, "/v1/events?tail=3")
+    assert code == 200 and [e["id"] for e in ev["events"]] == ids[-3:]
+    code, ev = js(p, f"/v1/events?tail=2&after={ids[-2]}")
+    assert [e["id"] for e in ev["events"]] == ids[-1:]
+    code, every = js(p, f"/v1/jobs/{jid}/events")
+    jids = [e["id"] for e in every["events"]]
+    code, ev = js(p, f"/v1/jobs/{jid}/events?tail=2")
+    assert code == 200 and [e["id"] for e in ev["events"]] == jids[-2:]
+    code, ev = js(p, f"/v1/jobs/{jid}/events?after={jids[0]}&limit=1")
+    assert [e["id"] for e in ev["events"]] == jids[1:2]
+    assert js(p, "/v1/events?tail=-1")[0] == 400
     code, ctype, body = curl(p, "/")
     assert code == 200 and ctype.startswith("text/html") and b"<canvas" in body
     code, ctype, _ = curl(p, "/static/app.js")

@@ -108,6 +108,16 @@ ZT_TEST(test_events_filter_and_order) {
   acc[0] = 0;
   ZT_CHECK(zt_db_events_each(db, 0, 2, 1, collect_kind, acc) == 0);
   ZT_CHECK_STR(acc, "c;");
+  /* The newest ones, oldest first. */
+  acc[0] = 0;
+  ZT_CHECK(zt_db_events_each(db, 0, 0, -2, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "c;d;");
+  acc[0] = 0;
+  ZT_CHECK(zt_db_events_each(db, 3, 0, -1, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "c;");
+  acc[0] = 0;
+  ZT_CHECK(zt_db_events_each(db, 0, 3, -10, collect_kind, acc) == 0);
+  ZT_CHECK_STR(acc, "d;");
   zt_db_close(db);
 }
 
