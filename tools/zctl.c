@@ -212,11 +212,21 @@ static int cmd_jobs(zctl *z, int argc, char **argv) {
   return 0;
 }
 
+/* A job id: a decimal integer from 1 (strtoull would take "-1" for 2^64-1). */
 static int parse_job_id(const char *s, uint64_t *id) {
-  char *end;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (!*s || *end || v == 0) return zt_err("\"%s\" is not a job id", s);
-  *id = v;
+  int64_t v;
+  if (opt_i64("job id", s, 1, INT64_MAX, &v) != 0) return -1;
+  *id = (uint64_t)v;
+  return 0;
+}
+
+/* The option at argv[i] of a verb that takes only "--name value" pairs
+ * after its job id: an error naming an argument that is no option, or an
+ * option without its value. */
+static int check_pair(const char *verb, int argc, char **argv, int i) {
+  if (strncmp(argv[i], "--", 2))
+    return zt_err("%s: unexpected argument \"%s\"", verb, esc(argv[i]));
+  if (i + 1 >= argc) return zt_err("%s: %s needs a value", verb, esc(argv[i]));
   return 0;
 }
 
@@ -286,7 +296,8 @@ static int cmd_metrics(zctl *z, int argc, char **argv) {
   int64_t from = 0, to = 0;
   if (argc < 1 || parse_job_id(argv[0], &job) != 0)
     return zt_err("metrics: usage: zctl metrics JOB [--from S] [--to S]");
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
+    if (check_pair("metrics", argc, argv, i) != 0) return -1;
     if (!strcmp(argv[i], "--from")) {
       if (opt_i64("--from", argv[i + 1], 0, INT64_MAX, &from) != 0) return -1;
     } else if (!strcmp(argv[i], "--to")) {
@@ -350,7 +361,8 @@ static int cmd_action(zctl *z, int argc, char **argv) {
                   !strcmp(action, "rollback") ? " --to-step S [--skip N]" : "");
   req.action = (char *)action;
   req.to_step = -1;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
+    if (check_pair(action, argc, argv, i) != 0) return -1;
     if (!strcmp(argv[i], "--to-step")) {
       if (opt_i64("--to-step", argv[i + 1], 0, INT64_MAX, &req.to_step) != 0) return -1;
     } else if (!strcmp(argv[i], "--skip")) {
@@ -412,7 +424,8 @@ static int cmd_checkpoints(zctl *z, int argc, char **argv) {
  * checkpoints and its metrics. */
 static int cmd_logbook(zctl *z, int argc, char **argv) {
   uint64_t id = 0;
-  if (argc < 1 || parse_job_id(argv[0], &id) != 0 || (argc > 1 && strcmp(argv[1], "--markdown")))
+  if (argc < 1 || argc > 2 || parse_job_id(argv[0], &id) != 0 ||
+      (argc > 1 && strcmp(argv[1], "--markdown")))
     return zt_err("logbook: usage: zctl logbook JOB --markdown");
   Ztrain__GetJobRequest gj = ZTRAIN__GET_JOB_REQUEST__INIT;
   gj.job_id = id;

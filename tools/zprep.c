@@ -19,8 +19,21 @@
  * Output: DIR/PREFIX_train_000000.bin, ..., DIR/PREFIX_val_000000.bin, each
  * at most --shard-tokens tokens (default 100M), header of 256 int32
  * (magic 20240520, version 1, token count), tokens as little-endian uint16.
- * Files are written to a temporary name and renamed when complete. The
- * summary line on stdout gives the vocab_size to put in the job spec.
+ * Files are written to a temporary name, fsync'ed and renamed when complete
+ * (then the directory is fsync'ed); a file that cannot be written leaves no
+ * temporary behind. The summary line on stdout gives the vocab_size to put
+ * in the job spec.
+ *
+ * One data set per DIR and PREFIX. Numbering starts at 0 on every run, so
+ * a second run into the same place would leave the first run's higher
+ * shards beside its own (and a failed run would already have replaced the
+ * first shards): zprep refuses to start when DIR holds a PREFIX_train_N.bin,
+ * PREFIX_val_N.bin or PREFIX_tokenizer.json. PREFIX is a file name prefix,
+ * so it may not contain '/'.
+ *
+ * Exit status: 0 on success, 1 when the inputs cannot be read or the output
+ * cannot be written, 2 on a usage error (a bad option or value, or a data
+ * set already in DIR under PREFIX).
  *
  * Tokenizer record. Last, zprep writes DIR/PREFIX_tokenizer.json (through
  * a temporary file and a rename), one JSON object:
@@ -46,11 +59,15 @@
  *         and merged by rank; the end-of-text token is
  *         encoder["<|endoftext|>"] (50256 for GPT-2).
  */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -74,31 +91,58 @@ static void put_le32(uint8_t *p, int32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)((uint32_t)v >> (8 * i));
 }
 
-/* Writes len bytes to path through path.tmp and a rename. */
-static int write_atomic(const char *path, const void *buf, size_t len) {
-  char tmp[4200];
+/* Makes a rename in dir durable. */
+static int fsync_dir(const char *dir) {
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return zt_err_errno("open %s", dir);
+  int rc = fsync(fd);
+  if (rc != 0) zt_err_errno("fsync %s", dir);
+  close(fd);
+  return rc;
+}
+
+/* Writes len bytes to dir/name durably: name.tmp, fsync, rename, fsync of
+ * the directory. On failure the temporary file is removed. */
+static int write_atomic(const char *dir, const char *name, const void *buf, size_t len) {
+  char path[4200], tmp[4208];
+  if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
+    return zt_err("%.200s...: path too long", dir);
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE *f = fopen(tmp, "wb");
   if (!f) return zt_err_errno("%s", tmp);
   if (fwrite(buf, 1, len, f) != len || fflush(f) != 0) {
     zt_err_errno("%s: write", tmp);
     fclose(f);
-    return -1;
+    goto err;
   }
-  if (fclose(f) != 0) return zt_err_errno("%s: close", tmp);
-  if (rename(tmp, path) != 0) return zt_err_errno("rename %s", tmp);
-  return 0;
+  if (fsync(fileno(f)) != 0) {
+    zt_err_errno("%s: fsync", tmp);
+    fclose(f);
+    goto err;
+  }
+  if (fclose(f) != 0) {
+    zt_err_errno("%s: close", tmp);
+    goto err;
+  }
+  if (rename(tmp, path) != 0) {
+    zt_err_errno("rename %s", tmp);
+    goto err;
+  }
+  return fsync_dir(dir);
+err:
+  unlink(tmp);
+  return -1;
 }
 
 static int writer_flush(zt_writer_t *w) {
-  char path[4096];
+  char name[1100];
   if (w->n == 0) return 0;
-  snprintf(path, sizeof path, "%s/%s_%s_%06d.bin", w->dir, w->prefix, w->split, w->index);
+  snprintf(name, sizeof name, "%s_%s_%06d.bin", w->prefix, w->split, w->index);
   memset(w->buf, 0, 1024);
   put_le32(w->buf, ZT_MAGIC);
   put_le32(w->buf + 4, ZT_VERSION);
   put_le32(w->buf + 8, (int32_t)w->n);
-  if (write_atomic(path, w->buf, 1024 + 2 * w->n) != 0) return -1;
+  if (write_atomic(w->dir, name, w->buf, 1024 + 2 * w->n) != 0) return -1;
   w->index++;
   w->total += w->n;
   w->n = 0;
@@ -166,11 +210,11 @@ static int encode_file(zt_prep_t *p, const char *path, const char *sep) {
 
 /* Copies the file at src to DIR/PREFIX_suffix (through a temporary file). */
 static int copy_into(const char *src, const char *dir, const char *prefix, const char *suffix) {
-  char path[4096], *buf;
+  char name[1100], *buf;
   size_t len;
   if (zt_read_file(src, &buf, &len, ZT_TOK_FILE_MAX) != 0) return -1;
-  snprintf(path, sizeof path, "%s/%s_%s", dir, prefix, suffix);
-  int rc = write_atomic(path, buf, len);
+  snprintf(name, sizeof name, "%s_%s", prefix, suffix);
+  int rc = write_atomic(dir, name, buf, len);
   free(buf);
   return rc;
 }
@@ -178,7 +222,7 @@ static int copy_into(const char *src, const char *dir, const char *prefix, const
 /* DIR/PREFIX_tokenizer.json (and, for gpt2, the files it names). */
 static int write_record(const zt_tok_t *tok, const char *dir, const char *prefix,
                         const char *enc, const char *bpe) {
-  char path[4096], name[1100];
+  char name[1100];
   int gpt2 = zt_tok_type(tok) == ZT_TOK_GPT2;
   if (gpt2 && (copy_into(enc, dir, prefix, "encoder.json") != 0 ||
                copy_into(bpe, dir, prefix, "vocab.bpe") != 0))
@@ -198,9 +242,42 @@ static int write_record(const zt_tok_t *tok, const char *dir, const char *prefix
   if (!text) return zt_err("tokenizer record: out of memory");
   size_t n = strlen(text);
   text[n] = '\n'; /* replaces the terminator; the length is known */
-  snprintf(path, sizeof path, "%s/%s_tokenizer.json", dir, prefix);
-  int rc = write_atomic(path, text, n + 1);
+  snprintf(name, sizeof name, "%s_tokenizer.json", prefix);
+  int rc = write_atomic(dir, name, text, n + 1);
   free(text);
+  return rc;
+}
+
+/* ---- an earlier data set ------------------------------------------------------ */
+
+/* 1 when name is PREFIX_SPLIT_N.bin: N one or more digits. */
+static int is_shard_of(const char *name, const char *prefix, const char *split) {
+  size_t pl = strlen(prefix), sl = strlen(split);
+  if (strncmp(name, prefix, pl) || name[pl] != '_' || strncmp(name + pl + 1, split, sl) ||
+      name[pl + 1 + sl] != '_')
+    return 0;
+  const char *d = name + pl + 1 + sl + 1, *e = d;
+  while (*e >= '0' && *e <= '9') e++;
+  return e > d && !strcmp(e, ".bin");
+}
+
+/* 0 when dir holds no file of a data set named prefix; otherwise -1 naming
+ * the first one found. A dir that cannot be listed (missing, not a
+ * directory) holds none: making it or writing into it reports its own
+ * error. */
+static int check_no_dataset(const char *dir, const char *prefix) {
+  char record[1100];
+  snprintf(record, sizeof record, "%s_tokenizer.json", prefix);
+  DIR *d = opendir(dir);
+  if (!d) return 0;
+  struct dirent *e;
+  int rc = 0;
+  while (rc == 0 && (e = readdir(d)) != NULL)
+    if (!strcmp(e->d_name, record) || is_shard_of(e->d_name, prefix, "train") ||
+        is_shard_of(e->d_name, prefix, "val"))
+      rc = zt_err("%s already holds a data set (%s): remove it or use another --prefix", dir,
+                  e->d_name);
+  closedir(d);
   return rc;
 }
 
@@ -223,12 +300,40 @@ static void writer_init(zt_writer_t *w, const char *dir, const char *prefix, con
   w->buf = zt_xmalloc(1024 + 2 * cap);
 }
 
+/* --val-fraction: a decimal number in [0, 1). */
+static int parse_fraction(const char *s, double *out) {
+  char *end;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (errno || end == s || *end || !(v >= 0.0 && v < 1.0))
+    return zt_errk(ZT_E_INVALID, "--val-fraction: expected a number in [0, 1), got \"%.32s\"",
+                   s);
+  *out = v;
+  return 0;
+}
+
+/* Parses the options' values (NULL: not given, the default stays) and
+ * checks them: --shard-tokens in 1..INT32_MAX, --val-fraction in [0, 1),
+ * --prefix a file name prefix (no '/', at most 1000 bytes). -1 with an
+ * error naming the option otherwise. */
+static int check_values(const char *shard_s, const char *frac_s, const char *prefix,
+                        int64_t *shard_tokens, double *val_frac) {
+  if (shard_s && zt_parse_i64("--shard-tokens", shard_s, 1, INT32_MAX, shard_tokens) != 0)
+    return -1;
+  if (frac_s && parse_fraction(frac_s, val_frac) != 0) return -1;
+  if (strchr(prefix, '/'))
+    return zt_errk(ZT_E_INVALID, "--prefix \"%.100s\": a file name prefix may not contain '/'",
+                   prefix);
+  if (strlen(prefix) > 1000) return zt_errk(ZT_E_INVALID, "--prefix: longer than 1000 bytes");
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (zt_version_arg(argc, argv, "zprep")) return 0;
   const char *out = NULL, *tok = "byte", *enc = NULL, *bpe = NULL, *sep = NULL,
-             *prefix = "data";
+             *prefix = "data", *shard_s = NULL, *frac_s = NULL;
   double val_frac = 0.1;
-  long shard_tokens = 100000000;
+  int64_t shard_tokens = 100000000;
   const char **inputs = zt_xcalloc((size_t)argc, sizeof(char *));
   int ninputs = 0, rc = 1;
   zt_prep_t p;
@@ -242,17 +347,22 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--bpe") && has) bpe = argv[++i];
     else if (!strcmp(a, "--doc-sep") && has) sep = argv[++i];
     else if (!strcmp(a, "--prefix") && has) prefix = argv[++i];
-    else if (!strcmp(a, "--shard-tokens") && has) shard_tokens = strtol(argv[++i], NULL, 10);
-    else if (!strcmp(a, "--val-fraction") && has) val_frac = strtod(argv[++i], NULL);
+    else if (!strcmp(a, "--shard-tokens") && has) shard_s = argv[++i];
+    else if (!strcmp(a, "--val-fraction") && has) frac_s = argv[++i];
     else if (a[0] == '-') {
       usage();
       free(inputs);
       return 2;
     } else inputs[ninputs++] = a;
   }
-  if (!out || ninputs == 0 || shard_tokens < 1 || shard_tokens > INT32_MAX ||
-      !(val_frac >= 0.0 && val_frac < 1.0) || strlen(prefix) > 1000) {
+  if (!out || ninputs == 0) {
     usage();
+    free(inputs);
+    return 2;
+  }
+  if (check_values(shard_s, frac_s, prefix, &shard_tokens, &val_frac) != 0 ||
+      check_no_dataset(out, prefix) != 0) {
+    fprintf(stderr, "zprep: %s\n", zt_err_msg());
     free(inputs);
     return 2;
   }

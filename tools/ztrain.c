@@ -12,9 +12,13 @@
  * progress is one line rewritten in place, with an ETA; otherwise one line
  * per step seen. With --serve the coordinator and its dashboard stay up
  * after the job ends (the workers stop as usual) until SIGINT or SIGTERM.
- * An HTTP port already in use is an error before anything starts. Exit
- * status: 0 when the job completed, 1 when it failed or could not start,
- * 2 on a usage error. The daemons' logs stay in DIR.
+ * An HTTP port already in use is an error before anything starts. A
+ * process that cannot be started (fork fails) stops whatever was started.
+ * While the job runs ztrain watches its children: when zcoord exits, or
+ * every worker has, it says so in one line and stops the rest. Exit
+ * status: 0 when the job completed, 1 when it failed, could not start or
+ * lost its coordinator or workers, 2 on a usage error. The daemons' logs
+ * stay in DIR.
  *
  * Everything here goes through the same interfaces an operator would use:
  * processes, gRPC (SubmitJob, GetJob), the ready file zcoord writes.
@@ -49,7 +53,8 @@ static void on_sigint(int sig) { (void)sig, g_interrupted = 1; }
 /* Only there so that a child's exit ends sigsuspend() in serve(). */
 static void on_sigchld(int sig) { (void)sig; }
 
-/* Starts `argv` with stdout+stderr appended to `log`. */
+/* Starts `argv` with stdout+stderr appended to `log`; -1 with errno set
+ * when fork() fails. */
 static pid_t spawn(char *const argv[], const char *log) {
   pid_t pid = fork();
   if (pid < 0) return -1;
@@ -63,8 +68,11 @@ static pid_t spawn(char *const argv[], const char *log) {
   return pid;
 }
 
-/* Waits up to ms for a child; SIGKILL after that. */
+/* Waits up to ms for a child; SIGKILL after that. A pid <= 0 is no child:
+ * waitpid() and kill() would take it for a process group, or for every
+ * process we may signal. */
 static void reap(pid_t pid, int64_t ms) {
+  if (pid <= 0) return;
   zt_deadline_t dl = zt_deadline_in(ms);
   for (;;) {
     int st;
@@ -128,6 +136,13 @@ static void coord_failure(const char *log, long from, char *out, size_t n) {
   fclose(f);
 }
 
+/* How a child ended, from its wait status: "exit status N" or "killed by
+ * signal N". */
+static void exit_text(int st, char *out, size_t n) {
+  if (WIFSIGNALED(st)) snprintf(out, n, "killed by signal %d", WTERMSIG(st));
+  else snprintf(out, n, "exit status %d", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+}
+
 /* One launch: its settings and what it started. */
 typedef struct {
   int workers, threads, quiet, serve;
@@ -138,10 +153,25 @@ typedef struct {
   char bindir[PATH_MAX];
   char target[64]; /* zcoord's gRPC address */
   char url[64];    /* the dashboard */
-  pid_t coord, wk[MAX_WORKERS];
-  int started; /* workers started */
+  char coord_log[PATH_MAX + 32];
+  long coord_log_from; /* the size of zcoord's log before this start */
+  pid_t coord;         /* 0: none (not started, or reaped) */
+  pid_t wk[MAX_WORKERS]; /* 0: reaped */
+  int started;         /* workers started */
   zt_rpc_client_t *rpc;
 } launch;
+
+/* An option's value: a decimal integer in [lo, hi], or -1 with a message
+ * naming the option on stderr. */
+static int opt_int(const char *opt, const char *v, int64_t lo, int64_t hi, int *out) {
+  int64_t x;
+  if (zt_parse_i64(opt, v, lo, hi, &x) != 0) {
+    fprintf(stderr, "ztrain: %s\n", zt_err_msg());
+    return -1;
+  }
+  *out = (int)x;
+  return 0;
+}
 
 static int parse_args(launch *l, int argc, char **argv) {
   static const struct option opts[] = {{"workers", required_argument, 0, 'n'},
@@ -154,26 +184,25 @@ static int parse_args(launch *l, int argc, char **argv) {
   l->workers = 2;
   l->dir = "ztrain-run";
   l->http_port = DEFAULT_HTTP_PORT;
-  int64_t port;
   int ch;
   while ((ch = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
     switch (ch) {
-    case 'n': l->workers = atoi(optarg); break;
+    case 'n':
+      if (opt_int("--workers", optarg, 1, MAX_WORKERS, &l->workers) != 0) return -1;
+      break;
     case 'd': l->dir = optarg; break;
-    case 't': l->threads = atoi(optarg); break;
+    case 't':
+      if (opt_int("--threads", optarg, 0, 1024, &l->threads) != 0) return -1;
+      break;
     case 'q': l->quiet = 1; break;
     case 's': l->serve = 1; break;
     case 'p':
-      if (zt_parse_i64("--http-port", optarg, 0, 65535, &port) != 0) {
-        fprintf(stderr, "ztrain: %s\n", zt_err_msg());
-        return -1;
-      }
-      l->http_port = (int)port;
+      if (opt_int("--http-port", optarg, 0, 65535, &l->http_port) != 0) return -1;
       break;
     default: return -1;
     }
   }
-  if (optind != argc - 1 || l->workers < 1 || l->workers > MAX_WORKERS) return -1;
+  if (optind != argc - 1) return -1;
   l->spec_path = argv[optind];
   /* The daemons are our siblings in the bin directory. */
   char self[PATH_MAX];
@@ -187,28 +216,31 @@ static int parse_args(launch *l, int argc, char **argv) {
 /* Starts zcoord (gRPC on a free port, HTTP on l->http_port) and waits for
  * its ready file; when zcoord exits first, its reason is the error. */
 static int start_coord(launch *l) {
-  char zcoord[PATH_MAX + 16], db[PATH_MAX], ready[PATH_MAX], log[PATH_MAX + 32], http[32];
+  char zcoord[PATH_MAX + 16], db[PATH_MAX], ready[PATH_MAX], http[32];
+  const char *log = l->coord_log;
   snprintf(zcoord, sizeof zcoord, "%s/zcoord", l->bindir);
   snprintf(db, sizeof db, "%s/zcoord.db", l->dir);
   snprintf(ready, sizeof ready, "%s/zcoord.ready", l->dir);
-  snprintf(log, sizeof log, "%s/zcoord.log", l->dir);
+  snprintf(l->coord_log, sizeof l->coord_log, "%s/zcoord.log", l->dir);
   snprintf(http, sizeof http, "127.0.0.1:%d", l->http_port);
   unlink(ready);
   struct stat st;
-  long log_from = stat(log, &st) == 0 ? (long)st.st_size : 0;
+  l->coord_log_from = stat(log, &st) == 0 ? (long)st.st_size : 0;
   char *argv[] = {zcoord, "--grpc", "127.0.0.1:0", "--http", http, "--db", db,
                   "--ready-file", ready, "--heartbeat-ms", "500", NULL};
-  l->coord = spawn(argv, log);
+  pid_t pid = spawn(argv, log);
+  if (pid < 0) return zt_err_errno("cannot start zcoord");
+  l->coord = pid;
   int port = 0;
   zt_deadline_t dl = zt_deadline_in(15000);
   while (read_ready(ready, &port, &l->http_port) != 0) {
     char why[1200];
-    if (l->coord > 0 && waitpid(l->coord, NULL, WNOHANG) == l->coord) {
+    if (waitpid(l->coord, NULL, WNOHANG) == l->coord) {
       l->coord = 0; /* reaped */
-      coord_failure(log, log_from, why, sizeof why);
+      coord_failure(log, l->coord_log_from, why, sizeof why);
       return zt_err("zcoord did not start: %s", why);
     }
-    if (l->coord < 0 || zt_deadline_passed(dl))
+    if (zt_deadline_passed(dl))
       return zt_err("zcoord did not start within 15 s; see %s", log);
     zt_sleep_ms(20); /* polling for the ready file with a deadline */
   }
@@ -217,7 +249,9 @@ static int start_coord(launch *l) {
   return 0;
 }
 
-static void start_workers(launch *l) {
+/* Starts the workers; l->wk holds only processes that were started, so a
+ * failure leaves stop_all() exactly those to stop. */
+static int start_workers(launch *l) {
   char zworker[PATH_MAX + 16], thr[16];
   snprintf(zworker, sizeof zworker, "%s/zworker", l->bindir);
   snprintf(thr, sizeof thr, "%d", l->threads);
@@ -228,8 +262,11 @@ static void start_workers(launch *l) {
     snprintf(log, sizeof log, "%s/%s.log", l->dir, name);
     char *argv[] = {zworker, "--coordinator", l->target, "--name", name, "--workdir", wd,
                     "--device", "cpu", "--threads", thr, NULL};
-    l->wk[l->started++] = spawn(argv, log);
+    pid_t pid = spawn(argv, log);
+    if (pid < 0) return zt_err_errno("cannot start worker %d", i);
+    l->wk[l->started++] = pid;
   }
+  return 0;
 }
 
 static int submit(launch *l, const char *spec, uint64_t *job) {
@@ -308,12 +345,51 @@ static void end_line(launch *l) {
   l->line_open = 0;
 }
 
-/* Prints progress until the job ends (or ztrain is interrupted); returns
- * the exit status: 0 when the job completed. */
+/* 0 while zcoord and at least one worker still run. Otherwise -1 with the
+ * reason: zcoord exited (with its last ERROR line, if any), or the last
+ * worker did. Exited children are reaped (their pid set to 0); a worker
+ * that exits while others still run is only a warning, since the job may
+ * go on without it. */
+static int check_children(launch *l) {
+  char how[64], why[1200];
+  int st, alive = 0, gone = -1;
+  if (l->coord > 0 && waitpid(l->coord, &st, WNOHANG) == l->coord) {
+    l->coord = 0; /* reaped */
+    exit_text(st, how, sizeof how);
+    coord_failure(l->coord_log, l->coord_log_from, why, sizeof why);
+    return zt_err("zcoord exited (%s) while the job ran: %s", how, why);
+  }
+  for (int i = 0; i < l->started; i++) {
+    if (l->wk[i] > 0 && waitpid(l->wk[i], &st, WNOHANG) == l->wk[i]) {
+      l->wk[i] = 0; /* reaped */
+      gone = i;
+      exit_text(st, how, sizeof how);
+    }
+    alive += l->wk[i] > 0;
+  }
+  if (gone < 0) return 0;
+  if (!alive)
+    return zt_err("all %d workers exited while the job ran (the last, local-%d: %s); see "
+                  "%s/local-*.log",
+                  l->started, gone, how, l->dir);
+  end_line(l);
+  ZT_WARN("worker local-%d exited (%s); %d of %d still run; see %s/local-%d.log", gone, how,
+          alive, l->started, l->dir, gone);
+  return 0;
+}
+
+/* Prints progress until the job ends (or ztrain is interrupted, or its
+ * coordinator or every worker exits); returns the exit status: 0 when the
+ * job completed. */
 static int follow(launch *l, uint64_t job) {
   int64_t last_step = -1;
   eta_t eta = {0};
   while (!g_interrupted) {
+    if (check_children(l) != 0) {
+      end_line(l);
+      ZT_ERROR("job %llu: %s", (unsigned long long)job, zt_err_msg());
+      return 1;
+    }
     Ztrain__GetJobRequest req = ZTRAIN__GET_JOB_REQUEST__INIT;
     req.job_id = job;
     ProtobufCMessage *m;
@@ -342,9 +418,11 @@ static int follow(launch *l, uint64_t job) {
   return 1;
 }
 
-/* SIGTERM: they say Leave. */
+/* SIGTERM: they say Leave. Only pids > 0 are signalled: kill(-1, ...)
+ * would reach every process we may signal. */
 static void stop_workers(launch *l) {
-  for (int i = 0; i < l->started; i++) kill(l->wk[i], SIGTERM);
+  for (int i = 0; i < l->started; i++)
+    if (l->wk[i] > 0) kill(l->wk[i], SIGTERM);
   for (int i = 0; i < l->started; i++) reap(l->wk[i], 10000);
   l->started = 0;
 }
@@ -373,7 +451,7 @@ static void serve(launch *l) {
   sigaddset(&block, SIGCHLD);
   sigprocmask(SIG_BLOCK, &block, &old);
   signal(SIGCHLD, on_sigchld);
-  while (!g_interrupted) {
+  while (!g_interrupted && l->coord > 0) {
     if (waitpid(l->coord, NULL, WNOHANG) == l->coord) {
       l->coord = 0; /* reaped */
       ZT_ERROR("zcoord exited while serving; see %s/zcoord.log", l->dir);
@@ -410,13 +488,14 @@ int main(int argc, char **argv) {
   if ((l.http_port && check_http_port(l.http_port) != 0) || start_coord(&l) != 0) goto out;
   printf("ztrain: dashboard at %s\n", l.url);
   fflush(stdout);
-  start_workers(&l);
-  if (zt_rpc_client_open(l.target, NULL, &l.rpc) != 0 || submit(&l, spec, &job) != 0) goto out;
+  if (start_workers(&l) != 0 || zt_rpc_client_open(l.target, NULL, &l.rpc) != 0 ||
+      submit(&l, spec, &job) != 0)
+    goto out;
   printf("ztrain: job %llu submitted to %s with %d workers (logs in %s/)\n",
          (unsigned long long)job, l.target, l.workers, l.dir);
   fflush(stdout);
   rc = follow(&l, job);
-  if (l.serve && !g_interrupted) {
+  if (l.serve && !g_interrupted && l.coord > 0) {
     stop_workers(&l);
     serve(&l);
   }

@@ -14,6 +14,9 @@ import collections
 import json
 import os
 import re
+import resource
+import shutil
+import signal
 import struct
 import subprocess
 
@@ -91,6 +94,129 @@ def test_usage_errors(tmp_path):
     assert r.returncode == 1 and "missing.txt" in r.stderr
     r = zprep(tmp_path / "x", "-o", tmp_path / "o", "--tokenizer", "gpt2", check=False)
     assert r.returncode == 2 and "--encoder" in r.stderr
+
+
+def test_numeric_options_and_prefix_are_checked(tmp_path):
+    """A value with trailing text ("100M") is an error naming the option,
+    not the number it starts with; a --prefix with '/' is refused. Nothing
+    is written."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"some text")
+    out = tmp_path / "out"
+    for args, opt in ((["--shard-tokens", "100M"], "--shard-tokens"),
+                      (["--shard-tokens", "12x"], "--shard-tokens"),
+                      (["--shard-tokens", ""], "--shard-tokens"),
+                      (["--shard-tokens", "0"], "--shard-tokens"),
+                      (["--val-fraction", "0.5x"], "--val-fraction"),
+                      (["--val-fraction", ""], "--val-fraction"),
+                      (["--val-fraction", "1"], "--val-fraction"),
+                      (["--prefix", "sub/name"], "--prefix"),
+                      (["--prefix", "../up"], "--prefix")):
+        r = zprep(src, "-o", out, *args, check=False)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert opt in r.stderr and "usage" not in r.stderr, (args, r.stderr)
+        assert "\n" not in r.stderr.strip(), (args, r.stderr)
+    assert not out.exists() and not (tmp_path / "up_tokenizer.json").exists()
+
+
+def test_a_second_run_into_the_same_place_is_refused(tmp_path):
+    """Numbering restarts at 0, so a second run into the same DIR and PREFIX
+    would mix its shards with the first run's: refused (exit 2, naming a
+    file), the first data set untouched. Another prefix is another data
+    set; a failed run's shards (no record yet) and a lone record count."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(bytes(range(32, 127)) * 5)
+    out = tmp_path / "out"
+    zprep(src, "-o", out, "--shard-tokens", "100", "--val-fraction", "0")
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    assert len(shards(out, "data", "train")) == 5
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"short")
+    r = zprep(small, "-o", out, "--shard-tokens", "100", "--val-fraction", "0", check=False)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert f"{out} already holds a data set (data_" in r.stderr, r.stderr
+    assert "remove it or use another --prefix" in r.stderr, r.stderr
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    # Another prefix in the same directory is another data set.
+    zprep(small, "-o", out, "--prefix", "data_train", "--val-fraction", "0")
+    assert [read_shard(p) for p in shards(out, "data_train", "train")] == [[256, *b"short"]]
+    # What a failed run leaves (shards, no record), and a record alone.
+    for name in ("old_val_000003.bin", "rec_tokenizer.json"):
+        (out / name).write_bytes(b"x")
+        r = zprep(small, "-o", out, "--prefix", name.split("_")[0], check=False)
+        assert r.returncode == 2 and f"already holds a data set ({name})" in r.stderr, r.stderr
+
+
+def test_a_failed_write_leaves_no_temporary(tmp_path):
+    """A shard that cannot be written (here: past the file size limit) is
+    an error naming the file, and its temporary file is removed."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"x" * 5000)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    r = subprocess.run([os.path.join(BIN, "zprep"), str(src), "-o", str(out),
+                        "--val-fraction", "0"], capture_output=True, text=True, timeout=120,
+                       preexec_fn=small_files)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"{out}/data_train_000000.bin.tmp: write: File too large" in r.stderr, r.stderr
+    assert os.listdir(out) == []
+
+
+def syscalls(trace):
+    """(call, args...) from an strace -f log: fsync and rename with the
+    paths their descriptors were opened with."""
+    fds, calls = {}, []
+    for line in trace.splitlines():
+        m = re.match(r"\d+\s+(\w+)\((.*)\)\s+= (-?\d+)", line)
+        if not m:
+            continue
+        name, args, ret = m.group(1), m.group(2), int(m.group(3))
+        paths = re.findall(r'"((?:[^"\\]|\\.)*)"', args)
+        if name == "openat" and ret >= 0:
+            fds[ret] = paths[0]
+        elif name == "close":
+            fds.pop(int(args), None)
+        elif name in ("fsync", "fdatasync") and ret == 0:
+            calls.append(("fsync", fds.get(int(args))))
+        elif name.startswith("rename") and ret == 0:
+            calls.append(("rename", paths[0], paths[1]))
+    return calls
+
+
+def test_files_are_durable_before_and_after_the_rename(tmp_path):
+    """Every file (shards and record) is fsync'ed under its temporary name
+    before the rename, and the directory after it: a crash cannot leave a
+    renamed but empty shard."""
+    strace = shutil.which("strace")
+    if not strace:
+        pytest.skip("no strace")
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes(bytes(range(32, 127)) * 2)
+    b.write_bytes(bytes(range(32, 127)) * 2)
+    out = tmp_path / "out"
+    log = tmp_path / "trace"
+    r = subprocess.run([strace, "-f", "-o", str(log), "-e",
+                        "trace=openat,close,fsync,fdatasync,rename,renameat,renameat2",
+                        os.path.join(BIN, "zprep"), str(a), str(b), "-o", str(out),
+                        "--shard-tokens", "100", "--val-fraction", "0.5"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and not log.exists():
+        pytest.skip(f"strace cannot trace here: {r.stderr}")
+    assert r.returncode == 0, r.stderr
+    calls = syscalls(log.read_text())
+    renames = [i for i, c in enumerate(calls) if c[0] == "rename"]
+    assert len(renames) == len(os.listdir(out)) == 5, calls  # 2 + 2 shards, the record
+    for k, i in enumerate(renames):
+        _, tmp, final = calls[i]
+        assert tmp == final + ".tmp", calls[i]
+        start = renames[k - 1] + 1 if k else 0
+        end = renames[k + 1] if k + 1 < len(renames) else len(calls)
+        assert ("fsync", tmp) in calls[start:i], (final, calls[start:i])
+        assert ("fsync", os.path.dirname(final)) in calls[i + 1:end], (final, calls[i + 1:end])
 
 
 # ---- GPT-2 BPE ---------------------------------------------------------------------

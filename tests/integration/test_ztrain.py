@@ -1,8 +1,10 @@
 """ztrain, the local launcher: the dashboard URL it prints, its progress on
 a terminal (one line rewritten in place, with an ETA; through a pty) and
 elsewhere (one plain line per step seen), --serve (the coordinator and the
-dashboard stay up after the job until SIGINT; the workers stop), and an
-HTTP port already in use (one line naming the port, nothing left running).
+dashboard stay up after the job until SIGINT; the workers stop), an HTTP
+port already in use (one line naming the port, nothing left running), a
+fork() that fails (one line, only what ztrain started is stopped) and a
+zcoord or the workers exiting while the job runs (one line, exit 1).
 ztrain's zcoord and zworkers confine job paths to their working directory,
 so each run happens in the test's own directory."""
 import json
@@ -10,14 +12,16 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 
-from ztest import BIN, SLOW, byte_dataset, http_get, tiny_spec, wait_until
+from ztest import BIN, SLOW, byte_dataset, http_get, tiny_spec
 
 import pytest
 
@@ -178,3 +182,174 @@ def test_zcoord_failure_is_relayed(procs, data):
     assert "zcoord did not start: zcoord: cannot start:" in err, err
     assert f"in use by another zcoord (pid {holder.pid}" in err, err
     assert [x for x in running_under(run) if str(holder.pid) != x.split(":")[0]] == []
+
+
+def test_numeric_options_are_checked(data):
+    """--workers and --threads take a whole decimal number in range; a value
+    with trailing text ("1x") is a usage error naming the option, and
+    nothing starts."""
+    d, train, val = data
+    run = d / "run-usage"
+    spec = write_spec(d, "usage.json", tiny_spec(train, val, 5, workers=1))
+    for args, opt in ((["--workers", "1x"], "--workers"), (["--workers", "0"], "--workers"),
+                      (["--workers", "65"], "--workers"), (["--threads", "1x"], "--threads"),
+                      (["--threads", "-1"], "--threads"), (["--http-port", "0x"], "--http-port")):
+        r = subprocess.run([f"{BIN}/ztrain", spec, "--dir", str(run), "--http-port", "0", *args],
+                           cwd=str(d), capture_output=True, text=True, timeout=60 * SLOW)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert f"ztrain: {opt}: expected an integer in" in r.stderr, (args, r.stderr)
+        assert r.stdout == "" and not os.path.exists(run), (args, r.stdout)
+
+
+def children_of(pid):
+    """The live child processes of pid: {pid: command line}."""
+    found = {}
+    for c in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{c}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found[int(c)] = cmd
+    return found
+
+
+@pytest.mark.parametrize("victim", ["zcoord", "zworker"])
+def test_zcoord_or_workers_exiting_ends_the_launch(data, victim):
+    """zcoord (or the only worker) is killed while the job runs: ztrain
+    says so in one line and exits 1, instead of polling a dead coordinator
+    or waiting for workers that will never come back."""
+    d, train, val = data
+    run = d / f"run-{victim}-dies"
+    spec = write_spec(d, f"{victim}-dies.json", tiny_spec(train, val, 100_000, workers=1))
+    p = subprocess.Popen(ztrain_argv(spec, run, "--workers", "1", "--http-port", "0"),
+                         cwd=str(d), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    kids = {}
+    try:
+        out = read_until(p.stdout.fileno(), lambda b: re.search(rb"^step +\d+/", b, re.M), 60)
+        assert p.poll() is None, (out, p.stderr.read())
+        kids = children_of(p.pid)
+        names = {pid: os.path.basename(cmd.split()[0]) for pid, cmd in kids.items()}
+        assert sorted(names.values()) == ["zcoord", "zworker"], kids
+        os.kill(next(pid for pid, n in names.items() if n == victim), signal.SIGKILL)
+        rc = p.wait(timeout=30 * SLOW)
+        err = p.stderr.read().strip()
+    finally:
+        for pid in [p.pid, *kids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        p.wait()
+    assert rc == 1, err
+    assert "\n" not in err, err
+    if victim == "zcoord":
+        assert "job 1: zcoord exited (killed by signal 9) while the job ran: see " in err, err
+        assert str(run / "zcoord.log") in err, err
+    else:
+        assert ("job 1: all 1 workers exited while the job ran (the last, local-0: killed by "
+                "signal 9); see ") in err, err
+    assert not running_under(run)
+
+
+# An LD_PRELOAD library whose fork() fails with EAGAIN from call N on
+# (ZT_FORK_FAIL_FROM); it takes itself out of the environment, so that the
+# children ztrain starts run without it.
+FORK_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+static int calls, fail_from;
+
+__attribute__((constructor)) static void init(void) {
+  const char *s = getenv("ZT_FORK_FAIL_FROM");
+  fail_from = s ? atoi(s) : 0;
+  unsetenv("LD_PRELOAD");
+  unsetenv("ZT_FORK_FAIL_FROM");
+}
+
+pid_t fork(void) {
+  static pid_t (*real)(void);
+  if (!real) real = (pid_t(*)(void))dlsym(RTLD_NEXT, "fork");
+  if (fail_from && ++calls >= fail_from) {
+    errno = EAGAIN;
+    return -1;
+  }
+  return real();
+}
+"""
+
+# Runs inside a new PID namespace as its process 1: starts a sentinel
+# process, then ztrain under the shim, and reports what became of both. A
+# kill(-1, ...) from ztrain reaches only this namespace (and not process 1):
+# the sentinel, never the test's own processes.
+IN_NAMESPACE = r"""
+import json, os, subprocess, sys
+shim, fail_from, run, argv = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+sentinel = subprocess.Popen(["sleep", "300"])
+env = dict(os.environ, LD_PRELOAD=shim, ZT_FORK_FAIL_FROM=fail_from)
+# A sanitizer build's runtime would refuse to come after the shim.
+asan = env.get("ASAN_OPTIONS")
+env["ASAN_OPTIONS"] = (asan + ":" if asan else "") + "verify_asan_link_order=0"
+r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+left = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        continue
+    if run in cmd and int(pid) != os.getpid():
+        left.append(cmd)
+print(json.dumps({"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
+                  "sentinel_alive": sentinel.poll() is None, "left": left}))
+"""
+
+
+def pid_namespace_or_skip():
+    unshare = shutil.which("unshare")
+    if not unshare:
+        pytest.skip("no unshare(1): a fork failure is only tested inside a PID namespace")
+    r = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "true"],
+                       capture_output=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {r.stderr.decode(errors='replace')}")
+    return unshare
+
+
+@pytest.mark.parametrize("fail_from,reason", [
+    (1, "cannot start zcoord: Resource temporarily unavailable"),
+    (3, "cannot start worker 1: Resource temporarily unavailable"),
+])
+def test_fork_failure_stops_only_what_was_started(data, tmp_path, fail_from, reason):
+    """fork() fails for zcoord (call 1) or for the second worker (call 3):
+    ztrain names the process it could not start and exits 1, having
+    stopped the processes it did start, and signals nothing else (a failed
+    fork's -1 taken for a pid would make kill() reach every process)."""
+    unshare = pid_namespace_or_skip()
+    d, train, val = data
+    run = d / f"run-fork-{fail_from}"
+    spec = write_spec(d, f"fork-{fail_from}.json", tiny_spec(train, val, 10, workers=1))
+    (tmp_path / "shim.c").write_text(FORK_SHIM)
+    shim = tmp_path / "shim.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"],
+                   check=True, timeout=60)
+    r = subprocess.run([unshare, "--pid", "--fork", "--kill-child", "--mount-proc",
+                        sys.executable, "-c", IN_NAMESPACE, str(shim), str(fail_from), str(run),
+                        *ztrain_argv(spec, run, "--workers", "2", "--http-port", "0")],
+                       cwd=str(d), capture_output=True, text=True, timeout=150 * SLOW)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["sentinel_alive"], out
+    assert out["rc"] == 1, out
+    err = out["stderr"].strip()
+    assert "\n" not in err and reason in err, out
+    assert "submitted" not in out["stdout"], out
+    assert out["left"] == [], out
