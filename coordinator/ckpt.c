@@ -105,7 +105,10 @@ static int collect_for_gc(const zt_db_ckpt_t *k, void *user) {
   if (k->state == ZT_CKPT_COMMITTED) {
     g->n_committed--; /* counts down: the first n - keep_last are older */
     int keep_every = g->j->p.keep_every > 0 && k->step % g->j->p.keep_every == 0;
-    drop = g->n_committed >= g->j->p.keep_last && !keep_every;
+    /* A spike's rollback may need it (zt_ckpt_gc): the newest epoch at or
+     * before max_step and every later one. */
+    int needed = g->j->p.rb_enabled && (!g->found || k->step >= g->best.step);
+    drop = g->n_committed >= g->j->p.keep_last && !keep_every && !needed;
   } else {
     /* Pending epochs of earlier generations can never commit. */
     drop = k->generation < g->j->row.generation;
@@ -122,6 +125,15 @@ void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
   memset(&g, 0, sizeof g);
   drop.n = 0;
   g.j = j, g.drop = &drop, g.max_step = INT64_MAX;
+  /* With rollback on, a spike whose run of `patience` steps starts at s
+   * rolls back to the newest epoch at or before s - 2 - margin_steps
+   * (jobs.c, check_spike); a run that ends after the job's step starts at
+   * step - patience + 2 or later. The newest epoch at or before step -
+   * patience - margin and every later one are kept whatever keep_last
+   * says (about (margin + patience) / every_steps + 1 epochs more), or a
+   * rollback would find none and start over from initialization. */
+  int64_t patience = j->p.rb_patience > 0 ? j->p.rb_patience : 3; /* spike.c's default */
+  if (j->p.rb_enabled) g.max_step = j->row.step - patience - j->p.rb_margin;
   if (zt_db_ckpts_each(c->db, j->row.id, count_committed, &g) != 0 ||
       zt_db_ckpts_each(c->db, j->row.id, collect_for_gc, &g) != 0) {
     ZT_WARN("checkpoint gc: %s", zt_err_msg());

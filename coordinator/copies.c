@@ -264,6 +264,11 @@ void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_
       kept += zt_copies_add(c, e.job, &x.k, file, m->row.id) == 0;
       continue;
     }
+    /* A pending epoch of the job's current generation may still commit:
+     * workers of one machine share its checkpoint root, so a worker that
+     * registers can list another's epoch while it is being written. */
+    zt_job_t *j = zt_jobs_get(c, e.job);
+    if (x.k.state == ZT_CKPT_PENDING && j && x.k.generation == j->row.generation) continue;
     if (!strcmp(rel, last_deleted)) continue;
     snprintf(last_deleted, sizeof last_deleted, "%s", rel);
     deleted += zt_db_deletion_add(c->db, m->row.id, rel) == 0;

@@ -1185,12 +1185,29 @@ static int skip_data(zt_coord_t *c, zt_job_t *j, zt_range_list_t *sk, int64_t fi
 static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last_step,
                     int64_t max_ckpt_step, int64_t skip_steps, int budgeted, const char *why) {
   zt_db_ckpt_t ck;
-  int have = 0;
+  int have = 0, any = 0;
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, max_ckpt_step, 1, &ck, &have) != 0) return -1;
+  /* The epoch to go back to exists but cannot be loaded now (its copies
+   * are on machines without a live worker): nothing is deleted; an
+   * operator is told, a spike pauses the job without the epochs after it. */
+  if (j->p.ckpt_dir[0] && !have && zt_ckpt_newest(c, j, max_ckpt_step, 0, &ck, &any) != 0)
+    return -1;
+  if (any && !budgeted)
+    return zt_errk(ZT_E_STATE, "cannot roll back now: the checkpoint at step %lld lacks a copy "
+                   "on a machine with a live worker; nothing changed", (long long)ck.step);
+  if (any) {
+    zt_ckpt_drop_after(c, j, ck.step);
+    finish(c, j, ZT_JOB_PAUSED, "job_paused",
+           "paused: %s; the checkpoint to roll back to (step %lld) lacks a copy on a machine "
+           "with a live worker; zctl resume continues from it once one is back", why,
+           (long long)ck.step);
+    return 0;
+  }
   int64_t to = have ? ck.step : 0;
   int recent = recent_rollbacks(j, last_step);
   if (budgeted && recent >= j->p.rb_max) {
     force_start(j, to, have ? ck.dir : ""); /* where zctl resume continues */
+    zt_ckpt_drop_after(c, j, to); /* ... and not from the epochs of the spike */
     finish(c, j, ZT_JOB_PAUSED, "job_paused",
            "paused: %d rollbacks within %lld steps (max_rollbacks %lld) and another spike: %s; "
            "zctl resume continues from the last good checkpoint",
@@ -1203,6 +1220,7 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
   uint64_t lo, hi;
   if (skip_data(c, j, &next.skips, first_step, last_step, skip_steps, &lo, &hi) != 0) {
     force_start(j, to, have ? ck.dir : "");
+    zt_ckpt_drop_after(c, j, to);
     finish(c, j, ZT_JOB_PAUSED, "job_paused",
            "paused: the data of the spike cannot be skipped (%d skip ranges, the limit): %s; "
            "zctl rollback or resume continue",
@@ -1248,7 +1266,10 @@ static int check_spike(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepReque
            v.z_loss, v.z_gnorm);
   if (!spiked) return 0;
   zt_coord_event(c, j->row.id, "spike", 0, "%s", v.reason);
-  rollback(c, j, v.first_step, req->step, v.first_step - 1 - j->p.rb_margin, j->p.rb_skip, 1,
+  /* The loss of step s is computed before update s, so a loss first out
+   * at s may come from update s - 1 (a bad step whose gradient looked
+   * normal): epoch s - 1 holds it, and the target is s - 2 or earlier. */
+  rollback(c, j, v.first_step, req->step, v.first_step - 2 - j->p.rb_margin, j->p.rb_skip, 1,
            v.reason);
   return 1;
 }

@@ -52,7 +52,8 @@ static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckp
   char path[1300], why[1200] = "";
   snprintf(path, sizeof path, "%s/%s", dir, f->name);
   if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
-  if (access(path, F_OK) == 0) snprintf(why, sizeof why, "local copy: %s; ", zt_err_msg());
+  int local = access(path, F_OK) == 0; /* a copy here, which failed its check */
+  if (local) snprintf(why, sizeof why, "local copy: %s; ", zt_err_msg());
   const Ztrain__FileCopies *fc = copies_of(rv, f->name);
   const char *rel = zt_path_under(root, dir);
   if (zt_mkdirs(dir) != 0) goto local;
@@ -76,10 +77,15 @@ static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckp
     size_t l = strlen(why);
     snprintf(why + l, sizeof why - l, "%s (%s): %s; ", t->addr, t->host, zt_err_msg());
   }
-  *why_kind = unavailable ? ZT_FETCH_UNAVAILABLE : ZT_FETCH_CORRUPT;
+  /* Corrupt only when a copy was seen to be bad and none could be
+   * reached: a file with no copy here and no holder named (the
+   * coordinator could not list them) says nothing about the epoch. */
+  int holders = fc && fc->n_holders;
+  *why_kind = unavailable || (!local && !holders) ? ZT_FETCH_UNAVAILABLE : ZT_FETCH_CORRUPT;
   return zt_err("%s: %s: %s%s", f->name,
-                unavailable ? "no copy can be reached now" : "no good copy (corrupt checkpoint)",
-                why, fc && fc->n_holders ? "" : "no other holder");
+                *why_kind == ZT_FETCH_UNAVAILABLE ? "no copy can be reached now"
+                                                  : "no good copy (corrupt checkpoint)",
+                why, holders ? "" : "no other holder");
 local:
   /* Our own disk or directory failed: another holder would not help. */
   *why_kind = ZT_FETCH_LOCAL;

@@ -78,10 +78,12 @@ class RawWorker:
     a replica store so that its epochs count as loadable), then every call
     carries its id and session."""
 
-    def __init__(self, ch, name):
+    def __init__(self, ch, name, host=None, held=()):
         self.ch, self.name = ch, name
         code, reply, det = call(ch, REGISTER, field_bytes(1, name.encode()) + field_bytes(3, b"cpu")
-                                + field_varint(8, 16 << 30) + field_bytes(10, b"127.0.0.1:9"))
+                                + field_varint(8, 16 << 30) + field_bytes(10, b"127.0.0.1:9")
+                                + (field_bytes(2, host.encode()) if host else b"")
+                                + b"".join(field_bytes(11, h.encode()) for h in held))
         assert code == OK, det
         f = dict(fields(reply))
         self.id, self.session = f[1], f[5]
@@ -500,3 +502,106 @@ def test_metrics_come_in_pages(raw):
     # zctl reads every page.
     got = zctl_json(r.coord.grpc, "metrics", str(r.jid))["steps"]
     assert [s["step"] for s in got] == list(range(1, total + 1))
+
+
+def ckpt_states(r):
+    """{step: state} of r's job's epochs (1 committed, 2 deleted)."""
+    with sqlite3.connect(r.coord.db) as db:
+        return dict(db.execute("SELECT step, state FROM checkpoints WHERE job_id = ?", (r.jid,)))
+
+
+def steps_and_epochs(r, last, every=10, loss=2.5):
+    """Steps 1..last of rank 0 at `loss`, an epoch committed every `every`."""
+    w = r.ranks[0]
+    for s in range(1, last + 1):
+        assert r.report_step(w, s, loss)[0] == OK
+        if s % every == 0:
+            code, reply, det = r.report_checkpoint(0, s)
+            assert code == OK and dict(fields(reply)).get(1) == 1, det
+
+
+def rollback_detail(r):
+    ev = [e for e in events(r.coord, job=r.jid) if e["kind"] == "rollback"]
+    return ev[-1]["detail"] if ev else None
+
+
+def test_spike_rollback_target_survives_retention(raw):
+    """keep_last 2 with margin_steps 25: the epoch a spike from step 46 must
+    go back to (at or before step 19) is older than the last two. Retention
+    now keeps it; before, it was deleted, the rollback found no epoch and
+    deleted every one, starting over from initialization."""
+    r = raw(rollback={"enabled": True, "margin_steps": 25})
+    steps_and_epochs(r, 45)
+    w = r.ranks[0]
+    for s in (46, 47, 48):
+        r.report_step(w, s, 50.0)
+    wait_until(lambda: rollback_detail(r), 10, "rollback")
+    assert "restarting from checkpoint (step 10)" in rollback_detail(r), rollback_detail(r)
+    assert ckpt_states(r)[10] == 1
+
+
+def test_spike_rollback_skips_the_epoch_of_the_update_before_it(raw):
+    """The loss of step 21 is computed before update 21, after update 20:
+    a spike first seen at 21 may come from update 20, which epoch 20 holds.
+    The rollback goes to epoch 10 (it went to 20 and restored the bad
+    weights)."""
+    r = raw(rollback={"enabled": True, "margin_steps": 0})
+    steps_and_epochs(r, 20)
+    w = r.ranks[0]
+    for s in (21, 22, 23):
+        r.report_step(w, s, 50.0)
+    wait_until(lambda: rollback_detail(r), 10, "rollback")
+    assert "(step 10)" in rollback_detail(r), rollback_detail(r)
+    assert ckpt_states(r)[20] == 2
+
+
+def test_spike_pause_deletes_the_epochs_of_the_spike(raw):
+    """With the rollback budget spent the job pauses; the epochs after the
+    rollback target are deleted as a rollback's are, so a resume (even
+    after a coordinator restart) does not continue from the spiked epoch."""
+    r = raw(rollback={"enabled": True, "max_rollbacks": 0})
+    steps_and_epochs(r, 30)
+    w = r.ranks[0]
+    assert r.report_step(w, 31, 50.0)[0] == OK
+    assert r.report_step(w, 32, 50.0)[0] == OK
+    code, reply, det = r.report_checkpoint(0, 32)
+    assert code == OK, det
+    r.report_step(w, 33, 50.0)
+    wait_until(lambda: state_of(r) == ("paused", 5) or state_of(r)[0] == "paused", 10, "paused")
+    states = ckpt_states(r)
+    assert states[20] == 1 and states[30] == 2 and states.get(32, 2) == 2, states
+
+
+def test_rollback_to_an_unreachable_epoch_deletes_nothing(raw, procs):
+    """The only holder of epoch 10 leaves: the job pauses (no checkpoint
+    can be loaded). An operator rollback to it is refused and deletes
+    nothing; before, it deleted the epoch and started over from step 0."""
+    r = raw()
+    steps_and_epochs(r, 12)
+    other = RawWorker(r.ch, "elsewhere", host="another-machine")
+    r.workers.append(other)
+    code, _, det = r.ranks[0].call("Leave", field_bytes(2, b"bye") + field_varint(5, 1))
+    assert code == OK, det
+    wait_until(lambda: state_of(r)[0] == "paused", 20, "paused without a loadable epoch")
+    code, body = post(r.coord, f"/v1/jobs/{r.jid}/rollback", {"to_step": 10})
+    assert code == 409 and "lacks a copy" in body["error"], body
+    assert ckpt_states(r)[10] == 1
+    assert state_of(r)[0] == "paused"
+
+
+def test_registration_keeps_a_pending_epoch_of_the_running_generation(raw):
+    """Workers of one machine share its checkpoint root: a worker that
+    registers while rank 0 writes its files lists them. The epoch may
+    still commit and is not queued for deletion (it was)."""
+    r = raw(n_workers=2, world=2)
+    code, reply, det = r.report_checkpoint(0, 5)
+    assert code == OK, det
+    rel = r.epoch_rel(5)
+    late = RawWorker(r.ch, "late", held=[f"{rel}/rank_0.bin"])
+    r.workers.append(late)
+    with sqlite3.connect(r.coord.db) as db:
+        rows = db.execute("SELECT dir FROM epoch_deletions WHERE worker_id = ?",
+                          (late.id,)).fetchall()
+    assert rows == [], rows
+    code, reply, det = r.report_checkpoint(1, 5)
+    assert code == OK and dict(fields(reply)).get(1) == 1, det

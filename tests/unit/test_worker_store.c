@@ -285,6 +285,33 @@ ZT_TEST(test_fetch_checks_the_coordinators_names) {
   ZT_CHECK(why != ZT_FETCH_CORRUPT);
 }
 
+/* A file missing here whose holders the coordinator did not name (its
+ * reply lists no copies): nothing was seen to be bad, so the epoch is
+ * unavailable, not corrupt (which would retire it for good). A copy here
+ * that fails its check, with nobody else to ask, is corrupt. */
+ZT_TEST(test_fetch_without_holders_keeps_the_epoch) {
+  setup();
+  char dir[900], path[1000], data[64];
+  memset(data, 'h', sizeof data);
+  path_of(dir, sizeof dir, g_root, "ck/job_3/step_00000004-g1");
+  ZT_REQUIRE(zt_mkdirs(dir) == 0);
+  Ztrain__RendezvousReply rv = ZTRAIN__RENDEZVOUS_REPLY__INIT;
+  rv.job_id = 3;
+  zt_ckpt_file_t f = file_of("rank_0.bin", data, sizeof data);
+  zt_ckpt_record_t rec = {&f, 1};
+  zt_fetch_fail_t why = 0;
+  ZT_CHECK(zt_replicas_fetch(NULL, g_root, dir, &rec, &rv, &why) == -1);
+  fprintf(stderr, "  missing: %s\n", zt_err_msg());
+  ZT_CHECK(why == ZT_FETCH_UNAVAILABLE);
+  path_of(path, sizeof path, dir, "rank_0.bin");
+  data[0] = 'X'; /* a copy here with other bytes than recorded */
+  ZT_REQUIRE(write_file(path, data, sizeof data) == 0);
+  why = 0;
+  ZT_CHECK(zt_replicas_fetch(NULL, g_root, dir, &rec, &rv, &why) == -1);
+  fprintf(stderr, "  bad copy: %s\n", zt_err_msg());
+  ZT_CHECK(why == ZT_FETCH_CORRUPT);
+}
+
 /* A destination path as long as the temporary name's buffer used to be:
  * the temporary name is never the final one, so a copy that fails its
  * checksum leaves the file already there alone. */
@@ -365,6 +392,6 @@ ZT_TEST(test_stop) {
 
 ZT_TEST_MAIN(test_get_answers_about_the_file, test_put_never_follows_a_link_out_of_the_root,
              test_delete_never_follows_a_link_out_of_the_root, test_delete_that_leaves_files_fails,
-             test_fetch_checks_the_coordinators_names,
+             test_fetch_checks_the_coordinators_names, test_fetch_without_holders_keeps_the_epoch,
              test_get_to_a_long_path_keeps_the_temporary_apart,
              test_put_that_cannot_be_reported_is_refused, test_stop)
