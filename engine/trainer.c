@@ -208,7 +208,14 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return zt_err_wrap("model");
   }
-  if (open_data(t) != 0) return -1;
+  /* A shard this worker cannot read (a data root not mounted here, a
+   * half-copied file, EMFILE, EIO) is its own failure, not the job's:
+   * only a shard that is no shard, or a path out of the root, is the
+   * job's (ZT_E_INVALID), since every rank would find the same. */
+  if (open_data(t) != 0) {
+    if (zt_err_kind() != ZT_E_INVALID) *fault = ZT_FAULT_LOCAL;
+    return -1;
+  }
   /* Test knob: CPU workers stage collectives as the device path does. */
   int dev = t->k != zt_kernels_cpu() || zt_knob(ZT_KNOB_STAGE_COLLECTIVES, 0) == 1;
   int overlap;

@@ -197,6 +197,38 @@ def test_symlink_out_of_the_data_root_fails_the_job(procs, tmp_path):
     assert "root:" not in j["message"]  # no line of /etc/passwd in the reason
 
 
+def test_data_missing_on_one_host_is_that_workers_failure(procs, tmp_path):
+    """One worker's host lacks the data (its data directory is an empty
+    mount there): its failure is its own, reported as local, and when it
+    repeats the job pauses naming it. Once that worker is gone, zctl resume
+    completes the job. Before, the first such report failed the whole job
+    for good."""
+    import shutil
+    from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job, zctl
+    if not shutil.which("unshare"):
+        pytest.skip("unshare (util-linux) is needed")
+    data = tmp_path / "data"
+    train, val = byte_dataset(str(data), limit=60_000)
+    coord = start_fleet(procs, names=["a"])
+    wd = tmp_path / "work-b"
+    argv = [f"{BIN}/zworker", "--coordinator", coord.grpc, "--name", "b", "--workdir", str(wd),
+            "--device", "cpu", "--data-root", procs.root, "--checkpoint-root", procs.root,
+            "--threads", "1"]
+    b = procs.start("b", ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f'mount -t tmpfs none "{data}" && exec "$@"', "sh"] + argv, None)
+    wait_until(lambda: workers_by_name(coord).get("b", {}).get("state") == "alive", 20, "b")
+    spec = tiny_spec(train, val, 30, workers=1, max_workers=2)
+    jid = submit(coord, spec, tmp_path)
+    j = wait_job(coord, jid, timeout=120, states=("paused",))
+    assert "same local error" in j["message"] and "no file matches" in j["message"], j
+    ev = events(coord, job=jid)
+    assert not [e for e in ev if e["kind"] == "job_failed"], ev
+    b.kill()
+    wait_until(lambda: workers_by_name(coord)["b"]["state"] == "lost", 20, "b lost")
+    zctl(coord.grpc, "resume", str(jid))
+    assert wait_job(coord, jid, timeout=120)["state"] == "completed"
+
+
 def test_bad_shard_error_does_not_echo_the_file(procs, tmp_path):
     from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job
     train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
