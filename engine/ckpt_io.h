@@ -151,9 +151,12 @@ typedef int (*zt_ckpt_done_fn)(void *user, int64_t step, const char *dir,
                                const zt_ckpt_file_t *files, int nfiles, const char *error);
 
 ZT_MUST_CHECK int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **out);
-/* The step of the epoch in flight when its files are durable and it is
- * being copied and reported (a slow link, the coordinator out of reach);
- * else 0. */
+/* The step of the epoch in flight once its write has ended and it is
+ * being copied and reported (a slow link, the coordinator out of reach),
+ * which can take long; 0 when none is in flight. Waits for the write
+ * itself (the disk), as the next epoch's buffer would: a caller that skips
+ * an epoch while the previous one is reported must not wait for the
+ * report. */
 int64_t zt_ckpt_writer_reporting(zt_ckpt_writer_t *w);
 /* Waits for the write in flight; returns a host buffer of at least nfloats
  * floats. */

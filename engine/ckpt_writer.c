@@ -22,6 +22,7 @@ struct zt_ckpt_writer {
   pthread_cond_t cv;
   int busy, quit; /* under mu */
   int reporting;   /* under mu: the epoch in flight is durable; done() runs */
+  int written;     /* under mu: its write ended (durable or failed); done() runs */
   int64_t reporting_step;
   zt_ckpt_done_fn done;
   void *user;
@@ -52,7 +53,9 @@ static int write_one(zt_ckpt_writer_t *w) {
   }
   pthread_mutex_lock(&w->mu);
   w->reporting = !error;
+  w->written = 1;
   w->reporting_step = w->meta.step;
+  pthread_cond_broadcast(&w->cv); /* zt_ckpt_writer_reporting waits for this */
   pthread_mutex_unlock(&w->mu);
   if (w->done && w->done(w->user, w->meta.step, w->dir, error ? NULL : files, error ? 0 : nf,
                          error) != 0)
@@ -71,7 +74,7 @@ static void *writer_main(void *p) {
     (void)write_one(w); /* a failure was reported; the next epoch is tried */
     pthread_mutex_lock(&w->mu);
     w->busy = 0;
-    w->reporting = 0;
+    w->reporting = w->written = 0;
     pthread_cond_broadcast(&w->cv);
   }
   pthread_mutex_unlock(&w->mu);
@@ -96,7 +99,8 @@ int zt_ckpt_writer_start(zt_ckpt_done_fn done, void *user, zt_ckpt_writer_t **ou
 
 int64_t zt_ckpt_writer_reporting(zt_ckpt_writer_t *w) {
   pthread_mutex_lock(&w->mu);
-  int64_t step = w->busy && w->reporting ? w->reporting_step : 0;
+  while (w->busy && !w->written) pthread_cond_wait(&w->cv, &w->mu);
+  int64_t step = w->busy ? w->reporting_step : 0;
   pthread_mutex_unlock(&w->mu);
   return step;
 }

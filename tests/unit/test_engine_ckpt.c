@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,6 +319,70 @@ ZT_TEST(safetensors_write_failure_leaves_no_tmp) {
   zt_layout_free(&l);
 }
 
+/* ---- the writer thread ------------------------------------------------------- */
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_in_done, g_release;
+
+/* A report that takes until the test releases it (a coordinator out of
+ * reach), at most 20 s. */
+static int slow_done(void *user, int64_t step, const char *dir, const zt_ckpt_file_t *files,
+                     int nfiles, const char *error) {
+  (void)user, (void)step, (void)dir, (void)files, (void)nfiles, (void)error;
+  zt_deadline_t dl = zt_deadline_in(20000);
+  pthread_mutex_lock(&g_mu);
+  g_in_done = 1;
+  while (!g_release && !zt_deadline_passed(dl)) {
+    pthread_mutex_unlock(&g_mu);
+    zt_sleep_ms(5);
+    pthread_mutex_lock(&g_mu);
+  }
+  pthread_mutex_unlock(&g_mu);
+  return 0;
+}
+
+/* zt_ckpt_writer_reporting, asked right after an epoch is handed over,
+ * waits for its write and answers its step while the report is still
+ * running: the trainer skips the next periodic epoch then instead of
+ * waiting for the report (it answered 0 while the write ran, and the
+ * trainer then waited in zt_ckpt_writer_buffer for the whole report). */
+ZT_TEST(writer_reports_the_epoch_being_reported) {
+  zt_layout_t l;
+  ZT_REQUIRE(zt_layout_build(&l, &k_cfg) == 0);
+  zt_ckpt_writer_t *w;
+  ZT_REQUIRE(zt_ckpt_writer_start(slow_done, NULL, &w) == 0);
+  float *buf = zt_ckpt_writer_buffer(w, 3 * l.num_params);
+  for (size_t i = 0; i < 3 * l.num_params; i++) buf[i] = (float)i;
+  zt_ckpt_range_t *rg = zt_xcalloc((size_t)l.num_units, sizeof *rg);
+  for (int u = 0; u < l.num_units; u++) {
+    size_t at = l.unit_off[u];
+    rg[u] = (zt_ckpt_range_t){u, 0, l.unit_size[u], buf + at, buf + l.num_params + at,
+                              buf + 2 * l.num_params + at};
+  }
+  zt_ckpt_meta_t meta = {1, 1, 5, 0, 1, 1, k_cfg, 7, 2, NULL, 0, ""};
+  char dir[800];
+  snprintf(dir, sizeof dir, "%s/writer", scratch());
+  ZT_REQUIRE(zt_ckpt_writer_submit(w, dir, &meta, rg, l.num_units) == 0);
+  ZT_CHECK(zt_ckpt_writer_reporting(w) == 5); /* the write ended, the report runs */
+  zt_deadline_t dl = zt_deadline_in(10000);
+  pthread_mutex_lock(&g_mu);
+  while (!g_in_done && !zt_deadline_passed(dl)) {
+    pthread_mutex_unlock(&g_mu);
+    zt_sleep_ms(1);
+    pthread_mutex_lock(&g_mu);
+  }
+  pthread_mutex_unlock(&g_mu);
+  ZT_CHECK(g_in_done);
+  ZT_CHECK(zt_ckpt_writer_reporting(w) == 5); /* during the report, without waiting */
+  pthread_mutex_lock(&g_mu);
+  g_release = 1;
+  pthread_mutex_unlock(&g_mu);
+  zt_ckpt_writer_stop(w);
+  free(rg);
+  zt_layout_free(&l);
+}
+
 ZT_TEST_MAIN(loads_one_and_two_ranks, refuses_a_model_too_large, refuses_ranges_that_miss_elements,
              refuses_overlapping_ranges, loads_through_short_reads,
-             safetensors_refuses_extra_tensors, safetensors_write_failure_leaves_no_tmp)
+             safetensors_refuses_extra_tensors, safetensors_write_failure_leaves_no_tmp,
+             writer_reports_the_epoch_being_reported)
