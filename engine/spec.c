@@ -234,6 +234,8 @@ static int parse_data_eval(zt_spec_t *s, const cJSON *root) {
   return 0;
 }
 
+#define ZT_SPEC_MAX_MICRO_TOKENS (1L << 20)
+
 static int parse_batch(zt_spec_t *s, const cJSON *root) {
   long gb = 0;
   if (get_int(root, "", "train_micro_batch_size_per_gpu", 1, 1, 1 << 20, &s->micro_batch) ||
@@ -252,6 +254,12 @@ static int parse_batch(zt_spec_t *s, const cJSON *root) {
     return zt_err("train_batch_size: %ld != train_micro_batch_size_per_gpu (%d) * "
                   "gradient_accumulation_steps (%d) * world size, for any integer world size",
                   s->global_batch, s->micro_batch, s->accum);
+  /* The model and the kernels count a micro-step's tokens (B x T) and
+   * attention's rows (B x n_head x T) in int (parse_model runs first). */
+  if ((long)s->micro_batch * s->model.seq_len > ZT_SPEC_MAX_MICRO_TOKENS)
+    return zt_err("train_micro_batch_size_per_gpu x model.seq_len: %ld tokens a micro-step, "
+                  "at most %ld", (long)s->micro_batch * s->model.seq_len,
+                  (long)ZT_SPEC_MAX_MICRO_TOKENS);
   return 0;
 }
 

@@ -190,6 +190,14 @@ ZT_TEST(trailing_text_and_huge_accumulation) {
   ZT_CHECK(zt_spec_accum_for_world(&s, 1, &accum) == -1);
   ZT_CHECK(strstr(zt_err_msg(), "the limit is") != NULL);
   ZT_CHECK(zt_spec_accum_for_world(&s, 2, &accum) == -1);
+  /* A micro-step's tokens are counted in int: 2^20 x 2^20 is refused. */
+  expect_error("{\"steps\": 1, \"train_micro_batch_size_per_gpu\": 1048576, \"model\": "
+               "{\"n_layer\": 1, \"n_head\": 1, \"n_embd\": 8, \"seq_len\": 1048576, "
+               "\"vocab_size\": 257}, \"data\": {\"train\": \"d/t_*.bin\"}}",
+               "tokens a micro-step, at most 1048576");
+  ZT_CHECK(parse(&s, "{\"steps\": 1, \"train_micro_batch_size_per_gpu\": 256, \"model\": "
+                     "{\"n_layer\": 1, \"n_head\": 1, \"n_embd\": 8, \"seq_len\": 4096, "
+                     "\"vocab_size\": 257}, \"data\": {\"train\": \"d/t_*.bin\"}}") == 0);
 }
 
 ZT_TEST_MAIN(full_spec, defaults, unknown_keys, types_and_ranges, load_file,
