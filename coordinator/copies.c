@@ -241,6 +241,15 @@ static int find_epoch(const zt_db_ckpt_t *k, void *user) {
   return 0;
 }
 
+/* The generation job `id` is in (0: no such job). The job list is read
+ * here rather than through jobs.c, which calls this file (no call cycle
+ * between the coordinator's files: tools/check-layers). */
+static uint64_t job_generation(const zt_coord_t *c, uint64_t id) {
+  for (const zt_job_t *j = c->jobs; j; j = j->next)
+    if (j->row.id == id) return j->row.generation;
+  return 0;
+}
+
 void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_t n) {
   char last_deleted[ZT_DB_DIR_MAX] = "";
   int kept = 0, deleted = 0, malformed = 0;
@@ -267,8 +276,7 @@ void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_
     /* A pending epoch of the job's current generation may still commit:
      * workers of one machine share its checkpoint root, so a worker that
      * registers can list another's epoch while it is being written. */
-    zt_job_t *j = zt_jobs_get(c, e.job);
-    if (x.k.state == ZT_CKPT_PENDING && j && x.k.generation == j->row.generation) continue;
+    if (x.k.state == ZT_CKPT_PENDING && x.k.generation == job_generation(c, e.job)) continue;
     if (!strcmp(rel, last_deleted)) continue;
     snprintf(last_deleted, sizeof last_deleted, "%s", rel);
     deleted += zt_db_deletion_add(c->db, m->row.id, rel) == 0;

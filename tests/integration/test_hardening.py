@@ -116,11 +116,11 @@ def test_one_client_cannot_take_every_http_slot(procs):
     try:
         for _ in range(64):  # the per-client limit
             s = socket.create_connection(("127.0.0.1", coord.http_port), timeout=5)
-            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
             held.append(s)
         # One more from the same address is turned away...
         extra = socket.create_connection(("127.0.0.1", coord.http_port), timeout=5)
-        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         extra.settimeout(5 * SLOW)
         try:
             assert extra.recv(100) == b""  # closed without an answer...
@@ -132,7 +132,7 @@ def test_one_client_cannot_take_every_http_slot(procs):
         other.bind(("127.0.0.2", 0))
         other.settimeout(5 * SLOW)
         other.connect(("127.0.0.1", coord.http_port))
-        other.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        other.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         assert other.recv(100).startswith(b"HTTP/1.1 200")
         other.close()
     finally:
