@@ -525,6 +525,14 @@ def rollback_detail(r):
     return ev[-1]["detail"] if ev else None
 
 
+def spike_rollback(r, first):
+    """Rank 0 reports loss 50 at steps first..first + 2 (the detector's
+    patience); returns the rollback event's detail."""
+    for s in range(first, first + 3):
+        r.report_step(r.ranks[0], s, 50.0)
+    return wait_until(lambda: rollback_detail(r), 10, "rollback")
+
+
 def test_spike_rollback_target_survives_retention(raw):
     """keep_last 2 with margin_steps 25: the epoch a spike from step 46 must
     go back to (at or before step 19) is older than the last two. Retention
@@ -532,11 +540,8 @@ def test_spike_rollback_target_survives_retention(raw):
     deleted every one, starting over from initialization."""
     r = raw(rollback={"enabled": True, "margin_steps": 25})
     steps_and_epochs(r, 45)
-    w = r.ranks[0]
-    for s in (46, 47, 48):
-        r.report_step(w, s, 50.0)
-    wait_until(lambda: rollback_detail(r), 10, "rollback")
-    assert "restarting from checkpoint (step 10)" in rollback_detail(r), rollback_detail(r)
+    detail = spike_rollback(r, 46)
+    assert "restarting from checkpoint (step 10)" in detail, detail
     assert ckpt_states(r)[10] == 1
 
 
@@ -547,11 +552,8 @@ def test_spike_rollback_skips_the_epoch_of_the_update_before_it(raw):
     weights)."""
     r = raw(rollback={"enabled": True, "margin_steps": 0})
     steps_and_epochs(r, 20)
-    w = r.ranks[0]
-    for s in (21, 22, 23):
-        r.report_step(w, s, 50.0)
-    wait_until(lambda: rollback_detail(r), 10, "rollback")
-    assert "(step 10)" in rollback_detail(r), rollback_detail(r)
+    detail = spike_rollback(r, 21)
+    assert "(step 10)" in detail, detail
     assert ckpt_states(r)[20] == 2
 
 
