@@ -130,7 +130,8 @@ int zt_ckpt_writer_submit(zt_ckpt_writer_t *w, const char *dir, const zt_ckpt_me
   }
   memcpy(w->rg, ranges, (size_t)nranges * sizeof *w->rg);
   w->nr = nranges;
-  memcpy(w->skips, meta->skips, (size_t)meta->nskips * sizeof *w->skips);
+  if (meta->nskips > 0) /* skips may be NULL without any */
+    memcpy(w->skips, meta->skips, (size_t)meta->nskips * sizeof *w->skips);
   w->meta = *meta;
   w->meta.skips = w->skips;
   pthread_mutex_lock(&w->mu);
