@@ -69,6 +69,14 @@ void zt_copies_forget_epoch(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *
     ZT_WARN("copies of %s: %s", k->dir, zt_err_msg());
     return;
   }
+  /* The members of its generation too: a member stopped while it wrote
+   * its files, or received a copy, may hold a part of the epoch that was
+   * never recorded (temporary files, which its holdings never list). */
+  uint64_t members[ZT_MAX_WORLD];
+  int nm = 0;
+  if (zt_db_generation_members(c->db, job_id, k->generation, members, ZT_MAX_WORLD, &nm) != 0)
+    ZT_WARN("members of generation %llu: %s", (unsigned long long)k->generation, zt_err_msg());
+  for (int i = 0; i < nm; i++) add_holder(NULL, members[i], &h);
   for (int i = 0; i < h.n && rel; i++)
     if (zt_db_deletion_add(c->db, h.ids[i], rel) != 0)
       ZT_WARN("deletion of %s on worker %llu: %s", rel, (unsigned long long)h.ids[i],

@@ -607,3 +607,24 @@ def test_registration_keeps_a_pending_epoch_of_the_running_generation(raw):
     assert rows == [], rows
     code, reply, det = r.report_checkpoint(1, 5)
     assert code == OK and dict(fields(reply)).get(1) == 1, det
+
+
+def test_never_committed_epoch_is_deleted_on_every_member(raw):
+    """An epoch of generation 1 that never commits is deleted on every
+    member of that generation, not only on those that reported files: a
+    member stopped while it wrote (or received a copy) holds temporary
+    files its holdings never list, and would keep the directory for good."""
+    r = raw(n_workers=2, world=2)
+    code, _, det = r.report_checkpoint(0, 5)  # rank 1 never reports
+    assert code == OK, det
+    rel = r.epoch_rel(5)
+    code, _, det = r.report_ring_failure(r.ranks[0])
+    assert code == OK, det
+    r.wait_generation(2)
+
+    def queued():
+        with sqlite3.connect(r.coord.db) as db:
+            rows = {w for (w,) in db.execute("SELECT worker_id FROM epoch_deletions WHERE dir = ?",
+                                              (rel,))}
+        return rows if len(rows) == 2 else None
+    assert wait_until(queued, 10, "deletions on both members") == {w.id for w in r.workers}
