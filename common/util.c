@@ -3,6 +3,7 @@
  * whole-file I/O, constant-time comparison, the names of states, the
  * names of checkpoint epochs and their files, and the --version flag.
  */
+#include <arpa/inet.h>
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -115,6 +116,12 @@ int64_t zt_deadline_left_ms(zt_deadline_t d) {
   if (d == 0) return INT64_MAX;
   int64_t left = d - zt_now_ms();
   return left > 0 ? left : 0;
+}
+
+int zt_loopback_host(const char *host) {
+  struct in_addr a4;
+  if (!strcmp(host, "localhost") || !strcmp(host, "::1") || !strcmp(host, "[::1]")) return 1;
+  return inet_pton(AF_INET, host, &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
 }
 
 int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port) {

@@ -114,6 +114,9 @@ static inline int zt_deadline_passed(zt_deadline_t d) { return d != 0 && zt_dead
 
 /* Parses "host:port" into its parts; port must be 1..65535. */
 ZT_MUST_CHECK int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
+/* 1 when a host name (no port) names this machine's loopback: localhost,
+ * ::1 or [::1], or an IPv4 literal in 127.0.0.0/8. */
+int zt_loopback_host(const char *host);
 /* Writes a whole buffer / reads a whole file; -1 with a message on failure. */
 ZT_MUST_CHECK int zt_write_all(int fd, const void *buf, size_t len);
 ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);

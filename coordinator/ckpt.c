@@ -132,8 +132,7 @@ void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
    * patience - margin and every later one are kept whatever keep_last
    * says (about (margin + patience) / every_steps + 1 epochs more), or a
    * rollback would find none and start over from initialization. */
-  int64_t patience = j->p.rb_patience > 0 ? j->p.rb_patience : 3; /* spike.c's default */
-  if (j->p.rb_enabled) g.max_step = j->row.step - patience - j->p.rb_margin;
+  if (j->p.rb_enabled) g.max_step = j->row.step - j->p.rb_patience - j->p.rb_margin;
   if (zt_db_ckpts_each(c->db, j->row.id, count_committed, &g) != 0 ||
       zt_db_ckpts_each(c->db, j->row.id, collect_for_gc, &g) != 0) {
     ZT_WARN("checkpoint gc: %s", zt_err_msg());

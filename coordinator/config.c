@@ -12,7 +12,6 @@
  * other than loopback unless both an API token (operators) and a worker
  * secret (workers) are configured; --insecure overrides, with a warning.
  */
-#include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <getopt.h>
 #include <limits.h>
@@ -210,9 +209,7 @@ static int loopback(const char *addr) {
   const char *colon = strrchr(addr, ':');
   char host[256];
   snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - addr) : (int)strlen(addr), addr);
-  struct in_addr a4;
-  if (!strcmp(host, "localhost") || !strcmp(host, "::1") || !strcmp(host, "[::1]")) return 1;
-  return inet_pton(AF_INET, host, &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
+  return zt_loopback_host(host);
 }
 
 /* The shipped config (deploy/zcoord.json) holds placeholders: they must be

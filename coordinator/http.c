@@ -540,6 +540,17 @@ static int authorized(zt_http_req_t *r) {
                                         : r->authorization);
 }
 
+/* 1, with the 401 answer in r, when route rt needs the token and r lacks it. */
+static int unauthorized(zt_http_req_t *r, const route *rt) {
+  if (!rt->mutating || authorized(r)) return 0;
+  zt_http_error(r, 401, "%s %s needs \"Authorization: Bearer <api_token>\"", r->method, r->url);
+  return 1;
+}
+
+static void too_large(zt_http_req_t *r) {
+  zt_http_error(r, 413, "request body larger than %u bytes", ZT_HTTP_MAX_BODY);
+}
+
 static const route *find_route(const char *method, const char *url) {
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++)
     if (path_match(k_routes[i].path, url) && !strcmp(k_routes[i].method, method))
@@ -551,20 +562,13 @@ static const route *find_route(const char *method, const char *url) {
  * 127.0.0.0/8 literal or [::1], with or without a port. */
 static int loopback_name(const char *h, size_t n) {
   char host[64];
-  const char *colon = h[0] == '[' ? NULL : memchr(h, ':', n);
-  if (h[0] == '[') {
-    const char *close = memchr(h, ']', n);
-    if (!close) return 0;
-    return close - h == 4 && !memcmp(h, "[::1]", 5) &&
-           ((size_t)(close - h) + 1 == n || close[1] == ':');
-  }
-  size_t hn = colon ? (size_t)(colon - h) : n;
-  if (hn == 0 || hn >= sizeof host) return 0;
+  /* The host: "[...]" for IPv6, else up to the port's colon. */
+  const char *end = h[0] == '[' ? memchr(h, ']', n) : memchr(h, ':', n);
+  size_t hn = !end ? (h[0] == '[' ? 0 : n) : (size_t)(end - h) + (h[0] == '[');
+  if (hn == 0 || hn >= sizeof host || (hn < n && h[hn] != ':')) return 0;
   memcpy(host, h, hn);
   host[hn] = 0;
-  struct in_addr a4;
-  if (!strcmp(host, "localhost")) return 1;
-  return inet_pton(AF_INET, host, &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
+  return zt_loopback_host(host);
 }
 
 /* What a request needs refused before its body is read, or NULL. Without
@@ -599,12 +603,9 @@ static int refuse_early(zt_http_t *h, struct MHD_Connection *conn, const char *m
       return 1;
     }
   }
-  if (rt && rt->mutating && !authorized(r)) {
-    zt_http_error(r, 401, "%s %s needs \"Authorization: Bearer <api_token>\"", method, url);
-    return 1;
-  }
+  if (rt && unauthorized(r, rt)) return 1;
   if (clen && strtoull(clen, NULL, 10) > ZT_HTTP_MAX_BODY) {
-    zt_http_error(r, 413, "request body larger than %u bytes", ZT_HTTP_MAX_BODY);
+    too_large(r);
     return 1;
   }
   return 0;
@@ -613,20 +614,14 @@ static int refuse_early(zt_http_t *h, struct MHD_Connection *conn, const char *m
 static void route_on_loop(void *arg) { zt__http_route(arg); }
 
 void zt__http_route(zt_http_req_t *r) {
-  const char *allow = NULL;
-  for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++) {
-    if (!path_match(k_routes[i].path, r->url)) continue;
-    if (strcmp(k_routes[i].method, r->method) == 0) {
-      if (k_routes[i].mutating && !authorized(r)) {
-        zt_http_error(r, 401, "%s %s needs \"Authorization: Bearer <api_token>\"", r->method,
-                      r->url);
-        return;
-      }
-      k_routes[i].fn(r);
-      return;
-    }
-    allow = allow ? "GET, POST" : k_routes[i].method;
+  const route *rt = find_route(r->method, r->url);
+  if (rt) {
+    if (!unauthorized(r, rt)) rt->fn(r);
+    return;
   }
+  const char *allow = NULL; /* the path's routes: every one has another method */
+  for (size_t i = 0; i < ZT_ARRAY_LEN(k_routes); i++)
+    if (path_match(k_routes[i].path, r->url)) allow = allow ? "GET, POST" : k_routes[i].method;
   if (allow) {
     r->allow = allow;
     zt_http_error(r, 405, "method %s not allowed on %s (allowed: %s)", r->method, r->url, allow);
@@ -685,7 +680,7 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
   zt_http_req_t r = {.c = h->c, .conn = conn, .method = method, .url = url,
                    .body = cc->body, .body_len = cc->len};
   if (cc->too_large) {
-    zt_http_error(&r, 413, "request body larger than %u bytes", ZT_HTTP_MAX_BODY);
+    too_large(&r);
   } else if (zt_loopcall_run(&h->c->loopcall, route_on_loop, &r) != 0) {
     zt_http_error(&r, 503, "coordinator is shutting down");
   }

@@ -21,7 +21,6 @@ struct zt_ckpt_writer {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int busy, quit; /* under mu */
-  int reporting;   /* under mu: the epoch in flight is durable; done() runs */
   int written;     /* under mu: its write ended (durable or failed); done() runs */
   int64_t reporting_step;
   zt_ckpt_done_fn done;
@@ -52,7 +51,6 @@ static int write_one(zt_ckpt_writer_t *w) {
             (long long)(zt_now_ms() - t0), w->dir);
   }
   pthread_mutex_lock(&w->mu);
-  w->reporting = !error;
   w->written = 1;
   w->reporting_step = w->meta.step;
   pthread_cond_broadcast(&w->cv); /* zt_ckpt_writer_reporting waits for this */
@@ -74,7 +72,7 @@ static void *writer_main(void *p) {
     (void)write_one(w); /* a failure was reported; the next epoch is tried */
     pthread_mutex_lock(&w->mu);
     w->busy = 0;
-    w->reporting = w->written = 0;
+    w->written = 0;
     pthread_cond_broadcast(&w->cv);
   }
   pthread_mutex_unlock(&w->mu);
