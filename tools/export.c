@@ -241,14 +241,6 @@ static void remove_tree_flat(const char *dir) {
   rmdir(dir);
 }
 
-static int sync_dir(const char *dir) {
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return zt_err_errno("open %s", dir);
-  int rc = fsync(fd) == 0 ? 0 : zt_err_errno("fsync %s", dir);
-  close(fd);
-  return rc;
-}
-
 int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   zt_model_config_t cfg;
   zt_layout_t lay = {0};
@@ -282,7 +274,7 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   snprintf(path, sizeof path, "%s/model.safetensors", tmp);
   if (zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
       write_json(tmp, "config.json", config_json(&cfg, &tok, o->bf16, info->step)) != 0 ||
-      write_tokenizer(tmp, &tok, cfg.seq_len) != 0 || sync_dir(tmp) != 0)
+      write_tokenizer(tmp, &tok, cfg.seq_len) != 0 || zt_ckpt_fsync_dir(tmp) != 0)
     goto out;
   if (st == 1 && rmdir(out_dir) != 0) {
     zt_err_errno("cannot replace the empty directory %s", out_dir);

@@ -71,6 +71,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "ckpt_io.h" /* zt_ckpt_fsync_dir */
 #include "tokenizer.h"
 #include "zt_common.h"
 
@@ -89,16 +90,6 @@ typedef struct {
 
 static void put_le32(uint8_t *p, int32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)((uint32_t)v >> (8 * i));
-}
-
-/* Makes a rename in dir durable. */
-static int fsync_dir(const char *dir) {
-  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return zt_err_errno("open %s", dir);
-  int rc = fsync(fd);
-  if (rc != 0) zt_err_errno("fsync %s", dir);
-  close(fd);
-  return rc;
 }
 
 /* Writes len bytes to dir/name durably: name.tmp, fsync, rename, fsync of
@@ -128,7 +119,7 @@ static int write_atomic(const char *dir, const char *name, const void *buf, size
     zt_err_errno("rename %s", tmp);
     goto err;
   }
-  return fsync_dir(dir);
+  return zt_ckpt_fsync_dir(dir); /* the rename is durable */
 err:
   unlink(tmp);
   return -1;
