@@ -22,6 +22,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "fuzz_fail.h"
 #include "ckpt_io.h"
 #include "layout.h"
 #include "zt_common.h"
@@ -35,7 +36,7 @@ static void write_part(const char *name, const uint8_t *p, size_t n) {
   char path[128];
   snprintf(path, sizeof path, "%s/%s", g_dir, name);
   FILE *f = fopen(path, "wb");
-  if (!f || (n && fwrite(p, 1, n, f) != n)) abort();
+  if (!f || (n && fwrite(p, 1, n, f) != n)) ZT_FUZZ_FAIL();
   fclose(f);
 }
 
@@ -72,14 +73,14 @@ static void make_seed(const char *out) {
   zt_ckpt_meta_t meta = {1, 1, 5, 0, 1, 1, k_cfg, 7, 2, NULL, 0, ""};
   zt_ckpt_file_t files[3];
   int nf;
-  if (zt_ckpt_write(ep, &meta, r, g_lay.num_units, files, &nf) != 0) abort();
+  if (zt_ckpt_write(ep, &meta, r, g_lay.num_units, files, &nf) != 0) ZT_FUZZ_FAIL();
   FILE *o = fopen(out, "wb");
   const char *names[3] = {"manifest.json", "rank_0.json", "rank_0.bin"};
   for (int i = 0; i < 3; i++) {
     char path[256], *text;
     size_t n;
     snprintf(path, sizeof path, "%s/%s", ep, names[i]);
-    if (!o || zt_read_file(path, &text, &n, 1 << 20) != 0) abort();
+    if (!o || zt_read_file(path, &text, &n, 1 << 20) != 0) ZT_FUZZ_FAIL();
     if (i < 2) fputc((int)(n & 0xff), o), fputc((int)(n >> 8), o);
     fwrite(text, 1, n, o);
     free(text);
@@ -96,7 +97,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   (void)argc, (void)argv;
   zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1));
   snprintf(g_dir, sizeof g_dir, "/tmp/zt-fuzz-ckpt-XXXXXX");
-  if (!mkdtemp(g_dir) || zt_layout_build(&g_lay, &k_cfg) != 0) abort();
+  if (!mkdtemp(g_dir) || zt_layout_build(&g_lay, &k_cfg) != 0) ZT_FUZZ_FAIL();
   atexit(remove_dir);
   const char *seed = getenv("ZT_FUZZ_MAKE_SEED");
   if (seed) {

@@ -2,6 +2,7 @@
  * fuzz_coord.c: the coordinator the fuzz targets drive (see fuzz_coord.h).
  */
 #include "fuzz_coord.h"
+#include "fuzz_fail.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,7 +57,7 @@ int zt_fuzz_rpc(const char *method, const uint8_t *req, size_t len, int with_tok
 static void must(int ok, const char *what) {
   if (ok) return;
   fprintf(stderr, "fuzz_coord: %s: %s\n", what, zt_err_msg());
-  abort();
+  ZT_FUZZ_FAIL();
 }
 
 static void register_worker(void) {

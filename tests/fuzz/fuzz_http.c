@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_fail.h"
 #include "fuzz_coord.h"
 #include "http.h"
 
@@ -38,7 +39,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                      .authorization = token ? "Bearer " ZT_FUZZ_TOKEN : NULL, .method = line,
                      .url = url, .body = blen ? body : NULL, .body_len = blen};
   zt__http_route(&r);
-  if (r.status < 200 || r.status > 599 || (r.resp_len && !r.resp)) abort();
+  if (r.status < 200 || r.status > 599 || (r.resp_len && !r.resp)) ZT_FUZZ_FAIL();
   free(r.resp);
   free(body);
   zt_fuzz_coord_done();

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_fail.h"
 #include "fuzz_coord.h"
 #include "ztrain.pb-c.h"
 
@@ -79,7 +80,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t rl = 0;
   int status = zt_fuzz_rpc(m->path, patched ? patched : body, patched ? plen : len, flags & 1,
                            &resp, &rl);
-  if (status < -1 || status > 16) abort(); /* every call ends with a gRPC status */
+  if (status < -1 || status > 16) ZT_FUZZ_FAIL(); /* every call ends with a gRPC status */
   free(resp);
   free(patched);
   zt_fuzz_coord_done();

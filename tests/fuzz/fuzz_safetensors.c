@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "fuzz_fail.h"
 #include "safetensors.h"
 
 static const zt_model_config_t k_cfg = {
@@ -27,9 +28,9 @@ static void make_seeds(const char *dir) {
     zt_layout_init_unit(&g_lay, 1, u, flat + g_lay.unit_off[u]);
   char out[512];
   snprintf(out, sizeof out, "%s/valid-f32", dir);
-  if (zt_st_write(out, &g_lay, flat, 0, 1, NULL) != 0) abort();
+  if (zt_st_write(out, &g_lay, flat, 0, 1, NULL) != 0) ZT_FUZZ_FAIL();
   snprintf(out, sizeof out, "%s/valid-bf16", dir);
-  if (zt_st_write(out, &g_lay, flat, 1, 1, NULL) != 0) abort();
+  if (zt_st_write(out, &g_lay, flat, 1, 1, NULL) != 0) ZT_FUZZ_FAIL();
   free(flat);
 }
 
@@ -41,7 +42,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1));
   snprintf(g_path, sizeof g_path, "/tmp/zt-fuzz-st-%d.safetensors", (int)getpid());
   atexit(remove_input);
-  if (zt_layout_build(&g_lay, &k_cfg) != 0) abort();
+  if (zt_layout_build(&g_lay, &k_cfg) != 0) ZT_FUZZ_FAIL();
   const char *seed = getenv("ZT_FUZZ_MAKE_SEED");
   if (seed) make_seeds(seed);
   return 0;
@@ -49,13 +50,13 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   FILE *f = fopen(g_path, "wb");
-  if (!f || (size && fwrite(data, 1, size, f) != size)) abort();
+  if (!f || (size && fwrite(data, 1, size, f) != size)) ZT_FUZZ_FAIL();
   fclose(f);
   float *flat = zt_xmalloc(g_lay.num_params * sizeof(float));
   if (zt_st_read(g_path, &g_lay, flat) == 0) {
     const zt_tensor_t *wte = &g_lay.tensors[0];
     for (size_t i = (size_t)k_cfg.vocab_size * (size_t)k_cfg.n_embd; i < wte->n; i++)
-      if (flat[wte->off + i] != 0.0f) abort();
+      if (flat[wte->off + i] != 0.0f) ZT_FUZZ_FAIL();
   }
   free(flat);
   return 0;

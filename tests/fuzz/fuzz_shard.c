@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "fuzz_fail.h"
 #include "data.h"
 #include "zt_common.h"
 
@@ -28,8 +29,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     atexit(remove_input);
   }
   FILE *f = fopen(path, "wb");
-  if (!f) abort();
-  if (size && fwrite(data, 1, size, f) != size) abort();
+  if (!f) ZT_FUZZ_FAIL();
+  if (size && fwrite(data, 1, size, f) != size) ZT_FUZZ_FAIL();
   fclose(f);
   char *paths[1] = {path};
   zt_data_t *d;
@@ -39,7 +40,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (uint64_t q = 0; q < 3 && n; q++) {
     if (zt_data_fill(d, q * 7, 4, in, tg) != 0) continue; /* a token beyond the vocabulary */
     for (int i = 0; i < 4 * T; i++)
-      if (in[i] < 0 || in[i] >= VOCAB || tg[i] < 0 || tg[i] >= VOCAB) abort();
+      if (in[i] < 0 || in[i] >= VOCAB || tg[i] < 0 || tg[i] >= VOCAB) ZT_FUZZ_FAIL();
   }
   zt_data_close(d);
   return 0;

@@ -9,20 +9,21 @@
  */
 #include <stdlib.h>
 
+#include "fuzz_fail.h"
 #include "memory.h"
 #include "spec.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   zt_spec_t s;
   if (zt_spec_parse(&s, (const char *)data, size) != 0) return 0;
-  if (s.global_batch <= 0 || s.global_batch % s.micro_batch != 0) abort();
+  if (s.global_batch <= 0 || s.global_batch % s.micro_batch != 0) ZT_FUZZ_FAIL();
   if (s.model.n_layer > 64 || (uint64_t)s.model.n_embd * s.model.n_embd > (1ull << 26))
     return 0; /* the layout of a huge model takes too long to be worth it */
   for (int n = 1; n <= 4; n++) {
     int accum;
     if (zt_spec_accum_for_world(&s, n, &accum) == 0 &&
         (long)accum * s.micro_batch * n != s.global_batch)
-      abort();
+      ZT_FUZZ_FAIL();
     zt_mem_need_t need;
     if (zt_memory_need(&s, n, &need) != 0) continue;
     /* A GPU worker's figures: bf16 storage when the spec asks for it
@@ -32,14 +33,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint64_t host0, dev0, acts0, dev_acts;
     if (zt_memory_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
         zt_memory_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
-      abort();
+      ZT_FUZZ_FAIL();
     if (need.host != ZT_MEM_BASE_BYTES + need.states + need.activations + need.snapshot ||
         need.device != ZT_MEM_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||
         need.host_with_device != ZT_MEM_BASE_BYTES + need.states + need.snapshot ||
         need.dev_activations > need.activations || dev0 != need.dev_states ||
         dev_acts != need.dev_activations || acts0 != need.activations || host0 > need.states ||
         (!s.bf16 && (need.dev_activations != need.activations || need.dev_states < host0)))
-      abort();
+      ZT_FUZZ_FAIL();
   }
   return 0;
 }

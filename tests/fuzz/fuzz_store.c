@@ -41,6 +41,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "fuzz_fail.h"
 #include "store.h"
 #include "zt_common.h"
 
@@ -79,12 +80,12 @@ static void stop(void) {
 static void start(void) {
   zt_log_set_level((zt_log_level_t)(ZT_LOG_ERROR + 1));
   snprintf(root, sizeof root, "/tmp/zt-fuzz-store-%d", (int)getpid());
-  if (mkdir(root, 0700) != 0 && errno != EEXIST) abort();
+  if (mkdir(root, 0700) != 0 && errno != EEXIST) ZT_FUZZ_FAIL();
   zt_store_opts_t o = {.host = "127.0.0.1", .ckpt_root = root, .session = session_of,
                        .assignment = assignment_of};
   if (zt_store_start(&o, &store) != 0) {
     fprintf(stderr, "fuzz_store: %s\n", zt_err_msg());
-    abort();
+    ZT_FUZZ_FAIL();
   }
   port = atoi(strrchr(zt_store_addr(store), ':') + 1);
   atexit(stop);
@@ -109,7 +110,7 @@ static size_t exchange(const uint8_t *msg, size_t len, uint8_t *reply, size_t ca
   if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg) != 0 ||
       connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
     fprintf(stderr, "fuzz_store: cannot connect to the store: %s\n", strerror(errno));
-    abort();
+    ZT_FUZZ_FAIL();
   }
   size_t off = 0;
   while (off < len) { /* the store may refuse and close early: stop there */
@@ -133,18 +134,22 @@ static size_t exchange(const uint8_t *msg, size_t len, uint8_t *reply, size_t ca
   return got;
 }
 
-/* After a PUT the store answered "stored": the file holds exactly data. */
-static void check_stored(const char *dir, const char *name, const uint8_t *data, size_t n) {
+/* After a PUT the store answered "stored": the directory is an epoch of
+ * the ticket's job and generation (not necessarily the store's current
+ * ones: a put ticket with an expiry is good for any), and the file holds
+ * exactly data. */
+static void check_stored(const zt_ticket_t *t, const char *dir, const char *name,
+                         const uint8_t *data, size_t n) {
   zt_epoch_t e;
-  if (zt_epoch_parse(dir, &e) != 0 || e.job != JOB || e.gen != GEN) abort();
+  if (zt_epoch_parse(dir, &e) != 0 || e.job != t->job || e.gen != t->gen) ZT_FUZZ_FAIL();
   char path[2048];
   snprintf(path, sizeof path, "%s/%s/%s", root, dir, name);
   FILE *f = fopen(path, "rb");
-  if (!f) abort();
+  if (!f) ZT_FUZZ_FAIL();
   uint8_t *buf = malloc(n + 1);
   size_t r = fread(buf, 1, n + 1, f);
   fclose(f);
-  if (r != n || (n && memcmp(buf, data, n) != 0)) abort();
+  if (r != n || (n && memcmp(buf, data, n) != 0)) ZT_FUZZ_FAIL();
   free(buf);
 }
 
@@ -199,7 +204,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!get) memcpy(msg + o, body, n), o += n;
   size_t got = exchange(msg, o, reply, sizeof reply);
   free(msg);
-  if (got < 3) abort(); /* the store answers every request */
-  if (!get && reply[0] == 0) check_stored(dir, name, body, n);
+  if (got < 3) ZT_FUZZ_FAIL(); /* the store answers every request */
+  if (!get && reply[0] == 0) check_stored(&t, dir, name, body, n);
   return 0;
 }
