@@ -27,6 +27,9 @@ static const struct {
     [ZT_KNOB_STAGE_COLLECTIVES] = {"ZT_TEST_STAGE_COLLECTIVES",
                                    "1: CPU workers stage every collective through a host buffer "
                                    "as GPU workers do, so CPU tests cover that path"},
+    [ZT_KNOB_NO_STEP_REPORTER] = {"ZT_FAULT_NO_STEP_REPORTER",
+                                  "1: rank 0's step reporter thread cannot be started, as when "
+                                  "pthread_create fails (EAGAIN)"},
 };
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;

@@ -165,8 +165,8 @@ int zt_pread_all(int fd, void *buf, size_t len, uint64_t off, const char *path) 
     if (r < 0)
       return zt_err_errno("read %s at offset %llu", path, (unsigned long long)(off + got));
     if (r == 0)
-      return zt_err("%s: end of file at offset %llu, %zu of %zu bytes read", path,
-                    (unsigned long long)(off + got), got, len);
+      return zt_errk(ZT_E_INVALID, "%s: end of file at offset %llu, %zu of %zu bytes read", path,
+                     (unsigned long long)(off + got), got, len);
     got += (size_t)r;
   }
   return 0;
@@ -181,7 +181,8 @@ int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen) {
     goto err;
   }
   if ((size_t)st.st_size > maxlen) {
-    zt_err("%s: %lld bytes is over the limit of %zu", path, (long long)st.st_size, maxlen);
+    zt_errk(ZT_E_TOO_LARGE, "%s: %lld bytes is over the limit of %zu", path, (long long)st.st_size,
+            maxlen);
     goto err;
   }
   char *buf = zt_xmalloc((size_t)st.st_size + 1);

@@ -117,12 +117,14 @@ ZT_MUST_CHECK int zt_parse_hostport(const char *s, char *host, size_t hostlen, i
 /* 1 when a host name (no port) names this machine's loopback: localhost,
  * ::1 or [::1], or an IPv4 literal in 127.0.0.0/8. */
 int zt_loopback_host(const char *host);
-/* Writes a whole buffer / reads a whole file; -1 with a message on failure. */
+/* Writes a whole buffer / reads a whole file; -1 with a message on failure
+ * (a file over maxlen: ZT_E_TOO_LARGE). */
 ZT_MUST_CHECK int zt_write_all(int fd, const void *buf, size_t len);
 ZT_MUST_CHECK int zt_read_file(const char *path, char **out, size_t *outlen, size_t maxlen);
 /* Reads exactly len bytes at offset off (pread, resumed after a short count
  * or EINTR); the end of the file first is an error naming path and the
- * offset reached. */
+ * offset reached (ZT_E_INVALID: the file is shorter than its description
+ * says; an I/O error stays ZT_E_FAILED). */
 ZT_MUST_CHECK int zt_pread_all(int fd, void *buf, size_t len, uint64_t off, const char *path);
 /* Creates a directory and its parents (mkdir -p). */
 ZT_MUST_CHECK int zt_mkdirs(const char *path);
@@ -282,6 +284,8 @@ typedef enum {
                                   through writing the checkpoint of step S */
   ZT_KNOB_STAGE_COLLECTIVES,   /* ZT_TEST_STAGE_COLLECTIVES=1: CPU workers stage
                                   collectives as the device path does */
+  ZT_KNOB_NO_STEP_REPORTER,    /* ZT_FAULT_NO_STEP_REPORTER=1: rank 0's step reporter
+                                  thread cannot be started */
   ZT_KNOB_COUNT
 } zt_knob_t;
 

@@ -233,11 +233,11 @@ static int hash_matches(const char *path, const void *data, size_t len,
   char got[32];
   checksum_text(got, XXH64(data, len, 0));
   if (len != want->bytes)
-    return zt_err("%s: size %zu, expected %llu (truncated or corrupt checkpoint)", path, len,
-                  (unsigned long long)want->bytes);
+    return zt_errk(ZT_E_INVALID, "%s: size %zu, expected %llu (truncated or corrupt checkpoint)",
+                   path, len, (unsigned long long)want->bytes);
   if (strcmp(got, want->checksum) != 0)
-    return zt_err("%s: checksum mismatch (%s, expected %s): corrupt checkpoint", path, got,
-                  want->checksum);
+    return zt_errk(ZT_E_INVALID, "%s: checksum mismatch (%s, expected %s): corrupt checkpoint",
+                   path, got, want->checksum);
   return 0;
 }
 
@@ -248,12 +248,16 @@ static cJSON *read_json(const char *dir, const char *name, const zt_ckpt_record_
   snprintf(path, sizeof path, "%s/%s", dir, name);
   const zt_ckpt_file_t *want = recorded(rec, name);
   if (rec && rec->n && !want) {
-    zt_err("%s: not in the epoch's record (corrupt checkpoint)", path);
+    zt_errk(ZT_E_INVALID, "%s: not in the epoch's record (corrupt checkpoint)", path);
     return NULL;
   }
   char *text;
   size_t len;
-  if (zt_read_file(path, &text, &len, 64 << 20) != 0) return NULL;
+  if (zt_read_file(path, &text, &len, 64 << 20) != 0) {
+    if (access(path, F_OK) != 0 && errno == ENOENT)
+      zt_errk(ZT_E_NOT_FOUND, "%s: %s", path, strerror(ENOENT));
+    return NULL;
+  }
   if (want && hash_matches(path, text, len, want) != 0) {
     free(text);
     return NULL;
@@ -281,12 +285,19 @@ static int64_t int_field(cJSON *o, const char *k, int64_t max) {
 /* Streams a file through xxh64 and compares with the expected checksum. */
 int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0 && (errno == ENOENT || errno == ENOTDIR))
+    return zt_errk(ZT_E_NOT_FOUND, "%s: %s", path, strerror(errno));
   if (fd < 0) return zt_err_errno("%s", path);
   struct stat st;
-  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != bytes) {
+  if (fstat(fd, &st) != 0) {
+    zt_err_errno("%s", path);
     close(fd);
-    return zt_err("%s: size %lld, expected %llu (truncated or corrupt checkpoint)", path,
-                  (long long)st.st_size, (unsigned long long)bytes);
+    return -1;
+  }
+  if ((uint64_t)st.st_size != bytes) {
+    close(fd);
+    return zt_errk(ZT_E_INVALID, "%s: size %lld, expected %llu (truncated or corrupt checkpoint)",
+                   path, (long long)st.st_size, (unsigned long long)bytes);
   }
   XXH64_state_t *h = XXH64_createState();
   XXH64_reset(h, 0);
@@ -299,7 +310,8 @@ int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want) {
   XXH64_freeState(h);
   if (n < 0) return zt_err_errno("read %s", path);
   if (strcmp(got, want) != 0)
-    return zt_err("%s: checksum mismatch (%s, expected %s): corrupt checkpoint", path, got, want);
+    return zt_errk(ZT_E_INVALID, "%s: checksum mismatch (%s, expected %s): corrupt checkpoint",
+                   path, got, want);
   return 0;
 }
 
@@ -319,14 +331,16 @@ static int read_manifest(const char *dir, const zt_model_config_t *model,
            int_field(mm, "vocab_size", INT32_MAX) == model->vocab_size;
   cJSON_Delete(man);
   if (!ok)
-    return zt_err("%s/manifest.json: model or layout does not match the job (mismatched "
-                  "checkpoint)",
-                  dir);
+    return zt_errk(ZT_E_INVALID,
+                   "%s/manifest.json: model or layout does not match the job (mismatched "
+                   "checkpoint)",
+                   dir);
   /* The record holds exactly the files of `world` ranks. */
   if (rec && rec->n && rec->n != 2 * *world + 1)
-    return zt_err("%s/manifest.json: %d ranks, but the epoch's record holds %d files (corrupt "
-                  "checkpoint)",
-                  dir, *world, rec->n);
+    return zt_errk(ZT_E_INVALID,
+                   "%s/manifest.json: %d ranks, but the epoch's record holds %d files (corrupt "
+                   "checkpoint)",
+                   dir, *world, rec->n);
   return 0;
 }
 
@@ -366,16 +380,17 @@ static int check_coverage(const char *dir, int world, const zt_ckpt_dest_t *dest
     uint64_t end = dest[d].lo, covered = 0;
     for (; i < got->n && got->v[i].d == d; i++) {
       if (got->v[i].a < end)
-        return zt_err("%s: %d ranks: unit %d: ranges overlap at element %llu (corrupt "
-                      "checkpoint)",
-                      dir, world, dest[d].unit, (unsigned long long)got->v[i].a);
+        return zt_errk(ZT_E_INVALID,
+                       "%s: %d ranks: unit %d: ranges overlap at element %llu (corrupt "
+                       "checkpoint)",
+                       dir, world, dest[d].unit, (unsigned long long)got->v[i].a);
       covered += got->v[i].b - got->v[i].a;
       end = got->v[i].b;
     }
     if (covered != dest[d].n)
-      return zt_err("%s: %d ranks: unit %d: %llu of %llu elements (corrupt checkpoint)", dir,
-                    world, dest[d].unit, (unsigned long long)covered,
-                    (unsigned long long)dest[d].n);
+      return zt_errk(
+          ZT_E_INVALID, "%s: %d ranks: unit %d: %llu of %llu elements (corrupt checkpoint)", dir,
+          world, dest[d].unit, (unsigned long long)covered, (unsigned long long)dest[d].n);
   }
   return 0;
 }
@@ -390,7 +405,7 @@ static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ran
     int64_t lo = int_field(rg, "lo", ZT_CKPT_MAX_ELEMS), n = int_field(rg, "n", ZT_CKPT_MAX_ELEMS),
             off = int_field(rg, "offset", ZT_CKPT_MAX_BYTES);
     if (u < 0 || lo < 0 || n < 0 || off < 0)
-      return zt_err("%s: malformed range (corrupt checkpoint)", idxname);
+      return zt_errk(ZT_E_INVALID, "%s: malformed range (corrupt checkpoint)", idxname);
     for (int d = 0; d < nd; d++) {
       if (dest[d].unit != u) continue;
       uint64_t a = ZT_MAX((uint64_t)lo, dest[d].lo);
@@ -403,7 +418,7 @@ static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ran
         if (!dst[k]) continue;
         uint64_t at = (uint64_t)off + ((uint64_t)k * (uint64_t)n + (a - (uint64_t)lo)) * 4;
         if (zt_pread_all(fd, dst[k] + (a - dest[d].lo), cnt, at, path) != 0)
-          return zt_err_wrap("corrupt checkpoint");
+          return zt_err_kind() == ZT_E_INVALID ? zt_err_wrap("corrupt checkpoint") : -1;
       }
     }
   }
@@ -424,27 +439,29 @@ static int load_rank(const char *dir, int r, int world, int64_t step, const zt_c
   int rc = -1, fd = -1;
   if (!cJSON_IsString(file) || !cJSON_IsString(sum) || !cJSON_IsArray(ranges) ||
       strchr(file->valuestring, '/')) {
-    zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
+    zt_errk(ZT_E_INVALID, "%s/%s: malformed index (corrupt checkpoint)", dir, js);
     goto out;
   }
   if (int_field(idx, "rank", 65536) != r || int_field(idx, "world", 65536) != world ||
       int_field(idx, "step", 1ll << 53) != step) {
-    zt_err("%s/%s: not the index of rank %d of %d at step %lld that manifest.json names (corrupt "
-           "checkpoint)",
-           dir, js, r, world, (long long)step);
+    zt_errk(ZT_E_INVALID,
+            "%s/%s: not the index of rank %d of %d at step %lld that manifest.json names (corrupt "
+            "checkpoint)",
+            dir, js, r, world, (long long)step);
     goto out;
   }
   snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
   const zt_ckpt_file_t *want = recorded(rec, file->valuestring);
   if (rec && rec->n && (!want || strcmp(want->checksum, sum->valuestring) != 0)) {
-    zt_err("%s/%s: names %s, which the epoch's record does not hold with that checksum (corrupt "
-           "checkpoint)",
-           dir, js, file->valuestring);
+    zt_errk(ZT_E_INVALID,
+            "%s/%s: names %s, which the epoch's record does not hold with that checksum (corrupt "
+            "checkpoint)",
+            dir, js, file->valuestring);
     goto out;
   }
   int64_t bytes = want ? (int64_t)want->bytes : int_field(idx, "bytes", ZT_CKPT_MAX_BYTES);
   if (bytes < 0) {
-    zt_err("%s/%s: malformed size (corrupt checkpoint)", dir, js);
+    zt_errk(ZT_E_INVALID, "%s/%s: malformed size (corrupt checkpoint)", dir, js);
     goto out;
   }
   if (zt_ckpt_verify_file(path, (uint64_t)bytes, sum->valuestring) != 0) goto out;
@@ -497,9 +514,10 @@ int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
   }
   cJSON_Delete(man);
   if (!ok)
-    return zt_err("%s/manifest.json: no model config, a field of it out of range or a bad "
-                  "tokenizer path (corrupt checkpoint)",
-                  dir);
+    return zt_errk(ZT_E_INVALID,
+                   "%s/manifest.json: no model config, a field of it out of range or a bad "
+                   "tokenizer path (corrupt checkpoint)",
+                   dir);
   if (zt_model_config_check(cfg) != 0)
     return zt_err_wrap("%s/manifest.json (corrupt checkpoint)", dir);
   return 0;
@@ -522,17 +540,18 @@ static int check_size(const char *dir, const zt_model_config_t *cfg) {
     int ok = cJSON_IsString(file) && !strchr(file->valuestring, '/');
     if (ok) snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
     cJSON_Delete(idx);
-    if (!ok) return zt_err("%s/%s: malformed index (corrupt checkpoint)", dir, js);
+    if (!ok) return zt_errk(ZT_E_INVALID, "%s/%s: malformed index (corrupt checkpoint)", dir, js);
     struct stat st;
     if (stat(path, &st) != 0) return zt_err_errno("%s", path);
     held += (uint64_t)st.st_size;
   }
   uint64_t params = zt_model_param_count(cfg, 1), need = params * 3 * sizeof(float);
   if (held < need)
-    return zt_err("%s/manifest.json: a model of %llu parameters needs %llu bytes of rank files, "
-                  "its %d ranks hold %llu (corrupt checkpoint)",
-                  dir, (unsigned long long)params, (unsigned long long)need, world,
-                  (unsigned long long)held);
+    return zt_errk(ZT_E_INVALID,
+                   "%s/manifest.json: a model of %llu parameters needs %llu bytes of rank files, "
+                   "its %d ranks hold %llu (corrupt checkpoint)",
+                   dir, (unsigned long long)params, (unsigned long long)need, world,
+                   (unsigned long long)held);
   return 0;
 }
 

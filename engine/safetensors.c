@@ -251,7 +251,7 @@ static int read_tensor(const reader *r, const zt_tensor_t *t, float *flat) {
   uint8_t *buf = zt_xmalloc(n * (size_t)esz + 1);
   if (zt_pread_all(r->fd, buf, n * (size_t)esz, r->data_off + (uint64_t)b, r->path) != 0) {
     free(buf);
-    return zt_err_wrapk(ZT_E_INVALID, "tensor %s", name);
+    return zt_err_wrap("tensor %s", name); /* a short file is ZT_E_INVALID, an I/O error not */
   }
   float *dst = flat + t->off;
   int tr = is_conv1d(t->kind);

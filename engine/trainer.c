@@ -272,6 +272,19 @@ static int init_params(trainer *t, zt_train_fault_t *fault) {
   return rc == 0 ? 0 : zt_err_wrap("init.from_safetensors");
 }
 
+zt_train_fault_t zt_train_load_fault(zt_errkind_t kind) {
+  switch (kind) {
+    case ZT_E_INVALID:
+    case ZT_E_NOT_FOUND:
+    case ZT_E_TOO_LARGE:
+      return ZT_FAULT_CHECKPOINT;
+    case ZT_E_NO_MEMORY:
+      return ZT_FAULT_MEMORY;
+    default:
+      return ZT_FAULT_LOCAL;
+  }
+}
+
 /* The step to start from: the loaded epoch's, or 0 with fresh parameters. */
 static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
@@ -289,7 +302,7 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
                    g->checkpoint_dir, g->ckpt_root);
   }
   if (zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded) != 0) {
-    *fault = zt_comm_broken(g->comm) ? ZT_FAULT_PEER : ZT_FAULT_CHECKPOINT;
+    *fault = zt_comm_broken(g->comm) ? ZT_FAULT_PEER : zt_train_load_fault(zt_err_kind());
     return -1;
   }
   if (g->start_step && loaded != g->start_step) { /* the epoch is not what was committed */

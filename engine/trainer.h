@@ -39,6 +39,14 @@ typedef enum {
   ZT_FAULT_MEMORY = 4,     /* this rank lacks the memory the job needs */
 } zt_train_fault_t;
 
+/* Who is at fault when loading an epoch failed with an error of `kind`:
+ * the epoch (ZT_FAULT_CHECKPOINT: a file missing, short, over its size or
+ * not matching its checksum or description, so it is retired) only when
+ * its content is at fault; out of memory is ZT_FAULT_MEMORY, and anything
+ * else (out of descriptors, an I/O error) ZT_FAULT_LOCAL, which says
+ * nothing about the epoch and leaves it to be loaded again. */
+zt_train_fault_t zt_train_load_fault(zt_errkind_t kind);
+
 /* How zt_gen_train failed: who is at fault, and at which step (1-based: the
  * step being computed; the start step for a failure before the first). */
 typedef struct {

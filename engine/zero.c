@@ -786,7 +786,7 @@ int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int
   zt_ckpt_dest_t *dest = zt_xcalloc((size_t)z->U * 2, sizeof *dest);
   int nd = 0, rc = -1;
   if (!hp || !hm || !hv || !dest) {
-    zt_err("out of memory loading a checkpoint");
+    zt_errk(ZT_E_NO_MEMORY, "out of memory loading a checkpoint");
     goto out;
   }
   for (int u = 0; u < z->U; u++) {

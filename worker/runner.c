@@ -14,6 +14,7 @@
  * and are retried; the ring set-up has the job's comm timeout; training
  * polls should_stop() and its collectives are aborted on a new target.
  */
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -534,9 +535,24 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
     r->rep_cmd = ZT_CMD_CONTINUE;
     r->rep_acked = rv->start_step;
     pthread_mutex_unlock(&r->mu);
-    if (pthread_create(&rep, NULL, reporter_main, r) != 0) {
-      ZT_ERROR("cannot start the step reporter thread");
-      reporting = 0;
+    /* Without its reporter, rank 0 would fill the queue and wait for a
+     * change that nothing brings: this worker's failure, reported. */
+    int err = zt_knob(ZT_KNOB_NO_STEP_REPORTER, 0) == 1
+                  ? EAGAIN
+                  : pthread_create(&rep, NULL, reporter_main, r);
+    if (err != 0) {
+      char why[200];
+      snprintf(why, sizeof why, "cannot start the step reporter thread: %s", strerror(err));
+      ZT_ERROR("%s", why);
+      pthread_mutex_lock(&r->mu);
+      free(r->q);
+      r->q = NULL;
+      pthread_mutex_unlock(&r->mu);
+      r->rv = NULL;
+      failure_t f = {
+          .suspect = -1, .kind = ZTRAIN__FAILURE_KIND__FAILURE_LOCAL, .step = rv->start_step};
+      if (!changed(r)) report_failure(r, why, &f);
+      return;
     }
   }
   int rc = zt_gen_train(&g, &tf);

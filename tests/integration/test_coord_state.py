@@ -628,3 +628,38 @@ def test_never_committed_epoch_is_deleted_on_every_member(raw):
                                               (rel,))}
         return rows if len(rows) == 2 else None
     assert wait_until(queued, 10, "deletions on both members") == {w.id for w in r.workers}
+
+
+def test_late_copy_of_a_deleted_epoch_is_deleted_too(raw):
+    """A copy reported after its epoch was deleted, and after its holder
+    had done that deletion (a push or fetch slower than the deletions), is
+    not recorded as a copy; its holder is asked to delete the epoch again.
+    Before, the copy stayed on that worker's disk for good."""
+    r = raw(n_workers=2, world=2)
+    code, _, det = r.report_checkpoint(0, 5)  # rank 1 never reports: never committed
+    assert code == OK, det
+    rel = r.epoch_rel(5)
+    holder = r.ranks[1]
+    code, _, det = r.report_ring_failure(r.ranks[0])
+    assert code == OK, det
+    r.wait_generation(2)
+
+    def queued_on_holder():
+        with sqlite3.connect(r.coord.db) as db:
+            return db.execute("SELECT count(*) FROM epoch_deletions WHERE dir = ? AND "
+                              "worker_id = ?", (rel, holder.id)).fetchone()[0]
+    wait_until(queued_on_holder, 10, "the deletion queued on the holder")
+    code, _, det = holder.call("Heartbeat", field_bytes(6, rel.encode()))
+    assert code == OK, det
+    assert queued_on_holder() == 0
+    # The late copy: answered (its pusher need not retry), not recorded,
+    # and queued for deletion on its holder.
+    body = (field_varint(2, r.jid) + field_bytes(3, rel.encode())
+            + field_bytes(4, r.file_msg("rank_0.bin", 1000, "xxh64:00000000000000aa")))
+    code, _, det = holder.call("ReportReplica", body)
+    assert code == OK, det
+    assert queued_on_holder() == 1
+    with sqlite3.connect(r.coord.db) as db:
+        copies = db.execute("SELECT count(*) FROM checkpoint_copies WHERE job_id = ? AND "
+                            "step = 5 AND gen = 1", (r.jid,)).fetchone()[0]
+    assert copies == 0

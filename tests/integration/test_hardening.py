@@ -229,6 +229,25 @@ def test_data_missing_on_one_host_is_that_workers_failure(procs, tmp_path):
     assert wait_job(coord, jid, timeout=120)["state"] == "completed"
 
 
+def test_rank0_without_its_step_reporter_reports_and_pauses(procs, tmp_path):
+    """Rank 0 whose step reporter thread cannot be started (test knob
+    ZT_FAULT_NO_STEP_REPORTER, as pthread_create failing) does not train
+    without it, which filled the report queue and then waited for good:
+    it reports a local failure naming the cause, and when that repeats the
+    job pauses with it. The worker stays registered and alive."""
+    from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    coord = start_fleet(procs, 1, worker_env={"ZT_FAULT_NO_STEP_REPORTER": "1"})
+    jid = submit(coord, tiny_spec(train, val, 80), tmp_path)
+    j = wait_job(coord, jid, timeout=60, states=("paused",))
+    assert "same local error" in j["message"], j
+    assert "cannot start the step reporter thread" in j["message"], j
+    failed = [e["detail"] for e in events(coord, job=jid) if e["kind"] == "rank_failed"]
+    assert failed and all("step reporter" in d for d in failed), failed
+    assert coord.workers["w0"].alive()
+    assert workers_by_name(coord)["w0"]["state"] == "alive"
+
+
 def test_bad_shard_error_does_not_echo_the_file(procs, tmp_path):
     from ztest import byte_dataset, start_fleet, submit, tiny_spec, wait_job
     train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)

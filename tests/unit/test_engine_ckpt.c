@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -197,7 +198,13 @@ static int read_st(const char *path);
 static size_t g_cap;
 static int g_calls;
 
+static int g_fail; /* an errno every pread fails with, when set */
+
 ssize_t pread(int fd, void *buf, size_t len, off_t off) {
+  if (g_fail) {
+    errno = g_fail;
+    return -1;
+  }
   if (g_cap && g_calls++ % 2 == 0) {
     errno = EINTR;
     return -1;
@@ -225,6 +232,56 @@ ZT_TEST(loads_through_short_reads) {
   ZT_CHECK(has(at));
   g_cap = 0;
   close(fd);
+}
+
+/* What a failed load says about the epoch: its content at fault
+ * (ZT_E_INVALID, ZT_E_NOT_FOUND: the worker has the epoch retired) or not
+ * (ZT_E_FAILED: an I/O error, out of descriptors, which must not cost a
+ * good epoch). */
+ZT_TEST(load_errors_tell_content_from_io) {
+  char path[900];
+  const char *dir = epoch("kinds", 2);
+  ZT_CHECK(load_units(dir) == 0);
+  /* An I/O error reading a rank file. */
+  g_fail = EIO;
+  ZT_CHECK(load_units(dir) == -1 && zt_err_kind() == ZT_E_FAILED && has("rank_"));
+  g_fail = 0;
+  ZT_CHECK(load_units(dir) == 0);
+  /* Out of descriptors: the manifest cannot even be opened. */
+  struct rlimit was, low;
+  ZT_REQUIRE(getrlimit(RLIMIT_NOFILE, &was) == 0);
+  low = was;
+  low.rlim_cur = 64;
+  ZT_REQUIRE(setrlimit(RLIMIT_NOFILE, &low) == 0);
+  int fds[64], n = 0;
+  while (n < 64 && (fds[n] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0) n++;
+  int rc = load_units(dir);
+  zt_errkind_t kind = zt_err_kind();
+  while (n > 0) close(fds[--n]);
+  ZT_REQUIRE(setrlimit(RLIMIT_NOFILE, &was) == 0);
+  ZT_CHECK(rc == -1 && kind == ZT_E_FAILED && has("manifest.json") && has("open files"));
+  ZT_CHECK(load_units(dir) == 0);
+  /* A rank file one byte short, and one with a byte changed. */
+  snprintf(path, sizeof path, "%s/rank_1.bin", dir);
+  ZT_REQUIRE(truncate(path, 4) == 0);
+  ZT_CHECK(load_units(dir) == -1 && zt_err_kind() == ZT_E_INVALID && has("rank_1.bin"));
+  dir = epoch("kinds", 2);
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  ZT_REQUIRE(fd >= 0 && pwrite(fd, "\x7f", 1, 9) == 1);
+  close(fd);
+  ZT_CHECK(load_units(dir) == -1 && zt_err_kind() == ZT_E_INVALID && has("checksum mismatch"));
+  /* A missing rank file, and a missing index. */
+  ZT_REQUIRE(unlink(path) == 0);
+  ZT_CHECK(load_units(dir) == -1 && zt_err_kind() == ZT_E_NOT_FOUND && has("rank_1.bin"));
+  dir = epoch("kinds", 2);
+  snprintf(path, sizeof path, "%s/rank_0.json", dir);
+  ZT_REQUIRE(unlink(path) == 0);
+  ZT_CHECK(load_units(dir) == -1 && zt_err_kind() == ZT_E_NOT_FOUND && has("rank_0.json"));
+  /* An index that is not JSON. */
+  dir = epoch("kinds", 2);
+  FILE *f = fopen(path, "w");
+  ZT_REQUIRE(f && fputs("{\"rank\": ", f) >= 0 && fclose(f) == 0);
+  ZT_CHECK(load_units(dir) == -1 && zt_err_kind() == ZT_E_INVALID && has("rank_0.json"));
 }
 
 /* ---- safetensors ------------------------------------------------------------- */
@@ -384,5 +441,5 @@ ZT_TEST(writer_reports_the_epoch_being_reported) {
 
 ZT_TEST_MAIN(loads_one_and_two_ranks, refuses_a_model_too_large, refuses_ranges_that_miss_elements,
              refuses_overlapping_ranges, loads_through_short_reads,
-             safetensors_refuses_extra_tensors, safetensors_write_failure_leaves_no_tmp,
-             writer_reports_the_epoch_being_reported)
+             load_errors_tell_content_from_io, safetensors_refuses_extra_tensors,
+             safetensors_write_failure_leaves_no_tmp, writer_reports_the_epoch_being_reported)

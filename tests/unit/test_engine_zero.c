@@ -16,6 +16,9 @@
  * Under the sanitizers (which reserve terabytes of address space, and stop
  * the process when an allocation fails) the limit cannot be used: the test
  * says so and passes; the release build runs it.
+ *
+ * And whom a failed load of an epoch blames (zt_train_load_fault): the
+ * epoch only when its content is at fault.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -25,6 +28,7 @@
 #include <unistd.h>
 
 #include "model.h"
+#include "trainer.h"
 #include "zero.h"
 #include "zt_common.h"
 #include "zt_test.h"
@@ -93,4 +97,34 @@ ZT_TEST(failed_create_frees_what_it_allocated) {
 }
 #endif
 
-ZT_TEST_MAIN(failed_create_frees_what_it_allocated)
+/* An epoch that is not there (a missing manifest) is the epoch's fault,
+ * as are a short or changed file (test_engine_ckpt checks those kinds);
+ * an I/O error or too few descriptors are this worker's, and must not
+ * retire a good epoch; out of memory is the worker's memory. */
+ZT_TEST(load_fault_blames_the_epoch_only_for_its_content) {
+  static const zt_model_config_t small = {
+      .n_layer = 1, .n_head = 2, .n_embd = 8, .seq_len = 4, .vocab_size = 16};
+  zt_model_t *m = NULL;
+  ZT_REQUIRE(zt_model_create(&m, &small, 1, small.seq_len, zt_kernels_cpu(),
+                             ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) == 0);
+  zt_zero_t z;
+  zt_zero_opts_t o = {
+      .rank = 0, .world = 1, .stage = 0, .timeout_ms = 1000, .inv_k = 1.0, .accum = 1};
+  ZT_REQUIRE(zt_zero_create(&z, m, zt_kernels_cpu(), NULL, &o) == 0);
+  char dir[700];
+  snprintf(dir, sizeof dir, "%s/no-such-epoch", zt_test_tmpdir("engine_zero"));
+  int64_t step = -1;
+  ZT_CHECK(zt_zero_load(&z, dir, NULL, &step) == -1);
+  ZT_CHECK(strstr(zt_err_msg(), "manifest.json") != NULL);
+  ZT_CHECK(zt_train_load_fault(zt_err_kind()) == ZT_FAULT_CHECKPOINT);
+  ZT_CHECK(zt_train_load_fault(ZT_E_INVALID) == ZT_FAULT_CHECKPOINT);
+  ZT_CHECK(zt_train_load_fault(ZT_E_TOO_LARGE) == ZT_FAULT_CHECKPOINT);
+  ZT_CHECK(zt_train_load_fault(ZT_E_FAILED) == ZT_FAULT_LOCAL);
+  ZT_CHECK(zt_train_load_fault(ZT_E_UNAVAILABLE) == ZT_FAULT_LOCAL);
+  ZT_CHECK(zt_train_load_fault(ZT_E_NO_MEMORY) == ZT_FAULT_MEMORY);
+  zt_zero_free(&z);
+  zt_model_free(m);
+}
+
+ZT_TEST_MAIN(failed_create_frees_what_it_allocated,
+             load_fault_blames_the_epoch_only_for_its_content)
