@@ -96,6 +96,7 @@ typedef struct {
 } zt_member_t;
 
 #define ZT_MAX_WORLD 256
+#define ZT_MAX_EXCLUDED 16 /* workers kept out of one job (zt_job_t.excluded) */
 
 /* What the scheduler needs from a job spec (jobs.c). */
 typedef struct {
@@ -187,6 +188,15 @@ typedef struct zt_job {
   char reform_reason[256];
   /* Failures (restarts.h): the policy's state, and a re-form it put off. */
   zt_restarts_t rs;
+  /* Workers kept out of this job after the same local error twice at one
+   * step (ZT_RESTART_EXCLUDE), by id and the session they had then: one
+   * that registers again (a new session) is let back, and an operator's
+   * resume lets every one back. Not stored. */
+  struct {
+    uint64_t id;
+    char session[sizeof(((zt_db_worker_t *)0)->session)];
+  } excluded[ZT_MAX_EXCLUDED];
+  int n_excluded;
   int64_t retry_at_ms; /* monotonic; 0: none */
   char retry_reason[400];
   /* Who is cut off: the current generation's reachability reports. */

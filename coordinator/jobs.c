@@ -242,6 +242,13 @@ static int member_usable(const zt_member_t *m) {
   return m && m->row.state == ZT_WORKER_ALIVE && !m->draining && !m->quarantine_ms;
 }
 
+/* Kept out of job j (a repeated local error), in the session it had then. */
+static int excluded_from(const zt_job_t *j, const zt_member_t *m) {
+  for (int i = 0; i < j->n_excluded; i++)
+    if (j->excluded[i].id == m->row.id && !strcmp(j->excluded[i].session, m->row.session)) return 1;
+  return 0;
+}
+
 static int member_fits(const zt_member_t *m, const zt_mem_need_t *need) {
   return zt_memory_fits(need, m->row.host_memory, m->row.device_memory);
 }
@@ -255,12 +262,14 @@ static int candidates(zt_coord_t *c, zt_job_t *j, int n, uint64_t pick[ZT_MAX_WO
   if (j->row.state != ZT_JOB_PENDING)
     for (int r = 0; r < j->row.world && k < n; r++) {
       zt_member_t *m = zt_members_get(c, j->workers[r]);
-      if (member_usable(m) && m->job_id == j->row.id && member_fits(m, need))
+      if (member_usable(m) && m->job_id == j->row.id && member_fits(m, need) &&
+          !excluded_from(j, m))
         pick[k++] = m->row.id;
     }
   for (size_t i = 0; i < c->by_id_cap && k < n; i++) {
     zt_member_t *m = c->by_id[i];
-    if (member_usable(m) && m->job_id == 0 && member_fits(m, need)) pick[k++] = m->row.id;
+    if (member_usable(m) && m->job_id == 0 && member_fits(m, need) && !excluded_from(j, m))
+      pick[k++] = m->row.id;
   }
   return k;
 }
@@ -596,12 +605,41 @@ static void hold(zt_coord_t *c, zt_job_t *j, int64_t delay_ms, const char *reaso
 }
 
 /* The current generation failed: the restart policy says what follows. */
+/* Keeps worker m out of job j for its repeated local error, if the job can
+ * form a generation without it: 1 then (the event says so), else 0 and
+ * nothing changed. */
+static int exclude(zt_coord_t *c, zt_job_t *j, zt_member_t *m, int64_t step, const char *reason) {
+  if (j->n_excluded == ZT_MAX_EXCLUDED) return 0;
+  j->excluded[j->n_excluded].id = m->row.id;
+  snprintf(j->excluded[j->n_excluded].session, sizeof j->excluded[0].session, "%s", m->row.session);
+  j->n_excluded++;
+  uint64_t pick[ZT_MAX_WORLD];
+  char missing[400];
+  if (pick_members(c, j, pick, missing, sizeof missing) == 0) {
+    j->n_excluded--;
+    return 0;
+  }
+  zt_coord_event(c, j->row.id, "worker_excluded", m->row.id,
+                 "worker %s is kept out of the job: the same error twice at step %lld, so it "
+                 "cannot go on there (%.300s); it is let back when it registers again or on "
+                 "zctl resume",
+                 m->row.name, (long long)step, reason);
+  return 1;
+}
+
+/* The current generation failed (who: the worker whose report it was, or
+ * NULL): re-form, now or later, or pause, as the restart policy says. */
 static void fail_generation(zt_coord_t *c, zt_job_t *j, zt_fail_kind_t kind, int64_t step,
-                            const char *reason) {
+                            const char *reason, zt_member_t *who) {
   int64_t delay;
   char why[sizeof j->row.message];
-  switch (zt_restarts_decide(&j->rs, &j->p.restart, kind, step, reason, zt_now_ms(), &delay,
-                             why, sizeof why)) {
+  zt_restart_verdict_t v =
+      zt_restarts_decide(&j->rs, &j->p.restart, kind, step, reason, who ? who->row.id : 0,
+                         zt_now_ms(), &delay, why, sizeof why);
+  if (v == ZT_RESTART_EXCLUDE) /* go on without that worker, or pause when the job cannot */
+    v = who && exclude(c, j, who, step, reason) ? ZT_RESTART_NOW : ZT_RESTART_PAUSE;
+  switch (v) {
+    case ZT_RESTART_EXCLUDE: /* decided above */
     case ZT_RESTART_PAUSE:
       finish(c, j, ZT_JOB_PAUSED, "job_paused", "%s", why);
       zt_jobs_schedule(c);
@@ -635,7 +673,7 @@ void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why, int fai
   snprintf(reason, sizeof reason, "worker %s (rank %d) %s", m->row.name, m->rank, why);
   m->job_id = m->gen = 0, m->rank = -1;
   if (failure)
-    fail_generation(c, j, ZT_FAIL_LOST, j->row.step, reason);
+    fail_generation(c, j, ZT_FAIL_LOST, j->row.step, reason, NULL);
   else
     try_form(c, j, reason);
 }
@@ -719,6 +757,7 @@ static int act_resume(zt_coord_t *c, zt_job_t *j, char *msg, size_t msglen) {
   if (store_first(c, j, &next, "resumption") != 0) return -1;
   j->row = next;
   zt_restarts_reset(&j->rs);
+  j->n_excluded = 0; /* the operator fixed the cause */
   j->ckpt_paused = 0;
   zt_coord_event(c, j->row.id, "job_resumed", 0, "resumed at step %lld", (long long)j->row.step);
   snprintf(msg, msglen, "job %llu resumed", (unsigned long long)j->row.id);
@@ -1381,7 +1420,7 @@ static void judge_reach(zt_coord_t *c, zt_job_t *j) {
   char why[sizeof rc->why];
   memcpy(why, rc->why, sizeof why);
   rc->decide_at_ms = 0;
-  fail_generation(c, j, ZT_FAIL_PEER, rc->step, why);
+  fail_generation(c, j, ZT_FAIL_PEER, rc->step, why, NULL);
 }
 
 /* A peer failure with probe results: decided now, or once the other ranks
@@ -1471,7 +1510,7 @@ int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *re
    * before the subtraction (INT32_MIN - 1 overflows). */
   quarantine_peer(c, j, m, req->suspect_rank > 0 ? req->suspect_rank - 1 : -1);
   if (kind == ZT_FAIL_MEMORY) learn_memory(c, j, m);
-  fail_generation(c, j, kind, req->step, why);
+  fail_generation(c, j, kind, req->step, why, m);
   return 0;
 }
 

@@ -16,14 +16,18 @@ static const char *const k_kind_names[] = {
     [ZT_FAIL_PEER] = "transient", [ZT_FAIL_LOCAL] = "local",
     [ZT_FAIL_MEMORY] = "out of memory", [ZT_FAIL_LOST] = "member lost"};
 
-/* The same local error at the same step as the previous one. */
-static int repeats(zt_restarts_t *r, zt_fail_kind_t kind, int64_t step, const char *reason) {
+/* The same local error at the same step as the previous one: 0 no, 1 from
+ * another worker, 2 from the same one. */
+static int repeats(zt_restarts_t *r, zt_fail_kind_t kind, int64_t step, const char *reason,
+                   uint64_t worker) {
   if (kind != ZT_FAIL_LOCAL && kind != ZT_FAIL_MEMORY) return 0;
   char shape[256];
   zt_text_shape(reason, shape, sizeof shape);
   int same = r->have_local && r->local_step == step && !strcmp(shape, r->local_shape);
+  if (same && worker && worker == r->local_worker) same = 2;
   r->have_local = 1;
   r->local_step = step;
+  r->local_worker = worker;
   snprintf(r->local_shape, sizeof r->local_shape, "%s", shape);
   return same;
 }
@@ -39,15 +43,16 @@ static int over_budget(zt_restarts_t *r, const zt_spec_restart_t *pol, int64_t n
 
 zt_restart_verdict_t zt_restarts_decide(zt_restarts_t *r, const zt_spec_restart_t *pol,
                                         zt_fail_kind_t kind, int64_t step, const char *reason,
-                                        int64_t now_ms, int64_t *delay_ms, char *why,
-                                        size_t whylen) {
+                                        uint64_t worker, int64_t now_ms, int64_t *delay_ms,
+                                        char *why, size_t whylen) {
   *delay_ms = 0;
-  if (repeats(r, kind, step, reason)) {
+  int same = repeats(r, kind, step, reason, worker);
+  if (same) {
     snprintf(why, whylen,
              "paused: the same %s error twice at step %lld, so retrying cannot help: %.300s; "
              "fix the cause, then zctl resume",
              k_kind_names[kind], (long long)step, reason);
-    return ZT_RESTART_PAUSE;
+    return same == 2 ? ZT_RESTART_EXCLUDE : ZT_RESTART_PAUSE;
   }
   if (over_budget(r, pol, now_ms)) {
     snprintf(why, whylen,

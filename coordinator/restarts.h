@@ -7,7 +7,10 @@
  *   - A rank's own error (FAIL_LOCAL, FAIL_MEMORY: bad data, a device, no
  *     memory) that comes back with the same shape (zt_text_shape: numbers
  *     blanked) at the same step as the job's previous one is deterministic:
- *     retrying cannot help, and the job is PAUSED with the reason.
+ *     retrying cannot help. From the same worker, the worker is at fault
+ *     (EXCLUDE: the scheduler goes on without it if it can, else pauses);
+ *     from another one, the job is (its data, its spec), and it is PAUSED
+ *     with the reason.
  *   - Everything else is transient (a peer died, the network): the first
  *     failure after a generation that made progress re-forms at once; each
  *     further one in a row, while no generation completes a step, waits
@@ -38,24 +41,30 @@ typedef enum {
   ZT_RESTART_NOW,   /* re-form at once */
   ZT_RESTART_LATER, /* re-form after *delay_ms */
   ZT_RESTART_PAUSE, /* pause the job; why says why */
+  /* The same local error twice at one step from one worker: keep that
+   * worker out of the job and re-form without it, or pause (why says why)
+   * when the job cannot form without it. */
+  ZT_RESTART_EXCLUDE,
 } zt_restart_verdict_t;
 
 typedef struct {
   int streak;               /* failed generations in a row, no step completed since */
   int64_t window_start_ms;  /* the current budget window, and its failures */
   int in_window;
-  int have_local;           /* the job's previous local failure: shape and step */
+  int have_local;           /* the job's previous local failure: shape, step, worker */
   char local_shape[256];
   int64_t local_step;
+  uint64_t local_worker;
 } zt_restarts_t;
 
 /* Decides what a failure of kind `kind` at `step` (reason: the rank's
- * message) leads to, at monotonic time now_ms; why receives the sentence
- * for the job's message and the logbook. */
+ * message; worker: the reporting worker's id, 0 when none) leads to, at
+ * monotonic time now_ms; why receives the sentence for the job's message
+ * and the logbook. */
 zt_restart_verdict_t zt_restarts_decide(zt_restarts_t *r, const zt_spec_restart_t *pol,
                                         zt_fail_kind_t kind, int64_t step, const char *reason,
-                                        int64_t now_ms, int64_t *delay_ms, char *why,
-                                        size_t whylen);
+                                        uint64_t worker, int64_t now_ms, int64_t *delay_ms,
+                                        char *why, size_t whylen);
 /* A generation completed a step: the streak (and its backoff) ends. */
 void zt_restarts_progress(zt_restarts_t *r);
 /* Everything forgotten (an operator resumed the job). */
