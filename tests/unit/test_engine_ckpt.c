@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -248,17 +247,11 @@ ZT_TEST(load_errors_tell_content_from_io) {
   g_fail = 0;
   ZT_CHECK(load_units(dir) == 0);
   /* Out of descriptors: the manifest cannot even be opened. */
-  struct rlimit was, low;
-  ZT_REQUIRE(getrlimit(RLIMIT_NOFILE, &was) == 0);
-  low = was;
-  low.rlim_cur = 64;
-  ZT_REQUIRE(setrlimit(RLIMIT_NOFILE, &low) == 0);
-  int fds[64], n = 0;
-  while (n < 64 && (fds[n] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0) n++;
+  static zt_test_fds_t fds;
+  ZT_REQUIRE(zt_test_fds_use(&fds, 64) == 0);
   int rc = load_units(dir);
   zt_errkind_t kind = zt_err_kind();
-  while (n > 0) close(fds[--n]);
-  ZT_REQUIRE(setrlimit(RLIMIT_NOFILE, &was) == 0);
+  ZT_REQUIRE(zt_test_fds_back(&fds) == 0);
   ZT_CHECK(rc == -1 && kind == ZT_E_FAILED && has("manifest.json") && has("open files"));
   ZT_CHECK(load_units(dir) == 0);
   /* A rank file one byte short, and one with a byte changed. */

@@ -13,7 +13,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -230,18 +229,12 @@ ZT_TEST(test_delete_that_leaves_files_fails) {
   ZT_REQUIRE(zt_mkdirs(dir) == 0);
   path_of(file, sizeof file, dir, "rank_0.bin");
   ZT_REQUIRE(write_file(file, "x", 1) == 0);
-  struct rlimit old, low;
-  ZT_REQUIRE(getrlimit(RLIMIT_NOFILE, &old) == 0);
-  low = old;
-  low.rlim_cur = 256;
-  ZT_REQUIRE(setrlimit(RLIMIT_NOFILE, &low) == 0);
-  int fds[256], n = 0;
-  while (n < 256 && (fds[n] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0) n++;
+  static zt_test_fds_t fds;
+  ZT_REQUIRE(zt_test_fds_use(&fds, 256) == 0);
   int rc = zt_hold_delete(g_root, "f/job_9/step_00000001-g1");
   char why[1024];
   snprintf(why, sizeof why, "%s", rc ? zt_err_msg() : "(none)");
-  while (n > 0) close(fds[--n]);
-  ZT_REQUIRE(setrlimit(RLIMIT_NOFILE, &old) == 0);
+  ZT_REQUIRE(zt_test_fds_back(&fds) == 0);
   fprintf(stderr, "  delete: %s\n", why);
   ZT_CHECK(rc == -1 && strstr(why, "not deleted") != NULL);
   ZT_CHECK(exists(file));

@@ -16,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -73,6 +75,32 @@ static inline const char *zt_test_tmpdir(const char *name) {
     exit(2);
   }
   return path;
+}
+
+/* Out of descriptors, as a busy process runs out: zt_test_fds_use lowers
+ * the soft RLIMIT_NOFILE to `limit` (at most ZT_TEST_FDS) and opens
+ * /dev/null until open fails; zt_test_fds_back closes them and restores
+ * the limit. 0, or -1 when the limit cannot be changed. */
+#define ZT_TEST_FDS 1024
+typedef struct {
+  struct rlimit was;
+  int fds[ZT_TEST_FDS], n;
+} zt_test_fds_t;
+
+static inline int zt_test_fds_use(zt_test_fds_t *f, int limit) {
+  struct rlimit low;
+  f->n = 0;
+  if (limit > ZT_TEST_FDS || getrlimit(RLIMIT_NOFILE, &f->was) != 0) return -1;
+  low = f->was;
+  low.rlim_cur = (rlim_t)limit;
+  if (setrlimit(RLIMIT_NOFILE, &low) != 0) return -1;
+  while (f->n < limit && (f->fds[f->n] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0) f->n++;
+  return 0;
+}
+
+static inline int zt_test_fds_back(zt_test_fds_t *f) {
+  while (f->n > 0) close(f->fds[--f->n]);
+  return setrlimit(RLIMIT_NOFILE, &f->was);
 }
 
 typedef struct {
