@@ -604,7 +604,6 @@ static void hold(zt_coord_t *c, zt_job_t *j, int64_t delay_ms, const char *reaso
   zt_coord_event(c, j->row.id, "restart_backoff", 0, "%s", why);
 }
 
-/* The current generation failed: the restart policy says what follows. */
 /* Keeps worker m out of job j for its repeated local error, if the job can
  * form a generation without it: 1 then (the event says so), else 0 and
  * nothing changed. */
