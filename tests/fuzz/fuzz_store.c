@@ -98,8 +98,31 @@ static void put_u16_str(uint8_t *b, size_t *o, const char *s) {
   *o += 2 + l;
 }
 
+/* connect(), finished when a signal cuts it short: libFuzzer's timer
+ * (SIGALRM, every few seconds) interrupts whatever call the input is in,
+ * and an interrupted connection goes on in the kernel, to be waited for.
+ * 0, or -1 with errno. */
+static int connect_done(int fd, const struct sockaddr_in *sa) {
+  if (connect(fd, (const struct sockaddr *)sa, sizeof *sa) == 0) return 0;
+  if (errno != EINTR) return -1;
+  for (int i = 0; i < 1000; i++) { /* bounded: 10 s at most */
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    int n = poll(&p, 1, 10);
+    if (n < 0 && errno != EINTR) return -1;
+    if (n <= 0) continue;
+    int err = 0;
+    socklen_t l = sizeof err;
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &l) != 0) return -1;
+    errno = err;
+    return err ? -1 : 0;
+  }
+  errno = ETIMEDOUT;
+  return -1;
+}
+
 /* Sends msg on a new connection, shuts the sending side, and reads the
- * whole reply (at most cap bytes kept) until the store closes. */
+ * whole reply (at most cap bytes kept) until the store closes. Every call
+ * goes on after EINTR (see connect_done). */
 static size_t exchange(const uint8_t *msg, size_t len, uint8_t *reply, size_t cap) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
@@ -108,13 +131,14 @@ static size_t exchange(const uint8_t *msg, size_t len, uint8_t *reply, size_t ca
    * hundreds of connections a second the local ports would run out. */
   struct linger lg = {.l_onoff = 1, .l_linger = 0};
   if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg) != 0 ||
-      connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+      connect_done(fd, &sa) != 0) {
     fprintf(stderr, "fuzz_store: cannot connect to the store: %s\n", strerror(errno));
     ZT_FUZZ_FAIL();
   }
   size_t off = 0;
   while (off < len) { /* the store may refuse and close early: stop there */
     ssize_t w = send(fd, msg + off, len - off, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
     if (w <= 0) break;
     off += (size_t)w;
   }
@@ -125,6 +149,7 @@ static size_t exchange(const uint8_t *msg, size_t len, uint8_t *reply, size_t ca
     if (poll(&p, 1, 10) <= 0) continue;
     uint8_t tmp[4096];
     ssize_t r = recv(fd, tmp, sizeof tmp, 0);
+    if (r < 0 && errno == EINTR) continue;
     if (r <= 0) break;
     size_t keep = ZT_MIN((size_t)r, cap - got);
     memcpy(reply + got, tmp, keep);
