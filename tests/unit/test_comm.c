@@ -14,6 +14,7 @@
 #include <netinet/in.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1032,11 +1033,13 @@ ZT_TEST(test_setup_abort_while_connect_fails) {
 /* zt_comm_stats_get from another thread while zt_comm_tcp_connect runs
  * (a worker's heartbeats read the counters of a communicator that is
  * still connecting): no data race on the ring's sockets (ThreadSanitizer
- * would name one), and the set-up succeeds. */
+ * would name one), and the set-up succeeds. The set-up starts only once
+ * the poller reads, so the two overlap however the threads are scheduled
+ * (on a loaded machine the set-up could end before the poller ran). */
 typedef struct {
   zt_comm_t *c;
   atomic_int stop;
-  long polls;
+  atomic_long polls;
 } stats_poller;
 
 static void *poll_stats(void *p) {
@@ -1044,7 +1047,7 @@ static void *poll_stats(void *p) {
   while (!atomic_load(&sp->stop)) {
     zt_comm_stats_t st;
     zt_comm_stats_get(sp->c, &st);
-    sp->polls++;
+    atomic_fetch_add(&sp->polls, 1);
   }
   return NULL;
 }
@@ -1062,8 +1065,11 @@ ZT_TEST(test_stats_during_setup) {
   ZT_REQUIRE(zt_comm_tcp_new(&o, &c) == 0);
   stats_poller sp = {.c = c};
   pthread_t poller, th;
-  pthread_create(&poller, NULL, poll_stats, &sp);
-  pthread_create(&th, NULL, create_thread, &other);
+  ZT_REQUIRE(pthread_create(&poller, NULL, poll_stats, &sp) == 0);
+  zt_deadline_t dl = zt_deadline_in(10000);
+  while (atomic_load(&sp.polls) == 0 && zt_deadline_left_ms(dl) > 0) sched_yield();
+  long before = atomic_load(&sp.polls);
+  ZT_REQUIRE(pthread_create(&th, NULL, create_thread, &other) == 0);
   int rc = zt_comm_tcp_connect(c);
   if (rc != 0) fprintf(stderr, "rank 0: %s\n", zt_err_msg());
   pthread_join(th, NULL);
@@ -1071,7 +1077,7 @@ ZT_TEST(test_stats_during_setup) {
   pthread_join(poller, NULL);
   ZT_CHECK(rc == 0);
   ZT_CHECK(other.rc == 0);
-  ZT_CHECK(sp.polls > 0);
+  ZT_CHECK(before > 0); /* the poller was reading when the set-up began */
   if (other.rc == 0) zt_comm_destroy(other.c);
   zt_comm_destroy(c);
 }
