@@ -569,35 +569,6 @@ static int epoch_file(const char *name, int world) {
   return world > 0 && zt_epoch_file(name, &r) && r < world;
 }
 
-typedef struct {
-  int64_t step;
-  uint64_t gen;
-  int deleted;
-} deleted_ctx;
-
-static int find_deleted(const zt_db_ckpt_t *k, void *user) {
-  deleted_ctx *d = user;
-  if (k->step == d->step && k->generation == d->gen && k->state == ZT_CKPT_DELETED) d->deleted = 1;
-  return 0;
-}
-
-/* A copy that arrives after its epoch was deleted (a push, or a fetch,
- * slower than the deletions): not recorded, but deleted on its holder as
- * well, or it would stay on that disk for good. 1 when that was the case,
- * 0 when the epoch is not deleted, -1 on a database error. */
-static int copy_of_deleted(zt_coord_t *c, zt_job_t *j, zt_member_t *m, int64_t step, uint64_t gen,
-                           const char *rel) {
-  deleted_ctx d = {step, gen, 0};
-  if (zt_db_ckpts_each(c->db, j->row.id, find_deleted, &d) != 0)
-    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot read the job's epochs");
-  if (!d.deleted) return 0;
-  if (zt_db_deletion_add(c->db, m->row.id, rel) != 0)
-    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot queue the deletion of the late copy");
-  ZT_INFO("job %llu: a copy on %s of the deleted epoch %s: queued for deletion",
-          (unsigned long long)j->row.id, m->row.name, rel);
-  return 1;
-}
-
 int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
                         const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out) {
   *out = ZT_CKPT_REPORT_COUNTED;
@@ -623,7 +594,7 @@ int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *
   if (!epoch_file(f->name, world))
     return zt_errk(ZT_E_INVALID, "\"%.64s\" is not a file of the %d-rank epoch %.200s", f->name,
                    world, rel ? rel : dir);
-  int late = rel ? copy_of_deleted(c, j, m, step, gen, rel) : 0;
+  int late = zt_copies_of_deleted(c, j->row.id, dir, m);
   if (late != 0) return late < 0 ? -1 : 0;
   /* A pushed copy may come before its rank's own report: it starts the
    * epoch's tally. */

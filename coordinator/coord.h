@@ -379,6 +379,11 @@ int zt_copies_add(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k, const c
                   uint64_t worker_id);
 /* Epoch k is gone: every worker that held a copy is asked to delete it. */
 void zt_copies_forget_epoch(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k);
+/* A copy on worker m of the epoch in `dir` (absolute) that arrives after
+ * the epoch was deleted (a push or fetch slower than the deletions): 1,
+ * with its deletion queued on m (the copy is not to be recorded), 0 when
+ * the epoch is not deleted, -1 on a database error. */
+int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_member_t *m);
 /* 1 when every file of epoch k (its record: files, n) has a copy on a
  * machine with a live worker; else 0 with the first missing file in why. */
 int zt_copies_available(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,

@@ -249,6 +249,19 @@ static int find_epoch(const zt_db_ckpt_t *k, void *user) {
   return 0;
 }
 
+int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_member_t *m) {
+  known_ctx x = {dir, {0}, 0};
+  const char *rel = zt_path_under(c->cfg.ckpt_root, dir);
+  if (zt_db_ckpts_each(c->db, job_id, find_epoch, &x) != 0)
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot read the job's epochs");
+  if (!x.found || x.k.state != ZT_CKPT_DELETED || !rel) return 0;
+  if (zt_db_deletion_add(c->db, m->row.id, rel) != 0)
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot queue the deletion of the late copy");
+  ZT_INFO("job %llu: a copy on %s of the deleted epoch %s: queued for deletion",
+          (unsigned long long)job_id, m->row.name, rel);
+  return 1;
+}
+
 /* The generation job `id` is in (0: no such job). The job list is read
  * here rather than through jobs.c, which calls this file (no call cycle
  * between the coordinator's files: tools/check-layers). */
