@@ -16,7 +16,12 @@ logits are dropped before the cross-entropy, the same work the engine does.
 
 Prints one JSON line: threads, interop, steps, ms (median ms/step over the
 steps after the first, like bench/cpu-train's figures for ztrain),
-tokens_per_s (B T / median time), loss_first, loss_last.
+tokens_per_s (B T / median time), loss_first, loss_last, and blas_core:
+the kernel family OpenBLAS (PyTorch's BLAS in Debian's build) picked in
+this process (openblas_get_corename; "not OpenBLAS" with another BLAS).
+bench/cpu-train runs this script with OPENBLAS_CORETYPE and
+OPENBLAS_L2_SIZE removed from its environment, so that OpenBLAS picks the
+kernels made for this CPU rather than the ones a setting forces.
 
 usage: cpu_train_torch.py SPEC --threads N [--interop K] [--attn manual|sdpa]
                           [--foreach 0|1]
@@ -143,6 +148,21 @@ def shards(pattern):
     return np.concatenate(toks).astype(np.int64)
 
 
+def blas_core():
+    """The core OpenBLAS chose, read from the library this process loaded."""
+    import ctypes
+    with open("/proc/self/maps") as f:
+        libs = {l.split()[-1] for l in f if "openblas" in l and ".so" in l}
+    for lib in sorted(libs):
+        try:
+            fn = ctypes.CDLL(lib).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_char_p
+        return fn().decode()
+    return "not OpenBLAS"
+
+
 def main():
     torch.manual_seed(spec.get("seed", 1337))
     data = shards(spec["data"]["train"])
@@ -180,7 +200,8 @@ def main():
     print(json.dumps({"threads": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
                       "attn": args.attn, "foreach": args.foreach, "steps": STEPS, "ms": ms,
                       "tokens_per_s": B * T / (ms / 1e3), "loss_first": losses[0],
-                      "loss_last": losses[-1], "torch": torch.__version__}))
+                      "loss_last": losses[-1], "torch": torch.__version__,
+                      "blas_core": blas_core()}))
 
 
 main()

@@ -30,10 +30,10 @@ PACKAGES=(
   libjs-chart.js
 )
 
-# Optional, only with --bench: PyTorch (CPU build, with Gloo) for the
-# comparisons of bench/cpu-train and bench/allreduce. Never needed by
+# Optional, only with --bench: PyTorch (CPU build, with Gloo) and BLIS for the
+# comparisons of bench/cpu-train (and zt_bench_sgemm) and bench/allreduce. Never needed by
 # `make test` or `make demo`.
-BENCH_PACKAGES=(python3-torch)
+BENCH_PACKAGES=(python3-torch libblis4-openmp)
 
 case "${1:-}" in
   "") ;;
