@@ -15,6 +15,7 @@ ASAN_BUILD ?= build-asan
 FUZZ_BUILD ?= build-fuzz
 FUZZ_SECONDS ?= 300
 JOBS       ?= $(shell nproc)
+TEST_JOBS  ?= $(JOBS)
 CMAKE_ARGS ?=
 PREFIX     ?= /usr/local
 DESTDIR    ?=
@@ -43,18 +44,24 @@ build-fuzz: deps
 	  -DZT_FUZZ=ON -DZT_WITH_CUDA=OFF $(CMAKE_ARGS)
 	cmake --build $(FUZZ_BUILD) -j $(JOBS) --target fuzz_all zt_kernels
 
-# Integration tests start several processes and assert timing bounds, so
-# ctest runs one test at a time.
+# ctest runs TEST_JOBS tests at a time (default: one per core). A test
+# that keeps more than one core busy says so (its PROCESSORS), and the ones
+# that need something alone hold a RESOURCE_LOCK (tests/CMakeLists.txt).
+# The ten slowest tests are printed at the end, pass or fail.
+CTEST = ctest -j $(TEST_JOBS) --output-on-failure
+SLOWEST = python3 $(CURDIR)/tests/slowest
+
 test: build
-	cd $(BUILD) && ctest --output-on-failure
+	cd $(BUILD) && { $(CTEST) --output-junit $(abspath $(BUILD))/ctest-junit.xml; rc=$$?; \
+	  $(SLOWEST) $(abspath $(BUILD))/ctest-junit.xml 10; exit $$rc; }
 	$(MAKE) test-unit-asan
 	$(MAKE) test-fuzz
 
 test-unit-asan: build-asan
-	cd $(ASAN_BUILD) && ctest --output-on-failure -L unit
+	cd $(ASAN_BUILD) && $(CTEST) -L unit
 
 test-asan: build-asan
-	cd $(ASAN_BUILD) && ctest --output-on-failure
+	cd $(ASAN_BUILD) && $(CTEST)
 
 test-fuzz: build-fuzz
 	cd $(FUZZ_BUILD) && ZT_FUZZ_SECONDS=10 ctest -V -L fuzz
