@@ -395,7 +395,16 @@ void zt_rpc_server_stop(zt_rpc_server_t *s) {
  * ====================================================================== */
 
 struct zt_rpc_client {
+  /* The channel, replaced after a call timed out on a connection gRPC
+   * still believed alive (client_suspect); under mu, because any thread
+   * may start calls. A call keeps the channel it started on alive by
+   * itself (gRPC counts it), so the old one is destroyed at once. */
+  pthread_mutex_t mu;
   grpc_channel *channel;
+  char *target;
+  int maxmsg, reconnect_max;
+  int64_t replaced_ms; /* the last replacement (monotonic), 0: none */
+  unsigned replaced;
   grpc_completion_queue *acq; /* for zt_rpc_start/zt_rpc_next */
   grpc_metadata auth;
   int has_auth;
@@ -405,6 +414,7 @@ struct zt_rpc_client {
 /* Everything one unary call needs until its batch completes. */
 typedef struct {
   grpc_call *call;
+  grpc_channel *channel; /* the one it started on (only compared) */
   grpc_byte_buffer *send_buf, *recv_buf;
   grpc_metadata_array init_md, trail_md;
   grpc_status_code status;
@@ -414,27 +424,49 @@ typedef struct {
   char method[128];
 } rpc_pending;
 
+/* A new channel to c->target. Each client has connections of its own
+ * (a local subchannel pool): gRPC would otherwise share one connection
+ * among all channels to the same target, and a replaced channel would get
+ * the dead connection back. */
+static grpc_channel *channel_new(const zt_rpc_client_t *c) {
+  grpc_arg args[5];
+  args[0].type = GRPC_ARG_INTEGER;
+  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  args[0].value.integer = c->maxmsg;
+  args[1].type = GRPC_ARG_INTEGER;
+  args[1].key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
+  args[1].value.integer = ZT_MIN(100, c->reconnect_max);
+  /* gRPC also takes this as the least time one connection attempt (TCP
+   * and HTTP/2 handshakes) may take before it is given up: 100 ms gave up
+   * on loaded machines ("tcp handshaker shutdown"). A second still ends an
+   * attempt whose SYN went into a cut, so the next one starts soon after
+   * the link is back. */
+  args[2].type = GRPC_ARG_INTEGER;
+  args[2].key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS;
+  args[2].value.integer = ZT_RPC_CONNECT_MIN_MS;
+  args[3].type = GRPC_ARG_INTEGER;
+  args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
+  args[3].value.integer = c->reconnect_max;
+  args[4].type = GRPC_ARG_INTEGER;
+  args[4].key = GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL;
+  args[4].value.integer = 1;
+  grpc_channel_args ca = {5, args};
+  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
+  grpc_channel *ch = grpc_channel_create(c->target, cr, &ca);
+  grpc_channel_credentials_release(cr);
+  return ch;
+}
+
 int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out) {
   grpc_init();
   zt_rpc_client_t *c = zt_xcalloc(1, sizeof *c);
   size_t maxmsg = opts && opts->max_message_bytes ? opts->max_message_bytes : 64u << 20;
-  grpc_arg args[4];
-  args[0].type = GRPC_ARG_INTEGER;
-  args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[0].value.integer = (int)maxmsg;
-  args[1].type = GRPC_ARG_INTEGER;
-  args[1].key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
-  args[1].value.integer = 100;
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS;
-  args[2].value.integer = 100;
-  args[3].type = GRPC_ARG_INTEGER;
-  args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
-  args[3].value.integer = ZT_RPC_RECONNECT_MAX_MS;
-  grpc_channel_args ca = {4, args};
-  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
-  c->channel = grpc_channel_create(target, cr, &ca);
-  grpc_channel_credentials_release(cr);
+  c->maxmsg = (int)ZT_MIN(maxmsg, (size_t)INT32_MAX);
+  c->reconnect_max = opts && opts->reconnect_max_ms > 0 ? opts->reconnect_max_ms
+                                                       : ZT_RPC_RECONNECT_MAX_MS;
+  c->target = zt_xstrdup(target);
+  pthread_mutex_init(&c->mu, NULL);
+  c->channel = channel_new(c);
   c->acq = grpc_completion_queue_create_for_next(NULL);
   if (opts && opts->wait_for_ready) c->md_flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
   if (opts && opts->authorization) {
@@ -444,6 +476,32 @@ int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_
   }
   *out = c;
   return 0;
+}
+
+unsigned zt_rpc_client_replaced(zt_rpc_client_t *c) {
+  pthread_mutex_lock(&c->mu);
+  unsigned n = c->replaced;
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
+/* After a call on `used` ended in DEADLINE_EXCEEDED: when that channel is
+ * still the client's and holds a connection it believes alive (READY),
+ * the connection died without a word (zt_rpc.h) and the channel is
+ * replaced; at most once per ZT_RPC_REPLACE_MIN_MS, so that a server that
+ * is only slow does not get a new connection from every client on every
+ * late answer. */
+static void client_suspect(zt_rpc_client_t *c, grpc_channel *used) {
+  int64_t now = zt_now_ms();
+  pthread_mutex_lock(&c->mu);
+  if (used == c->channel && (!c->replaced_ms || now - c->replaced_ms >= ZT_RPC_REPLACE_MIN_MS) &&
+      grpc_channel_check_connectivity_state(c->channel, 0) == GRPC_CHANNEL_READY) {
+    grpc_channel_destroy(c->channel);
+    c->channel = channel_new(c);
+    c->replaced_ms = now;
+    c->replaced++;
+  }
+  pthread_mutex_unlock(&c->mu);
 }
 
 static void drain_and_destroy(grpc_completion_queue *cq) {
@@ -459,6 +517,8 @@ void zt_rpc_client_close(zt_rpc_client_t *c) {
   grpc_channel_destroy(c->channel);
   drain_and_destroy(c->acq);
   if (c->has_auth) grpc_slice_unref(c->auth.value);
+  pthread_mutex_destroy(&c->mu);
+  free(c->target);
   free(c);
   grpc_shutdown();
 }
@@ -474,8 +534,11 @@ static rpc_pending *pending_start(zt_rpc_client_t *c, grpc_completion_queue *cq,
   gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                        gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
   grpc_slice m = grpc_slice_from_copied_string(method);
+  pthread_mutex_lock(&c->mu);
+  p->channel = c->channel;
   p->call = grpc_channel_create_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS, cq, m, NULL,
                                      deadline, NULL);
+  pthread_mutex_unlock(&c->mu);
   grpc_slice_unref(m);
   p->send_buf = make_buffer(req, req_len);
   grpc_op ops[6];
@@ -534,7 +597,9 @@ int zt_rpc_call(zt_rpc_client_t *c, const char *method, const uint8_t *req, size
   grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   (void)ev; /* the call's deadline guarantees completion */
   zt_rpc_result_t res;
+  grpc_channel *used = p->channel;
   pending_finish(p, &res);
+  if (res.status == ZT_RPC_DEADLINE_EXCEEDED) client_suspect(c, used);
   drain_and_destroy(cq);
   if (status) *status = res.status;
   if (res.status != ZT_RPC_OK) {
@@ -557,6 +622,8 @@ int zt_rpc_next(zt_rpc_client_t *c, int64_t timeout_ms, zt_rpc_result_t *res) {
                                        gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
   grpc_event ev = grpc_completion_queue_next(c->acq, deadline, NULL);
   if (ev.type != GRPC_OP_COMPLETE) return 0;
+  grpc_channel *used = ((rpc_pending *)ev.tag)->channel;
   pending_finish(ev.tag, res);
+  if (res->status == ZT_RPC_DEADLINE_EXCEEDED) client_suspect(c, used);
   return 1;
 }

@@ -116,13 +116,30 @@ typedef struct {
    * retries anyway then reaches a restarted server as soon as gRPC
    * reconnects (within ZT_RPC_RECONNECT_MAX_MS), not at its next retry. */
   int wait_for_ready;
+  /* The longest wait between connection attempts; 0: ZT_RPC_RECONNECT_MAX_MS. */
+  int reconnect_max_ms;
 } zt_rpc_client_opts_t;
 
-/* The longest wait of a channel between connection attempts. */
+/* The longest wait of a channel between connection attempts, and the
+ * least time one attempt may take. */
 #define ZT_RPC_RECONNECT_MAX_MS 1000
+#define ZT_RPC_CONNECT_MIN_MS 1000
 
 ZT_MUST_CHECK int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_rpc_client_t **out);
 void zt_rpc_client_close(zt_rpc_client_t *c);
+
+/* Silent deaths. A connection can die without a word (a link down, a cut
+ * host: no FIN, no RST); TCP then retransmits into it with a doubling
+ * backoff, and gRPC, which still believes it alive (READY), sends every
+ * call into it, so calls may go on failing for seconds after the link is
+ * back. A client therefore replaces its channel (and with it the
+ * connection, which is the client's own: gRPC's sharing of connections
+ * between channels is off) when a call times out on a channel that
+ * believes itself connected, at most once per ZT_RPC_REPLACE_MIN_MS. The
+ * new one connects as soon as the network lets it. Returns how many times
+ * this client did so. */
+#define ZT_RPC_REPLACE_MIN_MS 1000
+unsigned zt_rpc_client_replaced(zt_rpc_client_t *c);
 
 /* Blocking unary call. Returns 0 when the server answered OK; *resp (malloc'd,
  * may be NULL for an empty message) is then the caller's to free. Otherwise

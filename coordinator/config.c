@@ -49,6 +49,8 @@ static const setting k_settings[] = {
     {"heartbeat_ms", SET_INT, FIELD(heartbeat_ms), 10, 600000, "N", "heartbeat interval"},
     {"heartbeat_timeout_ms", SET_INT, FIELD(heartbeat_timeout_ms), 20, 3600000, "N",
      "a worker silent this long is lost (default 3 intervals)"},
+    {"blind_max_ms", SET_INT, FIELD(blind_max_ms), 0, 86400000, "N",
+     "hearing from no worker at all, lose nobody for up to N ms (default 5 timeouts; 0: that)"},
     {"worker_secret", SET_STR, FIELD(worker_secret), 0, 0, "S", "workers register with S"},
     {"api_token", SET_STR, FIELD(api_token), 0, 0, "T", "calls that change state need T"},
     {"insecure", SET_BOOL, FIELD(insecure), 0, 0, NULL,
@@ -225,6 +227,7 @@ static int check(zt_coord_config_t *cfg) {
   if (cfg->heartbeat_timeout_ms <= cfg->heartbeat_ms)
     return zt_err("heartbeat timeout (%d ms) must exceed the interval (%d ms)",
                   cfg->heartbeat_timeout_ms, cfg->heartbeat_ms);
+  if (cfg->blind_max_ms == 0) cfg->blind_max_ms = ZT_BLIND_MAX_TIMEOUTS * cfg->heartbeat_timeout_ms;
   int exposed = !loopback(cfg->grpc_addr) || !loopback(cfg->http_addr);
   if (exposed && (!cfg->api_token[0] || !cfg->worker_secret[0])) {
     if (!cfg->insecure)

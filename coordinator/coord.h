@@ -59,6 +59,7 @@ typedef struct {
   char ckpt_root[512];  /* checkpoints must lie under it (absolute) */
   int heartbeat_ms;
   int heartbeat_timeout_ms;
+  int blind_max_ms;     /* members.c: blind, nobody is lost for this long */
   int new_db;           /* an existing empty database file is a new one */
   int insecure;         /* serve non-loopback addresses without credentials */
   int allow_test_knobs; /* accept specs with fault_injection */
@@ -256,6 +257,12 @@ typedef struct zt_coord {
   int64_t started_ms;
   int64_t epoch;
   int64_t last_check_ms, max_stall_ms; /* the loop's liveness timer and its longest delay */
+  /* members.c: monotonic time of the last heartbeat from any worker, and
+   * the periods in which the coordinator heard from no worker at all
+   * while two or more were alive (its own network, most likely). */
+  int64_t last_any_hb_ms;
+  uint64_t blind_periods;
+  int64_t blind_max_ms; /* the longest such period */
   zt_event_slot_t ev_slots[64];        /* events.c */
 
   /* Members indexed by worker id (ids are dense rowids), plus a name index. */
@@ -420,6 +427,12 @@ size_t zt_members_check(zt_coord_t *c, uint64_t **lost);
 void zt_members_flush(zt_coord_t *c);  /* write last_seen of dirty members */
 /* The coordinator did not listen for ms: no member's silence counts it. */
 void zt_members_credit(zt_coord_t *c, int64_t ms);
+/* 1 while the coordinator hears from no worker although two or more are
+ * alive (members.c, "The coordinator's own blips"); nobody is declared
+ * lost then, for at most blind_max_ms (default ZT_BLIND_MAX_TIMEOUTS
+ * heartbeat timeouts). */
+#define ZT_BLIND_MAX_TIMEOUTS 5
+int zt_members_blind(const zt_coord_t *c, int64_t now);
 void zt_members_free(zt_coord_t *c);
 void zt_members_count(zt_coord_t *c, uint32_t counts[5]);
 /* What a worker says when it registers. */

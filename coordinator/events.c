@@ -31,7 +31,7 @@
 static const char *const k_repeating[] = {
     "rank_failed",        "generation_started", "rendezvous_complete", "restart_backoff",
     "checkpoint_failed",  "worker_suspected",   "job_pending",         "checkpoint_requested",
-    "out_of_memory",      "checkpoint_unavailable"};
+    "out_of_memory",      "checkpoint_unavailable", "coordinator_blind"};
 
 static int repeating(const char *kind) {
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_repeating); i++)

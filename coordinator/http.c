@@ -454,6 +454,14 @@ static void r_metrics(zt_http_req_t *r) {
               "Longest delay of the coordinator's liveness timer (a held-up loop).");
   sb_printf(&b, "ztrain_coordinator_loop_stall_max_seconds %.3f\n",
             (double)c->max_stall_ms / 1000.0);
+  metric_head(&b, "ztrain_coordinator_blind_periods_total", "counter",
+              "Periods in which the coordinator heard from no worker while two or more were "
+              "alive (its own network); nobody is declared lost in them.");
+  sb_printf(&b, "ztrain_coordinator_blind_periods_total %llu\n",
+            (unsigned long long)c->blind_periods);
+  metric_head(&b, "ztrain_coordinator_blind_max_seconds", "gauge",
+              "The longest such period.");
+  sb_printf(&b, "ztrain_coordinator_blind_max_seconds %.3f\n", (double)c->blind_max_ms / 1000.0);
   metric_head(&b, "ztrain_coordinator_epoch", "gauge", "Coordinator starts on this database.");
   sb_printf(&b, "ztrain_coordinator_epoch %lld\n", (long long)c->epoch);
   r->status = 200;

@@ -28,6 +28,21 @@
  * a live worker takes to reconnect (restart_grace_ms) to show up again, so
  * a restart declares no live worker lost and costs no generation.
  *
+ * The coordinator's own blips. When two or more workers are alive and not
+ * one of them has been heard from for two heartbeat intervals, the likely
+ * story is not that they all died together but that the coordinator's
+ * own link (or its host) is cut off. While that lasts the coordinator is
+ * "blind": nobody is declared lost (they may turn suspect), for at most
+ * blind_max_ms (default ZT_BLIND_MAX_TIMEOUTS heartbeat timeouts), past
+ * which the silence counts as usual (the whole fleet may really be gone). The first heartbeat after a
+ * blind period ends it, and every live member's silence then counts from
+ * one heartbeat interval before that moment: a member that reconnects
+ * within the timeout keeps its generation, however long the cut was; a
+ * member that really died in it is lost one timeout later. Each period is
+ * logged, counted in /metrics and recorded in the logbook
+ * ("coordinator_blind"). One worker alone cannot be told from a cut, so
+ * the rule needs two.
+ *
  * Lookup by id is an array index (ids are dense rowids); lookup by name is an
  * open-addressing hash table of ids. Both are only touched on the loop
  * thread.
@@ -291,6 +306,44 @@ int zt_members_authenticate(zt_coord_t *c, uint64_t id, const char *session) {
   return 0;
 }
 
+/* Members that count for liveness: alive or suspect. */
+static size_t live_members(const zt_coord_t *c) {
+  size_t n = 0;
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    const zt_member_t *m = c->by_id[i];
+    if (m && (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT)) n++;
+  }
+  return n;
+}
+
+/* Quiet for longer than this, with two or more live members: blind. */
+static int64_t blind_after_ms(const zt_coord_t *c) { return 2 * (int64_t)c->cfg.heartbeat_ms; }
+
+int zt_members_blind(const zt_coord_t *c, int64_t now) {
+  return c->last_any_hb_ms && now - c->last_any_hb_ms > blind_after_ms(c) &&
+         live_members(c) >= 2;
+}
+
+/* A heartbeat ends a blind period: every live member's silence counts
+ * from one interval before now (see the top of the file). */
+static void blind_end(zt_coord_t *c, int64_t now) {
+  int64_t quiet = now - c->last_any_hb_ms;
+  c->blind_periods++;
+  if (quiet > c->blind_max_ms) c->blind_max_ms = quiet;
+  char detail[200];
+  snprintf(detail, sizeof detail,
+           "heard from no worker for %lld ms while %zu were alive: the coordinator's own "
+           "network, most likely; their silence in it does not count",
+           (long long)quiet, live_members(c));
+  ZT_WARN("%s", detail);
+  zt_coord_event(c, 0, "coordinator_blind", 0, "%s", detail);
+  for (size_t i = 0; i < c->by_id_cap; i++) {
+    zt_member_t *m = c->by_id[i];
+    if (m && (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT))
+      m->last_hb_mono_ms = ZT_MAX(m->last_hb_mono_ms, now - (int64_t)c->cfg.heartbeat_ms);
+  }
+}
+
 int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
   zt_member_t *m = zt_members_get(c, id);
   if (!m) return zt_errk(ZT_E_NOT_FOUND, "unknown worker id %llu: register first", (unsigned long long)id);
@@ -298,6 +351,8 @@ int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
     return zt_errk(ZT_E_STATE, "worker %s (id %llu) is %s: register again", m->row.name,
                    (unsigned long long)id, zt_worker_state_name(m->row.state));
   int64_t now = zt_now_ms();
+  if (zt_members_blind(c, now)) blind_end(c, now);
+  c->last_any_hb_ms = now;
   if (m->row.state == ZT_WORKER_SUSPECT) {
     char detail[128];
     snprintf(detail, sizeof detail, "heartbeat after %lld ms of silence",
@@ -387,12 +442,14 @@ size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
   int64_t lost_after = c->cfg.heartbeat_timeout_ms;
   size_t n = 0, cap = 0;
   *lost = NULL;
+  /* Blind (see the top of the file): nobody is lost, for a while. */
+  int blind = zt_members_blind(c, now) && now - c->last_any_hb_ms <= c->cfg.blind_max_ms;
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
     if (!m || (m->row.state != ZT_WORKER_ALIVE && m->row.state != ZT_WORKER_SUSPECT)) continue;
     int64_t silent = now - m->last_hb_mono_ms;
     char detail[160];
-    if (silent > lost_after) {
+    if (silent > lost_after && !blind) {
       snprintf(detail, sizeof detail, "no heartbeat for %lld ms (timeout %lld ms)",
                (long long)silent, (long long)lost_after);
       if (transition(c, m, ZT_WORKER_LOST, "lost", detail) != 0) {
@@ -416,6 +473,7 @@ void zt_members_credit(zt_coord_t *c, int64_t ms) {
           (long long)ms);
   for (size_t i = 0; i < c->by_id_cap; i++)
     if (c->by_id[i]) c->by_id[i]->last_hb_mono_ms += ms;
+  if (c->last_any_hb_ms) c->last_any_hb_ms += ms; /* nor does it make the coordinator blind */
 }
 
 void zt_members_flush(zt_coord_t *c) {

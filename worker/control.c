@@ -5,6 +5,18 @@
  * registered. Waiting between attempts is a timed wait on a condition
  * variable, so zt_ctl_stop() interrupts any wait at once; every RPC carries a
  * deadline, so no step of the loop can block forever.
+ *
+ * A short network blip must not cost the worker its membership. The
+ * control thread's calls (Register, Heartbeat, Leave) go over a channel of
+ * their own (c->hb, with a connection of its own), not the one the
+ * runner's calls use (zt_ctl_rpc), so they never wait behind those. A
+ * heartbeat's deadline is about one heartbeat interval; one that times out
+ * on a connection that died without a word (a cut link sends no FIN or
+ * RST) gets the channel replaced (common/rpc.c, "Silent deaths"), and the
+ * new one tries to connect every half interval or so until the
+ * coordinator answers. A blip of a second or two therefore costs a few
+ * hundred milliseconds of heartbeats after it ends, well inside the
+ * coordinator's timeout.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -25,7 +37,10 @@
 struct zt_ctl {
   zt_ctl_opts_t o;
   char coordinator[256], name[128], device[32], secret[256], host[128];
-  zt_rpc_client_t *rpc;
+  zt_rpc_client_t *rpc;   /* the runner's calls (zt_ctl_rpc) */
+  zt_rpc_client_t *hb;    /* the control thread's own: Register, Heartbeat, Leave */
+  int hb_reconnect_ms;    /* hb's longest wait between connection attempts */
+  unsigned hb_replaced;   /* hb's replacements after a silent death, as last logged */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int stopping;           /* under mu */
@@ -54,6 +69,25 @@ struct zt_ctl {
   int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
 
+/* The wait between connection attempts of the control channel: half a
+ * heartbeat interval (100 ms to ZT_RPC_RECONNECT_MAX_MS), so a worker
+ * reaches the coordinator soon after a blip ends, and a fleet tries no more
+ * often than it heartbeats while the coordinator is away. */
+static int hb_reconnect_ms(const zt_ctl_t *c) {
+  return (int)ZT_MAX(100, ZT_MIN(ZT_RPC_RECONNECT_MAX_MS, c->heartbeat_ms / 2));
+}
+
+/* (Re)opens the control channel; the old one, if any, is closed (its
+ * connection with it). */
+static int hb_open(zt_ctl_t *c) {
+  zt_rpc_client_close(c->hb);
+  c->hb = NULL;
+  c->hb_reconnect_ms = hb_reconnect_ms(c);
+  c->hb_replaced = 0;
+  zt_rpc_client_opts_t ro = {.wait_for_ready = 1, .reconnect_max_ms = c->hb_reconnect_ms};
+  return zt_rpc_client_open(c->coordinator, &ro, &c->hb);
+}
+
 int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   zt_ctl_t *c = zt_xcalloc(1, sizeof *c);
   c->o = *o;
@@ -77,7 +111,7 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   pthread_cond_init(&c->cv, &ca);
   pthread_condattr_destroy(&ca);
   zt_rpc_client_opts_t ro = {.wait_for_ready = 1};
-  if (zt_rpc_client_open(c->coordinator, &ro, &c->rpc) != 0) {
+  if (zt_rpc_client_open(c->coordinator, &ro, &c->rpc) != 0 || hb_open(c) != 0) {
     zt_ctl_close(c);
     return -1;
   }
@@ -90,6 +124,7 @@ void zt_ctl_close(zt_ctl_t *c) {
   for (int i = 0; i < c->n_deleted; i++) free(c->deleted[i]);
   for (int i = 0; i < c->n_unreach; i++) free(c->unreach[i]);
   zt_rpc_client_close(c->rpc);
+  zt_rpc_client_close(c->hb);
   pthread_cond_destroy(&c->cv);
   pthread_mutex_destroy(&c->mu);
   free(c);
@@ -166,9 +201,18 @@ static int64_t next_backoff(zt_ctl_t *c) {
   return zt_ctl_backoff(&c->backoff_ms, c->backoff_cap_ms, &c->rng);
 }
 
+/* A call on the control channel with the usual deadline: the control
+ * thread's only (hb_open replaces that channel). */
 static int call(zt_ctl_t *c, const char *method, const ProtobufCMessage *msg,
                 const ProtobufCMessageDescriptor *desc, ProtobufCMessage **reply, int *status) {
-  return zt_pb_call(c->rpc, method, msg, desc, c->o.rpc_timeout_ms, reply, status);
+  return zt_pb_call(c->hb, method, msg, desc, c->o.rpc_timeout_ms, reply, status);
+}
+
+/* A heartbeat's deadline: about one interval (at least 250 ms, at most the
+ * usual deadline), so that a heartbeat lost in a blip is retried, on a new
+ * connection if need be, while the coordinator's timeout still has room. */
+static int64_t heartbeat_deadline_ms(const zt_ctl_t *c) {
+  return ZT_MIN(c->o.rpc_timeout_ms, ZT_MAX(c->heartbeat_ms, 250));
 }
 
 /* Returns 0 when registered, -1 with *fatal set when retrying is pointless. */
@@ -216,6 +260,10 @@ static int do_register(zt_ctl_t *c, int *fatal) {
    * gRPC's reconnect) for the members it believes alive, and each call
    * also waits for the connection (wait_for_ready) up to its deadline. */
   c->backoff_cap_ms = ZT_MAX(ZT_CTL_BACKOFF_MIN_MS, ZT_MIN(c->o.backoff_max_ms, c->heartbeat_ms));
+  /* The control channel's reconnect wait follows the interval; a new one
+   * (the next call connects it) when the interval asks for another wait. */
+  if (hb_reconnect_ms(c) != c->hb_reconnect_ms && hb_open(c) != 0)
+    ZT_WARN("cannot reopen the control channel: %s", zt_err_msg());
   if (c->epoch && c->epoch != r->coordinator_epoch)
     ZT_INFO("coordinator restarted (epoch %llu -> %llu)", (unsigned long long)c->epoch,
             (unsigned long long)r->coordinator_epoch);
@@ -293,8 +341,8 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
     req.link_rtt_ms = now.link_rtt_us / 1000.0;
   }
   ProtobufCMessage *m;
-  if (call(c, "/ztrain.Control/Heartbeat", &req.base, &ztrain__heartbeat_reply__descriptor, &m,
-           status) != 0)
+  if (zt_pb_call(c->hb, "/ztrain.Control/Heartbeat", &req.base,
+                 &ztrain__heartbeat_reply__descriptor, heartbeat_deadline_ms(c), &m, status) != 0)
     return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
   c->last_timing = now;
@@ -364,6 +412,17 @@ static void do_leave(zt_ctl_t *c) {
   ZT_INFO("left the coordinator (%s)", c->stop_reason);
 }
 
+/* After a heartbeat that got no answer: says when the control channel
+ * was replaced for it (common/rpc.c, "Silent deaths"). */
+static void heartbeat_failed(zt_ctl_t *c) {
+  unsigned n = zt_rpc_client_replaced(c->hb);
+  if (n == c->hb_replaced) return;
+  c->hb_replaced = n;
+  if (zt_ctl_log_failure((int)n))
+    ZT_INFO("heartbeat timed out on a connection that looked alive: a new connection "
+            "(%u so far)", n);
+}
+
 int zt_ctl_run(zt_ctl_t *c) {
   /* failing: calls in a row that got no answer; refused: heartbeats in a
    * row the coordinator refused, which a registration does not end. */
@@ -416,6 +475,7 @@ int zt_ctl_run(zt_ctl_t *c) {
     else
       ZT_DEBUG("heartbeat %d failed after %lld ms: %s", failing, (long long)(zt_now_ms() - t0),
                zt_err_msg());
+    heartbeat_failed(c);
     wait_or_stop(c, next_backoff(c));
   }
   if (registered) do_leave(c);
@@ -439,8 +499,9 @@ int zt_ctl_report_replica(zt_ctl_t *c, uint64_t job_id, const char *dir, const c
   for (int attempt = 0;; attempt++) {
     ProtobufCMessage *m;
     int st = 0;
-    if (call(c, "/ztrain.Control/ReportReplica", &req.base,
-             &ztrain__report_replica_reply__descriptor, &m, &st) == 0) {
+    /* The store's thread: the shared channel, never the control thread's. */
+    if (zt_pb_call(c->rpc, "/ztrain.Control/ReportReplica", &req.base,
+                   &ztrain__report_replica_reply__descriptor, c->o.rpc_timeout_ms, &m, &st) == 0) {
       protobuf_c_message_free_unpacked(m, NULL);
       return 0;
     }

@@ -20,8 +20,9 @@ GRPC, HTTP = 7070, 8080
 
 
 class Fleet:
-    def __init__(self, net, data_dir, hb_ms=300, timeout_ms=3000):
+    def __init__(self, net, data_dir, hb_ms=300, timeout_ms=3000, coord_extra=()):
         self.net, self.data_dir, self.hb_ms, self.timeout_ms = net, data_dir, hb_ms, timeout_ms
+        self.coord_extra = tuple(coord_extra)
         self.coord_host = net.add_host("c")
         self.workers = {}  # name -> (host, Proc)
         self.coord = None
@@ -41,7 +42,7 @@ class Fleet:
             "--db", os.path.join(h.dir, "zcoord.db"), "--api-token", TOKEN,
             "--worker-secret", SECRET, "--data-root", h.dir, "--checkpoint-root", h.dir,
             "--heartbeat-ms", str(self.hb_ms), "--heartbeat-timeout-ms", str(self.timeout_ms),
-            "--ready-file", ready, "--allow-test-knobs"])
+            "--ready-file", ready, "--allow-test-knobs", *self.coord_extra])
         wait_until(lambda: os.path.exists(ready) or not self.coord.alive(), 10, "zcoord ready")
         assert self.coord.alive(), self.coord.output()
         return self.coord
