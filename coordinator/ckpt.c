@@ -14,8 +14,8 @@
  * the current one, and only of the files such an epoch has.
  *
  * Retention (checkpoint.keep_last, checkpoint.keep_every) is applied after
- * each commit (the scheduler, jobs.c, calls zt_ckpt_gc when zt_ckpt_report
- * says the epoch committed): committed epochs beyond the newest keep_last
+ * each commit (reports.c calls zt_ckpt_gc when zt_ckpt_report says the
+ * epoch committed): committed epochs beyond the newest keep_last
  * are deleted unless their step is a multiple of keep_every. Deleting is done here
  * because the checkpoint directory is storage shared by the job's workers
  * (a local directory for local runs); a reported directory outside the
@@ -127,8 +127,8 @@ void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
   g.j = j, g.drop = &drop, g.max_step = INT64_MAX;
   /* With rollback on, a spike whose run of `patience` steps starts at s
    * rolls back to the newest epoch at or before s - 2 - margin_steps
-   * (jobs.c, check_spike); a run that ends after the job's step starts at
-   * step - patience + 2 or later. The newest epoch at or before step -
+   * (rollback.c, zt_rollback_spike); a run that ends after the job's step
+   * starts at step - patience + 2 or later. The newest epoch at or before step -
    * patience - margin and every later one are kept whatever keep_last
    * says (about (margin + patience) / every_steps + 1 epochs more), or a
    * rollback would find none and start over from initialization. */

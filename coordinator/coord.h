@@ -15,7 +15,13 @@
  *
  *   main.c service.c http.c     entry points: lifecycle and timers, gRPC, HTTP
  *   config.c                    settings (main.c reads them at start)
- *   jobs.c                      scheduler: generations, rendezvous, rollback
+ *   jobs.c                      jobs: submit, load at start, operator actions
+ *   reports.c                   what the ranks report: steps, failures, checkpoints
+ *   rollback.c                  back to a committed epoch (a spike, an operator)
+ *   sched.c                     scheduler: forming generations, failures, the end
+ *   rendezvous.c                the ranks of a new generation meet
+ *   jobtable.c                  jobs by id, the writes of their rows, fencing
+ *   params.c                    a spec's scheduling parameters (pure)
  *   ckpt.c members.c spike.c    checkpoint registry, membership, detector,
  *   restarts.c                  restart policy
  *   copies.c                    where checkpoint files have copies
@@ -23,8 +29,9 @@
  *   events.c loopcall.c notify.c  logbook, HTTP -> loop calls, systemd
  *
  * Members report what happened to them (a worker lost, a worker that
- * re-registered) to their caller, and the entry points then tell jobs.c; the
- * registry says an epoch committed, and jobs.c acts on it.
+ * re-registered) to their caller, and the entry points then tell the
+ * scheduler (sched.c); the registry says an epoch committed, and reports.c
+ * acts on it.
  *
  * Errors: functions return 0 or -1 with the thread's error message and
  * kind (common/zt_common.h); service.c and http.c turn the kind into a
@@ -99,7 +106,7 @@ typedef struct {
 #define ZT_MAX_WORLD 256
 #define ZT_MAX_EXCLUDED 16 /* workers kept out of one job (zt_job_t.excluded) */
 
-/* What the scheduler needs from a job spec (jobs.c). */
+/* What the scheduler needs from a job spec (params.c). */
 typedef struct {
   char name[128];
   int64_t steps, micro, global_batch; /* batches in samples */
@@ -275,45 +282,15 @@ typedef struct zt_coord {
   zt_job_t *jobs; /* in submission order */
 } zt_coord_t;
 
-/* ---- jobs.c: the scheduler -------------------------------------------------- */
-
-struct Ztrain__RendezvousRequest;
-struct Ztrain__ReportStepRequest;
-struct Ztrain__ReportFailureRequest;
-struct Ztrain__ReportCheckpointRequest;
-struct Ztrain__ReportReplicaRequest;
+/* ---- jobs.c: submit, load at start, operator actions ------------------------- */
 
 /* Operator actions on a job. */
 typedef enum { ZT_ACT_PAUSE, ZT_ACT_RESUME, ZT_ACT_CANCEL, ZT_ACT_ROLLBACK } zt_job_action_t;
 /* "pause", "resume", "cancel", "rollback"; -1 (ZT_E_INVALID) otherwise. */
-int zt_job_action_parse(const char *name, zt_job_action_t *out);
-
-/* The scheduler's view of a spec, checked against the coordinator's
- * settings (paths under the roots, test knobs). */
-int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_params_t *p);
+int zt_jobs_action_parse(const char *name, zt_job_action_t *out);
 int zt_jobs_load(zt_coord_t *c);
 void zt_jobs_free(zt_coord_t *c);
-void zt_jobs_release_calls(zt_coord_t *c); /* answers held calls before the server stops */
-zt_job_t *zt_jobs_get(zt_coord_t *c, uint64_t id);
-/* 1 when m is rank 0 of an NCCL generation (it makes the unique id). */
-int zt_jobs_nccl_root(zt_coord_t *c, const zt_member_t *m);
-void zt_jobs_schedule(zt_coord_t *c);
-/* Writes again every job row whose last write failed. */
-void zt_jobs_flush(zt_coord_t *c);
-/* A member left its generation: lost or restarted (failure 1, which the
- * restart policy counts), left or drained (failure 0). */
-void zt_jobs_member_gone(zt_coord_t *c, zt_member_t *m, const char *why, int failure);
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id);
-/* Holds the call until every rank arrived (a long poll); answers it. */
-void zt_jobs_rendezvous(zt_coord_t *c, zt_rpc_call_t *call,
-                        const struct Ztrain__RendezvousRequest *req);
-int zt_jobs_report_step(zt_coord_t *c, const struct Ztrain__ReportStepRequest *req, int *command);
-int zt_jobs_report_failure(zt_coord_t *c, const struct Ztrain__ReportFailureRequest *req);
-int zt_jobs_report_checkpoint(zt_coord_t *c, const struct Ztrain__ReportCheckpointRequest *req,
-                              int *committed);
-/* A worker holds a copy of a checkpoint file (pushed to it, or fetched). */
-int zt_jobs_report_replica(zt_coord_t *c, const struct Ztrain__ReportReplicaRequest *req,
-                           int *committed);
 /* An operator action; on success msg says what happens. */
 int zt_jobs_action(zt_coord_t *c, uint64_t job_id, zt_job_action_t action, int64_t to_step,
                    int64_t skip_steps, char *msg, size_t msglen);
@@ -322,8 +299,118 @@ int zt_jobs_drain(zt_coord_t *c, zt_member_t *m, char *msg, size_t msglen);
 /* Leave from a worker in a checkpointed job turns into a drain: returns 1
  * when the worker must keep going until told to stop. */
 int zt_jobs_leave_drains(zt_coord_t *c, zt_member_t *m);
-int zt_jobs_heartbeat_command(zt_coord_t *c, zt_member_t *m, uint64_t job_id, uint64_t gen,
-                              uint64_t *out_job, uint64_t *out_gen);
+
+/* ---- reports.c: what the ranks report ---------------------------------------- */
+
+struct Ztrain__ReportStepRequest;
+struct Ztrain__ReportFailureRequest;
+struct Ztrain__ReportCheckpointRequest;
+struct Ztrain__ReportReplicaRequest;
+
+/* Rank 0's step; *command is the reply's (continue, checkpoint now,
+ * rollback, stop). */
+int zt_reports_step(zt_coord_t *c, const struct Ztrain__ReportStepRequest *req, int *command);
+int zt_reports_failure(zt_coord_t *c, const struct Ztrain__ReportFailureRequest *req);
+int zt_reports_checkpoint(zt_coord_t *c, const struct Ztrain__ReportCheckpointRequest *req,
+                          int *committed);
+/* A worker holds a copy of a checkpoint file (pushed to it, or fetched). */
+int zt_reports_replica(zt_coord_t *c, const struct Ztrain__ReportReplicaRequest *req,
+                       int *committed);
+
+/* ---- rollback.c: back to a committed epoch ----------------------------------- */
+
+/* Feeds rank 0's step to the spike detector (when rollback is on); 1 when
+ * it spiked and the job rolled back (or paused, past the budget). */
+int zt_rollback_spike(zt_coord_t *c, zt_job_t *j, int64_t step, double loss, double grad_norm);
+/* An operator's rollback to the newest epoch at or before to_step,
+ * skipping skip_steps batches after it; not budgeted. msg says what
+ * happens. */
+int zt_rollback_operator(zt_coord_t *c, zt_job_t *j, int64_t to_step, int64_t skip_steps,
+                         char *msg, size_t msglen);
+
+/* ---- sched.c: the scheduler -------------------------------------------------- */
+
+/* One pass over every job (the liveness timer, and after anything that
+ * frees or adds workers): forms generations for pending jobs and due
+ * retries, decides pending reachability verdicts, ends a job whose final
+ * epoch committed or did not in time, and asks for a checkpoint to scale
+ * up. */
+void zt_sched_run(zt_coord_t *c);
+/* A member left its generation: lost or restarted (failure 1, which the
+ * restart policy counts), left or drained (failure 0). */
+void zt_sched_member_gone(zt_coord_t *c, zt_member_t *m, const char *why, int failure);
+/* The job's restored state after a coordinator restart: its current
+ * generation's members get their ranks back, the epoch it started from,
+ * the wait for a final epoch (jobs.c, at load). */
+void zt_sched_reload(zt_coord_t *c, zt_job_t *j);
+/* Forms the job's next generation now, or sends it back to PENDING
+ * (comment at its definition). */
+void zt_sched_try_form(zt_coord_t *c, zt_job_t *j, const char *reason);
+/* The current generation failed (who: the worker whose report it was, or
+ * NULL): re-form, now or later, or pause, as the restart policy says. */
+void zt_sched_fail_generation(zt_coord_t *c, zt_job_t *j, zt_fail_kind_t kind, int64_t step,
+                              const char *reason, zt_member_t *who);
+/* The verdict on the current generation's reachability reports: the ranks
+ * out are kept out (until they reach the others again), then the
+ * generation fails as the restart policy says. */
+void zt_sched_judge_reach(zt_coord_t *c, zt_job_t *j);
+/* Ends the current generation (its calls answered, its members idle) and
+ * moves the job to state, with the message fmt, in the row and the
+ * logbook (event kind). A final state forgets the epoch tallies. */
+void zt_sched_finish(zt_coord_t *c, zt_job_t *j, int state, const char *kind, const char *fmt,
+                     ...) __attribute__((format(printf, 5, 6)));
+/* The last step is done: the workers write the final epoch (trainer.c) and
+ * the job completes when it commits (zt_sched_epoch_committed), when its
+ * write fails (zt_sched_final_failed), or after a while without either. */
+void zt_sched_await_final(zt_coord_t *c, zt_job_t *j);
+/* The final epoch failed to write, or did not commit in time: the job
+ * completes without it. */
+void zt_sched_final_failed(zt_coord_t *c, zt_job_t *j, const char *why);
+/* The epoch j->ck committed: the job completes when it was the final one,
+ * else a re-form that waited for it (drain, scale-up) happens now. */
+void zt_sched_epoch_committed(zt_coord_t *c, zt_job_t *j);
+
+/* ---- rendezvous.c: the ranks of a new generation meet ------------------------ */
+
+struct Ztrain__RendezvousRequest;
+
+/* Holds the call until every rank arrived (a long poll); answers it. */
+void zt_rdv_arrive(zt_coord_t *c, zt_rpc_call_t *call,
+                   const struct Ztrain__RendezvousRequest *req);
+/* Answers every held call of the job with status and why. */
+void zt_rdv_release(zt_job_t *j, int status, const char *why);
+void zt_rdv_release_all(zt_coord_t *c); /* answers held calls before the server stops */
+/* 1 when m is rank 0 of an NCCL generation (it makes the unique id). */
+int zt_rdv_nccl_root(zt_coord_t *c, const zt_member_t *m);
+
+/* ---- jobtable.c: jobs by id, the writes of their rows, fencing --------------- */
+
+zt_job_t *zt_jobtable_get(zt_coord_t *c, uint64_t id);
+/* PENDING, RUNNING or RECONFIGURING. */
+int zt_jobtable_active(const zt_job_t *j);
+/* Writes the job's row. A failure is logged and returned; the in-memory
+ * state stays ahead of the database until the next successful write, made
+ * at the latest by zt_jobtable_flush a few seconds later. */
+int zt_jobtable_save(zt_coord_t *c, zt_job_t *j);
+/* Stores row, the job's row as an action would leave it, before the action
+ * changes anything; -1 (ZT_E_UNAVAILABLE) when the write fails. */
+int zt_jobtable_store_first(zt_coord_t *c, zt_job_t *j, zt_db_job_t *row, const char *action);
+/* Writes again every job row whose last write failed. */
+void zt_jobtable_flush(zt_coord_t *c);
+/* Checks that a worker-facing call names the current generation: its job
+ * and member, or -1 (ZT_E_NOT_FOUND, ZT_E_STATE: the worker rejoins). */
+int zt_jobtable_fence(zt_coord_t *c, uint64_t wid, uint64_t job_id, uint64_t gen,
+                      zt_job_t **jout, zt_member_t **mout);
+/* The command of a heartbeat that names (job_id, gen): RECONFIGURE to the
+ * member's assignment (*out_job, *out_gen), STOP, or CONTINUE. */
+int zt_jobtable_heartbeat_command(zt_coord_t *c, zt_member_t *m, uint64_t job_id, uint64_t gen,
+                                  uint64_t *out_job, uint64_t *out_gen);
+
+/* ---- params.c: a spec's scheduling parameters -------------------------------- */
+
+/* The scheduler's view of a spec, checked against the coordinator's
+ * settings (paths under the roots, test knobs, a valid world size). */
+int zt_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_params_t *p);
 
 /* ---- ckpt.c: the checkpoint registry ----------------------------------------- */
 

@@ -12,7 +12,7 @@
  * machine share its checkpoint root, so a file is available when any live
  * worker runs on a machine that holds it, and that worker's store can hand
  * it out. An epoch is loadable when every file of its record is available;
- * the scheduler (jobs.c) starts a generation from the newest loadable
+ * the scheduler (sched.c) starts a generation from the newest loadable
  * epoch, and tells each rank which stores hold each file, with a ticket
  * (common/ticket.c) for each.
  *
@@ -263,8 +263,8 @@ int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_mem
 }
 
 /* The generation job `id` is in (0: no such job). The job list is read
- * here rather than through jobs.c, which calls this file (no call cycle
- * between the coordinator's files: tools/check-layers). */
+ * here rather than through jobtable.c, which calls this file by way of
+ * ckpt.c (no call cycle between the coordinator's files: tools/check-layers). */
 static uint64_t job_generation(const zt_coord_t *c, uint64_t id) {
   for (const zt_job_t *j = c->jobs; j; j = j->next)
     if (j->row.id == id) return j->row.generation;

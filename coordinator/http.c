@@ -219,7 +219,7 @@ static void r_job_action(zt_http_req_t *r) {
     zt_http_error(r, 404, "no such resource: %s", r->url);
     return;
   }
-  if (zt_job_action_parse(end + 1, &a) != 0) {
+  if (zt_jobs_action_parse(end + 1, &a) != 0) {
     zt_http_error(r, 404, "no such action: %.32s (pause, resume, cancel, rollback)", end + 1);
     return;
   }
@@ -265,7 +265,7 @@ static void r_job(zt_http_req_t *r) {
   const char *p = r->url + strlen("/v1/jobs/");
   char *end;
   unsigned long long id = strtoull(p, &end, 10);
-  zt_job_t *j = end != p ? zt_jobs_get(r->c, id) : NULL;
+  zt_job_t *j = end != p ? zt_jobtable_get(r->c, id) : NULL;
   if (!j) {
     zt_http_error(r, 404, "no such job: %.64s", p);
     return;

@@ -11,7 +11,7 @@
  *
  * Everything after start-up happens on the one libuv loop: RPC handlers
  * (service.c), HTTP routes (http.c), the liveness check (members.c, whose
- * verdicts this file hands to the scheduler, jobs.c).
+ * verdicts this file hands to the scheduler, sched.c).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,13 +52,14 @@ static void on_check(uv_timer_t *t) {
   zt_rpc_server_poll(c->rpc);
   uint64_t *lost;
   size_t n = zt_members_check(c, &lost);
-  for (size_t i = 0; i < n; i++) zt_jobs_member_gone(c, zt_members_get(c, lost[i]), "was lost", 1);
+  for (size_t i = 0; i < n; i++)
+    zt_sched_member_gone(c, zt_members_get(c, lost[i]), "was lost", 1);
   free(lost);
-  zt_jobs_schedule(c);
+  zt_sched_run(c);
 }
 static void on_flush(uv_timer_t *t) {
   zt_members_flush(t->data);
-  zt_jobs_flush(t->data);
+  zt_jobtable_flush(t->data);
 }
 
 static void stop(zt_coord_t *c, const char *why) {
@@ -67,7 +68,7 @@ static void stop(zt_coord_t *c, const char *why) {
   zt_loopcall_close(&c->loopcall);
   zt_http_stop(c->http);
   c->http = NULL;
-  zt_jobs_release_calls(c);
+  zt_rdv_release_all(c);
   zt_rpc_server_stop(c->rpc);
   c->rpc = NULL;
   uv_timer_stop(&c->check_timer);
@@ -140,7 +141,7 @@ int main(int argc, char **argv) {
   }
   uv_run(c.loop, UV_RUN_DEFAULT);
   zt_members_flush(&c);
-  zt_jobs_flush(&c);
+  zt_jobtable_flush(&c);
   zt_jobs_free(&c);
   zt_members_free(&c);
   zt_db_close(c.db);

@@ -26,7 +26,7 @@
  * survivor of a killed process decides at once even in a two-rank world.
  * A rank that reaches only a minority may be the one cut off, or the
  * survivor of several losses: the verdict waits for the other ranks'
- * reports (all of them, or until a short deadline jobs.c sets).
+ * reports (all of them, or until a short deadline reports.c sets).
  */
 #ifndef ZT_REACH_H
 #define ZT_REACH_H
@@ -44,7 +44,7 @@ typedef struct {
   uint8_t cut[ZT_REACH_MAX][ZT_REACH_MAX / 8]; /* symmetric */
   uint8_t gone[ZT_REACH_MAX / 8]; /* refused connections: their zworker is gone */
   int ngone;
-  /* Set by jobs.c while a verdict waits for more reports. */
+  /* Set by reports.c while a verdict waits for more reports. */
   int64_t decide_at_ms; /* monotonic; 0: no verdict pending */
   int64_t step;         /* the failed step, and the first report's reason */
   char why[512];

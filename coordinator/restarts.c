@@ -1,7 +1,7 @@
 /*
  * restarts.c: the restart policy (see restarts.h).
  *
- * Kept apart from the scheduler so that it is pure: jobs.c feeds it every
+ * Kept apart from the scheduler so that it is pure: sched.c feeds it every
  * failure and acts on the verdict (re-form now, re-form later from its
  * timer, or pause), and the unit test drives it with made-up clocks.
  */

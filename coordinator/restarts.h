@@ -2,7 +2,7 @@
  * restarts.h: the restart policy (pure logic, no I/O).
  *
  * When a generation fails (a rank reports an error, a member is lost or
- * restarts), the scheduler (jobs.c) asks this policy what to do:
+ * restarts), the scheduler (sched.c) asks this policy what to do:
  *
  *   - A rank's own error (FAIL_LOCAL, FAIL_MEMORY: bad data, a device, no
  *     memory) that comes back with the same shape (zt_text_shape: numbers

@@ -75,9 +75,9 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
   if (zt_members_register(c, &reg, &mem, &known) != 0) return NULL;
   /* A worker that registers again was restarted: its place in a job's
    * generation is gone. */
-  if (known) zt_jobs_member_gone(c, mem, "re-registered (restarted)", 1);
+  if (known) zt_sched_member_gone(c, mem, "re-registered (restarted)", 1);
   zt_copies_reconcile(c, mem, req->held_files, req->n_held_files);
-  zt_jobs_schedule(c);
+  zt_sched_run(c);
   Ztrain__RegisterReply *r = new_reply(x, &ztrain__register_reply__descriptor);
   r->worker_id = mem->row.id;
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
@@ -109,9 +109,9 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
       c, mem, req->probed, req->n_unreachable_stores,
       req->n_unreachable_stores ? req->unreachable_stores[0] : NULL, probe, 64);
   r->probe_stores = (char **)probe;
-  r->command = (Ztrain__Command)zt_jobs_heartbeat_command(c, mem, req->job_id, req->generation,
-                                                          &r->job_id, &r->generation);
-  r->nccl_root = zt_jobs_nccl_root(c, mem);
+  r->command = (Ztrain__Command)zt_jobtable_heartbeat_command(
+      c, mem, req->job_id, req->generation, &r->job_id, &r->generation);
+  r->nccl_root = zt_rdv_nccl_root(c, mem);
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->coordinator_epoch = (uint64_t)c->epoch;
   /* Epochs to delete: those it deleted are forgotten, the rest asked again. */
@@ -140,14 +140,14 @@ static ProtobufCMessage *h_leave(zt_coord_t *c, zt_rpc_call_t *call, const Proto
   }
   int left;
   if (zt_members_leave(c, req->worker_id, req->reason, &left) != 0) return NULL;
-  if (left) zt_jobs_member_gone(c, mem, "left", 0);
+  if (left) zt_sched_member_gone(c, mem, "left", 0);
   return &r->base;
 }
 
 static ProtobufCMessage *h_rendezvous(zt_coord_t *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
                                       call_ctx *x) {
   (void)x;
-  zt_jobs_rendezvous(c, call, (const Ztrain__RendezvousRequest *)m);
+  zt_rdv_arrive(c, call, (const Ztrain__RendezvousRequest *)m);
   return ZT_DEFERRED;
 }
 
@@ -155,7 +155,7 @@ static ProtobufCMessage *h_report_step(zt_coord_t *c, zt_rpc_call_t *call, const
                                        call_ctx *x) {
   (void)call;
   int cmd = 0;
-  if (zt_jobs_report_step(c, (const Ztrain__ReportStepRequest *)m, &cmd) != 0) return NULL;
+  if (zt_reports_step(c, (const Ztrain__ReportStepRequest *)m, &cmd) != 0) return NULL;
   Ztrain__ReportStepReply *r = new_reply(x, &ztrain__report_step_reply__descriptor);
   r->command = (Ztrain__Command)cmd;
   return &r->base;
@@ -165,10 +165,11 @@ static ProtobufCMessage *h_report_failure(zt_coord_t *c, zt_rpc_call_t *call,
                                           const ProtobufCMessage *m, call_ctx *x) {
   (void)call;
   const Ztrain__ReportFailureRequest *req = (const Ztrain__ReportFailureRequest *)m;
-  if (zt_jobs_report_failure(c, req) != 0) return NULL;
+  if (zt_reports_failure(c, req) != 0) return NULL;
   Ztrain__ReportFailureReply *r = new_reply(x, &ztrain__report_failure_reply__descriptor);
   zt_member_t *mem = zt_members_get(c, req->worker_id);
-  if (mem) r->job_id = mem->job_id, r->generation = mem->gen, r->nccl_root = zt_jobs_nccl_root(c, mem);
+  if (mem)
+    r->job_id = mem->job_id, r->generation = mem->gen, r->nccl_root = zt_rdv_nccl_root(c, mem);
   return &r->base;
 }
 
@@ -176,7 +177,7 @@ static ProtobufCMessage *h_report_checkpoint(zt_coord_t *c, zt_rpc_call_t *call,
                                              const ProtobufCMessage *m, call_ctx *x) {
   (void)call;
   int committed = 0;
-  if (zt_jobs_report_checkpoint(c, (const Ztrain__ReportCheckpointRequest *)m, &committed) != 0)
+  if (zt_reports_checkpoint(c, (const Ztrain__ReportCheckpointRequest *)m, &committed) != 0)
     return NULL;
   Ztrain__ReportCheckpointReply *r = new_reply(x, &ztrain__report_checkpoint_reply__descriptor);
   r->committed = committed;
@@ -221,7 +222,7 @@ static void **message_array(call_ctx *x, size_t n, size_t msg_size, char **msgs)
 }
 
 static int job_known(zt_coord_t *c, uint64_t id) {
-  if (zt_jobs_get(c, id)) return 1;
+  if (zt_jobtable_get(c, id)) return 1;
   zt_errk(ZT_E_NOT_FOUND, "unknown job %llu", (unsigned long long)id);
   return 0;
 }
@@ -297,7 +298,7 @@ static ProtobufCMessage *h_get_job(zt_coord_t *c, zt_rpc_call_t *call, const Pro
                                    call_ctx *x) {
   (void)call;
   uint64_t id = ((const Ztrain__GetJobRequest *)m)->job_id;
-  zt_job_t *j = zt_jobs_get(c, id);
+  zt_job_t *j = zt_jobtable_get(c, id);
   if (!job_known(c, id)) return NULL;
   Ztrain__GetJobReply *r = new_reply(x, &ztrain__get_job_reply__descriptor);
   r->job = new_reply(x, &ztrain__job_info__descriptor);
@@ -335,7 +336,7 @@ static ProtobufCMessage *h_job_action(zt_coord_t *c, zt_rpc_call_t *call, const 
   const Ztrain__JobActionRequest *req = (const Ztrain__JobActionRequest *)m;
   zt_job_action_t a;
   char *msg = own(x, zt_xmalloc(ZT_MSG_LEN));
-  if (zt_job_action_parse(req->action, &a) != 0 ||
+  if (zt_jobs_action_parse(req->action, &a) != 0 ||
       zt_jobs_action(c, req->job_id, a, req->to_step, req->skip_steps, msg, ZT_MSG_LEN) != 0)
     return NULL;
   Ztrain__JobActionReply *r = new_reply(x, &ztrain__job_action_reply__descriptor);
@@ -373,7 +374,7 @@ static ProtobufCMessage *h_report_replica(zt_coord_t *c, zt_rpc_call_t *call,
                                           const ProtobufCMessage *m, call_ctx *x) {
   (void)call;
   int committed = 0;
-  if (zt_jobs_report_replica(c, (const Ztrain__ReportReplicaRequest *)m, &committed) != 0)
+  if (zt_reports_replica(c, (const Ztrain__ReportReplicaRequest *)m, &committed) != 0)
     return NULL;
   Ztrain__ReportReplicaReply *r = new_reply(x, &ztrain__report_replica_reply__descriptor);
   r->committed = committed;

@@ -7,7 +7,7 @@
  * allows them, but cJSON would silently use the first). Every error names the full key path,
  * built with sub_path. Defaults are set before parsing, so a missing
  * optional key simply keeps its default. The coordinator reads specs with
- * this same parser (coordinator/jobs.c), so the two can never disagree.
+ * this same parser (coordinator/params.c), so the two can never disagree.
  */
 #include "spec.h"
 

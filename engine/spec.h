@@ -51,7 +51,7 @@ typedef struct zt_spec_ckpt {
   int replicas;
 } zt_spec_ckpt_t;
 
-/* elastic{...}'s restart policy (the coordinator's, jobs.c): a generation
+/* elastic{...}'s restart policy (the coordinator's, sched.c): a generation
  * that fails is re-formed at once, then with exponential backoff from
  * backoff_ms up to max_backoff_ms while generations keep failing before any
  * step; after max_failed_generations such generations in a row, or

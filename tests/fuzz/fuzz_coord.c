@@ -46,7 +46,7 @@ int zt_fuzz_rpc(const char *method, const uint8_t *req, size_t len, int with_tok
   int status = b->done ? b->status : -1; /* -1: held (a rendezvous) */
   if (!b->done) {
     /* The call is held; its later answer must not touch this box. */
-    zt_jobs_release_calls(g_c);
+    zt_rdv_release_all(g_c);
   }
   if (resp) *resp = b->resp, *resp_len = b->len;
   else free(b->resp);
@@ -122,7 +122,7 @@ static void build(void) {
 }
 
 static void tear_down(void) {
-  zt_jobs_release_calls(g_c);
+  zt_rdv_release_all(g_c);
   uv_run(g_c->loop, UV_RUN_DEFAULT); /* queued deletions finish */
   zt_jobs_free(g_c);
   zt_members_free(g_c);

@@ -1,0 +1,343 @@
+/*
+ * reports.c: what the ranks of a generation report, and what the job does
+ * about it.
+ *
+ * Every report passes the fence (jobtable.c): it names the job's current
+ * generation, or it is refused and the rank rejoins.
+ *
+ *   ReportStep (rank 0, every step): the step is stored with its metrics
+ *   before the job moves to it (a refused write leaves memory as the
+ *   database is, and the rank's retry stores it). The loss feeds the spike
+ *   detector (a spike rolls back: rollback.c); the reply tells rank 0 to
+ *   go on, to checkpoint now (a drain or scale-up asked for one), to roll
+ *   back, or to stop: at the last step, when the job ends with it (without
+ *   checkpoints) or awaits its final epoch (sched.c).
+ *
+ *   ReportFailure: a fatal error fails the job; a checkpoint that cannot be
+ *   loaded is retired (the job fails when it is not one of its own). A
+ *   rank's own error, running out of memory (the worker is then taken to
+ *   have less memory than it said) and a broken ring are failures the
+ *   restart policy judges (sched.c). A broken ring with probe results is
+ *   first a question of who is cut off: the verdict (reach.h) waits for
+ *   the other ranks' reports, or a short deadline, and keeps the ranks that
+ *   are out of the next generation.
+ *
+ *   ReportCheckpoint, ReportReplica: a rank wrote its files of an epoch, or
+ *   a worker holds a copy of one; ckpt.c tallies them, and says when the
+ *   epoch commits. A commit may end a checkpointing pause, completes the
+ *   job when it was the final epoch, and re-forms a generation that waited
+ *   for it (a drain, a scale-up).
+ *
+ * A checkpoint write that fails (disk full) does not end the generation:
+ * checkpointing is paused, the job goes on training with an alert in
+ * /metrics, and pauses once more than checkpoint.max_uncommitted_steps
+ * steps would be lost; the next epoch that commits ends the alert. A
+ * checkpoint-now epoch that fails ends its generation without it, and the
+ * job re-forms from the last one.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "coord.h"
+#include "ztrain.pb-c.h"
+
+/* ---- steps ------------------------------------------------------------------- */
+
+/* Checkpointing is paused and the steps a failure would lose exceed
+ * checkpoint.max_uncommitted_steps: the job pauses (1). */
+static int over_risk_budget(zt_coord_t *c, zt_job_t *j) {
+  int64_t at_risk = j->row.step - j->safe_step;
+  if (!j->ckpt_paused || !j->p.max_uncommitted || at_risk <= j->p.max_uncommitted ||
+      j->row.step >= j->row.total_steps)
+    return 0;
+  zt_sched_finish(c, j, ZT_JOB_PAUSED, "job_paused",
+                  "paused: no checkpoint committed for %lld steps "
+                  "(checkpoint.max_uncommitted_steps %lld); checkpoint writes fail: %.200s; fix "
+                  "the storage, then zctl resume continues from step %lld",
+                  (long long)at_risk, (long long)j->p.max_uncommitted, j->ckpt_error,
+                  (long long)j->safe_step);
+  zt_sched_run(c);
+  return 1;
+}
+
+/* Feeds the detector; 1 when the step triggered a rollback. A non-finite
+ * loss marks the step poisoned (no epoch at or after it commits: ckpt.c). */
+static int check_spike(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
+  if (!isfinite(req->loss) && (!j->poisoned_from || req->step < j->poisoned_from))
+    j->poisoned_from = req->step;
+  return zt_rollback_spike(c, j, req->step, req->loss, req->grad_norm);
+}
+
+/* Stores the step and moves the job to it, or neither (-1). */
+static int store_step(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
+  zt_db_step_t s = {req->step, req->generation, req->loss, req->grad_norm, req->lr,
+                    req->tokens_per_s, req->val_loss, zt_wall_ms()};
+  zt_db_job_t next = j->row;
+  next.step = req->step;
+  next.updated_ms = zt_wall_ms();
+  if (zt_db_begin(c->db) != 0 || zt_db_step_put(c->db, j->row.id, &s) != 0 ||
+      zt_db_job_update(c->db, &next) != 0 || zt_db_commit(c->db) != 0) {
+    zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store step %lld", (long long)req->step);
+    zt_db_rollback(c->db);
+    return -1;
+  }
+  j->row = next;
+  j->last = s;
+  return 0;
+}
+
+/* The last step is done: the job completes now without checkpoints, else
+ * when its final epoch commits. */
+static void last_step(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
+  if (j->p.ckpt_dir[0]) {
+    zt_sched_await_final(c, j);
+    return;
+  }
+  zt_sched_finish(c, j, ZT_JOB_COMPLETED, "job_completed", "completed %lld steps; final loss %.6g",
+                  (long long)req->step, req->loss);
+  zt_sched_run(c);
+}
+
+int zt_reports_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int *command) {
+  zt_job_t *j;
+  zt_member_t *m;
+  if (zt_jobtable_fence(c, req->worker_id, req->job_id, req->generation, &j, &m) != 0) return -1;
+  if (m->rank != 0)
+    return zt_errk(ZT_E_STATE, "only rank 0 reports steps (worker %s is rank %d)", m->row.name,
+                   m->rank);
+  if (req->step < 1 || req->step > j->row.total_steps)
+    return zt_errk(ZT_E_INVALID, "step %lld out of range 1..%lld", (long long)req->step,
+                   (long long)j->row.total_steps);
+  if (store_step(c, j, req) != 0) return -1;
+  *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
+                             : ZTRAIN__COMMAND__COMMAND_CONTINUE;
+  if (req->step > j->start_step) zt_restarts_progress(&j->rs);
+  if (over_risk_budget(c, j)) {
+    *command = ZTRAIN__COMMAND__COMMAND_STOP;
+    return 0;
+  }
+  if (check_spike(c, j, req)) {
+    *command = ZTRAIN__COMMAND__COMMAND_ROLLBACK;
+    return 0;
+  }
+  if (req->step == j->row.total_steps) {
+    *command = ZTRAIN__COMMAND__COMMAND_STOP;
+    last_step(c, j, req);
+  }
+  return 0;
+}
+
+/* ---- failures ---------------------------------------------------------------- */
+
+/* The peer whose connection died is kept out of the next generation until
+ * it shows it reaches the others (a report without probe results). */
+static void quarantine_peer(zt_coord_t *c, zt_job_t *j, zt_member_t *m, int suspect_rank) {
+  if (suspect_rank < 0 || suspect_rank >= j->row.world || suspect_rank == m->rank) return;
+  zt_member_t *peer = zt_members_get(c, j->workers[suspect_rank]);
+  if (!peer || peer->quarantine_ms) return;
+  zt_members_quarantine(c, peer);
+  zt_coord_event(c, j->row.id, "worker_suspected", peer->row.id,
+                 "rank %d (%s) reported its connection to rank %d (%s) dead", m->rank,
+                 m->row.name, suspect_rank, peer->row.name);
+}
+
+/* How long a verdict on who is cut off waits for the other ranks' reports
+ * when the first ones were not decisive (reach.h). */
+static int64_t reach_wait_ms(const zt_job_t *j) {
+  return ZT_MAX(1000, ZT_MIN(j->p.comm_timeout_ms / 2, 5000));
+}
+
+/* A peer failure with probe results: decided now, or once the other ranks
+ * reported (or reach_wait_ms passed: zt_sched_run). */
+static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                         const Ztrain__ReportFailureRequest *req, const char *why) {
+  zt_reach_t *rc = &j->reach;
+  if (rc->gen != j->row.generation) {
+    zt_reach_reset(rc, j->row.generation, j->row.world);
+    rc->step = req->step;
+    snprintf(rc->why, sizeof rc->why, "%s", why);
+  }
+  zt_reach_gone(rc, m->rank, req->gone_ranks, req->n_gone_ranks);
+  if (zt_reach_add(rc, m->rank, req->unreachable_ranks, req->n_unreachable_ranks)) {
+    zt_sched_judge_reach(c, j);
+    return;
+  }
+  if (rc->decide_at_ms) return;
+  rc->decide_at_ms = zt_now_ms() + reach_wait_ms(j);
+  char list[256], what[300] = "reaches every other rank";
+  zt_reach_list(rc, m->rank, list, sizeof list);
+  if (list[0]) snprintf(what, sizeof what, "reaches only a minority (not ranks [%s])", list);
+  zt_coord_event(c, j->row.id, "reach_undecided", m->row.id,
+                 "rank %d (%s) %s; waiting up to %lld ms for the other ranks' reports",
+                 m->rank, m->row.name, what, (long long)reach_wait_ms(j));
+}
+
+/* A rank ran out of memory although its worker said it had enough: the
+ * worker's memory is taken to be less than this rank needed (until it
+ * registers again), so the scheduler does not give it such a rank again. */
+static void learn_memory(zt_coord_t *c, zt_job_t *j, zt_member_t *m) {
+  const zt_mem_need_t *need = &j->p.need[j->row.world];
+  zt_db_worker_t *w = &m->row;
+  if (w->device_memory && w->device_memory >= need->device)
+    w->host_memory = ZT_MIN(w->host_memory, need->host_with_device - 1);
+  else if (w->device_memory)
+    w->device_memory = need->device - 1;
+  else
+    w->host_memory = ZT_MIN(w->host_memory ? w->host_memory : UINT64_MAX, need->host - 1);
+  char h[32];
+  zt_coord_event(c, j->row.id, "out_of_memory", m->row.id,
+                 "worker %s ran out of memory for one rank at world size %d (about %s); it is "
+                 "not given ranks that large again until it registers anew",
+                 m->row.name, j->row.world,
+                 zt_memory_text(w->device_memory ? need->device : need->host, h, sizeof h));
+}
+
+/* A checkpoint named in a failure report could not be loaded: it is
+ * retired, or, when it is none of the job's own epochs, the job fails (1). */
+static int bad_checkpoint(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportFailureRequest *req,
+                          const char *reason) {
+  char bad[sizeof j->start_ckpt] = "";
+  if (req->bad_checkpoint[0] && zt_path_confine(c->cfg.ckpt_root, req->bad_checkpoint,
+                                                 "bad_checkpoint", bad, sizeof bad) != 0)
+    snprintf(bad, sizeof bad, "%s", req->bad_checkpoint); /* matches no epoch: fails the job */
+  if (!bad[0] || zt_ckpt_mark_bad(c, j, bad, reason) == 0) return 0;
+  zt_sched_finish(c, j, ZT_JOB_FAILED, "job_failed", "cannot load checkpoint %s: %s",
+                  req->bad_checkpoint, reason);
+  zt_sched_run(c);
+  return 1;
+}
+
+static zt_fail_kind_t fail_kind(const Ztrain__ReportFailureRequest *req) {
+  if (req->kind == ZTRAIN__FAILURE_KIND__FAILURE_LOCAL) return ZT_FAIL_LOCAL;
+  if (req->kind == ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY) return ZT_FAIL_MEMORY;
+  return ZT_FAIL_PEER;
+}
+
+int zt_reports_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *req) {
+  zt_job_t *j;
+  zt_member_t *m = zt_members_get(c, req->worker_id);
+  /* Already moved on: the worker belongs to a newer generation of the same
+   * job (another rank reported first). Nothing to do; the reply carries the
+   * new assignment. */
+  if (m && m->job_id == req->job_id && m->gen > req->generation) return 0;
+  if (zt_jobtable_fence(c, req->worker_id, req->job_id, req->generation, &j, &m) != 0) return -1;
+  char reason[400];
+  snprintf(reason, sizeof reason, "%.300s", req->reason);
+  if (req->fatal) {
+    zt_sched_finish(c, j, ZT_JOB_FAILED, "job_failed", "rank %d (%s): %s", m->rank, m->row.name,
+                    reason);
+    zt_sched_run(c);
+    return 0;
+  }
+  zt_coord_event(c, j->row.id, "rank_failed", m->row.id, "generation %llu rank %d: %s",
+                 (unsigned long long)req->generation, m->rank, reason);
+  if (bad_checkpoint(c, j, req, reason)) return 0;
+  char why[512];
+  snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);
+  zt_fail_kind_t kind = fail_kind(req);
+  if (kind == ZT_FAIL_PEER && req->probed) {
+    peer_failure(c, j, m, req, why);
+    return 0;
+  }
+  /* 1 + the rank, or 0; any int32 may arrive, so the range check comes
+   * before the subtraction (INT32_MIN - 1 overflows). */
+  quarantine_peer(c, j, m, req->suspect_rank > 0 ? req->suspect_rank - 1 : -1);
+  if (kind == ZT_FAIL_MEMORY) learn_memory(c, j, m);
+  zt_sched_fail_generation(c, j, kind, req->step, why, m);
+  return 0;
+}
+
+/* ---- checkpoints ------------------------------------------------------------- */
+
+/* An epoch's write failed: checkpointing is paused (the job trains on); a
+ * checkpoint-now epoch (drain, scale-up) that was to end the generation
+ * ends it without the epoch, and the job re-forms from the last one. */
+static void checkpoint_failed(zt_coord_t *c, zt_job_t *j) {
+  if (j->final_by_ms && j->ck->step >= j->row.total_steps) {
+    char why[400];
+    snprintf(why, sizeof why, "the final epoch's write failed: %.300s", j->ck->error);
+    zt_sched_final_failed(c, j, why);
+    return;
+  }
+  if (!j->ckpt_paused)
+    zt_coord_event(c, j->row.id, "checkpointing_paused", 0,
+                   "checkpoint writes fail; training goes on for at most %lld steps past step "
+                   "%lld: %s",
+                   (long long)j->p.max_uncommitted, (long long)j->safe_step, j->ck->error);
+  j->ckpt_paused = 1;
+  snprintf(j->ckpt_error, sizeof j->ckpt_error, "%s", j->ck->error);
+  snprintf(j->row.message, sizeof j->row.message,
+           "running generation %llu on %d workers; checkpointing paused: %.200s",
+           (unsigned long long)j->row.generation, j->row.world, j->ckpt_error);
+  zt_jobtable_save(c, j);
+  if (!j->ckpt_request) return;
+  j->ckpt_request = 0;
+  char reason[sizeof j->reform_reason + 256];
+  snprintf(reason, sizeof reason, "%s: its checkpoint failed (%.200s)", j->reform_reason,
+           j->ckpt_error);
+  zt_sched_try_form(c, j, reason);
+}
+
+/* An epoch committed: counters, the end of a checkpointing pause,
+ * retention, and then the scheduler's part (the final epoch, a re-form
+ * that waited for it). */
+static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
+  j->ckpt_commits++;
+  j->safe_step = ZT_MAX(j->safe_step, j->ck->step);
+  j->committed_step = ZT_MAX(j->committed_step, j->ck->step);
+  if (j->ckpt_paused) {
+    j->ckpt_paused = 0;
+    zt_coord_event(c, j->row.id, "checkpointing_resumed", 0, "step %lld committed",
+                   (long long)j->ck->step);
+  }
+  zt_ckpt_gc(c, j);
+  zt_sched_epoch_committed(c, j);
+}
+
+int zt_reports_checkpoint(zt_coord_t *c, const Ztrain__ReportCheckpointRequest *req,
+                          int *committed) {
+  zt_job_t *j;
+  zt_member_t *m;
+  zt_ckpt_outcome_t out;
+  *committed = 0;
+  if (zt_jobtable_fence(c, req->worker_id, req->job_id, req->generation, &j, &m) != 0) return -1;
+  if (zt_ckpt_report(c, j, m, req, &out) != 0) return -1;
+  if (out == ZT_CKPT_REPORT_FAILED) checkpoint_failed(c, j);
+  if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
+  *committed = 1;
+  epoch_committed(c, j);
+  return 0;
+}
+
+/* The copied file a replica report names, and its epoch's directory
+ * (resolved under the checkpoint root). */
+static int copy_of(zt_coord_t *c, const Ztrain__ReportReplicaRequest *req, zt_db_ckpt_file_t *f,
+                   char *dir, size_t dirlen) {
+  const Ztrain__CheckpointFile *cf = req->file;
+  if (!cf || strlen(cf->name) >= sizeof f->name || strlen(cf->checksum) >= sizeof f->checksum ||
+      req->dir[0] == '/' ||
+      zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, dirlen) != 0)
+    return zt_errk(ZT_E_INVALID, "a copy report names a relative epoch directory and a file");
+  snprintf(f->name, sizeof f->name, "%s", cf->name);
+  snprintf(f->checksum, sizeof f->checksum, "%s", cf->checksum);
+  f->bytes = cf->bytes;
+  return 0;
+}
+
+int zt_reports_replica(zt_coord_t *c, const Ztrain__ReportReplicaRequest *req, int *committed) {
+  *committed = 0;
+  zt_job_t *j = zt_jobtable_get(c, req->job_id);
+  zt_member_t *m = zt_members_get(c, req->worker_id);
+  if (!j) return zt_errk(ZT_E_NOT_FOUND, "unknown job %llu", (unsigned long long)req->job_id);
+  if (!m) return zt_errk(ZT_E_NOT_FOUND, "unknown worker %llu", (unsigned long long)req->worker_id);
+  zt_db_ckpt_file_t f;
+  char dir[sizeof j->start_ckpt];
+  if (copy_of(c, req, &f, dir, sizeof dir) != 0) return -1;
+  zt_ckpt_outcome_t out;
+  if (zt_ckpt_report_copy(c, j, m, dir, &f, &out) != 0) return -1;
+  if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
+  *committed = 1;
+  epoch_committed(c, j);
+  return 0;
+}
