@@ -402,7 +402,7 @@ struct zt_rpc_client {
   pthread_mutex_t mu;
   grpc_channel *channel;
   char *target;
-  int maxmsg, reconnect_max;
+  int maxmsg, reconnect_max, connect_min;
   int64_t replaced_ms; /* the last replacement (monotonic), 0: none */
   unsigned replaced;
   grpc_completion_queue *acq; /* for zt_rpc_start/zt_rpc_next */
@@ -438,12 +438,11 @@ static grpc_channel *channel_new(const zt_rpc_client_t *c) {
   args[1].value.integer = ZT_MIN(100, c->reconnect_max);
   /* gRPC also takes this as the least time one connection attempt (TCP
    * and HTTP/2 handshakes) may take before it is given up: 100 ms gave up
-   * on loaded machines ("tcp handshaker shutdown"). A second still ends an
-   * attempt whose SYN went into a cut, so the next one starts soon after
-   * the link is back. */
+   * on loaded machines ("tcp handshaker shutdown"), failing calls that do
+   * not wait for the connection. */
   args[2].type = GRPC_ARG_INTEGER;
   args[2].key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS;
-  args[2].value.integer = ZT_RPC_CONNECT_MIN_MS;
+  args[2].value.integer = c->connect_min;
   args[3].type = GRPC_ARG_INTEGER;
   args[3].key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
   args[3].value.integer = c->reconnect_max;
@@ -464,6 +463,7 @@ int zt_rpc_client_open(const char *target, const zt_rpc_client_opts_t *opts, zt_
   c->maxmsg = (int)ZT_MIN(maxmsg, (size_t)INT32_MAX);
   c->reconnect_max = opts && opts->reconnect_max_ms > 0 ? opts->reconnect_max_ms
                                                        : ZT_RPC_RECONNECT_MAX_MS;
+  c->connect_min = opts && opts->connect_min_ms > 0 ? opts->connect_min_ms : ZT_RPC_CONNECT_MIN_MS;
   c->target = zt_xstrdup(target);
   pthread_mutex_init(&c->mu, NULL);
   c->channel = channel_new(c);

@@ -118,6 +118,12 @@ typedef struct {
   int wait_for_ready;
   /* The longest wait between connection attempts; 0: ZT_RPC_RECONNECT_MAX_MS. */
   int reconnect_max_ms;
+  /* The least time one connection attempt may take before it is given up
+   * and the next one starts; 0: ZT_RPC_CONNECT_MIN_MS. Shorter finds a
+   * link that is back sooner (an attempt whose SYN went into a cut hangs
+   * until then) but may give up a handshake on a loaded machine, which a
+   * wait_for_ready channel then simply tries again. */
+  int connect_min_ms;
 } zt_rpc_client_opts_t;
 
 /* The longest wait of a channel between connection attempts, and the

@@ -77,6 +77,7 @@ typedef struct {
 typedef struct {
   zt_db_worker_t row;
   int64_t last_hb_mono_ms; /* monotonic time of the last heartbeat or register */
+  int64_t back_ms; /* monotonic time it registered again after it was lost (0: never) */
   uint64_t hb_seq;
   int dirty; /* last_seen not yet flushed to SQLite */
   int draining; /* leaving after the next committed checkpoint */
@@ -169,6 +170,10 @@ typedef struct zt_job {
   int n_hosts;                    /* ... into the generation's distinct machines */
   int64_t start_step;
   int64_t formed_ms;
+  /* sched.c: the end of the rejoin grace (0: none running), and when an
+   * unloadable pause was last checked for a way out. */
+  int64_t rejoin_until_ms, resume_check_ms;
+  int reform_scale_up; /* the requested re-form is a scale-up (reform_reason) */
   int arrived;
   struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
   char comm_addr[ZT_MAX_WORLD][64];

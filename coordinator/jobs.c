@@ -208,6 +208,7 @@ int zt_jobs_drain(zt_coord_t *c, zt_member_t *m, char *msg, size_t msglen) {
     return 0;
   }
   j->ckpt_request = 1;
+  j->reform_scale_up = 0;
   snprintf(j->reform_reason, sizeof j->reform_reason, "drain of worker %s", m->row.name);
   zt_coord_event(c, j->row.id, "checkpoint_requested", m->row.id, "%s", j->reform_reason);
   snprintf(msg, msglen, "worker %s leaves job %llu after the next checkpoint", m->row.name,

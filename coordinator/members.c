@@ -281,6 +281,7 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
       m->prev_session[0] = 0;
     else if (!(r->session && zt_secret_equal(r->session, m->prev_session)))
       memcpy(m->prev_session, m->row.session, sizeof m->prev_session);
+    if (m->row.state == ZT_WORKER_LOST) m->back_ms = zt_now_ms(); /* sched.c's rejoin grace */
     m->row = row; /* restarted: the caller voids its old assignment */
   } else {
     m = members_add(c, &row);

@@ -290,6 +290,12 @@ static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
     j->ckpt_paused = 0;
     zt_coord_event(c, j->row.id, "checkpointing_resumed", 0, "step %lld committed",
                    (long long)j->ck->step);
+    /* The job's message said checkpointing was paused: no longer true. */
+    if (j->row.state == ZT_JOB_RUNNING) {
+      snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers",
+               (unsigned long long)j->row.generation, j->row.world);
+      zt_jobtable_save(c, j);
+    }
   }
   zt_ckpt_gc(c, j);
   zt_sched_epoch_committed(c, j);

@@ -367,6 +367,7 @@ static void reset_generation(zt_job_t *j, int64_t start_step) {
   j->ckpt_request = 0;
   j->poisoned_from = 0;
   j->retry_at_ms = 0;
+  j->rejoin_until_ms = 0;
   j->safe_step = start_step;
   /* The baseline survives a new generation (replayed steps rejoin it); only
    * a run of suspicious steps in progress is forgotten. */
@@ -407,6 +408,41 @@ static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
   zt_ckpt_gc(c, j); /* pending epochs of the old generation can never commit */
 }
 
+/* The rejoin grace. Workers of the last generation that were lost
+ * together (a cut of the coordinator's link that outlasted its blind
+ * period, members.c; a rebooted switch) come back within moments of each
+ * other. Once the first of them has registered again while others are
+ * still lost, the job waits up to one heartbeat timeout for the rest
+ * before it forms a generation, so it goes on in one generation of all
+ * of them rather than a small one at once and a scale-up (or a pause:
+ * the epoch's holders may be among the late ones) soon after. Survivors
+ * that were never lost start no wait: a lost worker that does not come
+ * back costs nothing. Returns 1 (with what it waits for in why) while it
+ * waits. */
+static int rejoin_wait(zt_coord_t *c, zt_job_t *j, char *why, size_t len) {
+  int back = 0, lost = 0;
+  for (int r = 0; j->row.generation && r < j->row.world && r < ZT_MAX_WORLD; r++) {
+    const zt_member_t *m = zt_members_get(c, j->workers[r]);
+    if (!m) continue;
+    if (m->row.state == ZT_WORKER_LOST)
+      lost++;
+    else if (m->back_ms && m->back_ms >= j->formed_ms && member_usable(m) && !m->job_id)
+      back++;
+  }
+  int64_t now = zt_now_ms();
+  if (!lost || !back) {
+    j->rejoin_until_ms = 0;
+    return 0;
+  }
+  if (!j->rejoin_until_ms) j->rejoin_until_ms = now + c->cfg.heartbeat_timeout_ms;
+  if (now >= j->rejoin_until_ms) return 0;
+  snprintf(why, len,
+           "waiting up to %lld ms for %d more workers of generation %llu, lost with the %d "
+           "back already", (long long)(j->rejoin_until_ms - now), lost,
+           (unsigned long long)j->row.generation, back);
+  return 1;
+}
+
 /* Forms the job's next generation, or says why it cannot. It is called
  * whenever the current generation cannot go on, or a better one may be
  * possible: on every pass of zt_sched_run for a PENDING job and for one
@@ -416,9 +452,9 @@ static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
  * a drain or scale-up asked for commits or fails; after a rollback.
  * reason says why, in the logbook and the generation's row.
  *
- * In order: a job whose final epoch is committed already completes; with
- * too few usable workers the job goes (back) to PENDING, saying what it
- * waits for; else the current generation is let go, the start epoch is
+ * In order: a job whose final epoch is committed already completes; while
+ * the rejoin grace runs (rejoin_wait), or with too few usable workers, the
+ * job goes (back) to PENDING, saying what it waits for; else the current generation is let go, the start epoch is
  * chosen (none loadable: the job pauses), the new generation is stored in
  * one transaction (a refused write: form_failed retries later) and becomes
  * the current one. */
@@ -431,7 +467,8 @@ void zt_sched_try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   if (j->rb_ckpt_step < 0 && j->committed_step >= j->row.total_steps &&
       final_committed(c, j, j->committed_step))
     return;
-  int n = pick_members(c, j, pick, missing, sizeof missing);
+  int n = rejoin_wait(c, j, missing, sizeof missing)
+              ? 0 : pick_members(c, j, pick, missing, sizeof missing);
   if (!n) {
     to_pending(c, j, missing, reason);
     return;
@@ -440,7 +477,8 @@ void zt_sched_try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
   if (start_point(c, j, &start_step, dir, sizeof dir) != 0) {
     zt_sched_finish(c, j, ZT_JOB_PAUSED, "job_paused",
                     "paused: %s; bring back a machine that holds copies (the logbook's "
-                    "checkpoint_unavailable events name the files), then zctl resume",
+                    "checkpoint_unavailable events name the files): the job resumes by itself "
+                    "once one can be loaded (or zctl resume)",
                     zt_err_msg());
     zt_sched_run(c);
     return;
@@ -538,8 +576,15 @@ static void checkpoint_committed(zt_coord_t *c, zt_job_t *j) {
   if (!j->ckpt_request) return;
   j->ckpt_request = 0;
   char reason[300];
-  snprintf(reason, sizeof reason, "%s after checkpoint step %lld", j->reform_reason,
-           (long long)j->ck->step);
+  /* A scale-up takes the workers there are now, which may be more than
+   * when it was asked for: the reason names where it started from only
+   * (the generation's event says the world it formed with). */
+  if (j->reform_scale_up)
+    snprintf(reason, sizeof reason, "scale-up from %d workers after checkpoint step %lld",
+             j->row.world, (long long)j->ck->step);
+  else
+    snprintf(reason, sizeof reason, "%s after checkpoint step %lld", j->reform_reason,
+             (long long)j->ck->step);
   zt_sched_try_form(c, j, reason);
   /* Drained workers are out now; they are told STOP and stay idle. */
   for (size_t i = 0; i < c->by_id_cap; i++) {
@@ -564,12 +609,34 @@ static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
     if ((j->p.global_batch / j->p.micro) % n == 0 && candidates(c, j, n, pick) == n) break;
   if (n <= j->row.world) return;
   j->ckpt_request = 1;
+  j->reform_scale_up = 1;
   snprintf(j->reform_reason, sizeof j->reform_reason, "scale-up from %d to %d workers",
            j->row.world, n);
   zt_coord_event(c, j->row.id, "checkpoint_requested", 0, "%s", j->reform_reason);
 }
 
 /* ---- the scheduler's pass ---------------------------------------------------- */
+
+/* A job paused because no committed epoch could be loaded (their copies
+ * were on machines that were gone) resumes by itself once one can be
+ * loaded again: the holders are back. Checked at most once a second. The
+ * pause's message is what marks it, so this holds across a restart. */
+#define ZT_UNLOADABLE_PAUSE "paused: no committed checkpoint can be loaded"
+
+static void resume_if_loadable(zt_coord_t *c, zt_job_t *j, int64_t now) {
+  if (now < j->resume_check_ms) return;
+  j->resume_check_ms = now + 1000;
+  zt_db_ckpt_t ck;
+  int have = 0;
+  if (zt_ckpt_newest(c, j, INT64_MAX, 1, &ck, &have) != 0 || !have) return;
+  j->row.state = ZT_JOB_PENDING;
+  snprintf(j->row.message, sizeof j->row.message,
+           "resumed by itself: step %lld can be loaded again", (long long)ck.step);
+  zt_jobtable_save(c, j);
+  zt_coord_event(c, j->row.id, "job_resumed", 0,
+                 "step %lld can be loaded again (a machine holding its copies is back): "
+                 "resumed at step %lld", (long long)ck.step, (long long)j->row.step);
+}
 
 /* What one job is due, if anything: at most one step per pass. */
 static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
@@ -580,6 +647,9 @@ static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
            j->reach.gen == j->row.generation &&
            (j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING))
     zt_sched_judge_reach(c, j);
+  else if (j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
+           !strncmp(j->row.message, ZT_UNLOADABLE_PAUSE, strlen(ZT_UNLOADABLE_PAUSE)))
+    resume_if_loadable(c, j, now);
   else if (j->row.state == ZT_JOB_PENDING)
     zt_sched_try_form(c, j, "enough workers");
   else if (j->retry_at_ms && now >= j->retry_at_ms)

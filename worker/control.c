@@ -69,10 +69,11 @@ struct zt_ctl {
   int64_t backoff_cap_ms;      /* backoff ceiling, from the coordinator's timeout */
 };
 
-/* The wait between connection attempts of the control channel: half a
- * heartbeat interval (100 ms to ZT_RPC_RECONNECT_MAX_MS), so a worker
- * reaches the coordinator soon after a blip ends, and a fleet tries no more
- * often than it heartbeats while the coordinator is away. */
+/* The wait between connection attempts of the control channel, and the
+ * time one attempt may take: half a heartbeat interval (100 ms to
+ * ZT_RPC_RECONNECT_MAX_MS), so a worker reaches the coordinator soon after
+ * a blip ends, and a fleet tries no more often than it heartbeats while
+ * the coordinator is away. */
 static int hb_reconnect_ms(const zt_ctl_t *c) {
   return (int)ZT_MAX(100, ZT_MIN(ZT_RPC_RECONNECT_MAX_MS, c->heartbeat_ms / 2));
 }
@@ -84,7 +85,8 @@ static int hb_open(zt_ctl_t *c) {
   c->hb = NULL;
   c->hb_reconnect_ms = hb_reconnect_ms(c);
   c->hb_replaced = 0;
-  zt_rpc_client_opts_t ro = {.wait_for_ready = 1, .reconnect_max_ms = c->hb_reconnect_ms};
+  zt_rpc_client_opts_t ro = {.wait_for_ready = 1, .reconnect_max_ms = c->hb_reconnect_ms,
+                             .connect_min_ms = c->hb_reconnect_ms};
   return zt_rpc_client_open(c->coordinator, &ro, &c->hb);
 }
 

@@ -175,17 +175,28 @@ def test_coordinator_kill9_mid_run(procs, tmp_path, data):
 
 
 def test_scale_up_keeps_trajectory(procs, tmp_path, data):
+    """Two workers join one after the other: the first makes the job ask
+    for a checkpoint to scale up from 2 to 3; the second registers while
+    that epoch is still being reported (the reports are held 1.5 s), and
+    the job scales up to the 4 there are by then. The generation's reason
+    names no world size but the one it started from."""
     train, val = data
     coord, ws = start(procs, ["a", "b"])
     spec = tiny_spec(train, val, 600, stage=2, workers=2, max_workers=4,
                      checkpoint={"dir": str(tmp_path / "ckpt"), "every_steps": 1000})
+    spec["fault_injection"] = {"delay_checkpoint_report_ms": 1500}
     jid = submit(coord, spec, tmp_path)
     wait_until(lambda: job(coord, jid)["step"] > 30, 60, "training on 2")
-    start(procs, ["c", "d"], coord=coord)
+    start(procs, ["c"], coord=coord)
+    wait_until(lambda: any(e["kind"] == "checkpoint_requested" for e in events(coord, job=jid)),
+               30, "a checkpoint asked for the scale-up")
+    start(procs, ["d"], coord=coord)
     wait_until(lambda: job(coord, jid)["world"] == 4, 60, "scaled up to 4")
     j = wait_job(coord, jid, timeout=300)
-    worlds = [g[1] for g in generations(coord, jid)]
-    assert worlds[0] == 2 and worlds[-1] == 4
+    gens = generations(coord, jid)
+    worlds = [g[1] for g in gens]
+    assert worlds == [2, 4], gens
+    assert gens[-1][3].startswith("scale-up from 2 workers after checkpoint step"), gens
     assert_same(losses(coord, jid), reference(procs, coord, tmp_path, spec))
 
 

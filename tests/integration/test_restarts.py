@@ -156,6 +156,10 @@ def test_disk_full_pauses_checkpointing_until_space_is_freed(procs, tmp_path, da
     assert "checkpointing paused" in job(coord, jid)["message"]
     assert "No space left on device" in job(coord, jid)["message"]
     os.unlink(filler)
+    wait_until(lambda: "checkpointing_resumed" in kinds(coord, jid), 60, "checkpointing resumed")
+    # The job's message no longer says checkpointing is paused.
+    j = job(coord, jid)
+    assert j["state"] != "running" or "checkpointing paused" not in j["message"], j
     wait_job(coord, jid, timeout=120)
     assert "checkpointing_resumed" in kinds(coord, jid)
     assert metric(coord, "ztrain_job_checkpointing_paused", jid) == 0
