@@ -271,10 +271,15 @@ def test_fetch_failing_on_the_fetcher_keeps_the_epoch(net, data, tmp_path):
     assert committed_dirs(fleet, jid), "the epoch is still committed"
 
 
-def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "cut"])
+def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp_path, how):
     """replicas 2 and the two machines holding both copies of a rank's files
     vanish at once: no committed epoch can be loaded, so the job pauses with
-    the reason instead of starting over or loading part of an epoch."""
+    the reason instead of starting over or loading part of an epoch.
+    killed: the machines are gone with their disks, and the job stays
+    paused. cut: their links go down, and when they come back with their
+    files the pause's cause is gone: the job resumes by itself and
+    completes."""
     fleet = Fleet(net, data)
     for h in ("h1", "h2", "h3", "h4"):
         fleet.add_worker(h)
@@ -304,9 +309,13 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
     # Both machines at once: a survivor that notices the first one gone
     # (within milliseconds, from its sockets) would otherwise copy the files
     # from the second before that one is killed too.
-    net.kill_hosts(net.hosts["h3"], net.hosts["h4"])
-    for h in ("h3", "h4"):
-        shutil.rmtree(net.hosts[h].dir)
+    if how == "killed":
+        net.kill_hosts(net.hosts["h3"], net.hosts["h4"])
+        for h in ("h3", "h4"):
+            shutil.rmtree(net.hosts[h].dir)
+    else:
+        net.link_down(net.hosts["h3"])
+        net.link_down(net.hosts["h4"])
     try:
         j = fleet.wait_job(jid, timeout=60, states=("paused",))
     except AssertionError as e:
@@ -323,3 +332,11 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
     assert steps == list(range(1, steps[-1] + 1)), "the stored steps run from 1 without a gap"
     starts = [e["detail"] for e in fleet.events(jid) if e["kind"] == "generation_started"]
     assert not any("start step 0" in d for d in starts[1:]), starts
+    if how == "killed":
+        return
+    net.link_up(net.hosts["h3"])
+    net.link_up(net.hosts["h4"])
+    j = fleet.wait_job(jid, timeout=120)
+    resumed = [e["detail"] for e in fleet.events(jid) if e["kind"] == "job_resumed"]
+    assert resumed and "can be loaded again" in resumed[0], resumed
+    assert sorted(fleet.losses(jid)) == list(range(1, 3001))
