@@ -12,6 +12,16 @@
  * matches no pattern gets 404; a path that matches with another method gets
  * 405 with an Allow header. Bodies above ZT_HTTP_MAX_BODY get 413 without
  * being buffered. Every error body is JSON: {"error": "..."}.
+ *
+ * Connections: the polling thread uses poll(), not epoll. With epoll
+ * libmicrohttpd does not come back to read the end of stream that a
+ * client's half-close (shutdown(SHUT_WR) after its request) delivers with
+ * the request, so the answered connection stayed in CLOSE-WAIT until the
+ * idle timeout; poll() reports it at once and the connection is closed as
+ * soon as its response is sent. An idle connection is closed after
+ * ZT_HTTP_IDLE_S, so that connections one address holds without using
+ * them (its limit is ZT_HTTP_PER_CLIENT) lock that address out for no
+ * longer than that.
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -29,9 +39,13 @@
 #include "pbjson.h"
 
 #define ZT_HTTP_MAX_BODY (1u << 20)
-/* Connections one client address may hold open, so that no client can use
- * up every slot (1000 in all). */
+/* Connections in all, and those one client address may hold open, so
+ * that no client can use up every slot. */
+#define ZT_HTTP_MAX_CONNS 1000u
 #define ZT_HTTP_PER_CLIENT 64u
+/* Seconds a connection may stay idle (keep-alive between requests, a head
+ * or body that stopped arriving) before it is closed. */
+#define ZT_HTTP_IDLE_S 10u
 
 struct zt_http {
   zt_coord_t *c;
@@ -740,10 +754,12 @@ int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
   sa.sin_port = htons((uint16_t)port);
   zt_http_t *h = zt_xcalloc(1, sizeof *h);
   h->c = c;
-  h->d = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
+  /* poll(), not epoll: see the top of this file (half-closed connections). */
+  h->d = MHD_start_daemon(MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
                           access_handler, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                           MHD_OPTION_NOTIFY_COMPLETED, request_completed, h,
-                          MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_CONNECTION_LIMIT, 1000u,
+                          MHD_OPTION_CONNECTION_TIMEOUT, ZT_HTTP_IDLE_S,
+                          MHD_OPTION_CONNECTION_LIMIT, ZT_HTTP_MAX_CONNS,
                           MHD_OPTION_PER_IP_CONNECTION_LIMIT, ZT_HTTP_PER_CLIENT,
                           MHD_OPTION_END);
   if (!h->d) {
