@@ -12,6 +12,16 @@
  * matches no pattern gets 404; a path that matches with another method gets
  * 405 with an Allow header. Bodies above ZT_HTTP_MAX_BODY get 413 without
  * being buffered. Every error body is JSON: {"error": "..."}.
+ *
+ * Connections: the polling thread uses poll(), not epoll. With epoll
+ * libmicrohttpd does not come back to read the end of stream that a
+ * client's half-close (shutdown(SHUT_WR) after its request) delivers with
+ * the request, so the answered connection stayed in CLOSE-WAIT until the
+ * idle timeout; poll() reports it at once and the connection is closed as
+ * soon as its response is sent. An idle connection is closed after
+ * ZT_HTTP_IDLE_S, so that connections one address holds without using
+ * them (its limit is ZT_HTTP_PER_CLIENT) lock that address out for no
+ * longer than that.
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -29,9 +39,13 @@
 #include "pbjson.h"
 
 #define ZT_HTTP_MAX_BODY (1u << 20)
-/* Connections one client address may hold open, so that no client can use
- * up every slot (1000 in all). */
+/* Connections in all, and those one client address may hold open, so
+ * that no client can use up every slot. */
+#define ZT_HTTP_MAX_CONNS 1000u
 #define ZT_HTTP_PER_CLIENT 64u
+/* Seconds a connection may stay idle (keep-alive between requests, a head
+ * or body that stopped arriving) before it is closed. */
+#define ZT_HTTP_IDLE_S 10u
 
 struct zt_http {
   zt_coord_t *c;
@@ -208,8 +222,87 @@ static void action_reply(zt_http_req_t *r, int rc, const char *msg) {
   zt_http_json(r, 200, o);
 }
 
+/* The name of a JSON value's type, for messages. */
+static const char *json_type(const cJSON *v) {
+  return cJSON_IsString(v) ? "a string"
+         : cJSON_IsBool(v) ? "a boolean"
+         : cJSON_IsNull(v) ? "null"
+         : cJSON_IsArray(v) ? "an array"
+         : cJSON_IsObject(v) ? "an object"
+                             : "a number";
+}
+
+/* A rollback argument: an integer in 0..hi (the job's steps). JSON has one
+ * number type, so an integral value (40, 40.0) is taken and anything else
+ * (1e-300, 2.5, 1e300, "40") is refused with a 400 naming the field. */
+static int rollback_arg(zt_http_req_t *r, const cJSON *v, const char *field, uint64_t job,
+                        int64_t hi, int64_t *out) {
+  double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+  if (d >= 0 && d <= (double)hi && d == floor(d)) {
+    *out = (int64_t)d;
+    return 0;
+  }
+  char got[64];
+  if (cJSON_IsNumber(v)) snprintf(got, sizeof got, "%.15g", d);
+  else snprintf(got, sizeof got, "%s", json_type(v));
+  zt_http_error(r, 400, "%s must be an integer in 0..%lld (job %llu has %lld steps), got %s",
+                field, (long long)hi, (unsigned long long)job, (long long)hi, got);
+  return -1;
+}
+
+/* The body of POST /v1/jobs/{id}/rollback: {"to_step": S, "skip": N}, skip
+ * optional (0), each an integer in 0..the job's steps; no other field.
+ * -1 with the 400 answer in r otherwise. */
+static int rollback_body(zt_http_req_t *r, const zt_job_t *j, int64_t *to, int64_t *skip) {
+  static const char *const want = "{\"to_step\": S, \"skip\": N}";
+  uint64_t id = j->row.id;
+  int64_t hi = j->row.total_steps;
+  if (!r->body || !r->body_len) {
+    zt_http_error(r, 400, "rollback needs a JSON body %s (to_step and skip: integers in 0..%lld)",
+                  want, (long long)hi);
+    return -1;
+  }
+  cJSON *doc = zt_json_parse(r->body, r->body_len, "body");
+  if (!doc) {
+    zt_http_error(r, 400, "rollback: malformed JSON: %s", zt_err_msg());
+    return -1;
+  }
+  int rc = -1;
+  const cJSON *t = NULL, *k = NULL;
+  if (!cJSON_IsObject(doc)) {
+    zt_http_error(r, 400, "rollback needs a JSON object %s, got %s", want, json_type(doc));
+    goto out;
+  }
+  for (const cJSON *f = doc->child; f; f = f->next) {
+    const cJSON **slot = !strcmp(f->string, "to_step") ? &t : !strcmp(f->string, "skip") ? &k : NULL;
+    if (!slot) {
+      char name[80];
+      zt_http_error(r, 400, "rollback: unknown field \"%s\" (expected %s)",
+                    zt_printable(f->string, name, sizeof name), want);
+      goto out;
+    }
+    if (*slot) {
+      zt_http_error(r, 400, "rollback: field \"%s\" given twice", f->string);
+      goto out;
+    }
+    *slot = f;
+  }
+  if (!t) {
+    zt_http_error(r, 400, "rollback needs to_step, an integer in 0..%lld (job %llu has %lld "
+                  "steps)", (long long)hi, (unsigned long long)id, (long long)hi);
+    goto out;
+  }
+  *skip = 0;
+  if (rollback_arg(r, t, "to_step", id, hi, to) == 0 &&
+      (!k || rollback_arg(r, k, "skip", id, hi, skip) == 0))
+    rc = 0;
+out:
+  cJSON_Delete(doc);
+  return rc;
+}
+
 /* POST /v1/jobs/{id}/pause|resume|cancel|rollback; rollback takes
- * {"to_step": S, "skip": N}. */
+ * {"to_step": S, "skip": N} (rollback_body). */
 static void r_job_action(zt_http_req_t *r) {
   const char *p = r->url + strlen("/v1/jobs/");
   char *end;
@@ -225,17 +318,12 @@ static void r_job_action(zt_http_req_t *r) {
   }
   int64_t to = -1, skip = 0;
   if (a == ZT_ACT_ROLLBACK) {
-    cJSON *doc = r->body ? zt_json_parse(r->body, r->body_len, "body") : NULL;
-    cJSON *t = doc ? cJSON_GetObjectItemCaseSensitive(doc, "to_step") : NULL;
-    cJSON *k = doc ? cJSON_GetObjectItemCaseSensitive(doc, "skip") : NULL;
-    int ok = cJSON_IsNumber(t) && (!k || cJSON_IsNumber(k)) && fabs(t->valuedouble) < 1e15 &&
-             (!k || fabs(k->valuedouble) < 1e15);
-    if (ok) to = (int64_t)t->valuedouble, skip = k ? (int64_t)k->valuedouble : 0;
-    cJSON_Delete(doc);
-    if (!ok) {
-      zt_http_error(r, 400, "rollback needs a JSON body {\"to_step\": S, \"skip\": N}");
+    const zt_job_t *j = zt_jobtable_get(r->c, id);
+    if (!j) {
+      zt_http_error(r, 404, "unknown job %llu", id);
       return;
     }
+    if (rollback_body(r, j, &to, &skip) != 0) return;
   }
   char msg[512];
   action_reply(r, zt_jobs_action(r->c, id, a, to, skip, msg, sizeof msg), msg);
@@ -740,10 +828,12 @@ int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
   sa.sin_port = htons((uint16_t)port);
   zt_http_t *h = zt_xcalloc(1, sizeof *h);
   h->c = c;
-  h->d = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
+  /* poll(), not epoll: see the top of this file (half-closed connections). */
+  h->d = MHD_start_daemon(MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
                           access_handler, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                           MHD_OPTION_NOTIFY_COMPLETED, request_completed, h,
-                          MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_CONNECTION_LIMIT, 1000u,
+                          MHD_OPTION_CONNECTION_TIMEOUT, ZT_HTTP_IDLE_S,
+                          MHD_OPTION_CONNECTION_LIMIT, ZT_HTTP_MAX_CONNS,
                           MHD_OPTION_PER_IP_CONNECTION_LIMIT, ZT_HTTP_PER_CLIENT,
                           MHD_OPTION_END);
   if (!h->d) {

@@ -330,14 +330,28 @@ static ProtobufCMessage *h_list_workers(zt_coord_t *c, zt_rpc_call_t *call,
 /* The actions' replies carry a message; its buffer is owned by x. */
 #define ZT_MSG_LEN 512
 
+/* A rollback's argument (to_step, skip_steps): an integer in 0..the job's
+ * steps; INVALID_ARGUMENT naming the field and the range otherwise. */
+static int rollback_arg(const zt_job_t *j, const char *field, int64_t v) {
+  if (v >= 0 && v <= j->row.total_steps) return 0;
+  return zt_errk(ZT_E_INVALID, "%s must be an integer in 0..%lld (job %llu has %lld steps), got "
+                 "%lld", field, (long long)j->row.total_steps, (unsigned long long)j->row.id,
+                 (long long)j->row.total_steps, (long long)v);
+}
+
 static ProtobufCMessage *h_job_action(zt_coord_t *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
                                       call_ctx *x) {
   (void)call;
   const Ztrain__JobActionRequest *req = (const Ztrain__JobActionRequest *)m;
   zt_job_action_t a;
   char *msg = own(x, zt_xmalloc(ZT_MSG_LEN));
-  if (zt_jobs_action_parse(req->action, &a) != 0 ||
-      zt_jobs_action(c, req->job_id, a, req->to_step, req->skip_steps, msg, ZT_MSG_LEN) != 0)
+  if (zt_jobs_action_parse(req->action, &a) != 0) return NULL;
+  const zt_job_t *j = zt_jobtable_get(c, req->job_id);
+  if (a == ZT_ACT_ROLLBACK && j &&
+      (rollback_arg(j, "to_step", req->to_step) != 0 ||
+       rollback_arg(j, "skip_steps", req->skip_steps) != 0))
+    return NULL;
+  if (zt_jobs_action(c, req->job_id, a, req->to_step, req->skip_steps, msg, ZT_MSG_LEN) != 0)
     return NULL;
   Ztrain__JobActionReply *r = new_reply(x, &ztrain__job_action_reply__descriptor);
   r->message = msg;

@@ -64,7 +64,9 @@ typedef struct {
  *     database would fight;
  *   - the file exists but is empty (a truncated database would otherwise
  *     start over silently); ZT_DB_NEW_IF_EMPTY accepts it as a new one;
- *   - SQLite's quick_check finds damage, or the file is not a database;
+ *   - its header is not SQLite's (damaged, or another kind of file), or
+ *     SQLite's integrity_check finds damage (the message names it and
+ *     the restore procedure of docs/deploy.md);
  *   - its schema is newer than this binary's.
  * Nothing in a refused file is changed. The file is made private (0600):
  * it holds worker session credentials. */

@@ -352,25 +352,58 @@ static int cmd_submit(zctl *z, int argc, char **argv) {
   return 0;
 }
 
-/* pause|resume|cancel|rollback: the verb itself is argv[-1]. */
+/* The steps of a job (GetJob's total_steps). */
+static int job_steps(zctl *z, uint64_t job, int64_t *steps) {
+  Ztrain__GetJobRequest req = ZTRAIN__GET_JOB_REQUEST__INIT;
+  req.job_id = job;
+  Ztrain__GetJobReply *r = (Ztrain__GetJobReply *)status_call(z, "GetJob", &req.base,
+                                                               &ztrain__get_job_reply__descriptor);
+  if (!r) return -1;
+  int ok = r->job != NULL;
+  if (ok) *steps = r->job->total_steps;
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+  return ok ? 0 : zt_err("GetJob: empty reply");
+}
+
+/* A rollback flag's value (v, NULL: absent, def): an integer in 0..the
+ * job's steps, or an error naming the flag and that range. */
+static int rollback_flag(const char *flag, const char *v, int64_t def, uint64_t job, int64_t steps,
+                         int64_t *out) {
+  if (!v) {
+    *out = def;
+    return 0;
+  }
+  if (zt_parse_i64(flag, v, 0, steps, out) == 0) return 0;
+  return zt_errk(ZT_E_INVALID, "rollback: %s: expected an integer in 0..%lld (job %llu has %lld "
+                 "steps), got \"%s\"", flag, (long long)steps, (unsigned long long)job,
+                 (long long)steps, esc(v));
+}
+
+/* pause|resume|cancel|rollback: the verb itself is argv[-1]. Only rollback
+ * takes options; its flags are checked against the job's steps, which are
+ * asked for first. */
 static int cmd_action(zctl *z, int argc, char **argv) {
   const char *action = argv[-1];
+  int is_rollback = !strcmp(action, "rollback");
   Ztrain__JobActionRequest req = ZTRAIN__JOB_ACTION_REQUEST__INIT;
   if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
     return zt_err("%s: usage: zctl %s JOB%s", action, action,
-                  !strcmp(action, "rollback") ? " --to-step S [--skip N]" : "");
+                  is_rollback ? " --to-step S [--skip N]" : "");
   req.action = (char *)action;
-  req.to_step = -1;
+  const char *to = NULL, *skip = NULL;
   for (int i = 1; i < argc; i += 2) {
     if (check_pair(action, argc, argv, i) != 0) return -1;
-    if (!strcmp(argv[i], "--to-step")) {
-      if (opt_i64("--to-step", argv[i + 1], 0, INT64_MAX, &req.to_step) != 0) return -1;
-    } else if (!strcmp(argv[i], "--skip")) {
-      if (opt_i64("--skip", argv[i + 1], 0, INT64_MAX, &req.skip_steps) != 0) return -1;
-    }
-    else return zt_err("%s: unknown option %s", action, argv[i]);
+    if (is_rollback && !strcmp(argv[i], "--to-step")) to = argv[i + 1];
+    else if (is_rollback && !strcmp(argv[i], "--skip")) skip = argv[i + 1];
+    else return zt_err("%s: unknown option %s", action, esc(argv[i]));
   }
-  if (!strcmp(action, "rollback") && req.to_step < 0) return zt_err("rollback: --to-step S needed");
+  if (is_rollback && !to) return zt_err("rollback: --to-step S needed");
+  int64_t steps = 0;
+  req.to_step = -1;
+  if (is_rollback && (job_steps(z, req.job_id, &steps) != 0 ||
+                      rollback_flag("--to-step", to, -1, req.job_id, steps, &req.to_step) != 0 ||
+                      rollback_flag("--skip", skip, 0, req.job_id, steps, &req.skip_steps) != 0))
+    return -1;
   Ztrain__JobActionReply *r = (Ztrain__JobActionReply *)status_call(
       z, "JobAction", &req.base, &ztrain__job_action_reply__descriptor);
   if (!r) return -1;

@@ -3,6 +3,7 @@
  *
  *   ztrain JOB.json [--workers N] [--dir DIR] [--threads T] [--quiet]
  *                   [--http-port PORT] [--serve]
+ *                   [--data-root DIR] [--checkpoint-root DIR]
  *
  * Starts a zcoord (its database and logs under DIR, default ztrain-run/)
  * and N local CPU zworkers, submits the job, prints the dashboard's URL
@@ -20,13 +21,25 @@
  * lost its coordinator or workers, 2 on a usage error. The daemons' logs
  * stay in DIR.
  *
+ * The job is the user's own, on the user's own machine, so its paths are
+ * not confined to the working directory: the daemons' data and checkpoint
+ * roots are taken from the spec (spec_roots(): the deepest directory that
+ * holds every data path, and every checkpoint path, symbolic links
+ * resolved), unless --data-root or --checkpoint-root names one. Relative
+ * paths in the spec are taken from the working directory, as always; the
+ * spec is submitted with its paths made absolute, so that they keep that
+ * meaning under roots elsewhere. zcoord and zworker confine paths as they
+ * always do, under these roots.
+ *
  * Everything here goes through the same interfaces an operator would use:
  * processes, gRPC (SubmitJob, GetJob), the ready file zcoord writes.
  */
 #include <arpa/inet.h>
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <glob.h>
 #include <limits.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -150,6 +163,8 @@ typedef struct {
   int tty;         /* stdout is a terminal: progress is one line, rewritten */
   int line_open;   /* a progress line without its newline is on the terminal */
   const char *dir, *spec_path;
+  const char *data_root_opt, *ckpt_root_opt; /* --data-root, --checkpoint-root */
+  char data_root[PATH_MAX], ckpt_root[PATH_MAX]; /* the daemons' roots (absolute, real) */
   char bindir[PATH_MAX];
   char target[64]; /* zcoord's gRPC address */
   char url[64];    /* the dashboard */
@@ -180,6 +195,8 @@ static int parse_args(launch *l, int argc, char **argv) {
                                        {"quiet", no_argument, 0, 'q'},
                                        {"http-port", required_argument, 0, 'p'},
                                        {"serve", no_argument, 0, 's'},
+                                       {"data-root", required_argument, 0, 'D'},
+                                       {"checkpoint-root", required_argument, 0, 'C'},
                                        {0, 0, 0, 0}};
   l->workers = 2;
   l->dir = "ztrain-run";
@@ -199,6 +216,8 @@ static int parse_args(launch *l, int argc, char **argv) {
     case 'p':
       if (opt_int("--http-port", optarg, 0, 65535, &l->http_port) != 0) return -1;
       break;
+    case 'D': l->data_root_opt = optarg; break;
+    case 'C': l->ckpt_root_opt = optarg; break;
     default: return -1;
     }
   }
@@ -211,6 +230,170 @@ static int parse_args(launch *l, int argc, char **argv) {
   self[sl] = 0;
   snprintf(l->bindir, sizeof l->bindir, "%.*s", (int)(strrchr(self, '/') - self), self);
   return 0;
+}
+
+/* ---- the spec's paths and the daemons' roots ----------------------------- */
+
+/* The spec's paths: data paths (patterns, a file) and checkpoint paths
+ * (directories). */
+static const struct {
+  const char *obj, *key;
+  int ckpt;
+} k_spec_paths[] = {{"data", "train", 0},
+                    {"data", "val", 0},
+                    {"init", "from_safetensors", 0},
+                    {"checkpoint", "dir", 1},
+                    {"checkpoint", "load", 1}};
+
+static int has_glob(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (s[i] == '*' || s[i] == '?' || s[i] == '[') return 1;
+  return 0;
+}
+
+/* Narrows root (absolute; "" for none yet) to the deepest directory that
+ * holds both it and dir (absolute). */
+static void widen(char *root, const char *dir) {
+  if (!root[0]) {
+    snprintf(root, PATH_MAX, "%s", dir);
+    return;
+  }
+  size_t last = 0; /* the end of the common part, at a component boundary */
+  for (size_t i = 0;; i++) {
+    int end_r = root[i] == 0 || root[i] == '/', end_d = dir[i] == 0 || dir[i] == '/';
+    if (end_r && end_d) last = i;
+    if (root[i] != dir[i] || !root[i]) break;
+  }
+  if (last == 0) last = 1; /* "/" */
+  root[last] = 0;
+}
+
+/* Resolves a path of the spec (p: relative to cwd, or absolute): its
+ * longest existing leading part with symbolic links and ".." resolved
+ * (realpath), the rest as written (a pattern's components from the first
+ * with a wildcard, what does not exist yet). With keep_last the last
+ * component stays as written (a data file's name, or pattern). out gets
+ * the whole path, dir the resolved leading part. */
+static int resolve_spec_path(const char *cwd, const char *what, const char *p, int keep_last,
+                             char *out, char *dir) {
+  char abs[PATH_MAX], cur[PATH_MAX], next[PATH_MAX], real[PATH_MAX];
+  if (snprintf(abs, sizeof abs, "%s%s%s", p[0] == '/' ? "" : cwd, p[0] == '/' ? "" : "/", p) >=
+      (int)sizeof abs)
+    return zt_err("%s: path too long: %.200s", what, p);
+  snprintf(cur, sizeof cur, "/");
+  const char *rest = abs;
+  for (;;) {
+    while (*rest == '/') rest++;
+    size_t n = strcspn(rest, "/");
+    const char *after = rest + n;
+    while (*after == '/') after++;
+    if (!n || has_glob(rest, n) || (keep_last && !*after)) break;
+    if (snprintf(next, sizeof next, "%s%s%.*s", cur, strcmp(cur, "/") ? "/" : "", (int)n,
+                 rest) >= (int)sizeof next)
+      return zt_err("%s: path too long: %.200s", what, p);
+    if (!realpath(next, real)) {
+      if (errno != ENOENT && errno != ENOTDIR) return zt_err_errno("%s: %s", what, next);
+      break; /* cur: the part that exists */
+    }
+    memcpy(cur, real, sizeof cur);
+    rest += n;
+  }
+  snprintf(dir, PATH_MAX, "%s", cur);
+  while (*rest == '/') rest++;
+  size_t rl = strlen(rest);
+  while (rl && rest[rl - 1] == '/') rl--;
+  if (snprintf(out, PATH_MAX, "%s%s%.*s", cur, rl && strcmp(cur, "/") ? "/" : "", (int)rl,
+               rest) >= PATH_MAX)
+    return zt_err("%s: path too long: %.200s", what, p);
+  return 0;
+}
+
+/* Adds the real directories of what a data path names (the files a
+ * pattern matches: one may be a symbolic link to another directory) to
+ * root. */
+static void widen_matches(char *root, const char *pattern) {
+  glob_t g;
+  if (glob(pattern, 0, NULL, &g) != 0) return;
+  for (size_t i = 0; i < g.gl_pathc; i++) {
+    char real[PATH_MAX];
+    if (!realpath(g.gl_pathv[i], real)) continue;
+    char *slash = strrchr(real, '/');
+    if (slash == real) slash[1] = 0;
+    else *slash = 0;
+    widen(root, real);
+  }
+  globfree(&g);
+}
+
+/* A root given on the command line: an existing directory, made absolute
+ * and real. */
+static int root_opt(const char *opt, const char *dir, char *out) {
+  struct stat st;
+  if (!realpath(dir, out) || stat(out, &st) != 0) return zt_err_errno("%s %s", opt, dir);
+  if (!S_ISDIR(st.st_mode)) return zt_err("%s %s: not a directory", opt, dir);
+  return 0;
+}
+
+/* Sets l->data_root and l->ckpt_root: --data-root and --checkpoint-root
+ * when given, else the deepest directory holding every path of the kind
+ * in the spec (the working directory when the spec names none). The
+ * spec's paths are made absolute (relative ones are taken from the working
+ * directory); *spec is replaced by the rewritten text when one changed.
+ * A spec that is not a JSON object is left for zcoord to refuse, with its
+ * reason. */
+static int spec_roots(launch *l, char **spec, size_t len) {
+  char cwd[PATH_MAX];
+  if (!getcwd(cwd, sizeof cwd)) return zt_err_errno("getcwd");
+  char *root[2] = {l->data_root, l->ckpt_root};
+  const char *opt[2] = {l->data_root_opt, l->ckpt_root_opt};
+  const char *opt_name[2] = {"--data-root", "--checkpoint-root"};
+  for (int k = 0; k < 2; k++) {
+    root[k][0] = 0;
+    if (opt[k] && root_opt(opt_name[k], opt[k], root[k]) != 0) return -1;
+  }
+  const char *end = NULL;
+  cJSON *doc = cJSON_ParseWithLengthOpts(*spec, len, &end, 0);
+  size_t used = doc ? (size_t)(end - *spec) : 0;
+  while (doc && used < len && strchr(" \t\r\n", (*spec)[used])) used++;
+  int changed = 0, rc = 0;
+  if (cJSON_IsObject(doc) && used == len) {
+    for (size_t i = 0; i < ZT_ARRAY_LEN(k_spec_paths) && rc == 0; i++) {
+      cJSON *o = cJSON_GetObjectItemCaseSensitive(doc, k_spec_paths[i].obj);
+      cJSON *v = cJSON_IsObject(o) ? cJSON_GetObjectItemCaseSensitive(o, k_spec_paths[i].key) : NULL;
+      if (!cJSON_IsString(v) || !v->valuestring[0]) continue;
+      int ck = k_spec_paths[i].ckpt;
+      char what[64], path[PATH_MAX], dir[PATH_MAX];
+      snprintf(what, sizeof what, "%s.%s", k_spec_paths[i].obj, k_spec_paths[i].key);
+      if ((rc = resolve_spec_path(cwd, what, v->valuestring, !ck, path, dir)) != 0) break;
+      if (!opt[ck]) {
+        /* A checkpoint directory's root is the directory above it. */
+        if (ck && !strcmp(dir, path) && strcmp(dir, "/")) {
+          char *slash = strrchr(dir, '/');
+          if (slash == dir) slash[1] = 0;
+          else *slash = 0;
+        }
+        widen(root[ck], dir);
+        if (!ck) widen_matches(root[ck], path);
+      }
+      if (strcmp(path, v->valuestring)) {
+        if (!cJSON_SetValuestring(v, path)) rc = zt_err("%s: out of memory", what);
+        changed = 1;
+      }
+    }
+  }
+  if (rc == 0 && changed) {
+    char *text = cJSON_PrintUnformatted(doc);
+    if (text) {
+      free(*spec);
+      *spec = text;
+    } else {
+      rc = zt_err("%s: out of memory", l->spec_path);
+    }
+  }
+  cJSON_Delete(doc);
+  for (int k = 0; k < 2 && rc == 0; k++)
+    if (!root[k][0]) snprintf(root[k], PATH_MAX, "%s", cwd);
+  return rc;
 }
 
 /* Starts zcoord (gRPC on a free port, HTTP on l->http_port) and waits for
@@ -227,7 +410,8 @@ static int start_coord(launch *l) {
   struct stat st;
   l->coord_log_from = stat(log, &st) == 0 ? (long)st.st_size : 0;
   char *argv[] = {zcoord, "--grpc", "127.0.0.1:0", "--http", http, "--db", db,
-                  "--ready-file", ready, "--heartbeat-ms", "500", NULL};
+                  "--ready-file", ready, "--heartbeat-ms", "500",
+                  "--data-root", l->data_root, "--checkpoint-root", l->ckpt_root, NULL};
   pid_t pid = spawn(argv, log);
   if (pid < 0) return zt_err_errno("cannot start zcoord");
   l->coord = pid;
@@ -261,7 +445,8 @@ static int start_workers(launch *l) {
     snprintf(wd, sizeof wd, "%s/%s", l->dir, name);
     snprintf(log, sizeof log, "%s/%s.log", l->dir, name);
     char *argv[] = {zworker, "--coordinator", l->target, "--name", name, "--workdir", wd,
-                    "--device", "cpu", "--threads", thr, NULL};
+                    "--device", "cpu", "--threads", thr, "--data-root", l->data_root,
+                    "--checkpoint-root", l->ckpt_root, NULL};
     pid_t pid = spawn(argv, log);
     if (pid < 0) return zt_err_errno("cannot start worker %d", i);
     l->wk[l->started++] = pid;
@@ -473,11 +658,14 @@ int main(int argc, char **argv) {
   if (parse_args(&l, argc, argv) != 0) {
     fprintf(stderr, "usage: ztrain JOB.json [--workers N] [--dir DIR] [--threads T] [--quiet]\n"
                     "                       [--http-port PORT (default %d; 0: any free)] "
-                    "[--serve]\n",
+                    "[--serve]\n"
+                    "                       [--data-root DIR] [--checkpoint-root DIR] "
+                    "(default: from the spec's paths)\n",
             DEFAULT_HTTP_PORT);
     return 2;
   }
-  if (zt_read_file(l.spec_path, &spec, &spec_len, 4 << 20) != 0 || zt_mkdirs(l.dir) != 0) {
+  if (zt_read_file(l.spec_path, &spec, &spec_len, 4 << 20) != 0 ||
+      spec_roots(&l, &spec, spec_len) != 0 || zt_mkdirs(l.dir) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     free(spec);
     return 2;

@@ -6,6 +6,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 
 import pytest
@@ -61,6 +62,95 @@ def test_damaged_database_is_refused_untouched(procs, tmp_path):
     before = open(db, "rb").read()
     r = zcoord("--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", db)
     assert r.returncode == 1 and "damaged" in r.stderr and "backup" in r.stderr, r.stderr
+    assert open(db, "rb").read() == before
+
+
+def varint(b, i):
+    """A SQLite varint at b[i]: (value, the index after it)."""
+    v = 0
+    for k in range(8):
+        v = (v << 7) | (b[i + k] & 0x7f)
+        if not b[i + k] & 0x80:
+            return v, i + k + 1
+    return (v << 8) | b[i + 8], i + 9
+
+
+def test_damaged_index_is_refused_untouched(procs, tmp_path):
+    """One byte of an index page changed so that the page stays well-formed
+    and sorted: quick_check (what zcoord used to run at start) passes, but
+    the index no longer matches its table. zcoord refuses to start, naming
+    the damage (integrity_check's words) and the restore procedure, and
+    leaves the file as it was."""
+    from ztest import http_post_json, byte_dataset, tiny_spec
+    db = str(tmp_path / "run.db")
+    train, val = byte_dataset(str(tmp_path / "data"), limit=20_000)
+    coord = procs.coord(db=db, hb_ms=HB)
+    for _ in range(3):  # logbook entries of jobs 1..3: rows of the index events_job
+        assert http_post_json(coord.http_port, "/v1/jobs", tiny_spec(train, val, 5))[0] == 201
+    coord.signal(signal.SIGTERM)
+    coord.wait(10)
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        root = c.execute("SELECT rootpage FROM sqlite_master WHERE name = 'events_job'").fetchone()[0]
+        psz = c.execute("PRAGMA page_size").fetchone()[0]
+    c.close()
+    data = bytearray(open(db, "rb").read())
+    page = (root - 1) * psz
+    assert root > 1 and data[page] == 0x0a  # a leaf page of an index: (job_id, id) per row
+    cells = int.from_bytes(data[page + 3:page + 5], "big")
+    ptr = page + 8 + 2 * (cells - 1)  # the last cell: the largest (job_id, id)
+    cell = page + int.from_bytes(data[ptr:ptr + 2], "big")
+    size, p = varint(data, cell)
+    hlen, q = varint(data, p)
+    types = []
+    while q < p + hlen:
+        t, q = varint(data, q)
+        types.append(t)
+    assert types[-1] == 1 and data[p + size - 1] < 0x7f, types  # id: one byte
+    data[p + size - 1] = 0x7f  # a larger id: still the largest key, now of no row
+    open(db, "wb").write(data)
+    check = subprocess.run(["sqlite3", db, "PRAGMA quick_check"], capture_output=True, text=True)
+    assert check.stdout.strip() == "ok", check
+    # A transaction left in the write-ahead log (a process that ended
+    # without closing the database): a checkpoint would copy it into the
+    # file, which must not happen to a refused one either.
+    subprocess.run([sys.executable, "-c", "import os, sqlite3\n"
+                    f"c = sqlite3.connect({db!r})\n"
+                    "c.execute('PRAGMA wal_autocheckpoint = 0')\n"
+                    "c.execute(\"INSERT INTO meta(key, value) VALUES('left', 1)\")\n"
+                    "c.commit()\n"
+                    "os._exit(0)\n"], check=True)
+    assert os.path.getsize(db + "-wal") > 0
+    before, wal = open(db, "rb").read(), open(db + "-wal", "rb").read()
+    r = zcoord("--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", db)
+    assert r.returncode != 0, r.stderr
+    assert f"database {db} is damaged (integrity_check: " in r.stderr, r.stderr
+    assert "missing from index events_job" in r.stderr, r.stderr
+    assert "left as it was" in r.stderr and "docs/deploy.md" in r.stderr, r.stderr
+    assert open(db, "rb").read() == before and open(db + "-wal", "rb").read() == wal
+
+
+def test_damaged_header_is_named(procs, tmp_path):
+    """A header byte SQLite does not stop at (a file format write version of
+    3: a database it only reads) used to give "attempt to write a readonly
+    database" or none at all; zcoord names the damaged header and leaves
+    the file as it was."""
+    db = str(tmp_path / "run.db")
+    coord = procs.coord(db=db, hb_ms=HB)
+    coord.signal(signal.SIGTERM)
+    coord.wait(10)
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    with open(db, "r+b") as f:
+        f.seek(18)
+        f.write(b"\x03")
+    before = open(db, "rb").read()
+    r = zcoord("--grpc", "127.0.0.1:0", "--http", "127.0.0.1:0", "--db", db)
+    assert r.returncode != 0, r.stderr
+    assert (f"database {db} is not a usable SQLite database: its header is damaged (file format "
+            "versions 3/2, expected 1 or 2)") in r.stderr, r.stderr
+    assert "docs/deploy.md" in r.stderr and "readonly" not in r.stderr, r.stderr
     assert open(db, "rb").read() == before
 
 

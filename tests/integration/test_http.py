@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from ztest import (byte_dataset, tiny_spec, wait_job, wait_until, workers_by_name)
+from ztest import (byte_dataset, http_get, tiny_spec, wait_job, wait_until, workers_by_name)
 
 TOKEN = "s3cr3t-token"
 
@@ -281,3 +281,60 @@ def test_browser_requests_without_token(procs, tmp_path):
         assert code == 200 and [j["id"] for j in b["jobs"]] == [jid], (host, b)
     code, b = js(p, f"/v1/jobs/{jid}/cancel", method="POST")
     assert code == 200, b
+
+
+def test_half_closed_connections_do_not_lock_out(procs):
+    """A client that half-closes its connection after each request
+    (shutdown(SHUT_WR)) gets its answer and the connection closed at once,
+    so 100 of them in a row leave no connection open and lock nobody out: a
+    normal request right after is served. Connections an address holds
+    without using them (64, the per-address limit; keep-alive after an
+    answered request) are closed after 10 s idle, so they lock the address
+    out for no longer than that."""
+    import socket
+    import time
+    coord = procs.coord(hb_ms=300)
+    p = coord.http_port
+    req = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    for i in range(100):
+        with socket.create_connection(("127.0.0.1", p), timeout=5) as s:
+            s.sendall(req)
+            s.shutdown(socket.SHUT_WR)
+            answer = b""
+            try:
+                while True:  # the server's end of stream ends the answer
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    answer += chunk
+            except socket.timeout:
+                raise AssertionError(f"request {i}: the connection was still open 5 s after "
+                                     f"its answer {answer!r}")
+            assert answer.startswith(b"HTTP/1.1 200") and b'"ok":true' in answer, (i, answer)
+    t0 = time.monotonic()
+    code, _, h = http_get(p, "/healthz", timeout=2)
+    assert code == 200 and h["ok"] is True and time.monotonic() - t0 < 2
+    held = []
+    try:
+        for i in range(64):
+            s = socket.create_connection(("127.0.0.1", p), timeout=5)
+            held.append(s)
+            s.sendall(req)
+            answer = b""
+            while b'"ok":true' not in answer:
+                chunk = s.recv(65536)
+                assert chunk, (i, answer)
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), (i, answer)
+
+        def served():
+            code, _, h = http_get(p, "/healthz", timeout=2)
+            return code == 200 and h["ok"] is True
+        wait_until(served, 12, "a request from the address that holds 64 idle connections",
+                   interval=0.2)
+        for s in held:  # the server closed them
+            s.settimeout(1)
+            assert s.recv(100) == b""
+    finally:
+        for s in held:
+            s.close()

@@ -4,9 +4,9 @@ elsewhere (one plain line per step seen), --serve (the coordinator and the
 dashboard stay up after the job until SIGINT; the workers stop), an HTTP
 port already in use (one line naming the port, nothing left running), a
 fork() that fails (one line, only what ztrain started is stopped) and a
-zcoord or the workers exiting while the job runs (one line, exit 1).
-ztrain's zcoord and zworkers confine job paths to their working directory,
-so each run happens in the test's own directory."""
+zcoord or the workers exiting while the job runs (one line, exit 1), and
+a spec, data and checkpoints outside the working directory (the roots come
+from the spec's paths, or --data-root and --checkpoint-root)."""
 import json
 import os
 import pty
@@ -353,3 +353,44 @@ def test_fork_failure_stops_only_what_was_started(data, tmp_path, fail_from, rea
     assert "\n" not in err and reason in err, out
     assert "submitted" not in out["stdout"], out
     assert out["left"] == [], out
+
+
+def test_spec_and_data_outside_the_working_directory(tmp_path):
+    """The launcher runs the user's own spec: data, checkpoints and the spec
+    itself may lie outside the working directory (here: an empty one). The
+    roots come from the spec's paths, relative ones (with "..") taken from
+    the working directory and a shard that is a symbolic link into another
+    directory included; the job trains to completion and its checkpoints
+    land where the spec says. --data-root and --checkpoint-root override the
+    roots, and zcoord still confines the paths to them."""
+    base = tmp_path.resolve()
+    train, val = byte_dataset(str(base / "elsewhere" / "data"), 60_000)
+    other = base / "other"
+    other.mkdir()
+    shard = base / "elsewhere" / "data" / "train_000001.bin"
+    shutil.move(str(shard), str(other / "moved.bin"))
+    os.symlink(other / "moved.bin", shard)
+    work = base / "work"
+    work.mkdir()
+    (base / "runs").mkdir()
+    spec = tiny_spec(train, "../elsewhere/data/val_*.bin", 12, workers=1,
+                     checkpoint={"dir": str(base / "ckpts" / "my-run"), "every_steps": 6})
+    path = write_spec(base / "runs", "my.json", spec)
+    r = subprocess.run([f"{BIN}/ztrain", path, "--workers", "1", "--threads", "1",
+                        "--http-port", "0"], cwd=str(work), capture_output=True, text=True,
+                       timeout=120 * SLOW)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "ztrain: job 1 completed" in r.stdout, r.stdout
+    assert sorted(os.listdir(base / "ckpts" / "my-run" / "job_1")) == \
+        ["step_00000006-g1", "step_00000012-g1"]
+    assert os.listdir(work) == ["ztrain-run"]  # only the launcher's own directory
+    # A root given on the command line is used as given: the data are
+    # outside this one, and zcoord says so.
+    r = subprocess.run([f"{BIN}/ztrain", path, "--workers", "1", "--http-port", "0",
+                        "--data-root", str(work), "--dir", str(base / "run-2")], cwd=str(work),
+                       capture_output=True, text=True, timeout=60 * SLOW)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"data.train: {train} is outside the allowed root {work}" in r.stderr, r.stderr
+    r = subprocess.run([f"{BIN}/ztrain", path, "--checkpoint-root", str(base / "nowhere")],
+                       cwd=str(work), capture_output=True, text=True, timeout=60 * SLOW)
+    assert r.returncode == 2 and f"--checkpoint-root {base / 'nowhere'}" in r.stderr, r.stderr

@@ -5,7 +5,8 @@
  * logbook, persistence across reopen, transactions rolled back on failure,
  * and refusal of files that are not ours (garbage, a newer schema), of a
  * database another process holds, of an empty (truncated) file and of a
- * damaged one, each leaving the file as it was.
+ * damaged one (a b-tree page, an index that quick_check passes, the
+ * header), each leaving the file as it was.
  */
 #include <fcntl.h>
 #include <math.h>
@@ -265,8 +266,8 @@ ZT_TEST(test_empty_file_refused) {
   zt_db_close(db);
 }
 
-/* A btree page of a valid database overwritten: quick_check finds it and
- * the file is refused, byte for byte unchanged. */
+/* A btree page of a valid database overwritten: the start-up check finds
+ * it and the file is refused, byte for byte unchanged. */
 ZT_TEST(test_damaged_file_refused) {
   const char *path = fresh_db("damaged");
   zt_db_t *db;
@@ -301,6 +302,151 @@ ZT_TEST(test_damaged_file_refused) {
   free(after);
 }
 
+/* A database of a few workers, its write-ahead log folded in, so that the
+ * file itself holds every page; *page gets its page size. */
+static void small_db(const char *path, unsigned *page) {
+  zt_db_t *db;
+  ZT_REQUIRE(zt_db_open(path, 0, &db) == 0);
+  for (int i = 0; i < 5; i++) {
+    char name[16];
+    snprintf(name, sizeof name, "w%d", i);
+    zt_db_worker_t w = make_worker(name, ZT_WORKER_ALIVE);
+    ZT_REQUIRE(zt_db_worker_upsert(db, &w) == 0);
+  }
+  zt_db_close(db);
+  char cmd[800];
+  snprintf(cmd, sizeof cmd, "sqlite3 '%s' 'PRAGMA wal_checkpoint(TRUNCATE)' >/dev/null", path);
+  ZT_REQUIRE(system(cmd) == 0);
+  unsigned char h[18];
+  int fd = open(path, O_RDONLY);
+  ZT_REQUIRE(fd >= 0 && pread(fd, h, sizeof h, 0) == (ssize_t)sizeof h);
+  close(fd);
+  *page = (unsigned)h[16] << 8 | h[17];
+  if (*page == 1) *page = 65536;
+}
+
+/* What the sqlite3 tool prints for one statement on path (first line). */
+static void sqlite3_says(const char *path, const char *sql, char *out, size_t n) {
+  char cmd[1200];
+  snprintf(cmd, sizeof cmd, "sqlite3 '%s' \"%s\" 2>&1", path, sql);
+  FILE *p = popen(cmd, "r");
+  ZT_REQUIRE(p != NULL);
+  if (!fgets(out, (int)n, p)) out[0] = 0;
+  out[strcspn(out, "\n")] = 0;
+  pclose(p);
+}
+
+/* A SQLite varint at p; *len gets its size. */
+static uint64_t varint(const unsigned char *p, int *len) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) {
+    v = v << 7 | (p[i] & 0x7f);
+    if (!(p[i] & 0x80)) {
+      *len = i + 1;
+      return v;
+    }
+  }
+  *len = 9;
+  return v << 8 | p[8];
+}
+
+/* One character of a worker's name changed in the index of names only
+ * (sqlite_autoindex_workers_1), the table left as it was: the index page
+ * stays well-formed and sorted, so quick_check passes, while the index no
+ * longer matches its table, which integrity_check finds. The file is
+ * refused with a message naming the damage and the restore procedure, and
+ * left byte for byte as it was. */
+ZT_TEST(test_damaged_index_refused) {
+  const char *path = fresh_db("index");
+  unsigned page = 0;
+  small_db(path, &page);
+  char out[512];
+  sqlite3_says(path, "SELECT rootpage FROM sqlite_master WHERE name = "
+                     "'sqlite_autoindex_workers_1'", out, sizeof out);
+  long root = atol(out);
+  ZT_REQUIRE(root > 1);
+  char *buf;
+  size_t n;
+  ZT_REQUIRE(zt_read_file(path, &buf, &n, 64 << 20) == 0);
+  ZT_REQUIRE(n >= (size_t)root * page);
+  unsigned char *pg = (unsigned char *)buf + (size_t)(root - 1) * page;
+  ZT_REQUIRE(pg[0] == 0x0a); /* a leaf page of an index */
+  unsigned cells = (unsigned)pg[3] << 8 | pg[4];
+  ZT_REQUIRE(cells == 5);
+  /* The last cell holds the largest key, "w4": its last character raised
+   * to '~' keeps it the largest. */
+  unsigned at = (unsigned)pg[8 + 2 * (cells - 1)] << 8 | pg[9 + 2 * (cells - 1)];
+  int l1, l2, l3;
+  varint(pg + at, &l1);                                    /* payload size */
+  uint64_t hdr = varint(pg + at + l1, &l2);                /* record header size */
+  uint64_t type = varint(pg + at + l1 + l2, &l3);          /* the name's serial type */
+  ZT_REQUIRE(type == 13 + 2 * 2);                          /* text of 2 bytes */
+  unsigned char *name = pg + at + l1 + hdr;
+  ZT_REQUIRE(name[0] == 'w' && name[1] == '4');
+  name[1] = '~';
+  int fd = open(path, O_WRONLY);
+  ZT_REQUIRE(fd >= 0 && zt_write_all(fd, buf, n) == 0);
+  close(fd);
+  sqlite3_says(path, "PRAGMA quick_check", out, sizeof out);
+  ZT_CHECK_STR(out, "ok"); /* what start-up used to check */
+  zt_db_t *db;
+  ZT_CHECK(zt_db_open(path, 0, &db) != 0);
+  const char *m = zt_err_msg();
+  ZT_CHECK(strstr(m, path) && strstr(m, "is damaged (integrity_check: "));
+  ZT_CHECK(strstr(m, "missing from index sqlite_autoindex_workers_1") != NULL);
+  ZT_CHECK(strstr(m, "left as it was") && strstr(m, "docs/deploy.md"));
+  ZT_CHECK(zt_err_kind() == ZT_E_STATE);
+  char *after;
+  size_t n2;
+  ZT_REQUIRE(zt_read_file(path, &after, &n2, 64 << 20) == 0);
+  ZT_CHECK(n == n2 && memcmp(buf, after, n) == 0);
+  free(buf);
+  free(after);
+}
+
+/* A damaged header is named as such, whatever SQLite would make of it
+ * (a file format write version of 3, for one, made it a database SQLite
+ * only reads: "attempt to write a readonly database"); the file is left
+ * as it was. */
+ZT_TEST(test_damaged_header_named) {
+  static const struct {
+    unsigned off;
+    unsigned char val;
+    const char *why;
+  } flips[] = {{18, 3, "file format versions 3/2"},
+               {19, 0, "file format versions 2/0"},
+               {3, 'x', "bytes 0-15 are not \"SQLite format 3\""},
+               {16, 0x30, "page size 12288 is not a power of two"},
+               {21, 65, "payload fractions 65/32/32"}};
+  for (size_t i = 0; i < ZT_ARRAY_LEN(flips); i++) {
+    char name[32];
+    snprintf(name, sizeof name, "header%zu", i);
+    const char *path = fresh_db(name);
+    unsigned page = 0;
+    small_db(path, &page);
+    ZT_REQUIRE(page == 4096);
+    int fd = open(path, O_WRONLY);
+    ZT_REQUIRE(fd >= 0 && pwrite(fd, &flips[i].val, 1, flips[i].off) == 1);
+    close(fd);
+    char *before, *after;
+    size_t n1, n2;
+    ZT_REQUIRE(zt_read_file(path, &before, &n1, 64 << 20) == 0);
+    zt_db_t *db;
+    ZT_CHECK(zt_db_open(path, 0, &db) != 0);
+    const char *m = zt_err_msg();
+    if (!strstr(m, "is not a usable SQLite database: its header is damaged") ||
+        !strstr(m, flips[i].why) || !strstr(m, "docs/deploy.md"))
+      fprintf(stderr, "byte %u = %u: %s\n", flips[i].off, flips[i].val, m);
+    ZT_CHECK(strstr(m, "is not a usable SQLite database: its header is damaged") != NULL);
+    ZT_CHECK(strstr(m, flips[i].why) && strstr(m, "docs/deploy.md") && !strstr(m, "readonly"));
+    ZT_REQUIRE(zt_read_file(path, &after, &n2, 64 << 20) == 0);
+    ZT_CHECK(n1 == n2 && memcmp(before, after, n1) == 0);
+    free(before);
+    free(after);
+  }
+}
+
 ZT_TEST_MAIN(test_second_open_refused, test_empty_file_refused, test_damaged_file_refused,
+             test_damaged_index_refused, test_damaged_header_named,
              test_migrate_and_reopen, test_jobs_generations_steps, test_events_filter_and_order, test_rollback_leaves_nothing,
              test_garbage_file_refused, test_newer_schema_refused, test_readonly_file_fails_cleanly)
