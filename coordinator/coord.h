@@ -10,28 +10,14 @@
  * Durable state lives in SQLite (state/); these structs are the cache the
  * loop works from, rebuilt from the database at start.
  *
- * The modules form a stack; each calls only the ones below it, never back
- * up (tools/check-layers verifies it on the object files):
- *
- *   main.c service.c http.c     entry points: lifecycle and timers, gRPC, HTTP
- *   config.c                    settings (main.c reads them at start)
- *   jobs.c                      jobs: submit, load at start, operator actions
- *   reports.c                   what the ranks report: steps, failures, checkpoints
- *   rollback.c                  back to a committed epoch (a spike, an operator)
- *   sched.c                     scheduler: forming generations, failures, the end
- *   rendezvous.c                the ranks of a new generation meet
- *   jobtable.c                  jobs by id, the writes of their rows, fencing
- *   params.c                    a spec's scheduling parameters (pure)
- *   ckpt.c members.c spike.c    checkpoint registry, membership, detector,
- *   restarts.c                  restart policy
- *   copies.c                    where checkpoint files have copies
- *   views.c auth.c              what the APIs show; credentials
- *   events.c loopcall.c notify.c  logbook, HTTP -> loop calls, systemd
- *
- * Members report what happened to them (a worker lost, a worker that
- * re-registered) to their caller, and the entry points then tell the
- * scheduler (sched.c); the registry says an epoch committed, and reports.c
- * acts on it.
+ * The files form a stack; each calls only the ones below it, never back
+ * up (tools/check-layers verifies it on the object files). The drawing of
+ * that stack, with a line for each file, is docs/architecture.md's ("The
+ * coordinator, a stack of files"): one drawing, kept true by check-layers,
+ * which fails on a file that page does not name. Members report what
+ * happened to them (a worker lost, a worker that re-registered) to their
+ * caller, and the entry points then tell the scheduler (sched.c); the
+ * registry says an epoch committed, and reports.c acts on it.
  *
  * Errors: functions return 0 or -1 with the thread's error message and
  * kind (common/zt_common.h); service.c and http.c turn the kind into a
