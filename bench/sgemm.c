@@ -76,7 +76,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   /* The kernel table pins OpenBLAS to one thread; set the peak run after. */
-  zt_kern_cpu_set_threads(threads);
+  zt_kernels_cpu_set_threads(threads);
   prob_t k = {2048, 1536, 384, filled(2048 * 384), filled(1536 * 384), filled(2048 * 1536)};
   double kern = best_gflops(2.0 * k.m * k.n * k.k, iters, run_kernel, &k);
   openblas_set_num_threads(threads);
@@ -84,7 +84,7 @@ int main(int argc, char **argv) {
   double peak = best_gflops(2.0 * s.m * s.n * s.k, iters, run_blas, &s);
   openblas_set_num_threads(1);
   double own = best_gflops(2.0 * s.m * s.n * s.k, iters, run_kernel, &s);
-  printf("peak %.1f\nown %.1f\nkernel %.1f\nsgemm %s\n", peak, own, kern, zt_kern_cpu_sgemm());
+  printf("peak %.1f\nown %.1f\nkernel %.1f\nsgemm %s\n", peak, own, kern, zt_kernels_cpu_sgemm());
   free(k.a), free(k.b), free(k.c), free(s.a), free(s.b), free(s.c);
   return 0;
 }

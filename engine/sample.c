@@ -409,7 +409,7 @@ int zt_sample_run(const zt_sample_cmd_t *c, zt_sample_stats_t *st) {
   if (zt_ckpt_read_model(c->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0) goto out;
   if (open_tokenizer(c, man_tok, &cfg, &tok) != 0) goto out;
   if (build_context(c, tok, &cfg, &ctx, &n) != 0) goto out;
-  if (c->threads > 0) zt_kern_cpu_set_threads(c->threads);
+  if (c->threads > 0) zt_kernels_cpu_set_threads(c->threads);
   if (zt_ckpt_load_flat(c->epoch_dir, &cfg, &lay, &flat, &step) != 0) goto out;
   if (zt_sampler_create(&cfg, flat, &s) != 0) goto out;
   zt_sample_opts_t o = {c->tokens, c->temperature, c->top_k, c->seed, zt_tok_vocab_size(tok)};

@@ -37,7 +37,7 @@ typedef struct zt_sampler zt_sampler_t;
 
 /* A sampler over params (a flat buffer of lay->num_params floats for cfg,
  * host memory; kept by pointer, not copied) with an empty cache. Uses the
- * fast CPU kernels (zt_kern_cpu_set_threads sets their threads). */
+ * fast CPU kernels (zt_kernels_cpu_set_threads sets their threads). */
 ZT_MUST_CHECK int zt_sampler_create(const zt_model_config_t *cfg, const float *params,
                                     zt_sampler_t **out);
 void zt_sampler_free(zt_sampler_t *s);

@@ -184,8 +184,8 @@ int main(int argc, char **argv) {
   so.steps = spec.steps;
   char kern[96]; /* on the CPU, also the sgemm and the thread count */
   if (!strcmp(device, "cpu"))
-    snprintf(kern, sizeof kern, "cpu (sgemm %s, %d threads)", zt_kern_cpu_sgemm(),
-             zt_kern_cpu_set_threads((int)threads));
+    snprintf(kern, sizeof kern, "cpu (sgemm %s, %d threads)", zt_kernels_cpu_sgemm(),
+             zt_kernels_cpu_set_threads((int)threads));
   else
     snprintf(kern, sizeof kern, "%s", device);
   fprintf(stderr,

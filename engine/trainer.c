@@ -198,7 +198,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     *fault = ZT_FAULT_LOCAL;
     return zt_err_wrap("device");
   }
-  if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
+  if (g->threads > 0) zt_kernels_cpu_set_threads(g->threads);
   *fault = ZT_FAULT_MEMORY;
   if (check_memory(t) != 0) return -1;
   *fault = ZT_FAULT_JOB;
