@@ -141,7 +141,7 @@ int zt_job_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_p
     if ((p->global_batch / p->micro) % n != 0 || zt_spec_accum_for_world(&s, n, &accum) != 0)
       continue;
     any = 1;
-    if (zt_memory_need(&s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
+    if (zt_memplan_need(&s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
   }
   if (!any)
     return zt_errk(ZT_E_INVALID,
@@ -249,15 +249,15 @@ static int excluded_from(const zt_job_t *j, const zt_member_t *m) {
   return 0;
 }
 
-static int member_fits(const zt_member_t *m, const zt_mem_need_t *need) {
-  return zt_memory_fits(need, m->row.host_memory, m->row.device_memory);
+static int member_fits(const zt_member_t *m, const zt_memplan_need_t *need) {
+  return zt_memplan_fits(need, m->row.host_memory, m->row.device_memory);
 }
 
 /* The candidates for a generation of n ranks: usable workers that can hold
  * one rank at that size; survivors of the current generation first, in
  * rank order, then idle workers by id. Returns how many (at most n). */
 static int candidates(zt_coord_t *c, zt_job_t *j, int n, uint64_t pick[ZT_MAX_WORLD]) {
-  const zt_mem_need_t *need = &j->p.need[n];
+  const zt_memplan_need_t *need = &j->p.need[n];
   int k = 0;
   if (j->row.state != ZT_JOB_PENDING)
     for (int r = 0; r < j->row.world && k < n; r++) {
@@ -287,13 +287,13 @@ static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD],
     if (k == n) return n;
     if (best < 0) best = n, have = k; /* the largest size: the smallest need */
   }
-  const zt_mem_need_t *need = &j->p.need[best];
+  const zt_memplan_need_t *need = &j->p.need[best];
   char h[32], d[32];
   snprintf(why, whylen,
            "waiting for %d workers that can each hold one rank (%s of RAM on CPU workers, %s "
            "of GPU memory on GPU workers, at world size %d, ZeRO stage %d); %d available",
-           best, zt_memory_text(need->host, h, sizeof h), zt_memory_text(need->device, d, sizeof d),
-           best, j->p.zero_stage, have);
+           best, zt_memplan_text(need->host, h, sizeof h),
+           zt_memplan_text(need->device, d, sizeof d), best, j->p.zero_stage, have);
   return 0;
 }
 
@@ -910,7 +910,7 @@ void zt_jobs_free(zt_coord_t *c) {
 static int check_admissible(zt_coord_t *c, const zt_job_params_t *p) {
   int best = p->max_workers;
   while (best > p->min_workers && (p->global_batch / p->micro) % best != 0) best--;
-  const zt_mem_need_t *need = &p->need[best];
+  const zt_memplan_need_t *need = &p->need[best];
   uint64_t host = 0, dev = 0;
   int known = 0;
   for (size_t i = 0; i < c->by_id_cap; i++) {
@@ -928,9 +928,9 @@ static int check_admissible(zt_coord_t *c, const zt_job_params_t *p) {
                  "a rank needs %s of RAM on a CPU worker or %s of GPU memory on a GPU worker; "
                  "the largest workers have %s of RAM and %s of GPU memory (raise "
                  "elastic.max_workers, the ZeRO stage, or lower the micro batch)",
-                 best, p->zero_stage, zt_memory_text(need->host, h, sizeof h),
-                 zt_memory_text(need->device, d, sizeof d), zt_memory_text(host, hh, sizeof hh),
-                 zt_memory_text(dev, dd, sizeof dd));
+                 best, p->zero_stage, zt_memplan_text(need->host, h, sizeof h),
+                 zt_memplan_text(need->device, d, sizeof d), zt_memplan_text(host, hh, sizeof hh),
+                 zt_memplan_text(dev, dd, sizeof dd));
 }
 
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id) {
@@ -1452,7 +1452,7 @@ static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
  * worker's memory is taken to be less than this rank needed (until it
  * registers again), so the scheduler does not give it such a rank again. */
 static void learn_memory(zt_coord_t *c, zt_job_t *j, zt_member_t *m) {
-  const zt_mem_need_t *need = &j->p.need[j->row.world];
+  const zt_memplan_need_t *need = &j->p.need[j->row.world];
   zt_db_worker_t *w = &m->row;
   if (w->device_memory && w->device_memory >= need->device)
     w->host_memory = ZT_MIN(w->host_memory, need->host_with_device - 1);
@@ -1465,7 +1465,7 @@ static void learn_memory(zt_coord_t *c, zt_job_t *j, zt_member_t *m) {
                  "worker %s ran out of memory for one rank at world size %d (about %s); it is "
                  "not given ranks that large again until it registers anew",
                  m->row.name, j->row.world,
-                 zt_memory_text(w->device_memory ? need->device : need->host, h, sizeof h));
+                 zt_memplan_text(w->device_memory ? need->device : need->host, h, sizeof h));
 }
 
 int zt_jobs_report_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *req) {

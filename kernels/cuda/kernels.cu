@@ -171,7 +171,7 @@ static cublasComputeType_t compute_type(void) {
  * when batched, its batch stride in bytes. Model views start at offsets of
  * a flat buffer; capped at 16, a view's alignment, and so the algorithm
  * chosen for it, does not change with where ZeRO's padding (which keeps
- * units 16-byte aligned, engine/memory.h) puts the unit. */
+ * units 16-byte aligned, engine/memplan.h) puts the unit. */
 static uint32_t align_of(const void *p, long long stride, int batch, size_t esz) {
   uint64_t a = (uint64_t)(uintptr_t)p | 16u;
   if (batch > 1) a |= (uint64_t)stride * esz;
