@@ -45,8 +45,6 @@
 #include "zt_db.h"
 #include "zt_rpc.h"
 
-#define ZT_VERSION "0.1.0"
-
 typedef struct {
   char grpc_addr[256];
   char http_addr[256];
