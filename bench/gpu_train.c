@@ -98,18 +98,18 @@ int main(int argc, char **argv) {
   }
   if (steps <= WARMUP || B < 1) return usage();
   char err[256];
-  if (zt_cuda_device_count() == 0 || zt_kern_cuda_init(0, err, sizeof err) != 0) {
+  if (zt_cuda_device_count() == 0 || zt_kernels_cuda_init(0, err, sizeof err) != 0) {
     printf("zt_gpubench: skipped: no CUDA device\n");
     return 77;
   }
-  zt_kern_cuda_set_math(math);
+  zt_kernels_cuda_set_math(math);
   if (!strcmp(att, "tiled-tc") && !storage16) {
     fprintf(stderr, "zt_gpubench: --attention tiled-tc takes --math bf16-storage\n");
     return 2;
   }
   if (strcmp(att, "auto")) {
-    zt_kern_cuda_set_attention_tc(!strcmp(att, "tiled-tc"));
-    zt_kern_cuda_set_attention_scratch_max(strcmp(att, "cublas") ? 0 : SIZE_MAX);
+    zt_kernels_cuda_set_attention_tc(!strcmp(att, "tiled-tc"));
+    zt_kernels_cuda_set_attention_scratch_max(strcmp(att, "cublas") ? 0 : SIZE_MAX);
   }
   const zt_kernels_t *k = storage16 ? zt_kernels_cuda_bf16() : zt_kernels_cuda();
   int T = cfg.seq_len;

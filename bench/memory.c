@@ -46,7 +46,7 @@ int main(int argc, char **argv) {
     else return fprintf(stderr, "zt_bench_memory: bad argument %s\n", argv[i]), 2;
   }
   if (B < 1 || T < 1 || steps < 1 || steps > 100) return fprintf(stderr, "bad sizes\n"), 2;
-  zt_kern_cpu_set_threads(threads);
+  zt_kernels_cpu_set_threads(threads);
   zt_model_config_t cfg = {.n_layer = L, .n_head = NH, .n_embd = C, .seq_len = T,
                            .vocab_size = 257};
   zt_model_t *m;

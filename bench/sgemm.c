@@ -124,7 +124,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   /* The kernel table pins OpenBLAS to one thread; set the peak run after. */
-  zt_kern_cpu_set_threads(threads);
+  zt_kernels_cpu_set_threads(threads);
   prob_t k = {2048, 1536, 384, filled(2048 * 384), filled(1536 * 384), filled(2048 * 1536)};
   prob_t s = {2048, 2048, 2048, filled(2048 * 2048), filled(2048 * 2048), filled(2048 * 2048)};
   const double big = 2.0 * s.m * s.n * s.k;
@@ -140,7 +140,7 @@ int main(int argc, char **argv) {
     if (arch) printf("blis %.1f\nblis_arch %s\n", best_gflops(big, iters, run_blis, &s), arch);
   }
   if (want(rows, "own")) printf("own %.1f\n", best_gflops(big, iters, run_kernel, &s));
-  printf("sgemm %s\nopenblas_core %s\n", zt_kern_cpu_sgemm(), openblas_get_corename());
+  printf("sgemm %s\nopenblas_core %s\n", zt_kernels_cpu_sgemm(), openblas_get_corename());
   free(k.a), free(k.b), free(k.c), free(s.a), free(s.b), free(s.c);
   return 0;
 }

@@ -861,26 +861,21 @@ static void tune(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
+/* zt_io_exact's wait on a ring socket: until the socket is ready, the
+ * deadline passes or zt_comm_abort() writes to the abort pipe. */
+static int ring_wait(void *user, int fd, short events, zt_deadline_t dl) {
+  zt_comm_t *c = user;
+  int64_t left = zt_deadline_left_ms(dl);
+  if (left == 0) return zt_err("timed out");
+  struct pollfd p[2] = {{.fd = fd, .events = events}, {.fd = c->abort_fd, .events = POLLIN}};
+  if (poll(p, 2, (int)ZT_MIN(left, 1000000)) > 0 && p[1].revents) return zt_err("aborted");
+  return 0;
+}
+
 /* Blocking-with-deadline exact read/write on a non-blocking socket, which
  * zt_comm_abort() interrupts. */
 static int io_exact(zt_comm_t *c, int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
-  size_t done = 0;
-  while (done < len) {
-    ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
-                        : recv(fd, (char *)buf + done, len - done, 0);
-    if (r > 0) {
-      done += (size_t)r;
-      continue;
-    }
-    if (r == 0) return zt_err("connection closed by peer");
-    if (errno != EAGAIN && errno != EINTR) return zt_err_errno(writing ? "send" : "recv");
-    int64_t left = zt_deadline_left_ms(dl);
-    if (left == 0) return zt_err("timed out");
-    struct pollfd p[2] = {{.fd = fd, .events = writing ? POLLOUT : POLLIN},
-                          {.fd = c->abort_fd, .events = POLLIN}};
-    if (poll(p, 2, (int)ZT_MIN(left, 1000000)) > 0 && p[1].revents) return zt_err("aborted");
-  }
-  return 0;
+  return zt_io_exact(fd, buf, len, writing, dl, ring_wait, c);
 }
 
 /* Waits for a non-blocking connect() until the deadline or an abort:

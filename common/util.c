@@ -1,7 +1,8 @@
 /*
- * util.c: time, deadlines, allocation that cannot fail, host:port parsing,
- * whole-file I/O, constant-time comparison, the names of states, the
- * names of checkpoint epochs and their files, and the --version flag.
+ * util.c: time, deadlines, allocation that cannot fail, exact socket
+ * transfers with a deadline, host:port parsing, whole-file I/O,
+ * constant-time comparison, the names of states, the names of checkpoint
+ * epochs and their files, and the --version flag.
  */
 #include <arpa/inet.h>
 #include <ctype.h>
@@ -9,10 +10,12 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -116,6 +119,37 @@ int64_t zt_deadline_left_ms(zt_deadline_t d) {
   if (d == 0) return INT64_MAX;
   int64_t left = d - zt_now_ms();
   return left > 0 ? left : 0;
+}
+
+/* ---- sockets with deadlines -------------------------------------------------- */
+
+/* zt_io_exact's wait without a caller's own: fd alone, until dl. */
+static int io_poll(void *user, int fd, short events, zt_deadline_t dl) {
+  (void)user;
+  int64_t left = zt_deadline_left_ms(dl);
+  if (left == 0) return zt_err("timed out");
+  struct pollfd p = {.fd = fd, .events = events};
+  if (poll(&p, 1, (int)ZT_MIN(left, 1000000)) < 0 && errno != EINTR) return zt_err_errno("poll");
+  return 0;
+}
+
+int zt_io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl, zt_io_wait_fn wait,
+                void *user) {
+  if (!wait) wait = io_poll;
+  size_t done = 0;
+  while (done < len) {
+    ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
+                        : recv(fd, (char *)buf + done, len - done, 0);
+    if (r > 0) {
+      done += (size_t)r;
+      continue;
+    }
+    if (r == 0) return zt_err("connection closed by peer");
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return zt_err_errno(writing ? "send" : "recv");
+    if (wait(user, fd, writing ? POLLOUT : POLLIN, dl) != 0) return -1;
+  }
+  return 0;
 }
 
 int zt_loopback_host(const char *host) {

@@ -30,15 +30,13 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "memory.h"
+#include "memplan.h"
 #include "reach.h"
 #include "restarts.h"
 #include "spike.h"
 #include "zt_common.h"
 #include "zt_db.h"
 #include "zt_rpc.h"
-
-#define ZT_VERSION "0.1.0"
 
 typedef struct {
   char grpc_addr[256];
@@ -109,7 +107,7 @@ typedef struct {
   double rb_threshold, rb_lr_factor;
   zt_spec_restart_t restart;    /* elastic{...}: the restart policy */
   int zero_stage;
-  zt_mem_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
+  zt_memplan_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
   int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
   int replicas;                 /* checkpoint.replicas */
 } zt_job_params_t;

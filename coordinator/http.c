@@ -122,7 +122,7 @@ static void r_healthz(zt_http_req_t *r) {
   zt_coord_t *c = r->c;
   cJSON *o = cJSON_CreateObject();
   cJSON_AddBoolToObject(o, "ok", 1);
-  cJSON_AddStringToObject(o, "version", ZT_VERSION);
+  cJSON_AddStringToObject(o, "version", zt_version_string());
   cJSON_AddNumberToObject(o, "coordinator_epoch", (double)c->epoch);
   cJSON_AddNumberToObject(o, "uptime_ms", (double)(zt_wall_ms() - c->started_ms));
   zt_http_json(r, 200, o);

@@ -67,13 +67,13 @@ static void job_append(zt_coord_t *c, zt_job_t *j) {
 static int check_admissible(zt_coord_t *c, const zt_job_params_t *p) {
   int best = p->max_workers;
   while (best > p->min_workers && (p->global_batch / p->micro) % best != 0) best--;
-  const zt_mem_need_t *need = &p->need[best];
+  const zt_memplan_need_t *need = &p->need[best];
   uint64_t host = 0, dev = 0;
   int known = 0;
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
     if (!m) continue;
-    if (zt_memory_fits(need, m->row.host_memory, m->row.device_memory)) return 0;
+    if (zt_memplan_fits(need, m->row.host_memory, m->row.device_memory)) return 0;
     known = 1;
     host = ZT_MAX(host, m->row.host_memory);
     dev = ZT_MAX(dev, m->row.device_memory);
@@ -85,9 +85,9 @@ static int check_admissible(zt_coord_t *c, const zt_job_params_t *p) {
                  "a rank needs %s of RAM on a CPU worker or %s of GPU memory on a GPU worker; "
                  "the largest workers have %s of RAM and %s of GPU memory (raise "
                  "elastic.max_workers, the ZeRO stage, or lower the micro batch)",
-                 best, p->zero_stage, zt_memory_text(need->host, h, sizeof h),
-                 zt_memory_text(need->device, d, sizeof d), zt_memory_text(host, hh, sizeof hh),
-                 zt_memory_text(dev, dd, sizeof dd));
+                 best, p->zero_stage, zt_memplan_text(need->host, h, sizeof h),
+                 zt_memplan_text(need->device, d, sizeof d), zt_memplan_text(host, hh, sizeof hh),
+                 zt_memplan_text(dev, dd, sizeof dd));
 }
 
 /* checkpoint.load names an epoch this coordinator committed, with its

@@ -113,7 +113,7 @@ static int size_worlds(const zt_spec_t *s, zt_job_params_t *p) {
     if ((p->global_batch / p->micro) % n != 0 || zt_spec_accum_for_world(s, n, &accum) != 0)
       continue;
     any = 1;
-    if (zt_memory_need(s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
+    if (zt_memplan_need(s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
   }
   if (!any)
     return zt_errk(ZT_E_INVALID,

@@ -177,7 +177,7 @@ static void peer_failure(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
  * worker's memory is taken to be less than this rank needed (until it
  * registers again), so the scheduler does not give it such a rank again. */
 static void learn_memory(zt_coord_t *c, zt_job_t *j, zt_member_t *m) {
-  const zt_mem_need_t *need = &j->p.need[j->row.world];
+  const zt_memplan_need_t *need = &j->p.need[j->row.world];
   zt_db_worker_t *w = &m->row;
   if (w->device_memory && w->device_memory >= need->device)
     w->host_memory = ZT_MIN(w->host_memory, need->host_with_device - 1);
@@ -190,7 +190,7 @@ static void learn_memory(zt_coord_t *c, zt_job_t *j, zt_member_t *m) {
                  "worker %s ran out of memory for one rank at world size %d (about %s); it is "
                  "not given ranks that large again until it registers anew",
                  m->row.name, j->row.world,
-                 zt_memory_text(w->device_memory ? need->device : need->host, h, sizeof h));
+                 zt_memplan_text(w->device_memory ? need->device : need->host, h, sizeof h));
 }
 
 /* A checkpoint named in a failure report could not be loaded: it is

@@ -117,15 +117,15 @@ static int excluded_from(const zt_job_t *j, const zt_member_t *m) {
   return 0;
 }
 
-static int member_fits(const zt_member_t *m, const zt_mem_need_t *need) {
-  return zt_memory_fits(need, m->row.host_memory, m->row.device_memory);
+static int member_fits(const zt_member_t *m, const zt_memplan_need_t *need) {
+  return zt_memplan_fits(need, m->row.host_memory, m->row.device_memory);
 }
 
 /* The candidates for a generation of n ranks: usable workers that can hold
  * one rank at that size; survivors of the current generation first, in
  * rank order, then idle workers by id. Returns how many (at most n). */
 static int candidates(zt_coord_t *c, zt_job_t *j, int n, uint64_t pick[ZT_MAX_WORLD]) {
-  const zt_mem_need_t *need = &j->p.need[n];
+  const zt_memplan_need_t *need = &j->p.need[n];
   int k = 0;
   if (j->row.state != ZT_JOB_PENDING)
     for (int r = 0; r < j->row.world && k < n; r++) {
@@ -155,12 +155,12 @@ static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD],
     if (k == n) return n;
     if (best < 0) best = n, have = k; /* the largest size: the smallest need */
   }
-  const zt_mem_need_t *need = &j->p.need[best];
+  const zt_memplan_need_t *need = &j->p.need[best];
   char h[32], d[32];
   snprintf(why, whylen,
            "waiting for %d workers that can each hold one rank (%s of RAM on CPU workers, %s "
            "of GPU memory on GPU workers, at world size %d, ZeRO stage %d); %d available",
-           best, zt_memory_text(need->host, h, sizeof h), zt_memory_text(need->device, d, sizeof d),
+           best, zt_memplan_text(need->host, h, sizeof h), zt_memplan_text(need->device, d, sizeof d),
            best, j->p.zero_stage, have);
   return 0;
 }

@@ -93,7 +93,7 @@ void zt_view_status(zt_coord_t *c, Ztrain__GetStatusReply *r) {
   ztrain__get_status_reply__init(r);
   uint32_t counts[5];
   zt_members_count(c, counts);
-  r->version = ZT_VERSION;
+  r->version = (char *)zt_version_string();
   r->started_ms = c->started_ms;
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->heartbeat_timeout_ms = (uint32_t)c->cfg.heartbeat_timeout_ms;

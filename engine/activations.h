@@ -1,7 +1,7 @@
 /*
  * activations.h: the list of the model's activation tensors and their sizes,
  * shared by the model (model.c declares, allocates, frees and counts them
- * with it) and by the memory estimate (memory.c), so the two can never
+ * with it) and by the memory estimate (memplan.c), so the two can never
  * disagree.
  */
 #ifndef ZT_ACTIVATIONS_H

@@ -40,7 +40,7 @@
 
 #define ZT_SAMPLE_STREAM 0x73616d706c65ull /* "sample" */
 
-struct zt_sampler {
+struct zt_sample {
   zt_model_config_t cfg;
   zt_layout_t lay;
   const zt_kernels_t *k;
@@ -53,10 +53,10 @@ struct zt_sampler {
   struct cand { float l; int id; } *cand;
 };
 
-int zt_sampler_pos(const zt_sampler_t *s) { return s->pos; }
-void zt_sampler_reset(zt_sampler_t *s) { s->pos = 0; }
+int zt_sample_pos(const zt_sample_t *s) { return s->pos; }
+void zt_sample_reset(zt_sample_t *s) { s->pos = 0; }
 
-void zt_sampler_free(zt_sampler_t *s) {
+void zt_sample_free(zt_sample_t *s) {
   if (!s) return;
   float *bufs[] = {s->kc,  s->vc,  s->x,    s->ln,   s->qkv,  s->atty,
                    s->proj, s->fch, s->fchg, s->mean, s->rstd, s->logits};
@@ -66,10 +66,10 @@ void zt_sampler_free(zt_sampler_t *s) {
   free(s);
 }
 
-int zt_sampler_create(const zt_model_config_t *cfg, const float *params, zt_sampler_t **out) {
+int zt_sample_create(const zt_model_config_t *cfg, const float *params, zt_sample_t **out) {
   *out = NULL;
   if (zt_model_config_check(cfg) != 0) return zt_err_wrap("sampler");
-  zt_sampler_t *s = zt_xcalloc(1, sizeof *s);
+  zt_sample_t *s = zt_xcalloc(1, sizeof *s);
   s->cfg = *cfg;
   if (zt_layout_build(&s->lay, cfg) != 0) {
     free(s);
@@ -109,7 +109,7 @@ static void matvec(float *out, const float *x, const float *w, const float *b, i
   }
 }
 
-static void linear(const zt_sampler_t *s, float *out, const float *in, const float *w,
+static void linear(const zt_sample_t *s, float *out, const float *in, const float *w,
                    const float *b, int n, int IC, int OC) {
   if (n == 1) matvec(out, in, w, b, IC, OC);
   else s->k->matmul_forward(out, in, w, b, n, IC, OC);
@@ -117,7 +117,7 @@ static void linear(const zt_sampler_t *s, float *out, const float *in, const flo
 
 /* Causal attention of rows p0..p0+n-1 (their q in qkv) over cache rows
  * 0..own position of layer l; the same formula as the kernels' reference. */
-static void attend(zt_sampler_t *s, int l, int p0, int n) {
+static void attend(zt_sample_t *s, int l, int p0, int n) {
   int C = s->cfg.n_embd, NH = s->cfg.n_head, hs = C / NH, T = s->cfg.seq_len;
   const float *kc = s->kc + (size_t)l * T * C, *vc = s->vc + (size_t)l * T * C;
   float scale = 1.0f / sqrtf((float)hs);
@@ -153,7 +153,7 @@ static void attend(zt_sampler_t *s, int l, int p0, int n) {
   }
 }
 
-static void block(zt_sampler_t *s, int l, int p0, int n) {
+static void block(zt_sample_t *s, int l, int p0, int n) {
   const zt_kernels_t *k = s->k;
   int C = s->cfg.n_embd, T = s->cfg.seq_len;
   zt_block_t b;
@@ -175,7 +175,7 @@ static void block(zt_sampler_t *s, int l, int p0, int n) {
   k->residual_forward(s->x, s->x, s->proj, (size_t)n * C);
 }
 
-int zt_sampler_feed(zt_sampler_t *s, const int *ids, int n, const float **logits) {
+int zt_sample_feed(zt_sample_t *s, const int *ids, int n, const float **logits) {
   int C = s->cfg.n_embd, L = s->cfg.n_layer, V = s->cfg.vocab_size, p0 = s->pos;
   if (n < 1 || n > s->cfg.seq_len - p0)
     return zt_err("sampler: %d more tokens do not fit the context (%d of %d used)", n, p0,
@@ -208,7 +208,7 @@ static int by_logit(const void *a, const void *b) {
 }
 
 /* The next token from logits[0, V). */
-static int pick(zt_sampler_t *s, const float *logits, int V, const zt_sample_opts_t *o,
+static int pick(zt_sample_t *s, const float *logits, int V, const zt_sample_opts_t *o,
                 zt_rng_t *rng, int *id) {
   for (int i = 0; i < V; i++)
     if (!isfinite(logits[i]))
@@ -240,7 +240,7 @@ static int pick(zt_sampler_t *s, const float *logits, int V, const zt_sample_opt
   return 0;
 }
 
-int zt_sample_generate(zt_sampler_t *s, const int *prompt, int n, const zt_sample_opts_t *o,
+int zt_sample_generate(zt_sample_t *s, const int *prompt, int n, const zt_sample_opts_t *o,
                        zt_sample_emit_fn emit, void *user, zt_sample_stats_t *st) {
   int T = s->cfg.seq_len, V = o->vocab > 0 && o->vocab < s->cfg.vocab_size ? o->vocab
                                                                             : s->cfg.vocab_size;
@@ -252,10 +252,10 @@ int zt_sample_generate(zt_sampler_t *s, const int *prompt, int n, const zt_sampl
                   T - 1);
   zt_rng_t rng;
   zt_rng_seed(&rng, o->seed, ZT_SAMPLE_STREAM);
-  zt_sampler_reset(s);
+  zt_sample_reset(s);
   int64_t t0 = zt_now_us();
   const float *logits;
-  if (zt_sampler_feed(s, prompt, n, &logits) != 0) return -1;
+  if (zt_sample_feed(s, prompt, n, &logits) != 0) return -1;
   st->prompt_tokens = n;
   st->prefill_s = (double)(zt_now_us() - t0) / 1e6;
   int rc = 0;
@@ -270,7 +270,7 @@ int zt_sample_generate(zt_sampler_t *s, const int *prompt, int n, const zt_sampl
       st->context_full = 1;
       break;
     }
-    if ((rc = zt_sampler_feed(s, &id, 1, &logits)) != 0) break;
+    if ((rc = zt_sample_feed(s, &id, 1, &logits)) != 0) break;
   }
   st->total_s = (double)(zt_now_us() - t0) / 1e6;
   return rc;
@@ -396,7 +396,7 @@ int zt_sample_run(const zt_sample_cmd_t *c, zt_sample_stats_t *st) {
   zt_model_config_t cfg;
   zt_layout_t lay = {0};
   zt_tok_t *tok = NULL;
-  zt_sampler_t *s = NULL;
+  zt_sample_t *s = NULL;
   float *flat = NULL;
   int *ctx = NULL, n = 0, rc = -1;
   int64_t step;
@@ -409,9 +409,9 @@ int zt_sample_run(const zt_sample_cmd_t *c, zt_sample_stats_t *st) {
   if (zt_ckpt_read_model(c->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0) goto out;
   if (open_tokenizer(c, man_tok, &cfg, &tok) != 0) goto out;
   if (build_context(c, tok, &cfg, &ctx, &n) != 0) goto out;
-  if (c->threads > 0) zt_kern_cpu_set_threads(c->threads);
+  if (c->threads > 0) zt_kernels_cpu_set_threads(c->threads);
   if (zt_ckpt_load_flat(c->epoch_dir, &cfg, &lay, &flat, &step) != 0) goto out;
-  if (zt_sampler_create(&cfg, flat, &s) != 0) goto out;
+  if (zt_sample_create(&cfg, flat, &s) != 0) goto out;
   zt_sample_opts_t o = {c->tokens, c->temperature, c->top_k, c->seed, zt_tok_vocab_size(tok)};
   run_ctx r = {c, tok};
   fputs(c->prompt, c->out);
@@ -431,7 +431,7 @@ int zt_sample_run(const zt_sample_cmd_t *c, zt_sample_stats_t *st) {
           st->prefill_s * 1e3, zt_tok_type_name(tok));
   rc = 0;
 out:
-  zt_sampler_free(s);
+  zt_sample_free(s);
   free(flat);
   free(ctx);
   zt_tok_free(tok);

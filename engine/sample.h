@@ -4,8 +4,9 @@
  *
  * Three levels, each built on the one before:
  *
- *   zt_sampler_*        the model over a flat fp32 parameter buffer (the
- *                       layout of layout.h) plus a KV cache: feed tokens,
+ *   zt_sample_t         the model over a flat fp32 parameter buffer (the
+ *                       layout of layout.h) plus a KV cache, with
+ *                       zt_sample_create/feed/pos/reset/free: feed tokens,
  *                       get the logits of the last one. The prompt is fed
  *                       once (prefill: every layer on all its rows at
  *                       once), then each new token costs one position.
@@ -33,25 +34,25 @@
 #include "layout.h"
 #include "zt_common.h"
 
-typedef struct zt_sampler zt_sampler_t;
+typedef struct zt_sample zt_sample_t;
 
 /* A sampler over params (a flat buffer of lay->num_params floats for cfg,
  * host memory; kept by pointer, not copied) with an empty cache. Uses the
- * fast CPU kernels (zt_kern_cpu_set_threads sets their threads). */
-ZT_MUST_CHECK int zt_sampler_create(const zt_model_config_t *cfg, const float *params,
-                                    zt_sampler_t **out);
-void zt_sampler_free(zt_sampler_t *s);
+ * fast CPU kernels (zt_kernels_cpu_set_threads sets their threads). */
+ZT_MUST_CHECK int zt_sample_create(const zt_model_config_t *cfg, const float *params,
+                                   zt_sample_t **out);
+void zt_sample_free(zt_sample_t *s);
 
 /* Runs n tokens at the next n positions, adding their keys and values to
  * the cache, and points *logits at the logits of the last of them (Vp
  * floats, the first vocab_size meaningful; valid until the next call).
  * -1 when an id is outside the vocabulary or the context would exceed
  * seq_len (nothing is changed then). */
-ZT_MUST_CHECK int zt_sampler_feed(zt_sampler_t *s, const int *ids, int n, const float **logits);
+ZT_MUST_CHECK int zt_sample_feed(zt_sample_t *s, const int *ids, int n, const float **logits);
 /* Tokens in the cache. */
-int zt_sampler_pos(const zt_sampler_t *s);
+int zt_sample_pos(const zt_sample_t *s);
 /* Empties the cache. */
-void zt_sampler_reset(zt_sampler_t *s);
+void zt_sample_reset(zt_sample_t *s);
 
 typedef struct {
   int max_tokens;     /* tokens to make, >= 1 */
@@ -76,7 +77,7 @@ typedef struct {
 /* Empties the cache, feeds prompt[0, n) (1 <= n < seq_len), then makes up
  * to o->max_tokens tokens, stopping early when the sequence (prompt and
  * generated tokens) reaches seq_len. */
-ZT_MUST_CHECK int zt_sample_generate(zt_sampler_t *s, const int *prompt, int n,
+ZT_MUST_CHECK int zt_sample_generate(zt_sample_t *s, const int *prompt, int n,
                                      const zt_sample_opts_t *o, zt_sample_emit_fn emit,
                                      void *user, zt_sample_stats_t *st);
 

@@ -31,7 +31,7 @@
 
 #include "ckpt_io.h"
 #include "data.h"
-#include "memory.h"
+#include "memplan.h"
 #include "device.h"
 #include "model.h"
 #include "optim.h"
@@ -54,7 +54,7 @@ typedef struct {
   char tok_record[512]; /* the training data's tokenizer record, or "" */
   int *inp, *tgt;
   zt_ckpt_writer_t *writer; /* started at the first checkpoint */
-  zt_mem_need_t need;       /* what one rank needs (memory.h) */
+  zt_memplan_need_t need; /* what one rank needs (memplan.h) */
   int N, r, accum, mb, T;
   int64_t tmo;
   /* The failure was another rank's (its validation batch), which says
@@ -136,29 +136,29 @@ static int open_data(trainer *t) {
   return 0;
 }
 
-/* The job's per-rank need (memory.h) against the worker's budget: a job
+/* The job's per-rank need (memplan.h) against the worker's budget: a job
  * that cannot fit fails here, naming both, instead of being killed by the
  * kernel half-way through allocating. */
 static int check_memory(trainer *t) {
   const zt_gen_ctx_t *g = t->g;
-  if (zt_memory_need(&t->spec, t->N, &t->need) != 0) return zt_err_wrap("memory estimate");
+  if (zt_memplan_need(&t->spec, t->N, &t->need) != 0) return zt_err_wrap("memory estimate");
   int gpu = t->k != zt_kernels_cpu();
   uint64_t device = gpu ? (g->device_memory ? g->device_memory : UINT64_MAX) : 0;
-  if (zt_memory_fits(&t->need, g->host_memory, device)) return 0;
+  if (zt_memplan_fits(&t->need, g->host_memory, device)) return 0;
   char need[32], have[32], dneed[32], dhave[32];
   if (gpu && device < t->need.device)
     return zt_errk(ZT_E_NO_MEMORY,
                    "out of memory: one rank of this job needs %s of GPU memory at world size %d "
                    "(ZeRO stage %d), the device has %s",
-                   zt_memory_text(t->need.device, dneed, sizeof dneed), t->N, t->spec.zero_stage,
-                   zt_memory_text(device, dhave, sizeof dhave));
+                   zt_memplan_text(t->need.device, dneed, sizeof dneed), t->N, t->spec.zero_stage,
+                   zt_memplan_text(device, dhave, sizeof dhave));
   uint64_t want = gpu ? t->need.host_with_device : t->need.host;
   return zt_errk(ZT_E_NO_MEMORY,
                  "out of memory: one rank of this job needs %s of host memory at world size %d "
                  "(ZeRO stage %d; states %s), this worker may use %s (zworker --memory)",
-                 zt_memory_text(want, need, sizeof need), t->N, t->spec.zero_stage,
-                 zt_memory_text(t->need.states, dneed, sizeof dneed),
-                 zt_memory_text(g->host_memory, have, sizeof have));
+                 zt_memplan_text(want, need, sizeof need), t->N, t->spec.zero_stage,
+                 zt_memplan_text(t->need.states, dneed, sizeof dneed),
+                 zt_memplan_text(g->host_memory, have, sizeof have));
 }
 
 /* overlap_comm changes the order of the collectives (stages 0-1 reduce
@@ -198,7 +198,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     *fault = ZT_FAULT_LOCAL;
     return zt_err_wrap("device");
   }
-  if (g->threads > 0) zt_kern_cpu_set_threads(g->threads);
+  if (g->threads > 0) zt_kernels_cpu_set_threads(g->threads);
   *fault = ZT_FAULT_MEMORY;
   if (check_memory(t) != 0) return -1;
   *fault = ZT_FAULT_JOB;
@@ -237,9 +237,9 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     ZT_INFO("gradients: each of the %d micro-steps' fp32 gradients is reduce-scattered straight "
             "to its owners (stage %d, %d ranks)", t->accum, t->spec.zero_stage, t->N);
   /* The report's estimate: this rank's own figures (overlap thread, storage type). */
-  zt_mem_need_t est = t->need;
+  zt_memplan_need_t est = t->need;
   if (g->workdir &&
-      (zt_memory_rank(&t->spec, t->N, t->z.overlap, t->k->xbytes, t->z.dcomm, &est.states,
+      (zt_memplan_rank(&t->spec, t->N, t->z.overlap, t->k->xbytes, t->z.dcomm, &est.states,
                       &est.activations) != 0 ||
        zt_zero_write_memory_report(&t->z, g->workdir, zt_model_activation_bytes(t->m), &est) != 0))
     ZT_WARN("%s", zt_err_msg());

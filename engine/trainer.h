@@ -2,12 +2,13 @@
  * trainer.h: one generation of data-parallel training, the engine's entry
  * point.
  *
- * The caller (the worker's runner, worker/runner.c, or zsolo, solo.c) has
- * joined a generation: it knows its rank, the world size and the job spec,
- * and holds a connected communicator. zt_gen_train() builds the model, lays
- * out the ZeRO states (zero.h), initialises them or loads the committed
- * epoch the coordinator named (resharding it to this world size), and runs
- * steps until the job's last step, a stop request or a failure.
+ * The caller (the worker's runner, worker/runner.c, or zsolo,
+ * tools/zsolo.c) has joined a generation: it knows its rank, the world size
+ * and the job spec, and holds a connected communicator. zt_gen_train()
+ * builds the model, lays out the ZeRO states (zero.h), initialises them or
+ * loads the committed epoch the coordinator named (resharding it to this
+ * world size), and runs steps until the job's last step, a stop request or
+ * a failure.
  *
  * The engine knows nothing of gRPC or of the coordinator: it talks to its
  * caller through the callbacks below, in its own vocabulary

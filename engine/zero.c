@@ -685,7 +685,7 @@ void zt_zero_free(zt_zero_t *z) {
 }
 
 int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
-                                uint64_t activation_bytes, const zt_mem_need_t *estimate) {
+                                uint64_t activation_bytes, const zt_memplan_need_t *estimate) {
   char path[1100];
   snprintf(path, sizeof path, "%s/zero_memory.json", workdir);
   FILE *f = fopen(path, "w");

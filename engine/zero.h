@@ -4,7 +4,7 @@
  *
  * Layout. Every unit u (layout.h) of U_u elements is padded to N*S_u,
  * S_u = ceil(U_u / N) rounded up to a multiple of 8 (zt_zero_shard_size,
- * memory.h: units and shards 16-byte aligned); rank r owns
+ * memplan.h: units and shards 16-byte aligned); rank r owns
  * [r*S_u, (r+1)*S_u). Storage per stage
  * (docs/zero.md has the byte formulas):
  *
@@ -84,7 +84,7 @@
 
 #include "ckpt_io.h"
 #include "comm.h"
-#include "memory.h"
+#include "memplan.h"
 #include "model.h"
 #include "optim.h"
 #include "zt_kernels.h"
@@ -214,11 +214,11 @@ void zt_zero_free(zt_zero_t *z);
 
 /* Writes <workdir>/zero_memory.json: the bytes of model states this rank
  * holds, by kind, and the activations' bytes, next to the estimate the
- * scheduler admits jobs by (memory.h); tests compare them with
+ * scheduler admits jobs by (memplan.h); tests compare them with
  * docs/zero.md and with each other. */
 ZT_MUST_CHECK int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
                                               uint64_t activation_bytes,
-                                              const zt_mem_need_t *estimate);
+                                              const zt_memplan_need_t *estimate);
 
 /* Fresh parameters (zt_layout_init_unit), whole units or this rank's shard. */
 void zt_zero_init_params(zt_zero_t *z, uint64_t seed);

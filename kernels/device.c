@@ -3,8 +3,8 @@
  * initialises the CUDA kernel table (see device.h).
  *
  * Only five entry points of libzt_kernels_cuda.so are used, resolved by
- * dlsym: zt_kern_cuda_init, zt_kernels_cuda, zt_kernels_cuda_bf16,
- * zt_kern_cuda_set_math and zt_cuda_device_memory (their contracts are in
+ * dlsym: zt_kernels_cuda_init, zt_kernels_cuda, zt_kernels_cuda_bf16,
+ * zt_kernels_cuda_set_math and zt_cuda_device_memory (their contracts are in
  * kernels/cuda/zt_kernels_cuda.h). The handle is kept for
  * the life of the process: the library owns the CUDA context and stream.
  */
@@ -77,10 +77,10 @@ static const zt_kernels_t *cuda_kernels(int index, int bf16) {
   pthread_mutex_lock(&g_mu);
   if (!g_lib) {
     if (open_library() != 0) goto out;
-    *(void **)&g_init = dlsym(g_lib, "zt_kern_cuda_init");
+    *(void **)&g_init = dlsym(g_lib, "zt_kernels_cuda_init");
     *(void **)&g_table = dlsym(g_lib, "zt_kernels_cuda");
     *(void **)&g_table_bf16 = dlsym(g_lib, "zt_kernels_cuda_bf16");
-    *(void **)&g_set_math = dlsym(g_lib, "zt_kern_cuda_set_math");
+    *(void **)&g_set_math = dlsym(g_lib, "zt_kernels_cuda_set_math");
     *(void **)&g_memory = dlsym(g_lib, "zt_cuda_device_memory");
     if (!g_init || !g_table || !g_table_bf16 || !g_set_math || !g_memory) {
       zt_err("libzt_kernels_cuda.so lacks an entry point: %s", dlerror());

@@ -107,7 +107,7 @@ typedef struct zt_kernels {
   void (*adamw)(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
                 float b2, float eps, float wd, float bc1, float bc2);
   /* Sum of squares in double. The sum is formed in fixed chunks of
-   * ZT_KERN_SUMSQ_CHUNK elements combined in order, so the result does not
+   * ZT_KERNELS_SUMSQ_CHUNK elements combined in order, so the result does not
    * depend on the thread count. */
   double (*sumsq)(const float *x, size_t n);
   /* x *= s. */
@@ -149,7 +149,7 @@ typedef struct zt_kernels {
   void (*memzero)(void *p, size_t bytes);
 } zt_kernels_t;
 
-#define ZT_KERN_SUMSQ_CHUNK 65536
+#define ZT_KERNELS_SUMSQ_CHUNK 65536
 
 /* GPT-2's constants, shared by every implementation (kernels/cpu/ref.c,
  * kernels/cpu/fast.c, kernels/cuda/kernels.cu): LayerNorm's epsilon and the
@@ -161,46 +161,46 @@ typedef struct zt_kernels {
 const zt_kernels_t *zt_kernels_cpu(void);
 
 /* Host memory functions shared by the CPU tables (calloc, free, memcpy). */
-void *zt_kern_host_alloc(size_t bytes);
-void zt_kern_host_release(void *p);
-void zt_kern_host_copy(void *dst, const void *src, size_t bytes);
-void zt_kern_host_memzero(void *p, size_t bytes);
-void zt_kern_host_narrow_x(void *dst, const float *src, size_t n);
-void zt_kern_host_widen_x(float *dst, const void *src, size_t n);
+void *zt_kernels_host_alloc(size_t bytes);
+void zt_kernels_host_release(void *p);
+void zt_kernels_host_copy(void *dst, const void *src, size_t bytes);
+void zt_kernels_host_memzero(void *p, size_t bytes);
+void zt_kernels_host_narrow_x(void *dst, const float *src, size_t n);
+void zt_kernels_host_widen_x(float *dst, const void *src, size_t n);
 /* The memory entries of a CPU table (designated initializers): fp32
  * storage, host memory. */
-#define ZT_KERN_HOST_MEMORY                                                     \
-  .xbytes = 4, .narrow_x = zt_kern_host_narrow_x, .widen_x = zt_kern_host_widen_x, \
-  .alloc = zt_kern_host_alloc, .release = zt_kern_host_release,                 \
-  .upload = zt_kern_host_copy, .download = zt_kern_host_copy,                   \
-  .copy = zt_kern_host_copy, .memzero = zt_kern_host_memzero
+#define ZT_KERNELS_HOST_MEMORY                                                           \
+  .xbytes = 4, .narrow_x = zt_kernels_host_narrow_x, .widen_x = zt_kernels_host_widen_x, \
+  .alloc = zt_kernels_host_alloc, .release = zt_kernels_host_release,                    \
+  .upload = zt_kernels_host_copy, .download = zt_kernels_host_copy,                      \
+  .copy = zt_kernels_host_copy, .memzero = zt_kernels_host_memzero
 
 /* The compute entries of a table whose functions are named <p>_<entry>
  * (designated initializers: both CPU tables are filled with it, so the list
  * of entries is written once). */
-#define ZT_KERN_ENTRIES(p)                                                              \
-  .encoder_forward = p##_encoder_forward, .encoder_backward = p##_encoder_backward,     \
+#define ZT_KERNELS_ENTRIES(p)                                                               \
+  .encoder_forward = p##_encoder_forward, .encoder_backward = p##_encoder_backward,         \
   .layernorm_forward = p##_layernorm_forward, .layernorm_backward = p##_layernorm_backward, \
-  .matmul_forward = p##_matmul_forward, .matmul_backward = p##_matmul_backward,         \
-  .attention_forward = p##_attention_forward,                                           \
-  .attention_backward = p##_attention_backward, .gelu_forward = p##_gelu_forward,       \
-  .gelu_backward = p##_gelu_backward, .residual_forward = p##_residual_forward,         \
-  .crossentropy_forward = p##_crossentropy_forward,                                     \
-  .crossentropy_backward = p##_crossentropy_backward, .adamw = p##_adamw,               \
-  .sumsq = p##_sumsq, .scale = p##_scale, .zero = p##_zero, .acc_f64 = p##_acc_f64,     \
+  .matmul_forward = p##_matmul_forward, .matmul_backward = p##_matmul_backward,             \
+  .attention_forward = p##_attention_forward,                                               \
+  .attention_backward = p##_attention_backward, .gelu_forward = p##_gelu_forward,           \
+  .gelu_backward = p##_gelu_backward, .residual_forward = p##_residual_forward,             \
+  .crossentropy_forward = p##_crossentropy_forward,                                         \
+  .crossentropy_backward = p##_crossentropy_backward, .adamw = p##_adamw,                   \
+  .sumsq = p##_sumsq, .scale = p##_scale, .zero = p##_zero, .acc_f64 = p##_acc_f64,         \
   .add_f64 = p##_add_f64, .widen_f64 = p##_widen_f64, .narrow_f64 = p##_narrow_f64
 
 /* sumsq_f64 of both CPU tables (serial, in element order). */
-double zt_kern_host_sumsq_f64(const double *x, size_t n, double s);
+double zt_kernels_host_sumsq_f64(const double *x, size_t n, double s);
 const zt_kernels_t *zt_kernels_ref(void);
 
 /* Sets the number of CPU threads used by the OpenMP kernels and by OpenBLAS
  * (n <= 0 leaves the defaults). Returns the number now in use. */
-int zt_kern_cpu_set_threads(int n);
+int zt_kernels_cpu_set_threads(int n);
 
 /* The matrix product under zt_kernels_cpu(): "avx512" (our own, on CPUs
  * with AVX-512F; its results do not depend on the thread count) or "blas"
  * (OpenBLAS's sgemm; ZT_SGEMM=blas forces it). kernels/cpu/gemm.c. */
-const char *zt_kern_cpu_sgemm(void);
+const char *zt_kernels_cpu_sgemm(void);
 
 #endif

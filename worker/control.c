@@ -227,7 +227,7 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   req.device = c->device;
   req.secret = c->secret;
   req.pid = (int32_t)getpid();
-  req.version = "0.1.0";
+  req.version = (char *)zt_version_string();
   req.session = session; /* lets us take our own name back */
   req.host_memory_bytes = c->o.host_memory;
   req.device_memory_bytes = c->o.device_memory;

@@ -80,21 +80,14 @@ static int wait_fd(int fd, short ev, zt_deadline_t dl) {
   }
 }
 
+static int io_wait(void *user, int fd, short events, zt_deadline_t dl) {
+  (void)user;
+  return wait_fd(fd, events, dl);
+}
+
+/* Exactly len bytes, within dl and the thread's abort condition. */
 static int io_all(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
-  size_t done = 0;
-  while (done < len) {
-    ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
-                        : recv(fd, (char *)buf + done, len - done, 0);
-    if (r > 0) {
-      done += (size_t)r;
-      continue;
-    }
-    if (r == 0) return zt_err("connection closed");
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-      return zt_err_errno(writing ? "send" : "recv");
-    if (wait_fd(fd, writing ? POLLOUT : POLLIN, dl) != 0) return -1;
-  }
-  return 0;
+  return zt_io_exact(fd, buf, len, writing, dl, io_wait, NULL);
 }
 
 /* Starts a non-blocking connection to addr: the socket, connecting (or

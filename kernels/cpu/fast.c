@@ -22,7 +22,7 @@
  * Determinism: every loop uses a static schedule and every reduction has a
  * fixed order that does not depend on the number of threads (LayerNorm
  * weight gradients are summed over fixed chunks of rows, sumsq over fixed
- * chunks of ZT_KERN_SUMSQ_CHUNK elements, bias gradients per column). The
+ * chunks of ZT_KERNELS_SUMSQ_CHUNK elements, bias gradients per column). The
  * kernels themselves are therefore bitwise reproducible for any thread count.
  * Our AVX-512 sgemm gives the same bits for any split of its rows, so with
  * it whole steps are too; OpenBLAS's sgemm is reproducible only for a fixed
@@ -100,13 +100,13 @@ static inline float zt_tanhf(float x) {
   return (e - 1.0f) / (e + 1.0f);
 }
 
-static int zt_kern_initialized;
+static int zt_kernels_initialized;
 
 /* OpenBLAS runs single-threaded: all parallelism comes from OpenMP. */
-static void zt_kern_init(void) {
-  if (zt_kern_initialized) return;
+static void zt_kernels_init(void) {
+  if (zt_kernels_initialized) return;
   openblas_set_num_threads(1);
-  zt_kern_initialized = 1;
+  zt_kernels_initialized = 1;
 }
 
 /* ---- encoder ------------------------------------------------------------ */
@@ -537,13 +537,13 @@ static double sumsq_chunk(const float *x, size_t n) {
 }
 
 static double fast_sumsq(const float *x, size_t n) {
-  size_t nchunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
+  size_t nchunks = (n + ZT_KERNELS_SUMSQ_CHUNK - 1) / ZT_KERNELS_SUMSQ_CHUNK;
   if (nchunks <= 1) return sumsq_chunk(x, n);
   double *part = zt_xmalloc(sizeof(double) * nchunks);
 #pragma omp parallel for schedule(static)
   for (size_t c = 0; c < nchunks; c++) {
-    size_t lo = c * ZT_KERN_SUMSQ_CHUNK;
-    part[c] = sumsq_chunk(x + lo, ZT_MIN_SZ(ZT_KERN_SUMSQ_CHUNK, n - lo));
+    size_t lo = c * ZT_KERNELS_SUMSQ_CHUNK;
+    part[c] = sumsq_chunk(x + lo, ZT_MIN_SZ(ZT_KERNELS_SUMSQ_CHUNK, n - lo));
   }
   double total = 0.0;
   for (size_t c = 0; c < nchunks; c++) total += part[c];
@@ -589,20 +589,20 @@ static void fast_narrow_f64(float *dst, const double *x, size_t n, double s, flo
 
 static const zt_kernels_t zt_cpu_table = {
     .name = "cpu",
-    ZT_KERN_ENTRIES(fast),
-    .sumsq_f64 = zt_kern_host_sumsq_f64, /* serial: element order */
-    ZT_KERN_HOST_MEMORY,
+    ZT_KERNELS_ENTRIES(fast),
+    .sumsq_f64 = zt_kernels_host_sumsq_f64, /* serial: element order */
+    ZT_KERNELS_HOST_MEMORY,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {
-  zt_kern_init();
+  zt_kernels_init();
   return &zt_cpu_table;
 }
 
-int zt_kern_cpu_set_threads(int n) {
-  zt_kern_init();
+int zt_kernels_cpu_set_threads(int n) {
+  zt_kernels_init();
   if (n > 0) omp_set_num_threads(n);
   return omp_get_max_threads();
 }
 
-const char *zt_kern_cpu_sgemm(void) { return zt_sgemm_impl(); }
+const char *zt_kernels_cpu_sgemm(void) { return zt_sgemm_impl(); }

@@ -298,8 +298,8 @@ static void ref_adamw(float *p, const float *g, float *m, float *v, size_t n, fl
 
 static double ref_sumsq(const float *x, size_t n) {
   double total = 0.0;
-  for (size_t c = 0; c < n; c += ZT_KERN_SUMSQ_CHUNK) {
-    size_t end = c + ZT_KERN_SUMSQ_CHUNK < n ? c + ZT_KERN_SUMSQ_CHUNK : n;
+  for (size_t c = 0; c < n; c += ZT_KERNELS_SUMSQ_CHUNK) {
+    size_t end = c + ZT_KERNELS_SUMSQ_CHUNK < n ? c + ZT_KERNELS_SUMSQ_CHUNK : n;
     double s = 0.0;
     for (size_t i = c; i < end; i++) s += (double)x[i] * x[i];
     total += s;
@@ -331,7 +331,7 @@ static void ref_narrow_f64(float *dst, const double *x, size_t n, double s, floa
   for (size_t i = 0; i < n; i++) dst[i] = (float)(x[i] * s) * t;
 }
 
-double zt_kern_host_sumsq_f64(const double *x, size_t n, double s) {
+double zt_kernels_host_sumsq_f64(const double *x, size_t n, double s) {
   double sum = 0.0;
   for (size_t i = 0; i < n; i++) {
     double v = (float)(x[i] * s);
@@ -340,26 +340,26 @@ double zt_kern_host_sumsq_f64(const double *x, size_t n, double s) {
   return sum;
 }
 
-void *zt_kern_host_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
-void zt_kern_host_release(void *p) { free(p); }
-void zt_kern_host_copy(void *dst, const void *src, size_t bytes) {
+void *zt_kernels_host_alloc(size_t bytes) { return calloc(1, bytes ? bytes : 1); }
+void zt_kernels_host_release(void *p) { free(p); }
+void zt_kernels_host_copy(void *dst, const void *src, size_t bytes) {
   if (bytes) memcpy(dst, src, bytes);
 }
-void zt_kern_host_memzero(void *p, size_t bytes) {
+void zt_kernels_host_memzero(void *p, size_t bytes) {
   if (bytes) memset(p, 0, bytes);
 }
-void zt_kern_host_narrow_x(void *dst, const float *src, size_t n) {
-  zt_kern_host_copy(dst, src, n * sizeof(float));
+void zt_kernels_host_narrow_x(void *dst, const float *src, size_t n) {
+  zt_kernels_host_copy(dst, src, n * sizeof(float));
 }
-void zt_kern_host_widen_x(float *dst, const void *src, size_t n) {
-  zt_kern_host_copy(dst, src, n * sizeof(float));
+void zt_kernels_host_widen_x(float *dst, const void *src, size_t n) {
+  zt_kernels_host_copy(dst, src, n * sizeof(float));
 }
 
 static const zt_kernels_t zt_ref_table = {
     .name = "cpu-ref",
-    ZT_KERN_ENTRIES(ref),
-    .sumsq_f64 = zt_kern_host_sumsq_f64,
-    ZT_KERN_HOST_MEMORY,
+    ZT_KERNELS_ENTRIES(ref),
+    .sumsq_f64 = zt_kernels_host_sumsq_f64,
+    ZT_KERNELS_HOST_MEMORY,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }

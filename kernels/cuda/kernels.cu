@@ -171,7 +171,7 @@ static cublasComputeType_t compute_type(void) {
  * when batched, its batch stride in bytes. Model views start at offsets of
  * a flat buffer; capped at 16, a view's alignment, and so the algorithm
  * chosen for it, does not change with where ZeRO's padding (which keeps
- * units 16-byte aligned, engine/memory.h) puts the unit. */
+ * units 16-byte aligned, engine/memplan.h) puts the unit. */
 static uint32_t align_of(const void *p, long long stride, int batch, size_t esz) {
   uint64_t a = (uint64_t)(uintptr_t)p | 16u;
   if (batch > 1) a |= (uint64_t)stride * esz;
@@ -975,7 +975,7 @@ __global__ void k_flash_bwd_q(X *dqkv, const X *qkv, const X *dout, const float 
  * fp32 on the CUDA cores, a step takes 1.7x as long at T = 1024 and 2.1x at
  * T = 4096; docs/gpu.md). So the tiled kernels take over only once that
  * scratch would pass att_scr_max bytes: by default a quarter of the device's
- * memory, set at init unless zt_kern_cuda_set_attention_scratch_max chose
+ * memory, set at init unless zt_kernels_cuda_set_attention_scratch_max chose
  * it. Head sizes above FA_HSMAX, or not a multiple of 4, always take the
  * cuBLASLt path. With bf16 storage the tensor-core kernels below come
  * first (att_tc). */
@@ -1031,7 +1031,7 @@ static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, c
 /* ---------------------------------------------------------------------------
  * The tiled attention on the tensor cores: bf16 storage, head sizes a
  * multiple of 16 up to FA_HSMAX. Where they apply, bf16 attention takes them
- * whatever the scratch limit (zt_kern_cuda_set_attention_tc(0) turns them
+ * whatever the scratch limit (zt_kernels_cuda_set_attention_tc(0) turns them
  * off): on an H200, GPT-2 124M at 8 x 1024 steps in 42.7 ms with them
  * against 45.5 with the cuBLASLt path and 92.8 with the fp32 tiled kernels,
  * and they keep no T x T matrix (docs/gpu.md). The same
@@ -1583,7 +1583,7 @@ static void cu_adamw(float *p, const float *gr, float *m, float *v, size_t n, fl
   ZT_LAUNCH_1D(k_adamw, n, p, gr, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
 }
 
-/* One block per ZT_KERN_SUMSQ_CHUNK elements, summed in double with a fixed
+/* One block per ZT_KERNELS_SUMSQ_CHUNK elements, summed in double with a fixed
  * tree; the host adds the chunk sums in order (sum_chunks). The value
  * squared is x for fp32 input (sumsq) and (float)(x * s) for fp64 input
  * (sumsq_f64). */
@@ -1593,8 +1593,8 @@ __device__ __forceinline__ double sq_value(double x, double s) { return (float)(
 template <typename T>
 __global__ void k_sumsq_chunks(double *part, const T *x, size_t n, double s) {
   __shared__ double sh[ZT_RED_THREADS];
-  size_t c0 = (size_t)blockIdx.x * ZT_KERN_SUMSQ_CHUNK;
-  size_t c1 = c0 + ZT_KERN_SUMSQ_CHUNK < n ? c0 + ZT_KERN_SUMSQ_CHUNK : n;
+  size_t c0 = (size_t)blockIdx.x * ZT_KERNELS_SUMSQ_CHUNK;
+  size_t c1 = c0 + ZT_KERNELS_SUMSQ_CHUNK < n ? c0 + ZT_KERNELS_SUMSQ_CHUNK : n;
   double acc = 0.0;
   for (size_t i = c0 + threadIdx.x; i < c1; i += blockDim.x) {
     double v = sq_value(x[i], s);
@@ -1623,7 +1623,7 @@ static double sum_chunks(const double *part, size_t chunks) {
 template <typename T>
 static double sumsq_chunked(const T *x, size_t n, double s) {
   if (!n) return 0.0;
-  size_t chunks = (n + ZT_KERN_SUMSQ_CHUNK - 1) / ZT_KERN_SUMSQ_CHUNK;
+  size_t chunks = (n + ZT_KERNELS_SUMSQ_CHUNK - 1) / ZT_KERNELS_SUMSQ_CHUNK;
   double *part = (double *)scratch(SCR_SUMSQ, chunks * sizeof(double));
   k_sumsq_chunks<T><<<(unsigned)chunks, ZT_RED_THREADS, 0, g.stream>>>(part, x, n, s);
   ZT_CUDA_LAUNCHED();
@@ -1766,7 +1766,7 @@ extern "C" int zt_cuda_device_count(void) {
   return n;
 }
 
-extern "C" int zt_kern_cuda_init(int device, char *err, size_t errlen) {
+extern "C" int zt_kernels_cuda_init(int device, char *err, size_t errlen) {
   if (g.init) {
     /* The current device is per thread: a later call from another thread
      * (zworker's trainer thread) makes it current there too. */
@@ -1812,11 +1812,11 @@ extern "C" const zt_kernels_t *zt_kernels_cuda(void) { return g.init ? &zt_cuda_
 extern "C" const zt_kernels_t *zt_kernels_cuda_bf16(void) {
   return g.init ? &zt_cuda_table_bf16 : NULL;
 }
-extern "C" void zt_kern_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
-extern "C" zt_cuda_math_t zt_kern_cuda_math(void) { return g.math; }
-extern "C" void zt_kern_cuda_set_attention_tc(int on) { att_tc_on = on; }
+extern "C" void zt_kernels_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
+extern "C" zt_cuda_math_t zt_kernels_cuda_math(void) { return g.math; }
+extern "C" void zt_kernels_cuda_set_attention_tc(int on) { att_tc_on = on; }
 
-extern "C" void zt_kern_cuda_set_attention_scratch_max(size_t bytes) {
+extern "C" void zt_kernels_cuda_set_attention_scratch_max(size_t bytes) {
   att_scr_max = bytes;
   att_scr_max_set = 1;
 }

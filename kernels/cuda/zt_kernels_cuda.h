@@ -20,7 +20,7 @@
  * on the same GPU give identical results.
  *
  * Matmuls go through cuBLASLt (bias fused as an epilogue in the forward).
- * zt_kern_cuda_set_math selects the matmul precision: exact fp32, TF32 or
+ * zt_kernels_cuda_set_math selects the matmul precision: exact fp32, TF32 or
  * bf16 tensor cores (fp32 storage and accumulation; inputs rounded to
  * bf16 inside the product). Attention uses strided-batched cuBLASLt products
  * over [B*NH] heads and a warp-per-row causal softmax while its T x T
@@ -29,7 +29,7 @@
  *
  * Errors: every CUDA and cuBLAS call is checked; a failure prints the call,
  * the file:line and the library's message and ends the process (exit 1), as
- * a device error leaves the context unusable. zt_kern_cuda_init is the one
+ * a device error leaves the context unusable. zt_kernels_cuda_init is the one
  * call that fails softly (no GPU, no driver): it returns -1 with a message.
  *
  * This header is plain C so that C code and tests can use it without the
@@ -59,22 +59,22 @@ int zt_cuda_device_count(void);
  * Returns 0, or -1 with a message in err (no device, bad index, driver too
  * old). Idempotent for the same device; every thread that launches work
  * calls it once (it makes the device current for the calling thread). */
-int zt_kern_cuda_init(int device, char *err, size_t errlen);
+int zt_kernels_cuda_init(int device, char *err, size_t errlen);
 
-/* The kernel table (zt_kern_cuda_init must have succeeded): fp32 storage.
+/* The kernel table (zt_kernels_cuda_init must have succeeded): fp32 storage.
  * zt_kernels_cuda_bf16: the same kernels with bf16 storage (zt_kernels.h,
  * xbytes 2), their products on cuBLASLt's bf16 kernels with fp32
- * accumulation whatever zt_kern_cuda_set_math says. */
+ * accumulation whatever zt_kernels_cuda_set_math says. */
 const zt_kernels_t *zt_kernels_cuda(void);
 const zt_kernels_t *zt_kernels_cuda_bf16(void);
 
-void zt_kern_cuda_set_math(zt_cuda_math_t math);
-zt_cuda_math_t zt_kern_cuda_math(void);
+void zt_kernels_cuda_set_math(zt_cuda_math_t math);
+zt_cuda_math_t zt_kernels_cuda_math(void);
 
 /* Attention takes the tiled kernels when the cuBLASLt path's T x T scratch
  * would pass `bytes` (default: a quarter of the device's memory): 0 makes
  * every head size <= 64 tiled, SIZE_MAX none. */
-void zt_kern_cuda_set_attention_scratch_max(size_t bytes);
+void zt_kernels_cuda_set_attention_scratch_max(size_t bytes);
 
 /* 1 (the default): with bf16 storage, attention runs on the tiled
  * tensor-core kernels (bf16 products, the probabilities and ds rounded to
@@ -82,7 +82,7 @@ void zt_kern_cuda_set_attention_scratch_max(size_t bytes);
  * up to 64, whatever the scratch limit above: on an H200 they were the
  * fastest path and keep no T x T matrix (docs/gpu.md). 0: bf16 attention
  * takes the cuBLASLt or the fp32 tiled path, as fp32 storage does. */
-void zt_kern_cuda_set_attention_tc(int on);
+void zt_kernels_cuda_set_attention_tc(int on);
 
 /* Device memory in use on this process's device, all processes (bytes). */
 size_t zt_cuda_device_memory_used(void);

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 
 #include "fuzz_fail.h"
-#include "memory.h"
+#include "memplan.h"
 #include "spec.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -24,19 +24,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (zt_spec_accum_for_world(&s, n, &accum) == 0 &&
         (long)accum * s.micro_batch * n != s.global_batch)
       ZT_FUZZ_FAIL();
-    zt_mem_need_t need;
-    if (zt_memory_need(&s, n, &need) != 0) continue;
+    zt_memplan_need_t need;
+    if (zt_memplan_need(&s, n, &need) != 0) continue;
     /* A GPU worker's figures: bf16 storage when the spec asks for it
      * (activations then smaller), else the fp32 ones without overlap, plus
      * the fp64 copy a unit's gradient is widened into for NCCL (stages
-     * 2-3); a rank's own estimate (zt_memory_rank) gives the same numbers. */
+     * 2-3); a rank's own estimate (zt_memplan_rank) gives the same numbers. */
     uint64_t host0, dev0, acts0, dev_acts;
-    if (zt_memory_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
-        zt_memory_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
+    if (zt_memplan_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
+        zt_memplan_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
       ZT_FUZZ_FAIL();
-    if (need.host != ZT_MEM_BASE_BYTES + need.states + need.activations + need.snapshot ||
-        need.device != ZT_MEM_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||
-        need.host_with_device != ZT_MEM_BASE_BYTES + need.states + need.snapshot ||
+    if (need.host != ZT_MEMPLAN_BASE_BYTES + need.states + need.activations + need.snapshot ||
+        need.device != ZT_MEMPLAN_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||
+        need.host_with_device != ZT_MEMPLAN_BASE_BYTES + need.states + need.snapshot ||
         need.dev_activations > need.activations || dev0 != need.dev_states ||
         dev_acts != need.dev_activations || acts0 != need.activations || host0 > need.states ||
         (!s.bf16 && (need.dev_activations != need.activations || need.dev_states < host0)))

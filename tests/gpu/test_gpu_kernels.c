@@ -82,7 +82,7 @@ ZT_TEST(table) {
   fprintf(stderr, "  device: %s, %.1f GiB\n", zt_cuda_device_name(),
           zt_cuda_device_memory() / 1073741824.0);
   char err[256];
-  ZT_CHECK(zt_kern_cuda_init(zt_cuda_device_count(), err, sizeof err) == -1);
+  ZT_CHECK(zt_kernels_cuda_init(zt_cuda_device_count(), err, sizeof err) == -1);
   ZT_CHECK(strstr(err, "does not exist") != NULL || strstr(err, "already") != NULL);
 }
 
@@ -185,7 +185,7 @@ static void check_matmul(int N, int IC, int OC, int with_bias, float tol_k) {
 }
 
 ZT_TEST(matmul) {
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
   check_matmul(37, 24, 72, 1, 0);
   check_matmul(5, 64, 200, 0, 0);
   check_matmul(130, 96, 33, 1, 0);
@@ -194,13 +194,13 @@ ZT_TEST(matmul) {
 }
 
 ZT_TEST(matmul_reduced_precision) {
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_TF32);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_TF32);
   check_matmul(130, 96, 33, 1, 2e-3f);
   check_matmul(512, 768, 3072, 1, 2e-3f);
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_BF16);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_BF16);
   check_matmul(130, 96, 33, 1, 8e-3f);
   check_matmul(512, 768, 3072, 1, 8e-3f);
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
 }
 
 static void check_attention_path(int B, int T, int C, int NH) {
@@ -228,11 +228,11 @@ static void check_attention_path(int B, int T, int C, int NH) {
 /* Both paths of attention against the reference: the tiled kernels
  * (scratch limit 0) and cuBLASLt with the T x T matrices (no limit). */
 static void check_attention(int B, int T, int C, int NH) {
-  zt_kern_cuda_set_attention_scratch_max(0);
+  zt_kernels_cuda_set_attention_scratch_max(0);
   check_attention_path(B, T, C, NH);
-  zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
+  zt_kernels_cuda_set_attention_scratch_max(SIZE_MAX);
   check_attention_path(B, T, C, NH);
-  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
+  zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
 }
 
 ZT_TEST(attention) {
@@ -534,7 +534,7 @@ static float max_abs(const float *x, size_t n) {
   return m;
 }
 
-/* The tiled attention on the tensor cores (zt_kern_cuda_set_attention_tc)
+/* The tiled attention on the tensor cores (zt_kernels_cuda_set_attention_tc)
  * on check_attention_bf16's inputs (bf16 qkv, dout and out on the device;
  * o32 and l the fp32 reference's out and lse) against the reference
  * (forward) and g, the fp32 tiled kernels' backward on the same inputs.
@@ -552,25 +552,25 @@ static void check_attention_tc(int B, int T, int C, int NH, const float *qkv, co
                                float *d_or, float *d_o, float *d_l) {
   size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
   float *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
-  zt_kern_cuda_set_attention_scratch_max(0);
-  zt_kern_cuda_set_attention_tc(1);
+  zt_kernels_cuda_set_attention_scratch_max(0);
+  zt_kernels_cuda_set_attention_tc(1);
   XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
   close_x("tensor-core attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
   /* They are the default path of bf16 attention, whatever the scratch
    * limit: the default settings give the same bits. */
   uint16_t *o1 = malloc(no * 2), *o2 = malloc(no * 2);
   XB->download(o1, d_o, no * 2);
-  zt_kern_cuda_set_attention_scratch_max(SIZE_MAX);
+  zt_kernels_cuda_set_attention_scratch_max(SIZE_MAX);
   XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
   XB->download(o2, d_o, no * 2);
   ZT_CHECK(memcmp(o1, o2, no * 2) == 0);
   free(o1), free(o2);
-  zt_kern_cuda_set_attention_scratch_max(0);
+  zt_kernels_cuda_set_attention_scratch_max(0);
   close_dev("tensor-core attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
   G->upload(d_l, l, nl * 4);
   XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
   XB->attention_backward(d_g2, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
-  zt_kern_cuda_set_attention_tc(0);
+  zt_kernels_cuda_set_attention_tc(0);
   uint16_t *h = malloc(nq * 2), *h2 = malloc(nq * 2);
   float *w = malloc(nq * 4);
   XB->download(h, d_g, nq * 2);
@@ -616,9 +616,9 @@ static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
   float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_or = devx(o, no);
   float *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no), *f_o = DEVF(o, no);
   float *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
-  zt_kern_cuda_set_attention_tc(0); /* the cuBLASLt and fp32 tiled paths first */
+  zt_kernels_cuda_set_attention_tc(0); /* the cuBLASLt and fp32 tiled paths first */
   for (int tiled = 0; tiled < 2; tiled++) {
-    zt_kern_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
+    zt_kernels_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
     XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
     close_x(tiled ? "bf16 attention_forward (tiled)" : "bf16 attention_forward", d_o, o32, no,
             1e-5f);
@@ -633,8 +633,8 @@ static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
       check_attention_tc(B, T, C, NH, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
     free(g);
   }
-  zt_kern_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
-  zt_kern_cuda_set_attention_tc(1); /* the defaults */
+  zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
+  zt_kernels_cuda_set_attention_tc(1); /* the defaults */
   void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_or, f_qkv, f_dout, f_o, f_l, f_g};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(qkv), free(o), free(l), free(dout), free(o32);
@@ -678,7 +678,7 @@ int main(int argc, char **argv) {
   char err[256];
   zt_test_seed(0x9e3779b97f4a7c15ull);
   int n = zt_cuda_device_count();
-  if (n == 0 || zt_kern_cuda_init(0, err, sizeof err) != 0) {
+  if (n == 0 || zt_kernels_cuda_init(0, err, sizeof err) != 0) {
     printf("test_gpu_kernels: skipped: %s\n", n == 0 ? "no CUDA device" : err);
     return 77;
   }

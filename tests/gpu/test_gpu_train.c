@@ -68,7 +68,7 @@ static float *host_copy(const zt_kernels_t *k, const float *p, size_t n) {
 }
 
 ZT_TEST(gradients_match_reference) {
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
   const zt_kernels_t *tabs[2] = {zt_kernels_ref(), zt_kernels_cuda()};
   zt_model_t *m[2];
   float loss[2];
@@ -143,11 +143,11 @@ ZT_TEST(training_tracks_cpu) {
   make_stream(stream, (size_t)STEPS * B * (T + 1));
   float cpu[STEPS], gpu[STEPS], gbf[STEPS], gx[STEPS];
   ZT_REQUIRE(train(zt_kernels_cpu(), stream, cpu) == 0);
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
   ZT_REQUIRE(train(zt_kernels_cuda(), stream, gpu) == 0);
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_BF16);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_BF16);
   ZT_REQUIRE(train(zt_kernels_cuda(), stream, gbf) == 0);
-  zt_kern_cuda_set_math(ZT_CUDA_MATH_FP32);
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
   ZT_REQUIRE(train(zt_kernels_cuda_bf16(), stream, gx) == 0);
   double worst32 = 0, worst16 = 0, worstx = 0;
   for (int s = 0; s < STEPS; s++) {
@@ -175,7 +175,7 @@ int run_all(int argc, char **argv);
 int main(int argc, char **argv) {
   char err[256];
   int n = zt_cuda_device_count();
-  if (n == 0 || zt_kern_cuda_init(0, err, sizeof err) != 0) {
+  if (n == 0 || zt_kernels_cuda_init(0, err, sizeof err) != 0) {
     printf("test_gpu_train: skipped: %s\n", n == 0 ? "no CUDA device" : err);
     return 77;
   }

@@ -2,7 +2,7 @@
 
 Workers say at registration how much memory they may use (zworker
 --memory); the coordinator computes what one rank of a job needs at each
-world size (engine/memory.c: the ZeRO states of the stage, activations, the
+world size (engine/memplan.c: the ZeRO states of the stage, activations, the
 process) and refuses a job no known worker could hold, makes a job wait
 with the reason while too few can, and learns from a worker that ran out
 of memory anyway. Real zcoord and zworker processes.

@@ -79,7 +79,7 @@ def test_model_state_memory(procs, tmp_path, data, stage):
         # What is in flight (stages 2-3: a few units) stays well below one
         # full copy of the model states.
         assert m["inflight_bytes"] < 8 * psi
-        # The scheduler admits jobs by an estimate (engine/memory.c) that
+        # The scheduler admits jobs by an estimate (engine/memplan.c) that
         # must be exactly what the worker allocates: states, and the
         # activations plus the int inputs, targets and host losses.
         states = held + m["inflight_bytes"] + m["scratch_bytes"]

@@ -71,11 +71,11 @@ ZT_TEST(layernorm) {
   /* Thread-count independence of the chunked dw/db sums. */
   float *dx3 = fdup(dx1, NC), *dw3 = fdup(dw1, C), *db3 = fdup(db1, C);
   float *dx4 = fdup(dx1, NC), *dw4 = fdup(dw1, C), *db4 = fdup(db1, C);
-  zt_kern_cpu_set_threads(1);
+  zt_kernels_cpu_set_threads(1);
   F->layernorm_backward(dx3, dw3, db3, dout, x, w, m2, r2, N, C);
-  zt_kern_cpu_set_threads(3);
+  zt_kernels_cpu_set_threads(3);
   F->layernorm_backward(dx4, dw4, db4, dout, x, w, m2, r2, N, C);
-  zt_kern_cpu_set_threads(2);
+  zt_kernels_cpu_set_threads(2);
   ZT_CHECK(memcmp(dw3, dw4, C * 4) == 0 && memcmp(db3, db4, C * 4) == 0);
   ZT_CHECK(memcmp(dx3, dx4, NC * 4) == 0);
   free(x), free(w), free(b), free(o1), free(o2), free(dout), free(dx1), free(dx2);
@@ -199,11 +199,11 @@ ZT_TEST(optimizer_and_reductions) {
   zt_close_all("adamw v", v1, v2, n, 1e-7f, 1e-6f);
   double s1 = F->sumsq(g, n), s2 = R->sumsq(g, n);
   ZT_CHECK_NEAR(s1, s2, 1e-12 * s2);
-  zt_kern_cpu_set_threads(1);
+  zt_kernels_cpu_set_threads(1);
   double s3 = F->sumsq(g, n);
-  zt_kern_cpu_set_threads(3);
+  zt_kernels_cpu_set_threads(3);
   double s4 = F->sumsq(g, n);
-  zt_kern_cpu_set_threads(2);
+  zt_kernels_cpu_set_threads(2);
   ZT_CHECK(s3 == s4 && s3 == s1);
   F->scale(p1, n, 0.5f);
   R->scale(p2, n, 0.5f);
@@ -249,10 +249,10 @@ ZT_TEST(state_helpers) {
 }
 
 ZT_TEST(tables) {
-  zt_kern_cpu_set_threads(2);
+  zt_kernels_cpu_set_threads(2);
   ZT_CHECK_STR(F->name, "cpu");
   ZT_CHECK_STR(R->name, "cpu-ref");
-  ZT_CHECK(zt_kern_cpu_set_threads(0) == 2);
+  ZT_CHECK(zt_kernels_cpu_set_threads(0) == 2);
 }
 
 ZT_TEST_MAIN(tables, encoder, layernorm, matmul, attention, gelu_residual, crossentropy,

@@ -74,37 +74,37 @@ static void random_seq(int *seq, int n) {
 ZT_TEST(cache_matches_full_forward) {
   zt_model_t *m = make_model();
   ZT_REQUIRE(m != NULL);
-  zt_sampler_t *s;
-  ZT_REQUIRE(zt_sampler_create(&cfg, m->params, &s) == 0);
+  zt_sample_t *s;
+  ZT_REQUIRE(zt_sample_create(&cfg, m->params, &s) == 0);
   int seq[T];
   random_seq(seq, T);
   const float *lg;
   /* prefill of 5, then one at a time to the end */
-  ZT_REQUIRE(zt_sampler_feed(s, seq, 5, &lg) == 0);
+  ZT_REQUIRE(zt_sample_feed(s, seq, 5, &lg) == 0);
   same_logits(lg, full_row(m, seq, T, 4));
   for (int p = 5; p < T; p++) {
-    ZT_REQUIRE(zt_sampler_feed(s, seq + p, 1, &lg) == 0);
-    ZT_CHECK(zt_sampler_pos(s) == p + 1);
+    ZT_REQUIRE(zt_sample_feed(s, seq + p, 1, &lg) == 0);
+    ZT_CHECK(zt_sample_pos(s) == p + 1);
     same_logits(lg, full_row(m, seq, T, p));
   }
   /* the whole sequence at once; two prefills; a shorter full forward */
-  zt_sampler_reset(s);
-  ZT_REQUIRE(zt_sampler_feed(s, seq, T, &lg) == 0);
+  zt_sample_reset(s);
+  ZT_REQUIRE(zt_sample_feed(s, seq, T, &lg) == 0);
   same_logits(lg, full_row(m, seq, T, T - 1));
-  zt_sampler_reset(s);
-  ZT_REQUIRE(zt_sampler_feed(s, seq, 3, &lg) == 0);
-  ZT_REQUIRE(zt_sampler_feed(s, seq + 3, 7, &lg) == 0);
+  zt_sample_reset(s);
+  ZT_REQUIRE(zt_sample_feed(s, seq, 3, &lg) == 0);
+  ZT_REQUIRE(zt_sample_feed(s, seq + 3, 7, &lg) == 0);
   same_logits(lg, full_row(m, seq, 10, 9));
   /* nothing fits past seq_len; ids outside the vocabulary; nothing changes */
-  zt_sampler_reset(s);
-  ZT_REQUIRE(zt_sampler_feed(s, seq, T - 1, &lg) == 0);
-  ZT_CHECK(zt_sampler_feed(s, seq, 2, &lg) == -1);
+  zt_sample_reset(s);
+  ZT_REQUIRE(zt_sample_feed(s, seq, T - 1, &lg) == 0);
+  ZT_CHECK(zt_sample_feed(s, seq, 2, &lg) == -1);
   int bad = V;
-  ZT_CHECK(zt_sampler_feed(s, &bad, 1, &lg) == -1);
-  ZT_CHECK(zt_sampler_pos(s) == T - 1);
-  ZT_CHECK(zt_sampler_feed(s, seq, 1, &lg) == 0);
+  ZT_CHECK(zt_sample_feed(s, &bad, 1, &lg) == -1);
+  ZT_CHECK(zt_sample_pos(s) == T - 1);
+  ZT_CHECK(zt_sample_feed(s, seq, 1, &lg) == 0);
   fprintf(stderr, "  largest relative difference, cache vs full forward: %.3g\n", worst);
-  zt_sampler_free(s);
+  zt_sample_free(s);
   zt_model_free(m);
 }
 
@@ -125,7 +125,7 @@ static int argmax(const float *l) {
   return b;
 }
 
-static void generate(zt_sampler_t *s, const int *prompt, int n, zt_sample_opts_t o,
+static void generate(zt_sample_t *s, const int *prompt, int n, zt_sample_opts_t o,
                      collected *out, zt_sample_stats_t *st) {
   memset(out, 0, sizeof *out);
   ZT_CHECK(zt_sample_generate(s, prompt, n, &o, collect, out, st) == 0);
@@ -134,8 +134,8 @@ static void generate(zt_sampler_t *s, const int *prompt, int n, zt_sample_opts_t
 ZT_TEST(greedy_equals_recompute) {
   zt_model_t *m = make_model();
   ZT_REQUIRE(m != NULL);
-  zt_sampler_t *s;
-  ZT_REQUIRE(zt_sampler_create(&cfg, m->params, &s) == 0);
+  zt_sample_t *s;
+  ZT_REQUIRE(zt_sample_create(&cfg, m->params, &s) == 0);
   int prompt[3] = {5, 17, 60};
   zt_sample_opts_t o = {.max_tokens = 100, .temperature = 0.0};
   collected got;
@@ -163,15 +163,15 @@ ZT_TEST(greedy_equals_recompute) {
   generate(s, prompt, 3, k1, &g1, &st);
   ZT_CHECK(g1.n == 10 && st.context_full == 0);
   for (int i = 0; i < g1.n; i++) ZT_CHECK(g1.ids[i] == got.ids[i]);
-  zt_sampler_free(s);
+  zt_sample_free(s);
   zt_model_free(m);
 }
 
 ZT_TEST(seeded_sampling) {
   zt_model_t *m = make_model();
   ZT_REQUIRE(m != NULL);
-  zt_sampler_t *s;
-  ZT_REQUIRE(zt_sampler_create(&cfg, m->params, &s) == 0);
+  zt_sample_t *s;
+  ZT_REQUIRE(zt_sample_create(&cfg, m->params, &s) == 0);
   int prompt[2] = {1, 2};
   zt_sample_stats_t st;
   collected a, b, c, d;
@@ -199,22 +199,22 @@ ZT_TEST(seeded_sampling) {
   o.top_k = 0, o.vocab = 4;
   generate(s, prompt, 2, o, &d, &st);
   for (int i = 0; i < d.n; i++) ZT_CHECK(d.ids[i] >= 0 && d.ids[i] < 4);
-  zt_sampler_free(s);
+  zt_sample_free(s);
   zt_model_free(m);
 }
 
 ZT_TEST(streaming_and_errors) {
   zt_model_t *m = make_model();
   ZT_REQUIRE(m != NULL);
-  zt_sampler_t *s;
-  ZT_REQUIRE(zt_sampler_create(&cfg, m->params, &s) == 0);
+  zt_sample_t *s;
+  ZT_REQUIRE(zt_sample_create(&cfg, m->params, &s) == 0);
   int prompt[T] = {3};
   zt_sample_stats_t st;
   /* the callback stops the run after 3 tokens: each is seen as it is made */
   collected c = {.stop_after = 3};
   zt_sample_opts_t o = {.max_tokens = 10, .temperature = 0.7, .seed = 1};
   ZT_CHECK(zt_sample_generate(s, prompt, 1, &o, collect, &c, &st) == 0);
-  ZT_CHECK(c.n == 3 && st.generated == 3 && zt_sampler_pos(s) == 3);
+  ZT_CHECK(c.n == 3 && st.generated == 3 && zt_sample_pos(s) == 3);
   /* a prompt that fills the context leaves no room */
   collected d = {0};
   ZT_CHECK(zt_sample_generate(s, prompt, T, &o, collect, &d, &st) == -1);
@@ -233,7 +233,7 @@ ZT_TEST(streaming_and_errors) {
   o.max_tokens = 2;
   ZT_CHECK(zt_sample_generate(s, &id0, 1, &o, collect, &d, &st) == -1);
   ZT_CHECK(strstr(zt_err_msg(), "not finite") != NULL);
-  zt_sampler_free(s);
+  zt_sample_free(s);
   zt_model_free(m);
 }
 

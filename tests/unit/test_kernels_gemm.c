@@ -172,13 +172,13 @@ ZT_TEST(own_matmul_thread_count_independent) {
   float *dout = zt_rnd((size_t)N * OC, 1);
   float *o[2], *dx[2], *dw[2];
   for (int r = 0; r < 2; r++) {
-    zt_kern_cpu_set_threads(r ? 3 : 1);
+    zt_kernels_cpu_set_threads(r ? 3 : 1);
     o[r] = malloc((size_t)N * OC * 4), dx[r] = malloc((size_t)N * IC * 4);
     dw[r] = calloc((size_t)OC * IC, 4);
     F->matmul_forward(o[r], x, w, b, N, IC, OC);
     F->matmul_backward(dx[r], dw[r], NULL, dout, x, w, N, IC, OC);
   }
-  zt_kern_cpu_set_threads(2);
+  zt_kernels_cpu_set_threads(2);
   ZT_CHECK(memcmp(o[0], o[1], (size_t)N * OC * 4) == 0);
   ZT_CHECK(memcmp(dx[0], dx[1], (size_t)N * IC * 4) == 0);
   ZT_CHECK(memcmp(dw[0], dw[1], (size_t)OC * IC * 4) == 0);

@@ -1,5 +1,5 @@
 /*
- * memory.c: the per-rank memory a job needs (see memory.h).
+ * memplan.c: the per-rank memory a job needs (see memplan.h).
  *
  * The ZeRO part walks the units of the model's layout exactly as zero.c's
  * layout() does (shards of zt_zero_shard_size elements, the buffers each stage
@@ -7,7 +7,7 @@
  * test in tests/unit/test_engine_spec.c compares it with the bytes zero.c
  * really allocates.
  */
-#include "memory.h"
+#include "memplan.h"
 
 #include <stdio.h>
 
@@ -52,8 +52,8 @@ static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t x
          3 * 4 * B * T; /* inputs, targets, host losses */
 }
 
-int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
-                   uint64_t *states, uint64_t *acts) {
+int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
+                    uint64_t *states, uint64_t *acts) {
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
@@ -63,7 +63,7 @@ int zt_memory_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int n
   return 0;
 }
 
-int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
+int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   zt_layout_t l;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
@@ -74,22 +74,22 @@ int zt_memory_need(const zt_spec_t *s, int world, zt_mem_need_t *out) {
   out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned);
   out->dev_activations = activations(s, &l, dev_xb);
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
-  out->host = ZT_MEM_BASE_BYTES + out->states + out->activations + out->snapshot;
-  out->device = ZT_MEM_DEVICE_BASE_BYTES + out->dev_states + out->dev_activations;
+  out->host = ZT_MEMPLAN_BASE_BYTES + out->states + out->activations + out->snapshot;
+  out->device = ZT_MEMPLAN_DEVICE_BASE_BYTES + out->dev_states + out->dev_activations;
   /* Loading a checkpoint stages the states through host buffers (no more
    * than the fp32 states of a CPU worker). */
-  out->host_with_device = ZT_MEM_BASE_BYTES + out->states + out->snapshot;
+  out->host_with_device = ZT_MEMPLAN_BASE_BYTES + out->states + out->snapshot;
   zt_layout_free(&l);
   return 0;
 }
 
-int zt_memory_fits(const zt_mem_need_t *n, uint64_t host_bytes, uint64_t device_bytes) {
+int zt_memplan_fits(const zt_memplan_need_t *n, uint64_t host_bytes, uint64_t device_bytes) {
   if (!host_bytes) return 1;
   if (!device_bytes) return host_bytes >= n->host;
   return device_bytes >= n->device && host_bytes >= n->host_with_device;
 }
 
-const char *zt_memory_text(uint64_t bytes, char *buf, size_t n) {
+const char *zt_memplan_text(uint64_t bytes, char *buf, size_t n) {
   if (bytes >= (1ull << 30)) snprintf(buf, n, "%.2f GiB", (double)bytes / (double)(1ull << 30));
   else snprintf(buf, n, "%.1f MiB", (double)bytes / (double)(1ull << 20));
   return buf;

@@ -1,13 +1,13 @@
 /*
- * solo.c: zsolo, single-process training from a job spec.
+ * zsolo.c: zsolo, single-process training from a job spec.
  *
  *   zsolo SPEC.json [--threads N] [--steps N] [--log-every N] [--json]
  *                   [--device cpu|cuda|cuda:N]
  *
  * Trains the spec's model on its data in this process, with no coordinator:
- * the same trainer as zworker (trainer.c) on a communicator of one rank, so a
- * zsolo run and a distributed job of the same spec produce the same losses.
- * It prints one line per logged step:
+ * the same trainer as zworker (engine/trainer.c) on a communicator of one
+ * rank, so a zsolo run and a distributed job of the same spec produce the
+ * same losses. It prints one line per logged step:
  *
  *   step 12/300 | loss 2.31234455 | norm 0.8123 | lr 3.0000e-04 | 41.2 ms | 49673 tok/s
  *
@@ -184,8 +184,8 @@ int main(int argc, char **argv) {
   so.steps = spec.steps;
   char kern[96]; /* on the CPU, also the sgemm and the thread count */
   if (!strcmp(device, "cpu"))
-    snprintf(kern, sizeof kern, "cpu (sgemm %s, %d threads)", zt_kern_cpu_sgemm(),
-             zt_kern_cpu_set_threads((int)threads));
+    snprintf(kern, sizeof kern, "cpu (sgemm %s, %d threads)", zt_kernels_cpu_sgemm(),
+             zt_kernels_cpu_set_threads((int)threads));
   else
     snprintf(kern, sizeof kern, "%s", device);
   fprintf(stderr,
