@@ -57,6 +57,8 @@ typedef struct {
   size_t max_message_bytes;
 } zt_coord_config_t;
 
+#define ZT_MEMBER_UNREACH 16 /* unreachable peers a member's report is remembered with */
+
 /* One worker as the loop sees it: its row plus liveness bookkeeping. */
 typedef struct {
   zt_db_worker_t row;
@@ -70,6 +72,13 @@ typedef struct {
    * that (probe_asked) reaches every other worker's store. */
   int64_t quarantine_ms;
   int probe_asked;
+  /* The workers whose stores it could not reach when it last probed them
+   * after a failed collective (ReportFailure.unreachable_ranks, by id; at
+   * most ZT_MEMBER_UNREACH), and when (monotonic; 0: never). The stores of
+   * those workers are the last it is told to fetch copies from (copies.c). */
+  uint64_t unreach[ZT_MEMBER_UNREACH];
+  int n_unreach;
+  int64_t unreach_ms;
   /* Its per-step timings as its heartbeats last reported them (when it
    * trained; timing_ms: monotonic time of that report, 0: never). */
   double step_ms, comm_ms, send_wait_ms, link_rtt_ms;
@@ -472,7 +481,9 @@ int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_mem
 int zt_copies_available(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,
                         const zt_db_ckpt_file_t *files, int n, char *why, size_t whylen);
 /* The stores that can serve each file of epoch k (of job epoch_job) to
- * worker `requester` of job j, with tickets, into pool. */
+ * worker `requester` of job j, with tickets, into pool; those it may not
+ * reach now (kept out, silent, or named unreachable in its last probe)
+ * last, marked doubtful. */
 int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_db_ckpt_t *k,
                       const zt_db_ckpt_file_t *files, int n, uint64_t requester,
                       zt_copies_pool_t *pool);
@@ -536,6 +547,13 @@ void zt_members_timing(zt_coord_t *c, zt_member_t *m, double step_ms, double com
                        double send_wait_ms, double link_rtt_ms);
 /* Keeps m out of generations until it shows it reaches the others. */
 void zt_members_quarantine(zt_coord_t *c, zt_member_t *m);
+/* m probed its peers' stores after a failed collective and could not
+ * reach the workers ids[0..n): remembered (replacing what it said before)
+ * until its next such report, a new registration, or ZT_UNREACH_MEMORY_MS. */
+void zt_members_unreach(zt_coord_t *c, zt_member_t *m, const uint64_t *ids, int n);
+/* Whether m said lately that it cannot reach worker id's store. */
+int zt_members_unreached(const zt_member_t *m, uint64_t id);
+#define ZT_UNREACH_MEMORY_MS (10 * 60 * 1000)
 /* A quarantined worker's heartbeat: `probed` with n_unreach stores it could
  * not reach (first: the first) answers the last probe asked; none lets it
  * back in. Fills addrs (at most max) with the stores to probe next; 0 when

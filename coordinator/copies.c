@@ -14,7 +14,8 @@
  * it out. An epoch is loadable when every file of its record is available;
  * the scheduler (sched.c) starts a generation from the newest loadable
  * epoch, and tells each rank which stores hold each file, with a ticket
- * (common/ticket.c) for each.
+ * (common/ticket.c) for each, the holders it may not reach now (kept out,
+ * silent, or named unreachable by it) last and marked doubtful.
  *
  * Deleting an epoch (retention, a rollback, a failed write, an epoch that
  * never committed) deletes its copies: every worker that held one is asked
@@ -148,8 +149,21 @@ int zt_copies_available(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k,
   return ok;
 }
 
+/* A holder that may well not serve the requester now: kept out of
+ * generations (it may be cut off), silent for a while (suspect), or named
+ * unreachable in the requester's last probe. Listed after the others and
+ * marked, so that the worker tries it last with a short connection
+ * deadline: a holder whose answers are lost (a one-way cut) would
+ * otherwise hold the fetch, and with it the generation's set-up, for the
+ * whole of a connection's deadline. */
+static int doubtful(const zt_member_t *requester, const zt_member_t *s) {
+  return s->quarantine_ms || s->row.state != ZT_WORKER_ALIVE ||
+         (requester && zt_members_unreached(requester, s->row.id));
+}
+
 /* Fills fc (one per file, holders malloc'd into pool) with the stores that
- * can serve each file of epoch k to worker `requester`, and their tickets. */
+ * can serve each file of epoch k to worker `requester`, and their tickets:
+ * the sound holders first, the doubtful ones (doubtful()) last. */
 int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_db_ckpt_t *k,
                       const zt_db_ckpt_file_t *files, int n, uint64_t requester,
                       zt_copies_pool_t *pool) {
@@ -164,14 +178,16 @@ int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_d
   pool->t = zt_xcalloc((size_t)n * 8 + 1, sizeof *pool->t);
   pool->tp = zt_xcalloc((size_t)n * 8 + 1, sizeof *pool->tp);
   pool->tickets = zt_xcalloc((size_t)n * 8 + 1, ZT_TICKET_MAX);
+  zt_member_t *req = zt_members_get(c, requester);
   int nt = 0;
   for (int i = 0; i < n; i++) {
     ztrain__file_copies__init(&pool->fc[i]);
     pool->fc[i].name = (char *)files[i].name;
     pool->fc[i].holders = &pool->tp[nt];
-    for (int w = 0; w < e.nwho[i]; w++) {
-      zt_member_t *s = server_on_host_of(c, e.who[i][w]);
-      if (!s) continue;
+    /* Two passes over the holders: the sound ones, then the doubtful. */
+    for (int w = 0; w < 2 * e.nwho[i]; w++) {
+      zt_member_t *s = server_on_host_of(c, e.who[i][w % e.nwho[i]]);
+      if (!s || doubtful(req, s) != (w >= e.nwho[i])) continue;
       zt_ticket_t t = {.op = "get", .job = j->row.id, .gen = j->row.generation,
                        .requester = requester, .expiry_ms = zt_wall_ms() + ZT_TICKET_TTL_MS};
       snprintf(t.scope, sizeof t.scope, "%s", rel ? rel : "");
@@ -183,6 +199,7 @@ int zt_copies_holders(zt_coord_t *c, zt_job_t *j, uint64_t epoch_job, const zt_d
       rt->addr = s->row.store_addr;
       rt->host = s->row.host;
       rt->ticket = text;
+      rt->doubtful = w >= e.nwho[i];
       pool->tp[nt++] = rt;
       pool->fc[i].n_holders++;
     }

@@ -270,9 +270,9 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
      * clean slate: a connection that died with its old process says
      * nothing about its links. If it still cannot reach the others, the
      * probes of the next failure keep it out again. */
-    if (m->quarantine_ms && (m->row.pid != r->pid || m->row.state == ZT_WORKER_LOST ||
-                             m->row.state == ZT_WORKER_LEFT))
-      m->quarantine_ms = 0, m->probe_asked = 0;
+    if (m->row.pid != r->pid || m->row.state == ZT_WORKER_LOST ||
+        m->row.state == ZT_WORKER_LEFT)
+      m->quarantine_ms = 0, m->probe_asked = 0, m->n_unreach = 0, m->unreach_ms = 0;
     /* The credential the worker may still hold if this reply is lost:
      * the one it presented (the replaced one, or the one before that when
      * it asks again after a lost reply). */
@@ -389,6 +389,21 @@ void zt_members_quarantine(zt_coord_t *c, zt_member_t *m) {
   (void)c;
   m->quarantine_ms = zt_now_ms();
   m->probe_asked = 0;
+}
+
+void zt_members_unreach(zt_coord_t *c, zt_member_t *m, const uint64_t *ids, int n) {
+  (void)c;
+  m->n_unreach = 0;
+  for (int i = 0; i < n && m->n_unreach < ZT_MEMBER_UNREACH; i++)
+    if (ids[i] && ids[i] != m->row.id) m->unreach[m->n_unreach++] = ids[i];
+  m->unreach_ms = zt_now_ms();
+}
+
+int zt_members_unreached(const zt_member_t *m, uint64_t id) {
+  if (!m->unreach_ms || zt_now_ms() - m->unreach_ms > ZT_UNREACH_MEMORY_MS) return 0;
+  for (int i = 0; i < m->n_unreach; i++)
+    if (m->unreach[i] == id) return 1;
+  return 0;
 }
 
 static void let_back(zt_coord_t *c, zt_member_t *m, const char *how) {

@@ -12,7 +12,8 @@
  * What each rank receives: the peers' collective addresses and replica
  * stores, the spec, the start step and epoch (relative to the checkpoint
  * root, with the recorded size and checksum of every file, and which
- * stores hold copies of each, with tickets), the accumulation steps for
+ * stores hold copies of each, with tickets, those the rank may not reach
+ * now last: copies.c), the accumulation steps for
  * this world size, the data to skip and the lowered LR a rollback left,
  * where to push its own checkpoint copies (the ranks after it, one per
  * other machine, with tickets), and the ring's key, made afresh for every

@@ -20,7 +20,9 @@
  *   restart policy judges (sched.c). A broken ring with probe results is
  *   first a question of who is cut off: the verdict (reach.h) waits for
  *   the other ranks' reports, or a short deadline, and keeps the ranks that
- *   are out of the next generation.
+ *   are out of the next generation. The ranks a rank could not reach are
+ *   also remembered for it (members.c): its next rendezvous lists their
+ *   stores last among the holders of a copy it may have to fetch.
  *
  *   ReportCheckpoint, ReportReplica: a rank wrote its files of an epoch, or
  *   a worker holds a copy of one; ckpt.c tallies them, and says when the
@@ -208,6 +210,19 @@ static int bad_checkpoint(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportFailur
   return 1;
 }
 
+/* The ranks a probing rank could not reach, by worker id: the next
+ * generation tells it to fetch copies from their stores last (copies.c),
+ * whether or not they are kept out. */
+static void remember_unreached(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                               const Ztrain__ReportFailureRequest *req) {
+  uint64_t ids[ZT_MEMBER_UNREACH];
+  int n = 0;
+  for (size_t i = 0; i < req->n_unreachable_ranks && n < ZT_MEMBER_UNREACH; i++)
+    if (req->unreachable_ranks[i] < (uint32_t)j->row.world)
+      ids[n++] = j->workers[req->unreachable_ranks[i]];
+  zt_members_unreach(c, m, ids, n);
+}
+
 static zt_fail_kind_t fail_kind(const Ztrain__ReportFailureRequest *req) {
   if (req->kind == ZTRAIN__FAILURE_KIND__FAILURE_LOCAL) return ZT_FAIL_LOCAL;
   if (req->kind == ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY) return ZT_FAIL_MEMORY;
@@ -232,6 +247,7 @@ int zt_reports_failure(zt_coord_t *c, const Ztrain__ReportFailureRequest *req) {
   }
   zt_coord_event(c, j->row.id, "rank_failed", m->row.id, "generation %llu rank %d: %s",
                  (unsigned long long)req->generation, m->rank, reason);
+  if (req->probed) remember_unreached(c, j, m, req);
   if (bad_checkpoint(c, j, req, reason)) return 0;
   char why[512];
   snprintf(why, sizeof why, "rank %d reported: %.300s", m->rank, reason);

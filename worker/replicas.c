@@ -3,7 +3,9 @@
  */
 #include "replicas.h"
 
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -41,42 +43,118 @@ static const Ztrain__FileCopies *copies_of(const Ztrain__RendezvousReply *rv, co
   return NULL;
 }
 
+/* Files fetched at once: helper threads, the caller's own included. */
+#define ZT_FETCH_THREADS 4
+/* The connection deadline for a doubtful holder: a connection within one
+ * network takes well under this (the runner's probes allow as much). */
+#define ZT_FETCH_DOUBTFUL_CONNECT_MS 1000
+/* Holders remembered as unreachable in one fetch. */
+#define ZT_FETCH_UNREACHED 32
+
+/* One fetch of an epoch's files, shared by its threads. */
+typedef struct {
+  zt_ctl_t *ctl;
+  const char *root, *dir;
+  const zt_ckpt_record_t *rec;
+  const Ztrain__RendezvousReply *rv;
+  int (*abort_fn)(void *); /* the caller's abort condition, for the helpers */
+  void *abort_user;
+  pthread_mutex_t mu;
+  int next;   /* under mu: the next file to take */
+  int failed; /* under mu: the lowest file that failed so far (rec->n: none) */
+  /* Under mu: stores no connection could be made to during this fetch. */
+  char unreached[ZT_FETCH_UNREACHED][96];
+  int nunreached;
+  /* Per file, written by the thread that took it: its outcome. */
+  zt_fetch_fail_t *why;
+  char (*msg)[ZT_ERR_MAX];
+} fetch_t;
+
+static int was_unreached(fetch_t *x, const char *addr) {
+  pthread_mutex_lock(&x->mu);
+  int found = 0;
+  for (int i = 0; i < x->nunreached && !found; i++) found = !strcmp(x->unreached[i], addr);
+  pthread_mutex_unlock(&x->mu);
+  return found;
+}
+
+static void mark_unreached(fetch_t *x, const char *addr) {
+  if (was_unreached(x, addr)) return;
+  pthread_mutex_lock(&x->mu);
+  if (x->nunreached < ZT_FETCH_UNREACHED)
+    snprintf(x->unreached[x->nunreached++], sizeof x->unreached[0], "%s", addr);
+  pthread_mutex_unlock(&x->mu);
+}
+
+/* A holder to try last, with a short connection deadline: the coordinator
+ * doubts it (ReplicaTarget.doubtful), or this fetch could not connect to
+ * it already. */
+static int doubtful(fetch_t *x, const Ztrain__ReplicaTarget *t) {
+  return t->doubtful || was_unreached(x, t->addr);
+}
+
+/* The order file i's holders are tried in (indexes into fc->holders, all
+ * of them): the sound ones first, starting at the i-th of them so that
+ * files fetched at once come from different holders where several hold
+ * them, then the doubtful ones in the coordinator's order. */
+static void holder_order(fetch_t *x, const Ztrain__FileCopies *fc, int i, size_t *order) {
+  size_t n = fc->n_holders, sound = 0, k = 0;
+  uint8_t *d = zt_xcalloc(n + 1, 1);
+  for (size_t h = 0; h < n; h++) sound += !(d[h] = (uint8_t)doubtful(x, fc->holders[h]));
+  for (size_t h = 0; h < n; h++)
+    if (!d[h]) order[(k++ + sound - (size_t)i % sound) % sound] = h;
+  for (size_t h = 0; h < n; h++)
+    if (d[h]) order[k++] = h;
+  free(d);
+}
+
 /* One file of the epoch: verified locally, or fetched from a holder. On
- * failure *why is ZT_FETCH_LOCAL when this worker could not store it,
+ * failure *why_kind is ZT_FETCH_LOCAL when this worker could not store it,
  * ZT_FETCH_UNAVAILABLE when some holder could not serve it (busy, out of
  * reach, a ticket it no longer takes), and ZT_FETCH_CORRUPT only when every
  * holder answered about the file itself: no copy there, or bytes that fail
  * the record's checksum. */
-static int ensure(zt_ctl_t *ctl, const char *root, const char *dir, const zt_ckpt_file_t *f,
-                  const Ztrain__RendezvousReply *rv, zt_fetch_fail_t *why_kind) {
+static int ensure(fetch_t *x, int fi, zt_fetch_fail_t *why_kind) {
+  const zt_ckpt_file_t *f = &x->rec->files[fi];
   char path[1300], why[1200] = "";
-  snprintf(path, sizeof path, "%s/%s", dir, f->name);
+  snprintf(path, sizeof path, "%s/%s", x->dir, f->name);
   if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
   int local = access(path, F_OK) == 0; /* a copy here, which failed its check */
   if (local) snprintf(why, sizeof why, "local copy: %s; ", zt_err_msg());
-  const Ztrain__FileCopies *fc = copies_of(rv, f->name);
-  const char *rel = zt_path_under(root, dir);
-  if (zt_mkdirs(dir) != 0) goto local;
+  const Ztrain__FileCopies *fc = copies_of(x->rv, f->name);
+  const char *rel = zt_path_under(x->root, x->dir);
+  if (zt_mkdirs(x->dir) != 0) goto local;
   /* A symbolic link in our root must not lead the copy out of it. */
-  if (!zt_path_real_under(root, dir)) {
-    zt_err("%s: with its links resolved it lies outside the checkpoint root", dir);
+  if (!zt_path_real_under(x->root, x->dir)) {
+    zt_err("%s: with its links resolved it lies outside the checkpoint root", x->dir);
     goto local;
   }
   int unavailable = 0;
-  for (size_t h = 0; fc && rel && h < fc->n_holders; h++) {
-    const Ztrain__ReplicaTarget *t = fc->holders[h];
-    if (zt_store_get(t->addr, t->ticket, rel, path, f, zt_store_transfer_ms(f->bytes)) == 0) {
+  size_t n = fc && rel ? fc->n_holders : 0;
+  size_t *order = zt_xcalloc(n + 1, sizeof *order);
+  if (n) holder_order(x, fc, fi, order);
+  for (size_t k = 0; k < n; k++) {
+    const Ztrain__ReplicaTarget *t = fc->holders[order[k]];
+    int64_t connect_ms = doubtful(x, t) ? ZT_FETCH_DOUBTFUL_CONNECT_MS : 0;
+    if (zt_store_get(t->addr, t->ticket, rel, path, f, connect_ms,
+                     zt_store_transfer_ms(f->bytes)) == 0) {
       ZT_INFO("fetched %s/%s from %s (%s)", rel, f->name, t->addr, t->host);
-      if (zt_ctl_report_replica(ctl, rv->job_id, rel, f->name, f->bytes, f->checksum) != 0)
+      if (zt_ctl_report_replica(x->ctl, x->rv->job_id, rel, f->name, f->bytes, f->checksum) != 0)
         ZT_WARN("copy of %s/%s not reported: %s", rel, f->name, zt_err_msg());
+      free(order);
       return 0;
     }
-    zt_errkind_t k = zt_err_kind();
-    if (k != ZT_E_NOT_FOUND && k != ZT_E_INVALID && k != ZT_E_UNAVAILABLE) goto local;
-    if (k == ZT_E_UNAVAILABLE) unavailable = 1;
+    if (zt_store_unreached()) mark_unreached(x, t->addr);
+    zt_errkind_t ek = zt_err_kind();
+    if (ek != ZT_E_NOT_FOUND && ek != ZT_E_INVALID && ek != ZT_E_UNAVAILABLE) {
+      free(order);
+      goto local;
+    }
+    if (ek == ZT_E_UNAVAILABLE) unavailable = 1;
     size_t l = strlen(why);
     snprintf(why + l, sizeof why - l, "%s (%s): %s; ", t->addr, t->host, zt_err_msg());
   }
+  free(order);
   /* Corrupt only when a copy was seen to be bad and none could be
    * reached: a file with no copy here and no holder named (the
    * coordinator could not list them) says nothing about the epoch. */
@@ -90,6 +168,29 @@ local:
   /* Our own disk or directory failed: another holder would not help. */
   *why_kind = ZT_FETCH_LOCAL;
   return zt_err_wrap("%s: cannot store a copy on this worker", f->name);
+}
+
+/* A thread of the fetch (the caller's too): takes the files in order until
+ * none is left or one failed, so that the failure reported is the one a
+ * fetch of one file after the other would have met first. */
+static void *fetch_main(void *p) {
+  fetch_t *x = p;
+  zt_store_abort_when(x->abort_fn, x->abort_user);
+  pthread_mutex_lock(&x->mu);
+  while (x->next < x->rec->n && x->failed == x->rec->n) {
+    int i = x->next++;
+    pthread_mutex_unlock(&x->mu);
+    zt_fetch_fail_t why = ZT_FETCH_UNAVAILABLE;
+    int rc = ensure(x, i, &why);
+    if (rc != 0) snprintf(x->msg[i], sizeof x->msg[i], "%s", zt_err_msg());
+    pthread_mutex_lock(&x->mu);
+    if (rc != 0) {
+      x->why[i] = why;
+      if (i < x->failed) x->failed = i;
+    }
+  }
+  pthread_mutex_unlock(&x->mu);
+  return NULL;
 }
 
 /* The directory and the file names come from the coordinator's reply: only
@@ -125,7 +226,27 @@ int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
     *why = ZT_FETCH_UNAVAILABLE;
     return -1;
   }
-  for (int i = 0; i < rec->n; i++)
-    if (ensure(ctl, root, dir, &rec->files[i], rv, why) != 0) return -1;
-  return 0;
+  fetch_t x = {.ctl = ctl, .root = root, .dir = dir, .rec = rec, .rv = rv, .failed = rec->n};
+  zt_store_abort_get(&x.abort_fn, &x.abort_user);
+  x.why = zt_xcalloc((size_t)rec->n + 1, sizeof *x.why);
+  x.msg = zt_xcalloc((size_t)rec->n + 1, sizeof *x.msg);
+  pthread_mutex_init(&x.mu, NULL);
+  /* Helpers fetch beside this thread; without them (none could be
+   * started) this thread fetches every file itself. */
+  pthread_t th[ZT_FETCH_THREADS];
+  int nth = 0;
+  while (nth < ZT_FETCH_THREADS - 1 && nth < rec->n - 1 &&
+         pthread_create(&th[nth], NULL, fetch_main, &x) == 0)
+    nth++;
+  fetch_main(&x);
+  for (int i = 0; i < nth; i++) pthread_join(th[i], NULL);
+  pthread_mutex_destroy(&x.mu);
+  int rc = 0;
+  if (x.failed < rec->n) {
+    *why = x.why[x.failed];
+    rc = zt_err("%s", x.msg[x.failed]);
+  }
+  free(x.why);
+  free(x.msg);
+  return rc;
 }

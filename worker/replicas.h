@@ -11,8 +11,19 @@
  * Loading an epoch: every file of it must be under this worker's
  * checkpoint root, verified against the record: a local copy is checked,
  * a missing or corrupt one is fetched from the stores that hold it
- * (checkpoint_copies, in order), and a fetched copy is reported, so it is
- * counted and later deleted with the epoch. Why a file could not be had
+ * (checkpoint_copies), and a fetched copy is reported, so it is counted
+ * and later deleted with the epoch. Up to four files are checked and
+ * fetched at once, each by a thread of its own, so that a holder that
+ * answers slowly or not at all does not hold up the files others serve.
+ * A file's holders are tried in the coordinator's order, with two
+ * changes: holders it marked doubtful (kept out, silent, or named
+ * unreachable by this worker's last probe), and holders this fetch could
+ * not connect to for an earlier file, come last and get a short
+ * connection deadline (a one-way cut loses a store's answers, so that a
+ * connection to it waits out its whole deadline); and the sound holders
+ * of a file take turns by its place in the record, so that files fetched
+ * at once come from different stores. Every transfer keeps its deadlines
+ * and the caller's abort condition (zt_store_abort_when). Why a file could not be had
  * decides what the coordinator is told (zt_fetch_fail_t): only when every
  * holder answered about the file itself (it has no copy, or the bytes it
  * sent fail the record's size or checksum) is the epoch corrupt; a holder
@@ -39,7 +50,9 @@ typedef enum {
 } zt_fetch_fail_t;
 
 /* dir: the epoch to load (absolute, under root); rec: its record. On
- * failure *why says which kind it was. A directory that is not an epoch
+ * failure *why says which kind it was: that of the first file of the
+ * record that could not be had, as if the files were fetched one after
+ * the other (no file is started after one failed). A directory that is not an epoch
  * (zt_epoch_parse) or a file name that is not a checkpoint file
  * (zt_epoch_file) is refused before anything is read or written
  * (ZT_FETCH_UNAVAILABLE: it says nothing about the epoch). */

@@ -68,6 +68,11 @@ void zt_store_abort_when(int (*fn)(void *), void *user) {
   abort_user = user;
 }
 
+void zt_store_abort_get(int (**fn)(void *), void **user) {
+  *fn = abort_fn;
+  *user = abort_user;
+}
+
 static int wait_fd(int fd, short ev, zt_deadline_t dl) {
   for (;;) {
     int64_t left = zt_deadline_left_ms(dl);
@@ -648,10 +653,21 @@ int zt_store_stop(zt_store_t *s) {
 /* A store that does not answer a connection within this is not there. */
 #define ZT_STORE_CONNECT_MS 5000
 
-static int request_to(const char *addr, request *q, zt_deadline_t dl) {
-  zt_deadline_t cdl = zt_deadline_in(ZT_MIN(ZT_STORE_CONNECT_MS, zt_deadline_left_ms(dl)));
+/* The calling thread's last transfer failed before it had a connection
+ * (zt_store_unreached). */
+static _Thread_local int unreached;
+
+int zt_store_unreached(void) { return unreached; }
+
+/* connect_ms: the connection's deadline (0: ZT_STORE_CONNECT_MS), within dl. */
+static int request_to(const char *addr, request *q, int64_t connect_ms, zt_deadline_t dl) {
+  int64_t cms = connect_ms > 0 ? connect_ms : ZT_STORE_CONNECT_MS;
+  zt_deadline_t cdl = zt_deadline_in(ZT_MIN(cms, zt_deadline_left_ms(dl)));
   int fd = connect_to(addr, cdl);
-  if (fd < 0) return zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
+  if (fd < 0) {
+    unreached = 1;
+    return zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
+  }
   if (send_request(fd, q, dl) != 0) {
     zt_err_wrapk(ZT_E_UNAVAILABLE, "store %s", addr);
     close(fd);
@@ -674,11 +690,12 @@ static void fill(request *q, char op, const char *ticket, const char *dir,
 int zt_store_put(const char *addr, const char *ticket, const char *dir, const char *path,
                  const zt_ckpt_file_t *f, int64_t timeout_ms) {
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  unreached = 0;
   int in = open(path, O_RDONLY | O_CLOEXEC);
   if (in < 0) return zt_err_errno("%s", path);
   request q;
   fill(&q, 'P', ticket, dir, f);
-  int fd = request_to(addr, &q, dl), rc = fd < 0 ? -1 : 0;
+  int fd = request_to(addr, &q, 0, dl), rc = fd < 0 ? -1 : 0;
   char *buf = zt_xmalloc(CHUNK);
   uint64_t left = f->bytes;
   while (rc == 0 && left) {
@@ -695,8 +712,9 @@ int zt_store_put(const char *addr, const char *ticket, const char *dir, const ch
 }
 
 int zt_store_get(const char *addr, const char *ticket, const char *dir, const char *path,
-                 const zt_ckpt_file_t *f, int64_t timeout_ms) {
+                 const zt_ckpt_file_t *f, int64_t connect_ms, int64_t timeout_ms) {
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  unreached = 0;
   /* The temporary name must never be cut to the final one (a copy that
    * fails its checksum would then take the file already there with it). */
   char tmp[1400], pdir[1400];
@@ -706,7 +724,7 @@ int zt_store_get(const char *addr, const char *ticket, const char *dir, const ch
                   strlen(path));
   request q;
   fill(&q, 'G', ticket, dir, f);
-  int fd = request_to(addr, &q, dl);
+  int fd = request_to(addr, &q, connect_ms, dl);
   if (fd < 0) return -1;
   int rc = recv_status(fd, addr, dl);
   int out = rc == 0 ? open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644) : -1;

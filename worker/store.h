@@ -80,18 +80,27 @@ ZT_MUST_CHECK int zt_store_stop(zt_store_t *s);
  * fixed part), so a slow link finishes and a dead one fails. */
 int64_t zt_store_transfer_ms(uint64_t bytes);
 
-/* Pushes the file at `path` (f: its name, size and checksum) as dir/name
- * to the store at addr. */
 /* Makes the calling thread's transfers (zt_store_put, zt_store_get) give
  * up within 100 ms once fn(user) returns nonzero, e.g. when the generation
  * they were for is over; NULL: only their deadlines end them. */
 void zt_store_abort_when(int (*fn)(void *), void *user);
+/* The calling thread's abort condition (fn NULL: none), for a helper
+ * thread that works for it to take over with zt_store_abort_when. */
+void zt_store_abort_get(int (**fn)(void *), void **user);
+/* Pushes the file at `path` (f: its name, size and checksum) as dir/name
+ * to the store at addr. */
 ZT_MUST_CHECK int zt_store_put(const char *addr, const char *ticket, const char *dir,
                                const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
 /* Fetches dir/name from the store at addr into `path` (through path.tmp),
- * checking size and checksum against f. */
+ * checking size and checksum against f. The connection must be made
+ * within connect_ms (0: the default of 5 s), the whole within timeout_ms. */
 ZT_MUST_CHECK int zt_store_get(const char *addr, const char *ticket, const char *dir,
-                               const char *path, const zt_ckpt_file_t *f, int64_t timeout_ms);
+                               const char *path, const zt_ckpt_file_t *f, int64_t connect_ms,
+                               int64_t timeout_ms);
+/* After the calling thread's zt_store_put or zt_store_get failed: 1 when
+ * it never had a connection (the store's machine did not answer in time,
+ * or refused), 0 when it failed later. */
+int zt_store_unreached(void);
 
 /* What a probe of one store found. */
 enum {

@@ -8,8 +8,13 @@ test process reaches every host directly. Faults act on a host's link:
 
   net.link_down(h) / link_up(h)   the host's veth (no FIN, no RST)
   net.blackhole(a, b)             a can no longer reach b (nor b a: replies
-                                  are dropped), both still reach everyone else
-  net.slow(h, "10mbit")           tbf on the host's link
+                                  are dropped), both still reach everyone else;
+                                  a's own sends to b fail at once (the route)
+  net.lose(a, b) / unlose(a, b)   frames from a to b lost on a's link without
+                                  a word: a's connections to b and b's to a
+                                  wait out their deadlines, as across a
+                                  real one-way fault
+  net.slow(h, "10mbit")           tbf on the host's link (not with lose())
 
 Names carry a tag made from the test process's pid, so two runs do not
 collide; close() kills every process and deletes every namespace and link
@@ -73,6 +78,7 @@ class Net:
         self.prefix = f"10.213.{pid % 250}"
         self.bridge = f"{self.tag}br"
         self.hosts, self.procs, self.made = {}, [], []
+        self.losing = {}  # host name -> addresses its frames to are lost (lose())
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         self.made.append(("link", self.bridge))
         sh("ip", "addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
@@ -117,6 +123,33 @@ class Net:
 
     def unblackhole(self, a, b):
         sh("ip", "netns", "exec", a.ns, "ip", "route", "del", "blackhole", f"{b.addr}/32")
+
+    def lose(self, a, b):
+        """Frames from a to b are lost on a's link: an htb root whose class
+        for them queues nothing (pfifo limit 0), chosen by a u32 match on
+        the destination, so no tc action module is needed."""
+        self.losing.setdefault(a.name, set()).add(b.addr)
+        self._shape_losses(a)
+
+    def unlose(self, a, b):
+        self.losing.get(a.name, set()).discard(b.addr)
+        self._shape_losses(a)
+
+    def _shape_losses(self, a):
+        dev = a.veth + "p"
+        tc = ("ip", "netns", "exec", a.ns, "tc")
+        sh(*tc, "qdisc", "del", "dev", dev, "root", check=False)
+        if not self.losing.get(a.name):
+            return
+        sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+        for c in ("1:1", "1:2"):
+            sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", c, "htb", "rate",
+               "10gbit")
+        sh(*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", "pfifo", "limit",
+           "0")
+        for addr in sorted(self.losing[a.name]):
+            sh(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+               "u32", "match", "ip", "dst", f"{addr}/32", "flowid", "1:2")
 
     def slow(self, h, rate, burst="32kbit"):
         """tbf on the host's egress; a fast rate needs a burst of at least

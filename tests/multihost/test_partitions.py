@@ -6,6 +6,9 @@ series equals a failure-free run's bit for bit:
 - an asymmetric partition (a host reaches the coordinator but no ring
   peer): the coordinator keeps the cut-off host out, never a healthy one it
   accused, and does not flap while the partition lasts;
+- a one-way cut (one host's frames to another lost): one short stall and
+  one new generation, whose ranks fetch the epoch's files around the host
+  kept out;
 - the coordinator's host cut off for less than the heartbeat timeout, and
   for more (nobody is lost: it heard from no worker at all), and past its
   --blind-max-ms (the workers rejoin the same job in one generation);
@@ -133,6 +136,66 @@ def test_asymmetric_partition_keeps_out_the_cut_off_host_without_flapping(net, d
     wait_until(lambda: fleet.job(jid)["world"] == 3 or fleet.job(jid)["state"] == "completed",
                60, f"{out[0]} back in the job")
     assert fleet.job(jid)["world"] == 3, "the job ended before it was admitted: make it longer"
+    fleet.wait_job(jid, timeout=300)
+    assert fleet.losses(jid) == reference(fleet, s, tmp_path)
+
+
+def progress(fleet, jid, t0, until):
+    """Samples the job from t0 (a fault) until until(elapsed s, steps of the
+    current generation, job) holds: the longest time without a step (a step
+    is the job's step rising within one generation; t0 counts as one), and
+    the generations formed meanwhile. A new generation resets the job's
+    step to its start step, which is no step."""
+    samples = []
+
+    def done():
+        j = fleet.job(jid)
+        samples.append((time.time(), j["generation"], j["step"]))
+        first = next(i for i, x in enumerate(samples) if x[1] == j["generation"])
+        return until(time.time() - t0, j["step"] - samples[first][2], j)
+    wait_until(done, 120, "the job's progress after the fault")
+    stepped = [t0] + [t for (t, g, st), (_, pg, pst) in zip(samples[1:], samples)
+                      if g == pg and st > pst]
+    stall = max(b - a for a, b in zip(stepped, stepped[1:] + [samples[-1][0]]))
+    return stall, samples[-1][1] - samples[0][1], samples[-1][1]
+
+
+@pytest.mark.parametrize("how", ["blackhole", "frames-lost"])
+def test_one_way_cut_costs_one_short_stall(net, data, tmp_path, how):
+    """Only h1 -> h2 frames lost (heartbeat 500 ms, timeout 3 s, two copies
+    of every checkpoint file): by a blackhole route on h1, which fails h1's
+    own sends to h2 at once, or on the wire, so that connections either way
+    between them wait out their deadlines. The ring breaks, the ranks'
+    probes show h1 and h2 cut from each other, and one of them is kept
+    out. The next generation loads the last epoch, whose files the two
+    left partly have to fetch; some are held by the host kept out, whose
+    store the other may not reach, a connection to it waiting out its
+    whole deadline while the other ranks' ring set-up gives up. The
+    coordinator lists such holders last and the worker tries them last
+    with a short deadline, fetching files from different holders at once:
+    one stall of a few seconds and one new generation (at most two), not
+    tens of seconds without a step and a generation that fails on each file
+    in turn. The losses equal a run without faults."""
+    fleet = three_hosts(net, data, hb_ms=500, timeout_ms=3000)
+    s = spec(6000)
+    jid = fleet.submit(s, str(tmp_path / "a.json"))
+    wait_until(lambda: committed(fleet, jid) >= 30, 90, "training under way, epochs committed")
+    h1, h2 = net.hosts["h1"], net.hosts["h2"]
+    cut, heal = (net.blackhole, net.unblackhole) if how == "blackhole" else (net.lose, net.unlose)
+    cut(h1, h2)
+    t0 = time.time()
+    # Watched for 20 s and until the generation after the cut made 100 steps.
+    stall, gens, gen = progress(fleet, jid, t0, lambda t, steps, j: t >= 20 and steps >= 100
+                                and j["world"] == 2 or t >= 60)
+    j = fleet.job(jid)
+    out = [w for w in ("wh1", "wh2", "wh3") if w not in generations(fleet, jid)[-1]]
+    print(f"one-way cut h1 -> h2 ({how}): {stall:.1f} s without a step, {gens} new generation(s), "
+          f"{out} kept out; job at step {j['step']} of generation {gen}")
+    assert stall < 8, (stall, generations(fleet, jid))
+    assert 1 <= gens <= 2, (gens, generations(fleet, jid))
+    assert j["state"] == "running", "the job ended while it was watched: make it longer"
+    assert j["world"] == 2 and out in (["wh1"], ["wh2"]), generations(fleet, jid)
+    heal(h1, h2)
     fleet.wait_job(jid, timeout=300)
     assert fleet.losses(jid) == reference(fleet, s, tmp_path)
 

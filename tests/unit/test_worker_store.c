@@ -5,18 +5,23 @@
  * laid out here. What a store may answer about a file it cannot open,
  * that a symbolic link never leads a write or a deletion out of the root,
  * that a deletion that left files says so, that names from the
- * coordinator are checked, and that a long destination path never makes
- * the temporary name the final one.
+ * coordinator are checked, that a long destination path never makes
+ * the temporary name the final one, and that a fetch tries a holder the
+ * coordinator doubts last, with a short connection deadline.
  */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "comm.h"
 #include "holdings.h"
 #include "replicas.h"
 #include "store.h"
@@ -120,7 +125,7 @@ ZT_TEST(test_get_answers_about_the_file) {
   zt_ckpt_file_t f = file_of("rank_0.bin", "", 0);
   path_of(out, sizeof out, g_dir, "got0.bin");
   int64_t t0 = zt_now_ms();
-  int rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 3000);
+  int rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 0, 3000);
   zt_errkind_t k = zt_err_kind();
   fprintf(stderr, "  fifo: %s\n", zt_err_msg());
   ZT_CHECK(rc == -1 && k == ZT_E_NOT_FOUND);
@@ -139,7 +144,7 @@ ZT_TEST(test_get_answers_about_the_file) {
   ZT_REQUIRE(symlink(outside, path) == 0);
   f = file_of("rank_1.bin", data, sizeof data);
   path_of(out, sizeof out, g_dir, "got1.bin");
-  rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 3000);
+  rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 0, 3000);
   k = zt_err_kind();
   fprintf(stderr, "  link: %s\n", zt_err_msg());
   ZT_CHECK(rc == -1 && k == ZT_E_UNAVAILABLE);
@@ -154,14 +159,14 @@ ZT_TEST(test_get_answers_about_the_file) {
   f = file_of("rank_2.bin", "", 0);
   f.bytes = (uint64_t)st.st_size;
   path_of(out, sizeof out, g_dir, "got2.bin");
-  rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 3000);
+  rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 0, 3000);
   k = zt_err_kind();
   fprintf(stderr, "  directory: %s\n", zt_err_msg());
   ZT_CHECK(rc == -1 && k == ZT_E_NOT_FOUND);
 
   /* Not there at all: no copy. */
   f = file_of("rank_3.bin", data, sizeof data);
-  rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 3000);
+  rc = zt_store_get(zt_store_addr(g_store), tk, ep, out, &f, 0, 3000);
   ZT_CHECK(rc == -1 && zt_err_kind() == ZT_E_NOT_FOUND);
 }
 
@@ -336,7 +341,7 @@ ZT_TEST(test_get_to_a_long_path_keeps_the_temporary_apart) {
   make_ticket("get", 2, 1, ep, tk);
   /* The record's checksum is not that of the bytes the store sends. */
   zt_ckpt_file_t f = file_of("rank_0.bin", old, sizeof old);
-  int rc = zt_store_get(zt_store_addr(g_store), tk, ep, path, &f, 3000);
+  int rc = zt_store_get(zt_store_addr(g_store), tk, ep, path, &f, 0, 3000);
   fprintf(stderr, "  get: %s\n", rc ? zt_err_msg() : "(none)");
   ZT_CHECK(rc == -1);
   char buf[200];
@@ -349,7 +354,7 @@ ZT_TEST(test_get_to_a_long_path_keeps_the_temporary_apart) {
   }
   /* The right checksum: fetched into place. */
   f = file_of("rank_0.bin", served, sizeof served);
-  ZT_CHECK(zt_store_get(zt_store_addr(g_store), tk, ep, path, &f, 3000) == 0);
+  ZT_CHECK(zt_store_get(zt_store_addr(g_store), tk, ep, path, &f, 0, 3000) == 0);
   ZT_CHECK(zt_ckpt_verify_file(path, f.bytes, f.checksum) == 0);
 }
 
@@ -378,6 +383,117 @@ ZT_TEST(test_put_that_cannot_be_reported_is_refused) {
   ZT_CHECK(zt_ckpt_verify_file(path, f.bytes, f.checksum) == 0);
 }
 
+/* A holder that never answers a connection, like a store across a one-way
+ * cut (its answers are lost): a listening socket with a backlog of zero
+ * whose queue one connection fills, so that the kernel drops every further
+ * connection request. Its address goes to addr; *lfd and *filler are to be
+ * closed after the test. */
+static void silent_store(char *addr, size_t n, int *lfd, int *filler) {
+  int port = 0;
+  ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, lfd) == 0);
+  ZT_REQUIRE(listen(*lfd, 0) == 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  *filler = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ZT_REQUIRE(*filler >= 0 && connect(*filler, (struct sockaddr *)&sa, sizeof sa) == 0);
+  snprintf(addr, n, "127.0.0.1:%d", port);
+}
+
+/* An epoch of nfiles files laid out in the store's root at ep; their
+ * records go to f. */
+static void served_epoch(const char *ep, zt_ckpt_file_t *f, int nfiles) {
+  static const char *names[] = {"rank_0.bin", "rank_0.json", "rank_1.bin", "rank_1.json",
+                                "manifest.json"};
+  char dir[900], path[1000], data[300];
+  path_of(dir, sizeof dir, g_root, ep);
+  ZT_REQUIRE(zt_mkdirs(dir) == 0);
+  for (int i = 0; i < nfiles; i++) {
+    memset(data, 'a' + i, sizeof data);
+    path_of(path, sizeof path, dir, names[i]);
+    ZT_REQUIRE(write_file(path, data, sizeof data) == 0);
+    f[i] = file_of(names[i], data, sizeof data);
+  }
+}
+
+/* The holders of a file as a rendezvous reply lists them. */
+typedef struct {
+  Ztrain__ReplicaTarget t[2], *tp[2];
+  Ztrain__FileCopies fc;
+} holders_t;
+
+static void holders_of(holders_t *h, const char *name, const char *const *addrs,
+                       const int *doubtful, int n, const char *ticket) {
+  ztrain__file_copies__init(&h->fc);
+  h->fc.name = (char *)name;
+  for (int i = 0; i < n; i++) {
+    ztrain__replica_target__init(&h->t[i]);
+    h->t[i].addr = (char *)addrs[i];
+    h->t[i].host = "h";
+    h->t[i].ticket = (char *)ticket;
+    h->t[i].doubtful = doubtful[i];
+    h->tp[i] = &h->t[i];
+  }
+  h->fc.n_holders = (size_t)n;
+  h->fc.holders = h->tp;
+}
+
+/* A holder the coordinator marks doubtful is tried after the sound ones,
+ * although it comes first: no file waits for a store whose answers are
+ * lost. With no other holder it is tried, with a short connection
+ * deadline, and the epoch is only unavailable. */
+ZT_TEST(test_fetch_tries_doubtful_holders_last) {
+  setup();
+  const char *ep = "d/job_4/step_00000001-g1";
+  char silent[64], tk[ZT_TICKET_MAX], froot[1000], fdir[1100], path[1700];
+  int lfd = -1, filler = -1;
+  silent_store(silent, sizeof silent, &lfd, &filler);
+  make_ticket("get", 4, 1, ep, tk);
+  zt_ckpt_file_t f[5];
+  served_epoch(ep, f, 5);
+  path_of(froot, sizeof froot, g_dir, "fetcher");
+  path_of(fdir, sizeof fdir, froot, ep);
+  const char *addrs[2] = {silent, zt_store_addr(g_store)};
+  const int doubtful[2] = {1, 0};
+  holders_t h[5];
+  Ztrain__FileCopies *fcp[5];
+  for (int i = 0; i < 5; i++) {
+    holders_of(&h[i], f[i].name, addrs, doubtful, 2, tk);
+    fcp[i] = &h[i].fc;
+  }
+  Ztrain__RendezvousReply rv = ZTRAIN__RENDEZVOUS_REPLY__INIT;
+  rv.job_id = 4;
+  rv.n_checkpoint_copies = 5;
+  rv.checkpoint_copies = fcp;
+  zt_ckpt_record_t rec = {f, 5};
+  zt_fetch_fail_t why = 0;
+  int64_t t0 = zt_now_ms();
+  int rc = zt_replicas_fetch(NULL, froot, fdir, &rec, &rv, &why);
+  int64_t ms = zt_now_ms() - t0;
+  fprintf(stderr, "  five files, the silent holder first: %s in %lld ms\n",
+          rc ? zt_err_msg() : "fetched", (long long)ms);
+  ZT_CHECK(rc == 0);
+  ZT_CHECK(ms < 900); /* a connection to the silent store waits at least 1 s */
+  for (int i = 0; i < 5; i++) {
+    path_of(path, sizeof path, fdir, f[i].name);
+    ZT_CHECK(zt_ckpt_verify_file(path, f[i].bytes, f[i].checksum) == 0);
+  }
+
+  /* The doubtful holder alone: tried, within the short deadline. */
+  path_of(path, sizeof path, fdir, f[0].name);
+  ZT_REQUIRE(unlink(path) == 0);
+  holders_of(&h[0], f[0].name, addrs, doubtful, 1, tk);
+  why = 0;
+  t0 = zt_now_ms();
+  rc = zt_replicas_fetch(NULL, froot, fdir, &rec, &rv, &why);
+  ms = zt_now_ms() - t0;
+  fprintf(stderr, "  the silent holder alone: %s in %lld ms\n", rc ? zt_err_msg() : "fetched",
+          (long long)ms);
+  ZT_CHECK(rc == -1 && why == ZT_FETCH_UNAVAILABLE);
+  ZT_CHECK(ms >= 900 && ms < 3000); /* not the 5 s a sound holder gets */
+  close(filler);
+  close(lfd);
+}
+
 ZT_TEST(test_stop) {
   if (g_store) ZT_CHECK(zt_store_stop(g_store) == 0);
   g_store = NULL;
@@ -387,4 +503,5 @@ ZT_TEST_MAIN(test_get_answers_about_the_file, test_put_never_follows_a_link_out_
              test_delete_never_follows_a_link_out_of_the_root, test_delete_that_leaves_files_fails,
              test_fetch_checks_the_coordinators_names, test_fetch_without_holders_keeps_the_epoch,
              test_get_to_a_long_path_keeps_the_temporary_apart,
-             test_put_that_cannot_be_reported_is_refused, test_stop)
+             test_put_that_cannot_be_reported_is_refused, test_fetch_tries_doubtful_holders_last,
+             test_stop)
