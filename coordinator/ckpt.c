@@ -7,7 +7,8 @@
  * Then each rank calls ReportCheckpoint with its file list. An epoch is
  * committed, here and in SQLite, only when every rank of the generation has
  * reported it; a generation that ends before that leaves a pending epoch
- * that is never loaded and is deleted. A rank's report counts only once
+ * that is never loaded and is deleted (when the next generation starts, or
+ * when the job ends). A rank's report counts only once
  * its files and their copies are recorded, so a report refused half-way (a
  * busy database) counts in full when the rank retries. Copies (ReportReplica)
  * are taken only from workers of the generation that wrote the epoch or of
@@ -110,14 +111,18 @@ static int collect_for_gc(const zt_db_ckpt_t *k, void *user) {
     int needed = g->j->p.rb_enabled && (!g->found || k->step >= g->best.step);
     drop = g->n_committed >= g->j->p.keep_last && !keep_every && !needed;
   } else {
-    /* Pending epochs of earlier generations can never commit. */
-    drop = k->generation < g->j->row.generation;
+    /* Pending epochs of earlier generations can never commit, nor can any
+     * of a job that has ended. */
+    int st = g->j->row.state;
+    drop = k->generation < g->j->row.generation || st == ZT_JOB_COMPLETED ||
+           st == ZT_JOB_FAILED || st == ZT_JOB_CANCELED;
   }
   if (drop) b->k[b->n++] = *k;
   return 0;
 }
 
-/* Applies retention and removes dead pending epochs of job j. */
+/* Applies retention and removes dead pending epochs of job j (those of
+ * earlier generations, and every one once the job has ended). */
 void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
   if (!j->p.ckpt_dir[0]) return;
   static ckpt_batch drop;

@@ -100,8 +100,10 @@ void zt_sched_finish(zt_coord_t *c, zt_job_t *j, int state, const char *kind, co
   j->row.state = state;
   zt_jobtable_save(c, j);
   zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
-  if (state == ZT_JOB_COMPLETED || state == ZT_JOB_FAILED || state == ZT_JOB_CANCELED)
+  if (state == ZT_JOB_COMPLETED || state == ZT_JOB_FAILED || state == ZT_JOB_CANCELED) {
     zt_ckpt_forget(j);
+    zt_ckpt_gc(c, j); /* its pending epochs can never commit now */
+  }
 }
 
 /* ---- choosing the members ---------------------------------------------------- */

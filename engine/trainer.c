@@ -68,6 +68,8 @@ typedef struct {
   double loss, norm, lr, val_loss, ms;
   int nonfinite;
   int ckpt_requested; /* some rank's caller asked for a checkpoint (ctl[3]) */
+  int ckpt_busy;      /* ranks whose previous epoch was still in flight (ctl[4]) */
+  int64_t ckpt_prev;  /* this rank's epoch in flight at the vote, or 0 */
 } step_result;
 
 /* ---- set-up ------------------------------------------------------------------ */
@@ -415,6 +417,13 @@ static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
   return 0;
 }
 
+/* 1 when step s ends with a periodic epoch (not the last step's, which is
+ * always written); the same answer on every rank. */
+static int periodic_due(const trainer *t, int64_t s) {
+  const zt_spec_ckpt_t *c = &t->spec.ckpt;
+  return c->dir[0] && c->every_steps && s % c->every_steps == 0 && s < t->spec.steps;
+}
+
 /* Computes step `step` + 1. 1 when a stop was requested. */
 static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res) {
   int64_t t0 = zt_now_us(), s = step + 1;
@@ -428,13 +437,19 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   int rc = micro_steps(t, step, &loss_sum);
   if (rc != 0) return rc;
   if (zt_zero_reduce(&t->z) != 0) return -1;
-  double ctl[4] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag};
+  /* The vote on a periodic epoch at s (see checkpoint()): this rank is busy
+   * while its previous epoch is still being copied or reported. Every rank
+   * asks at the same steps (the schedule is the spec's), and only there,
+   * since the question waits for the previous epoch's disk write. */
+  res->ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
+  double ctl[5] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag, res->ckpt_prev ? 1 : 0};
   ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0 : 1.0;
-  if (zt_zero_host_all_reduce(&t->z, ctl, 4, ZT_DT_F64) != 0) return -1;
+  if (zt_zero_host_all_reduce(&t->z, ctl, 5, ZT_DT_F64) != 0) return -1;
   res->loss = ctl[0] * t->z.inv_k;
   res->norm = sqrt(ctl[1]);
   res->nonfinite = ctl[2] > 0 || !isfinite(res->loss) || !isfinite(res->norm);
   res->ckpt_requested = ctl[3] > 0;
+  res->ckpt_busy = (int)ctl[4];
   res->lr = step_lr(t, s);
   if (t->spec.fault.break_ring_before_update_at_step == s && t->N > 1 && t->r == t->N - 1 &&
       t->g->generation == 1) { /* test knob: the update's collectives fail */
@@ -514,12 +529,20 @@ static int checkpoint(trainer *t, int64_t step, const step_result *res) {
   if (!want) return 0;
   if (last) return save_state(t, step); /* waits for the previous epoch: nothing follows */
   /* A periodic epoch is skipped rather than stall the ring (and fail it
-   * past the collective timeout) while the previous one, safely on disk,
-   * still waits for its copies or for the coordinator. */
-  int64_t prev = t->writer && !res->ckpt_requested ? zt_ckpt_writer_reporting(t->writer) : 0;
-  if (prev) {
-    ZT_WARN("checkpoint step %lld skipped: step %lld's epoch is still being copied or reported",
-            (long long)step, (long long)prev);
+   * past the collective timeout) while some rank's previous one, safely on
+   * disk, still waits for its copies or for the coordinator. The step's
+   * control all-reduce took the vote, so either every rank writes the
+   * epoch or none does: an epoch some rank lacks could never commit. A
+   * checkpoint-now epoch is written whatever the vote. */
+  if (res->ckpt_busy > 0 && !res->ckpt_requested) {
+    if (res->ckpt_prev)
+      ZT_WARN("checkpoint step %lld skipped: step %lld's epoch is still being copied or "
+              "reported (%d of %d ranks busy)",
+              (long long)step, (long long)res->ckpt_prev, res->ckpt_busy, t->N);
+    else
+      ZT_WARN("checkpoint step %lld skipped: %d of %d ranks still copy or report their "
+              "previous epoch",
+              (long long)step, res->ckpt_busy, t->N);
     return 0;
   }
   if (save_state(t, step) != 0) return -1;

@@ -7,6 +7,7 @@ comparison is an uninterrupted run of the same job.
 import glob
 import json
 import os
+import re
 import signal
 import sqlite3
 
@@ -280,3 +281,37 @@ def test_final_step_is_checkpointed(procs, tmp_path, data):
                       checkpoint={"dir": str(tmp_path / "ck2"), "load": epochs[45]["dir"]})
     j2 = wait_job(coord, submit(coord, again, tmp_path, "again.json"), states=("failed",))
     assert "nothing left to train" in j2["message"]
+
+
+def test_skipped_epochs_are_skipped_by_every_rank(procs, tmp_path, data):
+    """Rank 0 reports its epochs late (fault injection), so periodic epochs
+    are skipped while its previous one is still being reported. The ranks
+    decide together: every epoch any rank wrote commits, and none is left
+    pending on disk once the job completes."""
+    train, val = data
+    coord, ws = fleet(procs, 3)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 60, stage=1, workers=3,
+                     checkpoint={"dir": root, "every_steps": 2, "keep_last": 100})
+    spec["fault_injection"] = {"delay_checkpoint_report_ms": 60}
+    jid = submit(coord, spec, tmp_path, "slow.json")
+    wait_job(coord, jid, timeout=180)
+    logs = [w.output() for w in ws]
+    assert any(re.search(r"checkpoint step \d+ skipped", out) for out in logs), logs[0][-3000:]
+    # Checkpoints do not change the numbers of training: the same job
+    # without the fault has the same losses.
+    del spec["fault_injection"]
+    spec["checkpoint"]["dir"] = str(tmp_path / "ref")
+    jr = submit(coord, spec, tmp_path, "ref.json")
+    wait_job(coord, jr, timeout=180)
+    assert losses(coord, jid) == losses(coord, jr)
+    states = {c["step"]: c["state"] for c in ckpts(coord, jid)}
+    assert [s for s, st in states.items() if st != "committed"] == [], \
+        (states, [e["detail"] for e in events(coord, job=jid) if "checkpoint" in e["kind"]])
+    written = set()
+    for out in logs:
+        written |= {int(m) for m in re.findall(
+            rf"checkpoint step (\d+) written in \d+ ms: \S*/job_{jid}/", out)}
+    assert written and all(states.get(s) == "committed" for s in written), (written, states)
+    on_disk = sorted(os.path.basename(p) for p in glob.glob(f"{root}/job_{jid}/step_*"))
+    assert on_disk == [f"step_{s:08d}-g1" for s in sorted(states)], (on_disk, states)
