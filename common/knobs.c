@@ -22,8 +22,8 @@ static const struct {
 } k_knobs[ZT_KNOB_COUNT] = {
     [ZT_KNOB_KILL_IN_CKPT_STEP] = {"ZT_FAULT_KILL_IN_CKPT_STEP",
                                    "S: a worker kills itself (SIGKILL) half-way through writing "
-                                   "its rank file of the checkpoint of step S, as a machine "
-                                   "dying mid-write would"},
+                                   "its rank file of the first checkpoint it writes at step S "
+                                   "or later, as a machine dying mid-write would"},
     [ZT_KNOB_STAGE_COLLECTIVES] = {"ZT_TEST_STAGE_COLLECTIVES",
                                    "1: CPU workers stage every collective through a host buffer "
                                    "as GPU workers do, so CPU tests cover that path"},

@@ -302,7 +302,7 @@ uint64_t zt_range_map(const zt_range_t *skips, int n, uint64_t q);
  * nothing unless its variable is set. */
 typedef enum {
   ZT_KNOB_KILL_IN_CKPT_STEP,   /* ZT_FAULT_KILL_IN_CKPT_STEP=S: SIGKILL half-way
-                                  through writing the checkpoint of step S */
+                                  through writing the first checkpoint at step >= S */
   ZT_KNOB_STAGE_COLLECTIVES,   /* ZT_TEST_STAGE_COLLECTIVES=1: CPU workers stage
                                   collectives as the device path does */
   ZT_KNOB_NO_STEP_REPORTER,    /* ZT_FAULT_NO_STEP_REPORTER=1: rank 0's step reporter
