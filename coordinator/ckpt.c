@@ -113,9 +113,7 @@ static int collect_for_gc(const zt_db_ckpt_t *k, void *user) {
   } else {
     /* Pending epochs of earlier generations can never commit, nor can any
      * of a job that has ended. */
-    int st = g->j->row.state;
-    drop = k->generation < g->j->row.generation || st == ZT_JOB_COMPLETED ||
-           st == ZT_JOB_FAILED || st == ZT_JOB_CANCELED;
+    drop = k->generation < g->j->row.generation || zt_job_state_ended(g->j->row.state);
   }
   if (drop) b->k[b->n++] = *k;
   return 0;

@@ -390,6 +390,9 @@ int zt_jobtable_active(const zt_job_t *j);
  * state stays ahead of the database until the next successful write, made
  * at the latest by zt_jobtable_flush a few seconds later. */
 int zt_jobtable_save(zt_coord_t *c, zt_job_t *j);
+/* The message of a running job: its generation and world, and whether
+ * checkpointing is paused, with the reason (not saved). */
+void zt_jobtable_running_message(zt_job_t *j);
 /* Stores row, the job's row as an action would leave it, before the action
  * changes anything; -1 (ZT_E_UNAVAILABLE) when the write fails. */
 int zt_jobtable_store_first(zt_coord_t *c, zt_job_t *j, zt_db_job_t *row, const char *action);

@@ -5,16 +5,11 @@
  * waits PENDING for workers, runs as a series of generations (fixed sets
  * of workers with ranks 0..N-1, re-formed whenever a member comes or goes
  * or fails), and ends COMPLETED, FAILED or CANCELED, or stays PAUSED until
- * an operator resumes it. The coordinator's part is split by concern; each
- * file calls only files below it in this list (tools/check-layers):
- *
- *   jobs.c        submit, load at start, drains and operator actions
- *   reports.c     what the ranks report: steps, failures, checkpoints, copies
- *   rollback.c    back to a committed epoch, after a loss spike or on demand
- *   sched.c       forming generations, failures, the end of a job
- *   rendezvous.c  the ranks of a new generation meet
- *   jobtable.c    jobs by id, the writes of their rows, fencing
- *   params.c      a spec's scheduling parameters (pure)
+ * an operator resumes it. The coordinator's part is split by concern
+ * (jobs.c, reports.c, rollback.c, sched.c, rendezvous.c, jobtable.c,
+ * params.c), each file calling only the files below it in the stack that
+ * docs/architecture.md draws ("The coordinator, a stack of files";
+ * tools/check-layers keeps it true). This one is at the top of them.
  *
  * Submit. A spec is read with the engine's parser and checked against the
  * coordinator's roots (params.c); a job no worker the coordinator has seen

@@ -42,6 +42,12 @@ int zt_jobtable_active(const zt_job_t *j) {
 
 /* ---- writes of the rows ------------------------------------------------------ */
 
+void zt_jobtable_running_message(zt_job_t *j) {
+  snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers%s%.200s",
+           (unsigned long long)j->row.generation, j->row.world,
+           j->ckpt_paused ? "; checkpointing paused: " : "", j->ckpt_paused ? j->ckpt_error : "");
+}
+
 int zt_jobtable_save(zt_coord_t *c, zt_job_t *j) {
   j->row.updated_ms = zt_wall_ms();
   if (zt_db_job_update(c->db, &j->row) != 0) {

@@ -34,8 +34,9 @@
  * own link (or its host) is cut off. While that lasts the coordinator is
  * "blind": nobody is declared lost (they may turn suspect), for at most
  * blind_max_ms (default ZT_BLIND_MAX_TIMEOUTS heartbeat timeouts), past
- * which the silence counts as usual (the whole fleet may really be gone). The first heartbeat after a
- * blind period ends it, and every live member's silence then counts from
+ * which the silence counts as usual (the whole fleet may really be gone).
+ * The first heartbeat after a blind period ends it, and every live
+ * member's silence then counts from
  * one heartbeat interval before that moment: a member that reconnects
  * within the timeout keeps its generation, however long the cut was; a
  * member that really died in it is lost one timeout later. Each period is
@@ -307,13 +308,14 @@ int zt_members_authenticate(zt_coord_t *c, uint64_t id, const char *session) {
   return 0;
 }
 
-/* Members that count for liveness: alive or suspect. */
+/* A member whose silence counts: alive or suspect. */
+static int member_live(const zt_member_t *m) {
+  return m && (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT);
+}
+
 static size_t live_members(const zt_coord_t *c) {
   size_t n = 0;
-  for (size_t i = 0; i < c->by_id_cap; i++) {
-    const zt_member_t *m = c->by_id[i];
-    if (m && (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT)) n++;
-  }
+  for (size_t i = 0; i < c->by_id_cap; i++) n += member_live(c->by_id[i]);
   return n;
 }
 
@@ -340,7 +342,7 @@ static void blind_end(zt_coord_t *c, int64_t now) {
   zt_coord_event(c, 0, "coordinator_blind", 0, "%s", detail);
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
-    if (m && (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT))
+    if (member_live(m))
       m->last_hb_mono_ms = ZT_MAX(m->last_hb_mono_ms, now - (int64_t)c->cfg.heartbeat_ms);
   }
 }
@@ -462,7 +464,7 @@ size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
   int blind = zt_members_blind(c, now) && now - c->last_any_hb_ms <= c->cfg.blind_max_ms;
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
-    if (!m || (m->row.state != ZT_WORKER_ALIVE && m->row.state != ZT_WORKER_SUSPECT)) continue;
+    if (!member_live(m)) continue;
     int64_t silent = now - m->last_hb_mono_ms;
     char detail[160];
     if (silent > lost_after && !blind) {

@@ -21,7 +21,7 @@
  *     the life of the job; a generation of N ranks runs accum = global /
  *     (micro * N) micro-steps per step, so some N in [min_workers,
  *     max_workers] must divide global / micro. For each such N the memory
- *     one rank needs is worked out here (engine/memory.h), once.
+ *     one rank needs is worked out here (engine/memplan.h), once.
  *
  * Pure: no loop, no database, no coordinator state; jobs.c calls it at
  * submit and again for every stored job at start (a spec that no longer

@@ -192,9 +192,7 @@ static void reply_rendezvous(zt_coord_t *c, zt_job_t *j) {
   }
   j->arrived = 0;
   j->row.state = ZT_JOB_RUNNING;
-  snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers%s%.200s",
-           (unsigned long long)j->row.generation, j->row.world,
-           j->ckpt_paused ? "; checkpointing paused: " : "", j->ckpt_paused ? j->ckpt_error : "");
+  zt_jobtable_running_message(j);
   zt_jobtable_save(c, j);
   zt_coord_event(c, j->row.id, "rendezvous_complete", 0,
                  "generation %llu: %d ranks connected %lld ms after forming",

@@ -283,9 +283,7 @@ static void checkpoint_failed(zt_coord_t *c, zt_job_t *j) {
                    (long long)j->p.max_uncommitted, (long long)j->safe_step, j->ck->error);
   j->ckpt_paused = 1;
   snprintf(j->ckpt_error, sizeof j->ckpt_error, "%s", j->ck->error);
-  snprintf(j->row.message, sizeof j->row.message,
-           "running generation %llu on %d workers; checkpointing paused: %.200s",
-           (unsigned long long)j->row.generation, j->row.world, j->ckpt_error);
+  zt_jobtable_running_message(j);
   zt_jobtable_save(c, j);
   if (!j->ckpt_request) return;
   j->ckpt_request = 0;
@@ -308,8 +306,7 @@ static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
                    (long long)j->ck->step);
     /* The job's message said checkpointing was paused: no longer true. */
     if (j->row.state == ZT_JOB_RUNNING) {
-      snprintf(j->row.message, sizeof j->row.message, "running generation %llu on %d workers",
-               (unsigned long long)j->row.generation, j->row.world);
+      zt_jobtable_running_message(j);
       zt_jobtable_save(c, j);
     }
   }

@@ -20,7 +20,7 @@
  * scheduler picks the largest such N between min_workers and max_workers
  * for which there are N usable workers (alive, not draining, not kept out
  * as cut off or for a repeated error) that can each hold one rank at that
- * size (engine/memory.h). Survivors of the current generation come first,
+ * size (engine/memplan.h). Survivors of the current generation come first,
  * in rank order, so a re-formed generation keeps what it can.
  *
  * Where a generation starts: the epoch a rollback chose, else the newest
@@ -100,7 +100,7 @@ void zt_sched_finish(zt_coord_t *c, zt_job_t *j, int state, const char *kind, co
   j->row.state = state;
   zt_jobtable_save(c, j);
   zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
-  if (state == ZT_JOB_COMPLETED || state == ZT_JOB_FAILED || state == ZT_JOB_CANCELED) {
+  if (zt_job_state_ended(state)) {
     zt_ckpt_forget(j);
     zt_ckpt_gc(c, j); /* its pending epochs can never commit now */
   }

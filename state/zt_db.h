@@ -121,6 +121,12 @@ typedef enum {
   ZT_JOB_CANCELED = 7,
 } zt_job_state_t;
 
+/* 1 for the final states (completed, failed, canceled); a paused job may
+ * still be resumed. */
+static inline int zt_job_state_ended(int state) {
+  return state == ZT_JOB_COMPLETED || state == ZT_JOB_FAILED || state == ZT_JOB_CANCELED;
+}
+
 
 typedef struct {
   uint64_t id;
