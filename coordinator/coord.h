@@ -213,6 +213,11 @@ typedef struct zt_job {
   int ckpt_paused;
   char ckpt_error[300];
   int64_t safe_step;
+  /* A job paused for failing checkpoint writes retries by itself, backed
+   * off (sched.c): the retries so far (0 again after a commit) and when
+   * the next is due (monotonic; 0: not scheduled yet). */
+  int storage_retries;
+  int64_t storage_retry_ms;
   /* The end: the newest committed epoch (for views), and while the last
    * step's epoch is awaited, until when (monotonic; 0: not awaiting). */
   int64_t committed_step;
@@ -367,6 +372,15 @@ void zt_sched_final_failed(zt_coord_t *c, zt_job_t *j, const char *why);
 /* The epoch j->ck committed: the job completes when it was the final one,
  * else a re-form that waited for it (drain, scale-up) happens now. */
 void zt_sched_epoch_committed(zt_coord_t *c, zt_job_t *j);
+/* The job pauses for failing checkpoint writes: schedules its next
+ * automatic retry and says in how many seconds (0: the retries are spent,
+ * it waits for zctl resume). */
+int zt_sched_storage_backoff(zt_job_t *j, int64_t now);
+/* Such a pause's message starts with this (the mark that survives a
+ * restart); the retries wait 10 s, 20 s, ... up to 300 s, six in all
+ * (about ten minutes). */
+#define ZT_STORAGE_PAUSE "paused: no checkpoint committed for"
+#define ZT_STORAGE_RETRIES 6
 
 /* ---- rendezvous.c: the ranks of a new generation meet ------------------------ */
 

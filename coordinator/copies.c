@@ -20,9 +20,11 @@
  * Deleting an epoch (retention, a rollback, a failed write, an epoch that
  * never committed) deletes its copies: every worker that held one is asked
  * to delete the directory in its heartbeat replies until it reports it
- * deleted (epoch_deletions). A worker that registers with copies of
- * epochs that are no longer wanted is asked to delete them; copies of
- * committed epochs are counted again.
+ * deleted (epoch_deletions). A worker lists what it holds when it
+ * registers and with its first heartbeat of each new job or generation:
+ * copies of epochs that are no longer wanted, and epochs of our jobs that
+ * no report named and that can no longer commit, are to be deleted;
+ * copies of committed epochs are counted again.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -279,13 +281,35 @@ int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_mem
   return 1;
 }
 
-/* The generation job `id` is in (0: no such job). The job list is read
- * here rather than through jobtable.c, which calls this file by way of
- * ckpt.c (no call cycle between the coordinator's files: tools/check-layers). */
-static uint64_t job_generation(const zt_coord_t *c, uint64_t id) {
+/* The job `id` (NULL: no such job). The job list is read here rather than
+ * through jobtable.c, which calls this file by way of ckpt.c (no call
+ * cycle between the coordinator's files: tools/check-layers). */
+static const zt_job_t *find_job(const zt_coord_t *c, uint64_t id) {
   for (const zt_job_t *j = c->jobs; j; j = j->next)
-    if (j->row.id == id) return j->row.generation;
-  return 0;
+    if (j->row.id == id) return j;
+  return NULL;
+}
+
+static uint64_t job_generation(const zt_coord_t *c, uint64_t id) {
+  const zt_job_t *j = find_job(c, id);
+  return j ? j->row.generation : 0;
+}
+
+/* An epoch directory no report ever named (abs, resolved like the job's
+ * checkpoint.dir): its ranks wrote it while their reports could not reach
+ * this coordinator (a cut, a restart), or a store took a copy it could not
+ * record. It is this coordinator's to delete when it lies in the
+ * checkpoint directory of one of its jobs and can no longer commit: its
+ * generation is over, or the job has ended. */
+static int unregistered_is_stale(const zt_coord_t *c, const zt_epoch_t *e, const char *abs) {
+  const zt_job_t *j = find_job(c, e->job);
+  if (!j || j->spec_error[0] || !j->p.ckpt_dir[0]) return 0;
+  size_t n = strlen(j->p.ckpt_dir);
+  while (n > 1 && j->p.ckpt_dir[n - 1] == '/') n--;
+  if (strncmp(abs, j->p.ckpt_dir, n) != 0 || abs[n] != '/' || strchr(abs + n + 1, '/') !=
+      strrchr(abs, '/'))
+    return 0;
+  return zt_job_state_ended(j->row.state) || e->gen < j->row.generation;
 }
 
 void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_t n) {
@@ -305,24 +329,28 @@ void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_
     }
     snprintf(abs, sizeof abs, "%s/%s", c->cfg.ckpt_root, rel);
     known_ctx x = {abs, {0}, 0};
-    if (zt_db_ckpts_each(c->db, e.job, find_epoch, &x) != 0 || !x.found)
-      continue; /* not an epoch this coordinator registered: not ours to judge */
-    if (x.k.state == ZT_CKPT_COMMITTED) {
+    if (zt_db_ckpts_each(c->db, e.job, find_epoch, &x) != 0) continue;
+    if (!x.found && !unregistered_is_stale(c, &e, abs))
+      continue; /* not ours to judge, or it may still be reported */
+    if (x.found && x.k.state == ZT_CKPT_COMMITTED) {
       kept += zt_copies_add(c, e.job, &x.k, file, m->row.id) == 0;
       continue;
     }
     /* A pending epoch of the job's current generation may still commit:
      * workers of one machine share its checkpoint root, so a worker that
      * registers can list another's epoch while it is being written. */
-    if (x.k.state == ZT_CKPT_PENDING && x.k.generation == job_generation(c, e.job)) continue;
+    if (x.found && x.k.state == ZT_CKPT_PENDING && x.k.generation == job_generation(c, e.job))
+      continue;
     if (!strcmp(rel, last_deleted)) continue;
     snprintf(last_deleted, sizeof last_deleted, "%s", rel);
     deleted += zt_db_deletion_add(c->db, m->row.id, rel) == 0;
   }
   if (malformed > 1)
     ZT_WARN("worker %s reports %d files of no epoch in all, ignored", m->row.name, malformed);
-  if (kept || deleted)
+  if (deleted)
     ZT_INFO("worker %s holds %d files of committed epochs; %d stale epoch directories to "
             "delete",
             m->row.name, kept, deleted);
+  else if (kept)
+    ZT_DEBUG("worker %s holds %d files of committed epochs", m->row.name, kept);
 }

@@ -53,11 +53,18 @@ static int over_risk_budget(zt_coord_t *c, zt_job_t *j) {
   if (!j->ckpt_paused || !j->p.max_uncommitted || at_risk <= j->p.max_uncommitted ||
       j->row.step >= j->row.total_steps)
     return 0;
+  int wait_s = zt_sched_storage_backoff(j, zt_now_ms());
+  char then[160];
+  if (wait_s)
+    snprintf(then, sizeof then, "retried by itself in %d s (retry %d of %d), or fix the storage "
+             "and zctl resume", wait_s, j->storage_retries + 1, ZT_STORAGE_RETRIES);
+  else
+    snprintf(then, sizeof then, "%d automatic retries failed: fix the storage, then zctl resume",
+             ZT_STORAGE_RETRIES);
   zt_sched_finish(c, j, ZT_JOB_PAUSED, "job_paused",
-                  "paused: no checkpoint committed for %lld steps "
-                  "(checkpoint.max_uncommitted_steps %lld); checkpoint writes fail: %.200s; fix "
-                  "the storage, then zctl resume continues from step %lld",
-                  (long long)at_risk, (long long)j->p.max_uncommitted, j->ckpt_error,
+                  ZT_STORAGE_PAUSE " %lld steps (checkpoint.max_uncommitted_steps %lld); "
+                  "checkpoint writes fail: %.200s; %s; it continues from step %lld",
+                  (long long)at_risk, (long long)j->p.max_uncommitted, j->ckpt_error, then,
                   (long long)j->safe_step);
   zt_sched_run(c);
   return 1;
@@ -300,6 +307,7 @@ static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
   j->ckpt_commits++;
   j->safe_step = ZT_MAX(j->safe_step, j->ck->step);
   j->committed_step = ZT_MAX(j->committed_step, j->ck->step);
+  j->storage_retries = 0; /* the storage works again */
   if (j->ckpt_paused) {
     j->ckpt_paused = 0;
     zt_coord_event(c, j->row.id, "checkpointing_resumed", 0, "step %lld committed",

@@ -640,6 +640,40 @@ static void resume_if_loadable(zt_coord_t *c, zt_job_t *j, int64_t now) {
                  "resumed at step %lld", (long long)ck.step, (long long)j->row.step);
 }
 
+/* Backoff of the automatic retries of a storage pause. */
+static int64_t storage_delay_ms(int retries) {
+  return ZT_MIN(10000ll << ZT_MIN(retries, 5), 300000ll);
+}
+
+int zt_sched_storage_backoff(zt_job_t *j, int64_t now) {
+  if (j->storage_retries >= ZT_STORAGE_RETRIES) return 0;
+  j->storage_retry_ms = now + storage_delay_ms(j->storage_retries);
+  return (int)(storage_delay_ms(j->storage_retries) / 1000);
+}
+
+/* A job paused because its checkpoint writes failed (a full disk) may
+ * find them working again: a machine's disk was freed, a mount came back.
+ * Nothing here can see that, so the job is retried, backed off: a new
+ * generation trains and writes again, and pauses again (the retry
+ * counted) if its writes still fail, until the retries are spent. After a
+ * restart of the coordinator the backoff starts again from now. */
+static void resume_after_storage(zt_coord_t *c, zt_job_t *j, int64_t now) {
+  if (j->storage_retries >= ZT_STORAGE_RETRIES) return;
+  if (!j->storage_retry_ms) j->storage_retry_ms = now + storage_delay_ms(j->storage_retries);
+  if (now < j->storage_retry_ms) return;
+  j->storage_retry_ms = 0;
+  j->storage_retries++;
+  j->ckpt_paused = 0;
+  j->row.state = ZT_JOB_PENDING;
+  snprintf(j->row.message, sizeof j->row.message,
+           "resumed by itself: checkpoint writes retried (retry %d of %d)", j->storage_retries,
+           ZT_STORAGE_RETRIES);
+  zt_jobtable_save(c, j);
+  zt_coord_event(c, j->row.id, "job_resumed", 0,
+                 "checkpoint writes retried (retry %d of %d): resumed at step %lld",
+                 j->storage_retries, ZT_STORAGE_RETRIES, (long long)j->row.step);
+}
+
 /* What one job is due, if anything: at most one step per pass. */
 static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
   if (zt_jobtable_active(j) && j->rb_ckpt_step < 0 && j->committed_step >= j->row.total_steps &&
@@ -652,6 +686,9 @@ static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
   else if (j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
            !strncmp(j->row.message, ZT_UNLOADABLE_PAUSE, strlen(ZT_UNLOADABLE_PAUSE)))
     resume_if_loadable(c, j, now);
+  else if (j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
+           !strncmp(j->row.message, ZT_STORAGE_PAUSE, strlen(ZT_STORAGE_PAUSE)))
+    resume_after_storage(c, j, now);
   else if (j->row.state == ZT_JOB_PENDING)
     zt_sched_try_form(c, j, "enough workers");
   else if (j->retry_at_ms && now >= j->retry_at_ms)

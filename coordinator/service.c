@@ -114,7 +114,10 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   r->nccl_root = zt_rdv_nccl_root(c, mem);
   r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
   r->coordinator_epoch = (uint64_t)c->epoch;
-  /* Epochs to delete: those it deleted are forgotten, the rest asked again. */
+  /* Epochs to delete: those it deleted are forgotten, the rest asked again;
+   * what it holds, when it says, is reconciled first (its stale epochs go
+   * out with this reply). */
+  if (req->n_held_files) zt_copies_reconcile(c, mem, req->held_files, req->n_held_files);
   zt_copies_deleted(c, mem, req->deleted_epochs, req->n_deleted_epochs);
   char(*dirs)[ZT_DB_DIR_MAX] = own(x, zt_xcalloc(16, ZT_DB_DIR_MAX));
   char **dp = own(x, zt_xcalloc(16, sizeof *dp));

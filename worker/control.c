@@ -54,6 +54,8 @@ struct zt_ctl {
   uint64_t job_id, generation; /* under mu */
   char session[72];            /* under mu: this registration's credential */
   uint64_t assigned_job;       /* job of the last heartbeat reply (control thread) */
+  uint64_t assigned_gen;       /* its generation (control thread) */
+  int send_held;               /* the next heartbeat carries the inventory (control thread) */
   char store_addr[96];
   char ckpt_root[1024];
   /* Epoch directories deleted as a heartbeat reply asked, reported with
@@ -332,6 +334,11 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   req.probed = c->probed;
   req.unreachable_stores = c->unreach;
   req.n_unreachable_stores = (size_t)c->n_unreach;
+  char **held = NULL;
+  int n_held = 0;
+  if (c->send_held && c->ckpt_root[0]) (void)zt_hold_inventory(c->ckpt_root, &held, &n_held);
+  req.held_files = held;
+  req.n_held_files = (size_t)n_held;
   zt_ctl_timing_t now = c->last_timing;
   if (c->o.timing) c->o.timing(c->o.user, &now);
   int64_t steps = now.steps - c->last_timing.steps;
@@ -343,10 +350,17 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
     req.link_rtt_ms = now.link_rtt_us / 1000.0;
   }
   ProtobufCMessage *m;
-  if (zt_pb_call(c->hb, "/ztrain.Control/Heartbeat", &req.base,
-                 &ztrain__heartbeat_reply__descriptor, heartbeat_deadline_ms(c), &m, status) != 0)
-    return -1;
+  int rc = zt_pb_call(c->hb, "/ztrain.Control/Heartbeat", &req.base,
+                      &ztrain__heartbeat_reply__descriptor, heartbeat_deadline_ms(c), &m, status);
+  zt_hold_free(held, n_held);
+  if (rc != 0) return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;
+  c->send_held = 0;
+  /* A new generation or job (or none): the last one's epochs that this
+   * worker wrote or took may never have been reported; the coordinator
+   * judges them with the next heartbeat's inventory. */
+  if (r->job_id != c->assigned_job || r->generation != c->assigned_gen) c->send_held = 1;
+  c->assigned_gen = r->generation;
   c->last_timing = now;
   forget_probe(c);
   if (r->n_probe_stores) probe_stores(c, r);

@@ -332,7 +332,11 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
                    "directory %.200s: with its links resolved it lies outside the checkpoint root",
                    q->dir);
   int out = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-  if (out < 0) return zt_err_errno("create %s", tmp);
+  if (out < 0) {
+    zt_err_errno("create %s", tmp);
+    rmdir(abs); /* as below: only when empty */
+    return -1;
+  }
   XXH64_state_t *h = XXH64_createState();
   XXH64_reset(h, 0);
   char *buf = zt_xmalloc(CHUNK);
@@ -355,7 +359,13 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
   close(out);
   if (rc == 0 && rename(tmp, final) != 0) rc = zt_err_errno("rename %s", tmp);
   if (rc != 0) {
+    /* Nothing is left: neither the partial file nor, when no other file
+     * is in it, the directory made for it (a full disk would otherwise
+     * keep an empty epoch directory that no inventory lists). A PUT into
+     * it that raced the removal fails, and its pusher tries the next
+     * target. */
     unlink(tmp);
+    rmdir(abs);
     return -1;
   }
   /* A name that may not survive a crash is no copy to count: nothing was
@@ -370,7 +380,8 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
   snprintf(f.checksum, sizeof f.checksum, "%s", q->checksum);
   /* A copy that could not be reported stays (the report may have arrived
    * though its answer did not, and a recorded copy must exist); the next
-   * registration's inventory counts it or has it deleted. */
+   * inventory (at registration, or with the first heartbeat of the next
+   * job or generation) counts it or has it deleted. */
   if (s->o.stored && s->o.stored(s->o.user, t->job, zt_path_under(s->root, abs), &f) != 0)
     return zt_err_wrap("%s: stored, but not recorded", q->name);
   return 0;

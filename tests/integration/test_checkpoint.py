@@ -321,3 +321,29 @@ def test_skipped_epochs_are_skipped_by_every_rank(procs, tmp_path, data):
     assert written and all(states.get(s) == "committed" for s in written), (written, states)
     on_disk = sorted(os.path.basename(p) for p in glob.glob(f"{root}/job_{jid}/step_*"))
     assert on_disk == [f"step_{s:08d}-g1" for s in sorted(states)], (on_disk, states)
+
+
+def test_unreported_epochs_are_deleted_once_they_cannot_commit(procs, tmp_path, data):
+    """An epoch directory no report named (its ranks wrote it while their
+    reports could not reach the coordinator; a copy a store took but could
+    not record) is deleted once it can no longer commit: a worker sends
+    what it holds with its first heartbeat of a new job or generation.
+    One under a job the coordinator does not know is not its to delete."""
+    train, val = data
+    coord, _ = fleet(procs, 1)
+    root = str(tmp_path / "ckpt")
+    spec = tiny_spec(train, val, 20, workers=1, checkpoint={"dir": root, "every_steps": 10})
+    jid = submit(coord, spec, tmp_path)
+    wait_job(coord, jid)
+    planted = {"stale": f"{root}/job_{jid}/step_00000015-g1",
+               "foreign": f"{root}/job_999/step_00000015-g1"}
+    for d in planted.values():
+        os.makedirs(d)
+        with open(f"{d}/rank_0.bin", "wb") as f:
+            f.write(b"\0" * 64)
+    jid2 = submit(coord, spec, tmp_path, "second.json")
+    wait_job(coord, jid2)
+    wait_until(lambda: not os.path.exists(planted["stale"]), 10, "the unreported epoch deleted")
+    assert os.path.isfile(f"{planted['foreign']}/rank_0.bin")
+    for k in list(committed(coord, jid).values()) + list(committed(coord, jid2).values()):
+        assert os.path.isfile(f"{k['dir']}/manifest.json"), k

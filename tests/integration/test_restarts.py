@@ -96,7 +96,9 @@ def test_transient_failures_back_off_then_pause(procs, tmp_path, data):
 def test_uncreatable_checkpoint_dir_pauses_checkpointing_not_training(procs, tmp_path, data):
     """checkpoint.dir is a regular file: every epoch fails to write. The
     generation goes on (no re-forms), /metrics raises the alert, and the job
-    pauses once more than max_uncommitted_steps steps are at risk."""
+    pauses once more than max_uncommitted_steps steps are at risk. The
+    pause is retried by itself after 10 s, and when the writes fail again
+    it pauses again with the next retry twice as far off."""
     train, val = data
     coord = start_fleet(procs, 2)
     blocker = tmp_path / "ckfile"
@@ -115,6 +117,14 @@ def test_uncreatable_checkpoint_dir_pauses_checkpointing_not_training(procs, tmp
     assert [e["kind"] for e in ev].count("checkpointing_paused") == 1
     assert metric(coord, "ztrain_job_checkpointing_paused", jid) == 1
     assert metric(coord, "ztrain_job_steps_since_checkpoint", jid) == 23
+    assert "retried by itself in 10 s (retry 1 of 6)" in j["message"], j
+    j = wait_until(lambda: (lambda x: x if "retry 2 of 6" in x["message"] and
+                            x["state"] == "paused" else None)(job(coord, jid)),
+                   40, "the automatic retry, failing again")
+    assert "retried by itself in 20 s" in j["message"], j
+    assert len(generations(coord, jid)) == 2
+    resumed = [e for e in events(coord, job=jid) if e["kind"] == "job_resumed"]
+    assert len(resumed) == 1 and "retry 1 of 6" in resumed[0]["detail"], resumed
 
 
 @pytest.fixture
