@@ -143,8 +143,9 @@ def shards(pattern):
     toks = []
     for f in sorted(glob.glob(pattern)):
         hdr = np.fromfile(f, dtype="<i4", count=256)
-        assert hdr[0] == 20240520 and hdr[1] == 1, f
-        toks.append(np.memmap(f, dtype="<u2", mode="r", offset=1024, shape=(int(hdr[2]),)))
+        assert hdr[0] == 20240520 and hdr[1] in (1, 2), f
+        toks.append(np.memmap(f, dtype="<u2" if hdr[1] == 1 else "<u4", mode="r", offset=1024,
+                              shape=(int(hdr[2]),)))
     return np.concatenate(toks).astype(np.int64)
 
 

@@ -7,8 +7,9 @@
  *     token, so a token's shard is found by binary search.
  *   - The permutation of an epoch is computed on demand (O(n_samples)) and
  *     cached; two slots are kept because a batch can straddle two epochs.
- *   - Tokens are little-endian uint16 on disk, as llm.c writes them; the
- *     loader converts explicitly so it also works on big-endian hosts.
+ *   - Tokens are little-endian uint16 on disk, as llm.c writes them (or
+ *     uint32 in version 2); the loader converts explicitly so it also
+ *     works on big-endian hosts.
  */
 #include "data.h"
 
@@ -30,6 +31,7 @@ typedef struct zt_shard {
   const uint8_t *map; /* whole file */
   size_t map_len;
   uint64_t count; /* tokens */
+  int width;      /* bytes per token: 2 (version 1) or 4 (version 2) */
 } zt_shard_t;
 
 typedef struct zt_perm {
@@ -108,14 +110,16 @@ static int shard_open(zt_shard_t *s, const char *path) {
   if (magic != ZT_SHARD_MAGIC)
     return zt_errk(ZT_E_INVALID, "%s: not a token shard (its header does not start with the "
                                  "shard magic number)", path);
-  if (version != ZT_SHARD_VERSION)
-    return zt_errk(ZT_E_INVALID, "%s: unsupported shard version (expected %d)", path,
-                   ZT_SHARD_VERSION);
+  if (version != ZT_SHARD_VERSION && version != ZT_SHARD_VERSION_U32)
+    return zt_errk(ZT_E_INVALID, "%s: unsupported shard version %d (expected %d: 16-bit "
+                   "tokens, or %d: 32-bit tokens)", path, version, ZT_SHARD_VERSION,
+                   ZT_SHARD_VERSION_U32);
   if (count < 0) return zt_errk(ZT_E_INVALID, "%s: negative token count in the header", path);
-  size_t want = ZT_SHARD_HEADER_BYTES + 2 * (size_t)count;
+  s->width = version == ZT_SHARD_VERSION ? 2 : 4;
+  size_t want = ZT_SHARD_HEADER_BYTES + (size_t)s->width * (size_t)count;
   if (len != want)
-    return zt_err("%s: size mismatch: header says %d tokens (%zu bytes), file has %zu bytes",
-                  path, count, want, len);
+    return zt_err("%s: size mismatch: header says %d tokens of %d bytes (%zu bytes), file "
+                  "has %zu bytes", path, count, s->width, want, len);
   s->count = (uint64_t)count;
   return 0;
 }
@@ -272,13 +276,17 @@ static int read_sample(zt_data_t *d, uint64_t k, int *inputs, int *targets) {
   for (int i = 0; i <= d->T; i++, pos++) {
     while (pos >= d->cum[si + 1]) si++;
     const zt_shard_t *s = &d->shards[si];
-    const uint8_t *p = s->map + ZT_SHARD_HEADER_BYTES + 2 * (pos - d->cum[si]);
-    int tok = p[0] | p[1] << 8;
+    const uint8_t *p = s->map + ZT_SHARD_HEADER_BYTES + (size_t)s->width * (pos - d->cum[si]);
+    int64_t tok = p[0] | p[1] << 8;
+    if (s->width == 4) tok = (uint32_t)read_le32(p);
+    if (tok > ZT_SHARD_MAX_TOKEN)
+      return zt_err("%s: token %lld at index %llu is larger than any token id (%d)", s->path,
+                    (long long)tok, (unsigned long long)(pos - d->cum[si]), ZT_SHARD_MAX_TOKEN);
     if (d->vocab > 0 && tok >= d->vocab)
-      return zt_err("%s: token %d at index %llu is >= vocab_size %d", s->path, tok,
+      return zt_err("%s: token %lld at index %llu is >= vocab_size %d", s->path, (long long)tok,
                     (unsigned long long)(pos - d->cum[si]), d->vocab);
-    if (i < d->T) inputs[i] = tok;
-    if (i > 0) targets[i - 1] = tok;
+    if (i < d->T) inputs[i] = (int)tok;
+    if (i > 0) targets[i - 1] = (int)tok;
   }
   return 0;
 }

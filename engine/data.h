@@ -2,9 +2,12 @@
  * data.h: token shards and the global sample order.
  *
  * Shards are llm.c's format: a header of 256 int32 (little-endian) with
- * [0] = 20240520 (magic), [1] = 1 (version), [2] = number of tokens, then the
- * tokens as uint16. A shard's file size must be exactly 1024 + 2 * count.
- * Shards are memory-mapped read-only.
+ * [0] = 20240520 (magic), [1] = version, [2] = number of tokens, then the
+ * tokens: version 1 (llm.c's) as uint16, version 2 as uint32, for
+ * vocabularies of more than 65,536 tokens (Llama 3's 128,256, Qwen's
+ * 151,936). A shard's file size must be exactly 1024 + width * count.
+ * Shards of both versions may make up one data set. Shards are
+ * memory-mapped read-only.
  *
  * Samples. The shards of a data set, in the order given (glob results are
  * sorted), are one stream of tokens. Sample k is the window of T + 1 tokens
@@ -44,7 +47,10 @@
 #include "zt_common.h"
 
 #define ZT_SHARD_MAGIC 20240520
-#define ZT_SHARD_VERSION 1
+#define ZT_SHARD_VERSION 1     /* uint16 tokens (llm.c) */
+#define ZT_SHARD_VERSION_U32 2 /* uint32 tokens */
+/* The largest token id a version-2 shard may hold (ids are ints). */
+#define ZT_SHARD_MAX_TOKEN INT32_MAX
 #define ZT_SHARD_HEADER_INTS 256
 #define ZT_SHARD_HEADER_BYTES (ZT_SHARD_HEADER_INTS * 4)
 

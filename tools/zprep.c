@@ -4,7 +4,7 @@
  *
  *   zprep INPUT... -o DIR [--tokenizer byte|gpt2] [--encoder encoder.json]
  *         [--bpe vocab.bpe] [--doc-sep LINE] [--shard-tokens N]
- *         [--val-fraction F] [--prefix NAME]
+ *         [--val-fraction F] [--prefix NAME] [--token-bytes 2|4]
  *
  * Documents. Each input file is one document, unless --doc-sep LINE is
  * given: then every line equal to LINE (e.g. "%" for fortune files) ends a
@@ -18,7 +18,9 @@
  *
  * Output: DIR/PREFIX_train_000000.bin, ..., DIR/PREFIX_val_000000.bin, each
  * at most --shard-tokens tokens (default 100M), header of 256 int32
- * (magic 20240520, version 1, token count), tokens as little-endian uint16.
+ * (magic 20240520, version, token count), tokens as little-endian uint16
+ * (version 1, llm.c's) or, with --token-bytes 4, uint32 (version 2: the
+ * default when the vocabulary has more than 65,536 tokens; engine/data.h).
  * Files are written to a temporary name, fsync'ed and renamed when complete
  * (then the directory is fsync'ed); a file that cannot be written leaves no
  * temporary behind. The summary line on stdout gives the vocab_size to put
@@ -76,14 +78,16 @@
 #include "zt_common.h"
 
 #define ZT_MAGIC 20240520
-#define ZT_VERSION 1
+#define ZT_VERSION 1     /* uint16 tokens */
+#define ZT_VERSION_U32 2 /* uint32 tokens */
 
 /* ---- token output ----------------------------------------------------------- */
 
 typedef struct {
   const char *dir, *prefix, *split;
-  uint8_t *buf; /* ZT header bytes + 2 bytes per token */
+  uint8_t *buf; /* ZT header bytes + width bytes per token */
   size_t n, cap; /* tokens */
+  int width;     /* bytes per token: 2 or 4 */
   int index;     /* next shard number */
   uint64_t total;
 } zt_writer_t;
@@ -131,9 +135,9 @@ static int writer_flush(zt_writer_t *w) {
   snprintf(name, sizeof name, "%s_%s_%06d.bin", w->prefix, w->split, w->index);
   memset(w->buf, 0, 1024);
   put_le32(w->buf, ZT_MAGIC);
-  put_le32(w->buf + 4, ZT_VERSION);
+  put_le32(w->buf + 4, w->width == 4 ? ZT_VERSION_U32 : ZT_VERSION);
   put_le32(w->buf + 8, (int32_t)w->n);
-  if (write_atomic(w->dir, name, w->buf, 1024 + 2 * w->n) != 0) return -1;
+  if (write_atomic(w->dir, name, w->buf, 1024 + (size_t)w->width * w->n) != 0) return -1;
   w->index++;
   w->total += w->n;
   w->n = 0;
@@ -141,10 +145,11 @@ static int writer_flush(zt_writer_t *w) {
 }
 
 static int writer_put(zt_writer_t *w, int tok) {
+  if (tok < 0 || (w->width == 2 && tok > 0xffff))
+    return zt_err("token id %d does not fit in %d bytes (--token-bytes 4)", tok, w->width);
   if (w->n == w->cap && writer_flush(w) != 0) return -1;
-  uint8_t *p = w->buf + 1024 + 2 * w->n++;
-  p[0] = (uint8_t)(tok & 0xff);
-  p[1] = (uint8_t)(tok >> 8);
+  uint8_t *p = w->buf + 1024 + (size_t)w->width * w->n++;
+  for (int i = 0; i < w->width; i++) p[i] = (uint8_t)((uint32_t)tok >> (8 * i));
   return 0;
 }
 
@@ -278,17 +283,32 @@ static void usage(void) {
   fprintf(stderr,
           "usage: zprep INPUT... -o DIR [--tokenizer byte|gpt2] [--encoder encoder.json]\n"
           "             [--bpe vocab.bpe] [--doc-sep LINE] [--shard-tokens N]\n"
-          "             [--val-fraction F] [--prefix NAME]\n");
+          "             [--val-fraction F] [--prefix NAME] [--token-bytes 2|4]\n");
 }
 
 static void writer_init(zt_writer_t *w, const char *dir, const char *prefix, const char *split,
-                        size_t cap) {
+                        size_t cap, int width) {
   memset(w, 0, sizeof *w);
   w->dir = dir;
   w->prefix = prefix;
   w->split = split;
   w->cap = cap;
-  w->buf = zt_xmalloc(1024 + 2 * cap);
+  w->width = width;
+  w->buf = zt_xmalloc(1024 + (size_t)width * cap);
+}
+
+/* Bytes per token on disk: --token-bytes (2 or 4), by default the fewest
+ * that hold every id of the vocabulary. -1 with a message naming the
+ * option when it cannot. */
+static int token_width(const char *s, int vocab, int *width) {
+  int64_t v = vocab > 65536 ? 4 : 2;
+  if (s && (zt_parse_i64("--token-bytes", s, 2, 4, &v) != 0 || v == 3))
+    return zt_errk(ZT_E_INVALID, "--token-bytes: expected 2 or 4, got \"%.32s\"", s);
+  if (v == 2 && vocab > 65536)
+    return zt_errk(ZT_E_INVALID, "--token-bytes 2: the vocabulary has %d tokens, more than "
+                   "16-bit ids hold (use 4)", vocab);
+  *width = (int)v;
+  return 0;
 }
 
 /* --val-fraction: a decimal number in [0, 1). */
@@ -322,7 +342,8 @@ static int check_values(const char *shard_s, const char *frac_s, const char *pre
 int main(int argc, char **argv) {
   if (zt_version_arg(argc, argv, "zprep")) return 0;
   const char *out = NULL, *tok = "byte", *enc = NULL, *bpe = NULL, *sep = NULL,
-             *prefix = "data", *shard_s = NULL, *frac_s = NULL;
+             *prefix = "data", *shard_s = NULL, *frac_s = NULL, *width_s = NULL;
+  int width = 2;
   double val_frac = 0.1;
   int64_t shard_tokens = 100000000;
   const char **inputs = zt_xcalloc((size_t)argc, sizeof(char *));
@@ -340,6 +361,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--prefix") && has) prefix = argv[++i];
     else if (!strcmp(a, "--shard-tokens") && has) shard_s = argv[++i];
     else if (!strcmp(a, "--val-fraction") && has) frac_s = argv[++i];
+    else if (!strcmp(a, "--token-bytes") && has) width_s = argv[++i];
     else if (a[0] == '-') {
       usage();
       free(inputs);
@@ -372,9 +394,15 @@ int main(int argc, char **argv) {
     free(inputs);
     return 2;
   }
+  if (token_width(width_s, zt_tok_vocab_size(p.tok), &width) != 0) {
+    fprintf(stderr, "zprep: %s\n", zt_err_msg());
+    zt_tok_free(p.tok);
+    free(inputs);
+    return 2;
+  }
   if (zt_mkdirs(out) != 0) goto out;
-  writer_init(&p.train, out, prefix, "train", (size_t)shard_tokens);
-  writer_init(&p.val, out, prefix, "val", (size_t)shard_tokens);
+  writer_init(&p.train, out, prefix, "train", (size_t)shard_tokens, width);
+  writer_init(&p.val, out, prefix, "val", (size_t)shard_tokens, width);
   for (int i = 0; i < ninputs; i++)
     if (encode_file(&p, inputs[i], sep) != 0) goto out;
   if (writer_flush(&p.train) != 0 || writer_flush(&p.val) != 0) goto out;

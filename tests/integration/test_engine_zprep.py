@@ -36,12 +36,14 @@ def zprep(*args, check=True):
     return r
 
 
-def read_shard(path):
+def read_shard(path, version=1):
+    """A shard's tokens; version 1 holds uint16 tokens, version 2 uint32."""
     data = open(path, "rb").read()
     hdr = struct.unpack("<256i", data[:1024])
-    assert hdr[0] == MAGIC and hdr[1] == 1
-    assert len(data) == 1024 + 2 * hdr[2]
-    return list(struct.unpack(f"<{hdr[2]}H", data[1024:]))
+    width = {1: 2, 2: 4}[version]
+    assert hdr[0] == MAGIC and hdr[1] == version, hdr[:3]
+    assert len(data) == 1024 + width * hdr[2]
+    return list(struct.unpack(f"<{hdr[2]}{'H' if width == 2 else 'I'}", data[1024:]))
 
 
 def shards(d, prefix, split):
@@ -85,6 +87,24 @@ def test_byte_shard_size_limit(tmp_path):
     assert sum(toks, []) == [256, *text]
     assert shards(out, "data", "val") == []
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_token_bytes_4_writes_version_2_shards(tmp_path):
+    """--token-bytes 4 writes 32-bit tokens (shard version 2, for
+    vocabularies past 65,536 ids): the same tokens as the 16-bit default."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"one\n%\ntwo three\n%\nfour \xe2\x82\xac\n")
+    zprep(src, "-o", tmp_path / "a", "--doc-sep", "%", "--val-fraction", "0.5")
+    zprep(src, "-o", tmp_path / "b", "--doc-sep", "%", "--val-fraction", "0.5",
+          "--token-bytes", "4")
+    for split in ("train", "val"):
+        narrow = [read_shard(p) for p in shards(tmp_path / "a", "data", split)]
+        wide = [read_shard(p, version=2) for p in shards(tmp_path / "b", "data", split)]
+        assert narrow and wide == narrow, split
+    for bad in ("3", "8", "x", ""):
+        r = zprep(src, "-o", tmp_path / "c", "--token-bytes", bad, check=False)
+        assert r.returncode == 2 and "--token-bytes" in r.stderr, (bad, r.stderr)
+    assert not (tmp_path / "c").exists()
 
 
 def test_usage_errors(tmp_path):

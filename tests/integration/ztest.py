@@ -247,13 +247,15 @@ def bytes_to_unicode():
 
 
 def write_shard(path, tokens):
-    """llm.c token shard: 256 int32 header (magic, version, count), uint16 tokens."""
+    """llm.c token shard: 256 int32 header (magic, version, count), uint16
+    tokens (version 1), or uint32 (version 2) when an id needs it."""
     import array
+    wide = max(tokens, default=0) > 0xffff
     h = array.array("i", [0] * 256)
-    h[0], h[1], h[2] = 20240520, 1, len(tokens)
+    h[0], h[1], h[2] = 20240520, 2 if wide else 1, len(tokens)
     with open(path, "wb") as f:
         f.write(h.tobytes())
-        f.write(array.array("H", tokens).tobytes())
+        f.write(array.array("I" if wide else "H", tokens).tobytes())
 
 
 def byte_dataset(dirpath, limit=400_000):

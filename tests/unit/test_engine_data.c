@@ -48,7 +48,10 @@ static void expect_open_error(const char *path, const char *what) {
 ZT_TEST(header_validation) {
   snprintf(dir, sizeof dir, "%s", zt_test_tmpdir("engine_data"));
   expect_open_error(write_shard("magic.bin", 100, 0, 1234, 1, 100, 0), "not a token shard");
-  expect_open_error(write_shard("version.bin", 100, 0, ZT_SHARD_MAGIC, 2, 100, 0), "version");
+  expect_open_error(write_shard("version.bin", 100, 0, ZT_SHARD_MAGIC, 3, 100, 0),
+                    "unsupported shard version 3");
+  /* Version 2 holds 4-byte tokens: 100 2-byte tokens are half its size. */
+  expect_open_error(write_shard("v2.bin", 100, 0, ZT_SHARD_MAGIC, 2, 100, 0), "size mismatch");
   expect_open_error(write_shard("long.bin", 100, 0, ZT_SHARD_MAGIC, 1, 100, 6), "size mismatch");
   expect_open_error(write_shard("short.bin", 100, 0, ZT_SHARD_MAGIC, 1, 100, -20), "size mismatch");
   expect_open_error(write_shard("count.bin", 100, 0, ZT_SHARD_MAGIC, 1, 90, 0), "size mismatch");
@@ -94,6 +97,51 @@ ZT_TEST(samples_cross_shards) {
   ZT_CHECK(zt_data_fill_seq(d, 3, 1, in, tg) == -1);
   ZT_CHECK(strstr(zt_err_msg(), "s_000001.bin") != NULL);
   ZT_CHECK(strstr(zt_err_msg(), "vocab_size") != NULL);
+  zt_data_close(d);
+}
+
+/* A version-2 shard (uint32 tokens, little-endian) of tokens base, base+1, ... */
+static void write_shard32(const char *name, int ntok, int64_t base) {
+  char path[1024];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "wb");
+  int32_t hdr[256] = {ZT_SHARD_MAGIC, ZT_SHARD_VERSION_U32, ntok};
+  fwrite(hdr, sizeof hdr, 1, f);
+  for (int i = 0; i < ntok; i++) {
+    uint32_t t = (uint32_t)(base + i);
+    uint8_t b[4] = {(uint8_t)t, (uint8_t)(t >> 8), (uint8_t)(t >> 16), (uint8_t)(t >> 24)};
+    fwrite(b, 4, 1, f);
+  }
+  fclose(f);
+}
+
+/* Version-2 shards hold ids past 65,535 (Llama 3's vocabulary), and one
+ * data set may mix both versions. */
+ZT_TEST(wide_tokens) {
+  snprintf(dir, sizeof dir, "%s", zt_test_tmpdir("engine_data"));
+  good_shard("w_000000.bin", 10, 100);
+  write_shard32("w_000001.bin", 30, 128000);
+  char pat[1024];
+  snprintf(pat, sizeof pat, "%s/w_*.bin", dir);
+  zt_data_t *d;
+  ZT_REQUIRE(zt_data_open_glob(&d, pat, 8, 128020, 1) == 0);
+  ZT_CHECK(zt_data_num_tokens(d) == 40);
+  int in[16], tg[16];
+  ZT_REQUIRE(zt_data_fill_seq(d, 1, 2, in, tg) == 0);
+  /* Sample 1 starts at token 8: 108, 109, then the wide shard. */
+  ZT_CHECK(in[0] == 108 && in[1] == 109 && in[2] == 128000 && tg[1] == 128000);
+  ZT_CHECK(in[8] == 128006 && tg[15] == 128014);
+  /* Ids past the vocabulary are an error naming the shard. */
+  ZT_REQUIRE(zt_data_fill_seq(d, 3, 1, in, tg) == -1); /* tokens 24..32 */
+  ZT_CHECK(strstr(zt_err_msg(), "w_000001.bin") != NULL);
+  ZT_CHECK(strstr(zt_err_msg(), "token 128020") != NULL);
+  zt_data_close(d);
+  /* An id that is no int. */
+  write_shard32("x_000000.bin", 10, 0x7ffffffcll);
+  snprintf(pat, sizeof pat, "%s/x_*.bin", dir);
+  ZT_REQUIRE(zt_data_open_glob(&d, pat, 8, 0, 1) == 0);
+  ZT_CHECK(zt_data_fill_seq(d, 0, 1, in, tg) == -1);
+  ZT_CHECK(strstr(zt_err_msg(), "larger than any token id") != NULL);
   zt_data_close(d);
 }
 
@@ -205,4 +253,5 @@ ZT_TEST(rank_slicing) {
   zt_data_close(d);
 }
 
-ZT_TEST_MAIN(header_validation, samples_cross_shards, permutation, skip_ranges, rank_slicing)
+ZT_TEST_MAIN(header_validation, samples_cross_shards, wide_tokens, permutation, skip_ranges,
+             rank_slicing)
