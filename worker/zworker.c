@@ -31,6 +31,7 @@
 #include "control.h"
 #include "device.h"
 #include "runner.h"
+#include "spot.h"
 #include "store.h"
 #include "zt_common.h"
 
@@ -40,6 +41,9 @@ typedef struct {
   char data_root[PATH_MAX], ckpt_root[PATH_MAX]; /* resolved */
   uint64_t memory;                               /* bytes this worker may use */
   int64_t drain_timeout_ms;                      /* 0: the default (90 s) */
+  zt_spot_kind_t spot;                           /* --spot-notice */
+  const char *spot_endpoint;                     /* NULL: 169.254.169.254:80 */
+  int64_t spot_poll_ms;                          /* 0: 1000 */
 } worker_args;
 
 static void usage(FILE *f) {
@@ -47,7 +51,8 @@ static void usage(FILE *f) {
              "               [--device cpu|cuda|cuda:N] [--secret S] [--log-level L]\n"
              "               [--threads N] [--comm-host ADDR] [--memory BYTES[K|M|G]]\n"
              "               [--data-root DIR] [--checkpoint-root DIR] [--host NAME]\n"
-             "               [--drain-timeout-ms N]\n"
+             "               [--drain-timeout-ms N] [--spot-notice auto|aws|gcp|azure|off]\n"
+             "               [--spot-endpoint IPV4:PORT] [--spot-poll-ms N]\n"
              "Job data and checkpoints must lie under the roots (default: the working\n"
              "directory); --memory (default: the machine's RAM) is what the scheduler\n"
              "assumes this worker may use. --comm-host is the address peers reach this\n"
@@ -55,7 +60,10 @@ static void usage(FILE *f) {
              "machine (default: its hostname), so that workers of one machine are known\n"
              "to share its fate. On SIGTERM a worker of a running job waits for a\n"
              "checkpoint before it leaves, at most --drain-timeout-ms (default 90000:\n"
-             "inside a two-minute spot notice; 25000 for a 30-second one).\n");
+             "inside a two-minute spot notice; 25000 for a 30-second one).\n"
+             "--spot-notice (default off) polls the cloud's instance metadata service and\n"
+             "drains, as on SIGTERM, when it announces a preemption (auto: whichever of\n"
+             "AWS, GCP and Azure answers).\n");
 }
 
 /* "2G", "512M", "1000000": bytes. */
@@ -85,6 +93,8 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       {"data-root", required_argument, 0, 'D'},   {"checkpoint-root", required_argument, 0, 'C'},
       {"memory", required_argument, 0, 'm'},      {"host", required_argument, 0, 'o'},
       {"drain-timeout-ms", required_argument, 0, 'T'},
+      {"spot-notice", required_argument, 0, 'S'},  {"spot-endpoint", required_argument, 0, 'E'},
+      {"spot-poll-ms", required_argument, 0, 'P'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0},
   };
@@ -109,6 +119,13 @@ static int parse_args(worker_args *a, int argc, char **argv) {
     case 'T':
       if (zt_parse_i64("--drain-timeout-ms", optarg, 1, 3600000, &a->drain_timeout_ms) != 0)
         return -1;
+      break;
+    case 'S':
+      if (zt_spot_parse(optarg, &a->spot) != 0) return -1;
+      break;
+    case 'E': a->spot_endpoint = optarg; break;
+    case 'P':
+      if (zt_parse_i64("--spot-poll-ms", optarg, 100, 600000, &a->spot_poll_ms) != 0) return -1;
       break;
     case 'H': a->comm_host = optarg; break;
     case 'o': a->host = optarg; break;
@@ -206,6 +223,10 @@ static void *signal_thread(void *p) {
   }
 }
 
+/* A preemption notice drains the worker as SIGTERM does; the line names
+ * the notice, and the coordinator's logbook keeps it as the reason. */
+static void on_spot_notice(void *user, const char *what) { zt_ctl_stop(user, what); }
+
 /* The replica store checks tickets with the current session and reports
  * the copies it stored. */
 static void store_session(void *user, char *buf, size_t n) { zt_ctl_session(user, buf, n); }
@@ -283,10 +304,20 @@ int main(int argc, char **argv) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
+  zt_spot_t *spot = NULL;
+  zt_spot_opts_t spo = {.kind = a.spot, .endpoint = a.spot_endpoint,
+                        .poll_ms = (int)a.spot_poll_ms, .on_notice = on_spot_notice,
+                        .user = sa.ctl};
+  if (zt_spot_start(&spo, &spot) != 0) {
+    ZT_ERROR("%s", zt_err_msg());
+    return 1;
+  }
   pthread_t st;
   pthread_create(&st, NULL, signal_thread, &sa);
   ZT_INFO("starting: coordinator %s, device %s, workdir %s", a.coordinator, a.device, a.workdir);
   int rc = zt_ctl_run(sa.ctl);
+  zt_spot_ack(spot); /* we have left: the platform need not wait */
+  zt_spot_stop(spot);
   zt_runner_t *rn = runner;
   runner = NULL;
   zt_runner_stop(rn);
