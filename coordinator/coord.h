@@ -221,6 +221,7 @@ typedef struct zt_job {
   /* The end: the newest committed epoch (for views), and while the last
    * step's epoch is awaited, until when (monotonic; 0: not awaiting). */
   int64_t committed_step;
+  int64_t committed_wall_ms; /* when it committed (wall clock; 0: none) */
   int64_t final_by_ms;
   /* Rollback. */
   zt_spike_t det;

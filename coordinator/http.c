@@ -457,7 +457,7 @@ static void metric_head(sbuf *b, const char *name, const char *type, const char 
     metric_head(b, name, type, help);                                                   \
     for (zt_job_t *j = r->c->jobs; j; j = j->next)                                        \
       if (j->row.generation)                                                            \
-        sb_printf(b, "%s{job=\"%llu\"} %.17g\n", name, (unsigned long long)j->row.id,    \
+        sb_printf(b, "%s{job_id=\"%llu\"} %.17g\n", name, (unsigned long long)j->row.id,    \
                   (double)(expr));                                                      \
   } while (0)
 
@@ -533,6 +533,14 @@ static void r_metrics(zt_http_req_t *r) {
              j->last.tokens_per_s);
   JOB_SERIES(&b, "ztrain_job_world_size", "gauge", "Ranks in the current generation.",
              j->row.world);
+  JOB_SERIES(&b, "ztrain_job_active", "gauge",
+             "1 while the job is pending, running or re-forming (not paused, not ended).",
+             zt_jobtable_active(j));
+  JOB_SERIES(&b, "ztrain_job_paused", "gauge", "1 while the job is paused.",
+             j->row.state == ZT_JOB_PAUSED);
+  JOB_SERIES(&b, "ztrain_job_last_checkpoint_timestamp_seconds", "gauge",
+             "Unix time its newest checkpoint epoch committed (0: none yet).",
+             (double)j->committed_wall_ms / 1000.0);
   JOB_SERIES(&b, "ztrain_job_generation", "gauge", "Current generation number.",
              j->row.generation);
   metric_head(&b, "ztrain_coordinator_uptime_seconds", "gauge", "Seconds since zcoord started.");

@@ -307,6 +307,7 @@ static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
   j->ckpt_commits++;
   j->safe_step = ZT_MAX(j->safe_step, j->ck->step);
   j->committed_step = ZT_MAX(j->committed_step, j->ck->step);
+  j->committed_wall_ms = zt_wall_ms();
   j->storage_retries = 0; /* the storage works again */
   if (j->ckpt_paused) {
     j->ckpt_paused = 0;

@@ -737,6 +737,7 @@ void zt_sched_reload(zt_coord_t *c, zt_job_t *j) {
   if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 0, &ck, &have) == 0 && have) {
     set_start(c, j, ck.dir);
     j->start_step = j->safe_step = j->committed_step = ck.step;
+    j->committed_wall_ms = ck.t_ms;
   }
   /* Stopped while its final epoch was awaited: the wait starts again. */
   if (zt_jobtable_active(j) && j->p.ckpt_dir[0] && j->row.step >= j->row.total_steps)

@@ -22,6 +22,8 @@ PACKAGES=(
   sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf python3-xxhash
   protobuf-compiler python3-grpc-tools wrk chromium
   systemd
+  # monitoring: the alert rules are checked and scraped by the real thing
+  prometheus
   # multi-host tests: network namespaces, veth, bridges, tc
   iproute2
   # example corpus (English text, no download)

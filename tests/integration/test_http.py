@@ -217,9 +217,9 @@ def test_metrics_exposition(live):
                 "ztrain_job_tokens_total", "ztrain_job_rollbacks_total",
                 "ztrain_job_checkpoints_total"):
         assert fam in types, fam
-    assert f'ztrain_job_steps_total{{job="{jid}"}} 60' in text
-    assert f'ztrain_job_tokens_total{{job="{jid}"}} {60 * 24 * 32}' in text
-    assert f'ztrain_job_checkpoints_total{{job="{jid}"}} 3' in text  # 20, 40, the final 60
+    assert f'ztrain_job_steps_total{{job_id="{jid}"}} 60' in text
+    assert f'ztrain_job_tokens_total{{job_id="{jid}"}} {60 * 24 * 32}' in text
+    assert f'ztrain_job_checkpoints_total{{job_id="{jid}"}} 3' in text  # 20, 40, the final 60
     assert 'ztrain_workers{state="alive"} 2' in text
 
 

@@ -34,7 +34,7 @@ def kinds(coord, jid):
 def metric(coord, name, jid):
     text = http_get(coord.http_port, "/metrics")[2]
     for line in text.splitlines():
-        if line.startswith(f'{name}{{job="{jid}"}} '):
+        if line.startswith(f'{name}{{job_id="{jid}"}} '):
             return float(line.split()[1])
     raise AssertionError(f"{name} for job {jid} not in /metrics")
 
