@@ -66,7 +66,8 @@ static int usage(void) {
 }
 
 int main(int argc, char **argv) {
-  zt_model_config_t cfg = {12, 12, 768, 1024, 50257};
+  zt_model_config_t cfg = {.n_layer = 12, .n_head = 12, .n_embd = 768, .seq_len = 1024,
+                           .vocab_size = 50257};
   int B = 8, steps = 20;
   zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
   const char *math_name = "bf16", *att = "auto";

@@ -91,6 +91,16 @@ static cJSON *model_json(const zt_model_config_t *m) {
   cJSON_AddNumberToObject(o, "n_embd", m->n_embd);
   cJSON_AddNumberToObject(o, "seq_len", m->seq_len);
   cJSON_AddNumberToObject(o, "vocab_size", m->vocab_size);
+  if (m->arch == ZT_ARCH_LLAMA) {
+    cJSON_AddStringToObject(o, "arch", "llama");
+    cJSON_AddNumberToObject(o, "n_kv_head", m->n_kv_head);
+    cJSON_AddNumberToObject(o, "head_dim", m->head_dim);
+    cJSON_AddNumberToObject(o, "intermediate_size", m->n_ff);
+    cJSON_AddNumberToObject(o, "rope_theta", m->rope_theta);
+    cJSON_AddNumberToObject(o, "rms_norm_eps", m->norm_eps);
+    cJSON_AddBoolToObject(o, "tie_word_embeddings", m->tie_embed);
+    cJSON_AddBoolToObject(o, "attention_bias", m->qkv_bias);
+  }
   return o;
 }
 
@@ -318,6 +328,41 @@ int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want) {
   return 0;
 }
 
+/* The llama fields of a manifest's model (absent: gpt2) into cfg; 0 when
+ * they are absent or well-formed. */
+static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
+  const cJSON *arch = cJSON_GetObjectItemCaseSensitive(mm, "arch");
+  cfg->arch = ZT_ARCH_GPT2;
+  if (!arch) return 0;
+  if (!cJSON_IsString(arch) || strcmp(arch->valuestring, "llama")) return -1;
+  cfg->arch = ZT_ARCH_LLAMA;
+  const cJSON *theta = cJSON_GetObjectItemCaseSensitive(mm, "rope_theta");
+  const cJSON *eps = cJSON_GetObjectItemCaseSensitive(mm, "rms_norm_eps");
+  const cJSON *tie = cJSON_GetObjectItemCaseSensitive(mm, "tie_word_embeddings");
+  const cJSON *bias = cJSON_GetObjectItemCaseSensitive(mm, "attention_bias");
+  cfg->n_kv_head = (int)int_field((cJSON *)mm, "n_kv_head", ZT_MODEL_MAX_HEAD);
+  cfg->head_dim = (int)int_field((cJSON *)mm, "head_dim", ZT_MODEL_MAX_EMBD);
+  cfg->n_ff = (int)int_field((cJSON *)mm, "intermediate_size", 4 * ZT_MODEL_MAX_EMBD);
+  if (!cJSON_IsNumber(theta) || !cJSON_IsNumber(eps) || !cJSON_IsBool(tie) || !cJSON_IsBool(bias))
+    return -1;
+  cfg->rope_theta = (float)theta->valuedouble;
+  cfg->norm_eps = (float)eps->valuedouble;
+  cfg->tie_embed = cJSON_IsTrue(tie);
+  cfg->qkv_bias = cJSON_IsTrue(bias);
+  return cfg->n_kv_head < 1 || cfg->head_dim < 1 || cfg->n_ff < 1 ? -1 : 0;
+}
+
+/* The manifest's architecture equals the job's. */
+static int same_arch(const cJSON *mm, const zt_model_config_t *model) {
+  zt_model_config_t got = *model;
+  if (llama_fields(mm, &got) != 0 || got.arch != model->arch) return 0;
+  return got.arch == ZT_ARCH_GPT2 ||
+         (got.n_kv_head == model->n_kv_head && got.head_dim == model->head_dim &&
+          got.n_ff == model->n_ff && got.rope_theta == model->rope_theta &&
+          got.norm_eps == model->norm_eps && got.tie_embed == model->tie_embed &&
+          got.qkv_bias == model->qkv_bias);
+}
+
 /* The manifest: checked against the record and the model; its world. */
 static int read_manifest(const char *dir, const zt_model_config_t *model,
                          const zt_ckpt_record_t *rec, int *world, int64_t *step) {
@@ -331,7 +376,7 @@ static int read_manifest(const char *dir, const zt_model_config_t *model,
            int_field(mm, "n_head", INT32_MAX) == model->n_head &&
            int_field(mm, "n_embd", INT32_MAX) == model->n_embd &&
            int_field(mm, "seq_len", INT32_MAX) == model->seq_len &&
-           int_field(mm, "vocab_size", INT32_MAX) == model->vocab_size;
+           int_field(mm, "vocab_size", INT32_MAX) == model->vocab_size && same_arch(mm, model);
   cJSON_Delete(man);
   if (!ok)
     return zt_errk(ZT_E_INVALID,
@@ -510,6 +555,7 @@ int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
     ok = v >= 1;
     *dst[i] = (int)v;
   }
+  ok = ok && llama_fields(m, cfg) == 0;
   const cJSON *tok = cJSON_GetObjectItemCaseSensitive(man, "tokenizer");
   if (ok && tokenizer && cJSON_IsString(tok)) {
     ok = strlen(tok->valuestring) < cap;

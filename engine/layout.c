@@ -62,6 +62,21 @@ int zt_model_config_check(const zt_model_config_t *c) {
     return zt_err("seq_len must be in [1, %d] (got %d)", ZT_MODEL_MAX_SEQ, c->seq_len);
   if (c->vocab_size < 2 || c->vocab_size > ZT_MODEL_MAX_VOCAB)
     return zt_err("vocab_size must be in [2, %d] (got %d)", ZT_MODEL_MAX_VOCAB, c->vocab_size);
+  if (c->arch == ZT_ARCH_GPT2) return 0;
+  if (c->arch != ZT_ARCH_LLAMA) return zt_err("unknown architecture %d", c->arch);
+  if (c->n_kv_head < 1 || c->n_head % c->n_kv_head != 0)
+    return zt_err("n_head (%d) must be a multiple of n_kv_head (%d)", c->n_head, c->n_kv_head);
+  if (c->head_dim < 2 || c->head_dim % 2 || c->head_dim > ZT_MODEL_MAX_EMBD)
+    return zt_err("head_dim must be even and in [2, %d] (got %d)", ZT_MODEL_MAX_EMBD,
+                  c->head_dim);
+  if ((long)c->n_head * c->head_dim > ZT_MODEL_MAX_EMBD)
+    return zt_err("n_head x head_dim must be <= %d (got %ld)", ZT_MODEL_MAX_EMBD,
+                  (long)c->n_head * c->head_dim);
+  if (c->n_ff < 1 || c->n_ff > 4 * ZT_MODEL_MAX_EMBD)
+    return zt_err("intermediate_size must be in [1, %d] (got %d)", 4 * ZT_MODEL_MAX_EMBD,
+                  c->n_ff);
+  if (!(c->rope_theta > 0) || !(c->norm_eps > 0))
+    return zt_err("rope_theta and rms_norm_eps must be > 0");
   return 0;
 }
 
@@ -70,6 +85,12 @@ static int pad_vocab(int V) { return (V + 63) / 64 * 64; }
 size_t zt_model_param_count(const zt_model_config_t *c, int padded) {
   size_t C = (size_t)c->n_embd, L = (size_t)c->n_layer;
   size_t V = (size_t)(padded ? pad_vocab(c->vocab_size) : c->vocab_size);
+  if (c->arch == ZT_ARCH_LLAMA) {
+    size_t QKV = (size_t)zt_model_qkv_width(c), A = (size_t)zt_model_att_width(c);
+    size_t F = (size_t)c->n_ff;
+    size_t block = C + QKV * C + (c->qkv_bias ? QKV : 0) + A * C + C + 3 * F * C;
+    return V * C + L * block + C + (c->tie_embed ? 0 : V * C);
+  }
   return V * C + (size_t)c->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
 }
 
@@ -91,9 +112,104 @@ static void add_tensor(zt_layout_t *l, const char *name, zt_tensor_kind_t kind, 
   *unit_off += n;
 }
 
+/* A llama block's tensors, in unit order: (name after "model.layers.<l>.",
+ * kind, rows, cols; rows 1: a vector). */
+typedef struct {
+  const char *name;
+  zt_tensor_kind_t kind;
+  int rows, cols, decay;
+} lspec_t;
+
+static int llama_block_spec(const zt_model_config_t *c, lspec_t *s) {
+  int C = c->n_embd, A = c->n_head * c->head_dim, KV = c->n_kv_head * c->head_dim, F = c->n_ff;
+  int n = 0;
+  s[n++] = (lspec_t){"input_layernorm.weight", ZT_T_RMS1W, 1, C, 0};
+  s[n++] = (lspec_t){"self_attn.q_proj.weight", ZT_T_QW, A, C, 1};
+  s[n++] = (lspec_t){"self_attn.k_proj.weight", ZT_T_KW, KV, C, 1};
+  s[n++] = (lspec_t){"self_attn.v_proj.weight", ZT_T_VW, KV, C, 1};
+  if (c->qkv_bias) {
+    s[n++] = (lspec_t){"self_attn.q_proj.bias", ZT_T_QB, 1, A, 0};
+    s[n++] = (lspec_t){"self_attn.k_proj.bias", ZT_T_KB, 1, KV, 0};
+    s[n++] = (lspec_t){"self_attn.v_proj.bias", ZT_T_VB, 1, KV, 0};
+  }
+  s[n++] = (lspec_t){"self_attn.o_proj.weight", ZT_T_OW, C, A, 1};
+  s[n++] = (lspec_t){"post_attention_layernorm.weight", ZT_T_RMS2W, 1, C, 0};
+  s[n++] = (lspec_t){"mlp.gate_proj.weight", ZT_T_GATEW, F, C, 1};
+  s[n++] = (lspec_t){"mlp.up_proj.weight", ZT_T_UPW, F, C, 1};
+  s[n++] = (lspec_t){"mlp.down_proj.weight", ZT_T_DOWNW, C, F, 1};
+  return n;
+}
+
+void zt_layout_lblock_views(float *base, const zt_model_config_t *c, size_t esz,
+                            zt_lblock_t *b) {
+  lspec_t sp[16];
+  int n = llama_block_spec(c, sp);
+  memset(b, 0, sizeof *b);
+  size_t off = 0;
+  for (int i = 0; i < n; i++) {
+    float *p = base ? (float *)((char *)base + off * esz) : NULL;
+    switch (sp[i].kind) {
+      case ZT_T_RMS1W: b->rms1w = p; break;
+      case ZT_T_QW: b->qkvw = p; break;
+      case ZT_T_QB: b->qkvb = p; break;
+      case ZT_T_OW: b->ow = p; break;
+      case ZT_T_RMS2W: b->rms2w = p; break;
+      case ZT_T_GATEW: b->gateupw = p; break;
+      case ZT_T_DOWNW: b->downw = p; break;
+      default: break;
+    }
+    off += (size_t)sp[i].rows * sp[i].cols;
+  }
+}
+
+/* The llama layout: unit 0 the token embedding, units 1..L the blocks, unit
+ * L+1 the final RMSNorm and, unless tied to the embedding, the LM head
+ * (Hugging Face's names, so checkpoints and exports need no table). */
+static void build_llama(zt_layout_t *l, const zt_model_config_t *cfg) {
+  int C = cfg->n_embd, L = cfg->n_layer;
+  lspec_t sp[16];
+  int nb = llama_block_spec(cfg, sp);
+  l->tensors = zt_xcalloc((size_t)(1 + L * nb + 2), sizeof(zt_tensor_t));
+  size_t off = 0, uo = 0;
+  char name[64];
+  add_tensor(l, "model.embed_tokens.weight", ZT_T_WTE, 0, -1, &uo, l->Vp, C, (size_t)l->Vp * C,
+             1);
+  l->unit_size[0] = uo;
+  off += uo;
+  for (int b = 0; b < L; b++) {
+    int u = 1 + b;
+    l->unit_off[u] = off;
+    uo = 0;
+    for (int i = 0; i < nb; i++) {
+      snprintf(name, sizeof name, "model.layers.%d.%s", b, sp[i].name);
+      add_tensor(l, name, sp[i].kind, u, b, &uo, sp[i].rows, sp[i].cols,
+                 (size_t)sp[i].rows * sp[i].cols, sp[i].decay);
+    }
+    l->unit_size[u] = uo;
+    off += uo;
+  }
+  int u = L + 1;
+  l->unit_off[u] = off;
+  uo = 0;
+  add_tensor(l, "model.norm.weight", ZT_T_NORMW, u, -1, &uo, 1, C, (size_t)C, 0);
+  if (!cfg->tie_embed)
+    add_tensor(l, "lm_head.weight", ZT_T_HEADW, u, -1, &uo, l->Vp, C, (size_t)l->Vp * C, 1);
+  l->unit_size[u] = uo;
+  l->num_params = off + uo;
+}
+
 int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
   memset(l, 0, sizeof *l);
   if (zt_model_config_check(cfg) != 0) return -1;
+  if (cfg->arch == ZT_ARCH_LLAMA) {
+    l->cfg = *cfg;
+    l->Vp = pad_vocab(cfg->vocab_size);
+    l->num_units = cfg->n_layer + 2;
+    l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+    l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+    build_llama(l, cfg);
+    return 0;
+  }
   int C = cfg->n_embd, L = cfg->n_layer;
   l->cfg = *cfg;
   l->Vp = pad_vocab(cfg->vocab_size);
@@ -103,7 +219,7 @@ int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
   l->tensors = zt_xcalloc((size_t)(2 + L * ZT_BLOCK_TENSORS + 2), sizeof(zt_tensor_t));
 
   size_t off = 0, uo = 0;
-  char name[48];
+  char name[64];
   /* Unit 0: embeddings. */
   add_tensor(l, "wte", ZT_T_WTE, 0, -1, &uo, l->Vp, C, (size_t)l->Vp * C, 1);
   add_tensor(l, "wpe", ZT_T_WPE, 0, -1, &uo, cfg->seq_len, C, (size_t)cfg->seq_len * C, 1);
@@ -169,21 +285,32 @@ void zt_layout_init_unit(const zt_layout_t *l, uint64_t seed, int u, float *dst)
     float *p = dst + t->unit_off;
     switch (t->kind) {
       case ZT_T_WTE:
+      case ZT_T_HEADW:
         fill_normal(&r, p, V * C, std);
         fill_const(p + V * C, t->n - V * C, 0.0f);
         break;
       case ZT_T_WPE:
       case ZT_T_QKVW:
       case ZT_T_FCW:
+      case ZT_T_QW:
+      case ZT_T_KW:
+      case ZT_T_VW:
+      case ZT_T_GATEW:
+      case ZT_T_UPW:
         fill_normal(&r, p, t->n, std);
         break;
       case ZT_T_ATTPROJW:
       case ZT_T_FCPROJW:
+      case ZT_T_OW:
+      case ZT_T_DOWNW:
         fill_normal(&r, p, t->n, proj_std);
         break;
       case ZT_T_LN1W:
       case ZT_T_LN2W:
       case ZT_T_LNFW:
+      case ZT_T_RMS1W:
+      case ZT_T_RMS2W:
+      case ZT_T_NORMW:
         fill_const(p, t->n, 1.0f);
         break;
       default: /* biases and LayerNorm biases */

@@ -33,12 +33,28 @@
 
 #include "zt_common.h"
 
+/* model.arch. */
+#define ZT_ARCH_GPT2 0
+#define ZT_ARCH_LLAMA 1
+
 typedef struct zt_model_config {
   int n_layer;
   int n_head;
   int n_embd;
   int seq_len;    /* maximum T (size of wpe) */
   int vocab_size; /* unpadded */
+  /* The Llama architecture (arch ZT_ARCH_LLAMA; all 0 for GPT-2, the
+   * default): Hugging Face LlamaConfig's num_key_value_heads, head_dim,
+   * intermediate_size, rope_theta, rms_norm_eps, tie_word_embeddings and
+   * attention_bias (Qwen2's q/k/v biases). */
+  int arch;
+  int n_kv_head;
+  int head_dim;
+  int n_ff;
+  float rope_theta;
+  float norm_eps;
+  int tie_embed;
+  int qkv_bias;
 } zt_model_config_t;
 
 /* The kind of a named tensor; one per parameter group. */
@@ -59,12 +75,27 @@ typedef enum {
   ZT_T_FCPROJB,
   ZT_T_LNFW,
   ZT_T_LNFB,
+  /* llama */
+  ZT_T_RMS1W,
+  ZT_T_QW,
+  ZT_T_KW,
+  ZT_T_VW,
+  ZT_T_QB,
+  ZT_T_KB,
+  ZT_T_VB,
+  ZT_T_OW,
+  ZT_T_RMS2W,
+  ZT_T_GATEW,
+  ZT_T_UPW,
+  ZT_T_DOWNW,
+  ZT_T_NORMW,
+  ZT_T_HEADW,
   ZT_T_NKINDS
 } zt_tensor_kind_t;
 
 /* A named view into the flat parameter buffer. */
 typedef struct zt_tensor {
-  char name[48];
+  char name[64];
   zt_tensor_kind_t kind;
   int unit;        /* which unit holds it */
   int layer;       /* block index, -1 outside blocks */
@@ -95,10 +126,11 @@ typedef struct zt_layout {
 #define ZT_MODEL_MAX_HEAD 1024
 #define ZT_MODEL_MAX_EMBD 65536
 #define ZT_MODEL_MAX_SEQ (1 << 20)
-#define ZT_MODEL_MAX_VOCAB 65536 /* tokens are stored as uint16 */
+#define ZT_MODEL_MAX_VOCAB (1 << 20) /* ids past 65,535 need shards of version 2 (data.h) */
 
 /* Checks a configuration: each field in [1, its ZT_MODEL_MAX_*] (vocab_size
- * from 2), n_embd divisible by n_head. */
+ * from 2), n_embd divisible by n_head; for llama also n_head divisible by
+ * n_kv_head, an even head_dim, n_ff >= 1, rope_theta > 0, norm_eps > 0. */
 int zt_model_config_check(const zt_model_config_t *cfg);
 
 /* Parameter count. padded == 0: as GPT-2 reports it (vocab_size rows of wte);
@@ -129,5 +161,26 @@ typedef struct zt_block {
 } zt_block_t;
 
 void zt_layout_block_views(float *base, int C, size_t esz, zt_block_t *b);
+
+/* A llama block's views (arch ZT_ARCH_LLAMA): qkvw is q_proj's weight,
+ * with k_proj's and v_proj's right after it, so it is the fused
+ * [(NH + 2 NKV) HD, C] matrix; qkvb likewise (NULL without
+ * attention_bias); gateupw is gate_proj's weight with up_proj's after it,
+ * the fused [2 n_ff, C] matrix. */
+typedef struct zt_lblock {
+  float *rms1w, *qkvw, *qkvb, *ow, *rms2w, *gateupw, *downw;
+} zt_lblock_t;
+
+void zt_layout_lblock_views(float *base, const zt_model_config_t *c, size_t esz, zt_lblock_t *b);
+
+/* The widths a llama block works with: q, k and v together; the attention
+ * output (NH x HD). */
+static inline int zt_model_qkv_width(const zt_model_config_t *c) {
+  return c->arch == ZT_ARCH_LLAMA ? (c->n_head + 2 * c->n_kv_head) * c->head_dim
+                                  : 3 * c->n_embd;
+}
+static inline int zt_model_att_width(const zt_model_config_t *c) {
+  return c->arch == ZT_ARCH_LLAMA ? c->n_head * c->head_dim : c->n_embd;
+}
 
 #endif

@@ -47,8 +47,10 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
 static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t xb) {
   const zt_model_config_t *m = &s->model;
   uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
-  return zt_activation_bytes(B, T, (size_t)m->n_embd, (size_t)m->n_layer, (size_t)m->n_head,
-                             (size_t)l->Vp, s->act_ckpt ? 1 : (size_t)m->n_layer, xb) +
+  zt_act_dims_t d = zt_act_dims((size_t)m->n_embd, (size_t)m->n_layer, (size_t)m->n_head,
+                                 (size_t)l->Vp, m->arch == ZT_ARCH_LLAMA, (size_t)m->n_kv_head,
+                                 (size_t)m->head_dim, (size_t)m->n_ff);
+  return zt_activation_bytes(B, T, &d, s->act_ckpt ? 1 : (size_t)m->n_layer, xb) +
          3 * 4 * B * T; /* inputs, targets, host losses */
 }
 

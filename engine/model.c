@@ -52,17 +52,23 @@ static int acts_create(zt_model_t *m) {
   struct zt_acts *a = zt_xcalloc(1, sizeof *a);
   m->acts = a;
   const zt_kernels_t *k = m->k;
-  size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = (size_t)m->cfg.n_embd;
-  size_t L = (size_t)m->cfg.n_layer, NH = (size_t)m->cfg.n_head, BT = B * T;
-  size_t Vp = (size_t)m->lay.Vp, LA = m->recompute ? 1 : L, xb = (size_t)k->xbytes;
+  const zt_model_config_t *c = &m->cfg;
+  zt_act_dims_t d = zt_act_dims((size_t)c->n_embd, (size_t)c->n_layer, (size_t)c->n_head,
+                                 (size_t)m->lay.Vp, c->arch == ZT_ARCH_LLAMA,
+                                 (size_t)c->n_kv_head, (size_t)c->head_dim, (size_t)c->n_ff);
+  size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = d.C, L = d.L, NH = d.NH, BT = B * T;
+  size_t Vp = d.Vp, QKV = d.QKV, ATT = d.ATT, FF = d.FF, FFA = d.FFA, ATTX = d.ATTX;
+  size_t FFAX = d.FFAX, QF = d.QF, PE = d.PE;
+  size_t LA = m->recompute ? 1 : L, xb = (size_t)k->xbytes;
   a->inputs = k->alloc(BT * sizeof(int));
   a->targets = k->alloc(BT * sizeof(int));
   a->host_losses = zt_xmalloc(BT * sizeof(float));
   int ok = a->inputs && a->targets;
-#define ZT_ACT_ALLOC(name, size, type)             \
-  a->bytes += (size) * type(xb);                   \
-  a->name = k->alloc((size) * type(xb));           \
-  ok &= a->name != NULL;
+  /* A tensor of size 0 (one the architecture does not use) stays NULL. */
+#define ZT_ACT_ALLOC(name, size, type)                         \
+  a->bytes += (size) * type(xb);                               \
+  a->name = (size) != 0 ? k->alloc((size) * type(xb)) : NULL;  \
+  ok &= (size) == 0 || a->name != NULL;
   ZT_ACTIVATIONS(ZT_ACT_ALLOC)
 #undef ZT_ACT_ALLOC
   (void)NH, (void)Vp, (void)LA;
@@ -72,7 +78,8 @@ static int acts_create(zt_model_t *m) {
 
 static void acts_free(const zt_kernels_t *k, struct zt_acts *a) {
   if (!a) return;
-#define ZT_ACT_FREE(name, size, type) k->release(a->name);
+#define ZT_ACT_FREE(name, size, type) \
+  if (a->name) k->release(a->name);
   ZT_ACTIVATIONS(ZT_ACT_FREE)
 #undef ZT_ACT_FREE
   k->release(a->inputs);
@@ -99,6 +106,9 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
                     const zt_kernels_t *k, unsigned flags) {
   *out = NULL;
   if (zt_model_config_check(cfg) != 0) return zt_err_wrap("model config");
+  if (cfg->arch == ZT_ARCH_LLAMA && !k->rmsnorm_forward)
+    return zt_errk(ZT_E_INVALID, "model.arch llama: the %s kernels do not have it yet (train "
+                   "it on CPU workers)", k->name);
   if (B < 1) return zt_err("model: batch size must be >= 1 (got %d)", B);
   if (T < 1 || T > cfg->seq_len)
     return zt_err("model: T must be in [1, seq_len=%d] (got %d)", cfg->seq_len, T);
@@ -224,6 +234,57 @@ static void block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
   k->residual_forward(res3, res2, a->proj, (size_t)BT * C);
 }
 
+/* A llama block: the same residual structure with RMSNorm, q/k/v (and
+ * grouped K/V heads) with rotary positions, and a SwiGLU MLP:
+ *     res2 = x + o_proj(attn(rope(qkv(rms1(x))))),
+ *     res3 = res2 + down(silu(gate(rms2(res2))) * up(rms2(res2))). */
+static void llama_block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
+  const zt_kernels_t *k = m->k;
+  const zt_model_config_t *c = &m->cfg;
+  struct zt_acts *a = m->acts;
+  int C = c->n_embd, NH = c->n_head, KV = c->n_kv_head, HD = c->head_dim, F = c->n_ff;
+  int QKV = zt_model_qkv_width(c), ATT = zt_model_att_width(c), BT = B * T;
+  zt_lblock_t p;
+  zt_layout_lblock_views(m->unit_params[1 + l], c, (size_t)k->xbytes, &p);
+  float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1r = ZT_SLOT_F(m, a->ln1_rstd, l, 1);
+  float *qkv = ZT_SLOT(m, a->qkv, l, QKV), *atty = ZT_SLOT(m, a->atty, l, ATT);
+  float *lse = ZT_SLOT_F(m, a->lse, l, NH), *res2 = ZT_SLOT(m, a->res2, l, C);
+  float *ln2 = ZT_SLOT(m, a->ln2, l, C), *ln2r = ZT_SLOT_F(m, a->ln2_rstd, l, 1);
+  float *fch = ZT_SLOT(m, a->fch, l, 2 * F), *fchg = ZT_SLOT(m, a->fch_gelu, l, F);
+  float *res3 = ZT_LAYER(m, a->res3, l, C);
+
+  k->rmsnorm_forward(ln1, ln1r, x, p.rms1w, BT, C, c->norm_eps);
+  k->matmul_forward(qkv, ln1, p.qkvw, p.qkvb, BT, C, QKV);
+  k->rope(qkv, B, T, NH, KV, HD, c->rope_theta, 0);
+  if (KV < NH) {
+    k->gqa_expand(a->qfull, qkv, BT, NH, KV, HD);
+    k->attention_forward(atty, lse, a->qfull, B, T, ATT, NH);
+  } else {
+    k->attention_forward(atty, lse, qkv, B, T, ATT, NH);
+  }
+  k->matmul_forward(a->proj, atty, p.ow, NULL, BT, ATT, C);
+  k->residual_forward(res2, x, a->proj, (size_t)BT * C);
+  k->rmsnorm_forward(ln2, ln2r, res2, p.rms2w, BT, C, c->norm_eps);
+  k->matmul_forward(fch, ln2, p.gateupw, NULL, BT, C, 2 * F);
+  k->swiglu_forward(fchg, fch, BT, F);
+  k->matmul_forward(a->proj, fchg, p.downw, NULL, BT, F, C);
+  k->residual_forward(res3, res2, a->proj, (size_t)BT * C);
+}
+
+static void any_block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
+  if (m->cfg.arch == ZT_ARCH_LLAMA) llama_block_forward(m, l, x, B, T);
+  else block_forward(m, l, x, B, T);
+}
+
+/* The LM head's weight: the token embedding, or llama's own lm_head (after
+ * the final norm's weight in unit L + 1). */
+static float *head_of(const zt_model_t *m, float *const *units, size_t esz) {
+  const zt_model_config_t *c = &m->cfg;
+  if (c->arch == ZT_ARCH_LLAMA && !c->tie_embed)
+    return (float *)((char *)units[c->n_layer + 1] + (size_t)c->n_embd * esz);
+  return units[0];
+}
+
 static float mean_loss(const float *losses, int n) {
   double s = 0.0;
   for (int i = 0; i < n; i++) s += losses[i];
@@ -247,22 +308,35 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
   a->have_targets = 0;
   m->k->upload(a->inputs, inputs, sizeof(int) * (size_t)BT);
 
+  int llama = m->cfg.arch == ZT_ARCH_LLAMA;
   ZT_HOOK(m, pre_forward, 0);
-  const float *wte = m->unit_params[0], *wpe = ZT_XADV(m, wte, (size_t)m->lay.Vp * C);
+  const float *wte = m->unit_params[0];
+  const float *wpe = llama ? a->nowpe : ZT_XADV(m, wte, (size_t)m->lay.Vp * C);
   k->encoder_forward(a->encoded, a->inputs, wte, wpe, B, T, C);
   for (int l = 0; l < L; l++) {
     ZT_HOOK(m, pre_forward, 1 + l);
-    block_forward(m, l, l == 0 ? a->encoded : ZT_LAYER(m, a->res3, l - 1, C), B, T);
+    any_block_forward(m, l, l == 0 ? a->encoded : ZT_LAYER(m, a->res3, l - 1, C), B, T);
     ZT_HOOK(m, post_forward, 1 + l);
   }
   ZT_HOOK(m, pre_forward, L + 1);
   const float *lnf_w = m->unit_params[L + 1], *lnf_b = ZT_XADV(m, lnf_w, C);
-  k->layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, ZT_LAYER(m, a->res3, L - 1, C), lnf_w,
-                       lnf_b, BT, C);
-  ZT_HOOK(m, post_forward, L + 1);
-  wte = m->unit_params[0]; /* a hook may have moved unit 0 */
-  k->matmul_forward(a->logits, a->lnf, wte, NULL, BT, C, m->lay.Vp);
-  ZT_HOOK(m, post_forward, 0);
+  if (llama)
+    k->rmsnorm_forward(a->lnf, a->lnf_rstd, ZT_LAYER(m, a->res3, L - 1, C), lnf_w, BT, C,
+                       m->cfg.norm_eps);
+  else
+    k->layernorm_forward(a->lnf, a->lnf_mean, a->lnf_rstd, ZT_LAYER(m, a->res3, L - 1, C),
+                         lnf_w, lnf_b, BT, C);
+  if (llama && !m->cfg.tie_embed) { /* the head is in unit L + 1 */
+    k->matmul_forward(a->logits, a->lnf, head_of(m, m->unit_params, (size_t)k->xbytes), NULL,
+                      BT, C, m->lay.Vp);
+    ZT_HOOK(m, post_forward, L + 1);
+    ZT_HOOK(m, post_forward, 0);
+  } else {
+    ZT_HOOK(m, post_forward, L + 1);
+    wte = m->unit_params[0]; /* a hook may have moved unit 0 */
+    k->matmul_forward(a->logits, a->lnf, wte, NULL, BT, C, m->lay.Vp);
+    ZT_HOOK(m, post_forward, 0);
+  }
 
   if (targets) {
     k->upload(a->targets, targets, sizeof(int) * (size_t)BT);
@@ -304,25 +378,66 @@ static void block_backward(zt_model_t *m, int l, const float *x) {
   k->layernorm_backward(a->dres, g.ln1w, g.ln1b, a->dbtc, x, p.ln1w, ln1m, ln1r, BT, C);
 }
 
+static void llama_block_backward(zt_model_t *m, int l, const float *x) {
+  const zt_kernels_t *k = m->k;
+  const zt_model_config_t *c = &m->cfg;
+  struct zt_acts *a = m->acts;
+  int B = a->B, T = a->T, BT = B * T, C = c->n_embd, NH = c->n_head, KV = c->n_kv_head;
+  int HD = c->head_dim, F = c->n_ff, QKV = zt_model_qkv_width(c), ATT = zt_model_att_width(c);
+  zt_lblock_t p, g;
+  zt_layout_lblock_views(m->unit_params[1 + l], c, (size_t)k->xbytes, &p);
+  zt_layout_lblock_views(m->unit_grads[1 + l], c, sizeof(float), &g);
+  const float *ln1 = ZT_SLOT(m, a->ln1, l, C), *ln1r = ZT_SLOT_F(m, a->ln1_rstd, l, 1);
+  const float *qkv = ZT_SLOT(m, a->qkv, l, QKV), *atty = ZT_SLOT(m, a->atty, l, ATT);
+  const float *lse = ZT_SLOT_F(m, a->lse, l, NH), *res2 = ZT_SLOT(m, a->res2, l, C);
+  const float *ln2 = ZT_SLOT(m, a->ln2, l, C), *ln2r = ZT_SLOT_F(m, a->ln2_rstd, l, 1);
+  const float *fch = ZT_SLOT(m, a->fch, l, 2 * F), *fchg = ZT_SLOT(m, a->fch_gelu, l, F);
+
+  /* MLP: dres is d res3. */
+  k->matmul_backward(a->dffa, g.downw, NULL, a->dres, fchg, p.downw, BT, F, C);
+  k->swiglu_backward(a->dfch, a->dffa, fch, BT, F);
+  k->matmul_backward(a->dbtc, g.gateupw, NULL, a->dfch, ln2, p.gateupw, BT, C, 2 * F);
+  k->rmsnorm_backward(a->dres, g.rms2w, a->dbtc, res2, p.rms2w, ln2r, BT, C);
+  /* Attention: dres is now d res2. The stored qkv holds q and k after
+   * their rotation, so the rotation's backward comes after attention's. */
+  k->matmul_backward(a->datt, g.ow, NULL, a->dres, atty, p.ow, BT, ATT, C);
+  if (KV < NH) {
+    k->gqa_expand(a->qfull, qkv, BT, NH, KV, HD);
+    k->attention_backward(a->dqfull, a->datt, a->qfull, atty, lse, B, T, ATT, NH);
+    k->gqa_reduce(a->dqkv, a->dqfull, BT, NH, KV, HD);
+  } else {
+    k->attention_backward(a->dqkv, a->datt, qkv, atty, lse, B, T, ATT, NH);
+  }
+  k->rope(a->dqkv, B, T, NH, KV, HD, c->rope_theta, 1);
+  k->matmul_backward(a->dbtc, g.qkvw, g.qkvb, a->dqkv, ln1, p.qkvw, BT, C, QKV);
+  k->rmsnorm_backward(a->dres, g.rms1w, a->dbtc, x, p.rms1w, ln1r, BT, C);
+}
+
 int zt_model_backward(zt_model_t *m, float grad_scale) {
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;
   int B = a->B, T = a->T, C = m->cfg.n_embd, L = m->cfg.n_layer, BT = B * T;
   if (!a->have_targets) return zt_err("backward: the last forward had no targets");
 
+  int llama = m->cfg.arch == ZT_ARCH_LLAMA, own_head = llama && !m->cfg.tie_embed;
   ZT_HOOK(m, pre_backward, 0);
+  if (own_head) ZT_HOOK(m, pre_backward, L + 1);
   /* Loss -> logits (in place over the probabilities) -> LM head. */
   float dloss = grad_scale / (float)BT;
   k->crossentropy_backward(a->logits, a->logits, a->targets, dloss, BT, m->cfg.vocab_size, m->lay.Vp);
-  k->matmul_backward(a->dbtc, m->unit_grads[0], NULL, a->logits, a->lnf, m->unit_params[0], BT,
-                     C, m->lay.Vp);
+  k->matmul_backward(a->dbtc, head_of(m, m->unit_grads, sizeof(float)), NULL, a->logits, a->lnf,
+                     head_of(m, m->unit_params, (size_t)k->xbytes), BT, C, m->lay.Vp);
   a->have_targets = 0; /* the probabilities are gone */
 
-  ZT_HOOK(m, pre_backward, L + 1);
+  if (!own_head) ZT_HOOK(m, pre_backward, L + 1);
   float *lnf_w = m->unit_params[L + 1], *dlnf_w = m->unit_grads[L + 1];
   k->memzero(a->dres, (size_t)BT * C * (size_t)k->xbytes);
-  k->layernorm_backward(a->dres, dlnf_w, dlnf_w + C, a->dbtc, ZT_LAYER(m, a->res3, L - 1, C),
-                        lnf_w, a->lnf_mean, a->lnf_rstd, BT, C);
+  if (llama)
+    k->rmsnorm_backward(a->dres, dlnf_w, a->dbtc, ZT_LAYER(m, a->res3, L - 1, C), lnf_w,
+                        a->lnf_rstd, BT, C);
+  else
+    k->layernorm_backward(a->dres, dlnf_w, dlnf_w + C, a->dbtc, ZT_LAYER(m, a->res3, L - 1, C),
+                          lnf_w, a->lnf_mean, a->lnf_rstd, BT, C);
   ZT_HOOK(m, post_backward, L + 1);
 
   for (int l = L - 1; l >= 0; l--) {
@@ -331,12 +446,14 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
     /* Activation checkpointing: the shared slot holds the last layer's
      * activations from the forward; every other layer is computed again
      * from its input, with the same kernels and so the same values. */
-    if (m->recompute && l < L - 1) block_forward(m, l, x, B, T);
-    block_backward(m, l, x);
+    if (m->recompute && l < L - 1) any_block_forward(m, l, x, B, T);
+    if (llama) llama_block_backward(m, l, x);
+    else block_backward(m, l, x);
     ZT_HOOK(m, post_backward, 1 + l);
   }
 
-  float *dwte = m->unit_grads[0], *dwpe = dwte + (size_t)m->lay.Vp * C;
+  float *dwte = m->unit_grads[0];
+  float *dwpe = llama ? a->dnowpe : dwte + (size_t)m->lay.Vp * C;
   k->encoder_backward(dwte, dwpe, a->dres, a->inputs, B, T, C);
   ZT_HOOK(m, post_backward, 0);
   return 0;

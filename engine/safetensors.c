@@ -22,15 +22,23 @@ static int is_conv1d(int kind) {
   return kind == ZT_T_QKVW || kind == ZT_T_ATTPROJW || kind == ZT_T_FCW || kind == ZT_T_FCPROJW;
 }
 
+/* A llama layout's names are already Hugging Face's (layout.c). */
+static int is_llama_kind(int kind) { return kind >= ZT_T_RMS1W; }
+
 /* The file's name of tensor t. */
 static void hf_name(const zt_tensor_t *t, char *buf, size_t n) {
+  if (is_llama_kind(t->kind) || !strncmp(t->name, "model.", 6)) {
+    snprintf(buf, n, "%s", t->name);
+    return;
+  }
   snprintf(buf, n, PREFIX "%s%s", t->name,
            (t->kind == ZT_T_WTE || t->kind == ZT_T_WPE) ? ".weight" : "");
 }
 
 /* Rows of tensor t as the file holds them (wte without our padding). */
 static size_t file_rows(const zt_layout_t *l, const zt_tensor_t *t) {
-  return t->kind == ZT_T_WTE ? (size_t)l->cfg.vocab_size : (size_t)t->rows;
+  return t->kind == ZT_T_WTE || t->kind == ZT_T_HEADW ? (size_t)l->cfg.vocab_size
+                                                      : (size_t)t->rows;
 }
 
 /* ---- writing --------------------------------------------------------------- */
@@ -183,7 +191,8 @@ static int64_t whole(const cJSON *v, int64_t max) {
 static const cJSON *entry(const reader *r, const zt_tensor_t *t, char *name, size_t n) {
   hf_name(t, name, n);
   const cJSON *e = cJSON_GetObjectItemCaseSensitive(r->hdr, name);
-  if (!e) e = cJSON_GetObjectItemCaseSensitive(r->hdr, name + strlen(PREFIX));
+  if (!e && !strncmp(name, PREFIX, strlen(PREFIX)))
+    e = cJSON_GetObjectItemCaseSensitive(r->hdr, name + strlen(PREFIX));
   return cJSON_IsObject(e) ? e : NULL;
 }
 
@@ -299,6 +308,15 @@ static int known_entry(const reader *r, const char *full) {
   const zt_layout_t *l = r->l;
   const char *s = full;
   if (!strcmp(full, "__metadata__")) return 0;
+  if (l->cfg.arch == ZT_ARCH_LLAMA) {
+    /* A tied model's file may still hold lm_head.weight (a copy of the
+     * embedding); older ones hold each layer's rotary inv_freq buffer. */
+    if ((l->cfg.tie_embed && !strcmp(full, "lm_head.weight")) ||
+        (strstr(full, ".rotary_emb.inv_freq") && !strncmp(full, "model.layers.", 13)))
+      return 0;
+    if (zt_layout_find(l, full)) return 0;
+    return zt_errk(ZT_E_INVALID, "%s: tensor %s is not one of the model's", r->path, full);
+  }
   if (!strncmp(s, PREFIX, strlen(PREFIX))) s += strlen(PREFIX);
   if (!strcmp(s, "lm_head.weight")) return 0;
   if (!strncmp(s, "h.", 2) && s[2] >= '0' && s[2] <= '9' && (s[2] != '0' || s[3] == '.')) {

@@ -69,6 +69,8 @@ void zt_sample_free(zt_sample_t *s) {
 int zt_sample_create(const zt_model_config_t *cfg, const float *params, zt_sample_t **out) {
   *out = NULL;
   if (zt_model_config_check(cfg) != 0) return zt_err_wrap("sampler");
+  if (cfg->arch == ZT_ARCH_LLAMA)
+    return zt_errk(ZT_E_INVALID, "sampler: sampling a llama model is not supported yet");
   zt_sample_t *s = zt_xcalloc(1, sizeof *s);
   s->cfg = *cfg;
   if (zt_layout_build(&s->lay, cfg) != 0) {

@@ -130,17 +130,55 @@ static int get_object(const cJSON *o, const char *path, const char *key, int req
 
 /* ---- sections ------------------------------------------------------------- */
 
+/* model.arch "llama": Hugging Face LlamaConfig's fields under our names
+ * (layout.h); the keys only llama has are refused for gpt2. */
+static const char *const k_llama_keys[] = {"n_kv_head", "head_dim", "intermediate_size",
+                                           "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+                                           "attention_bias"};
+
+static int parse_llama(zt_model_config_t *c, const cJSON *o) {
+  c->n_kv_head = c->n_head;
+  c->head_dim = c->n_embd / c->n_head;
+  c->rope_theta = 10000.0f;
+  c->norm_eps = 1e-6f;
+  if (get_int(o, "model", "n_kv_head", 0, 1, ZT_MODEL_MAX_HEAD, &c->n_kv_head) ||
+      get_int(o, "model", "head_dim", 0, 2, ZT_MODEL_MAX_EMBD, &c->head_dim) ||
+      get_int(o, "model", "intermediate_size", 1, 1, 4 * ZT_MODEL_MAX_EMBD, &c->n_ff) ||
+      get_float(o, "model", "rope_theta", 0, 1, 1e12, &c->rope_theta) ||
+      get_float(o, "model", "rms_norm_eps", 0, 1, 1, &c->norm_eps) ||
+      get_bool(o, "model", "tie_word_embeddings", &c->tie_embed) ||
+      get_bool(o, "model", "attention_bias", &c->qkv_bias))
+    return -1;
+  return 0;
+}
+
 static int parse_model(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"n_layer", "n_head", "n_embd", "seq_len", "vocab_size"};
+  static const char *const keys[] = {"n_layer",  "n_head",     "n_embd", "seq_len",
+                                     "vocab_size", "arch",     "n_kv_head", "head_dim",
+                                     "intermediate_size", "rope_theta", "rms_norm_eps",
+                                     "tie_word_embeddings", "attention_bias"};
   const cJSON *o;
   if (get_object(root, "", "model", 1, &o) || CHECK_KEYS(o, "model", keys)) return -1;
   zt_model_config_t *c = &s->model;
+  char arch[16] = "gpt2";
   if (get_int(o, "model", "n_layer", 1, 1, ZT_MODEL_MAX_LAYER, &c->n_layer) ||
       get_int(o, "model", "n_head", 1, 1, ZT_MODEL_MAX_HEAD, &c->n_head) ||
       get_int(o, "model", "n_embd", 1, 1, ZT_MODEL_MAX_EMBD, &c->n_embd) ||
       get_int(o, "model", "seq_len", 1, 1, ZT_MODEL_MAX_SEQ, &c->seq_len) ||
-      get_int(o, "model", "vocab_size", 1, 2, ZT_MODEL_MAX_VOCAB, &c->vocab_size))
+      get_int(o, "model", "vocab_size", 1, 2, ZT_MODEL_MAX_VOCAB, &c->vocab_size) ||
+      get_string(o, "model", "arch", 0, arch, sizeof arch))
     return -1;
+  if (!strcmp(arch, "llama")) {
+    c->arch = ZT_ARCH_LLAMA;
+    if (parse_llama(c, o) != 0) return -1;
+  } else if (strcmp(arch, "gpt2")) {
+    return zt_err("model.arch: \"%s\" is not an architecture (gpt2 or llama)", arch);
+  } else {
+    for (size_t i = 0; i < ZT_ARRAY_LEN(k_llama_keys); i++)
+      if (cJSON_GetObjectItemCaseSensitive(o, k_llama_keys[i]))
+        return zt_err("model.%s: a llama field; set model.arch to \"llama\" or remove it",
+                      k_llama_keys[i]);
+  }
   if (zt_model_config_check(c) != 0) return zt_err_wrap("model");
   return 0;
 }

@@ -136,6 +136,36 @@ typedef struct zt_kernels {
   void (*narrow_f64)(float *dst, const double *x, size_t n, double s, float t);
   double (*sumsq_f64)(const double *x, size_t n, double s);
 
+  /* The Llama architecture's own operations (engine/model.c, model.arch
+   * "llama"); NULL in a table that lacks them (the CUDA tables, so far):
+   * such a model is refused on it at create time.
+   *   rmsnorm_forward:  per row of N rows of C, rstd = 1/sqrt(mean(x^2) +
+   *                     eps), out = x * rstd * w.
+   *   rmsnorm_backward: dinp += ..., dw += ... (dinp accumulates, as
+   *                     layernorm_backward's: it is the residual stream).
+   *   rope:             rotary position embedding, Hugging Face's
+   *                     rotate_half convention, in place on the q and k
+   *                     heads of qkv [B,T,(NH+2*NKV)*HD] (position t, angle
+   *                     t * theta^(-2i/HD) for pair (i, i + HD/2)); inverse
+   *                     rotates back (the backward of the forward).
+   *   swiglu_forward:   out[N,F] = silu(inp[:, :F]) * inp[:, F:2F].
+   *   swiglu_backward:  dinp[N,2F] (overwritten) from dout[N,F] and inp.
+   *   gqa_expand:       full[N, 3*NH*HD] = q, and each k and v head
+   *                     repeated for its NH/NKV query heads, from
+   *                     qkv[N,(NH+2*NKV)*HD] (grouped-query attention on
+   *                     the multi-head kernels).
+   *   gqa_reduce:       its backward: dqkv (overwritten) = dq, and each k
+   *                     and v head's gradient summed over its query heads. */
+  void (*rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *w, int N, int C,
+                          float eps);
+  void (*rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp,
+                           const float *w, const float *rstd, int N, int C);
+  void (*rope)(float *qkv, int B, int T, int NH, int NKV, int HD, float theta, int inverse);
+  void (*swiglu_forward)(float *out, const float *inp, int N, int F);
+  void (*swiglu_backward)(float *dinp, const float *dout, const float *inp, int N, int F);
+  void (*gqa_expand)(float *full, const float *qkv, int N, int NH, int NKV, int HD);
+  void (*gqa_reduce)(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD);
+
   /* The memory the kernels work on: host memory for the CPU tables, device
    * memory for CUDA. alloc returns zeroed memory, or NULL when there is not
    * enough; upload and download copy between host memory and the table's
@@ -169,6 +199,26 @@ void zt_kernels_host_narrow_x(void *dst, const float *src, size_t n);
 void zt_kernels_host_widen_x(float *dst, const void *src, size_t n);
 /* The memory entries of a CPU table (designated initializers): fp32
  * storage, host memory. */
+/* The Llama entries of both CPU tables (kernels/cpu/llama.c). */
+void zt_kernels_host_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w,
+                                     int N, int C, float eps);
+void zt_kernels_host_rmsnorm_backward(float *dinp, float *dw, const float *dout,
+                                      const float *inp, const float *w, const float *rstd, int N,
+                                      int C);
+void zt_kernels_host_rope(float *qkv, int B, int T, int NH, int NKV, int HD, float theta,
+                          int inverse);
+void zt_kernels_host_swiglu_forward(float *out, const float *inp, int N, int F);
+void zt_kernels_host_swiglu_backward(float *dinp, const float *dout, const float *inp, int N,
+                                     int F);
+void zt_kernels_host_gqa_expand(float *full, const float *qkv, int N, int NH, int NKV, int HD);
+void zt_kernels_host_gqa_reduce(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD);
+#define ZT_KERNELS_HOST_LLAMA                                                             \
+  .rmsnorm_forward = zt_kernels_host_rmsnorm_forward,                                     \
+  .rmsnorm_backward = zt_kernels_host_rmsnorm_backward, .rope = zt_kernels_host_rope,     \
+  .swiglu_forward = zt_kernels_host_swiglu_forward,                                       \
+  .swiglu_backward = zt_kernels_host_swiglu_backward,                                     \
+  .gqa_expand = zt_kernels_host_gqa_expand, .gqa_reduce = zt_kernels_host_gqa_reduce
+
 #define ZT_KERNELS_HOST_MEMORY                                                           \
   .xbytes = 4, .narrow_x = zt_kernels_host_narrow_x, .widen_x = zt_kernels_host_widen_x, \
   .alloc = zt_kernels_host_alloc, .release = zt_kernels_host_release,                    \

@@ -254,9 +254,13 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   if (ol == 0 || ol >= sizeof out_dir) return zt_err("export: bad output directory name");
   memcpy(out_dir, o->out_dir, ol);
   out_dir[ol] = 0;
-  if (zt_ckpt_read_model(o->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0 ||
-      find_tokenizer(o, man_tok, &cfg, &tok) != 0)
+  if (zt_ckpt_read_model(o->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0) goto out;
+  if (cfg.arch == ZT_ARCH_LLAMA) {
+    zt_errk(ZT_E_INVALID, "export: %s holds a llama model; export writes GPT-2 directories only "
+            "so far", o->epoch_dir);
     goto out;
+  }
+  if (find_tokenizer(o, man_tok, &cfg, &tok) != 0) goto out;
   int st = out_state(out_dir);
   if (st < 0) goto out;
   snprintf(parent, sizeof parent, "%s", out_dir);

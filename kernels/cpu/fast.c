@@ -592,6 +592,7 @@ static const zt_kernels_t zt_cpu_table = {
     ZT_KERNELS_ENTRIES(fast),
     .sumsq_f64 = zt_kernels_host_sumsq_f64, /* serial: element order */
     ZT_KERNELS_HOST_MEMORY,
+    ZT_KERNELS_HOST_LLAMA,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {

@@ -360,6 +360,7 @@ static const zt_kernels_t zt_ref_table = {
     ZT_KERNELS_ENTRIES(ref),
     .sumsq_f64 = zt_kernels_host_sumsq_f64,
     ZT_KERNELS_HOST_MEMORY,
+    ZT_KERNELS_HOST_LLAMA,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }

@@ -1,0 +1,246 @@
+"""The Llama architecture (model.arch "llama") against an independent
+PyTorch Llama.
+
+The reference below is written from Hugging Face's LlamaForCausalLM
+semantics (RMSNorm in fp32, rotary embeddings in the rotate_half
+convention, grouped-query attention by repeat_kv, a SwiGLU MLP, optional
+q/k/v biases as Qwen2 has, tied or untied head), not from our code. The
+test writes random weights in Hugging Face's safetensors layout, starts
+zsolo from them (init.from_safetensors) and compares the first step's loss
+and gradient norm and the loss after one AdamW step. The data set holds
+exactly one batch of samples, so the batch is the whole set whatever the
+shuffle, and its mean loss does not depend on the order.
+"""
+import json
+import math
+import os
+import struct
+import subprocess
+
+import pytest
+
+from ztest import (BIN, byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job,
+                   wait_until, job, write_shard)
+
+torch = pytest.importorskip("torch", reason="the reference needs python3-torch")
+
+B, T, V = 4, 32, 257
+CONFIGS = {
+    # Llama: grouped-query attention (2 K/V heads for 4 query heads), untied head.
+    "llama": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                  intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, attention_bias=False),
+    # Qwen2-like: q/k/v biases, tied head, one K/V head, head_dim != n_embd / n_head.
+    "qwen2": dict(n_layer=2, n_head=4, n_kv_head=1, n_embd=48, head_dim=8,
+                  intermediate_size=80, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, attention_bias=True),
+}
+
+
+def weights(c, seed):
+    g = torch.Generator().manual_seed(seed)
+    C, A, KV, F = c["n_embd"], c["n_head"] * c["head_dim"], c["n_kv_head"] * c["head_dim"], \
+        c["intermediate_size"]
+
+    def rnd(*shape, std=0.05):
+        return (torch.randn(*shape, generator=g) * std).float()
+    w = {"model.embed_tokens.weight": rnd(V, C, std=0.5), "model.norm.weight": 1 + rnd(C)}
+    if not c["tie_word_embeddings"]:
+        w["lm_head.weight"] = rnd(V, C, std=0.2)
+    for i in range(c["n_layer"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + rnd(C)
+        w[p + "post_attention_layernorm.weight"] = 1 + rnd(C)
+        w[p + "self_attn.q_proj.weight"] = rnd(A, C, std=0.15)
+        w[p + "self_attn.k_proj.weight"] = rnd(KV, C, std=0.15)
+        w[p + "self_attn.v_proj.weight"] = rnd(KV, C, std=0.15)
+        w[p + "self_attn.o_proj.weight"] = rnd(C, A, std=0.15)
+        if c["attention_bias"]:
+            w[p + "self_attn.q_proj.bias"] = rnd(A)
+            w[p + "self_attn.k_proj.bias"] = rnd(KV)
+            w[p + "self_attn.v_proj.bias"] = rnd(KV)
+        w[p + "mlp.gate_proj.weight"] = rnd(F, C, std=0.15)
+        w[p + "mlp.up_proj.weight"] = rnd(F, C, std=0.15)
+        w[p + "mlp.down_proj.weight"] = rnd(C, F, std=0.15)
+    return w
+
+
+def write_safetensors(path, tensors):
+    """The safetensors format: an 8-byte little-endian header length, a JSON
+    header of dtype, shape and data offsets, then the raw data."""
+    header, blobs, off = {}, [], 0
+    for name, t in tensors.items():
+        b = t.contiguous().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+class Llama(torch.nn.Module):
+    """Hugging Face's LlamaForCausalLM, in fp32, from its definition."""
+
+    def __init__(self, c, w):
+        super().__init__()
+        self.c = c
+        self.p = torch.nn.ParameterDict({k.replace(".", "__"): torch.nn.Parameter(v.clone())
+                                         for k, v in w.items()})
+
+    def w(self, name):
+        return self.p[name.replace(".", "__")]
+
+    def rms(self, x, wt):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return wt * (x * torch.rsqrt(var + self.c["rms_norm_eps"]))
+
+    def rope(self, x):  # x [B, heads, T, HD]
+        hd = x.shape[-1]
+        inv = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        freqs = torch.outer(torch.arange(x.shape[2]).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        half = hd // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def forward(self, idx, targets):
+        c = self.c
+        nh, kv, hd = c["n_head"], c["n_kv_head"], c["head_dim"]
+        Bq, Tq = idx.shape
+        x = self.w("model.embed_tokens.weight")[idx]
+        mask = torch.full((Tq, Tq), float("-inf")).triu(1)
+        for i in range(c["n_layer"]):
+            p = f"model.layers.{i}."
+            h = self.rms(x, self.w(p + "input_layernorm.weight"))
+
+            def proj(n):
+                b = self.w(p + f"self_attn.{n}_proj.bias") if c["attention_bias"] else None
+                return torch.nn.functional.linear(h, self.w(p + f"self_attn.{n}_proj.weight"), b)
+            q = proj("q").view(Bq, Tq, nh, hd).transpose(1, 2)
+            k = proj("k").view(Bq, Tq, kv, hd).transpose(1, 2)
+            v = proj("v").view(Bq, Tq, kv, hd).transpose(1, 2)
+            q, k = self.rope(q), self.rope(k)
+            k = k.repeat_interleave(nh // kv, dim=1)  # repeat_kv
+            v = v.repeat_interleave(nh // kv, dim=1)
+            att = (q @ k.transpose(-1, -2)) / math.sqrt(hd) + mask
+            y = (att.softmax(-1) @ v).transpose(1, 2).reshape(Bq, Tq, nh * hd)
+            x = x + torch.nn.functional.linear(y, self.w(p + "self_attn.o_proj.weight"))
+            h = self.rms(x, self.w(p + "post_attention_layernorm.weight"))
+            gate = torch.nn.functional.linear(h, self.w(p + "mlp.gate_proj.weight"))
+            up = torch.nn.functional.linear(h, self.w(p + "mlp.up_proj.weight"))
+            x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
+                                               self.w(p + "mlp.down_proj.weight"))
+        x = self.rms(x, self.w("model.norm.weight"))
+        head = self.w("model.embed_tokens.weight" if c["tie_word_embeddings"] else "lm_head.weight")
+        logits = x @ head.t()
+        return torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_llama_matches_an_independent_pytorch_llama(tmp_path, name):
+    c = CONFIGS[name]
+    torch.manual_seed(0)
+    w = weights(c, seed=11)
+    write_safetensors(tmp_path / "init.safetensors", w)
+    # Exactly B samples: the one batch is the whole data set.
+    toks = torch.randint(0, V, (B * T + 1,), generator=torch.Generator().manual_seed(5)).tolist()
+    write_shard(str(tmp_path / "train_000000.bin"), toks)
+    lr, betas, eps, wd = 1e-3, (0.9, 0.95), 1e-8, 0.1
+    model = {"arch": "llama", "seq_len": T, "vocab_size": V}
+    model.update({k: v for k, v in c.items()})
+    spec = {"name": name, "seed": 1, "steps": 2, "model": model,
+            "data": {"train": "train_*.bin"}, "init": {"from_safetensors": "init.safetensors"},
+            "train_micro_batch_size_per_gpu": B, "train_batch_size": B,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas),
+                                                      "eps": eps, "weight_decay": wd}}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json", "--json", "--log-every", "1",
+                        "--threads", "2"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [x["step"] for x in recs] == [1, 2], r.stdout
+
+    ref = Llama(c, w)
+    data = torch.tensor(toks)
+    idx = torch.stack([data[i * T:(i + 1) * T] for i in range(B)])
+    tgt = torch.stack([data[i * T + 1:(i + 1) * T + 1] for i in range(B)])
+    loss1 = ref(idx, tgt)
+    loss1.backward()
+    gnorm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters()))
+    decay = [p for p in ref.parameters() if p.dim() == 2]
+    nodecay = [p for p in ref.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd},
+                             {"params": nodecay, "weight_decay": 0.0}], lr=lr, betas=betas,
+                            eps=eps)
+    opt.step()
+    with torch.no_grad():
+        loss2 = ref(idx, tgt)
+
+    def rel(a, b):
+        return abs(a - b) / abs(b)
+    assert rel(recs[0]["loss"], float(loss1)) < 2e-6, (recs[0], float(loss1))
+    assert rel(recs[0]["grad_norm"], gnorm) < 1e-5, (recs[0], gnorm)
+    assert rel(recs[1]["loss"], float(loss2)) < 1e-5, (recs[1], float(loss2))
+    # The step moved the loss by far more than the tolerance.
+    assert rel(float(loss2), float(loss1)) > 1e-3
+
+
+def llama_spec(train, val, steps, stage, workers, **kw):
+    s = tiny_spec(train, val, steps, stage=stage, workers=workers, **kw)
+    s["model"] = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32,
+                  "intermediate_size": 64, "seq_len": 32, "vocab_size": 257}
+    return s
+
+
+def test_llama_under_zero_elastic_and_checkpoints(procs, tmp_path):
+    """A llama job trains under zcoord like GPT-2: ZeRO-3 on two workers
+    gives the single-process losses bit for bit; with activation
+    checkpointing too; and a worker killed mid-run costs a re-form from
+    the last checkpoint, not a different loss."""
+    train, val = byte_dataset(str(tmp_path / "data"), limit=200_000)
+    coord = start_fleet(procs, 2)
+    ref = llama_spec(train, val, 60, 0, 1)
+    jr = submit(coord, ref, tmp_path, "ref.json")
+    wait_job(coord, jr, timeout=120)
+    want = losses(coord, jr)
+    assert len(want) == 60
+    for name, stage, extra in (("z3", 3, {}), ("z2ac", 2, {"activation_checkpointing": True})):
+        s = llama_spec(train, val, 60, stage, 2, **extra)
+        jid = submit(coord, s, tmp_path, name + ".json")
+        wait_job(coord, jid, timeout=180)
+        assert losses(coord, jid) == want, name
+    s = llama_spec(train, val, 400, 1, 1, max_workers=2,
+                   checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 20})
+    s["elastic"] = {"min_workers": 1, "max_workers": 2}
+    jid = submit(coord, s, tmp_path, "kill.json")
+    wait_until(lambda: job(coord, jid)["world"] == 2 and job(coord, jid)["step"] >= 50, 60,
+               "two workers training")
+    coord.workers["w1"].kill()
+    wait_job(coord, jid, timeout=180)
+    ref = llama_spec(train, val, 400, 0, 1)
+    jr = submit(coord, ref, tmp_path, "ref400.json")
+    wait_job(coord, jr, timeout=180)
+    assert losses(coord, jid) == losses(coord, jr)
+
+
+def test_llama_spec_errors_name_the_field(tmp_path):
+    base = {"name": "e", "steps": 2, "data": {"train": "x_*.bin"},
+            "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1}
+    cases = [({"arch": "mamba"}, "model.arch"),
+             ({"n_kv_head": 2}, "model.n_kv_head: a llama field"),
+             ({"arch": "llama", "n_kv_head": 3}, "multiple of n_kv_head"),
+             ({"arch": "llama", "intermediate_size": 64, "head_dim": 7}, "head_dim"),
+             ({"arch": "llama"}, "model.intermediate_size")]
+    for extra, want in cases:
+        m = {"n_layer": 1, "n_head": 4, "n_embd": 32, "seq_len": 8, "vocab_size": 257}
+        if extra.get("arch") == "llama" and "intermediate_size" not in extra and len(extra) > 1:
+            m["intermediate_size"] = 64
+        m.update(extra)
+        (tmp_path / "s.json").write_text(json.dumps(dict(base, model=m)))
+        r = subprocess.run([os.path.join(BIN, "zsolo"), "s.json"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and want in r.stderr, (extra, r.stderr)
