@@ -162,18 +162,39 @@ void zt_layout_lblock_views(float *base, const zt_model_config_t *c, size_t esz,
   }
 }
 
-/* The llama layout: unit 0 the token embedding, units 1..L the blocks, unit
- * L+1 the final RMSNorm and, unless tied to the embedding, the LM head
- * (Hugging Face's names, so checkpoints and exports need no table). */
-static void build_llama(zt_layout_t *l, const zt_model_config_t *cfg) {
-  int C = cfg->n_embd, L = cfg->n_layer;
+/* GPT-2's block table as absolute shapes. */
+static int gpt2_block_spec(const zt_model_config_t *c, lspec_t *s) {
+  int C = c->n_embd;
+  for (int i = 0; i < ZT_BLOCK_TENSORS; i++)
+    s[i] = (lspec_t){k_block_spec[i].name, k_block_spec[i].kind,
+                     k_block_spec[i].rows ? k_block_spec[i].rows * C : 1, k_block_spec[i].cols * C,
+                     k_block_spec[i].decay};
+  return ZT_BLOCK_TENSORS;
+}
+
+/* Unit 0 holds the embeddings (GPT-2's position table too), units 1..L the
+ * blocks, unit L+1 the final norm and, for an untied llama, the LM head.
+ * Llama's tensors have Hugging Face's names, so checkpoints and files of
+ * that layout need no table. */
+int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
+  memset(l, 0, sizeof *l);
+  if (zt_model_config_check(cfg) != 0) return -1;
+  int C = cfg->n_embd, L = cfg->n_layer, llama = cfg->arch == ZT_ARCH_LLAMA;
+  l->cfg = *cfg;
+  l->Vp = pad_vocab(cfg->vocab_size);
+  l->num_units = L + 2;
+  l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+  l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
   lspec_t sp[16];
-  int nb = llama_block_spec(cfg, sp);
-  l->tensors = zt_xcalloc((size_t)(1 + L * nb + 2), sizeof(zt_tensor_t));
+  int nb = llama ? llama_block_spec(cfg, sp) : gpt2_block_spec(cfg, sp);
+  l->tensors = zt_xcalloc((size_t)(2 + L * nb + 2), sizeof(zt_tensor_t));
+
   size_t off = 0, uo = 0;
   char name[64];
-  add_tensor(l, "model.embed_tokens.weight", ZT_T_WTE, 0, -1, &uo, l->Vp, C, (size_t)l->Vp * C,
-             1);
+  add_tensor(l, llama ? "model.embed_tokens.weight" : "wte", ZT_T_WTE, 0, -1, &uo, l->Vp, C,
+             (size_t)l->Vp * C, 1);
+  if (!llama)
+    add_tensor(l, "wpe", ZT_T_WPE, 0, -1, &uo, cfg->seq_len, C, (size_t)cfg->seq_len * C, 1);
   l->unit_size[0] = uo;
   off += uo;
   for (int b = 0; b < L; b++) {
@@ -181,7 +202,7 @@ static void build_llama(zt_layout_t *l, const zt_model_config_t *cfg) {
     l->unit_off[u] = off;
     uo = 0;
     for (int i = 0; i < nb; i++) {
-      snprintf(name, sizeof name, "model.layers.%d.%s", b, sp[i].name);
+      snprintf(name, sizeof name, llama ? "model.layers.%d.%s" : "h.%d.%s", b, sp[i].name);
       add_tensor(l, name, sp[i].kind, u, b, &uo, sp[i].rows, sp[i].cols,
                  (size_t)sp[i].rows * sp[i].cols, sp[i].decay);
     }
@@ -191,61 +212,14 @@ static void build_llama(zt_layout_t *l, const zt_model_config_t *cfg) {
   int u = L + 1;
   l->unit_off[u] = off;
   uo = 0;
-  add_tensor(l, "model.norm.weight", ZT_T_NORMW, u, -1, &uo, 1, C, (size_t)C, 0);
-  if (!cfg->tie_embed)
-    add_tensor(l, "lm_head.weight", ZT_T_HEADW, u, -1, &uo, l->Vp, C, (size_t)l->Vp * C, 1);
-  l->unit_size[u] = uo;
-  l->num_params = off + uo;
-}
-
-int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
-  memset(l, 0, sizeof *l);
-  if (zt_model_config_check(cfg) != 0) return -1;
-  if (cfg->arch == ZT_ARCH_LLAMA) {
-    l->cfg = *cfg;
-    l->Vp = pad_vocab(cfg->vocab_size);
-    l->num_units = cfg->n_layer + 2;
-    l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
-    l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
-    build_llama(l, cfg);
-    return 0;
+  if (llama) {
+    add_tensor(l, "model.norm.weight", ZT_T_NORMW, u, -1, &uo, 1, C, (size_t)C, 0);
+    if (!cfg->tie_embed)
+      add_tensor(l, "lm_head.weight", ZT_T_HEADW, u, -1, &uo, l->Vp, C, (size_t)l->Vp * C, 1);
+  } else {
+    add_tensor(l, "ln_f.weight", ZT_T_LNFW, u, -1, &uo, 1, C, (size_t)C, 0);
+    add_tensor(l, "ln_f.bias", ZT_T_LNFB, u, -1, &uo, 1, C, (size_t)C, 0);
   }
-  int C = cfg->n_embd, L = cfg->n_layer;
-  l->cfg = *cfg;
-  l->Vp = pad_vocab(cfg->vocab_size);
-  l->num_units = L + 2;
-  l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
-  l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
-  l->tensors = zt_xcalloc((size_t)(2 + L * ZT_BLOCK_TENSORS + 2), sizeof(zt_tensor_t));
-
-  size_t off = 0, uo = 0;
-  char name[64];
-  /* Unit 0: embeddings. */
-  add_tensor(l, "wte", ZT_T_WTE, 0, -1, &uo, l->Vp, C, (size_t)l->Vp * C, 1);
-  add_tensor(l, "wpe", ZT_T_WPE, 0, -1, &uo, cfg->seq_len, C, (size_t)cfg->seq_len * C, 1);
-  l->unit_size[0] = uo;
-  off += uo;
-  /* Units 1..L: blocks. */
-  for (int b = 0; b < L; b++) {
-    int u = 1 + b;
-    l->unit_off[u] = off;
-    uo = 0;
-    for (int i = 0; i < ZT_BLOCK_TENSORS; i++) {
-      int rows = k_block_spec[i].rows ? k_block_spec[i].rows * C : 1;
-      int cols = k_block_spec[i].cols * C;
-      snprintf(name, sizeof name, "h.%d.%s", b, k_block_spec[i].name);
-      add_tensor(l, name, k_block_spec[i].kind, u, b, &uo, rows, cols, (size_t)rows * cols,
-                 k_block_spec[i].decay);
-    }
-    l->unit_size[u] = uo;
-    off += uo;
-  }
-  /* Unit L+1: final LayerNorm. */
-  int u = L + 1;
-  l->unit_off[u] = off;
-  uo = 0;
-  add_tensor(l, "ln_f.weight", ZT_T_LNFW, u, -1, &uo, 1, C, (size_t)C, 0);
-  add_tensor(l, "ln_f.bias", ZT_T_LNFB, u, -1, &uo, 1, C, (size_t)C, 0);
   l->unit_size[u] = uo;
   l->num_params = off + uo;
   return 0;
