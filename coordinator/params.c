@@ -61,8 +61,10 @@ static int confine_paths(const zt_spec_t *s, const zt_coord_config_t *cfg, zt_jo
   if (zt_path_confine(cfg->data_root, s->train_glob, "data.train", tmp, sizeof tmp) != 0 ||
       (s->val_glob[0] &&
        zt_path_confine(cfg->data_root, s->val_glob, "data.val", tmp, sizeof tmp) != 0) ||
-      (s->init_from[0] && zt_path_confine(cfg->data_root, s->init_from, "init.from_safetensors",
-                                          tmp, sizeof tmp) != 0) ||
+      (s->init_from[0] &&
+       zt_path_confine(cfg->data_root, s->init_from,
+                       s->init_dir ? "init.from_pretrained" : "init.from_safetensors", tmp,
+                       sizeof tmp) != 0) ||
       (s->ckpt.dir[0] && zt_path_confine(cfg->ckpt_root, s->ckpt.dir, "checkpoint.dir",
                                          p->ckpt_dir, sizeof p->ckpt_dir) != 0) ||
       (s->ckpt.load[0] && zt_path_confine(cfg->ckpt_root, s->ckpt.load, "checkpoint.load",

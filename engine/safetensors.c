@@ -342,14 +342,83 @@ static int known_entry(const reader *r, const char *full) {
   return zt_errk(ZT_E_INVALID, "%s: tensor %s is not one of the model's", r->path, full);
 }
 
-int zt_st_read(const char *path, const zt_layout_t *l, float *flat) {
+/* The file a sharded model's index maps tensor name to (NULL: none). */
+static const char *mapped(const cJSON *map, const char *name) {
+  const cJSON *f = cJSON_GetObjectItemCaseSensitive(map, name);
+  return cJSON_IsString(f) ? f->valuestring : NULL;
+}
+
+/* Reads from one file the model's tensors it holds: all of them, or with
+ * an index (map, this file's name fname) those the index maps to it; every
+ * entry of the file must be one of the model's, and mapped to it. */
+static int read_from(const char *path, const zt_layout_t *l, float *flat, const cJSON *map,
+                     const char *fname) {
   reader r;
   int rc = open_reader(&r, path, l);
-  memset(flat, 0, l->num_params * sizeof(float));
-  for (const cJSON *e = rc == 0 ? r.hdr->child : NULL; rc == 0 && e; e = e->next)
+  for (const cJSON *e = rc == 0 ? r.hdr->child : NULL; rc == 0 && e; e = e->next) {
     rc = known_entry(&r, e->string);
-  for (int i = 0; rc == 0 && i < l->num_tensors; i++) rc = read_tensor(&r, &l->tensors[i], flat);
+    const char *f = map && strcmp(e->string, "__metadata__") ? mapped(map, e->string) : fname;
+    if (rc == 0 && map && f && strcmp(f, fname))
+      rc = zt_errk(ZT_E_INVALID, "%s: holds tensor %s, which the index puts in %s", path,
+                   e->string, f);
+  }
+  for (int i = 0; rc == 0 && i < l->num_tensors; i++) {
+    char name[96];
+    hf_name(&l->tensors[i], name, sizeof name);
+    const char *f = map ? mapped(map, name) : NULL;
+    if (!map || (f && !strcmp(f, fname))) rc = read_tensor(&r, &l->tensors[i], flat);
+  }
   if (r.fd >= 0) close(r.fd);
   cJSON_Delete(r.hdr);
+  return rc;
+}
+
+int zt_st_read(const char *path, const zt_layout_t *l, float *flat) {
+  memset(flat, 0, l->num_params * sizeof(float));
+  return read_from(path, l, flat, NULL, NULL);
+}
+
+/* A shard's name from the index: a plain file name in the directory. */
+static int shard_name_ok(const char *f) {
+  size_t n = strlen(f);
+  return n > 12 && n < 256 && !strchr(f, '/') && f[0] != '.' &&
+         !strcmp(f + n - 12, ".safetensors");
+}
+
+int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
+  char path[4096], *text = NULL;
+  size_t len;
+  memset(flat, 0, l->num_params * sizeof(float));
+  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  if (zt_read_file(path, &text, &len, ZT_ST_MAX_HEADER) != 0) return -1;
+  cJSON *idx = zt_json_parse(text, len, path);
+  free(text);
+  const cJSON *map = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
+  int rc = cJSON_IsObject(map) ? 0 : zt_errk(ZT_E_INVALID, "%s: no weight_map object", path);
+  /* Every tensor of the model is mapped, to a file of the directory. */
+  for (int i = 0; rc == 0 && i < l->num_tensors; i++) {
+    char name[96];
+    hf_name(&l->tensors[i], name, sizeof name);
+    const char *f = mapped(map, name);
+    if (!f) rc = zt_errk(ZT_E_INVALID, "%s: no tensor %s in weight_map", path, name);
+    else if (!shard_name_ok(f))
+      rc = zt_errk(ZT_E_INVALID, "%s: %s is not a safetensors file of the directory", path, f);
+  }
+  /* Each file once, in the order the index first names it. */
+  for (const cJSON *e = rc == 0 ? map->child : NULL; rc == 0 && e; e = e->next) {
+    if (!cJSON_IsString(e) || !shard_name_ok(e->valuestring)) {
+      rc = zt_errk(ZT_E_INVALID, "%s: %s maps to no safetensors file of the directory", path,
+                   e->string);
+      break;
+    }
+    int seen = 0;
+    for (const cJSON *p = map->child; p != e && !seen; p = p->next)
+      seen = !strcmp(p->valuestring, e->valuestring);
+    if (seen) continue;
+    char shard[4400];
+    snprintf(shard, sizeof shard, "%s/%s", dir, e->valuestring);
+    rc = read_from(shard, l, flat, map, e->valuestring);
+  }
+  cJSON_Delete(idx);
   return rc;
 }

@@ -45,6 +45,12 @@ ZT_MUST_CHECK int zt_st_write(const char *path, const zt_layout_t *l, const floa
  * floats; padded vocabulary rows are zeroed). */
 ZT_MUST_CHECK int zt_st_read(const char *path, const zt_layout_t *l, float *flat);
 
+/* Reads the model from a Hugging Face directory's sharded weights:
+ * dir/model.safetensors.index.json maps each tensor name to a file of dir
+ * (weight_map); every tensor of the model must be mapped, and each file
+ * may hold only tensors the index maps to it. */
+ZT_MUST_CHECK int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat);
+
 /* The largest header accepted on reading. */
 #define ZT_ST_MAX_HEADER (64u << 20)
 

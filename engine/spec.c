@@ -393,12 +393,18 @@ static int parse_rollback(zt_spec_t *s, const cJSON *root) {
 }
 
 static int parse_init(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"from_safetensors"};
+  static const char *const keys[] = {"from_safetensors", "from_pretrained"};
   const cJSON *o;
-  if (get_object(root, "", "init", 0, &o) || (o && CHECK_KEYS(o, "init", keys)) ||
-      (o && get_string(o, "init", "from_safetensors", 1, s->init_from, sizeof s->init_from)))
-    return -1;
-  return 0;
+  if (get_object(root, "", "init", 0, &o) || (o && CHECK_KEYS(o, "init", keys))) return -1;
+  if (!o) return 0;
+  int file = cJSON_GetObjectItemCaseSensitive(o, "from_safetensors") != NULL;
+  int dir = cJSON_GetObjectItemCaseSensitive(o, "from_pretrained") != NULL;
+  if (file == dir)
+    return zt_err("init: give one of from_safetensors (a file) and from_pretrained (a Hugging "
+                  "Face model directory)");
+  s->init_dir = dir;
+  return get_string(o, "init", dir ? "from_pretrained" : "from_safetensors", 1, s->init_from,
+                    sizeof s->init_from);
 }
 
 static int parse_misc(zt_spec_t *s, const cJSON *root) {

@@ -121,6 +121,11 @@ typedef struct zt_spec {
    * safetensors file, engine/safetensors.h) instead of a random
    * initialisation; "" none. A checkpoint to resume from wins. */
   char init_from[ZT_SPEC_PATH_MAX];
+  /* init.from_pretrained instead: init_from is a Hugging Face model
+   * directory (config.json, which must agree with model, and
+   * model.safetensors or a sharded model.safetensors.index.json;
+   * engine/hfdir.h). */
+  int init_dir;
 
   int zero_stage;
   /* zero_optimization.overlap_comm (default true): stages 0-2 reduce each

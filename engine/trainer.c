@@ -35,6 +35,7 @@
 #include "device.h"
 #include "model.h"
 #include "optim.h"
+#include "hfdir.h"
 #include "safetensors.h"
 #include "spec.h"
 #include "tokenizer.h"
@@ -85,7 +86,7 @@ static int confine(trainer *t) {
     char *path;
   } paths[] = {{g->data_root, "data.train", s->train_glob},
                {g->data_root, "data.val", s->val_glob},
-               {g->data_root, "init.from_safetensors", s->init_from},
+               {g->data_root, s->init_dir ? "init.from_pretrained" : "init.from_safetensors", s->init_from},
                {g->ckpt_root, "checkpoint.dir", s->ckpt.dir}};
   for (size_t i = 0; i < ZT_ARRAY_LEN(paths); i++) {
     if (!paths[i].root || !paths[i].path[0]) continue;
@@ -260,18 +261,23 @@ static int init_params(trainer *t, zt_train_fault_t *fault) {
     zt_zero_init_params(&t->z, t->spec.seed);
     return 0;
   }
+  const char *what = t->spec.init_dir ? "init.from_pretrained" : "init.from_safetensors";
   if (t->g->data_root && access(path, F_OK) == 0 && !zt_path_real_under(t->g->data_root, path)) {
     *fault = ZT_FAULT_JOB;
-    return zt_errk(ZT_E_INVALID, "init.from_safetensors: %s is not under the data root %s", path,
+    return zt_errk(ZT_E_INVALID, "%s: %s is not under the data root %s", what, path,
                    t->g->data_root);
   }
   float *flat = zt_xmalloc(t->m->lay.num_params * sizeof(float));
-  int rc = zt_st_read(path, &t->m->lay, flat);
+  int rc = t->spec.init_dir ? (zt_hf_check_config(path, &t->spec.model) != 0 ||
+                               zt_hf_read_weights(path, &t->m->lay, flat) != 0)
+                                  ? -1
+                                  : 0
+                            : zt_st_read(path, &t->m->lay, flat);
   if (rc == 0) zt_zero_set_params(&t->z, flat);
   else *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
   free(flat);
   if (rc == 0) ZT_INFO("parameters from %s", path);
-  return rc == 0 ? 0 : zt_err_wrap("init.from_safetensors");
+  return rc == 0 ? 0 : zt_err_wrap("%s", what);
 }
 
 zt_train_fault_t zt_train_load_fault(zt_errkind_t kind) {

@@ -65,13 +65,18 @@ def weights(c, seed):
     return w
 
 
-def write_safetensors(path, tensors):
+def write_safetensors(path, tensors, bf16=False):
     """The safetensors format: an 8-byte little-endian header length, a JSON
-    header of dtype, shape and data offsets, then the raw data."""
+    header of dtype, shape and data offsets, then the raw data (F32, or
+    BF16: the upper halves of the fp32 values, rounded to nearest even)."""
     header, blobs, off = {}, [], 0
     for name, t in tensors.items():
-        b = t.contiguous().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
+        if bf16:
+            b = t.contiguous().bfloat16().view(torch.int16).numpy().astype("<i2").tobytes()
+        else:
+            b = t.contiguous().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "BF16" if bf16 else "F32", "shape": list(t.shape),
+                        "data_offsets": [off, off + len(b)]}
         blobs.append(b)
         off += len(b)
     h = json.dumps(header).encode()
@@ -139,12 +144,52 @@ class Llama(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, V), targets.view(-1))
 
 
+def hf_config(c):
+    """config.json as Hugging Face writes it for such a model."""
+    cfg = {"architectures": ["Qwen2ForCausalLM" if c["attention_bias"] else "LlamaForCausalLM"],
+           "hidden_size": c["n_embd"], "num_hidden_layers": c["n_layer"],
+           "num_attention_heads": c["n_head"], "num_key_value_heads": c["n_kv_head"],
+           "head_dim": c["head_dim"], "intermediate_size": c["intermediate_size"],
+           "vocab_size": V, "rope_theta": c["rope_theta"], "rms_norm_eps": c["rms_norm_eps"],
+           "tie_word_embeddings": c["tie_word_embeddings"], "max_position_embeddings": 4096,
+           "rope_scaling": None, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    if not c["attention_bias"]:
+        cfg["attention_bias"] = False
+    return cfg
+
+
+def write_pretrained(d, c, w):
+    """A Hugging Face directory: config.json, two shards (the second in
+    bf16) and their index. Returns the weights as the model sees them."""
+    os.makedirs(d)
+    (d / "config.json").write_text(json.dumps(hf_config(c)))
+    names = sorted(w)
+    half = {n: w[n] for n in names[:len(names) // 2]}
+    rest = {n: w[n] for n in names[len(names) // 2:]}
+    write_safetensors(d / "model-00001-of-00002.safetensors", half)
+    write_safetensors(d / "model-00002-of-00002.safetensors", rest, bf16=True)
+    wm = {n: "model-00001-of-00002.safetensors" for n in half}
+    wm.update({n: "model-00002-of-00002.safetensors" for n in rest})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                "weight_map": wm}))
+    return {**half, **{n: t.bfloat16().float() for n, t in rest.items()}}
+
+
+@pytest.mark.parametrize("how", ["file", "pretrained"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_llama_matches_an_independent_pytorch_llama(tmp_path, name):
+def test_llama_matches_an_independent_pytorch_llama(tmp_path, name, how):
+    """init.from_safetensors (one F32 file) or init.from_pretrained (a
+    Hugging Face directory: config.json, an index and two shards, one in
+    bf16)."""
     c = CONFIGS[name]
     torch.manual_seed(0)
     w = weights(c, seed=11)
-    write_safetensors(tmp_path / "init.safetensors", w)
+    if how == "file":
+        write_safetensors(tmp_path / "init.safetensors", w)
+        init = {"from_safetensors": "init.safetensors"}
+    else:
+        w = write_pretrained(tmp_path / "hf", c, w)
+        init = {"from_pretrained": "hf"}
     # Exactly B samples: the one batch is the whole data set.
     toks = torch.randint(0, V, (B * T + 1,), generator=torch.Generator().manual_seed(5)).tolist()
     write_shard(str(tmp_path / "train_000000.bin"), toks)
@@ -152,7 +197,7 @@ def test_llama_matches_an_independent_pytorch_llama(tmp_path, name):
     model = {"arch": "llama", "seq_len": T, "vocab_size": V}
     model.update({k: v for k, v in c.items()})
     spec = {"name": name, "seed": 1, "steps": 2, "model": model,
-            "data": {"train": "train_*.bin"}, "init": {"from_safetensors": "init.safetensors"},
+            "data": {"train": "train_*.bin"}, "init": init,
             "train_micro_batch_size_per_gpu": B, "train_batch_size": B,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas),
                                                       "eps": eps, "weight_decay": wd}}}
@@ -244,3 +289,31 @@ def test_llama_spec_errors_name_the_field(tmp_path):
         r = subprocess.run([os.path.join(BIN, "zsolo"), "s.json"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and want in r.stderr, (extra, r.stderr)
+
+
+def test_a_pretrained_directory_that_disagrees_is_refused_naming_each_field(tmp_path):
+    c = CONFIGS["llama"]
+    write_pretrained(tmp_path / "hf", c, weights(c, seed=3))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.update(num_key_value_heads=4, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    write_shard(str(tmp_path / "train_000000.bin"), list(range(200)))
+    model = {"arch": "llama", "seq_len": T, "vocab_size": V, **c}
+    spec = {"name": "bad", "steps": 2, "model": model, "data": {"train": "train_*.bin"},
+            "init": {"from_pretrained": "hf"}, "train_micro_batch_size_per_gpu": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "num_key_value_heads is 4, the spec's model.n_kv_head 2" in r.stderr, r.stderr
+    assert "rope_scaling is set" in r.stderr, r.stderr
+    # An index that puts a tensor in the wrong shard is refused, naming it.
+    cfg.update(num_key_value_heads=2, rope_scaling=None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    idx = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    moved = sorted(idx["weight_map"])[0]
+    idx["weight_map"][moved] = "model-00002-of-00002.safetensors"
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(idx))
+    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and moved in r.stderr, r.stderr
