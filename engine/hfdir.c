@@ -102,7 +102,7 @@ int zt_hf_check_config(const char *dir, const zt_model_config_t *w) {
     problem(&p, "sliding_window %g is shorter than seq_len %d (not supported)", sw, w->seq_len);
   if (num(c, "num_local_experts", 0) > 0 || num(c, "num_experts", 0) > 0)
     problem(&p, "a mixture of experts (not supported)");
-  if (num(c, "mlp_bias", 0) != 0 || flag(c, "mlp_bias", 0))
+  if (flag(c, "mlp_bias", 0))
     problem(&p, "mlp_bias is set (not supported)");
   cJSON_Delete(c);
   if (p.n) return zt_errk(ZT_E_INVALID, "%s: %s", path, p.msg);

@@ -1,12 +1,15 @@
 /*
- * export.c: a committed checkpoint epoch as a Hugging Face GPT-2 model
- * directory (zctl export), the form GPT2LMHeadModel.from_pretrained(DIR)
- * and AutoTokenizer.from_pretrained(DIR) load:
+ * export.c: a committed checkpoint epoch as a Hugging Face model directory
+ * (zctl export), the form GPT2LMHeadModel.from_pretrained(DIR) (or, for a
+ * llama model, LlamaForCausalLM's) and AutoTokenizer.from_pretrained(DIR)
+ * load:
  *
- *   model.safetensors   the parameters, GPT-2 names, fp32 or bf16
+ *   model.safetensors   the parameters, Hugging Face's names, fp32 or bf16
  *   config.json         GPT2Config: sizes, gelu_new, layer_norm_epsilon 1e-5,
  *                       tied embeddings, bos/eos = the end-of-text id,
- *                       dropout 0 (the model was trained without)
+ *                       dropout 0 (the model was trained without); or
+ *                       LlamaConfig with the model's fields (silu, no
+ *                       rope_scaling), which init.from_pretrained accepts
  *   tokenizer files     gpt2 BPE: vocab.json + merges.txt (the encoder.json
  *                       and vocab.bpe the shards were made with), byte:
  *                       tokenizer.json (byte-level BPE with no merges, so
@@ -107,8 +110,45 @@ static int copy_file(const char *from, const char *dir, const char *name) {
   return rc;
 }
 
+/* LlamaConfig of a llama model: what init.from_pretrained checks, so an
+ * export is a starting point again. */
+static cJSON *llama_config_json(const zt_model_config_t *cfg, const tok_info *t, int bf16,
+                                int64_t step) {
+  cJSON *c = cJSON_CreateObject();
+  cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
+  cJSON_AddItemToArray(arch, cJSON_CreateString("LlamaForCausalLM"));
+  cJSON_AddStringToObject(c, "model_type", "llama");
+  cJSON_AddNumberToObject(c, "vocab_size", cfg->vocab_size);
+  cJSON_AddNumberToObject(c, "hidden_size", cfg->n_embd);
+  cJSON_AddNumberToObject(c, "intermediate_size", cfg->n_ff);
+  cJSON_AddNumberToObject(c, "num_hidden_layers", cfg->n_layer);
+  cJSON_AddNumberToObject(c, "num_attention_heads", cfg->n_head);
+  cJSON_AddNumberToObject(c, "num_key_value_heads", cfg->n_kv_head);
+  cJSON_AddNumberToObject(c, "head_dim", cfg->head_dim);
+  cJSON_AddNumberToObject(c, "max_position_embeddings", cfg->seq_len);
+  cJSON_AddNumberToObject(c, "rms_norm_eps", cfg->norm_eps);
+  cJSON_AddNumberToObject(c, "rope_theta", cfg->rope_theta);
+  cJSON_AddNullToObject(c, "rope_scaling");
+  cJSON_AddStringToObject(c, "hidden_act", "silu");
+  cJSON_AddBoolToObject(c, "attention_bias", cfg->qkv_bias);
+  cJSON_AddFalseToObject(c, "mlp_bias");
+  cJSON_AddNumberToObject(c, "attention_dropout", 0.0);
+  cJSON_AddNumberToObject(c, "initializer_range", 0.02);
+  cJSON_AddBoolToObject(c, "tie_word_embeddings", cfg->tie_embed);
+  cJSON_AddTrueToObject(c, "use_cache");
+  if (t->type[0] && t->eot < cfg->vocab_size) {
+    cJSON_AddNumberToObject(c, "bos_token_id", t->eot);
+    cJSON_AddNumberToObject(c, "eos_token_id", t->eot);
+  }
+  cJSON_AddStringToObject(c, "torch_dtype", bf16 ? "bfloat16" : "float32");
+  cJSON *z = cJSON_AddObjectToObject(c, "ztrain");
+  cJSON_AddNumberToObject(z, "step", (double)step);
+  return c;
+}
+
 static cJSON *config_json(const zt_model_config_t *cfg, const tok_info *t, int bf16,
                           int64_t step) {
+  if (cfg->arch == ZT_ARCH_LLAMA) return llama_config_json(cfg, t, bf16, step);
   cJSON *c = cJSON_CreateObject();
   cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
   cJSON_AddItemToArray(arch, cJSON_CreateString("GPT2LMHeadModel"));
@@ -254,13 +294,9 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   if (ol == 0 || ol >= sizeof out_dir) return zt_err("export: bad output directory name");
   memcpy(out_dir, o->out_dir, ol);
   out_dir[ol] = 0;
-  if (zt_ckpt_read_model(o->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0) goto out;
-  if (cfg.arch == ZT_ARCH_LLAMA) {
-    zt_errk(ZT_E_INVALID, "export: %s holds a llama model; export writes GPT-2 directories only "
-            "so far", o->epoch_dir);
+  if (zt_ckpt_read_model(o->epoch_dir, &cfg, man_tok, sizeof man_tok) != 0 ||
+      find_tokenizer(o, man_tok, &cfg, &tok) != 0)
     goto out;
-  }
-  if (find_tokenizer(o, man_tok, &cfg, &tok) != 0) goto out;
   int st = out_state(out_dir);
   if (st < 0) goto out;
   snprintf(parent, sizeof parent, "%s", out_dir);

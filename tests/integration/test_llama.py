@@ -317,3 +317,59 @@ def test_a_pretrained_directory_that_disagrees_is_refused_naming_each_field(tmp_
     r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and moved in r.stderr, r.stderr
+
+
+def read_safetensors(path):
+    """name -> (dtype, shape, raw bytes) of a safetensors file."""
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    hdr = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    return {k: (v["dtype"], v["shape"], body[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in hdr.items() if k != "__metadata__"}
+
+
+def test_export_of_an_import_is_the_same_model(procs, tmp_path):
+    """A Hugging Face directory imported (init.from_pretrained), trained with
+    lr 0 under zcoord and exported (zctl export) comes back tensor for
+    tensor, with a config.json that imports again to the same losses."""
+    c = CONFIGS["qwen2"]
+    w = write_pretrained(tmp_path / "hf", c, weights(c, seed=21))
+    toks = torch.randint(0, V, (20 * T + 1,), generator=torch.Generator().manual_seed(2)).tolist()
+    write_shard(str(tmp_path / "train_000000.bin"), toks)
+    model = {"arch": "llama", "seq_len": T, "vocab_size": V, **c}
+    spec = {"name": "rt", "seed": 1, "steps": 3, "model": model,
+            "data": {"train": str(tmp_path / "train_*.bin")},
+            "init": {"from_pretrained": str(tmp_path / "hf")},
+            "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.1}},
+            "checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 100}}
+    coord = start_fleet(procs, 1)
+    jid = submit(coord, spec, tmp_path)
+    wait_job(coord, jid)
+    out = tmp_path / "export"
+    r = subprocess.run([os.path.join(BIN, "zctl"), "--coordinator", coord.grpc, "export",
+                        str(jid), "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = read_safetensors(out / "model.safetensors")
+    assert sorted(got) == sorted(w)  # tied: no lm_head.weight
+    for name, t in w.items():
+        dtype, shape, raw = got[name]
+        assert dtype == "F32" and shape == list(t.shape), name
+        assert raw == t.contiguous().numpy().astype("<f4").tobytes(), name
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["attention_bias"] is True
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]) == (
+        c["n_kv_head"], c["head_dim"], True)
+    # The export is a starting point again: the same first loss as the original.
+    losses_of = []
+    for src in ("hf", "export"):
+        s = dict(spec, init={"from_pretrained": str(tmp_path / src)}, steps=1)
+        del s["checkpoint"]
+        (tmp_path / f"{src}.json").write_text(json.dumps(s))
+        r = subprocess.run([os.path.join(BIN, "zsolo"), f"{src}.json", "--json"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        losses_of.append([json.loads(x)["loss"] for x in r.stdout.splitlines()
+                          if x.startswith("{")])
+    assert losses_of[0] == losses_of[1] and len(losses_of[0]) == 1
