@@ -66,11 +66,14 @@ void zt_sample_free(zt_sample_t *s) {
   free(s);
 }
 
+/* A cache row: one position's keys (or values), every K/V head. */
+static int kv_width(const zt_model_config_t *c) {
+  return c->arch == ZT_ARCH_LLAMA ? c->n_kv_head * c->head_dim : c->n_embd;
+}
+
 int zt_sample_create(const zt_model_config_t *cfg, const float *params, zt_sample_t **out) {
   *out = NULL;
   if (zt_model_config_check(cfg) != 0) return zt_err_wrap("sampler");
-  if (cfg->arch == ZT_ARCH_LLAMA)
-    return zt_errk(ZT_E_INVALID, "sampler: sampling a llama model is not supported yet");
   zt_sample_t *s = zt_xcalloc(1, sizeof *s);
   s->cfg = *cfg;
   if (zt_layout_build(&s->lay, cfg) != 0) {
@@ -80,15 +83,19 @@ int zt_sample_create(const zt_model_config_t *cfg, const float *params, zt_sampl
   s->k = zt_kernels_cpu();
   s->params = params;
   size_t T = (size_t)cfg->seq_len, C = (size_t)cfg->n_embd, L = (size_t)cfg->n_layer;
-  s->kc = zt_xcalloc(L * T * C, sizeof(float));
-  s->vc = zt_xcalloc(L * T * C, sizeof(float));
+  int llama = cfg->arch == ZT_ARCH_LLAMA;
+  size_t KW = (size_t)kv_width(cfg), QKV = (size_t)zt_model_qkv_width(cfg);
+  size_t ATT = (size_t)zt_model_att_width(cfg), FF = llama ? 2 * (size_t)cfg->n_ff : 4 * C;
+  size_t FFA = llama ? (size_t)cfg->n_ff : 4 * C;
+  s->kc = zt_xcalloc(L * T * KW, sizeof(float));
+  s->vc = zt_xcalloc(L * T * KW, sizeof(float));
   s->x = zt_xcalloc(T * C, sizeof(float));
   s->ln = zt_xcalloc(T * C, sizeof(float));
-  s->qkv = zt_xcalloc(T * 3 * C, sizeof(float));
-  s->atty = zt_xcalloc(T * C, sizeof(float));
+  s->qkv = zt_xcalloc(T * QKV, sizeof(float));
+  s->atty = zt_xcalloc(T * ATT, sizeof(float));
   s->proj = zt_xcalloc(T * C, sizeof(float));
-  s->fch = zt_xcalloc(T * 4 * C, sizeof(float));
-  s->fchg = zt_xcalloc(T * 4 * C, sizeof(float));
+  s->fch = zt_xcalloc(T * FF, sizeof(float));
+  s->fchg = zt_xcalloc(T * FFA, sizeof(float));
   s->mean = zt_xcalloc(T, sizeof(float));
   s->rstd = zt_xcalloc(T, sizeof(float));
   s->logits = zt_xcalloc((size_t)s->lay.Vp, sizeof(float));
@@ -118,21 +125,24 @@ static void linear(const zt_sample_t *s, float *out, const float *in, const floa
 }
 
 /* Causal attention of rows p0..p0+n-1 (their q in qkv) over cache rows
- * 0..own position of layer l; the same formula as the kernels' reference. */
+ * 0..own position of layer l; the same formula as the kernels' reference.
+ * Query head h reads K/V head h / (NH / NKV) (one per head for GPT-2). */
 static void attend(zt_sample_t *s, int l, int p0, int n) {
-  int C = s->cfg.n_embd, NH = s->cfg.n_head, hs = C / NH, T = s->cfg.seq_len;
-  const float *kc = s->kc + (size_t)l * T * C, *vc = s->vc + (size_t)l * T * C;
+  const zt_model_config_t *c = &s->cfg;
+  int NH = c->n_head, T = c->seq_len, KW = kv_width(c), QKV = zt_model_qkv_width(c);
+  int ATT = zt_model_att_width(c), hs = ATT / NH, rep = NH / (KW / hs);
+  const float *kc = s->kc + (size_t)l * T * KW, *vc = s->vc + (size_t)l * T * KW;
   float scale = 1.0f / sqrtf((float)hs);
 #pragma omp parallel
   {
     float *a = zt_xmalloc(sizeof(float) * (size_t)T);
 #pragma omp for schedule(static)
     for (int ih = 0; ih < n * NH; ih++) {
-      int i = ih / NH, h = ih % NH, t = p0 + i;
-      const float *q = s->qkv + (size_t)i * 3 * C + (size_t)h * hs;
+      int i = ih / NH, h = ih % NH, t = p0 + i, kh = h / rep;
+      const float *q = s->qkv + (size_t)i * QKV + (size_t)h * hs;
       float maxv = -INFINITY;
       for (int t2 = 0; t2 <= t; t2++) {
-        const float *kr = kc + (size_t)t2 * C + (size_t)h * hs;
+        const float *kr = kc + (size_t)t2 * KW + (size_t)kh * hs;
         float dot = 0.0f;
         for (int d = 0; d < hs; d++) dot += q[d] * kr[d];
         a[t2] = dot * scale;
@@ -143,10 +153,10 @@ static void attend(zt_sample_t *s, int l, int p0, int n) {
         a[t2] = expf(a[t2] - maxv);
         sum += a[t2];
       }
-      float *o = s->atty + (size_t)i * C + (size_t)h * hs;
+      float *o = s->atty + (size_t)i * ATT + (size_t)h * hs;
       for (int d = 0; d < hs; d++) o[d] = 0.0f;
       for (int t2 = 0; t2 <= t; t2++) {
-        const float *vr = vc + (size_t)t2 * C + (size_t)h * hs;
+        const float *vr = vc + (size_t)t2 * KW + (size_t)kh * hs;
         float p = a[t2] / sum;
         for (int d = 0; d < hs; d++) o[d] += p * vr[d];
       }
@@ -155,18 +165,26 @@ static void attend(zt_sample_t *s, int l, int p0, int n) {
   }
 }
 
+/* Appends rows p0.. of the new q/k/v's keys and values to layer l's cache. */
+static void cache_kv(zt_sample_t *s, int l, int p0, int n) {
+  const zt_model_config_t *c = &s->cfg;
+  int T = c->seq_len, KW = kv_width(c), QKV = zt_model_qkv_width(c);
+  int A = zt_model_att_width(c);
+  for (int i = 0; i < n; i++) {
+    size_t row = ((size_t)l * T + (size_t)(p0 + i)) * KW;
+    memcpy(s->kc + row, s->qkv + (size_t)i * QKV + A, sizeof(float) * (size_t)KW);
+    memcpy(s->vc + row, s->qkv + (size_t)i * QKV + A + KW, sizeof(float) * (size_t)KW);
+  }
+}
+
 static void block(zt_sample_t *s, int l, int p0, int n) {
   const zt_kernels_t *k = s->k;
-  int C = s->cfg.n_embd, T = s->cfg.seq_len;
+  int C = s->cfg.n_embd;
   zt_block_t b;
   zt_layout_block_views((float *)s->params + s->lay.unit_off[1 + l], C, sizeof(float), &b);
   k->layernorm_forward(s->ln, s->mean, s->rstd, s->x, b.ln1w, b.ln1b, n, C);
   linear(s, s->qkv, s->ln, b.qkvw, b.qkvb, n, C, 3 * C);
-  for (int i = 0; i < n; i++) {
-    size_t row = ((size_t)l * T + (size_t)(p0 + i)) * C;
-    memcpy(s->kc + row, s->qkv + (size_t)i * 3 * C + C, sizeof(float) * (size_t)C);
-    memcpy(s->vc + row, s->qkv + (size_t)i * 3 * C + 2 * C, sizeof(float) * (size_t)C);
-  }
+  cache_kv(s, l, p0, n);
   attend(s, l, p0, n);
   linear(s, s->proj, s->atty, b.attprojw, b.attprojb, n, C, C);
   k->residual_forward(s->x, s->x, s->proj, (size_t)n * C);
@@ -174,6 +192,26 @@ static void block(zt_sample_t *s, int l, int p0, int n) {
   linear(s, s->fch, s->ln, b.fcw, b.fcb, n, C, 4 * C);
   k->gelu_forward(s->fchg, s->fch, (size_t)n * 4 * C);
   linear(s, s->proj, s->fchg, b.fcprojw, b.fcprojb, n, 4 * C, C);
+  k->residual_forward(s->x, s->x, s->proj, (size_t)n * C);
+}
+
+static void llama_block(zt_sample_t *s, int l, int p0, int n) {
+  const zt_kernels_t *k = s->k;
+  const zt_model_config_t *c = &s->cfg;
+  int C = c->n_embd, F = c->n_ff, QKV = zt_model_qkv_width(c), A = zt_model_att_width(c);
+  zt_lblock_t b;
+  zt_layout_lblock_views((float *)s->params + s->lay.unit_off[1 + l], c, sizeof(float), &b);
+  k->rmsnorm_forward(s->ln, s->rstd, s->x, b.rms1w, n, C, c->norm_eps);
+  linear(s, s->qkv, s->ln, b.qkvw, b.qkvb, n, C, QKV);
+  k->rope(s->qkv, 1, n, p0, c->n_head, c->n_kv_head, c->head_dim, c->rope_theta, 0);
+  cache_kv(s, l, p0, n);
+  attend(s, l, p0, n);
+  linear(s, s->proj, s->atty, b.ow, NULL, n, A, C);
+  k->residual_forward(s->x, s->x, s->proj, (size_t)n * C);
+  k->rmsnorm_forward(s->ln, s->rstd, s->x, b.rms2w, n, C, c->norm_eps);
+  linear(s, s->fch, s->ln, b.gateupw, NULL, n, C, 2 * F);
+  k->swiglu_forward(s->fchg, s->fch, n, F);
+  linear(s, s->proj, s->fchg, b.downw, NULL, n, F, C);
   k->residual_forward(s->x, s->x, s->proj, (size_t)n * C);
 }
 
@@ -185,17 +223,24 @@ int zt_sample_feed(zt_sample_t *s, const int *ids, int n, const float **logits) 
   for (int i = 0; i < n; i++)
     if (ids[i] < 0 || ids[i] >= V)
       return zt_err("sampler: token %d is outside the model's vocabulary of %d", ids[i], V);
+  int llama = s->cfg.arch == ZT_ARCH_LLAMA;
   const float *wte = s->params + s->lay.unit_off[0], *wpe = wte + (size_t)s->lay.Vp * C;
   for (int i = 0; i < n; i++) {
     const float *we = wte + (size_t)ids[i] * C, *pe = wpe + (size_t)(p0 + i) * C;
     float *o = s->x + (size_t)i * C;
-    for (int c = 0; c < C; c++) o[c] = we[c] + pe[c];
+    for (int c = 0; c < C; c++) o[c] = we[c] + (llama ? 0.0f : pe[c]);
   }
-  for (int l = 0; l < L; l++) block(s, l, p0, n);
-  const float *lnf = s->params + s->lay.unit_off[L + 1];
-  s->k->layernorm_forward(s->ln, s->mean, s->rstd, s->x + (size_t)(n - 1) * C, lnf, lnf + C, 1,
-                          C);
-  matvec(s->logits, s->ln, wte, NULL, C, s->lay.Vp);
+  for (int l = 0; l < L; l++) {
+    if (llama) llama_block(s, l, p0, n);
+    else block(s, l, p0, n);
+  }
+  const float *lnf = s->params + s->lay.unit_off[L + 1], *last = s->x + (size_t)(n - 1) * C;
+  if (llama)
+    s->k->rmsnorm_forward(s->ln, s->rstd, last, lnf, 1, C, s->cfg.norm_eps);
+  else
+    s->k->layernorm_forward(s->ln, s->mean, s->rstd, last, lnf, lnf + C, 1, C);
+  const float *head = llama && !s->cfg.tie_embed ? lnf + C : wte;
+  matvec(s->logits, s->ln, head, NULL, C, s->lay.Vp);
   s->pos = p0 + n;
   *logits = s->logits;
   return 0;

@@ -145,9 +145,10 @@ typedef struct zt_kernels {
    *                     layernorm_backward's: it is the residual stream).
    *   rope:             rotary position embedding, Hugging Face's
    *                     rotate_half convention, in place on the q and k
-   *                     heads of qkv [B,T,(NH+2*NKV)*HD] (position t, angle
-   *                     t * theta^(-2i/HD) for pair (i, i + HD/2)); inverse
-   *                     rotates back (the backward of the forward).
+   *                     heads of qkv [B,T,(NH+2*NKV)*HD] (row t at position
+   *                     pos0 + t, angle (pos0 + t) * theta^(-2i/HD) for
+   *                     pair (i, i + HD/2)); inverse rotates back (the
+   *                     backward of the forward).
    *   swiglu_forward:   out[N,F] = silu(inp[:, :F]) * inp[:, F:2F].
    *   swiglu_backward:  dinp[N,2F] (overwritten) from dout[N,F] and inp.
    *   gqa_expand:       full[N, 3*NH*HD] = q, and each k and v head
@@ -160,7 +161,8 @@ typedef struct zt_kernels {
                           float eps);
   void (*rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp,
                            const float *w, const float *rstd, int N, int C);
-  void (*rope)(float *qkv, int B, int T, int NH, int NKV, int HD, float theta, int inverse);
+  void (*rope)(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD, float theta,
+               int inverse);
   void (*swiglu_forward)(float *out, const float *inp, int N, int F);
   void (*swiglu_backward)(float *dinp, const float *dout, const float *inp, int N, int F);
   void (*gqa_expand)(float *full, const float *qkv, int N, int NH, int NKV, int HD);
@@ -205,8 +207,8 @@ void zt_kernels_host_rmsnorm_forward(float *out, float *rstd, const float *inp, 
 void zt_kernels_host_rmsnorm_backward(float *dinp, float *dw, const float *dout,
                                       const float *inp, const float *w, const float *rstd, int N,
                                       int C);
-void zt_kernels_host_rope(float *qkv, int B, int T, int NH, int NKV, int HD, float theta,
-                          int inverse);
+void zt_kernels_host_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD,
+                          float theta, int inverse);
 void zt_kernels_host_swiglu_forward(float *out, const float *inp, int N, int F);
 void zt_kernels_host_swiglu_backward(float *dinp, const float *dout, const float *inp, int N,
                                      int F);

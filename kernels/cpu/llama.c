@@ -53,12 +53,12 @@ void zt_kernels_host_rmsnorm_backward(float *dinp, float *dw, const float *dout,
 /* Rotates pairs (i, i + HD/2) of each q and k head at position t by
  * t * inv_freq[i], inv_freq[i] = 1 / theta^(2i/HD) as Hugging Face forms
  * it in fp32; backwards (inverse) by the opposite angle. */
-void zt_kernels_host_rope(float *qkv, int B, int T, int NH, int NKV, int HD, float theta,
-                          int inverse) {
+void zt_kernels_host_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD,
+                          float theta, int inverse) {
   int half = HD / 2, heads = NH + NKV, W = (NH + 2 * NKV) * HD;
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; bt++) {
-    float t = (float)(bt % T);
+    float t = (float)(pos0 + bt % T);
     float *row = qkv + (size_t)bt * W;
     for (int i = 0; i < half; i++) {
       float inv = 1.0f / powf(theta, (float)(2 * i) / (float)HD);

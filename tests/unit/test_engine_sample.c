@@ -38,18 +38,27 @@ static uint32_t next_u32(void) {
   return (uint32_t)(rs >> 32);
 }
 
-static zt_model_t *make_model(void) {
+/* Llama: grouped K/V heads, head_dim apart from n_embd / n_head, q/k/v
+ * biases and its own LM head. */
+static const zt_model_config_t llama_cfg = {
+    .n_layer = 2, .n_head = 4, .n_embd = 32, .seq_len = 24, .vocab_size = 70,
+    .arch = ZT_ARCH_LLAMA, .n_kv_head = 2, .head_dim = 10, .n_ff = 48, .rope_theta = 10000.0f,
+    .norm_eps = 1e-5f, .tie_embed = 0, .qkv_bias = 1};
+
+static zt_model_t *make_model_of(const zt_model_config_t *c) {
   zt_model_t *m;
-  if (zt_model_create(&m, &cfg, 1, T, zt_kernels_cpu(), ZT_MODEL_NO_GRADS) != 0) return NULL;
+  if (zt_model_create(&m, c, 1, T, zt_kernels_cpu(), ZT_MODEL_NO_GRADS) != 0) return NULL;
   zt_model_init(m, 42);
   for (int i = 0; i < m->lay.num_tensors; i++) {
     const zt_tensor_t *t = &m->lay.tensors[i];
-    size_t n = t->kind == ZT_T_WTE ? (size_t)V * cfg.n_embd : t->n;
+    size_t n = t->kind == ZT_T_WTE || t->kind == ZT_T_HEADW ? (size_t)V * c->n_embd : t->n;
     for (size_t k = 0; k < n; k++)
       m->params[t->off + k] += 0.3f * ((float)(next_u32() >> 8) / 16777216.0f - 0.5f);
   }
   return m;
 }
+
+static zt_model_t *make_model(void) { return make_model_of(&cfg); }
 
 /* The full forward's logits row `row` (of a sequence of len tokens). */
 static const float *full_row(zt_model_t *m, const int *seq, int len, int row) {
@@ -71,11 +80,11 @@ static void random_seq(int *seq, int n) {
   for (int i = 0; i < n; i++) seq[i] = (int)(next_u32() % V);
 }
 
-ZT_TEST(cache_matches_full_forward) {
-  zt_model_t *m = make_model();
+static void cache_matches(const zt_model_config_t *c) {
+  zt_model_t *m = make_model_of(c);
   ZT_REQUIRE(m != NULL);
   zt_sample_t *s;
-  ZT_REQUIRE(zt_sample_create(&cfg, m->params, &s) == 0);
+  ZT_REQUIRE(zt_sample_create(c, m->params, &s) == 0);
   int seq[T];
   random_seq(seq, T);
   const float *lg;
@@ -107,6 +116,12 @@ ZT_TEST(cache_matches_full_forward) {
   zt_sample_free(s);
   zt_model_free(m);
 }
+
+ZT_TEST(cache_matches_full_forward) { cache_matches(&cfg); }
+
+/* The same for llama: rotary positions continued across feeds, grouped K/V
+ * heads in the cache. */
+ZT_TEST(llama_cache_matches_full_forward) { cache_matches(&llama_cfg); }
 
 typedef struct {
   int ids[2 * T], n, stop_after;
@@ -237,5 +252,6 @@ ZT_TEST(streaming_and_errors) {
   zt_model_free(m);
 }
 
-ZT_TEST_MAIN(cache_matches_full_forward, greedy_equals_recompute, seeded_sampling,
+ZT_TEST_MAIN(cache_matches_full_forward, llama_cache_matches_full_forward,
+             greedy_equals_recompute, seeded_sampling,
              streaming_and_errors)
