@@ -17,7 +17,9 @@
  *
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
- *                    [--attention auto|tiled|tiled-tc|cublas]
+ *                    [--attention auto|tiled|tiled-tc|cublas] [--arch gpt2|llama]
+ * (--arch llama: the same sizes as a Llama, with 4 query heads per K/V head
+ * where the head count allows, an MLP of 8C/3 rounded up to 64, untied.)
  * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
  * the head size allows; tiled: the fp32 tiled kernels on the CUDA cores;
  * tiled-tc: the tiled kernels on the tensor cores, bf16 storage only;
@@ -61,7 +63,7 @@ static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
-          "                   [--attention auto|tiled|tiled-tc|cublas]\n");
+          "                   [--attention auto|tiled|tiled-tc|cublas] [--arch gpt2|llama]\n");
   return 2;
 }
 
@@ -82,6 +84,10 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--seq")) cfg.seq_len = atoi(v);
     else if (!strcmp(a, "--vocab")) cfg.vocab_size = atoi(v);
     else if (!strcmp(a, "--batch")) B = atoi(v);
+    else if (!strcmp(a, "--arch")) {
+      if (strcmp(v, "gpt2") && strcmp(v, "llama")) return usage();
+      cfg.arch = strcmp(v, "llama") ? ZT_ARCH_GPT2 : ZT_ARCH_LLAMA;
+    }
     else if (!strcmp(a, "--steps")) steps = atoi(v);
     else if (!strcmp(a, "--attention")) {
       att = v;
@@ -98,6 +104,13 @@ int main(int argc, char **argv) {
     } else return usage();
   }
   if (steps <= WARMUP || B < 1) return usage();
+  if (cfg.arch == ZT_ARCH_LLAMA) {
+    cfg.n_kv_head = cfg.n_head % 4 ? cfg.n_head : cfg.n_head / 4;
+    cfg.head_dim = cfg.n_embd / cfg.n_head;
+    cfg.n_ff = (8 * cfg.n_embd / 3 + 63) / 64 * 64;
+    cfg.rope_theta = 10000.0f;
+    cfg.norm_eps = 1e-5f;
+  }
   char err[256];
   if (zt_cuda_device_count() == 0 || zt_kernels_cuda_init(0, err, sizeof err) != 0) {
     printf("zt_gpubench: skipped: no CUDA device\n");

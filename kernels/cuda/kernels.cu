@@ -1488,6 +1488,172 @@ static void cu_residual_forward(float *out, const float *a, const float *b, size
   ZT_LAUNCH_1D(k_residual<X>, n, (X *)out, (const X *)a, (const X *)b, n);
 }
 
+/* ---------------------------------------------------------------------------
+ * The Llama operations (zt_kernels.h; the CPU twins are kernels/cpu/llama.c).
+ * Plain and deterministic: a thread per row or per element, and the one
+ * reduction across rows (RMSNorm's weight gradient) a thread per column
+ * adding its rows in order. */
+
+template <typename X>
+__global__ void k_rmsnorm_fwd(X *out, float *rstd, const X *inp, const X *w, int N, int C,
+                              float eps) {
+  ZT_GRID_STRIDE(n, (size_t)N) {
+    const X *x = inp + n * C;
+    double ss = 0.0;
+    for (int i = 0; i < C; i++) {
+      double v = ldx(x[i]);
+      ss += v * v;
+    }
+    float s = 1.0f / sqrtf((float)(ss / C) + eps);
+    for (int i = 0; i < C; i++) put(out[n * C + i], ldx(x[i]) * s * ldx(w[i]));
+    rstd[n] = s;
+  }
+}
+
+template <typename X>
+__global__ void k_rmsnorm_bwd_dx(X *dinp, const X *dout, const X *inp, const X *w,
+                                 const float *rstd, int N, int C) {
+  ZT_GRID_STRIDE(n, (size_t)N) {
+    const X *x = inp + n * C, *d = dout + n * C;
+    float s = rstd[n];
+    double gx = 0.0;
+    for (int i = 0; i < C; i++) gx += (double)ldx(w[i]) * ldx(d[i]) * ldx(x[i]);
+    float k = (float)(gx / C) * s * s * s;
+    for (int i = 0; i < C; i++)
+      put(dinp[n * C + i], ldx(dinp[n * C + i]) + s * ldx(w[i]) * ldx(d[i]) - ldx(x[i]) * k);
+  }
+}
+
+template <typename X>
+__global__ void k_rmsnorm_bwd_dw(float *dw, const X *dout, const X *inp, const float *rstd, int N,
+                                 int C) {
+  ZT_GRID_STRIDE(i, (size_t)C) {
+    float acc = 0.0f;
+    for (int n = 0; n < N; n++) acc += ldx(dout[(size_t)n * C + i]) * ldx(inp[(size_t)n * C + i]) * rstd[n];
+    dw[i] += acc;
+  }
+}
+
+template <typename X>
+static void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N,
+                               int C, float eps) {
+  ZT_LAUNCH_1D(k_rmsnorm_fwd<X>, (size_t)N, (X *)out, rstd, (const X *)inp, (const X *)w, N, C,
+               eps);
+}
+
+template <typename X>
+static void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp,
+                                const float *w, const float *rstd, int N, int C) {
+  ZT_LAUNCH_1D(k_rmsnorm_bwd_dx<X>, (size_t)N, (X *)dinp, (const X *)dout, (const X *)inp,
+               (const X *)w, rstd, N, C);
+  ZT_LAUNCH_1D(k_rmsnorm_bwd_dw<X>, (size_t)C, dw, (const X *)dout, (const X *)inp, rstd, N, C);
+}
+
+/* One thread per (row, q or k head, pair). */
+template <typename X>
+__global__ void k_rope(X *qkv, int T, int pos0, int NH, int NKV, int HD, float theta,
+                       int inverse, size_t n) {
+  int half = HD / 2, heads = NH + NKV, W = (NH + 2 * NKV) * HD;
+  ZT_GRID_STRIDE(j, n) {
+    int i = (int)(j % half);
+    size_t rh = j / half;
+    int h = (int)(rh % heads);
+    size_t bt = rh / heads;
+    float t = (float)(pos0 + (int)(bt % T));
+    float inv = 1.0f / powf(theta, (float)(2 * i) / (float)HD);
+    float ang = t * inv, c = cosf(ang), sn = inverse ? -sinf(ang) : sinf(ang);
+    X *x = qkv + bt * W + (size_t)h * HD;
+    float a = ldx(x[i]), b = ldx(x[i + half]);
+    put(x[i], a * c - b * sn);
+    put(x[i + half], b * c + a * sn);
+  }
+}
+
+template <typename X>
+static void cu_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD, float theta,
+                    int inverse) {
+  size_t n = (size_t)B * T * (NH + NKV) * (HD / 2);
+  ZT_LAUNCH_1D(k_rope<X>, n, (X *)qkv, T, pos0, NH, NKV, HD, theta, inverse, n);
+}
+
+template <typename X>
+__global__ void k_swiglu_fwd(X *out, const X *inp, int F, size_t n) {
+  ZT_GRID_STRIDE(j, n) {
+    size_t r = j / F;
+    int i = (int)(j % F);
+    float g = ldx(inp[r * 2 * F + i]), u = ldx(inp[r * 2 * F + F + i]);
+    put(out[j], g / (1.0f + expf(-g)) * u);
+  }
+}
+
+template <typename X>
+__global__ void k_swiglu_bwd(X *dinp, const X *dout, const X *inp, int F, size_t n) {
+  ZT_GRID_STRIDE(j, n) {
+    size_t r = j / F;
+    int i = (int)(j % F);
+    float g = ldx(inp[r * 2 * F + i]), u = ldx(inp[r * 2 * F + F + i]), d = ldx(dout[j]);
+    float s = 1.0f / (1.0f + expf(-g));
+    put(dinp[r * 2 * F + F + i], d * g * s);
+    put(dinp[r * 2 * F + i], d * u * s * (1.0f + g * (1.0f - s)));
+  }
+}
+
+template <typename X>
+static void cu_swiglu_forward(float *out, const float *inp, int N, int F) {
+  size_t n = (size_t)N * F;
+  ZT_LAUNCH_1D(k_swiglu_fwd<X>, n, (X *)out, (const X *)inp, F, n);
+}
+
+template <typename X>
+static void cu_swiglu_backward(float *dinp, const float *dout, const float *inp, int N, int F) {
+  size_t n = (size_t)N * F;
+  ZT_LAUNCH_1D(k_swiglu_bwd<X>, n, (X *)dinp, (const X *)dout, (const X *)inp, F, n);
+}
+
+/* full[r, part, h, d] from qkv[r, ...]: q as it is, K/V head h / rep. */
+template <typename X>
+__global__ void k_gqa_expand(X *full, const X *qkv, int NH, int NKV, int HD, size_t n) {
+  int A = NH * HD, W = (NH + 2 * NKV) * HD, rep = NH / NKV;
+  ZT_GRID_STRIDE(j, n) {
+    size_t r = j / (3 * (size_t)A);
+    int c = (int)(j % (3 * (size_t)A)), part = c / A, h = (c % A) / HD, d = c % HD;
+    int src = part == 0 ? c : A + (part - 1) * NKV * HD + (h / rep) * HD + d;
+    full[j] = qkv[r * W + src];
+  }
+}
+
+/* dqkv[r, c]: dq copied, each K/V element the sum over its query heads in
+ * head order. */
+template <typename X>
+__global__ void k_gqa_reduce(X *dqkv, const X *dfull, int NH, int NKV, int HD, size_t n) {
+  int A = NH * HD, W = (NH + 2 * NKV) * HD, rep = NH / NKV;
+  ZT_GRID_STRIDE(j, n) {
+    size_t r = j / W;
+    int c = (int)(j % W);
+    const X *f = dfull + r * 3 * A;
+    if (c < A) {
+      dqkv[j] = f[c];
+      continue;
+    }
+    int part = (c - A) / (NKV * HD), kh = ((c - A) % (NKV * HD)) / HD, d = c % HD;
+    float acc = 0.0f;
+    for (int h = kh * rep; h < (kh + 1) * rep; h++) acc += ldx(f[(1 + part) * A + h * HD + d]);
+    put(dqkv[j], acc);
+  }
+}
+
+template <typename X>
+static void cu_gqa_expand(float *full, const float *qkv, int N, int NH, int NKV, int HD) {
+  size_t n = (size_t)N * 3 * NH * HD;
+  ZT_LAUNCH_1D(k_gqa_expand<X>, n, (X *)full, (const X *)qkv, NH, NKV, HD, n);
+}
+
+template <typename X>
+static void cu_gqa_reduce(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD) {
+  size_t n = (size_t)N * (NH + 2 * NKV) * HD;
+  ZT_LAUNCH_1D(k_gqa_reduce<X>, n, (X *)dqkv, (const X *)dfull, NH, NKV, HD, n);
+}
+
 template <typename X>
 static void cu_narrow_x(void *dst, const float *src, size_t n) {
   ZT_LAUNCH_1D(k_narrow_x<X>, n, (X *)dst, src, n);
@@ -1738,6 +1904,13 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->residual_forward = cu_residual_forward<X>;
   t->crossentropy_forward = cu_crossentropy_forward<X>;
   t->crossentropy_backward = cu_crossentropy_backward<X>;
+  t->rmsnorm_forward = cu_rmsnorm_forward<X>;
+  t->rmsnorm_backward = cu_rmsnorm_backward<X>;
+  t->rope = cu_rope<X>;
+  t->swiglu_forward = cu_swiglu_forward<X>;
+  t->swiglu_backward = cu_swiglu_backward<X>;
+  t->gqa_expand = cu_gqa_expand<X>;
+  t->gqa_reduce = cu_gqa_reduce<X>;
   t->narrow_x = cu_narrow_x<X>;
   t->widen_x = cu_widen_x<X>;
   t->adamw = cu_adamw;

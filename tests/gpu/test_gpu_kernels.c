@@ -685,7 +685,62 @@ int main(int argc, char **argv) {
   return run_all(argc, argv);
 }
 
-ZT_TEST_MAIN_NAMED(run_all, table, encoder, layernorm, matmul, matmul_reduced_precision,
+/* The Llama operations (kernels/cpu/llama.c is the reference): RMSNorm both
+ * ways, the rotation at an offset and back, SwiGLU both ways, and the K/V
+ * head expansion and its sum, on grouped heads (8 query heads on 2). */
+ZT_TEST(llama_ops) {
+  const int B = 3, T = 17, C = 40, NH = 8, KV = 2, HD = 6, F = 24, N = B * T;
+  const int W = (NH + 2 * KV) * HD, A = NH * HD;
+  float *x = zt_rnd((size_t)N * C, 1), *w = zt_rnd(C, 1), *o = malloc((size_t)N * C * 4);
+  float *rs = malloc((size_t)N * 4);
+  float *dx = DEVF(x, (size_t)N * C), *dw = DEVF(w, C), *dO = dalloc((size_t)N * C * 4);
+  float *drs = dalloc((size_t)N * 4);
+  G->rmsnorm_forward(dO, drs, dx, dw, N, C, 1e-5f);
+  R->rmsnorm_forward(o, rs, x, w, N, C, 1e-5f);
+  close_dev("rmsnorm_forward", dO, o, (size_t)N * C, 1e-5f, 1e-5f);
+  close_dev("rmsnorm rstd", drs, rs, N, 1e-5f, 1e-5f);
+  float *dout = zt_rnd((size_t)N * C, 1), *gx = zt_rnd((size_t)N * C, 1), *gw = zt_rnd(C, 1);
+  float *d_dout = DEVF(dout, (size_t)N * C), *d_gx = DEVF(gx, (size_t)N * C), *d_gw = DEVF(gw, C);
+  G->rmsnorm_backward(d_gx, d_gw, d_dout, dx, dw, drs, N, C);
+  R->rmsnorm_backward(gx, gw, dout, x, w, rs, N, C);
+  close_dev("rmsnorm_backward dinp", d_gx, gx, (size_t)N * C, 1e-5f, 1e-5f);
+  close_dev("rmsnorm_backward dw", d_gw, gw, C, 1e-4f, 1e-5f);
+  /* RoPE at positions 5.., then back. */
+  float *q = zt_rnd((size_t)N * W, 1), *q0 = malloc((size_t)N * W * 4);
+  memcpy(q0, q, (size_t)N * W * 4);
+  float *dq = DEVF(q, (size_t)N * W);
+  G->rope(dq, B, T, 5, NH, KV, HD, 10000.0f, 0);
+  R->rope(q, B, T, 5, NH, KV, HD, 10000.0f, 0);
+  close_dev("rope", dq, q, (size_t)N * W, 1e-5f, 1e-5f);
+  G->rope(dq, B, T, 5, NH, KV, HD, 10000.0f, 1);
+  close_dev("rope inverse", dq, q0, (size_t)N * W, 1e-5f, 1e-5f);
+  /* SwiGLU. */
+  float *g2 = zt_rnd((size_t)N * 2 * F, 1), *h = malloc((size_t)N * F * 4);
+  float *dg2 = DEVF(g2, (size_t)N * 2 * F), *dh = dalloc((size_t)N * F * 4);
+  G->swiglu_forward(dh, dg2, N, F);
+  R->swiglu_forward(h, g2, N, F);
+  close_dev("swiglu_forward", dh, h, (size_t)N * F, 1e-5f, 1e-5f);
+  float *dhh = zt_rnd((size_t)N * F, 1), *dgg = malloc((size_t)N * 2 * F * 4);
+  float *d_dhh = DEVF(dhh, (size_t)N * F), *d_dgg = dalloc((size_t)N * 2 * F * 4);
+  G->swiglu_backward(d_dgg, d_dhh, dg2, N, F);
+  R->swiglu_backward(dgg, dhh, g2, N, F);
+  close_dev("swiglu_backward", d_dgg, dgg, (size_t)N * 2 * F, 1e-5f, 1e-5f);
+  /* Grouped K/V heads. */
+  float *full = malloc((size_t)N * 3 * A * 4), *dfull = dalloc((size_t)N * 3 * A * 4);
+  G->gqa_expand(dfull, dq, N, NH, KV, HD);
+  R->gqa_expand(full, q0, N, NH, KV, HD);
+  close_dev("gqa_expand", dfull, full, (size_t)N * 3 * A, 1e-5f, 0);
+  float *red = malloc((size_t)N * W * 4), *dred = dalloc((size_t)N * W * 4);
+  G->gqa_reduce(dred, dfull, N, NH, KV, HD);
+  R->gqa_reduce(red, full, N, NH, KV, HD);
+  close_dev("gqa_reduce", dred, red, (size_t)N * W, 1e-5f, 1e-5f);
+  void *ptrs[] = {dx, dw, dO, drs, d_dout, d_gx, d_gw, dq, dg2, dh, d_dhh, d_dgg, dfull, dred};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(x), free(w), free(o), free(rs), free(dout), free(gx), free(gw), free(q), free(q0);
+  free(g2), free(h), free(dhh), free(dgg), free(full), free(red);
+}
+
+ZT_TEST_MAIN_NAMED(run_all, table, llama_ops, encoder, layernorm, matmul, matmul_reduced_precision,
                    attention, gelu_residual_scale, crossentropy, optimizer_and_reductions,
                    state_helpers, bf16_convert, bf16_elementwise,
                    bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)
