@@ -373,3 +373,19 @@ def test_export_of_an_import_is_the_same_model(procs, tmp_path):
         losses_of.append([json.loads(x)["loss"] for x in r.stdout.splitlines()
                           if x.startswith("{")])
     assert losses_of[0] == losses_of[1] and len(losses_of[0]) == 1
+
+
+def test_the_llama_example_trains(tmp_path):
+    """examples/llama-tiny.json, on byte data of its shape, learns."""
+    from ztest import SRC
+    spec = json.load(open(os.path.join(SRC, "examples", "llama-tiny.json")))
+    train, val = byte_dataset(str(tmp_path / "data"), limit=200_000)
+    spec["data"] = {"train": train, "val": val}
+    spec["steps"] = 40
+    spec["scheduler"]["params"]["total_num_steps"] = 40
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json", "--json", "--log-every", "1"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(recs) == 40 and recs[-1]["loss"] < recs[0]["loss"] - 1.0, (recs[0], recs[-1])
