@@ -110,14 +110,40 @@ static int copy_file(const char *from, const char *dir, const char *name) {
   return rc;
 }
 
+/* config.json's first fields: the architecture and model type. */
+static cJSON *config_head(const char *arch, const char *type) {
+  cJSON *c = cJSON_CreateObject();
+  cJSON *a = cJSON_AddArrayToObject(c, "architectures");
+  cJSON_AddItemToArray(a, cJSON_CreateString(arch));
+  cJSON_AddStringToObject(c, "model_type", type);
+  return c;
+}
+
+/* GPT2Config. */
+static cJSON *gpt2_config_json(const zt_model_config_t *cfg) {
+  cJSON *c = config_head("GPT2LMHeadModel", "gpt2");
+  cJSON_AddNumberToObject(c, "vocab_size", cfg->vocab_size);
+  cJSON_AddNumberToObject(c, "n_positions", cfg->seq_len);
+  cJSON_AddNumberToObject(c, "n_ctx", cfg->seq_len);
+  cJSON_AddNumberToObject(c, "n_embd", cfg->n_embd);
+  cJSON_AddNumberToObject(c, "n_layer", cfg->n_layer);
+  cJSON_AddNumberToObject(c, "n_head", cfg->n_head);
+  cJSON_AddNullToObject(c, "n_inner"); /* 4 n_embd */
+  cJSON_AddStringToObject(c, "activation_function", "gelu_new");
+  cJSON_AddNumberToObject(c, "layer_norm_epsilon", 1e-5);
+  cJSON_AddNumberToObject(c, "initializer_range", 0.02);
+  cJSON_AddNumberToObject(c, "resid_pdrop", 0.0);
+  cJSON_AddNumberToObject(c, "embd_pdrop", 0.0);
+  cJSON_AddNumberToObject(c, "attn_pdrop", 0.0);
+  cJSON_AddTrueToObject(c, "scale_attn_weights");
+  cJSON_AddTrueToObject(c, "tie_word_embeddings");
+  return c;
+}
+
 /* LlamaConfig of a llama model: what init.from_pretrained checks, so an
  * export is a starting point again. */
-static cJSON *llama_config_json(const zt_model_config_t *cfg, const tok_info *t, int bf16,
-                                int64_t step) {
-  cJSON *c = cJSON_CreateObject();
-  cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
-  cJSON_AddItemToArray(arch, cJSON_CreateString("LlamaForCausalLM"));
-  cJSON_AddStringToObject(c, "model_type", "llama");
+static cJSON *llama_config_json(const zt_model_config_t *cfg) {
+  cJSON *c = config_head("LlamaForCausalLM", "llama");
   cJSON_AddNumberToObject(c, "vocab_size", cfg->vocab_size);
   cJSON_AddNumberToObject(c, "hidden_size", cfg->n_embd);
   cJSON_AddNumberToObject(c, "intermediate_size", cfg->n_ff);
@@ -135,39 +161,12 @@ static cJSON *llama_config_json(const zt_model_config_t *cfg, const tok_info *t,
   cJSON_AddNumberToObject(c, "attention_dropout", 0.0);
   cJSON_AddNumberToObject(c, "initializer_range", 0.02);
   cJSON_AddBoolToObject(c, "tie_word_embeddings", cfg->tie_embed);
-  cJSON_AddTrueToObject(c, "use_cache");
-  if (t->type[0] && t->eot < cfg->vocab_size) {
-    cJSON_AddNumberToObject(c, "bos_token_id", t->eot);
-    cJSON_AddNumberToObject(c, "eos_token_id", t->eot);
-  }
-  cJSON_AddStringToObject(c, "torch_dtype", bf16 ? "bfloat16" : "float32");
-  cJSON *z = cJSON_AddObjectToObject(c, "ztrain");
-  cJSON_AddNumberToObject(z, "step", (double)step);
   return c;
 }
 
 static cJSON *config_json(const zt_model_config_t *cfg, const tok_info *t, int bf16,
                           int64_t step) {
-  if (cfg->arch == ZT_ARCH_LLAMA) return llama_config_json(cfg, t, bf16, step);
-  cJSON *c = cJSON_CreateObject();
-  cJSON *arch = cJSON_AddArrayToObject(c, "architectures");
-  cJSON_AddItemToArray(arch, cJSON_CreateString("GPT2LMHeadModel"));
-  cJSON_AddStringToObject(c, "model_type", "gpt2");
-  cJSON_AddNumberToObject(c, "vocab_size", cfg->vocab_size);
-  cJSON_AddNumberToObject(c, "n_positions", cfg->seq_len);
-  cJSON_AddNumberToObject(c, "n_ctx", cfg->seq_len);
-  cJSON_AddNumberToObject(c, "n_embd", cfg->n_embd);
-  cJSON_AddNumberToObject(c, "n_layer", cfg->n_layer);
-  cJSON_AddNumberToObject(c, "n_head", cfg->n_head);
-  cJSON_AddNullToObject(c, "n_inner"); /* 4 n_embd */
-  cJSON_AddStringToObject(c, "activation_function", "gelu_new");
-  cJSON_AddNumberToObject(c, "layer_norm_epsilon", 1e-5);
-  cJSON_AddNumberToObject(c, "initializer_range", 0.02);
-  cJSON_AddNumberToObject(c, "resid_pdrop", 0.0);
-  cJSON_AddNumberToObject(c, "embd_pdrop", 0.0);
-  cJSON_AddNumberToObject(c, "attn_pdrop", 0.0);
-  cJSON_AddTrueToObject(c, "scale_attn_weights");
-  cJSON_AddTrueToObject(c, "tie_word_embeddings");
+  cJSON *c = cfg->arch == ZT_ARCH_LLAMA ? llama_config_json(cfg) : gpt2_config_json(cfg);
   cJSON_AddTrueToObject(c, "use_cache");
   if (t->type[0] && t->eot < cfg->vocab_size) {
     cJSON_AddNumberToObject(c, "bos_token_id", t->eot);
