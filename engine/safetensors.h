@@ -17,7 +17,8 @@
  * BF16, F16), the expected shape and data offsets inside the data section
  * that hold exactly its elements, and no other tensor may be there (a
  * layer the model does not have, a name it does not know, the ignored
- * ones above aside); a mismatch is an error naming the tensor.
+ * ones above aside); one error names every such tensor (as many as fit
+ * in a message, then how many more).
  * A file whose wpe has more positions than the model's seq_len gives its
  * first seq_len rows (fine-tuning with a shorter context).
  *

@@ -389,3 +389,25 @@ def test_the_llama_example_trains(tmp_path):
     assert r.returncode == 0, r.stderr
     recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(recs) == 40 and recs[-1]["loss"] < recs[0]["loss"] - 1.0, (recs[0], recs[-1])
+
+
+def test_every_bad_tensor_is_named_in_one_error(tmp_path):
+    """A file with a tensor missing, one misshaped and one the model does
+    not have: the one error names all three."""
+    c = CONFIGS["llama"]
+    w = weights(c, seed=4)
+    del w["model.layers.1.mlp.up_proj.weight"]
+    w["model.layers.0.self_attn.k_proj.weight"] = w["model.layers.0.self_attn.k_proj.weight"][:8]
+    w["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
+    write_safetensors(tmp_path / "bad.safetensors", w)
+    write_shard(str(tmp_path / "train_000000.bin"), list(range(200)))
+    model = {"arch": "llama", "seq_len": T, "vocab_size": V, **c}
+    spec = {"name": "bad", "steps": 2, "model": model, "data": {"train": "train_*.bin"},
+            "init": {"from_safetensors": "bad.safetensors"}, "train_micro_batch_size_per_gpu": 1}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.mlp.extra.weight"):
+        assert name in r.stderr, (name, r.stderr)
