@@ -8,6 +8,7 @@
  * zt_common.h for the rationale.
  */
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -38,6 +39,29 @@ int zt_errk(zt_errkind_t kind, const char *fmt, ...) {
   set_msg(kind, fmt, ap);
   va_end(ap);
   return -1;
+}
+
+/* Room kept in the error for a prefix and the count of faults left out. */
+#define ZT_FAULTS_ROOM 300
+
+void zt_faults_add(zt_faults_t *f, const char *fmt, ...) {
+  char m[ZT_ERR_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(m, sizeof m, fmt, ap);
+  va_end(ap);
+  f->count++;
+  size_t len = strlen(m);
+  if (f->n + len + 2 >= sizeof f->msg - ZT_FAULTS_ROOM) return;
+  f->n += (size_t)snprintf(f->msg + f->n, sizeof f->msg - f->n, "%s%s", f->n ? "; " : "", m);
+  f->shown++;
+}
+
+int zt_faults_raise(const zt_faults_t *f, zt_errkind_t kind, const char *prefix) {
+  if (!f->count) return 0;
+  char more[48] = "";
+  if (f->count > f->shown) snprintf(more, sizeof more, "; and %d more", f->count - f->shown);
+  return zt_errk(kind, "%.200s%s%s%s", prefix ? prefix : "", prefix ? ": " : "", f->msg, more);
 }
 
 static void wrap(const char *fmt, va_list ap) {

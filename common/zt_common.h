@@ -84,6 +84,20 @@ const char *zt_err_msg(void);
 zt_errkind_t zt_err_kind(void);
 void zt_err_clear(void);
 
+/* Several faults as one error, so that a user fixing an input sees them
+ * all at once: zt_faults_add appends a message ("; " between them) while
+ * it fits the error, and counts the rest; zt_faults_raise sets them as one
+ * error of `kind`, "<prefix>: <faults>; and N more" (prefix may be NULL),
+ * and returns -1, or 0 when there were none. */
+typedef struct {
+  char msg[ZT_ERR_MAX];
+  size_t n;
+  int count, shown;
+} zt_faults_t;
+#define ZT_FAULTS_INIT {{0}, 0, 0, 0}
+void zt_faults_add(zt_faults_t *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int zt_faults_raise(const zt_faults_t *f, zt_errkind_t kind, const char *prefix);
+
 /* The one mapping from error kinds to protocol status codes. */
 int zt_errkind_grpc(zt_errkind_t kind);
 int zt_errkind_http(zt_errkind_t kind);

@@ -5,7 +5,6 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,22 +14,6 @@
 #include "spec.h"
 
 #define ZT_HF_CONFIG_MAX (1u << 20)
-
-typedef struct {
-  char msg[1024];
-  size_t n;
-} problems_t;
-
-static void problem(problems_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void problem(problems_t *p, const char *fmt, ...) {
-  if (p->n + 4 >= sizeof p->msg) return;
-  if (p->n) p->n += (size_t)snprintf(p->msg + p->n, sizeof p->msg - p->n, "; ");
-  va_list ap;
-  va_start(ap, fmt);
-  int k = vsnprintf(p->msg + p->n, sizeof p->msg - p->n, fmt, ap);
-  va_end(ap);
-  if (k > 0) p->n = ZT_MIN(p->n + (size_t)k, sizeof p->msg - 1);
-}
 
 /* A number field (def when absent; NAN when it is not a number). */
 static double num(const cJSON *c, const char *k, double def) {
@@ -44,17 +27,18 @@ static int flag(const cJSON *c, const char *k, int def) {
   return cJSON_IsBool(v) ? cJSON_IsTrue(v) : def;
 }
 
-static void same_int(problems_t *p, const cJSON *c, const char *k, double def, int want,
+static void same_int(zt_faults_t *p, const cJSON *c, const char *k, double def, int want,
                      const char *ours) {
   double v = num(c, k, def);
   if (v != (double)want)
-    problem(p, "%s is %g, the spec's model.%s %d", k, v, ours, want);
+    zt_faults_add(p, "%s is %g, the spec's model.%s %d", k, v, ours, want);
 }
 
-static void same_num(problems_t *p, const cJSON *c, const char *k, double def, float want,
+static void same_num(zt_faults_t *p, const cJSON *c, const char *k, double def, float want,
                      const char *ours) {
   double v = num(c, k, def);
-  if (!((float)v == want)) problem(p, "%s is %g, the spec's model.%s %g", k, v, ours, want);
+  if (!((float)v == want))
+    zt_faults_add(p, "%s is %g, the spec's model.%s %g", k, v, ours, want);
 }
 
 int zt_hf_check_config(const char *dir, const zt_model_config_t *w) {
@@ -65,15 +49,15 @@ int zt_hf_check_config(const char *dir, const zt_model_config_t *w) {
   cJSON *c = zt_json_parse(text, len, path);
   free(text);
   if (!c) return -1;
-  problems_t p = {{0}, 0};
+  zt_faults_t p = ZT_FAULTS_INIT;
   const cJSON *archs = cJSON_GetObjectItemCaseSensitive(c, "architectures");
   const cJSON *a0 = cJSON_GetArrayItem(archs, 0);
   const char *arch = cJSON_IsString(a0) ? a0->valuestring : "";
   int qwen2 = !strcmp(arch, "Qwen2ForCausalLM");
   if (strcmp(arch, "LlamaForCausalLM") && strcmp(arch, "MistralForCausalLM") && !qwen2)
-    problem(&p, "architectures[0] is \"%.64s\", not LlamaForCausalLM, Qwen2ForCausalLM or "
+    zt_faults_add(&p, "architectures[0] is \"%.64s\", not LlamaForCausalLM, Qwen2ForCausalLM or "
             "MistralForCausalLM", arch);
-  if (w->arch != ZT_ARCH_LLAMA) problem(&p, "the spec's model.arch is not \"llama\"");
+  if (w->arch != ZT_ARCH_LLAMA) zt_faults_add(&p, "the spec's model.arch is not \"llama\"");
   double heads = num(c, "num_attention_heads", NAN), hidden = num(c, "hidden_size", NAN);
   same_int(&p, c, "hidden_size", NAN, w->n_embd, "n_embd");
   same_int(&p, c, "num_hidden_layers", NAN, w->n_layer, "n_layer");
@@ -85,28 +69,29 @@ int zt_hf_check_config(const char *dir, const zt_model_config_t *w) {
   same_num(&p, c, "rope_theta", 10000.0, w->rope_theta, "rope_theta");
   same_num(&p, c, "rms_norm_eps", 1e-6, w->norm_eps, "rms_norm_eps");
   if (flag(c, "tie_word_embeddings", 0) != w->tie_embed)
-    problem(&p, "tie_word_embeddings is %s, the spec's %s",
+    zt_faults_add(&p, "tie_word_embeddings is %s, the spec's %s",
             flag(c, "tie_word_embeddings", 0) ? "true" : "false", w->tie_embed ? "true" : "false");
   if ((qwen2 || flag(c, "attention_bias", 0)) != w->qkv_bias)
-    problem(&p, "attention_bias is %s%s, the spec's %s",
+    zt_faults_add(&p, "attention_bias is %s%s, the spec's %s",
             qwen2 || flag(c, "attention_bias", 0) ? "true" : "false", qwen2 ? " (Qwen2)" : "",
             w->qkv_bias ? "true" : "false");
   double maxpos = num(c, "max_position_embeddings", NAN);
   if (!(maxpos >= w->seq_len))
-    problem(&p, "max_position_embeddings is %g, below the spec's seq_len %d", maxpos, w->seq_len);
+    zt_faults_add(&p, "max_position_embeddings is %g, below the spec's seq_len %d", maxpos,
+                  w->seq_len);
   const cJSON *rs = cJSON_GetObjectItemCaseSensitive(c, "rope_scaling");
-  if (rs && !cJSON_IsNull(rs)) problem(&p, "rope_scaling is set (not supported yet)");
+  if (rs && !cJSON_IsNull(rs)) zt_faults_add(&p, "rope_scaling is set (not supported yet)");
   double sw = num(c, "sliding_window", 0);
   int use_sw = flag(c, "use_sliding_window", !qwen2);
   if (use_sw && sw > 0 && sw < w->seq_len)
-    problem(&p, "sliding_window %g is shorter than seq_len %d (not supported)", sw, w->seq_len);
+    zt_faults_add(&p, "sliding_window %g is shorter than seq_len %d (not supported)", sw,
+                  w->seq_len);
   if (num(c, "num_local_experts", 0) > 0 || num(c, "num_experts", 0) > 0)
-    problem(&p, "a mixture of experts (not supported)");
+    zt_faults_add(&p, "a mixture of experts (not supported)");
   if (flag(c, "mlp_bias", 0))
-    problem(&p, "mlp_bias is set (not supported)");
+    zt_faults_add(&p, "mlp_bias is set (not supported)");
   cJSON_Delete(c);
-  if (p.n) return zt_errk(ZT_E_INVALID, "%s: %s", path, p.msg);
-  return 0;
+  return zt_faults_raise(&p, ZT_E_INVALID, path);
 }
 
 int zt_hf_read_weights(const char *dir, const zt_layout_t *l, float *flat) {

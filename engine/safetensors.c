@@ -351,36 +351,17 @@ static const char *mapped(const cJSON *map, const char *name) {
 /* Reads from one file the model's tensors it holds: all of them, or with
  * an index (map, this file's name fname) those the index maps to it; every
  * entry of the file must be one of the model's, and mapped to it. */
-/* The faults of a file's content, gathered so that one error names every
- * missing, extra or misshaped tensor (up to what fits). */
-typedef struct {
-  char msg[2048];
-  size_t n;
-  int count, shown;
-} faults_t;
-
-/* Takes the error just set: a content fault is gathered (0: go on), any
- * other (an I/O error) ends the read (-1). */
-static int gather(faults_t *f) {
+/* Takes the error just set: a fault of the file's content is gathered
+ * into faults, so that one error names every missing, extra or misshaped
+ * tensor (0: go on); any other error (I/O) ends the read (-1). */
+static int gather(zt_faults_t *f) {
   if (zt_err_kind() != ZT_E_INVALID) return -1;
-  const char *m = zt_err_msg();
-  f->count++;
-  if (f->n + strlen(m) + 3 < sizeof f->msg - 40) {
-    f->n += (size_t)snprintf(f->msg + f->n, sizeof f->msg - f->n, "%s%s", f->n ? "; " : "", m);
-    f->shown++;
-  }
+  zt_faults_add(f, "%s", zt_err_msg());
   return 0;
 }
 
-static int gathered(const faults_t *f) {
-  if (!f->count) return 0;
-  if (f->count > f->shown)
-    return zt_errk(ZT_E_INVALID, "%s; and %d more", f->msg, f->count - f->shown);
-  return zt_errk(ZT_E_INVALID, "%s", f->msg);
-}
-
 static int read_from(const char *path, const zt_layout_t *l, float *flat, const cJSON *map,
-                     const char *fname, faults_t *faults) {
+                     const char *fname, zt_faults_t *faults) {
   reader r;
   int rc = open_reader(&r, path, l);
   for (const cJSON *e = rc == 0 ? r.hdr->child : NULL; rc == 0 && e; e = e->next) {
@@ -404,10 +385,10 @@ static int read_from(const char *path, const zt_layout_t *l, float *flat, const 
 }
 
 int zt_st_read(const char *path, const zt_layout_t *l, float *flat) {
-  faults_t faults = {{0}, 0, 0, 0};
+  zt_faults_t faults = ZT_FAULTS_INIT;
   memset(flat, 0, l->num_params * sizeof(float));
   if (read_from(path, l, flat, NULL, NULL, &faults) != 0) return -1;
-  return gathered(&faults);
+  return zt_faults_raise(&faults, ZT_E_INVALID, NULL);
 }
 
 /* A shard's name from the index: a plain file name in the directory. */
@@ -426,14 +407,14 @@ int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
   cJSON *idx = zt_json_parse(text, len, path);
   free(text);
   const cJSON *map = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
-  faults_t faults = {{0}, 0, 0, 0};
+  zt_faults_t faults = ZT_FAULTS_INIT;
   int rc = cJSON_IsObject(map) ? 0 : zt_errk(ZT_E_INVALID, "%s: no weight_map object", path);
   /* Every tensor of the model is mapped, to a file of the directory. */
   for (int i = 0; rc == 0 && i < l->num_tensors; i++) {
     char name[96];
     hf_name(&l->tensors[i], name, sizeof name);
     const char *f = mapped(map, name);
-    if (!f) zt_errk(ZT_E_INVALID, "%s: no tensor %s in weight_map", path, name), gather(&faults);
+    if (!f) zt_faults_add(&faults, "%s: no tensor %s in weight_map", path, name);
     else if (!shard_name_ok(f))
       rc = zt_errk(ZT_E_INVALID, "%s: %s is not a safetensors file of the directory", path, f);
   }
@@ -453,5 +434,5 @@ int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
     rc = read_from(shard, l, flat, map, e->valuestring, &faults);
   }
   cJSON_Delete(idx);
-  return rc != 0 ? -1 : gathered(&faults);
+  return rc != 0 ? -1 : zt_faults_raise(&faults, ZT_E_INVALID, NULL);
 }
