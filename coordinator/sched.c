@@ -625,19 +625,27 @@ static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
  * pause's message is what marks it, so this holds across a restart. */
 #define ZT_UNLOADABLE_PAUSE "paused: no committed checkpoint can be loaded"
 
+/* A pause whose cause may have gone ends by itself: the job is pending
+ * again, its message says "resumed by itself: <what>", and the logbook
+ * "<why>: resumed at step S". */
+static void resume_by_itself(zt_coord_t *c, zt_job_t *j, const char *what, const char *why) {
+  j->row.state = ZT_JOB_PENDING;
+  snprintf(j->row.message, sizeof j->row.message, "resumed by itself: %s", what);
+  zt_jobtable_save(c, j);
+  zt_coord_event(c, j->row.id, "job_resumed", 0, "%s: resumed at step %lld", why,
+                 (long long)j->row.step);
+}
+
 static void resume_if_loadable(zt_coord_t *c, zt_job_t *j, int64_t now) {
   if (now < j->resume_check_ms) return;
   j->resume_check_ms = now + 1000;
   zt_db_ckpt_t ck;
   int have = 0;
   if (zt_ckpt_newest(c, j, INT64_MAX, 1, &ck, &have) != 0 || !have) return;
-  j->row.state = ZT_JOB_PENDING;
-  snprintf(j->row.message, sizeof j->row.message,
-           "resumed by itself: step %lld can be loaded again", (long long)ck.step);
-  zt_jobtable_save(c, j);
-  zt_coord_event(c, j->row.id, "job_resumed", 0,
-                 "step %lld can be loaded again (a machine holding its copies is back): "
-                 "resumed at step %lld", (long long)ck.step, (long long)j->row.step);
+  char what[96], why[160];
+  snprintf(what, sizeof what, "step %lld can be loaded again", (long long)ck.step);
+  snprintf(why, sizeof why, "%s (a machine holding its copies is back)", what);
+  resume_by_itself(c, j, what, why);
 }
 
 /* Backoff of the automatic retries of a storage pause. */
@@ -647,8 +655,9 @@ static int64_t storage_delay_ms(int retries) {
 
 int zt_sched_storage_backoff(zt_job_t *j, int64_t now) {
   if (j->storage_retries >= ZT_STORAGE_RETRIES) return 0;
-  j->storage_retry_ms = now + storage_delay_ms(j->storage_retries);
-  return (int)(storage_delay_ms(j->storage_retries) / 1000);
+  int64_t delay = storage_delay_ms(j->storage_retries);
+  j->storage_retry_ms = now + delay;
+  return (int)(delay / 1000);
 }
 
 /* A job paused because its checkpoint writes failed (a full disk) may
@@ -664,14 +673,16 @@ static void resume_after_storage(zt_coord_t *c, zt_job_t *j, int64_t now) {
   j->storage_retry_ms = 0;
   j->storage_retries++;
   j->ckpt_paused = 0;
-  j->row.state = ZT_JOB_PENDING;
-  snprintf(j->row.message, sizeof j->row.message,
-           "resumed by itself: checkpoint writes retried (retry %d of %d)", j->storage_retries,
+  char what[96];
+  snprintf(what, sizeof what, "checkpoint writes retried (retry %d of %d)", j->storage_retries,
            ZT_STORAGE_RETRIES);
-  zt_jobtable_save(c, j);
-  zt_coord_event(c, j->row.id, "job_resumed", 0,
-                 "checkpoint writes retried (retry %d of %d): resumed at step %lld",
-                 j->storage_retries, ZT_STORAGE_RETRIES, (long long)j->row.step);
+  resume_by_itself(c, j, what, what);
+}
+
+/* The job is paused with a message that starts with `mark`. */
+static int paused_for(const zt_job_t *j, const char *mark) {
+  return j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
+         !strncmp(j->row.message, mark, strlen(mark));
 }
 
 /* What one job is due, if anything: at most one step per pass. */
@@ -683,11 +694,9 @@ static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
            j->reach.gen == j->row.generation &&
            (j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING))
     zt_sched_judge_reach(c, j);
-  else if (j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
-           !strncmp(j->row.message, ZT_UNLOADABLE_PAUSE, strlen(ZT_UNLOADABLE_PAUSE)))
+  else if (paused_for(j, ZT_UNLOADABLE_PAUSE))
     resume_if_loadable(c, j, now);
-  else if (j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
-           !strncmp(j->row.message, ZT_STORAGE_PAUSE, strlen(ZT_STORAGE_PAUSE)))
+  else if (paused_for(j, ZT_STORAGE_PAUSE))
     resume_after_storage(c, j, now);
   else if (j->row.state == ZT_JOB_PENDING)
     zt_sched_try_form(c, j, "enough workers");

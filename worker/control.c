@@ -219,6 +219,16 @@ static int64_t heartbeat_deadline_ms(const zt_ctl_t *c) {
   return ZT_MIN(c->o.rpc_timeout_ms, ZT_MAX(c->heartbeat_ms, 250));
 }
 
+/* What this worker holds under its checkpoint root (holdings.c): at
+ * registration and with the first heartbeat of a new job or generation.
+ * Free with zt_hold_free. */
+static int inventory(const zt_ctl_t *c, char ***held) {
+  int n = 0;
+  *held = NULL;
+  if (c->ckpt_root[0]) (void)zt_hold_inventory(c->ckpt_root, held, &n);
+  return n;
+}
+
 /* Returns 0 when registered, -1 with *fatal set when retrying is pointless. */
 static int do_register(zt_ctl_t *c, int *fatal) {
   char session[sizeof c->session];
@@ -236,8 +246,7 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   req.nccl = c->o.nccl;
   req.store_addr = c->store_addr;
   char **held = NULL;
-  int n_held = 0;
-  if (c->ckpt_root[0]) (void)zt_hold_inventory(c->ckpt_root, &held, &n_held);
+  int n_held = inventory(c, &held);
   req.held_files = held;
   req.n_held_files = (size_t)n_held;
   ProtobufCMessage *m;
@@ -335,8 +344,7 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   req.unreachable_stores = c->unreach;
   req.n_unreachable_stores = (size_t)c->n_unreach;
   char **held = NULL;
-  int n_held = 0;
-  if (c->send_held && c->ckpt_root[0]) (void)zt_hold_inventory(c->ckpt_root, &held, &n_held);
+  int n_held = c->send_held ? inventory(c, &held) : 0;
   req.held_files = held;
   req.n_held_files = (size_t)n_held;
   zt_ctl_timing_t now = c->last_timing;
