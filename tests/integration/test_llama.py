@@ -85,6 +85,24 @@ def write_safetensors(path, tensors, bf16=False):
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
+def zsolo(cwd, spec, *args, name="spec.json", timeout=300):
+    """Writes spec as cwd/name and runs zsolo on it there."""
+    (cwd / name).write_text(json.dumps(spec))
+    return subprocess.run([os.path.join(BIN, "zsolo"), name, *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records(r):
+    return [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+
+
+def bad_init_spec(c, init):
+    """A spec of config c that starts from init, on a shard train_000000.bin."""
+    model = {"arch": "llama", "seq_len": T, "vocab_size": V, **c}
+    return {"name": "bad", "steps": 2, "model": model, "data": {"train": "train_*.bin"},
+            "init": init, "train_micro_batch_size_per_gpu": 1}
+
+
 class Llama(torch.nn.Module):
     """Hugging Face's LlamaForCausalLM, in fp32, from its definition."""
 
@@ -201,12 +219,9 @@ def test_llama_matches_an_independent_pytorch_llama(tmp_path, name, how):
             "train_micro_batch_size_per_gpu": B, "train_batch_size": B,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas),
                                                       "eps": eps, "weight_decay": wd}}}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json", "--json", "--log-every", "1",
-                        "--threads", "2"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
+    r = zsolo(tmp_path, spec, "--json", "--log-every", "1", "--threads", "2")
     assert r.returncode == 0, r.stderr
-    recs = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    recs = records(r)
     assert [x["step"] for x in recs] == [1, 2], r.stdout
 
     ref = Llama(c, w)
@@ -285,9 +300,7 @@ def test_llama_spec_errors_name_the_field(tmp_path):
         if extra.get("arch") == "llama" and "intermediate_size" not in extra and len(extra) > 1:
             m["intermediate_size"] = 64
         m.update(extra)
-        (tmp_path / "s.json").write_text(json.dumps(dict(base, model=m)))
-        r = subprocess.run([os.path.join(BIN, "zsolo"), "s.json"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60)
+        r = zsolo(tmp_path, dict(base, model=m), name="s.json", timeout=60)
         assert r.returncode != 0 and want in r.stderr, (extra, r.stderr)
 
 
@@ -298,12 +311,8 @@ def test_a_pretrained_directory_that_disagrees_is_refused_naming_each_field(tmp_
     cfg.update(num_key_value_heads=4, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     write_shard(str(tmp_path / "train_000000.bin"), list(range(200)))
-    model = {"arch": "llama", "seq_len": T, "vocab_size": V, **c}
-    spec = {"name": "bad", "steps": 2, "model": model, "data": {"train": "train_*.bin"},
-            "init": {"from_pretrained": "hf"}, "train_micro_batch_size_per_gpu": 1}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    spec = bad_init_spec(c, {"from_pretrained": "hf"})
+    r = zsolo(tmp_path, spec, timeout=60)
     assert r.returncode != 0
     assert "num_key_value_heads is 4, the spec's model.n_kv_head 2" in r.stderr, r.stderr
     assert "rope_scaling is set" in r.stderr, r.stderr
@@ -314,8 +323,7 @@ def test_a_pretrained_directory_that_disagrees_is_refused_naming_each_field(tmp_
     moved = sorted(idx["weight_map"])[0]
     idx["weight_map"][moved] = "model-00002-of-00002.safetensors"
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(idx))
-    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    r = zsolo(tmp_path, spec, timeout=60)
     assert r.returncode != 0 and moved in r.stderr, r.stderr
 
 
@@ -366,12 +374,9 @@ def test_export_of_an_import_is_the_same_model(procs, tmp_path):
     for src in ("hf", "export"):
         s = dict(spec, init={"from_pretrained": str(tmp_path / src)}, steps=1)
         del s["checkpoint"]
-        (tmp_path / f"{src}.json").write_text(json.dumps(s))
-        r = subprocess.run([os.path.join(BIN, "zsolo"), f"{src}.json", "--json"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+        r = zsolo(tmp_path, s, "--json", name=f"{src}.json", timeout=120)
         assert r.returncode == 0, r.stderr
-        losses_of.append([json.loads(x)["loss"] for x in r.stdout.splitlines()
-                          if x.startswith("{")])
+        losses_of.append([x["loss"] for x in records(r)])
     assert losses_of[0] == losses_of[1] and len(losses_of[0]) == 1
 
 
@@ -383,11 +388,9 @@ def test_the_llama_example_trains(tmp_path):
     spec["data"] = {"train": train, "val": val}
     spec["steps"] = 40
     spec["scheduler"]["params"]["total_num_steps"] = 40
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json", "--json", "--log-every", "1"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = zsolo(tmp_path, spec, "--json", "--log-every", "1")
     assert r.returncode == 0, r.stderr
-    recs = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    recs = records(r)
     assert len(recs) == 40 and recs[-1]["loss"] < recs[0]["loss"] - 1.0, (recs[0], recs[-1])
 
 
@@ -401,12 +404,7 @@ def test_every_bad_tensor_is_named_in_one_error(tmp_path):
     w["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
     write_safetensors(tmp_path / "bad.safetensors", w)
     write_shard(str(tmp_path / "train_000000.bin"), list(range(200)))
-    model = {"arch": "llama", "seq_len": T, "vocab_size": V, **c}
-    spec = {"name": "bad", "steps": 2, "model": model, "data": {"train": "train_*.bin"},
-            "init": {"from_safetensors": "bad.safetensors"}, "train_micro_batch_size_per_gpu": 1}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    r = subprocess.run([os.path.join(BIN, "zsolo"), "spec.json"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=60)
+    r = zsolo(tmp_path, bad_init_spec(c, {"from_safetensors": "bad.safetensors"}), timeout=60)
     assert r.returncode != 0
     for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.0.mlp.extra.weight"):
