@@ -21,10 +21,14 @@
  * never committed) deletes its copies: every worker that held one is asked
  * to delete the directory in its heartbeat replies until it reports it
  * deleted (epoch_deletions). A worker lists what it holds when it
- * registers and with its first heartbeat of each new job or generation:
- * copies of epochs that are no longer wanted, and epochs of our jobs that
- * no report named and that can no longer commit, are to be deleted;
- * copies of committed epochs are counted again.
+ * registers, with its first heartbeat of each new job or generation, and
+ * whenever an epoch directory of another job or generation appears on its
+ * disk after its last list (a copy that arrived late, a write that ended
+ * after the generation did): copies of epochs that are no longer wanted,
+ * and epochs of our jobs that no report named and that can no longer
+ * commit, are to be deleted, and so is such an epoch directory that holds
+ * no finished file (listed as the directory itself); copies of committed
+ * epochs are counted again.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -242,7 +246,8 @@ void zt_copies_deleted(zt_coord_t *c, zt_member_t *m, char *const *dirs, size_t 
 
 /* "<dir>/job_<id>/step_<s>-g<g>/<file>" split; 0 when it has exactly the
  * canonical form (zt_epoch_parse, zt_epoch_file), -1 with a message naming
- * the fault otherwise. */
+ * the fault otherwise. "<dir>/job_<id>/step_<s>-g<g>/" is the directory
+ * itself, which holds no finished file: *file is then "". */
 static int parse_held(const char *held, char *dir, size_t n, zt_epoch_t *e, const char **file) {
   const char *slash = strrchr(held, '/');
   int rank;
@@ -251,7 +256,7 @@ static int parse_held(const char *held, char *dir, size_t n, zt_epoch_t *e, cons
   snprintf(dir, n, "%.*s", (int)(slash - held), held);
   *file = slash + 1;
   if (zt_epoch_parse(dir, e) != 0) return -1;
-  if (!zt_epoch_file(*file, &rank))
+  if (**file && !zt_epoch_file(*file, &rank))
     return zt_errk(ZT_E_INVALID, "\"%.200s\" is not a checkpoint file", held);
   return 0;
 }
@@ -333,7 +338,9 @@ void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_
     if (!x.found && !unregistered_is_stale(c, &e, abs))
       continue; /* not ours to judge, or it may still be reported */
     if (x.found && x.k.state == ZT_CKPT_COMMITTED) {
-      kept += zt_copies_add(c, e.job, &x.k, file, m->row.id) == 0;
+      /* A directory with no finished file of a committed epoch: a copy
+       * being fetched into it now, or one that failed; not a copy. */
+      if (*file) kept += zt_copies_add(c, e.job, &x.k, file, m->row.id) == 0;
       continue;
     }
     /* A pending epoch of the job's current generation may still commit:

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "control.h"
 #include "holdings.h"
@@ -56,6 +57,11 @@ struct zt_ctl {
   uint64_t assigned_job;       /* job of the last heartbeat reply (control thread) */
   uint64_t assigned_gen;       /* its generation (control thread) */
   int send_held;               /* the next heartbeat carries the inventory (control thread) */
+  /* The epoch directories of the last inventory that reached the
+   * coordinator, as hashes (control thread): one of another job or
+   * generation that is not among them sends the inventory again. */
+  uint64_t *listed;
+  int n_listed;
   char store_addr[96];
   char ckpt_root[1024];
   /* Epoch directories deleted as a heartbeat reply asked, reported with
@@ -127,6 +133,7 @@ void zt_ctl_close(zt_ctl_t *c) {
   if (!c) return;
   for (int i = 0; i < c->n_deleted; i++) free(c->deleted[i]);
   for (int i = 0; i < c->n_unreach; i++) free(c->unreach[i]);
+  free(c->listed);
   zt_rpc_client_close(c->rpc);
   zt_rpc_client_close(c->hb);
   pthread_cond_destroy(&c->cv);
@@ -219,14 +226,58 @@ static int64_t heartbeat_deadline_ms(const zt_ctl_t *c) {
   return ZT_MIN(c->o.rpc_timeout_ms, ZT_MAX(c->heartbeat_ms, 250));
 }
 
-/* What this worker holds under its checkpoint root (holdings.c): at
- * registration and with the first heartbeat of a new job or generation.
- * Free with zt_hold_free. */
+/* What this worker holds under its checkpoint root (holdings.c): sent at
+ * registration, with the first heartbeat of a new job or generation, and
+ * when an epoch directory appeared that may be stale (news_in). Free with
+ * zt_hold_free. */
 static int inventory(const zt_ctl_t *c, char ***held) {
   int n = 0;
   *held = NULL;
   if (c->ckpt_root[0]) (void)zt_hold_inventory(c->ckpt_root, held, &n);
   return n;
+}
+
+/* The hash of an entry's epoch directory (the entry up to its last slash);
+ * 0 with *e unset when it names none. */
+static uint64_t entry_dir(const char *entry, zt_epoch_t *e) {
+  const char *slash = strrchr(entry, '/');
+  char dir[2048];
+  if (!slash || (size_t)(slash - entry) >= sizeof dir) return 0;
+  snprintf(dir, sizeof dir, "%.*s", (int)(slash - entry), entry);
+  if (zt_epoch_parse(dir, e) != 0) return 0;
+  return XXH64(dir, strlen(dir), 0) | 1;
+}
+
+static int was_listed(const zt_ctl_t *c, uint64_t h) {
+  for (int i = 0; i < c->n_listed; i++)
+    if (c->listed[i] == h) return 1;
+  return 0;
+}
+
+/* The inventory reached the coordinator: its directories are known. */
+static void remember_listed(zt_ctl_t *c, char **held, int n) {
+  c->n_listed = 0;
+  c->listed = zt_xrealloc(c->listed, (size_t)(n + 1) * sizeof *c->listed);
+  zt_epoch_t e;
+  for (int i = 0; i < n; i++) {
+    uint64_t h = entry_dir(held[i], &e);
+    if (h && !was_listed(c, h)) c->listed[c->n_listed++] = h;
+  }
+}
+
+/* 1 when held names an epoch directory of another job or generation than
+ * this worker's that the last inventory did not: a copy pushed late, a
+ * write that ended after its generation did, a fetch that failed. The
+ * coordinator judges it only when it hears of it, and after a job ends no
+ * new generation would send the inventory again. */
+static int news_in(const zt_ctl_t *c, char **held, int n) {
+  zt_epoch_t e;
+  for (int i = 0; i < n; i++) {
+    uint64_t h = entry_dir(held[i], &e);
+    if (h && !(e.job == c->assigned_job && e.gen == c->assigned_gen) && !was_listed(c, h))
+      return 1;
+  }
+  return 0;
 }
 
 /* Returns 0 when registered, -1 with *fatal set when retrying is pointless. */
@@ -254,6 +305,7 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   *fatal = 0;
   int rc = call(c, "/ztrain.Control/RegisterWorker", &req.base,
                 &ztrain__register_reply__descriptor, &m, &status);
+  if (rc == 0) remember_listed(c, held, n_held);
   zt_hold_free(held, n_held);
   if (rc != 0) {
     /* A wrong secret or name is final; a name still held by a live worker
@@ -344,9 +396,9 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   req.unreachable_stores = c->unreach;
   req.n_unreachable_stores = (size_t)c->n_unreach;
   char **held = NULL;
-  int n_held = c->send_held ? inventory(c, &held) : 0;
-  req.held_files = held;
-  req.n_held_files = (size_t)n_held;
+  int n_held = inventory(c, &held), send_held = c->send_held || news_in(c, held, n_held);
+  req.held_files = send_held ? held : NULL;
+  req.n_held_files = send_held ? (size_t)n_held : 0;
   zt_ctl_timing_t now = c->last_timing;
   if (c->o.timing) c->o.timing(c->o.user, &now);
   int64_t steps = now.steps - c->last_timing.steps;
@@ -360,6 +412,7 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   ProtobufCMessage *m;
   int rc = zt_pb_call(c->hb, "/ztrain.Control/Heartbeat", &req.base,
                       &ztrain__heartbeat_reply__descriptor, heartbeat_deadline_ms(c), &m, status);
+  if (rc == 0 && send_held) remember_listed(c, held, n_held);
   zt_hold_free(held, n_held);
   if (rc != 0) return -1;
   Ztrain__HeartbeatReply *r = (Ztrain__HeartbeatReply *)m;

@@ -38,7 +38,7 @@ static void walk(inv *v, const char *root, const char *rel, int depth) {
   snprintf(path, sizeof path, "%s%s%s", root, rel[0] ? "/" : "", rel);
   DIR *d = opendir(path);
   if (!d) return;
-  int epoch = rel[0] && zt_hold_is_epoch_dir(rel);
+  int epoch = rel[0] && zt_hold_is_epoch_dir(rel), listed = v->n;
   struct dirent *e;
   while ((e = readdir(d)) && v->n < ZT_HOLD_MAX_FILES) {
     if (e->d_name[0] == '.') continue;
@@ -54,6 +54,14 @@ static void walk(inv *v, const char *root, const char *rel, int depth) {
       walk(v, root, sub, depth - 1);
   }
   closedir(d);
+  /* An epoch directory with no finished file (empty, or only a write or
+   * a copy that never finished) is listed as itself, so that it can be
+   * judged too. */
+  if (epoch && v->n == listed) {
+    char self[2048];
+    snprintf(self, sizeof self, "%s/", rel);
+    add(v, self);
+  }
 }
 
 int zt_hold_inventory(const char *root, char ***files, int *n) {

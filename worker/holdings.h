@@ -18,8 +18,10 @@
 
 /* The checkpoint files under root: paths relative to it of the form
  * <dir>/job_<n>/step_<n>-g<n>/<file> (at most ZT_HOLD_MAX_FILES, found at
- * most ZT_EPOCH_MAX_DEPTH directories deep). *files is malloc'd, each entry
- * too; free with zt_hold_free. */
+ * most ZT_EPOCH_MAX_DEPTH directories deep), and "<dir>/job_<n>/
+ * step_<n>-g<n>/" (the directory, with a slash) for an epoch directory
+ * that holds no finished file (".tmp" and ".part" files are unfinished).
+ * *files is malloc'd, each entry too; free with zt_hold_free. */
 int zt_hold_inventory(const char *root, char ***files, int *n);
 void zt_hold_free(char **files, int n);
 

@@ -245,6 +245,10 @@ int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
   if (x.failed < rec->n) {
     *why = x.why[x.failed];
     rc = zt_err("%s", x.msg[x.failed]);
+    /* The directory made for the copies goes again when nothing is in
+     * it: an empty epoch directory holds no file an inventory could list,
+     * and no deletion would ever name it. */
+    rmdir(dir);
   }
   free(x.why);
   free(x.msg);

@@ -326,24 +326,32 @@ def test_skipped_epochs_are_skipped_by_every_rank(procs, tmp_path, data):
 def test_unreported_epochs_are_deleted_once_they_cannot_commit(procs, tmp_path, data):
     """An epoch directory no report named (its ranks wrote it while their
     reports could not reach the coordinator; a copy a store took but could
-    not record) is deleted once it can no longer commit: a worker sends
-    what it holds with its first heartbeat of a new job or generation.
-    One under a job the coordinator does not know is not its to delete."""
+    not record; a fetch or write that never finished) is deleted once it
+    can no longer commit, even when it appears after the job ended and its
+    worker stays idle: the worker sends what it holds whenever an epoch
+    directory of another job or generation appears, an empty or unfinished
+    one as the directory itself. One under a job the coordinator does not
+    know is not its to delete."""
     train, val = data
     coord, _ = fleet(procs, 1)
     root = str(tmp_path / "ckpt")
     spec = tiny_spec(train, val, 20, workers=1, checkpoint={"dir": root, "every_steps": 10})
     jid = submit(coord, spec, tmp_path)
     wait_job(coord, jid)
-    planted = {"stale": f"{root}/job_{jid}/step_00000015-g1",
-               "foreign": f"{root}/job_999/step_00000015-g1"}
-    for d in planted.values():
+    planted = {"stale": (f"{root}/job_{jid}/step_00000015-g1", "rank_0.bin"),
+               "empty": (f"{root}/job_{jid}/step_00000016-g1", None),
+               "unfinished": (f"{root}/job_{jid}/step_00000017-g1", "rank_0.bin.tmp"),
+               "foreign": (f"{root}/job_999/step_00000015-g1", "rank_0.bin")}
+    for d, name in planted.values():
         os.makedirs(d)
-        with open(f"{d}/rank_0.bin", "wb") as f:
-            f.write(b"\0" * 64)
-    jid2 = submit(coord, spec, tmp_path, "second.json")
-    wait_job(coord, jid2)
-    wait_until(lambda: not os.path.exists(planted["stale"]), 10, "the unreported epoch deleted")
-    assert os.path.isfile(f"{planted['foreign']}/rank_0.bin")
-    for k in list(committed(coord, jid).values()) + list(committed(coord, jid2).values()):
+        if name:
+            with open(f"{d}/{name}", "wb") as f:
+                f.write(b"\0" * 64)
+    gone = [d for k, (d, _) in planted.items() if k != "foreign"]
+    wait_until(lambda: not any(os.path.exists(d) for d in gone), 10,
+               "the unreported epochs deleted while the worker is idle")
+    assert os.path.isfile(f"{planted['foreign'][0]}/rank_0.bin")
+    ks = list(committed(coord, jid).values())
+    assert ks
+    for k in ks:
         assert os.path.isfile(f"{k['dir']}/manifest.json"), k
