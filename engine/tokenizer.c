@@ -28,7 +28,10 @@
  */
 #include "tokenizer.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
 #include <cjson/cJSON.h>
+#include <pcre2.h>
+#include <utf8proc.h>
 #include <locale.h>
 #include <math.h>
 #include <stdint.h>
@@ -101,6 +104,16 @@ static void htab_free(zt_htab_t *t) {
 
 /* ---- the tokenizer ---------------------------------------------------------- */
 
+/* An added token of a tokenizer.json: matched in the text before anything
+ * else, and its id emitted whole. */
+typedef struct {
+  char *text;
+  size_t len;
+  int id;
+  int normalized; /* matched in the normalized text, not the raw one */
+  int lstrip, rstrip; /* the whitespace before (after) it goes with it */
+} zt_added_t;
+
 struct zt_tok {
   zt_tok_type_t type;
   int vocab, eot;
@@ -113,6 +126,18 @@ struct zt_tok {
   zt_htab_t ranks;       /* "first second" -> merge rank */
   char byte_str[256][3]; /* bytes_to_unicode as UTF-8, NUL-terminated */
   locale_t loc;          /* C.UTF-8 for the character classes, or 0 */
+  /* hf (tokenizer.json); gpt2 and byte leave these zero */
+  int ignore_merges;     /* a pre-token found whole in the vocabulary is one token */
+  int byte_fallback;     /* an unknown symbol becomes its bytes' <0xXX> tokens */
+  int unk;               /* unk_token's id, or -1: an unknown symbol is an error */
+  int nfc;               /* the normalizer: NFC */
+  pcre2_code *split;     /* the Split pre-tokenizer's pattern, or NULL */
+  int split_removed;     /* its behavior is Removed (else Isolated) */
+  pcre2_code *bl_regex;  /* ByteLevel's use_regex: GPT-2's pattern, or NULL */
+  int bl_prefix;         /* ByteLevel's add_prefix_space */
+  pcre2_match_data *md;
+  zt_added_t *added;     /* added_tokens, longest first */
+  int n_added;
   /* scratch */
   char *mapped;
   size_t *sym_off, *sym_len;
@@ -121,7 +146,9 @@ struct zt_tok {
 };
 
 zt_tok_type_t zt_tok_type(const zt_tok_t *t) { return t->type; }
-const char *zt_tok_type_name(const zt_tok_t *t) { return t->type == ZT_TOK_GPT2 ? "gpt2" : "byte"; }
+const char *zt_tok_type_name(const zt_tok_t *t) {
+  return t->type == ZT_TOK_GPT2 ? "gpt2" : t->type == ZT_TOK_HF ? "hf" : "byte";
+}
 int zt_tok_vocab_size(const zt_tok_t *t) { return t->vocab; }
 int zt_tok_eot(const zt_tok_t *t) { return t->eot; }
 
@@ -134,6 +161,11 @@ void zt_tok_free(zt_tok_t *t) {
   htab_free(&t->encoder);
   htab_free(&t->ranks);
   if (t->loc) freelocale(t->loc);
+  for (int i = 0; i < t->n_added; i++) free(t->added[i].text);
+  free(t->added);
+  pcre2_code_free(t->split);
+  pcre2_code_free(t->bl_regex);
+  pcre2_match_data_free(t->md);
   free(t->mapped);
   free(t->sym_off);
   free(t->sym_len);
@@ -334,7 +366,7 @@ static int load_encoder(zt_tok_t *t, const char *path) {
   }
   for (cJSON *it = root->child; it; it = it->next) {
     if (!cJSON_IsNumber(it) || it->valueint < 0 || it->valueint >= ZT_TOK_VOCAB_MAX) {
-      zt_err("%s: token \"%.60s\" has no id in [0, 65535]", path, it->string);
+      zt_err("%s: token \"%.60s\" has no id in [0, %d]", path, it->string, ZT_TOK_VOCAB_MAX - 1);
       goto out;
     }
     htab_put(&t->encoder, it->string, strlen(it->string), it->valueint);
@@ -422,8 +454,36 @@ static size_t merge_pair(zt_tok_t *t, size_t nsym, size_t at) {
   return out;
 }
 
+/* The id of a symbol after the merges. One the vocabulary lacks becomes
+ * the <0xXX> tokens of its bytes (byte_fallback), or unk_token, or an
+ * error naming it. */
+static int emit_symbol(zt_tok_t *t, const char *sym, size_t len, zt_tok_emit_fn emit,
+                       void *user) {
+  int id = htab_get(&t->encoder, sym, len);
+  if (id >= 0) return emit(user, id);
+  if (t->byte_fallback) {
+    int ok = 1;
+    for (size_t k = 0; k < len && ok; k++) {
+      char b[8];
+      snprintf(b, sizeof b, "<0x%02X>", (uint8_t)sym[k]);
+      ok = htab_get(&t->encoder, b, 6) >= 0;
+    }
+    for (size_t k = 0; k < len && ok; k++) {
+      char b[8];
+      snprintf(b, sizeof b, "<0x%02X>", (uint8_t)sym[k]);
+      if (emit(user, htab_get(&t->encoder, b, 6)) != 0) return -1;
+    }
+    if (ok) return 0;
+  }
+  if (t->unk >= 0) return emit(user, t->unk);
+  return zt_err("symbol \"%.*s\" is not in the vocabulary", (int)ZT_MIN(len, 200), sym);
+}
+
 /* Encodes one pre-token (n bytes): repeatedly take the adjacent pair of
- * lowest rank and merge every occurrence of it (encoder.py's bpe()). */
+ * lowest rank and merge every occurrence of it (encoder.py's bpe(); the
+ * same result as Hugging Face's merge of the lowest-ranked leftmost pair
+ * one at a time). With ignore_merges, a pre-token the vocabulary has
+ * whole is that token. */
 static int bpe_encode(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user) {
   bpe_reserve(t, n);
   size_t nsym = 0, off = 0;
@@ -433,6 +493,10 @@ static int bpe_encode(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn em
     t->sym_off[nsym] = off;
     t->sym_len[nsym++] = l;
     off += l;
+  }
+  if (t->ignore_merges && nsym > 1) {
+    int id = htab_get(&t->encoder, t->mapped, off);
+    if (id >= 0) return emit(user, id);
   }
   while (nsym > 1) {
     int best = -1;
@@ -444,15 +508,12 @@ static int bpe_encode(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn em
     if (best < 0) break;
     nsym = merge_pair(t, nsym, at);
   }
-  for (size_t i = 0; i < nsym; i++) {
-    int id = htab_get(&t->encoder, t->mapped + t->sym_off[i], t->sym_len[i]);
-    if (id < 0)
-      return zt_err("symbol \"%.*s\" is not in the encoder", (int)t->sym_len[i],
-                    t->mapped + t->sym_off[i]);
-    if (emit(user, id) != 0) return -1;
-  }
+  for (size_t i = 0; i < nsym; i++)
+    if (emit_symbol(t, t->mapped + t->sym_off[i], t->sym_len[i], emit, user) != 0) return -1;
   return 0;
 }
+
+static int hf_encode(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user);
 
 int zt_tok_encode(zt_tok_t *t, const void *text, size_t len, zt_tok_emit_fn emit, void *user) {
   const uint8_t *s = text;
@@ -461,6 +522,7 @@ int zt_tok_encode(zt_tok_t *t, const void *text, size_t len, zt_tok_emit_fn emit
       if (emit(user, s[k]) != 0) return -1;
     return 0;
   }
+  if (t->type == ZT_TOK_HF) return hf_encode(t, s, len, emit, user);
   for (size_t k = 0; k < len;) {
     size_t e = pretok_end(t, s, len, k);
     if (bpe_encode(t, s + k, e - k, emit, user) != 0) return -1;
@@ -495,6 +557,458 @@ int zt_tok_encode_ids(zt_tok_t *t, const void *text, size_t len, int **ids, size
   return 0;
 }
 
+/* ---- Hugging Face tokenizer.json: encoding ---------------------------------- */
+
+/* Whitespace as JavaScript's trim() and Hugging Face's lstrip/rstrip see
+ * it: White_Space and U+FEFF. */
+static int strip_space(uint32_t cp) {
+  return cp == ' ' || (cp >= '\t' && cp <= '\r') || cp == 0xfeff || is_unicode_space(cp);
+}
+
+static size_t trim_start(const uint8_t *s, size_t n) {
+  size_t i = 0;
+  while (i < n) {
+    uint32_t cp;
+    size_t l = utf8_decode(s, n, i, &cp);
+    if (!strip_space(cp)) break;
+    i += l;
+  }
+  return i;
+}
+
+static size_t trim_end(const uint8_t *s, size_t n) {
+  while (n > 0) {
+    size_t b = n - 1;
+    while (b > 0 && (s[b] & 0xc0) == 0x80 && n - b < 4) b--;
+    uint32_t cp;
+    if (utf8_decode(s, n, b, &cp) != n - b || !strip_space(cp)) break;
+    n = b;
+  }
+  return n;
+}
+
+/* The added token (normalized or not) that starts at s[i], the longest
+ * (the list is sorted longest first), or -1. */
+static int added_at(const zt_tok_t *t, const uint8_t *s, size_t n, size_t i, int normalized) {
+  for (int k = 0; k < t->n_added; k++) {
+    const zt_added_t *a = &t->added[k];
+    if (a->normalized == normalized && a->len <= n - i && s[i] == (uint8_t)a->text[0] &&
+        !memcmp(s + i, a->text, a->len))
+      return k;
+  }
+  return -1;
+}
+
+/* ByteLevel: a piece as bytes, with the prefix space, split by GPT-2's
+ * pattern when use_regex is set, each part merged. */
+static int byte_level(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user) {
+  if (t->bl_prefix && (n == 0 || s[0] != ' ')) {
+    uint8_t *p = zt_xmalloc(n + 1);
+    p[0] = ' ';
+    memcpy(p + 1, s, n);
+    t->bl_prefix = 0;
+    int rc = byte_level(t, p, n + 1, emit, user);
+    t->bl_prefix = 1;
+    free(p);
+    return rc;
+  }
+  if (!t->bl_regex) return n ? bpe_encode(t, s, n, emit, user) : 0;
+  for (size_t at = 0; at < n;) {
+    int rc = pcre2_match(t->bl_regex, s, n, at, PCRE2_NO_UTF_CHECK, t->md, NULL);
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    if (rc < 0) return zt_err("tokenizer: ByteLevel pattern: PCRE2 error %d", rc);
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(t->md);
+    if (ov[1] > ov[0] && bpe_encode(t, s + ov[0], ov[1] - ov[0], emit, user) != 0) return -1;
+    at = ov[1] > at ? ov[1] : at + utf8_decode(s, n, at, &(uint32_t){0});
+  }
+  return 0;
+}
+
+/* The pre-tokenizer on a section: the Split pattern's matches and the text
+ * between them are the pieces (Isolated), or only the text between
+ * (Removed); then ByteLevel on each. */
+static int pre_tokenize(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit,
+                        void *user) {
+  if (!t->split) return byte_level(t, s, n, emit, user);
+  size_t prev = 0;
+  for (size_t at = 0; at < n;) {
+    /* The text is valid UTF-8 (hf_encode): no check of the whole
+     * subject at every call, which would make a long text quadratic. */
+    int rc = pcre2_match(t->split, s, n, at, PCRE2_NO_UTF_CHECK, t->md, NULL);
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    if (rc < 0) return zt_err("tokenizer: Split pattern: PCRE2 error %d", rc);
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(t->md);
+    size_t ms = ov[0], me = ov[1];
+    if (me == ms) { /* an empty match splits nothing */
+      at = ms + utf8_decode(s, n, ms, &(uint32_t){0});
+      continue;
+    }
+    if (ms > prev && byte_level(t, s + prev, ms - prev, emit, user) != 0) return -1;
+    if (!t->split_removed && byte_level(t, s + ms, me - ms, emit, user) != 0) return -1;
+    prev = at = me;
+  }
+  return prev < n ? byte_level(t, s + prev, n - prev, emit, user) : 0;
+}
+
+static int hf_sections(zt_tok_t *t, const uint8_t *s, size_t n, int normalized,
+                       zt_tok_emit_fn emit, void *user);
+
+/* A section between added tokens: normalized (NFC) and split again on the
+ * normalized added tokens, or pre-tokenized. */
+static int hf_text(zt_tok_t *t, const uint8_t *s, size_t n, int normalized, zt_tok_emit_fn emit,
+                   void *user) {
+  if (n == 0) return 0;
+  if (normalized || !t->nfc) return pre_tokenize(t, s, n, emit, user);
+  char *z = zt_xmalloc(n + 1);
+  memcpy(z, s, n);
+  z[n] = 0;
+  uint8_t *nfc = utf8proc_NFC((const utf8proc_uint8_t *)z);
+  free(z);
+  if (!nfc) return zt_err("tokenizer: NFC normalization failed");
+  int rc = hf_sections(t, nfc, strlen((char *)nfc), 1, emit, user);
+  free(nfc);
+  return rc;
+}
+
+/* Splits s at the added tokens of the phase (raw text first, then the
+ * normalized text), leftmost and longest first, as Hugging Face does; a
+ * token with lstrip (rstrip) takes the whitespace before (after) it. */
+static int hf_sections(zt_tok_t *t, const uint8_t *s, size_t n, int normalized,
+                       zt_tok_emit_fn emit, void *user) {
+  size_t start = 0, i = 0;
+  while (i < n) {
+    int k = added_at(t, s, n, i, normalized);
+    if (k < 0) {
+      i++;
+      continue;
+    }
+    const zt_added_t *a = &t->added[k];
+    size_t end = a->lstrip ? start + trim_end(s + start, i - start) : i;
+    if (hf_text(t, s + start, end - start, normalized, emit, user) != 0) return -1;
+    if (emit(user, a->id) != 0) return -1;
+    i += a->len;
+    if (a->rstrip) i += trim_start(s + i, n - i);
+    start = i;
+  }
+  return hf_text(t, s + start, n - start, normalized, emit, user);
+}
+
+/* Text that is not valid UTF-8 gets U+FFFD for each bad byte (as a
+ * JavaScript or Python reader of the file would); valid text is encoded
+ * as it is. */
+static int hf_encode(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user) {
+  size_t bad = 0;
+  uint32_t cp;
+  for (size_t i = 0; i < n;) {
+    i += utf8_decode(s, n, i, &cp);
+    bad += cp == UINT32_MAX;
+  }
+  if (!bad) return hf_sections(t, s, n, 0, emit, user);
+  uint8_t *fixed = zt_xmalloc(n + 2 * bad + 1);
+  size_t o = 0;
+  for (size_t i = 0; i < n;) {
+    size_t l = utf8_decode(s, n, i, &cp);
+    if (cp == UINT32_MAX) memcpy(fixed + o, "\xef\xbf\xbd", 3), o += 3;
+    else memcpy(fixed + o, s + i, l), o += l;
+    i += l;
+  }
+  int rc = hf_sections(t, fixed, o, 0, emit, user);
+  free(fixed);
+  return rc;
+}
+
+/* ---- Hugging Face tokenizer.json: loading ------------------------------------ */
+
+static const char *type_of(const cJSON *o) {
+  const cJSON *ty = cJSON_GetObjectItemCaseSensitive(o, "type");
+  return cJSON_IsString(ty) ? ty->valuestring : "";
+}
+
+static int flag(const cJSON *o, const char *key) {
+  return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, key));
+}
+
+/* An Oniguruma pattern (Hugging Face's Rust library) for PCRE2: \s and \S
+ * become White_Space and its complement, which is what Oniguruma means by
+ * them (PCRE2's \s leaves out U+0085). */
+static pcre2_code *compile_pattern(const char *path, const char *what, const char *pat,
+                                   uint32_t opts) {
+  size_t n = strlen(pat), o = 0;
+  char *re = zt_xmalloc(8 * n + 1);
+  for (size_t i = 0; i < n; i++) {
+    if (pat[i] == '\\' && i + 1 < n && (pat[i + 1] == 's' || pat[i + 1] == 'S')) {
+      o += (size_t)sprintf(re + o, "\\%c{White_Space}", pat[i + 1] == 's' ? 'p' : 'P');
+      i++;
+    } else if (pat[i] == '\\' && i + 1 < n) {
+      re[o++] = pat[i++];
+      re[o++] = pat[i];
+    } else {
+      re[o++] = pat[i];
+    }
+  }
+  re[o] = 0;
+  int err;
+  PCRE2_SIZE at;
+  pcre2_code *c = pcre2_compile((PCRE2_SPTR)re, (opts & PCRE2_LITERAL) ? n : o,
+                                PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK | opts, &err, &at,
+                                NULL);
+  if (!c) {
+    PCRE2_UCHAR msg[160];
+    pcre2_get_error_message(err, msg, sizeof msg);
+    zt_err("%s: %s pattern \"%.200s\": %s at offset %zu", path, what, pat, (char *)msg,
+           (size_t)at);
+  } else {
+    (void)pcre2_jit_compile(c, PCRE2_JIT_COMPLETE); /* without the JIT it interprets */
+  }
+  free(re);
+  return c;
+}
+
+#define GPT2_PATTERN "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
+
+static int load_split(zt_tok_t *t, const char *path, const cJSON *p) {
+  const cJSON *pat = cJSON_GetObjectItemCaseSensitive(p, "pattern");
+  const cJSON *re = cJSON_GetObjectItemCaseSensitive(pat, "Regex");
+  const cJSON *lit = cJSON_GetObjectItemCaseSensitive(pat, "String");
+  const cJSON *beh = cJSON_GetObjectItemCaseSensitive(p, "behavior");
+  const char *b = cJSON_IsString(beh) ? beh->valuestring : "";
+  if (t->split) return zt_err("%s: pre_tokenizer: more than one Split is not supported", path);
+  if (flag(p, "invert")) return zt_err("%s: pre_tokenizer Split: invert is not supported", path);
+  if (strcmp(b, "Isolated") && strcmp(b, "Removed"))
+    return zt_err("%s: pre_tokenizer Split: behavior \"%.40s\" is not supported (Isolated or "
+                  "Removed)", path, b);
+  t->split_removed = !strcmp(b, "Removed");
+  if (cJSON_IsString(re))
+    t->split = compile_pattern(path, "pre_tokenizer Split", re->valuestring, 0);
+  else if (cJSON_IsString(lit))
+    t->split = compile_pattern(path, "pre_tokenizer Split", lit->valuestring, PCRE2_LITERAL);
+  else
+    return zt_err("%s: pre_tokenizer Split: needs pattern.Regex or pattern.String", path);
+  return t->split ? 0 : -1;
+}
+
+static int load_byte_level(zt_tok_t *t, const char *path, const cJSON *p, int *seen) {
+  *seen = 1;
+  t->bl_prefix = flag(p, "add_prefix_space");
+  const cJSON *ur = cJSON_GetObjectItemCaseSensitive(p, "use_regex");
+  if (!ur || cJSON_IsTrue(ur)) {
+    t->bl_regex = compile_pattern(path, "ByteLevel", GPT2_PATTERN, 0);
+    if (!t->bl_regex) return -1;
+  }
+  return 0;
+}
+
+/* pre_tokenizer: ByteLevel, or a Sequence of a Split and a ByteLevel (what
+ * Llama 3, Qwen2/3, SmolLM and GPT-2's tokenizer.json use). */
+static int load_pre_tokenizer(zt_tok_t *t, const char *path, const cJSON *doc) {
+  const cJSON *p = cJSON_GetObjectItemCaseSensitive(doc, "pre_tokenizer");
+  const cJSON *seq = !strcmp(type_of(p), "Sequence")
+                         ? cJSON_GetObjectItemCaseSensitive(p, "pretokenizers")
+                         : NULL;
+  int bl = 0;
+  const cJSON *it = seq ? seq->child : p;
+  for (; it; it = seq ? it->next : NULL) {
+    const char *ty = type_of(it);
+    if (bl) return zt_err("%s: pre_tokenizer: %s after ByteLevel is not supported", path, ty);
+    if (!strcmp(ty, "Split")) {
+      if (load_split(t, path, it) != 0) return -1;
+    } else if (!strcmp(ty, "ByteLevel")) {
+      if (load_byte_level(t, path, it, &bl) != 0) return -1;
+    } else {
+      return zt_err("%s: pre_tokenizer \"%.60s\" is not supported (byte-level BPE only: "
+                    "ByteLevel, optionally after a Split)", path, ty);
+    }
+  }
+  if (!bl) return zt_err("%s: pre_tokenizer: no ByteLevel (byte-level BPE only)", path);
+  if (t->bl_prefix && t->split)
+    return zt_err("%s: pre_tokenizer: ByteLevel's add_prefix_space after a Split is not "
+                  "supported", path);
+  return 0;
+}
+
+static int load_normalizer(zt_tok_t *t, const char *path, const cJSON *doc) {
+  const cJSON *n = cJSON_GetObjectItemCaseSensitive(doc, "normalizer");
+  if (!n || cJSON_IsNull(n)) return 0;
+  const cJSON *seq = !strcmp(type_of(n), "Sequence")
+                         ? cJSON_GetObjectItemCaseSensitive(n, "normalizers")
+                         : NULL;
+  for (const cJSON *it = seq ? seq->child : n; it; it = seq ? it->next : NULL) {
+    if (strcmp(type_of(it), "NFC"))
+      return zt_err("%s: normalizer \"%.60s\" is not supported (NFC or none)", path,
+                    type_of(it));
+    t->nfc = 1;
+  }
+  return 0;
+}
+
+/* An id of the vocabulary: 0 .. ZT_TOK_VOCAB_MAX - 1. */
+static int vocab_id(const char *path, const cJSON *v, const char *name) {
+  double d = cJSON_IsNumber(v) ? v->valuedouble : -1;
+  if (!(d >= 0 && d < ZT_TOK_VOCAB_MAX) || d != floor(d))
+    return zt_err("%s: token \"%.60s\" has no id in [0, %d]", path, name,
+                  ZT_TOK_VOCAB_MAX - 1);
+  return (int)d;
+}
+
+static int load_merges_json(zt_tok_t *t, const char *path, const cJSON *merges) {
+  int rank = 0;
+  char *key = NULL;
+  for (const cJSON *it = merges ? merges->child : NULL; it; it = it->next, rank++) {
+    const char *a = NULL, *b = NULL;
+    if (cJSON_IsString(it)) {
+      const char *sp = strchr(it->valuestring, ' ');
+      if (sp && sp != it->valuestring && sp[1] && !strchr(sp + 1, ' ')) {
+        htab_put(&t->ranks, it->valuestring, strlen(it->valuestring), rank);
+        continue;
+      }
+    } else if (cJSON_GetArraySize(it) == 2 && cJSON_IsString(it->child) &&
+               cJSON_IsString(it->child->next)) {
+      a = it->child->valuestring, b = it->child->next->valuestring;
+    }
+    if (!a || !a[0] || !b[0] || strchr(a, ' ') || strchr(b, ' ')) {
+      free(key);
+      return zt_err("%s: merge %d is not two symbols without spaces", path, rank);
+    }
+    size_t la = strlen(a), lb = strlen(b);
+    key = zt_xrealloc(key, la + lb + 2);
+    memcpy(key, a, la);
+    key[la] = ' ';
+    memcpy(key + la + 1, b, lb);
+    htab_put(&t->ranks, key, la + 1 + lb, rank);
+  }
+  free(key);
+  return 0;
+}
+
+static int added_longest_first(const void *x, const void *y) {
+  const zt_added_t *a = x, *b = y;
+  return a->len < b->len ? 1 : a->len > b->len ? -1 : 0;
+}
+
+static int load_added(zt_tok_t *t, const char *path, const cJSON *doc) {
+  const cJSON *list = cJSON_GetObjectItemCaseSensitive(doc, "added_tokens");
+  int n = cJSON_GetArraySize(list);
+  t->added = zt_xcalloc((size_t)n + 1, sizeof *t->added);
+  for (const cJSON *it = list ? list->child : NULL; it; it = it->next) {
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(it, "content");
+    if (!cJSON_IsString(c) || !c->valuestring[0])
+      return zt_err("%s: added token %d has no content", path, t->n_added);
+    int id = vocab_id(path, cJSON_GetObjectItemCaseSensitive(it, "id"), c->valuestring);
+    if (id < 0) return -1;
+    if (flag(it, "single_word"))
+      return zt_err("%s: added token \"%.60s\": single_word is not supported", path,
+                    c->valuestring);
+    zt_added_t *a = &t->added[t->n_added++];
+    a->text = zt_xstrdup(c->valuestring);
+    a->len = strlen(a->text);
+    a->id = id;
+    const cJSON *norm = cJSON_GetObjectItemCaseSensitive(it, "normalized");
+    a->normalized = t->nfc && (norm ? cJSON_IsTrue(norm) : !flag(it, "special"));
+    a->lstrip = flag(it, "lstrip");
+    a->rstrip = flag(it, "rstrip");
+    htab_put(&t->encoder, a->text, a->len, id);
+    if (id + 1 > t->vocab) t->vocab = id + 1;
+  }
+  qsort(t->added, (size_t)t->n_added, sizeof *t->added, added_longest_first);
+  return 0;
+}
+
+static int load_model(zt_tok_t *t, const char *path, const cJSON *doc) {
+  const cJSON *m = cJSON_GetObjectItemCaseSensitive(doc, "model");
+  const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(m, "vocab");
+  const char *ty = type_of(m);
+  if (strcmp(ty, "BPE") && !(ty[0] == 0 && cJSON_GetObjectItemCaseSensitive(m, "merges")))
+    return zt_err("%s: model \"%.40s\" is not supported (BPE only)", path, ty);
+  if (!cJSON_IsObject(vocab)) return zt_err("%s: model.vocab is not an object", path);
+  const char *fields[] = {"continuing_subword_prefix", "end_of_word_suffix"};
+  for (int i = 0; i < 2; i++) {
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(m, fields[i]);
+    if (f && !cJSON_IsNull(f) && !(cJSON_IsString(f) && !f->valuestring[0]))
+      return zt_err("%s: model.%s is not supported", path, fields[i]);
+  }
+  const cJSON *drop = cJSON_GetObjectItemCaseSensitive(m, "dropout");
+  if (cJSON_IsNumber(drop) && drop->valuedouble != 0)
+    return zt_err("%s: model.dropout is not supported", path);
+  for (const cJSON *it = vocab->child; it; it = it->next) {
+    int id = vocab_id(path, it, it->string);
+    if (id < 0) return -1;
+    htab_put(&t->encoder, it->string, strlen(it->string), id);
+    if (id + 1 > t->vocab) t->vocab = id + 1;
+  }
+  t->ignore_merges = flag(m, "ignore_merges");
+  t->byte_fallback = flag(m, "byte_fallback");
+  const cJSON *unk = cJSON_GetObjectItemCaseSensitive(m, "unk_token");
+  t->unk = -1;
+  if (cJSON_IsString(unk) &&
+      (t->unk = htab_get(&t->encoder, unk->valuestring, strlen(unk->valuestring))) < 0)
+    return zt_err("%s: model.unk_token \"%.60s\" is not in the vocabulary", path,
+                  unk->valuestring);
+  return load_merges_json(t, path, cJSON_GetObjectItemCaseSensitive(m, "merges"));
+}
+
+/* Decoding: vocabulary strings through the inverse of bytes_to_unicode,
+ * added tokens as their text. */
+static void hf_decoder(zt_tok_t *t, const cJSON *doc) {
+  int inv[512];
+  bytes_to_unicode(t, inv);
+  t->dec = zt_xcalloc((size_t)t->vocab + 1, sizeof(char *));
+  t->dec_len = zt_xcalloc((size_t)t->vocab + 1, sizeof(size_t));
+  const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(doc, "model"), "vocab");
+  for (const cJSON *it = vocab->child; it; it = it->next)
+    decode_entry(t, inv, it->string, it->valueint);
+  for (int i = 0; i < t->n_added; i++) {
+    zt_added_t *a = &t->added[i];
+    free(t->dec[a->id]);
+    t->dec[a->id] = zt_xstrdup(a->text);
+    t->dec_len[a->id] = a->len;
+  }
+}
+
+/* The end-of-text token: eot_text, or the first of the usual names the
+ * tokenizer has. */
+static int hf_eot(zt_tok_t *t, const char *path, const char *eot_text) {
+  static const char *names[] = {"<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_end|>",
+                                "<eos>"};
+  if (eot_text) {
+    t->eot = htab_get(&t->encoder, eot_text, strlen(eot_text));
+    return t->eot < 0 ? zt_err("%s: no token \"%.60s\" for the end of text", path, eot_text) : 0;
+  }
+  for (size_t i = 0; i < ZT_ARRAY_LEN(names); i++)
+    if ((t->eot = htab_get(&t->encoder, names[i], strlen(names[i]))) >= 0) return 0;
+  return zt_err("%s: none of <|endoftext|>, <|end_of_text|>, </s>, <|im_end|>, <eos> is a token: "
+                "name the end-of-text token (zprep --eot)", path);
+}
+
+int zt_tok_open_hf(const char *path, const char *eot_text, zt_tok_t **out) {
+  char *buf;
+  size_t len;
+  *out = NULL;
+  if (zt_read_file(path, &buf, &len, ZT_TOK_FILE_MAX) != 0) return -1;
+  cJSON *doc = zt_json_parse(buf, len, path);
+  free(buf);
+  if (!doc) return -1;
+  zt_tok_t *t = zt_xcalloc(1, sizeof *t);
+  t->type = ZT_TOK_HF;
+  int inv[512];
+  bytes_to_unicode(t, inv);
+  int rc = load_normalizer(t, path, doc);
+  if (rc == 0) rc = load_pre_tokenizer(t, path, doc);
+  if (rc == 0) rc = load_model(t, path, doc);
+  if (rc == 0) rc = load_added(t, path, doc);
+  if (rc == 0) rc = hf_eot(t, path, eot_text);
+  if (rc == 0) {
+    hf_decoder(t, doc);
+    t->md = pcre2_match_data_create(4, NULL);
+  }
+  cJSON_Delete(doc);
+  if (rc != 0) {
+    zt_tok_free(t);
+    return -1;
+  }
+  *out = t;
+  return 0;
+}
+
 /* ---- the record ---------------------------------------------------------------- */
 
 /* An integer member in [lo, hi], or -1 (*ok cleared). The double is
@@ -520,17 +1034,21 @@ static const char *name_member(const cJSON *o, const char *key) {
   return s;
 }
 
+/* The path of a file the record names beside itself. */
+static int beside(const char *path, const char *name, char *out, size_t cap) {
+  if (strlen(path) > 4000) return zt_err("%s: path too long", path);
+  const char *slash = strrchr(path, '/');
+  int dl = slash ? (int)(slash - path) : 1;
+  snprintf(out, cap, "%.*s/%s", dl, slash ? path : ".", name);
+  return 0;
+}
+
 static int gpt2_paths(const char *path, const cJSON *doc, zt_tok_record_t *r) {
   const char *enc = name_member(doc, "encoder"), *bpe = name_member(doc, "bpe");
   if (!enc || !bpe)
     return zt_err("%s: \"encoder\" and \"bpe\" must be file names beside the record", path);
-  if (strlen(path) > 4000) return zt_err("%s: path too long", path);
-  const char *slash = strrchr(path, '/');
-  int dl = slash ? (int)(slash - path) : 1;
-  const char *dir = slash ? path : ".";
-  snprintf(r->encoder, sizeof r->encoder, "%.*s/%s", dl, dir, enc);
-  snprintf(r->bpe, sizeof r->bpe, "%.*s/%s", dl, dir, bpe);
-  return 0;
+  if (beside(path, enc, r->encoder, sizeof r->encoder) != 0) return -1;
+  return beside(path, bpe, r->bpe, sizeof r->bpe);
 }
 
 static int check_record(const char *path, const cJSON *doc, zt_tok_record_t *r) {
@@ -539,15 +1057,21 @@ static int check_record(const char *path, const cJSON *doc, zt_tok_record_t *r) 
   r->vocab_size = int_member(doc, "vocab_size", 1, ZT_TOK_VOCAB_MAX, &ok);
   r->eot = int_member(doc, "eot", 0, ZT_TOK_VOCAB_MAX - 1, &ok);
   const char *ty = cJSON_IsString(type) ? type->valuestring : "";
-  if (!ok || r->eot >= r->vocab_size || (strcmp(ty, "byte") && strcmp(ty, "gpt2")))
-    return zt_err("tokenizer record %s: needs \"type\" (byte or gpt2), \"vocab_size\" "
-                  "(1..65536) and \"eot\" (an id below vocab_size)", path);
+  if (!ok || r->eot >= r->vocab_size ||
+      (strcmp(ty, "byte") && strcmp(ty, "gpt2") && strcmp(ty, "hf")))
+    return zt_err("tokenizer record %s: needs \"type\" (byte, gpt2 or hf), \"vocab_size\" "
+                  "(1..%d) and \"eot\" (an id below vocab_size)", path, ZT_TOK_VOCAB_MAX);
   snprintf(r->type, sizeof r->type, "%s", ty);
   if (!strcmp(ty, "byte") && (r->vocab_size != 257 || r->eot != 256))
     return zt_err("tokenizer record %s: a byte tokenizer has vocab_size 257 and eot 256 (the "
                   "record says %d and %d)", path, r->vocab_size, r->eot);
   if (!strcmp(ty, "gpt2") && gpt2_paths(path, doc, r) != 0)
     return zt_err_wrap("tokenizer record");
+  if (!strcmp(ty, "hf")) {
+    const char *f = name_member(doc, "file");
+    if (!f) return zt_err("tokenizer record %s: \"file\" must be a file name beside it", path);
+    if (beside(path, f, r->hf, sizeof r->hf) != 0) return zt_err_wrap("tokenizer record");
+  }
   return 0;
 }
 
@@ -570,8 +1094,14 @@ int zt_tok_open(const char *path, zt_tok_t **out) {
   *out = NULL;
   if (zt_tok_read_record(path, &r) != 0) return -1;
   if (!strcmp(r.type, "byte")) return zt_tok_open_byte(out);
-  if (zt_tok_open_gpt2(r.encoder, r.bpe, out) != 0)
+  if (!strcmp(r.type, "hf")) {
+    if (zt_tok_open_hf(r.hf, NULL, out) != 0) return zt_err_wrap("tokenizer record: %s", path);
+    const char *b;
+    size_t l;
+    if (r.eot < (*out)->vocab && zt_tok_decode(*out, r.eot, &b, &l) == 0) (*out)->eot = r.eot;
+  } else if (zt_tok_open_gpt2(r.encoder, r.bpe, out) != 0) {
     return zt_err_wrap("tokenizer record: %s", path);
+  }
   if ((*out)->vocab != r.vocab_size || (*out)->eot != r.eot) {
     zt_err("tokenizer record %s says vocab_size %d and eot %d, its encoder has %d and %d", path,
            r.vocab_size, r.eot, (*out)->vocab, (*out)->eot);

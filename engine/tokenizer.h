@@ -38,12 +38,12 @@
 
 typedef struct zt_tok zt_tok_t;
 
-typedef enum { ZT_TOK_BYTE, ZT_TOK_GPT2 } zt_tok_type_t;
+typedef enum { ZT_TOK_BYTE, ZT_TOK_GPT2, ZT_TOK_HF } zt_tok_type_t;
 
 /* Limits on what a record may make us read. */
 #define ZT_TOK_RECORD_MAX (64u << 10)  /* the record itself */
-#define ZT_TOK_FILE_MAX (256u << 20)   /* encoder.json, vocab.bpe */
-#define ZT_TOK_VOCAB_MAX 65536         /* tokens are stored as uint16 */
+#define ZT_TOK_FILE_MAX (256u << 20)   /* encoder.json, vocab.bpe, tokenizer.json */
+#define ZT_TOK_VOCAB_MAX (1 << 20)     /* as the model's (layout.h ZT_MODEL_MAX_VOCAB) */
 
 /* The end-of-text token's text (GPT-2's). */
 #define ZT_TOK_EOT_TEXT "<|endoftext|>"
@@ -55,9 +55,10 @@ void zt_tok_byte_char(int c, char out[3]);
 /* A tokenizer record as read (zt_tok_read_record): its fields checked, and
  * for gpt2 the paths of the encoder and merges files beside it. */
 typedef struct {
-  char type[8]; /* "byte" or "gpt2" */
+  char type[8]; /* "byte", "gpt2" or "hf" */
   int vocab_size, eot;
   char encoder[4400], bpe[4400]; /* gpt2 only */
+  char hf[4400];                 /* hf only: the tokenizer.json */
 } zt_tok_record_t;
 
 /* Reads and checks a record without loading the files it names (zctl
@@ -72,10 +73,15 @@ ZT_MUST_CHECK int zt_tok_open_byte(zt_tok_t **out);
 /* GPT-2 BPE from an encoder.json and a vocab.bpe (zprep --tokenizer gpt2). */
 ZT_MUST_CHECK int zt_tok_open_gpt2(const char *encoder_path, const char *bpe_path,
                                    zt_tok_t **out);
+/* A Hugging Face tokenizer.json (zprep --tokenizer hf): byte-level BPE
+ * (tokenizer.c says what of the format is taken and what is refused, by
+ * name). The end-of-text token is eot_text, or when NULL the first of
+ * <|endoftext|>, <|end_of_text|>, </s>, <|im_end|>, <eos> it has. */
+ZT_MUST_CHECK int zt_tok_open_hf(const char *path, const char *eot_text, zt_tok_t **out);
 void zt_tok_free(zt_tok_t *t);
 
 zt_tok_type_t zt_tok_type(const zt_tok_t *t);
-const char *zt_tok_type_name(const zt_tok_t *t); /* "byte" or "gpt2" */
+const char *zt_tok_type_name(const zt_tok_t *t); /* "byte", "gpt2" or "hf" */
 int zt_tok_vocab_size(const zt_tok_t *t);        /* largest id + 1 */
 int zt_tok_eot(const zt_tok_t *t);
 

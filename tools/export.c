@@ -13,7 +13,8 @@
  *   tokenizer files     gpt2 BPE: vocab.json + merges.txt (the encoder.json
  *                       and vocab.bpe the shards were made with), byte:
  *                       tokenizer.json (byte-level BPE with no merges, so
- *                       token b is byte b and 256 is <|endoftext|>);
+ *                       token b is byte b and 256 is <|endoftext|>), hf:
+ *                       the tokenizer.json the shards were made with;
  *                       tokenizer_config.json and special_tokens_map.json
  *
  * The epoch's shards are read back into full unit buffers with the same
@@ -226,25 +227,46 @@ static cJSON *byte_tokenizer_json(int eot) {
   return t;
 }
 
+/* The end-of-text token's text: GPT-2's, or the hf tokenizer's own. */
+static int eot_text(const tok_info *t, char *out, size_t cap) {
+  snprintf(out, cap, "%s", ZT_TOK_EOT_TEXT);
+  if (strcmp(t->type, "hf")) return 0;
+  zt_tok_t *tok;
+  const char *b;
+  size_t l;
+  if (zt_tok_open_hf(t->hf, NULL, &tok) != 0) return zt_err_wrap("tokenizer");
+  int rc = zt_tok_decode(tok, t->eot, &b, &l);
+  if (rc == 0) snprintf(out, cap, "%.*s", (int)ZT_MIN(l, cap - 1), b);
+  zt_tok_free(tok);
+  return rc;
+}
+
+/* hf: the tokenizer.json the shards were made with, as it was. */
 static int write_tokenizer(const char *dir, const tok_info *t, int seq_len) {
   if (!t->type[0]) return 0;
-  int gpt2 = !strcmp(t->type, "gpt2");
+  int gpt2 = !strcmp(t->type, "gpt2"), hf = !strcmp(t->type, "hf");
+  char eot[256];
+  if (eot_text(t, eot, sizeof eot) != 0) return -1;
   if (gpt2 && (copy_file(t->encoder, dir, "vocab.json") != 0 ||
                copy_file(t->bpe, dir, "merges.txt") != 0))
     return -1;
-  if (!gpt2 && write_json(dir, "tokenizer.json", byte_tokenizer_json(t->eot)) != 0) return -1;
+  if (hf && copy_file(t->hf, dir, "tokenizer.json") != 0) return -1;
+  if (!gpt2 && !hf && write_json(dir, "tokenizer.json", byte_tokenizer_json(t->eot)) != 0)
+    return -1;
   cJSON *tc = cJSON_CreateObject();
   cJSON_AddStringToObject(tc, "tokenizer_class", gpt2 ? "GPT2Tokenizer" : "PreTrainedTokenizerFast");
   cJSON_AddNumberToObject(tc, "model_max_length", seq_len);
   cJSON_AddFalseToObject(tc, "add_prefix_space");
-  cJSON_AddStringToObject(tc, "bos_token", ZT_TOK_EOT_TEXT);
-  cJSON_AddStringToObject(tc, "eos_token", ZT_TOK_EOT_TEXT);
-  cJSON_AddStringToObject(tc, "unk_token", ZT_TOK_EOT_TEXT);
-  if (write_json(dir, "tokenizer_config.json", tc) != 0) return -1;
   cJSON *sm = cJSON_CreateObject();
-  cJSON_AddStringToObject(sm, "bos_token", ZT_TOK_EOT_TEXT);
-  cJSON_AddStringToObject(sm, "eos_token", ZT_TOK_EOT_TEXT);
-  cJSON_AddStringToObject(sm, "unk_token", ZT_TOK_EOT_TEXT);
+  const char *keys[] = {"bos_token", "eos_token", "unk_token"};
+  for (int i = 0; i < (hf ? 2 : 3); i++) { /* an hf tokenizer has no unk of ours */
+    cJSON_AddStringToObject(tc, keys[i], eot);
+    cJSON_AddStringToObject(sm, keys[i], eot);
+  }
+  if (write_json(dir, "tokenizer_config.json", tc) != 0) {
+    cJSON_Delete(sm);
+    return -1;
+  }
   return write_json(dir, "special_tokens_map.json", sm);
 }
 

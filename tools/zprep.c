@@ -2,8 +2,9 @@
  * zprep.c: text -> token shards for training (llm.c's shard format), and the
  * tokenizer record that says how they were made.
  *
- *   zprep INPUT... -o DIR [--tokenizer byte|gpt2] [--encoder encoder.json]
- *         [--bpe vocab.bpe] [--doc-sep LINE] [--shard-tokens N]
+ *   zprep INPUT... -o DIR [--tokenizer byte|gpt2|hf] [--encoder encoder.json]
+ *         [--bpe vocab.bpe] [--tokenizer-json tokenizer.json] [--eot TEXT]
+ *         [--doc-sep LINE] [--shard-tokens N]
  *         [--val-fraction F] [--prefix NAME] [--token-bytes 2|4]
  *
  * Documents. Each input file is one document, unless --doc-sep LINE is
@@ -43,10 +44,11 @@
  *   {"type":"byte","vocab_size":257,"eot":256}
  *   {"type":"gpt2","vocab_size":V,"eot":E,"encoder":"PREFIX_encoder.json",
  *    "bpe":"PREFIX_vocab.bpe"}
+ *   {"type":"hf","vocab_size":V,"eot":E,"file":"PREFIX_hf_tokenizer.json"}
  *
  * and for gpt2 copies the encoder.json and vocab.bpe it was given into DIR
- * under those names (before the record, so a record never names a missing
- * file). File names in a record are relative to the record's directory.
+ * under those names, for hf the tokenizer.json (before the record, so a
+ * record never names a missing file). File names in a record are relative to the record's directory.
  * This is a contract: the trainer names the record in every checkpoint
  * manifest, and `zctl export`, `zctl sample` and `zsolo sample` read it
  * (engine/tokenizer.h; docs/engine.md, "Tokenizer record").
@@ -60,6 +62,13 @@
  *         piece's bytes mapped to printable characters (bytes_to_unicode)
  *         and merged by rank; the end-of-text token is
  *         encoder["<|endoftext|>"] (50256 for GPT-2).
+ *   hf    A Hugging Face tokenizer.json of byte-level BPE (Llama 3, Qwen2/3,
+ *         SmolLM, GPT-2's): --tokenizer-json FILE. Its added tokens, NFC
+ *         normalizer, Split pattern (through PCRE2), ByteLevel, merges,
+ *         ignore_merges and byte_fallback as Hugging Face's tokenizers
+ *         apply them; no special tokens are added but the end-of-text that
+ *         starts each document: --eot TEXT, by default the first of
+ *         <|endoftext|>, <|end_of_text|>, </s>, <|im_end|>, <eos> it has.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -215,14 +224,15 @@ static int copy_into(const char *src, const char *dir, const char *prefix, const
   return rc;
 }
 
-/* DIR/PREFIX_tokenizer.json (and, for gpt2, the files it names). */
+/* DIR/PREFIX_tokenizer.json (and, for gpt2 and hf, the files it names). */
 static int write_record(const zt_tok_t *tok, const char *dir, const char *prefix,
                         const char *enc, const char *bpe) {
   char name[1100];
-  int gpt2 = zt_tok_type(tok) == ZT_TOK_GPT2;
+  int gpt2 = zt_tok_type(tok) == ZT_TOK_GPT2, hf = zt_tok_type(tok) == ZT_TOK_HF;
   if (gpt2 && (copy_into(enc, dir, prefix, "encoder.json") != 0 ||
                copy_into(bpe, dir, prefix, "vocab.bpe") != 0))
     return -1;
+  if (hf && copy_into(enc, dir, prefix, "hf_tokenizer.json") != 0) return -1;
   cJSON *r = cJSON_CreateObject();
   cJSON_AddStringToObject(r, "type", zt_tok_type_name(tok));
   cJSON_AddNumberToObject(r, "vocab_size", zt_tok_vocab_size(tok));
@@ -232,6 +242,10 @@ static int write_record(const zt_tok_t *tok, const char *dir, const char *prefix
     cJSON_AddStringToObject(r, "encoder", name);
     snprintf(name, sizeof name, "%s_vocab.bpe", prefix);
     cJSON_AddStringToObject(r, "bpe", name);
+  }
+  if (hf) {
+    snprintf(name, sizeof name, "%s_hf_tokenizer.json", prefix);
+    cJSON_AddStringToObject(r, "file", name);
   }
   char *text = cJSON_PrintUnformatted(r);
   cJSON_Delete(r);
@@ -281,8 +295,9 @@ static int check_no_dataset(const char *dir, const char *prefix) {
 
 static void usage(void) {
   fprintf(stderr,
-          "usage: zprep INPUT... -o DIR [--tokenizer byte|gpt2] [--encoder encoder.json]\n"
-          "             [--bpe vocab.bpe] [--doc-sep LINE] [--shard-tokens N]\n"
+          "usage: zprep INPUT... -o DIR [--tokenizer byte|gpt2|hf] [--encoder encoder.json]\n"
+          "             [--bpe vocab.bpe] [--tokenizer-json tokenizer.json] [--eot TEXT]\n"
+          "             [--doc-sep LINE] [--shard-tokens N]\n"
           "             [--val-fraction F] [--prefix NAME] [--token-bytes 2|4]\n");
 }
 
@@ -342,7 +357,7 @@ static int check_values(const char *shard_s, const char *frac_s, const char *pre
 int main(int argc, char **argv) {
   if (zt_version_arg(argc, argv, "zprep")) return 0;
   const char *out = NULL, *tok = "byte", *enc = NULL, *bpe = NULL, *sep = NULL,
-             *prefix = "data", *shard_s = NULL, *frac_s = NULL, *width_s = NULL;
+             *prefix = "data", *shard_s = NULL, *frac_s = NULL, *width_s = NULL, *eot = NULL;
   int width = 2;
   double val_frac = 0.1;
   int64_t shard_tokens = 100000000;
@@ -357,6 +372,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--tokenizer") && has) tok = argv[++i];
     else if (!strcmp(a, "--encoder") && has) enc = argv[++i];
     else if (!strcmp(a, "--bpe") && has) bpe = argv[++i];
+    else if (!strcmp(a, "--tokenizer-json") && has) enc = argv[++i];
+    else if (!strcmp(a, "--eot") && has) eot = argv[++i];
     else if (!strcmp(a, "--doc-sep") && has) sep = argv[++i];
     else if (!strcmp(a, "--prefix") && has) prefix = argv[++i];
     else if (!strcmp(a, "--shard-tokens") && has) shard_s = argv[++i];
@@ -387,10 +404,17 @@ int main(int argc, char **argv) {
       return 2;
     }
     if (zt_tok_open_gpt2(enc, bpe, &p.tok) != 0) goto out;
+  } else if (!strcmp(tok, "hf")) {
+    if (!enc) {
+      fprintf(stderr, "zprep: --tokenizer hf needs --tokenizer-json\n");
+      free(inputs);
+      return 2;
+    }
+    if (zt_tok_open_hf(enc, eot, &p.tok) != 0) goto out;
   } else if (!strcmp(tok, "byte")) {
     if (zt_tok_open_byte(&p.tok) != 0) goto out;
   } else {
-    fprintf(stderr, "zprep: unknown tokenizer \"%s\" (byte or gpt2)\n", tok);
+    fprintf(stderr, "zprep: unknown tokenizer \"%s\" (byte, gpt2 or hf)\n", tok);
     free(inputs);
     return 2;
   }

@@ -8,6 +8,10 @@
  * giving ids 256..260, and <|endoftext|> = 261. The expected ids follow
  * encoder.py's algorithm by hand; decoding any bytes' ids must give the
  * bytes back (accents, invalid UTF-8, NUL, whitespace runs).
+ *
+ * The tokenizer.json case (hf) is as small, written here; the real Llama 3
+ * and Qwen3 files are checked against Hugging Face's own encoder in
+ * tests/integration/test_hftok.py.
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -230,8 +234,104 @@ ZT_TEST(record_for_shard) {
   ZT_CHECK(zt_tok_record_for_shard("/data/f_train_0.bin", small, sizeof small) == -1);
 }
 
+/* ---- Hugging Face tokenizer.json ---------------------------------------------- */
+
+/* A small byte-level BPE tokenizer.json: the 256 byte characters as ids
+ * 0..255 (but 'z', which only byte_fallback's <0x7A> = 263 covers), merges
+ * he ll hell hello (256..259), "Ġworld" (260) whole but with no merges
+ * (ignore_merges finds it), <|endoftext|> (261, special) and <x> (262,
+ * lstrip and rstrip); NFC, a Split of " ?\p{L}+|\s+|\p{N}", ByteLevel. */
+static void write_hf_json(const char *name, const char *pre_tokenizer_type) {
+  cJSON *d = cJSON_CreateObject(), *m = cJSON_CreateObject(), *v = cJSON_CreateObject();
+  char ch[3];
+  for (int b = 0; b < 256; b++) {
+    byte_char(b, ch);
+    if (b != 'z') cJSON_AddNumberToObject(v, ch, b);
+  }
+  const char *merged[] = {"he", "ll", "hell", "hello", "\xc4\xa0world", "<|endoftext|>", "<x>",
+                          "<0x7A>"};
+  for (int i = 0; i < 8; i++) cJSON_AddNumberToObject(v, merged[i], 256 + i);
+  cJSON_AddStringToObject(m, "type", "BPE");
+  cJSON_AddItemToObject(m, "vocab", v);
+  const char *merges[] = {"h e", "l l", "he ll", "hell o"};
+  cJSON_AddItemToObject(m, "merges", cJSON_CreateStringArray(merges, 4));
+  cJSON_AddTrueToObject(m, "ignore_merges");
+  cJSON_AddTrueToObject(m, "byte_fallback");
+  cJSON_AddItemToObject(d, "model", m);
+  cJSON *n = cJSON_AddObjectToObject(d, "normalizer");
+  cJSON_AddStringToObject(n, "type", "NFC");
+  cJSON *seq = cJSON_AddObjectToObject(d, "pre_tokenizer");
+  cJSON_AddStringToObject(seq, "type", "Sequence");
+  cJSON *list = cJSON_AddArrayToObject(seq, "pretokenizers"), *sp = cJSON_CreateObject();
+  cJSON_AddStringToObject(sp, "type", pre_tokenizer_type);
+  cJSON_AddStringToObject(cJSON_AddObjectToObject(sp, "pattern"), "Regex",
+                          " ?\\p{L}+|\\s+|\\p{N}");
+  cJSON_AddStringToObject(sp, "behavior", "Isolated");
+  cJSON_AddItemToArray(list, sp);
+  cJSON *bl = cJSON_CreateObject();
+  cJSON_AddStringToObject(bl, "type", "ByteLevel");
+  cJSON_AddFalseToObject(bl, "use_regex");
+  cJSON_AddItemToArray(list, bl);
+  cJSON *added = cJSON_AddArrayToObject(d, "added_tokens");
+  for (int i = 0; i < 2; i++) {
+    cJSON *a = cJSON_CreateObject();
+    cJSON_AddNumberToObject(a, "id", 261 + i);
+    cJSON_AddStringToObject(a, "content", i ? "<x>" : "<|endoftext|>");
+    cJSON_AddBoolToObject(a, "special", !i);
+    cJSON_AddBoolToObject(a, "lstrip", i);
+    cJSON_AddBoolToObject(a, "rstrip", i);
+    cJSON_AddItemToArray(added, a);
+  }
+  char *text = cJSON_Print(d);
+  write_text(name, text);
+  free(text);
+  cJSON_Delete(d);
+}
+
+ZT_TEST(hf_tokenizer_json) {
+  write_hf_json("hf.json", "Split");
+  zt_tok_t *t;
+  ZT_REQUIRE(zt_tok_open_hf(path_of("hf.json"), NULL, &t) == 0);
+  ZT_CHECK(zt_tok_type(t) == ZT_TOK_HF && !strcmp(zt_tok_type_name(t), "hf"));
+  ZT_CHECK(zt_tok_vocab_size(t) == 264 && zt_tok_eot(t) == 261);
+  int hello[] = {259, 260}; /* " world" whole by ignore_merges */
+  ids_are(t, "hello world", hello, 2);
+  int z[] = {263, 263}; /* no 'z' but its byte's token */
+  ids_are(t, "zz", z, 2);
+  int x[] = {259, 262, 259, 261, 'a'}; /* <x> takes the spaces around it */
+  ids_are(t, "hello  <x>\thello<|endoftext|>a", x, 5);
+  int nfc[] = {'c', 0xc3, 0xa9}; /* e + U+0301 composes to U+00E9 (bytes C3 A9) */
+  ids_are(t, "ce\xcc\x81", nfc, 3);
+  int digits[] = {'1', '2'}; /* \p{N}: one digit a piece */
+  ids_are(t, "12", digits, 2);
+  const char *b;
+  size_t l;
+  ZT_CHECK(zt_tok_decode(t, 260, &b, &l) == 0 && l == 6 && !memcmp(b, " world", 6));
+  ZT_CHECK(zt_tok_decode(t, 262, &b, &l) == 0 && l == 3 && !memcmp(b, "<x>", 3));
+  int *ids = NULL;
+  size_t n = 0;
+  ZT_CHECK(zt_tok_encode_ids(t, "\xff", 1, &ids, &n) == 0 && n == 3); /* U+FFFD's 3 bytes */
+  free(ids);
+  zt_tok_free(t);
+  ZT_REQUIRE(zt_tok_open_hf(path_of("hf.json"), "<x>", &t) == 0);
+  ZT_CHECK(zt_tok_eot(t) == 262);
+  zt_tok_free(t);
+  t = NULL;
+  ZT_CHECK(zt_tok_open_hf(path_of("hf.json"), "<y>", &t) == -1 && !t);
+  ZT_CHECK(strstr(zt_err_msg(), "<y>") != NULL);
+  write_text("hf_tokenizer.json", "{\"type\":\"hf\",\"vocab_size\":264,\"eot\":262,"
+                                  "\"file\":\"hf.json\"}\n");
+  ZT_REQUIRE(zt_tok_open(path_of("hf_tokenizer.json"), &t) == 0);
+  ZT_CHECK(zt_tok_eot(t) == 262 && zt_tok_vocab_size(t) == 264);
+  zt_tok_free(t);
+  write_hf_json("hf_bad.json", "Digits");
+  t = NULL;
+  ZT_CHECK(zt_tok_open_hf(path_of("hf_bad.json"), NULL, &t) == -1 && !t);
+  ZT_CHECK(strstr(zt_err_msg(), "pre_tokenizer \"Digits\" is not supported") != NULL);
+}
+
 ZT_TEST_MAIN_NAMED(run_tests, byte_tokenizer, gpt2_files, gpt2_record, bad_records,
-                   record_for_shard)
+                   record_for_shard, hf_tokenizer_json)
 
 int main(int argc, char **argv) {
   snprintf(tmp, sizeof tmp, "%s", zt_test_tmpdir("engine_tokenizer"));
