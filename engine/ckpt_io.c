@@ -98,6 +98,7 @@ static cJSON *model_json(const zt_model_config_t *m) {
     cJSON_AddNumberToObject(o, "intermediate_size", m->n_ff);
     cJSON_AddNumberToObject(o, "rope_theta", m->rope_theta);
     cJSON_AddNumberToObject(o, "rms_norm_eps", m->norm_eps);
+    if (m->rope_factor != 0) cJSON_AddItemToObject(o, "rope_scaling", zt_rope_scaling_json(m));
     cJSON_AddBoolToObject(o, "tie_word_embeddings", m->tie_embed);
     cJSON_AddBoolToObject(o, "attention_bias", m->qkv_bias);
   }
@@ -349,6 +350,9 @@ static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
   cfg->norm_eps = (float)eps->valuedouble;
   cfg->tie_embed = cJSON_IsTrue(tie);
   cfg->qkv_bias = cJSON_IsTrue(bias);
+  if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(mm, "rope_scaling"),
+                            "manifest model.rope_scaling", cfg) != 0)
+    return -1;
   return cfg->n_kv_head < 1 || cfg->head_dim < 1 || cfg->n_ff < 1 ? -1 : 0;
 }
 
@@ -360,7 +364,10 @@ static int same_arch(const cJSON *mm, const zt_model_config_t *model) {
          (got.n_kv_head == model->n_kv_head && got.head_dim == model->head_dim &&
           got.n_ff == model->n_ff && got.rope_theta == model->rope_theta &&
           got.norm_eps == model->norm_eps && got.tie_embed == model->tie_embed &&
-          got.qkv_bias == model->qkv_bias);
+          got.qkv_bias == model->qkv_bias && got.rope_factor == model->rope_factor &&
+          got.rope_low_freq_factor == model->rope_low_freq_factor &&
+          got.rope_high_freq_factor == model->rope_high_freq_factor &&
+          got.rope_original_max_pos == model->rope_original_max_pos);
 }
 
 /* The manifest: checked against the record and the model; its world. */

@@ -79,8 +79,15 @@ int zt_hf_check_config(const char *dir, const zt_model_config_t *w) {
   if (!(maxpos >= w->seq_len))
     zt_faults_add(&p, "max_position_embeddings is %g, below the spec's seq_len %d", maxpos,
                   w->seq_len);
-  const cJSON *rs = cJSON_GetObjectItemCaseSensitive(c, "rope_scaling");
-  if (rs && !cJSON_IsNull(rs)) zt_faults_add(&p, "rope_scaling is set (not supported yet)");
+  zt_model_config_t rs = *w;
+  if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(c, "rope_scaling"), "rope_scaling",
+                            &rs) != 0)
+    zt_faults_add(&p, "%s", zt_err_msg());
+  else if (rs.rope_factor != w->rope_factor || rs.rope_low_freq_factor != w->rope_low_freq_factor ||
+           rs.rope_high_freq_factor != w->rope_high_freq_factor ||
+           rs.rope_original_max_pos != w->rope_original_max_pos)
+    zt_faults_add(&p, "rope_scaling differs from the spec's model.rope_scaling (%s)",
+                  w->rope_factor ? "llama3" : "none");
   double sw = num(c, "sliding_window", 0);
   int use_sw = flag(c, "use_sliding_window", !qwen2);
   if (use_sw && sw > 0 && sw < w->seq_len)

@@ -77,6 +77,11 @@ int zt_model_config_check(const zt_model_config_t *c) {
                   c->n_ff);
   if (!(c->rope_theta > 0) || !(c->norm_eps > 0))
     return zt_err("rope_theta and rms_norm_eps must be > 0");
+  if (c->rope_factor != 0 &&
+      (!(c->rope_factor > 0) || !(c->rope_low_freq_factor > 0) ||
+       !(c->rope_high_freq_factor > c->rope_low_freq_factor) || c->rope_original_max_pos < 1))
+    return zt_err("rope_scaling: needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                  "original_max_position_embeddings >= 1");
   return 0;
 }
 

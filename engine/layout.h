@@ -55,6 +55,9 @@ typedef struct zt_model_config {
   float norm_eps;
   int tie_embed;
   int qkv_bias;
+  /* Llama 3's rope_scaling (rope_type "llama3"); rope_factor 0: none. */
+  float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
+  int rope_original_max_pos;
 } zt_model_config_t;
 
 /* The kind of a named tensor; one per parameter group. */

@@ -255,7 +255,7 @@ static void llama_block_forward(zt_model_t *m, int l, const float *x, int B, int
 
   k->rmsnorm_forward(ln1, ln1r, x, p.rms1w, BT, C, c->norm_eps);
   k->matmul_forward(qkv, ln1, p.qkvw, p.qkvb, BT, C, QKV);
-  k->rope(qkv, B, T, 0, NH, KV, HD, c->rope_theta, 0);
+  k->rope(qkv, B, T, 0, NH, KV, HD, zt_model_rope(c), 0);
   if (KV < NH) {
     k->gqa_expand(a->qfull, qkv, BT, NH, KV, HD);
     k->attention_forward(atty, lse, a->qfull, B, T, ATT, NH);
@@ -408,7 +408,7 @@ static void llama_block_backward(zt_model_t *m, int l, const float *x) {
   } else {
     k->attention_backward(a->dqkv, a->datt, qkv, atty, lse, B, T, ATT, NH);
   }
-  k->rope(a->dqkv, B, T, 0, NH, KV, HD, c->rope_theta, 1);
+  k->rope(a->dqkv, B, T, 0, NH, KV, HD, zt_model_rope(c), 1);
   k->matmul_backward(a->dbtc, g.qkvw, g.qkvb, a->dqkv, ln1, p.qkvw, BT, C, QKV);
   k->rmsnorm_backward(a->dres, g.rms1w, a->dbtc, x, p.rms1w, ln1r, BT, C);
 }

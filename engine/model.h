@@ -93,6 +93,13 @@ typedef struct zt_model {
   struct zt_acts *acts;
 } zt_model_t;
 
+/* The configuration's RoPE frequencies (llama). */
+static inline zt_rope_t zt_model_rope(const zt_model_config_t *c) {
+  zt_rope_t r = {c->rope_theta, c->rope_factor, c->rope_low_freq_factor,
+                 c->rope_high_freq_factor, (float)c->rope_original_max_pos};
+  return r;
+}
+
 /* Creates a model with activations for batches of up to B x T (T <= seq_len)
  * on the kernel table k. The parameters are not initialised; call
  * zt_model_init. */

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "ckpt_io.h"
+#include "model.h" /* zt_model_rope */
 #include "rng.h"
 #include "tokenizer.h"
 #include "zt_kernels.h"
@@ -203,7 +204,7 @@ static void llama_block(zt_sample_t *s, int l, int p0, int n) {
   zt_layout_lblock_views((float *)s->params + s->lay.unit_off[1 + l], c, sizeof(float), &b);
   k->rmsnorm_forward(s->ln, s->rstd, s->x, b.rms1w, n, C, c->norm_eps);
   linear(s, s->qkv, s->ln, b.qkvw, b.qkvb, n, C, QKV);
-  k->rope(s->qkv, 1, n, p0, c->n_head, c->n_kv_head, c->head_dim, c->rope_theta, 0);
+  k->rope(s->qkv, 1, n, p0, c->n_head, c->n_kv_head, c->head_dim, zt_model_rope(c), 0);
   cache_kv(s, l, p0, n);
   attend(s, l, p0, n);
   linear(s, s->proj, s->atty, b.ow, NULL, n, A, C);

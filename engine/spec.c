@@ -130,11 +130,50 @@ static int get_object(const cJSON *o, const char *path, const char *key, int req
 
 /* ---- sections ------------------------------------------------------------- */
 
+int zt_rope_scaling_parse(const cJSON *o, const char *where, zt_model_config_t *c) {
+  static const char *const keys[] = {"rope_type", "type", "factor", "low_freq_factor",
+                                     "high_freq_factor", "original_max_position_embeddings"};
+  c->rope_factor = c->rope_low_freq_factor = c->rope_high_freq_factor = 0;
+  c->rope_original_max_pos = 0;
+  if (!o || cJSON_IsNull(o)) return 0;
+  if (!cJSON_IsObject(o)) return zt_err("%s: expected an object or null", where);
+  const cJSON *ty = cJSON_GetObjectItemCaseSensitive(o, "rope_type");
+  if (!ty) ty = cJSON_GetObjectItemCaseSensitive(o, "type");
+  const char *t = cJSON_IsString(ty) ? ty->valuestring : "";
+  if (strcmp(t, "llama3"))
+    return zt_err("%s: rope_type \"%.40s\" is not supported (llama3, or no rope_scaling)", where,
+                  t);
+  if (check_keys(o, where, keys, ZT_ARRAY_LEN(keys)) != 0) return -1;
+  float f = 0, lo = 0, hi = 0;
+  int orig = 0;
+  if (get_float(o, where, "factor", 0, 1, 1e6, &f) ||
+      get_float(o, where, "low_freq_factor", 0, 1, 1e6, &lo) ||
+      get_float(o, where, "high_freq_factor", 0, 1, 1e6, &hi) ||
+      get_int(o, where, "original_max_position_embeddings", 1, 1, ZT_MODEL_MAX_SEQ, &orig))
+    return -1;
+  if (f == 0 || !(hi > lo))
+    return zt_err("%s: needs factor > 0 and high_freq_factor > low_freq_factor", where);
+  c->rope_factor = f, c->rope_low_freq_factor = lo, c->rope_high_freq_factor = hi;
+  c->rope_original_max_pos = orig;
+  return 0;
+}
+
+cJSON *zt_rope_scaling_json(const zt_model_config_t *c) {
+  if (c->rope_factor == 0) return cJSON_CreateNull();
+  cJSON *o = cJSON_CreateObject();
+  cJSON_AddStringToObject(o, "rope_type", "llama3");
+  cJSON_AddNumberToObject(o, "factor", c->rope_factor);
+  cJSON_AddNumberToObject(o, "low_freq_factor", c->rope_low_freq_factor);
+  cJSON_AddNumberToObject(o, "high_freq_factor", c->rope_high_freq_factor);
+  cJSON_AddNumberToObject(o, "original_max_position_embeddings", c->rope_original_max_pos);
+  return o;
+}
+
 /* model.arch "llama": Hugging Face LlamaConfig's fields under our names
  * (layout.h); the keys only llama has are refused for gpt2. */
 static const char *const k_llama_keys[] = {"n_kv_head", "head_dim", "intermediate_size",
                                            "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-                                           "attention_bias"};
+                                           "attention_bias", "rope_scaling"};
 
 static int parse_llama(zt_model_config_t *c, const cJSON *o) {
   c->n_kv_head = c->n_head;
@@ -147,7 +186,9 @@ static int parse_llama(zt_model_config_t *c, const cJSON *o) {
       get_float(o, "model", "rope_theta", 0, 1, 1e12, &c->rope_theta) ||
       get_float(o, "model", "rms_norm_eps", 0, 1, 1, &c->norm_eps) ||
       get_bool(o, "model", "tie_word_embeddings", &c->tie_embed) ||
-      get_bool(o, "model", "attention_bias", &c->qkv_bias))
+      get_bool(o, "model", "attention_bias", &c->qkv_bias) ||
+      zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(o, "rope_scaling"),
+                            "model.rope_scaling", c))
     return -1;
   return 0;
 }
@@ -156,7 +197,7 @@ static int parse_model(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"n_layer",  "n_head",     "n_embd", "seq_len",
                                      "vocab_size", "arch",     "n_kv_head", "head_dim",
                                      "intermediate_size", "rope_theta", "rms_norm_eps",
-                                     "tie_word_embeddings", "attention_bias"};
+                                     "tie_word_embeddings", "attention_bias", "rope_scaling"};
   const cJSON *o;
   if (get_object(root, "", "model", 1, &o) || CHECK_KEYS(o, "model", keys)) return -1;
   zt_model_config_t *c = &s->model;

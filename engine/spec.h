@@ -155,6 +155,17 @@ typedef struct zt_spec {
 struct cJSON;
 struct cJSON *zt_json_parse(const char *text, size_t len, const char *what);
 
+/* Hugging Face's rope_scaling object of a llama config, as a job spec's
+ * model.rope_scaling, a checkpoint manifest and config.json hold it:
+ * absent or null (none), or {"rope_type": "llama3" (or "type"), "factor",
+ * "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+ * into c's rope_* fields. Errors name `where` and the field; any other
+ * rope_type is refused by name. */
+ZT_MUST_CHECK int zt_rope_scaling_parse(const struct cJSON *o, const char *where,
+                                        zt_model_config_t *c);
+/* The same object from c (a JSON null without scaling). */
+struct cJSON *zt_rope_scaling_json(const zt_model_config_t *c);
+
 /* Parses and validates a spec from a string of len bytes. A spec holds no
  * allocated memory: it is a plain value. */
 ZT_MUST_CHECK int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);

@@ -43,7 +43,34 @@
 #ifndef ZT_KERNELS_H
 #define ZT_KERNELS_H
 
+#include <math.h>
 #include <stddef.h>
+
+#ifdef __CUDACC__
+#define ZT_HOSTDEV __host__ __device__
+#else
+#define ZT_HOSTDEV
+#endif
+
+/* RoPE's frequencies: rope_theta, and Llama 3's rope_scaling when factor
+ * is not 0 (Hugging Face's "llama3" rope_type: long wavelengths divided by
+ * factor, short ones kept, the band between blended). */
+typedef struct zt_rope {
+  float theta;
+  float factor, low_freq_factor, high_freq_factor, original_max_pos;
+} zt_rope_t;
+
+/* inv_freq of pair (i, i + HD/2), in fp32 as Hugging Face forms it. */
+static inline ZT_HOSTDEV float zt_rope_inv_freq(zt_rope_t r, int i, int HD) {
+  float inv = 1.0f / powf(r.theta, (float)(2 * i) / (float)HD);
+  if (r.factor == 0.0f) return inv;
+  float wavelen = 2.0f * 3.14159265358979323846f / inv;
+  if (wavelen < r.original_max_pos / r.high_freq_factor) return inv;
+  if (wavelen > r.original_max_pos / r.low_freq_factor) return inv / r.factor;
+  float smooth = (r.original_max_pos / wavelen - r.low_freq_factor) /
+                 (r.high_freq_factor - r.low_freq_factor);
+  return (1.0f - smooth) * inv / r.factor + smooth * inv;
+}
 
 typedef struct zt_kernels {
   const char *name;
@@ -146,8 +173,8 @@ typedef struct zt_kernels {
    *   rope:             rotary position embedding, Hugging Face's
    *                     rotate_half convention, in place on the q and k
    *                     heads of qkv [B,T,(NH+2*NKV)*HD] (row t at position
-   *                     pos0 + t, angle (pos0 + t) * theta^(-2i/HD) for
-   *                     pair (i, i + HD/2)); inverse rotates back (the
+   *                     pos0 + t, angle (pos0 + t) * zt_rope_inv_freq(i)
+   *                     for pair (i, i + HD/2)); inverse rotates back (the
    *                     backward of the forward).
    *   swiglu_forward:   out[N,F] = silu(inp[:, :F]) * inp[:, F:2F].
    *   swiglu_backward:  dinp[N,2F] (overwritten) from dout[N,F] and inp.
@@ -161,7 +188,7 @@ typedef struct zt_kernels {
                           float eps);
   void (*rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp,
                            const float *w, const float *rstd, int N, int C);
-  void (*rope)(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD, float theta,
+  void (*rope)(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD, zt_rope_t rope,
                int inverse);
   void (*swiglu_forward)(float *out, const float *inp, int N, int F);
   void (*swiglu_backward)(float *dinp, const float *dout, const float *inp, int N, int F);
@@ -208,7 +235,7 @@ void zt_kernels_host_rmsnorm_backward(float *dinp, float *dw, const float *dout,
                                       const float *inp, const float *w, const float *rstd, int N,
                                       int C);
 void zt_kernels_host_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD,
-                          float theta, int inverse);
+                          zt_rope_t rope, int inverse);
 void zt_kernels_host_swiglu_forward(float *out, const float *inp, int N, int F);
 void zt_kernels_host_swiglu_backward(float *dinp, const float *dout, const float *inp, int N,
                                      int F);

@@ -155,7 +155,7 @@ static cJSON *llama_config_json(const zt_model_config_t *cfg) {
   cJSON_AddNumberToObject(c, "max_position_embeddings", cfg->seq_len);
   cJSON_AddNumberToObject(c, "rms_norm_eps", cfg->norm_eps);
   cJSON_AddNumberToObject(c, "rope_theta", cfg->rope_theta);
-  cJSON_AddNullToObject(c, "rope_scaling");
+  cJSON_AddItemToObject(c, "rope_scaling", zt_rope_scaling_json(cfg));
   cJSON_AddStringToObject(c, "hidden_act", "silu");
   cJSON_AddBoolToObject(c, "attention_bias", cfg->qkv_bias);
   cJSON_AddFalseToObject(c, "mlp_bias");

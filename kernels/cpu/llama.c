@@ -51,17 +51,18 @@ void zt_kernels_host_rmsnorm_backward(float *dinp, float *dw, const float *dout,
 }
 
 /* Rotates pairs (i, i + HD/2) of each q and k head at position t by
- * t * inv_freq[i], inv_freq[i] = 1 / theta^(2i/HD) as Hugging Face forms
- * it in fp32; backwards (inverse) by the opposite angle. */
+ * t * inv_freq[i] (zt_rope_inv_freq: 1 / theta^(2i/HD) as Hugging Face
+ * forms it in fp32, then Llama 3's scaling); backwards (inverse) by the
+ * opposite angle. */
 void zt_kernels_host_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD,
-                          float theta, int inverse) {
+                          zt_rope_t rope, int inverse) {
   int half = HD / 2, heads = NH + NKV, W = (NH + 2 * NKV) * HD;
 #pragma omp parallel for schedule(static)
   for (int bt = 0; bt < B * T; bt++) {
     float t = (float)(pos0 + bt % T);
     float *row = qkv + (size_t)bt * W;
     for (int i = 0; i < half; i++) {
-      float inv = 1.0f / powf(theta, (float)(2 * i) / (float)HD);
+      float inv = zt_rope_inv_freq(rope, i, HD);
       float ang = t * inv, c = cosf(ang), sn = inverse ? -sinf(ang) : sinf(ang);
       for (int h = 0; h < heads; h++) {
         float *x = row + (size_t)h * HD; /* q heads, then k heads */

@@ -1551,7 +1551,7 @@ static void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const
 
 /* One thread per (row, q or k head, pair). */
 template <typename X>
-__global__ void k_rope(X *qkv, int T, int pos0, int NH, int NKV, int HD, float theta,
+__global__ void k_rope(X *qkv, int T, int pos0, int NH, int NKV, int HD, zt_rope_t rope,
                        int inverse, size_t n) {
   int half = HD / 2, heads = NH + NKV, W = (NH + 2 * NKV) * HD;
   ZT_GRID_STRIDE(j, n) {
@@ -1560,7 +1560,7 @@ __global__ void k_rope(X *qkv, int T, int pos0, int NH, int NKV, int HD, float t
     int h = (int)(rh % heads);
     size_t bt = rh / heads;
     float t = (float)(pos0 + (int)(bt % T));
-    float inv = 1.0f / powf(theta, (float)(2 * i) / (float)HD);
+    float inv = zt_rope_inv_freq(rope, i, HD);
     float ang = t * inv, c = cosf(ang), sn = inverse ? -sinf(ang) : sinf(ang);
     X *x = qkv + bt * W + (size_t)h * HD;
     float a = ldx(x[i]), b = ldx(x[i + half]);
@@ -1570,10 +1570,10 @@ __global__ void k_rope(X *qkv, int T, int pos0, int NH, int NKV, int HD, float t
 }
 
 template <typename X>
-static void cu_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD, float theta,
+static void cu_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD, zt_rope_t rope,
                     int inverse) {
   size_t n = (size_t)B * T * (NH + NKV) * (HD / 2);
-  ZT_LAUNCH_1D(k_rope<X>, n, (X *)qkv, T, pos0, NH, NKV, HD, theta, inverse, n);
+  ZT_LAUNCH_1D(k_rope<X>, n, (X *)qkv, T, pos0, NH, NKV, HD, rope, inverse, n);
 }
 
 template <typename X>

@@ -705,14 +705,15 @@ ZT_TEST(llama_ops) {
   R->rmsnorm_backward(gx, gw, dout, x, w, rs, N, C);
   close_dev("rmsnorm_backward dinp", d_gx, gx, (size_t)N * C, 1e-5f, 1e-5f);
   close_dev("rmsnorm_backward dw", d_gw, gw, C, 1e-4f, 1e-5f);
-  /* RoPE at positions 5.., then back. */
+  /* RoPE at positions 5.., then back; Llama 3's scaled frequencies. */
+  zt_rope_t rope = {10000.0f, 8.0f, 1.0f, 4.0f, 64.0f};
   float *q = zt_rnd((size_t)N * W, 1), *q0 = malloc((size_t)N * W * 4);
   memcpy(q0, q, (size_t)N * W * 4);
   float *dq = DEVF(q, (size_t)N * W);
-  G->rope(dq, B, T, 5, NH, KV, HD, 10000.0f, 0);
-  R->rope(q, B, T, 5, NH, KV, HD, 10000.0f, 0);
+  G->rope(dq, B, T, 5, NH, KV, HD, rope, 0);
+  R->rope(q, B, T, 5, NH, KV, HD, rope, 0);
   close_dev("rope", dq, q, (size_t)N * W, 1e-5f, 1e-5f);
-  G->rope(dq, B, T, 5, NH, KV, HD, 10000.0f, 1);
+  G->rope(dq, B, T, 5, NH, KV, HD, rope, 1);
   close_dev("rope inverse", dq, q0, (size_t)N * W, 1e-5f, 1e-5f);
   /* SwiGLU. */
   float *g2 = zt_rnd((size_t)N * 2 * F, 1), *h = malloc((size_t)N * F * 4);

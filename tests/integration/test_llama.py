@@ -26,10 +26,15 @@ torch = pytest.importorskip("torch", reason="the reference needs python3-torch")
 
 B, T, V = 4, 32, 257
 CONFIGS = {
-    # Llama: grouped-query attention (2 K/V heads for 4 query heads), untied head.
+    # Llama: grouped-query attention (2 K/V heads for 4 query heads), untied head,
+    # Llama 3's rope_scaling scaled so that T's frequencies fall in all three
+    # of its bands (wavelengths below 16 kept, above 64 divided, between blended).
     "llama": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
                   intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, attention_bias=False),
+                  tie_word_embeddings=False, attention_bias=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64}),
     # Qwen2-like: q/k/v biases, tied head, one K/V head, head_dim != n_embd / n_head.
     "qwen2": dict(n_layer=2, n_head=4, n_kv_head=1, n_embd=48, head_dim=8,
                   intermediate_size=80, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -122,6 +127,15 @@ class Llama(torch.nn.Module):
     def rope(self, x):  # x [B, heads, T, HD]
         hd = x.shape[-1]
         inv = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        rs = self.c.get("rope_scaling")
+        if rs:  # Hugging Face's "llama3" rope_type, from its definition
+            old, lo, hi = (rs["original_max_position_embeddings"], rs["low_freq_factor"],
+                           rs["high_freq_factor"])
+            wavelen = 2 * math.pi / inv
+            smooth = (old / wavelen - lo) / (hi - lo)
+            inv = torch.where(wavelen > old / lo, inv / rs["factor"],
+                              torch.where(wavelen < old / hi, inv,
+                                          (1 - smooth) * inv / rs["factor"] + smooth * inv))
         freqs = torch.outer(torch.arange(x.shape[2]).float(), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -170,7 +184,8 @@ def hf_config(c):
            "head_dim": c["head_dim"], "intermediate_size": c["intermediate_size"],
            "vocab_size": V, "rope_theta": c["rope_theta"], "rms_norm_eps": c["rms_norm_eps"],
            "tie_word_embeddings": c["tie_word_embeddings"], "max_position_embeddings": 4096,
-           "rope_scaling": None, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+           "rope_scaling": c.get("rope_scaling"), "hidden_act": "silu",
+           "torch_dtype": "bfloat16"}
     if not c["attention_bias"]:
         cfg["attention_bias"] = False
     return cfg
@@ -315,9 +330,14 @@ def test_a_pretrained_directory_that_disagrees_is_refused_naming_each_field(tmp_
     r = zsolo(tmp_path, spec, timeout=60)
     assert r.returncode != 0
     assert "num_key_value_heads is 4, the spec's model.n_kv_head 2" in r.stderr, r.stderr
-    assert "rope_scaling is set" in r.stderr, r.stderr
-    # An index that puts a tensor in the wrong shard is refused, naming it.
+    assert 'rope_type "yarn" is not supported' in r.stderr, r.stderr
     cfg.update(num_key_value_heads=2, rope_scaling=None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    r = zsolo(tmp_path, spec, timeout=60)
+    assert r.returncode != 0
+    assert "rope_scaling differs from the spec's model.rope_scaling (llama3)" in r.stderr, r.stderr
+    # An index that puts a tensor in the wrong shard is refused, naming it.
+    cfg.update(rope_scaling=c["rope_scaling"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     idx = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     moved = sorted(idx["weight_map"])[0]
