@@ -4,7 +4,11 @@ bench/cpu-train run, so the two can be compared on the same machine.
 
 Trains the model the ztrain engine trains for a spec (GPT-2: token +
 position embeddings, pre-LN blocks, causal attention, GELU-tanh MLP of
-width 4C, final LayerNorm, LM head tied to wte; no dropout) with the spec's
+width 4C, final LayerNorm, LM head tied to wte; no dropout; or, with
+model.arch "llama", Hugging Face's Llama: RMSNorm, q/k/v in one matmul as
+the engine does, rotary positions (rotate_half), grouped-query attention
+with K/V heads repeated as Hugging Face's repeat_kv does, SwiGLU with gate
+and up in one matmul, tied head) with the spec's
 micro batch, AdamW (decay on 2-D weights only, like engine/optim.c),
 gradient clipping and WarmupDecayLR schedule (linear warm-up, cosine decay),
 on the spec's token shards (llm.c format, windows of T + 1 tokens, shuffled
@@ -113,6 +117,71 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
+class LlamaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.HD, self.KV, FF = m["head_dim"], m["n_kv_head"], m["intermediate_size"]
+        self.FF = FF
+        self.rms_1, self.rms_2 = nn.Parameter(torch.ones(C)), nn.Parameter(torch.ones(C))
+        self.qkv = nn.Linear(C, (NH + 2 * self.KV) * self.HD, bias=False)
+        self.o_proj = nn.Linear(NH * self.HD, C, bias=False)
+        self.gate_up = nn.Linear(C, 2 * FF, bias=False)
+        self.down = nn.Linear(FF, C, bias=False)
+        self.register_buffer("mask", torch.ones(T, T, dtype=torch.bool).triu(1), persistent=False)
+        inv = 1.0 / (m.get("rope_theta", 10000.0) ** (torch.arange(0, self.HD, 2).float() / self.HD))
+        emb = torch.outer(torch.arange(T).float(), inv).repeat(1, 2)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.get("rms_norm_eps", 1e-6)))
+
+    def rope(self, x, T_):
+        h = self.HD // 2
+        return x * self.cos[:T_] + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * self.sin[:T_]
+
+    def attn(self, x):
+        B_, T_, _ = x.shape
+        HD, KV = self.HD, self.KV
+        q, k, v = self.qkv(x).split([NH * HD, KV * HD, KV * HD], dim=2)
+        q = self.rope(q.view(B_, T_, NH, HD).transpose(1, 2), T_)
+        k = self.rope(k.view(B_, T_, KV, HD).transpose(1, 2), T_)
+        v = v.view(B_, T_, KV, HD).transpose(1, 2)
+        k, v = k.repeat_interleave(NH // KV, dim=1), v.repeat_interleave(NH // KV, dim=1)
+        if args.attn == "sdpa":
+            y = F._scaled_dot_product_attention(q, k, v, is_causal=True)[0]
+        else:
+            a = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(HD))
+            a = a.masked_fill(self.mask[:T_, :T_], float("-inf")).softmax(dim=-1)
+            y = a @ v
+        return self.o_proj(y.transpose(1, 2).contiguous().view(B_, T_, NH * HD))
+
+    def forward(self, x):
+        x = x + self.attn(self.rms(x, self.rms_1))
+        g, u = self.gate_up(self.rms(x, self.rms_2)).split(self.FF, dim=2)
+        return x + self.down(F.silu(g) * u)
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VP, C)
+        self.h = nn.ModuleList(LlamaBlock() for _ in range(L))
+        self.norm = nn.Parameter(torch.ones(C))
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+        with torch.no_grad():
+            self.wte.weight[V:].zero_()
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        for b in self.h:
+            x = b(x)
+        logits = F.linear(self.h[0].rms(x, self.norm), self.wte.weight)[..., :V]
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
 class GPT(nn.Module):
     def __init__(self):
         super().__init__()
@@ -169,7 +238,7 @@ def main():
     data = shards(spec["data"]["train"])
     n_samples = (len(data) - 1) // T
     order = np.random.default_rng(spec.get("seed", 1337)).permutation(n_samples)
-    model = GPT()
+    model = Llama() if m.get("arch") == "llama" else GPT()
     decay = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": opt_p["weight_decay"]},
