@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "store.h"
@@ -226,6 +227,8 @@ int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
     *why = ZT_FETCH_UNAVAILABLE;
     return -1;
   }
+  struct stat st;
+  int made = stat(dir, &st) != 0; /* the fetch makes the directory */
   fetch_t x = {.ctl = ctl, .root = root, .dir = dir, .rec = rec, .rv = rv, .failed = rec->n};
   zt_store_abort_get(&x.abort_fn, &x.abort_user);
   x.why = zt_xcalloc((size_t)rec->n + 1, sizeof *x.why);
@@ -245,10 +248,9 @@ int zt_replicas_fetch(zt_ctl_t *ctl, const char *root, const char *dir,
   if (x.failed < rec->n) {
     *why = x.why[x.failed];
     rc = zt_err("%s", x.msg[x.failed]);
-    /* The directory made for the copies goes again when nothing is in
-     * it: an empty epoch directory holds no file an inventory could list,
-     * and no deletion would ever name it. */
-    rmdir(dir);
+    /* A directory made for the copies goes again when nothing is in it
+     * (an empty epoch directory names no copy and waits for nothing). */
+    if (made) rmdir(dir);
   }
   free(x.why);
   free(x.msg);
