@@ -6,11 +6,15 @@
  * Simulates WORKERS workers from one process: registers them all (many
  * calls in flight at once), then sends each one's heartbeat R times per
  * second, spread evenly over the period, for S seconds, with asynchronous
- * calls on one channel (zt_rpc_start / zt_rpc_next). Reports achieved
- * heartbeats per second and the latency distribution of the measured phase
- * as one JSON line:
- *   {"workers":N,"seconds":S,"sent":..,"ok":..,"errors":..,"hb_per_s":..,
- *    "p50_ms":..,"p99_ms":..,"max_ms":..}
+ * calls on one channel (zt_rpc_start / zt_rpc_next). Like a real worker it
+ * follows the interval the coordinator's replies ask for (heartbeat_ms:
+ * a coordinator past its capacity stretches it); --fixed keeps R. Reports
+ * achieved heartbeats per second and the latency distribution of the
+ * measured phase as one JSON line:
+ *   {"workers":N,"seconds":S,"sent":..,"ok":..,"errors":..,"lost":..,
+ *    "interval_ms":..,"hb_per_s":..,"p50_ms":..,"p99_ms":..,"max_ms":..}
+ * lost counts heartbeats refused because the coordinator had declared the
+ * worker lost; interval_ms is the last interval the replies asked for.
  * Latency is from just before the call is started to its completion, so it
  * includes client queueing: the figure a real worker would see.
  */
@@ -39,8 +43,10 @@ static size_t pack(const ProtobufCMessage *m, uint8_t *buf) {
   return protobuf_c_message_get_packed_size(m);
 }
 
-/* Registers all workers, `window` calls in flight at a time. */
-static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window) {
+/* Registers all workers, `window` calls in flight at a time; *interval_ms
+ * is the heartbeat interval the last reply asked for. */
+static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window,
+                        int64_t *interval_ms) {
   int next = 0, done = 0, inflight = 0;
   while (done < n) {
     while (inflight < window && next < n) {
@@ -67,6 +73,7 @@ static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window) {
     if (!rep) return zt_err("register: bad reply");
     sim_worker *sw = r.user;
     sw->id = rep->worker_id;
+    if (rep->heartbeat_ms) *interval_ms = rep->heartbeat_ms;
     snprintf(sw->session, sizeof sw->session, "%s", rep->session ? rep->session : "");
     ztrain__register_reply__free_unpacked(rep, NULL);
   }
@@ -76,11 +83,12 @@ static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window) {
 int main(int argc, char **argv) {
   zt_log_set_prefix("hbload");
   const char *coord = "127.0.0.1:7070";
-  int n = 100;
+  int n = 100, fixed = 0;
   double seconds = 10, rate = 1;
   static const struct option opts[] = {{"coordinator", required_argument, 0, 'c'},
                                        {"seconds", required_argument, 0, 's'},
                                        {"rate-hz", required_argument, 0, 'r'},
+                                       {"fixed", no_argument, 0, 'f'},
                                        {0, 0, 0, 0}};
   int ch;
   while ((ch = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
@@ -89,8 +97,10 @@ int main(int argc, char **argv) {
     case 'n': n = atoi(optarg); break;
     case 's': seconds = atof(optarg); break;
     case 'r': rate = atof(optarg); break;
+    case 'f': fixed = 1; break;
     default:
-      fprintf(stderr, "usage: zt_hbload --coordinator HOST:PORT -n N [--seconds S] [--rate-hz R]\n");
+      fprintf(stderr, "usage: zt_hbload --coordinator HOST:PORT -n N [--seconds S] [--rate-hz R] "
+                      "[--fixed]\n");
       return 2;
     }
   }
@@ -100,25 +110,28 @@ int main(int argc, char **argv) {
   sim_worker *w = calloc((size_t)n, sizeof *w);
   if (!w) return 1;
   int64_t t_reg = zt_now_us();
-  if (register_all(c, w, n, 512) != 0) {
+  int64_t reg_interval_ms = 0;
+  if (register_all(c, w, n, 512, &reg_interval_ms) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
   double reg_s = (double)(zt_now_us() - t_reg) / 1e6;
 
-  /* Worker i's k-th heartbeat is due at start + (k + i/n) * period. */
+  /* The workers take turns, one every period / n: each one's heartbeats
+   * are a period apart, the period the replies ask for. */
   int64_t period_us = (int64_t)(1e6 / rate);
-  int64_t total = (int64_t)(seconds * rate * n);
-  int64_t *lat = malloc((size_t)total * sizeof *lat);
-  int64_t sent = 0, ok = 0, errors = 0, nlat = 0;
+  if (reg_interval_ms && !fixed) period_us = reg_interval_ms * 1000;
+  size_t cap = (size_t)(seconds * rate * n) + 16;
+  int64_t *lat = malloc(cap * sizeof *lat);
+  int64_t sent = 0, ok = 0, errors = 0, lost = 0, nlat = 0;
   int64_t t0 = zt_now_us(), t_end = t0 + (int64_t)(seconds * 1e6);
+  double due = (double)t0;
   int64_t inflight = 0;
-  while (sent < total || inflight > 0) {
+  while (due < (double)t_end || inflight > 0) {
     int64_t now = zt_now_us();
-    while (sent < total) {
+    while (due < (double)t_end && due <= (double)now) {
       int64_t k = sent / n, i = sent % n;
-      int64_t due = t0 + k * period_us + i * period_us / n;
-      if (due > now) break;
+      due += (double)period_us / n;
       sim_worker *sw = &w[i];
       if (sw->sent_us) { /* previous heartbeat still in flight: count as late */
         errors++;
@@ -143,9 +156,13 @@ int main(int argc, char **argv) {
       inflight--;
       if (r.status == ZT_RPC_OK) {
         ok++;
-        lat[nlat++] = zt_now_us() - sw->sent_us;
+        if ((size_t)nlat < cap) lat[nlat++] = zt_now_us() - sw->sent_us;
+        Ztrain__HeartbeatReply *rep = ztrain__heartbeat_reply__unpack(NULL, r.resp_len, r.resp);
+        if (rep && rep->heartbeat_ms && !fixed) period_us = (int64_t)rep->heartbeat_ms * 1000;
+        if (rep) ztrain__heartbeat_reply__free_unpacked(rep, NULL);
       } else {
         errors++;
+        lost += strstr(r.details, "is lost") != NULL;
         if (errors < 5) ZT_WARN("heartbeat: %s: %s", zt_rpc_status_name(r.status), r.details);
       }
       sw->sent_us = 0;
@@ -159,9 +176,10 @@ int main(int argc, char **argv) {
   double p50 = nlat ? lat[nlat / 2] / 1000.0 : 0, p99 = nlat ? lat[(nlat * 99) / 100] / 1000.0 : 0;
   double mx = nlat ? lat[nlat - 1] / 1000.0 : 0;
   printf("{\"workers\":%d,\"seconds\":%.2f,\"register_s\":%.3f,\"sent\":%lld,\"ok\":%lld,"
-         "\"errors\":%lld,\"hb_per_s\":%.1f,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f}\n",
-         n, el, reg_s, (long long)sent, (long long)ok, (long long)errors, (double)ok / el, p50, p99,
-         mx);
+         "\"errors\":%lld,\"lost\":%lld,\"interval_ms\":%lld,\"hb_per_s\":%.1f,\"p50_ms\":%.3f,"
+         "\"p99_ms\":%.3f,\"max_ms\":%.3f}\n",
+         n, el, reg_s, (long long)sent, (long long)ok, (long long)errors, (long long)lost,
+         (long long)(period_us / 1000), (double)ok / el, p50, p99, mx);
   free(lat);
   free(w);
   zt_rpc_client_close(c);

@@ -49,6 +49,9 @@ static const setting k_settings[] = {
     {"heartbeat_ms", SET_INT, FIELD(heartbeat_ms), 10, 600000, "N", "heartbeat interval"},
     {"heartbeat_timeout_ms", SET_INT, FIELD(heartbeat_timeout_ms), 20, 3600000, "N",
      "a worker silent this long is lost (default 3 intervals)"},
+    {"heartbeat_capacity", SET_INT, FIELD(heartbeat_capacity), 0, 100000000, "N",
+     "heartbeats per second this coordinator takes before it asks workers to slow down "
+     "(default 10000; 0: never)"},
     {"blind_max_ms", SET_INT, FIELD(blind_max_ms), 0, 86400000, "N",
      "hearing from no worker at all, lose nobody for up to N ms (default 5 timeouts; 0: that)"},
     {"worker_secret", SET_STR, FIELD(worker_secret), 0, 0, "S", "workers register with S"},
@@ -105,6 +108,7 @@ void zt_config_defaults(zt_coord_config_t *cfg) {
   snprintf(cfg->db_path, sizeof cfg->db_path, "zcoord.db");
   cfg->heartbeat_ms = 1000;
   cfg->heartbeat_timeout_ms = 0; /* derived: 3 x heartbeat_ms */
+  cfg->heartbeat_capacity = 10000;
   cfg->max_message_bytes = 4u << 20;
   default_web_dir(cfg->web_dir, sizeof cfg->web_dir);
 }

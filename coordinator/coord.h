@@ -50,6 +50,7 @@ typedef struct {
   char ckpt_root[512];  /* checkpoints must lie under it (absolute) */
   int heartbeat_ms;
   int heartbeat_timeout_ms;
+  int heartbeat_capacity; /* members.c: heartbeats/s before the interval stretches; 0: never */
   int blind_max_ms;     /* members.c: blind, nobody is lost for this long */
   int new_db;           /* an existing empty database file is a new one */
   int insecure;         /* serve non-loopback addresses without credentials */
@@ -274,6 +275,13 @@ typedef struct zt_coord {
   int64_t last_any_hb_ms;
   uint64_t blind_periods;
   int64_t blind_max_ms; /* the longest such period */
+  /* members.c, "Pace": the heartbeat interval advertised now, the one
+   * silences are judged by (the longest advertised within a timeout), and
+   * until when that one holds. */
+  int64_t hb_interval_ms, hb_judge_ms, hb_judge_until_ms;
+  uint64_t hb_pace_changes;
+  size_t flush_cursor; /* members.c: where the next slice of last_seen writes starts */
+  uint64_t flush_ticks; /* main.c's flush timer */
   zt_event_slot_t ev_slots[64];        /* events.c */
 
   /* Members indexed by worker id (ids are dense rowids), plus a name index. */
@@ -529,9 +537,18 @@ zt_member_t *zt_members_lookup(zt_coord_t *c, const char *id_or_name);
 /* Suspect / lost transitions. Returns the number of members that were
  * declared lost, with their ids in *lost (malloc'd; the caller frees). */
 size_t zt_members_check(zt_coord_t *c, uint64_t **lost);
-void zt_members_flush(zt_coord_t *c);  /* write last_seen of dirty members */
+/* Writes last_seen of the dirty members among the next `slice` slots
+ * (ZT_FLUSH_ALL: every one). */
+#define ZT_FLUSH_ALL ((size_t)-1)
+void zt_members_flush(zt_coord_t *c, size_t slice);
 /* The coordinator did not listen for ms: no member's silence counts it. */
 void zt_members_credit(zt_coord_t *c, int64_t ms);
+/* Pace (members.c): the interval to advertise for the live members and
+ * heartbeat_capacity; the interval and timeout heartbeat and register
+ * replies carry. */
+void zt_members_pace(zt_coord_t *c);
+int64_t zt_members_interval_ms(const zt_coord_t *c);
+int64_t zt_members_timeout_ms(const zt_coord_t *c);
 /* 1 while the coordinator hears from no worker although two or more are
  * alive (members.c, "The coordinator's own blips"); nobody is declared
  * lost then, for at most blind_max_ms (default ZT_BLIND_MAX_TIMEOUTS

@@ -558,6 +558,16 @@ static void r_metrics(zt_http_req_t *r) {
   metric_head(&b, "ztrain_coordinator_blind_max_seconds", "gauge",
               "The longest such period.");
   sb_printf(&b, "ztrain_coordinator_blind_max_seconds %.3f\n", (double)c->blind_max_ms / 1000.0);
+  metric_head(&b, "ztrain_coordinator_heartbeat_interval_seconds", "gauge",
+              "The heartbeat interval the coordinator asks of workers now: --heartbeat-ms, "
+              "stretched when the live workers would send more than --heartbeat-capacity a "
+              "second.");
+  sb_printf(&b, "ztrain_coordinator_heartbeat_interval_seconds %.3f\n",
+            (double)zt_members_interval_ms(c) / 1000.0);
+  metric_head(&b, "ztrain_coordinator_heartbeat_pace_changes_total", "counter",
+              "Times the advertised heartbeat interval changed.");
+  sb_printf(&b, "ztrain_coordinator_heartbeat_pace_changes_total %llu\n",
+            (unsigned long long)c->hb_pace_changes);
   metric_head(&b, "ztrain_coordinator_epoch", "gauge", "Coordinator starts on this database.");
   sb_printf(&b, "ztrain_coordinator_epoch %lld\n", (long long)c->epoch);
   r->status = 200;

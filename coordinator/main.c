@@ -50,6 +50,7 @@ static void on_check(uv_timer_t *t) {
   if (stall > c->max_stall_ms) c->max_stall_ms = stall;
   if (stall > every) zt_members_credit(c, stall);
   zt_rpc_server_poll(c->rpc);
+  zt_members_pace(c);
   uint64_t *lost;
   size_t n = zt_members_check(c, &lost);
   for (size_t i = 0; i < n; i++)
@@ -57,9 +58,12 @@ static void on_check(uv_timer_t *t) {
   free(lost);
   zt_sched_run(c);
 }
+/* Every 250 ms a twentieth of the members' last_seen (each one every 5 s),
+ * the jobs' progress every 5 s. */
 static void on_flush(uv_timer_t *t) {
-  zt_members_flush(t->data);
-  zt_jobtable_flush(t->data);
+  zt_coord_t *c = t->data;
+  zt_members_flush(c, ZT_MAX((size_t)1024, c->by_id_cap / 20 + 1));
+  if (++c->flush_ticks % 20 == 0) zt_jobtable_flush(c);
 }
 
 static void stop(zt_coord_t *c, const char *why) {
@@ -113,7 +117,7 @@ static int start(zt_coord_t *c) {
    * process stopped right after start) is credited like any other. */
   c->last_check_ms = zt_now_ms();
   uv_timer_start(&c->check_timer, on_check, check_every, check_every);
-  uv_timer_start(&c->flush_timer, on_flush, 5000, 5000);
+  uv_timer_start(&c->flush_timer, on_flush, 250, 250);
   uv_signal_init(c->loop, &c->sigint);
   uv_signal_init(c->loop, &c->sigterm);
   c->sigint.data = c->sigterm.data = c;
@@ -140,7 +144,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   uv_run(c.loop, UV_RUN_DEFAULT);
-  zt_members_flush(&c);
+  zt_members_flush(&c, ZT_FLUSH_ALL);
   zt_jobtable_flush(&c);
   zt_jobs_free(&c);
   zt_members_free(&c);

@@ -22,8 +22,8 @@
  * again), and the caller (service.c, main.c) tells the scheduler.
  *
  * Heartbeats themselves touch only memory: the wall-clock last_seen of each
- * member is flushed to SQLite in one batched transaction every few seconds
- * (zt_members_flush). After a coordinator restart, workers that the database
+ * member is flushed to SQLite in batched transactions, a twentieth of the
+ * members every 250 ms, so each one every 5 s (zt_members_flush). After a coordinator restart, workers that the database
  * says were alive get a fresh grace period of one timeout plus the longest
  * a live worker takes to reconnect (restart_grace_ms) to show up again, so
  * a restart declares no live worker lost and costs no generation.
@@ -143,7 +143,16 @@ static int load_one(const zt_db_worker_t *w, void *user) {
   return 0;
 }
 
-int zt_members_load(zt_coord_t *c) { return zt_db_workers_each(c->db, load_one, c); }
+/* The fleet was paced by the last coordinator as it will be by this one
+ * (Pace): a worker on a longer interval gets the difference as well. */
+int zt_members_load(zt_coord_t *c) {
+  if (zt_db_workers_each(c->db, load_one, c) != 0) return -1;
+  zt_members_pace(c);
+  int64_t more = zt_members_interval_ms(c) - c->cfg.heartbeat_ms;
+  for (size_t i = 0; more > 0 && i < c->by_id_cap; i++)
+    if (c->by_id[i]) c->by_id[i]->last_hb_mono_ms += more;
+  return 0;
+}
 
 void zt_members_free(zt_coord_t *c) {
   for (size_t i = 0; i < c->by_id_cap; i++) free(c->by_id[i]);
@@ -319,8 +328,68 @@ static size_t live_members(const zt_coord_t *c) {
   return n;
 }
 
+/* ---- Pace ---------------------------------------------------------------------
+ *
+ * One coordinator core takes about heartbeat_capacity heartbeats a second
+ * (bench/heartbeats). With more live members than capacity x interval, the
+ * interval it advertises in every heartbeat and register reply stretches
+ * to members / capacity, so the fleet sends no more than the coordinator
+ * can take instead of queueing until calls time out and healthy workers
+ * are declared lost (each of which registers again: a storm). Workers take
+ * the interval from the reply (worker/control.c). Silences are judged by
+ * the longest interval advertised within the last timeout: after the
+ * interval shrinks, a worker that has not heard of it yet is still on the
+ * longer one. The timeout scales with the interval. */
+
+/* The interval silences are judged by, and the timeout that goes with it. */
+static int64_t judge_ms(const zt_coord_t *c) {
+  return ZT_MAX((int64_t)c->cfg.heartbeat_ms, c->hb_judge_ms);
+}
+
+static int64_t judge_timeout_ms(const zt_coord_t *c) {
+  return (int64_t)c->cfg.heartbeat_timeout_ms * judge_ms(c) / c->cfg.heartbeat_ms;
+}
+
+int64_t zt_members_interval_ms(const zt_coord_t *c) {
+  return ZT_MAX((int64_t)c->cfg.heartbeat_ms, c->hb_interval_ms);
+}
+
+int64_t zt_members_timeout_ms(const zt_coord_t *c) {
+  return (int64_t)c->cfg.heartbeat_timeout_ms * zt_members_interval_ms(c) / c->cfg.heartbeat_ms;
+}
+
+void zt_members_pace(zt_coord_t *c) {
+  int64_t base = c->cfg.heartbeat_ms, now = zt_now_ms(), want = base;
+  if (c->cfg.heartbeat_capacity > 0)
+    want = ZT_MAX(base, (int64_t)((live_members(c) * 1000 + (size_t)c->cfg.heartbeat_capacity - 1) /
+                                  (size_t)c->cfg.heartbeat_capacity));
+  int64_t was = zt_members_interval_ms(c);
+  /* Small changes are not worth a word to every worker: 10% either way. */
+  if (want * 10 < was * 11 && want * 11 > was * 10 && want != base) want = was;
+  if (want != was) {
+    c->hb_pace_changes++;
+    char detail[200];
+    snprintf(detail, sizeof detail,
+             "heartbeat interval %lld -> %lld ms for %zu live workers (capacity %d a second)",
+             (long long)was, (long long)want, live_members(c), c->cfg.heartbeat_capacity);
+    if (want > was) ZT_WARN("%s", detail);
+    else ZT_INFO("%s", detail);
+    zt_coord_event(c, 0, "heartbeat_pace", 0, "%s", detail);
+  }
+  if (want >= judge_ms(c)) {
+    c->hb_judge_ms = want;
+    c->hb_judge_until_ms = 0;
+  } else if (want < was) {
+    c->hb_judge_until_ms = now + judge_timeout_ms(c); /* the longer one holds for a timeout */
+  } else if (c->hb_judge_until_ms && now > c->hb_judge_until_ms) {
+    c->hb_judge_ms = want;
+    c->hb_judge_until_ms = 0;
+  }
+  c->hb_interval_ms = want;
+}
+
 /* Quiet for longer than this, with two or more live members: blind. */
-static int64_t blind_after_ms(const zt_coord_t *c) { return 2 * (int64_t)c->cfg.heartbeat_ms; }
+static int64_t blind_after_ms(const zt_coord_t *c) { return 2 * judge_ms(c); }
 
 int zt_members_blind(const zt_coord_t *c, int64_t now) {
   return c->last_any_hb_ms && now - c->last_any_hb_ms > blind_after_ms(c) &&
@@ -343,7 +412,7 @@ static void blind_end(zt_coord_t *c, int64_t now) {
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
     if (member_live(m))
-      m->last_hb_mono_ms = ZT_MAX(m->last_hb_mono_ms, now - (int64_t)c->cfg.heartbeat_ms);
+      m->last_hb_mono_ms = ZT_MAX(m->last_hb_mono_ms, now - judge_ms(c));
   }
 }
 
@@ -456,8 +525,8 @@ int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left) 
 
 size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
   int64_t now = zt_now_ms();
-  int64_t suspect_after = 2 * (int64_t)c->cfg.heartbeat_ms;
-  int64_t lost_after = c->cfg.heartbeat_timeout_ms;
+  int64_t suspect_after = 2 * judge_ms(c);
+  int64_t lost_after = judge_timeout_ms(c);
   size_t n = 0, cap = 0;
   *lost = NULL;
   /* Blind (see the top of the file): nobody is lost, for a while. */
@@ -477,8 +546,8 @@ size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
       if (n == cap) *lost = zt_xrealloc(*lost, (cap = cap ? cap * 2 : 8) * sizeof **lost);
       (*lost)[n++] = m->row.id;
     } else if (silent > suspect_after && m->row.state == ZT_WORKER_ALIVE) {
-      snprintf(detail, sizeof detail, "no heartbeat for %lld ms (interval %d ms)",
-               (long long)silent, c->cfg.heartbeat_ms);
+      snprintf(detail, sizeof detail, "no heartbeat for %lld ms (interval %lld ms)",
+               (long long)silent, (long long)judge_ms(c));
       if (transition(c, m, ZT_WORKER_SUSPECT, "suspect", detail) != 0)
         ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
     }
@@ -494,11 +563,15 @@ void zt_members_credit(zt_coord_t *c, int64_t ms) {
   if (c->last_any_hb_ms) c->last_any_hb_ms += ms; /* nor does it make the coordinator blind */
 }
 
-void zt_members_flush(zt_coord_t *c) {
-  size_t n = 0, cap = 0;
+/* A slice of the members (all with ZT_FLUSH_ALL) from the rolling cursor:
+ * one transaction for 100,000 rows holds the loop for a quarter second,
+ * a twentieth of them a dozen milliseconds. */
+void zt_members_flush(zt_coord_t *c, size_t slice) {
+  size_t n = 0, cap = 0, todo = ZT_MIN(slice, c->by_id_cap);
   uint64_t *ids = NULL;
   int64_t *seen = NULL;
-  for (size_t i = 0; i < c->by_id_cap; i++) {
+  for (size_t k = 0; k < todo; k++) {
+    size_t i = (c->flush_cursor + k) % c->by_id_cap;
     zt_member_t *m = c->by_id[i];
     if (!m || !m->dirty) continue;
     if (n == cap) {
@@ -509,6 +582,7 @@ void zt_members_flush(zt_coord_t *c) {
     ids[n] = m->row.id;
     seen[n++] = m->row.last_seen_ms;
   }
+  if (c->by_id_cap) c->flush_cursor = (c->flush_cursor + todo) % c->by_id_cap;
   if (n && zt_db_workers_touch(c->db, ids, seen, (int)n) == 0) {
     for (size_t i = 0; i < n; i++) c->by_id[ids[i]]->dirty = 0;
   } else if (n) {

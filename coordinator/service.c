@@ -80,8 +80,8 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
   zt_sched_run(c);
   Ztrain__RegisterReply *r = new_reply(x, &ztrain__register_reply__descriptor);
   r->worker_id = mem->row.id;
-  r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
-  r->heartbeat_timeout_ms = (uint32_t)c->cfg.heartbeat_timeout_ms;
+  r->heartbeat_ms = (uint32_t)zt_members_interval_ms(c);
+  r->heartbeat_timeout_ms = (uint32_t)zt_members_timeout_ms(c);
   r->coordinator_epoch = (uint64_t)c->epoch;
   r->session = mem->row.session;
   return &r->base;
@@ -112,7 +112,7 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   r->command = (Ztrain__Command)zt_jobtable_heartbeat_command(
       c, mem, req->job_id, req->generation, &r->job_id, &r->generation);
   r->nccl_root = zt_rdv_nccl_root(c, mem);
-  r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
+  r->heartbeat_ms = (uint32_t)zt_members_interval_ms(c);
   r->coordinator_epoch = (uint64_t)c->epoch;
   /* Epochs to delete: those it deleted are forgotten, the rest asked again;
    * what it holds, when it says, is reconciled first (its stale epochs go

@@ -95,8 +95,8 @@ void zt_view_status(zt_coord_t *c, Ztrain__GetStatusReply *r) {
   zt_members_count(c, counts);
   r->version = (char *)zt_version_string();
   r->started_ms = c->started_ms;
-  r->heartbeat_ms = (uint32_t)c->cfg.heartbeat_ms;
-  r->heartbeat_timeout_ms = (uint32_t)c->cfg.heartbeat_timeout_ms;
+  r->heartbeat_ms = (uint32_t)zt_members_interval_ms(c); /* as advertised now */
+  r->heartbeat_timeout_ms = (uint32_t)zt_members_timeout_ms(c);
   r->workers_alive = counts[ZT_WORKER_ALIVE];
   r->workers_suspect = counts[ZT_WORKER_SUSPECT];
   r->workers_lost = counts[ZT_WORKER_LOST];

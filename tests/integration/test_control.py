@@ -221,3 +221,41 @@ def test_workdir_is_exclusive(procs):
     b = procs.worker(coord.grpc, "same")
     assert b.wait(20) == 1 and "in use by another zworker" in b.output()
     assert a.alive()
+
+
+def metric(coord, name):
+    text = http_get(coord.http_port, "/metrics")[2]
+    return float(next(l.split()[1] for l in text.splitlines() if l.startswith(name + " ")))
+
+
+def test_past_its_capacity_the_coordinator_stretches_the_interval_and_loses_nobody(procs):
+    """--heartbeat-capacity 50 a second with 200 ms heartbeats: 41 workers
+    (40 simulated by zt_hbload, which follows the interval replies ask for
+    as zworker does, and one real zworker) would send 205 a second. The
+    advertised interval stretches to about 41 / 50 s and the timeout with
+    it, so nobody is lost although every worker is now silent for longer
+    than the configured 600 ms timeout; when the simulated workers stop
+    (and are lost, much later than 600 ms), the interval falls back."""
+    coord = procs.coord(hb_ms=HB, timeout_ms=TIMEOUT, extra=("--heartbeat-capacity", "50"))
+    real = procs.worker(coord.grpc, "real")
+    wait_until(lambda: workers_by_name(coord).get("real", {}).get("state") == "alive", 10,
+               "the real worker alive")
+    assert metric(coord, "ztrain_coordinator_heartbeat_interval_seconds") == HB / 1000
+    r = subprocess.run([f"{BIN}/zt_hbload", "--coordinator", coord.grpc, "-n", "40",
+                        "--seconds", str(6 * SLOW), "--rate-hz", str(1000 // HB)],
+                       capture_output=True, text=True, timeout=120 * SLOW)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["errors"] == 0 and out["lost"] == 0, (out, r.stderr)
+    assert 700 <= out["interval_ms"] <= 900, out  # 41 / 50 s, within the 10% it keeps
+    assert metric(coord, "ztrain_coordinator_heartbeat_interval_seconds") >= 0.7
+    states = workers_by_name(coord)
+    assert not [n for n, w in states.items() if w["state"] == "lost"], states
+    assert [e for e in events(coord) if e["kind"] == "heartbeat_pace"]
+    # The simulated workers are silent now: lost after the stretched
+    # timeout, then the interval falls back; the real worker stays.
+    wait_until(lambda: metric(coord, "ztrain_coordinator_heartbeat_interval_seconds") == HB / 1000,
+               30 * SLOW, "the interval back at 200 ms")
+    wait_until(lambda: sum(w["state"] == "lost" for w in workers_by_name(coord).values()) == 40,
+               30 * SLOW, "the 40 silent workers lost")
+    assert workers_by_name(coord)["real"]["state"] == "alive"
+    assert real.alive()
