@@ -53,18 +53,19 @@
  * QKV = (NH + 2 NKV) HD, ATT = NH HD, FF = 2 n_ff (gate and up) and FFA =
  * n_ff, and needs scratch GPT-2 does not: ATTX (the attention output's
  * gradient), FFAX (SwiGLU's), QF (q, k, v with each K/V head repeated for
- * its query heads, when NKV < NH) and PE (a zero position table for the
+ * its query heads, when NKV < NH on a kernel table without grouped-query
+ * attention of its own: gqa_native 0) and PE (a zero position table for the
  * embedding kernel, with a gradient nobody reads). */
 typedef struct {
   size_t C, L, NH, Vp, QKV, ATT, FF, FFA, ATTX, FFAX, QF, PE;
 } zt_act_dims_t;
 
 static inline zt_act_dims_t zt_act_dims(size_t C, size_t L, size_t NH, size_t Vp, int llama,
-                                        size_t NKV, size_t HD, size_t F) {
+                                        size_t NKV, size_t HD, size_t F, int gqa_native) {
   zt_act_dims_t d = {C, L, NH, Vp, 3 * C, C, 4 * C, 4 * C, 0, 0, 0, 0};
   if (llama) {
     d.QKV = (NH + 2 * NKV) * HD, d.ATT = NH * HD, d.FF = 2 * F, d.FFA = F;
-    d.ATTX = d.ATT, d.FFAX = F, d.QF = NKV < NH ? 3 * NH * HD : 0, d.PE = C;
+    d.ATTX = d.ATT, d.FFAX = F, d.QF = NKV < NH && !gqa_native ? 3 * NH * HD : 0, d.PE = C;
   }
   return d;
 }

@@ -183,7 +183,14 @@ typedef struct zt_kernels {
    *                     qkv[N,(NH+2*NKV)*HD] (grouped-query attention on
    *                     the multi-head kernels).
    *   gqa_reduce:       its backward: dqkv (overwritten) = dq, and each k
-   *                     and v head's gradient summed over its query heads. */
+   *                     and v head's gradient summed over its query heads.
+   *   attention_forward_gqa, attention_backward_gqa: attention on
+   *                     qkv[B,T,(NH+2*NKV)*HD] as it is, each K/V head read
+   *                     in place by its NH/NKV query heads (never copied),
+   *                     out[B,T,NH*HD], lse[B,NH,T]; the backward sums a K/V
+   *                     head's gradient over them. NULL in a table without
+   *                     them (CUDA, so far): the model then expands
+   *                     (gqa_expand) and runs the multi-head kernels. */
   void (*rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *w, int N, int C,
                           float eps);
   void (*rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp,
@@ -194,6 +201,11 @@ typedef struct zt_kernels {
   void (*swiglu_backward)(float *dinp, const float *dout, const float *inp, int N, int F);
   void (*gqa_expand)(float *full, const float *qkv, int N, int NH, int NKV, int HD);
   void (*gqa_reduce)(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD);
+  void (*attention_forward_gqa)(float *out, float *lse, const float *qkv, int B, int T, int NH,
+                                int NKV, int HD);
+  void (*attention_backward_gqa)(float *dqkv, const float *dout, const float *qkv,
+                                 const float *out, const float *lse, int B, int T, int NH,
+                                 int NKV, int HD);
 
   /* The memory the kernels work on: host memory for the CPU tables, device
    * memory for CUDA. alloc returns zeroed memory, or NULL when there is not

@@ -295,17 +295,25 @@ static void fast_matmul_backward(float *dinp, float *dw, float *dbias, const flo
  * products are sgemm calls on strided views of qkv. */
 #define ZT_ATT_BLK 64
 
+/* One query head of one sequence. Grouped-query attention reads each K/V
+ * head where it is, for the NH / NKV query heads that share it: row stride
+ * W = (NH + 2 NKV) hs; out rows are A = NH hs wide. */
 typedef struct {
-  int b, h, hs, T, C, NH;
+  int b, h, hs, T, C, NH; /* C: out's row width A */
+  int W;                  /* qkv's row width */
   float scale;
-  const float *q, *k, *v; /* this head's columns of qkv (row stride 3C) */
+  const float *q, *k, *v; /* this head's columns of qkv (row stride W) */
 } att_head;
 
-static att_head att_head_at(const float *qkv, int bh, int T, int C, int NH) {
-  att_head a = {bh / NH, bh % NH, C / NH, T, C, NH, 1.0f / sqrtf((float)(C / NH)), NULL, NULL,
-                NULL};
-  a.q = qkv + (size_t)a.b * T * 3 * C + (size_t)a.h * a.hs;
-  a.k = a.q + C, a.v = a.q + 2 * C;
+static att_head att_head_at(const float *qkv, int bh, int T, int NH, int NKV, int HD) {
+  int W = (NH + 2 * NKV) * HD;
+  att_head a = {bh / NH, bh % NH, HD, T, NH * HD, NH, W, 1.0f / sqrtf((float)HD),
+                NULL, NULL, NULL};
+  const float *row = qkv + (size_t)a.b * T * W;
+  int g = a.h / (NH / NKV);
+  a.q = row + (size_t)a.h * HD;
+  a.k = row + (size_t)NH * HD + (size_t)g * HD;
+  a.v = a.k + (size_t)NKV * HD;
   return a;
 }
 
@@ -318,7 +326,7 @@ static inline int att_visible(int i, int j0, int nk) {
  * ZT_ATT_BLK scratch, acc nq x hs, m and l nq. */
 static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *lse, float *s,
                           float *acc, float *m, float *l) {
-  int hs = a->hs, C3 = 3 * a->C;
+  int hs = a->hs, C3 = a->W;
   for (int r = 0; r < nq; r++) m[r] = -INFINITY, l[r] = 0.0f;
   memset(acc, 0, sizeof(float) * (size_t)nq * hs);
   for (int j0 = 0; j0 < i0 + nq; j0 += ZT_ATT_BLK) {
@@ -353,9 +361,9 @@ static void att_fwd_block(const att_head *a, int i0, int nq, float *out, float *
   }
 }
 
-static void fast_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
-                                   int NH) {
-  int nblk = (T + ZT_ATT_BLK - 1) / ZT_ATT_BLK, hs = C / NH;
+static void fast_attention_forward_gqa(float *out, float *lse, const float *qkv, int B, int T,
+                                       int NH, int NKV, int hs) {
+  int nblk = (T + ZT_ATT_BLK - 1) / ZT_ATT_BLK;
 #pragma omp parallel
   {
     float *s = zt_xmalloc(sizeof(float) * ZT_ATT_BLK * (ZT_ATT_BLK + hs + 2));
@@ -364,12 +372,17 @@ static void fast_attention_forward(float *out, float *lse, const float *qkv, int
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < B * NH * nblk; task++) {
       int blk = nblk - 1 - task / (B * NH);
-      att_head a = att_head_at(qkv, task % (B * NH), T, C, NH);
+      att_head a = att_head_at(qkv, task % (B * NH), T, NH, NKV, hs);
       int i0 = blk * ZT_ATT_BLK;
       att_fwd_block(&a, i0, ZT_MIN_SZ(ZT_ATT_BLK, T - i0), out, lse, s, acc, m, l);
     }
     free(s);
   }
+}
+
+static void fast_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+                                   int NH) {
+  fast_attention_forward_gqa(out, lse, qkv, B, T, NH, NH, C / NH);
 }
 
 /* Scratch of one backward thread: p and ds are ZT_ATT_BLK x ZT_ATT_BLK,
@@ -382,7 +395,7 @@ typedef struct {
 static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, const float *dout,
                          const float *lse, float *dq, float *dk, float *dv,
                          const att_bwd_scratch *w) {
-  int hs = a->hs, C3 = 3 * a->C, C = a->C;
+  int hs = a->hs, C3 = a->W, C = a->C;
   const float *d = dout + ((size_t)a->b * a->T + i0) * C + (size_t)a->h * hs;
   const float *ls = lse + ((size_t)a->b * a->NH + a->h) * a->T + i0;
   zt_sgemm(0, 1, nq, nk, hs, a->scale,
@@ -409,40 +422,54 @@ static void att_bwd_pair(const att_head *a, int i0, int nq, int j0, int nk, cons
            1.0f, dv + (size_t)j0 * C3, C3);
 }
 
-static void fast_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                    const float *out, const float *lse, int B, int T, int C,
-                                    int NH) {
-  int hs = C / NH, C3 = 3 * C;
+/* One task per K/V head of a sequence: its gradient starts at 0 and sums
+ * over the query heads that share it, which the same task takes one after
+ * the other (no two threads write one K/V head). */
+static void fast_attention_backward_gqa(float *dqkv, const float *dout, const float *qkv,
+                                        const float *out, const float *lse, int B, int T, int NH,
+                                        int NKV, int hs) {
+  int G = NH / NKV, W = (NH + 2 * NKV) * hs, A = NH * hs;
 #pragma omp parallel
   {
     att_bwd_scratch w;
     w.p = zt_xmalloc(sizeof(float) * ((size_t)2 * ZT_ATT_BLK * ZT_ATT_BLK + (size_t)T));
     w.ds = w.p + ZT_ATT_BLK * ZT_ATT_BLK, w.dd = w.ds + ZT_ATT_BLK * ZT_ATT_BLK;
 #pragma omp for schedule(static)
-    for (int bh = 0; bh < B * NH; bh++) {
-      att_head a = att_head_at(qkv, bh, T, C, NH);
-      size_t base = (size_t)a.b * T * C3 + (size_t)a.h * hs;
-      float *dq = dqkv + base, *dk = dq + C, *dv = dq + 2 * C;
-      for (int t = 0; t < T; t++) { /* D = rowsum(dO * O); the head's gradients start at 0 */
-        const float *d = dout + ((size_t)a.b * T + t) * C + (size_t)a.h * hs;
-        const float *o = out + ((size_t)a.b * T + t) * C + (size_t)a.h * hs;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int x = 0; x < hs; x++) sum += d[x] * o[x];
-        w.dd[t] = sum;
-        float *g = dq + (size_t)t * C3;
-        memset(g, 0, sizeof(float) * (size_t)hs);
-        memset(g + C, 0, sizeof(float) * (size_t)hs);
-        memset(g + 2 * C, 0, sizeof(float) * (size_t)hs);
+    for (int bg = 0; bg < B * NKV; bg++) {
+      int b = bg / NKV, g = bg % NKV;
+      float *dk = dqkv + (size_t)b * T * W + (size_t)NH * hs + (size_t)g * hs;
+      float *dv = dk + (size_t)NKV * hs;
+      for (int t = 0; t < T; t++) {
+        memset(dk + (size_t)t * W, 0, sizeof(float) * (size_t)hs);
+        memset(dv + (size_t)t * W, 0, sizeof(float) * (size_t)hs);
       }
-      for (int i0 = 0; i0 < T; i0 += ZT_ATT_BLK)
-        for (int j0 = 0; j0 <= i0; j0 += ZT_ATT_BLK)
-          att_bwd_pair(&a, i0, ZT_MIN_SZ(ZT_ATT_BLK, T - i0), j0,
-                       ZT_MIN_SZ(ZT_ATT_BLK, ZT_MIN_SZ(T, i0 + ZT_ATT_BLK) - j0), dout, lse, dq, dk,
-                       dv, &w);
+      for (int h = g * G; h < (g + 1) * G; h++) {
+        att_head a = att_head_at(qkv, b * NH + h, T, NH, NKV, hs);
+        float *dq = dqkv + (size_t)b * T * W + (size_t)h * hs;
+        for (int t = 0; t < T; t++) { /* D = rowsum(dO * O); dq starts at 0 */
+          const float *d = dout + ((size_t)b * T + t) * A + (size_t)h * hs;
+          const float *o = out + ((size_t)b * T + t) * A + (size_t)h * hs;
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int x = 0; x < hs; x++) sum += d[x] * o[x];
+          w.dd[t] = sum;
+          memset(dq + (size_t)t * W, 0, sizeof(float) * (size_t)hs);
+        }
+        for (int i0 = 0; i0 < T; i0 += ZT_ATT_BLK)
+          for (int j0 = 0; j0 <= i0; j0 += ZT_ATT_BLK)
+            att_bwd_pair(&a, i0, ZT_MIN_SZ(ZT_ATT_BLK, T - i0), j0,
+                         ZT_MIN_SZ(ZT_ATT_BLK, ZT_MIN_SZ(T, i0 + ZT_ATT_BLK) - j0), dout, lse, dq,
+                         dk, dv, &w);
+      }
     }
     free(w.p);
   }
+}
+
+static void fast_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                    const float *out, const float *lse, int B, int T, int C,
+                                    int NH) {
+  fast_attention_backward_gqa(dqkv, dout, qkv, out, lse, B, T, NH, NH, C / NH);
 }
 
 /* ---- elementwise ---------------------------------------------------------- */
@@ -593,6 +620,8 @@ static const zt_kernels_t zt_cpu_table = {
     .sumsq_f64 = zt_kernels_host_sumsq_f64, /* serial: element order */
     ZT_KERNELS_HOST_MEMORY,
     ZT_KERNELS_HOST_LLAMA,
+    .attention_forward_gqa = fast_attention_forward_gqa,
+    .attention_backward_gqa = fast_attention_backward_gqa,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {

@@ -132,33 +132,45 @@ static void ref_matmul_backward(float *dinp, float *dw, float *dbias, const floa
   }
 }
 
+/* Where the heads lie in qkv (zt_kernels.h, attention_forward_gqa): rows
+ * of W = (NH + 2 NKV) HD; query head h at column h HD, its K/V head
+ * g = h / (NH / NKV) at NH HD + g HD and (NH + NKV) HD + g HD. */
+typedef struct {
+  int NH, NKV, HD;
+  size_t W, A; /* qkv's and out's row widths */
+} ref_geom;
+
+static size_t ref_q(const ref_geom *g, int h) { return (size_t)h * g->HD; }
+static size_t ref_k(const ref_geom *g, int h) {
+  return (size_t)g->NH * g->HD + (size_t)(h / (g->NH / g->NKV)) * g->HD;
+}
+static size_t ref_v(const ref_geom *g, int h) { return ref_k(g, h) + (size_t)g->NKV * g->HD; }
+
 /* Row t of one head: its scaled scores against keys 0..t into a[0..t];
  * returns their maximum. */
-static float ref_scores(float *a, const float *qkv, int b, int h, int t, int T, int C, int hs,
+static float ref_scores(float *a, const float *qkv, const ref_geom *g, int b, int h, int t, int T,
                         float scale) {
-  size_t C3 = (size_t)C * 3;
-  const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
+  const float *q = qkv + ((size_t)b * T + t) * g->W + ref_q(g, h);
   float maxv = -INFINITY;
   for (int t2 = 0; t2 <= t; t2++) {
-    const float *k = qkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
+    const float *k = qkv + ((size_t)b * T + t2) * g->W + ref_k(g, h);
     float dot = 0.0f;
-    for (int i = 0; i < hs; i++) dot += q[i] * k[i];
+    for (int i = 0; i < g->HD; i++) dot += q[i] * k[i];
     a[t2] = dot * scale;
     if (a[t2] > maxv) maxv = a[t2];
   }
   return maxv;
 }
 
-static void ref_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
-                                  int NH) {
-  int hs = C / NH;
-  float scale = 1.0f / sqrtf((float)hs);
-  size_t C3 = (size_t)C * 3;
+static void ref_attention_forward_gqa(float *out, float *lse, const float *qkv, int B, int T,
+                                      int NH, int NKV, int HD) {
+  ref_geom g = {NH, NKV, HD, (size_t)(NH + 2 * NKV) * HD, (size_t)NH * HD};
+  float scale = 1.0f / sqrtf((float)HD);
   float *a = zt_xmalloc(sizeof(float) * (size_t)T);
   for (int b = 0; b < B; b++) {
     for (int h = 0; h < NH; h++) {
       for (int t = 0; t < T; t++) {
-        float maxv = ref_scores(a, qkv, b, h, t, T, C, hs, scale);
+        float maxv = ref_scores(a, qkv, &g, b, h, t, T, scale);
         float sum = 0.0f;
         for (int t2 = 0; t2 <= t; t2++) {
           a[t2] = expf(a[t2] - maxv);
@@ -166,11 +178,11 @@ static void ref_attention_forward(float *out, float *lse, const float *qkv, int 
         }
         for (int t2 = 0; t2 <= t; t2++) a[t2] /= sum;
         lse[((size_t)b * NH + h) * T + t] = maxv + logf(sum);
-        float *o = out + ((size_t)b * T + t) * C + (size_t)h * hs;
-        for (int i = 0; i < hs; i++) o[i] = 0.0f;
+        float *o = out + ((size_t)b * T + t) * g.A + (size_t)h * HD;
+        for (int i = 0; i < HD; i++) o[i] = 0.0f;
         for (int t2 = 0; t2 <= t; t2++) {
-          const float *v = qkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
-          for (int i = 0; i < hs; i++) o[i] += a[t2] * v[i];
+          const float *v = qkv + ((size_t)b * T + t2) * g.W + ref_v(&g, h);
+          for (int i = 0; i < HD; i++) o[i] += a[t2] * v[i];
         }
       }
     }
@@ -178,32 +190,37 @@ static void ref_attention_forward(float *out, float *lse, const float *qkv, int 
   free(a);
 }
 
+static void ref_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+                                  int NH) {
+  ref_attention_forward_gqa(out, lse, qkv, B, T, NH, NH, C / NH);
+}
+
 /* The probabilities are recomputed from the scores and lse; the softmax
- * backward is written as its definition, sum(att * datt), not through out. */
-static void ref_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                   const float *out, const float *lse, int B, int T, int C,
-                                   int NH) {
+ * backward is written as its definition, sum(att * datt), not through out.
+ * A K/V head's gradient sums over the query heads that share it. */
+static void ref_attention_backward_gqa(float *dqkv, const float *dout, const float *qkv,
+                                       const float *out, const float *lse, int B, int T, int NH,
+                                       int NKV, int HD) {
   (void)out;
-  int hs = C / NH;
-  float scale = 1.0f / sqrtf((float)hs);
-  size_t C3 = (size_t)C * 3;
+  ref_geom g = {NH, NKV, HD, (size_t)(NH + 2 * NKV) * HD, (size_t)NH * HD};
+  float scale = 1.0f / sqrtf((float)HD);
   float *a = zt_xmalloc(sizeof(float) * (size_t)T), *datt = zt_xmalloc(sizeof(float) * (size_t)T);
-  memset(dqkv, 0, sizeof(float) * (size_t)B * T * C3);
+  memset(dqkv, 0, sizeof(float) * (size_t)B * T * g.W);
   for (int b = 0; b < B; b++) {
     for (int h = 0; h < NH; h++) {
       for (int t = 0; t < T; t++) {
-        ref_scores(a, qkv, b, h, t, T, C, hs, scale);
+        ref_scores(a, qkv, &g, b, h, t, T, scale);
         float l = lse[((size_t)b * NH + h) * T + t];
         for (int t2 = 0; t2 <= t; t2++) a[t2] = expf(a[t2] - l);
-        const float *d = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
-        const float *q = qkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
-        float *dq = dqkv + ((size_t)b * T + t) * C3 + (size_t)h * hs;
+        const float *d = dout + ((size_t)b * T + t) * g.A + (size_t)h * HD;
+        const float *q = qkv + ((size_t)b * T + t) * g.W + ref_q(&g, h);
+        float *dq = dqkv + ((size_t)b * T + t) * g.W + ref_q(&g, h);
         /* datt[t2] = dout . v[t2]; dv[t2] += att[t2] * dout. */
         for (int t2 = 0; t2 <= t; t2++) {
-          const float *v = qkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
-          float *dv = dqkv + ((size_t)b * T + t2) * C3 + 2 * (size_t)C + (size_t)h * hs;
+          const float *v = qkv + ((size_t)b * T + t2) * g.W + ref_v(&g, h);
+          float *dv = dqkv + ((size_t)b * T + t2) * g.W + ref_v(&g, h);
           float dot = 0.0f;
-          for (int i = 0; i < hs; i++) {
+          for (int i = 0; i < HD; i++) {
             dot += d[i] * v[i];
             dv[i] += a[t2] * d[i];
           }
@@ -214,9 +231,9 @@ static void ref_attention_backward(float *dqkv, const float *dout, const float *
         for (int t2 = 0; t2 <= t; t2++) s += a[t2] * datt[t2];
         for (int t2 = 0; t2 <= t; t2++) {
           float dpre = a[t2] * (datt[t2] - s) * scale;
-          const float *k = qkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
-          float *dk = dqkv + ((size_t)b * T + t2) * C3 + C + (size_t)h * hs;
-          for (int i = 0; i < hs; i++) {
+          const float *k = qkv + ((size_t)b * T + t2) * g.W + ref_k(&g, h);
+          float *dk = dqkv + ((size_t)b * T + t2) * g.W + ref_k(&g, h);
+          for (int i = 0; i < HD; i++) {
             dq[i] += dpre * k[i];
             dk[i] += dpre * q[i];
           }
@@ -226,6 +243,12 @@ static void ref_attention_backward(float *dqkv, const float *dout, const float *
   }
   free(a);
   free(datt);
+}
+
+static void ref_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                   const float *out, const float *lse, int B, int T, int C,
+                                   int NH) {
+  ref_attention_backward_gqa(dqkv, dout, qkv, out, lse, B, T, NH, NH, C / NH);
 }
 
 static void ref_gelu_forward(float *out, const float *inp, size_t n) {
@@ -361,6 +384,8 @@ static const zt_kernels_t zt_ref_table = {
     .sumsq_f64 = zt_kernels_host_sumsq_f64,
     ZT_KERNELS_HOST_MEMORY,
     ZT_KERNELS_HOST_LLAMA,
+    .attention_forward_gqa = ref_attention_forward_gqa,
+    .attention_backward_gqa = ref_attention_backward_gqa,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }

@@ -139,6 +139,42 @@ ZT_TEST(attention) {
   check_attention(1, 129, 32, 1);  /* one row past two full tiles */
 }
 
+/* Grouped-query attention read in place, both tables: against the
+ * multi-head reference on q, k, v with each K/V head repeated for its
+ * query heads (gqa_expand), whose gradient summed back per K/V head
+ * (gqa_reduce) is the K/V heads' gradient. */
+static void check_attention_gqa(int B, int T, int NH, int NKV, int HD) {
+  int W = (NH + 2 * NKV) * HD, A = NH * HD, BT = B * T;
+  size_t nq = (size_t)BT * W, nf = (size_t)BT * 3 * A, no = (size_t)BT * A;
+  size_t nl = (size_t)B * NH * T;
+  float *qkv = zt_rnd(nq, 2), *full = malloc(nf * 4);
+  R->gqa_expand(full, qkv, BT, NH, NKV, HD);
+  float *o0 = malloc(no * 4), *l0 = malloc(nl * 4), *dfull = malloc(nf * 4);
+  float *want = malloc(nq * 4), *dout = zt_rnd(no, 1);
+  R->attention_forward(o0, l0, full, B, T, A, NH);
+  R->attention_backward(dfull, dout, full, o0, l0, B, T, A, NH);
+  R->gqa_reduce(want, dfull, BT, NH, NKV, HD);
+  const zt_kernels_t *tables[2] = {R, F};
+  for (int i = 0; i < 2; i++) {
+    const zt_kernels_t *K = tables[i];
+    float *o = malloc(no * 4), *l = malloc(nl * 4), *d = zt_rnd(nq, 1);
+    K->attention_forward_gqa(o, l, qkv, B, T, NH, NKV, HD);
+    zt_close_all(i ? "fast gqa forward out" : "ref gqa forward out", o, o0, no, 1e-5f, 1e-4f);
+    zt_close_all(i ? "fast gqa forward lse" : "ref gqa forward lse", l, l0, nl, 1e-5f, 1e-5f);
+    K->attention_backward_gqa(d, dout, qkv, o0, l0, B, T, NH, NKV, HD);
+    zt_close_all(i ? "fast gqa backward" : "ref gqa backward", d, want, nq, 1e-5f, 1e-4f);
+    free(o), free(l), free(d);
+  }
+  free(qkv), free(full), free(o0), free(l0), free(dfull), free(want), free(dout);
+}
+
+ZT_TEST(attention_gqa) {
+  check_attention_gqa(2, 13, 4, 2, 8);
+  check_attention_gqa(1, 130, 6, 2, 16); /* three tiles; 3 query heads a K/V head */
+  check_attention_gqa(2, 70, 4, 1, 8);   /* one K/V head for all */
+  check_attention_gqa(1, 9, 3, 3, 8);    /* no grouping */
+}
+
 ZT_TEST(gelu_residual) {
   size_t n = 1001;
   float *x = zt_rnd(n, 6), *o1 = malloc(n * 4), *o2 = malloc(n * 4);
@@ -255,5 +291,6 @@ ZT_TEST(tables) {
   ZT_CHECK(zt_kernels_cpu_set_threads(0) == 2);
 }
 
-ZT_TEST_MAIN(tables, encoder, layernorm, matmul, attention, gelu_residual, crossentropy,
+ZT_TEST_MAIN(tables, encoder, layernorm, matmul, attention, attention_gqa, gelu_residual,
+             crossentropy,
              optimizer_and_reductions, state_helpers)
