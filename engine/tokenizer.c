@@ -599,19 +599,10 @@ static int added_at(const zt_tok_t *t, const uint8_t *s, size_t n, size_t i, int
   return -1;
 }
 
-/* ByteLevel: a piece as bytes, with the prefix space, split by GPT-2's
+/* ByteLevel on a piece that has its prefix space: split by GPT-2's
  * pattern when use_regex is set, each part merged. */
-static int byte_level(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user) {
-  if (t->bl_prefix && (n == 0 || s[0] != ' ')) {
-    uint8_t *p = zt_xmalloc(n + 1);
-    p[0] = ' ';
-    memcpy(p + 1, s, n);
-    t->bl_prefix = 0;
-    int rc = byte_level(t, p, n + 1, emit, user);
-    t->bl_prefix = 1;
-    free(p);
-    return rc;
-  }
+static int byte_level_split(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit,
+                            void *user) {
   if (!t->bl_regex) return n ? bpe_encode(t, s, n, emit, user) : 0;
   for (size_t at = 0; at < n;) {
     int rc = pcre2_match(t->bl_regex, s, n, at, PCRE2_NO_UTF_CHECK, t->md, NULL);
@@ -622,6 +613,18 @@ static int byte_level(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn em
     at = ov[1] > at ? ov[1] : at + utf8_decode(s, n, at, &(uint32_t){0});
   }
   return 0;
+}
+
+/* ByteLevel: with add_prefix_space a piece that does not start with a
+ * space gets one. */
+static int byte_level(zt_tok_t *t, const uint8_t *s, size_t n, zt_tok_emit_fn emit, void *user) {
+  if (!t->bl_prefix || (n && s[0] == ' ')) return byte_level_split(t, s, n, emit, user);
+  uint8_t *p = zt_xmalloc(n + 1);
+  p[0] = ' ';
+  memcpy(p + 1, s, n);
+  int rc = byte_level_split(t, p, n + 1, emit, user);
+  free(p);
+  return rc;
 }
 
 /* The pre-tokenizer on a section: the Split pattern's matches and the text
@@ -659,13 +662,12 @@ static int hf_text(zt_tok_t *t, const uint8_t *s, size_t n, int normalized, zt_t
                    void *user) {
   if (n == 0) return 0;
   if (normalized || !t->nfc) return pre_tokenize(t, s, n, emit, user);
-  char *z = zt_xmalloc(n + 1);
-  memcpy(z, s, n);
-  z[n] = 0;
-  uint8_t *nfc = utf8proc_NFC((const utf8proc_uint8_t *)z);
-  free(z);
-  if (!nfc) return zt_err("tokenizer: NFC normalization failed");
-  int rc = hf_sections(t, nfc, strlen((char *)nfc), 1, emit, user);
+  /* By length: a NUL byte in the text is a character like any other. */
+  utf8proc_uint8_t *nfc = NULL;
+  utf8proc_ssize_t m = utf8proc_map(s, (utf8proc_ssize_t)n, &nfc,
+                                    UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+  if (m < 0) return zt_err("tokenizer: NFC normalization: %s", utf8proc_errmsg(m));
+  int rc = hf_sections(t, nfc, (size_t)m, 1, emit, user);
   free(nfc);
   return rc;
 }
@@ -730,12 +732,17 @@ static int flag(const cJSON *o, const char *key) {
 
 /* An Oniguruma pattern (Hugging Face's Rust library) for PCRE2: \s and \S
  * become White_Space and its complement, which is what Oniguruma means by
- * them (PCRE2's \s leaves out U+0085). */
+ * them (PCRE2's \s leaves out U+0085). A literal (PCRE2_LITERAL) is taken
+ * as it is. The pattern comes from the file: PCRE2 checks it is UTF-8. */
 static pcre2_code *compile_pattern(const char *path, const char *what, const char *pat,
                                    uint32_t opts) {
   size_t n = strlen(pat), o = 0;
   char *re = zt_xmalloc(8 * n + 1);
   for (size_t i = 0; i < n; i++) {
+    if (opts & PCRE2_LITERAL) {
+      re[o++] = pat[i];
+      continue;
+    }
     if (pat[i] == '\\' && i + 1 < n && (pat[i + 1] == 's' || pat[i + 1] == 'S')) {
       o += (size_t)sprintf(re + o, "\\%c{White_Space}", pat[i + 1] == 's' ? 'p' : 'P');
       i++;
@@ -749,9 +756,9 @@ static pcre2_code *compile_pattern(const char *path, const char *what, const cha
   re[o] = 0;
   int err;
   PCRE2_SIZE at;
-  pcre2_code *c = pcre2_compile((PCRE2_SPTR)re, (opts & PCRE2_LITERAL) ? n : o,
-                                PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK | opts, &err, &at,
-                                NULL);
+  /* A literal has no classes for UCP to widen (PCRE2 refuses the pair). */
+  uint32_t ucp = (opts & PCRE2_LITERAL) ? 0 : PCRE2_UCP;
+  pcre2_code *c = pcre2_compile((PCRE2_SPTR)re, o, PCRE2_UTF | ucp | opts, &err, &at, NULL);
   if (!c) {
     PCRE2_UCHAR msg[160];
     pcre2_get_error_message(err, msg, sizeof msg);
@@ -948,9 +955,7 @@ static int load_model(zt_tok_t *t, const char *path, const cJSON *doc) {
 
 /* Decoding: vocabulary strings through the inverse of bytes_to_unicode,
  * added tokens as their text. */
-static void hf_decoder(zt_tok_t *t, const cJSON *doc) {
-  int inv[512];
-  bytes_to_unicode(t, inv);
+static void hf_decoder(zt_tok_t *t, const cJSON *doc, const int inv[512]) {
   t->dec = zt_xcalloc((size_t)t->vocab + 1, sizeof(char *));
   t->dec_len = zt_xcalloc((size_t)t->vocab + 1, sizeof(size_t));
   const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(doc, "model"), "vocab");
@@ -997,7 +1002,7 @@ int zt_tok_open_hf(const char *path, const char *eot_text, zt_tok_t **out) {
   if (rc == 0) rc = load_added(t, path, doc);
   if (rc == 0) rc = hf_eot(t, path, eot_text);
   if (rc == 0) {
-    hf_decoder(t, doc);
+    hf_decoder(t, doc, inv);
     t->md = pcre2_match_data_create(4, NULL);
   }
   cJSON_Delete(doc);

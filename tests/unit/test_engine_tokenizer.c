@@ -330,8 +330,54 @@ ZT_TEST(hf_tokenizer_json) {
   ZT_CHECK(strstr(zt_err_msg(), "pre_tokenizer \"Digits\" is not supported") != NULL);
 }
 
+/* hf.json with its Split pattern replaced: {key: pattern}, behavior. */
+static void write_hf_split(const char *name, const char *key, const char *pattern,
+                           const char *behavior) {
+  char *text;
+  size_t len;
+  ZT_REQUIRE(zt_read_file(path_of("hf.json"), &text, &len, 1 << 24) == 0);
+  cJSON *d = cJSON_ParseWithLength(text, len);
+  free(text);
+  ZT_REQUIRE(d != NULL);
+  cJSON *sp = cJSON_GetArrayItem(
+      cJSON_GetObjectItem(cJSON_GetObjectItem(d, "pre_tokenizer"), "pretokenizers"), 0);
+  cJSON *pat = cJSON_CreateObject();
+  cJSON_AddStringToObject(pat, key, pattern);
+  cJSON_ReplaceItemInObject(sp, "pattern", pat);
+  cJSON_ReplaceItemInObject(sp, "behavior", cJSON_CreateString(behavior));
+  char *out = cJSON_Print(d);
+  write_text(name, out);
+  free(out);
+  cJSON_Delete(d);
+}
+
+/* What a file or a text can hold that a careless reader would get wrong: a
+ * NUL byte in the text (normalized by length, not cut there), a literal
+ * Split pattern (taken as it is, not as a regex), a pattern that is not
+ * UTF-8 (refused, naming the pattern). */
+ZT_TEST(hf_tokenizer_json_edges) {
+  write_hf_json("hf.json", "Split");
+  zt_tok_t *t;
+  ZT_REQUIRE(zt_tok_open_hf(path_of("hf.json"), NULL, &t) == 0);
+  int *ids = NULL;
+  size_t n = 0;
+  ZT_REQUIRE(zt_tok_encode_ids(t, "a\0b", 3, &ids, &n) == 0);
+  ZT_CHECK(n == 3 && ids[0] == 'a' && ids[1] == 0 && ids[2] == 'b');
+  free(ids);
+  zt_tok_free(t);
+  write_hf_split("hf_lit.json", "String", "\\s", "Removed");
+  ZT_REQUIRE(zt_tok_open_hf(path_of("hf_lit.json"), NULL, &t) == 0);
+  int ab[] = {'a', ' ', 'b'}; /* the two bytes "\\s" go, the space stays */
+  ids_are(t, "a\\s b", ab, 3);
+  zt_tok_free(t);
+  write_hf_split("hf_utf.json", "Regex", "\xff+", "Isolated");
+  t = NULL;
+  ZT_CHECK(zt_tok_open_hf(path_of("hf_utf.json"), NULL, &t) == -1 && !t);
+  ZT_CHECK(strstr(zt_err_msg(), "pre_tokenizer Split pattern") != NULL);
+}
+
 ZT_TEST_MAIN_NAMED(run_tests, byte_tokenizer, gpt2_files, gpt2_record, bad_records,
-                   record_for_shard, hf_tokenizer_json)
+                   record_for_shard, hf_tokenizer_json, hf_tokenizer_json_edges)
 
 int main(int argc, char **argv) {
   snprintf(tmp, sizeof tmp, "%s", zt_test_tmpdir("engine_tokenizer"));
