@@ -23,8 +23,8 @@
  *
  * Heartbeats themselves touch only memory: the wall-clock last_seen of each
  * member is flushed to SQLite in batched transactions, a twentieth of the
- * members every 250 ms, so each one every 5 s (zt_members_flush). After a coordinator restart, workers that the database
- * says were alive get a fresh grace period of one timeout plus the longest
+ * members every 250 ms, so each one every 5 s (zt_members_flush). After a
+ * coordinator restart, workers that the database says were alive get a fresh grace period of one timeout plus the longest
  * a live worker takes to reconnect (restart_grace_ms) to show up again, so
  * a restart declares no live worker lost and costs no generation.
  *
@@ -341,13 +341,14 @@ static size_t live_members(const zt_coord_t *c) {
  * interval shrinks, a worker that has not heard of it yet is still on the
  * longer one. The timeout scales with the interval. */
 
-/* The interval silences are judged by, and the timeout that goes with it. */
-static int64_t judge_ms(const zt_coord_t *c) {
-  return ZT_MAX((int64_t)c->cfg.heartbeat_ms, c->hb_judge_ms);
+/* The timeout that goes with an interval: the configured one, scaled. */
+static int64_t timeout_for(const zt_coord_t *c, int64_t interval_ms) {
+  return (int64_t)c->cfg.heartbeat_timeout_ms * interval_ms / c->cfg.heartbeat_ms;
 }
 
-static int64_t judge_timeout_ms(const zt_coord_t *c) {
-  return (int64_t)c->cfg.heartbeat_timeout_ms * judge_ms(c) / c->cfg.heartbeat_ms;
+/* The interval silences are judged by. */
+static int64_t judge_ms(const zt_coord_t *c) {
+  return ZT_MAX((int64_t)c->cfg.heartbeat_ms, c->hb_judge_ms);
 }
 
 int64_t zt_members_interval_ms(const zt_coord_t *c) {
@@ -355,14 +356,13 @@ int64_t zt_members_interval_ms(const zt_coord_t *c) {
 }
 
 int64_t zt_members_timeout_ms(const zt_coord_t *c) {
-  return (int64_t)c->cfg.heartbeat_timeout_ms * zt_members_interval_ms(c) / c->cfg.heartbeat_ms;
+  return timeout_for(c, zt_members_interval_ms(c));
 }
 
 void zt_members_pace(zt_coord_t *c) {
   int64_t base = c->cfg.heartbeat_ms, now = zt_now_ms(), want = base;
-  if (c->cfg.heartbeat_capacity > 0)
-    want = ZT_MAX(base, (int64_t)((live_members(c) * 1000 + (size_t)c->cfg.heartbeat_capacity - 1) /
-                                  (size_t)c->cfg.heartbeat_capacity));
+  size_t live = live_members(c), cap = (size_t)c->cfg.heartbeat_capacity;
+  if (cap > 0) want = ZT_MAX(base, (int64_t)((live * 1000 + cap - 1) / cap));
   int64_t was = zt_members_interval_ms(c);
   /* Small changes are not worth a word to every worker: 10% either way. */
   if (want * 10 < was * 11 && want * 11 > was * 10 && want != base) want = was;
@@ -371,7 +371,7 @@ void zt_members_pace(zt_coord_t *c) {
     char detail[200];
     snprintf(detail, sizeof detail,
              "heartbeat interval %lld -> %lld ms for %zu live workers (capacity %d a second)",
-             (long long)was, (long long)want, live_members(c), c->cfg.heartbeat_capacity);
+             (long long)was, (long long)want, live, c->cfg.heartbeat_capacity);
     if (want > was) ZT_WARN("%s", detail);
     else ZT_INFO("%s", detail);
     zt_coord_event(c, 0, "heartbeat_pace", 0, "%s", detail);
@@ -380,7 +380,7 @@ void zt_members_pace(zt_coord_t *c) {
     c->hb_judge_ms = want;
     c->hb_judge_until_ms = 0;
   } else if (want < was) {
-    c->hb_judge_until_ms = now + judge_timeout_ms(c); /* the longer one holds for a timeout */
+    c->hb_judge_until_ms = now + timeout_for(c, judge_ms(c)); /* the longer one holds a timeout */
   } else if (c->hb_judge_until_ms && now > c->hb_judge_until_ms) {
     c->hb_judge_ms = want;
     c->hb_judge_until_ms = 0;
@@ -526,7 +526,7 @@ int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left) 
 size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
   int64_t now = zt_now_ms();
   int64_t suspect_after = 2 * judge_ms(c);
-  int64_t lost_after = judge_timeout_ms(c);
+  int64_t lost_after = timeout_for(c, judge_ms(c));
   size_t n = 0, cap = 0;
   *lost = NULL;
   /* Blind (see the top of the file): nobody is lost, for a while. */

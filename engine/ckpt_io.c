@@ -364,10 +364,7 @@ static int same_arch(const cJSON *mm, const zt_model_config_t *model) {
          (got.n_kv_head == model->n_kv_head && got.head_dim == model->head_dim &&
           got.n_ff == model->n_ff && got.rope_theta == model->rope_theta &&
           got.norm_eps == model->norm_eps && got.tie_embed == model->tie_embed &&
-          got.qkv_bias == model->qkv_bias && got.rope_factor == model->rope_factor &&
-          got.rope_low_freq_factor == model->rope_low_freq_factor &&
-          got.rope_high_freq_factor == model->rope_high_freq_factor &&
-          got.rope_original_max_pos == model->rope_original_max_pos);
+          got.qkv_bias == model->qkv_bias && zt_rope_scaling_same(&got, model));
 }
 
 /* The manifest: checked against the record and the model; its world. */

@@ -83,9 +83,7 @@ int zt_hf_check_config(const char *dir, const zt_model_config_t *w) {
   if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(c, "rope_scaling"), "rope_scaling",
                             &rs) != 0)
     zt_faults_add(&p, "%s", zt_err_msg());
-  else if (rs.rope_factor != w->rope_factor || rs.rope_low_freq_factor != w->rope_low_freq_factor ||
-           rs.rope_high_freq_factor != w->rope_high_freq_factor ||
-           rs.rope_original_max_pos != w->rope_original_max_pos)
+  else if (!zt_rope_scaling_same(&rs, w))
     zt_faults_add(&p, "rope_scaling differs from the spec's model.rope_scaling (%s)",
                   w->rope_factor ? "llama3" : "none");
   double sw = num(c, "sliding_window", 0);

@@ -158,6 +158,12 @@ int zt_rope_scaling_parse(const cJSON *o, const char *where, zt_model_config_t *
   return 0;
 }
 
+int zt_rope_scaling_same(const zt_model_config_t *a, const zt_model_config_t *b) {
+  return a->rope_factor == b->rope_factor && a->rope_low_freq_factor == b->rope_low_freq_factor &&
+         a->rope_high_freq_factor == b->rope_high_freq_factor &&
+         a->rope_original_max_pos == b->rope_original_max_pos;
+}
+
 cJSON *zt_rope_scaling_json(const zt_model_config_t *c) {
   if (c->rope_factor == 0) return cJSON_CreateNull();
   cJSON *o = cJSON_CreateObject();

@@ -165,6 +165,8 @@ ZT_MUST_CHECK int zt_rope_scaling_parse(const struct cJSON *o, const char *where
                                         zt_model_config_t *c);
 /* The same object from c (a JSON null without scaling). */
 struct cJSON *zt_rope_scaling_json(const zt_model_config_t *c);
+/* 1 when a and b have the same rope_scaling. */
+int zt_rope_scaling_same(const zt_model_config_t *a, const zt_model_config_t *b);
 
 /* Parses and validates a spec from a string of len bytes. A spec holds no
  * allocated memory: it is a plain value. */
