@@ -24,6 +24,7 @@
  * generation itself (worker/store.c), which ends with the generation.
  */
 #include <openssl/evp.h>
+#include <openssl/crypto.h>
 #include <openssl/hmac.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,3 +75,9 @@ int zt_ticket_check(const char *key, const char *text, int64_t now_ms, zt_ticket
     return zt_errk(ZT_E_UNAUTHENTICATED, "ticket expired");
   return 0;
 }
+
+/* OpenSSL keeps state per thread (its error queue, cached digests) that it
+ * frees from a thread-exit handler. A detached thread may still be on its
+ * way out when the process exits, and its state is then lost; a thread
+ * that checked tickets calls this last, to free it while it still runs. */
+void zt_ticket_thread_done(void) { OPENSSL_thread_stop(); }

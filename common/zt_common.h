@@ -249,6 +249,9 @@ ZT_MUST_CHECK int zt_ticket_make(const char *key, const zt_ticket_t *t, char *ou
  * -1 (ZT_E_UNAUTHENTICATED) with the reason otherwise. */
 ZT_MUST_CHECK int zt_ticket_check(const char *key, const char *text, int64_t now_ms,
                                   zt_ticket_t *t);
+/* Frees the calling thread's crypto state now (ticket.c says why); for
+ * detached threads that checked or made tickets, as their last call. */
+void zt_ticket_thread_done(void);
 
 /* The shape of a message: s with every run of digits (dots between digits
  * included) written as '#', so that "generation 7 failed at step 40 on w1"

@@ -102,8 +102,17 @@ static cJSON *model_json(const zt_model_config_t *m) {
     cJSON_AddBoolToObject(o, "tie_word_embeddings", m->tie_embed);
     cJSON_AddBoolToObject(o, "attention_bias", m->qkv_bias);
   }
+  if (m->lora_r) {
+    cJSON *l = cJSON_AddObjectToObject(o, "lora");
+    cJSON_AddNumberToObject(l, "r", m->lora_r);
+    cJSON_AddNumberToObject(l, "alpha", m->lora_alpha);
+    cJSON *t = cJSON_AddArrayToObject(l, "target_modules");
+    for (int i = 0; i < ZT_LORA_NTARGETS; i++)
+      if (m->lora_targets >> i & 1) cJSON_AddItemToArray(t, cJSON_CreateString(zt_lora_target_names[i]));
+  }
   return o;
 }
+
 
 static void checksum_text(char out[32], uint64_t hash) {
   snprintf(out, 32, "xxh64:%016llx", (unsigned long long)hash);
@@ -190,6 +199,13 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
     cJSON_AddNumberToObject(m, "global_batch", (double)meta->global_batch);
     cJSON_AddNumberToObject(m, "data_cursor", (double)meta->step * (double)meta->global_batch);
     if (meta->tokenizer[0]) cJSON_AddStringToObject(m, "tokenizer", meta->tokenizer);
+    if (meta->model.lora_r) {
+      cJSON *b = cJSON_AddObjectToObject(m, "lora_base");
+      char sum[32];
+      checksum_text(sum, meta->lora_base_hash);
+      cJSON_AddStringToObject(b, "path", meta->lora_base);
+      cJSON_AddStringToObject(b, "params_xxh64", sum);
+    }
     cJSON *sk = cJSON_AddArrayToObject(m, "skip_ranges");
     for (int i = 0; i < meta->nskips; i++) {
       cJSON *p = cJSON_CreateArray();
@@ -329,6 +345,27 @@ int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want) {
   return 0;
 }
 
+/* A manifest model's lora object (absent: none) into cfg; -1 when it is
+ * malformed. */
+static int lora_fields(const cJSON *mm, zt_model_config_t *cfg) {
+  const cJSON *l = cJSON_GetObjectItemCaseSensitive(mm, "lora");
+  cfg->lora_r = 0, cfg->lora_alpha = 0, cfg->lora_targets = 0;
+  if (!l) return 0;
+  const cJSON *alpha = cJSON_GetObjectItemCaseSensitive(l, "alpha");
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(l, "target_modules"), *it;
+  cfg->lora_r = (int)int_field((cJSON *)l, "r", 4096);
+  if (cfg->lora_r < 1 || !cJSON_IsNumber(alpha) || !cJSON_IsArray(t)) return -1;
+  cfg->lora_alpha = (float)alpha->valuedouble;
+  cJSON_ArrayForEach(it, t) {
+    int found = -1;
+    for (int i = 0; i < ZT_LORA_NTARGETS && cJSON_IsString(it); i++)
+      if (!strcmp(it->valuestring, zt_lora_target_names[i])) found = i;
+    if (found < 0) return -1;
+    cfg->lora_targets |= 1u << found;
+  }
+  return 0;
+}
+
 /* The llama fields of a manifest's model (absent: gpt2) into cfg; 0 when
  * they are absent or well-formed. */
 static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
@@ -351,7 +388,8 @@ static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
   cfg->tie_embed = cJSON_IsTrue(tie);
   cfg->qkv_bias = cJSON_IsTrue(bias);
   if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(mm, "rope_scaling"),
-                            "manifest model.rope_scaling", cfg) != 0)
+                            "manifest model.rope_scaling", cfg) != 0 ||
+      lora_fields(mm, cfg) != 0)
     return -1;
   return cfg->n_kv_head < 1 || cfg->head_dim < 1 || cfg->n_ff < 1 ? -1 : 0;
 }
@@ -364,7 +402,9 @@ static int same_arch(const cJSON *mm, const zt_model_config_t *model) {
          (got.n_kv_head == model->n_kv_head && got.head_dim == model->head_dim &&
           got.n_ff == model->n_ff && got.rope_theta == model->rope_theta &&
           got.norm_eps == model->norm_eps && got.tie_embed == model->tie_embed &&
-          got.qkv_bias == model->qkv_bias && zt_rope_scaling_same(&got, model));
+          got.qkv_bias == model->qkv_bias && zt_rope_scaling_same(&got, model) &&
+          got.lora_r == model->lora_r && got.lora_alpha == model->lora_alpha &&
+          got.lora_targets == model->lora_targets);
 }
 
 /* The manifest: checked against the record and the model; its world. */
@@ -573,6 +613,25 @@ int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
                    dir);
   if (zt_model_config_check(cfg) != 0)
     return zt_err_wrap("%s/manifest.json (corrupt checkpoint)", dir);
+  return 0;
+}
+
+int zt_ckpt_read_lora_base(const char *dir, char *path, size_t cap, char sum[32]) {
+  cJSON *man = read_json(dir, "manifest.json", NULL);
+  if (!man) return -1;
+  const cJSON *b = cJSON_GetObjectItemCaseSensitive(man, "lora_base");
+  const cJSON *p = cJSON_GetObjectItemCaseSensitive(b, "path");
+  const cJSON *h = cJSON_GetObjectItemCaseSensitive(b, "params_xxh64");
+  int ok = cJSON_IsString(p) && cJSON_IsString(h) && strlen(p->valuestring) < cap &&
+           zt_ckpt_checksum_valid(h->valuestring);
+  if (ok) {
+    snprintf(path, cap, "%s", p->valuestring);
+    snprintf(sum, 32, "%s", h->valuestring);
+  }
+  cJSON_Delete(man);
+  if (!ok)
+    return zt_errk(ZT_E_INVALID, "%s/manifest.json: no lora_base {path, params_xxh64} (a LoRA "
+                   "checkpoint names the model its adapters adapt)", dir);
   return 0;
 }
 

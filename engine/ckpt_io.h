@@ -57,6 +57,10 @@ typedef struct {
   /* The tokenizer record of the job's data (absolute path), or "": the
    * manifest names it so that export and sampling find the tokenizer. */
   char tokenizer[512];
+  /* LoRA (model.lora_r > 0): the base model the adapters adapt, as the
+   * spec names it, and the XXH64 of its fp32 parameters (lora.h). */
+  char lora_base[512];
+  uint64_t lora_base_hash;
 } zt_ckpt_meta_t;
 
 typedef struct {
@@ -105,6 +109,10 @@ ZT_MUST_CHECK int zt_ckpt_load(const char *dir, const zt_model_config_t *model,
  * it and zt_ckpt_load_flat. */
 ZT_MUST_CHECK int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer,
                                      size_t cap);
+
+/* A LoRA epoch's base model (manifest.json's lora_base): its path and the
+ * checksum text ("xxh64:<16 hex>") of its fp32 parameters. */
+ZT_MUST_CHECK int zt_ckpt_read_lora_base(const char *dir, char *path, size_t cap, char sum[32]);
 
 /* Every parameter of the epoch in `dir` in one flat buffer laid out as
  * *lay (built here from cfg; zt_layout_free it): unit destinations over

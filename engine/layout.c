@@ -46,6 +46,21 @@ void zt_layout_block_views(float *base, int C, size_t esz, zt_block_t *b) {
 
 /* ---- configuration --------------------------------------------------------- */
 
+const char *const zt_lora_target_names[ZT_LORA_NTARGETS] = {
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+
+static int lora_config_check(const zt_model_config_t *c) {
+  if (c->lora_r == 0) return 0;
+  if (c->arch != ZT_ARCH_LLAMA) return zt_err("lora: needs model.arch llama");
+  if (c->lora_r < 1 || c->lora_r > 4096)
+    return zt_err("lora.r must be in [1, 4096] (got %d)", c->lora_r);
+  if (!(c->lora_alpha > 0) || c->lora_alpha > 1e6f) return zt_err("lora.alpha must be in (0, 1e6]");
+  if (!c->lora_targets || c->lora_targets >> ZT_LORA_NTARGETS)
+    return zt_err("lora.target_modules: needs at least one of q_proj, k_proj, v_proj, o_proj, "
+                  "gate_proj, up_proj, down_proj");
+  return 0;
+}
+
 int zt_model_config_check(const zt_model_config_t *c) {
   if (c->n_layer < 1) return zt_err("n_layer must be >= 1 (got %d)", c->n_layer);
   if (c->n_head < 1) return zt_err("n_head must be >= 1 (got %d)", c->n_head);
@@ -62,7 +77,7 @@ int zt_model_config_check(const zt_model_config_t *c) {
     return zt_err("seq_len must be in [1, %d] (got %d)", ZT_MODEL_MAX_SEQ, c->seq_len);
   if (c->vocab_size < 2 || c->vocab_size > ZT_MODEL_MAX_VOCAB)
     return zt_err("vocab_size must be in [2, %d] (got %d)", ZT_MODEL_MAX_VOCAB, c->vocab_size);
-  if (c->arch == ZT_ARCH_GPT2) return 0;
+  if (c->arch == ZT_ARCH_GPT2) return lora_config_check(c);
   if (c->arch != ZT_ARCH_LLAMA) return zt_err("unknown architecture %d", c->arch);
   if (c->n_kv_head < 1 || c->n_head % c->n_kv_head != 0)
     return zt_err("n_head (%d) must be a multiple of n_kv_head (%d)", c->n_head, c->n_kv_head);
@@ -77,6 +92,7 @@ int zt_model_config_check(const zt_model_config_t *c) {
                   c->n_ff);
   if (!(c->rope_theta > 0) || !(c->norm_eps > 0))
     return zt_err("rope_theta and rms_norm_eps must be > 0");
+  if (lora_config_check(c) != 0) return -1;
   if (c->rope_factor != 0 &&
       (!(c->rope_factor > 0) || !(c->rope_low_freq_factor > 0) ||
        !(c->rope_high_freq_factor > c->rope_low_freq_factor) || c->rope_original_max_pos < 1))
@@ -87,8 +103,26 @@ int zt_model_config_check(const zt_model_config_t *c) {
 
 static int pad_vocab(int V) { return (V + 63) / 64 * 64; }
 
+/* The shape [out, in] of LoRA target i's projection. */
+static void lora_target_shape(const zt_model_config_t *c, int i, int *out, int *in) {
+  int C = c->n_embd, A = c->n_head * c->head_dim, KV = c->n_kv_head * c->head_dim, F = c->n_ff;
+  static const int k_out[ZT_LORA_NTARGETS] = {0, 1, 1, 2, 3, 3, 2}; /* A, KV, C, F */
+  static const int k_in[ZT_LORA_NTARGETS] = {2, 2, 2, 0, 2, 2, 3};
+  int dims[4] = {A, KV, C, F};
+  *out = dims[k_out[i]], *in = dims[k_in[i]];
+}
+
 size_t zt_model_param_count(const zt_model_config_t *c, int padded) {
   size_t C = (size_t)c->n_embd, L = (size_t)c->n_layer;
+  if (c->lora_r > 0) {
+    size_t block = 0;
+    for (int i = 0; i < ZT_LORA_NTARGETS; i++) {
+      int o, in;
+      lora_target_shape(c, i, &o, &in);
+      if (c->lora_targets >> i & 1) block += (size_t)c->lora_r * (size_t)(o + in);
+    }
+    return L * block + (padded ? 2 * ZT_LORA_PAD : 0);
+  }
   size_t V = (size_t)(padded ? pad_vocab(c->vocab_size) : c->vocab_size);
   if (c->arch == ZT_ARCH_LLAMA) {
     size_t QKV = (size_t)zt_model_qkv_width(c), A = (size_t)zt_model_att_width(c);
@@ -181,9 +215,49 @@ static int gpt2_block_spec(const zt_model_config_t *c, lspec_t *s) {
  * blocks, unit L+1 the final norm and, for an untied llama, the LM head.
  * Llama's tensors have Hugging Face's names, so checkpoints and files of
  * that layout need no table. */
+/* The adapters' layout (layout.h). */
+static void lora_build(zt_layout_t *l, const zt_model_config_t *c) {
+  int L = c->n_layer;
+  l->tensors = zt_xcalloc((size_t)(2 + L * 2 * ZT_LORA_NTARGETS), sizeof(zt_tensor_t));
+  size_t off = 0, uo;
+  char name[128];
+  for (int u = 0; u < L + 2; u++) {
+    l->unit_off[u] = off;
+    uo = 0;
+    if (u == 0 || u == L + 1) {
+      snprintf(name, sizeof name, "lora.pad.%d", u);
+      add_tensor(l, name, ZT_T_LORA_PAD, u, -1, &uo, 1, ZT_LORA_PAD, ZT_LORA_PAD, 0);
+    }
+    for (int i = 0; u > 0 && u <= L && i < ZT_LORA_NTARGETS; i++) {
+      if (!(c->lora_targets >> i & 1)) continue;
+      int o, in;
+      lora_target_shape(c, i, &o, &in);
+      const char *mod = i < 4 ? "self_attn" : "mlp";
+      snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.%s.lora_A.weight", u - 1,
+               mod, zt_lora_target_names[i]);
+      add_tensor(l, name, ZT_T_LORA_A, u, u - 1, &uo, c->lora_r, in, (size_t)c->lora_r * in, 1);
+      snprintf(name, sizeof name, "base_model.model.model.layers.%d.%s.%s.lora_B.weight", u - 1,
+               mod, zt_lora_target_names[i]);
+      add_tensor(l, name, ZT_T_LORA_B, u, u - 1, &uo, o, c->lora_r, (size_t)o * c->lora_r, 1);
+    }
+    l->unit_size[u] = uo;
+    off += uo;
+  }
+  l->num_params = off;
+}
+
 int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
   memset(l, 0, sizeof *l);
   if (zt_model_config_check(cfg) != 0) return -1;
+  if (cfg->lora_r > 0) {
+    l->cfg = *cfg;
+    l->Vp = pad_vocab(cfg->vocab_size);
+    l->num_units = cfg->n_layer + 2;
+    l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+    l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+    lora_build(l, cfg);
+    return 0;
+  }
   int C = cfg->n_embd, L = cfg->n_layer, llama = cfg->arch == ZT_ARCH_LLAMA;
   l->cfg = *cfg;
   l->Vp = pad_vocab(cfg->vocab_size);
@@ -263,6 +337,11 @@ void zt_layout_init_unit(const zt_layout_t *l, uint64_t seed, int u, float *dst)
     if (t->unit != u) continue;
     float *p = dst + t->unit_off;
     switch (t->kind) {
+      case ZT_T_LORA_A: {
+        double bound = 1.0 / sqrt((double)t->cols);
+        for (size_t j = 0; j < t->n; j++) p[j] = (float)((2.0 * zt_rng_uniform(&r) - 1.0) * bound);
+        break;
+      }
       case ZT_T_WTE:
       case ZT_T_HEADW:
         fill_normal(&r, p, V * C, std);

@@ -58,7 +58,27 @@ typedef struct zt_model_config {
   /* Llama 3's rope_scaling (rope_type "llama3"); rope_factor 0: none. */
   float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
   int rope_original_max_pos;
+  /* LoRA (lora.h; llama only): rank r (0: none), alpha, and which of a
+   * block's projections get adapters (ZT_LORA_* bits). With lora_r > 0 the
+   * trainable parameters, and so this configuration's layout, are the
+   * adapters; the base model is zt_model_config_base's. */
+  int lora_r;
+  float lora_alpha;
+  unsigned lora_targets;
 } zt_model_config_t;
+
+/* The projections LoRA can adapt, by PEFT's target_modules names, in a
+ * block's order. */
+#define ZT_LORA_NTARGETS 7
+#define ZT_LORA_DEFAULT_TARGETS 0x5u /* q_proj, v_proj (PEFT's default for llama) */
+extern const char *const zt_lora_target_names[ZT_LORA_NTARGETS];
+
+/* The configuration without LoRA: the model the adapters adapt. */
+static inline zt_model_config_t zt_model_config_base(const zt_model_config_t *c) {
+  zt_model_config_t b = *c;
+  b.lora_r = 0, b.lora_alpha = 0, b.lora_targets = 0;
+  return b;
+}
 
 /* The kind of a named tensor; one per parameter group. */
 typedef enum {
@@ -93,12 +113,17 @@ typedef enum {
   ZT_T_DOWNW,
   ZT_T_NORMW,
   ZT_T_HEADW,
+  /* LoRA adapters: A [r, in], B [out, r]; a unit with no adapter holds
+   * one small placeholder that nothing reads (zero, never updated). */
+  ZT_T_LORA_A,
+  ZT_T_LORA_B,
+  ZT_T_LORA_PAD,
   ZT_T_NKINDS
 } zt_tensor_kind_t;
 
 /* A named view into the flat parameter buffer. */
 typedef struct zt_tensor {
-  char name[64];
+  char name[96];
   zt_tensor_kind_t kind;
   int unit;        /* which unit holds it */
   int layer;       /* block index, -1 outside blocks */
@@ -141,7 +166,13 @@ int zt_model_config_check(const zt_model_config_t *cfg);
 size_t zt_model_param_count(const zt_model_config_t *cfg, int padded);
 
 /* Builds the layout of a (checked) configuration; free with
- * zt_layout_free. */
+ * zt_layout_free. With LoRA (lora_r > 0) it is the adapters' layout: units
+ * as the base model's (0, the blocks, L + 1), a block's unit holding, for
+ * each target in ZT_LORA order, lora_A [r, in] then lora_B [out, r] under
+ * PEFT's names ("base_model.model.model.layers.<l>.self_attn.q_proj.
+ * lora_A.weight"), and units 0 and L + 1 one placeholder each,
+ * "lora.pad.<u>" of ZT_LORA_PAD elements. */
+#define ZT_LORA_PAD 8
 ZT_MUST_CHECK int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg);
 void zt_layout_free(zt_layout_t *l);
 
@@ -149,7 +180,8 @@ void zt_layout_free(zt_layout_t *l);
 const zt_tensor_t *zt_layout_find(const zt_layout_t *l, const char *name);
 
 /* Deterministic initialisation of unit u into dst (unit_size[u] elements):
- * weights N(0, 0.02), the residual projections (attn.c_proj, mlp.c_proj)
+ * LoRA's as PEFT's: lora_A uniform in +-1/sqrt(in) (kaiming_uniform with
+ * a = sqrt(5)), lora_B and placeholders 0; else weights N(0, 0.02), the residual projections (attn.c_proj, mlp.c_proj)
  * N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weight 1 and bias 0, pad
  * rows of wte 0. The values depend only on (seed, u) and the configuration,
  * so any process can initialise just the units it holds. */

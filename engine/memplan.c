@@ -55,12 +55,24 @@ static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t x
          3 * 4 * B * T; /* inputs, targets, host losses */
 }
 
+/* LoRA's frozen base, whole on every rank in the storage type, and its
+ * two block slots, merged weights and their gradient (lora.c). */
+static uint64_t lora_base(const zt_model_config_t *m, uint64_t xb) {
+  zt_model_config_t b = zt_model_config_base(m);
+  zt_layout_t l;
+  if (!m->lora_r || zt_layout_build(&l, &b) != 0) return 0;
+  uint64_t n = (uint64_t)l.num_params * xb + (uint64_t)l.unit_size[1] * (xb + 4);
+  zt_layout_free(&l);
+  return n;
+}
+
 int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
                     int gqa_native, uint64_t *states, uint64_t *acts) {
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
-  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned);
+  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
+            lora_base(&s->model, (uint64_t)xbytes);
   *acts = activations(s, &l, (uint64_t)xbytes, gqa_native);
   zt_layout_free(&l);
   return 0;
@@ -70,11 +82,13 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   zt_layout_t l;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
-  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned);
+  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
+                lora_base(&s->model, 4);
   out->activations = activations(s, &l, 4, 1); /* the CPU tables' attention is GQA's own */
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */
-  out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned);
+  out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned) +
+                    lora_base(&s->model, dev_xb);
   out->dev_activations = activations(s, &l, dev_xb, 0);
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
   out->host = ZT_MEMPLAN_BASE_BYTES + out->states + out->activations + out->snapshot;

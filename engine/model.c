@@ -110,6 +110,9 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
   if (cfg->arch == ZT_ARCH_LLAMA && !k->rmsnorm_forward)
     return zt_errk(ZT_E_INVALID, "model.arch llama: the %s kernels do not have it yet (train "
                    "it on CPU workers)", k->name);
+  if (cfg->lora_r && !(flags & ZT_MODEL_SHELL))
+    return zt_err("model: a LoRA configuration's parameters are its adapters; compute with the "
+                  "base configuration (engine/lora.h)");
   if (B < 1) return zt_err("model: batch size must be >= 1 (got %d)", B);
   if (T < 1 || T > cfg->seq_len)
     return zt_err("model: T must be in [1, seq_len=%d] (got %d)", cfg->seq_len, T);
@@ -127,7 +130,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
       (!(flags & ZT_MODEL_NO_GRADS) &&
        alloc_flat(m, &m->grads, m->unit_grads, sizeof(float), "gradients") != 0))
     goto err;
-  if (acts_create(m) != 0) goto err;
+  if (!(flags & ZT_MODEL_SHELL) && acts_create(m) != 0) goto err;
   *out = m;
   return 0;
 err:
@@ -284,7 +287,8 @@ static void any_block_forward(zt_model_t *m, int l, const float *x, int B, int T
 static float *head_of(const zt_model_t *m, float *const *units, size_t esz) {
   const zt_model_config_t *c = &m->cfg;
   if (c->arch == ZT_ARCH_LLAMA && !c->tie_embed)
-    return (float *)((char *)units[c->n_layer + 1] + (size_t)c->n_embd * esz);
+    return units[c->n_layer + 1] ? (float *)((char *)units[c->n_layer + 1] + (size_t)c->n_embd * esz)
+                                 : NULL;
   return units[0];
 }
 
@@ -299,6 +303,7 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;
   int C = m->cfg.n_embd, L = m->cfg.n_layer, V = m->cfg.vocab_size, BT = B * T;
+  if (!a) return zt_err("forward: a shell model (ZT_MODEL_SHELL) has no activations");
   if (B < 1 || B > m->max_B || T < 1 || T > m->max_T)
     return zt_err("forward: batch %dx%d exceeds the model's capacity %dx%d", B, T, m->max_B,
                   m->max_T);
@@ -421,6 +426,7 @@ static void llama_block_backward(zt_model_t *m, int l, const float *x) {
 int zt_model_backward(zt_model_t *m, float grad_scale) {
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;
+  if (!a) return zt_err("backward: a shell model (ZT_MODEL_SHELL) has no activations");
   int B = a->B, T = a->T, C = m->cfg.n_embd, L = m->cfg.n_layer, BT = B * T;
   if (!a->have_targets) return zt_err("backward: the last forward had no targets");
 
@@ -459,7 +465,7 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
 
   float *dwte = m->unit_grads[0];
   float *dwpe = llama ? a->dnowpe : dwte + (size_t)m->lay.Vp * C;
-  k->encoder_backward(dwte, dwpe, a->dres, a->inputs, B, T, C);
+  if (dwte) k->encoder_backward(dwte, dwpe, a->dres, a->inputs, B, T, C);
   ZT_HOOK(m, post_backward, 0);
   return 0;
 }

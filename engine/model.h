@@ -18,7 +18,12 @@
  * repoint them at any time between calls, or from a hook (ZeRO stage 3
  * gathers a unit into a temporary buffer in pre_forward / pre_backward).
  * With ZT_MODEL_NO_PARAMS / ZT_MODEL_NO_GRADS the flat buffers are not
- * allocated at all and the caller must supply every unit pointer.
+ * allocated at all and the caller must supply every unit pointer. A llama
+ * model's unit 0 or L + 1 whose gradient pointer is NULL is frozen: the
+ * backward skips its weight gradients (LoRA, engine/lora.h). A model made
+ * with ZT_MODEL_SHELL has units, pointers and hooks but no activations: it
+ * stands for a set of trainable parameters that another model computes
+ * with (LoRA's adapters, under ZeRO), and cannot run forward itself.
  *
  * Hooks, in call order for one forward + backward:
  *
@@ -74,6 +79,7 @@ typedef struct zt_model_hooks {
 #define ZT_MODEL_NO_PARAMS 1u /* do not allocate the flat parameter buffer */
 #define ZT_MODEL_NO_GRADS 2u  /* do not allocate the flat gradient buffer */
 #define ZT_MODEL_RECOMPUTE 4u /* activation checkpointing: keep each layer's input only */
+#define ZT_MODEL_SHELL 8u     /* no activations (see above) */
 
 struct zt_acts; /* activations, private to model.c */
 

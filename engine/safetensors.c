@@ -22,6 +22,12 @@ static int is_conv1d(int kind) {
   return kind == ZT_T_QKVW || kind == ZT_T_ATTPROJW || kind == ZT_T_FCW || kind == ZT_T_FCPROJW;
 }
 
+/* A tensor of one dimension (rows == 1 but LoRA's A of rank 1, a matrix). */
+static int is_vector(const zt_tensor_t *t) { return t->rows == 1 && t->kind != ZT_T_LORA_A; }
+
+/* LoRA's placeholders are in no file (layout.h). */
+static int in_files(const zt_tensor_t *t) { return t->kind != ZT_T_LORA_PAD; }
+
 /* A llama layout's names are already Hugging Face's (layout.c). */
 static int is_llama_kind(int kind) { return kind >= ZT_T_RMS1W; }
 
@@ -51,15 +57,15 @@ static float file_elem(const zt_tensor_t *t, const float *src, size_t rows, size
 
 static void add_entry(cJSON *hdr, const zt_tensor_t *t, size_t rows, int bf16, size_t off,
                       size_t bytes) {
-  char name[96];
+  char name[128];
   hf_name(t, name, sizeof name);
   cJSON *e = cJSON_AddObjectToObject(hdr, name);
   cJSON_AddStringToObject(e, "dtype", bf16 ? "BF16" : "F32");
   cJSON *shape = cJSON_AddArrayToObject(e, "shape");
   size_t cols = (size_t)t->cols;
   int tr = is_conv1d(t->kind);
-  if (t->rows != 1) cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)(tr ? cols : rows)));
-  cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)(t->rows == 1 ? cols : tr ? rows : cols)));
+  if (!is_vector(t)) cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)(tr ? cols : rows)));
+  cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)(is_vector(t) ? cols : tr ? rows : cols)));
   cJSON *offs = cJSON_AddArrayToObject(e, "data_offsets");
   cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)off));
   cJSON_AddItemToArray(offs, cJSON_CreateNumber((double)(off + bytes)));
@@ -114,7 +120,8 @@ int zt_st_write(const char *path, const zt_layout_t *l, const float *flat, int b
                 size_t *bytes) {
   size_t esz = bf16 ? 2 : 4, total = 0;
   for (int i = 0; i < l->num_tensors; i++)
-    total += file_rows(l, &l->tensors[i]) * (size_t)l->tensors[i].cols * esz;
+    if (in_files(&l->tensors[i]))
+      total += file_rows(l, &l->tensors[i]) * (size_t)l->tensors[i].cols * esz;
   uint8_t *data = zt_xmalloc(total ? total : 1);
   cJSON *hdr = cJSON_CreateObject();
   cJSON *meta = cJSON_AddObjectToObject(hdr, "__metadata__");
@@ -125,6 +132,7 @@ int zt_st_write(const char *path, const zt_layout_t *l, const float *flat, int b
   size_t off = 0;
   for (int i = 0; i < l->num_tensors; i++) {
     const zt_tensor_t *t = &l->tensors[i];
+    if (!in_files(t)) continue;
     size_t rows = file_rows(l, t), n = rows * (size_t)t->cols;
     for (size_t k = 0; k < n; k++) {
       float v = file_elem(t, flat + t->off, rows, k);
@@ -199,7 +207,7 @@ static const cJSON *entry(const reader *r, const zt_tensor_t *t, char *name, siz
 /* The shape the file must give t: dims[0..nd); rows may be more for wpe. */
 static int want_shape(const reader *r, const zt_tensor_t *t, int64_t dims[2]) {
   int64_t rows = (int64_t)file_rows(r->l, t), cols = t->cols;
-  if (t->rows == 1) {
+  if (is_vector(t)) {
     dims[0] = cols;
     return 1;
   }
@@ -239,7 +247,7 @@ static int check_shape(const reader *r, const zt_tensor_t *t, const char *name, 
 
 /* Reads tensor t into flat. */
 static int read_tensor(const reader *r, const zt_tensor_t *t, float *flat) {
-  char name[96];
+  char name[128];
   const cJSON *e = entry(r, t, name, sizeof name);
   if (!e) return zt_errk(ZT_E_INVALID, "%s: no tensor %s", r->path, name);
   const cJSON *dt = cJSON_GetObjectItemCaseSensitive(e, "dtype");
@@ -332,7 +340,7 @@ static int known_entry(const reader *r, const char *full) {
     for (int i = 0; *p == '.' && i < l->num_tensors && l->tensors[i].layer <= 0; i++)
       if (l->tensors[i].layer == 0 && !strcmp(l->tensors[i].name + 3, p)) return 0;
   } else {
-    char name[96];
+    char name[128];
     for (int i = 0; i < l->num_tensors; i++) {
       if (l->tensors[i].layer >= 0) continue;
       hf_name(&l->tensors[i], name, sizeof name);
@@ -373,7 +381,8 @@ static int read_from(const char *path, const zt_layout_t *l, float *flat, const 
       rc = gather(faults);
   }
   for (int i = 0; rc == 0 && i < l->num_tensors; i++) {
-    char name[96];
+    char name[128];
+    if (!in_files(&l->tensors[i])) continue;
     hf_name(&l->tensors[i], name, sizeof name);
     const char *f = map ? mapped(map, name) : NULL;
     if ((!map || (f && !strcmp(f, fname))) && read_tensor(&r, &l->tensors[i], flat) != 0)
@@ -411,7 +420,7 @@ int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
   int rc = cJSON_IsObject(map) ? 0 : zt_errk(ZT_E_INVALID, "%s: no weight_map object", path);
   /* Every tensor of the model is mapped, to a file of the directory. */
   for (int i = 0; rc == 0 && i < l->num_tensors; i++) {
-    char name[96];
+    char name[128];
     hf_name(&l->tensors[i], name, sizeof name);
     const char *f = mapped(map, name);
     if (!f) zt_faults_add(&faults, "%s: no tensor %s in weight_map", path, name);

@@ -440,18 +440,70 @@ static int parse_rollback(zt_spec_t *s, const cJSON *root) {
 }
 
 static int parse_init(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"from_safetensors", "from_pretrained"};
+  static const char *const keys[] = {"from_safetensors", "from_pretrained", "lora_from"};
   const cJSON *o;
   if (get_object(root, "", "init", 0, &o) || (o && CHECK_KEYS(o, "init", keys))) return -1;
-  if (!o) return 0;
+  if (!o) {
+    if (s->model.lora_r)
+      return zt_err("lora: needs the model it adapts: init.from_pretrained (a Hugging Face "
+                    "model directory) or init.from_safetensors");
+    return 0;
+  }
   int file = cJSON_GetObjectItemCaseSensitive(o, "from_safetensors") != NULL;
   int dir = cJSON_GetObjectItemCaseSensitive(o, "from_pretrained") != NULL;
   if (file == dir)
     return zt_err("init: give one of from_safetensors (a file) and from_pretrained (a Hugging "
                   "Face model directory)");
   s->init_dir = dir;
+  if (get_string(o, "init", "lora_from", 0, s->lora_from, sizeof s->lora_from)) return -1;
+  if (s->lora_from[0] && !s->model.lora_r)
+    return zt_err("init.lora_from: adapters for a job without a lora section");
   return get_string(o, "init", dir ? "from_pretrained" : "from_safetensors", 1, s->init_from,
                     sizeof s->init_from);
+}
+
+/* lora{r, alpha, dropout, target_modules}, PEFT's LoraConfig under
+ * shorter names (lora_alpha, lora_dropout are taken too). */
+static int parse_lora(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"r", "alpha", "lora_alpha", "dropout", "lora_dropout",
+                                     "target_modules"};
+  const cJSON *o;
+  if (get_object(root, "", "lora", 0, &o) || (o && CHECK_KEYS(o, "lora", keys))) return -1;
+  if (!o) return 0;
+  zt_model_config_t *c = &s->model;
+  if (c->arch != ZT_ARCH_LLAMA) return zt_err("lora: needs model.arch \"llama\"");
+  int r = 8;
+  float alpha = 8, drop = 0;
+  if (get_int(o, "lora", "r", 0, 1, 4096, &r) ||
+      get_float(o, "lora", "alpha", 0, 1, 1e6, &alpha) ||
+      get_float(o, "lora", "lora_alpha", 0, 1, 1e6, &alpha) ||
+      get_float(o, "lora", "dropout", 0, 0, 1, &drop) ||
+      get_float(o, "lora", "lora_dropout", 0, 0, 1, &drop))
+    return -1;
+  if (drop != 0)
+    return zt_err("lora.dropout: only 0 is supported (the adapters are folded into the weights "
+                  "they adapt, which needs the same input for both)");
+  unsigned targets = ZT_LORA_DEFAULT_TARGETS;
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "target_modules");
+  if (t) {
+    if (!cJSON_IsArray(t) || !cJSON_GetArraySize(t))
+      return zt_err("lora.target_modules: expected a non-empty list of names");
+    targets = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, t) {
+      int found = -1;
+      for (int i = 0; i < ZT_LORA_NTARGETS && cJSON_IsString(it); i++)
+        if (!strcmp(it->valuestring, zt_lora_target_names[i])) found = i;
+      if (found < 0)
+        return zt_err("lora.target_modules: %s%s%s is not one of q_proj, k_proj, v_proj, "
+                      "o_proj, gate_proj, up_proj, down_proj",
+                      cJSON_IsString(it) ? "\"" : "", cJSON_IsString(it) ? it->valuestring : "an entry",
+                      cJSON_IsString(it) ? "\"" : "");
+      targets |= 1u << found;
+    }
+  }
+  c->lora_r = r, c->lora_alpha = alpha, c->lora_targets = targets;
+  return 0;
 }
 
 static int parse_misc(zt_spec_t *s, const cJSON *root) {
@@ -541,7 +593,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
       "bf16", "comm", "fault_injection", "init", "activation_checkpointing",
-      "wall_clock_breakdown"};
+      "wall_clock_breakdown", "lora"};
   set_defaults(s);
   cJSON *root = zt_json_parse(json, len, "the spec");
   if (!root) return -1;
@@ -555,7 +607,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
   if (CHECK_KEYS(root, "", top) || parse_misc(s, root) || parse_model(s, root) ||
       parse_batch(s, root) || parse_optimizer(s, root) || parse_scheduler(s, root) ||
       parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_checkpoint(s, root) ||
-      parse_rollback(s, root) || parse_fault(s, root) || parse_init(s, root))
+      parse_rollback(s, root) || parse_fault(s, root) || parse_lora(s, root) || parse_init(s, root))
     goto out;
   rc = 0;
 out:

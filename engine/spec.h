@@ -126,6 +126,11 @@ typedef struct zt_spec {
    * model.safetensors or a sharded model.safetensors.index.json;
    * engine/hfdir.h). */
   int init_dir;
+  /* init.lora_from: the adapters to start from (a PEFT
+   * adapter_model.safetensors) instead of PEFT's initialisation; "" none.
+   * The lora section itself is in model (lora_r, lora_alpha,
+   * lora_targets). */
+  char lora_from[ZT_SPEC_PATH_MAX];
 
   int zero_stage;
   /* zero_optimization.overlap_comm (default true): stages 0-2 reduce each

@@ -36,6 +36,7 @@
 #include "model.h"
 #include "optim.h"
 #include "hfdir.h"
+#include "lora.h"
 #include "safetensors.h"
 #include "spec.h"
 #include "tokenizer.h"
@@ -47,7 +48,10 @@ typedef struct {
   const zt_gen_ctx_t *g;
   zt_spec_t spec;
   zt_model_config_t cfg;
-  zt_model_t *m;
+  zt_model_t *m;          /* computes: the model, or LoRA's base (lora.h) */
+  zt_model_t *ad;         /* LoRA: the adapters, which ZeRO trains; else NULL */
+  zt_lora_t *lora;
+  uint64_t base_hash;     /* LoRA: XXH64 of the base's fp32 parameters */
   const zt_kernels_t *k;
   zt_zero_t z;
   int have_z;
@@ -87,6 +91,7 @@ static int confine(trainer *t) {
   } paths[] = {{g->data_root, "data.train", s->train_glob},
                {g->data_root, "data.val", s->val_glob},
                {g->data_root, s->init_dir ? "init.from_pretrained" : "init.from_safetensors", s->init_from},
+               {g->data_root, "init.lora_from", s->lora_from},
                {g->ckpt_root, "checkpoint.dir", s->ckpt.dir}};
   for (size_t i = 0; i < ZT_ARRAY_LEN(paths); i++) {
     if (!paths[i].root || !paths[i].path[0]) continue;
@@ -205,9 +210,15 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   *fault = ZT_FAULT_MEMORY;
   if (check_memory(t) != 0) return -1;
   *fault = ZT_FAULT_JOB;
-  if (zt_model_create(&t->m, &t->cfg, t->mb, t->T, t->k,
+  /* With LoRA the model computes with the base configuration, and a shell
+   * of the adapters' is what ZeRO trains (lora.h). */
+  zt_model_config_t base = zt_model_config_base(&t->cfg);
+  if (zt_model_create(&t->m, &base, t->mb, t->T, t->k,
                       ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS |
-                          (t->spec.act_ckpt ? ZT_MODEL_RECOMPUTE : 0)) != 0) {
+                          (t->spec.act_ckpt ? ZT_MODEL_RECOMPUTE : 0)) != 0 ||
+      (t->cfg.lora_r && zt_model_create(&t->ad, &t->cfg, 1, t->T, t->k,
+                                        ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS |
+                                            ZT_MODEL_SHELL) != 0)) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return zt_err_wrap("model");
   }
@@ -231,11 +242,19 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
                        .accum = t->accum,
                        .overlap = overlap};
-  if (zt_zero_create(&t->z, t->m, t->k, g->comm, &zo) != 0) {
+  if (zt_zero_create(&t->z, t->ad ? t->ad : t->m, t->k, g->comm, &zo) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;
   }
   t->have_z = 1;
+  if (t->ad) {
+    if (zt_lora_create(&t->lora, t->m, t->ad) != 0) {
+      if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
+      return -1;
+    }
+    /* The frozen base counts with the model states (memplan.c). */
+    t->z.state_bytes[0] += zt_lora_bytes(t->lora);
+  }
   if (t->z.each && t->accum > 1 && t->r == 0)
     ZT_INFO("gradients: each of the %d micro-steps' fp32 gradients is reduce-scattered straight "
             "to its owners (stage %d, %d ranks)", t->accum, t->spec.zero_stage, t->N);
@@ -255,8 +274,51 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
 /* Step 0's parameters: init.from_safetensors when the spec names a file
  * (every rank reads it and keeps what it holds), else the seeded random
  * initialisation. A file that does not fit the model is the job's fault. */
+/* Reads the weights of init.from_safetensors or init.from_pretrained into
+ * flat (the compute model's layout). */
+static int read_init(trainer *t, float *flat) {
+  const char *path = t->spec.init_from;
+  if (t->spec.init_dir)
+    return zt_hf_check_config(path, &t->m->cfg) != 0 || zt_hf_read_weights(path, &t->m->lay, flat) != 0
+               ? -1
+               : 0;
+  return zt_st_read(path, &t->m->lay, flat);
+}
+
+/* LoRA: the base model, at every start (fresh or from a checkpoint). */
+static int init_base(trainer *t, zt_train_fault_t *fault) {
+  const char *what = t->spec.init_dir ? "init.from_pretrained" : "init.from_safetensors";
+  float *flat = zt_xmalloc(t->m->lay.num_params * sizeof(float));
+  int rc = read_init(t, flat);
+  if (rc == 0) rc = zt_lora_set_base(t->lora, flat, &t->base_hash);
+  free(flat);
+  if (rc != 0) {
+    *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
+    return zt_err_wrap("%s (the base model of lora)", what);
+  }
+  ZT_INFO("lora: base model from %s (params xxh64:%016llx)", t->spec.init_from,
+          (unsigned long long)t->base_hash);
+  return 0;
+}
+
+/* LoRA's adapters at step 0: init.lora_from (a PEFT adapter file) or
+ * PEFT's initialisation from the seed. */
+static int init_adapters(trainer *t, zt_train_fault_t *fault) {
+  if (!t->spec.lora_from[0]) {
+    zt_zero_init_params(&t->z, t->spec.seed);
+    return 0;
+  }
+  float *flat = zt_xmalloc(t->ad->lay.num_params * sizeof(float));
+  int rc = zt_st_read(t->spec.lora_from, &t->ad->lay, flat);
+  if (rc == 0) zt_zero_set_params(&t->z, flat);
+  else *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
+  free(flat);
+  return rc == 0 ? 0 : zt_err_wrap("init.lora_from");
+}
+
 static int init_params(trainer *t, zt_train_fault_t *fault) {
   const char *path = t->spec.init_from;
+  if (t->lora) return init_adapters(t, fault);
   if (!path[0]) {
     zt_zero_init_params(&t->z, t->spec.seed);
     return 0;
@@ -268,11 +330,7 @@ static int init_params(trainer *t, zt_train_fault_t *fault) {
                    t->g->data_root);
   }
   float *flat = zt_xmalloc(t->m->lay.num_params * sizeof(float));
-  int rc = t->spec.init_dir ? (zt_hf_check_config(path, &t->spec.model) != 0 ||
-                               zt_hf_read_weights(path, &t->m->lay, flat) != 0)
-                                  ? -1
-                                  : 0
-                            : zt_st_read(path, &t->m->lay, flat);
+  int rc = read_init(t, flat);
   if (rc == 0) zt_zero_set_params(&t->z, flat);
   else *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
   free(flat);
@@ -294,8 +352,21 @@ zt_train_fault_t zt_train_load_fault(zt_errkind_t kind) {
 }
 
 /* The step to start from: the loaded epoch's, or 0 with fresh parameters. */
+/* LoRA: the epoch's adapters were trained on the base loaded now. */
+static int same_base(trainer *t, const char *dir) {
+  char path[ZT_SPEC_PATH_MAX], sum[32], now[32];
+  if (zt_ckpt_read_lora_base(dir, path, sizeof path, sum) != 0) return -1;
+  snprintf(now, sizeof now, "xxh64:%016llx", (unsigned long long)t->base_hash);
+  if (strcmp(sum, now))
+    return zt_errk(ZT_E_INVALID, "checkpoint %s: its adapters were trained on a base model whose "
+                   "parameters hash to %s (%s), but %s hashes to %s: not the same base model",
+                   dir, sum, path, t->spec.init_from, now);
+  return 0;
+}
+
 static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
+  if (t->lora && init_base(t, fault) != 0) return -1;
   if (!g->checkpoint_dir || !g->checkpoint_dir[0]) {
     *step = 0;
     return init_params(t, fault);
@@ -311,6 +382,10 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   }
   if (zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded) != 0) {
     *fault = zt_comm_broken(g->comm) ? ZT_FAULT_PEER : zt_train_load_fault(zt_err_kind());
+    return -1;
+  }
+  if (t->lora && same_base(t, g->checkpoint_dir) != 0) {
+    *fault = ZT_FAULT_JOB;
     return -1;
   }
   if (g->start_step && loaded != g->start_step) { /* the epoch is not what was committed */
@@ -514,8 +589,15 @@ static int save_state(trainer *t, int64_t step) {
   char dir[1024];
   zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
   zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,
-                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, ""};
+                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0};
   snprintf(meta.tokenizer, sizeof meta.tokenizer, "%s", t->tok_record);
+  if (t->lora) {
+    char real[PATH_MAX];
+    const char *base = realpath(t->spec.init_from, real) ? real : t->spec.init_from;
+    if (strlen(base) < sizeof meta.lora_base) memcpy(meta.lora_base, base, strlen(base) + 1);
+    else snprintf(meta.lora_base, sizeof meta.lora_base, "%.*s", (int)sizeof meta.lora_base - 1, base);
+    meta.lora_base_hash = t->base_hash;
+  }
   int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, t->z.U);
   free(rg);
   return rc;
@@ -578,7 +660,9 @@ static void tear_down(trainer *t) {
   zt_data_close(t->train);
   zt_data_close(t->val);
   if (t->have_z) zt_zero_free(&t->z);
+  zt_lora_free(t->lora);
   zt_model_free(t->m);
+  zt_model_free(t->ad);
 }
 
 int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {

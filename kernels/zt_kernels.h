@@ -207,6 +207,20 @@ typedef struct zt_kernels {
                                  const float *out, const float *lse, int B, int T, int NH,
                                  int NKV, int HD);
 
+  /* LoRA (engine/lora.c), for a projection of O x I with adapters a
+   * [R, I] and b [O, R] (X) and scale s:
+   *   lora_merge: w[O,I] (X) = base[O,I] (X) + s * b @ a, summed in fp32
+   *               and rounded to X once;
+   *   lora_grad:  from dw[O,I] (fp32), the gradient of the merged weight:
+   *               da[R,I] += s * b^T @ dw and db[O,R] += s * dw @ a^T (fp32),
+   *               which is the chain rule through w = base + s * b @ a.
+   * matmul_backward and rmsnorm_backward skip dw when it is NULL (a frozen
+   * weight). */
+  void (*lora_merge)(float *w, const float *base, const float *a, const float *b, int O, int IN,
+                     int R, float s);
+  void (*lora_grad)(float *da, float *db, const float *dw, const float *a, const float *b, int O,
+                    int IN, int R, float s);
+
   /* The memory the kernels work on: host memory for the CPU tables, device
    * memory for CUDA. alloc returns zeroed memory, or NULL when there is not
    * enough; upload and download copy between host memory and the table's

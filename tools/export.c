@@ -42,10 +42,13 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "ckpt_io.h"
 #include "export.h"
+#include "hfdir.h"
 #include "layout.h"
+#include "lora.h"
 #include "safetensors.h"
 #include "spec.h"
 #include "tokenizer.h"
@@ -270,6 +273,80 @@ static int write_tokenizer(const char *dir, const tok_info *t, int seq_len) {
   return write_json(dir, "special_tokens_map.json", sm);
 }
 
+/* ---- LoRA ------------------------------------------------------------------------- */
+
+/* PEFT's adapter_config.json for the adapters of cfg on `base`. */
+static cJSON *adapter_config_json(const zt_model_config_t *cfg, const char *base) {
+  cJSON *c = cJSON_CreateObject();
+  cJSON_AddStringToObject(c, "peft_type", "LORA");
+  cJSON_AddStringToObject(c, "task_type", "CAUSAL_LM");
+  cJSON_AddStringToObject(c, "base_model_name_or_path", base);
+  cJSON_AddNumberToObject(c, "r", cfg->lora_r);
+  cJSON_AddNumberToObject(c, "lora_alpha", cfg->lora_alpha);
+  cJSON_AddNumberToObject(c, "lora_dropout", 0.0);
+  cJSON *t = cJSON_AddArrayToObject(c, "target_modules");
+  for (int i = 0; i < ZT_LORA_NTARGETS; i++)
+    if (cfg->lora_targets >> i & 1) cJSON_AddItemToArray(t, cJSON_CreateString(zt_lora_target_names[i]));
+  cJSON_AddStringToObject(c, "bias", "none");
+  cJSON_AddBoolToObject(c, "fan_in_fan_out", 0);
+  cJSON_AddBoolToObject(c, "use_rslora", 0);
+  cJSON_AddBoolToObject(c, "inference_mode", 1);
+  cJSON_AddNullToObject(c, "modules_to_save");
+  return c;
+}
+
+/* The base model of a LoRA epoch (path: a Hugging Face directory or a
+ * safetensors file), checked against the epoch's record of it, with the
+ * adapters in *flat merged in: *cfg, *lay and *flat become the merged
+ * model's. */
+static int merge_base(const zt_export_opts_t *o, const char *path, const char *sum,
+                      zt_model_config_t *cfg, zt_layout_t *lay, float **flat) {
+  zt_model_config_t bc = zt_model_config_base(cfg);
+  zt_layout_t bl;
+  if (zt_layout_build(&bl, &bc) != 0) return -1;
+  float *w = zt_xmalloc(bl.num_params * sizeof(float));
+  struct stat st;
+  int dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+  int rc = dir ? (zt_hf_check_config(path, &bc) != 0 || zt_hf_read_weights(path, &bl, w) != 0)
+                     ? -1
+                     : 0
+               : zt_st_read(path, &bl, w);
+  char now[32];
+  snprintf(now, sizeof now, "xxh64:%016llx",
+           (unsigned long long)XXH64(w, bl.num_params * sizeof(float), 0));
+  if (rc == 0 && strcmp(now, sum))
+    rc = zt_err("%s: its parameters hash to %s, but the adapters were trained on a base that "
+                "hashes to %s (%s)", path, now, sum, o->base ? "--base" : "the manifest's lora_base");
+  if (rc == 0) rc = zt_lora_merge_host(cfg, w, *flat);
+  if (rc != 0) {
+    free(w);
+    zt_layout_free(&bl);
+    return zt_err_wrap("export --merge: base model %s", path);
+  }
+  free(*flat);
+  zt_layout_free(lay);
+  *flat = w, *lay = bl, *cfg = bc;
+  return 0;
+}
+
+/* A LoRA epoch: the adapter files into tmp (1: written, nothing else to
+ * do), or the merged model in place of the adapters (0: go on). */
+static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_config_t *cfg,
+                       zt_layout_t *lay, float **flat, zt_export_info_t *info) {
+  char base[1200], sum[32], path[1400];
+  if (!o->lora)
+    return zt_err("%s holds LoRA adapters (r %d): say --adapter (PEFT's adapter directory) or "
+                  "--merge (the base model with the adapters merged in)", o->epoch_dir, cfg->lora_r);
+  if (zt_ckpt_read_lora_base(o->epoch_dir, base, sizeof base, sum) != 0) return -1;
+  if (o->lora == ZT_EXPORT_MERGE)
+    return merge_base(o, o->base ? o->base : base, sum, cfg, lay, flat);
+  snprintf(path, sizeof path, "%s/adapter_model.safetensors", tmp);
+  if (zt_st_write(path, lay, *flat, o->bf16, info->step, &info->model_bytes) != 0 ||
+      write_json(tmp, "adapter_config.json", adapter_config_json(cfg, base)) != 0)
+    return -1;
+  return 1;
+}
+
 /* ---- the directory ------------------------------------------------------------------ */
 
 /* 1 when dir exists and holds nothing, 0 when it does not exist, -1 when
@@ -332,11 +409,22 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
     goto out;
   }
   char path[1400];
+  int adapter = 0;
+  if (cfg.lora_r || o->lora) {
+    if (!cfg.lora_r) {
+      zt_err("%s holds a full model, not LoRA adapters (--adapter and --merge are for those)",
+             o->epoch_dir);
+      goto out;
+    }
+    if ((adapter = lora_export(o, tmp, &cfg, &lay, &flat, info)) < 0) goto out;
+  }
   snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-  if (zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
-      write_json(tmp, "config.json", config_json(&cfg, &tok, o->bf16, info->step)) != 0 ||
-      write_tokenizer(tmp, &tok, cfg.seq_len) != 0 || zt_ckpt_fsync_dir(tmp) != 0)
+  if (!adapter &&
+      (zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
+       write_json(tmp, "config.json", config_json(&cfg, &tok, o->bf16, info->step)) != 0 ||
+       write_tokenizer(tmp, &tok, cfg.seq_len) != 0))
     goto out;
+  if (zt_ckpt_fsync_dir(tmp) != 0) goto out;
   if (st == 1 && rmdir(out_dir) != 0) {
     zt_err_errno("cannot replace the empty directory %s", out_dir);
     goto out;

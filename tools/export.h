@@ -13,7 +13,15 @@ typedef struct {
   const char *out_dir;   /* created; must not exist or be empty */
   int bf16;              /* model.safetensors in bf16 instead of fp32 */
   const char *tokenizer; /* a tokenizer record, or NULL: the manifest's */
+  /* A LoRA epoch (the adapters of a base model) must say which: PEFT's
+   * adapter directory (adapter_config.json, adapter_model.safetensors), or
+   * the base with the adapters merged in, as a full model directory. */
+  int lora;              /* ZT_EXPORT_ADAPTER or ZT_EXPORT_MERGE; 0 for others */
+  const char *base;      /* --merge: the base (HF directory or file); NULL: the manifest's */
 } zt_export_opts_t;
+
+#define ZT_EXPORT_ADAPTER 1
+#define ZT_EXPORT_MERGE 2
 
 typedef struct {
   int64_t step;          /* the epoch's step */

@@ -551,18 +551,27 @@ static int cmd_export(zctl *z, int argc, char **argv) {
     if (parse_job_id(argv[0], &job) != 0) return -1;
     i = 1;
   }
-  for (; i + 1 < argc; i += 2) {
+  while (i < argc) {
+    if (!strcmp(argv[i], "--merge") || !strcmp(argv[i], "--adapter")) {
+      o.lora = argv[i][2] == 'm' ? ZT_EXPORT_MERGE : ZT_EXPORT_ADAPTER;
+      i++;
+      continue;
+    }
+    if (i + 1 >= argc) break;
     if (!strcmp(argv[i], "--step")) {
       if (opt_i64("--step", argv[i + 1], 0, INT64_MAX, &step) != 0) return -1;
     } else if (!strcmp(argv[i], "--out")) o.out_dir = argv[i + 1];
     else if (!strcmp(argv[i], "--dtype")) dtype = argv[i + 1];
     else if (!strcmp(argv[i], "--dir")) o.epoch_dir = argv[i + 1];
     else if (!strcmp(argv[i], "--tokenizer")) o.tokenizer = argv[i + 1];
+    else if (!strcmp(argv[i], "--base")) o.base = argv[i + 1];
     else return zt_err("export: unknown option %s", argv[i]);
+    i += 2;
   }
   if (i != argc || !o.out_dir || !!o.epoch_dir == !!job)
     return zt_err("export: usage: zctl export JOB [--step S] --out DIR [--dtype f32|bf16] "
-                  "[--tokenizer RECORD], or zctl export --dir CHECKPOINT_DIR --out DIR");
+                  "[--tokenizer RECORD] [--adapter | --merge [--base PATH]], or zctl export "
+                  "--dir CHECKPOINT_DIR --out DIR [...]");
   if (strcmp(dtype, "f32") && strcmp(dtype, "bf16"))
     return zt_err("export: --dtype must be f32 or bf16");
   o.bf16 = !strcmp(dtype, "bf16");
@@ -650,7 +659,7 @@ static const verb k_verbs[] = {
     {"rollback", -1, cmd_action, "JOB --to-step S [--skip N]",
      "restart from a checkpoint, skipping data"},
     {"drain", 1, cmd_drain, "WORKER", "checkpoint, then take a worker out"},
-    {"export", -1, cmd_export, "JOB [--step S] --out DIR [--dtype f32|bf16] [--tokenizer REC]",
+    {"export", -1, cmd_export, "JOB [--step S] --out DIR [--dtype f32|bf16] [--tokenizer REC] [--adapter | --merge [--base PATH]]",
      "Hugging Face model directory; --dir CHECKPOINT_DIR --out DIR needs no coordinator"},
     {"sample", -1, cmd_sample,
      "JOB [--step S] --prompt TEXT [--tokens N] [--temperature T] [--top-k K] [--seed N]",

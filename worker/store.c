@@ -539,6 +539,7 @@ static void *conn_main(void *p) {
   conn_arg *a = p;
   (void)serve(a->s, a->fd, a->peer);
   close(a->fd);
+  zt_ticket_thread_done();
   pthread_mutex_lock(&a->s->mu);
   (void)peer_count(a->s, a->ip, -1);
   a->s->active--;

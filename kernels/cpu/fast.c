@@ -264,7 +264,7 @@ static void fast_matmul_backward(float *dinp, float *dw, float *dbias, const flo
     /* dw[OC, IC] += dout^T @ inp, split by rows of dw; dbias by the same
      * columns of dout, each column summed over all rows in order. */
     zt_split_aligned((size_t)OC, 16, tid, nt, &lo, &hi);
-    if (hi > lo) {
+    if (hi > lo && dw) {
       zt_sgemm(1, 0, (int)(hi - lo), IC, N, 1.0f, dout + lo,
                OC, inp, IC, 1.0f, dw + lo * IC, IC);
       if (dbias) {
@@ -614,6 +614,37 @@ static void fast_narrow_f64(float *dst, const double *x, size_t n, double s, flo
   for (size_t i = 0; i < n; i++) dst[i] = (float)(x[i] * s) * t;
 }
 
+/* ---- LoRA ------------------------------------------------------------------ */
+
+/* w = base + s * b @ a, split by rows of w. */
+static void fast_lora_merge(float *w, const float *base, const float *a, const float *b, int O,
+                            int IN, int R, float s) {
+#pragma omp parallel
+  {
+    size_t lo, hi;
+    zt_split((size_t)O, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    if (hi > lo) {
+      if (w != base) memcpy(w + lo * IN, base + lo * IN, (hi - lo) * (size_t)IN * sizeof(float));
+      zt_sgemm(0, 0, (int)(hi - lo), IN, R, s, b + lo * R, R, a, IN, 1.0f, w + lo * IN, IN);
+    }
+  }
+}
+
+/* da += s * b^T @ dw, split by columns of da; db += s * dw @ a^T, by its
+ * rows. */
+static void fast_lora_grad(float *da, float *db, const float *dw, const float *a, const float *b,
+                           int O, int IN, int R, float s) {
+#pragma omp parallel
+  {
+    int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    size_t lo, hi;
+    zt_split_aligned((size_t)IN, 16, tid, nt, &lo, &hi);
+    if (hi > lo) zt_sgemm(1, 0, R, (int)(hi - lo), O, s, b, R, dw + lo, IN, 1.0f, da + lo, IN);
+    zt_split((size_t)O, tid, nt, &lo, &hi);
+    if (hi > lo) zt_sgemm(0, 1, (int)(hi - lo), R, IN, s, dw + lo * IN, IN, a, IN, 1.0f, db + lo * R, R);
+  }
+}
+
 static const zt_kernels_t zt_cpu_table = {
     .name = "cpu",
     ZT_KERNELS_ENTRIES(fast),
@@ -622,6 +653,8 @@ static const zt_kernels_t zt_cpu_table = {
     ZT_KERNELS_HOST_LLAMA,
     .attention_forward_gqa = fast_attention_forward_gqa,
     .attention_backward_gqa = fast_attention_backward_gqa,
+    .lora_merge = fast_lora_merge,
+    .lora_grad = fast_lora_grad,
 };
 
 const zt_kernels_t *zt_kernels_cpu(void) {

@@ -43,7 +43,7 @@ void zt_kernels_host_rmsnorm_backward(float *dinp, float *dw, const float *dout,
     float k = (float)(gx / C) * s * s * s;
     for (int i = 0; i < C; i++) dx[i] += s * w[i] * d[i] - x[i] * k;
   }
-  for (int n = 0; n < N; n++) {
+  for (int n = 0; dw && n < N; n++) {
     const float *x = inp + (size_t)n * C, *d = dout + (size_t)n * C;
     float s = rstd[n];
     for (int i = 0; i < C; i++) dw[i] += d[i] * x[i] * s;

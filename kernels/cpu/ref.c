@@ -120,12 +120,12 @@ static void ref_matmul_backward(float *dinp, float *dw, float *dbias, const floa
     }
   }
   for (int o = 0; o < OC; o++) {
-    float *dwr = dw + (size_t)o * IC;
+    float *dwr = dw ? dw + (size_t)o * IC : NULL;
     float bsum = 0.0f;
     for (int n = 0; n < N; n++) {
       float d = dout[(size_t)n * OC + o];
       const float *x = inp + (size_t)n * IC;
-      for (int i = 0; i < IC; i++) dwr[i] += d * x[i];
+      for (int i = 0; dwr && i < IC; i++) dwr[i] += d * x[i];
       bsum += d;
     }
     if (dbias) dbias[o] += bsum;
@@ -378,6 +378,34 @@ void zt_kernels_host_widen_x(float *dst, const void *src, size_t n) {
   zt_kernels_host_copy(dst, src, n * sizeof(float));
 }
 
+/* ---- LoRA ------------------------------------------------------------------ */
+
+static void ref_lora_merge(float *w, const float *base, const float *a, const float *b, int O,
+                           int IN, int R, float s) {
+  for (int o = 0; o < O; o++)
+    for (int i = 0; i < IN; i++) {
+      float acc = 0.0f;
+      for (int r = 0; r < R; r++) acc += b[(size_t)o * R + r] * a[(size_t)r * IN + i];
+      w[(size_t)o * IN + i] = base[(size_t)o * IN + i] + s * acc;
+    }
+}
+
+static void ref_lora_grad(float *da, float *db, const float *dw, const float *a, const float *b,
+                          int O, int IN, int R, float s) {
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < IN; i++) {
+      float acc = 0.0f;
+      for (int o = 0; o < O; o++) acc += b[(size_t)o * R + r] * dw[(size_t)o * IN + i];
+      da[(size_t)r * IN + i] += s * acc;
+    }
+  for (int o = 0; o < O; o++)
+    for (int r = 0; r < R; r++) {
+      float acc = 0.0f;
+      for (int i = 0; i < IN; i++) acc += dw[(size_t)o * IN + i] * a[(size_t)r * IN + i];
+      db[(size_t)o * R + r] += s * acc;
+    }
+}
+
 static const zt_kernels_t zt_ref_table = {
     .name = "cpu-ref",
     ZT_KERNELS_ENTRIES(ref),
@@ -386,6 +414,8 @@ static const zt_kernels_t zt_ref_table = {
     ZT_KERNELS_HOST_LLAMA,
     .attention_forward_gqa = ref_attention_forward_gqa,
     .attention_backward_gqa = ref_attention_backward_gqa,
+    .lora_merge = ref_lora_merge,
+    .lora_grad = ref_lora_grad,
 };
 
 const zt_kernels_t *zt_kernels_ref(void) { return &zt_ref_table; }

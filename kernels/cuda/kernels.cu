@@ -563,7 +563,7 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
   if (dinp)
     lt_gemm(0, 0, IC, N, OC, w, IC, 0, dout, OC, 0, (X *)dinp, IC, 0, 1, 1.0f, 0.0f, NULL);
   /* dw' [IC,OC] += X' [IC,N] dout'^T [N,OC]. */
-  lt_gemm(0, 1, IC, OC, N, inp, IC, 0, dout, OC, 0, dw, IC, 0, 1, 1.0f, 1.0f, NULL);
+  if (dw) lt_gemm(0, 1, IC, OC, N, inp, IC, 0, dout, OC, 0, dw, IC, 0, 1, 1.0f, 1.0f, NULL);
   if (dbias) colsums(dbias, NULL, dout, (const X *)NULL, NULL, NULL, N, OC);
 }
 
@@ -1546,7 +1546,67 @@ static void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const
                                 const float *w, const float *rstd, int N, int C) {
   ZT_LAUNCH_1D(k_rmsnorm_bwd_dx<X>, (size_t)N, (X *)dinp, (const X *)dout, (const X *)inp,
                (const X *)w, rstd, N, C);
-  ZT_LAUNCH_1D(k_rmsnorm_bwd_dw<X>, (size_t)C, dw, (const X *)dout, (const X *)inp, rstd, N, C);
+  if (dw)
+    ZT_LAUNCH_1D(k_rmsnorm_bwd_dw<X>, (size_t)C, dw, (const X *)dout, (const X *)inp, rstd, N, C);
+}
+
+/* LoRA (zt_kernels.h). Merge: one thread per weight, its R products summed
+ * in fp32 in order. */
+template <typename X>
+__global__ void k_lora_merge(X *w, const X *base, const X *a, const X *b, int O, int IN, int R,
+                             float s) {
+  ZT_GRID_STRIDE(j, (size_t)O * IN) {
+    size_t o = j / IN, i = j % IN;
+    float acc = 0.0f;
+    for (int r = 0; r < R; r++) acc += ldx(b[o * R + r]) * ldx(a[(size_t)r * IN + i]);
+    put(w[j], ldx(base[j]) + s * acc);
+  }
+}
+
+/* da[r,i] += s * sum over o of b[o,r] dw[o,i]: one thread per element of da
+ * (neighbours read neighbouring columns of dw). */
+template <typename X>
+__global__ void k_lora_grad_a(float *da, const float *dw, const X *b, int O, int IN, int R,
+                              float s) {
+  ZT_GRID_STRIDE(j, (size_t)R * IN) {
+    size_t r = j / IN, i = j % IN;
+    float acc = 0.0f;
+    for (int o = 0; o < O; o++) acc += ldx(b[(size_t)o * R + r]) * dw[(size_t)o * IN + i];
+    da[j] += s * acc;
+  }
+}
+
+/* db[o,r] += s * sum over i of dw[o,i] a[r,i]: one warp per element, its
+ * lanes striding over i, then warp_sum (a fixed order). */
+template <typename X>
+__global__ void k_lora_grad_b(float *db, const float *dw, const X *a, int O, int IN, int R,
+                              float s) {
+  size_t warp = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  int lane = threadIdx.x % 32;
+  if (warp >= (size_t)O * R) return;
+  size_t o = warp / R, r = warp % R;
+  float acc = 0.0f;
+  for (int i = lane; i < IN; i += 32) acc += dw[o * IN + i] * ldx(a[r * IN + i]);
+  acc = warp_sum(acc);
+  if (lane == 0) db[warp] += s * acc;
+}
+
+template <typename X>
+static void cu_lora_merge(float *w, const float *base, const float *a, const float *b, int O,
+                          int IN, int R, float s) {
+  ZT_LAUNCH_1D(k_lora_merge<X>, (size_t)O * IN, (X *)w, (const X *)base, (const X *)a,
+               (const X *)b, O, IN, R, s);
+}
+
+template <typename X>
+static void cu_lora_grad(float *da, float *db, const float *dw, const float *a, const float *b,
+                         int O, int IN, int R, float s) {
+  ZT_LAUNCH_1D(k_lora_grad_a<X>, (size_t)R * IN, da, dw, (const X *)b, O, IN, R, s);
+  size_t threads = (size_t)O * R * 32;
+  if (!threads) return;
+  k_lora_grad_b<X><<<(unsigned)((threads + 255) / 256), 256, 0, g.stream>>>(db, dw, (const X *)a,
+                                                                           O, IN, R, s);
+  ZT_CUDA_LAUNCHED();
 }
 
 /* One thread per (row, q or k head, pair). */
@@ -1911,6 +1971,8 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->swiglu_backward = cu_swiglu_backward<X>;
   t->gqa_expand = cu_gqa_expand<X>;
   t->gqa_reduce = cu_gqa_reduce<X>;
+  t->lora_merge = cu_lora_merge<X>;
+  t->lora_grad = cu_lora_grad<X>;
   t->narrow_x = cu_narrow_x<X>;
   t->widen_x = cu_widen_x<X>;
   t->adamw = cu_adamw;

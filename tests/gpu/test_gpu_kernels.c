@@ -741,7 +741,39 @@ ZT_TEST(llama_ops) {
   free(g2), free(h), free(dhh), free(dgg), free(full), free(red);
 }
 
-ZT_TEST_MAIN_NAMED(run_all, table, llama_ops, encoder, layernorm, matmul, matmul_reduced_precision,
+/* LoRA's merge and gradients in fp32 and bf16 storage (the merge rounds
+ * once, so bf16 is within one bf16 ulp of the rounded reference). */
+ZT_TEST(lora) {
+  const int O = 45, IN = 70, RK = 6;
+  float *base = zt_rnd((size_t)O * IN, 1), *a = zt_rnd((size_t)RK * IN, 1);
+  float *b = zt_rnd((size_t)O * RK, 1), *w = malloc((size_t)O * IN * 4);
+  float *dbase = DEVF(base, (size_t)O * IN), *d_a = DEVF(a, (size_t)RK * IN);
+  float *d_b = DEVF(b, (size_t)O * RK), *dw_ = dalloc((size_t)O * IN * 4);
+  R->lora_merge(w, base, a, b, O, IN, RK, 0.5f);
+  G->lora_merge(dw_, dbase, d_a, d_b, O, IN, RK, 0.5f);
+  close_dev("lora_merge", dw_, w, (size_t)O * IN, 1e-5f, 1e-5f);
+  float *g = zt_rnd((size_t)O * IN, 1), *da = zt_rnd((size_t)RK * IN, 1);
+  float *db = zt_rnd((size_t)O * RK, 1);
+  float *d_g = DEVF(g, (size_t)O * IN), *d_da = DEVF(da, (size_t)RK * IN);
+  float *d_db = DEVF(db, (size_t)O * RK);
+  R->lora_grad(da, db, g, a, b, O, IN, RK, 0.5f);
+  G->lora_grad(d_da, d_db, d_g, d_a, d_b, O, IN, RK, 0.5f);
+  close_dev("lora_grad da", d_da, da, (size_t)RK * IN, 1e-4f, 1e-5f);
+  close_dev("lora_grad db", d_db, db, (size_t)O * RK, 1e-4f, 1e-5f);
+  /* bf16 storage: inputs rounded, the merge rounded once. */
+  round_bf(base, (size_t)O * IN), round_bf(a, (size_t)RK * IN), round_bf(b, (size_t)O * RK);
+  float *xb = devx(base, (size_t)O * IN), *xa = devx(a, (size_t)RK * IN);
+  float *xbb = devx(b, (size_t)O * RK), *xw = dalloc((size_t)O * IN * 2);
+  R->lora_merge(w, base, a, b, O, IN, RK, 0.5f);
+  round_bf(w, (size_t)O * IN);
+  XB->lora_merge(xw, xb, xa, xbb, O, IN, RK, 0.5f);
+  close_x("bf16 lora_merge", xw, w, (size_t)O * IN, 1e-5f);
+  void *ptrs[] = {dbase, d_a, d_b, dw_, d_g, d_da, d_db, xb, xa, xbb, xw};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(base), free(a), free(b), free(w), free(g), free(da), free(db);
+}
+
+ZT_TEST_MAIN_NAMED(run_all, table, llama_ops, lora, encoder, layernorm, matmul, matmul_reduced_precision,
                    attention, gelu_residual_scale, crossentropy, optimizer_and_reductions,
                    state_helpers, bf16_convert, bf16_elementwise,
                    bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)

@@ -291,6 +291,51 @@ ZT_TEST(tables) {
   ZT_CHECK(zt_kernels_cpu_set_threads(0) == 2);
 }
 
-ZT_TEST_MAIN(tables, encoder, layernorm, matmul, attention, attention_gqa, gelu_residual,
+/* LoRA's merge and the adapters' gradients (with dw NULL, the frozen
+ * matmul and RMSNorm skip theirs), for ranks 1 and 5 on odd shapes. */
+static void check_lora(int O, int IN, int R_) {
+  float *base = zt_rnd((size_t)O * IN, 1), *a = zt_rnd((size_t)R_ * IN, 1);
+  float *b = zt_rnd((size_t)O * R_, 1), *w1 = malloc((size_t)O * IN * 4);
+  float *w2 = fdup(base, (size_t)O * IN);
+  F->lora_merge(w1, base, a, b, O, IN, R_, 0.7f);
+  R->lora_merge(w2, w2, a, b, O, IN, R_, 0.7f); /* in place, as lora.c merges */
+  zt_close_all("lora_merge", w1, w2, (size_t)O * IN, 1e-5f * R_, 1e-5f);
+  float *dw = zt_rnd((size_t)O * IN, 1);
+  float *da1 = zt_rnd((size_t)R_ * IN, 1), *da2 = fdup(da1, (size_t)R_ * IN);
+  float *db1 = zt_rnd((size_t)O * R_, 1), *db2 = fdup(db1, (size_t)O * R_);
+  F->lora_grad(da1, db1, dw, a, b, O, IN, R_, 0.7f);
+  R->lora_grad(da2, db2, dw, a, b, O, IN, R_, 0.7f);
+  zt_close_all("lora_grad da", da1, da2, (size_t)R_ * IN, 1e-5f * O, 1e-5f);
+  zt_close_all("lora_grad db", db1, db2, (size_t)O * R_, 1e-5f * IN, 1e-5f);
+  /* One element of each against a double-precision sum, so that the two
+   * tables cannot agree on a wrong formula. */
+  double sa = 0, sb = 0;
+  for (int o = 0; o < O; o++) sa += (double)b[(size_t)o * R_ + R_ - 1] * dw[(size_t)o * IN + 2];
+  for (int i = 0; i < IN; i++) sb += (double)dw[(size_t)(O - 1) * IN + i] * a[i];
+  float *da0 = zt_rnd((size_t)R_ * IN, 0), *db0 = zt_rnd((size_t)O * R_, 0);
+  memset(da0, 0, (size_t)R_ * IN * 4), memset(db0, 0, (size_t)O * R_ * 4);
+  F->lora_grad(da0, db0, dw, a, b, O, IN, R_, 0.7f);
+  ZT_CHECK(fabs(da0[(size_t)(R_ - 1) * IN + 2] - 0.7 * sa) < 1e-4 * (1 + fabs(sa)));
+  ZT_CHECK(fabs(db0[(size_t)(O - 1) * R_] - 0.7 * sb) < 1e-4 * (1 + fabs(sb)));
+  /* Frozen weights: dw NULL leaves everything else as with a dw. */
+  int N = 7;
+  float *x = zt_rnd((size_t)N * IN, 1), *dout = zt_rnd((size_t)N * O, 1);
+  float *dx1 = malloc((size_t)N * IN * 4), *dx2 = malloc((size_t)N * IN * 4);
+  float *g = zt_rnd((size_t)O * IN, 1);
+  F->matmul_backward(dx1, NULL, NULL, dout, x, base, N, IN, O);
+  R->matmul_backward(dx2, g, NULL, dout, x, base, N, IN, O);
+  zt_close_all("matmul_backward, dw NULL", dx1, dx2, (size_t)N * IN, 1e-5f * O, 1e-5f);
+  R->matmul_backward(dx2, NULL, NULL, dout, x, base, N, IN, O);
+  zt_close_all("matmul_backward ref, dw NULL", dx1, dx2, (size_t)N * IN, 1e-5f * O, 1e-5f);
+  free(base), free(a), free(b), free(w1), free(w2), free(dw), free(da1), free(da2), free(db1);
+  free(db2), free(da0), free(db0), free(x), free(dout), free(dx1), free(dx2), free(g);
+}
+
+ZT_TEST(lora) {
+  check_lora(37, 53, 5);
+  check_lora(64, 24, 1);
+}
+
+ZT_TEST_MAIN(tables, encoder, layernorm, matmul, lora, attention, attention_gqa, gelu_residual,
              crossentropy,
              optimizer_and_reductions, state_helpers)

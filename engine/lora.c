@@ -1,0 +1,218 @@
+/*
+ * lora.c: the frozen base, the merge before a block computes and the
+ * adapters' gradients after (see lora.h).
+ */
+#include "lora.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "zt_common.h"
+
+/* One adapted projection: where A and B lie in an adapters' block unit and
+ * W in a base block unit (the same in every block), and W's shape. */
+typedef struct {
+  size_t a, b, w;
+  int O, I;
+} lora_target;
+
+struct zt_lora {
+  zt_model_t *m, *ad;
+  const zt_kernels_t *k;
+  zt_model_hooks_t next; /* the adapters' hooks (ZeRO's) */
+  float *base;           /* the whole base, storage type */
+  float *w;              /* a block unit merged, storage type */
+  float *g;              /* a block unit's gradient, fp32 */
+  size_t block_size;     /* elements of a base block unit */
+  lora_target t[ZT_LORA_NTARGETS];
+  int nt, R, merged;     /* merged: the unit w holds, -1 none */
+  float s;
+};
+
+/* p advanced by n elements of the storage type. */
+static float *xadv(const zt_lora_t *l, const float *p, size_t n) {
+  return (float *)((const char *)p + n * (size_t)l->k->xbytes);
+}
+
+/* The base tensor an adapter tensor adapts: PEFT's name without its
+ * "base_model.model." prefix and ".lora_A.weight" suffix, + ".weight". */
+static const zt_tensor_t *adapted(const zt_layout_t *base, const zt_tensor_t *ad) {
+  static const char pre[] = "base_model.model.";
+  const char *n = ad->name;
+  size_t len = strlen(n), suf = strlen(".lora_A.weight");
+  if (strncmp(n, pre, sizeof pre - 1) || len < sizeof pre - 1 + suf) return NULL;
+  char name[sizeof ad->name];
+  snprintf(name, sizeof name, "%.*s.weight", (int)(len - (sizeof pre - 1) - suf),
+           n + sizeof pre - 1);
+  return zt_layout_find(base, name);
+}
+
+/* The targets of block unit 1, from the two layouts. */
+static int find_targets(const zt_layout_t *base, const zt_layout_t *ad, lora_target *t,
+                        int *nt) {
+  *nt = 0;
+  for (int i = 0; i < ad->num_tensors; i++) {
+    const zt_tensor_t *a = &ad->tensors[i];
+    if (a->unit != 1 || a->kind != ZT_T_LORA_A) continue;
+    const zt_tensor_t *b = i + 1 < ad->num_tensors ? &ad->tensors[i + 1] : NULL;
+    const zt_tensor_t *w = adapted(base, a);
+    if (!b || b->kind != ZT_T_LORA_B || !w || w->rows != b->rows || w->cols != a->cols)
+      return zt_err("lora: %s does not match the base model", a->name);
+    t[(*nt)++] = (lora_target){a->unit_off, b->unit_off, w->unit_off, w->rows, w->cols};
+  }
+  return *nt ? 0 : zt_err("lora: no adapters in the layout");
+}
+
+/* Folds unit u's adapters into a copy of its base weights in l->w. */
+static void merge(zt_lora_t *l, int u) {
+  if (l->merged == u) return;
+  const float *src = xadv(l, l->base, l->m->lay.unit_off[u]);
+  const float *ad = l->ad->unit_params[u];
+  l->k->copy(l->w, src, l->block_size * (size_t)l->k->xbytes);
+  for (int i = 0; i < l->nt; i++) {
+    const lora_target *t = &l->t[i];
+    float *w = xadv(l, l->w, t->w);
+    l->k->lora_merge(w, w, xadv(l, ad, t->a), xadv(l, ad, t->b), t->O, t->I, l->R, l->s);
+  }
+  l->merged = u;
+}
+
+static int is_block(const zt_lora_t *l, int u) { return u >= 1 && u <= l->m->cfg.n_layer; }
+
+static int call_next(int (*fn)(void *, int), void *ctx, int u) { return fn ? fn(ctx, u) : 0; }
+
+static int pre_forward(void *ctx, int u) {
+  zt_lora_t *l = ctx;
+  if (call_next(l->next.pre_forward, l->next.ctx, u) != 0) return -1;
+  if (is_block(l, u)) {
+    l->merged = -1; /* the adapters may have changed since the last step */
+    merge(l, u);
+  }
+  return 0;
+}
+
+static int post_forward(void *ctx, int u) {
+  zt_lora_t *l = ctx;
+  return call_next(l->next.post_forward, l->next.ctx, u);
+}
+
+static int pre_backward(void *ctx, int u) {
+  zt_lora_t *l = ctx;
+  if (call_next(l->next.pre_backward, l->next.ctx, u) != 0) return -1;
+  if (!is_block(l, u)) return 0;
+  merge(l, u);
+  l->k->zero(l->g, l->block_size);
+  l->m->unit_grads[u] = l->g;
+  return 0;
+}
+
+static int post_backward(void *ctx, int u) {
+  zt_lora_t *l = ctx;
+  if (is_block(l, u)) {
+    const float *ad = l->ad->unit_params[u];
+    float *dad = l->ad->unit_grads[u];
+    if (!dad) return zt_err("lora: no gradient buffer for the adapters of unit %d", u);
+    for (int i = 0; i < l->nt; i++) {
+      const lora_target *t = &l->t[i];
+      l->k->lora_grad(dad + t->a, dad + t->b, l->g + t->w, xadv(l, ad, t->a), xadv(l, ad, t->b),
+                      t->O, t->I, l->R, l->s);
+    }
+    l->m->unit_grads[u] = NULL;
+  }
+  return call_next(l->next.post_backward, l->next.ctx, u);
+}
+
+int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad) {
+  *out = NULL;
+  const zt_model_config_t *c = &ad->cfg;
+  if (c->lora_r < 1 || m->cfg.lora_r || m->cfg.arch != ZT_ARCH_LLAMA)
+    return zt_err("lora: needs a llama compute model and a LoRA adapters' model");
+  if (!m->k->lora_merge) return zt_errk(ZT_E_INVALID, "lora: the %s kernels do not have it", m->k->name);
+  zt_lora_t *l = zt_xcalloc(1, sizeof *l);
+  l->m = m, l->ad = ad, l->k = m->k, l->next = ad->hooks, l->merged = -1;
+  l->R = c->lora_r;
+  l->s = c->lora_alpha / (float)c->lora_r;
+  l->block_size = m->lay.unit_size[1];
+  if (find_targets(&m->lay, &ad->lay, l->t, &l->nt) != 0) goto err;
+  l->base = l->k->alloc(m->lay.num_params * (size_t)l->k->xbytes);
+  l->w = l->k->alloc(l->block_size * (size_t)l->k->xbytes);
+  l->g = l->k->alloc(l->block_size * sizeof(float));
+  if (!l->base || !l->w || !l->g) {
+    zt_errk(ZT_E_NO_MEMORY, "lora: out of memory for the base model (%zu parameters)",
+            m->lay.num_params);
+    goto err;
+  }
+  for (int u = 0; u < m->lay.num_units; u++) {
+    m->unit_params[u] = is_block(l, u) ? l->w : xadv(l, l->base, m->lay.unit_off[u]);
+    m->unit_grads[u] = NULL;
+  }
+  zt_model_hooks_t h = {l, pre_forward, post_forward, pre_backward, post_backward};
+  zt_model_set_hooks(m, &h);
+  *out = l;
+  return 0;
+err:
+  zt_lora_free(l);
+  return -1;
+}
+
+void zt_lora_free(zt_lora_t *l) {
+  if (!l) return;
+  if (l->base) l->k->release(l->base);
+  if (l->w) l->k->release(l->w);
+  if (l->g) l->k->release(l->g);
+  free(l);
+}
+
+int zt_lora_set_base(zt_lora_t *l, const float *flat, uint64_t *hash) {
+  const zt_layout_t *lay = &l->m->lay;
+  if (l->k->xbytes == 4) {
+    l->k->upload(l->base, flat, lay->num_params * sizeof(float));
+  } else { /* through an fp32 unit in the table's memory, rounded there */
+    size_t max = 0;
+    for (int u = 0; u < lay->num_units; u++) max = ZT_MAX(max, lay->unit_size[u]);
+    float *tmp = l->k->alloc(max * sizeof(float));
+    if (!tmp) return zt_errk(ZT_E_NO_MEMORY, "lora: out of memory staging the base model");
+    for (int u = 0; u < lay->num_units; u++) {
+      l->k->upload(tmp, flat + lay->unit_off[u], lay->unit_size[u] * sizeof(float));
+      l->k->narrow_x(xadv(l, l->base, lay->unit_off[u]), tmp, lay->unit_size[u]);
+    }
+    l->k->release(tmp);
+  }
+  l->merged = -1;
+  *hash = XXH64(flat, lay->num_params * sizeof(float), 0);
+  return 0;
+}
+
+uint64_t zt_lora_bytes(const zt_lora_t *l) {
+  return (uint64_t)l->m->lay.num_params * (uint64_t)l->k->xbytes +
+         (uint64_t)l->block_size * ((uint64_t)l->k->xbytes + sizeof(float));
+}
+
+int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w, const float *adapters) {
+  zt_model_config_t bc = zt_model_config_base(lora_cfg);
+  zt_layout_t base, ad;
+  if (zt_layout_build(&base, &bc) != 0) return -1;
+  if (zt_layout_build(&ad, lora_cfg) != 0) {
+    zt_layout_free(&base);
+    return -1;
+  }
+  lora_target t[ZT_LORA_NTARGETS];
+  int nt, R = lora_cfg->lora_r, rc = find_targets(&base, &ad, t, &nt);
+  float s = lora_cfg->lora_alpha / (float)R;
+  for (int u = 1; rc == 0 && u <= lora_cfg->n_layer; u++)
+    for (int i = 0; i < nt; i++) {
+      float *wt = w + base.unit_off[u] + t[i].w;
+      const float *A = adapters + ad.unit_off[u] + t[i].a, *B = adapters + ad.unit_off[u] + t[i].b;
+      for (int o = 0; o < t[i].O; o++)
+        for (int j = 0; j < t[i].I; j++) {
+          float acc = 0.0f;
+          for (int r = 0; r < R; r++) acc += B[(size_t)o * R + r] * A[(size_t)r * t[i].I + j];
+          wt[(size_t)o * t[i].I + j] += s * acc;
+        }
+    }
+  zt_layout_free(&base);
+  zt_layout_free(&ad);
+  return rc;
+}
