@@ -56,6 +56,15 @@ static const setting k_settings[] = {
      "hearing from no worker at all, lose nobody for up to N ms (default 5 timeouts; 0: that)"},
     {"worker_secret", SET_STR, FIELD(worker_secret), 0, 0, "S", "workers register with S"},
     {"api_token", SET_STR, FIELD(api_token), 0, 0, "T", "calls that change state need T"},
+    {"provisioner", SET_STR, FIELD(provisioner), 0, 0, "COMMAND",
+     "run `COMMAND up N` when the jobs want N more workers than are alive, `COMMAND down N "
+     "NAME...` for idle ones nobody wants (docs/deploy.md)"},
+    {"provisioner_timeout_ms", SET_INT, FIELD(provisioner_timeout_ms), 100, 86400000, "N",
+     "a provisioner run is killed after N ms (default 120000)"},
+    {"provisioner_interval_ms", SET_INT, FIELD(provisioner_interval_ms), 10, 86400000, "N",
+     "at least N ms between provisioner runs; failures back off from it (default 30000)"},
+    {"provisioner_grace_ms", SET_INT, FIELD(provisioner_grace_ms), 10, 86400000, "N",
+     "workers asked for count as coming for N ms (default 300000)"},
     {"insecure", SET_BOOL, FIELD(insecure), 0, 0, NULL,
      "serve a non-loopback address without api_token and worker_secret"},
     {"allow_test_knobs", SET_BOOL, FIELD(allow_test_knobs), 0, 0, NULL,
@@ -109,6 +118,9 @@ void zt_config_defaults(zt_coord_config_t *cfg) {
   cfg->heartbeat_ms = 1000;
   cfg->heartbeat_timeout_ms = 0; /* derived: 3 x heartbeat_ms */
   cfg->heartbeat_capacity = 10000;
+  cfg->provisioner_timeout_ms = 120000;
+  cfg->provisioner_interval_ms = 30000;
+  cfg->provisioner_grace_ms = 300000;
   cfg->max_message_bytes = 4u << 20;
   default_web_dir(cfg->web_dir, sizeof cfg->web_dir);
 }

@@ -55,6 +55,11 @@ typedef struct {
   int new_db;           /* an existing empty database file is a new one */
   int insecure;         /* serve non-loopback addresses without credentials */
   int allow_test_knobs; /* accept specs with fault_injection */
+  /* provision.c: the command run for workers ("" none), its deadline,
+   * the least time between runs, and how long asked-for workers count as
+   * coming. */
+  char provisioner[512];
+  int provisioner_timeout_ms, provisioner_interval_ms, provisioner_grace_ms;
   size_t max_message_bytes;
 } zt_coord_config_t;
 
@@ -257,6 +262,8 @@ typedef struct {
 
 typedef struct zt_http zt_http_t;
 
+typedef struct zt_prov zt_prov_t; /* provision.c */
+
 typedef struct zt_coord {
   zt_coord_config_t cfg;
   uv_loop_t *loop;
@@ -280,6 +287,7 @@ typedef struct zt_coord {
    * until when that one holds. */
   int64_t hb_interval_ms, hb_judge_ms, hb_judge_until_ms;
   uint64_t hb_pace_changes;
+  zt_prov_t *prov; /* provision.c; NULL without a provisioner */
   size_t flush_cursor; /* members.c: where the next slice of last_seen writes starts */
   uint64_t flush_ticks; /* main.c's flush timer */
   zt_event_slot_t ev_slots[64];        /* events.c */
@@ -626,6 +634,15 @@ int zt_auth_worker_secret(const zt_coord_t *c, const char *secret);
 /* Records a logbook event; logs (and survives) a database failure. */
 void zt_coord_event(zt_coord_t *c, uint64_t job_id, const char *kind, uint64_t worker_id,
                     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* ---- provision.c: the provisioner hook (called by main.c, http.c) ----------------- */
+
+int zt_prov_start(zt_coord_t *c);
+void zt_prov_tick(zt_coord_t *c);
+void zt_prov_stop(zt_coord_t *c);
+void zt_prov_free(zt_coord_t *c);
+/* Runs so far: ok, failed, timed out. */
+void zt_prov_counts(const zt_coord_t *c, uint64_t out[3]);
 
 /* ---- config.c: settings (called by main.c) ---------------------------------------- */
 

@@ -568,6 +568,16 @@ static void r_metrics(zt_http_req_t *r) {
               "Times the advertised heartbeat interval changed.");
   sb_printf(&b, "ztrain_coordinator_heartbeat_pace_changes_total %llu\n",
             (unsigned long long)c->hb_pace_changes);
+  uint64_t prov[3];
+  zt_prov_counts(c, prov);
+  metric_head(&b, "ztrain_provisioner_runs_total", "counter",
+              "Provisioner runs (--provisioner) by result: ok, failed (exit status or signal), "
+              "timeout (killed at --provisioner-timeout-ms).");
+  sb_printf(&b, "ztrain_provisioner_runs_total{result=\"ok\"} %llu\n", (unsigned long long)prov[0]);
+  sb_printf(&b, "ztrain_provisioner_runs_total{result=\"failed\"} %llu\n",
+            (unsigned long long)prov[1]);
+  sb_printf(&b, "ztrain_provisioner_runs_total{result=\"timeout\"} %llu\n",
+            (unsigned long long)prov[2]);
   metric_head(&b, "ztrain_coordinator_epoch", "gauge", "Coordinator starts on this database.");
   sb_printf(&b, "ztrain_coordinator_epoch %lld\n", (long long)c->epoch);
   r->status = 200;

@@ -57,6 +57,7 @@ static void on_check(uv_timer_t *t) {
     zt_sched_member_gone(c, zt_members_get(c, lost[i]), "was lost", 1);
   free(lost);
   zt_sched_run(c);
+  zt_prov_tick(c);
 }
 /* Every 250 ms a twentieth of the members' last_seen (each one every 5 s),
  * the jobs' progress every 5 s. */
@@ -78,6 +79,7 @@ static void stop(zt_coord_t *c, const char *why) {
   uv_timer_stop(&c->check_timer);
   uv_timer_stop(&c->flush_timer);
   uv_timer_stop(&c->watchdog_timer);
+  zt_prov_stop(c);
   uv_close((uv_handle_t *)&c->check_timer, NULL);
   uv_close((uv_handle_t *)&c->flush_timer, NULL);
   uv_close((uv_handle_t *)&c->watchdog_timer, NULL);
@@ -123,6 +125,7 @@ static int start(zt_coord_t *c) {
   c->sigint.data = c->sigterm.data = c;
   uv_signal_start(&c->sigint, on_signal, SIGINT);
   uv_signal_start(&c->sigterm, on_signal, SIGTERM);
+  if (zt_prov_start(c) != 0) return -1;
   if (c->cfg.ready_file[0] && write_ready_file(c) != 0) return -1;
   zt_notify_ready(c);
   return 0;
@@ -146,6 +149,7 @@ int main(int argc, char **argv) {
   uv_run(c.loop, UV_RUN_DEFAULT);
   zt_members_flush(&c, ZT_FLUSH_ALL);
   zt_jobtable_flush(&c);
+  zt_prov_free(&c);
   zt_jobs_free(&c);
   zt_members_free(&c);
   zt_db_close(c.db);

@@ -371,6 +371,7 @@ static int lora_fields(const cJSON *mm, zt_model_config_t *cfg) {
 static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
   const cJSON *arch = cJSON_GetObjectItemCaseSensitive(mm, "arch");
   cfg->arch = ZT_ARCH_GPT2;
+  if (lora_fields(mm, cfg) != 0) return -1;
   if (!arch) return 0;
   if (!cJSON_IsString(arch) || strcmp(arch->valuestring, "llama")) return -1;
   cfg->arch = ZT_ARCH_LLAMA;
@@ -388,8 +389,7 @@ static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
   cfg->tie_embed = cJSON_IsTrue(tie);
   cfg->qkv_bias = cJSON_IsTrue(bias);
   if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(mm, "rope_scaling"),
-                            "manifest model.rope_scaling", cfg) != 0 ||
-      lora_fields(mm, cfg) != 0)
+                            "manifest model.rope_scaling", cfg) != 0)
     return -1;
   return cfg->n_kv_head < 1 || cfg->head_dim < 1 || cfg->n_ff < 1 ? -1 : 0;
 }
@@ -585,6 +585,7 @@ int zt_ckpt_load(const char *dir, const zt_model_config_t *model, const zt_ckpt_
 /* ---- a whole epoch, for export and sampling ---------------------------------- */
 
 int zt_ckpt_read_model(const char *dir, zt_model_config_t *cfg, char *tokenizer, size_t cap) {
+  memset(cfg, 0, sizeof *cfg);
   if (tokenizer && cap) tokenizer[0] = 0;
   cJSON *man = read_json(dir, "manifest.json", NULL);
   if (!man) return -1;

@@ -7,8 +7,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <xxhash.h>
 
+#include "ckpt_io.h"
+#include "hfdir.h"
+#include "safetensors.h"
 #include "zt_common.h"
 
 /* One adapted projection: where A and B lie in an adapters' block unit and
@@ -215,4 +219,36 @@ int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w, const float 
   zt_layout_free(&base);
   zt_layout_free(&ad);
   return rc;
+}
+
+int zt_lora_merge_epoch(const char *epoch_dir, const char *base_path, zt_model_config_t *cfg,
+                        zt_layout_t *lay, float **flat) {
+  char rec[1200], sum[32], now[32];
+  if (zt_ckpt_read_lora_base(epoch_dir, rec, sizeof rec, sum) != 0) return -1;
+  const char *path = base_path ? base_path : rec;
+  zt_model_config_t bc = zt_model_config_base(cfg);
+  zt_layout_t bl;
+  if (zt_layout_build(&bl, &bc) != 0) return -1;
+  float *w = zt_xmalloc(bl.num_params * sizeof(float));
+  struct stat st;
+  int dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+  int rc = dir ? (zt_hf_check_config(path, &bc) != 0 || zt_hf_read_weights(path, &bl, w) != 0)
+                     ? -1
+                     : 0
+               : zt_st_read(path, &bl, w);
+  snprintf(now, sizeof now, "xxh64:%016llx",
+           (unsigned long long)XXH64(w, bl.num_params * sizeof(float), 0));
+  if (rc == 0 && strcmp(now, sum))
+    rc = zt_errk(ZT_E_INVALID, "its parameters hash to %s, but the adapters were trained on a "
+                 "base that hashes to %s (%s)", now, sum, rec);
+  if (rc == 0) rc = zt_lora_merge_host(cfg, w, *flat);
+  if (rc != 0) {
+    free(w);
+    zt_layout_free(&bl);
+    return zt_err_wrap("the base model %s", path);
+  }
+  free(*flat);
+  zt_layout_free(lay);
+  *flat = w, *lay = bl, *cfg = bc;
+  return 0;
 }

@@ -68,4 +68,13 @@ uint64_t zt_lora_bytes(const zt_lora_t *l);
 ZT_MUST_CHECK int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w,
                                      const float *adapters);
 
+/* A LoRA epoch's adapters, loaded (zt_ckpt_load_flat: *cfg, *lay,
+ * *flat), merged into its base: the base at base_path (a Hugging Face
+ * directory or a safetensors file) or, when NULL, the one the manifest
+ * names, refused unless its parameters hash as the manifest records. On
+ * success *cfg, *lay and *flat are the merged model's (the adapters'
+ * freed); for zctl export --merge and zctl sample. */
+ZT_MUST_CHECK int zt_lora_merge_epoch(const char *epoch_dir, const char *base_path,
+                                      zt_model_config_t *cfg, zt_layout_t *lay, float **flat);
+
 #endif

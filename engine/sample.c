@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "ckpt_io.h"
+#include "lora.h"
 #include "model.h" /* zt_model_rope */
 #include "rng.h"
 #include "tokenizer.h"
@@ -459,6 +460,8 @@ int zt_sample_run(const zt_sample_cmd_t *c, zt_sample_stats_t *st) {
   if (build_context(c, tok, &cfg, &ctx, &n) != 0) goto out;
   if (c->threads > 0) zt_kernels_cpu_set_threads(c->threads);
   if (zt_ckpt_load_flat(c->epoch_dir, &cfg, &lay, &flat, &step) != 0) goto out;
+  /* A LoRA epoch samples from its base with the adapters merged in. */
+  if (cfg.lora_r && zt_lora_merge_epoch(c->epoch_dir, NULL, &cfg, &lay, &flat) != 0) goto out;
   if (zt_sample_create(&cfg, flat, &s) != 0) goto out;
   zt_sample_opts_t o = {c->tokens, c->temperature, c->top_k, c->seed, zt_tok_vocab_size(tok)};
   run_ctx r = {c, tok};

@@ -42,11 +42,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include "ckpt_io.h"
 #include "export.h"
-#include "hfdir.h"
 #include "layout.h"
 #include "lora.h"
 #include "safetensors.h"
@@ -295,40 +293,6 @@ static cJSON *adapter_config_json(const zt_model_config_t *cfg, const char *base
   return c;
 }
 
-/* The base model of a LoRA epoch (path: a Hugging Face directory or a
- * safetensors file), checked against the epoch's record of it, with the
- * adapters in *flat merged in: *cfg, *lay and *flat become the merged
- * model's. */
-static int merge_base(const zt_export_opts_t *o, const char *path, const char *sum,
-                      zt_model_config_t *cfg, zt_layout_t *lay, float **flat) {
-  zt_model_config_t bc = zt_model_config_base(cfg);
-  zt_layout_t bl;
-  if (zt_layout_build(&bl, &bc) != 0) return -1;
-  float *w = zt_xmalloc(bl.num_params * sizeof(float));
-  struct stat st;
-  int dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-  int rc = dir ? (zt_hf_check_config(path, &bc) != 0 || zt_hf_read_weights(path, &bl, w) != 0)
-                     ? -1
-                     : 0
-               : zt_st_read(path, &bl, w);
-  char now[32];
-  snprintf(now, sizeof now, "xxh64:%016llx",
-           (unsigned long long)XXH64(w, bl.num_params * sizeof(float), 0));
-  if (rc == 0 && strcmp(now, sum))
-    rc = zt_err("%s: its parameters hash to %s, but the adapters were trained on a base that "
-                "hashes to %s (%s)", path, now, sum, o->base ? "--base" : "the manifest's lora_base");
-  if (rc == 0) rc = zt_lora_merge_host(cfg, w, *flat);
-  if (rc != 0) {
-    free(w);
-    zt_layout_free(&bl);
-    return zt_err_wrap("export --merge: base model %s", path);
-  }
-  free(*flat);
-  zt_layout_free(lay);
-  *flat = w, *lay = bl, *cfg = bc;
-  return 0;
-}
-
 /* A LoRA epoch: the adapter files into tmp (1: written, nothing else to
  * do), or the merged model in place of the adapters (0: go on). */
 static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_config_t *cfg,
@@ -339,7 +303,9 @@ static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_conf
                   "--merge (the base model with the adapters merged in)", o->epoch_dir, cfg->lora_r);
   if (zt_ckpt_read_lora_base(o->epoch_dir, base, sizeof base, sum) != 0) return -1;
   if (o->lora == ZT_EXPORT_MERGE)
-    return merge_base(o, o->base ? o->base : base, sum, cfg, lay, flat);
+    return zt_lora_merge_epoch(o->epoch_dir, o->base, cfg, lay, flat) != 0
+               ? zt_err_wrap("export --merge")
+               : 0;
   snprintf(path, sizeof path, "%s/adapter_model.safetensors", tmp);
   if (zt_st_write(path, lay, *flat, o->bf16, info->step, &info->model_bytes) != 0 ||
       write_json(tmp, "adapter_config.json", adapter_config_json(cfg, base)) != 0)

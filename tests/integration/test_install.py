@@ -130,6 +130,7 @@ def test_deb_file_list(deb):
     want |= {f"/usr/share/ztrain/web/{w}" for w in WEB}
     want |= {f"/etc/ztrain/{c}" for c in SETTINGS}
     want |= {"/usr/share/doc/ztrain/architecture.md", "/usr/share/doc/ztrain/deploy.md"}
+    want |= {"/usr/share/ztrain/slurm/zworker.sbatch", "/usr/share/ztrain/slurm/ztrain-provision"}
     assert want <= files, sorted(want - files)
     cuda = [f for f in files if f.endswith("/libzt_kernels_cuda.so")]
     if os.path.exists(CUDA_LIB):
