@@ -171,12 +171,13 @@ def test_a_failing_or_hanging_provisioner_is_backed_off_killed_and_reported(proc
 def test_the_slurm_provisioner_submits_and_cancels_worker_jobs(tmp_path):
     """deploy/slurm/ztrain-provision against stand-ins for sbatch and scancel
     that log their arguments (the real cluster is another test's): one
-    one-node job per worker asked for, and a Slurm worker's job cancelled
-    with SIGTERM first; a name that is not a Slurm worker's left alone."""
+    one-node job per worker asked for, and a Slurm worker's job stopped
+    with SIGTERM after marking it (so that zworker.sbatch does not requeue
+    it); a name that is not a Slurm worker's left alone."""
     import subprocess
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for tool, out in (("sbatch", "echo 4242"), ("scancel", "true")):
+    for tool, out in (("sbatch", "echo 4242"), ("scancel", "true"), ("scontrol", "true")):
         p = bindir / tool
         p.write_text(f'#!/bin/sh\necho "{tool} $*" >> "{tmp_path}/slurm.log"\n{out}\n')
         p.chmod(0o755)
@@ -192,7 +193,8 @@ def test_the_slurm_provisioner_submits_and_cancels_worker_jobs(tmp_path):
     sb = os.path.join(os.path.dirname(script), "zworker.sbatch")
     assert log == [f"sbatch --parsable -N 1 --partition=gpu --gpus-per-node=8 "
                    f"--export=ALL,ZTRAIN_COORDINATOR=10.0.0.1:7070 {sb}"] * 2 + [
-        "scancel --signal=TERM --full 123", "scancel --signal=TERM --full 456"], log
+        "scontrol update JobId=123 Comment=ztrain-down", "scancel --signal=TERM --full 123",
+        "scontrol update JobId=456 Comment=ztrain-down", "scancel --signal=TERM --full 456"], log
     r = subprocess.run([script, "sideways", "1"], env=env, capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 2 and "usage" in r.stderr
