@@ -73,6 +73,8 @@ struct zt_prov {
   uint64_t runs[3];  /* ok, failed, timed out */
 };
 
+/* Counted as had: sched.c's usable workers, and the suspect ones too (a
+ * worker late with heartbeats is not replaced until it is lost). */
 static int present(const zt_member_t *m) {
   return (m->row.state == ZT_WORKER_ALIVE || m->row.state == ZT_WORKER_SUSPECT) &&
          !m->draining && !m->quarantine_ms;

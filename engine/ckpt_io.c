@@ -106,15 +106,12 @@ static cJSON *model_json(const zt_model_config_t *m) {
     cJSON *l = cJSON_AddObjectToObject(o, "lora");
     cJSON_AddNumberToObject(l, "r", m->lora_r);
     cJSON_AddNumberToObject(l, "alpha", m->lora_alpha);
-    cJSON *t = cJSON_AddArrayToObject(l, "target_modules");
-    for (int i = 0; i < ZT_LORA_NTARGETS; i++)
-      if (m->lora_targets >> i & 1) cJSON_AddItemToArray(t, cJSON_CreateString(zt_lora_target_names[i]));
+    cJSON_AddItemToObject(l, "target_modules", zt_lora_targets_json(m->lora_targets));
   }
   return o;
 }
 
-
-static void checksum_text(char out[32], uint64_t hash) {
+void zt_ckpt_checksum_text(char out[32], uint64_t hash) {
   snprintf(out, 32, "xxh64:%016llx", (unsigned long long)hash);
 }
 
@@ -137,7 +134,7 @@ static int write_json(const char *dir, const char *name, cJSON *doc, zt_ckpt_fil
   if (rc != 0) return -1;
   snprintf(f->name, sizeof f->name, "%s", name);
   f->bytes = bytes;
-  checksum_text(f->checksum, hash);
+  zt_ckpt_checksum_text(f->checksum, hash);
   return 0;
 }
 
@@ -179,7 +176,7 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
   zt_ckpt_file_t *f = &files[(*nfiles)++];
   snprintf(f->name, sizeof f->name, "%s", bin);
   f->bytes = bytes;
-  checksum_text(f->checksum, hash);
+  zt_ckpt_checksum_text(f->checksum, hash);
   cJSON_AddStringToObject(idx, "file", bin);
   cJSON_AddNumberToObject(idx, "bytes", (double)bytes);
   cJSON_AddStringToObject(idx, "checksum", f->checksum);
@@ -202,7 +199,7 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
     if (meta->model.lora_r) {
       cJSON *b = cJSON_AddObjectToObject(m, "lora_base");
       char sum[32];
-      checksum_text(sum, meta->lora_base_hash);
+      zt_ckpt_checksum_text(sum, meta->lora_base_hash);
       cJSON_AddStringToObject(b, "path", meta->lora_base);
       cJSON_AddStringToObject(b, "params_xxh64", sum);
     }
@@ -261,7 +258,7 @@ static const zt_ckpt_file_t *recorded(const zt_ckpt_record_t *rec, const char *n
 static int hash_matches(const char *path, const void *data, size_t len,
                         const zt_ckpt_file_t *want) {
   char got[32];
-  checksum_text(got, XXH64(data, len, 0));
+  zt_ckpt_checksum_text(got, XXH64(data, len, 0));
   if (len != want->bytes)
     return zt_errk(ZT_E_INVALID, "%s: size %zu, expected %llu (truncated or corrupt checkpoint)",
                    path, len, (unsigned long long)want->bytes);
@@ -336,7 +333,7 @@ int zt_ckpt_verify_file(const char *path, uint64_t bytes, const char *want) {
   while ((n = read(fd, buf, sizeof buf)) > 0) XXH64_update(h, buf, (size_t)n);
   close(fd);
   char got[32];
-  checksum_text(got, XXH64_digest(h));
+  zt_ckpt_checksum_text(got, XXH64_digest(h));
   XXH64_freeState(h);
   if (n < 0) return zt_err_errno("read %s", path);
   if (strcmp(got, want) != 0)
@@ -357,9 +354,7 @@ static int lora_fields(const cJSON *mm, zt_model_config_t *cfg) {
   if (cfg->lora_r < 1 || !cJSON_IsNumber(alpha) || !cJSON_IsArray(t)) return -1;
   cfg->lora_alpha = (float)alpha->valuedouble;
   cJSON_ArrayForEach(it, t) {
-    int found = -1;
-    for (int i = 0; i < ZT_LORA_NTARGETS && cJSON_IsString(it); i++)
-      if (!strcmp(it->valuestring, zt_lora_target_names[i])) found = i;
+    int found = zt_lora_target_index(cJSON_IsString(it) ? it->valuestring : NULL);
     if (found < 0) return -1;
     cfg->lora_targets |= 1u << found;
   }

@@ -128,6 +128,8 @@ ZT_MUST_CHECK int zt_ckpt_verify_file(const char *path, uint64_t bytes, const ch
 
 /* 1 when s is a checksum of the form "xxh64:<16 lower-case hex digits>". */
 int zt_ckpt_checksum_valid(const char *s);
+/* That form of an XXH64 hash. */
+void zt_ckpt_checksum_text(char out[32], uint64_t hash);
 /* fsyncs a directory, so that a file just renamed into it stays there
  * after a crash. */
 ZT_MUST_CHECK int zt_ckpt_fsync_dir(const char *dir);

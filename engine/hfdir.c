@@ -108,3 +108,9 @@ int zt_hf_read_weights(const char *dir, const zt_layout_t *l, float *flat) {
   return zt_errk(ZT_E_INVALID, "%s: neither model.safetensors nor model.safetensors.index.json",
                  dir);
 }
+
+int zt_hf_read_model(const char *path, int dir, const zt_model_config_t *cfg,
+                     const zt_layout_t *l, float *flat) {
+  if (!dir) return zt_st_read(path, l, flat);
+  return zt_hf_check_config(path, cfg) != 0 || zt_hf_read_weights(path, l, flat) != 0 ? -1 : 0;
+}

@@ -26,4 +26,11 @@ ZT_MUST_CHECK int zt_hf_check_config(const char *dir, const zt_model_config_t *w
 /* Reads the weights of dir into flat (l->num_params floats). */
 ZT_MUST_CHECK int zt_hf_read_weights(const char *dir, const zt_layout_t *l, float *flat);
 
+/* A model's weights from path into flat: with dir set, a Hugging Face
+ * directory (config.json checked against cfg, then its weights), else one
+ * safetensors file (engine/safetensors.h): init.from_pretrained and
+ * init.from_safetensors, and a LoRA epoch's base. */
+ZT_MUST_CHECK int zt_hf_read_model(const char *path, int dir, const zt_model_config_t *cfg,
+                                   const zt_layout_t *l, float *flat);
+
 #endif

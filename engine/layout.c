@@ -49,6 +49,12 @@ void zt_layout_block_views(float *base, int C, size_t esz, zt_block_t *b) {
 const char *const zt_lora_target_names[ZT_LORA_NTARGETS] = {
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
 
+int zt_lora_target_index(const char *name) {
+  for (int i = 0; name && i < ZT_LORA_NTARGETS; i++)
+    if (!strcmp(name, zt_lora_target_names[i])) return i;
+  return -1;
+}
+
 static int lora_config_check(const zt_model_config_t *c) {
   if (c->lora_r == 0) return 0;
   if (c->arch != ZT_ARCH_LLAMA) return zt_err("lora: needs model.arch llama");
@@ -211,10 +217,6 @@ static int gpt2_block_spec(const zt_model_config_t *c, lspec_t *s) {
   return ZT_BLOCK_TENSORS;
 }
 
-/* Unit 0 holds the embeddings (GPT-2's position table too), units 1..L the
- * blocks, unit L+1 the final norm and, for an untied llama, the LM head.
- * Llama's tensors have Hugging Face's names, so checkpoints and files of
- * that layout need no table. */
 /* The adapters' layout (layout.h). */
 static void lora_build(zt_layout_t *l, const zt_model_config_t *c) {
   int L = c->n_layer;
@@ -246,24 +248,23 @@ static void lora_build(zt_layout_t *l, const zt_model_config_t *c) {
   l->num_params = off;
 }
 
+/* Unit 0 holds the embeddings (GPT-2's position table too), units 1..L the
+ * blocks, unit L+1 the final norm and, for an untied llama, the LM head.
+ * Llama's tensors have Hugging Face's names, so checkpoints and files of
+ * that layout need no table. */
 int zt_layout_build(zt_layout_t *l, const zt_model_config_t *cfg) {
   memset(l, 0, sizeof *l);
   if (zt_model_config_check(cfg) != 0) return -1;
-  if (cfg->lora_r > 0) {
-    l->cfg = *cfg;
-    l->Vp = pad_vocab(cfg->vocab_size);
-    l->num_units = cfg->n_layer + 2;
-    l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
-    l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
-    lora_build(l, cfg);
-    return 0;
-  }
   int C = cfg->n_embd, L = cfg->n_layer, llama = cfg->arch == ZT_ARCH_LLAMA;
   l->cfg = *cfg;
   l->Vp = pad_vocab(cfg->vocab_size);
   l->num_units = L + 2;
   l->unit_off = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
   l->unit_size = zt_xcalloc((size_t)l->num_units, sizeof(size_t));
+  if (cfg->lora_r > 0) {
+    lora_build(l, cfg);
+    return 0;
+  }
   lspec_t sp[16];
   int nb = llama ? llama_block_spec(cfg, sp) : gpt2_block_spec(cfg, sp);
   l->tensors = zt_xcalloc((size_t)(2 + L * nb + 2), sizeof(zt_tensor_t));

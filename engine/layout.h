@@ -72,6 +72,8 @@ typedef struct zt_model_config {
 #define ZT_LORA_NTARGETS 7
 #define ZT_LORA_DEFAULT_TARGETS 0x5u /* q_proj, v_proj (PEFT's default for llama) */
 extern const char *const zt_lora_target_names[ZT_LORA_NTARGETS];
+/* The index in zt_lora_target_names of a target's name; -1 for none. */
+int zt_lora_target_index(const char *name);
 
 /* The configuration without LoRA: the model the adapters adapt. */
 static inline zt_model_config_t zt_model_config_base(const zt_model_config_t *c) {

@@ -12,7 +12,6 @@
 
 #include "ckpt_io.h"
 #include "hfdir.h"
-#include "safetensors.h"
 #include "zt_common.h"
 
 /* One adapted projection: where A and B lie in an adapters' block unit and
@@ -205,16 +204,13 @@ int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w, const float 
   lora_target t[ZT_LORA_NTARGETS];
   int nt, R = lora_cfg->lora_r, rc = find_targets(&base, &ad, t, &nt);
   float s = lora_cfg->lora_alpha / (float)R;
+  /* The CPU table's merge, the one training runs on CPU workers. */
+  const zt_kernels_t *k = zt_kernels_cpu();
   for (int u = 1; rc == 0 && u <= lora_cfg->n_layer; u++)
     for (int i = 0; i < nt; i++) {
       float *wt = w + base.unit_off[u] + t[i].w;
       const float *A = adapters + ad.unit_off[u] + t[i].a, *B = adapters + ad.unit_off[u] + t[i].b;
-      for (int o = 0; o < t[i].O; o++)
-        for (int j = 0; j < t[i].I; j++) {
-          float acc = 0.0f;
-          for (int r = 0; r < R; r++) acc += B[(size_t)o * R + r] * A[(size_t)r * t[i].I + j];
-          wt[(size_t)o * t[i].I + j] += s * acc;
-        }
+      k->lora_merge(wt, wt, A, B, t[i].O, t[i].I, R, s);
     }
   zt_layout_free(&base);
   zt_layout_free(&ad);
@@ -232,12 +228,8 @@ int zt_lora_merge_epoch(const char *epoch_dir, const char *base_path, zt_model_c
   float *w = zt_xmalloc(bl.num_params * sizeof(float));
   struct stat st;
   int dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
-  int rc = dir ? (zt_hf_check_config(path, &bc) != 0 || zt_hf_read_weights(path, &bl, w) != 0)
-                     ? -1
-                     : 0
-               : zt_st_read(path, &bl, w);
-  snprintf(now, sizeof now, "xxh64:%016llx",
-           (unsigned long long)XXH64(w, bl.num_params * sizeof(float), 0));
+  int rc = zt_hf_read_model(path, dir, &bc, &bl, w);
+  zt_ckpt_checksum_text(now, XXH64(w, bl.num_params * sizeof(float), 0));
   if (rc == 0 && strcmp(now, sum))
     rc = zt_errk(ZT_E_INVALID, "its parameters hash to %s, but the adapters were trained on a "
                  "base that hashes to %s (%s)", now, sum, rec);

@@ -64,7 +64,8 @@ uint64_t zt_lora_bytes(const zt_lora_t *l);
 
 /* Merges host copies: w (the base model's flat fp32 parameters) +=
  * s B A for every adapter in `adapters` (the LoRA layout's flat fp32
- * buffer), as `zctl export --merge` writes them. */
+ * buffer), with the CPU kernel table's lora_merge, as `zctl export --merge`
+ * writes them. */
 ZT_MUST_CHECK int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w,
                                      const float *adapters);
 

@@ -164,6 +164,13 @@ int zt_rope_scaling_same(const zt_model_config_t *a, const zt_model_config_t *b)
          a->rope_original_max_pos == b->rope_original_max_pos;
 }
 
+cJSON *zt_lora_targets_json(unsigned targets) {
+  cJSON *t = cJSON_CreateArray();
+  for (int i = 0; i < ZT_LORA_NTARGETS; i++)
+    if (targets >> i & 1) cJSON_AddItemToArray(t, cJSON_CreateString(zt_lora_target_names[i]));
+  return t;
+}
+
 cJSON *zt_rope_scaling_json(const zt_model_config_t *c) {
   if (c->rope_factor == 0) return cJSON_CreateNull();
   cJSON *o = cJSON_CreateObject();
@@ -491,9 +498,7 @@ static int parse_lora(zt_spec_t *s, const cJSON *root) {
     targets = 0;
     const cJSON *it;
     cJSON_ArrayForEach(it, t) {
-      int found = -1;
-      for (int i = 0; i < ZT_LORA_NTARGETS && cJSON_IsString(it); i++)
-        if (!strcmp(it->valuestring, zt_lora_target_names[i])) found = i;
+      int found = zt_lora_target_index(cJSON_IsString(it) ? it->valuestring : NULL);
       if (found < 0)
         return zt_err("lora.target_modules: %s%s%s is not one of q_proj, k_proj, v_proj, "
                       "o_proj, gate_proj, up_proj, down_proj",

@@ -172,6 +172,9 @@ ZT_MUST_CHECK int zt_rope_scaling_parse(const struct cJSON *o, const char *where
 struct cJSON *zt_rope_scaling_json(const zt_model_config_t *c);
 /* 1 when a and b have the same rope_scaling. */
 int zt_rope_scaling_same(const zt_model_config_t *a, const zt_model_config_t *b);
+/* LoRA's target_modules (ZT_LORA_* bits) as PEFT lists them: a JSON array
+ * of names, in a block's order (a manifest's lora, adapter_config.json). */
+struct cJSON *zt_lora_targets_json(unsigned targets);
 
 /* Parses and validates a spec from a string of len bytes. A spec holds no
  * allocated memory: it is a plain value. */

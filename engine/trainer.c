@@ -51,7 +51,9 @@ typedef struct {
   zt_model_t *m;          /* computes: the model, or LoRA's base (lora.h) */
   zt_model_t *ad;         /* LoRA: the adapters, which ZeRO trains; else NULL */
   zt_lora_t *lora;
-  uint64_t base_hash;     /* LoRA: XXH64 of the base's fp32 parameters */
+  uint64_t base_hash;     /* LoRA: XXH64 of the base's fp32 parameters ... */
+  char base_sum[32];      /* ... as checkpoints write it ("xxh64:...") */
+  char base_path[512];    /* ... and the base's real path (zt_ckpt_meta_t.lora_base) */
   const zt_kernels_t *k;
   zt_zero_t z;
   int have_z;
@@ -271,18 +273,10 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   return 0;
 }
 
-/* Step 0's parameters: init.from_safetensors when the spec names a file
- * (every rank reads it and keeps what it holds), else the seeded random
- * initialisation. A file that does not fit the model is the job's fault. */
 /* Reads the weights of init.from_safetensors or init.from_pretrained into
  * flat (the compute model's layout). */
 static int read_init(trainer *t, float *flat) {
-  const char *path = t->spec.init_from;
-  if (t->spec.init_dir)
-    return zt_hf_check_config(path, &t->m->cfg) != 0 || zt_hf_read_weights(path, &t->m->lay, flat) != 0
-               ? -1
-               : 0;
-  return zt_st_read(path, &t->m->lay, flat);
+  return zt_hf_read_model(t->spec.init_from, t->spec.init_dir, &t->m->cfg, &t->m->lay, flat);
 }
 
 /* LoRA: the base model, at every start (fresh or from a checkpoint). */
@@ -296,8 +290,12 @@ static int init_base(trainer *t, zt_train_fault_t *fault) {
     *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
     return zt_err_wrap("%s (the base model of lora)", what);
   }
-  ZT_INFO("lora: base model from %s (params xxh64:%016llx)", t->spec.init_from,
-          (unsigned long long)t->base_hash);
+  /* Checkpoints name the base by its real path. */
+  char real[PATH_MAX];
+  const char *path = realpath(t->spec.init_from, real) ? real : t->spec.init_from;
+  snprintf(t->base_path, sizeof t->base_path, "%.*s", (int)sizeof t->base_path - 1, path);
+  zt_ckpt_checksum_text(t->base_sum, t->base_hash);
+  ZT_INFO("lora: base model from %s (params %s)", t->base_path, t->base_sum);
   return 0;
 }
 
@@ -316,6 +314,10 @@ static int init_adapters(trainer *t, zt_train_fault_t *fault) {
   return rc == 0 ? 0 : zt_err_wrap("init.lora_from");
 }
 
+/* Step 0's parameters: init.from_safetensors when the spec names a file
+ * (every rank reads it and keeps what it holds), else the seeded random
+ * initialisation; with LoRA, the adapters'. A file that does not fit the
+ * model is the job's fault. */
 static int init_params(trainer *t, zt_train_fault_t *fault) {
   const char *path = t->spec.init_from;
   if (t->lora) return init_adapters(t, fault);
@@ -351,19 +353,18 @@ zt_train_fault_t zt_train_load_fault(zt_errkind_t kind) {
   }
 }
 
-/* The step to start from: the loaded epoch's, or 0 with fresh parameters. */
 /* LoRA: the epoch's adapters were trained on the base loaded now. */
 static int same_base(trainer *t, const char *dir) {
-  char path[ZT_SPEC_PATH_MAX], sum[32], now[32];
+  char path[ZT_SPEC_PATH_MAX], sum[32];
   if (zt_ckpt_read_lora_base(dir, path, sizeof path, sum) != 0) return -1;
-  snprintf(now, sizeof now, "xxh64:%016llx", (unsigned long long)t->base_hash);
-  if (strcmp(sum, now))
+  if (strcmp(sum, t->base_sum))
     return zt_errk(ZT_E_INVALID, "checkpoint %s: its adapters were trained on a base model whose "
                    "parameters hash to %s (%s), but %s hashes to %s: not the same base model",
-                   dir, sum, path, t->spec.init_from, now);
+                   dir, sum, path, t->spec.init_from, t->base_sum);
   return 0;
 }
 
+/* The step to start from: the loaded epoch's, or 0 with fresh parameters. */
 static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
   if (t->lora && init_base(t, fault) != 0) return -1;
@@ -592,10 +593,7 @@ static int save_state(trainer *t, int64_t step) {
                          t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0};
   snprintf(meta.tokenizer, sizeof meta.tokenizer, "%s", t->tok_record);
   if (t->lora) {
-    char real[PATH_MAX];
-    const char *base = realpath(t->spec.init_from, real) ? real : t->spec.init_from;
-    if (strlen(base) < sizeof meta.lora_base) memcpy(meta.lora_base, base, strlen(base) + 1);
-    else snprintf(meta.lora_base, sizeof meta.lora_base, "%.*s", (int)sizeof meta.lora_base - 1, base);
+    snprintf(meta.lora_base, sizeof meta.lora_base, "%s", t->base_path);
     meta.lora_base_hash = t->base_hash;
   }
   int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, t->z.U);

@@ -282,9 +282,7 @@ static cJSON *adapter_config_json(const zt_model_config_t *cfg, const char *base
   cJSON_AddNumberToObject(c, "r", cfg->lora_r);
   cJSON_AddNumberToObject(c, "lora_alpha", cfg->lora_alpha);
   cJSON_AddNumberToObject(c, "lora_dropout", 0.0);
-  cJSON *t = cJSON_AddArrayToObject(c, "target_modules");
-  for (int i = 0; i < ZT_LORA_NTARGETS; i++)
-    if (cfg->lora_targets >> i & 1) cJSON_AddItemToArray(t, cJSON_CreateString(zt_lora_target_names[i]));
+  cJSON_AddItemToObject(c, "target_modules", zt_lora_targets_json(cfg->lora_targets));
   cJSON_AddStringToObject(c, "bias", "none");
   cJSON_AddBoolToObject(c, "fan_in_fan_out", 0);
   cJSON_AddBoolToObject(c, "use_rslora", 0);
@@ -301,11 +299,11 @@ static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_conf
   if (!o->lora)
     return zt_err("%s holds LoRA adapters (r %d): say --adapter (PEFT's adapter directory) or "
                   "--merge (the base model with the adapters merged in)", o->epoch_dir, cfg->lora_r);
-  if (zt_ckpt_read_lora_base(o->epoch_dir, base, sizeof base, sum) != 0) return -1;
   if (o->lora == ZT_EXPORT_MERGE)
     return zt_lora_merge_epoch(o->epoch_dir, o->base, cfg, lay, flat) != 0
                ? zt_err_wrap("export --merge")
                : 0;
+  if (zt_ckpt_read_lora_base(o->epoch_dir, base, sizeof base, sum) != 0) return -1;
   snprintf(path, sizeof path, "%s/adapter_model.safetensors", tmp);
   if (zt_st_write(path, lay, *flat, o->bf16, info->step, &info->model_bytes) != 0 ||
       write_json(tmp, "adapter_config.json", adapter_config_json(cfg, base)) != 0)
