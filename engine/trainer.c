@@ -358,8 +358,8 @@ static int same_base(trainer *t, const char *dir) {
   char path[ZT_SPEC_PATH_MAX], sum[32];
   if (zt_ckpt_read_lora_base(dir, path, sizeof path, sum) != 0) return -1;
   if (strcmp(sum, t->base_sum))
-    return zt_errk(ZT_E_INVALID, "checkpoint %s: its adapters were trained on a base model whose "
-                   "parameters hash to %s (%s), but %s hashes to %s: not the same base model",
+    return zt_errk(ZT_E_INVALID, "not the same base model: checkpoint %s holds adapters of a base "
+                   "whose parameters hash to %s (%s), but %s hashes to %s",
                    dir, sum, path, t->spec.init_from, t->base_sum);
   return 0;
 }

@@ -16,8 +16,8 @@ import os
 
 import pytest
 
-from ztest import BIN, byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job, wait_until, \
-    job, write_shard
+from ztest import BIN, byte_dataset, losses, start_fleet, submit, tiny_spec, wait_job, \
+    wait_until, job, write_shard, zctl_json
 from test_llama import (CONFIGS, Llama, check_two_steps, records, weights, write_pretrained,
                         write_safetensors, zsolo)
 
@@ -231,3 +231,13 @@ def test_lora_fine_tune_survives_a_kill_and_exports(procs, tmp_path):
     write_pretrained(tmp_path / "other", SMALL, weights(SMALL, seed=5))
     r = export("wrong", "--merge", "--base", str(tmp_path / "other"))
     assert r.returncode != 0 and "hash" in r.stderr, r.stderr
+    # Training on from the job's epoch with another base is refused by name,
+    # and the epoch is left as it was.
+    ck = zctl_json(coord.grpc, "checkpoints", str(jid))["checkpoints"]
+    last = max((c for c in ck if c["state"] == "committed"), key=lambda c: c["step"])
+    before = sorted(os.listdir(last["dir"]))
+    s = spec(200, 0, 1, checkpoint={"dir": str(tmp_path / "ck2"), "load": last["dir"]})
+    s["init"] = {"from_pretrained": str(tmp_path / "other")}
+    j = wait_job(coord, submit(coord, s, tmp_path, "other.json"), states=("failed",))
+    assert "not the same base model" in j["message"], j["message"]
+    assert sorted(os.listdir(last["dir"])) == before
