@@ -141,8 +141,10 @@ static void on_exit_cb(uv_process_t *proc, int64_t status, int sig) {
   zt_prov_t *p = proc->data;
   uv_close((uv_handle_t *)proc, on_closed);
   /* Whatever is left unread in the pipe is dropped: a command's children
-   * may hold it open long after the command itself has exited. */
-  if (p->out_open) uv_close((uv_handle_t *)&p->out, on_closed);
+   * may hold it open long after the command itself has exited. The pipe
+   * may be closing already (on_read saw its end first). */
+  if (p->out_open && !uv_is_closing((uv_handle_t *)&p->out))
+    uv_close((uv_handle_t *)&p->out, on_closed);
   finish(p, status, sig);
 }
 
