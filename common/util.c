@@ -261,7 +261,9 @@ static _Thread_local int remove_failed;
 
 static int remove_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
   (void)sb, (void)flag, (void)ftw;
-  if (remove(path) == 0) return 0;
+  /* Gone already: another process removed it (workers that share one
+   * checkpoint root on shared storage delete the same epochs). */
+  if (remove(path) == 0 || errno == ENOENT) return 0;
   ZT_WARN("cannot remove %s: %s", path, strerror(errno));
   if (!remove_failed++) zt_err_errno("remove %s", path); /* the first names the reason */
   return 0;
@@ -272,6 +274,7 @@ int zt_remove_tree(const char *path) {
   if (lstat(path, &st) != 0 && errno == ENOENT) return 0;
   remove_failed = 0;
   if (nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0) {
+    if (errno == ENOENT && lstat(path, &st) != 0 && errno == ENOENT) return 0;
     ZT_WARN("cannot walk %s to remove it: %s", path, strerror(errno));
     return zt_err_errno("remove %s: walking the tree", path);
   }

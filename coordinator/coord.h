@@ -125,6 +125,7 @@ typedef struct {
   zt_memplan_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
   int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
   int replicas;                 /* checkpoint.replicas */
+  int ckpt_shared;              /* checkpoint.shared: no copies tracked */
 } zt_job_params_t;
 
 /* One file of the epoch being reported: as its rank wrote it, and the
@@ -288,6 +289,9 @@ typedef struct zt_coord {
   int64_t hb_interval_ms, hb_judge_ms, hb_judge_until_ms;
   uint64_t hb_pace_changes;
   zt_prov_t *prov; /* provision.c; NULL without a provisioner */
+  /* Workers that registered new or came back (lost or left before), ever:
+   * the provisioner counts the workers it asked for by them. */
+  uint64_t arrivals;
   size_t flush_cursor; /* members.c: where the next slice of last_seen writes starts */
   uint64_t flush_ticks; /* main.c's flush timer */
   zt_event_slot_t ev_slots[64];        /* events.c */

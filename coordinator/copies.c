@@ -29,6 +29,10 @@
  * commit, are to be deleted, and so is such an epoch directory that holds
  * no finished file (listed as the directory itself); copies of committed
  * epochs are counted again.
+ *
+ * A job whose checkpoint root is shared storage (checkpoint.shared) keeps
+ * no copies: every worker sees every file, so an epoch is loadable once it
+ * commits, and a rank reads what it loads where it was written.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,8 +51,22 @@ static int serves(const zt_member_t *m) {
 
 /* ---- recording ------------------------------------------------------------ */
 
+/* The job `id` (NULL: no such job). The job list is read here rather than
+ * through jobtable.c, which calls this file by way of ckpt.c (no call
+ * cycle between the coordinator's files: tools/check-layers). */
+static const zt_job_t *find_job(const zt_coord_t *c, uint64_t id) {
+  for (const zt_job_t *j = c->jobs; j; j = j->next)
+    if (j->row.id == id) return j;
+  return NULL;
+}
+
 int zt_copies_add(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *k, const char *name,
                   uint64_t worker_id) {
+  /* On shared storage (checkpoint.shared) every worker sees every file:
+   * an epoch without copies on record is loadable wherever it was written
+   * (zt_copies_available), whichever machines are gone. */
+  const zt_job_t *j = find_job(c, job_id);
+  if (j && j->p.ckpt_shared) return 0;
   if (zt_db_copy_add(c->db, job_id, k->step, k->generation, name, worker_id) != 0)
     return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot record the copy");
   return 0;
@@ -284,15 +302,6 @@ int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_mem
   ZT_INFO("job %llu: a copy on %s of the deleted epoch %s: queued for deletion",
           (unsigned long long)job_id, m->row.name, rel);
   return 1;
-}
-
-/* The job `id` (NULL: no such job). The job list is read here rather than
- * through jobtable.c, which calls this file by way of ckpt.c (no call
- * cycle between the coordinator's files: tools/check-layers). */
-static const zt_job_t *find_job(const zt_coord_t *c, uint64_t id) {
-  for (const zt_job_t *j = c->jobs; j; j = j->next)
-    if (j->row.id == id) return j;
-  return NULL;
 }
 
 static uint64_t job_generation(const zt_coord_t *c, uint64_t id) {

@@ -279,10 +279,14 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
     /* A new process (restarted, or back after it was lost) starts with a
      * clean slate: a connection that died with its old process says
      * nothing about its links. If it still cannot reach the others, the
-     * probes of the next failure keep it out again. */
+     * probes of the next failure keep it out again. A drain was the old
+     * process's way out (a preemption, a shutdown): the new one is
+     * scheduled again, as a requeued Slurm job or a restarted service
+     * expects. */
     if (m->row.pid != r->pid || m->row.state == ZT_WORKER_LOST ||
         m->row.state == ZT_WORKER_LEFT)
-      m->quarantine_ms = 0, m->probe_asked = 0, m->n_unreach = 0, m->unreach_ms = 0;
+      m->quarantine_ms = 0, m->probe_asked = 0, m->n_unreach = 0, m->unreach_ms = 0,
+      m->draining = 0;
     /* The credential the worker may still hold if this reply is lost:
      * the one it presented (the replaced one, or the one before that when
      * it asks again after a lost reply). */
@@ -296,6 +300,7 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   } else {
     m = members_add(c, &row);
   }
+  if (strcmp(kind, "reregistered")) c->arrivals++;
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
   m->nccl = r->nccl;

@@ -100,6 +100,7 @@ static void copy_numbers(const zt_spec_t *s, zt_job_params_t *p) {
   p->restart = s->restart;
   p->max_uncommitted = s->ckpt.max_uncommitted_steps;
   p->replicas = s->ckpt.replicas;
+  p->ckpt_shared = s->ckpt.shared;
   p->zero_stage = s->zero_stage;
 }
 

@@ -66,8 +66,9 @@ struct zt_prov {
   int failures;      /* in a row */
   int asked;         /* workers asked for ... */
   int64_t asked_until_ms; /* ... expected until (monotonic) */
-  int have_at_ask;   /* present workers when they were asked for */
-  int run_have, run_outstanding; /* ... as counted when the running "up" started */
+  uint64_t arrivals_at_ask; /* zt_coord_t.arrivals when they were asked for */
+  int run_outstanding;      /* still coming when the running "up" started ... */
+  uint64_t run_arrivals;    /* ... and zt_coord_t.arrivals then */
   int64_t surplus_since_ms; /* idle workers nobody wants, since (0: none) */
   int64_t down_until_ms;    /* no "down" before (monotonic): the last one's workers leave */
   uint64_t runs[3];  /* ok, failed, timed out */
@@ -111,7 +112,7 @@ static void finish(zt_prov_t *p, int64_t status, int sig) {
     if (!strcmp(p->action, "down")) p->down_until_ms = zt_now_ms() + c->cfg.provisioner_grace_ms;
     if (!strcmp(p->action, "up")) {
       p->asked = p->run_outstanding + p->count;
-      p->have_at_ask = p->run_have;
+      p->arrivals_at_ask = p->run_arrivals;
       p->asked_until_ms = zt_now_ms() + c->cfg.provisioner_grace_ms;
     }
     zt_coord_event(c, 0, "provision", 0, "%s %d: done in %lld ms%s%.300s", p->action, p->count,
@@ -257,13 +258,16 @@ void zt_prov_tick(zt_coord_t *c) {
     have++;
     if (!m->job_id && nidle < MAX_NAMES) idle[nidle++] = m->row.name;
   }
-  /* Asked-for workers count until they are all here or the grace ends;
-   * one that came and went is not still coming. */
-  if (p->asked && (now >= p->asked_until_ms || have >= p->have_at_ask + p->asked)) p->asked = 0;
-  int outstanding = p->asked ? p->have_at_ask + p->asked - have : 0;
+  /* Asked-for workers count until as many have arrived (registered, or
+   * came back) or the grace ends. Arrivals, not the workers present, say
+   * so: one that came and went between two ticks (a preempted node) is
+   * not still coming. */
+  int arrived = (int)ZT_MIN(c->arrivals - p->arrivals_at_ask, (uint64_t)INT32_MAX);
+  if (p->asked && (now >= p->asked_until_ms || arrived >= p->asked)) p->asked = 0;
+  int outstanding = p->asked ? p->asked - arrived : 0;
   int want = wanted(c);
   if (want > have + outstanding) {
-    p->run_have = have, p->run_outstanding = outstanding;
+    p->run_arrivals = c->arrivals, p->run_outstanding = outstanding;
     run(p, "up", want - have - outstanding, NULL, 0);
     return;
   }

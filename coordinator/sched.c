@@ -587,11 +587,18 @@ static void checkpoint_committed(zt_coord_t *c, zt_job_t *j) {
   else
     snprintf(reason, sizeof reason, "%s after checkpoint step %lld", j->reform_reason,
              (long long)j->ck->step);
-  zt_sched_try_form(c, j, reason);
-  /* Drained workers are out now; they are told STOP and stay idle. */
-  for (size_t i = 0; i < c->by_id_cap; i++) {
+  /* The job's draining members are out after the re-form; they are told
+   * STOP and stay idle. Each is logged once, by the job it left. */
+  uint64_t out[ZT_MAX_WORLD];
+  int n = 0;
+  for (size_t i = 0; i < c->by_id_cap && n < ZT_MAX_WORLD; i++) {
     zt_member_t *m = c->by_id[i];
-    if (m && m->draining && m->job_id != j->row.id)
+    if (m && m->draining && m->job_id == j->row.id) out[n++] = m->row.id;
+  }
+  zt_sched_try_form(c, j, reason);
+  for (int i = 0; i < n; i++) {
+    zt_member_t *m = zt_members_get(c, out[i]);
+    if (m && m->job_id != j->row.id)
       zt_coord_event(c, j->row.id, "drained", m->row.id, "worker %s left the job at step %lld",
                      m->row.name, (long long)j->ck->step);
   }

@@ -28,6 +28,10 @@ PACKAGES=(
   prometheus
   # multi-host tests: network namespaces, veth, bridges, tc
   iproute2
+  # a real Slurm cluster in those namespaces (tests/multihost/test_slurm.py
+  # starts its own munged, slurmctld and slurmd with its own key and
+  # slurm.conf; the packages' services are not used)
+  slurmctld slurmd slurm-client munge
   # example corpus (English text, no download)
   fortunes
   # dashboard

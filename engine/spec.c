@@ -402,7 +402,8 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
 
 static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"dir",  "every_steps",           "keep_last", "keep_every",
-                                     "load", "max_uncommitted_steps", "replicas"};
+                                     "load", "max_uncommitted_steps", "replicas",
+                                     "shared"};
   const cJSON *o;
   zt_spec_ckpt_t *c = &s->ckpt;
   if (get_object(root, "", "checkpoint", 0, &o)) return -1;
@@ -415,8 +416,14 @@ static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
       get_string(o, "checkpoint", "load", 0, c->load, sizeof c->load) ||
       get_long(o, "checkpoint", "max_uncommitted_steps", 0, 1, 1L << 40,
                &c->max_uncommitted_steps) ||
-      get_int(o, "checkpoint", "replicas", 0, 1, 8, &c->replicas))
+      get_int(o, "checkpoint", "replicas", 0, 1, 8, &c->replicas) ||
+      get_bool(o, "checkpoint", "shared", &c->shared))
     return -1;
+  if (c->shared && cJSON_GetObjectItemCaseSensitive(o, "replicas") && c->replicas != 1)
+    return zt_err("checkpoint.replicas: %d copies asked for, but checkpoint.shared says every "
+                  "worker sees the same files: leave replicas out (or 1)",
+                  c->replicas);
+  if (c->shared) c->replicas = 1;
   if (!c->max_uncommitted_steps) c->max_uncommitted_steps = 10 * c->every_steps;
   if (!c->dir[0] || strstr(c->dir, ".."))
     return zt_err("checkpoint.dir: expected a path (no \"..\")");

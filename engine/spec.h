@@ -49,6 +49,11 @@ typedef struct zt_spec_ckpt {
    * the generation spans): the epoch commits only when they exist. 1: no
    * copies beyond the file itself (one host, or a shared directory). */
   int replicas;
+  /* Every worker's checkpoint root is one shared directory (NFS, Lustre,
+   * a cluster's parallel file system): no copies are made or tracked, an
+   * epoch is loadable once committed, and every rank reads its files
+   * where they were written. replicas is then 1. */
+  int shared;
 } zt_spec_ckpt_t;
 
 /* elastic{...}'s restart policy (the coordinator's, sched.c): a generation

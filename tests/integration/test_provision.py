@@ -4,7 +4,7 @@ The provisioner here is a script that does what a site's does with its
 scheduler, on this machine: `up N` starts N real zworker processes, `down
 N NAME...` stops the named ones (SIGTERM: they leave). It logs every call,
 so the tests see what zcoord asked for and when; a file next to it makes
-it fail or hang.
+it fail, hang, or close its output long before it exits.
 """
 import glob
 import os
@@ -30,6 +30,12 @@ if os.path.exists(os.path.join(here, "FAIL")):
     sys.exit(3)
 if os.path.exists(os.path.join(here, "HANG")):
     time.sleep(120)
+if os.path.exists(os.path.join(here, "CLOSE")):
+    # Its output ends well before it exits (a daemonizing helper does so).
+    print("closing my output", flush=True)
+    os.close(1), os.close(2)
+    time.sleep(0.5)
+    sys.exit(0)
 pids = os.path.join(here, "pids")
 os.makedirs(pids, exist_ok=True)
 if action == "up":
@@ -165,36 +171,72 @@ def test_a_failing_or_hanging_provisioner_is_backed_off_killed_and_reported(proc
          for r in ("ok", "failed", "timeout")}
     assert n["ok"] == 0 and n["failed"] >= 3 and n["timeout"] >= 1, n
     assert job(coord, jid)["state"] == "pending"
+    # A run whose output ends before it exits: a run like any other.
+    (prov / "HANG").unlink()
+    (prov / "CLOSE").write_text("")
+    wait_until(lambda: any(e["kind"] == "provision" and "closing my output" in e["detail"]
+                           for e in events(coord)), 60, "a run that closed its output first")
     assert coord.alive()
 
 
 def test_the_slurm_provisioner_submits_and_cancels_worker_jobs(tmp_path):
-    """deploy/slurm/ztrain-provision against stand-ins for sbatch and scancel
-    that log their arguments (the real cluster is another test's): one
-    one-node job per worker asked for, and a Slurm worker's job stopped
-    with SIGTERM after marking it (so that zworker.sbatch does not requeue
-    it); a name that is not a Slurm worker's left alone."""
+    """deploy/slurm/ztrain-provision against stand-ins for sbatch, squeue,
+    scontrol and scancel that log their arguments (the real cluster is
+    tests/multihost/test_slurm.py's): one-node jobs for the workers asked
+    for, less the worker jobs already queued (so that a cluster with no
+    free node is not asked again at every retry); a squeue that fails is a
+    failure, not a guess; a Slurm worker's job is stopped with SIGTERM after
+    marking it (so that zworker.sbatch does not requeue it); a name that is
+    not a Slurm worker's is left alone."""
     import subprocess
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for tool, out in (("sbatch", "echo 4242"), ("scancel", "true"), ("scontrol", "true")):
+    queued = tmp_path / "queued"
+    for tool, out in (("sbatch", "echo 4242"), ("scancel", "true"), ("scontrol", "true"),
+                      ("squeue", f'[ -e "{queued}" ] || exit 1; cat "{queued}"')):
         p = bindir / tool
         p.write_text(f'#!/bin/sh\necho "{tool} $*" >> "{tmp_path}/slurm.log"\n{out}\n')
         p.chmod(0o755)
     script = os.path.join(SRC, "deploy", "slurm", "ztrain-provision")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "ZT_COORDINATOR": "10.0.0.1:7070",
            "ZTRAIN_SBATCH_ARGS": "--partition=gpu --gpus-per-node=8"}
-    r = subprocess.run([script, "up", "2"], env=env, capture_output=True, text=True, timeout=30)
+    sb = os.path.join(os.path.dirname(script), "zworker.sbatch")
+    submit = (f"sbatch --parsable -N 1 -J ztrain-workers --partition=gpu --gpus-per-node=8 "
+              f"--export=ALL,ZTRAIN_COORDINATOR=10.0.0.1:7070 {sb}")
+    import pwd
+    squeue = f"squeue -h -u {pwd.getpwuid(os.getuid()).pw_name} -n ztrain-workers -t PENDING -o %i"
+
+    def up(n, pending, **extra):
+        queued.write_text("".join(f"{j}\n" for j in pending))
+        (tmp_path / "slurm.log").write_text("")
+        r = subprocess.run([script, "up", str(n)], env={**env, **extra}, capture_output=True,
+                           text=True, timeout=30)
+        return r, (tmp_path / "slurm.log").read_text().splitlines()
+
+    r, log = up(2, [])
     assert r.returncode == 0 and r.stdout.split() == ["4242", "4242"], (r.stdout, r.stderr)
+    assert log == [squeue, submit, submit], log
+    r, log = up(2, [77])
+    assert r.returncode == 0 and log == [squeue, submit], (r.stdout, log)
+    r, log = up(1, [77, 78])
+    assert r.returncode == 0 and log == [squeue], log
+    assert "2 worker jobs queued already (77 78); none submitted" in r.stdout, r.stdout
+    # Eight workers a job: nine workers are two jobs.
+    r, log = up(9, [], ZTRAIN_WORKERS_PER_JOB="8")
+    assert r.returncode == 0 and log == [squeue, submit, submit], log
+    queued.unlink()
+    (tmp_path / "slurm.log").write_text("")
+    r = subprocess.run([script, "up", "1"], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "squeue failed" in r.stderr, (r.stdout, r.stderr)
+    assert "sbatch" not in (tmp_path / "slurm.log").read_text()
+    (tmp_path / "slurm.log").write_text("")
     r = subprocess.run([script, "down", "3", "slurm-123-0", "slurm-456-3", "w0"], env=env,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "w0 is not a Slurm worker" in r.stdout, r.stdout
     log = (tmp_path / "slurm.log").read_text().splitlines()
-    sb = os.path.join(os.path.dirname(script), "zworker.sbatch")
-    assert log == [f"sbatch --parsable -N 1 --partition=gpu --gpus-per-node=8 "
-                   f"--export=ALL,ZTRAIN_COORDINATOR=10.0.0.1:7070 {sb}"] * 2 + [
-        "scontrol update JobId=123 Comment=ztrain-down", "scancel --signal=TERM --full 123",
-        "scontrol update JobId=456 Comment=ztrain-down", "scancel --signal=TERM --full 456"], log
+    assert log == [
+        "scontrol update JobId=123 Comment=ztrain-down", "scancel --signal=TERM 123",
+        "scontrol update JobId=456 Comment=ztrain-down", "scancel --signal=TERM 456"], log
     r = subprocess.run([script, "sideways", "1"], env=env, capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 2 and "usage" in r.stderr

@@ -78,6 +78,16 @@ ZT_TEST(test_sections_copied) {
   ZT_CHECK(p.rb_enabled && p.rb_max == 4 && p.rb_window > 0 && p.rb_lr_factor > 0);
   ZT_CHECK(p.min_workers == 2 && p.max_workers == 2 && p.restart.backoff_ms == 250);
   ZT_CHECK(p.zero_stage == 2);
+  ZT_CHECK(!p.ckpt_shared);
+  /* Shared storage: one copy, and a request for more is refused by name. */
+  ZT_REQUIRE(parse(spec(BATCH_4, ", \"checkpoint\": {\"dir\": \"run\", \"shared\": true}"), 0,
+                   &p) == 0);
+  ZT_CHECK(p.ckpt_shared && p.replicas == 1);
+  ZT_CHECK(refused(spec(BATCH_4, ", \"checkpoint\": {\"dir\": \"run\", \"shared\": true, "
+                                 "\"replicas\": 2}"),
+                   0, "checkpoint.replicas: 2 copies asked for, but checkpoint.shared"));
+  ZT_CHECK(refused(spec(BATCH_4, ", \"checkpoint\": {\"dir\": \"run\", \"shared\": 1}"), 0,
+                   "checkpoint.shared: expected true or false"));
 }
 
 ZT_TEST(test_world_sizes) {
