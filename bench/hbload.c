@@ -2,6 +2,7 @@
  * hbload.c: heartbeat load generator for bench/heartbeats.
  *
  *   zt_hbload --coordinator HOST:PORT -n WORKERS [--seconds S] [--rate-hz R]
+ *             [--per-host K]
  *
  * Simulates WORKERS workers from one process: registers them all (many
  * calls in flight at once), then sends each one's heartbeat R times per
@@ -17,6 +18,12 @@
  * worker lost; interval_ms is the last interval the replies asked for.
  * Latency is from just before the call is started to its completion, so it
  * includes client queueing: the figure a real worker would see.
+ *
+ * --per-host K: the workers are machines of K (a GPU each) whose heartbeat
+ * agents (worker/agent.c) send one HeartbeatBatch of the K heartbeats per
+ * interval; hb_per_s still counts worker heartbeats, calls_per_s the
+ * calls. The agent holds a heartbeat until its machine's others are there;
+ * here all K are ready at once, so the latency is the call's.
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -83,12 +90,13 @@ static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window,
 int main(int argc, char **argv) {
   zt_log_set_prefix("hbload");
   const char *coord = "127.0.0.1:7070";
-  int n = 100, fixed = 0;
+  int n = 100, fixed = 0, per_host = 1;
   double seconds = 10, rate = 1;
   static const struct option opts[] = {{"coordinator", required_argument, 0, 'c'},
                                        {"seconds", required_argument, 0, 's'},
                                        {"rate-hz", required_argument, 0, 'r'},
                                        {"fixed", no_argument, 0, 'f'},
+                                       {"per-host", required_argument, 0, 'k'},
                                        {0, 0, 0, 0}};
   int ch;
   while ((ch = getopt_long(argc, argv, "n:", opts, NULL)) != -1) {
@@ -98,13 +106,14 @@ int main(int argc, char **argv) {
     case 's': seconds = atof(optarg); break;
     case 'r': rate = atof(optarg); break;
     case 'f': fixed = 1; break;
+    case 'k': per_host = atoi(optarg); break;
     default:
       fprintf(stderr, "usage: zt_hbload --coordinator HOST:PORT -n N [--seconds S] [--rate-hz R] "
-                      "[--fixed]\n");
+                      "[--fixed] [--per-host K]\n");
       return 2;
     }
   }
-  if (n <= 0 || seconds <= 0 || rate <= 0) return 2;
+  if (n <= 0 || seconds <= 0 || rate <= 0 || per_host < 1 || per_host > ZT_HB_BATCH_MAX) return 2;
   zt_rpc_client_t *c;
   if (zt_rpc_client_open(coord, NULL, &c) != 0) return 1;
   sim_worker *w = calloc((size_t)n, sizeof *w);
@@ -117,52 +126,90 @@ int main(int argc, char **argv) {
   }
   double reg_s = (double)(zt_now_us() - t_reg) / 1e6;
 
-  /* The workers take turns, one every period / n: each one's heartbeats
-   * are a period apart, the period the replies ask for. */
+  /* The machines take turns, one every period / machines: each one's
+   * heartbeats are a period apart, the period the replies ask for. */
+  int hosts = (n + per_host - 1) / per_host;
   int64_t period_us = (int64_t)(1e6 / rate);
   if (reg_interval_ms && !fixed) period_us = reg_interval_ms * 1000;
-  size_t cap = (size_t)(seconds * rate * n) + 16;
+  size_t cap = (size_t)(seconds * rate * hosts) + 16;
   int64_t *lat = malloc(cap * sizeof *lat);
-  int64_t sent = 0, ok = 0, errors = 0, lost = 0, nlat = 0;
+  int64_t sent = 0, calls = 0, ok = 0, errors = 0, lost = 0, nlat = 0;
   int64_t t0 = zt_now_us(), t_end = t0 + (int64_t)(seconds * 1e6);
   double due = (double)t0;
   int64_t inflight = 0;
+  Ztrain__HeartbeatRequest *reqs = calloc((size_t)per_host, sizeof *reqs);
+  Ztrain__HeartbeatRequest **rp = calloc((size_t)per_host, sizeof *rp);
+  uint8_t *buf = malloc(256 * (size_t)per_host + 64);
   while (due < (double)t_end || inflight > 0) {
     int64_t now = zt_now_us();
     while (due < (double)t_end && due <= (double)now) {
-      int64_t k = sent / n, i = sent % n;
-      due += (double)period_us / n;
-      sim_worker *sw = &w[i];
+      int64_t k = calls / hosts, h = calls % hosts;
+      int first = (int)h * per_host, cnt = ZT_MIN(per_host, n - first);
+      due += (double)period_us / hosts;
+      calls++;
+      sim_worker *sw = &w[first];
       if (sw->sent_us) { /* previous heartbeat still in flight: count as late */
-        errors++;
-        sent++;
+        errors += cnt;
+        sent += cnt;
         continue;
       }
-      Ztrain__HeartbeatRequest req = ZTRAIN__HEARTBEAT_REQUEST__INIT;
-      req.worker_id = sw->id;
-      req.seq = (uint64_t)k;
-      req.session = sw->session;
-      uint8_t buf[160];
-      size_t len = pack(&req.base, buf);
+      for (int j = 0; j < cnt; j++) {
+        ztrain__heartbeat_request__init(&reqs[j]);
+        reqs[j].worker_id = w[first + j].id;
+        reqs[j].seq = (uint64_t)k;
+        reqs[j].session = w[first + j].session;
+        rp[j] = &reqs[j];
+      }
+      size_t len;
       sw->sent_us = zt_now_us();
-      zt_rpc_start(c, "/ztrain.Control/Heartbeat", buf, len, 5000, sw);
-      sent++, inflight++;
+      if (per_host == 1) {
+        len = pack(&reqs[0].base, buf);
+        zt_rpc_start(c, "/ztrain.Control/Heartbeat", buf, len, 5000, sw);
+      } else {
+        Ztrain__HeartbeatBatchRequest b = ZTRAIN__HEARTBEAT_BATCH_REQUEST__INIT;
+        b.beats = rp;
+        b.n_beats = (size_t)cnt;
+        len = pack(&b.base, buf);
+        zt_rpc_start(c, "/ztrain.Control/HeartbeatBatch", buf, len, 5000, sw);
+      }
+      sent += cnt, inflight++;
     }
     /* Collect what completed; wait at most until the next due heartbeat. */
     int64_t wait_ms = 1;
     zt_rpc_result_t r;
     while (inflight > 0 && zt_rpc_next(c, wait_ms, &r)) {
       sim_worker *sw = r.user;
+      int cnt = ZT_MIN(per_host, n - (int)(sw - w));
       inflight--;
       if (r.status == ZT_RPC_OK) {
-        ok++;
         if ((size_t)nlat < cap) lat[nlat++] = zt_now_us() - sw->sent_us;
-        Ztrain__HeartbeatReply *rep = ztrain__heartbeat_reply__unpack(NULL, r.resp_len, r.resp);
-        if (rep && rep->heartbeat_ms && !fixed) period_us = (int64_t)rep->heartbeat_ms * 1000;
-        if (rep) ztrain__heartbeat_reply__free_unpacked(rep, NULL);
+        int64_t ask = 0;
+        if (per_host == 1) {
+          Ztrain__HeartbeatReply *rep = ztrain__heartbeat_reply__unpack(NULL, r.resp_len, r.resp);
+          ok += rep != NULL, errors += rep == NULL;
+          if (rep) ask = rep->heartbeat_ms, ztrain__heartbeat_reply__free_unpacked(rep, NULL);
+        } else {
+          Ztrain__HeartbeatBatchReply *rep =
+              ztrain__heartbeat_batch_reply__unpack(NULL, r.resp_len, r.resp);
+          size_t got = rep ? rep->n_replies : 0;
+          errors += cnt - (int64_t)ZT_MIN(got, (size_t)cnt);
+          for (size_t j = 0; j < got && j < (size_t)cnt; j++) {
+            const Ztrain__HeartbeatBatchEntry *e = rep->replies[j];
+            if (!e->status && e->reply) {
+              ok++;
+              if (e->reply->heartbeat_ms) ask = e->reply->heartbeat_ms;
+              continue;
+            }
+            errors++;
+            lost += e->error && strstr(e->error, "is lost") != NULL;
+            if (errors < 5) ZT_WARN("heartbeat: %s", e->error ? e->error : "no reply");
+          }
+          if (rep) ztrain__heartbeat_batch_reply__free_unpacked(rep, NULL);
+        }
+        if (ask && !fixed) period_us = ask * 1000;
       } else {
-        errors++;
-        lost += strstr(r.details, "is lost") != NULL;
+        errors += cnt;
+        lost += strstr(r.details, "is lost") != NULL ? cnt : 0;
         if (errors < 5) ZT_WARN("heartbeat: %s: %s", zt_rpc_status_name(r.status), r.details);
       }
       sw->sent_us = 0;
@@ -171,15 +218,17 @@ int main(int argc, char **argv) {
     }
     if (zt_now_us() > t_end + 10 * 1000000LL) break; /* stragglers */
   }
+  free(reqs), free(rp), free(buf);
   double el = (double)(zt_now_us() - t0) / 1e6;
   qsort(lat, (size_t)nlat, sizeof *lat, cmp_i64);
   double p50 = nlat ? lat[nlat / 2] / 1000.0 : 0, p99 = nlat ? lat[(nlat * 99) / 100] / 1000.0 : 0;
   double mx = nlat ? lat[nlat - 1] / 1000.0 : 0;
-  printf("{\"workers\":%d,\"seconds\":%.2f,\"register_s\":%.3f,\"sent\":%lld,\"ok\":%lld,"
-         "\"errors\":%lld,\"lost\":%lld,\"interval_ms\":%lld,\"hb_per_s\":%.1f,\"p50_ms\":%.3f,"
-         "\"p99_ms\":%.3f,\"max_ms\":%.3f}\n",
-         n, el, reg_s, (long long)sent, (long long)ok, (long long)errors, (long long)lost,
-         (long long)(period_us / 1000), (double)ok / el, p50, p99, mx);
+  printf("{\"workers\":%d,\"per_host\":%d,\"seconds\":%.2f,\"register_s\":%.3f,\"sent\":%lld,"
+         "\"ok\":%lld,\"errors\":%lld,\"lost\":%lld,\"interval_ms\":%lld,\"hb_per_s\":%.1f,"
+         "\"calls_per_s\":%.1f,\"p50_ms\":%.3f,\"p99_ms\":%.3f,\"max_ms\":%.3f}\n",
+         n, per_host, el, reg_s, (long long)sent, (long long)ok, (long long)errors,
+         (long long)lost, (long long)(period_us / 1000), (double)ok / el,
+         (double)(calls) / el, p50, p99, mx);
   free(lat);
   free(w);
   zt_rpc_client_close(c);

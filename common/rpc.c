@@ -37,6 +37,9 @@
 #include "zt_common.h"
 #include "zt_rpc.h"
 
+/* The longest the loop runs queued calls in one go (poll_calls). */
+#define ZT_RPC_POLL_BUDGET_MS 10
+
 const char *zt_rpc_status_name(int status) {
   static const char *names[] = {"OK",
                                 "CANCELLED",
@@ -235,21 +238,38 @@ const char *zt_rpc_call_peer(zt_rpc_call_t *c) {
   return c->peer ? c->peer : "unknown";
 }
 
-/* Loop side: run the handler for every queued call. */
-void zt_rpc_server_poll(zt_rpc_server_t *s) {
+/* Loop side: run the handler for the queued calls, for at most budget_ms
+ * (0: all of them); the rest go back to the head of the queue and the
+ * loop is woken again for them, so that a burst (thousands of workers
+ * registering at once) does not hold the loop's timers for its whole
+ * length. */
+static void poll_calls(zt_rpc_server_t *s, int64_t budget_ms) {
   pthread_mutex_lock(&s->mu);
   zt_rpc_call_t *c = s->head;
   s->head = s->tail = NULL;
   pthread_mutex_unlock(&s->mu);
-  while (c) {
+  int64_t until = budget_ms ? zt_now_ms() + budget_ms : INT64_MAX;
+  for (int n = 0; c; n++) {
+    if ((n & 15) == 15 && zt_now_ms() >= until) break;
     zt_rpc_call_t *next = c->next;
     c->next = NULL;
     s->handler(c, c->method, c->req, c->req_len, s->user);
     c = next;
   }
+  if (!c) return;
+  zt_rpc_call_t *last = c;
+  while (last->next) last = last->next;
+  pthread_mutex_lock(&s->mu);
+  last->next = s->head;
+  if (!s->head) s->tail = last;
+  s->head = c;
+  pthread_mutex_unlock(&s->mu);
+  uv_async_send(&s->async);
 }
 
-static void on_async(uv_async_t *a) { zt_rpc_server_poll(a->data); }
+void zt_rpc_server_poll(zt_rpc_server_t *s) { poll_calls(s, 0); }
+
+static void on_async(uv_async_t *a) { poll_calls(a->data, ZT_RPC_POLL_BUDGET_MS); }
 
 /* Thread side: a request is complete; give it to the loop. */
 static void hand_to_loop(zt_rpc_server_t *s, zt_rpc_call_t *c) {

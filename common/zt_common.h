@@ -217,6 +217,10 @@ int zt_epoch_file(const char *name, int *rank);
 /* The most epoch deletions one heartbeat reports (HeartbeatRequest's
  * deleted_epochs): what a worker keeps, and what the coordinator takes. */
 #define ZT_DELETED_EPOCHS_MAX 64
+/* The most heartbeats one HeartbeatBatch call carries (a machine's heartbeat
+ * agent, worker/agent.c): what an agent sends, and what the coordinator
+ * takes. */
+#define ZT_HB_BATCH_MAX 256
 /* Compares two strings in time that depends only on their lengths, for
  * secrets and tokens. Returns 1 when they are equal. */
 int zt_secret_equal(const char *a, const char *b);

@@ -51,6 +51,13 @@ static int serves(const zt_member_t *m) {
 
 /* ---- recording ------------------------------------------------------------ */
 
+/* Queues the deletion of epoch directory rel on worker `worker_id`; every
+ * heartbeat's look for deletions (zt_copies_deletions) looks again. */
+static int queue_deletion(zt_coord_t *c, uint64_t worker_id, const char *rel) {
+  c->deletions_gen++;
+  return zt_db_deletion_add(c->db, worker_id, rel);
+}
+
 /* The job `id` (NULL: no such job). The job list is read here rather than
  * through jobtable.c, which calls this file by way of ckpt.c (no call
  * cycle between the coordinator's files: tools/check-layers). */
@@ -103,7 +110,7 @@ void zt_copies_forget_epoch(zt_coord_t *c, uint64_t job_id, const zt_db_ckpt_t *
     ZT_WARN("members of generation %llu: %s", (unsigned long long)k->generation, zt_err_msg());
   for (int i = 0; i < nm; i++) add_holder(NULL, members[i], &h);
   for (int i = 0; i < h.n && rel; i++)
-    if (zt_db_deletion_add(c->db, h.ids[i], rel) != 0)
+    if (queue_deletion(c, h.ids[i], rel) != 0)
       ZT_WARN("deletion of %s on worker %llu: %s", rel, (unsigned long long)h.ids[i],
               zt_err_msg());
   if (zt_db_copies_drop(c->db, job_id, k->step, k->generation) != 0)
@@ -247,10 +254,15 @@ void zt_copies_pool_free(zt_copies_pool_t *pool) {
 
 int zt_copies_deletions(zt_coord_t *c, zt_member_t *m, char (*dirs)[ZT_DB_DIR_MAX], int max) {
   int n = 0;
+  /* Nothing queued anywhere since its list was last empty: no query (a
+   * heartbeat of a large fleet is otherwise a database read each). */
+  uint64_t gen = c->deletions_gen + 1; /* 0: never looked */
+  if (m->deletions_none_gen == gen) return 0;
   if (zt_db_deletions_of(c->db, m->row.id, dirs, max, &n) != 0) {
     ZT_WARN("epochs to delete on %s: %s", m->row.name, zt_err_msg());
     return 0;
   }
+  if (n == 0) m->deletions_none_gen = gen;
   return n;
 }
 
@@ -297,7 +309,7 @@ int zt_copies_of_deleted(zt_coord_t *c, uint64_t job_id, const char *dir, zt_mem
   if (zt_db_ckpts_each(c->db, job_id, find_epoch, &x) != 0)
     return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot read the job's epochs");
   if (!x.found || x.k.state != ZT_CKPT_DELETED || !rel) return 0;
-  if (zt_db_deletion_add(c->db, m->row.id, rel) != 0)
+  if (queue_deletion(c, m->row.id, rel) != 0)
     return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot queue the deletion of the late copy");
   ZT_INFO("job %llu: a copy on %s of the deleted epoch %s: queued for deletion",
           (unsigned long long)job_id, m->row.name, rel);
@@ -359,7 +371,7 @@ void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_
       continue;
     if (!strcmp(rel, last_deleted)) continue;
     snprintf(last_deleted, sizeof last_deleted, "%s", rel);
-    deleted += zt_db_deletion_add(c->db, m->row.id, rel) == 0;
+    deleted += queue_deletion(c, m->row.id, rel) == 0;
   }
   if (malformed > 1)
     ZT_WARN("worker %s reports %d files of no epoch in all, ignored", m->row.name, malformed);

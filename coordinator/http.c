@@ -568,6 +568,17 @@ static void r_metrics(zt_http_req_t *r) {
               "Times the advertised heartbeat interval changed.");
   sb_printf(&b, "ztrain_coordinator_heartbeat_pace_changes_total %llu\n",
             (unsigned long long)c->hb_pace_changes);
+  metric_head(&b, "ztrain_coordinator_heartbeat_calls_total", "counter",
+              "Heartbeat calls by kind: a worker's own (single), or a machine's heartbeat "
+              "agent's (batch, zworker --heartbeat-agent).");
+  sb_printf(&b, "ztrain_coordinator_heartbeat_calls_total{kind=\"single\"} %llu\n",
+            (unsigned long long)c->hb_calls[0]);
+  sb_printf(&b, "ztrain_coordinator_heartbeat_calls_total{kind=\"batch\"} %llu\n",
+            (unsigned long long)c->hb_calls[1]);
+  metric_head(&b, "ztrain_coordinator_heartbeat_batch_entries_total", "counter",
+              "Workers' heartbeats that came in batches.");
+  sb_printf(&b, "ztrain_coordinator_heartbeat_batch_entries_total %llu\n",
+            (unsigned long long)c->hb_batch_entries);
   uint64_t prov[3];
   zt_prov_counts(c, prov);
   metric_head(&b, "ztrain_provisioner_runs_total", "counter",

@@ -333,12 +333,23 @@ static size_t live_members(const zt_coord_t *c) {
   return n;
 }
 
+/* The calls the live members make per interval: one each, or their share
+ * of their machine agent's batch. */
+static size_t live_calls(const zt_coord_t *c) {
+  double n = 0;
+  for (size_t i = 0; i < c->by_id_cap; i++)
+    if (member_live(c->by_id[i])) n += 1.0 / ZT_MAX(1, c->by_id[i]->hb_batch);
+  return (size_t)(n + 0.5);
+}
+
 /* ---- Pace ---------------------------------------------------------------------
  *
- * One coordinator core takes about heartbeat_capacity heartbeats a second
- * (bench/heartbeats). With more live members than capacity x interval, the
- * interval it advertises in every heartbeat and register reply stretches
- * to members / capacity, so the fleet sends no more than the coordinator
+ * One coordinator core takes about heartbeat_capacity heartbeat calls a
+ * second (bench/heartbeats); a machine agent's batch (HeartbeatBatch) is
+ * one call, each of its workers a share of it. With more calls per
+ * interval than capacity x interval, the interval it advertises in every
+ * heartbeat and register reply stretches to calls / capacity, so the
+ * fleet sends no more than the coordinator
  * can take instead of queueing until calls time out and healthy workers
  * are declared lost (each of which registers again: a storm). Workers take
  * the interval from the reply (worker/control.c). Silences are judged by
@@ -366,8 +377,8 @@ int64_t zt_members_timeout_ms(const zt_coord_t *c) {
 
 void zt_members_pace(zt_coord_t *c) {
   int64_t base = c->cfg.heartbeat_ms, now = zt_now_ms(), want = base;
-  size_t live = live_members(c), cap = (size_t)c->cfg.heartbeat_capacity;
-  if (cap > 0) want = ZT_MAX(base, (int64_t)((live * 1000 + cap - 1) / cap));
+  size_t live = live_members(c), calls = live_calls(c), cap = (size_t)c->cfg.heartbeat_capacity;
+  if (cap > 0) want = ZT_MAX(base, (int64_t)((calls * 1000 + cap - 1) / cap));
   int64_t was = zt_members_interval_ms(c);
   /* Small changes are not worth a word to every worker: 10% either way. */
   if (want * 10 < was * 11 && want * 11 > was * 10 && want != base) want = was;
@@ -375,8 +386,9 @@ void zt_members_pace(zt_coord_t *c) {
     c->hb_pace_changes++;
     char detail[200];
     snprintf(detail, sizeof detail,
-             "heartbeat interval %lld -> %lld ms for %zu live workers (capacity %d a second)",
-             (long long)was, (long long)want, live, c->cfg.heartbeat_capacity);
+             "heartbeat interval %lld -> %lld ms for %zu live workers, %zu calls an interval "
+             "(capacity %d a second)",
+             (long long)was, (long long)want, live, calls, c->cfg.heartbeat_capacity);
     if (want > was) ZT_WARN("%s", detail);
     else ZT_INFO("%s", detail);
     zt_coord_event(c, 0, "heartbeat_pace", 0, "%s", detail);

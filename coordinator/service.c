@@ -32,11 +32,20 @@
 /* Returned by a handler that answers later (Rendezvous, a long poll). */
 #define ZT_DEFERRED ((ProtobufCMessage *)1)
 
-/* What a handler produced besides its reply: blocks to free after packing. */
-typedef struct {
+/* What a handler produced besides its reply: blocks to free after packing,
+ * and a HeartbeatBatch's per-entry contexts. */
+typedef struct call_ctx {
   void *owned[8];
   int n_owned;
+  struct call_ctx *sub;
+  size_t n_sub;
 } call_ctx;
+
+static void ctx_free(call_ctx *x) {
+  for (int i = 0; i < x->n_owned; i++) free(x->owned[i]);
+  for (size_t i = 0; i < x->n_sub; i++) ctx_free(&x->sub[i]);
+  free(x->sub);
+}
 
 static void *own(call_ctx *x, void *p) {
   if (x->n_owned == (int)ZT_ARRAY_LEN(x->owned)) abort(); /* a handler owns at most 8 */
@@ -125,6 +134,58 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
   for (int i = 0; i < n; i++) dp[i] = dirs[i];
   r->n_delete_epochs = (size_t)n;
   r->delete_epochs = dp;
+  return &r->base;
+}
+
+static int authenticate_worker(zt_coord_t *c, const ProtobufCMessage *m);
+
+/* A worker's own Heartbeat call (counted apart from a batch's entries). */
+static ProtobufCMessage *h_heartbeat_call(zt_coord_t *c, zt_rpc_call_t *call,
+                                          const ProtobufCMessage *m, call_ctx *x) {
+  c->hb_calls[0]++;
+  ProtobufCMessage *r = h_heartbeat(c, call, m, x);
+  zt_member_t *mem = r ? zt_members_get(c, ((const Ztrain__HeartbeatRequest *)m)->worker_id) : NULL;
+  if (mem) mem->hb_batch = 1;
+  return r;
+}
+
+/* A machine's heartbeat agent: every entry is judged as its own Heartbeat
+ * call (its credential, its errors), in order; one entry's failure is its
+ * own answer, not the call's. */
+static ProtobufCMessage *h_heartbeat_batch(zt_coord_t *c, zt_rpc_call_t *call,
+                                           const ProtobufCMessage *m, call_ctx *x) {
+  const Ztrain__HeartbeatBatchRequest *req = (const Ztrain__HeartbeatBatchRequest *)m;
+  size_t n = req->n_beats;
+  c->hb_calls[1]++;
+  c->hb_batch_entries += n;
+  if (n > ZT_HB_BATCH_MAX) {
+    zt_errk(ZT_E_INVALID, "beats: %zu entries, at most %d", n, ZT_HB_BATCH_MAX);
+    return NULL;
+  }
+  Ztrain__HeartbeatBatchEntry *e = own(x, zt_xcalloc(n + 1, sizeof *e));
+  Ztrain__HeartbeatBatchEntry **ep = own(x, zt_xcalloc(n + 1, sizeof *ep));
+  x->sub = zt_xcalloc(n + 1, sizeof *x->sub);
+  x->n_sub = n;
+  for (size_t i = 0; i < n; i++) {
+    const ProtobufCMessage *beat = &req->beats[i]->base;
+    ztrain__heartbeat_batch_entry__init(&e[i]);
+    ep[i] = &e[i];
+    zt_err_clear();
+    ProtobufCMessage *r =
+        authenticate_worker(c, beat) != 0 ? NULL : h_heartbeat(c, call, beat, &x->sub[i]);
+    if (r) {
+      e[i].reply = (Ztrain__HeartbeatReply *)r;
+      zt_member_t *mem = zt_members_get(c, req->beats[i]->worker_id);
+      if (mem) mem->hb_batch = (int)n;
+    } else {
+      e[i].status = (uint32_t)zt_errkind_grpc(zt_err_kind());
+      e[i].error = own(&x->sub[i], zt_xstrdup(zt_err_msg()));
+    }
+  }
+  zt_err_clear();
+  Ztrain__HeartbeatBatchReply *r = new_reply(x, &ztrain__heartbeat_batch_reply__descriptor);
+  r->n_replies = n;
+  r->replies = ep;
   return &r->base;
 }
 
@@ -402,7 +463,8 @@ static ProtobufCMessage *h_report_replica(zt_coord_t *c, zt_rpc_call_t *call,
 
 /* Who may call a method. */
 enum {
-  ANYONE,   /* reads, and RegisterWorker (which checks the worker secret) */
+  ANYONE,   /* reads; RegisterWorker (which checks the worker secret); HeartbeatBatch
+               (which authenticates each entry) */
   WORKER,   /* a registered worker: its worker_id and session must match */
   OPERATOR, /* changes state: needs "authorization: Bearer <api_token>" */
 };
@@ -416,7 +478,11 @@ typedef struct {
 
 static const method_entry k_methods[] = {
     {"/ztrain.Control/RegisterWorker", &ztrain__register_request__descriptor, h_register, ANYONE},
-    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat, WORKER},
+    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat_call,
+     WORKER},
+    /* Each entry is authenticated by itself (h_heartbeat_batch). */
+    {"/ztrain.Control/HeartbeatBatch", &ztrain__heartbeat_batch_request__descriptor,
+     h_heartbeat_batch, ANYONE},
     {"/ztrain.Control/Leave", &ztrain__leave_request__descriptor, h_leave, WORKER},
     {"/ztrain.Control/Rendezvous", &ztrain__rendezvous_request__descriptor, h_rendezvous, WORKER},
     {"/ztrain.Control/ReportStep", &ztrain__report_step_request__descriptor, h_report_step, WORKER},
@@ -503,5 +569,5 @@ void zt_coord_rpc_dispatch(zt_rpc_call_t *call, const char *method, const uint8_
       e->who == WORKER && authenticate_worker(c, in) != 0 ? NULL : e->fn(c, call, in, &x);
   protobuf_c_message_free_unpacked(in, NULL);
   if (reply != ZT_DEFERRED) answer(call, reply);
-  for (int i = 0; i < x.n_owned; i++) free(x.owned[i]);
+  ctx_free(&x);
 }

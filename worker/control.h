@@ -45,6 +45,9 @@ typedef struct {
   int64_t drain_timeout_ms; /* longest wait for a checkpoint before leaving; 0: 90000 */
   uint64_t host_memory, device_memory; /* reported at registration (bytes) */
   int nccl;                            /* ... and whether NCCL loads (GPU workers) */
+  /* Heartbeats go through the machine's heartbeat agent (agent.h), which
+   * this worker becomes when there is none. */
+  int heartbeat_agent;
   /* The checkpoint root (absolute): its files are reported at
    * registration, and epochs the coordinator drops are deleted under it.
    * NULL: neither. */

@@ -44,6 +44,7 @@ typedef struct {
   zt_spot_kind_t spot;                           /* --spot-notice */
   const char *spot_endpoint;                     /* NULL: 169.254.169.254:80 */
   int64_t spot_poll_ms;                          /* 0: 1000 */
+  int heartbeat_agent;                           /* --heartbeat-agent */
 } worker_args;
 
 static void usage(FILE *f) {
@@ -52,7 +53,7 @@ static void usage(FILE *f) {
              "               [--threads N] [--comm-host ADDR] [--memory BYTES[K|M|G]]\n"
              "               [--data-root DIR] [--checkpoint-root DIR] [--host NAME]\n"
              "               [--drain-timeout-ms N] [--spot-notice auto|aws|gcp|azure|off]\n"
-             "               [--spot-endpoint IPV4:PORT] [--spot-poll-ms N]\n"
+             "               [--spot-endpoint IPV4:PORT] [--spot-poll-ms N] [--heartbeat-agent]\n"
              "Job data and checkpoints must lie under the roots (default: the working\n"
              "directory); --memory (default: the machine's RAM) is what the scheduler\n"
              "assumes this worker may use. --comm-host is the address peers reach this\n"
@@ -63,7 +64,9 @@ static void usage(FILE *f) {
              "inside a two-minute spot notice; 25000 for a 30-second one).\n"
              "--spot-notice (default off) polls the cloud's instance metadata service and\n"
              "drains, as on SIGTERM, when it announces a preemption (auto: whichever of\n"
-             "AWS, GCP and Azure answers).\n");
+             "AWS, GCP and Azure answers). --heartbeat-agent: the workers of this machine\n"
+             "that say so send their heartbeats through one of them, one call a machine\n"
+             "(for fleets of many GPUs a machine: docs/deploy.md).\n");
 }
 
 /* "2G", "512M", "1000000": bytes. */
@@ -95,6 +98,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       {"drain-timeout-ms", required_argument, 0, 'T'},
       {"spot-notice", required_argument, 0, 'S'},  {"spot-endpoint", required_argument, 0, 'E'},
       {"spot-poll-ms", required_argument, 0, 'P'},
+      {"heartbeat-agent", no_argument, 0, 'A'},
       {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0},
   };
@@ -124,6 +128,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
       if (zt_spot_parse(optarg, &a->spot) != 0) return -1;
       break;
     case 'E': a->spot_endpoint = optarg; break;
+    case 'A': a->heartbeat_agent = 1; break;
     case 'P':
       if (zt_parse_i64("--spot-poll-ms", optarg, 100, 600000, &a->spot_poll_ms) != 0) return -1;
       break;
@@ -284,6 +289,7 @@ int main(int argc, char **argv) {
                      .secret = a.secret, .host_memory = a.memory,
                      .device_memory = device_memory, .nccl = nccl, .on_command = on_command,
                      .drain_timeout_ms = a.drain_timeout_ms,
+                     .heartbeat_agent = a.heartbeat_agent,
                      .timing = on_timing, .user = &runner};
   if (zt_ctl_open(&o, &sa.ctl) != 0) {
     ZT_ERROR("%s", zt_err_msg());

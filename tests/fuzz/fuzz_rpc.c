@@ -43,6 +43,7 @@ static const method k_methods[] = {
     {"/ztrain.Status/ListWorkers", &ztrain__list_workers_request__descriptor},
     {"/ztrain.Status/ListEvents", &ztrain__list_events_request__descriptor},
     {"/ztrain.Control/ReportReplica", &ztrain__report_replica_request__descriptor},
+    {"/ztrain.Control/HeartbeatBatch", &ztrain__heartbeat_batch_request__descriptor},
     {"/ztrain.Status/NoSuchMethod", NULL},
 };
 
