@@ -23,12 +23,14 @@
  *
  * When the agent calls. It sends one HeartbeatBatch (the entries' bytes
  * are copied into it as they came, not decoded) when every connected
- * worker has a heartbeat waiting, when ZT_HB_BATCH_MAX wait, or when the
- * oldest has waited almost an interval. Workers that use the agent wait an
- * interval from the answer rather than from the start of their call
- * (control.c), so the workers one batch answered send their next
- * heartbeats together and the next batch goes at once: after the first
- * round the machine's workers heartbeat in step, one call per interval.
+ * worker has a heartbeat waiting, when ZT_HB_BATCH_MAX wait, or an
+ * interval and a little (a quarter, 20-250 ms) after the last batch.
+ * Workers that use the agent wait an interval from the answer rather than
+ * from the start of their call (control.c), so the workers one batch
+ * answered send their next heartbeats together and the next batch goes as
+ * soon as the last is in; a worker out of step waits for the next batch,
+ * whose workers are back by then, and is in step from there on: the
+ * machine's workers heartbeat together, one call per interval.
  * The call's deadline is the earliest of the entries' deadlines; when it
  * fails, every entry gets the failure's status, as its own call would
  * have.
@@ -64,7 +66,6 @@ typedef struct {
   uint8_t *body;     /* NULL until the header is complete */
   uint32_t len;
   int64_t deadline;  /* the heartbeat's (monotonic ms) */
-  int64_t since;     /* when it was complete */
   int ready;         /* a complete heartbeat waits for the batch */
 } peer;
 
@@ -79,6 +80,7 @@ struct zt_agent {
   atomic_int stop;
   zt_rpc_client_t *rpc;
   int64_t interval_ms; /* as the last batch's replies asked (thread only) */
+  int64_t last_flush_ms; /* when the last batch went (thread only) */
   peer peers[ZT_HB_BATCH_MAX];
   int npeers;
 };
@@ -105,34 +107,30 @@ static int wait_fd(int fd, short events, int64_t deadline) {
   }
 }
 
-static int write_all(int fd, const uint8_t *p, size_t n, int64_t deadline) {
+/* Sends (out) or receives all n bytes by the deadline: 0, or -1 when the
+ * connection closed, failed or the deadline passed. */
+static int io_all(int fd, uint8_t *p, size_t n, int out, int64_t deadline) {
   while (n) {
-    ssize_t w = send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w > 0) {
-      p += w, n -= (size_t)w;
+    ssize_t r = out ? send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT) : recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r, n -= (size_t)r;
       continue;
     }
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && wait_fd(fd, POLLOUT, deadline))
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
+        wait_fd(fd, out ? POLLOUT : POLLIN, deadline))
       continue;
     return -1;
   }
   return 0;
 }
 
+static int write_all(int fd, const uint8_t *p, size_t n, int64_t deadline) {
+  return io_all(fd, (uint8_t *)p, n, 1, deadline);
+}
+
 static int read_all(int fd, uint8_t *p, size_t n, int64_t deadline) {
-  while (n) {
-    ssize_t r = recv(fd, p, n, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r, n -= (size_t)r;
-      continue;
-    }
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && wait_fd(fd, POLLIN, deadline))
-      continue;
-    return -1; /* closed, failed, or the deadline */
-  }
-  return 0;
+  return io_all(fd, p, n, 0, deadline);
 }
 
 /* ---- the agent (serving side) --------------------------------------------------- */
@@ -163,7 +161,6 @@ static int peer_read(zt_agent_t *a, int i) {
       p->got = 0;
     } else if (p->body && p->got == p->len) {
       p->ready = 1;
-      p->since = zt_now_ms();
       return 0;
     }
   }
@@ -209,6 +206,7 @@ static void flush(zt_agent_t *a) {
     deadline = ZT_MIN(deadline, p->deadline);
   }
   if (!n) return;
+  a->last_flush_ms = zt_now_ms();
   uint8_t *req = zt_xmalloc(bytes + 1);
   size_t off = 0;
   for (int k = 0; k < n; k++) { /* field 1 (beats), length-delimited */
@@ -259,22 +257,22 @@ static void flush(zt_agent_t *a) {
 }
 
 /* When the waiting heartbeats go (monotonic ms; INT64_MAX: none waits):
- * now when every worker's is here or the batch is full, else when the
- * oldest has waited almost an interval, and in time for the earliest
- * deadline. */
+ * now when every worker's is here or the batch is full; else an interval
+ * and a little after the last batch (by then the workers that batch
+ * answered, who wait an interval from their answers, are here too: a
+ * worker out of step joins them), and in time for the earliest deadline. */
 static int64_t flush_at(const zt_agent_t *a) {
   int ready = 0;
-  int64_t oldest = INT64_MAX, first_deadline = INT64_MAX;
+  int64_t first_deadline = INT64_MAX;
   for (int i = 0; i < a->npeers; i++) {
     if (a->peers[i].ready != 1) continue;
     ready++;
-    oldest = ZT_MIN(oldest, a->peers[i].since);
     first_deadline = ZT_MIN(first_deadline, a->peers[i].deadline);
   }
   if (!ready) return INT64_MAX;
   if (ready == a->npeers || ready >= ZT_HB_BATCH_MAX) return 0;
-  int64_t w = ZT_MAX(20, a->interval_ms - ZT_MIN(a->interval_ms / 10, 100));
-  return ZT_MIN(oldest + w, first_deadline - 150);
+  int64_t slack = ZT_MAX(20, ZT_MIN(a->interval_ms / 4, 250));
+  return ZT_MIN(a->last_flush_ms + a->interval_ms + slack, first_deadline - 150);
 }
 
 static void accept_peers(zt_agent_t *a) {

@@ -543,11 +543,11 @@ int zt_ctl_run(zt_ctl_t *c) {
       if (refused > 1) ZT_INFO("heartbeats accepted again after %d refusals", refused);
       failing = 0, refused = 0;
       c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
-      /* Through the agent: an interval (less a little, so as to be in time
-       * for the batch) from the answer, which the machine's other workers
-       * got at the same moment: they heartbeat in step (agent.c). */
+      /* Through the agent: an interval from the answer, which the
+       * machine's other workers got at the same moment: they heartbeat in
+       * step (agent.c). */
       if (c->via_agent)
-        wait_or_stop(c, c->heartbeat_ms - ZT_MIN(c->heartbeat_ms / 10, 100));
+        wait_or_stop(c, c->heartbeat_ms);
       else
         wait_or_stop(c, ZT_MAX(0, c->heartbeat_ms - (zt_now_ms() - t0)));
       continue;

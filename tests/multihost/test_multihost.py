@@ -49,6 +49,41 @@ def test_training_across_hosts_equals_one_rank(net, data, tmp_path):
     assert started and "3 ranks connected" in started[0]["detail"]
 
 
+def test_heartbeat_agents_one_per_host(net, data, tmp_path):
+    """zworker --heartbeat-agent, two hosts of two workers: each host (its
+    own network namespace, so its own abstract socket) has its own agent,
+    the coordinator gets batches of two and no single calls, and a job
+    trains across the four workers."""
+    fleet = Fleet(net, data)
+    names = [f"w{h}{i}" for h in ("h1", "h2") for i in range(2)]
+    for n in names:
+        h = n[1:3]
+        fleet.add_worker(h, name=n, extra=["--heartbeat-agent",
+                                           "--workdir", os.path.join(net.root, h, f"work-{n}")])
+    fleet.wait_alive(names)
+
+    def agents():
+        return [n for n in names
+                if "heartbeat agent of this machine" in fleet.workers[n][1].output()]
+    wait_until(lambda: len(agents()) == 2, 20, "one agent per host")
+    assert sorted(fleet.workers[n][0].name for n in agents()) == ["h1", "h2"], agents()
+
+    def counts():
+        text = fleet.api("/metrics")
+        v = {ln.split()[0]: int(ln.split()[1]) for ln in text.splitlines()
+             if ln.startswith(("ztrain_coordinator_heartbeat_calls_total",
+                               "ztrain_coordinator_heartbeat_batch_entries_total"))}
+        return (v['ztrain_coordinator_heartbeat_calls_total{kind="single"}'],
+                v['ztrain_coordinator_heartbeat_calls_total{kind="batch"}'],
+                v["ztrain_coordinator_heartbeat_batch_entries_total"])
+    s0, b0, e0 = counts()
+    wait_until(lambda: counts()[1] - b0 >= 10, 30, "ten batches")
+    s1, b1, e1 = counts()
+    assert s1 == s0 and (e1 - e0) / (b1 - b0) > 1.5, (s0, s1, b1 - b0, e1 - e0)
+    j = fleet.submit(spec(30, 4), str(tmp_path / "a.json"))
+    fleet.wait_job(j)
+
+
 def test_host_vanishing_fails_collectives_within_deadline(net, data, tmp_path):
     """Link down mid-collective: nothing tells the survivors (no FIN, no
     RST); each must give up within the collective timeout (3 s) and the job
