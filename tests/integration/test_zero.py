@@ -14,7 +14,7 @@ import os
 import pytest
 
 from ztest import (breakdown_rows, byte_dataset, losses, start_fleet, submit, tiny_spec,
-                   wait_job)
+                   wait_job, wait_until)
 
 STEPS = 50
 
@@ -252,10 +252,13 @@ def test_wall_clock_breakdown(procs, tmp_path, data):
         start = [len(w.output()) for w in ws]
         wait_job(coord, submit(coord, spec, tmp_path, f"wcb-{stage}.json"), timeout=180)
         for w, at in zip(ws, start):
-            rows = breakdown_rows(w.output()[at:])
             if not on:
-                assert rows == [], rows
+                assert breakdown_rows(w.output()[at:]) == [], w.output()[at:]
                 continue
+            # The job completes when the last step is reported; its line may
+            # be logged a moment later.
+            rows = wait_until(lambda: (lambda r: r if len(r) >= steps else None)(
+                breakdown_rows(w.output()[at:])), 10, "every step's breakdown line")
             assert [int(r[0]) for r in rows] == list(range(1, steps + 1)), rows
             for _, ms, red, gat, busy, cpu in rows:
                 assert red + gat <= ms + 0.5, rows

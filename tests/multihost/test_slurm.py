@@ -230,9 +230,12 @@ def test_slurm_workers_train_drain_on_preemption_and_are_replaced(net, cluster, 
 
     def members(state="alive"):
         return {n: w for n, w in fleet.workers_by_name().items() if w["state"] == state}
-    # Two "up" jobs from the provisioner, on two of the three nodes.
-    wait_until(lambda: fleet.job(jid)["world"] == 2 and fleet.job(jid)["step"] >= 50, 120,
-               "the job training on two workers that Slurm started")
+    # Two "up" jobs from the provisioner, on two of the three nodes; the
+    # job training on both (steps of the two-worker generation).
+    j = wait_until(lambda: (lambda j: j if j["world"] == 2 else None)(fleet.job(jid)), 120,
+                   "the job on two workers that Slurm started")
+    wait_until(lambda: fleet.job(jid)["generation"] == j["generation"] and
+               fleet.job(jid)["step"] >= j["step"] + 30, 60, "training on both")
     ws = members()
     assert len(ws) == 2 and all(n.startswith("slurm-") for n in ws), ws
     # Preemption: a high-priority job wants one worker's node. Slurm sends
