@@ -340,13 +340,16 @@ static size_t live_members(const zt_coord_t *c) {
 #define ZT_HB_ENTRY_COST 0.06
 
 /* The calls the live members make per interval, in single calls: one
- * each, or their share of their machine agent's batch. */
-static size_t live_calls(const zt_coord_t *c) {
+ * each, or their share of their machine agent's batch; *live gets how
+ * many they are. */
+static size_t live_calls(const zt_coord_t *c, size_t *live) {
   double n = 0;
+  *live = 0;
   for (size_t i = 0; i < c->by_id_cap; i++) {
     if (!member_live(c->by_id[i])) continue;
     int k = ZT_MAX(1, c->by_id[i]->hb_batch);
     n += (1.0 + (k - 1) * ZT_HB_ENTRY_COST) / k;
+    ++*live;
   }
   return (size_t)(n + 0.5);
 }
@@ -386,7 +389,7 @@ int64_t zt_members_timeout_ms(const zt_coord_t *c) {
 
 void zt_members_pace(zt_coord_t *c) {
   int64_t base = c->cfg.heartbeat_ms, now = zt_now_ms(), want = base;
-  size_t live = live_members(c), calls = live_calls(c), cap = (size_t)c->cfg.heartbeat_capacity;
+  size_t live, calls = live_calls(c, &live), cap = (size_t)c->cfg.heartbeat_capacity;
   if (cap > 0) want = ZT_MAX(base, (int64_t)((calls * 1000 + cap - 1) / cap));
   int64_t was = zt_members_interval_ms(c);
   /* Small changes are not worth a word to every worker: 10% either way. */

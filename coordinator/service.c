@@ -39,6 +39,7 @@ typedef struct call_ctx {
   int n_owned;
   struct call_ctx *sub;
   size_t n_sub;
+  int batch; /* a HeartbeatBatch entry's context: the batch's entries (0: a call) */
 } call_ctx;
 
 static void ctx_free(call_ctx *x) {
@@ -109,7 +110,9 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
             ZT_DELETED_EPOCHS_MAX);
     return NULL;
   }
+  if (!x->batch) c->hb_calls[0]++;
   if (zt_members_heartbeat(c, req->worker_id, &mem) != 0) return NULL;
+  mem->hb_batch = ZT_MAX(1, x->batch); /* its share of the calls (zt_members_pace) */
   zt_members_timing(c, mem, req->step_ms, req->comm_ms, req->send_wait_ms, req->link_rtt_ms);
   Ztrain__HeartbeatReply *r = new_reply(x, &ztrain__heartbeat_reply__descriptor);
   /* Kept out as possibly cut off: its probe's answer, and the next probe. */
@@ -139,16 +142,6 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
 
 static int authenticate_worker(zt_coord_t *c, const ProtobufCMessage *m);
 
-/* A worker's own Heartbeat call (counted apart from a batch's entries). */
-static ProtobufCMessage *h_heartbeat_call(zt_coord_t *c, zt_rpc_call_t *call,
-                                          const ProtobufCMessage *m, call_ctx *x) {
-  c->hb_calls[0]++;
-  ProtobufCMessage *r = h_heartbeat(c, call, m, x);
-  zt_member_t *mem = r ? zt_members_get(c, ((const Ztrain__HeartbeatRequest *)m)->worker_id) : NULL;
-  if (mem) mem->hb_batch = 1;
-  return r;
-}
-
 /* A machine's heartbeat agent: every entry is judged as its own Heartbeat
  * call (its credential, its errors), in order; one entry's failure is its
  * own answer, not the call's. */
@@ -171,12 +164,11 @@ static ProtobufCMessage *h_heartbeat_batch(zt_coord_t *c, zt_rpc_call_t *call,
     ztrain__heartbeat_batch_entry__init(&e[i]);
     ep[i] = &e[i];
     zt_err_clear();
+    x->sub[i].batch = (int)n;
     ProtobufCMessage *r =
         authenticate_worker(c, beat) != 0 ? NULL : h_heartbeat(c, call, beat, &x->sub[i]);
     if (r) {
       e[i].reply = (Ztrain__HeartbeatReply *)r;
-      zt_member_t *mem = zt_members_get(c, req->beats[i]->worker_id);
-      if (mem) mem->hb_batch = (int)n;
     } else {
       e[i].status = (uint32_t)zt_errkind_grpc(zt_err_kind());
       e[i].error = own(&x->sub[i], zt_xstrdup(zt_err_msg()));
@@ -478,8 +470,7 @@ typedef struct {
 
 static const method_entry k_methods[] = {
     {"/ztrain.Control/RegisterWorker", &ztrain__register_request__descriptor, h_register, ANYONE},
-    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat_call,
-     WORKER},
+    {"/ztrain.Control/Heartbeat", &ztrain__heartbeat_request__descriptor, h_heartbeat, WORKER},
     /* Each entry is authenticated by itself (h_heartbeat_batch). */
     {"/ztrain.Control/HeartbeatBatch", &ztrain__heartbeat_batch_request__descriptor,
      h_heartbeat_batch, ANYONE},
