@@ -43,8 +43,6 @@
   X(proj, BT * C, ZT_ACT_X)               \
   X(datt, BT * ATTX, ZT_ACT_X)            \
   X(dffa, BT * FFAX, ZT_ACT_X)            \
-  X(qfull, BT * QF, ZT_ACT_X)             \
-  X(dqfull, BT * QF, ZT_ACT_X)            \
   X(nowpe, T * PE, ZT_ACT_X)              \
   X(dnowpe, T * PE, ZT_ACT_F)
 
@@ -52,20 +50,20 @@
  * on 3C (q, k, v), C (attention out) and 4C (the MLP); a llama block on
  * QKV = (NH + 2 NKV) HD, ATT = NH HD, FF = 2 n_ff (gate and up) and FFA =
  * n_ff, and needs scratch GPT-2 does not: ATTX (the attention output's
- * gradient), FFAX (SwiGLU's), QF (q, k, v with each K/V head repeated for
- * its query heads, when NKV < NH on a kernel table without grouped-query
- * attention of its own: gqa_native 0) and PE (a zero position table for the
- * embedding kernel, with a gradient nobody reads). */
+ * gradient), FFAX (SwiGLU's) and PE (a zero position table for the
+ * embedding kernel, with a gradient nobody reads). Grouped-query attention
+ * reads each K/V head in place (zt_kernels.h attention_forward_gqa), so
+ * NKV < NH needs no scratch of its own. */
 typedef struct {
-  size_t C, L, NH, Vp, QKV, ATT, FF, FFA, ATTX, FFAX, QF, PE;
+  size_t C, L, NH, Vp, QKV, ATT, FF, FFA, ATTX, FFAX, PE;
 } zt_act_dims_t;
 
 static inline zt_act_dims_t zt_act_dims(size_t C, size_t L, size_t NH, size_t Vp, int llama,
-                                        size_t NKV, size_t HD, size_t F, int gqa_native) {
-  zt_act_dims_t d = {C, L, NH, Vp, 3 * C, C, 4 * C, 4 * C, 0, 0, 0, 0};
+                                        size_t NKV, size_t HD, size_t F) {
+  zt_act_dims_t d = {C, L, NH, Vp, 3 * C, C, 4 * C, 4 * C, 0, 0, 0};
   if (llama) {
     d.QKV = (NH + 2 * NKV) * HD, d.ATT = NH * HD, d.FF = 2 * F, d.FFA = F;
-    d.ATTX = d.ATT, d.FFAX = F, d.QF = NKV < NH && !gqa_native ? 3 * NH * HD : 0, d.PE = C;
+    d.ATTX = d.ATT, d.FFAX = F, d.PE = C;
   }
   return d;
 }
@@ -81,8 +79,7 @@ static inline zt_act_dims_t zt_act_dims(size_t C, size_t L, size_t NH, size_t Vp
 static inline size_t zt_activation_bytes(size_t B, size_t T, const zt_act_dims_t *d, size_t LA,
                                          size_t xb) {
   size_t BT = B * T, total = 0, C = d->C, L = d->L, NH = d->NH, Vp = d->Vp, QKV = d->QKV;
-  size_t ATT = d->ATT, FF = d->FF, FFA = d->FFA, ATTX = d->ATTX, FFAX = d->FFAX, QF = d->QF;
-  size_t PE = d->PE;
+  size_t ATT = d->ATT, FF = d->FF, FFA = d->FFA, ATTX = d->ATTX, FFAX = d->FFAX, PE = d->PE;
 #define ZT_ACT_SUM(name, size, type) total += (size) * type(xb);
   ZT_ACTIVATIONS(ZT_ACT_SUM)
 #undef ZT_ACT_SUM

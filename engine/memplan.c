@@ -44,13 +44,12 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
   return b;
 }
 
-static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t xb,
-                            int gqa_native) {
+static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t xb) {
   const zt_model_config_t *m = &s->model;
   uint64_t B = (uint64_t)s->micro_batch, T = (uint64_t)m->seq_len;
   zt_act_dims_t d = zt_act_dims((size_t)m->n_embd, (size_t)m->n_layer, (size_t)m->n_head,
                                  (size_t)l->Vp, m->arch == ZT_ARCH_LLAMA, (size_t)m->n_kv_head,
-                                 (size_t)m->head_dim, (size_t)m->n_ff, gqa_native);
+                                 (size_t)m->head_dim, (size_t)m->n_ff);
   return zt_activation_bytes(B, T, &d, s->act_ckpt ? 1 : (size_t)m->n_layer, xb) +
          3 * 4 * B * T; /* inputs, targets, host losses */
 }
@@ -67,13 +66,13 @@ static uint64_t lora_base(const zt_model_config_t *m, uint64_t xb) {
 }
 
 int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
-                    int gqa_native, uint64_t *states, uint64_t *acts) {
+                    uint64_t *states, uint64_t *acts) {
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
             lora_base(&s->model, (uint64_t)xbytes);
-  *acts = activations(s, &l, (uint64_t)xbytes, gqa_native);
+  *acts = activations(s, &l, (uint64_t)xbytes);
   zt_layout_free(&l);
   return 0;
 }
@@ -84,12 +83,12 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
                 lora_base(&s->model, 4);
-  out->activations = activations(s, &l, 4, 1); /* the CPU tables' attention is GQA's own */
+  out->activations = activations(s, &l, 4);
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */
   out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned) +
                     lora_base(&s->model, dev_xb);
-  out->dev_activations = activations(s, &l, dev_xb, 0);
+  out->dev_activations = activations(s, &l, dev_xb);
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
   out->host = ZT_MEMPLAN_BASE_BYTES + out->states + out->activations + out->snapshot;
   out->device = ZT_MEMPLAN_DEVICE_BASE_BYTES + out->dev_states + out->dev_activations;

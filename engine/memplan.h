@@ -64,10 +64,9 @@ ZT_MUST_CHECK int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need
 
 /* The states and activations of one rank as it really runs: overlap
  * thread or not, a working copy of xbytes (4, or 2 for bf16 storage),
- * NCCL collectives or not (on a device), a kernel table with grouped-query
- * attention of its own or not (zt_kernels.h attention_forward_gqa). */
+ * NCCL collectives or not (on a device). */
 ZT_MUST_CHECK int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes,
-                                  int nccl, int gqa_native, uint64_t *states, uint64_t *acts);
+                                  int nccl, uint64_t *states, uint64_t *acts);
 
 /* Whether a worker with host_bytes of RAM and device_bytes of GPU memory
  * (0: a CPU worker) can hold one rank; 0 bytes of RAM means "not said" and

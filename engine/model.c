@@ -55,11 +55,10 @@ static int acts_create(zt_model_t *m) {
   const zt_model_config_t *c = &m->cfg;
   zt_act_dims_t d = zt_act_dims((size_t)c->n_embd, (size_t)c->n_layer, (size_t)c->n_head,
                                  (size_t)m->lay.Vp, c->arch == ZT_ARCH_LLAMA,
-                                 (size_t)c->n_kv_head, (size_t)c->head_dim, (size_t)c->n_ff,
-                                 k->attention_forward_gqa != NULL);
+                                 (size_t)c->n_kv_head, (size_t)c->head_dim, (size_t)c->n_ff);
   size_t B = (size_t)m->max_B, T = (size_t)m->max_T, C = d.C, L = d.L, NH = d.NH, BT = B * T;
   size_t Vp = d.Vp, QKV = d.QKV, ATT = d.ATT, FF = d.FF, FFA = d.FFA, ATTX = d.ATTX;
-  size_t FFAX = d.FFAX, QF = d.QF, PE = d.PE;
+  size_t FFAX = d.FFAX, PE = d.PE;
   size_t LA = m->recompute ? 1 : L, xb = (size_t)k->xbytes;
   a->inputs = k->alloc(BT * sizeof(int));
   a->targets = k->alloc(BT * sizeof(int));
@@ -260,14 +259,7 @@ static void llama_block_forward(zt_model_t *m, int l, const float *x, int B, int
   k->rmsnorm_forward(ln1, ln1r, x, p.rms1w, BT, C, c->norm_eps);
   k->matmul_forward(qkv, ln1, p.qkvw, p.qkvb, BT, C, QKV);
   k->rope(qkv, B, T, 0, NH, KV, HD, zt_model_rope(c), 0);
-  if (KV < NH && k->attention_forward_gqa) {
-    k->attention_forward_gqa(atty, lse, qkv, B, T, NH, KV, HD);
-  } else if (KV < NH) {
-    k->gqa_expand(a->qfull, qkv, BT, NH, KV, HD);
-    k->attention_forward(atty, lse, a->qfull, B, T, ATT, NH);
-  } else {
-    k->attention_forward(atty, lse, qkv, B, T, ATT, NH);
-  }
+  k->attention_forward_gqa(atty, lse, qkv, B, T, NH, KV, HD);
   k->matmul_forward(a->proj, atty, p.ow, NULL, BT, ATT, C);
   k->residual_forward(res2, x, a->proj, (size_t)BT * C);
   k->rmsnorm_forward(ln2, ln2r, res2, p.rms2w, BT, C, c->norm_eps);
@@ -409,15 +401,7 @@ static void llama_block_backward(zt_model_t *m, int l, const float *x) {
   /* Attention: dres is now d res2. The stored qkv holds q and k after
    * their rotation, so the rotation's backward comes after attention's. */
   k->matmul_backward(a->datt, g.ow, NULL, a->dres, atty, p.ow, BT, ATT, C);
-  if (KV < NH && k->attention_backward_gqa) {
-    k->attention_backward_gqa(a->dqkv, a->datt, qkv, atty, lse, B, T, NH, KV, HD);
-  } else if (KV < NH) {
-    k->gqa_expand(a->qfull, qkv, BT, NH, KV, HD);
-    k->attention_backward(a->dqfull, a->datt, a->qfull, atty, lse, B, T, ATT, NH);
-    k->gqa_reduce(a->dqkv, a->dqfull, BT, NH, KV, HD);
-  } else {
-    k->attention_backward(a->dqkv, a->datt, qkv, atty, lse, B, T, ATT, NH);
-  }
+  k->attention_backward_gqa(a->dqkv, a->datt, qkv, atty, lse, B, T, NH, KV, HD);
   k->rope(a->dqkv, B, T, 0, NH, KV, HD, zt_model_rope(c), 1);
   k->matmul_backward(a->dbtc, g.qkvw, g.qkvb, a->dqkv, ln1, p.qkvw, BT, C, QKV);
   k->rmsnorm_backward(a->dres, g.rms1w, a->dbtc, x, p.rms1w, ln1r, BT, C);

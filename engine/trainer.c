@@ -263,8 +263,8 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   /* The report's estimate: this rank's own figures (overlap thread, storage type). */
   zt_memplan_need_t est = t->need;
   if (g->workdir &&
-      (zt_memplan_rank(&t->spec, t->N, t->z.overlap, t->k->xbytes, t->z.dcomm,
-                       t->k->attention_forward_gqa != NULL, &est.states, &est.activations) != 0 ||
+      (zt_memplan_rank(&t->spec, t->N, t->z.overlap, t->k->xbytes, t->z.dcomm, &est.states,
+                       &est.activations) != 0 ||
        zt_zero_write_memory_report(&t->z, g->workdir, zt_model_activation_bytes(t->m), &est) != 0))
     ZT_WARN("%s", zt_err_msg());
   t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);

@@ -178,19 +178,11 @@ typedef struct zt_kernels {
    *                     backward of the forward).
    *   swiglu_forward:   out[N,F] = silu(inp[:, :F]) * inp[:, F:2F].
    *   swiglu_backward:  dinp[N,2F] (overwritten) from dout[N,F] and inp.
-   *   gqa_expand:       full[N, 3*NH*HD] = q, and each k and v head
-   *                     repeated for its NH/NKV query heads, from
-   *                     qkv[N,(NH+2*NKV)*HD] (grouped-query attention on
-   *                     the multi-head kernels).
-   *   gqa_reduce:       its backward: dqkv (overwritten) = dq, and each k
-   *                     and v head's gradient summed over its query heads.
    *   attention_forward_gqa, attention_backward_gqa: attention on
    *                     qkv[B,T,(NH+2*NKV)*HD] as it is, each K/V head read
    *                     in place by its NH/NKV query heads (never copied),
    *                     out[B,T,NH*HD], lse[B,NH,T]; the backward sums a K/V
-   *                     head's gradient over them. NULL in a table without
-   *                     them (CUDA, so far): the model then expands
-   *                     (gqa_expand) and runs the multi-head kernels. */
+   *                     head's gradient over them and overwrites dqkv. */
   void (*rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *w, int N, int C,
                           float eps);
   void (*rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp,
@@ -199,8 +191,6 @@ typedef struct zt_kernels {
                int inverse);
   void (*swiglu_forward)(float *out, const float *inp, int N, int F);
   void (*swiglu_backward)(float *dinp, const float *dout, const float *inp, int N, int F);
-  void (*gqa_expand)(float *full, const float *qkv, int N, int NH, int NKV, int HD);
-  void (*gqa_reduce)(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD);
   void (*attention_forward_gqa)(float *out, float *lse, const float *qkv, int B, int T, int NH,
                                 int NKV, int HD);
   void (*attention_backward_gqa)(float *dqkv, const float *dout, const float *qkv,
@@ -265,14 +255,18 @@ void zt_kernels_host_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, i
 void zt_kernels_host_swiglu_forward(float *out, const float *inp, int N, int F);
 void zt_kernels_host_swiglu_backward(float *dinp, const float *dout, const float *inp, int N,
                                      int F);
+/* Grouped heads as multi-head ones, for the tests' independent check of the
+ * grouped attention kernels: gqa_expand writes full[N, 3*NH*HD] = q, and
+ * each k and v head repeated for its NH/NKV query heads, from
+ * qkv[N,(NH+2*NKV)*HD]; gqa_reduce is its backward: dqkv (overwritten) = dq,
+ * and each k and v head's gradient summed over its query heads. */
 void zt_kernels_host_gqa_expand(float *full, const float *qkv, int N, int NH, int NKV, int HD);
 void zt_kernels_host_gqa_reduce(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD);
 #define ZT_KERNELS_HOST_LLAMA                                                             \
   .rmsnorm_forward = zt_kernels_host_rmsnorm_forward,                                     \
   .rmsnorm_backward = zt_kernels_host_rmsnorm_backward, .rope = zt_kernels_host_rope,     \
   .swiglu_forward = zt_kernels_host_swiglu_forward,                                       \
-  .swiglu_backward = zt_kernels_host_swiglu_backward,                                     \
-  .gqa_expand = zt_kernels_host_gqa_expand, .gqa_reduce = zt_kernels_host_gqa_reduce
+  .swiglu_backward = zt_kernels_host_swiglu_backward
 
 #define ZT_KERNELS_HOST_MEMORY                                                           \
   .xbytes = 4, .narrow_x = zt_kernels_host_narrow_x, .widen_x = zt_kernels_host_widen_x, \

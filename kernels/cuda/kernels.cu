@@ -568,11 +568,21 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
 }
 
 /* ---------------------------------------------------------------------------
+ * Attention, multi-head and grouped-query alike. A row of qkv holds NH
+ * query heads, then KV key heads, then KV value heads, hs wide each
+ * ((NH + 2 KV) hs; GPT-2: KV = NH); query head h reads K/V head
+ * h / (NH / KV) where it lies, in every path below: no K/V head is copied
+ * per query head. out and dout rows are NH hs wide, lse is [B,NH,T].
+ *
  * Attention through cuBLASLt: the default path, and the only one for head
- * sizes the tiled kernels below do not take (att_tiled). qkv [B,T,3C] is
- * permuted into q, k, v [B,NH,T,hs]; per head (batch of B*NH) the products
- * run through cuBLASLt on the full T x T, the causal mask is applied by the
- * softmax kernels (entries above the diagonal become 0). Row-major q [T,hs]
+ * sizes the tiled kernels below do not take (att_tiled). qkv is permuted
+ * into q [B,NH,T,hs] and k, v [B,KV,T,hs]. The G = NH / KV query heads of
+ * a group lie one after the other in q, so for each (b, K/V head) (a batch
+ * of B*KV) one product takes the group's G*T query rows against the head's
+ * T keys: the K/V head is read once, and the backward's products over the
+ * G*T rows sum dk and dv over the group by themselves. The products run
+ * through cuBLASLt on the full T x T per query head, the causal mask is
+ * applied by the softmax kernels (entries above the diagonal become 0). Row-major q [T,hs]
  * is column-major Q' [hs,T] (ld hs); a row-major [T,T] matrix A is
  * column-major A' with A'(t2,t) = A[t][t2]. The interface is the tiled CPU
  * kernel's (zt_kernels.h): forward keeps only lse per row, backward
@@ -591,17 +601,12 @@ __device__ __forceinline__ size_t head_to_row(size_t idx, int T, int NH, int hs,
   return ((size_t)b * T + t) * width + coff + (size_t)h * hs + i;
 }
 
-template <typename X>
-__global__ void k_permute_qkv(float *q, float *k, float *v, const X *qkv, int B, int T, int NH,
-                              int hs) {
-  size_t n = (size_t)B * NH * T * hs;
-  int C = NH * hs;
-  ZT_GRID_STRIDE(idx, n) {
-    const X *src = qkv + head_to_row(idx, T, NH, hs, 3 * C, 0);
-    q[idx] = ldx(src[0]);
-    k[idx] = ldx(src[C]);
-    v[idx] = ldx(src[2 * C]);
-  }
+/* The row width of qkv, and where query head h's K/V head starts in a row. */
+__host__ __device__ __forceinline__ size_t att_rs(int NH, int KV, int hs) {
+  return (size_t)(NH + 2 * KV) * hs;
+}
+__host__ __device__ __forceinline__ size_t att_koff(int h, int NH, int KV, int hs) {
+  return (size_t)NH * hs + (size_t)(h / (NH / KV)) * hs;
 }
 
 /* [B,NH,T,hs] <-> [B,T,C] at column offset `coff` of rows of width `width`.
@@ -788,20 +793,20 @@ __device__ __forceinline__ void fa_store(X *base, size_t rs, int r0, int T,
 __device__ __forceinline__ int fa_round4(int n) { return (n + 3) & ~3; }
 
 template <typename X>
-__global__ void k_flash_fwd(X *out, float *lse, const X *qkv, int T, int C, int NH,
+__global__ void k_flash_fwd(X *out, float *lse, const X *qkv, int T, int NH, int KV, int hs,
                             float scale) {
   __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
   __shared__ fa4 vs4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 pw4[FA_WARPS * FA_RPW * FA_B / 4];
   float *qs = (float *)qs4, *ks = (float *)ks4, *vs = (float *)vs4;
-  int hs = C / NH, ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int r0 = q0 + warp * FA_RPW; /* this warp's first row */
   float *pw = (float *)pw4 + warp * FA_RPW * FA_B;
-  size_t rs = 3 * (size_t)C;
-  const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  fa_load(qs, hs, base, rs, q0, T, hs);
+  size_t rs = att_rs(NH, KV, hs);
+  const X *base = qkv + (size_t)b * T * rs, *kb = base + att_koff(h, NH, KV, hs);
+  fa_load(qs, hs, base + (size_t)h * hs, rs, q0, T, hs);
   float m[FA_RPW], l[FA_RPW], acc[FA_RPW][FA_NREG];
   fa_zero(acc);
   ZT_UNROLL
@@ -809,8 +814,8 @@ __global__ void k_flash_fwd(X *out, float *lse, const X *qkv, int T, int C, int 
   int kend = min(T, q0 + FA_B);
   for (int k0 = 0; k0 < kend; k0 += FA_B) {
     __syncthreads(); /* the previous tile is no longer read */
-    fa_load(ks, ld, base + C, rs, k0, T, hs);
-    fa_load(vs, hs, base + 2 * C, rs, k0, T, hs);
+    fa_load(ks, ld, kb, rs, k0, T, hs);
+    fa_load(vs, hs, kb + (size_t)KV * hs, rs, k0, T, hs);
     __syncthreads();
     if (k0 > r0 + FA_RPW - 1) continue; /* the tile is above all this warp's rows */
     float s[FA_RPW];
@@ -836,7 +841,7 @@ __global__ void k_flash_fwd(X *out, float *lse, const X *qkv, int T, int C, int 
   for (int r = 0; r < FA_RPW; r++) {
     int i = r0 + r;
     if (i >= T) continue;
-    X *o = out + ((size_t)b * T + i) * C + (size_t)h * hs;
+    X *o = out + ((size_t)b * T + i) * NH * hs + (size_t)h * hs;
     ZT_UNROLL
     for (int c = 0; c < FA_NREG; c++)
       if (lane + 32 * c < hs) put(o[lane + 32 * c], acc[r][c] / l[r]);
@@ -869,10 +874,11 @@ __device__ __forceinline__ void fa_row_stats(float *ls, float *dsh, const float 
   }
 }
 
-/* dk and dv of FA_B keys: the query tiles at and after the keys stream by. */
+/* dk and dv of FA_B keys of one K/V head: the query tiles at and after the
+ * keys stream by, for each query head of the group in turn. */
 template <typename X>
 __global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float *lse,
-                               const float *D, int T, int C, int NH, float scale) {
+                               const float *D, int T, int NH, int KV, int hs, float scale) {
   __shared__ fa4 kb4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 vb4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 qs4[FA_B * (FA_HSMAX + 4) / 4];
@@ -882,22 +888,22 @@ __global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float
   __shared__ float ls[FA_B];
   __shared__ float dsh[FA_B];
   float *kb = (float *)kb4, *vb = (float *)vb4, *qs = (float *)qs4, *gs = (float *)gs4;
-  int hs = C / NH, ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int ld = hs + 4, bk = blockIdx.y, b = bk / KV, kvh = bk % KV, grp = NH / KV;
   int k0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int j0 = k0 + warp * FA_RPW; /* this warp's first key */
   float *pw = (float *)pw4 + warp * FA_RPW * FA_B, *dw = (float *)dw4 + warp * FA_RPW * FA_B;
-  size_t rs = 3 * (size_t)C;
-  const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  const X *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
-  fa_load(kb, hs, base + C, rs, k0, T, hs);
-  fa_load(vb, hs, base + 2 * C, rs, k0, T, hs);
+  size_t rs = att_rs(NH, KV, hs), koff = att_koff(kvh * grp, NH, KV, hs);
+  const X *base = qkv + (size_t)b * T * rs;
+  fa_load(kb, hs, base + koff, rs, k0, T, hs);
+  fa_load(vb, hs, base + koff + (size_t)KV * hs, rs, k0, T, hs);
   float dk[FA_RPW][FA_NREG], dv[FA_RPW][FA_NREG];
   fa_zero(dk);
   fa_zero(dv);
-  for (int t0 = k0; t0 < T; t0 += FA_B) {
+  for (int it = 0, nt = (T - k0 + FA_B - 1) / FA_B; it < grp * nt; it++) {
+    int h = kvh * grp + it / nt, t0 = k0 + (it % nt) * FA_B, bh = b * NH + h;
     __syncthreads();
-    fa_load(qs, ld, base, rs, t0, T, hs);
-    fa_load(gs, ld, gbase, C, t0, T, hs);
+    fa_load(qs, ld, base + (size_t)h * hs, rs, t0, T, hs);
+    fa_load(gs, ld, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, t0, T, hs);
     fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA_B);
     __syncthreads();
     float s[FA_RPW], dp[FA_RPW];
@@ -916,29 +922,30 @@ __global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float
     fa_accum(dk, dw, qs, ld, FA_B, hs, lane);
     __syncwarp();
   }
-  X *o = dqkv + (size_t)b * T * rs + (size_t)h * hs;
-  fa_store(o + C, rs, j0, T, dk, scale, hs, lane);
-  fa_store(o + 2 * C, rs, j0, T, dv, 1.0f, hs, lane);
+  X *o = dqkv + (size_t)b * T * rs + koff;
+  fa_store(o, rs, j0, T, dk, scale, hs, lane);
+  fa_store(o + (size_t)KV * hs, rs, j0, T, dv, 1.0f, hs, lane);
 }
 
 /* dq of FA_B query rows: the key tiles at and before the rows stream by. */
 template <typename X>
 __global__ void k_flash_bwd_q(X *dqkv, const X *qkv, const X *dout, const float *lse,
-                              const float *D, int T, int C, int NH, float scale) {
+                              const float *D, int T, int NH, int KV, int hs, float scale) {
   __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 gs4[FA_B * FA_HSMAX / 4];
   __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
   __shared__ fa4 vs4[FA_B * (FA_HSMAX + 4) / 4];
   __shared__ fa4 dw4[FA_WARPS * FA_RPW * FA_B / 4];
   float *qs = (float *)qs4, *gs = (float *)gs4, *ks = (float *)ks4, *vs = (float *)vs4;
-  int hs = C / NH, ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int r0 = q0 + warp * FA_RPW;
   float *dw = (float *)dw4 + warp * FA_RPW * FA_B;
-  size_t rs = 3 * (size_t)C;
+  size_t rs = att_rs(NH, KV, hs);
   const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const X *kb = qkv + (size_t)b * T * rs + att_koff(h, NH, KV, hs);
   fa_load(qs, hs, base, rs, q0, T, hs);
-  fa_load(gs, hs, dout + (size_t)b * T * C + (size_t)h * hs, C, q0, T, hs);
+  fa_load(gs, hs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, q0, T, hs);
   float dq[FA_RPW][FA_NREG], lr[FA_RPW], dr[FA_RPW];
   fa_zero(dq);
   ZT_UNROLL
@@ -950,8 +957,8 @@ __global__ void k_flash_bwd_q(X *dqkv, const X *qkv, const X *dout, const float 
   int kend = min(T, q0 + FA_B);
   for (int k0 = 0; k0 < kend; k0 += FA_B) {
     __syncthreads();
-    fa_load(ks, ld, base + C, rs, k0, T, hs);
-    fa_load(vs, ld, base + 2 * C, rs, k0, T, hs);
+    fa_load(ks, ld, kb, rs, k0, T, hs);
+    fa_load(vs, ld, kb + (size_t)KV * hs, rs, k0, T, hs);
     __syncthreads();
     if (k0 > r0 + FA_RPW - 1) continue; /* the tile is above all this warp's rows */
     float s[FA_RPW], dp[FA_RPW];
@@ -982,24 +989,26 @@ __global__ void k_flash_bwd_q(X *dqkv, const X *qkv, const X *dout, const float 
 static size_t att_scr_max = SIZE_MAX;
 static int att_scr_max_set;
 
-/* Bytes of scratch the cuBLASLt backward takes (the forward, less): q, k,
- * v, dvacc, dq, dk, dv of [B,T,C] each and two [B,NH,T,T] matrices. */
-static size_t att_cublas_scratch(int B, int T, int C, int NH) {
-  size_t n = (size_t)B * T * C, tt = (size_t)B * NH * T * T;
-  return (7 * n + 2 * tt) * sizeof(float);
+/* Bytes of scratch the cuBLASLt backward takes (the forward, less): q,
+ * dvacc, dq [B,NH,T,hs], k, v, dk, dv [B,KV,T,hs] and two [B,NH,T,T]
+ * matrices. */
+static size_t att_cublas_scratch(int B, int T, int NH, int KV, int hs) {
+  size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs;
+  size_t tt = (size_t)B * NH * T * T;
+  return (3 * nq + 4 * nkv + 2 * tt) * sizeof(float);
 }
 
-static int att_tiled(int B, int T, int C, int NH) {
-  int hs = C / NH;
+static int att_tiled(int B, int T, int NH, int KV, int hs) {
   return hs <= FA_HSMAX && hs % 4 == 0 && B * NH <= 65535 /* gridDim.y */ &&
-         att_cublas_scratch(B, T, C, NH) > att_scr_max;
+         att_cublas_scratch(B, T, NH, KV, hs) > att_scr_max;
 }
 
 template <typename X>
-static void flash_forward(X *out, float *lse, const X *qkv, int B, int T, int C, int NH) {
+static void flash_forward(X *out, float *lse, const X *qkv, int B, int T, int NH, int KV,
+                          int hs) {
   dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
-  k_flash_fwd<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, C, NH,
-                                                       1.0f / sqrtf((float)(C / NH)));
+  k_flash_fwd<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, NH, KV, hs,
+                                                       1.0f / sqrtf((float)hs));
   ZT_CUDA_LAUNCHED();
 }
 
@@ -1014,17 +1023,19 @@ static float *flash_row_d(const X *dout, const X *out, int B, int T, int C, int 
   return D;
 }
 
+/* One block per key tile and K/V head for dk and dv, one per query tile
+ * and query head for dq. */
 template <typename X>
 static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, const float *lse,
-                           int B, int T, int C, int NH) {
-  float scale = 1.0f / sqrtf((float)(C / NH));
-  float *D = flash_row_d(dout, out, B, T, C, NH);
-  dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
-  k_flash_bwd_kv<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
-                                                          scale);
+                           int B, int T, int NH, int KV, int hs) {
+  float scale = 1.0f / sqrtf((float)hs);
+  float *D = flash_row_d(dout, out, B, T, NH * hs, NH);
+  unsigned tiles = (unsigned)((T + FA_B - 1) / FA_B);
+  k_flash_bwd_kv<X><<<dim3(tiles, (unsigned)(B * KV)), FA_WARPS * 32, 0, g.stream>>>(
+      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
   ZT_CUDA_LAUNCHED();
-  k_flash_bwd_q<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
-                                                         scale);
+  k_flash_bwd_q<X><<<dim3(tiles, (unsigned)(B * NH)), FA_WARPS * 32, 0, g.stream>>>(
+      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
   ZT_CUDA_LAUNCHED();
 }
 
@@ -1149,23 +1160,24 @@ __device__ __forceinline__ void tc_store(bf16 *base, size_t rs, int r0, int T,
   }
 }
 
-__global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, int C, int NH,
-                               float scale) {
+__global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int KV,
+                               int hs, float scale) {
   __shared__ tc32 qs_[TC_BR * TC_LDH * 2 / 32];
   __shared__ tc32 ks_[TC_T * TC_LDH * 2 / 32];
   __shared__ tc32 vs_[TC_T * TC_LDH * 2 / 32];
   __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
   __shared__ tc32 pw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
   bf16 *qs = (bf16 *)qs_, *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
-  int hs = C / NH, nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int r0 = q0 + warp * TC_R, row = r0 + lane / 2, c0 = (lane % 2) * 16;
   float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
   bf16 *pw = (bf16 *)pw_ + warp * TC_R * TC_LDP, *prow = pw + (lane / 2) * TC_LDP + c0;
   const bf16 *qw = qs + warp * TC_R * TC_LDH;
-  size_t rs = 3 * (size_t)C;
-  const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  tc_load(qs, base, rs, q0, TC_BR, T, hs);
+  size_t rs = att_rs(NH, KV, hs);
+  const bf16 *base = qkv + (size_t)b * T * rs, *kb = base + att_koff(h, NH, KV, hs);
+  const bf16 *vb = kb + (size_t)KV * hs;
+  tc_load(qs, base + (size_t)h * hs, rs, q0, TC_BR, T, hs);
   int kend = min(T, q0 + TC_BR);
   /* Pass 1: the maximum and the sum of exponentials of this lane's row
    * (both lanes of a row keep them). Key 0 is in the first tile of every
@@ -1173,7 +1185,7 @@ __global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, in
   float m = -INFINITY, l = 0.0f;
   for (int k0 = 0; k0 < kend; k0 += TC_T) {
     __syncthreads(); /* the previous tile is no longer read */
-    tc_load(ks, base + C, rs, k0, TC_T, T, hs);
+    tc_load(ks, kb, rs, k0, TC_T, T, hs);
     __syncthreads();
     if (k0 > r0 + TC_R - 1) continue; /* the tile is above all this warp's rows */
     tc_scores(sw, qw, ks, nk);
@@ -1197,8 +1209,8 @@ __global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, in
   tc_zero(o);
   for (int k0 = 0; k0 < kend; k0 += TC_T) {
     __syncthreads();
-    tc_load(ks, base + C, rs, k0, TC_T, T, hs);
-    tc_load(vs, base + 2 * C, rs, k0, TC_T, T, hs);
+    tc_load(ks, kb, rs, k0, TC_T, T, hs);
+    tc_load(vs, vb, rs, k0, TC_T, T, hs);
     __syncthreads();
     if (k0 > r0 + TC_R - 1) continue;
     tc_scores(sw, qw, ks, nk);
@@ -1209,13 +1221,14 @@ __global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, in
     __syncwarp();
     tc_accum(o, pw, vs, nk);
   }
-  tc_store(out + (size_t)b * T * C + (size_t)h * hs, C, r0, T, o, nk, 1.0f, sw, lane);
+  tc_store(out + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, r0, T, o, nk, 1.0f,
+           sw, lane);
   if (lane % 2 == 0 && row < T) lse[(size_t)bh * T + row] = lr;
 }
 
 /* dq of TC_BR query rows: the key tiles at and before them stream by. */
 __global__ void k_flash_tc_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
-                                 const float *D, int T, int C, int NH, float scale) {
+                                 const float *D, int T, int NH, int KV, int hs, float scale) {
   __shared__ tc32 qs_[TC_BR * TC_LDH * 2 / 32];
   __shared__ tc32 gs_[TC_BR * TC_LDH * 2 / 32];
   __shared__ tc32 ks_[TC_T * TC_LDH * 2 / 32];
@@ -1223,15 +1236,17 @@ __global__ void k_flash_tc_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, 
   __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
   __shared__ tc32 dw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
   bf16 *qs = (bf16 *)qs_, *gs = (bf16 *)gs_, *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
-  int hs = C / NH, nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int r0 = q0 + warp * TC_R, row = r0 + lane / 2, c0 = (lane % 2) * 16;
   float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
   bf16 *dw = (bf16 *)dw_ + warp * TC_R * TC_LDP, *drow = dw + (lane / 2) * TC_LDP + c0;
-  size_t rs = 3 * (size_t)C;
+  size_t rs = att_rs(NH, KV, hs);
   const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
+  const bf16 *kb = qkv + (size_t)b * T * rs + att_koff(h, NH, KV, hs);
   tc_load(qs, base, rs, q0, TC_BR, T, hs);
-  tc_load(gs, dout + (size_t)b * T * C + (size_t)h * hs, C, q0, TC_BR, T, hs);
+  tc_load(gs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, q0, TC_BR, T,
+          hs);
   float lr = row < T ? lse[(size_t)bh * T + row] : 0.0f;
   float dr = row < T ? D[(size_t)bh * T + row] : 0.0f;
   tc_acc dq[TC_NK];
@@ -1239,8 +1254,8 @@ __global__ void k_flash_tc_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, 
   int kend = min(T, q0 + TC_BR);
   for (int k0 = 0; k0 < kend; k0 += TC_T) {
     __syncthreads();
-    tc_load(ks, base + C, rs, k0, TC_T, T, hs);
-    tc_load(vs, base + 2 * C, rs, k0, TC_T, T, hs);
+    tc_load(ks, kb, rs, k0, TC_T, T, hs);
+    tc_load(vs, kb + (size_t)KV * hs, rs, k0, TC_T, T, hs);
     __syncthreads();
     if (k0 > r0 + TC_R - 1) continue;
     tc_scores(sw, qs + warp * TC_R * TC_LDH, ks, nk);
@@ -1260,9 +1275,10 @@ __global__ void k_flash_tc_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, 
   tc_store(dqkv + (size_t)b * T * rs + (size_t)h * hs, rs, r0, T, dq, nk, scale, sw, lane);
 }
 
-/* dk and dv of TC_BR keys: the query tiles at and after them stream by. */
+/* dk and dv of TC_BR keys of one K/V head: the query tiles at and after
+ * them stream by, for each query head of the group in turn. */
 __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
-                                  const float *lse, const float *D, int T, int C, int NH,
+                                  const float *lse, const float *D, int T, int NH, int KV, int hs,
                                   float scale) {
   __shared__ tc32 kb_[TC_BR * TC_LDH * 2 / 32];
   __shared__ tc32 vb_[TC_BR * TC_LDH * 2 / 32];
@@ -1274,24 +1290,25 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
   __shared__ float ls[TC_T];
   __shared__ float dsh[TC_T];
   bf16 *kb = (bf16 *)kb_, *vb = (bf16 *)vb_, *qs = (bf16 *)qs_, *gs = (bf16 *)gs_;
-  int hs = C / NH, nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int nk = hs / 16, bk = blockIdx.y, b = bk / KV, kvh = bk % KV, grp = NH / KV;
   int k0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int j0 = k0 + warp * TC_R, key = j0 + lane / 2, c0 = (lane % 2) * 16;
   float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
   bf16 *pw = (bf16 *)pw_ + warp * TC_R * TC_LDP, *prow = pw + (lane / 2) * TC_LDP + c0;
   bf16 *dw = (bf16 *)dw_ + warp * TC_R * TC_LDP, *drow = dw + (lane / 2) * TC_LDP + c0;
-  size_t rs = 3 * (size_t)C;
-  const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  const bf16 *gbase = dout + (size_t)b * T * C + (size_t)h * hs;
-  tc_load(kb, base + C, rs, k0, TC_BR, T, hs);
-  tc_load(vb, base + 2 * C, rs, k0, TC_BR, T, hs);
+  size_t rs = att_rs(NH, KV, hs), koff = att_koff(kvh * grp, NH, KV, hs);
+  const bf16 *base = qkv + (size_t)b * T * rs;
+  tc_load(kb, base + koff, rs, k0, TC_BR, T, hs);
+  tc_load(vb, base + koff + (size_t)KV * hs, rs, k0, TC_BR, T, hs);
   tc_acc dk[TC_NK], dv[TC_NK];
   tc_zero(dk);
   tc_zero(dv);
-  for (int t0 = k0; t0 < T; t0 += TC_T) {
+  for (int it = 0, nt = (T - k0 + TC_T - 1) / TC_T; it < grp * nt; it++) {
+    int h = kvh * grp + it / nt, t0 = k0 + (it % nt) * TC_T, bh = b * NH + h;
     __syncthreads();
-    tc_load(qs, base, rs, t0, TC_T, T, hs);
-    tc_load(gs, gbase, C, t0, TC_T, T, hs);
+    tc_load(qs, base + (size_t)h * hs, rs, t0, TC_T, T, hs);
+    tc_load(gs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, t0, TC_T, T,
+            hs);
     fa_row_stats(ls, dsh, lse, D, bh, T, t0, TC_T);
     __syncthreads();
     if (t0 + TC_T - 1 < j0) continue; /* every query of the tile is before this warp's keys */
@@ -1313,9 +1330,9 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
     tc_accum(dv, pw, gs, nk);
     tc_accum(dk, dw, qs, nk);
   }
-  bf16 *o = dqkv + (size_t)b * T * rs + (size_t)h * hs;
-  tc_store(o + C, rs, j0, T, dk, nk, scale, sw, lane);
-  tc_store(o + 2 * C, rs, j0, T, dv, nk, 1.0f, sw, lane);
+  bf16 *o = dqkv + (size_t)b * T * rs + koff;
+  tc_store(o, rs, j0, T, dk, nk, scale, sw, lane);
+  tc_store(o + (size_t)KV * hs, rs, j0, T, dv, nk, 1.0f, sw, lane);
 }
 
 /* The tensor-core kernels take bf16 storage, head sizes a multiple of 16
@@ -1323,107 +1340,131 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
  * (C a multiple of 8, as head sizes of 16 make it). */
 static int att_tc_on = 1;
 
-static int att_tc(int B, int C, int NH, const void *a, const void *b, const void *c) {
-  int hs = C / NH;
+static int att_tc(int B, int NH, int hs, const void *a, const void *b, const void *c) {
   return att_tc_on && hs % 16 == 0 && hs <= FA_HSMAX && B * NH <= 65535 /* gridDim.y */ &&
          ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
 }
 
-static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int C,
-                             int NH) {
+static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV,
+                             int hs) {
   dim3 grid((unsigned)((T + TC_BR - 1) / TC_BR), (unsigned)(B * NH));
-  k_flash_tc_fwd<<<grid, TC_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, C, NH,
-                                                      1.0f / sqrtf((float)(C / NH)));
+  k_flash_tc_fwd<<<grid, TC_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, NH, KV, hs,
+                                                      1.0f / sqrtf((float)hs));
   ZT_CUDA_LAUNCHED();
 }
 
 static void flash_tc_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out,
-                              const float *lse, int B, int T, int C, int NH) {
-  float scale = 1.0f / sqrtf((float)(C / NH));
-  float *D = flash_row_d(dout, out, B, T, C, NH);
-  dim3 grid((unsigned)((T + TC_BR - 1) / TC_BR), (unsigned)(B * NH));
-  k_flash_tc_bwd_kv<<<grid, TC_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
-                                                         scale);
+                              const float *lse, int B, int T, int NH, int KV, int hs) {
+  float scale = 1.0f / sqrtf((float)hs);
+  float *D = flash_row_d(dout, out, B, T, NH * hs, NH);
+  unsigned tiles = (unsigned)((T + TC_BR - 1) / TC_BR);
+  k_flash_tc_bwd_kv<<<dim3(tiles, (unsigned)(B * KV)), TC_WARPS * 32, 0, g.stream>>>(
+      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
   ZT_CUDA_LAUNCHED();
-  k_flash_tc_bwd_q<<<grid, TC_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, C, NH,
-                                                        scale);
+  k_flash_tc_bwd_q<<<dim3(tiles, (unsigned)(B * NH)), TC_WARPS * 32, 0, g.stream>>>(
+      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
   ZT_CUDA_LAUNCHED();
 }
 
+/* The three parts of qkv's rows (q, k, v: NH, KV and KV heads) as fp32
+ * heads [B,heads,T,hs] (dir 1: h[i] = the rows' part i), or heads back into
+ * the rows (dir 0: the rows' part i = h[i]). */
+template <typename D, typename S>
+static void att_heads(D *const dst[3], const S *const src[3], int B, int T, int NH, int KV,
+                      int hs, int dir) {
+  int rs = (int)att_rs(NH, KV, hs), heads[3] = {NH, KV, KV}, coff[3] = {0, NH * hs, (NH + KV) * hs};
+  for (int i = 0; i < 3; i++) {
+    size_t n = (size_t)B * T * heads[i] * hs;
+    k_heads_rows<D, S><<<grid_for(n, 256), 256, 0, g.stream>>>(dst[i], src[i], B, T, heads[i],
+                                                               hs, rs, coff[i], dir);
+    ZT_CUDA_LAUNCHED();
+  }
+}
+
 template <typename X>
-static void cu_attention_forward(float *out_, float *lse, const float *qkv_, int B, int T, int C,
-                                 int NH) {
+static void cu_attention_forward_gqa(float *out_, float *lse, const float *qkv_, int B, int T,
+                                     int NH, int KV, int hs) {
   if (B <= 0 || T <= 0) return;
   X *out = (X *)out_;
   const X *qkv = (const X *)qkv_;
-  if (sizeof(X) == 2 && att_tc(B, C, NH, qkv, out, out))
-    return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, C, NH);
-  if (att_tiled(B, T, C, NH)) return flash_forward(out, lse, qkv, B, T, C, NH);
-  int hs = C / NH, batch = B * NH;
-  size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
-  float *q = (float *)scratch(SCR_ATT, (4 * n + tt) * sizeof(float)), *k = q + n, *v = k + n,
-        *vacc = v + n, *att = vacc + n;
-  unsigned grid = grid_for(n, 256);
-  k_permute_qkv<X><<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+  if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, out, out))
+    return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
+  if (att_tiled(B, T, NH, KV, hs)) return flash_forward(out, lse, qkv, B, T, NH, KV, hs);
+  int grp = NH / KV, batch = B * KV;
+  size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs, tt = (size_t)B * NH * T * T;
+  float *q = (float *)scratch(SCR_ATT, (2 * nq + 2 * nkv + tt) * sizeof(float)), *k = q + nq,
+        *v = k + nkv, *vacc = v + nkv, *att = vacc + nq;
+  float *const heads[3] = {q, k, v};
+  const X *const rows[3] = {qkv, qkv, qkv};
+  att_heads<float, X>(heads, rows, B, T, NH, KV, hs, 1);
+  long long sk = (long long)T * hs, sq = sk * grp, st = (long long)grp * T * T;
+  /* att'(t2, (g,t)) = K'^T Q' * scale, the group's G*T query rows at once. */
+  lt_gemm(1, 0, T, grp * T, hs, k, hs, sk, q, hs, sq, att, T, st, batch,
+          1.0f / sqrtf((float)hs), 0.0f, NULL);
+  int nrows = B * NH * T;
+  k_causal_softmax<<<(nrows + 7) / 8, 256, 0, g.stream>>>(att, lse, nrows, T);
   ZT_CUDA_LAUNCHED();
-  long long sh = (long long)T * hs, st = (long long)T * T;
-  /* att'(t2,t) = K'^T Q' * scale. */
-  lt_gemm(1, 0, T, T, hs, k, hs, sh, q, hs, sh, att, T, st, batch, 1.0f / sqrtf((float)hs),
-          0.0f, NULL);
-  int rows = batch * T;
-  k_causal_softmax<<<(rows + 7) / 8, 256, 0, g.stream>>>(att, lse, rows, T);
-  ZT_CUDA_LAUNCHED();
-  /* vacc' [hs,T] = V' [hs,T] att' [T,T]. */
-  lt_gemm(0, 0, hs, T, T, v, hs, sh, att, T, st, vacc, hs, sh, batch, 1.0f, 0.0f, NULL);
-  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(out, vacc, B, T, NH, hs, C, 0, 0);
+  /* vacc' [hs,G*T] = V' [hs,T] att' [T,G*T]. */
+  lt_gemm(0, 0, hs, grp * T, T, v, hs, sk, att, T, st, vacc, hs, sq, batch, 1.0f, 0.0f, NULL);
+  k_heads_rows<X, float><<<grid_for(nq, 256), 256, 0, g.stream>>>(out, vacc, B, T, NH, hs,
+                                                                  NH * hs, 0, 0);
   ZT_CUDA_LAUNCHED();
 }
-
 template <typename X>
-static void cu_attention_backward(float *dqkv_, const float *dout_, const float *qkv_,
-                                  const float *out_, const float *lse, int B, int T, int C,
-                                  int NH) {
+static void cu_attention_backward_gqa(float *dqkv_, const float *dout_, const float *qkv_,
+                                      const float *out_, const float *lse, int B, int T, int NH,
+                                      int KV, int hs) {
   if (B <= 0 || T <= 0) return;
   X *dqkv = (X *)dqkv_;
   const X *dout = (const X *)dout_, *qkv = (const X *)qkv_, *out = (const X *)out_;
-  if (sizeof(X) == 2 && att_tc(B, C, NH, qkv, dout, dqkv))
+  if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, dout, dqkv))
     return flash_tc_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv,
-                             (const bf16 *)out, lse, B, T, C, NH);
-  if (att_tiled(B, T, C, NH)) return flash_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
-  int hs = C / NH, batch = B * NH;
-  size_t n = (size_t)B * T * C, tt = (size_t)batch * T * T;
-  float *q = (float *)scratch(SCR_ATT, att_cublas_scratch(B, T, C, NH)), *k = q + n,
-        *v = k + n, *dvacc = v + n, *dq = dvacc + n, *dk = dq + n, *dv = dk + n,
-        *datt = dv + n, *att = datt + tt;
-  unsigned grid = grid_for(n, 256);
-  k_permute_qkv<X><<<grid, 256, 0, g.stream>>>(q, k, v, qkv, B, T, NH, hs);
+                             (const bf16 *)out, lse, B, T, NH, KV, hs);
+  if (att_tiled(B, T, NH, KV, hs))
+    return flash_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, hs);
+  int grp = NH / KV, batch = B * KV;
+  size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs, tt = (size_t)B * NH * T * T;
+  float *q = (float *)scratch(SCR_ATT, att_cublas_scratch(B, T, NH, KV, hs)), *k = q + nq,
+        *v = k + nkv, *dvacc = v + nkv, *dq = dvacc + nq, *dk = dq + nq, *dv = dk + nkv,
+        *datt = dv + nkv, *att = datt + tt;
+  float *const heads[3] = {q, k, v};
+  const X *const rows[3] = {qkv, qkv, qkv};
+  att_heads<float, X>(heads, rows, B, T, NH, KV, hs, 1);
+  long long sk = (long long)T * hs, sq = sk * grp, st = (long long)grp * T * T;
+  float scale = 1.0f / sqrtf((float)hs);
+  lt_gemm(1, 0, T, grp * T, hs, k, hs, sk, q, hs, sq, att, T, st, batch, scale, 0.0f, NULL);
+  int nrows = B * NH * T;
+  k_causal_probs<<<(nrows + 7) / 8, 256, 0, g.stream>>>(att, lse, nrows, T);
   ZT_CUDA_LAUNCHED();
-  long long sh0 = (long long)T * hs, st0 = (long long)T * T;
-  lt_gemm(1, 0, T, T, hs, k, hs, sh0, q, hs, sh0, att, T, st0, batch, 1.0f / sqrtf((float)hs),
-          0.0f, NULL);
-  k_causal_probs<<<(batch * T + 7) / 8, 256, 0, g.stream>>>(att, lse, batch * T, T);
+  k_heads_rows<float, X><<<grid_for(nq, 256), 256, 0, g.stream>>>(dvacc, dout, B, T, NH, hs,
+                                                                  NH * hs, 0, 1);
   ZT_CUDA_LAUNCHED();
-  k_heads_rows<float, X><<<grid, 256, 0, g.stream>>>(dvacc, dout, B, T, NH, hs, C, 0, 1);
+  /* datt'(t2, (g,t)) = V'^T dVacc'. */
+  lt_gemm(1, 0, T, grp * T, hs, v, hs, sk, dvacc, hs, sq, datt, T, st, batch, 1.0f, 0.0f, NULL);
+  /* dv' [hs,T] = dVacc' [hs,G*T] att'^T: summed over the group's heads. */
+  lt_gemm(0, 1, hs, T, grp * T, dvacc, hs, sq, att, T, st, dv, hs, sk, batch, 1.0f, 0.0f, NULL);
+  k_causal_softmax_bwd<<<(nrows + 7) / 8, 256, 0, g.stream>>>(datt, att, nrows, T, scale);
   ZT_CUDA_LAUNCHED();
-  long long sh = (long long)T * hs, st = (long long)T * T;
-  /* datt'(t2,t) = V'^T dVacc'. */
-  lt_gemm(1, 0, T, T, hs, v, hs, sh, dvacc, hs, sh, datt, T, st, batch, 1.0f, 0.0f, NULL);
-  /* dv' [hs,T] = dVacc' [hs,T] att'^T. */
-  lt_gemm(0, 1, hs, T, T, dvacc, hs, sh, att, T, st, dv, hs, sh, batch, 1.0f, 0.0f, NULL);
-  int rows = batch * T;
-  k_causal_softmax_bwd<<<(rows + 7) / 8, 256, 0, g.stream>>>(datt, att, rows, T,
-                                                            1.0f / sqrtf((float)hs));
-  ZT_CUDA_LAUNCHED();
-  /* dq' = K' dpre'; dk' = Q' dpre'^T. */
-  lt_gemm(0, 0, hs, T, T, k, hs, sh, datt, T, st, dq, hs, sh, batch, 1.0f, 0.0f, NULL);
-  lt_gemm(0, 1, hs, T, T, q, hs, sh, datt, T, st, dk, hs, sh, batch, 1.0f, 0.0f, NULL);
-  int C3 = 3 * C;
-  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(dqkv, dq, B, T, NH, hs, C3, 0, 0);
-  ZT_CUDA_LAUNCHED();
-  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(dqkv, dk, B, T, NH, hs, C3, C, 0);
-  ZT_CUDA_LAUNCHED();
-  k_heads_rows<X, float><<<grid, 256, 0, g.stream>>>(dqkv, dv, B, T, NH, hs, C3, 2 * C, 0);
-  ZT_CUDA_LAUNCHED();
+  /* dq' = K' dpre'; dk' = Q' dpre'^T (summed over the group's heads). */
+  lt_gemm(0, 0, hs, grp * T, T, k, hs, sk, datt, T, st, dq, hs, sq, batch, 1.0f, 0.0f, NULL);
+  lt_gemm(0, 1, hs, T, grp * T, q, hs, sq, datt, T, st, dk, hs, sk, batch, 1.0f, 0.0f, NULL);
+  X *const drows[3] = {dqkv, dqkv, dqkv};
+  const float *const dheads[3] = {dq, dk, dv};
+  att_heads<X, float>(drows, dheads, B, T, NH, KV, hs, 0);
+}
+
+/* Multi-head attention is the grouped kind with one query head per group. */
+template <typename X>
+static void cu_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+                                 int NH) {
+  cu_attention_forward_gqa<X>(out, lse, qkv, B, T, NH, NH, C / NH);
+}
+
+template <typename X>
+static void cu_attention_backward(float *dqkv, const float *dout, const float *qkv,
+                                  const float *out, const float *lse, int B, int T, int C,
+                                  int NH) {
+  cu_attention_backward_gqa<X>(dqkv, dout, qkv, out, lse, B, T, NH, NH, C / NH);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1668,50 +1709,6 @@ template <typename X>
 static void cu_swiglu_backward(float *dinp, const float *dout, const float *inp, int N, int F) {
   size_t n = (size_t)N * F;
   ZT_LAUNCH_1D(k_swiglu_bwd<X>, n, (X *)dinp, (const X *)dout, (const X *)inp, F, n);
-}
-
-/* full[r, part, h, d] from qkv[r, ...]: q as it is, K/V head h / rep. */
-template <typename X>
-__global__ void k_gqa_expand(X *full, const X *qkv, int NH, int NKV, int HD, size_t n) {
-  int A = NH * HD, W = (NH + 2 * NKV) * HD, rep = NH / NKV;
-  ZT_GRID_STRIDE(j, n) {
-    size_t r = j / (3 * (size_t)A);
-    int c = (int)(j % (3 * (size_t)A)), part = c / A, h = (c % A) / HD, d = c % HD;
-    int src = part == 0 ? c : A + (part - 1) * NKV * HD + (h / rep) * HD + d;
-    full[j] = qkv[r * W + src];
-  }
-}
-
-/* dqkv[r, c]: dq copied, each K/V element the sum over its query heads in
- * head order. */
-template <typename X>
-__global__ void k_gqa_reduce(X *dqkv, const X *dfull, int NH, int NKV, int HD, size_t n) {
-  int A = NH * HD, W = (NH + 2 * NKV) * HD, rep = NH / NKV;
-  ZT_GRID_STRIDE(j, n) {
-    size_t r = j / W;
-    int c = (int)(j % W);
-    const X *f = dfull + r * 3 * A;
-    if (c < A) {
-      dqkv[j] = f[c];
-      continue;
-    }
-    int part = (c - A) / (NKV * HD), kh = ((c - A) % (NKV * HD)) / HD, d = c % HD;
-    float acc = 0.0f;
-    for (int h = kh * rep; h < (kh + 1) * rep; h++) acc += ldx(f[(1 + part) * A + h * HD + d]);
-    put(dqkv[j], acc);
-  }
-}
-
-template <typename X>
-static void cu_gqa_expand(float *full, const float *qkv, int N, int NH, int NKV, int HD) {
-  size_t n = (size_t)N * 3 * NH * HD;
-  ZT_LAUNCH_1D(k_gqa_expand<X>, n, (X *)full, (const X *)qkv, NH, NKV, HD, n);
-}
-
-template <typename X>
-static void cu_gqa_reduce(float *dqkv, const float *dfull, int N, int NH, int NKV, int HD) {
-  size_t n = (size_t)N * (NH + 2 * NKV) * HD;
-  ZT_LAUNCH_1D(k_gqa_reduce<X>, n, (X *)dqkv, (const X *)dfull, NH, NKV, HD, n);
 }
 
 template <typename X>
@@ -1959,6 +1956,8 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->matmul_backward = cu_matmul_backward<X>;
   t->attention_forward = cu_attention_forward<X>;
   t->attention_backward = cu_attention_backward<X>;
+  t->attention_forward_gqa = cu_attention_forward_gqa<X>;
+  t->attention_backward_gqa = cu_attention_backward_gqa<X>;
   t->gelu_forward = cu_gelu_forward<X>;
   t->gelu_backward = cu_gelu_backward<X>;
   t->residual_forward = cu_residual_forward<X>;
@@ -1969,8 +1968,6 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->rope = cu_rope<X>;
   t->swiglu_forward = cu_swiglu_forward<X>;
   t->swiglu_backward = cu_swiglu_backward<X>;
-  t->gqa_expand = cu_gqa_expand<X>;
-  t->gqa_reduce = cu_gqa_reduce<X>;
   t->lora_merge = cu_lora_merge<X>;
   t->lora_grad = cu_lora_grad<X>;
   t->narrow_x = cu_narrow_x<X>;

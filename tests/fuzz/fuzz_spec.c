@@ -31,8 +31,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
      * the fp64 copy a unit's gradient is widened into for NCCL (stages
      * 2-3); a rank's own estimate (zt_memplan_rank) gives the same numbers. */
     uint64_t host0, dev0, acts0, dev_acts;
-    if (zt_memplan_rank(&s, n, 0, 4, 0, 1, &host0, &acts0) != 0 ||
-        zt_memplan_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, 0, &dev0, &dev_acts) != 0)
+    if (zt_memplan_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
+        zt_memplan_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
       ZT_FUZZ_FAIL();
     if (need.host != ZT_MEMPLAN_BASE_BYTES + need.states + need.activations + need.snapshot ||
         need.device != ZT_MEMPLAN_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||

@@ -203,22 +203,42 @@ ZT_TEST(matmul_reduced_precision) {
   zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
 }
 
-static void check_attention_path(int B, int T, int C, int NH) {
-  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+/* Attention through table K on NH query heads sharing KV K/V heads of size
+ * HD: the multi-head entry points where KV = NH, the grouped ones else. */
+static void att_fwd(const zt_kernels_t *K, float *o, float *l, const float *qkv, int B, int T,
+                    int NH, int KV, int HD) {
+  if (KV == NH)
+    K->attention_forward(o, l, qkv, B, T, NH * HD, NH);
+  else
+    K->attention_forward_gqa(o, l, qkv, B, T, NH, KV, HD);
+}
+
+static void att_bwd(const zt_kernels_t *K, float *g, const float *dout, const float *qkv,
+                    const float *o, const float *l, int B, int T, int NH, int KV, int HD) {
+  if (KV == NH)
+    K->attention_backward(g, dout, qkv, o, l, B, T, NH * HD, NH);
+  else
+    K->attention_backward_gqa(g, dout, qkv, o, l, B, T, NH, KV, HD);
+}
+
+/* Both entry points of the table against the reference. */
+static void check_attention_path(int B, int T, int NH, int KV, int HD) {
+  size_t nq = (size_t)B * T * (NH + 2 * KV) * HD, no = (size_t)B * T * NH * HD;
+  size_t nl = (size_t)B * NH * T;
   float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4);
   float *d_qkv = DEVF(qkv, nq), *dO = dalloc(no * 4), *dL = dalloc(nl * 4);
-  G->attention_forward(dO, dL, d_qkv, B, T, C, NH);
-  R->attention_forward(o, l, qkv, B, T, C, NH);
+  att_fwd(G, dO, dL, d_qkv, B, T, NH, KV, HD);
+  R->attention_forward_gqa(o, l, qkv, B, T, NH, KV, HD);
   close_dev("attention_forward out", dO, o, no, 1e-5f, 1e-4f);
   close_dev("attention_forward lse", dL, l, nl, 1e-5f, 1e-5f);
   G->upload(dO, o, no * 4);
   G->upload(dL, l, nl * 4);
   float *dout = zt_rnd(no, 1), *g = malloc(nq * 4);
   float *d_dout = DEVF(dout, no), *d_g = dalloc(nq * 4), *d_g2 = dalloc(nq * 4);
-  G->attention_backward(d_g, d_dout, d_qkv, dO, dL, B, T, C, NH);
-  G->attention_backward(d_g2, d_dout, d_qkv, dO, dL, B, T, C, NH);
-  R->attention_backward(g, dout, qkv, o, l, B, T, C, NH);
-  close_dev("attention_backward", d_g, g, nq, 1e-5f * T, 1e-4f);
+  att_bwd(G, d_g, d_dout, d_qkv, dO, dL, B, T, NH, KV, HD);
+  G->attention_backward_gqa(d_g2, d_dout, d_qkv, dO, dL, B, T, NH, KV, HD);
+  R->attention_backward_gqa(g, dout, qkv, o, l, B, T, NH, KV, HD);
+  close_dev("attention_backward", d_g, g, nq, 1e-5f * T * (NH / KV), 1e-4f);
   ZT_CHECK(same_dev(d_g, d_g2, nq));
   void *ptrs[] = {d_qkv, dO, dL, d_dout, d_g, d_g2};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
@@ -227,21 +247,31 @@ static void check_attention_path(int B, int T, int C, int NH) {
 
 /* Both paths of attention against the reference: the tiled kernels
  * (scratch limit 0) and cuBLASLt with the T x T matrices (no limit). */
-static void check_attention(int B, int T, int C, int NH) {
+static void check_attention(int B, int T, int NH, int KV, int HD) {
   zt_kernels_cuda_set_attention_scratch_max(0);
-  check_attention_path(B, T, C, NH);
+  check_attention_path(B, T, NH, KV, HD);
   zt_kernels_cuda_set_attention_scratch_max(SIZE_MAX);
-  check_attention_path(B, T, C, NH);
+  check_attention_path(B, T, NH, KV, HD);
   zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
 }
 
 ZT_TEST(attention) {
-  check_attention(2, 13, 24, 3);
-  check_attention(1, 64, 64, 4);
-  check_attention(3, 7, 16, 1);
-  check_attention(2, 128, 192, 6);
-  check_attention(2, 100, 128, 2); /* head size 64: the largest the tiled kernels take */
-  check_attention(1, 45, 256, 2);  /* head size 128: cuBLASLt either way */
+  check_attention(2, 13, 3, 3, 8);
+  check_attention(1, 64, 4, 4, 16);
+  check_attention(3, 7, 1, 1, 16);
+  check_attention(2, 128, 6, 6, 32);
+  check_attention(2, 100, 2, 2, 64); /* head size 64: the largest the tiled kernels take */
+  check_attention(1, 45, 2, 2, 128); /* head size 128: cuBLASLt either way */
+}
+
+/* Grouped-query attention: K/V heads read in place by their query heads,
+ * their gradients summed over them, on both paths; one K/V head for all
+ * (multi-query) and head sizes of both paths. */
+ZT_TEST(attention_gqa) {
+  check_attention(2, 37, 8, 2, 16);
+  check_attention(1, 70, 6, 1, 32);
+  check_attention(2, 45, 4, 2, 64);
+  check_attention(1, 33, 4, 2, 128); /* cuBLASLt either way */
 }
 
 ZT_TEST(gelu_residual_scale) {
@@ -547,29 +577,30 @@ static float max_abs(const float *x, size_t n) {
  * cancellations in dp - D (the stand-in measured at most 0.5%). lse comes
  * from fp32 scores and keeps the fp32 tolerance; two runs of the backward
  * are bit-identical. */
-static void check_attention_tc(int B, int T, int C, int NH, const float *qkv, const float *o32,
-                               const float *l, const float *g, float *d_qkv, float *d_dout,
-                               float *d_or, float *d_o, float *d_l) {
-  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+static void check_attention_tc(int B, int T, int NH, int KV, int HD, const float *qkv,
+                               const float *o32, const float *l, const float *g, float *d_qkv,
+                               float *d_dout, float *d_or, float *d_o, float *d_l) {
+  int W = (NH + 2 * KV) * HD;
+  size_t nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
   float *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
   zt_kernels_cuda_set_attention_scratch_max(0);
   zt_kernels_cuda_set_attention_tc(1);
-  XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+  att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
   close_x("tensor-core attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
   /* They are the default path of bf16 attention, whatever the scratch
    * limit: the default settings give the same bits. */
   uint16_t *o1 = malloc(no * 2), *o2 = malloc(no * 2);
   XB->download(o1, d_o, no * 2);
   zt_kernels_cuda_set_attention_scratch_max(SIZE_MAX);
-  XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+  att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
   XB->download(o2, d_o, no * 2);
   ZT_CHECK(memcmp(o1, o2, no * 2) == 0);
   free(o1), free(o2);
   zt_kernels_cuda_set_attention_scratch_max(0);
   close_dev("tensor-core attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
   G->upload(d_l, l, nl * 4);
-  XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
-  XB->attention_backward(d_g2, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
+  att_bwd(XB, d_g, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
+  att_bwd(XB, d_g2, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
   zt_kernels_cuda_set_attention_tc(0);
   uint16_t *h = malloc(nq * 2), *h2 = malloc(nq * 2);
   float *w = malloc(nq * 4);
@@ -578,20 +609,23 @@ static void check_attention_tc(int B, int T, int C, int NH, const float *qkv, co
   ZT_CHECK(memcmp(h, h2, nq * 2) == 0);
   for (size_t i = 0; i < nq; i++) w[i] = zt_bf16_to_f32(h[i]);
   /* dq, dk, dv of each row lie side by side: compare each part on its own. */
-  for (int part = 0; part < 3; part++) {
-    float *gp = malloc(no * 4), *wp = malloc(no * 4);
+  for (int part = 0, off = 0; part < 3; part++) {
+    int C = (part ? KV : NH) * HD;
+    size_t np = (size_t)B * T * C;
+    float *gp = malloc(np * 4), *wp = malloc(np * 4);
     for (size_t r = 0; r < (size_t)B * T; r++) {
-      memcpy(gp + r * C, g + r * 3 * C + (size_t)part * C, (size_t)C * 4);
-      memcpy(wp + r * C, w + r * 3 * C + (size_t)part * C, (size_t)C * 4);
+      memcpy(gp + r * C, g + r * W + off, (size_t)C * 4);
+      memcpy(wp + r * C, w + r * W + off, (size_t)C * 4);
     }
+    off += C;
     static const char *names[] = {"tensor-core attention_backward dq",
                                   "tensor-core attention_backward dk",
                                   "tensor-core attention_backward dv"};
-    float worst = 0, big = max_abs(gp, no);
-    for (size_t i = 0; i < no; i++) worst = fmaxf(worst, fabsf(gp[i] - wp[i]));
+    float worst = 0, big = max_abs(gp, np);
+    for (size_t i = 0; i < np; i++) worst = fmaxf(worst, fabsf(gp[i] - wp[i]));
     fprintf(stderr, "  %s: worst |error| %.3g of largest %.3g (%.2g)\n", names[part], worst, big,
             worst / big);
-    zt_close_all(names[part], wp, gp, no, big / 64, BF_RTOL);
+    zt_close_all(names[part], wp, gp, np, big / 64, BF_RTOL);
     free(gp), free(wp);
   }
   G->release(d_g), G->release(d_g2);
@@ -605,11 +639,12 @@ static void check_attention_tc(int B, int T, int C, int NH, const float *qkv, co
  * bf16 its gradients move by up to a few 1e-3 where dp - D cancels, which
  * the reference (it recomputes out) does not see. The fp32 kernels are
  * held to the reference by the fp32 tests above. */
-static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
-  size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+static void check_attention_bf16(int B, int T, int NH, int KV, int HD, int tc) {
+  size_t nq = (size_t)B * T * (NH + 2 * KV) * HD, no = (size_t)B * T * NH * HD;
+  size_t nl = (size_t)B * NH * T;
   float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
   float *dout = rnd_bf(no, 1);
-  R->attention_forward(o, l, qkv, B, T, C, NH);
+  R->attention_forward_gqa(o, l, qkv, B, T, NH, KV, HD);
   memcpy(o32, o, no * 4);
   round_bf(o, no); /* backward's input, as the bf16 forward stores it */
   float *d_qkv = devx(qkv, nq), *d_o = dalloc(no * 2), *d_l = dalloc(nl * 4);
@@ -619,18 +654,18 @@ static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
   zt_kernels_cuda_set_attention_tc(0); /* the cuBLASLt and fp32 tiled paths first */
   for (int tiled = 0; tiled < 2; tiled++) {
     zt_kernels_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
-    XB->attention_forward(d_o, d_l, d_qkv, B, T, C, NH);
+    att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
     close_x(tiled ? "bf16 attention_forward (tiled)" : "bf16 attention_forward", d_o, o32, no,
             1e-5f);
     close_dev("bf16 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
     G->upload(d_l, l, nl * 4);
-    XB->attention_backward(d_g, d_dout, d_qkv, d_or, d_l, B, T, C, NH);
-    G->attention_backward(f_g, f_dout, f_qkv, f_o, f_l, B, T, C, NH);
+    att_bwd(XB, d_g, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
+    att_bwd(G, f_g, f_dout, f_qkv, f_o, f_l, B, T, NH, KV, HD);
     float *g = back(f_g, nq);
     close_x(tiled ? "bf16 attention_backward (tiled)" : "bf16 attention_backward", d_g, g, nq,
-            1e-5f * T);
+            1e-5f * T * (NH / KV));
     if (tiled && tc)
-      check_attention_tc(B, T, C, NH, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
+      check_attention_tc(B, T, NH, KV, HD, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
     free(g);
   }
   zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
@@ -642,15 +677,17 @@ static void check_attention_bf16(int B, int T, int C, int NH, int tc) {
 
 /* Both bf16 paths again, then the tensor-core kernels on the same inputs. */
 ZT_TEST(bf16_attn_tensor_cores) {
-  check_attention_bf16(2, 100, 128, 2, 1); /* head size 64 */
-  check_attention_bf16(1, 70, 96, 3, 1);   /* 32 */
-  check_attention_bf16(2, 45, 48, 1, 1);   /* 48, one block */
-  check_attention_bf16(1, 130, 64, 4, 1);  /* 16 */
+  check_attention_bf16(2, 100, 2, 2, 64, 1); /* head size 64 */
+  check_attention_bf16(1, 70, 3, 3, 32, 1);  /* 32 */
+  check_attention_bf16(2, 45, 1, 1, 48, 1);  /* 48, one block */
+  check_attention_bf16(1, 130, 4, 4, 16, 1); /* 16 */
+  check_attention_bf16(2, 75, 8, 2, 32, 1);  /* grouped: 4 query heads per K/V head */
+  check_attention_bf16(1, 40, 3, 1, 64, 1);  /* one K/V head for all */
 }
 
 ZT_TEST(bf16_attn_xent) {
-  check_attention_bf16(2, 13, 24, 3, 0);
-  check_attention_bf16(2, 100, 128, 2, 0);
+  check_attention_bf16(2, 13, 3, 3, 8, 0);
+  check_attention_bf16(2, 100, 2, 2, 64, 0);
   int N = 37, V = 500, Vp = 512;
   size_t n = (size_t)N * Vp;
   float *logits = rnd_bf(n, 5), *p = malloc(n * 4), *l = malloc(N * 4), *d = malloc(n * 4);
@@ -686,11 +723,11 @@ int main(int argc, char **argv) {
 }
 
 /* The Llama operations (kernels/cpu/llama.c is the reference): RMSNorm both
- * ways, the rotation at an offset and back, SwiGLU both ways, and the K/V
- * head expansion and its sum, on grouped heads (8 query heads on 2). */
+ * ways, the rotation at an offset and back on grouped heads (8 query heads
+ * on 2), SwiGLU both ways. Grouped-query attention: ZT_TEST(attention_gqa). */
 ZT_TEST(llama_ops) {
   const int B = 3, T = 17, C = 40, NH = 8, KV = 2, HD = 6, F = 24, N = B * T;
-  const int W = (NH + 2 * KV) * HD, A = NH * HD;
+  const int W = (NH + 2 * KV) * HD;
   float *x = zt_rnd((size_t)N * C, 1), *w = zt_rnd(C, 1), *o = malloc((size_t)N * C * 4);
   float *rs = malloc((size_t)N * 4);
   float *dx = DEVF(x, (size_t)N * C), *dw = DEVF(w, C), *dO = dalloc((size_t)N * C * 4);
@@ -726,19 +763,10 @@ ZT_TEST(llama_ops) {
   G->swiglu_backward(d_dgg, d_dhh, dg2, N, F);
   R->swiglu_backward(dgg, dhh, g2, N, F);
   close_dev("swiglu_backward", d_dgg, dgg, (size_t)N * 2 * F, 1e-5f, 1e-5f);
-  /* Grouped K/V heads. */
-  float *full = malloc((size_t)N * 3 * A * 4), *dfull = dalloc((size_t)N * 3 * A * 4);
-  G->gqa_expand(dfull, dq, N, NH, KV, HD);
-  R->gqa_expand(full, q0, N, NH, KV, HD);
-  close_dev("gqa_expand", dfull, full, (size_t)N * 3 * A, 1e-5f, 0);
-  float *red = malloc((size_t)N * W * 4), *dred = dalloc((size_t)N * W * 4);
-  G->gqa_reduce(dred, dfull, N, NH, KV, HD);
-  R->gqa_reduce(red, full, N, NH, KV, HD);
-  close_dev("gqa_reduce", dred, red, (size_t)N * W, 1e-5f, 1e-5f);
-  void *ptrs[] = {dx, dw, dO, drs, d_dout, d_gx, d_gw, dq, dg2, dh, d_dhh, d_dgg, dfull, dred};
+  void *ptrs[] = {dx, dw, dO, drs, d_dout, d_gx, d_gw, dq, dg2, dh, d_dhh, d_dgg};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(x), free(w), free(o), free(rs), free(dout), free(gx), free(gw), free(q), free(q0);
-  free(g2), free(h), free(dhh), free(dgg), free(full), free(red);
+  free(g2), free(h), free(dhh), free(dgg);
 }
 
 /* LoRA's merge and gradients in fp32 and bf16 storage (the merge rounds
@@ -774,6 +802,6 @@ ZT_TEST(lora) {
 }
 
 ZT_TEST_MAIN_NAMED(run_all, table, llama_ops, lora, encoder, layernorm, matmul, matmul_reduced_precision,
-                   attention, gelu_residual_scale, crossentropy, optimizer_and_reductions,
+                   attention, attention_gqa, gelu_residual_scale, crossentropy, optimizer_and_reductions,
                    state_helpers, bf16_convert, bf16_elementwise,
                    bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)

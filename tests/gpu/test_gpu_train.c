@@ -8,7 +8,9 @@
  *   gradients   one forward + backward of a 2-layer model on the serial CPU
  *               reference and on the GPU (fp32 math) from the same init and
  *               batch: the loss within 1e-5 relative, every tensor's
- *               gradient within 1e-4 of that tensor's largest |gradient|.
+ *               gradient within 1e-4 of that tensor's largest |gradient|;
+ *               GPT-2, and a Llama with 2 query heads per K/V head and
+ *               q/k/v biases (its attention on both CUDA paths).
  *   training    20 AdamW steps on a fixed token stream (a noisy affine
  *               recurrence, learnable within a few steps) with the fast CPU
  *               table and with the GPU: with fp32 math every step's loss
@@ -39,6 +41,18 @@
 
 static const zt_model_config_t cfg = {
     .n_layer = 2, .n_head = 4, .n_embd = 64, .seq_len = T, .vocab_size = 257};
+static const zt_model_config_t cfg_llama = {.arch = ZT_ARCH_LLAMA,
+                                            .n_layer = 2,
+                                            .n_head = 4,
+                                            .n_kv_head = 2,
+                                            .head_dim = 16,
+                                            .n_embd = 64,
+                                            .n_ff = 96,
+                                            .rope_theta = 10000.0f,
+                                            .norm_eps = 1e-5f,
+                                            .qkv_bias = 1,
+                                            .seq_len = T,
+                                            .vocab_size = 257};
 
 /* Token stream: x' = (5x + 3) mod 257, replaced by a random token with
  * probability 1/8. */
@@ -67,7 +81,7 @@ static float *host_copy(const zt_kernels_t *k, const float *p, size_t n) {
   return h;
 }
 
-ZT_TEST(gradients_match_reference) {
+static void check_gradients(const zt_model_config_t *c) {
   zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
   const zt_kernels_t *tabs[2] = {zt_kernels_ref(), zt_kernels_cuda()};
   zt_model_t *m[2];
@@ -76,7 +90,7 @@ ZT_TEST(gradients_match_reference) {
   make_stream(stream, (size_t)B * (T + 1));
   batch(stream, 0, inp, tgt);
   for (int i = 0; i < 2; i++) {
-    ZT_REQUIRE(zt_model_create(&m[i], &cfg, B, T, tabs[i], 0) == 0);
+    ZT_REQUIRE(zt_model_create(&m[i], c, B, T, tabs[i], 0) == 0);
     zt_model_init(m[i], 7);
     zt_model_zero_grads(m[i]);
     ZT_REQUIRE(zt_model_forward(m[i], inp, tgt, B, T, &loss[i]) == 0);
@@ -99,6 +113,15 @@ ZT_TEST(gradients_match_reference) {
   }
   free(ggpu), free(stream);
   zt_model_free(m[0]), zt_model_free(m[1]);
+}
+
+ZT_TEST(gradients_match_reference) {
+  check_gradients(&cfg);
+  for (int tiled = 0; tiled < 2; tiled++) {
+    zt_kernels_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
+    check_gradients(&cfg_llama);
+  }
+  zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
 }
 
 /* 20 AdamW steps (lr 3e-3, no weight decay) with table k; losses out.

@@ -148,12 +148,12 @@ static void check_attention_gqa(int B, int T, int NH, int NKV, int HD) {
   size_t nq = (size_t)BT * W, nf = (size_t)BT * 3 * A, no = (size_t)BT * A;
   size_t nl = (size_t)B * NH * T;
   float *qkv = zt_rnd(nq, 2), *full = malloc(nf * 4);
-  R->gqa_expand(full, qkv, BT, NH, NKV, HD);
+  zt_kernels_host_gqa_expand(full, qkv, BT, NH, NKV, HD);
   float *o0 = malloc(no * 4), *l0 = malloc(nl * 4), *dfull = malloc(nf * 4);
   float *want = malloc(nq * 4), *dout = zt_rnd(no, 1);
   R->attention_forward(o0, l0, full, B, T, A, NH);
   R->attention_backward(dfull, dout, full, o0, l0, B, T, A, NH);
-  R->gqa_reduce(want, dfull, BT, NH, NKV, HD);
+  zt_kernels_host_gqa_reduce(want, dfull, BT, NH, NKV, HD);
   const zt_kernels_t *tables[2] = {R, F};
   for (int i = 0; i < 2; i++) {
     const zt_kernels_t *K = tables[i];
