@@ -134,7 +134,16 @@ typedef struct {
   int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
   int replicas;                 /* checkpoint.replicas */
   int ckpt_shared;              /* checkpoint.shared: no copies tracked */
+  int lb_speed;                 /* load_balance.mode "speed": any world of at most K workers */
 } zt_job_params_t;
+
+/* 1 when n workers can form a generation of the job: n divides the
+ * micro-batches of a step (equal shares), or with shares by speed any n up
+ * to their number (engine/spec.h zt_spec_world_ok). */
+static inline int zt_params_world_ok(const zt_job_params_t *p, int n) {
+  int64_t K = p->global_batch / p->micro;
+  return n >= 1 && n <= K && (p->lb_speed || K % n == 0);
+}
 
 /* One file of the epoch being reported: as its rank wrote it, and the
  * machines (by index in the generation, zt_job_t.host_of) with a copy. */

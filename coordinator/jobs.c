@@ -61,7 +61,7 @@ static void job_append(zt_coord_t *c, zt_job_t *j) {
  * known yet it is accepted (and waits, saying what it needs). */
 static int check_admissible(zt_coord_t *c, const zt_job_params_t *p) {
   int best = p->max_workers;
-  while (best > p->min_workers && (p->global_batch / p->micro) % best != 0) best--;
+  while (best > p->min_workers && !zt_params_world_ok(p, best)) best--;
   const zt_memplan_need_t *need = &p->need[best];
   uint64_t host = 0, dev = 0;
   int known = 0;

@@ -102,10 +102,12 @@ static void copy_numbers(const zt_spec_t *s, zt_job_params_t *p) {
   p->replicas = s->ckpt.replicas;
   p->ckpt_shared = s->ckpt.shared;
   p->zero_stage = s->zero_stage;
+  p->lb_speed = s->lb_speed;
 }
 
-/* Some N in [min, max] must divide the number of micro-batches per step;
- * the memory one rank needs is worked out for each such N. */
+/* Some N in [min, max] must divide the number of micro-batches per step
+ * (any N up to it with shares by speed); the memory one rank needs is
+ * worked out for each such N. */
 static int size_worlds(const zt_spec_t *s, zt_job_params_t *p) {
   if (p->max_workers > ZT_MAX_WORLD)
     return zt_errk(ZT_E_INVALID, "elastic.max_workers %d exceeds %d", p->max_workers,
@@ -113,15 +115,15 @@ static int size_worlds(const zt_spec_t *s, zt_job_params_t *p) {
   int any = 0;
   for (int n = p->min_workers; n <= p->max_workers; n++) {
     int accum;
-    if ((p->global_batch / p->micro) % n != 0 || zt_spec_accum_for_world(s, n, &accum) != 0)
-      continue;
+    if (!zt_spec_world_ok(s, n) || zt_spec_accum_for_world(s, n, &accum) != 0) continue;
     any = 1;
     if (zt_memplan_need(s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
   }
   if (!any)
     return zt_errk(ZT_E_INVALID,
                    "no world size in %d..%d divides train_batch_size / micro batch = %lld; the "
-                   "global batch must stay fixed when workers come and go",
+                   "global batch must stay fixed when workers come and go (with load_balance "
+                   "mode \"speed\" any world size up to it will do)",
                    p->min_workers, p->max_workers, (long long)(p->global_batch / p->micro));
   return 0;
 }

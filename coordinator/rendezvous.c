@@ -113,7 +113,8 @@ static void fill_generation(zt_coord_t *c, zt_job_t *j, int r, reply_parts_t *p,
   rep->peer_stores = p->stores;
   rep->spec_json = j->spec;
   rep->start_step = j->start_step;
-  rep->accum_steps = (uint32_t)(j->p.global_batch / j->p.micro / j->row.world);
+  rep->accum_steps = (uint32_t)((j->p.global_batch / j->p.micro + j->row.world - 1) /
+                                j->row.world); /* the most of one rank under equal shares */
   rep->comm_timeout_ms = j->p.comm_timeout_ms;
   rep->nccl_id = j->nccl ? j->nccl_id : "";
   rep->comm_key = j->comm_key;

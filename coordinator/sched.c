@@ -145,14 +145,13 @@ static int candidates(zt_coord_t *c, zt_job_t *j, int n, uint64_t pick[ZT_MAX_WO
 }
 
 /* Chooses the members of the next generation into pick: the largest world
- * size that divides the micro-batches per step and has that many
- * candidates. Returns it, or 0 with what is missing in why. */
+ * size that can share the micro-batches of a step (zt_params_world_ok) and
+ * has that many candidates. Returns it, or 0 with what is missing in why. */
 static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD], char *why,
                         size_t whylen) {
-  int64_t micro_batches = j->p.global_batch / j->p.micro;
   int best = -1, have = 0;
   for (int n = j->p.max_workers; n >= j->p.min_workers; n--) {
-    if (micro_batches % n != 0) continue;
+    if (!zt_params_world_ok(&j->p, n)) continue;
     int k = candidates(c, j, n, pick);
     if (k == n) return n;
     if (best < 0) best = n, have = k; /* the largest size: the smallest need */
@@ -405,7 +404,8 @@ static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
   zt_coord_event(c, j->row.id, "generation_started", 0,
                  "generation %llu: world %d, accum %lld, start step %lld, workers [%s]; reason: %s",
                  (unsigned long long)j->row.generation, n,
-                 (long long)(j->p.global_batch / j->p.micro / n), (long long)start_step, names,
+                 (long long)((j->p.global_batch / j->p.micro + n - 1) / n), (long long)start_step,
+                 names,
                  reason);
   zt_ckpt_gc(c, j); /* pending epochs of the old generation can never commit */
 }
@@ -615,7 +615,7 @@ static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
   uint64_t pick[ZT_MAX_WORLD];
   int n = ZT_MIN(j->p.max_workers, j->row.world + idle_workers(c));
   for (; n > j->row.world; n--)
-    if ((j->p.global_batch / j->p.micro) % n == 0 && candidates(c, j, n, pick) == n) break;
+    if (zt_params_world_ok(&j->p, n) && candidates(c, j, n, pick) == n) break;
   if (n <= j->row.world) return;
   j->ckpt_request = 1;
   j->reform_scale_up = 1;

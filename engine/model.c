@@ -407,6 +407,37 @@ static void llama_block_backward(zt_model_t *m, int l, const float *x) {
   k->rmsnorm_backward(a->dres, g.rms1w, a->dbtc, x, p.rms1w, ln1r, BT, C);
 }
 
+/* Unit u's gradient, where it has one, set to zero. */
+static void zero_unit_grad(zt_model_t *m, int u) {
+  if (m->unit_grads[u]) m->k->zero(m->unit_grads[u], m->lay.unit_size[u]);
+}
+
+/* The order of zt_model_forward's and zt_model_backward's hooks. */
+int zt_model_hook_pass(zt_model_t *m) {
+  int L = m->cfg.n_layer;
+  ZT_HOOK(m, pre_forward, 0);
+  for (int l = 0; l < L; l++) {
+    ZT_HOOK(m, pre_forward, 1 + l);
+    ZT_HOOK(m, post_forward, 1 + l);
+  }
+  ZT_HOOK(m, pre_forward, L + 1);
+  ZT_HOOK(m, post_forward, L + 1);
+  ZT_HOOK(m, post_forward, 0);
+  /* Both kinds of head (tied or own) take these two before any other. */
+  ZT_HOOK(m, pre_backward, 0);
+  ZT_HOOK(m, pre_backward, L + 1);
+  zero_unit_grad(m, L + 1);
+  ZT_HOOK(m, post_backward, L + 1);
+  for (int l = L - 1; l >= 0; l--) {
+    ZT_HOOK(m, pre_backward, 1 + l);
+    zero_unit_grad(m, 1 + l);
+    ZT_HOOK(m, post_backward, 1 + l);
+  }
+  zero_unit_grad(m, 0);
+  ZT_HOOK(m, post_backward, 0);
+  return 0;
+}
+
 int zt_model_backward(zt_model_t *m, float grad_scale) {
   const zt_kernels_t *k = m->k;
   struct zt_acts *a = m->acts;

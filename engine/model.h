@@ -133,6 +133,12 @@ ZT_MUST_CHECK int zt_model_forward(zt_model_t *m, const int *inputs, const int *
  * the unit gradient buffers (grad_scale = 1 / accum_steps makes
  * micro-batches accumulate to the mean over the whole batch). */
 ZT_MUST_CHECK int zt_model_backward(zt_model_t *m, float grad_scale);
+/* The hooks of one forward and backward, in the same order, with no
+ * computation and each unit's gradient zero when its post_backward hook
+ * runs: a rank with fewer micro-batches than another in a step (the
+ * trainer's load balance) joins the collectives that ZeRO's hooks issue
+ * in every micro-step (stages 2-3) without work of its own. */
+ZT_MUST_CHECK int zt_model_hook_pass(zt_model_t *m);
 /* Sets every unit's gradient to zero. */
 void zt_model_zero_grads(zt_model_t *m);
 

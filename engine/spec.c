@@ -400,6 +400,24 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
   return 0;
 }
 
+/* load_balance {mode: "equal" | "speed", every_steps}: how a step's
+ * micro-batches are shared among the ranks (trainer.c, docs/engine.md). */
+static int parse_balance(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"mode", "every_steps"};
+  const cJSON *o;
+  char mode[16] = "equal";
+  if (get_object(root, "", "load_balance", 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, "load_balance", keys) ||
+      get_string(o, "load_balance", "mode", 0, mode, sizeof mode) ||
+      get_long(o, "load_balance", "every_steps", 0, 1, 1L << 30, &s->lb_every))
+    return -1;
+  if (strcmp(mode, "equal") && strcmp(mode, "speed"))
+    return zt_err("load_balance.mode: \"%s\" is neither \"equal\" nor \"speed\"", mode);
+  s->lb_speed = !strcmp(mode, "speed");
+  return 0;
+}
+
 static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"dir",  "every_steps",           "keep_last", "keep_every",
                                      "load", "max_uncommitted_steps", "replicas",
@@ -534,7 +552,7 @@ static int parse_misc(zt_spec_t *s, const cJSON *root) {
 static int parse_fault(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"lr_scale", "from_step", "to_step", "repeat",
                                      "break_ring_at_step", "break_ring_before_update_at_step",
-                                     "delay_checkpoint_report_ms"};
+                                     "delay_checkpoint_report_ms", "slow_rank", "slow_micro_ms"};
   const char *P = "fault_injection";
   const cJSON *o;
   zt_spec_fault_t *f = &s->fault;
@@ -548,7 +566,9 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
       get_long(o, P, "break_ring_at_step", 0, 0, 1L << 40, &f->break_ring_at_step) ||
       get_long(o, P, "break_ring_before_update_at_step", 0, 0, 1L << 40,
                &f->break_ring_before_update_at_step) ||
-      get_long(o, P, "delay_checkpoint_report_ms", 0, 0, 60000, &f->delay_checkpoint_report_ms))
+      get_long(o, P, "delay_checkpoint_report_ms", 0, 0, 60000, &f->delay_checkpoint_report_ms) ||
+      get_int(o, P, "slow_rank", 0, 0, 255, &f->slow_rank) ||
+      get_long(o, P, "slow_micro_ms", 0, 0, 60000, &f->slow_micro_ms))
     return -1;
   if (f->to_step < f->from_step) f->to_step = f->from_step;
   return 0;
@@ -576,6 +596,7 @@ static void set_defaults(zt_spec_t *s) {
                                      .lr_factor = 0.5, .cooldown_steps = 50,
                                      .max_rollbacks = 3, .per_steps = 1000};
   s->comm_timeout_ms = 30000;
+  s->lb_every = 20;
 }
 
 cJSON *zt_json_parse(const char *text, size_t len, const char *what) {
@@ -605,7 +626,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
       "bf16", "comm", "fault_injection", "init", "activation_checkpointing",
-      "wall_clock_breakdown", "lora"};
+      "wall_clock_breakdown", "lora", "load_balance"};
   set_defaults(s);
   cJSON *root = zt_json_parse(json, len, "the spec");
   if (!root) return -1;
@@ -618,7 +639,8 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
    * scheduler (lr is warmup_max_lr's default). */
   if (CHECK_KEYS(root, "", top) || parse_misc(s, root) || parse_model(s, root) ||
       parse_batch(s, root) || parse_optimizer(s, root) || parse_scheduler(s, root) ||
-      parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_checkpoint(s, root) ||
+      parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_balance(s, root) ||
+      parse_checkpoint(s, root) ||
       parse_rollback(s, root) || parse_fault(s, root) || parse_lora(s, root) || parse_init(s, root))
     goto out;
   rc = 0;
@@ -638,8 +660,27 @@ int zt_spec_load(zt_spec_t *s, const char *path) {
   return 0;
 }
 
+int zt_spec_world_ok(const zt_spec_t *s, int world) {
+  long K = s->global_batch / s->micro_batch;
+  if (world < 1 || world > K) return 0;
+  if (s->lb_speed) return (K + world - 1) / world <= ZT_SPEC_MAX_ACCUM;
+  return K % world == 0 && K / world <= ZT_SPEC_MAX_ACCUM;
+}
+
 int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum) {
   if (world < 1) return zt_err("world size must be >= 1 (got %d)", world);
+  long K = s->global_batch / s->micro_batch;
+  if (s->lb_speed && world <= K && K % world != 0) { /* uneven shares (load_balance) */
+    if ((K + world - 1) / world > ZT_SPEC_MAX_ACCUM)
+      return zt_err("global batch %ld needs up to %ld micro-batches per step on each of %d "
+                    "workers (the limit is %d)", s->global_batch, (K + world - 1) / world, world,
+                    ZT_SPEC_MAX_ACCUM);
+    *accum = (int)((K + world - 1) / world);
+    return 0;
+  }
+  if (s->lb_speed && world > K)
+    return zt_err("global batch %ld is %ld micro-batches of %d: too few for %d workers",
+                  s->global_batch, K, s->micro_batch, world);
   long per = (long)s->micro_batch * world;
   if (s->global_batch % per != 0)
     return zt_err("global batch %ld is not divisible by micro batch %d x %d workers",

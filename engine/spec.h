@@ -100,6 +100,10 @@ typedef struct zt_spec_fault {
   /* Rank 0 reports each checkpoint epoch this much later (0: at once): its
    * peers' reports and pushed copies come first. */
   long delay_checkpoint_report_ms;
+  /* The rank slow_rank spends slow_micro_ms more on each micro-batch it
+   * computes (a slow machine, for load_balance's tests). */
+  int slow_rank;
+  long slow_micro_ms;
 } zt_spec_fault_t;
 
 typedef struct zt_spec {
@@ -154,6 +158,15 @@ typedef struct zt_spec {
    * how long it waited for communication (engine/zero.h, zt_zero_times_t). */
   int wall_clock_breakdown;
   long comm_timeout_ms;
+  /* load_balance: a step's micro-batches (global batch / micro batch) in
+   * equal shares (mode "equal", the default), or in shares that follow
+   * each rank's measured speed (mode "speed": lb_speed 1), planned at the
+   * generation's start from what each worker measured before and again
+   * every lb_every steps (trainer.c). The shares change who computes which
+   * micro-batch, never which samples a step holds: the losses are the
+   * same either way. */
+  int lb_speed;
+  long lb_every;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 
@@ -188,8 +201,14 @@ ZT_MUST_CHECK int zt_spec_parse(zt_spec_t *s, const char *json, size_t len);
 ZT_MUST_CHECK int zt_spec_load(zt_spec_t *s, const char *path);
 
 /* Accumulation steps for `world` workers: global / (micro * world), an error
- * when that is not an integer or more than ZT_SPEC_MAX_ACCUM. */
+ * when that is not an integer or more than ZT_SPEC_MAX_ACCUM. With shares by
+ * speed (load_balance.mode "speed") any world of at most global / micro
+ * workers will do, and *accum is the most micro-batches of one worker
+ * under equal shares (rounded up). */
 #define ZT_SPEC_MAX_ACCUM (1 << 20)
 ZT_MUST_CHECK int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum);
+/* 1 when `world` workers can train s (zt_spec_accum_for_world succeeds),
+ * without an error message. */
+int zt_spec_world_ok(const zt_spec_t *s, int world);
 
 #endif

@@ -17,6 +17,25 @@
  *                   caller asked for one through rank 0), and the hand-over
  *                   to the writer thread (ckpt_writer.c).
  *
+ * Load balance (spec.h load_balance, docs/engine.md "Work shared by
+ * speed"). A step is K = global batch / micro batch micro-batches; rank r
+ * computes share[r] of them. Equal shares (K / N each) take micro-batch
+ * j * N + r as the rank's j-th; shares by speed give rank r the run of
+ * micro-batches from first[r] on. Either way the step holds the same
+ * samples, each micro-batch of the same mb samples, and the gradient sum
+ * is fp64 (zero.h), so the losses do not depend on the shares. Each rank
+ * measures its compute time per micro-batch (the wall time of its
+ * micro-steps less what it waited for ZeRO's collectives); every
+ * lb_every steps the step's control all-reduce carries every rank's
+ * measure, and every rank computes the same new plan from the same
+ * numbers (plan_shares), adopted only when it shortens the step's
+ * predicted compute time by ZT_LB_MIN_GAIN. Stages 2-3 reduce in every
+ * micro-step, so a rank with fewer micro-batches than the most runs
+ * ZeRO's hooks alone for the rest (zt_model_hook_pass): the same
+ * collectives, zero gradients, no compute. The worker keeps its measure
+ * across generations (zt_gen_ctx_t.micro_ms), so a new generation starts
+ * from a plan by speed.
+ *
  * The ZeRO sharding itself (which rank holds what, the hooks that gather
  * and reduce unit by unit) is zero.c's.
  */
@@ -44,6 +63,11 @@
 #include "zt_common.h"
 #include "zt_kernels.h"
 
+/* Load balance: the most ranks it plans for (elastic.max_workers' limit),
+ * and the least gain in predicted step time that changes a plan. */
+#define ZT_LB_MAX_RANKS 256
+#define ZT_LB_MIN_GAIN 0.05
+
 typedef struct {
   const zt_gen_ctx_t *g;
   zt_spec_t spec;
@@ -63,6 +87,13 @@ typedef struct {
   zt_ckpt_writer_t *writer; /* started at the first checkpoint */
   zt_memplan_need_t need; /* what one rank needs (memplan.h) */
   int N, r, accum, mb, T;
+  /* Load balance (above): each rank's micro-batches of a step, the first
+   * one's index in the step, the most any rank has, whether the shares
+   * differ, and this rank's compute time over its micro-batches since
+   * the last plan. */
+  int K, share[ZT_LB_MAX_RANKS], first[ZT_LB_MAX_RANKS], rounds, uneven;
+  double lb_ms;
+  int64_t lb_n;
   int64_t tmo;
   /* The failure was another rank's (its validation batch), which says
    * why: reported as a peer's, so that the coordinator weighs that rank's
@@ -192,6 +223,96 @@ static int agree_overlap(trainer *t, int dev, int *overlap) {
   return 0;
 }
 
+/* ---- load balance (see the top of the file) -------------------------------------- */
+
+/* The shares as they are: first[], the most, and whether they differ. */
+static void set_shares(trainer *t, const int *share) {
+  t->rounds = 0, t->uneven = 0;
+  for (int i = 0, at = 0; i < t->N; i++) {
+    t->share[i] = share[i], t->first[i] = at;
+    at += share[i];
+    t->rounds = ZT_MAX(t->rounds, share[i]);
+    t->uneven |= share[i] != share[0];
+  }
+}
+
+/* K micro-batches over N ranks of speed[i] micro-batches per ms (all > 0):
+ * at least one each, then in proportion to speed, then each one left to
+ * the rank that would finish it first (ties: the lower rank). The same
+ * numbers give the same plan on every rank. */
+static void plan_shares(int K, int N, const double *speed, int *share) {
+  double tot = 0;
+  int used = 0;
+  for (int i = 0; i < N; i++) tot += speed[i];
+  for (int i = 0; i < N; i++) {
+    share[i] = 1 + (int)floor((double)(K - N) * speed[i] / tot);
+    used += share[i];
+  }
+  while (used < K) {
+    int best = 0;
+    for (int i = 1; i < N; i++)
+      if ((share[i] + 1) / speed[i] < (share[best] + 1) / speed[best]) best = i;
+    share[best]++, used++;
+  }
+}
+
+/* The longest compute time of a step under `share`, in ms. */
+static double plan_ms(int N, const int *share, const double *speed) {
+  double w = 0;
+  for (int i = 0; i < N; i++) w = ZT_MAX(w, share[i] / speed[i]);
+  return w;
+}
+
+/* A new plan from v: each rank's compute ms (v[i]) over its micro-batches
+ * (v[N + i]), as an all-reduce summed them (every rank wrote its own two).
+ * Kept when it is not ZT_LB_MIN_GAIN faster, or when a rank measured
+ * nothing. `when` says when for the log. */
+static void replan(trainer *t, const double *v, const char *when) {
+  int N = t->N, next[ZT_LB_MAX_RANKS];
+  double speed[ZT_LB_MAX_RANKS];
+  if (t->lb_n > 0 && t->g->micro_ms) *t->g->micro_ms = t->lb_ms / (double)t->lb_n;
+  t->lb_ms = 0, t->lb_n = 0;
+  for (int i = 0; i < N; i++) {
+    if (!(v[N + i] >= 1) || !(v[i] > 0)) return;
+    speed[i] = v[N + i] / v[i];
+  }
+  plan_shares(t->K, N, speed, next);
+  double was = plan_ms(N, t->share, speed), now = plan_ms(N, next, speed);
+  if (now > was * (1.0 - ZT_LB_MIN_GAIN)) return;
+  if (t->r == 0) {
+    char a[256], b[256];
+    size_t na = 0, nb = 0;
+    for (int i = 0; i < N && na < sizeof a - 12 && nb < sizeof b - 12; i++) {
+      na += (size_t)snprintf(a + na, sizeof a - na, "%s%d", i ? "," : "", next[i]);
+      nb += (size_t)snprintf(b + nb, sizeof b - nb, "%s%d", i ? "," : "", t->share[i]);
+    }
+    ZT_INFO("load balance %s: micro-batches per rank %s (was %s): compute %.1f ms a step "
+            "(was %.1f)", when, a, b, now, was);
+  }
+  set_shares(t, next);
+}
+
+/* The step ends with a plan (its control all-reduce carries the measures). */
+static int plan_due(const trainer *t, int64_t s) {
+  return t->spec.lb_speed && t->N > 1 && s % t->spec.lb_every == 0;
+}
+
+/* The generation's first plan: equal shares, or by speed from what each
+ * worker measured before (zt_gen_ctx_t.micro_ms; equal while one has not). */
+static int first_plan(trainer *t) {
+  int share[ZT_LB_MAX_RANKS];
+  for (int i = 0; i < t->N; i++) share[i] = t->K / t->N + (i < t->K % t->N);
+  set_shares(t, share);
+  if (!t->spec.lb_speed || t->N == 1) return 0;
+  double v[2 * ZT_LB_MAX_RANKS] = {0};
+  double ms = t->g->micro_ms ? *t->g->micro_ms : 0;
+  if (ms > 0) v[t->r] = ms, v[t->N + t->r] = 1;
+  if (zt_zero_host_all_reduce(&t->z, v, 2 * (size_t)t->N, ZT_DT_F64) != 0)
+    return zt_err_wrap("load balance: the workers' speeds");
+  replan(t, v, "at the generation's start");
+  return 0;
+}
+
 /* Everything before the first step. *fault says who is to blame. */
 static int set_up(trainer *t, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
@@ -203,6 +324,9 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   t->T = t->cfg.seq_len;
   t->mb = t->spec.micro_batch;
   if (zt_spec_accum_for_world(&t->spec, t->N, &t->accum) != 0) return -1;
+  t->K = (int)(t->spec.global_batch / t->mb);
+  if (t->N > ZT_LB_MAX_RANKS)
+    return zt_err("%d workers: at most %d take part in one job", t->N, ZT_LB_MAX_RANKS);
   t->k = zt_device_kernels(g->device, t->spec.bf16);
   if (!t->k) { /* this worker's fault, not the job's */
     *fault = ZT_FAULT_LOCAL;
@@ -242,7 +366,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   zt_zero_opts_t zo = {.rank = t->r, .world = t->N, .stage = t->spec.zero_stage, .dev = dev,
                        .timeout_ms = t->tmo,
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
-                       .accum = t->accum,
+                       .accum = t->spec.lb_speed && t->N > 1 ? 0 : t->accum,
                        .overlap = overlap};
   if (zt_zero_create(&t->z, t->ad ? t->ad : t->m, t->k, g->comm, &zo) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
@@ -269,6 +393,10 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     ZT_WARN("%s", zt_err_msg());
   t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
   t->tgt = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
+  if (first_plan(t) != 0) {
+    *fault = ZT_FAULT_PEER;
+    return -1;
+  }
   *fault = ZT_FAULT_LOCAL;
   return 0;
 }
@@ -480,20 +608,51 @@ static int eval_loss(trainer *t, double *out) {
   return 0;
 }
 
-/* Forward and backward of every micro-step of step `step` (0-based);
- * *loss_sum receives the sum of their losses. 1 when a stop was requested. */
+/* The first sample of this rank's j-th micro-batch of step `step`
+ * (0-based): micro-batch j N + r of the step with equal shares (as
+ * zt_data_pos has it), first[r] + j with shares by speed. */
+static uint64_t micro_pos(const trainer *t, int64_t step, int j) {
+  if (!t->uneven) return zt_data_pos((uint64_t)step, t->mb, t->K / t->N, t->N, t->r, j);
+  return (uint64_t)step * (uint64_t)t->K * (uint64_t)t->mb +
+         (uint64_t)(t->first[t->r] + j) * (uint64_t)t->mb;
+}
+
+/* One micro-batch: forward and backward, its loss added to *loss_sum, its
+ * compute time to the rank's measure (less the waits for collectives). */
+static int micro_batch(trainer *t, int64_t step, int j, int last, double *loss_sum) {
+  const zt_spec_fault_t *fi = &t->spec.fault;
+  int64_t t0 = zt_now_us();
+  double waited = t->z.tm.wait_reduce_ms + t->z.tm.wait_gather_ms;
+  float l = 0;
+  if (zt_data_fill(t->train, micro_pos(t, step, j), t->mb, t->inp, t->tgt) != 0) return -1;
+  zt_zero_micro_begin(&t->z, last);
+  if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
+  *loss_sum += l;
+  if (zt_model_backward(t->m, 1.0f) != 0 && !t->z.fail) return -1;
+  if (fi->slow_micro_ms > 0 && t->r == fi->slow_rank) /* test knob: a slow machine */
+    usleep((useconds_t)fi->slow_micro_ms * 1000);
+  if (zt_zero_micro_end(&t->z) != 0) return -1;
+  waited = t->z.tm.wait_reduce_ms + t->z.tm.wait_gather_ms - waited;
+  t->lb_ms += ZT_MAX(0.0, (double)(zt_now_us() - t0) / 1000.0 - waited);
+  t->lb_n++;
+  return 0;
+}
+
+/* Every micro-step of step `step` (0-based); *loss_sum receives the sum of
+ * their losses. 1 when a stop was requested. At stages 2-3 a rank with
+ * fewer micro-batches than the most runs the hooks alone for the rest. */
 static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
   const zt_gen_ctx_t *g = t->g;
+  int mine = t->share[t->r], rounds = t->z.stage >= 2 ? t->rounds : mine;
   *loss_sum = 0;
-  for (int j = 0; j < t->accum; j++) {
+  for (int j = 0; j < rounds; j++) {
     if (g->should_stop(g->user)) return 1;
-    uint64_t first = zt_data_pos((uint64_t)step, t->mb, t->accum, t->N, t->r, j);
-    float l = 0;
-    if (zt_data_fill(t->train, first, t->mb, t->inp, t->tgt) != 0) return -1;
-    zt_zero_micro_begin(&t->z, j == t->accum - 1);
-    if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
-    *loss_sum += l;
-    if (zt_model_backward(t->m, 1.0f) != 0 && !t->z.fail) return -1;
+    if (j < mine) {
+      if (micro_batch(t, step, j, j == rounds - 1, loss_sum) != 0) return -1;
+      continue;
+    }
+    zt_zero_micro_begin(&t->z, j == rounds - 1);
+    if (zt_model_hook_pass(t->m) != 0 && !t->z.fail) return -1;
     if (zt_zero_micro_end(&t->z) != 0) return -1;
   }
   return 0;
@@ -524,9 +683,17 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
    * asks at the same steps (the schedule is the spec's), and only there,
    * since the question waits for the previous epoch's disk write. */
   res->ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
-  double ctl[5] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag, res->ckpt_prev ? 1 : 0};
+  /* With a load balance plan due, every rank's measure rides along. */
+  double ctl[5 + 2 * ZT_LB_MAX_RANKS] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag,
+                                         res->ckpt_prev ? 1 : 0};
+  size_t nctl = 5;
+  if (plan_due(t, s)) {
+    ctl[5 + t->r] = t->lb_ms, ctl[5 + t->N + t->r] = (double)t->lb_n;
+    nctl += 2 * (size_t)t->N;
+  }
   ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0 : 1.0;
-  if (zt_zero_host_all_reduce(&t->z, ctl, 5, ZT_DT_F64) != 0) return -1;
+  if (zt_zero_host_all_reduce(&t->z, ctl, nctl, ZT_DT_F64) != 0) return -1;
+  if (nctl > 5) replan(t, ctl + 5, "after a step"); /* for the next step */
   res->loss = ctl[0] * t->z.inv_k;
   res->norm = sqrt(ctl[1]);
   res->nonfinite = ctl[2] > 0 || !isfinite(res->loss) || !isfinite(res->norm);

@@ -86,6 +86,10 @@ typedef struct zt_gen_ctx {
   double lr_factor;            /* LR multiplier for steps <= lr_until */
   int64_t lr_until;
   int rollbacks;               /* rollbacks so far (fault injection's first run) */
+  /* This worker's compute time per micro-batch, in ms, as the last
+   * generation measured it (0: not yet): the load balance's first plan
+   * (trainer.c). The trainer updates it at every plan; NULL: none kept. */
+  double *micro_ms;
   /* Polled between micro-steps: nonzero asks the trainer to return. */
   int (*should_stop)(void *user);
   /* Rank 0 only, after every step. */

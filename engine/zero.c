@@ -14,7 +14,9 @@
 
 #include "zt_common.h"
 
-#define ZT_ZERO_CTL_BYTES 64
+/* The largest host all-reduce: the step's control values and, at a load
+ * balance plan, two per rank (trainer.c). */
+#define ZT_ZERO_CTL_BYTES 8192
 
 static int ov_wait(zt_zero_t *z);
 
@@ -652,7 +654,7 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->split = z->xb != sizeof(float);
   if (layout(z) != 0) goto err;
   if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES))) {
-    zt_errk(ZT_E_NO_MEMORY, "out of device memory for 64 bytes");
+    zt_errk(ZT_E_NO_MEMORY, "out of device memory for %d bytes", ZT_ZERO_CTL_BYTES);
     goto err;
   }
   z->pver = 1;

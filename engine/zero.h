@@ -199,7 +199,7 @@ typedef struct zt_zero_opts {
   int dev;              /* stage collectives through host memory */
   int64_t timeout_ms;   /* per collective */
   double inv_k;         /* micro_batch / global_batch */
-  int accum;            /* micro-steps per rank and step */
+  int accum;            /* micro-steps per rank and step; 0: they vary (load balance) */
   int overlap;          /* reduce on a communication thread (see above) */
 } zt_zero_opts_t;
 

@@ -45,6 +45,10 @@ struct zt_runner {
   int quit;                        /* under mu */
   zt_comm_t *active;               /* under mu: the comm to abort on change */
   uint64_t cur_job, cur_gen;       /* runner thread only */
+  /* The compute time per micro-batch that job micro_job last measured
+   * here (zt_gen_ctx_t.micro_ms); runner thread only. */
+  uint64_t micro_job;
+  double micro_ms;
   /* The rendezvous of the generation being trained (its replica targets
    * are read by the checkpoint writer's thread while it runs). */
   const Ztrain__RendezvousReply *rv;
@@ -520,6 +524,8 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
                     .step_done = step_done_cb,
                     .report_checkpoint = report_ckpt_cb, .user = r};
   g.checkpoint = (zt_ckpt_record_t){e->files, e->n};
+  if (r->micro_job != rv->job_id) r->micro_job = rv->job_id, r->micro_ms = 0;
+  g.micro_ms = &r->micro_ms;
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
   g.nskips = (int)rv->n_skips;
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
