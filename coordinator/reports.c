@@ -108,6 +108,40 @@ static void last_step(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepReques
   zt_sched_run(c);
 }
 
+/* A step report's new load balance plan (shares): one count per rank, each
+ * at least one, summing to the step's micro-batches; else an error naming
+ * what is wrong, before anything of the report is stored. */
+static int check_shares(const zt_job_t *j, const Ztrain__ReportStepRequest *req) {
+  int64_t K = j->p.global_batch / j->p.micro, sum = 0;
+  if (!req->n_shares) return 0;
+  if (req->n_shares != (size_t)j->row.world)
+    return zt_errk(ZT_E_INVALID, "shares: %zu of them for a generation of %d ranks",
+                   req->n_shares, j->row.world);
+  for (size_t i = 0; i < req->n_shares; i++) {
+    if (req->shares[i] < 1)
+      return zt_errk(ZT_E_INVALID, "shares: rank %zu has none (each computes at least one)", i);
+    sum += req->shares[i];
+  }
+  if (sum != K)
+    return zt_errk(ZT_E_INVALID, "shares: they sum to %lld, a step has %lld micro-batches",
+                   (long long)sum, (long long)K);
+  return 0;
+}
+
+/* The new plan in the logbook, by worker name. */
+static void log_shares(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
+  char list[1024];
+  size_t at = 0;
+  for (size_t i = 0; i < req->n_shares && at < sizeof list - 80; i++) {
+    zt_member_t *w = zt_members_get(c, j->workers[i]);
+    at += (size_t)snprintf(list + at, sizeof list - at, "%s%s %u", i ? ", " : "",
+                           w ? w->row.name : "?", req->shares[i]);
+  }
+  zt_coord_event(c, j->row.id, "load_balance", 0,
+                 "from step %lld, micro-batches per worker (by measured speed): %s",
+                 (long long)req->step + 1, list);
+}
+
 int zt_reports_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int *command) {
   zt_job_t *j;
   zt_member_t *m;
@@ -118,7 +152,9 @@ int zt_reports_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int *co
   if (req->step < 1 || req->step > j->row.total_steps)
     return zt_errk(ZT_E_INVALID, "step %lld out of range 1..%lld", (long long)req->step,
                    (long long)j->row.total_steps);
+  if (check_shares(j, req) != 0) return -1;
   if (store_step(c, j, req) != 0) return -1;
+  if (req->n_shares) log_shares(c, j, req);
   *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
                              : ZTRAIN__COMMAND__COMMAND_CONTINUE;
   if (req->step > j->start_step) zt_restarts_progress(&j->rs);

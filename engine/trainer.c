@@ -91,7 +91,7 @@ typedef struct {
    * one's index in the step, the most any rank has, whether the shares
    * differ, and this rank's compute time over its micro-batches since
    * the last plan. */
-  int K, share[ZT_LB_MAX_RANKS], first[ZT_LB_MAX_RANKS], rounds, uneven;
+  int K, share[ZT_LB_MAX_RANKS], first[ZT_LB_MAX_RANKS], rounds, uneven, plan_new;
   double lb_ms;
   int64_t lb_n;
   int64_t tmo;
@@ -256,10 +256,53 @@ static void plan_shares(int K, int N, const double *speed, int *share) {
   }
 }
 
-/* The longest compute time of a step under `share`, in ms. */
-static double plan_ms(int N, const int *share, const double *speed) {
+/* The ranks 0..N-1 in order of key[], ascending (insertion sort: N is at
+ * most ZT_LB_MAX_RANKS, and a plan is rare); ties keep rank order. */
+static void order_by(int N, const double *key, int *o) {
+  for (int i = 0; i < N; i++) {
+    int j = i;
+    for (; j > 0 && key[o[j - 1]] > key[i]; j--) o[j] = o[j - 1];
+    o[j] = i;
+  }
+}
+
+/* Stages 2-3 reduce (and stage 3 gathers) unit by unit in every
+ * micro-step, so the ranks run their micro-steps in lockstep: round j lasts
+ * as long as the slowest rank that computes in it. Ranks ordered fastest
+ * first (times t_0 <= t_1 <= ...), a plan gives rank q
+ * s_q = d_q + d_{q+1} + ... micro-batches and costs sum d_q t_q, for
+ * sum d_q (q + 1) = K: each micro-batch spent on the q + 1 fastest ranks
+ * costs t_q / (q + 1). So every rank gets one, and the rest goes in equal
+ * parts to the group of the fastest ranks with the least t_q / (q + 1)
+ * (ties: the larger group), the last few one each to the fastest. */
+static void plan_lockstep(int K, int N, const double *speed, int *share) {
+  int o[ZT_LB_MAX_RANKS], best = 0;
+  double t[ZT_LB_MAX_RANKS];
+  for (int i = 0; i < N; i++) t[i] = 1.0 / speed[i];
+  order_by(N, t, o);
+  for (int q = 1; q < N; q++)
+    if (t[o[q]] / (q + 1) <= t[o[best]] / (best + 1)) best = q;
+  int rest = K - N, each = rest / (best + 1), left = rest % (best + 1);
+  for (int q = 0; q < N; q++) share[o[q]] = 1 + (q <= best ? each : 0) + (q < left ? 1 : 0);
+}
+
+/* The compute time of a step under `share`, in ms: the slowest rank's
+ * (stages 0-1), or the sum over the lockstep rounds of the slowest rank
+ * computing in each (stages 2-3: plan_lockstep). */
+static double plan_ms(int N, const int *share, const double *speed, int lockstep) {
   double w = 0;
-  for (int i = 0; i < N; i++) w = ZT_MAX(w, share[i] / speed[i]);
+  if (!lockstep) {
+    for (int i = 0; i < N; i++) w = ZT_MAX(w, share[i] / speed[i]);
+    return w;
+  }
+  int o[ZT_LB_MAX_RANKS];
+  double neg[ZT_LB_MAX_RANKS], slowest = 0;
+  for (int i = 0; i < N; i++) neg[i] = -(double)share[i];
+  order_by(N, neg, o); /* most micro-batches first */
+  for (int k = 0; k < N; k++) {
+    slowest = ZT_MAX(slowest, 1.0 / speed[o[k]]);
+    w += (share[o[k]] - (k + 1 < N ? share[o[k + 1]] : 0)) * slowest;
+  }
   return w;
 }
 
@@ -276,8 +319,10 @@ static void replan(trainer *t, const double *v, const char *when) {
     if (!(v[N + i] >= 1) || !(v[i] > 0)) return;
     speed[i] = v[N + i] / v[i];
   }
-  plan_shares(t->K, N, speed, next);
-  double was = plan_ms(N, t->share, speed), now = plan_ms(N, next, speed);
+  int lockstep = t->z.stage >= 2;
+  if (lockstep) plan_lockstep(t->K, N, speed, next);
+  else plan_shares(t->K, N, speed, next);
+  double was = plan_ms(N, t->share, speed, lockstep), now = plan_ms(N, next, speed, lockstep);
   if (now > was * (1.0 - ZT_LB_MIN_GAIN)) return;
   if (t->r == 0) {
     char a[256], b[256];
@@ -290,6 +335,7 @@ static void replan(trainer *t, const double *v, const char *when) {
             "(was %.1f)", when, a, b, now, was);
   }
   set_shares(t, next);
+  t->plan_new = 1; /* for the coordinator, with the next step report */
 }
 
 /* The step ends with a plan (its control all-reduce carries the measures). */
@@ -813,7 +859,8 @@ static zt_train_cmd_t report(trainer *t, int64_t step, const step_result *res) {
   zt_step_report_t rep = {step,    res->loss,
                           res->norm, res->lr,
                           (double)t->spec.global_batch * t->T / (res->ms / 1000.0),
-                          res->ms, res->val_loss};
+                          res->ms, res->val_loss, t->share, t->plan_new ? t->N : 0};
+  t->plan_new = 0;
   return g->report_step(g->user, &rep);
 }
 

@@ -59,6 +59,11 @@ typedef struct {
 typedef struct zt_step_report {
   int64_t step; /* 1-based */
   double loss, grad_norm, lr, tokens_per_s, step_ms, val_loss;
+  /* The load balance's new shares (each rank's micro-batches of the next
+   * steps) when the plan changed with this step, else nshares 0; valid
+   * during the call only. */
+  const int *shares;
+  int nshares;
 } zt_step_report_t;
 
 /* Everything one generation's training needs. */

@@ -33,6 +33,9 @@
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
 
+/* The most ranks of a generation (elastic.max_workers' limit). */
+#define ZT_MAX_RANKS 256
+
 struct zt_runner {
   zt_ctl_t *ctl;
   zt_runner_opts_t o;
@@ -49,6 +52,11 @@ struct zt_runner {
    * here (zt_gen_ctx_t.micro_ms); runner thread only. */
   uint64_t micro_job;
   double micro_ms;
+  /* The load balance's newest plan, to go with the report of step
+   * plan_step (plan_n 0: none pending); under mu. */
+  uint32_t plan[ZT_MAX_RANKS];
+  int plan_n;
+  int64_t plan_step;
   /* The rendezvous of the generation being trained (its replica targets
    * are read by the checkpoint writer's thread while it runs). */
   const Ztrain__RendezvousReply *rv;
@@ -177,8 +185,11 @@ static zt_train_cmd_t train_cmd(int command) {
   }
 }
 
-static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s) {
+static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s, uint32_t *shares,
+                                int nshares) {
   Ztrain__ReportStepRequest req = ZTRAIN__REPORT_STEP_REQUEST__INIT;
+  req.n_shares = (size_t)nshares;
+  req.shares = shares;
   req.worker_id = zt_ctl_worker_id(r->ctl);
   char session[80];
   zt_ctl_session(r->ctl, session, sizeof session);
@@ -220,8 +231,12 @@ static void *reporter_main(void *p) {
     while (!r->q_len && !r->rep_stop) pthread_cond_wait(&r->rep_cv, &r->mu);
     if (!r->q_len) break;
     zt_step_report_t s = r->q[r->q_head];
+    uint32_t shares[ZT_MAX_RANKS];
+    int nshares = r->plan_n && r->plan_step == s.step ? r->plan_n : 0;
+    memcpy(shares, r->plan, sizeof(uint32_t) * (size_t)nshares);
+    if (nshares) r->plan_n = 0;
     pthread_mutex_unlock(&r->mu);
-    zt_train_cmd_t cmd = send_step(r, &s);
+    zt_train_cmd_t cmd = send_step(r, &s, shares, nshares);
     pthread_mutex_lock(&r->mu);
     r->q_head = (r->q_head + 1) % ZT_REPORT_QUEUE;
     r->q_len--;
@@ -241,7 +256,12 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
     pthread_cond_wait(&r->rep_cv, &r->mu);
   zt_train_cmd_t cmd = r->rep_cmd;
   if (r->q_len < ZT_REPORT_QUEUE) {
+    if (s->nshares > 0 && s->nshares <= ZT_MAX_RANKS) {
+      for (int i = 0; i < s->nshares; i++) r->plan[i] = (uint32_t)s->shares[i];
+      r->plan_n = s->nshares, r->plan_step = s->step;
+    }
     r->q[(r->q_head + r->q_len) % ZT_REPORT_QUEUE] = *s;
+    r->q[(r->q_head + r->q_len) % ZT_REPORT_QUEUE].shares = NULL; /* the call's only */
     r->q_len++;
     pthread_cond_broadcast(&r->rep_cv);
   } else

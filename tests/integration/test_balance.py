@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ztest import (byte_dataset, job_members, losses, start_fleet, submit, tiny_spec, wait_job,
+from ztest import (byte_dataset, events, job_members, losses, start_fleet, submit, tiny_spec, wait_job,
                    wait_until,
                    zctl)
 
@@ -66,6 +66,12 @@ def test_shares_follow_speed_and_losses_do_not_move(procs, tmp_path, data, stage
     assert p, "no load balance plan was logged"
     new, old = p[0]
     assert old == [6, 6] and sum(new) == 12 and new[1] <= 3 < new[0], p
+    # The coordinator's logbook has the plan by worker name.
+    ev = [e["detail"] for e in events(coord) if e["kind"] == "load_balance"]
+    assert ev and ev[0].startswith("from step 6, micro-batches per worker"), ev
+    per = dict(x.split() for x in ev[0].split(": ")[1].split(", "))
+    assert set(per) == job_members(coord, jid), ev
+    assert sorted(int(n) for n in per.values()) == sorted(new), ev
     # Bit for bit: the same samples per step, the same fp64 sums.
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):

@@ -663,3 +663,32 @@ def test_late_copy_of_a_deleted_epoch_is_deleted_too(raw):
         copies = db.execute("SELECT count(*) FROM checkpoint_copies WHERE job_id = ? AND "
                             "step = 5 AND gen = 1", (r.jid,)).fetchone()[0]
     assert copies == 0
+
+
+def test_step_report_shares_checked_before_anything_is_stored(raw):
+    """A step report's load balance plan (field 11, one count per rank)
+    must have one count per rank, each at least 1, summing to the step's
+    micro-batches (12 here); else the report is refused, naming the
+    problem, and neither the step nor an event is stored. A good plan is
+    stored with the step and logged by worker name."""
+    r = raw(n_workers=2, world=2)
+    w = r.ranks[0]
+
+    def report(step, shares):
+        body = r.head() + field_varint(4, step) + field_double(5, 2.5)
+        for s in shares:
+            body += field_varint(11, s)
+        return w.call("ReportStep", body)
+
+    for shares, why in (([12], "1 of them for a generation of 2 ranks"),
+                        ([12, 0], "rank 1 has none"),
+                        ([6, 5], "they sum to 11, a step has 12")):
+        code, _, det = report(1, shares)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in det, (shares, code, det)
+    assert job(r.coord, r.jid)["step"] == 0
+    assert not [e for e in events(r.coord) if e["kind"] == "load_balance"]
+    assert report(1, [9, 3])[0] == OK
+    ev = [e["detail"] for e in events(r.coord) if e["kind"] == "load_balance"]
+    assert ev == [f"from step 2, micro-batches per worker (by measured speed): "
+                  f"{r.ranks[0].name} 9, {r.ranks[1].name} 3"], ev
+    assert job(r.coord, r.jid)["step"] == 1
