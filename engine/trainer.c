@@ -28,7 +28,7 @@
  * micro-steps less what it waited for ZeRO's collectives); every
  * lb_every steps the step's control all-reduce carries every rank's
  * measure, and every rank computes the same new plan from the same
- * numbers (plan_shares), adopted only when it shortens the step's
+ * numbers (balance.h), adopted only when it shortens the step's
  * predicted compute time by ZT_LB_MIN_GAIN. Stages 2-3 reduce in every
  * micro-step, so a rank with fewer micro-batches than the most runs
  * ZeRO's hooks alone for the rest (zt_model_hook_pass): the same
@@ -48,6 +48,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "balance.h"
 #include "ckpt_io.h"
 #include "data.h"
 #include "memplan.h"
@@ -63,9 +64,7 @@
 #include "zt_common.h"
 #include "zt_kernels.h"
 
-/* Load balance: the most ranks it plans for (elastic.max_workers' limit),
- * and the least gain in predicted step time that changes a plan. */
-#define ZT_LB_MAX_RANKS 256
+/* Load balance: the least gain in predicted step time that changes a plan. */
 #define ZT_LB_MIN_GAIN 0.05
 
 typedef struct {
@@ -236,76 +235,6 @@ static void set_shares(trainer *t, const int *share) {
   }
 }
 
-/* K micro-batches over N ranks of speed[i] micro-batches per ms (all > 0):
- * at least one each, then in proportion to speed, then each one left to
- * the rank that would finish it first (ties: the lower rank). The same
- * numbers give the same plan on every rank. */
-static void plan_shares(int K, int N, const double *speed, int *share) {
-  double tot = 0;
-  int used = 0;
-  for (int i = 0; i < N; i++) tot += speed[i];
-  for (int i = 0; i < N; i++) {
-    share[i] = 1 + (int)floor((double)(K - N) * speed[i] / tot);
-    used += share[i];
-  }
-  while (used < K) {
-    int best = 0;
-    for (int i = 1; i < N; i++)
-      if ((share[i] + 1) / speed[i] < (share[best] + 1) / speed[best]) best = i;
-    share[best]++, used++;
-  }
-}
-
-/* The ranks 0..N-1 in order of key[], ascending (insertion sort: N is at
- * most ZT_LB_MAX_RANKS, and a plan is rare); ties keep rank order. */
-static void order_by(int N, const double *key, int *o) {
-  for (int i = 0; i < N; i++) {
-    int j = i;
-    for (; j > 0 && key[o[j - 1]] > key[i]; j--) o[j] = o[j - 1];
-    o[j] = i;
-  }
-}
-
-/* Stages 2-3 reduce (and stage 3 gathers) unit by unit in every
- * micro-step, so the ranks run their micro-steps in lockstep: round j lasts
- * as long as the slowest rank that computes in it. Ranks ordered fastest
- * first (times t_0 <= t_1 <= ...), a plan gives rank q
- * s_q = d_q + d_{q+1} + ... micro-batches and costs sum d_q t_q, for
- * sum d_q (q + 1) = K: each micro-batch spent on the q + 1 fastest ranks
- * costs t_q / (q + 1). So every rank gets one, and the rest goes in equal
- * parts to the group of the fastest ranks with the least t_q / (q + 1)
- * (ties: the larger group), the last few one each to the fastest. */
-static void plan_lockstep(int K, int N, const double *speed, int *share) {
-  int o[ZT_LB_MAX_RANKS], best = 0;
-  double t[ZT_LB_MAX_RANKS];
-  for (int i = 0; i < N; i++) t[i] = 1.0 / speed[i];
-  order_by(N, t, o);
-  for (int q = 1; q < N; q++)
-    if (t[o[q]] / (q + 1) <= t[o[best]] / (best + 1)) best = q;
-  int rest = K - N, each = rest / (best + 1), left = rest % (best + 1);
-  for (int q = 0; q < N; q++) share[o[q]] = 1 + (q <= best ? each : 0) + (q < left ? 1 : 0);
-}
-
-/* The compute time of a step under `share`, in ms: the slowest rank's
- * (stages 0-1), or the sum over the lockstep rounds of the slowest rank
- * computing in each (stages 2-3: plan_lockstep). */
-static double plan_ms(int N, const int *share, const double *speed, int lockstep) {
-  double w = 0;
-  if (!lockstep) {
-    for (int i = 0; i < N; i++) w = ZT_MAX(w, share[i] / speed[i]);
-    return w;
-  }
-  int o[ZT_LB_MAX_RANKS];
-  double neg[ZT_LB_MAX_RANKS], slowest = 0;
-  for (int i = 0; i < N; i++) neg[i] = -(double)share[i];
-  order_by(N, neg, o); /* most micro-batches first */
-  for (int k = 0; k < N; k++) {
-    slowest = ZT_MAX(slowest, 1.0 / speed[o[k]]);
-    w += (share[o[k]] - (k + 1 < N ? share[o[k + 1]] : 0)) * slowest;
-  }
-  return w;
-}
-
 /* A new plan from v: each rank's compute ms (v[i]) over its micro-batches
  * (v[N + i]), as an all-reduce summed them (every rank wrote its own two).
  * Kept when it is not ZT_LB_MIN_GAIN faster, or when a rank measured
@@ -320,9 +249,9 @@ static void replan(trainer *t, const double *v, const char *when) {
     speed[i] = v[N + i] / v[i];
   }
   int lockstep = t->z.stage >= 2;
-  if (lockstep) plan_lockstep(t->K, N, speed, next);
-  else plan_shares(t->K, N, speed, next);
-  double was = plan_ms(N, t->share, speed, lockstep), now = plan_ms(N, next, speed, lockstep);
+  zt_balance_plan(t->K, N, speed, lockstep, next);
+  double was = zt_balance_ms(N, t->share, speed, lockstep);
+  double now = zt_balance_ms(N, next, speed, lockstep);
   if (now > was * (1.0 - ZT_LB_MIN_GAIN)) return;
   if (t->r == 0) {
     char a[256], b[256];
