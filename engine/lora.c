@@ -12,6 +12,7 @@
 
 #include "ckpt_io.h"
 #include "hfdir.h"
+#include "zero.h"
 #include "zt_common.h"
 
 /* One adapted projection: where A and B lie in an adapters' block unit and
@@ -25,10 +26,15 @@ struct zt_lora {
   zt_model_t *m, *ad;
   const zt_kernels_t *k;
   zt_model_hooks_t next; /* the adapters' hooks (ZeRO's) */
-  float *base;           /* the whole base, storage type */
-  float *w;              /* a block unit merged, storage type */
+  /* The base in the storage type: unit u at uoff[u], whole, or at ZeRO
+   * stage 3 with several ranks (z set) this rank's shard of each block
+   * unit (ushard[u] elements), which merge() gathers into w. */
+  float *base;
+  size_t *uoff, *ushard, base_size;
+  zt_zero_t *z;
+  float *w;              /* a block unit merged, storage type (w_size elements) */
   float *g;              /* a block unit's gradient, fp32 */
-  size_t block_size;     /* elements of a base block unit */
+  size_t block_size, w_size; /* elements of a base block unit, and of w */
   lora_target t[ZT_LORA_NTARGETS];
   int nt, R, merged;     /* merged: the unit w holds, -1 none */
   float s;
@@ -68,18 +74,25 @@ static int find_targets(const zt_layout_t *base, const zt_layout_t *ad, lora_tar
   return *nt ? 0 : zt_err("lora: no adapters in the layout");
 }
 
-/* Folds unit u's adapters into a copy of its base weights in l->w. */
-static void merge(zt_lora_t *l, int u) {
-  if (l->merged == u) return;
-  const float *src = xadv(l, l->base, l->m->lay.unit_off[u]);
+/* Folds unit u's adapters into a copy of its base weights in l->w (with a
+ * sharded base, the ranks' shards gathered there first). */
+static int merge(zt_lora_t *l, int u) {
+  if (l->merged == u) return 0;
+  const float *src = xadv(l, l->base, l->uoff[u]);
   const float *ad = l->ad->unit_params[u];
-  l->k->copy(l->w, src, l->block_size * (size_t)l->k->xbytes);
+  if (l->z) {
+    if (zt_zero_gather_frozen(l->z, src, l->w, l->ushard[u]) != 0)
+      return zt_err_wrap("lora: gathering the base of unit %d", u);
+  } else {
+    l->k->copy(l->w, src, l->block_size * (size_t)l->k->xbytes);
+  }
   for (int i = 0; i < l->nt; i++) {
     const lora_target *t = &l->t[i];
     float *w = xadv(l, l->w, t->w);
     l->k->lora_merge(w, w, xadv(l, ad, t->a), xadv(l, ad, t->b), t->O, t->I, l->R, l->s);
   }
   l->merged = u;
+  return 0;
 }
 
 static int is_block(const zt_lora_t *l, int u) { return u >= 1 && u <= l->m->cfg.n_layer; }
@@ -89,11 +102,9 @@ static int call_next(int (*fn)(void *, int), void *ctx, int u) { return fn ? fn(
 static int pre_forward(void *ctx, int u) {
   zt_lora_t *l = ctx;
   if (call_next(l->next.pre_forward, l->next.ctx, u) != 0) return -1;
-  if (is_block(l, u)) {
-    l->merged = -1; /* the adapters may have changed since the last step */
-    merge(l, u);
-  }
-  return 0;
+  if (!is_block(l, u)) return 0;
+  l->merged = -1; /* the adapters may have changed since the last step */
+  return merge(l, u);
 }
 
 static int post_forward(void *ctx, int u) {
@@ -105,7 +116,7 @@ static int pre_backward(void *ctx, int u) {
   zt_lora_t *l = ctx;
   if (call_next(l->next.pre_backward, l->next.ctx, u) != 0) return -1;
   if (!is_block(l, u)) return 0;
-  merge(l, u);
+  if (merge(l, u) != 0) return -1;
   l->k->zero(l->g, l->block_size);
   l->m->unit_grads[u] = l->g;
   return 0;
@@ -127,7 +138,24 @@ static int post_backward(void *ctx, int u) {
   return call_next(l->next.post_backward, l->next.ctx, u);
 }
 
-int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad) {
+/* Where each unit of the base lies in l->base: whole, or (sharded) the
+ * block units as this rank's ZeRO shard of them; memplan.c's lora_base
+ * counts the same. */
+static void place_base(zt_lora_t *l, int world) {
+  const zt_layout_t *lay = &l->m->lay;
+  l->uoff = zt_xcalloc((size_t)lay->num_units, sizeof(size_t));
+  l->ushard = zt_xcalloc((size_t)lay->num_units, sizeof(size_t));
+  l->w_size = l->block_size;
+  for (int u = 0; u < lay->num_units; u++) {
+    l->uoff[u] = l->base_size;
+    l->ushard[u] = l->z && is_block(l, u) ? zt_zero_shard_size(lay->unit_size[u], (size_t)world)
+                                          : lay->unit_size[u];
+    l->base_size += (l->ushard[u] + 7) & ~(size_t)7; /* units start 32-byte aligned */
+    if (l->z && is_block(l, u)) l->w_size = ZT_MAX(l->w_size, l->ushard[u] * (size_t)world);
+  }
+}
+
+int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad, zt_zero_t *z) {
   *out = NULL;
   const zt_model_config_t *c = &ad->cfg;
   if (c->lora_r < 1 || m->cfg.lora_r || m->cfg.arch != ZT_ARCH_LLAMA)
@@ -139,16 +167,19 @@ int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad) {
   l->s = c->lora_alpha / (float)c->lora_r;
   l->block_size = m->lay.unit_size[1];
   if (find_targets(&m->lay, &ad->lay, l->t, &l->nt) != 0) goto err;
-  l->base = l->k->alloc(m->lay.num_params * (size_t)l->k->xbytes);
-  l->w = l->k->alloc(l->block_size * (size_t)l->k->xbytes);
+  l->z = z && z->stage == 3 && z->N > 1 ? z : NULL;
+  place_base(l, z ? z->N : 1);
+  l->base = l->k->alloc(l->base_size * (size_t)l->k->xbytes);
+  l->w = l->k->alloc(l->w_size * (size_t)l->k->xbytes);
   l->g = l->k->alloc(l->block_size * sizeof(float));
   if (!l->base || !l->w || !l->g) {
     zt_errk(ZT_E_NO_MEMORY, "lora: out of memory for the base model (%zu parameters)",
             m->lay.num_params);
     goto err;
   }
+  l->k->memzero(l->base, l->base_size * (size_t)l->k->xbytes); /* a shard's padding */
   for (int u = 0; u < m->lay.num_units; u++) {
-    m->unit_params[u] = is_block(l, u) ? l->w : xadv(l, l->base, m->lay.unit_off[u]);
+    m->unit_params[u] = is_block(l, u) ? l->w : xadv(l, l->base, l->uoff[u]);
     m->unit_grads[u] = NULL;
   }
   zt_model_hooks_t h = {l, pre_forward, post_forward, pre_backward, post_backward};
@@ -165,32 +196,51 @@ void zt_lora_free(zt_lora_t *l) {
   if (l->base) l->k->release(l->base);
   if (l->w) l->k->release(l->w);
   if (l->g) l->k->release(l->g);
+  free(l->uoff);
+  free(l->ushard);
   free(l);
+}
+
+/* The elements of unit u this rank keeps: [*lo, *lo + *n) of the unit. */
+static void kept(const zt_lora_t *l, int u, size_t *lo, size_t *n) {
+  size_t size = l->m->lay.unit_size[u];
+  *lo = 0, *n = size;
+  if (l->z && is_block(l, u)) {
+    *lo = ZT_MIN(size, (size_t)l->z->r * l->ushard[u]);
+    *n = ZT_MIN(size - *lo, l->ushard[u]);
+  }
 }
 
 int zt_lora_set_base(zt_lora_t *l, const float *flat, uint64_t *hash) {
   const zt_layout_t *lay = &l->m->lay;
-  if (l->k->xbytes == 4) {
-    l->k->upload(l->base, flat, lay->num_params * sizeof(float));
-  } else { /* through an fp32 unit in the table's memory, rounded there */
+  float *tmp = NULL;
+  if (l->k->xbytes != 4) { /* through an fp32 unit in the table's memory, rounded there */
     size_t max = 0;
     for (int u = 0; u < lay->num_units; u++) max = ZT_MAX(max, lay->unit_size[u]);
-    float *tmp = l->k->alloc(max * sizeof(float));
-    if (!tmp) return zt_errk(ZT_E_NO_MEMORY, "lora: out of memory staging the base model");
-    for (int u = 0; u < lay->num_units; u++) {
-      l->k->upload(tmp, flat + lay->unit_off[u], lay->unit_size[u] * sizeof(float));
-      l->k->narrow_x(xadv(l, l->base, lay->unit_off[u]), tmp, lay->unit_size[u]);
-    }
-    l->k->release(tmp);
+    if (!(tmp = l->k->alloc(max * sizeof(float))))
+      return zt_errk(ZT_E_NO_MEMORY, "lora: out of memory staging the base model");
   }
+  for (int u = 0; u < lay->num_units; u++) {
+    size_t lo, n;
+    kept(l, u, &lo, &n);
+    const float *src = flat + lay->unit_off[u] + lo;
+    float *dst = xadv(l, l->base, l->uoff[u]);
+    if (!tmp) {
+      l->k->upload(dst, src, n * sizeof(float));
+      continue;
+    }
+    l->k->upload(tmp, src, n * sizeof(float));
+    l->k->narrow_x(dst, tmp, n);
+  }
+  if (tmp) l->k->release(tmp);
   l->merged = -1;
   *hash = XXH64(flat, lay->num_params * sizeof(float), 0);
   return 0;
 }
 
 uint64_t zt_lora_bytes(const zt_lora_t *l) {
-  return (uint64_t)l->m->lay.num_params * (uint64_t)l->k->xbytes +
-         (uint64_t)l->block_size * ((uint64_t)l->k->xbytes + sizeof(float));
+  return ((uint64_t)l->base_size + l->w_size) * (uint64_t)l->k->xbytes +
+         (uint64_t)l->block_size * sizeof(float);
 }
 
 int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w, const float *adapters) {

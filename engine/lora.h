@@ -26,9 +26,12 @@
  * The embedding, the final norm and the head (units 0 and L + 1) are used
  * from the base as they are and get no gradient (the model skips them); the
  * norms and biases inside blocks are frozen too (their gradients are
- * computed into the slot and dropped). Every rank holds the whole base in
- * the storage type, next to its ZeRO share of the adapters' states
- * (docs/zero.md, "LoRA").
+ * computed into the slot and dropped). Every rank holds the base in the
+ * storage type, next to its ZeRO share of the adapters' states: whole, or
+ * at ZeRO stage 3 with several ranks its shard of every block unit (the
+ * embedding, final norm and head stay whole), which the hook before a
+ * block computes all-gathers into the slot before the merge, in the same
+ * order on every rank (docs/zero.md, "LoRA").
  *
  * The cost over inference-style LoRA is the full gradient of each block's
  * weights (as full fine-tuning computes it) and two products of r per
@@ -41,6 +44,7 @@
 #include <stdint.h>
 
 #include "model.h"
+#include "zero.h"
 
 typedef struct zt_lora zt_lora_t;
 
@@ -49,12 +53,15 @@ typedef struct zt_lora zt_lora_t;
  * (the LoRA configuration; ZeRO's hooks already installed on it, since
  * they are read here) and installs this module's hooks on m. Allocates
  * the base (zeroed until zt_lora_set_base) and the two unit slots in the
- * kernel table's memory; -1 (ZT_E_NO_MEMORY) when they do not fit. */
-ZT_MUST_CHECK int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad);
+ * kernel table's memory; -1 (ZT_E_NO_MEMORY) when they do not fit. z: the
+ * adapters' ZeRO state, whose stage 3 on several ranks shards the base's
+ * blocks too (NULL: the base whole). */
+ZT_MUST_CHECK int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad, zt_zero_t *z);
 void zt_lora_free(zt_lora_t *l);
 
 /* The base parameters, the compute model's whole flat buffer in fp32 on
- * the host (layout order); rounded to the storage type. *hash receives
+ * the host (layout order); what this rank keeps of it, rounded to the
+ * storage type. *hash receives
  * the XXH64 of those fp32 bytes: the base's identity, which checkpoints
  * record. -1 when out of memory. */
 ZT_MUST_CHECK int zt_lora_set_base(zt_lora_t *l, const float *flat, uint64_t *hash);

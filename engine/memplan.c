@@ -54,13 +54,23 @@ static uint64_t activations(const zt_spec_t *s, const zt_layout_t *l, uint64_t x
          3 * 4 * B * T; /* inputs, targets, host losses */
 }
 
-/* LoRA's frozen base, whole on every rank in the storage type, and its
- * two block slots, merged weights and their gradient (lora.c). */
-static uint64_t lora_base(const zt_model_config_t *m, uint64_t xb) {
+/* LoRA's frozen base in the storage type, whole on every rank or (stage 3
+ * on several ranks) the blocks as this rank's shard of them, and its two
+ * block slots: merged weights (a whole gathered block when sharded) and
+ * their gradient in fp32 (lora.c). */
+static uint64_t lora_base(const zt_model_config_t *m, int stage, int world, uint64_t xb) {
   zt_model_config_t b = zt_model_config_base(m);
   zt_layout_t l;
   if (!m->lora_r || zt_layout_build(&l, &b) != 0) return 0;
-  uint64_t n = (uint64_t)l.num_params * xb + (uint64_t)l.unit_size[1] * (xb + 4);
+  int shard = stage == 3 && world > 1;
+  uint64_t base = 0, w = l.unit_size[1];
+  for (int u = 0; u < l.num_units; u++) {
+    int block = u >= 1 && u <= m->n_layer;
+    uint64_t s = shard && block ? zt_zero_shard_size(l.unit_size[u], (size_t)world) : l.unit_size[u];
+    base += (s + 7) & ~(uint64_t)7; /* lora.c place_base */
+    if (shard && block) w = ZT_MAX(w, s * (uint64_t)world);
+  }
+  uint64_t n = (base + w) * xb + (uint64_t)l.unit_size[1] * 4;
   zt_layout_free(&l);
   return n;
 }
@@ -71,7 +81,7 @@ int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int 
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
-            lora_base(&s->model, (uint64_t)xbytes);
+            lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes);
   *acts = activations(s, &l, (uint64_t)xbytes);
   zt_layout_free(&l);
   return 0;
@@ -82,12 +92,12 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
-                lora_base(&s->model, 4);
+                lora_base(&s->model, s->zero_stage, world, 4);
   out->activations = activations(s, &l, 4);
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */
   out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned) +
-                    lora_base(&s->model, dev_xb);
+                    lora_base(&s->model, s->zero_stage, world, dev_xb);
   out->dev_activations = activations(s, &l, dev_xb);
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
   out->host = ZT_MEMPLAN_BASE_BYTES + out->states + out->activations + out->snapshot;

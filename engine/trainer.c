@@ -349,7 +349,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   }
   t->have_z = 1;
   if (t->ad) {
-    if (zt_lora_create(&t->lora, t->m, t->ad) != 0) {
+    if (zt_lora_create(&t->lora, t->m, t->ad, &t->z) != 0) {
       if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
       return -1;
     }

@@ -115,6 +115,11 @@ int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt
   return 0;
 }
 
+int zt_zero_gather_frozen(zt_zero_t *z, const float *shard, float *full, size_t count) {
+  if (z->overlap && ov_wait(z) != 0) return -1; /* the communicator is the thread's until then */
+  return c_all_gather(z, shard, full, count, z->xdt);
+}
+
 static int layout(zt_zero_t *z) {
   z->U = z->m->lay.num_units;
   z->usz = zt_xcalloc((size_t)z->U, sizeof(size_t));

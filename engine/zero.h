@@ -266,9 +266,15 @@ ZT_MUST_CHECK int zt_zero_gather(zt_zero_t *z);
 ZT_MUST_CHECK int zt_zero_settle(zt_zero_t *z);
 /* The times since the last call (wall_clock_breakdown); resets them. */
 void zt_zero_take_times(zt_zero_t *z, zt_zero_times_t *out);
-/* Sums `count` values of host memory (the trainer's control values, at
- * most 64 bytes) over the ranks: directly, or through device memory when
- * the communicator takes only that (NCCL). */
+/* Sums `count` values of host memory (the trainer's control values and
+ * the load balance's measures, at most 8 KiB) over the ranks: directly, or
+ * through device memory when the communicator takes only that (NCCL). */
 ZT_MUST_CHECK int zt_zero_host_all_reduce(zt_zero_t *z, void *buf, size_t count, zt_dtype_t dt);
+/* All-gathers `count` elements of the storage type from every rank's
+ * shard into full (count x world), in the kernel table's memory, after the
+ * communication thread's queue: frozen parameters that ZeRO does not own
+ * (LoRA's base at stage 3, lora.c), in the order the hooks call it. */
+ZT_MUST_CHECK int zt_zero_gather_frozen(zt_zero_t *z, const float *shard, float *full,
+                                        size_t count);
 
 #endif

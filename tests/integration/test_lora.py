@@ -165,9 +165,25 @@ def test_lora_fine_tune_survives_a_kill_and_exports(procs, tmp_path):
     assert want[120][0] < want[1][0]  # the adapters learn
     # ZeRO-3 (adapters sharded, gathered per block) with activation
     # checkpointing (blocks merged again for the recompute): the same losses.
+    # The base's blocks are sharded too, each gathered before its merge.
     j3 = submit(coord, spec(120, 3, 2, activation_checkpointing=True), tmp_path, "z3.json")
     wait_job(coord, j3, timeout=180)
     assert losses(coord, j3, val=True) == want
+    C, L, F, Vp = SMALL["n_embd"], SMALL["n_layer"], SMALL["intermediate_size"], 320
+    qkv = (SMALL["n_head"] + 2 * SMALL["n_kv_head"]) * SMALL["head_dim"]
+    block = 2 * C + qkv * C + C * SMALL["n_head"] * SMALL["head_dim"] + 3 * F * C
+    base = 2 * Vp * C + C + L * block
+    for w in ("w0", "w1"):
+        with open(os.path.join(procs.tmp, "work", w, "zero_memory.json")) as f:
+            m = json.load(f)
+        held = sum(m[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                  "inflight_bytes", "scratch_bytes"))
+        assert m["stage"] == 3 and m["world"] == 2 and m["estimated_states_bytes"] == held, m
+        # Half of each block (padded to 8), the embedding and head whole,
+        # a gathered block in the merge slot and its gradient, the adapters'
+        # shard: less than the whole base and its two slots alone.
+        assert 4 * (2 * Vp * C + C + L * block // 2 + 2 * block) <= m["params_bytes"] \
+            < 4 * (base + 2 * block), (m, base, block)
     s = spec(120, 2, 1, max_workers=2, checkpoint={"dir": str(tmp_path / "ck"), "every_steps": 20})
     s["elastic"] = {"min_workers": 1, "max_workers": 2}
     jid = submit(coord, s, tmp_path, "kill.json")
@@ -185,10 +201,6 @@ def test_lora_fine_tune_survives_a_kill_and_exports(procs, tmp_path):
     held = sum(m[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
                               "inflight_bytes", "scratch_bytes"))
     assert m["estimated_states_bytes"] == held, m
-    C, L, F, Vp = SMALL["n_embd"], SMALL["n_layer"], SMALL["intermediate_size"], 320
-    qkv = (SMALL["n_head"] + 2 * SMALL["n_kv_head"]) * SMALL["head_dim"]
-    block = 2 * C + qkv * C + C * SMALL["n_head"] * SMALL["head_dim"] + 3 * F * C
-    base = 2 * Vp * C + C + L * block
     adapters = L * 4 * sum(o + i for o, i in ((32, 32), (16, 32), (32, 32), (32, 64)))  # q v o down
     assert m["psi"] == adapters + 16  # the two placeholders
     assert m["params_bytes"] >= 4 * base + 8 * block, m
