@@ -131,18 +131,18 @@ typedef struct {
   zt_spec_restart_t restart;    /* elastic{...}: the restart policy */
   int zero_stage;
   zt_memplan_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
+  /* The world sizes in [min_workers, max_workers] the spec can train
+   * (zt_spec_accum_for_world: dividing the step's micro-batches, or any up
+   * to their number with load_balance mode "speed"). */
+  unsigned char world_ok[ZT_MAX_WORLD + 1];
   int64_t max_uncommitted;      /* checkpoint.max_uncommitted_steps (0: no limit) */
   int replicas;                 /* checkpoint.replicas */
   int ckpt_shared;              /* checkpoint.shared: no copies tracked */
-  int lb_speed;                 /* load_balance.mode "speed": any world of at most K workers */
 } zt_job_params_t;
 
-/* 1 when n workers can form a generation of the job: n divides the
- * micro-batches of a step (equal shares), or with shares by speed any n up
- * to their number (engine/spec.h zt_spec_world_ok). */
+/* 1 when n workers can form a generation of the job (world_ok). */
 static inline int zt_params_world_ok(const zt_job_params_t *p, int n) {
-  int64_t K = p->global_batch / p->micro;
-  return n >= 1 && n <= K && (p->lb_speed || K % n == 0);
+  return n >= 1 && n <= ZT_MAX_WORLD && p->world_ok[n];
 }
 
 /* One file of the epoch being reported: as its rank wrote it, and the

@@ -102,7 +102,6 @@ static void copy_numbers(const zt_spec_t *s, zt_job_params_t *p) {
   p->replicas = s->ckpt.replicas;
   p->ckpt_shared = s->ckpt.shared;
   p->zero_stage = s->zero_stage;
-  p->lb_speed = s->lb_speed;
 }
 
 /* Some N in [min, max] must divide the number of micro-batches per step
@@ -115,8 +114,8 @@ static int size_worlds(const zt_spec_t *s, zt_job_params_t *p) {
   int any = 0;
   for (int n = p->min_workers; n <= p->max_workers; n++) {
     int accum;
-    if (!zt_spec_world_ok(s, n) || zt_spec_accum_for_world(s, n, &accum) != 0) continue;
-    any = 1;
+    if (zt_spec_accum_for_world(s, n, &accum) != 0) continue;
+    any = p->world_ok[n] = 1;
     if (zt_memplan_need(s, n, &p->need[n]) != 0) return zt_err_wrapk(ZT_E_INVALID, "model");
   }
   if (!any)

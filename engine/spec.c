@@ -660,13 +660,6 @@ int zt_spec_load(zt_spec_t *s, const char *path) {
   return 0;
 }
 
-int zt_spec_world_ok(const zt_spec_t *s, int world) {
-  long K = s->global_batch / s->micro_batch;
-  if (world < 1 || world > K) return 0;
-  if (s->lb_speed) return (K + world - 1) / world <= ZT_SPEC_MAX_ACCUM;
-  return K % world == 0 && K / world <= ZT_SPEC_MAX_ACCUM;
-}
-
 int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum) {
   if (world < 1) return zt_err("world size must be >= 1 (got %d)", world);
   long K = s->global_batch / s->micro_batch;

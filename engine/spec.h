@@ -207,8 +207,5 @@ ZT_MUST_CHECK int zt_spec_load(zt_spec_t *s, const char *path);
  * under equal shares (rounded up). */
 #define ZT_SPEC_MAX_ACCUM (1 << 20)
 ZT_MUST_CHECK int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum);
-/* 1 when `world` workers can train s (zt_spec_accum_for_world succeeds),
- * without an error message. */
-int zt_spec_world_ok(const zt_spec_t *s, int world);
 
 #endif

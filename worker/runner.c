@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "balance.h"
 #include "comm.h"
 #include "device.h"
 #include "pbcall.h"
@@ -32,9 +33,6 @@
 #include "zt_common.h"
 #include "zt_rpc.h"
 #include "ztrain.pb-c.h"
-
-/* The most ranks of a generation (elastic.max_workers' limit). */
-#define ZT_MAX_RANKS 256
 
 struct zt_runner {
   zt_ctl_t *ctl;
@@ -54,7 +52,7 @@ struct zt_runner {
   double micro_ms;
   /* The load balance's newest plan, to go with the report of step
    * plan_step (plan_n 0: none pending); under mu. */
-  uint32_t plan[ZT_MAX_RANKS];
+  uint32_t plan[ZT_LB_MAX_RANKS];
   int plan_n;
   int64_t plan_step;
   /* The rendezvous of the generation being trained (its replica targets
@@ -231,7 +229,7 @@ static void *reporter_main(void *p) {
     while (!r->q_len && !r->rep_stop) pthread_cond_wait(&r->rep_cv, &r->mu);
     if (!r->q_len) break;
     zt_step_report_t s = r->q[r->q_head];
-    uint32_t shares[ZT_MAX_RANKS];
+    uint32_t shares[ZT_LB_MAX_RANKS];
     int nshares = r->plan_n && r->plan_step == s.step ? r->plan_n : 0;
     memcpy(shares, r->plan, sizeof(uint32_t) * (size_t)nshares);
     if (nshares) r->plan_n = 0;
@@ -256,7 +254,7 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
     pthread_cond_wait(&r->rep_cv, &r->mu);
   zt_train_cmd_t cmd = r->rep_cmd;
   if (r->q_len < ZT_REPORT_QUEUE) {
-    if (s->nshares > 0 && s->nshares <= ZT_MAX_RANKS) {
+    if (s->nshares > 0 && s->nshares <= ZT_LB_MAX_RANKS) {
       for (int i = 0; i < s->nshares; i++) r->plan[i] = (uint32_t)s->shares[i];
       r->plan_n = s->nshares, r->plan_step = s->step;
     }
