@@ -77,10 +77,12 @@ typedef struct {
    * its own call, k a machine agent's batch of k (its share of the
    * coordinator's calls is 1/k: zt_members_pace). */
   int hb_batch;
-  /* zt_coord_t.deletions_gen + 1 when its epoch deletions were last
-   * found empty (0: never looked): no query until a deletion is queued
-   * anywhere (copies.c). */
-  uint64_t deletions_none_gen;
+  /* It may have epochs to delete (copies.c): set when one is queued for
+   * it, or at start when the database holds one; cleared when its list is
+   * found empty. A heartbeat asks the database only when it is set, so
+   * neither a mass registration nor a deletion queued for one worker
+   * costs a query per member. */
+  int deletions_pending;
   /* Kept out of generations since (0: not): it may be cut off from the
    * others (reach.h). Let back in once a probe it was asked for after
    * that (probe_asked) reaches every other worker's store. */
@@ -308,9 +310,6 @@ typedef struct zt_coord {
   /* Heartbeat calls by kind (Heartbeat; HeartbeatBatch) and the entries the
    * batches carried (service.c). */
   uint64_t hb_calls[2], hb_batch_entries;
-  /* Bumped whenever an epoch deletion is queued for any worker (copies.c):
-   * a heartbeat asks the database for its worker's only when it changed. */
-  uint64_t deletions_gen;
   zt_prov_t *prov; /* provision.c; NULL without a provisioner */
   /* Workers that registered new or came back (lost or left before), ever:
    * the provisioner counts the workers it asked for by them. */

@@ -51,10 +51,11 @@ static int serves(const zt_member_t *m) {
 
 /* ---- recording ------------------------------------------------------------ */
 
-/* Queues the deletion of epoch directory rel on worker `worker_id`; every
- * heartbeat's look for deletions (zt_copies_deletions) looks again. */
+/* Queues the deletion of epoch directory rel on worker `worker_id`; its
+ * next heartbeat looks for deletions (zt_copies_deletions). */
 static int queue_deletion(zt_coord_t *c, uint64_t worker_id, const char *rel) {
-  c->deletions_gen++;
+  zt_member_t *m = zt_members_get(c, worker_id);
+  if (m) m->deletions_pending = 1;
   return zt_db_deletion_add(c->db, worker_id, rel);
 }
 
@@ -254,15 +255,14 @@ void zt_copies_pool_free(zt_copies_pool_t *pool) {
 
 int zt_copies_deletions(zt_coord_t *c, zt_member_t *m, char (*dirs)[ZT_DB_DIR_MAX], int max) {
   int n = 0;
-  /* Nothing queued anywhere since its list was last empty: no query (a
+  /* Nothing queued for it since its list was last empty: no query (a
    * heartbeat of a large fleet is otherwise a database read each). */
-  uint64_t gen = c->deletions_gen + 1; /* 0: never looked */
-  if (m->deletions_none_gen == gen) return 0;
+  if (!m->deletions_pending) return 0;
   if (zt_db_deletions_of(c->db, m->row.id, dirs, max, &n) != 0) {
     ZT_WARN("epochs to delete on %s: %s", m->row.name, zt_err_msg());
     return 0;
   }
-  if (n == 0) m->deletions_none_gen = gen;
+  if (n == 0) m->deletions_pending = 0;
   return n;
 }
 

@@ -143,10 +143,18 @@ static int load_one(const zt_db_worker_t *w, void *user) {
   return 0;
 }
 
+static int mark_deletions(uint64_t id, void *user) {
+  zt_member_t *m = zt_members_get(user, id);
+  if (m) m->deletions_pending = 1;
+  return 0;
+}
+
 /* The fleet was paced by the last coordinator as it will be by this one
- * (Pace): a worker on a longer interval gets the difference as well. */
+ * (Pace): a worker on a longer interval gets the difference as well. The
+ * members with epochs to delete are marked (copies.c) by one query. */
 int zt_members_load(zt_coord_t *c) {
   if (zt_db_workers_each(c->db, load_one, c) != 0) return -1;
+  if (zt_db_deletion_workers(c->db, mark_deletions, c) != 0) return -1;
   zt_members_pace(c);
   int64_t more = zt_members_interval_ms(c) - c->cfg.heartbeat_ms;
   for (size_t i = 0; more > 0 && i < c->by_id_cap; i++)

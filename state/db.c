@@ -163,6 +163,7 @@ enum {
   ST_DELETION_ADD,
   ST_DELETIONS_OF,
   ST_DELETION_DONE,
+  ST_DELETION_WORKERS,
   ST_CKPT_FILES_DEL,
   ST_CKPT_FILE_PUT,
   ST_CKPT_FILES_GET,
@@ -238,6 +239,7 @@ static const char *const k_sql[ST_COUNT] = {
     [ST_DELETION_ADD] = "INSERT OR IGNORE INTO epoch_deletions(worker_id, dir) VALUES(?1, ?2)",
     [ST_DELETIONS_OF] = "SELECT dir FROM epoch_deletions WHERE worker_id = ?1 ORDER BY dir LIMIT ?2",
     [ST_DELETION_DONE] = "DELETE FROM epoch_deletions WHERE worker_id = ?1 AND dir = ?2",
+    [ST_DELETION_WORKERS] = "SELECT DISTINCT worker_id FROM epoch_deletions ORDER BY worker_id",
     [ST_CKPT_FILES_DEL] = "DELETE FROM checkpoint_files WHERE job_id = ?1 AND step = ?2 AND gen = ?3",
     [ST_CKPT_FILE_PUT] = "INSERT INTO checkpoint_files(job_id, step, gen, name, bytes, checksum) "
                          "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
@@ -1050,6 +1052,22 @@ int zt_db_deletions_of(zt_db_t *db, uint64_t worker_id, char (*dirs)[ZT_DB_DIR_M
   int rc = each_row(db, st, "list epochs to delete", dir_row, &x);
   *n = x.n;
   return rc;
+}
+
+typedef struct {
+  int (*fn)(uint64_t, void *);
+  void *user;
+} ids_ctx;
+
+static int id_row(sqlite3_stmt *st, void *p) {
+  ids_ctx *x = p;
+  return x->fn((uint64_t)sqlite3_column_int64(st, 0), x->user);
+}
+
+int zt_db_deletion_workers(zt_db_t *db, int (*fn)(uint64_t worker_id, void *user), void *user) {
+  ids_ctx x = {fn, user};
+  return each_row(db, db->st[ST_DELETION_WORKERS], "list workers with epochs to delete", id_row,
+                  &x);
 }
 
 int zt_db_deletion_done(zt_db_t *db, uint64_t worker_id, const char *dir) {

@@ -229,5 +229,8 @@ ZT_MUST_CHECK int zt_db_deletion_add(zt_db_t *db, uint64_t worker_id, const char
 ZT_MUST_CHECK int zt_db_deletions_of(zt_db_t *db, uint64_t worker_id,
                                      char (*dirs)[ZT_DB_DIR_MAX], int max, int *n);
 ZT_MUST_CHECK int zt_db_deletion_done(zt_db_t *db, uint64_t worker_id, const char *dir);
+/* Calls fn once for each worker with an epoch to delete, in id order. */
+ZT_MUST_CHECK int zt_db_deletion_workers(zt_db_t *db, int (*fn)(uint64_t worker_id, void *user),
+                                         void *user);
 
 #endif

@@ -630,6 +630,35 @@ def test_never_committed_epoch_is_deleted_on_every_member(raw):
     assert wait_until(queued, 10, "deletions on both members") == {w.id for w in r.workers}
 
 
+def test_epoch_deletions_reach_their_worker_across_a_restart(raw):
+    """A heartbeat asks the database for its worker's epoch deletions only
+    while some may be queued for that worker (a fleet's heartbeats are
+    otherwise a query each): a deletion reaches its worker, one worker's
+    acknowledgement does not hide another's, and after a coordinator
+    restart the pending ones are still delivered."""
+    r = raw(n_workers=2, world=2)
+    code, _, det = r.report_checkpoint(0, 5)  # never committed: deleted on both members
+    assert code == OK, det
+    rel = r.epoch_rel(5)
+    code, _, det = r.report_ring_failure(r.ranks[0])
+    assert code == OK, det
+    a, b = r.wait_generation(2)
+
+    def deletions(w, body=b""):
+        code, reply, det = w.call("Heartbeat", body)
+        assert code == OK, det
+        return [v.decode() for k, v in fields(reply) if k == 6]
+    wait_until(lambda: deletions(a) == [rel], 10, "the deletion in a's heartbeat reply")
+    assert deletions(a, field_bytes(6, rel.encode())) == []
+    assert deletions(a) == []
+    assert deletions(b) == [rel]
+    r.coord.kill()
+    r.coord = r.procs.coord(db=r.coord.db, hb_ms=200, timeout_ms=60000, name="zcoord2",
+                            grpc_port=r.coord.grpc_port)
+    wait_until(lambda: deletions(b) == [rel], 20, "b's deletion after the restart")
+    assert deletions(a) == []
+
+
 def test_late_copy_of_a_deleted_epoch_is_deleted_too(raw):
     """A copy reported after its epoch was deleted, and after its holder
     had done that deletion (a push or fetch slower than the deletions), is
