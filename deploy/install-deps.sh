@@ -23,6 +23,9 @@ PACKAGES=(
   # operator tools and tests
   sqlite3 curl python3 python3-pytest python3-grpcio python3-protobuf python3-xxhash
   protobuf-compiler python3-grpc-tools wrk chromium
+  # the PyTorch reference of the llama and LoRA tests (test_llama.py,
+  # test_lora.py) and of the benchmarks' comparisons (CPU build, with Gloo)
+  python3-torch
   systemd
   # monitoring: the alert rules are checked and scraped by the real thing
   prometheus
@@ -42,10 +45,9 @@ PACKAGES=(
   nodejs
 )
 
-# Optional, only with --bench: PyTorch (CPU build, with Gloo) and BLIS for the
-# comparisons of bench/cpu-train (and zt_bench_sgemm) and bench/allreduce. Never needed by
-# `make test` or `make demo`.
-BENCH_PACKAGES=(python3-torch libblis4-openmp)
+# Optional, only with --bench: BLIS for the comparisons of zt_bench_sgemm and
+# bench/cpu-train. Never needed by `make test` or `make demo`.
+BENCH_PACKAGES=(libblis4-openmp)
 
 case "${1:-}" in
   "") ;;
