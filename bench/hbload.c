@@ -52,7 +52,7 @@ static size_t pack(const ProtobufCMessage *m, uint8_t *buf) {
 
 /* Registers all workers, `window` calls in flight at a time; *interval_ms
  * is the heartbeat interval the last reply asked for. */
-static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window,
+static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window, int agent,
                         int64_t *interval_ms) {
   int next = 0, done = 0, inflight = 0;
   while (done < n) {
@@ -63,6 +63,7 @@ static int register_all(zt_rpc_client_t *c, sim_worker *w, int n, int window,
       req.name = name;
       req.host = "hbload";
       req.device = "cpu";
+      req.heartbeat_agent = agent; /* as zworker --heartbeat-agent says */
       uint8_t buf[256];
       size_t len = pack(&req.base, buf);
       zt_rpc_start(c, "/ztrain.Control/RegisterWorker", buf, len, 10000, &w[next]);
@@ -120,7 +121,7 @@ int main(int argc, char **argv) {
   if (!w) return 1;
   int64_t t_reg = zt_now_us();
   int64_t reg_interval_ms = 0;
-  if (register_all(c, w, n, 512, &reg_interval_ms) != 0) {
+  if (register_all(c, w, n, 512, per_host > 1, &reg_interval_ms) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }

@@ -77,6 +77,10 @@ typedef struct {
    * its own call, k a machine agent's batch of k (its share of the
    * coordinator's calls is 1/k: zt_members_pace). */
   int hb_batch;
+  /* It said at registration that it heartbeats through its machine's
+   * agent: until its first batch arrives (hb_batch 0) the pace counts it
+   * as one of a batch of the average size seen (zt_members_pace). */
+  int hb_agent;
   /* It may have epochs to delete (copies.c): set when one is queued for
    * it, or at start when the database holds one; cleared when its list is
    * found empty. A heartbeat asks the database only when it is set, so
@@ -599,6 +603,7 @@ typedef struct {
   int pid;
   uint64_t host_memory, device_memory;
   int nccl; /* a GPU worker whose NCCL libraries load */
+  int hb_agent; /* it heartbeats through its machine's agent */
 } zt_register_t;
 /* Register / heartbeat / leave. Register gives the member a new session
  * credential; it sets *known when the name was registered before (the

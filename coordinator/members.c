@@ -312,6 +312,8 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
   m->nccl = r->nccl;
+  m->hb_agent = r->hb_agent;
+  m->hb_batch = 0; /* none heard yet in this registration */
   ZT_INFO("worker %s (id %llu) %s from %s", r->name, (unsigned long long)row.id, kind, r->host);
   *out = m;
   return 0;
@@ -347,15 +349,22 @@ static size_t live_members(const zt_coord_t *c) {
  * batches of 8). */
 #define ZT_HB_ENTRY_COST 0.06
 
+/* The batch size a worker that said it uses an agent is counted in before
+ * its first batch: the average of the batches seen, or this before any (a
+ * machine of 8 GPUs). */
+#define ZT_HB_AGENT_GUESS 8
+
 /* The calls the live members make per interval, in single calls: one
  * each, or their share of their machine agent's batch; *live gets how
  * many they are. */
 static size_t live_calls(const zt_coord_t *c, size_t *live) {
   double n = 0;
+  int guess = c->hb_calls[1] ? (int)(c->hb_batch_entries / c->hb_calls[1]) : ZT_HB_AGENT_GUESS;
   *live = 0;
   for (size_t i = 0; i < c->by_id_cap; i++) {
     if (!member_live(c->by_id[i])) continue;
-    int k = ZT_MAX(1, c->by_id[i]->hb_batch);
+    const zt_member_t *m = c->by_id[i];
+    int k = ZT_MAX(1, m->hb_batch ? m->hb_batch : m->hb_agent ? guess : 1);
     n += (1.0 + (k - 1) * ZT_HB_ENTRY_COST) / k;
     ++*live;
   }

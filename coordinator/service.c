@@ -79,7 +79,7 @@ static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const Pr
                        req->device,     req->session,
                        req->store_addr, req->pid,
                        req->host_memory_bytes, req->device_memory_bytes,
-                       req->nccl};
+                       req->nccl,       req->heartbeat_agent};
   zt_member_t *mem;
   int known;
   if (zt_members_register(c, &reg, &mem, &known) != 0) return NULL;

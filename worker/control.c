@@ -300,6 +300,7 @@ static int do_register(zt_ctl_t *c, int *fatal) {
   req.host_memory_bytes = c->o.host_memory;
   req.device_memory_bytes = c->o.device_memory;
   req.nccl = c->o.nccl;
+  req.heartbeat_agent = c->agent != NULL;
   req.store_addr = c->store_addr;
   char **held = NULL;
   int n_held = inventory(c, &held);

@@ -99,3 +99,29 @@ def test_a_batch_is_judged_entry_by_entry(procs, tmp_path):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "at most 256" in e.value.details()
     assert coord.alive()
+
+
+def test_workers_of_agents_are_paced_as_batches_from_registration(procs, tmp_path):
+    """A coordinator that takes 10 heartbeat calls a second, at 200 ms
+    heartbeats. 16 workers that register saying they will use their
+    machine's agent (RegisterRequest.heartbeat_agent) count as two batches
+    of 8 before any batch arrives (1.42 calls each), and 16 more that
+    register without it as 16 calls: 19 calls an interval, 1.9 s, where
+    32 single workers would stretch it to 3.2 s."""
+    pb, pbg = stubs(tmp_path)
+    import grpc
+    coord = procs.coord(hb_ms=HB_MS, timeout_ms=60000, extra=("--heartbeat-capacity", "10"))
+
+    def interval():
+        text = http_get(coord.http_port, "/metrics")[2]
+        return float(next(ln.split()[1] for ln in text.splitlines()
+                          if ln.startswith("ztrain_coordinator_heartbeat_interval_seconds ")))
+    with grpc.insecure_channel(coord.grpc) as ch:
+        ctl = pbg.ControlStub(ch)
+        for i in range(32):
+            ctl.RegisterWorker(pb.RegisterRequest(name=f"a{i}", host=f"m{i // 8}", device="cpu",
+                                                  heartbeat_agent=i < 16), timeout=5)
+    got = wait_until(lambda: (lambda v: v if v >= 1.7 else None)(interval()), 20,
+                     "the interval stretched for all 32 workers")
+    assert 1.7 <= got <= 2.1, got
+    assert coord.alive()
