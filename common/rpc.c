@@ -123,6 +123,7 @@ struct zt_rpc_call {
   char mdval[512];
   rpc_tag tag_new, tag_recv, tag_sent;
   struct zt_rpc_call *next; /* loop queue link */
+  int64_t queued_ms;        /* when it was queued for the loop (zt_now_ms) */
   /* An in-process call (zt_rpc_call_local): no gRPC call behind it. */
   zt_rpc_local_done_fn local_done;
   void *local_user;
@@ -238,8 +239,8 @@ const char *zt_rpc_call_peer(zt_rpc_call_t *c) {
   return c->peer ? c->peer : "unknown";
 }
 
-/* Loop side: run the handler for the queued calls, for at most budget_ms
- * (0: all of them); the rest go back to the head of the queue and the
+/* Loop side: run the handler for the queued calls, for at most budget_ms;
+ * the rest go back to the head of the queue and the
  * loop is woken again for them, so that a burst (thousands of workers
  * registering at once) does not hold the loop's timers for its whole
  * length. */
@@ -248,7 +249,7 @@ static void poll_calls(zt_rpc_server_t *s, int64_t budget_ms) {
   zt_rpc_call_t *c = s->head;
   s->head = s->tail = NULL;
   pthread_mutex_unlock(&s->mu);
-  int64_t until = budget_ms ? zt_now_ms() + budget_ms : INT64_MAX;
+  int64_t until = zt_now_ms() + budget_ms;
   for (int n = 0; c; n++) {
     if ((n & 15) == 15 && zt_now_ms() >= until) break;
     zt_rpc_call_t *next = c->next;
@@ -267,12 +268,22 @@ static void poll_calls(zt_rpc_server_t *s, int64_t budget_ms) {
   uv_async_send(&s->async);
 }
 
-void zt_rpc_server_poll(zt_rpc_server_t *s) { poll_calls(s, 0); }
+int64_t zt_rpc_call_waited_ms(const zt_rpc_call_t *c) {
+  return c->local_done || !c->queued_ms ? 0 : ZT_MAX(0, zt_now_ms() - c->queued_ms);
+}
+
+int64_t zt_rpc_server_lag_ms(zt_rpc_server_t *s) {
+  pthread_mutex_lock(&s->mu);
+  int64_t lag = s->head ? ZT_MAX(0, zt_now_ms() - s->head->queued_ms) : 0;
+  pthread_mutex_unlock(&s->mu);
+  return lag;
+}
 
 static void on_async(uv_async_t *a) { poll_calls(a->data, ZT_RPC_POLL_BUDGET_MS); }
 
 /* Thread side: a request is complete; give it to the loop. */
 static void hand_to_loop(zt_rpc_server_t *s, zt_rpc_call_t *c) {
+  c->queued_ms = zt_now_ms();
   pthread_mutex_lock(&s->mu);
   int stopping = s->stopping;
   if (!stopping) {

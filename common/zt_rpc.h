@@ -77,10 +77,11 @@ typedef struct {
 ZT_MUST_CHECK int zt_rpc_server_start(uv_loop_t *loop, const char *addr, const zt_rpc_server_opts_t *opts,
                         zt_rpc_handler_fn handler, void *user, zt_rpc_server_t **out);
 int zt_rpc_server_port(const zt_rpc_server_t *s);
-/* Runs the handler for every request already received (on the loop
- * thread), without waiting for the loop's next turn: the liveness check
- * calls it so that heartbeats that arrived during a long handler count. */
-void zt_rpc_server_poll(zt_rpc_server_t *s);
+/* How long the oldest request waiting for the loop has waited (0: none
+ * waits). Everything received before now minus this has been handled, so
+ * the liveness check judges silences at that time: a heartbeat that
+ * waits in the queue of a busy coordinator is not its worker's silence. */
+int64_t zt_rpc_server_lag_ms(zt_rpc_server_t *s);
 /* Stops accepting, cancels calls in flight and joins the thread. Calls the
  * handler still holds must be answered before this is called. */
 void zt_rpc_server_stop(zt_rpc_server_t *s);
@@ -93,6 +94,9 @@ void zt_rpc_reply(zt_rpc_call_t *call, int status, const char *message, const ui
 const char *zt_rpc_call_metadata(zt_rpc_call_t *call, const char *key);
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:5555"). */
 const char *zt_rpc_call_peer(zt_rpc_call_t *call);
+/* How long the call has waited for the loop since it was received (0 for
+ * an in-process call). */
+int64_t zt_rpc_call_waited_ms(const zt_rpc_call_t *call);
 
 /* An in-process call with no network behind it, for harnesses that drive a
  * server's handler directly (the fuzz targets of tests/fuzz): the handler

@@ -51,7 +51,7 @@ static const setting k_settings[] = {
      "a worker silent this long is lost (default 3 intervals)"},
     {"heartbeat_capacity", SET_INT, FIELD(heartbeat_capacity), 0, 100000000, "N",
      "heartbeats per second this coordinator takes before it asks workers to slow down "
-     "(default 10000; 0: never)"},
+     "(default 20000; 0: never)"},
     {"blind_max_ms", SET_INT, FIELD(blind_max_ms), 0, 86400000, "N",
      "hearing from no worker at all, lose nobody for up to N ms (default 5 timeouts; 0: that)"},
     {"worker_secret", SET_STR, FIELD(worker_secret), 0, 0, "S", "workers register with S"},
@@ -117,7 +117,7 @@ void zt_config_defaults(zt_coord_config_t *cfg) {
   snprintf(cfg->db_path, sizeof cfg->db_path, "zcoord.db");
   cfg->heartbeat_ms = 1000;
   cfg->heartbeat_timeout_ms = 0; /* derived: 3 x heartbeat_ms */
-  cfg->heartbeat_capacity = 10000;
+  cfg->heartbeat_capacity = 20000;
   cfg->provisioner_timeout_ms = 120000;
   cfg->provisioner_interval_ms = 30000;
   cfg->provisioner_grace_ms = 300000;

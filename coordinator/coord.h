@@ -87,6 +87,10 @@ typedef struct {
    * neither a mass registration nor a deletion queued for one worker
    * costs a query per member. */
   int deletions_pending;
+  /* Heard from again while suspect, after this many ms of silence (0:
+   * not): alive in memory at once, written with the next liveness
+   * check's changes (members.c). */
+  int64_t recovered_ms;
   /* Kept out of generations since (0: not): it may be cut off from the
    * others (reach.h). Let back in once a probe it was asked for after
    * that (probe_asked) reaches every other worker's store. */
@@ -300,6 +304,11 @@ typedef struct zt_coord {
   int64_t started_ms;
   int64_t epoch;
   int64_t last_check_ms, max_stall_ms; /* the loop's liveness timer and its longest delay */
+  /* The longest a received call had waited for the loop, seen by the
+   * liveness check (zt_rpc_server_lag_ms); registrations refused because
+   * theirs had waited more than ZT_REGISTER_BEHIND_MS (service.c). */
+  int64_t max_lag_ms;
+  uint64_t register_shed;
   /* members.c: monotonic time of the last heartbeat from any worker, and
    * the periods in which the coordinator heard from no worker at all
    * while two or more were alive (its own network, most likely). */
@@ -311,6 +320,11 @@ typedef struct zt_coord {
    * until when that one holds. */
   int64_t hb_interval_ms, hb_judge_ms, hb_judge_until_ms;
   uint64_t hb_pace_changes;
+  /* Registrations ever, and their recent rate per second (members.c,
+   * Pace: a registering fleet takes part of the capacity). */
+  uint64_t registrations, reg_rate_n;
+  int64_t reg_rate_ms;
+  double reg_rate;
   /* Heartbeat calls by kind (Heartbeat; HeartbeatBatch) and the entries the
    * batches carried (service.c). */
   uint64_t hb_calls[2], hb_batch_entries;
@@ -572,9 +586,12 @@ zt_member_t *zt_members_get(zt_coord_t *c, uint64_t id);
 zt_member_t *zt_members_find_name(zt_coord_t *c, const char *name);
 /* By decimal id or by name. */
 zt_member_t *zt_members_lookup(zt_coord_t *c, const char *id_or_name);
-/* Suspect / lost transitions. Returns the number of members that were
- * declared lost, with their ids in *lost (malloc'd; the caller frees). */
-size_t zt_members_check(zt_coord_t *c, uint64_t **lost);
+/* Suspect / lost transitions (and recoveries heard since the last check),
+ * in one transaction; silences are judged at now - lag_ms (the time up to
+ * which every call received has been handled: zt_rpc_server_lag_ms).
+ * Returns the number of members that were declared lost, with their ids
+ * in *lost (malloc'd; the caller frees). */
+size_t zt_members_check(zt_coord_t *c, int64_t lag_ms, uint64_t **lost);
 /* Writes last_seen of the dirty members among the next `slice` slots
  * (ZT_FLUSH_ALL: every one). */
 #define ZT_FLUSH_ALL ((size_t)-1)

@@ -550,6 +550,15 @@ static void r_metrics(zt_http_req_t *r) {
               "Longest delay of the coordinator's liveness timer (a held-up loop).");
   sb_printf(&b, "ztrain_coordinator_loop_stall_max_seconds %.3f\n",
             (double)c->max_stall_ms / 1000.0);
+  metric_head(&b, "ztrain_coordinator_call_lag_max_seconds", "gauge",
+              "Longest a received call had waited for the coordinator's loop, seen by the "
+              "liveness check (silences are judged that much earlier).");
+  sb_printf(&b, "ztrain_coordinator_call_lag_max_seconds %.3f\n", (double)c->max_lag_ms / 1000.0);
+  metric_head(&b, "ztrain_coordinator_registrations_shed_total", "counter",
+              "Registrations refused (UNAVAILABLE, retried by workers) because they had waited "
+              "over a second for a coordinator behind its heartbeats.");
+  sb_printf(&b, "ztrain_coordinator_registrations_shed_total %llu\n",
+            (unsigned long long)c->register_shed);
   metric_head(&b, "ztrain_coordinator_blind_periods_total", "counter",
               "Periods in which the coordinator heard from no worker while two or more were "
               "alive (its own network); nobody is declared lost in them.");

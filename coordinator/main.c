@@ -49,10 +49,11 @@ static void on_check(uv_timer_t *t) {
   c->last_check_ms = now;
   if (stall > c->max_stall_ms) c->max_stall_ms = stall;
   if (stall > every) zt_members_credit(c, stall);
-  zt_rpc_server_poll(c->rpc);
   zt_members_pace(c);
+  int64_t lag = zt_rpc_server_lag_ms(c->rpc);
+  if (lag > c->max_lag_ms) c->max_lag_ms = lag;
   uint64_t *lost;
-  size_t n = zt_members_check(c, &lost);
+  size_t n = zt_members_check(c, lag, &lost);
   for (size_t i = 0; i < n; i++)
     zt_sched_member_gone(c, zt_members_get(c, lost[i]), "was lost", 1);
   free(lost);

@@ -199,6 +199,7 @@ static int transition(zt_coord_t *c, zt_member_t *m, int state, const char *kind
   m->row.state = state;
   m->row.last_seen_ms = now;
   m->dirty = 0;
+  m->recovered_ms = 0; /* written over */
   return 0;
 }
 
@@ -309,8 +310,10 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
     m = members_add(c, &row);
   }
   if (strcmp(kind, "reregistered")) c->arrivals++;
+  c->registrations++;
   m->last_hb_mono_ms = zt_now_ms();
   m->dirty = 0;
+  m->recovered_ms = 0;
   m->nccl = r->nccl;
   m->hb_agent = r->hb_agent;
   m->hb_batch = 0; /* none heard yet in this registration */
@@ -344,9 +347,9 @@ static size_t live_members(const zt_coord_t *c) {
 }
 
 /* What one more heartbeat in a batch costs the coordinator, in single
- * calls: a batch of k costs 1 + (k - 1) x this (bench/heartbeats, one
- * core: about 10,600 single calls a second fill it, and about 7,600
- * batches of 8). */
+ * calls: a batch of k costs 1 + (k - 1) x this (bench/heartbeats, zcoord
+ * on one core: 25,000 single calls a second take 81% of it, 18,800
+ * batches of 8 take 88%, so a batch of 8 costs about 1.4 calls). */
 #define ZT_HB_ENTRY_COST 0.06
 
 /* The batch size a worker that said it uses an agent is counted in before
@@ -374,8 +377,9 @@ static size_t live_calls(const zt_coord_t *c, size_t *live) {
 /* ---- Pace ---------------------------------------------------------------------
  *
  * One coordinator core takes about heartbeat_capacity heartbeat calls a
- * second (bench/heartbeats); a machine agent's batch (HeartbeatBatch) of k
- * costs about 1 + 0.06 (k - 1) calls, each of its workers a share of it.
+ * second (20,000 by default: bench/heartbeats kept p99 under 20 ms up to
+ * 25,000 single calls a second, or 100,000 workers in batches of 8, on
+ * one core); a machine agent's batch (HeartbeatBatch) of k costs about 1 + 0.06 (k - 1) calls, each of its workers a share of it.
  * With more calls per interval than capacity x interval, the interval it
  * advertises in every heartbeat and register reply stretches to calls /
  * capacity, so the fleet sends no more than the coordinator can take
@@ -404,10 +408,32 @@ int64_t zt_members_timeout_ms(const zt_coord_t *c) {
   return timeout_for(c, zt_members_interval_ms(c));
 }
 
+/* What a registration costs, in heartbeat calls (a database write and the
+ * scheduler's pass; bench/heartbeats: a fleet registering at once takes
+ * about 5,000 a second of one core). */
+#define ZT_REGISTER_COST 4
+
+/* The registrations a second lately, smoothed over quarter seconds. */
+static double registration_rate(zt_coord_t *c, int64_t now) {
+  int64_t dt = now - c->reg_rate_ms;
+  if (dt >= 250) {
+    double inst = (double)(c->registrations - c->reg_rate_n) * 1000.0 / (double)dt;
+    c->reg_rate = c->reg_rate_ms ? 0.5 * c->reg_rate + 0.5 * inst : inst;
+    c->reg_rate_ms = now;
+    c->reg_rate_n = c->registrations;
+  }
+  return c->reg_rate;
+}
+
 void zt_members_pace(zt_coord_t *c) {
   int64_t base = c->cfg.heartbeat_ms, now = zt_now_ms(), want = base;
   size_t live, calls = live_calls(c, &live), cap = (size_t)c->cfg.heartbeat_capacity;
-  if (cap > 0) want = ZT_MAX(base, (int64_t)((calls * 1000 + cap - 1) / cap));
+  /* A fleet registering at once takes its share first (at most three
+   * quarters): the heartbeats of those already in slow down meanwhile,
+   * rather than every call waiting behind the burst. */
+  double reg = registration_rate(c, now) * ZT_REGISTER_COST;
+  size_t hb_cap = cap ? (size_t)ZT_MAX((double)cap / 4, (double)cap - reg) : 0;
+  if (hb_cap > 0) want = ZT_MAX(base, (int64_t)((calls * 1000 + hb_cap - 1) / hb_cap));
   int64_t was = zt_members_interval_ms(c);
   /* Small changes are not worth a word to every worker: 10% either way. */
   if (want * 10 < was * 11 && want * 11 > was * 10 && want != base) want = was;
@@ -416,8 +442,9 @@ void zt_members_pace(zt_coord_t *c) {
     char detail[200];
     snprintf(detail, sizeof detail,
              "heartbeat interval %lld -> %lld ms for %zu live workers, %zu calls an interval "
-             "(capacity %d a second)",
-             (long long)was, (long long)want, live, calls, c->cfg.heartbeat_capacity);
+             "(capacity %d a second, %.0f registrations a second)",
+             (long long)was, (long long)want, live, calls, c->cfg.heartbeat_capacity,
+             c->reg_rate);
     if (want > was) ZT_WARN("%s", detail);
     else ZT_INFO("%s", detail);
     zt_coord_event(c, 0, "heartbeat_pace", 0, "%s", detail);
@@ -471,12 +498,11 @@ int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
   int64_t now = zt_now_ms();
   if (zt_members_blind(c, now)) blind_end(c, now);
   c->last_any_hb_ms = now;
+  /* Alive again at once; the database hears of it with the next liveness
+   * check's changes (a fleet that recovers together is one transaction). */
   if (m->row.state == ZT_WORKER_SUSPECT) {
-    char detail[128];
-    snprintf(detail, sizeof detail, "heartbeat after %lld ms of silence",
-             (long long)(now - m->last_hb_mono_ms));
-    if (transition(c, m, ZT_WORKER_ALIVE, "recovered", detail) != 0)
-      ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
+    m->row.state = ZT_WORKER_ALIVE;
+    m->recovered_ms = ZT_MAX(1, now - m->last_hb_mono_ms);
   }
   m->last_hb_mono_ms = now;
   m->row.last_seen_ms = zt_wall_ms();
@@ -569,36 +595,112 @@ int zt_members_leave(zt_coord_t *c, uint64_t id, const char *reason, int *left) 
   return 0;
 }
 
-size_t zt_members_check(zt_coord_t *c, uint64_t **lost) {
-  int64_t now = zt_now_ms();
+/* ---- the liveness check -------------------------------------------------------
+ *
+ * Its changes (recovered, suspect, lost) are written in one transaction:
+ * one commit a check however many workers changed, where a commit each
+ * held the loop for seconds when a large fleet went suspect together,
+ * which delayed heartbeats further (a feedback loop). Past
+ * ZT_CHECK_EVENTS of one kind in a check, the logbook gets one event
+ * that counts the rest rather than an event each. If the transaction
+ * fails, nothing changes in memory either, and the next check tries
+ * again. */
+
+#define ZT_CHECK_EVENTS 64
+
+typedef struct {
+  zt_member_t *m;
+  int state;
+  int kind; /* index into k_check_kinds */
+  char detail[160];
+} check_change_t;
+
+static const char *const k_check_kinds[] = {"recovered", "suspect", "lost"};
+
+static check_change_t *add_change(check_change_t **v, size_t *n, size_t *cap, zt_member_t *m,
+                                  int state, int kind) {
+  if (*n == *cap) *v = zt_xrealloc(*v, (*cap = *cap ? *cap * 2 : 64) * sizeof **v);
+  check_change_t *x = &(*v)[(*n)++];
+  x->m = m, x->state = state, x->kind = kind;
+  return x;
+}
+
+static int write_changes(zt_coord_t *c, const check_change_t *v, size_t n, int64_t wall) {
+  size_t count[3] = {0};
+  if (zt_db_begin(c->db) != 0) return -1;
+  for (size_t i = 0; i < n; i++) {
+    if (zt_db_worker_set_state(c->db, v[i].m->row.id, v[i].state, wall) != 0) goto err;
+    if (count[v[i].kind]++ < ZT_CHECK_EVENTS &&
+        zt_db_event_add(c->db, 0, k_check_kinds[v[i].kind], v[i].m->row.id, v[i].detail,
+                        NULL) != 0)
+      goto err;
+  }
+  for (int k = 0; k < 3; k++) {
+    if (count[k] <= ZT_CHECK_EVENTS) continue;
+    char detail[160];
+    snprintf(detail, sizeof detail, "and %zu more workers %s in the same check (%zu in all)",
+             count[k] - ZT_CHECK_EVENTS, k_check_kinds[k], count[k]);
+    if (zt_db_event_add(c->db, 0, k_check_kinds[k], 0, detail, NULL) != 0) goto err;
+  }
+  if (zt_db_commit(c->db) != 0) goto err;
+  return 0;
+err:
+  zt_db_rollback(c->db);
+  return -1;
+}
+
+size_t zt_members_check(zt_coord_t *c, int64_t lag_ms, uint64_t **lost) {
+  /* Everything that came in before now - lag has been handled. */
+  int64_t now = zt_now_ms() - ZT_MAX(0, lag_ms);
   int64_t suspect_after = 2 * judge_ms(c);
   int64_t lost_after = timeout_for(c, judge_ms(c));
-  size_t n = 0, cap = 0;
+  check_change_t *v = NULL;
+  size_t n = 0, cap = 0, n_lost = 0;
   *lost = NULL;
   /* Blind (see the top of the file): nobody is lost, for a while. */
   int blind = zt_members_blind(c, now) && now - c->last_any_hb_ms <= c->cfg.blind_max_ms;
   for (size_t i = 0; i < c->by_id_cap; i++) {
     zt_member_t *m = c->by_id[i];
     if (!member_live(m)) continue;
+    if (m->recovered_ms)
+      snprintf(add_change(&v, &n, &cap, m, ZT_WORKER_ALIVE, 0)->detail, sizeof v->detail,
+               "heartbeat after %lld ms of silence", (long long)m->recovered_ms);
     int64_t silent = now - m->last_hb_mono_ms;
-    char detail[160];
     if (silent > lost_after && !blind) {
-      snprintf(detail, sizeof detail, "no heartbeat for %lld ms (timeout %lld ms)",
-               (long long)silent, (long long)lost_after);
-      if (transition(c, m, ZT_WORKER_LOST, "lost", detail) != 0) {
-        ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
-        continue;
-      }
-      if (n == cap) *lost = zt_xrealloc(*lost, (cap = cap ? cap * 2 : 8) * sizeof **lost);
-      (*lost)[n++] = m->row.id;
+      snprintf(add_change(&v, &n, &cap, m, ZT_WORKER_LOST, 2)->detail, sizeof v->detail,
+               "no heartbeat for %lld ms (timeout %lld ms)", (long long)silent,
+               (long long)lost_after);
+      n_lost++;
     } else if (silent > suspect_after && m->row.state == ZT_WORKER_ALIVE) {
-      snprintf(detail, sizeof detail, "no heartbeat for %lld ms (interval %lld ms)",
-               (long long)silent, (long long)judge_ms(c));
-      if (transition(c, m, ZT_WORKER_SUSPECT, "suspect", detail) != 0)
-        ZT_ERROR("worker %s: %s", m->row.name, zt_err_msg());
+      snprintf(add_change(&v, &n, &cap, m, ZT_WORKER_SUSPECT, 1)->detail, sizeof v->detail,
+               "no heartbeat for %lld ms (interval %lld ms)", (long long)silent,
+               (long long)judge_ms(c));
     }
   }
-  return n;
+  int64_t wall = zt_wall_ms();
+  if (n && write_changes(c, v, n, wall) != 0) {
+    ZT_ERROR("cannot store the liveness of %zu workers (tried again in the next check): %s", n,
+             zt_err_msg());
+    n = n_lost = 0;
+  }
+  if (n_lost) *lost = zt_xmalloc(n_lost * sizeof **lost);
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    zt_member_t *m = v[i].m;
+    if (i < ZT_CHECK_EVENTS)
+      ZT_INFO("worker %s (id %llu): %s -> %s: %s", m->row.name, (unsigned long long)m->row.id,
+              zt_worker_state_name(v[i].kind ? m->row.state : ZT_WORKER_SUSPECT),
+              zt_worker_state_name(v[i].state), v[i].detail);
+    m->row.state = v[i].state;
+    m->row.last_seen_ms = wall;
+    m->dirty = 0;
+    m->recovered_ms = 0;
+    if (v[i].state == ZT_WORKER_LOST) (*lost)[k++] = m->row.id;
+  }
+  if (n > ZT_CHECK_EVENTS)
+    ZT_INFO("and %zu more changes of worker state in this check", n - ZT_CHECK_EVENTS);
+  free(v);
+  return k;
 }
 
 void zt_members_credit(zt_coord_t *c, int64_t ms) {

@@ -66,9 +66,24 @@ static void *new_reply(call_ctx *x, const ProtobufCMessageDescriptor *d) {
 
 /* ---- Control ----------------------------------------------------------- */
 
+/* A registration that waited longer than this for the loop is refused
+ * (UNAVAILABLE, which workers retry with backoff) before it costs a
+ * database write: the coordinator is behind its heartbeats, which keep
+ * the registered fleet alive and come first. */
+#define ZT_REGISTER_BEHIND_MS 1000
+
 static ProtobufCMessage *h_register(zt_coord_t *c, zt_rpc_call_t *call, const ProtobufCMessage *m,
                                     call_ctx *x) {
   const Ztrain__RegisterRequest *req = (const Ztrain__RegisterRequest *)m;
+  int64_t waited = zt_rpc_call_waited_ms(call);
+  if (waited > ZT_REGISTER_BEHIND_MS) {
+    c->register_shed++;
+    zt_errk(ZT_E_UNAVAILABLE,
+            "the coordinator is behind: this registration waited %lld ms for it; register "
+            "again after a pause",
+            (long long)waited);
+    return NULL;
+  }
   if (!zt_auth_worker_secret(c, req->secret)) {
     ZT_WARN("refused registration of \"%.64s\" from %s: bad secret", req->name,
             zt_rpc_call_peer(call));

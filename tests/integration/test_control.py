@@ -259,3 +259,55 @@ def test_past_its_capacity_the_coordinator_stretches_the_interval_and_loses_nobo
                30 * SLOW, "the 40 silent workers lost")
     assert workers_by_name(coord)["real"]["state"] == "alive"
     assert real.alive()
+
+
+def test_a_fleet_silent_together_changes_in_one_transaction_and_a_bounded_logbook(procs):
+    """600 simulated workers stop together: the liveness check writes each
+    check's changes in one transaction, so all 600 are suspect and then
+    lost, in the database as in memory, and the logbook gets at most 64
+    events of a kind per check plus one that counts the rest: every
+    worker is accounted for, none twice."""
+    coord = procs.coord(hb_ms=HB, timeout_ms=TIMEOUT)
+    n = 600
+    r = subprocess.run([f"{BIN}/zt_hbload", "--coordinator", coord.grpc, "-n", str(n),
+                        "--seconds", "1", "--rate-hz", str(1000 // HB)],
+                       capture_output=True, text=True, timeout=120 * SLOW)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["errors"] == 0, (out, r.stderr)
+
+    def db_states():
+        with sqlite3.connect(coord.db) as db:
+            return dict(db.execute("SELECT state, count(*) FROM workers GROUP BY state"))
+    wait_until(lambda: db_states() == {3: n}, 20 * SLOW, f"all {n} lost in the database")
+    assert all(w["state"] == "lost" for w in workers_by_name(coord).values())
+    with sqlite3.connect(coord.db) as db:
+        rows = db.execute("SELECT kind, worker_id, detail FROM events WHERE kind IN "
+                          "('suspect', 'lost')").fetchall()
+    for kind in ("suspect", "lost"):
+        each = [w for k, w, _ in rows if k == kind and w]
+        summed = [d for k, w, d in rows if k == kind and not w]
+        assert len(each) == len(set(each)), f"a worker {kind} twice"
+        more = [int(d.split("and ")[1].split(" more")[0]) for d in summed]
+        assert summed, f"600 workers {kind} in a few checks: some check had more than 64"
+        assert len(each) + sum(more) == n, (kind, len(each), more)
+
+
+def test_a_suspect_worker_that_comes_back_is_alive_and_recorded(procs):
+    """A stopped worker turns suspect; when it runs again it is alive at
+    once, and the database and logbook hear of it with the next check."""
+    coord = procs.coord(hb_ms=HB, timeout_ms=5000)
+    w = procs.worker(coord.grpc, "napper")
+    wait_until(lambda: workers_by_name(coord).get("napper", {}).get("state") == "alive", 10,
+               "registered")
+    w.signal(signal.SIGSTOP)
+    wait_until(lambda: workers_by_name(coord)["napper"]["state"] == "suspect", 10, "suspect",
+               interval=0.02)
+    w.signal(signal.SIGCONT)
+    wait_until(lambda: workers_by_name(coord)["napper"]["state"] == "alive", 10, "alive again")
+
+    def db_state():
+        with sqlite3.connect(coord.db) as db:
+            return db.execute("SELECT state FROM workers WHERE name = 'napper'").fetchone()[0]
+    wait_until(lambda: db_state() == 1, 10, "alive in the database")
+    rec = [e for e in events(coord) if e["kind"] == "recovered"]
+    assert len(rec) == 1 and "heartbeat after" in rec[0]["detail"], rec

@@ -31,6 +31,7 @@ import contextlib
 import os
 import sqlite3
 import struct
+import time
 
 import grpc
 import pytest
@@ -721,3 +722,35 @@ def test_step_report_shares_checked_before_anything_is_stored(raw):
     assert ev == [f"from step 2, micro-batches per worker (by measured speed): "
                   f"{r.ranks[0].name} 9, {r.ranks[1].name} 3"], ev
     assert job(r.coord, r.jid)["step"] == 1
+
+
+def test_registrations_that_waited_behind_a_held_loop_are_shed(procs):
+    """The loop is held (a registration waits for the database's lock, as
+    behind a burst): registrations that waited over a second for it are
+    refused as UNAVAILABLE, naming why, before they write anything; the
+    one that held the loop, and each later try, registers."""
+    coord = procs.coord(hb_ms=200, timeout_ms=60000)
+    ch = grpc.insecure_channel(coord.grpc)
+    stub = ch.unary_unary(REGISTER, request_serializer=None, response_deserializer=None)
+    names = [f"w{i}" for i in range(5)]
+    with db_locked(coord.db):
+        calls = {n: stub.future(field_bytes(1, n.encode()) + field_bytes(3, b"cpu"), timeout=30)
+                 for n in names}
+        time.sleep(2.5)  # the stall: the lock is held this long
+    errors = {n: f.exception() for n, f in calls.items()}
+    ok = [n for n, e in errors.items() if e is None]
+    assert len(ok) == 1, errors
+    for n, e in errors.items():
+        if e is not None:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, (n, e)
+            assert "the coordinator is behind" in e.details(), e.details()
+    with sqlite3.connect(coord.db) as db:
+        stored = {n for (n,) in db.execute("SELECT name FROM workers")}
+    assert stored == set(ok), stored
+    metrics = http_get(coord.http_port, "/metrics")[2]
+    assert "ztrain_coordinator_registrations_shed_total 4\n" in metrics, metrics
+    for n in names:
+        if n not in ok:
+            code, _, det = call(ch, REGISTER, field_bytes(1, n.encode()) + field_bytes(3, b"cpu"))
+            assert code == OK, det
+    ch.close()
