@@ -234,6 +234,16 @@ static int name_free(zt_coord_t *c, const zt_member_t *m, const zt_register_t *r
   return 0;
 }
 
+/* A worker that registers afresh (a new name, or one lost or left) may
+ * present a credential of its own making, at least 32 characters: if the
+ * reply is lost, its retry presents it again and name_free lets it take
+ * its name back at once. */
+static void remember_presented(zt_member_t *m, const zt_register_t *r) {
+  size_t n = r->session ? strlen(r->session) : 0;
+  if (n >= 32 && n < sizeof m->prev_session) memcpy(m->prev_session, r->session, n + 1);
+  else m->prev_session[0] = 0;
+}
+
 int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out, int *known) {
   if (!valid_name(r->name))
     return zt_errk(ZT_E_INVALID,
@@ -301,13 +311,14 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
      * it asks again after a lost reply). */
     int live = m->row.state != ZT_WORKER_LOST && m->row.state != ZT_WORKER_LEFT;
     if (!live)
-      m->prev_session[0] = 0;
+      remember_presented(m, r);
     else if (!(r->session && zt_secret_equal(r->session, m->prev_session)))
       memcpy(m->prev_session, m->row.session, sizeof m->prev_session);
     if (m->row.state == ZT_WORKER_LOST) m->back_ms = zt_now_ms(); /* sched.c's rejoin grace */
     m->row = row; /* restarted: the caller voids its old assignment */
   } else {
     m = members_add(c, &row);
+    remember_presented(m, r);
   }
   if (strcmp(kind, "reregistered")) c->arrivals++;
   c->registrations++;

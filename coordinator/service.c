@@ -146,6 +146,9 @@ static ProtobufCMessage *h_heartbeat(zt_coord_t *c, zt_rpc_call_t *call, const P
    * out with this reply). */
   if (req->n_held_files) zt_copies_reconcile(c, mem, req->held_files, req->n_held_files);
   zt_copies_deleted(c, mem, req->deleted_epochs, req->n_deleted_epochs);
+  /* The list's 8 KB only when one may be queued (nearly never), not
+   * zeroed for every heartbeat. */
+  if (!mem->deletions_pending) return &r->base;
   char(*dirs)[ZT_DB_DIR_MAX] = own(x, zt_xcalloc(16, ZT_DB_DIR_MAX));
   char **dp = own(x, zt_xcalloc(16, sizeof *dp));
   int n = zt_copies_deletions(c, mem, dirs, 16);

@@ -117,6 +117,11 @@ int zt_ctl_open(const zt_ctl_opts_t *o, zt_ctl_t **out) {
   c->backoff_ms = ZT_CTL_BACKOFF_MIN_MS;
   c->backoff_cap_ms = c->o.backoff_max_ms;
   c->rng = (uint64_t)zt_now_us() ^ ((uint64_t)getpid() << 32);
+  /* The first registration presents a credential of our own making: if
+   * its reply is lost, the retry presents it again and takes our name
+   * back at once (coordinator/members.c, name_free), instead of waiting
+   * until the entry the lost reply made is declared lost. */
+  if (zt_random_hex(c->session, 32) != 0) c->session[0] = 0;
   pthread_mutex_init(&c->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);

@@ -111,3 +111,26 @@ def test_live_name_cannot_be_taken(procs):
                and workers_by_name(coord)["same-name"]["state"] == "alive", 15, "second in")
     kinds = [e["kind"] for e in events(coord) if e["worker_id"]]
     assert kinds.index("lost") < kinds.index("rejoined"), kinds
+
+
+def test_a_lost_first_registration_reply_is_retried_at_once(procs):
+    """A first registration may present a credential the worker made up
+    (zworker does): when its reply is lost, the retry presents it again and
+    takes the name back at once, with a new session and no lost worker;
+    a retry with another made-up credential is still refused, and a short
+    one does not count."""
+    coord = procs.coord(hb_ms=200, timeout_ms=60000)
+    ch = grpc.insecure_channel(coord.grpc)
+    token = b"ab" * 32
+    wid, s1 = register_session(ch, "unlucky", session=token)  # its reply "lost"
+    wid2, s2 = register_session(ch, "unlucky", session=token)
+    assert wid2 == wid and s2 != s1
+    code, _, det = call(ch, "/ztrain.Control/RegisterWorker", field_bytes(1, b"unlucky")
+                        + field_bytes(3, b"cpu") + field_bytes(7, ("cd" * 32).encode()))
+    assert code == grpc.StatusCode.ALREADY_EXISTS, (code, det)
+    register_session(ch, "short", session=b"x" * 8)
+    code, _, det = call(ch, "/ztrain.Control/RegisterWorker", field_bytes(1, b"short")
+                        + field_bytes(3, b"cpu") + field_bytes(7, b"x" * 8))
+    assert code == grpc.StatusCode.ALREADY_EXISTS, (code, det)
+    assert "lost" not in [e["kind"] for e in events(coord)]
+    ch.close()
