@@ -390,7 +390,8 @@ static size_t live_calls(const zt_coord_t *c, size_t *live) {
  * One coordinator core takes about heartbeat_capacity heartbeat calls a
  * second (20,000 by default: bench/heartbeats kept p99 under 20 ms up to
  * 25,000 single calls a second, or 100,000 workers in batches of 8, on
- * one core); a machine agent's batch (HeartbeatBatch) of k costs about 1 + 0.06 (k - 1) calls, each of its workers a share of it.
+ * one core); a machine agent's batch (HeartbeatBatch) of k costs about
+ * 1 + 0.06 (k - 1) calls, each of its workers a share of it.
  * With more calls per interval than capacity x interval, the interval it
  * advertises in every heartbeat and register reply stretches to calls /
  * capacity, so the fleet sends no more than the coordinator can take
