@@ -75,13 +75,24 @@ static uint64_t lora_base(const zt_model_config_t *m, int stage, int world, uint
   return n;
 }
 
+/* DiLoCo (diloco.h): each worker is a group of one rank, and holds the
+ * outer parameters, the outer momentum and the pseudo-gradient in fp32
+ * host memory, the whole padded model each. */
+static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l) {
+  uint64_t full = 0;
+  if (!s->diloco) return 0;
+  for (int u = 0; u < l->num_units; u++) full += zt_zero_shard_size(l->unit_size[u], 1);
+  return 3 * 4 * full;
+}
+
 int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
                     uint64_t *states, uint64_t *acts) {
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
+  if (s->diloco) world = 1;
   *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
-            lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes);
+            lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes) + diloco_outer(s, &l);
   *acts = activations(s, &l, (uint64_t)xbytes);
   zt_layout_free(&l);
   return 0;
@@ -91,14 +102,18 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   zt_layout_t l;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
+  int groups = world;
+  if (s->diloco) world = 1;
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
-                lora_base(&s->model, s->zero_stage, world, 4);
+                lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l);
   out->activations = activations(s, &l, 4);
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */
   out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned) +
                     lora_base(&s->model, s->zero_stage, world, dev_xb);
   out->dev_activations = activations(s, &l, dev_xb);
+  /* DiLoCo's snapshot adds the group's share of the outer state. */
+  if (s->diloco) owned += owned / (uint64_t)groups + 1;
   out->snapshot = s->ckpt.dir[0] ? 3 * 4 * owned : 0;
   out->host = ZT_MEMPLAN_BASE_BYTES + out->states + out->activations + out->snapshot;
   out->device = ZT_MEMPLAN_DEVICE_BASE_BYTES + out->dev_states + out->dev_activations;

@@ -418,6 +418,53 @@ static int parse_balance(zt_spec_t *s, const cJSON *root) {
   return 0;
 }
 
+/* sync {mode: "sync" | "diloco", inner_steps, outer_optimizer {lr,
+ * momentum, nesterov}} (spec.h). DiLoCo syncs only every inner_steps
+ * steps, so what must see every group's model lands on a sync: periodic
+ * checkpoints and evaluations are multiples of inner_steps. Each worker is
+ * its own group, which holds the whole model: ZeRO stages above 0 and
+ * shares by speed have nothing to work on, and LoRA is not wired to the
+ * outer step; all three are refused by name. Called after the sections it
+ * checks against. */
+static int parse_sync(zt_spec_t *s, const cJSON *root) {
+  static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer"};
+  static const char *const okeys[] = {"lr", "momentum", "nesterov"};
+  const char *P = "sync.outer_optimizer";
+  const cJSON *o, *oo = NULL;
+  char mode[16] = "sync";
+  if (get_object(root, "", "sync", 0, &o)) return -1;
+  if (!o) return 0;
+  if (CHECK_KEYS(o, "sync", keys) || get_string(o, "sync", "mode", 0, mode, sizeof mode) ||
+      get_long(o, "sync", "inner_steps", 0, 1, 1L << 20, &s->inner_steps) ||
+      get_object(o, "sync", "outer_optimizer", 0, &oo))
+    return -1;
+  if (oo && (CHECK_KEYS(oo, P, okeys) || get_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
+             get_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
+             get_bool(oo, P, "nesterov", &s->outer_nesterov)))
+    return -1;
+  if (strcmp(mode, "sync") && strcmp(mode, "diloco"))
+    return zt_err("sync.mode: \"%s\" is neither \"sync\" nor \"diloco\"", mode);
+  s->diloco = !strcmp(mode, "diloco");
+  if (!s->diloco) return 0;
+  long H = s->inner_steps;
+  if (s->zero_stage != 0)
+    return zt_err("sync.mode \"diloco\": each worker is a group of its own and holds the whole "
+                  "model, so zero_optimization.stage must be 0 (got %d)", s->zero_stage);
+  if (s->lb_speed)
+    return zt_err("sync.mode \"diloco\" and load_balance.mode \"speed\" do not go together: "
+                  "each group computes its own share of every step");
+  if (s->model.lora_r) return zt_err("sync.mode \"diloco\" does not train LoRA adapters yet");
+  if (s->ckpt.every_steps % H != 0)
+    return zt_err("sync.mode \"diloco\": checkpoint.every_steps (%ld) must be a multiple of "
+                  "sync.inner_steps (%ld): an epoch is written where the groups meet",
+                  s->ckpt.every_steps, H);
+  if (s->eval_every % H != 0)
+    return zt_err("sync.mode \"diloco\": eval.every_steps (%d) must be a multiple of "
+                  "sync.inner_steps (%ld): the groups' models are one only where they meet",
+                  s->eval_every, H);
+  return 0;
+}
+
 static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"dir",  "every_steps",           "keep_last", "keep_every",
                                      "load", "max_uncommitted_steps", "replicas",
@@ -597,6 +644,8 @@ static void set_defaults(zt_spec_t *s) {
                                      .max_rollbacks = 3, .per_steps = 1000};
   s->comm_timeout_ms = 30000;
   s->lb_every = 20;
+  s->inner_steps = 50;
+  s->outer_lr = 0.7, s->outer_momentum = 0.9, s->outer_nesterov = 1;
 }
 
 cJSON *zt_json_parse(const char *text, size_t len, const char *what) {
@@ -626,7 +675,7 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
       "gradient_clipping", "eval", "zero_optimization", "elastic", "checkpoint", "rollback",
       "bf16", "comm", "fault_injection", "init", "activation_checkpointing",
-      "wall_clock_breakdown", "lora", "load_balance"};
+      "wall_clock_breakdown", "lora", "load_balance", "sync"};
   set_defaults(s);
   cJSON *root = zt_json_parse(json, len, "the spec");
   if (!root) return -1;
@@ -641,7 +690,8 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
       parse_batch(s, root) || parse_optimizer(s, root) || parse_scheduler(s, root) ||
       parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_balance(s, root) ||
       parse_checkpoint(s, root) ||
-      parse_rollback(s, root) || parse_fault(s, root) || parse_lora(s, root) || parse_init(s, root))
+      parse_rollback(s, root) || parse_fault(s, root) || parse_lora(s, root) || parse_init(s, root) ||
+      parse_sync(s, root))
     goto out;
   rc = 0;
 out:

@@ -167,6 +167,17 @@ typedef struct zt_spec {
    * same either way. */
   int lb_speed;
   long lb_every;
+  /* sync: how the workers' models meet. mode "sync" (the default,
+   * diloco 0): every step reduces the gradients. mode "diloco" (diloco
+   * 1): each worker is a group of its own that runs inner_steps AdamW
+   * steps on its share of each step's batch, then the groups average the
+   * change of their parameters since the last sync (the pseudo-gradient)
+   * and apply the outer optimizer, SGD with (Nesterov) momentum
+   * (trainer.c, docs/engine.md "Sync modes"). */
+  int diloco;
+  long inner_steps;
+  double outer_lr, outer_momentum;
+  int outer_nesterov;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 

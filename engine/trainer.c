@@ -51,6 +51,7 @@
 #include "balance.h"
 #include "ckpt_io.h"
 #include "data.h"
+#include "diloco.h"
 #include "memplan.h"
 #include "device.h"
 #include "model.h"
@@ -94,6 +95,12 @@ typedef struct {
   double lb_ms;
   int64_t lb_n;
   int64_t tmo;
+  /* DiLoCo (sync.mode "diloco", diloco.h): the outer state, and this
+   * round's inner steps so far: each one's loss and gradient sum of
+   * squares (rl[2i], rl[2i + 1]), LR and wall time. */
+  zt_diloco_t dl;
+  int have_dl, rn;
+  double *rl, *rlr, *rms;
   /* The failure was another rank's (its validation batch), which says
    * why: reported as a peer's, so that the coordinator weighs that rank's
    * own (local) report, not this one. */
@@ -343,11 +350,25 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
                        .accum = t->spec.lb_speed && t->N > 1 ? 0 : t->accum,
                        .overlap = overlap};
+  /* DiLoCo: the rank is a group of its own, which averages its gradients
+   * over its own micro-batches (its zero state has one rank; the data
+   * positions still follow the generation's ranks). */
+  if (t->spec.diloco) zo.rank = 0, zo.world = 1, zo.stage = 0, zo.inv_k = 1.0 / t->accum;
   if (zt_zero_create(&t->z, t->ad ? t->ad : t->m, t->k, g->comm, &zo) != 0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;
   }
   t->have_z = 1;
+  if (t->spec.diloco) {
+    if (zt_diloco_create(&t->dl, &t->z, g->comm, t->N, t->r, &t->spec, t->tmo) != 0) {
+      *fault = ZT_FAULT_MEMORY;
+      return -1;
+    }
+    t->have_dl = 1;
+    t->rl = zt_xcalloc(2 * (size_t)t->spec.inner_steps, sizeof(double));
+    t->rlr = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));
+    t->rms = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));
+  }
   if (t->ad) {
     if (zt_lora_create(&t->lora, t->m, t->ad, &t->z) != 0) {
       if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
@@ -473,7 +494,8 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   if (t->lora && init_base(t, fault) != 0) return -1;
   if (!g->checkpoint_dir || !g->checkpoint_dir[0]) {
     *step = 0;
-    return init_params(t, fault);
+    if (init_params(t, fault) != 0) return -1;
+    return t->have_dl ? zt_diloco_begin(&t->dl) : 0;
   }
   int64_t t0 = zt_now_ms(), loaded = 0;
   char dir[ZT_SPEC_PATH_MAX];
@@ -484,7 +506,8 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
     return zt_errk(ZT_E_INVALID, "the checkpoint to load, %s, is not under the checkpoint root %s",
                    g->checkpoint_dir, g->ckpt_root);
   }
-  if (zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded) != 0) {
+  if ((t->have_dl ? zt_diloco_load(&t->dl, g->checkpoint_dir, &g->checkpoint, &loaded)
+                  : zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded)) != 0) {
     *fault = zt_comm_broken(g->comm) ? ZT_FAULT_PEER : zt_train_load_fault(zt_err_kind());
     return -1;
   }
@@ -722,23 +745,28 @@ static int save_state(trainer *t, int64_t step) {
   const zt_gen_ctx_t *g = t->g;
   if (!t->writer && zt_ckpt_writer_start(report_epoch, t, &t->writer) != 0)
     return -1;
-  float *buf = zt_ckpt_writer_buffer(t->writer, zt_zero_snapshot_floats(&t->z));
+  float *buf = zt_ckpt_writer_buffer(t->writer, t->have_dl ? zt_diloco_snapshot_floats(&t->dl)
+                                                             : zt_zero_snapshot_floats(&t->z));
   if (!buf) return -1;
-  zt_ckpt_range_t *rg = zt_xcalloc((size_t)t->z.U, sizeof *rg);
-  if (zt_zero_snapshot(&t->z, buf, rg) != 0) {
+  zt_ckpt_range_t *rg = zt_xcalloc(2 * (size_t)t->z.U, sizeof *rg);
+  int nr = t->z.U;
+  if ((t->have_dl ? zt_diloco_snapshot(&t->dl, buf, rg, &nr) : zt_zero_snapshot(&t->z, buf, rg)) !=
+      0) {
     free(rg);
     return zt_err_wrap("checkpoint of step %lld not written", (long long)step);
   }
   char dir[1024];
   zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
   zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,
-                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0};
+                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0, 0, 0, 0};
   snprintf(meta.tokenizer, sizeof meta.tokenizer, "%s", t->tok_record);
   if (t->lora) {
     snprintf(meta.lora_base, sizeof meta.lora_base, "%s", t->base_path);
     meta.lora_base_hash = t->base_hash;
   }
-  int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, t->z.U);
+  if (t->have_dl)
+    meta.diloco_groups = t->N, meta.diloco_units = t->z.U, meta.diloco_inner_steps = t->dl.H;
+  int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, nr);
   free(rg);
   return rc;
 }
@@ -780,6 +808,116 @@ static int checkpoint(trainer *t, int64_t step, const step_result *res) {
   return 1;
 }
 
+/* ---- DiLoCo (diloco.h) ----------------------------------------------------------------- */
+
+/* Step s (1-based) ends a round: the groups meet. */
+static int sync_due(const trainer *t, int64_t s) {
+  return s % t->dl.H == 0 || s >= t->spec.steps;
+}
+
+/* Computes step `step` + 1 as an inner step: this group's micro-batches
+ * of the step, its own gradient and AdamW, no communication. 1 when a
+ * stop was requested. */
+static int inner_step(trainer *t, int64_t step) {
+  int64_t t0 = zt_now_us(), s = step + 1;
+  double loss_sum;
+  if (t->spec.fault.break_ring_at_step == s && t->r == t->N - 1) { /* test knob */
+    zt_comm_abort(t->g->comm);
+    zt_err("fault injection: ring broken at step %lld", (long long)s);
+    return -1;
+  }
+  zt_zero_start_step(&t->z);
+  int rc = micro_steps(t, step, &loss_sum);
+  if (rc != 0) return rc;
+  if (zt_zero_reduce(&t->z) != 0) return -1;
+  double sumsq = zt_zero_sumsq(&t->z), loss = loss_sum * t->z.inv_k, lr = step_lr(t, s);
+  if (isfinite(loss) && isfinite(sumsq)) {
+    float gscale = zt_opt_clip_coef(sumsq, t->spec.grad_clip, NULL);
+    if (zt_zero_adamw(&t->z, &t->spec.opt, (float)lr, gscale, s) != 0) return -1;
+  } else {
+    ZT_WARN("step %lld: group %d: non-finite loss or gradient (loss %g, sum of squares %g): "
+            "inner update refused", (long long)s, t->r, loss, sumsq);
+  }
+  t->dl.have_inner = 0;
+  int i = t->rn++;
+  t->rl[2 * i] = loss, t->rl[2 * i + 1] = sumsq, t->rlr[i] = lr;
+  t->rms[i] = (double)(zt_now_us() - t0) / 1000.0;
+  return 0;
+}
+
+/* Rank 0 reports the round that ends with step s: each step's loss and
+ * gradient norm over the groups (ctl: the sums), the last one with the
+ * sync's time and the evaluation. flags[0] is set when the caller asked
+ * for an epoch now, flags[1] when the generation is over. */
+static void report_round(trainer *t, int64_t s, const double *ctl, double val_loss,
+                         double *flags) {
+  const zt_gen_ctx_t *g = t->g;
+  int n = t->rn;
+  if (t->r != 0 || !g->report_step) return;
+  for (int i = 0; i < n; i++) {
+    double ms = t->rms[i] + (i == n - 1 ? t->dl.sync_ms : 0);
+    zt_step_report_t rep = {s - n + 1 + i, ctl[2 * i] / t->N, sqrt(ctl[2 * i + 1] / t->N),
+                            t->rlr[i], (double)t->spec.global_batch * t->T / (ms / 1000.0), ms,
+                            i == n - 1 ? val_loss : NAN, NULL, 0};
+    zt_train_cmd_t cmd = g->report_step(g->user, &rep);
+    if (cmd == ZT_CMD_CHECKPOINT_NOW) flags[0] = 1;
+    if (cmd == ZT_CMD_STOP || cmd == ZT_CMD_ROLLBACK) flags[1] = 1;
+  }
+}
+
+/* The groups meet after step s: the round's losses summed over them, the
+ * outer step, an evaluation when due, rank 0's reports, one all-reduce
+ * that tells every group what rank 0's caller wants, and the checkpoint
+ * (its vote rides with the losses). *end is set when the generation ends
+ * here: a stop or rollback, or a checkpoint-now epoch. */
+static int sync_round(trainer *t, int64_t s, int *end) {
+  int n = t->rn, applied, rc = -1;
+  step_result res;
+  memset(&res, 0, sizeof res);
+  res.ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
+  size_t nc = 2 * (size_t)n + 1;
+  double *ctl = zt_xcalloc(nc, sizeof *ctl), flags[2] = {0, 0};
+  memcpy(ctl, t->rl, 2 * (size_t)n * sizeof(double));
+  ctl[2 * n] = res.ckpt_prev ? 1 : 0;
+  /* In pieces of 1024 (8 KiB): the most a device communicator takes here. */
+  for (size_t at = 0; at < nc; at += 1024)
+    if (zt_zero_host_all_reduce(&t->z, ctl + at, ZT_MIN((size_t)1024, nc - at), ZT_DT_F64) != 0)
+      goto out;
+  if (t->spec.fault.break_ring_before_update_at_step == s && t->N > 1 && t->r == t->N - 1 &&
+      t->g->generation == 1) { /* test knob: the outer step's all-reduce fails */
+    ZT_WARN("fault injection: ring broken before the outer step of step %lld", (long long)s);
+    zt_comm_abort(t->g->comm);
+  }
+  if (zt_diloco_sync(&t->dl, &applied) != 0) goto out;
+  if (!applied)
+    ZT_WARN("step %lld: the groups' pseudo-gradient is not finite: outer step refused, every "
+            "group goes on from the last sync", (long long)s);
+  res.val_loss = NAN;
+  if (t->val && t->spec.eval_every && s % t->spec.eval_every == 0 &&
+      eval_loss(t, &res.val_loss) != 0)
+    goto out;
+  report_round(t, s, ctl, res.val_loss, flags);
+  if (zt_zero_host_all_reduce(&t->z, flags, 2, ZT_DT_F64) != 0) goto out;
+  res.ckpt_requested = flags[0] > 0;
+  res.ckpt_busy = (int)ctl[2 * n];
+  t->rn = 0;
+  rc = checkpoint(t, s, &res);
+  if (rc >= 0) *end = rc > 0 || flags[1] > 0;
+  rc = rc < 0 ? -1 : 0;
+out:
+  free(ctl);
+  return rc;
+}
+
+/* One DiLoCo step (an inner step, and the round's end where due); as
+ * train_step. *end as sync_round. */
+static int diloco_step(trainer *t, int64_t step, int *end) {
+  int rc = inner_step(t, step);
+  if (rc != 0) return rc;
+  if (t->g->step_done) t->g->step_done(t->g->user, step + 1, t->rms[t->rn - 1]);
+  return sync_due(t, step + 1) ? sync_round(t, step + 1, end) : 0;
+}
+
 /* ---- the generation ---------------------------------------------------------------- */
 
 static zt_train_cmd_t report(trainer *t, int64_t step, const step_result *res) {
@@ -800,6 +938,10 @@ static void tear_down(trainer *t) {
   free(t->tgt);
   zt_data_close(t->train);
   zt_data_close(t->val);
+  if (t->have_dl) zt_diloco_free(&t->dl);
+  free(t->rl);
+  free(t->rlr);
+  free(t->rms);
   if (t->have_z) zt_zero_free(&t->z);
   zt_lora_free(t->lora);
   zt_model_free(t->m);
@@ -819,6 +961,16 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
   while (step < t.spec.steps) {
     step_result res;
     f->step = step + 1;
+    if (t.have_dl) {
+      int end = 0, rc = diloco_step(&t, step, &end);
+      if (rc != 0) {
+        ret = rc > 0 ? 0 : -1;
+        goto out;
+      }
+      step++;
+      if (end) break;
+      continue;
+    }
     int rc = train_step(&t, step, ckpt_flag, &res);
     if (rc != 0) {
       ret = rc > 0 ? 0 : -1;

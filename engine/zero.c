@@ -777,6 +777,11 @@ static void host_done(zt_zero_t *z, float *buf, float *view, size_t n) {
 }
 
 int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int64_t *step) {
+  return zt_zero_load_ex(z, dir, rec, 0, NULL, 0, step);
+}
+
+int zt_zero_load_ex(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int unit_base,
+                    const zt_ckpt_dest_t *extra, int nextra, int64_t *step) {
   /* The master gets every unit's full parameters (P) or the owned shard
    * (Ps), the working copy of stages 1-2 with a split the full units
    * (through hw); all stages need the owned Adam state (stage 0 then
@@ -790,7 +795,7 @@ int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int
   float *pbuf = z->P ? z->P : z->Ps;
   float *hp = host_view(z, pbuf, np), *hm = host_view(z, z->M, no), *hv = host_view(z, z->V, no);
   float *hw = whole_w ? zt_xcalloc(z->full_total, sizeof(float)) : NULL;
-  zt_ckpt_dest_t *dest = zt_xcalloc((size_t)z->U * 2, sizeof *dest);
+  zt_ckpt_dest_t *dest = zt_xcalloc((size_t)z->U * 2 + (size_t)nextra, sizeof *dest);
   int nd = 0, rc = -1;
   if (!hp || !hm || !hv || !dest) {
     zt_errk(ZT_E_NO_MEMORY, "out of memory loading a checkpoint");
@@ -800,14 +805,16 @@ int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec, int
     size_t lo, n;
     owned(z, u, &lo, &n);
     float *m = hm + (opt_ptr(z, z->M, u) - z->M), *v = hv + (opt_ptr(z, z->V, u) - z->V);
+    int fu = unit_base + u; /* the unit's number in the files */
     if (z->P) {
-      dest[nd++] = (zt_ckpt_dest_t){u, 0, z->usz[u], hp + z->off_full[u], NULL, NULL};
-      dest[nd++] = (zt_ckpt_dest_t){u, lo, n, NULL, m, v};
+      dest[nd++] = (zt_ckpt_dest_t){fu, 0, z->usz[u], hp + z->off_full[u], NULL, NULL};
+      dest[nd++] = (zt_ckpt_dest_t){fu, lo, n, NULL, m, v};
     } else {
-      dest[nd++] = (zt_ckpt_dest_t){u, lo, n, hp + z->off_shard[u], m, v};
-      if (whole_w) dest[nd++] = (zt_ckpt_dest_t){u, 0, z->usz[u], hw + z->off_full[u], NULL, NULL};
+      dest[nd++] = (zt_ckpt_dest_t){fu, lo, n, hp + z->off_shard[u], m, v};
+      if (whole_w) dest[nd++] = (zt_ckpt_dest_t){fu, 0, z->usz[u], hw + z->off_full[u], NULL, NULL};
     }
   }
+  for (int i = 0; i < nextra; i++) dest[nd++] = extra[i];
   rc = zt_ckpt_load(dir, &z->m->cfg, dest, nd, rec, step);
 out:
   free(dest);
@@ -832,6 +839,24 @@ out:
   return 0;
 }
 
+
+/* ---- the whole master (DiLoCo) ------------------------------------------------------ */
+
+int zt_zero_master_get(zt_zero_t *z, float *host) {
+  if (!z->P || z->N != 1) return zt_err("the whole fp32 master is held only by one rank alone");
+  if (zt_zero_settle(z) != 0) return -1;
+  z->k->download(host, z->P, z->full_total * sizeof(float));
+  return 0;
+}
+
+int zt_zero_master_put(zt_zero_t *z, const float *host) {
+  if (!z->P || z->N != 1) return zt_err("the whole fp32 master is held only by one rank alone");
+  if (zt_zero_settle(z) != 0) return -1; /* no update may land on the new values */
+  z->pver++;
+  z->k->upload(z->P, host, z->full_total * sizeof(float));
+  for (int u = 0; u < z->U; u++) refresh_unit(z, u, NULL);
+  return 0;
+}
 
 /* ---- checkpoint snapshots ---------------------------------------------------------- */
 

@@ -230,6 +230,18 @@ void zt_zero_set_params(zt_zero_t *z, const float *flat);
  * its step. */
 ZT_MUST_CHECK int zt_zero_load(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec,
                                int64_t *step);
+/* The same with unit u read as unit unit_base + u of the files (a DiLoCo
+ * group's inner state, diloco.h), and the destinations `extra` (host
+ * memory) filled from the same verified files in the same pass. */
+ZT_MUST_CHECK int zt_zero_load_ex(zt_zero_t *z, const char *dir, const zt_ckpt_record_t *rec,
+                                  int unit_base, const zt_ckpt_dest_t *extra, int nextra,
+                                  int64_t *step);
+/* One rank alone at stage 0 (or 1-2 without a split) holds the whole fp32 master
+ * P: its full_total floats (the padded layout) to or from host memory,
+ * after the queued operations; a put rounds the working copy again. -1
+ * for any other layout. */
+ZT_MUST_CHECK int zt_zero_master_get(zt_zero_t *z, float *host);
+ZT_MUST_CHECK int zt_zero_master_put(zt_zero_t *z, const float *host);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
  * unit into buf and describes them in ranges[0..U), after zt_zero_settle.

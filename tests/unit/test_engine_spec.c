@@ -200,5 +200,41 @@ ZT_TEST(trailing_text_and_huge_accumulation) {
                      "\"vocab_size\": 257}, \"data\": {\"train\": \"d/t_*.bin\"}}") == 0);
 }
 
+/* sync: DiLoCo's settings, defaults (OpenDiLoCo's outer optimizer) and
+ * what it cannot go with, each refused by name. */
+ZT_TEST(sync_modes) {
+  zt_spec_t s;
+  ZT_REQUIRE(parse(&s, "{" BASE "}") == 0);
+  ZT_CHECK(s.diloco == 0);
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"diloco\"}}") == 0);
+  ZT_CHECK(s.diloco == 1 && s.inner_steps == 50 && s.outer_nesterov == 1);
+  ZT_CHECK(s.outer_lr == 0.7 && s.outer_momentum == 0.9);
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 5, "
+                       "\"outer_optimizer\": {\"lr\": 1, \"momentum\": 0, \"nesterov\": false}},"
+                       "\"checkpoint\": {\"dir\": \"c\", \"every_steps\": 10}}") == 0);
+  ZT_CHECK(s.inner_steps == 5 && s.outer_lr == 1 && s.outer_momentum == 0 && !s.outer_nesterov);
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"sync\"}}") == 0);
+  ZT_CHECK(s.diloco == 0);
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"async\"}}",
+               "sync.mode: \"async\" is neither \"sync\" nor \"diloco\"");
+  expect_error("{" BASE ", \"sync\": {\"inner\": 5}}", "sync.inner: unknown key");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 0}}",
+               "sync.inner_steps: 0 is out of range");
+  expect_error("{" BASE ", \"sync\": {\"outer_optimizer\": {\"lr\": 0}}}",
+               "sync.outer_optimizer.lr: 0 is out of range");
+  expect_error("{" BASE ", \"sync\": {\"outer_optimizer\": {\"momentum\": 1}}}",
+               "sync.outer_optimizer.momentum: 1 is out of range");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\"}, \"zero_optimization\": "
+               "{\"stage\": 2}}", "zero_optimization.stage must be 0 (got 2)");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\"}, \"load_balance\": "
+               "{\"mode\": \"speed\"}}", "do not go together");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 4}, "
+               "\"checkpoint\": {\"dir\": \"c\", \"every_steps\": 6}}",
+               "checkpoint.every_steps (6) must be a multiple of sync.inner_steps (4)");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 4}, "
+               "\"eval\": {\"every_steps\": 10}}",
+               "eval.every_steps (10) must be a multiple of sync.inner_steps (4)");
+}
+
 ZT_TEST_MAIN(full_spec, defaults, unknown_keys, types_and_ranges, load_file,
-             trailing_text_and_huge_accumulation)
+             trailing_text_and_huge_accumulation, sync_modes)

@@ -1,0 +1,169 @@
+/*
+ * diloco.c: DiLoCo's outer step, its state and its checkpoints (see
+ * diloco.h).
+ *
+ * The trainer (trainer.c) runs the inner steps on the group's own zero.h
+ * state and calls zt_diloco_sync where the groups meet: every
+ * sync.inner_steps steps and after the last. The outer state lives in host
+ * memory whatever the device: a sync copies the group's fp32 master down,
+ * computes there and copies the new parameters up, once every H steps.
+ */
+#include "diloco.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "zt_common.h"
+
+int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g,
+                     const zt_spec_t *s, int64_t tmo) {
+  memset(d, 0, sizeof *d);
+  d->z = z, d->comm = comm, d->G = G, d->g = g, d->U = z->U;
+  d->H = s->inner_steps, d->tmo = tmo;
+  d->lr = (float)s->outer_lr, d->mu = (float)s->outer_momentum, d->nesterov = s->outer_nesterov;
+  d->n = z->full_total;
+  d->outer = calloc(d->n ? d->n : 1, sizeof(float));
+  d->mom = calloc(d->n ? d->n : 1, sizeof(float));
+  d->d = calloc(d->n, sizeof(float));
+  if (G > 1 && comm && zt_comm_device_memory(comm))
+    d->dev = z->k->alloc((d->n) * sizeof(float));
+  if (!d->outer || !d->mom || !d->d || (G > 1 && comm && zt_comm_device_memory(comm) && !d->dev)) {
+    zt_diloco_free(d);
+    return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's outer state (3 x %zu floats)", d->n);
+  }
+  return 0;
+}
+
+void zt_diloco_free(zt_diloco_t *d) {
+  free(d->outer);
+  free(d->mom);
+  free(d->d);
+  if (d->dev) d->z->k->release(d->dev);
+  d->outer = d->mom = d->d = NULL, d->dev = NULL;
+}
+
+int zt_diloco_begin(zt_diloco_t *d) {
+  memset(d->mom, 0, d->n * sizeof(float));
+  d->have_inner = 0;
+  return zt_zero_master_get(d->z, d->outer);
+}
+
+/* Sums d->d over the groups: in place, or through the device buffer when
+ * the communicator takes device memory only (NCCL). */
+static int sum_groups(zt_diloco_t *d) {
+  size_t count = d->n;
+  if (d->G == 1) return 0;
+  if (!d->dev) return zt_comm_all_reduce(d->comm, d->d, count, ZT_DT_F32, ZT_RED_SUM, d->tmo);
+  d->z->k->upload(d->dev, d->d, count * sizeof(float));
+  if (zt_comm_all_reduce(d->comm, d->dev, count, ZT_DT_F32, ZT_RED_SUM, d->tmo) != 0) return -1;
+  d->z->k->download(d->d, d->dev, count * sizeof(float));
+  return 0;
+}
+
+/* The outer optimizer on the summed pseudo-gradient in d->d. */
+static void outer_step(zt_diloco_t *d) {
+  const float inv = 1.0f / (float)d->G, mu = d->mu, lr = d->lr;
+  for (size_t i = 0; i < d->n; i++) {
+    float delta = d->d[i] * inv;
+    float m = mu * d->mom[i] + delta;
+    float step = d->nesterov ? delta + mu * m : m;
+    d->mom[i] = m;
+    d->outer[i] = d->outer[i] - lr * step;
+  }
+}
+
+int zt_diloco_sync(zt_diloco_t *d, int *applied) {
+  int64_t t0 = zt_now_us();
+  *applied = 0;
+  if (zt_zero_master_get(d->z, d->d) != 0) return -1;
+  for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] - d->d[i];
+  if (sum_groups(d) != 0) return zt_err_wrap("DiLoCo: the pseudo-gradient's all-reduce");
+  int finite = 1;
+  for (size_t i = 0; i < d->n && finite; i++) finite = isfinite(d->d[i]);
+  if (finite) outer_step(d);
+  /* The group's inner parameters, for a checkpoint of this step: the
+   * master still holds them until the put below. */
+  if (zt_zero_master_get(d->z, d->d) != 0) return -1;
+  d->have_inner = 1;
+  if (zt_zero_master_put(d->z, d->outer) != 0) return -1;
+  d->syncs++;
+  if (!finite) d->refused++;
+  *applied = finite;
+  d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
+  return 0;
+}
+
+/* Group g's share of unit u's n elements: [lo, lo + len). */
+static void outer_share(const zt_diloco_t *d, size_t n, size_t *lo, size_t *len) {
+  size_t per = (n + (size_t)d->G - 1) / (size_t)d->G;
+  *lo = ZT_MIN(per * (size_t)d->g, n);
+  *len = ZT_MIN(per, n - *lo);
+}
+
+size_t zt_diloco_snapshot_floats(const zt_diloco_t *d) {
+  size_t total = zt_zero_snapshot_floats(d->z);
+  for (int u = 0; u < d->U; u++) {
+    size_t lo, len;
+    outer_share(d, d->z->usz[u], &lo, &len);
+    total += 3 * len;
+  }
+  return total;
+}
+
+int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges, int *nranges) {
+  zt_zero_t *z = d->z;
+  if (zt_zero_snapshot(z, buf, ranges) != 0) return -1;
+  float *at = buf + zt_zero_snapshot_floats(z);
+  int nr = z->U;
+  for (int u = 0; u < z->U; u++) {
+    ranges[u].unit = d->U * (1 + d->g) + u;
+    /* One rank alone owns every unit whole (lo 0): after a sync, its
+     * parameters as the inner steps left them. */
+    if (d->have_inner)
+      memcpy((float *)ranges[u].p, d->d + z->off_full[u], ranges[u].n * sizeof(float));
+  }
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, len, off = z->off_full[u];
+    outer_share(d, z->usz[u], &lo, &len);
+    if (!len) continue;
+    memcpy(at, d->outer + off + lo, len * sizeof(float));
+    memcpy(at + len, d->mom + off + lo, len * sizeof(float));
+    memset(at + 2 * len, 0, len * sizeof(float));
+    ranges[nr++] = (zt_ckpt_range_t){u, lo, len, at, at + len, at + 2 * len};
+    at += 3 * len;
+  }
+  *nranges = nr;
+  return 0;
+}
+
+int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec, int64_t *step) {
+  zt_zero_t *z = d->z;
+  int groups, units;
+  if (zt_ckpt_read_diloco(dir, rec, &groups, &units) != 0) return -1;
+  if (!groups) { /* synchronous training's epoch: its parameters are the outer ones */
+    if (zt_zero_load(z, dir, rec, step) != 0) return -1;
+    return zt_diloco_begin(d);
+  }
+  if (units != z->U)
+    return zt_errk(ZT_E_INVALID, "%s/manifest.json: diloco: %d units, but the model has %d "
+                   "(corrupt checkpoint)", dir, units, z->U);
+  zt_ckpt_dest_t *extra = zt_xcalloc((size_t)z->U, sizeof *extra);
+  for (int u = 0; u < z->U; u++)
+    extra[u] = (zt_ckpt_dest_t){u, 0, z->usz[u], d->outer + z->off_full[u],
+                                d->mom + z->off_full[u], NULL};
+  int from = d->g % groups;
+  int rc = zt_zero_load_ex(z, dir, rec, z->U * (1 + from), extra, z->U, step);
+  free(extra);
+  if (rc != 0) return -1;
+  d->have_inner = 0;
+  if (groups != d->G)
+    ZT_INFO("diloco: group %d of %d starts from the inner state of group %d of the epoch's %d",
+            d->g, d->G, from, groups);
+  /* Where the groups met, each starts from the outer parameters, and so
+   * does a group that did not write the epoch (a new one, g >= groups).
+   * In the middle of a round, a group that wrote it goes on from its
+   * inner parameters. */
+  if (*step % d->H == 0 || d->g >= groups) return zt_zero_master_put(z, d->outer);
+  return 0;
+}

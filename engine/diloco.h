@@ -1,0 +1,93 @@
+/*
+ * diloco.h: DiLoCo, data-parallel training whose workers meet only every
+ * H steps (sync.mode "diloco", spec.h; docs/engine.md "Sync modes").
+ *
+ * Each worker is a group of its own: it holds the whole model at ZeRO
+ * stage 0 on one rank (zero.h, world 1) and runs H inner AdamW steps on
+ * its share of each step's batch (the micro-batches an equal share gives
+ * its rank, so the groups together still see the step's global batch),
+ * with no communication at all. At a sync every group g holds theta_g;
+ * the outer step, the same on every group, is the paper's (Douillard et
+ * al. 2023) with PyTorch's SGD semantics:
+ *
+ *   delta = (1/G) sum_g (outer - theta_g)      the pseudo-gradient
+ *   mom   = mu * mom + delta
+ *   outer = outer - lr * (nesterov ? delta + mu * mom : mom)
+ *
+ * and every group continues from the new outer parameters. Only the
+ * pseudo-gradient crosses the network: one fp32 all-reduce of the model
+ * every H steps instead of a gradient reduction every step. The sums are
+ * fp32 in the communicator's order, which depends on the world size only,
+ * so a run resumed at the same world size is bit-identical.
+ *
+ * State. outer and mom (fp32, host memory, the padded layout of the
+ * group's zero.h buffers) are the same on every group; the inner AdamW
+ * moments are each group's own. After a sync, d holds the group's inner
+ * parameters from before the sync until the next inner step (a
+ * checkpoint of the sync step records them).
+ *
+ * Checkpoints (ckpt_io.h's files, any world size): group g's rank file
+ * holds its inner state as units U (1 + g) + u (parameters, Adam m, v,
+ * the whole unit) and its 1/G share of each real unit u: the outer
+ * parameters, the outer momentum (in the place of Adam's m) and zeros (in
+ * v's). The manifest's diloco object names G and U. Export and sampling
+ * read the real units, the synced model. A load into G' groups gives
+ * group g the inner moments of group g mod G; at a sync step every group
+ * starts from the outer parameters.
+ */
+#ifndef ZT_DILOCO_H
+#define ZT_DILOCO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ckpt_io.h"
+#include "comm.h"
+#include "spec.h"
+#include "zero.h"
+
+typedef struct zt_diloco {
+  zt_zero_t *z;        /* the group's model states (one rank, stage 0) */
+  zt_comm_t *comm;     /* all the groups */
+  int G, g, U;
+  int64_t H, tmo;
+  float lr, mu;
+  int nesterov;
+  size_t n;            /* floats of the padded layout (z->full_total) */
+  float *outer, *mom;  /* the parameters at the last sync; the outer momentum */
+  float *d;            /* the pseudo-gradient, then the inner parameters */
+  void *dev;           /* a device buffer for the all-reduce when the communicator needs one */
+  int have_inner;      /* d holds the inner parameters from before the last sync */
+  int64_t syncs, refused;
+  double sync_ms;      /* the last sync's wall time */
+} zt_diloco_t;
+
+/* Sets up DiLoCo for group g of G over comm, with the spec's outer
+ * optimizer, on z (one rank, stage 0). -1 when out of memory. */
+ZT_MUST_CHECK int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g,
+                                   const zt_spec_t *s, int64_t tmo);
+void zt_diloco_free(zt_diloco_t *d);
+
+/* Fresh state: the outer parameters are the group's current ones (its
+ * initialisation, the same on every group), the momentum zero. */
+ZT_MUST_CHECK int zt_diloco_begin(zt_diloco_t *d);
+
+/* The outer step (above). *applied is 0 when the summed pseudo-gradient
+ * was not finite: the outer state stays and every group returns to the
+ * last sync's parameters. -1 when the all-reduce failed. */
+ZT_MUST_CHECK int zt_diloco_sync(zt_diloco_t *d, int *applied);
+
+/* A checkpoint of this group: the floats its snapshot needs, then the
+ * snapshot itself into buf, described by ranges[0 .. *nranges) (room for
+ * 2 U). */
+size_t zt_diloco_snapshot_floats(const zt_diloco_t *d);
+ZT_MUST_CHECK int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges,
+                                     int *nranges);
+
+/* Loads the committed epoch in dir (verified against rec): a DiLoCo
+ * epoch of any number of groups as above, or an epoch of synchronous
+ * training (its parameters become the outer ones, the momentum zero). */
+ZT_MUST_CHECK int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec,
+                                 int64_t *step);
+
+#endif

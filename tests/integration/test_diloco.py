@@ -1,0 +1,167 @@
+"""DiLoCo (sync.mode "diloco", engine/diloco.c): real zworkers under zcoord,
+each a group of its own that syncs only every inner_steps steps.
+
+The outer step is checked against the paper's update rule computed here,
+from the epochs' files: a sync step's epoch holds every group's inner
+parameters from before the sync, the outer parameters and the outer
+momentum (engine/diloco.h). Failures in the middle of a round and in the
+middle of the outer step resume from the last sync's epoch, bit for bit.
+"""
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ztest import (byte_dataset, job, job_members, losses, start_fleet, submit, tiny_spec, wait_job,
+                   wait_until, zctl_json)
+
+H, LR, MU = 4, 0.7, 0.9
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return byte_dataset(str(tmp_path_factory.mktemp("data")), limit=200_000)
+
+
+def diloco_spec(train, val, steps, workers, root, every=H, **extra):
+    spec = tiny_spec(train, val, steps, 0, workers,
+                     checkpoint={"dir": root, "every_steps": every, "keep_last": 10}, **extra)
+    spec["sync"] = {"mode": "diloco", "inner_steps": H,
+                    "outer_optimizer": {"lr": LR, "momentum": MU, "nesterov": True}}
+    return spec
+
+
+def committed(coord, jid):
+    cks = zctl_json(coord.grpc, "checkpoints", str(jid))["checkpoints"]
+    return {c["step"]: c["dir"] for c in cks if c["state"] == "committed"}
+
+
+def read_epoch(d):
+    """{unit: (p, m, v)} over every rank file of the epoch in d, and the
+    manifest."""
+    man = json.load(open(os.path.join(d, "manifest.json")))
+    units = {}
+    for r in range(man["world"]):
+        idx = json.load(open(os.path.join(d, f"rank_{r}.json")))
+        raw = np.fromfile(os.path.join(d, idx["file"]), dtype=np.float32)
+        for rg in idx["ranges"]:
+            u, lo, n, off = rg["unit"], rg["lo"], rg["n"], rg["offset"] // 4
+            p, m, v = (raw[off + k * n: off + (k + 1) * n] for k in range(3))
+            units.setdefault(u, []).append((lo, p, m, v))
+    out = {}
+    for u, parts in units.items():
+        parts.sort(key=lambda x: x[0])
+        assert [x[0] for x in parts] == sorted(set(x[0] for x in parts)), f"unit {u} overlaps"
+        out[u] = tuple(np.concatenate([x[k] for x in parts]) for k in (1, 2, 3))
+    return man, out
+
+
+def outer_rule(prev, cur, groups, units, nesterov=True):
+    """The outer parameters and momentum after the sync that `cur` holds,
+    from the paper's rule (PyTorch's SGD semantics) on prev's outer state
+    and cur's inner parameters, in fp32."""
+    want_p, want_m = {}, {}
+    for u in range(units):
+        outer, mom = prev[u][0], prev[u][1]
+        inner = [cur[units * (1 + g) + u][0] for g in range(groups)]
+        delta = sum(outer - x for x in inner) * np.float32(1.0 / groups)
+        m = np.float32(MU) * mom + delta
+        step = delta + np.float32(MU) * m if nesterov else m
+        want_p[u], want_m[u] = outer - np.float32(LR) * step, m
+    return want_p, want_m
+
+
+def close(a, b):
+    return np.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_outer_step_is_the_papers(procs, tmp_path, data, workers):
+    """Every sync's epoch against the rule: the groups' inner parameters
+    (which differ: each trained on its own micro-batches) averaged into a
+    pseudo-gradient, Nesterov momentum, the outer LR. The plain-momentum
+    rule must not fit, so the check can tell them apart."""
+    train, val = data
+    coord = start_fleet(procs, workers)
+    root = str(tmp_path / "ck")
+    jid = submit(coord, diloco_spec(train, val, 12, workers, root), tmp_path, "d.json")
+    assert wait_job(coord, jid, timeout=120)["step"] == 12
+    eps = committed(coord, jid)
+    assert sorted(eps) == [4, 8, 12], eps
+    got = losses(coord, jid)
+    assert sorted(got) == list(range(1, 13)) and all(np.isfinite(list(got.values())))
+    assert got[12] < got[1]
+    for a, b in ((4, 8), (8, 12)):
+        _, prev = read_epoch(eps[a])
+        man, cur = read_epoch(eps[b])
+        dl = man["diloco"]
+        assert dl["groups"] == workers and dl["inner_steps"] == H and man["world"] == workers
+        U = dl["units"]
+        assert sorted(cur) == list(range(U * (1 + workers))), "real units, then each group's"
+        inner0 = cur[U][0]
+        assert any(not np.array_equal(cur[U * (1 + g)][0], inner0) for g in range(1, workers)), \
+            "every group trained the same model"
+        want_p, want_m = outer_rule(prev, cur, workers, U)
+        for u in range(U):
+            assert close(cur[u][0], want_p[u]), f"epoch {b} unit {u}: outer parameters"
+            assert close(cur[u][1], want_m[u]), f"epoch {b} unit {u}: outer momentum"
+            assert not np.any(cur[u][2]), "v of the outer units is zero"
+        plain, _ = outer_rule(prev, cur, workers, U, nesterov=False)
+        assert not all(close(cur[u][0], plain[u]) for u in range(U)), "the check cannot tell"
+
+
+def test_resume_mid_round_and_mid_outer_step_is_bit_identical(procs, tmp_path, data):
+    """A ring broken before the outer step of step 8 (first generation
+    only), and then a worker killed in the middle of a round (SIGKILL; a
+    spare takes its place): each time the job resumes from the last sync's
+    epoch on two groups, and every loss equals an uninterrupted run's."""
+    train, val = data
+    coord = start_fleet(procs, 3)
+    ref = submit(coord, diloco_spec(train, val, 16, 2, str(tmp_path / "ref")), tmp_path, "r.json")
+    assert wait_job(coord, ref, timeout=120)["step"] == 16
+    want = losses(coord, ref)
+
+    spec = diloco_spec(train, val, 16, 2, str(tmp_path / "ck"),
+                       fault_injection={"break_ring_before_update_at_step": 8,
+                                        "slow_rank": 0, "slow_micro_ms": 30})
+    jid = submit(coord, spec, tmp_path, "f.json")
+    # The first generation fails at step 8's sync and the second resumes
+    # from step 4; once it has committed step 8, one of its workers dies
+    # in the round that follows (6 micro-batches of 30 ms a step).
+    wait_until(lambda: 8 in committed(coord, jid), 120, "the epoch of step 8")
+    victim = sorted(job_members(coord, jid))[0]
+    coord.workers[victim].kill()
+    j = wait_job(coord, jid, timeout=180)
+    assert j["step"] == 16 and j["generation"] >= 3, j
+    assert victim not in job_members(coord, jid)
+    got = losses(coord, jid)
+    assert sorted(got) == list(range(1, 17))
+    for s in range(1, 17):
+        assert got[s] == want[s], f"step {s}: {got[s]!r} after failures, {want[s]!r} without"
+
+
+def test_a_group_that_joins(procs, tmp_path, data):
+    """One group trains; a second worker registers and the job scales up
+    at the next sync (the checkpoint-now epoch is written where the groups
+    meet). The new group starts from the outer parameters and the inner
+    moments of group 0, and the two train on to the end."""
+    train, val = data
+    coord = start_fleet(procs, 1)
+    spec = diloco_spec(train, val, 40, 1, str(tmp_path / "ck"), every=20,
+                       fault_injection={"slow_rank": 0, "slow_micro_ms": 15})
+    spec["elastic"] = {"min_workers": 1, "max_workers": 2}
+    jid = submit(coord, spec, tmp_path, "j.json")
+    wait_until(lambda: job(coord, jid)["step"] >= 2, 60, "training on one group")
+    start_fleet(procs, names=["w1"], coord=coord)
+    j = wait_job(coord, jid, timeout=180)
+    assert j["step"] == 40 and len(job_members(coord, jid)) == 2, j
+    eps = committed(coord, jid)
+    assert j["generation"] >= 2 and all(s % H == 0 for s in eps), (j, eps)
+    man, cur = read_epoch(eps[40])
+    assert man["diloco"]["groups"] == 2
+    logs = "".join(w.output() for w in coord.workers.values())
+    assert "diloco: group 1 of 2 starts from the inner state of group 0 of the epoch's 1" in logs
+    got = losses(coord, jid)
+    assert sorted(got) == list(range(1, 41)) and got[40] < got[1]
