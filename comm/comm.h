@@ -145,6 +145,15 @@ ZT_MUST_CHECK int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv,
                        int64_t timeout_ms);
 ZT_MUST_CHECK int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
                       int64_t timeout_ms);
+/* Opaque bytes, `bytes` (even) from every rank to every rank: segment j
+ * of send (send + j * bytes) goes to rank j, and rank j's segment for this
+ * rank lands at recv + j * bytes (this rank's own is copied). send and
+ * recv hold world * bytes and may not overlap. Straight to each owner on a
+ * mesh or between two ranks, (N-1)/N of the send buffer each way; on a
+ * longer ring an all-gather of every send buffer. TCP only. The encoded
+ * gradients of sync.compression travel this way (engine/zero.c). */
+ZT_MUST_CHECK int zt_comm_all_to_all(zt_comm_t *c, const void *send, void *recv, size_t bytes,
+                                     int64_t timeout_ms);
 ZT_MUST_CHECK int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
 
 /* Makes the current and all later operations fail; safe from any thread. */

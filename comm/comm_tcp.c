@@ -555,11 +555,12 @@ typedef struct {
   uint64_t seq;       /* this call's number on the communicator, from 1 */
 } op_header;
 
-enum { OPH_ALL_REDUCE = 1, OPH_REDUCE_SCATTER, OPH_RS_FIRST32, OPH_ALL_GATHER, OPH_BROADCAST };
+enum { OPH_ALL_REDUCE = 1, OPH_REDUCE_SCATTER, OPH_RS_FIRST32, OPH_ALL_GATHER, OPH_BROADCAST,
+       OPH_ALL_TO_ALL };
 
 static const char *op_name(unsigned op) {
   static const char *names[] = {"?", "all-reduce", "reduce-scatter", "fp32-into-fp64 reduce-scatter",
-                                "all-gather", "broadcast"};
+                                "all-gather", "broadcast", "all-to-all"};
   return op < ZT_ARRAY_LEN(names) ? names[op] : "?";
 }
 
@@ -715,6 +716,41 @@ int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count,
   if (agree(c, OPH_ALL_GATHER, dt, 0, count, dl, "all-gather") != 0) return -1;
   if (count == 0) return 0;
   return ring_all_gather(c, recv, count * (size_t)c->world, dt, dl, "all-gather");
+}
+
+/* Where no direct connection joins every pair (a ring of 3 or more), the
+ * all-to-all is an all-gather of every rank's whole send buffer, of which
+ * each rank keeps what is addressed to it: N times the bytes, but any
+ * ring can do it. */
+static int ring_all_to_all(zt_comm_t *c, const uint8_t *send, uint8_t *recv, size_t bytes,
+                           zt_deadline_t dl) {
+  size_t w = (size_t)c->world, row = w * bytes;
+  uint8_t *all = scratch(c, w * row);
+  memcpy(all + (size_t)c->rank * row, send, row);
+  if (ring_all_gather(c, all, row * w / 2, ZT_DT_BF16, dl, "all-to-all") != 0) return -1;
+  for (size_t j = 0; j < w; j++)
+    memcpy(recv + j * bytes, all + j * row + (size_t)c->rank * bytes, bytes);
+  return 0;
+}
+
+int zt_comm_all_to_all(zt_comm_t *c, const void *send, void *recv, size_t bytes,
+                       int64_t timeout_ms) {
+  if (check_usable(c, "all-to-all") != 0) return -1;
+  if (c->nccl) return zt_err("all-to-all: not available over NCCL");
+  if (bytes % 2) return zt_err("all-to-all: %zu bytes a rank, not a whole number of words", bytes);
+  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  const uint8_t *s = send;
+  uint8_t *r = recv;
+  memcpy(r + (size_t)c->rank * bytes, s + (size_t)c->rank * bytes, bytes);
+  if (c->world == 1) return 0;
+  zt_deadline_t dl = zt_deadline_in(timeout_ms);
+  int direct = c->mesh || c->world == 2;
+  if ((direct ? mesh_agree : agree)(c, OPH_ALL_TO_ALL, ZT_DT_BF16, 0, bytes, dl, "all-to-all") != 0)
+    return -1;
+  if (bytes == 0) return 0;
+  if (!direct) return ring_all_to_all(c, s, r, bytes, dl);
+  mesh_call m = {s, bytes, r, bytes, bytes, NULL};
+  return mesh_run(c, &m, dl, "all-to-all");
 }
 
 int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,

@@ -11,6 +11,7 @@
 #include "diloco.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,10 +26,21 @@ int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g
   d->n = z->full_total;
   d->outer = calloc(d->n ? d->n : 1, sizeof(float));
   d->mom = calloc(d->n ? d->n : 1, sizeof(float));
-  d->d = calloc(d->n, sizeof(float));
-  if (G > 1 && comm && zt_comm_device_memory(comm))
-    d->dev = z->k->alloc((d->n) * sizeof(float));
-  if (!d->outer || !d->mom || !d->d || (G > 1 && comm && zt_comm_device_memory(comm) && !d->dev)) {
+  d->d = calloc(d->n ? d->n : 1, sizeof(float));
+  int devcomm = G > 1 && comm && zt_comm_device_memory(comm);
+  d->q = G > 1 ? (zt_quant_t)s->compression : ZT_QUANT_NONE;
+  if (d->q && devcomm) { /* NCCL's links are fast: the pseudo-gradient goes as it is */
+    if (g == 0) ZT_INFO("sync.compression: not over NCCL; the pseudo-gradient is sent in fp32");
+    d->q = ZT_QUANT_NONE;
+  }
+  if (devcomm) d->dev = z->k->alloc(d->n * sizeof(float));
+  if (d->q) {
+    d->qbytes = zt_quant_bytes(d->q, d->n);
+    d->qmine = malloc(d->qbytes);
+    d->qall = malloc(d->qbytes * (size_t)G);
+  }
+  if (!d->outer || !d->mom || !d->d || (devcomm && !d->dev) ||
+      (d->q && (!d->qall || !d->qmine))) {
     zt_diloco_free(d);
     return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's outer state (3 x %zu floats)", d->n);
   }
@@ -39,6 +51,9 @@ void zt_diloco_free(zt_diloco_t *d) {
   free(d->outer);
   free(d->mom);
   free(d->d);
+  free(d->qmine);
+  free(d->qall);
+  d->qmine = d->qall = NULL;
   if (d->dev) d->z->k->release(d->dev);
   d->outer = d->mom = d->d = NULL, d->dev = NULL;
 }
@@ -49,11 +64,30 @@ int zt_diloco_begin(zt_diloco_t *d) {
   return zt_zero_master_get(d->z, d->outer);
 }
 
+/* The compressed sum: every group's encoding gathered, then decoded and
+ * added in rank order into d->d. The bytes travel as 16-bit words (an
+ * all-gather moves bits, whatever their type). */
+static int sum_compressed(zt_diloco_t *d) {
+  zt_quant_encode(d->q, d->d, d->n, d->qmine);
+  if (zt_comm_all_gather(d->comm, d->qmine, d->qall, d->qbytes / 2, ZT_DT_BF16, d->tmo) != 0)
+    return -1;
+  memset(d->d, 0, d->n * sizeof(float));
+  for (int g = 0; g < d->G; g++) {
+    char who[32];
+    snprintf(who, sizeof who, "group %d", g);
+    if (zt_quant_decode_add(d->q, d->qall + d->qbytes * (size_t)g, d->qbytes, d->n, d->d,
+                            who) != 0)
+      return zt_err_wrap("DiLoCo: the compressed pseudo-gradients");
+  }
+  return 0;
+}
+
 /* Sums d->d over the groups: in place, or through the device buffer when
- * the communicator takes device memory only (NCCL). */
+ * the communicator takes device memory only (NCCL), or compressed. */
 static int sum_groups(zt_diloco_t *d) {
   size_t count = d->n;
   if (d->G == 1) return 0;
+  if (d->q) return sum_compressed(d);
   if (!d->dev) return zt_comm_all_reduce(d->comm, d->d, count, ZT_DT_F32, ZT_RED_SUM, d->tmo);
   d->z->k->upload(d->dev, d->d, count * sizeof(float));
   if (zt_comm_all_reduce(d->comm, d->dev, count, ZT_DT_F32, ZT_RED_SUM, d->tmo) != 0) return -1;

@@ -20,6 +20,13 @@
  * fp32 in the communicator's order, which depends on the world size only,
  * so a run resumed at the same world size is bit-identical.
  *
+ * Compression (sync.compression "bf16" or "int8", quant.h): each group
+ * encodes its pseudo-gradient, the groups all-gather the encodings (the
+ * int8 one is a little over a quarter of the fp32 bytes) and each decodes
+ * and sums all G in rank order, so every group still applies the same
+ * outer step. A block that fails its checks fails the sync, naming its
+ * group.
+ *
  * State. outer and mom (fp32, host memory, the padded layout of the
  * group's zero.h buffers) are the same on every group; the inner AdamW
  * moments are each group's own. After a sync, d holds the group's inner
@@ -43,6 +50,7 @@
 
 #include "ckpt_io.h"
 #include "comm.h"
+#include "quant.h"
 #include "spec.h"
 #include "zero.h"
 
@@ -57,6 +65,12 @@ typedef struct zt_diloco {
   float *outer, *mom;  /* the parameters at the last sync; the outer momentum */
   float *d;            /* the pseudo-gradient, then the inner parameters */
   void *dev;           /* a device buffer for the all-reduce when the communicator needs one */
+  /* sync.compression: each group's encoded pseudo-gradient (qbytes) is
+   * all-gathered into qall, and every group decodes and sums the G of
+   * them in rank order (the same sum everywhere). */
+  zt_quant_t q;
+  size_t qbytes;
+  uint8_t *qmine, *qall;
   int have_inner;      /* d holds the inner parameters from before the last sync */
   int64_t syncs, refused;
   double sync_ms;      /* the last sync's wall time */

@@ -427,16 +427,17 @@ static int parse_balance(zt_spec_t *s, const cJSON *root) {
  * outer step; all three are refused by name. Called after the sections it
  * checks against. */
 static int parse_sync(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer"};
+  static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer", "compression"};
   static const char *const okeys[] = {"lr", "momentum", "nesterov"};
   const char *P = "sync.outer_optimizer";
   const cJSON *o, *oo = NULL;
-  char mode[16] = "sync";
+  char mode[16] = "sync", comp[16] = "none";
   if (get_object(root, "", "sync", 0, &o)) return -1;
   if (!o) return 0;
   if (CHECK_KEYS(o, "sync", keys) || get_string(o, "sync", "mode", 0, mode, sizeof mode) ||
       get_long(o, "sync", "inner_steps", 0, 1, 1L << 20, &s->inner_steps) ||
-      get_object(o, "sync", "outer_optimizer", 0, &oo))
+      get_object(o, "sync", "outer_optimizer", 0, &oo) ||
+      get_string(o, "sync", "compression", 0, comp, sizeof comp))
     return -1;
   if (oo && (CHECK_KEYS(oo, P, okeys) || get_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
              get_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
@@ -445,6 +446,12 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   if (strcmp(mode, "sync") && strcmp(mode, "diloco"))
     return zt_err("sync.mode: \"%s\" is neither \"sync\" nor \"diloco\"", mode);
   s->diloco = !strcmp(mode, "diloco");
+  if (strcmp(comp, "none") && strcmp(comp, "bf16") && strcmp(comp, "int8"))
+    return zt_err("sync.compression: \"%s\" is none of \"none\", \"bf16\", \"int8\"", comp);
+  s->compression = !strcmp(comp, "bf16") ? 1 : !strcmp(comp, "int8") ? 2 : 0;
+  if (!s->diloco && s->compression && s->zero_stage > 1)
+    return zt_err("sync.compression compresses the one gradient reduction a step of ZeRO stages "
+                  "0-1; stage %d reduces in every micro-step", s->zero_stage);
   if (!s->diloco) return 0;
   long H = s->inner_steps;
   if (s->zero_stage != 0)

@@ -178,6 +178,11 @@ typedef struct zt_spec {
   long inner_steps;
   double outer_lr, outer_momentum;
   int outer_nesterov;
+  /* sync.compression: how DiLoCo's pseudo-gradient, or the gradient of
+   * synchronous training at ZeRO stages 0-1, crosses the network: 0 as
+   * it is, 1 bf16, 2 int8 with a scale per block (quant.h's zt_quant_t;
+   * zero.h, diloco.h). */
+  int compression;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 

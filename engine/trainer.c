@@ -349,7 +349,8 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
                        .timeout_ms = t->tmo,
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
                        .accum = t->spec.lb_speed && t->N > 1 ? 0 : t->accum,
-                       .overlap = overlap};
+                       .overlap = overlap,
+                       .compress = t->spec.diloco ? 0 : t->spec.compression};
   /* DiLoCo: the rank is a group of its own, which averages its gradients
    * over its own micro-batches (its zero state has one rank; the data
    * positions still follow the generation's ranks). */
@@ -888,7 +889,11 @@ static int sync_round(trainer *t, int64_t s, int *end) {
     ZT_WARN("fault injection: ring broken before the outer step of step %lld", (long long)s);
     zt_comm_abort(t->g->comm);
   }
-  if (zt_diloco_sync(&t->dl, &applied) != 0) goto out;
+  if (zt_diloco_sync(&t->dl, &applied) != 0) {
+    /* A compressed block that fails its checks is another group's. */
+    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
+    goto out;
+  }
   if (!applied)
     ZT_WARN("step %lld: the groups' pseudo-gradient is not finite: outer step refused, every "
             "group goes on from the last sync", (long long)s);

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "quant.h"
 #include "zt_common.h"
 
 /* The largest host all-reduce: the step's control values and, at a load
@@ -317,6 +318,58 @@ static void add_sums(zt_zero_t *z, double *acc, const double *x, size_t n) {
   for (size_t i = 0; i < n; i++) acc[i] += x[i];
 }
 
+/* Unit u's fp64 sums reduced with sync.compression (zero.h): every other
+ * rank's segment for this rank arrives encoded, straight from it, and is
+ * added to this rank's own exact sums in rank order, in fp64. The sums
+ * are the same on every run of the same world size; they differ from the
+ * exact ones by the encoding's rounding of the other ranks' values. */
+static int reduce_compressed(zt_zero_t *z, int u) {
+  size_t S = z->S[u], N = (size_t)z->N, qb = zt_quant_bytes((zt_quant_t)z->q, S);
+  double *g = z->G64 + z->off_full[u];
+  double *h = z->dev ? (double *)stage(z, N * S * sizeof(double)) : g;
+  if (z->dev) z->k->download(h, g, N * S * sizeof(double));
+  for (size_t j = 0; j < N; j++) {
+    if ((int)j == z->r) continue;
+    for (size_t i = 0; i < S; i++) z->qtmp[i] = (float)h[j * S + i];
+    zt_quant_encode((zt_quant_t)z->q, z->qtmp, S, z->qsend + j * qb);
+  }
+  if (zt_comm_all_to_all(z->comm, z->qsend, z->qrecv, qb, z->tmo) != 0) return -1;
+  double *mine = h + (size_t)z->r * S;
+  for (size_t k = 1; k < N; k++) {
+    size_t j = ((size_t)z->r + k) % N;
+    char who[32];
+    snprintf(who, sizeof who, "rank %zu", j);
+    memset(z->qtmp, 0, S * sizeof(float));
+    if (zt_quant_decode_add((zt_quant_t)z->q, z->qrecv + j * qb, qb, S, z->qtmp, who) != 0)
+      return zt_err_wrap("the compressed gradient of unit %d", u);
+    for (size_t i = 0; i < S; i++) mine[i] += (double)z->qtmp[i];
+  }
+  if (z->dev) z->k->upload(g + (size_t)z->r * S, mine, S * sizeof(double));
+  return 0;
+}
+
+/* Stage 0's gather of unit u's scaled gradient with sync.compression:
+ * each rank's owned segment encoded and all-gathered, and every segment
+ * decoded on every rank, the owner's own too, so that every replica
+ * applies the same gradient. */
+static int gather_compressed(zt_zero_t *z, int u) {
+  size_t S = z->S[u], N = (size_t)z->N, qb = zt_quant_bytes((zt_quant_t)z->q, S);
+  float *g = z->G + z->off_full[u];
+  float *h = z->dev ? (float *)stage(z, N * S * sizeof(float)) : g;
+  if (z->dev) z->k->download(h + (size_t)z->r * S, g + (size_t)z->r * S, S * sizeof(float));
+  zt_quant_encode((zt_quant_t)z->q, h + (size_t)z->r * S, S, z->qsend);
+  if (zt_comm_all_gather(z->comm, z->qsend, z->qrecv, qb / 2, ZT_DT_BF16, z->tmo) != 0) return -1;
+  for (size_t j = 0; j < N; j++) {
+    char who[32];
+    snprintf(who, sizeof who, "rank %zu", j);
+    memset(h + j * S, 0, S * sizeof(float));
+    if (zt_quant_decode_add((zt_quant_t)z->q, z->qrecv + j * qb, qb, S, h + j * S, who) != 0)
+      return zt_err_wrap("the compressed gradient of unit %d", u);
+  }
+  if (z->dev) z->k->upload(g, h, N * S * sizeof(float));
+  return 0;
+}
+
 /* One reduction, queued or not. Stages 0-1: unit u's padded range of the
  * fp64 sum, reduce-scattered in place; or, where each micro-step is
  * reduced by itself (z->each), its fp32 gradient in G into this rank's
@@ -333,6 +386,7 @@ static int reduce_unit(zt_zero_t *z, int u, int s, size_t lo) {
     return 0;
   }
   double *g = z->G64 + z->off_full[u], *mine = g + (size_t)z->r * z->S[u];
+  if (z->q) return reduce_compressed(z, u);
   if (!z->each) return c_reduce_scatter(z, g, mine, z->S[u], ZT_DT_F64);
   double *out = s ? g + (size_t)((z->r + 1) % z->N) * z->S[u] : mine;
   if (rs_f32(z, z->G + z->off_full[u], z->S[u], out, z->S[u]) != 0) return -1;
@@ -349,7 +403,10 @@ enum { OV_REDUCE = 0, OV_GATHER = 1 };
 
 /* Unit u from every rank's owned range: stages 1-2 the working copy of
  * the parameters, stage 0 the scaled fp32 gradient in G (zt_zero_adamw). */
+static int gather_compressed(zt_zero_t *z, int u);
+
 static int gather_in_place(zt_zero_t *z, int u) {
+  if (z->stage == 0 && z->q) return gather_compressed(z, u);
   if (z->stage == 0) {
     float *g = z->G + z->off_full[u];
     return c_all_gather(z, g + (size_t)z->r * z->S[u], g, z->S[u], ZT_DT_F32);
@@ -651,13 +708,26 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->inv_k = o->inv_k;
   /* The same choice on every rank: stage, accum, N and the communicator's
    * kind are the generation's. */
-  z->each = z->stage < 2 && !z->dcomm &&
+  z->q = o->compress && z->stage < 2 && z->N > 1 && comm && !zt_comm_device_memory(comm)
+             ? o->compress : 0;
+  z->each = z->stage < 2 && !z->dcomm && !z->q &&
             (o->accum == 1 || (o->accum == 2 && z->N > 1 && comm && zt_comm_f32_direct(comm)));
   z->want_overlap = o->overlap && !o->dev; /* the thread runs on host memory only */
   z->xb = (size_t)k->xbytes;
   z->xdt = z->xb == 2 ? ZT_DT_BF16 : ZT_DT_F32;
   z->split = z->xb != sizeof(float);
   if (layout(z) != 0) goto err;
+  if (z->q) {
+    size_t S = z->max_unit / (size_t)z->N, qb = zt_quant_bytes((zt_quant_t)z->q, S);
+    z->qsend = calloc((size_t)z->N, qb);
+    z->qrecv = calloc((size_t)z->N, qb);
+    z->qtmp = calloc(S ? S : 1, sizeof(float));
+    if (!z->qsend || !z->qrecv || !z->qtmp) {
+      zt_errk(ZT_E_NO_MEMORY, "out of memory for the compressed reduction's buffers");
+      goto err;
+    }
+    z->scratch_bytes += 2 * (size_t)z->N * qb + S * sizeof(float);
+  }
   if (z->dcomm && !(z->ctl_dev = k->alloc(ZT_ZERO_CTL_BYTES))) {
     zt_errk(ZT_E_NO_MEMORY, "out of device memory for %d bytes", ZT_ZERO_CTL_BYTES);
     goto err;
@@ -688,6 +758,7 @@ void zt_zero_free(zt_zero_t *z) {
     if (bufs[i]) z->k->release(bufs[i]);
   free(z->usz), free(z->S), free(z->off_full), free(z->off_shard);
   free(z->stage_buf);
+  free(z->qsend), free(z->qrecv), free(z->qtmp);
   memset(z, 0, sizeof *z);
 }
 

@@ -34,7 +34,8 @@ typedef enum {
   OP_REDUCE_SCATTER,
   OP_ALLGATHER,
   OP_BROADCAST,
-  OP_RS_F32TO64
+  OP_RS_F32TO64,
+  OP_ALL_TO_ALL
 } op_kind;
 
 /* OP_RS_F32TO64's input: segment i at i * (count + PAD32), the PAD32
@@ -120,6 +121,7 @@ static void *rank_main(void *p) {
   case OP_RS_F32TO64:
     r->rc = zt_comm_reduce_scatter_f32to64(c, r->buf, r->count + PAD32, r->out, r->count, to);
     break;
+  case OP_ALL_TO_ALL: r->rc = zt_comm_all_to_all(c, r->buf, r->out, r->count, to); break;
   }
   zt_comm_stats_t st;
   zt_comm_stats_get(c, &st);
@@ -168,6 +170,15 @@ static rank_ctx *run(int world, op_kind op, zt_dtype_t dt, zt_redop_t red, size_
           b[(size_t)i * stride + j] = j < count ? val(r, (size_t)i * count + j) : NAN;
       x->buf = b;
       x->out = malloc(count * sizeof(double) + 1);
+      pthread_create(&th[r], NULL, rank_main, x);
+      continue;
+    }
+    if (op == OP_ALL_TO_ALL) { /* count bytes from every rank to every rank */
+      uint8_t *b = malloc((size_t)world * count + 1);
+      for (size_t i = 0; i < (size_t)world * count; i++)
+        b[i] = (uint8_t)(r * 31 + (int)(i / (count ? count : 1)) * 7 + (int)(i % 251));
+      x->buf = b;
+      x->out = malloc((size_t)world * count + 1);
       pthread_create(&th[r], NULL, rank_main, x);
       continue;
     }
@@ -365,6 +376,34 @@ ZT_TEST(test_all_gather_layout) {
         free_ctx(ctx, world);
       }
   g_ring_only = 0;
+}
+
+/* Every pair's bytes arrive where they belong: on the mesh, between two
+ * ranks, and on a ring of 3 or more (an all-gather underneath); an odd
+ * size is refused. */
+ZT_TEST(test_all_to_all) {
+  static const size_t sizes[] = {0, 2, 5002};
+  for (g_ring_only = 0; g_ring_only < 2; g_ring_only++)
+    for (int world = 1; world <= MAXR; world++)
+      for (size_t si = 0; si < ZT_ARRAY_LEN(sizes); si++) {
+        size_t n = sizes[si];
+        rank_ctx *ctx = run(world, OP_ALL_TO_ALL, ZT_DT_F32, ZT_RED_SUM, n, 0);
+        ZT_CHECK(all_ok(ctx, world));
+        size_t bad = 0;
+        for (int r = 0; r < world; r++)
+          for (int src = 0; src < world; src++)
+            for (size_t i = 0; i < n; i++) {
+              size_t at = (size_t)r * n + i; /* src's byte i for rank r */
+              uint8_t want = (uint8_t)(src * 31 + (int)(at / n) * 7 + (int)(at % 251));
+              if (((uint8_t *)ctx[r].out)[(size_t)src * n + i] != want) bad++;
+            }
+        ZT_CHECK(bad == 0);
+        free_ctx(ctx, world);
+      }
+  g_ring_only = 0;
+  rank_ctx *ctx = run(2, OP_ALL_TO_ALL, ZT_DT_F32, ZT_RED_SUM, 3, 0);
+  for (int r = 0; r < 2; r++) ZT_CHECK(ctx[r].rc != 0 && strstr(ctx[r].err, "whole number"));
+  free_ctx(ctx, 2);
 }
 
 ZT_TEST(test_broadcast) {
@@ -1107,7 +1146,7 @@ ZT_TEST(test_nccl_backend_guarded) {
 ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg,
              test_avg_fp64_divides_by_world, test_reduce_scatter_layout,
              test_reduce_scatter_fp32_into_fp64, test_calls_must_agree,
-             test_all_gather_layout, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
+             test_all_gather_layout, test_all_to_all, test_broadcast, test_large_64mib, test_all_reduce_sum_order,
              test_connect_timeout, test_connect_to_silent_host_times_out,
              test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
              test_mesh_peer_silent_or_gone,

@@ -215,6 +215,13 @@ ZT_TEST(sync_modes) {
   ZT_CHECK(s.inner_steps == 5 && s.outer_lr == 1 && s.outer_momentum == 0 && !s.outer_nesterov);
   ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"sync\"}}") == 0);
   ZT_CHECK(s.diloco == 0);
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"compression\": \"int8\"}, "
+                       "\"zero_optimization\": {\"stage\": 1}}") == 0);
+  ZT_CHECK(s.compression == 2 && !s.diloco);
+  expect_error("{" BASE ", \"sync\": {\"compression\": \"int8\"}, \"zero_optimization\": "
+               "{\"stage\": 2}}", "stages 0-1; stage 2 reduces in every micro-step");
+  expect_error("{" BASE ", \"sync\": {\"compression\": \"int4\"}}",
+               "sync.compression: \"int4\" is none of");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"async\"}}",
                "sync.mode: \"async\" is neither \"sync\" nor \"diloco\"");
   expect_error("{" BASE ", \"sync\": {\"inner\": 5}}", "sync.inner: unknown key");
