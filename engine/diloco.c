@@ -11,6 +11,7 @@
 #include "diloco.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,6 +49,10 @@ int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g
 }
 
 void zt_diloco_free(zt_diloco_t *d) {
+  if (d->pending) pthread_join(d->th, NULL);
+  d->pending = 0;
+  free(d->snap);
+  d->snap = NULL;
   free(d->outer);
   free(d->mom);
   free(d->d);
@@ -121,6 +126,55 @@ int zt_diloco_sync(zt_diloco_t *d, int *applied) {
   if (zt_zero_master_get(d->z, d->d) != 0) return -1;
   d->have_inner = 1;
   if (zt_zero_master_put(d->z, d->outer) != 0) return -1;
+  d->syncs++;
+  if (!finite) d->refused++;
+  *applied = finite;
+  d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
+  return 0;
+}
+
+/* The overlapped all-reduce's thread: the sum, and its error kept for
+ * zt_diloco_land (an error is the thread's own). */
+static void *sum_main(void *arg) {
+  zt_diloco_t *d = arg;
+  d->th_rc = sum_groups(d);
+  if (d->th_rc != 0) {
+    d->th_kind = zt_err_kind();
+    snprintf(d->th_msg, sizeof d->th_msg, "%s", zt_err_msg());
+  }
+  return NULL;
+}
+
+int zt_diloco_launch(zt_diloco_t *d) {
+  int64_t t0 = zt_now_us();
+  if (!d->snap && !(d->snap = malloc((d->n ? d->n : 1) * sizeof(float))))
+    return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's overlap (%zu floats)", d->n);
+  if (zt_zero_master_get(d->z, d->snap) != 0) return -1;
+  for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] - d->snap[i];
+  d->th_rc = 0;
+  if (pthread_create(&d->th, NULL, sum_main, d) != 0)
+    return zt_err("DiLoCo: cannot start the overlapped all-reduce's thread");
+  d->pending = 1;
+  d->have_inner = 0;
+  d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
+  return 0;
+}
+
+int zt_diloco_land(zt_diloco_t *d, int *applied) {
+  int64_t t0 = zt_now_us();
+  *applied = 0;
+  if (!d->pending) return 0;
+  pthread_join(d->th, NULL);
+  d->pending = 0;
+  if (d->th_rc != 0)
+    return zt_errk(d->th_kind, "DiLoCo: the pseudo-gradient's all-reduce: %s", d->th_msg);
+  int finite = 1;
+  for (size_t i = 0; i < d->n && finite; i++) finite = isfinite(d->d[i]);
+  if (finite) outer_step(d);
+  /* The new outer parameters plus the group's progress since the launch. */
+  if (zt_zero_master_get(d->z, d->d) != 0) return -1;
+  for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] + (d->d[i] - d->snap[i]);
+  if (zt_zero_master_put(d->z, d->d) != 0) return -1;
   d->syncs++;
   if (!finite) d->refused++;
   *applied = finite;

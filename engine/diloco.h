@@ -45,6 +45,7 @@
 #ifndef ZT_DILOCO_H
 #define ZT_DILOCO_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -74,6 +75,14 @@ typedef struct zt_diloco {
   int have_inner;      /* d holds the inner parameters from before the last sync */
   int64_t syncs, refused;
   double sync_ms;      /* the last sync's wall time */
+  /* Overlap (sync.overlap_steps, below): the all-reduce on its thread,
+   * the parameters it was launched from, and its outcome. */
+  int pending;
+  pthread_t th;
+  float *snap;
+  int th_rc;
+  zt_errkind_t th_kind;
+  char th_msg[512];
 } zt_diloco_t;
 
 /* Sets up DiLoCo for group g of G over comm, with the spec's outer
@@ -90,6 +99,18 @@ ZT_MUST_CHECK int zt_diloco_begin(zt_diloco_t *d);
  * was not finite: the outer state stays and every group returns to the
  * last sync's parameters. -1 when the all-reduce failed. */
 ZT_MUST_CHECK int zt_diloco_sync(zt_diloco_t *d, int *applied);
+
+/* Overlap (sync.overlap_steps tau, after Streaming DiLoCo's overlapping
+ * of communication): zt_diloco_launch computes the pseudo-gradient,
+ * starts its all-reduce on a thread of its own and returns, and the group
+ * trains on from its own parameters; tau steps later zt_diloco_land waits
+ * for the sum, applies the outer step and puts the new outer parameters
+ * plus what the group learned since the launch. The communicator is the
+ * thread's in between (inner steps do not communicate). The next round's
+ * pseudo-gradient is measured from the new outer parameters, so those tau
+ * steps count in it. zt_diloco_free waits for a launched all-reduce. */
+ZT_MUST_CHECK int zt_diloco_launch(zt_diloco_t *d);
+ZT_MUST_CHECK int zt_diloco_land(zt_diloco_t *d, int *applied);
 
 /* A checkpoint of this group: the floats its snapshot needs, then the
  * snapshot itself into buf, described by ranges[0 .. *nranges) (room for

@@ -427,7 +427,8 @@ static int parse_balance(zt_spec_t *s, const cJSON *root) {
  * outer step; all three are refused by name. Called after the sections it
  * checks against. */
 static int parse_sync(zt_spec_t *s, const cJSON *root) {
-  static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer", "compression"};
+  static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer", "compression",
+                                     "overlap_steps"};
   static const char *const okeys[] = {"lr", "momentum", "nesterov"};
   const char *P = "sync.outer_optimizer";
   const cJSON *o, *oo = NULL;
@@ -437,7 +438,8 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   if (CHECK_KEYS(o, "sync", keys) || get_string(o, "sync", "mode", 0, mode, sizeof mode) ||
       get_long(o, "sync", "inner_steps", 0, 1, 1L << 20, &s->inner_steps) ||
       get_object(o, "sync", "outer_optimizer", 0, &oo) ||
-      get_string(o, "sync", "compression", 0, comp, sizeof comp))
+      get_string(o, "sync", "compression", 0, comp, sizeof comp) ||
+      get_long(o, "sync", "overlap_steps", 0, 0, 1L << 20, &s->overlap_steps))
     return -1;
   if (oo && (CHECK_KEYS(oo, P, okeys) || get_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
              get_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
@@ -452,8 +454,13 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   if (!s->diloco && s->compression && s->zero_stage > 1)
     return zt_err("sync.compression compresses the one gradient reduction a step of ZeRO stages "
                   "0-1; stage %d reduces in every micro-step", s->zero_stage);
+  if (!s->diloco && s->overlap_steps)
+    return zt_err("sync.overlap_steps: only sync.mode \"diloco\" overlaps its all-reduce");
   if (!s->diloco) return 0;
   long H = s->inner_steps;
+  if (s->overlap_steps >= H)
+    return zt_err("sync.overlap_steps (%ld) must be below sync.inner_steps (%ld): a round's "
+                  "all-reduce lands before the next one starts", s->overlap_steps, H);
   if (s->zero_stage != 0)
     return zt_err("sync.mode \"diloco\": each worker is a group of its own and holds the whole "
                   "model, so zero_optimization.stage must be 0 (got %d)", s->zero_stage);

@@ -183,6 +183,10 @@ typedef struct zt_spec {
    * it is, 1 bf16, 2 int8 with a scale per block (quant.h's zt_quant_t;
    * zero.h, diloco.h). */
   int compression;
+  /* sync.overlap_steps (DiLoCo): the all-reduce of a round's
+   * pseudo-gradient runs while the group trains on, landing this many
+   * steps later (0: the groups wait for it; diloco.h). */
+  long overlap_steps;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 

@@ -100,6 +100,7 @@ typedef struct {
    * squares (rl[2i], rl[2i + 1]), LR and wall time. */
   zt_diloco_t dl;
   int have_dl, rn;
+  int64_t land_at; /* an overlapped round lands after this step (0: none) */
   double *rl, *rlr, *rms;
   /* The failure was another rank's (its validation batch), which says
    * why: reported as a peer's, so that the coordinator weighs that rank's
@@ -866,13 +867,56 @@ static void report_round(trainer *t, int64_t s, const double *ctl, double val_lo
   }
 }
 
+static void outer_refused(int64_t s, int applied) {
+  if (!applied)
+    ZT_WARN("step %lld: the groups' pseudo-gradient is not finite: outer step refused, every "
+            "group goes on from the last sync", (long long)s);
+}
+
+/* Test knob: the outer step's all-reduce of step s fails (first
+ * generation only). */
+static void break_before_outer(trainer *t, int64_t s) {
+  if (t->spec.fault.break_ring_before_update_at_step == s && t->N > 1 && t->r == t->N - 1 &&
+      t->g->generation == 1) {
+    ZT_WARN("fault injection: ring broken before the outer step of step %lld", (long long)s);
+    zt_comm_abort(t->g->comm);
+  }
+}
+
+/* The outer step of step s, waited for. */
+static int outer_sync(trainer *t, int64_t s) {
+  int applied;
+  break_before_outer(t, s);
+  if (zt_diloco_sync(&t->dl, &applied) != 0) {
+    /* A compressed block that fails its checks is another group's. */
+    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
+    return -1;
+  }
+  outer_refused(s, applied);
+  return 0;
+}
+
+/* Lands an overlapped round after step s (diloco.h). */
+static int land(trainer *t, int64_t s) {
+  int applied;
+  t->land_at = 0;
+  if (zt_diloco_land(&t->dl, &applied) != 0) {
+    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
+    return -1;
+  }
+  outer_refused(s, applied);
+  return 0;
+}
+
 /* The groups meet after step s: the round's losses summed over them, the
  * outer step, an evaluation when due, rank 0's reports, one all-reduce
  * that tells every group what rank 0's caller wants, and the checkpoint
  * (its vote rides with the losses). *end is set when the generation ends
  * here: a stop or rollback, or a checkpoint-now epoch. */
 static int sync_round(trainer *t, int64_t s, int *end) {
-  int n = t->rn, applied, rc = -1;
+  int n = t->rn, rc = -1;
+  /* The last step may come before an overlapped round has landed. */
+  if (t->dl.pending && land(t, s) != 0) return -1;
   step_result res;
   memset(&res, 0, sizeof res);
   res.ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
@@ -884,28 +928,28 @@ static int sync_round(trainer *t, int64_t s, int *end) {
   for (size_t at = 0; at < nc; at += 1024)
     if (zt_zero_host_all_reduce(&t->z, ctl + at, ZT_MIN((size_t)1024, nc - at), ZT_DT_F64) != 0)
       goto out;
-  if (t->spec.fault.break_ring_before_update_at_step == s && t->N > 1 && t->r == t->N - 1 &&
-      t->g->generation == 1) { /* test knob: the outer step's all-reduce fails */
-    ZT_WARN("fault injection: ring broken before the outer step of step %lld", (long long)s);
-    zt_comm_abort(t->g->comm);
-  }
-  if (zt_diloco_sync(&t->dl, &applied) != 0) {
-    /* A compressed block that fails its checks is another group's. */
-    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
-    goto out;
-  }
-  if (!applied)
-    ZT_WARN("step %lld: the groups' pseudo-gradient is not finite: outer step refused, every "
-            "group goes on from the last sync", (long long)s);
+  /* Overlapped (sync.overlap_steps) unless what follows needs the synced
+   * model here: a periodic epoch, the last step's, an evaluation. The
+   * launch comes after the round's last collective on this thread (the
+   * communicator is the all-reduce's until it lands), and an epoch asked
+   * for now makes the round wait after all. */
+  int eval = t->val && t->spec.eval_every && s % t->spec.eval_every == 0;
+  int overlap = t->spec.overlap_steps && !t->dl.dev && !eval && !periodic_due(t, s) &&
+                s < t->spec.steps;
+  if (!overlap && outer_sync(t, s) != 0) goto out;
   res.val_loss = NAN;
-  if (t->val && t->spec.eval_every && s % t->spec.eval_every == 0 &&
-      eval_loss(t, &res.val_loss) != 0)
-    goto out;
+  if (eval && eval_loss(t, &res.val_loss) != 0) goto out;
   report_round(t, s, ctl, res.val_loss, flags);
   if (zt_zero_host_all_reduce(&t->z, flags, 2, ZT_DT_F64) != 0) goto out;
   res.ckpt_requested = flags[0] > 0;
   res.ckpt_busy = (int)ctl[2 * n];
   t->rn = 0;
+  if (overlap && res.ckpt_requested && outer_sync(t, s) != 0) goto out;
+  if (overlap && !res.ckpt_requested) {
+    break_before_outer(t, s);
+    if (zt_diloco_launch(&t->dl) != 0) goto out;
+    t->land_at = s + t->spec.overlap_steps;
+  }
   rc = checkpoint(t, s, &res);
   if (rc >= 0) *end = rc > 0 || flags[1] > 0;
   rc = rc < 0 ? -1 : 0;
@@ -919,6 +963,10 @@ out:
 static int diloco_step(trainer *t, int64_t step, int *end) {
   int rc = inner_step(t, step);
   if (rc != 0) return rc;
+  if (t->dl.pending && step + 1 == t->land_at) { /* its wait counts in this step's time */
+    if (land(t, step + 1) != 0) return -1;
+    t->rms[t->rn - 1] += t->dl.sync_ms;
+  }
   if (t->g->step_done) t->g->step_done(t->g->user, step + 1, t->rms[t->rn - 1]);
   return sync_due(t, step + 1) ? sync_round(t, step + 1, end) : 0;
 }

@@ -231,3 +231,34 @@ def test_sync_int8_gradients(procs, tmp_path, data, stage, workers):
     assert got != exact, "nothing was compressed"
     assert abs(got[24] - exact[24]) <= 0.01 * exact[24], (got[24], exact[24])
     assert got[24] < got[1]
+
+
+def test_overlapped_rounds_resume_bit_identical(procs, tmp_path, data):
+    """sync.overlap_steps: a round's all-reduce runs while the groups train
+    on and lands 2 steps later (rounds before an epoch wait for it). The
+    trajectory differs from waiting, and a ring broken under an overlapped
+    all-reduce (first generation) resumes from the last epoch to the same
+    losses as an undisturbed run."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    spec = diloco_spec(train, val, 24, 2, str(tmp_path / "w"), every=8)
+    wid = submit(coord, spec, tmp_path, "wait.json")
+    assert wait_job(coord, wid, timeout=120)["step"] == 24
+    waited = losses(coord, wid)
+    spec = diloco_spec(train, val, 24, 2, str(tmp_path / "o"), every=8)
+    spec["sync"]["overlap_steps"] = 2
+    oid = submit(coord, spec, tmp_path, "overlap.json")
+    assert wait_job(coord, oid, timeout=120)["step"] == 24
+    want = losses(coord, oid)
+    assert want != waited and want[24] < want[1]
+    # Step 12 ends an overlapped round (12 is no epoch's step): its
+    # all-reduce fails on its thread and the landing at step 14 says so.
+    spec = diloco_spec(train, val, 24, 2, str(tmp_path / "f"), every=8,
+                       fault_injection={"break_ring_before_update_at_step": 12})
+    spec["sync"]["overlap_steps"] = 2
+    fid = submit(coord, spec, tmp_path, "fail.json")
+    j = wait_job(coord, fid, timeout=120)
+    assert j["step"] == 24 and j["generation"] >= 2, j
+    assert losses(coord, fid) == want
+    logs = "".join(w.output() for w in coord.workers.values())
+    assert "training failed at step 14: DiLoCo: the pseudo-gradient's all-reduce" in logs

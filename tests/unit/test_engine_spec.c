@@ -222,6 +222,10 @@ ZT_TEST(sync_modes) {
                "{\"stage\": 2}}", "stages 0-1; stage 2 reduces in every micro-step");
   expect_error("{" BASE ", \"sync\": {\"compression\": \"int4\"}}",
                "sync.compression: \"int4\" is none of");
+  expect_error("{" BASE ", \"sync\": {\"overlap_steps\": 2}}",
+               "sync.overlap_steps: only sync.mode \"diloco\"");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 4, "
+               "\"overlap_steps\": 4}}", "sync.overlap_steps (4) must be below sync.inner_steps (4)");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"async\"}}",
                "sync.mode: \"async\" is neither \"sync\" nor \"diloco\"");
   expect_error("{" BASE ", \"sync\": {\"inner\": 5}}", "sync.inner: unknown key");

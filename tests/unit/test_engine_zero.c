@@ -19,6 +19,10 @@
  *
  * And whom a failed load of an epoch blames (zt_train_load_fault): the
  * epoch only when its content is at fault.
+ *
+ * And DiLoCo's outer step on one group (engine/diloco.c), waited for and
+ * overlapped, against the rule computed here; a pseudo-gradient that is
+ * not finite; the checkpoint ranges of the inner and outer state.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -27,6 +31,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "diloco.h"
 #include "model.h"
 #include "trainer.h"
 #include "zero.h"
@@ -126,5 +131,90 @@ ZT_TEST(load_fault_blames_the_epoch_only_for_its_content) {
   zt_model_free(m);
 }
 
+/* The rule (diloco.h), one element: the new outer value and momentum. */
+static float rule(float outer, float *mom, float theta) {
+  float delta = outer - theta, m = 0.9f * *mom + delta;
+  *mom = m;
+  return outer - 0.7f * (delta + 0.9f * m);
+}
+
+ZT_TEST(diloco_outer_step_waited_and_overlapped) {
+  static const zt_model_config_t small = {
+      .n_layer = 1, .n_head = 2, .n_embd = 8, .seq_len = 4, .vocab_size = 16};
+  zt_model_t *m = NULL;
+  ZT_REQUIRE(zt_model_create(&m, &small, 1, small.seq_len, zt_kernels_cpu(),
+                             ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) == 0);
+  zt_zero_t z;
+  zt_zero_opts_t o = {
+      .rank = 0, .world = 1, .stage = 0, .timeout_ms = 1000, .inv_k = 1.0, .accum = 1};
+  ZT_REQUIRE(zt_zero_create(&z, m, zt_kernels_cpu(), NULL, &o) == 0);
+  zt_spec_t sp;
+  memset(&sp, 0, sizeof sp);
+  sp.inner_steps = 4, sp.outer_lr = 0.7, sp.outer_momentum = 0.9, sp.outer_nesterov = 1;
+  zt_diloco_t d;
+  ZT_REQUIRE(zt_diloco_create(&d, &z, NULL, 1, 0, &sp, 1000) == 0);
+  size_t n = z.full_total;
+  float *p0 = malloc(n * 4), *p = malloc(n * 4), *want = malloc(n * 4), *mom = calloc(n, 4);
+  for (size_t i = 0; i < n; i++) p0[i] = (float)(i % 17) * 0.25f - 2.0f;
+  ZT_REQUIRE(zt_zero_master_put(&z, p0) == 0 && zt_diloco_begin(&d) == 0);
+  /* Waited for: the inner steps moved every value by 0.5. */
+  for (size_t i = 0; i < n; i++) p[i] = p0[i] + 0.5f;
+  ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+  int applied = 0;
+  ZT_REQUIRE(zt_diloco_sync(&d, &applied) == 0 && applied);
+  ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    want[i] = rule(p0[i], &mom[i], p0[i] + 0.5f);
+    bad += p[i] != want[i] || d.outer[i] != want[i] || d.mom[i] != mom[i];
+    bad += d.d[i] != p0[i] + 0.5f; /* the inner parameters, for a checkpoint */
+  }
+  ZT_CHECK(bad == 0);
+  /* Overlapped: launched from theta, landed after the group moved on by
+   * 0.25: the new outer value plus that progress. */
+  float *theta = malloc(n * 4);
+  for (size_t i = 0; i < n; i++) theta[i] = want[i] - 0.125f * (float)(i % 3);
+  ZT_REQUIRE(zt_zero_master_put(&z, theta) == 0);
+  ZT_REQUIRE(zt_diloco_launch(&d) == 0 && d.pending);
+  for (size_t i = 0; i < n; i++) p[i] = theta[i] + 0.25f;
+  ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+  ZT_REQUIRE(zt_diloco_land(&d, &applied) == 0 && applied && !d.pending);
+  ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
+  bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    float o2 = rule(want[i], &mom[i], theta[i]);
+    bad += d.outer[i] != o2 || p[i] != o2 + ((theta[i] + 0.25f) - theta[i]);
+  }
+  ZT_CHECK(bad == 0);
+  /* Not finite: refused, the outer state kept, the group back at it. */
+  memcpy(want, d.outer, n * 4);
+  memcpy(p, want, n * 4);
+  p[3] = NAN;
+  ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+  ZT_REQUIRE(zt_diloco_sync(&d, &applied) == 0);
+  ZT_CHECK(!applied && d.refused == 1);
+  ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
+  ZT_CHECK(memcmp(p, want, n * 4) == 0 && memcmp(d.outer, want, n * 4) == 0);
+  /* The checkpoint: each unit twice, as U + u (inner, whole) and as u
+   * (outer parameters, momentum in m, zeros in v). */
+  float *buf = malloc(zt_diloco_snapshot_floats(&d) * 4);
+  zt_ckpt_range_t *rg = calloc(2 * (size_t)z.U, sizeof *rg);
+  int nr = 0;
+  ZT_REQUIRE(zt_diloco_snapshot(&d, buf, rg, &nr) == 0);
+  ZT_CHECK(nr == 2 * z.U);
+  for (int u = 0; u < z.U; u++) {
+    ZT_CHECK(rg[u].unit == z.U + u && rg[u].lo == 0 && rg[u].n == z.usz[u]);
+    ZT_CHECK(rg[z.U + u].unit == u && rg[z.U + u].n == z.usz[u]);
+    ZT_CHECK(memcmp(rg[z.U + u].p, d.outer + z.off_full[u], z.usz[u] * 4) == 0);
+    ZT_CHECK(memcmp(rg[z.U + u].m, d.mom + z.off_full[u], z.usz[u] * 4) == 0);
+    ZT_CHECK(rg[z.U + u].v[0] == 0.0f);
+  }
+  free(buf), free(rg), free(theta), free(p0), free(p), free(want), free(mom);
+  zt_diloco_free(&d);
+  zt_zero_free(&z);
+  zt_model_free(m);
+}
+
 ZT_TEST_MAIN(failed_create_frees_what_it_allocated,
-             load_fault_blames_the_epoch_only_for_its_content)
+             load_fault_blames_the_epoch_only_for_its_content,
+             diloco_outer_step_waited_and_overlapped)
