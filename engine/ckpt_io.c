@@ -208,6 +208,7 @@ static int write_epoch_files(const char *dir, const zt_ckpt_meta_t *meta, const 
       cJSON_AddNumberToObject(d, "groups", meta->diloco_groups);
       cJSON_AddNumberToObject(d, "units", meta->diloco_units);
       cJSON_AddNumberToObject(d, "inner_steps", (double)meta->diloco_inner_steps);
+      if (meta->diloco_ef) cJSON_AddNumberToObject(d, "error_feedback", 1);
     }
     cJSON *sk = cJSON_AddArrayToObject(m, "skip_ranges");
     for (int i = 0; i < meta->nskips; i++) {
@@ -637,19 +638,21 @@ int zt_ckpt_read_lora_base(const char *dir, char *path, size_t cap, char sum[32]
   return 0;
 }
 
-int zt_ckpt_read_diloco(const char *dir, const zt_ckpt_record_t *rec, int *groups, int *units) {
-  *groups = 0, *units = 0;
+int zt_ckpt_read_diloco(const char *dir, const zt_ckpt_record_t *rec, int *groups, int *units,
+                        int *ef) {
+  *groups = 0, *units = 0, *ef = 0;
   cJSON *man = read_json(dir, "manifest.json", rec);
   if (!man) return zt_err_wrap("load checkpoint");
   cJSON *d = cJSON_GetObjectItemCaseSensitive(man, "diloco");
   int rc = 0;
   if (d) {
     int64_t g = int_field(d, "groups", 65536), u = int_field(d, "units", 1 << 16);
-    if (g < 1 || u < 1 || (g + 1) * u >= (1 << 20))
+    int64_t e = cJSON_GetObjectItemCaseSensitive(d, "error_feedback") ? int_field(d, "error_feedback", 1) : 0;
+    if (g < 1 || u < 1 || e < 0 || (2 * g + 1) * u >= (1 << 20))
       rc = zt_errk(ZT_E_INVALID, "%s/manifest.json: diloco: no valid groups and units (corrupt "
                    "checkpoint)", dir);
     else
-      *groups = (int)g, *units = (int)u;
+      *groups = (int)g, *units = (int)u, *ef = (int)e;
   }
   cJSON_Delete(man);
   return rc;

@@ -64,7 +64,7 @@ typedef struct {
   /* DiLoCo (sync.mode "diloco", diloco.h): the groups that wrote the
    * epoch, the model's units and the inner steps of a round; 0 groups:
    * not DiLoCo. */
-  int diloco_groups, diloco_units;
+  int diloco_groups, diloco_units, diloco_ef;
   int64_t diloco_inner_steps;
 } zt_ckpt_meta_t;
 
@@ -127,11 +127,11 @@ ZT_MUST_CHECK int zt_ckpt_read_lora_base(const char *dir, char *path, size_t cap
 ZT_MUST_CHECK int zt_ckpt_load_flat(const char *dir, const zt_model_config_t *cfg,
                                     zt_layout_t *lay, float **flat, int64_t *step);
 
-/* A DiLoCo epoch's groups and units (manifest.json's diloco), verified
- * against rec when it holds files; *groups 0 for an epoch of any other
- * kind. */
+/* A DiLoCo epoch's groups and units, and whether it holds each group's
+ * error feedback (manifest.json's diloco), verified against rec when it
+ * holds files; *groups 0 for an epoch of any other kind. */
 ZT_MUST_CHECK int zt_ckpt_read_diloco(const char *dir, const zt_ckpt_record_t *rec, int *groups,
-                                      int *units);
+                                      int *units, int *ef);
 
 /* Checks that the file at path has `bytes` bytes and xxh64 `want`
  * ("xxh64:..."); -1 naming the file otherwise ("corrupt checkpoint"). */

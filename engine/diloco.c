@@ -35,13 +35,17 @@ int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g
     d->q = ZT_QUANT_NONE;
   }
   if (devcomm) d->dev = z->k->alloc(d->n * sizeof(float));
+  if (d->q == ZT_QUANT_INT4) {
+    d->ef = calloc(d->n ? d->n : 1, sizeof(float));
+    d->qtmp = calloc(d->n ? d->n : 1, sizeof(float));
+  }
   if (d->q) {
     d->qbytes = zt_quant_bytes(d->q, d->n);
     d->qmine = malloc(d->qbytes);
     d->qall = malloc(d->qbytes * (size_t)G);
   }
   if (!d->outer || !d->mom || !d->d || (devcomm && !d->dev) ||
-      (d->q && (!d->qall || !d->qmine))) {
+      (d->q && (!d->qall || !d->qmine)) || (d->q == ZT_QUANT_INT4 && (!d->ef || !d->qtmp))) {
     zt_diloco_free(d);
     return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's outer state (3 x %zu floats)", d->n);
   }
@@ -58,7 +62,10 @@ void zt_diloco_free(zt_diloco_t *d) {
   free(d->d);
   free(d->qmine);
   free(d->qall);
+  free(d->ef);
+  free(d->qtmp);
   d->qmine = d->qall = NULL;
+  d->ef = d->qtmp = NULL;
   if (d->dev) d->z->k->release(d->dev);
   d->outer = d->mom = d->d = NULL, d->dev = NULL;
 }
@@ -73,7 +80,15 @@ int zt_diloco_begin(zt_diloco_t *d) {
  * added in rank order into d->d. The bytes travel as 16-bit words (an
  * all-gather moves bits, whatever their type). */
 static int sum_compressed(zt_diloco_t *d) {
+  if (d->ef)
+    for (size_t i = 0; i < d->n; i++) d->d[i] += d->ef[i];
   zt_quant_encode(d->q, d->d, d->n, d->qmine);
+  if (d->ef) { /* the new residual: what this encoding leaves out */
+    memset(d->qtmp, 0, d->n * sizeof(float));
+    if (zt_quant_decode_add(d->q, d->qmine, d->qbytes, d->n, d->qtmp, "this group") != 0)
+      return -1;
+    for (size_t i = 0; i < d->n; i++) d->ef[i] = d->d[i] - d->qtmp[i];
+  }
   if (zt_comm_all_gather(d->comm, d->qmine, d->qall, d->qbytes / 2, ZT_DT_BF16, d->tmo) != 0)
     return -1;
   memset(d->d, 0, d->n * sizeof(float));
@@ -191,6 +206,7 @@ static void outer_share(const zt_diloco_t *d, size_t n, size_t *lo, size_t *len)
 
 size_t zt_diloco_snapshot_floats(const zt_diloco_t *d) {
   size_t total = zt_zero_snapshot_floats(d->z);
+  for (int u = 0; d->ef && u < d->U; u++) total += 3 * d->z->usz[u];
   for (int u = 0; u < d->U; u++) {
     size_t lo, len;
     outer_share(d, d->z->usz[u], &lo, &len);
@@ -221,14 +237,22 @@ int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges, int 
     ranges[nr++] = (zt_ckpt_range_t){u, lo, len, at, at + len, at + 2 * len};
     at += 3 * len;
   }
+  for (int u = 0; d->ef && u < z->U; u++) { /* the residual, zeros for m and v */
+    size_t len = z->usz[u];
+    memcpy(at, d->ef + z->off_full[u], len * sizeof(float));
+    memset(at + len, 0, 2 * len * sizeof(float));
+    ranges[nr++] = (zt_ckpt_range_t){d->U * (1 + d->G + d->g) + u, 0, len, at, at + len,
+                                     at + 2 * len};
+    at += 3 * len;
+  }
   *nranges = nr;
   return 0;
 }
 
 int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec, int64_t *step) {
   zt_zero_t *z = d->z;
-  int groups, units;
-  if (zt_ckpt_read_diloco(dir, rec, &groups, &units) != 0) return -1;
+  int groups, units, ef;
+  if (zt_ckpt_read_diloco(dir, rec, &groups, &units, &ef) != 0) return -1;
   if (!groups) { /* synchronous training's epoch: its parameters are the outer ones */
     if (zt_zero_load(z, dir, rec, step) != 0) return -1;
     return zt_diloco_begin(d);
@@ -236,12 +260,18 @@ int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec,
   if (units != z->U)
     return zt_errk(ZT_E_INVALID, "%s/manifest.json: diloco: %d units, but the model has %d "
                    "(corrupt checkpoint)", dir, units, z->U);
-  zt_ckpt_dest_t *extra = zt_xcalloc((size_t)z->U, sizeof *extra);
+  zt_ckpt_dest_t *extra = zt_xcalloc(2 * (size_t)z->U, sizeof *extra);
+  int from = d->g % groups, ne = 0;
   for (int u = 0; u < z->U; u++)
-    extra[u] = (zt_ckpt_dest_t){u, 0, z->usz[u], d->outer + z->off_full[u],
-                                d->mom + z->off_full[u], NULL};
-  int from = d->g % groups;
-  int rc = zt_zero_load_ex(z, dir, rec, z->U * (1 + from), extra, z->U, step);
+    extra[ne++] = (zt_ckpt_dest_t){u, 0, z->usz[u], d->outer + z->off_full[u],
+                                   d->mom + z->off_full[u], NULL};
+  /* Error feedback: a group that wrote the epoch takes its residual back;
+   * a new one starts at zero (a copy would count the residual twice). */
+  if (d->ef) memset(d->ef, 0, d->n * sizeof(float));
+  for (int u = 0; d->ef && ef && d->g < groups && u < z->U; u++)
+    extra[ne++] = (zt_ckpt_dest_t){z->U * (1 + groups + from) + u, 0, z->usz[u],
+                                   d->ef + z->off_full[u], NULL, NULL};
+  int rc = zt_zero_load_ex(z, dir, rec, z->U * (1 + from), extra, ne, step);
   free(extra);
   if (rc != 0) return -1;
   d->have_inner = 0;

@@ -20,12 +20,14 @@
  * fp32 in the communicator's order, which depends on the world size only,
  * so a run resumed at the same world size is bit-identical.
  *
- * Compression (sync.compression "bf16" or "int8", quant.h): each group
+ * Compression (sync.compression "bf16", "int8" or "int4", quant.h): each group
  * encodes its pseudo-gradient, the groups all-gather the encodings (the
  * int8 one is a little over a quarter of the fp32 bytes) and each decodes
  * and sums all G in rank order, so every group still applies the same
  * outer step. A block that fails its checks fails the sync, naming its
- * group.
+ * group. int4 is coarse (15 levels a block of 64), so each group keeps
+ * error feedback: what its encoding left out is added to its next
+ * pseudo-gradient (checkpointed with it, below).
  *
  * State. outer and mom (fp32, host memory, the padded layout of the
  * group's zero.h buffers) are the same on every group; the inner AdamW
@@ -37,7 +39,9 @@
  * holds its inner state as units U (1 + g) + u (parameters, Adam m, v,
  * the whole unit) and its 1/G share of each real unit u: the outer
  * parameters, the outer momentum (in the place of Adam's m) and zeros (in
- * v's). The manifest's diloco object names G and U. Export and sampling
+ * v's); with error feedback, its residual as units U (1 + G + g) + u
+ * (in the parameters' place). The manifest's diloco object names G and U
+ * (and error_feedback). Export and sampling
  * read the real units, the synced model. A load into G' groups gives
  * group g the inner moments of group g mod G; at a sync step every group
  * starts from the outer parameters.
@@ -72,6 +76,10 @@ typedef struct zt_diloco {
   zt_quant_t q;
   size_t qbytes;
   uint8_t *qmine, *qall;
+  /* int4: error feedback. ef is what the encoding of this group's
+   * pseudo-gradients has left out so far, added to the next one before it
+   * is encoded; qtmp holds this group's own encoding decoded. */
+  float *ef, *qtmp;
   int have_inner;      /* d holds the inner parameters from before the last sync */
   int64_t syncs, refused;
   double sync_ms;      /* the last sync's wall time */
@@ -114,7 +122,7 @@ ZT_MUST_CHECK int zt_diloco_land(zt_diloco_t *d, int *applied);
 
 /* A checkpoint of this group: the floats its snapshot needs, then the
  * snapshot itself into buf, described by ranges[0 .. *nranges) (room for
- * 2 U). */
+ * 3 U). */
 size_t zt_diloco_snapshot_floats(const zt_diloco_t *d);
 ZT_MUST_CHECK int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges,
                                      int *nranges);

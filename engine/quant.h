@@ -2,6 +2,11 @@
  * quant.h: compressed fp32 vectors for the network: bf16, and int8 with a
  * scale per block (sync.compression, diloco.h).
  *
+ * int4: blocks of ZT_Q4_BLOCK values, each its fp32 scale s = max |x| /
+ * 7 and the values round(x / s) in [-7, 7], two to a byte (the low
+ * nibble first); -8 is refused like int8's -128. Coarse: DiLoCo pairs it
+ * with error feedback (diloco.h).
+ *
  * int8: blocks of ZT_Q8_BLOCK values, each sent as its fp32 scale s =
  * max |x| / 127 followed by the values round(x / s), in [-127, 127]; the
  * value is q s on arrival, within s / 2 of x. A block holding a value that
@@ -25,8 +30,9 @@
 #include "zt_common.h"
 
 #define ZT_Q8_BLOCK 256
+#define ZT_Q4_BLOCK 64
 
-typedef enum { ZT_QUANT_NONE = 0, ZT_QUANT_BF16 = 1, ZT_QUANT_INT8 = 2 } zt_quant_t;
+typedef enum { ZT_QUANT_NONE = 0, ZT_QUANT_BF16 = 1, ZT_QUANT_INT8 = 2, ZT_QUANT_INT4 = 3 } zt_quant_t;
 
 /* Bytes of n values encoded (even: a whole number of 16-bit words). */
 size_t zt_quant_bytes(zt_quant_t q, size_t n);

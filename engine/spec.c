@@ -448,9 +448,13 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   if (strcmp(mode, "sync") && strcmp(mode, "diloco"))
     return zt_err("sync.mode: \"%s\" is neither \"sync\" nor \"diloco\"", mode);
   s->diloco = !strcmp(mode, "diloco");
-  if (strcmp(comp, "none") && strcmp(comp, "bf16") && strcmp(comp, "int8"))
-    return zt_err("sync.compression: \"%s\" is none of \"none\", \"bf16\", \"int8\"", comp);
-  s->compression = !strcmp(comp, "bf16") ? 1 : !strcmp(comp, "int8") ? 2 : 0;
+  if (strcmp(comp, "none") && strcmp(comp, "bf16") && strcmp(comp, "int8") && strcmp(comp, "int4"))
+    return zt_err("sync.compression: \"%s\" is none of \"none\", \"bf16\", \"int8\", "
+                  "\"int4\"", comp);
+  s->compression = !strcmp(comp, "bf16") ? 1 : !strcmp(comp, "int8") ? 2 : !strcmp(comp, "int4") ? 3 : 0;
+  if (!s->diloco && s->compression == 3)
+    return zt_err("sync.compression \"int4\" needs error feedback, which only sync.mode "
+                  "\"diloco\" keeps");
   if (!s->diloco && s->compression && s->zero_stage > 1)
     return zt_err("sync.compression compresses the one gradient reduction a step of ZeRO stages "
                   "0-1; stage %d reduces in every micro-step", s->zero_stage);

@@ -180,7 +180,8 @@ typedef struct zt_spec {
   int outer_nesterov;
   /* sync.compression: how DiLoCo's pseudo-gradient, or the gradient of
    * synchronous training at ZeRO stages 0-1, crosses the network: 0 as
-   * it is, 1 bf16, 2 int8 with a scale per block (quant.h's zt_quant_t;
+   * it is, 1 bf16, 2 int8 with a scale per block, 3 int4 with a scale
+   * per block and error feedback (DiLoCo only) (quant.h's zt_quant_t;
    * zero.h, diloco.h). */
   int compression;
   /* sync.overlap_steps (DiLoCo): the all-reduce of a round's

@@ -750,7 +750,7 @@ static int save_state(trainer *t, int64_t step) {
   float *buf = zt_ckpt_writer_buffer(t->writer, t->have_dl ? zt_diloco_snapshot_floats(&t->dl)
                                                              : zt_zero_snapshot_floats(&t->z));
   if (!buf) return -1;
-  zt_ckpt_range_t *rg = zt_xcalloc(2 * (size_t)t->z.U, sizeof *rg);
+  zt_ckpt_range_t *rg = zt_xcalloc(3 * (size_t)t->z.U, sizeof *rg);
   int nr = t->z.U;
   if ((t->have_dl ? zt_diloco_snapshot(&t->dl, buf, rg, &nr) : zt_zero_snapshot(&t->z, buf, rg)) !=
       0) {
@@ -760,14 +760,16 @@ static int save_state(trainer *t, int64_t step) {
   char dir[1024];
   zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
   zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,
-                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0, 0, 0, 0};
+                         t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0,
+                         0, 0, 0, 0};
   snprintf(meta.tokenizer, sizeof meta.tokenizer, "%s", t->tok_record);
   if (t->lora) {
     snprintf(meta.lora_base, sizeof meta.lora_base, "%s", t->base_path);
     meta.lora_base_hash = t->base_hash;
   }
   if (t->have_dl)
-    meta.diloco_groups = t->N, meta.diloco_units = t->z.U, meta.diloco_inner_steps = t->dl.H;
+    meta.diloco_groups = t->N, meta.diloco_units = t->z.U, meta.diloco_inner_steps = t->dl.H,
+    meta.diloco_ef = t->dl.ef != NULL;
   int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, nr);
   free(rg);
   return rc;

@@ -70,7 +70,7 @@ static void make_seed(const char *out) {
   for (int u = 0; u < g_lay.num_units; u++)
     r[u] = (zt_ckpt_range_t){u, 0, g_lay.unit_size[u], buf + g_lay.unit_off[u],
                              buf + total + g_lay.unit_off[u], buf + 2 * total + g_lay.unit_off[u]};
-  zt_ckpt_meta_t meta = {1, 1, 5, 0, 1, 1, k_cfg, 7, 2, NULL, 0, "", "", 0, 0, 0, 0};
+  zt_ckpt_meta_t meta = {1, 1, 5, 0, 1, 1, k_cfg, 7, 2, NULL, 0, "", "", 0, 0, 0, 0, 0};
   zt_ckpt_file_t files[3];
   int nf;
   if (zt_ckpt_write(ep, &meta, r, g_lay.num_units, files, &nf) != 0) ZT_FUZZ_FAIL();

@@ -262,3 +262,32 @@ def test_overlapped_rounds_resume_bit_identical(procs, tmp_path, data):
     assert losses(coord, fid) == want
     logs = "".join(w.output() for w in coord.workers.values())
     assert "training failed at step 14: DiLoCo: the pseudo-gradient's all-reduce" in logs
+
+
+def test_int4_error_feedback_resumes_bit_identical(procs, tmp_path, data):
+    """sync.compression "int4": each group keeps what its encoding left out
+    (error feedback) and adds it to its next pseudo-gradient. The residual
+    is in every epoch (units U (1 + G + g) + u), and a ring broken before
+    step 12's outer step resumes from step 8 with it, to an undisturbed
+    run's losses; int4 with its feedback stays near the fp32 run."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    exact = submit(coord, diloco_spec(train, val, 16, 2, str(tmp_path / "x")), tmp_path, "x.json")
+    assert wait_job(coord, exact, timeout=120)["step"] == 16
+    ref = submit(coord, diloco_spec(train, val, 16, 2, str(tmp_path / "r"), compression="int4"),
+                 tmp_path, "r.json")
+    assert wait_job(coord, ref, timeout=120)["step"] == 16
+    want, fp32 = losses(coord, ref), losses(coord, exact)
+    assert want != fp32 and abs(want[16] - fp32[16]) <= 0.02 * fp32[16], (want[16], fp32[16])
+    eps = committed(coord, ref)
+    man, units = read_epoch(eps[16])
+    U, G = man["diloco"]["units"], 2
+    assert man["diloco"]["error_feedback"] == 1
+    assert sorted(units) == list(range(U * (1 + 2 * G)))
+    assert any(np.any(units[U * (1 + G) + u][0]) for u in range(U)), "no residual kept"
+    spec = diloco_spec(train, val, 16, 2, str(tmp_path / "f"), compression="int4",
+                       fault_injection={"break_ring_before_update_at_step": 12})
+    fid = submit(coord, spec, tmp_path, "f.json")
+    j = wait_job(coord, fid, timeout=120)
+    assert j["step"] == 16 and j["generation"] >= 2, j
+    assert losses(coord, fid) == want

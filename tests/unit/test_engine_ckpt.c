@@ -62,7 +62,7 @@ static void write_rank(const char *dir, int r, int world, int whole) {
     size_t at = l.unit_off[u] + lo;
     rg[u] = (zt_ckpt_range_t){u, lo, n, buf + at, buf + total + at, buf + 2 * total + at};
   }
-  zt_ckpt_meta_t meta = {1, 1, 5, r, world, 1, k_cfg, 7, 2, NULL, 0, "", "", 0, 0, 0, 0};
+  zt_ckpt_meta_t meta = {1, 1, 5, r, world, 1, k_cfg, 7, 2, NULL, 0, "", "", 0, 0, 0, 0, 0};
   zt_ckpt_file_t files[ZT_CKPT_FILES_PER_RANK];
   int nf;
   if (zt_ckpt_write(dir, &meta, rg, l.num_units, files, &nf) != 0) abort();
@@ -409,7 +409,7 @@ ZT_TEST(writer_reports_the_epoch_being_reported) {
     rg[u] = (zt_ckpt_range_t){u, 0, l.unit_size[u], buf + at, buf + l.num_params + at,
                               buf + 2 * l.num_params + at};
   }
-  zt_ckpt_meta_t meta = {1, 1, 5, 0, 1, 1, k_cfg, 7, 2, NULL, 0, "", "", 0, 0, 0, 0};
+  zt_ckpt_meta_t meta = {1, 1, 5, 0, 1, 1, k_cfg, 7, 2, NULL, 0, "", "", 0, 0, 0, 0, 0};
   char dir[800];
   snprintf(dir, sizeof dir, "%s/writer", scratch());
   ZT_REQUIRE(zt_ckpt_writer_submit(w, dir, &meta, rg, l.num_units) == 0);

@@ -108,4 +108,36 @@ ZT_TEST(corrupt_blocks_are_refused) {
   expect_bad(good, bytes - 2, "bytes from group 2, expected");
 }
 
-ZT_TEST_MAIN(round_trip_error_bounds, non_finite_block_is_marked, corrupt_blocks_are_refused)
+/* int4: blocks of 64, two values a byte, within half a step of
+ * max |x| / 7; a -8 is refused by name. */
+ZT_TEST(int4_round_trip_and_checks) {
+  float x[N], acc[N];
+  uint8_t buf[2 * N];
+  size_t bytes = zt_quant_bytes(ZT_QUANT_INT4, N);
+  ZT_CHECK(bytes == 15 * (4 + 32) + 4 + 20); /* 15 whole blocks and one of 40 */
+  ZT_CHECK(zt_quant_bytes(ZT_QUANT_INT4, 3) == 6);
+  fill(x, N, 5);
+  zt_quant_encode(ZT_QUANT_INT4, x, N, buf);
+  memset(acc, 0, sizeof acc);
+  ZT_REQUIRE(zt_quant_decode_add(ZT_QUANT_INT4, buf, bytes, N, acc, "group 1") == 0);
+  size_t off = 0;
+  for (size_t b = 0; b < N; b += ZT_Q4_BLOCK) {
+    float amax = 0;
+    size_t len = N - b < ZT_Q4_BLOCK ? N - b : ZT_Q4_BLOCK;
+    for (size_t i = b; i < b + len; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (size_t i = b; i < b + len; i++)
+      ZT_CHECK(fabsf(acc[i] - x[i]) <= amax / 7.0f * 0.5f + 1e-6f);
+    off += 4 + (len + 1) / 2;
+  }
+  ZT_CHECK(off == bytes);
+  /* Value 5 of block 2 (high nibble of its third byte) set to -8. */
+  buf[2 * 36 + 4 + 2] = (uint8_t)((buf[2 * 36 + 4 + 2] & 0x0f) | 0x80);
+  for (size_t i = 0; i < N; i++) acc[i] = 2.0f;
+  ZT_CHECK(zt_quant_decode_add(ZT_QUANT_INT4, buf, bytes, N, acc, "group 1") == -1);
+  ZT_CHECK(strstr(zt_err_msg(), "int4 block 2 from group 1: value -8 at 5 is out of range "
+                                "[-7, 7]") != NULL);
+  for (size_t i = 0; i < N; i++) ZT_CHECK(acc[i] == 2.0f);
+}
+
+ZT_TEST_MAIN(round_trip_error_bounds, non_finite_block_is_marked, corrupt_blocks_are_refused,
+             int4_round_trip_and_checks)

@@ -220,8 +220,13 @@ ZT_TEST(sync_modes) {
   ZT_CHECK(s.compression == 2 && !s.diloco);
   expect_error("{" BASE ", \"sync\": {\"compression\": \"int8\"}, \"zero_optimization\": "
                "{\"stage\": 2}}", "stages 0-1; stage 2 reduces in every micro-step");
+  expect_error("{" BASE ", \"sync\": {\"compression\": \"int5\"}}",
+               "sync.compression: \"int5\" is none of");
   expect_error("{" BASE ", \"sync\": {\"compression\": \"int4\"}}",
-               "sync.compression: \"int4\" is none of");
+               "\"int4\" needs error feedback, which only sync.mode \"diloco\" keeps");
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"diloco\", \"compression\": "
+                       "\"int4\"}}") == 0);
+  ZT_CHECK(s.compression == 3);
   expect_error("{" BASE ", \"sync\": {\"overlap_steps\": 2}}",
                "sync.overlap_steps: only sync.mode \"diloco\"");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 4, "

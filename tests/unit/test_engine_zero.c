@@ -198,7 +198,7 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   /* The checkpoint: each unit twice, as U + u (inner, whole) and as u
    * (outer parameters, momentum in m, zeros in v). */
   float *buf = malloc(zt_diloco_snapshot_floats(&d) * 4);
-  zt_ckpt_range_t *rg = calloc(2 * (size_t)z.U, sizeof *rg);
+  zt_ckpt_range_t *rg = calloc(3 * (size_t)z.U, sizeof *rg);
   int nr = 0;
   ZT_REQUIRE(zt_diloco_snapshot(&d, buf, rg, &nr) == 0);
   ZT_CHECK(nr == 2 * z.U);
