@@ -665,19 +665,28 @@ static int periodic_due(const trainer *t, int64_t s) {
   return c->dir[0] && c->every_steps && s % c->every_steps == 0 && s < t->spec.steps;
 }
 
-/* Computes step `step` + 1. 1 when a stop was requested. */
-static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res) {
-  int64_t t0 = zt_now_us(), s = step + 1;
-  double loss_sum;
+/* The gradient of step `step` + 1: every micro-step, then the reduction
+ * (a DiLoCo group's is its own); *loss_sum as micro_steps. 1 when a stop
+ * was requested. */
+static int step_gradients(trainer *t, int64_t step, double *loss_sum) {
+  int64_t s = step + 1;
   if (t->spec.fault.break_ring_at_step == s && t->r == t->N - 1) { /* test knob */
     zt_comm_abort(t->g->comm);
     zt_err("fault injection: ring broken at step %lld", (long long)s);
     return -1;
   }
   zt_zero_start_step(&t->z);
-  int rc = micro_steps(t, step, &loss_sum);
+  int rc = micro_steps(t, step, loss_sum);
   if (rc != 0) return rc;
-  if (zt_zero_reduce(&t->z) != 0) return -1;
+  return zt_zero_reduce(&t->z) != 0 ? -1 : 0;
+}
+
+/* Computes step `step` + 1. 1 when a stop was requested. */
+static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res) {
+  int64_t t0 = zt_now_us(), s = step + 1;
+  double loss_sum;
+  int rc = step_gradients(t, step, &loss_sum);
+  if (rc != 0) return rc;
   /* The vote on a periodic epoch at s (see checkpoint()): this rank is busy
    * while its previous epoch is still being copied or reported. Every rank
    * asks at the same steps (the schedule is the spec's), and only there,
@@ -825,15 +834,8 @@ static int sync_due(const trainer *t, int64_t s) {
 static int inner_step(trainer *t, int64_t step) {
   int64_t t0 = zt_now_us(), s = step + 1;
   double loss_sum;
-  if (t->spec.fault.break_ring_at_step == s && t->r == t->N - 1) { /* test knob */
-    zt_comm_abort(t->g->comm);
-    zt_err("fault injection: ring broken at step %lld", (long long)s);
-    return -1;
-  }
-  zt_zero_start_step(&t->z);
-  int rc = micro_steps(t, step, &loss_sum);
+  int rc = step_gradients(t, step, &loss_sum);
   if (rc != 0) return rc;
-  if (zt_zero_reduce(&t->z) != 0) return -1;
   double sumsq = zt_zero_sumsq(&t->z), loss = loss_sum * t->z.inv_k, lr = step_lr(t, s);
   if (isfinite(loss) && isfinite(sumsq)) {
     float gscale = zt_opt_clip_coef(sumsq, t->spec.grad_clip, NULL);

@@ -106,16 +106,23 @@ ZT_TEST(failed_create_frees_what_it_allocated) {
  * as are a short or changed file (test_engine_ckpt checks those kinds);
  * an I/O error or too few descriptors are this worker's, and must not
  * retire a good epoch; out of memory is the worker's memory. */
-ZT_TEST(load_fault_blames_the_epoch_only_for_its_content) {
+/* A small model and its stage 0 states on one rank, alone. */
+static int small_zero(zt_model_t **m, zt_zero_t *z) {
   static const zt_model_config_t small = {
       .n_layer = 1, .n_head = 2, .n_embd = 8, .seq_len = 4, .vocab_size = 16};
-  zt_model_t *m = NULL;
-  ZT_REQUIRE(zt_model_create(&m, &small, 1, small.seq_len, zt_kernels_cpu(),
-                             ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) == 0);
-  zt_zero_t z;
   zt_zero_opts_t o = {
       .rank = 0, .world = 1, .stage = 0, .timeout_ms = 1000, .inv_k = 1.0, .accum = 1};
-  ZT_REQUIRE(zt_zero_create(&z, m, zt_kernels_cpu(), NULL, &o) == 0);
+  *m = NULL;
+  if (zt_model_create(m, &small, 1, small.seq_len, zt_kernels_cpu(),
+                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0)
+    return -1;
+  return zt_zero_create(z, *m, zt_kernels_cpu(), NULL, &o);
+}
+
+ZT_TEST(load_fault_blames_the_epoch_only_for_its_content) {
+  zt_model_t *m;
+  zt_zero_t z;
+  ZT_REQUIRE(small_zero(&m, &z) == 0);
   char dir[700];
   snprintf(dir, sizeof dir, "%s/no-such-epoch", zt_test_tmpdir("engine_zero"));
   int64_t step = -1;
@@ -139,15 +146,9 @@ static float rule(float outer, float *mom, float theta) {
 }
 
 ZT_TEST(diloco_outer_step_waited_and_overlapped) {
-  static const zt_model_config_t small = {
-      .n_layer = 1, .n_head = 2, .n_embd = 8, .seq_len = 4, .vocab_size = 16};
-  zt_model_t *m = NULL;
-  ZT_REQUIRE(zt_model_create(&m, &small, 1, small.seq_len, zt_kernels_cpu(),
-                             ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) == 0);
+  zt_model_t *m;
   zt_zero_t z;
-  zt_zero_opts_t o = {
-      .rank = 0, .world = 1, .stage = 0, .timeout_ms = 1000, .inv_k = 1.0, .accum = 1};
-  ZT_REQUIRE(zt_zero_create(&z, m, zt_kernels_cpu(), NULL, &o) == 0);
+  ZT_REQUIRE(small_zero(&m, &z) == 0);
   zt_spec_t sp;
   memset(&sp, 0, sizeof sp);
   sp.inner_steps = 4, sp.outer_lr = 0.7, sp.outer_momentum = 0.9, sp.outer_nesterov = 1;
