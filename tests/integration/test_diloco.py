@@ -1,5 +1,7 @@
-"""DiLoCo (sync.mode "diloco", engine/diloco.c): real zworkers under zcoord,
-each a group of its own that syncs only every inner_steps steps.
+"""The sync modes (docs/engine.md): DiLoCo (sync.mode "diloco",
+engine/diloco.c), real zworkers under zcoord, each a group of its own that
+syncs only every inner_steps steps; and compressed gradients
+(sync.compression) in DiLoCo and in synchronous training.
 
 The outer step is checked against the paper's update rule computed here,
 from the epochs' files: a sync step's epoch holds every group's inner
@@ -14,8 +16,8 @@ import os
 import numpy as np
 import pytest
 
-from ztest import (byte_dataset, job, job_members, losses, start_fleet, submit, tiny_spec, wait_job,
-                   wait_until, zctl_json)
+from ztest import (byte_dataset, events, job, job_members, losses, start_fleet, submit, tiny_spec,
+                   wait_job, wait_until, zctl_json)
 
 H, LR, MU = 4, 0.7, 0.9
 
@@ -291,3 +293,33 @@ def test_int4_error_feedback_resumes_bit_identical(procs, tmp_path, data):
     j = wait_job(coord, fid, timeout=120)
     assert j["step"] == 16 and j["generation"] >= 2, j
     assert losses(coord, fid) == want
+
+
+def test_rollback_on_outer_steps(procs, tmp_path, data):
+    """A loss spike in DiLoCo (the inner LR x100 for steps 150-153 in
+    every group) reaches the coordinator when the groups meet at step 160;
+    it rolls the job back to an epoch where they met, skips the data and
+    lowers the LR, and the job recovers."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    spec = diloco_spec(train, val, 300, 2, str(tmp_path / "ck"), every=10,
+                       fault_injection={"lr_scale": 100.0, "from_step": 150, "to_step": 153})
+    spec["sync"]["inner_steps"] = 10
+    spec["checkpoint"]["keep_last"] = 30
+    spec["rollback"] = {"enabled": True, "window": 50, "threshold": 6, "patience": 3,
+                        "margin_steps": 5, "skip_steps": 10, "lr_factor": 0.5,
+                        "cooldown_steps": 40, "max_rollbacks": 3, "per_steps": 1000}
+    jid = submit(coord, spec, tmp_path, "spike.json")
+    j = wait_job(coord, jid, timeout=300)
+    ev = events(coord, job=jid)
+    k = [e["kind"] for e in ev]
+    assert "spike" in k, [(e["kind"], e["detail"][:100]) for e in ev]
+    i = k.index("spike")
+    assert k[i:i + 4] == ["spike", "rollback", "skip_range", "lr_change"], k[i:]
+    first = int(ev[i]["detail"].split("from step ")[1].split(":")[0])
+    assert 150 <= first <= 154, ev[i]["detail"]
+    to = int(ev[i + 1]["detail"].split("(step ")[1].rstrip(")"))
+    assert to <= first - 1 - 5 and to % 10 == 0, ev[i + 1]["detail"]  # where the groups met
+    ls = losses(coord, jid)
+    pre = sum(ls[s] for s in range(first - 10, first)) / 10
+    assert j["state"] == "completed" and ls[300] <= pre + 0.05, (ls[300], pre)
