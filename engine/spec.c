@@ -455,9 +455,6 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   if (!s->diloco && s->compression == 3)
     return zt_err("sync.compression \"int4\" needs error feedback, which only sync.mode "
                   "\"diloco\" keeps");
-  if (!s->diloco && s->compression && s->zero_stage > 1)
-    return zt_err("sync.compression compresses the one gradient reduction a step of ZeRO stages "
-                  "0-1; stage %d reduces in every micro-step", s->zero_stage);
   if (!s->diloco && s->overlap_steps)
     return zt_err("sync.overlap_steps: only sync.mode \"diloco\" overlaps its all-reduce");
   if (!s->diloco) return 0;

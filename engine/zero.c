@@ -286,11 +286,15 @@ static void widen_piece(zt_zero_t *z, double *dst, const float *g, int u, size_t
  * device without NCCL the segments are downloaded (half the bytes of
  * widened ones), summed on the host and the sums uploaded. Over NCCL the
  * callers widen first (it has no fp32-to-fp64 reduction). */
+static int rs_f32_compressed(zt_zero_t *z, const float *src, size_t stride, double *out,
+                             size_t n);
+
 static int rs_f32(zt_zero_t *z, const float *src, size_t stride, double *out, size_t n) {
   if (z->N == 1) {
     z->k->widen_f64(out, src, n);
     return 0;
   }
+  if (z->q) return rs_f32_compressed(z, src, stride, out, n);
   if (!z->dev) return zt_comm_reduce_scatter_f32to64(z->comm, src, stride, out, n, z->tmo);
   size_t seg = n * sizeof(float), at = ((size_t)z->N * seg + 7) & ~(size_t)7;
   char *h = stage(z, at + n * sizeof(double));
@@ -298,6 +302,47 @@ static int rs_f32(zt_zero_t *z, const float *src, size_t stride, double *out, si
   if (zt_comm_reduce_scatter_f32to64(z->comm, (const float *)h, n, (double *)(h + at), n, z->tmo) != 0)
     return -1;
   z->k->upload(out, h + at, n * sizeof(double));
+  return 0;
+}
+
+/* The compressed exchange (sync.compression, zero.h): with every other
+ * rank's segment of n values encoded in qsend, the all-to-all, then the
+ * decoded pieces from the other ranks added to this rank's own sums in
+ * mine, in ring order from the next rank on, in fp64. */
+static int exchange_encoded(zt_zero_t *z, size_t n, double *mine) {
+  size_t N = (size_t)z->N, qb = zt_quant_bytes((zt_quant_t)z->q, n);
+  if (zt_comm_all_to_all(z->comm, z->qsend, z->qrecv, qb, z->tmo) != 0) return -1;
+  for (size_t k = 1; k < N; k++) {
+    size_t j = ((size_t)z->r + k) % N;
+    char who[32];
+    snprintf(who, sizeof who, "rank %zu", j);
+    memset(z->qtmp, 0, n * sizeof(float));
+    if (zt_quant_decode_add((zt_quant_t)z->q, z->qrecv + j * qb, qb, n, z->qtmp, who) != 0)
+      return zt_err_wrap("the compressed values");
+    for (size_t i = 0; i < n; i++) mine[i] += (double)z->qtmp[i];
+  }
+  return 0;
+}
+
+/* rs_f32 with sync.compression: segment j of src (n values, stride
+ * apart) encoded for rank j, this rank's own added exactly. */
+static int rs_f32_compressed(zt_zero_t *z, const float *src, size_t stride, double *out,
+                             size_t n) {
+  size_t N = (size_t)z->N, qb = zt_quant_bytes((zt_quant_t)z->q, n);
+  size_t at = (N * n * sizeof(float) + 7) & ~(size_t)7;
+  const float *h = src;
+  double *mine = out;
+  if (z->dev) { /* the segments and the sums through host memory */
+    char *st = stage(z, at + n * sizeof(double));
+    for (size_t j = 0; j < N; j++)
+      z->k->download(st + j * n * sizeof(float), src + j * stride, n * sizeof(float));
+    h = (const float *)st, stride = n, mine = (double *)(st + at);
+  }
+  for (size_t j = 0; j < N; j++)
+    if ((int)j != z->r) zt_quant_encode((zt_quant_t)z->q, h + j * stride, n, z->qsend + j * qb);
+  for (size_t i = 0; i < n; i++) mine[i] = (double)h[(size_t)z->r * stride + i];
+  if (exchange_encoded(z, n, mine) != 0) return zt_err_wrap("the gradient");
+  if (z->dev) z->k->upload(out, mine, n * sizeof(double));
   return 0;
 }
 
@@ -333,17 +378,8 @@ static int reduce_compressed(zt_zero_t *z, int u) {
     for (size_t i = 0; i < S; i++) z->qtmp[i] = (float)h[j * S + i];
     zt_quant_encode((zt_quant_t)z->q, z->qtmp, S, z->qsend + j * qb);
   }
-  if (zt_comm_all_to_all(z->comm, z->qsend, z->qrecv, qb, z->tmo) != 0) return -1;
   double *mine = h + (size_t)z->r * S;
-  for (size_t k = 1; k < N; k++) {
-    size_t j = ((size_t)z->r + k) % N;
-    char who[32];
-    snprintf(who, sizeof who, "rank %zu", j);
-    memset(z->qtmp, 0, S * sizeof(float));
-    if (zt_quant_decode_add((zt_quant_t)z->q, z->qrecv + j * qb, qb, S, z->qtmp, who) != 0)
-      return zt_err_wrap("the compressed gradient of unit %d", u);
-    for (size_t i = 0; i < S; i++) mine[i] += (double)z->qtmp[i];
-  }
+  if (exchange_encoded(z, S, mine) != 0) return zt_err_wrap("the gradient of unit %d", u);
   if (z->dev) z->k->upload(g + (size_t)z->r * S, mine, S * sizeof(double));
   return 0;
 }
@@ -708,8 +744,7 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->inv_k = o->inv_k;
   /* The same choice on every rank: stage, accum, N and the communicator's
    * kind are the generation's. */
-  z->q = o->compress && z->stage < 2 && z->N > 1 && comm && !zt_comm_device_memory(comm)
-             ? o->compress : 0;
+  z->q = o->compress && z->N > 1 && comm && !zt_comm_device_memory(comm) ? o->compress : 0;
   z->each = z->stage < 2 && !z->dcomm && !z->q &&
             (o->accum == 1 || (o->accum == 2 && z->N > 1 && comm && zt_comm_f32_direct(comm)));
   z->want_overlap = o->overlap && !o->dev; /* the thread runs on host memory only */

@@ -157,12 +157,13 @@ typedef struct zt_zero {
    * so that two fp32 reductions move the bytes of one fp64 one and the
    * first hides behind the rest of the step. Not over NCCL (zero.c). */
   int micro_n, each;
-  /* sync.compression (stages 0-1 on the TCP ring): each unit's fp64 sums
-   * are reduced as the encoding q (quant.h) of every other rank's sums,
-   * sent straight to their owner (zt_comm_all_to_all) and added to the
-   * owner's own exact sums in rank order (reduce_compressed in zero.c):
-   * the send and receive buffers (N encoded segments of the largest
-   * shard) and one decoded segment. */
+  /* sync.compression (the TCP ring): every reduction (stages 0-1: each
+   * unit's fp64 sums, narrowed; stages 2-3: each micro-step's fp32
+   * pieces) sends the encoding q (quant.h) of every other rank's segment
+   * straight to its owner (zt_comm_all_to_all), which adds the decoded
+   * pieces to its own exact values in ring order (exchange_encoded in
+   * zero.c): the send and receive buffers (N encoded segments of the
+   * largest shard) and one decoded segment. */
   int q;
   uint8_t *qsend, *qrecv;
   float *qtmp;
@@ -210,7 +211,7 @@ typedef struct zt_zero_opts {
   double inv_k;         /* micro_batch / global_batch */
   int accum;            /* micro-steps per rank and step; 0: they vary (load balance) */
   int overlap;          /* reduce on a communication thread (see above) */
-  int compress;         /* sync.compression (zt_quant_t): stages 0-1 on the TCP ring only */
+  int compress;         /* sync.compression (zt_quant_t): on the TCP ring only */
 } zt_zero_opts_t;
 
 /* Lays out this rank's model states in the kernel table's memory, points

@@ -209,13 +209,14 @@ def test_a_group_that_joins(procs, tmp_path, data):
     assert os.path.getsize(tmp_path / "export" / "model.safetensors") == r["model_bytes"]
 
 
-@pytest.mark.parametrize("stage,workers", [(0, 2), (1, 3)])
+@pytest.mark.parametrize("stage,workers", [(0, 2), (1, 3), (2, 2), (3, 3)])
 def test_sync_int8_gradients(procs, tmp_path, data, stage, workers):
-    """sync.compression "int8" in synchronous training (ZeRO stages 0-1):
-    the gradient of every other rank reaches its owner as int8 blocks (and
-    stage 0's gathered gradient travels so too). The losses follow the
-    exact run's within 1% without equalling it, and a second run
-    reproduces the first bit for bit."""
+    """sync.compression "int8" in synchronous training: the gradient of
+    every other rank reaches its owner as int8 blocks, once a step at
+    stages 0-1 (and stage 0's gathered gradient travels so too), every
+    micro-step at stages 2-3. The losses follow the exact run's within 1%
+    without equalling it, and a second run reproduces the first bit for
+    bit."""
     train, val = data
     coord = start_fleet(procs, workers)
     base = tiny_spec(train, val, 24, stage, workers, gbs=12 * workers)
