@@ -83,6 +83,10 @@ static int sum_compressed(zt_diloco_t *d) {
   if (d->ef)
     for (size_t i = 0; i < d->n; i++) d->d[i] += d->ef[i];
   zt_quant_encode(d->q, d->d, d->n, d->qmine);
+  if (d->corrupt) { /* test knob: the first value out of range (-128, or int4's -8) */
+    d->qmine[4] = d->q == ZT_QUANT_INT4 ? 0x08 : 0x80;
+    d->corrupt = 0;
+  }
   if (d->ef) { /* the new residual: what this encoding leaves out */
     memset(d->qtmp, 0, d->n * sizeof(float));
     if (zt_quant_decode_add(d->q, d->qmine, d->qbytes, d->n, d->qtmp, "this group") != 0)

@@ -80,6 +80,7 @@ typedef struct zt_diloco {
    * pseudo-gradients has left out so far, added to the next one before it
    * is encoded; qtmp holds this group's own encoding decoded. */
   float *ef, *qtmp;
+  int corrupt;         /* test knob: corrupt this group's next encoding */
   int have_inner;      /* d holds the inner parameters from before the last sync */
   int64_t syncs, refused;
   double sync_ms;      /* the last sync's wall time */

@@ -104,6 +104,10 @@ typedef struct zt_spec_fault {
    * computes (a slow machine, for load_balance's tests). */
   int slow_rank;
   long slow_micro_ms;
+  /* DiLoCo with compression: the last rank corrupts its encoded
+   * pseudo-gradient of this step (a value of -128, or int4's -8) before
+   * it sends it, in the first generation only. */
+  long corrupt_compressed_at_step;
 } zt_spec_fault_t;
 
 typedef struct zt_spec {

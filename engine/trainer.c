@@ -877,13 +877,20 @@ static void outer_refused(int64_t s, int applied) {
             "group goes on from the last sync", (long long)s);
 }
 
-/* Test knob: the outer step's all-reduce of step s fails (first
- * generation only). */
+/* Test knobs at the outer step of step s, on the last rank, in the first
+ * generation only: its all-reduce fails; the encoded pseudo-gradient
+ * arrives corrupt (int8, int4). */
 static void break_before_outer(trainer *t, int64_t s) {
-  if (t->spec.fault.break_ring_before_update_at_step == s && t->N > 1 && t->r == t->N - 1 &&
-      t->g->generation == 1) {
+  const zt_spec_fault_t *fi = &t->spec.fault;
+  if (t->N < 2 || t->r != t->N - 1 || t->g->generation != 1) return;
+  if (fi->break_ring_before_update_at_step == s) {
     ZT_WARN("fault injection: ring broken before the outer step of step %lld", (long long)s);
     zt_comm_abort(t->g->comm);
+  }
+  if (fi->corrupt_compressed_at_step == s &&
+      (t->dl.q == ZT_QUANT_INT8 || t->dl.q == ZT_QUANT_INT4)) {
+    ZT_WARN("fault injection: the encoded pseudo-gradient of step %lld corrupted", (long long)s);
+    t->dl.corrupt = 1;
   }
 }
 

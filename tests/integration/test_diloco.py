@@ -324,3 +324,27 @@ def test_rollback_on_outer_steps(procs, tmp_path, data):
     ls = losses(coord, jid)
     pre = sum(ls[s] for s in range(first - 10, first)) / 10
     assert j["state"] == "completed" and ls[300] <= pre + 0.05, (ls[300], pre)
+
+
+def test_corrupt_compressed_block_is_refused(procs, tmp_path, data):
+    """A pseudo-gradient that arrives with a value out of range (int8's
+    -128, from the last rank at step 8 in the first generation) fails the
+    sync on every group with a message naming the block and its group,
+    as a peer's fault; nothing of it is applied (the step-4 epoch is the
+    last one), and the job resumes from it to the undisturbed losses."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    ref = submit(coord, diloco_spec(train, val, 12, 2, str(tmp_path / "r"), compression="int8"),
+                 tmp_path, "r.json")
+    assert wait_job(coord, ref, timeout=120)["step"] == 12
+    spec = diloco_spec(train, val, 12, 2, str(tmp_path / "c"), compression="int8",
+                       fault_injection={"corrupt_compressed_at_step": 8})
+    jid = submit(coord, spec, tmp_path, "c.json")
+    j = wait_job(coord, jid, timeout=120)
+    assert j["step"] == 12 and j["generation"] >= 2, j
+    assert losses(coord, jid) == losses(coord, ref)
+    logs = "".join(w.output() for w in coord.workers.values())
+    assert ("DiLoCo: the compressed pseudo-gradients: int8 block 0 from group 1: value -128 at 0 "
+            "is out of range [-127, 127]") in logs, logs[-3000:]
+    fails = [e for e in events(coord, job=jid) if e["kind"] == "rank_failed"]
+    assert fails and any("int8 block 0 from group 1" in e["detail"] for e in fails), fails
