@@ -105,8 +105,14 @@ def close(a, b):
     return np.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("workers,compression", [(2, "none"), (4, "none"), (3, "int8")])
-def test_outer_step_is_the_papers(procs, tmp_path, data, workers, compression):
+LLAMA = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32,
+         "intermediate_size": 64, "seq_len": 32, "vocab_size": 257}
+
+
+@pytest.mark.parametrize("workers,compression,arch",
+                         [(2, "none", "gpt2"), (4, "none", "gpt2"), (3, "int8", "gpt2"),
+                          (2, "none", "llama")])
+def test_outer_step_is_the_papers(procs, tmp_path, data, workers, compression, arch):
     """Every sync's epoch against the rule: the groups' inner parameters
     (which differ: each trained on its own micro-batches) averaged into a
     pseudo-gradient, Nesterov momentum, the outer LR. The plain-momentum
@@ -120,6 +126,8 @@ def test_outer_step_is_the_papers(procs, tmp_path, data, workers, compression):
     # written, and every pair of epochs one round apart is checked.
     spec = diloco_spec(train, val, 16, workers, root, compression=compression, gbs=12 * workers,
                        fault_injection={"slow_rank": 0, "slow_micro_ms": 10})
+    if arch == "llama":
+        spec["model"] = dict(LLAMA)
     jid = submit(coord, spec, tmp_path, "d.json")
     assert wait_job(coord, jid, timeout=120)["step"] == 16
     eps = committed(coord, jid)
