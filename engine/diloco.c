@@ -201,6 +201,73 @@ int zt_diloco_land(zt_diloco_t *d, int *applied) {
   return 0;
 }
 
+/* ---- a lost group dropped from its round (diloco.h) ------------------------------ */
+
+struct zt_diloco_stash {
+  uint64_t job;
+  int64_t s0, s;
+  int G, g;            /* the generation it was computed in */
+  size_t n;            /* floats of the padded layout */
+  float *p, *m, *v;
+  double *rl, *rlr, *rms;
+};
+
+void zt_diloco_stash_free(zt_diloco_stash_t *st) {
+  if (!st) return;
+  free(st->p), free(st->m), free(st->v), free(st->rl), free(st->rlr), free(st->rms);
+  free(st);
+}
+
+int zt_diloco_stash_keep(zt_diloco_t *d, zt_diloco_stash_t **out, uint64_t job, int64_t s0,
+                         int64_t s, const double *rl, const double *rlr, const double *rms) {
+  zt_zero_t *z = d->z;
+  size_t n = d->n, k = (size_t)(s - s0), b = n * sizeof(float);
+  zt_diloco_stash_free(*out);
+  *out = NULL;
+  zt_diloco_stash_t *st = calloc(1, sizeof *st);
+  if (st) {
+    *st = (zt_diloco_stash_t){job, s0, s, d->G, d->g, n, malloc(b ? b : 1), malloc(b ? b : 1),
+                              malloc(b ? b : 1), malloc(2 * k * sizeof(double)),
+                              malloc(k * sizeof(double)), malloc(k * sizeof(double))};
+  }
+  if (!st || !st->p || !st->m || !st->v || !st->rl || !st->rlr || !st->rms) {
+    zt_diloco_stash_free(st);
+    return zt_errk(ZT_E_NO_MEMORY, "out of memory keeping DiLoCo's round");
+  }
+  if (zt_zero_master_get(z, st->p) != 0) {
+    zt_diloco_stash_free(st);
+    return -1;
+  }
+  z->k->download(st->m, z->M, b);
+  z->k->download(st->v, z->V, b);
+  memcpy(st->rl, rl, 2 * k * sizeof(double));
+  memcpy(st->rlr, rlr, k * sizeof(double));
+  memcpy(st->rms, rms, k * sizeof(double));
+  *out = st;
+  return 0;
+}
+
+int64_t zt_diloco_stash_end(const zt_diloco_stash_t *st, uint64_t job, int64_t s0) {
+  return st && st->job == job && st->s0 == s0 ? st->s : 0;
+}
+
+void zt_diloco_stash_take(zt_diloco_t *d, const zt_diloco_stash_t *st, double *rl, double *rlr,
+                          double *rms, int *n) {
+  zt_zero_t *z = d->z;
+  size_t k = (size_t)(st->s - st->s0), b = d->n * sizeof(float);
+  if (zt_zero_master_put(z, st->p) != 0) ZT_WARN("%s", zt_err_msg());
+  z->k->upload(z->M, st->m, b);
+  z->k->upload(z->V, st->v, b);
+  memcpy(rl, st->rl, 2 * k * sizeof(double));
+  memcpy(rlr, st->rlr, k * sizeof(double));
+  memcpy(rms, st->rms, k * sizeof(double));
+  *n = (int)k;
+  d->have_inner = 0;
+  ZT_INFO("diloco: group %d of %d takes back its round %lld..%lld (computed as group %d of %d); "
+          "a lost group's share of it is dropped", d->g, d->G, (long long)st->s0 + 1,
+          (long long)st->s, st->g, st->G);
+}
+
 /* Group g's share of unit u's n elements: [lo, lo + len). */
 static void outer_share(const zt_diloco_t *d, size_t n, size_t *lo, size_t *len) {
   size_t per = (n + (size_t)d->G - 1) / (size_t)d->G;

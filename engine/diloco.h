@@ -128,6 +128,34 @@ size_t zt_diloco_snapshot_floats(const zt_diloco_t *d);
 ZT_MUST_CHECK int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges,
                                      int *nranges);
 
+/* A lost group dropped from its round (docs/engine.md, "Elastic"). A
+ * round's collectives come only at its end, so a lost group is found
+ * there, when every other group has finished the round. Each survivor
+ * keeps its round in a stash that outlives the generation (the worker
+ * holds it): the inner parameters and moments as the round left them,
+ * and the round's losses. When the next generation starts from the epoch
+ * of the round's start and every one of its groups holds such a round,
+ * they take their rounds back and meet at once: the outer step averages
+ * the survivors' pseudo-gradients, and the lost group's share of the
+ * round is not trained. Otherwise the stashes are dropped and the job
+ * resumes from the epoch as usual. Not with error feedback (its residual
+ * has moved on by the failed sync). */
+typedef struct zt_diloco_stash zt_diloco_stash_t;
+/* Keeps group d's round (s0, s] (n = s - s0 steps; rl: 2n, rlr and rms: n,
+ * the trainer's round figures) in *st, replacing what it held. -1 when
+ * out of memory (nothing kept). */
+ZT_MUST_CHECK int zt_diloco_stash_keep(zt_diloco_t *d, zt_diloco_stash_t **st, uint64_t job,
+                                       int64_t s0, int64_t s, const double *rl,
+                                       const double *rlr, const double *rms);
+/* The end of the round of job that *st holds from s0, or 0. */
+int64_t zt_diloco_stash_end(const zt_diloco_stash_t *st, uint64_t job, int64_t s0);
+/* Puts the stash's parameters and moments into the group's state and its
+ * round figures into rl, rlr, rms (room for the round); *n receives the
+ * round's steps. */
+void zt_diloco_stash_take(zt_diloco_t *d, const zt_diloco_stash_t *st, double *rl, double *rlr,
+                          double *rms, int *n);
+void zt_diloco_stash_free(zt_diloco_stash_t *st);
+
 /* Loads the committed epoch in dir (verified against rec): a DiLoCo
  * epoch of any number of groups as above, or an epoch of synchronous
  * training (its parameters become the outer ones, the momentum zero). */

@@ -924,10 +924,26 @@ static int land(trainer *t, int64_t s) {
  * that tells every group what rank 0's caller wants, and the checkpoint
  * (its vote rides with the losses). *end is set when the generation ends
  * here: a stop or rollback, or a checkpoint-now epoch. */
+/* A sync of step s failed with its round still open (the outer step not
+ * applied): when a peer is gone, the round is kept for the next
+ * generation (diloco.h, a lost group dropped from its round). */
+static void keep_round(trainer *t, int64_t s) {
+  const zt_gen_ctx_t *g = t->g;
+  if (!g->diloco_stash || t->dl.ef || !zt_comm_broken(g->comm) || t->rn < 1) return;
+  char why[512];
+  snprintf(why, sizeof why, "%s", zt_err_msg());
+  if (zt_diloco_stash_keep(&t->dl, g->diloco_stash, g->job_id, s - t->rn, s, t->rl, t->rlr,
+                           t->rms) == 0)
+    ZT_INFO("diloco: group %d keeps its round %lld..%lld for the next generation",
+            t->r, (long long)(s - t->rn + 1), (long long)s);
+  zt_err("%s", why); /* the failure stays the sync's */
+}
+
 static int sync_round(trainer *t, int64_t s, int *end) {
-  int n = t->rn, rc = -1;
+  int n = t->rn, rc = -1, open = 0;
   /* The last step may come before an overlapped round has landed. */
   if (t->dl.pending && land(t, s) != 0) return -1;
+  open = 1;
   step_result res;
   memset(&res, 0, sizeof res);
   res.ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
@@ -948,6 +964,7 @@ static int sync_round(trainer *t, int64_t s, int *end) {
   int overlap = t->spec.overlap_steps && !t->dl.dev && !eval && !periodic_due(t, s) &&
                 s < t->spec.steps;
   if (!overlap && outer_sync(t, s) != 0) goto out;
+  open = overlap;
   res.val_loss = NAN;
   if (eval && eval_loss(t, &res.val_loss) != 0) goto out;
   report_round(t, s, ctl, res.val_loss, flags);
@@ -961,12 +978,38 @@ static int sync_round(trainer *t, int64_t s, int *end) {
     if (zt_diloco_launch(&t->dl) != 0) goto out;
     t->land_at = s + t->spec.overlap_steps;
   }
+  open = 0;
   rc = checkpoint(t, s, &res);
   if (rc >= 0) *end = rc > 0 || flags[1] > 0;
   rc = rc < 0 ? -1 : 0;
 out:
+  if (rc != 0 && open) keep_round(t, s);
   free(ctl);
   return rc;
+}
+
+/* At the generation's start (step, the epoch's): when every group holds a
+ * round kept from that step on, they take it back and meet at once
+ * (diloco.h); the kept rounds are dropped either way. *end as
+ * sync_round. */
+static int take_rounds(trainer *t, int64_t *step, int *end) {
+  const zt_gen_ctx_t *g = t->g;
+  zt_diloco_stash_t *st = g->diloco_stash ? *g->diloco_stash : NULL;
+  int64_t mine = zt_diloco_stash_end(st, g->job_id, *step);
+  double v[2] = {mine > 0 ? 1.0 : 0.0, (double)mine};
+  if (zt_zero_host_all_reduce(&t->z, v, 2, ZT_DT_F64) != 0) return -1;
+  int all = mine > 0 && v[0] == t->N && v[1] == (double)mine * t->N && mine <= t->spec.steps;
+  if (all) zt_diloco_stash_take(&t->dl, st, t->rl, t->rlr, t->rms, &t->rn);
+  else if (mine > 0)
+    ZT_INFO("diloco: the round %lld..%lld kept here is dropped (%d of %d groups kept it)",
+            (long long)*step + 1, (long long)mine, (int)v[0], t->N);
+  if (g->diloco_stash) {
+    zt_diloco_stash_free(st);
+    *g->diloco_stash = NULL;
+  }
+  if (!all) return 0;
+  *step = mine;
+  return sync_round(t, mine, end);
 }
 
 /* One DiLoCo step (an inner step, and the round's end where due); as
@@ -1022,6 +1065,14 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
   int ret = -1, ckpt_flag = 0;
   f->step = g->start_step;
   if (set_up(&t, &f->fault) != 0 || load_or_init(&t, &step, &f->fault) != 0) goto out;
+  if (t.have_dl) { /* a failure here is the collectives' (found broken below) or local */
+    int end = 0;
+    if (take_rounds(&t, &step, &end) != 0) goto out;
+    if (end) {
+      ret = 0;
+      goto out;
+    }
+  }
   while (step < t.spec.steps) {
     step_result res;
     f->step = step + 1;

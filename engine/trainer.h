@@ -95,6 +95,10 @@ typedef struct zt_gen_ctx {
    * generation measured it (0: not yet): the load balance's first plan
    * (trainer.c). The trainer updates it at every plan; NULL: none kept. */
   double *micro_ms;
+  /* DiLoCo: the round a group kept when a group was lost (diloco.h,
+   * zt_diloco_stash_t), held by the worker across generations of a job;
+   * NULL: none kept. */
+  struct zt_diloco_stash **diloco_stash;
   /* Polled between micro-steps: nonzero asks the trainer to return. */
   int (*should_stop)(void *user);
   /* Rank 0 only, after every step. */

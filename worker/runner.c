@@ -25,6 +25,7 @@
 #include "balance.h"
 #include "comm.h"
 #include "device.h"
+#include "diloco.h"
 #include "pbcall.h"
 #include "replicas.h"
 #include "runner.h"
@@ -50,6 +51,9 @@ struct zt_runner {
    * here (zt_gen_ctx_t.micro_ms); runner thread only. */
   uint64_t micro_job;
   double micro_ms;
+  /* DiLoCo: the round this worker's group kept when a group was lost
+   * (zt_gen_ctx_t.diloco_stash), for job micro_job; runner thread only. */
+  zt_diloco_stash_t *stash;
   /* The load balance's newest plan, to go with the report of step
    * plan_step (plan_n 0: none pending); under mu. */
   uint32_t plan[ZT_LB_MAX_RANKS];
@@ -542,8 +546,13 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
                     .step_done = step_done_cb,
                     .report_checkpoint = report_ckpt_cb, .user = r};
   g.checkpoint = (zt_ckpt_record_t){e->files, e->n};
-  if (r->micro_job != rv->job_id) r->micro_job = rv->job_id, r->micro_ms = 0;
+  if (r->micro_job != rv->job_id) {
+    r->micro_job = rv->job_id, r->micro_ms = 0;
+    zt_diloco_stash_free(r->stash);
+    r->stash = NULL;
+  }
   g.micro_ms = &r->micro_ms;
+  g.diloco_stash = &r->stash;
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
   g.nskips = (int)rv->n_skips;
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
@@ -780,5 +789,6 @@ void zt_runner_stop(zt_runner_t *r) {
   pthread_cond_destroy(&r->cv);
   pthread_cond_destroy(&r->rep_cv);
   pthread_mutex_destroy(&r->mu);
+  zt_diloco_stash_free(r->stash);
   free(r);
 }

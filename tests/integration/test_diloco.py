@@ -356,3 +356,40 @@ def test_corrupt_compressed_block_is_refused(procs, tmp_path, data):
             "is out of range [-127, 127]") in logs, logs[-3000:]
     fails = [e for e in events(coord, job=jid) if e["kind"] == "rank_failed"]
     assert fails and any("int8 block 0 from group 1" in e["detail"] for e in fails), fails
+
+
+def test_lost_group_is_dropped_from_its_round(procs, tmp_path, data):
+    """A worker SIGKILLed mid-round: the other groups finish the round and
+    find the loss when they meet; each keeps its round, the job re-forms
+    on the two from the round's first epoch, and they take their rounds
+    back and meet at once. The outer step of that round averages the two
+    survivors' pseudo-gradients (the paper's rule on the epoch's files),
+    and the round is not computed again."""
+    import re
+    train, val = data
+    coord = start_fleet(procs, 3)
+    spec = diloco_spec(train, val, 16, 3, str(tmp_path / "ck"), gbs=36,
+                       fault_injection={"slow_rank": 0, "slow_micro_ms": 30})
+    spec["elastic"] = {"min_workers": 2, "max_workers": 3}
+    jid = submit(coord, spec, tmp_path, "lost.json")
+    wait_until(lambda: 4 in committed(coord, jid), 120, "the epoch of step 4")
+    victim = sorted(job_members(coord, jid))[-1]
+    coord.workers[victim].kill()
+    j = wait_job(coord, jid, timeout=180)
+    assert j["step"] == 16 and j["generation"] >= 2 and len(job_members(coord, jid)) == 2, j
+    logs = "".join(w.output() for n, w in coord.workers.items() if n != victim)
+    kept = re.findall(r"keeps its round (\d+)\.\.(\d+)", logs)
+    took = re.findall(r"takes back its round (\d+)\.\.(\d+) \(computed as group \d of 3\)", logs)
+    assert len(kept) == 2 and len(set(kept)) == 1 and took == kept, (kept, took)
+    a, b = int(kept[0][0]) - 1, int(kept[0][1])
+    eps = committed(coord, jid)
+    assert a in eps and b in eps, eps
+    _, prev = read_epoch(eps[a])
+    man, cur = read_epoch(eps[b])
+    U = man["diloco"]["units"]
+    assert man["diloco"]["groups"] == 2
+    want_p, want_m = outer_rule(prev, cur, 2, U)
+    for u in range(U):
+        assert close(cur[u][0], want_p[u]) and close(cur[u][1], want_m[u]), f"unit {u}"
+    got = losses(coord, jid)
+    assert sorted(got) == list(range(1, 17)) and got[16] < got[1]
