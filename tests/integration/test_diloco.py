@@ -9,9 +9,9 @@ parameters from before the sync, the outer parameters and the outer
 momentum (engine/diloco.h). Failures in the middle of a round and in the
 middle of the outer step resume from the last sync's epoch, bit for bit.
 """
-import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -365,7 +365,6 @@ def test_lost_group_is_dropped_from_its_round(procs, tmp_path, data):
     back and meet at once. The outer step of that round averages the two
     survivors' pseudo-gradients (the paper's rule on the epoch's files),
     and the round is not computed again."""
-    import re
     train, val = data
     coord = start_fleet(procs, 3)
     spec = diloco_spec(train, val, 16, 3, str(tmp_path / "ck"), gbs=36,
