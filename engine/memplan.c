@@ -75,14 +75,21 @@ static uint64_t lora_base(const zt_model_config_t *m, int stage, int world, uint
   return n;
 }
 
-/* DiLoCo (diloco.h): each worker is a group of one rank, and holds the
- * outer parameters, the outer momentum and the pseudo-gradient in fp32
- * host memory, the whole padded model each. */
-static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l) {
-  uint64_t full = 0;
+/* DiLoCo (diloco.h): each worker is a group of one rank, and holds in
+ * fp32 host memory, the whole padded model each: the outer parameters,
+ * the outer momentum, the pseudo-gradient, a round kept for the next
+ * generation (parameters, m, v), the overlap's snapshot, and int4's
+ * residual and decoded copy; and the encodings of G groups and its own. */
+static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l, int groups) {
+  uint64_t full = 0, G = (uint64_t)groups;
   if (!s->diloco) return 0;
   for (int u = 0; u < l->num_units; u++) full += zt_zero_shard_size(l->unit_size[u], 1);
-  return 3 * 4 * full;
+  uint64_t copies = 3 + 3 + (s->overlap_steps ? 1 : 0) + (s->compression == 3 ? 2 : 0);
+  uint64_t enc = s->compression == 1 ? 2 * full
+                 : s->compression == 2 ? full + 4 * ((full + 255) / 256)
+                 : s->compression == 3 ? (full + 1) / 2 + 4 * ((full + 63) / 64)
+                                       : 0;
+  return copies * 4 * full + (G > 1 ? (G + 1) * enc : 0);
 }
 
 int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int nccl,
@@ -90,9 +97,11 @@ int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int 
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
+  int groups = world;
   if (s->diloco) world = 1;
   *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
-            lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes) + diloco_outer(s, &l);
+            lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes) +
+            diloco_outer(s, &l, groups);
   *acts = activations(s, &l, (uint64_t)xbytes);
   zt_layout_free(&l);
   return 0;
@@ -105,7 +114,7 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   int groups = world;
   if (s->diloco) world = 1;
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
-                lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l);
+                lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l, groups);
   out->activations = activations(s, &l, 4);
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */
