@@ -364,7 +364,9 @@ def test_lost_group_is_dropped_from_its_round(procs, tmp_path, data):
     on the two from the round's first epoch, and they take their rounds
     back and meet at once. The outer step of that round averages the two
     survivors' pseudo-gradients (the paper's rule on the epoch's files),
-    and the round is not computed again."""
+    and the round is not computed again. The victim is the slow rank 0,
+    so that both survivors are waiting where the groups meet when it dies
+    (a survivor still inside its round when the job re-forms drops it)."""
     train, val = data
     coord = start_fleet(procs, 3)
     spec = diloco_spec(train, val, 16, 3, str(tmp_path / "ck"), gbs=36,
@@ -372,7 +374,7 @@ def test_lost_group_is_dropped_from_its_round(procs, tmp_path, data):
     spec["elastic"] = {"min_workers": 2, "max_workers": 3}
     jid = submit(coord, spec, tmp_path, "lost.json")
     wait_until(lambda: 4 in committed(coord, jid), 120, "the epoch of step 4")
-    victim = sorted(job_members(coord, jid))[-1]
+    victim = next(n for n, w in coord.workers.items() if "generation 1: rank 0 of 3" in w.output())
     coord.workers[victim].kill()
     j = wait_job(coord, jid, timeout=180)
     assert j["step"] == 16 and j["generation"] >= 2 and len(job_members(coord, jid)) == 2, j
