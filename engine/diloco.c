@@ -119,9 +119,17 @@ static int sum_groups(zt_diloco_t *d) {
   return 0;
 }
 
-/* The outer optimizer on the summed pseudo-gradient in d->d. */
-static void outer_step(zt_diloco_t *d) {
+/* The outer optimizer on the summed pseudo-gradient in d->d, when it is
+ * finite (the return); the sync is counted either way. */
+static int outer_step(zt_diloco_t *d) {
   const float inv = 1.0f / (float)d->G, mu = d->mu, lr = d->lr;
+  int finite = 1;
+  for (size_t i = 0; i < d->n && finite; i++) finite = isfinite(d->d[i]);
+  d->syncs++;
+  if (!finite) {
+    d->refused++;
+    return 0;
+  }
   for (size_t i = 0; i < d->n; i++) {
     float delta = d->d[i] * inv;
     float m = mu * d->mom[i] + delta;
@@ -129,6 +137,7 @@ static void outer_step(zt_diloco_t *d) {
     d->mom[i] = m;
     d->outer[i] = d->outer[i] - lr * step;
   }
+  return 1;
 }
 
 int zt_diloco_sync(zt_diloco_t *d, int *applied) {
@@ -137,17 +146,12 @@ int zt_diloco_sync(zt_diloco_t *d, int *applied) {
   if (zt_zero_master_get(d->z, d->d) != 0) return -1;
   for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] - d->d[i];
   if (sum_groups(d) != 0) return zt_err_wrap("DiLoCo: the pseudo-gradient's all-reduce");
-  int finite = 1;
-  for (size_t i = 0; i < d->n && finite; i++) finite = isfinite(d->d[i]);
-  if (finite) outer_step(d);
+  *applied = outer_step(d);
   /* The group's inner parameters, for a checkpoint of this step: the
    * master still holds them until the put below. */
   if (zt_zero_master_get(d->z, d->d) != 0) return -1;
   d->have_inner = 1;
   if (zt_zero_master_put(d->z, d->outer) != 0) return -1;
-  d->syncs++;
-  if (!finite) d->refused++;
-  *applied = finite;
   d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
   return 0;
 }
@@ -187,16 +191,11 @@ int zt_diloco_land(zt_diloco_t *d, int *applied) {
   d->pending = 0;
   if (d->th_rc != 0)
     return zt_errk(d->th_kind, "DiLoCo: the pseudo-gradient's all-reduce: %s", d->th_msg);
-  int finite = 1;
-  for (size_t i = 0; i < d->n && finite; i++) finite = isfinite(d->d[i]);
-  if (finite) outer_step(d);
+  *applied = outer_step(d);
   /* The new outer parameters plus the group's progress since the launch. */
   if (zt_zero_master_get(d->z, d->d) != 0) return -1;
   for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] + (d->d[i] - d->snap[i]);
   if (zt_zero_master_put(d->z, d->d) != 0) return -1;
-  d->syncs++;
-  if (!finite) d->refused++;
-  *applied = finite;
   d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
   return 0;
 }

@@ -871,10 +871,18 @@ static void report_round(trainer *t, int64_t s, const double *ctl, double val_lo
   }
 }
 
-static void outer_refused(int64_t s, int applied) {
+/* The outcome rc of step s's outer step (waited for or landed): a
+ * compressed block that failed its checks is another group's fault; a
+ * refused step is logged. */
+static int outer_done(trainer *t, int64_t s, int rc, int applied) {
+  if (rc != 0) {
+    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
+    return -1;
+  }
   if (!applied)
     ZT_WARN("step %lld: the groups' pseudo-gradient is not finite: outer step refused, every "
             "group goes on from the last sync", (long long)s);
+  return 0;
 }
 
 /* Test knobs at the outer step of step s, on the last rank, in the first
@@ -896,34 +904,18 @@ static void break_before_outer(trainer *t, int64_t s) {
 
 /* The outer step of step s, waited for. */
 static int outer_sync(trainer *t, int64_t s) {
-  int applied;
+  int applied = 0;
   break_before_outer(t, s);
-  if (zt_diloco_sync(&t->dl, &applied) != 0) {
-    /* A compressed block that fails its checks is another group's. */
-    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
-    return -1;
-  }
-  outer_refused(s, applied);
-  return 0;
+  return outer_done(t, s, zt_diloco_sync(&t->dl, &applied), applied);
 }
 
 /* Lands an overlapped round after step s (diloco.h). */
 static int land(trainer *t, int64_t s) {
-  int applied;
+  int applied = 0;
   t->land_at = 0;
-  if (zt_diloco_land(&t->dl, &applied) != 0) {
-    if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
-    return -1;
-  }
-  outer_refused(s, applied);
-  return 0;
+  return outer_done(t, s, zt_diloco_land(&t->dl, &applied), applied);
 }
 
-/* The groups meet after step s: the round's losses summed over them, the
- * outer step, an evaluation when due, rank 0's reports, one all-reduce
- * that tells every group what rank 0's caller wants, and the checkpoint
- * (its vote rides with the losses). *end is set when the generation ends
- * here: a stop or rollback, or a checkpoint-now epoch. */
 /* A sync of step s failed with its round still open (the outer step not
  * applied): when a peer is gone, the round is kept for the next
  * generation (diloco.h, a lost group dropped from its round). */
@@ -939,11 +931,15 @@ static void keep_round(trainer *t, int64_t s) {
   zt_err("%s", why); /* the failure stays the sync's */
 }
 
+/* The groups meet after step s: the round's losses summed over them, the
+ * outer step, an evaluation when due, rank 0's reports, one all-reduce
+ * that tells every group what rank 0's caller wants, and the checkpoint
+ * (its vote rides with the losses). *end is set when the generation ends
+ * here: a stop or rollback, or a checkpoint-now epoch. */
 static int sync_round(trainer *t, int64_t s, int *end) {
-  int n = t->rn, rc = -1, open = 0;
   /* The last step may come before an overlapped round has landed. */
   if (t->dl.pending && land(t, s) != 0) return -1;
-  open = 1;
+  int n = t->rn, rc = -1, open = 1; /* open: the outer step not yet applied */
   step_result res;
   memset(&res, 0, sizeof res);
   res.ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
