@@ -7,7 +7,9 @@
  *
  *   ReportStep (rank 0, every step): the step is stored with its metrics
  *   before the job moves to it (a refused write leaves memory as the
- *   database is, and the rank's retry stores it). The loss feeds the spike
+ *   database is, and the rank's retry stores it). Reports that queued up
+ *   while the coordinator was out of reach come in one call (`later`),
+ *   stored in one transaction and judged in order. The loss feeds the spike
  *   detector (a spike rolls back: rollback.c); the reply tells rank 0 to
  *   go on, to checkpoint now (a drain or scale-up asked for one), to roll
  *   back, or to stop: at the last step, when the job ends with it (without
@@ -39,6 +41,7 @@
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "coord.h"
@@ -72,39 +75,72 @@ static int over_risk_budget(zt_coord_t *c, zt_job_t *j) {
 
 /* Feeds the detector; 1 when the step triggered a rollback. A non-finite
  * loss marks the step poisoned (no epoch at or after it commits: ckpt.c). */
-static int check_spike(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
-  if (!isfinite(req->loss) && (!j->poisoned_from || req->step < j->poisoned_from))
-    j->poisoned_from = req->step;
-  return zt_rollback_spike(c, j, req->step, req->loss, req->grad_norm);
+static int check_spike(zt_coord_t *c, zt_job_t *j, const Ztrain__StepMetrics *m) {
+  if (!isfinite(m->loss) && (!j->poisoned_from || m->step < j->poisoned_from))
+    j->poisoned_from = m->step;
+  return zt_rollback_spike(c, j, m->step, m->loss, m->grad_norm);
 }
 
-/* Stores the step and moves the job to it, or neither (-1). */
-static int store_step(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
-  zt_db_step_t s = {req->step, req->generation, req->loss, req->grad_norm, req->lr,
-                    req->tokens_per_s, req->val_loss, zt_wall_ms()};
-  zt_db_job_t next = j->row;
-  next.step = req->step;
-  next.updated_ms = zt_wall_ms();
-  if (zt_db_begin(c->db) != 0 || zt_db_step_put(c->db, j->row.id, &s) != 0 ||
-      zt_db_job_update(c->db, &next) != 0 || zt_db_commit(c->db) != 0) {
-    zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store step %lld", (long long)req->step);
-    zt_db_rollback(c->db);
-    return -1;
+/* The most steps one report carries (the head and its `later`). */
+#define ZT_REPORT_MAX_STEPS 4097
+
+/* A report's steps, the head first: in range and each after the one
+ * before, or an error naming the first that is not, before anything of
+ * the report is stored. The steps are written to ms (n_later + 1). */
+static int report_steps(const zt_job_t *j, const Ztrain__ReportStepRequest *req,
+                        Ztrain__StepMetrics *ms) {
+  if (req->n_later >= ZT_REPORT_MAX_STEPS)
+    return zt_errk(ZT_E_INVALID, "%zu later steps in one report (the limit is %d)", req->n_later,
+                   ZT_REPORT_MAX_STEPS - 1);
+  ztrain__step_metrics__init(&ms[0]);
+  ms[0].step = req->step, ms[0].loss = req->loss, ms[0].grad_norm = req->grad_norm;
+  ms[0].lr = req->lr, ms[0].tokens_per_s = req->tokens_per_s, ms[0].step_ms = req->step_ms;
+  ms[0].val_loss = req->val_loss;
+  for (size_t i = 0; i <= req->n_later; i++) {
+    if (i) ms[i] = *req->later[i - 1];
+    if (ms[i].step < 1 || ms[i].step > j->row.total_steps)
+      return zt_errk(ZT_E_INVALID, "step %lld out of range 1..%lld", (long long)ms[i].step,
+                     (long long)j->row.total_steps);
+    if (i && ms[i].step <= ms[i - 1].step)
+      return zt_errk(ZT_E_INVALID, "later step %lld does not follow step %lld",
+                     (long long)ms[i].step, (long long)ms[i - 1].step);
   }
+  return 0;
+}
+
+/* Stores the n steps in one transaction and moves the job to the last, or
+ * does neither (-1). */
+static int store_steps(zt_coord_t *c, zt_job_t *j, uint64_t gen, const Ztrain__StepMetrics *ms,
+                       size_t n) {
+  zt_db_step_t s = {0};
+  zt_db_job_t next = j->row;
+  next.updated_ms = zt_wall_ms();
+  if (zt_db_begin(c->db) != 0) goto err;
+  for (size_t i = 0; i < n; i++) {
+    s = (zt_db_step_t){ms[i].step, gen, ms[i].loss, ms[i].grad_norm, ms[i].lr,
+                       ms[i].tokens_per_s, ms[i].val_loss, next.updated_ms};
+    if (zt_db_step_put(c->db, j->row.id, &s) != 0) goto err;
+  }
+  next.step = s.step;
+  if (zt_db_job_update(c->db, &next) != 0 || zt_db_commit(c->db) != 0) goto err;
   j->row = next;
   j->last = s;
   return 0;
+err:
+  zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store step %lld", (long long)ms[0].step);
+  zt_db_rollback(c->db);
+  return -1;
 }
 
 /* The last step is done: the job completes now without checkpoints, else
  * when its final epoch commits. */
-static void last_step(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
+static void last_step(zt_coord_t *c, zt_job_t *j, const Ztrain__StepMetrics *m) {
   if (j->p.ckpt_dir[0]) {
     zt_sched_await_final(c, j);
     return;
   }
   zt_sched_finish(c, j, ZT_JOB_COMPLETED, "job_completed", "completed %lld steps; final loss %.6g",
-                  (long long)req->step, req->loss);
+                  (long long)m->step, m->loss);
   zt_sched_run(c);
 }
 
@@ -149,28 +185,36 @@ int zt_reports_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int *co
   if (m->rank != 0)
     return zt_errk(ZT_E_STATE, "only rank 0 reports steps (worker %s is rank %d)", m->row.name,
                    m->rank);
-  if (req->step < 1 || req->step > j->row.total_steps)
-    return zt_errk(ZT_E_INVALID, "step %lld out of range 1..%lld", (long long)req->step,
-                   (long long)j->row.total_steps);
-  if (check_shares(j, req) != 0) return -1;
-  if (store_step(c, j, req) != 0) return -1;
+  Ztrain__StepMetrics *ms = zt_xcalloc(ZT_MIN(req->n_later, ZT_REPORT_MAX_STEPS) + 1, sizeof *ms);
+  size_t n = req->n_later + 1;
+  int rc = -1;
+  if (report_steps(j, req, ms) != 0 || check_shares(j, req) != 0 ||
+      store_steps(c, j, req->generation, ms, n) != 0)
+    goto out;
+  rc = 0;
   if (req->n_shares) log_shares(c, j, req);
   *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
                              : ZTRAIN__COMMAND__COMMAND_CONTINUE;
-  if (req->step > j->start_step) zt_restarts_progress(&j->rs);
+  if (ms[n - 1].step > j->start_step) zt_restarts_progress(&j->rs);
   if (over_risk_budget(c, j)) {
     *command = ZTRAIN__COMMAND__COMMAND_STOP;
-    return 0;
+    goto out;
   }
-  if (check_spike(c, j, req)) {
-    *command = ZTRAIN__COMMAND__COMMAND_ROLLBACK;
-    return 0;
+  /* In order, as if each step came alone: a rollback ends the judging (the
+   * steps after it are dropped with the generation). */
+  for (size_t i = 0; i < n; i++) {
+    if (check_spike(c, j, &ms[i])) {
+      *command = ZTRAIN__COMMAND__COMMAND_ROLLBACK;
+      goto out;
+    }
   }
-  if (req->step == j->row.total_steps) {
+  if (ms[n - 1].step == j->row.total_steps) {
     *command = ZTRAIN__COMMAND__COMMAND_STOP;
-    last_step(c, j, req);
+    last_step(c, j, &ms[n - 1]);
   }
-  return 0;
+out:
+  free(ms);
+  return rc;
 }
 
 /* ---- failures ---------------------------------------------------------------- */

@@ -79,7 +79,11 @@ struct zt_runner {
   int64_t rep_acked; /* newest step whose report was answered */
 };
 
-#define ZT_REPORT_QUEUE 1024
+/* Rank 0's step reports that may wait for an unreachable coordinator
+ * before training waits too: a minute of its outage at a thousand steps a
+ * second (4.5 MiB, touched only as far as it fills). Once it answers, the
+ * reporter drains them ZT_REPORT_BATCH to a call. */
+#define ZT_REPORT_QUEUE 65536
 
 void zt_runner_timing(zt_runner_t *r, zt_ctl_timing_t *t) {
   pthread_mutex_lock(&r->mu);
@@ -187,8 +191,11 @@ static zt_train_cmd_t train_cmd(int command) {
   }
 }
 
-static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s, uint32_t *shares,
-                                int nshares) {
+/* Sends the n queued reports s (in order; shares with the first) in one
+ * call: more than one only when they queued up behind an unreachable
+ * coordinator. */
+static zt_train_cmd_t send_steps(zt_runner_t *r, const zt_step_report_t *s, int n,
+                                 uint32_t *shares, int nshares) {
   Ztrain__ReportStepRequest req = ZTRAIN__REPORT_STEP_REQUEST__INIT;
   req.n_shares = (size_t)nshares;
   req.shares = shares;
@@ -198,61 +205,91 @@ static zt_train_cmd_t send_step(zt_runner_t *r, const zt_step_report_t *s, uint3
   req.session = session;
   req.job_id = r->cur_job;
   req.generation = r->cur_gen;
-  req.step = s->step;
-  req.loss = s->loss;
-  req.grad_norm = s->grad_norm;
-  req.lr = s->lr;
-  req.tokens_per_s = s->tokens_per_s;
-  req.step_ms = s->step_ms;
-  req.val_loss = s->val_loss;
+  req.step = s[0].step;
+  req.loss = s[0].loss;
+  req.grad_norm = s[0].grad_norm;
+  req.lr = s[0].lr;
+  req.tokens_per_s = s[0].tokens_per_s;
+  req.step_ms = s[0].step_ms;
+  req.val_loss = s[0].val_loss;
+  Ztrain__StepMetrics *later = zt_xcalloc((size_t)n, sizeof *later);
+  Ztrain__StepMetrics **lp = zt_xcalloc((size_t)n, sizeof *lp);
+  for (int i = 1; i < n; i++) {
+    Ztrain__StepMetrics *m = &later[i - 1];
+    ztrain__step_metrics__init(m);
+    m->step = s[i].step, m->loss = s[i].loss, m->grad_norm = s[i].grad_norm, m->lr = s[i].lr;
+    m->tokens_per_s = s[i].tokens_per_s, m->step_ms = s[i].step_ms, m->val_loss = s[i].val_loss;
+    lp[i - 1] = m;
+  }
+  req.n_later = (size_t)(n - 1);
+  req.later = lp;
+  zt_train_cmd_t cmd = ZT_CMD_STOP;
   /* Retried while the coordinator is unreachable, so no report is lost;
    * bounded by a change of target, which also drops the reports still
    * queued (a stop must not wait for each one's call to time out). */
   for (int64_t backoff = 100;; backoff = ZT_MIN(backoff * 2, zt_ctl_retry_cap_ms(r->ctl))) {
     ProtobufCMessage *m;
     int st = 0;
-    if (changed(r)) return ZT_CMD_STOP;
+    if (changed(r)) break;
     if (call(r, "/ztrain.Control/ReportStep", &req.base, &ztrain__report_step_reply__descriptor,
              5000, &m, &st) == 0) {
-      int cmd = ((Ztrain__ReportStepReply *)m)->command;
+      cmd = train_cmd(((Ztrain__ReportStepReply *)m)->command);
       protobuf_c_message_free_unpacked(m, NULL);
-      return train_cmd(cmd);
+      break;
     }
     if (!zt_rpc_transient(st)) {
-      ZT_WARN("step %lld report refused: %s", (long long)s->step, zt_err_msg());
-      return ZT_CMD_STOP; /* fenced: this generation is over for us */
+      ZT_WARN("step %lld report refused: %s", (long long)s[0].step, zt_err_msg());
+      break; /* fenced: this generation is over for us */
     }
-    if (wait_changed(r, backoff)) return ZT_CMD_STOP; /* retry pacing */
+    if (wait_changed(r, backoff)) break; /* retry pacing */
   }
+  free(lp);
+  free(later);
+  return cmd;
 }
+
+/* The most queued reports one call carries. */
+#define ZT_REPORT_BATCH 1024
 
 static void *reporter_main(void *p) {
   zt_runner_t *r = p;
+  zt_step_report_t *batch = zt_xcalloc(ZT_REPORT_BATCH, sizeof *batch);
   pthread_mutex_lock(&r->mu);
   for (;;) {
     while (!r->q_len && !r->rep_stop) pthread_cond_wait(&r->rep_cv, &r->mu);
     if (!r->q_len) break;
-    zt_step_report_t s = r->q[r->q_head];
+    /* The queue's head, up to the step a pending plan goes with (it heads
+     * the next call). */
+    int n = 0;
+    while (n < r->q_len && n < ZT_REPORT_BATCH) {
+      const zt_step_report_t *s = &r->q[(r->q_head + n) % ZT_REPORT_QUEUE];
+      if (n && r->plan_n && r->plan_step == s->step) break;
+      batch[n++] = *s;
+    }
     uint32_t shares[ZT_LB_MAX_RANKS];
-    int nshares = r->plan_n && r->plan_step == s.step ? r->plan_n : 0;
+    int nshares = r->plan_n && r->plan_step == batch[0].step ? r->plan_n : 0;
     memcpy(shares, r->plan, sizeof(uint32_t) * (size_t)nshares);
     if (nshares) r->plan_n = 0;
     pthread_mutex_unlock(&r->mu);
-    zt_train_cmd_t cmd = send_step(r, &s, shares, nshares);
+    zt_train_cmd_t cmd = send_steps(r, batch, n, shares, nshares);
     pthread_mutex_lock(&r->mu);
-    r->q_head = (r->q_head + 1) % ZT_REPORT_QUEUE;
-    r->q_len--;
-    r->rep_acked = s.step;
+    r->q_head = (r->q_head + n) % ZT_REPORT_QUEUE;
+    r->q_len -= n;
+    r->rep_acked = batch[n - 1].step;
     if (cmd != ZT_CMD_CONTINUE && r->rep_cmd != ZT_CMD_STOP) r->rep_cmd = cmd;
     pthread_cond_broadcast(&r->rep_cv);
   }
   pthread_mutex_unlock(&r->mu);
+  free(batch);
   return NULL;
 }
 
 static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
   zt_runner_t *r = user;
   pthread_mutex_lock(&r->mu);
+  if (r->q_len == ZT_REPORT_QUEUE)
+    ZT_WARN("step %lld: %d step reports wait for the coordinator; training waits for it too",
+            (long long)s->step, r->q_len);
   while (r->q_len == ZT_REPORT_QUEUE && !r->quit && r->target_gen == r->cur_gen &&
          r->target_job == r->cur_job)
     pthread_cond_wait(&r->rep_cv, &r->mu);

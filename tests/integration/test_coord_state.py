@@ -724,6 +724,50 @@ def test_step_report_shares_checked_before_anything_is_stored(raw):
     assert job(r.coord, r.jid)["step"] == 1
 
 
+def test_queued_step_reports_come_in_one_call(raw):
+    """Reports that queued up behind an unreachable coordinator come in one
+    call (field 12, `later`): every step is stored, in one transaction, and
+    judged in order (a spike among them rolls back). Later steps out of
+    range or out of order refuse the whole report, naming the first bad
+    one, and store nothing of it."""
+    r = raw(steps=100, rollback={"enabled": True, "margin_steps": 0})
+    w = r.ranks[0]
+
+    def metrics(step, loss):
+        return field_varint(1, step) + field_double(2, loss)
+
+    def report(first, later, loss=2.5):
+        body = r.head() + field_varint(4, first) + field_double(5, loss)
+        for s, l in later:
+            body += field_bytes(12, metrics(s, l))
+        return w.call("ReportStep", body)
+
+    def stored():
+        with sqlite3.connect(r.coord.db) as db:
+            return dict(db.execute("SELECT step, loss FROM steps WHERE job_id = ?", (r.jid,)))
+
+    code, _, det = report(1, [(s, 2.0 + 1.0 / s) for s in range(2, 31)], loss=3.0)
+    assert code == OK, det
+    got = stored()
+    assert sorted(got) == list(range(1, 31)) and got[30] == pytest.approx(2.0 + 1 / 30), got
+    assert job(r.coord, r.jid)["step"] == 30
+    for later, why in (([(33, 2.0), (32, 2.0)], "later step 32 does not follow step 33"),
+                       ([(32, 2.0), (101, 2.0)], "step 101 out of range 1..100")):
+        code, _, det = report(31, later)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and why in det, (later, code, det)
+    assert max(stored()) == 30 and job(r.coord, r.jid)["step"] == 30
+    # A spike in the middle of a batch: rolled back, as it would be alone.
+    code, _, det = r.report_checkpoint(0, 30)
+    assert code == OK, det
+    code, reply, det = report(31, [(32, 50.0), (33, 50.0), (34, 50.0), (35, 2.0)], loss=2.03)
+    assert code == OK, det
+    assert dict(fields(reply)).get(1) == 3, reply  # COMMAND_ROLLBACK
+    detail = wait_until(lambda: rollback_detail(r), 10, "rollback")
+    assert "(step 30)" in detail, detail
+    skips = [e["detail"] for e in events(r.coord, job=r.jid) if e["kind"] == "skip_range"]
+    assert skips and skips[-1].startswith("data of steps 32.."), skips
+
+
 def test_registrations_that_waited_behind_a_held_loop_are_shed(procs):
     """The loop is held (a registration waits for the database's lock, as
     behind a burst): registrations that waited over a second for it are
