@@ -18,6 +18,74 @@
 
 #include "zt_common.h"
 
+/* The units among the F fragments (diloco.h): the largest first (the
+ * lowest index among equals), each to the fragment that holds the fewest
+ * elements so far (the lowest index among equals). Group 0 logs them. */
+static void assign_fragments(zt_diloco_t *d) {
+  const zt_zero_t *z = d->z;
+  size_t *load = zt_xcalloc((size_t)d->F, sizeof *load);
+  for (int u = 0; u < d->U; u++) d->frag_of[u] = -1;
+  for (int k = 0; k < d->U; k++) {
+    int best = -1, f = 0;
+    for (int u = 0; u < d->U; u++)
+      if (d->frag_of[u] < 0 && (best < 0 || z->usz[u] > z->usz[best])) best = u;
+    for (int i = 1; i < d->F; i++)
+      if (load[i] < load[f]) f = i;
+    d->frag_of[best] = f;
+    load[f] += z->usz[best];
+  }
+  for (int f = 0; d->g == 0 && f < d->F; f++) {
+    char list[256] = "";
+    for (int u = 0, at = 0; u < d->U && at < (int)sizeof list - 8; u++)
+      if (d->frag_of[u] == f)
+        at += snprintf(list + at, sizeof list - (size_t)at, "%s%d", at ? "," : "", u);
+    ZT_INFO("diloco: fragment %d of %d: units [%s], %zu parameters; it syncs after the steps s "
+            "with s %% %lld == %lld", f, d->F, list, load[f], (long long)d->H,
+            (long long)((f + 1) * (d->H / d->F) % d->H));
+  }
+  free(load);
+}
+
+int zt_diloco_fragment_due(const zt_diloco_t *d, int64_t s) {
+  int64_t every = d->H / d->F;
+  if (d->F < 2 || s % every != 0) return -1;
+  return (int)((s % d->H ? s % d->H : d->H) / every) - 1;
+}
+
+/* Fragment f's ranges of the padded layout (f < 0: the whole model) in
+ * d->roff, d->rlen; returns their number. */
+static int frag_ranges(zt_diloco_t *d, int f) {
+  const zt_zero_t *z = d->z;
+  int k = 0;
+  if (f < 0) {
+    d->roff[0] = 0, d->rlen[0] = d->n;
+    return 1;
+  }
+  for (int u = 0; u < d->U; u++)
+    if (d->frag_of[u] == f) d->roff[k] = z->off_full[u], d->rlen[k++] = z->S[u] * (size_t)z->N;
+  return k;
+}
+
+/* Error feedback on fragment f (>= 0): its residual packed into efp
+ * before its sum, and back after it. */
+static void ef_pack(zt_diloco_t *d, int f, int back) {
+  size_t k = 0;
+  if (!d->ef || f < 0) return;
+  for (int r = 0, nr = frag_ranges(d, f); r < nr; r++) {
+    float *full = d->ef + d->roff[r], *packed = d->efp + k;
+    memcpy(back ? full : packed, back ? packed : full, d->rlen[r] * sizeof(float));
+    k += d->rlen[r];
+  }
+}
+
+/* d->d = outer - p over fragment f's ranges, packed; returns its floats. */
+static size_t pack_delta(zt_diloco_t *d, int f, const float *p) {
+  size_t k = 0;
+  for (int r = 0, nr = frag_ranges(d, f); r < nr; r++)
+    for (size_t i = d->roff[r], e = i + d->rlen[r]; i < e; i++) d->d[k++] = d->outer[i] - p[i];
+  return k;
+}
+
 int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g,
                      const zt_spec_t *s, int64_t tmo) {
   memset(d, 0, sizeof *d);
@@ -44,8 +112,18 @@ int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g
     d->qmine = malloc(d->qbytes);
     d->qall = malloc(d->qbytes * (size_t)G);
   }
+  d->F = (int)ZT_MAX(1, ZT_MIN(s->fragments, (long)d->U));
+  d->frag_of = zt_xcalloc((size_t)d->U, sizeof *d->frag_of);
+  d->roff = zt_xcalloc((size_t)d->U, sizeof *d->roff);
+  d->rlen = zt_xcalloc((size_t)d->U, sizeof *d->rlen);
+  if (d->F > 1) {
+    assign_fragments(d);
+    d->w = malloc((d->n ? d->n : 1) * sizeof(float));
+    if (d->ef) d->efp = malloc((d->n ? d->n : 1) * sizeof(float));
+  }
   if (!d->outer || !d->mom || !d->d || (devcomm && !d->dev) ||
-      (d->q && (!d->qall || !d->qmine)) || (d->q == ZT_QUANT_INT4 && (!d->ef || !d->qtmp))) {
+      (d->q && (!d->qall || !d->qmine)) || (d->q == ZT_QUANT_INT4 && (!d->ef || !d->qtmp)) ||
+      (d->F > 1 && (!d->w || (d->ef && !d->efp)))) {
     zt_diloco_free(d);
     return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's outer state (3 x %zu floats)", d->n);
   }
@@ -64,8 +142,14 @@ void zt_diloco_free(zt_diloco_t *d) {
   free(d->qall);
   free(d->ef);
   free(d->qtmp);
+  free(d->w);
+  free(d->efp);
+  free(d->frag_of);
+  free(d->roff);
+  free(d->rlen);
   d->qmine = d->qall = NULL;
-  d->ef = d->qtmp = NULL;
+  d->ef = d->qtmp = d->w = d->efp = NULL;
+  d->frag_of = NULL, d->roff = d->rlen = NULL;
   if (d->dev) d->z->k->release(d->dev);
   d->outer = d->mom = d->d = NULL, d->dev = NULL;
 }
@@ -76,42 +160,47 @@ int zt_diloco_begin(zt_diloco_t *d) {
   return zt_zero_master_get(d->z, d->outer);
 }
 
-/* The compressed sum: every group's encoding gathered, then decoded and
- * added in rank order into d->d. The bytes travel as 16-bit words (an
- * all-gather moves bits, whatever their type). */
-static int sum_compressed(zt_diloco_t *d) {
-  if (d->ef)
-    for (size_t i = 0; i < d->n; i++) d->d[i] += d->ef[i];
-  zt_quant_encode(d->q, d->d, d->n, d->qmine);
+/* The compressed sum of d->d[0, count) (fragment f's, packed): every
+ * group's encoding gathered, then decoded and added in rank order into
+ * d->d. The bytes travel as 16-bit words (an all-gather moves bits,
+ * whatever their type). With error feedback, the residual of the
+ * fragment's elements goes in and comes out (packed in efp when f >= 0:
+ * ef_pack, ef_unpack; the overlap's thread runs this, so it touches no
+ * scratch of the training thread's). */
+static int sum_compressed(zt_diloco_t *d, int f, size_t count) {
+  size_t qbytes = zt_quant_bytes(d->q, count);
+  float *ef = d->ef && f >= 0 ? d->efp : d->ef;
+  if (ef)
+    for (size_t i = 0; i < count; i++) d->d[i] += ef[i];
+  zt_quant_encode(d->q, d->d, count, d->qmine);
   if (d->corrupt) { /* test knob: the first value out of range (-128, or int4's -8) */
     d->qmine[4] = d->q == ZT_QUANT_INT4 ? 0x08 : 0x80;
     d->corrupt = 0;
   }
-  if (d->ef) { /* the new residual: what this encoding leaves out */
-    memset(d->qtmp, 0, d->n * sizeof(float));
-    if (zt_quant_decode_add(d->q, d->qmine, d->qbytes, d->n, d->qtmp, "this group") != 0)
+  if (ef) { /* the new residual: what this encoding leaves out */
+    memset(d->qtmp, 0, count * sizeof(float));
+    if (zt_quant_decode_add(d->q, d->qmine, qbytes, count, d->qtmp, "this group") != 0)
       return -1;
-    for (size_t i = 0; i < d->n; i++) d->ef[i] = d->d[i] - d->qtmp[i];
+    for (size_t i = 0; i < count; i++) ef[i] = d->d[i] - d->qtmp[i];
   }
-  if (zt_comm_all_gather(d->comm, d->qmine, d->qall, d->qbytes / 2, ZT_DT_BF16, d->tmo) != 0)
+  if (zt_comm_all_gather(d->comm, d->qmine, d->qall, qbytes / 2, ZT_DT_BF16, d->tmo) != 0)
     return -1;
-  memset(d->d, 0, d->n * sizeof(float));
+  memset(d->d, 0, count * sizeof(float));
   for (int g = 0; g < d->G; g++) {
     char who[32];
     snprintf(who, sizeof who, "group %d", g);
-    if (zt_quant_decode_add(d->q, d->qall + d->qbytes * (size_t)g, d->qbytes, d->n, d->d,
-                            who) != 0)
+    if (zt_quant_decode_add(d->q, d->qall + qbytes * (size_t)g, qbytes, count, d->d, who) != 0)
       return zt_err_wrap("DiLoCo: the compressed pseudo-gradients");
   }
   return 0;
 }
 
-/* Sums d->d over the groups: in place, or through the device buffer when
- * the communicator takes device memory only (NCCL), or compressed. */
-static int sum_groups(zt_diloco_t *d) {
-  size_t count = d->n;
+/* Sums d->d[0, count) (fragment f's, packed) over the groups: in place,
+ * or through the device buffer when the communicator takes device memory
+ * only (NCCL), or compressed. */
+static int sum_groups(zt_diloco_t *d, int f, size_t count) {
   if (d->G == 1) return 0;
-  if (d->q) return sum_compressed(d);
+  if (d->q) return sum_compressed(d, f, count);
   if (!d->dev) return zt_comm_all_reduce(d->comm, d->d, count, ZT_DT_F32, ZT_RED_SUM, d->tmo);
   d->z->k->upload(d->dev, d->d, count * sizeof(float));
   if (zt_comm_all_reduce(d->comm, d->dev, count, ZT_DT_F32, ZT_RED_SUM, d->tmo) != 0) return -1;
@@ -119,39 +208,61 @@ static int sum_groups(zt_diloco_t *d) {
   return 0;
 }
 
-/* The outer optimizer on the summed pseudo-gradient in d->d, when it is
- * finite (the return); the sync is counted either way. */
-static int outer_step(zt_diloco_t *d) {
+/* The outer optimizer on fragment f's summed pseudo-gradient in d->d
+ * (packed, count floats), when it is finite (the return); the sync is
+ * counted either way. */
+static int outer_step(zt_diloco_t *d, int f, size_t count) {
   const float inv = 1.0f / (float)d->G, mu = d->mu, lr = d->lr;
   int finite = 1;
-  for (size_t i = 0; i < d->n && finite; i++) finite = isfinite(d->d[i]);
+  for (size_t i = 0; i < count && finite; i++) finite = isfinite(d->d[i]);
   d->syncs++;
   if (!finite) {
     d->refused++;
     return 0;
   }
-  for (size_t i = 0; i < d->n; i++) {
-    float delta = d->d[i] * inv;
-    float m = mu * d->mom[i] + delta;
-    float step = d->nesterov ? delta + mu * m : m;
-    d->mom[i] = m;
-    d->outer[i] = d->outer[i] - lr * step;
+  size_t k = 0;
+  for (int r = 0, nr = frag_ranges(d, f); r < nr; r++) {
+    for (size_t i = d->roff[r], e = i + d->rlen[r]; i < e; i++, k++) {
+      float delta = d->d[k] * inv;
+      float m = mu * d->mom[i] + delta;
+      float step = d->nesterov ? delta + mu * m : m;
+      d->mom[i] = m;
+      d->outer[i] = d->outer[i] - lr * step;
+    }
   }
   return 1;
 }
 
-int zt_diloco_sync(zt_diloco_t *d, int *applied) {
+int zt_diloco_sync(zt_diloco_t *d, int f, int *applied) {
   int64_t t0 = zt_now_us();
+  /* w: the group's parameters (the whole model in d itself when it is
+   * one fragment). */
+  float *w = d->F > 1 ? d->w : d->d;
   *applied = 0;
-  if (zt_zero_master_get(d->z, d->d) != 0) return -1;
-  for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] - d->d[i];
-  if (sum_groups(d) != 0) return zt_err_wrap("DiLoCo: the pseudo-gradient's all-reduce");
-  *applied = outer_step(d);
-  /* The group's inner parameters, for a checkpoint of this step: the
-   * master still holds them until the put below. */
-  if (zt_zero_master_get(d->z, d->d) != 0) return -1;
-  d->have_inner = 1;
-  if (zt_zero_master_put(d->z, d->outer) != 0) return -1;
+  if (zt_zero_master_get(d->z, w) != 0) return -1;
+  size_t count = pack_delta(d, f, w);
+  ef_pack(d, f, 0);
+  if (sum_groups(d, f, count) != 0) return zt_err_wrap("DiLoCo: the pseudo-gradient's all-reduce");
+  ef_pack(d, f, 1);
+  *applied = outer_step(d, f, count);
+  /* The group's inner parameters, for a checkpoint of this step: from
+   * the master, which still holds them until the put below. With
+   * fragments, the last step's sync of them all leaves the synced model
+   * instead, which is what a load of its epoch gives each group
+   * (zt_diloco_load). */
+  if (w == d->d) {
+    if (zt_zero_master_get(d->z, d->d) != 0) return -1;
+  } else {
+    memcpy(d->d, w, d->n * sizeof(float));
+  }
+  d->have_inner = d->F == 1 || f >= 0;
+  if (w == d->d) {
+    if (zt_zero_master_put(d->z, d->outer) != 0) return -1;
+  } else {
+    for (int r = 0, nr = frag_ranges(d, f); r < nr; r++)
+      memcpy(w + d->roff[r], d->outer + d->roff[r], d->rlen[r] * sizeof(float));
+    if (zt_zero_master_put(d->z, w) != 0) return -1;
+  }
   d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
   return 0;
 }
@@ -160,7 +271,7 @@ int zt_diloco_sync(zt_diloco_t *d, int *applied) {
  * zt_diloco_land (an error is the thread's own). */
 static void *sum_main(void *arg) {
   zt_diloco_t *d = arg;
-  d->th_rc = sum_groups(d);
+  d->th_rc = sum_groups(d, d->pfrag, d->pn);
   if (d->th_rc != 0) {
     d->th_kind = zt_err_kind();
     snprintf(d->th_msg, sizeof d->th_msg, "%s", zt_err_msg());
@@ -168,12 +279,14 @@ static void *sum_main(void *arg) {
   return NULL;
 }
 
-int zt_diloco_launch(zt_diloco_t *d) {
+int zt_diloco_launch(zt_diloco_t *d, int f) {
   int64_t t0 = zt_now_us();
   if (!d->snap && !(d->snap = malloc((d->n ? d->n : 1) * sizeof(float))))
     return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's overlap (%zu floats)", d->n);
   if (zt_zero_master_get(d->z, d->snap) != 0) return -1;
-  for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] - d->snap[i];
+  d->pfrag = f;
+  d->pn = pack_delta(d, f, d->snap);
+  ef_pack(d, f, 0);
   d->th_rc = 0;
   if (pthread_create(&d->th, NULL, sum_main, d) != 0)
     return zt_err("DiLoCo: cannot start the overlapped all-reduce's thread");
@@ -191,11 +304,16 @@ int zt_diloco_land(zt_diloco_t *d, int *applied) {
   d->pending = 0;
   if (d->th_rc != 0)
     return zt_errk(d->th_kind, "DiLoCo: the pseudo-gradient's all-reduce: %s", d->th_msg);
-  *applied = outer_step(d);
-  /* The new outer parameters plus the group's progress since the launch. */
-  if (zt_zero_master_get(d->z, d->d) != 0) return -1;
-  for (size_t i = 0; i < d->n; i++) d->d[i] = d->outer[i] + (d->d[i] - d->snap[i]);
-  if (zt_zero_master_put(d->z, d->d) != 0) return -1;
+  ef_pack(d, d->pfrag, 1);
+  *applied = outer_step(d, d->pfrag, d->pn);
+  /* The new outer parameters plus the group's progress since the launch,
+   * over the fragment's elements. */
+  float *w = d->F > 1 ? d->w : d->d;
+  if (zt_zero_master_get(d->z, w) != 0) return -1;
+  for (int r = 0, nr = frag_ranges(d, d->pfrag); r < nr; r++)
+    for (size_t i = d->roff[r], e = i + d->rlen[r]; i < e; i++)
+      w[i] = d->outer[i] + (w[i] - d->snap[i]);
+  if (zt_zero_master_put(d->z, w) != 0) return -1;
   d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
   return 0;
 }
@@ -351,7 +469,13 @@ int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec,
   /* Where the groups met, each starts from the outer parameters, and so
    * does a group that did not write the epoch (a new one, g >= groups).
    * In the middle of a round, a group that wrote it goes on from its
-   * inner parameters. */
-  if (*step % d->H == 0 || d->g >= groups) return zt_zero_master_put(z, d->outer);
-  return 0;
+   * inner parameters. With fragments, only the one that synced at the
+   * epoch's step (every one at the last step) met there. */
+  if (d->g >= groups || (d->F == 1 && *step % d->H == 0)) return zt_zero_master_put(z, d->outer);
+  if (d->F == 1) return 0;
+  if (zt_zero_master_get(z, d->w) != 0) return -1;
+  int f = *step % d->H ? -1 : d->F - 1;
+  for (int r = 0, nr = frag_ranges(d, f); r < nr; r++)
+    memcpy(d->w + d->roff[r], d->outer + d->roff[r], d->rlen[r] * sizeof(float));
+  return zt_zero_master_put(z, d->w);
 }

@@ -81,12 +81,20 @@ typedef struct zt_diloco {
    * is encoded; qtmp holds this group's own encoding decoded. */
   float *ef, *qtmp;
   int corrupt;         /* test knob: corrupt this group's next encoding */
+  /* sync.fragments F (below): each unit's fragment; F > 1 only: the
+   * group's parameters (w), a fragment's residual packed (efp, int4), and
+   * the ranges of a fragment (scratch, U each). */
+  int F;
+  int *frag_of;
+  float *w, *efp;
+  size_t *roff, *rlen;
   int have_inner;      /* d holds the inner parameters from before the last sync */
   int64_t syncs, refused;
   double sync_ms;      /* the last sync's wall time */
   /* Overlap (sync.overlap_steps, below): the all-reduce on its thread,
    * the parameters it was launched from, and its outcome. */
-  int pending;
+  int pending, pfrag;   /* pfrag: the launched fragment (-1: the whole model) */
+  size_t pn;            /* its floats, packed in d */
   pthread_t th;
   float *snap;
   int th_rc;
@@ -104,10 +112,28 @@ void zt_diloco_free(zt_diloco_t *d);
  * initialisation, the same on every group), the momentum zero. */
 ZT_MUST_CHECK int zt_diloco_begin(zt_diloco_t *d);
 
-/* The outer step (above). *applied is 0 when the summed pseudo-gradient
- * was not finite: the outer state stays and every group returns to the
- * last sync's parameters. -1 when the all-reduce failed. */
-ZT_MUST_CHECK int zt_diloco_sync(zt_diloco_t *d, int *applied);
+/* Fragments (sync.fragments F, after Streaming DiLoCo, Douillard et al.
+ * 2025): the units are shared among F fragments of about equal size (the
+ * largest unit first, each to the lightest fragment: the embeddings alone,
+ * the blocks strided over depth). Fragment p syncs after the steps s with
+ * s % H == (p + 1) H / F, so the network carries 1/F of the model every
+ * H / F steps instead of all of it every H; fragment F - 1 syncs where the
+ * round ends (the reports, evaluations and epochs), and the last step
+ * syncs every fragment. Each fragment's outer step is the rule above on
+ * its own elements: its pseudo-gradient is measured from its own last
+ * sync. An epoch (where the round ends) holds each group's parameters as
+ * they are, the fragments mid-round included, so a resume goes on from
+ * them; with error feedback, the residual as above.
+ *
+ * The fragment that syncs after step s: F - 1 where a round ends, -1 for
+ * none. */
+int zt_diloco_fragment_due(const zt_diloco_t *d, int64_t s);
+
+/* The outer step (above) of fragment f, -1 for the whole model.
+ * *applied is 0 when the summed pseudo-gradient was not finite: the
+ * outer state stays and every group returns to the last sync's
+ * parameters. -1 when the all-reduce failed. */
+ZT_MUST_CHECK int zt_diloco_sync(zt_diloco_t *d, int f, int *applied);
 
 /* Overlap (sync.overlap_steps tau, after Streaming DiLoCo's overlapping
  * of communication): zt_diloco_launch computes the pseudo-gradient,
@@ -118,7 +144,7 @@ ZT_MUST_CHECK int zt_diloco_sync(zt_diloco_t *d, int *applied);
  * thread's in between (inner steps do not communicate). The next round's
  * pseudo-gradient is measured from the new outer parameters, so those tau
  * steps count in it. zt_diloco_free waits for a launched all-reduce. */
-ZT_MUST_CHECK int zt_diloco_launch(zt_diloco_t *d);
+ZT_MUST_CHECK int zt_diloco_launch(zt_diloco_t *d, int f);
 ZT_MUST_CHECK int zt_diloco_land(zt_diloco_t *d, int *applied);
 
 /* A checkpoint of this group: the floats its snapshot needs, then the

@@ -78,13 +78,16 @@ static uint64_t lora_base(const zt_model_config_t *m, int stage, int world, uint
 /* DiLoCo (diloco.h): each worker is a group of one rank, and holds in
  * fp32 host memory, the whole padded model each: the outer parameters,
  * the outer momentum, the pseudo-gradient, a round kept for the next
- * generation (parameters, m, v), the overlap's snapshot, and int4's
- * residual and decoded copy; and the encodings of G groups and its own. */
+ * generation (parameters, m, v), the overlap's snapshot, int4's
+ * residual and decoded copy, and with fragments the group's parameters
+ * (and int4's packed residual); and the encodings of G groups and its
+ * own. */
 static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l, int groups) {
   uint64_t full = 0, G = (uint64_t)groups;
   if (!s->diloco) return 0;
   for (int u = 0; u < l->num_units; u++) full += zt_zero_shard_size(l->unit_size[u], 1);
-  uint64_t copies = 3 + 3 + (s->overlap_steps ? 1 : 0) + (s->compression == 3 ? 2 : 0);
+  uint64_t copies = 3 + 3 + (s->overlap_steps ? 1 : 0) + (s->compression == 3 ? 2 : 0) +
+                    (s->fragments > 1 ? 1 + (s->compression == 3) : 0);
   uint64_t enc = s->compression == 1 ? 2 * full
                  : s->compression == 2 ? full + 4 * ((full + 255) / 256)
                  : s->compression == 3 ? (full + 1) / 2 + 4 * ((full + 63) / 64)

@@ -428,7 +428,7 @@ static int parse_balance(zt_spec_t *s, const cJSON *root) {
  * checks against. */
 static int parse_sync(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer", "compression",
-                                     "overlap_steps"};
+                                     "overlap_steps", "fragments"};
   static const char *const okeys[] = {"lr", "momentum", "nesterov"};
   const char *P = "sync.outer_optimizer";
   const cJSON *o, *oo = NULL;
@@ -439,7 +439,8 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
       get_long(o, "sync", "inner_steps", 0, 1, 1L << 20, &s->inner_steps) ||
       get_object(o, "sync", "outer_optimizer", 0, &oo) ||
       get_string(o, "sync", "compression", 0, comp, sizeof comp) ||
-      get_long(o, "sync", "overlap_steps", 0, 0, 1L << 20, &s->overlap_steps))
+      get_long(o, "sync", "overlap_steps", 0, 0, 1L << 20, &s->overlap_steps) ||
+      get_long(o, "sync", "fragments", 0, 1, 1L << 20, &s->fragments))
     return -1;
   if (oo && (CHECK_KEYS(oo, P, okeys) || get_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
              get_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
@@ -457,11 +458,20 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
                   "\"diloco\" keeps");
   if (!s->diloco && s->overlap_steps)
     return zt_err("sync.overlap_steps: only sync.mode \"diloco\" overlaps its all-reduce");
+  if (!s->diloco && s->fragments > 1)
+    return zt_err("sync.fragments: only sync.mode \"diloco\" syncs in fragments");
   if (!s->diloco) return 0;
-  long H = s->inner_steps;
-  if (s->overlap_steps >= H)
-    return zt_err("sync.overlap_steps (%ld) must be below sync.inner_steps (%ld): a round's "
-                  "all-reduce lands before the next one starts", s->overlap_steps, H);
+  long H = s->inner_steps, F = s->fragments, units = s->model.n_layer + 2;
+  if (H % F != 0)
+    return zt_err("sync.fragments (%ld) must divide sync.inner_steps (%ld): the fragments sync "
+                  "inner_steps / fragments steps apart", F, H);
+  if (F > units)
+    return zt_err("sync.fragments (%ld): the model has %ld units (its layers, the embeddings "
+                  "and the final norm) to share among them", F, units);
+  if (s->overlap_steps >= H / F)
+    return zt_err("sync.overlap_steps (%ld) must be below sync.inner_steps / sync.fragments "
+                  "(%ld): a fragment's all-reduce lands before the next one starts",
+                  s->overlap_steps, H / F);
   if (s->zero_stage != 0)
     return zt_err("sync.mode \"diloco\": each worker is a group of its own and holds the whole "
                   "model, so zero_optimization.stage must be 0 (got %d)", s->zero_stage);
@@ -663,6 +673,7 @@ static void set_defaults(zt_spec_t *s) {
   s->comm_timeout_ms = 30000;
   s->lb_every = 20;
   s->inner_steps = 50;
+  s->fragments = 1;
   s->outer_lr = 0.7, s->outer_momentum = 0.9, s->outer_nesterov = 1;
 }
 

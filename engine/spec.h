@@ -192,6 +192,11 @@ typedef struct zt_spec {
    * pseudo-gradient runs while the group trains on, landing this many
    * steps later (0: the groups wait for it; diloco.h). */
   long overlap_steps;
+  /* sync.fragments F (DiLoCo; Streaming DiLoCo): the model's units in F
+   * fragments of about equal size, each syncing on its own schedule,
+   * inner_steps / F steps apart, so the network carries 1/F of the model
+   * at a time (1: the whole model at each sync; diloco.h). */
+  long fragments;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 

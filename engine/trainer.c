@@ -902,11 +902,36 @@ static void break_before_outer(trainer *t, int64_t s) {
   }
 }
 
-/* The outer step of step s, waited for. */
-static int outer_sync(trainer *t, int64_t s) {
+/* The fragment whose round ends with step s (diloco.h): all of them at
+ * the last step (-1), else the last one (the whole model without
+ * fragments). */
+static int round_fragment(const trainer *t, int64_t s) {
+  return t->dl.F == 1 || s >= t->spec.steps ? -1 : t->dl.F - 1;
+}
+
+/* The outer step of fragment f after step s, waited for. */
+static int outer_sync(trainer *t, int64_t s, int f) {
   int applied = 0;
   break_before_outer(t, s);
-  return outer_done(t, s, zt_diloco_sync(&t->dl, &applied), applied);
+  return outer_done(t, s, zt_diloco_sync(&t->dl, f, &applied), applied);
+}
+
+/* Starts fragment f's overlapped all-reduce after step s; it lands
+ * sync.overlap_steps later. */
+static int launch(trainer *t, int64_t s, int f) {
+  break_before_outer(t, s);
+  if (zt_diloco_launch(&t->dl, f) != 0) return -1;
+  t->land_at = s + t->spec.overlap_steps;
+  return 0;
+}
+
+/* Fragment f's sync in the middle of a round (sync.fragments): overlapped,
+ * or waited for in step s's time. */
+static int fragment_sync(trainer *t, int64_t s, int f) {
+  if (t->spec.overlap_steps && !t->dl.dev) return launch(t, s, f);
+  if (outer_sync(t, s, f) != 0) return -1;
+  t->rms[t->rn - 1] += t->dl.sync_ms;
+  return 0;
 }
 
 /* Lands an overlapped round after step s (diloco.h). */
@@ -918,10 +943,13 @@ static int land(trainer *t, int64_t s) {
 
 /* A sync of step s failed with its round still open (the outer step not
  * applied): when a peer is gone, the round is kept for the next
- * generation (diloco.h, a lost group dropped from its round). */
+ * generation (diloco.h, a lost group dropped from its round). Not with
+ * fragments: the others synced in the round, and the epoch it would
+ * resume from holds their outer state from before. */
 static void keep_round(trainer *t, int64_t s) {
   const zt_gen_ctx_t *g = t->g;
-  if (!g->diloco_stash || t->dl.ef || !zt_comm_broken(g->comm) || t->rn < 1) return;
+  if (!g->diloco_stash || t->dl.ef || t->dl.F > 1 || !zt_comm_broken(g->comm) || t->rn < 1)
+    return;
   char why[512];
   snprintf(why, sizeof why, "%s", zt_err_msg());
   if (zt_diloco_stash_keep(&t->dl, g->diloco_stash, g->job_id, s - t->rn, s, t->rl, t->rlr,
@@ -959,7 +987,8 @@ static int sync_round(trainer *t, int64_t s, int *end) {
   int eval = t->val && t->spec.eval_every && s % t->spec.eval_every == 0;
   int overlap = t->spec.overlap_steps && !t->dl.dev && !eval && !periodic_due(t, s) &&
                 s < t->spec.steps;
-  if (!overlap && outer_sync(t, s) != 0) goto out;
+  int f = round_fragment(t, s);
+  if (!overlap && outer_sync(t, s, f) != 0) goto out;
   open = overlap;
   res.val_loss = NAN;
   if (eval && eval_loss(t, &res.val_loss) != 0) goto out;
@@ -968,12 +997,8 @@ static int sync_round(trainer *t, int64_t s, int *end) {
   res.ckpt_requested = flags[0] > 0;
   res.ckpt_busy = (int)ctl[2 * n];
   t->rn = 0;
-  if (overlap && res.ckpt_requested && outer_sync(t, s) != 0) goto out;
-  if (overlap && !res.ckpt_requested) {
-    break_before_outer(t, s);
-    if (zt_diloco_launch(&t->dl) != 0) goto out;
-    t->land_at = s + t->spec.overlap_steps;
-  }
+  if (overlap && res.ckpt_requested && outer_sync(t, s, f) != 0) goto out;
+  if (overlap && !res.ckpt_requested && launch(t, s, f) != 0) goto out;
   open = 0;
   rc = checkpoint(t, s, &res);
   if (rc >= 0) *end = rc > 0 || flags[1] > 0;
@@ -1017,8 +1042,14 @@ static int diloco_step(trainer *t, int64_t step, int *end) {
     if (land(t, step + 1) != 0) return -1;
     t->rms[t->rn - 1] += t->dl.sync_ms;
   }
+  if (sync_due(t, step + 1)) {
+    if (t->g->step_done) t->g->step_done(t->g->user, step + 1, t->rms[t->rn - 1]);
+    return sync_round(t, step + 1, end);
+  }
+  int f = zt_diloco_fragment_due(&t->dl, step + 1);
+  if (f >= 0 && fragment_sync(t, step + 1, f) != 0) return -1;
   if (t->g->step_done) t->g->step_done(t->g->user, step + 1, t->rms[t->rn - 1]);
-  return sync_due(t, step + 1) ? sync_round(t, step + 1, end) : 0;
+  return 0;
 }
 
 /* ---- the generation ---------------------------------------------------------------- */

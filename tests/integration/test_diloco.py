@@ -394,3 +394,72 @@ def test_lost_group_is_dropped_from_its_round(procs, tmp_path, data):
         assert close(cur[u][0], want_p[u]) and close(cur[u][1], want_m[u]), f"unit {u}"
     got = losses(coord, jid)
     assert sorted(got) == list(range(1, 17)) and got[16] < got[1]
+
+
+def fragments_of(sizes, F):
+    """engine/diloco.c's assignment: the largest unit first (the lowest
+    index among equals), each to the fragment holding the fewest elements
+    so far (the lowest index among equals)."""
+    load, frag = [0] * F, {}
+    for u in sorted(range(len(sizes)), key=lambda u: (-sizes[u], u)):
+        f = min(range(F), key=lambda f: (load[f], f))
+        frag[u] = f
+        load[f] += sizes[u]
+    return frag
+
+
+def test_fragments_sync_on_their_own_steps(procs, tmp_path, data):
+    """sync.fragments 2 (Streaming DiLoCo): the units in two fragments of
+    about equal size; fragment 0 syncs after steps 2, 6, 10, ... and
+    fragment 1 where the rounds end (4, 8, ...). Every epoch where a round
+    ends holds fragment 1 moved by the paper's rule from the groups' inner
+    parameters, and fragment 0 moved since the epoch before (its own sync
+    in the middle of the round). With int4 error feedback and overlap, a
+    ring broken under fragment 0's all-reduce at step 10 resumes from
+    step 8 to the same losses as an undisturbed run."""
+    train, val = data
+    coord = start_fleet(procs, 2)
+    spec = diloco_spec(train, val, 16, 2, str(tmp_path / "ck"), gbs=24,
+                       fault_injection={"slow_rank": 0, "slow_micro_ms": 10})
+    spec["sync"]["fragments"] = 2
+    jid = submit(coord, spec, tmp_path, "d.json")
+    assert wait_job(coord, jid, timeout=120)["step"] == 16
+    got = losses(coord, jid)
+    assert sorted(got) == list(range(1, 17)) and got[16] < got[1]
+    eps = committed(coord, jid)
+    pairs = [(a, a + H) for a in sorted(eps) if a + H in eps and a + H < 16]
+    assert pairs, eps
+    logs = "".join(w.output() for w in coord.workers.values())
+    for a, b in pairs:
+        _, prev = read_epoch(eps[a])
+        man, cur = read_epoch(eps[b])
+        U = man["diloco"]["units"]
+        frag = fragments_of([len(cur[u][0]) for u in range(U)], 2)
+        assert sorted(set(frag.values())) == [0, 1]
+        for f in (0, 1):
+            units = ",".join(str(u) for u in range(U) if frag[u] == f)
+            assert f"fragment {f} of 2: units [{units}]" in logs, (f, units)
+        want_p, want_m = outer_rule(prev, cur, 2, U)
+        for u in range(U):
+            if frag[u] == 1:
+                assert close(cur[u][0], want_p[u]), f"epoch {b} unit {u}: outer parameters"
+                assert close(cur[u][1], want_m[u]), f"epoch {b} unit {u}: outer momentum"
+            else:
+                assert not np.array_equal(cur[u][0], prev[u][0]), f"unit {u} never synced"
+                assert not close(cur[u][0], want_p[u]), f"unit {u} synced at the round's end"
+    # Streamed with int4 (the residual of each fragment's elements) and
+    # overlap: undisturbed, then broken at step 10 (fragment 0's sync).
+    runs = {}
+    for name, fault in (("ref", {}), ("broken", {"break_ring_before_update_at_step": 10})):
+        spec = diloco_spec(train, val, 16, 2, str(tmp_path / name), every=8, compression="int4",
+                           fault_injection=fault)
+        spec["sync"].update(fragments=2, overlap_steps=1)
+        rid = submit(coord, spec, tmp_path, f"{name}.json")
+        j = wait_job(coord, rid, timeout=120)
+        assert j["step"] == 16, j
+        runs[name] = (j, losses(coord, rid))
+    assert runs["broken"][0]["generation"] >= 2, runs["broken"][0]
+    assert runs["broken"][1] == runs["ref"][1]
+    assert runs["ref"][1] != got
+    logs = "".join(w.output() for w in coord.workers.values())
+    assert "training failed at step 11: DiLoCo: the pseudo-gradient's all-reduce" in logs

@@ -231,7 +231,22 @@ ZT_TEST(sync_modes) {
   expect_error("{" BASE ", \"sync\": {\"overlap_steps\": 2}}",
                "sync.overlap_steps: only sync.mode \"diloco\"");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 4, "
-               "\"overlap_steps\": 4}}", "sync.overlap_steps (4) must be below sync.inner_steps (4)");
+               "\"overlap_steps\": 4}}",
+               "sync.overlap_steps (4) must be below sync.inner_steps / sync.fragments (4)");
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 8, "
+                       "\"fragments\": 4, \"overlap_steps\": 1}}") == 0);
+  ZT_CHECK(s.fragments == 4 && s.overlap_steps == 1);
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 8, "
+               "\"fragments\": 4, \"overlap_steps\": 2}}",
+               "sync.overlap_steps (2) must be below sync.inner_steps / sync.fragments (2)");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 8, "
+               "\"fragments\": 3}}", "sync.fragments (3) must divide sync.inner_steps (8)");
+  expect_error("{" BASE ", \"sync\": {\"fragments\": 2}}",
+               "sync.fragments: only sync.mode \"diloco\" syncs in fragments");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 64, "
+               "\"fragments\": 64}}", "sync.fragments (64): the model has");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"fragments\": 0}}",
+               "sync.fragments: 0 is out of range");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"async\"}}",
                "sync.mode: \"async\" is neither \"sync\" nor \"diloco\"");
   expect_error("{" BASE ", \"sync\": {\"inner\": 5}}", "sync.inner: unknown key");

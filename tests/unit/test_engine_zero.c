@@ -162,7 +162,7 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   for (size_t i = 0; i < n; i++) p[i] = p0[i] + 0.5f;
   ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
   int applied = 0;
-  ZT_REQUIRE(zt_diloco_sync(&d, &applied) == 0 && applied);
+  ZT_REQUIRE(zt_diloco_sync(&d, -1, &applied) == 0 && applied);
   ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
   size_t bad = 0;
   for (size_t i = 0; i < n; i++) {
@@ -176,7 +176,7 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   float *theta = malloc(n * 4);
   for (size_t i = 0; i < n; i++) theta[i] = want[i] - 0.125f * (float)(i % 3);
   ZT_REQUIRE(zt_zero_master_put(&z, theta) == 0);
-  ZT_REQUIRE(zt_diloco_launch(&d) == 0 && d.pending);
+  ZT_REQUIRE(zt_diloco_launch(&d, -1) == 0 && d.pending);
   for (size_t i = 0; i < n; i++) p[i] = theta[i] + 0.25f;
   ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
   ZT_REQUIRE(zt_diloco_land(&d, &applied) == 0 && applied && !d.pending);
@@ -192,7 +192,7 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   memcpy(p, want, n * 4);
   p[3] = NAN;
   ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
-  ZT_REQUIRE(zt_diloco_sync(&d, &applied) == 0);
+  ZT_REQUIRE(zt_diloco_sync(&d, -1, &applied) == 0);
   ZT_CHECK(!applied && d.refused == 1);
   ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
   ZT_CHECK(memcmp(p, want, n * 4) == 0 && memcmp(d.outer, want, n * 4) == 0);
@@ -216,6 +216,76 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   zt_model_free(m);
 }
 
+/* sync.fragments: the units shared among the fragments, each syncing on
+ * its own step; a fragment's sync (waited or overlapped) moves its own
+ * elements only, by the rule, and leaves the others as the group has
+ * them. */
+ZT_TEST(diloco_fragments_sync_their_own_units) {
+  zt_model_t *m;
+  zt_zero_t z;
+  ZT_REQUIRE(small_zero(&m, &z) == 0);
+  zt_spec_t sp;
+  memset(&sp, 0, sizeof sp);
+  sp.inner_steps = 4, sp.outer_lr = 0.7, sp.outer_momentum = 0.9, sp.outer_nesterov = 1;
+  sp.fragments = 2;
+  zt_diloco_t d;
+  ZT_REQUIRE(zt_diloco_create(&d, &z, NULL, 1, 0, &sp, 1000) == 0);
+  ZT_REQUIRE(d.F == 2 && z.U >= 2);
+  size_t load[2] = {0, 0}, biggest = 0;
+  for (int u = 0; u < z.U; u++) {
+    ZT_REQUIRE(d.frag_of[u] == 0 || d.frag_of[u] == 1);
+    load[d.frag_of[u]] += z.usz[u];
+    if (z.usz[u] > biggest) biggest = z.usz[u];
+  }
+  /* Greedy: the fragments differ by no more than the largest unit. */
+  ZT_CHECK(load[0] && load[1] && (load[0] > load[1] ? load[0] - load[1] : load[1] - load[0]) <= biggest);
+  static const int due[9] = {-1, -1, 0, -1, 1, -1, 0, -1, 1};
+  for (int s = 1; s <= 8; s++) ZT_CHECK(zt_diloco_fragment_due(&d, s) == due[s]);
+  size_t n = z.full_total;
+  float *p0 = malloc(n * 4), *p = malloc(n * 4), *q = malloc(n * 4), *mom = calloc(n, 4);
+  for (size_t i = 0; i < n; i++) p0[i] = (float)(i % 13) * 0.25f - 1.0f;
+  ZT_REQUIRE(zt_zero_master_put(&z, p0) == 0 && zt_diloco_begin(&d) == 0);
+  for (int f = 0; f < 2; f++) {
+    /* The group moved every value by 0.5; fragment f syncs (f 1
+     * overlapped, with a further 0.25 of progress before it lands). */
+    float *now = malloc(n * 4);
+    ZT_REQUIRE(zt_zero_master_get(&z, now) == 0);
+    for (size_t i = 0; i < n; i++) p[i] = now[i] + 0.5f;
+    ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+    int applied = 0;
+    if (f == 0) {
+      ZT_REQUIRE(zt_diloco_sync(&d, 0, &applied) == 0 && applied);
+    } else {
+      ZT_REQUIRE(zt_diloco_launch(&d, 1) == 0 && d.pending);
+      for (size_t i = 0; i < n; i++) q[i] = p[i] + 0.25f;
+      ZT_REQUIRE(zt_zero_master_put(&z, q) == 0);
+      ZT_REQUIRE(zt_diloco_land(&d, &applied) == 0 && applied);
+    }
+    ZT_REQUIRE(zt_zero_master_get(&z, now) == 0);
+    size_t bad = 0, moved = 0;
+    for (int u = 0; u < z.U; u++) {
+      for (size_t i = z.off_full[u], e = i + z.usz[u]; i < e; i++) {
+        float after = f == 1 ? q[i] : p[i];
+        if (d.frag_of[u] == f) {
+          float o = rule(p0[i], &mom[i], p[i]);
+          bad += d.outer[i] != o || now[i] != o + (after - p[i]);
+          p0[i] = o;
+          moved++;
+        } else {
+          bad += d.outer[i] != p0[i] || now[i] != after;
+        }
+      }
+    }
+    ZT_CHECK(bad == 0 && moved == load[f]);
+    free(now);
+  }
+  ZT_CHECK(d.syncs == 2);
+  free(p0), free(p), free(q), free(mom);
+  zt_diloco_free(&d);
+  zt_zero_free(&z);
+  zt_model_free(m);
+}
+
 ZT_TEST_MAIN(failed_create_frees_what_it_allocated,
              load_fault_blames_the_epoch_only_for_its_content,
-             diloco_outer_step_waited_and_overlapped)
+             diloco_outer_step_waited_and_overlapped, diloco_fragments_sync_their_own_units)
