@@ -156,6 +156,23 @@ ZT_MUST_CHECK int zt_comm_all_to_all(zt_comm_t *c, const void *send, void *recv,
                                      int64_t timeout_ms);
 ZT_MUST_CHECK int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
 
+/* A view: a communicator of some of c's ranks, ranks[0 .. n) (c's ranks,
+ * this one among them), that runs its collectives over c's own
+ * connections, so it costs no set-up and no socket. Rank i of the view is
+ * c's rank ranks[i]; every member must make the same call with the same
+ * list. Every pair of members needs a direct connection, which the mesh
+ * gives (3 to ZT_COMM_MESH_MAX ranks), or n <= 2 ranks that the ring
+ * joins both ways. TCP only (NCCL: an error).
+ *
+ * A view breaks with c (c's abort, or its failure) and breaks c when it
+ * fails (naming c's rank of the failed peer), so zt_comm_broken(c) tells
+ * either. Its byte counts add to c's. Views whose members share no pair
+ * of ranks (a group's ranks, and the ranks of the same place in every
+ * group) use disjoint sockets and may run at the same time from different
+ * threads; otherwise one at a time, as c's own calls. Destroy views before
+ * c. A view of a view is a view of the same c. */
+ZT_MUST_CHECK int zt_comm_view(zt_comm_t *c, const int *ranks, int n, zt_comm_t **out);
+
 /* Makes the current and all later operations fail; safe from any thread. */
 void zt_comm_abort(zt_comm_t *c);
 /* 1 once an operation has failed or the communicator was aborted. */

@@ -100,6 +100,11 @@ struct zt_comm {
   struct zt_nccl *nccl; /* set: operations go to NCCL (comm_nccl.c) */
   char err[512];
   zt_comm_stats_t stats;
+  zt_comm_stats_t *st; /* &stats, or a view's root's (views count into it) */
+  /* A view (zt_comm_view): the communicator whose connections it uses
+   * (never itself a view) and each view rank's rank there; NULL else. */
+  struct zt_comm *root;
+  int *rmap;
   uint8_t *scratch;
   size_t scratch_cap;
   uint64_t seq; /* collectives begun on the ring (op_header) */
@@ -159,6 +164,21 @@ static void avg_scale(void *buf, size_t n, zt_dtype_t dt, int world) {
 
 /* ---- errors ------------------------------------------------------------------ */
 
+/* A view's failure breaks its root too (the generation is over), naming
+ * the root's rank, and stops whatever else runs on the root's sockets. */
+static void view_failed(zt_comm_t *v) {
+  zt_comm_t *c = v->root;
+  int no = 0;
+  if (atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) {
+    snprintf(c->err, sizeof c->err, "%s", v->err);
+    if (v->failed_peer >= 0) c->failed_peer = v->rmap[v->failed_peer];
+    atomic_store(&c->broken, 1);
+  }
+  uint64_t one = 1;
+  ssize_t w = write(c->abort_fd, &one, sizeof one);
+  (void)w;
+}
+
 /* Records the first failure; the communicator is unusable from then on. */
 static int fail(zt_comm_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(zt_comm_t *c, const char *fmt, ...) {
@@ -173,13 +193,15 @@ static int fail(zt_comm_t *c, const char *fmt, ...) {
   /* An abort from another thread may be writing err: it is done when
    * broken is set, a few instructions later. */
   while (!atomic_load(&c->broken)) sched_yield();
+  if (c->root) view_failed(c);
   return zt_err("%s", c->err);
 }
 
 static int check_usable(zt_comm_t *c, const char *op) {
-  if (!atomic_load(&c->broken)) return 0;
+  if (!atomic_load(&c->broken) && !(c->root && atomic_load(&c->root->broken))) return 0;
+  zt_comm_t *b = atomic_load(&c->broken) ? c : c->root;
   return zt_err("%s: communicator unusable after an earlier failure: %s", op,
-                c->err[0] ? c->err : "aborted");
+                b->err[0] ? b->err : "aborted");
 }
 
 /* ---- the transfer engine ---------------------------------------------------- */
@@ -222,7 +244,7 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
 static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
   int64_t t0 = zt_now_us();
   int rc = step_run_timed(c, s, dl, op);
-  __atomic_fetch_add(&c->stats.comm_us, (uint64_t)(zt_now_us() - t0), __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->comm_us, (uint64_t)(zt_now_us() - t0), __ATOMIC_RELAXED);
   return rc;
 }
 
@@ -239,8 +261,10 @@ static int step_run(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const ch
 static void set_lowat(zt_comm_t *c, int from, size_t want) {
   int v = (int)ZT_MIN(want, ZT_MIN(c->chunk / 4, (size_t)INT32_MAX));
   if (v < 1) v = 1;
-  if (v == c->in_lowat[from]) return;
-  if (setsockopt(c->in_fd[from], SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c->in_lowat[from] = v;
+  /* A view's sockets are its root's: one record of each socket's value. */
+  int *now = c->root ? &c->root->in_lowat[c->rmap[from]] : &c->in_lowat[from];
+  if (v == *now) return;
+  if (setsockopt(c->in_fd[from], SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) *now = v;
 }
 
 static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, const char *op) {
@@ -263,7 +287,7 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
     int64_t w0 = ip < 0 ? zt_now_us() : 0; /* only the send is left: its wait */
     int r = poll(p, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
     if (ip < 0)
-      __atomic_fetch_add(&c->stats.send_wait_us, (uint64_t)(zt_now_us() - w0), __ATOMIC_RELAXED);
+      __atomic_fetch_add(&c->st->send_wait_us, (uint64_t)(zt_now_us() - w0), __ATOMIC_RELAXED);
     if (r < 0) {
       if (errno == EINTR) continue;
       return fail(c, "%s: poll: %s", op, strerror(errno));
@@ -274,7 +298,7 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
       ssize_t w = send(c->next_fd, s->sbuf + sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = c->next, 1))
         return fail(c, "%s: send to rank %d: %s", op, c->next, strerror(errno));
-      if (w > 0) sent += (size_t)w, __atomic_fetch_add(&c->stats.bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
+      if (w > 0) sent += (size_t)w, __atomic_fetch_add(&c->st->bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
     }
     if (ip >= 0 && p[ip].revents) {
       size_t want = ZT_MIN(s->rlen - got, c->chunk);
@@ -285,7 +309,7 @@ static int step_run_timed(zt_comm_t *c, const ring_step *s, zt_deadline_t dl, co
       }
       if (rd < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = c->prev, 1))
         return fail(c, "%s: receive from rank %d: %s", op, c->prev, strerror(errno));
-      if (rd > 0) got += (size_t)rd, __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
+      if (rd > 0) got += (size_t)rd, __atomic_fetch_add(&c->st->bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
       if (s->acc) {
         /* Reduce whole chunks as they complete, and the tail at the end. */
         size_t ready = got == s->rlen ? got : (got / c->chunk) * c->chunk;
@@ -439,7 +463,7 @@ static int mesh_io(zt_comm_t *c, const struct pollfd *pf, const int *who, int n,
                        MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w < 0 && errno != EAGAIN && errno != EINTR && (c->failed_peer = j, 1))
         return fail(c, "%s: send to rank %d: %s", op, j, strerror(errno));
-      if (w > 0) sent[j] += (size_t)w, __atomic_fetch_add(&c->stats.bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
+      if (w > 0) sent[j] += (size_t)w, __atomic_fetch_add(&c->st->bytes_sent, (uint64_t)w, __ATOMIC_RELAXED);
       continue;
     }
     uint8_t *b = m->recv + (size_t)j * m->rstride;
@@ -450,7 +474,7 @@ static int mesh_io(zt_comm_t *c, const struct pollfd *pf, const int *who, int n,
       return fail(c, "%s: receive from rank %d: %s", op, j, strerror(errno));
     if (rd <= 0) continue; /* EAGAIN, EINTR */
     got[j] += (size_t)rd;
-    __atomic_fetch_add(&c->stats.bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c->st->bytes_recv, (uint64_t)rd, __ATOMIC_RELAXED);
     /* Acknowledge at once, not after the delayed-ACK timer: a sender's
      * smoothed RTT is what link_rtt_ms reports (docs/deploy.md), and with
      * delayed ACKs on the mesh's receives a healthy link between
@@ -504,7 +528,7 @@ static int mesh_run(zt_comm_t *c, const mesh_call *m, zt_deadline_t dl, const ch
     int64_t w0 = only_sends ? zt_now_us() : 0;
     int r = poll(pf, (nfds_t)n, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
     if (only_sends)
-      __atomic_fetch_add(&c->stats.send_wait_us, (uint64_t)(zt_now_us() - w0), __ATOMIC_RELAXED);
+      __atomic_fetch_add(&c->st->send_wait_us, (uint64_t)(zt_now_us() - w0), __ATOMIC_RELAXED);
     if (r < 0 && errno != EINTR) {
       rc = fail(c, "%s: poll: %s", op, strerror(errno));
       break;
@@ -515,7 +539,7 @@ static int mesh_run(zt_comm_t *c, const mesh_call *m, zt_deadline_t dl, const ch
     }
     if (r > 0 && (rc = mesh_io(c, pf, who, n, m, op)) != 0) break;
   }
-  __atomic_fetch_add(&c->stats.comm_us, (uint64_t)(zt_now_us() - t0), __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->comm_us, (uint64_t)(zt_now_us() - t0), __ATOMIC_RELAXED);
   free(pf);
   free(who);
   return rc;
@@ -636,6 +660,7 @@ static int nccl_result(zt_comm_t *c, int rc) {
 
 zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
+  c->st = &c->stats;
   c->rank = rank, c->world = world, c->nccl = n;
   c->next = (rank + 1) % world, c->prev = mod(rank - 1, world);
   c->next_fd = c->prev_fd = c->listen_fd = -1;
@@ -647,7 +672,7 @@ zt_comm_t *zt__comm_wrap(struct zt_nccl *n, int rank, int world) {
 int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-reduce") != 0) return -1;
-  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_all_reduce(c->nccl, buf, count, dt, op, timeout_ms));
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
   if (c->world > 1 && agree(c, OPH_ALL_REDUCE, dt, op, count, dl, "all-reduce") != 0) return -1;
@@ -666,7 +691,7 @@ int zt_comm_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_
 int zt_comm_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
                            zt_redop_t op, int64_t timeout_ms) {
   if (check_usable(c, "reduce-scatter") != 0) return -1;
-  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
   if (c->nccl)
     return nccl_result(c, zt__nccl_reduce_scatter(c->nccl, send, recv, count, dt, op, timeout_ms));
   size_t esz = zt_dtype_size(dt), total = count * (size_t)c->world;
@@ -687,7 +712,7 @@ int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t strid
   if (check_usable(c, "reduce-scatter") != 0) return -1;
   if (c->nccl) return zt_err("reduce-scatter from fp32 into fp64: not available over NCCL");
   if (stride < count) return zt_err("reduce-scatter: stride %zu below count %zu", stride, count);
-  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
   if (c->world == 1) {
     for (size_t i = 0; i < count; i++) recv[i] = (double)send[i];
     return 0;
@@ -706,7 +731,7 @@ int zt_comm_reduce_scatter_f32to64(zt_comm_t *c, const float *send, size_t strid
 int zt_comm_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count, zt_dtype_t dt,
                        int64_t timeout_ms) {
   if (check_usable(c, "all-gather") != 0) return -1;
-  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_all_gather(c->nccl, send, recv, count, dt, timeout_ms));
   size_t esz = zt_dtype_size(dt);
   uint8_t *mine = (uint8_t *)recv + (size_t)c->rank * count * esz;
@@ -738,7 +763,7 @@ int zt_comm_all_to_all(zt_comm_t *c, const void *send, void *recv, size_t bytes,
   if (check_usable(c, "all-to-all") != 0) return -1;
   if (c->nccl) return zt_err("all-to-all: not available over NCCL");
   if (bytes % 2) return zt_err("all-to-all: %zu bytes a rank, not a whole number of words", bytes);
-  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
   const uint8_t *s = send;
   uint8_t *r = recv;
   memcpy(r + (size_t)c->rank * bytes, s + (size_t)c->rank * bytes, bytes);
@@ -757,7 +782,7 @@ int zt_comm_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int 
                       int64_t timeout_ms) {
   if (check_usable(c, "broadcast") != 0) return -1;
   if (root < 0 || root >= c->world) return zt_err("broadcast: root %d out of range", root);
-  __atomic_fetch_add(&c->stats.ops, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
   if (c->nccl) return nccl_result(c, zt__nccl_broadcast(c->nccl, buf, count, dt, root, timeout_ms));
   if (c->world == 1) return 0;
   zt_deadline_t dl = zt_deadline_in(timeout_ms);
@@ -800,7 +825,9 @@ void zt_comm_abort(zt_comm_t *c) {
   if (c->nccl) zt__nccl_abort(c->nccl);
 }
 
-int zt_comm_broken(const zt_comm_t *c) { return atomic_load(&c->broken); }
+int zt_comm_broken(const zt_comm_t *c) {
+  return atomic_load(&c->broken) || (c->root && atomic_load(&c->root->broken));
+}
 int zt_comm_failed_peer(const zt_comm_t *c) { return c->failed_peer; }
 int zt_comm_rank(const zt_comm_t *c) { return c->rank; }
 int zt_comm_world(const zt_comm_t *c) { return c->world; }
@@ -808,11 +835,11 @@ const char *zt_comm_backend(const zt_comm_t *c) { return c->nccl ? "nccl" : "tcp
 int zt_comm_device_memory(const zt_comm_t *c) { return c->nccl != NULL; }
 int zt_comm_f32_direct(const zt_comm_t *c) { return !c->nccl && (c->mesh || c->world == 2); }
 void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
-  s->bytes_sent = __atomic_load_n(&c->stats.bytes_sent, __ATOMIC_RELAXED);
-  s->bytes_recv = __atomic_load_n(&c->stats.bytes_recv, __ATOMIC_RELAXED);
-  s->ops = __atomic_load_n(&c->stats.ops, __ATOMIC_RELAXED);
-  s->comm_us = __atomic_load_n(&c->stats.comm_us, __ATOMIC_RELAXED);
-  s->send_wait_us = __atomic_load_n(&c->stats.send_wait_us, __ATOMIC_RELAXED);
+  s->bytes_sent = __atomic_load_n(&c->st->bytes_sent, __ATOMIC_RELAXED);
+  s->bytes_recv = __atomic_load_n(&c->st->bytes_recv, __ATOMIC_RELAXED);
+  s->ops = __atomic_load_n(&c->st->ops, __ATOMIC_RELAXED);
+  s->comm_us = __atomic_load_n(&c->st->comm_us, __ATOMIC_RELAXED);
+  s->send_wait_us = __atomic_load_n(&c->st->send_wait_us, __ATOMIC_RELAXED);
   s->next_rtt_us = 0;
   struct tcp_info ti;
   socklen_t len = sizeof ti;
@@ -823,6 +850,10 @@ void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s) {
 
 void zt_comm_destroy(zt_comm_t *c) {
   if (!c) return;
+  if (c->root) { /* the sockets and the abort event are the root's */
+    free(c->out_fd), free(c->in_fd), free(c->mpos), free(c->rmap), free(c->scratch), free(c);
+    return;
+  }
   if (c->nccl) zt__nccl_destroy(c->nccl);
   for (int j = 0; c->out_fd && j < c->world; j++) {
     if (c->out_fd[j] >= 0) close(c->out_fd[j]);
@@ -836,6 +867,59 @@ void zt_comm_destroy(zt_comm_t *c) {
   if (c->listen_fd >= 0) close(c->listen_fd);
   free(c->scratch);
   free(c);
+}
+
+int zt_comm_view(zt_comm_t *c, const int *ranks, int n, zt_comm_t **out) {
+  zt_comm_t *root = c->root ? c->root : c;
+  *out = NULL;
+  if (c->nccl) return zt_err("a view of the ranks: not available over NCCL");
+  if (n < 1 || n > c->world) return zt_err("a view of %d ranks out of %d", n, c->world);
+  int me = -1, *rmap = zt_xcalloc((size_t)n, sizeof *rmap);
+  for (int i = 0; i < n; i++) {
+    if (ranks[i] < 0 || ranks[i] >= c->world) {
+      free(rmap);
+      return zt_err("a view's rank %d out of range (world %d)", ranks[i], c->world);
+    }
+    for (int k = 0; k < i; k++)
+      if (ranks[k] == ranks[i]) {
+        free(rmap);
+        return zt_err("a view names rank %d twice", ranks[i]);
+      }
+    rmap[i] = c->root ? c->rmap[ranks[i]] : ranks[i];
+    if (ranks[i] == c->rank) me = i;
+  }
+  if (me < 0) {
+    free(rmap);
+    return zt_err("a view without this rank (%d)", c->rank);
+  }
+  /* Every pair of members needs its two connections: the mesh has them. */
+  for (int i = 0; i < n; i++) {
+    int j = rmap[i];
+    if (i != me && (root->out_fd[j] < 0 || root->in_fd[j] < 0)) {
+      free(rmap);
+      return zt_err("a view of ranks %d and %d: no direct connection between them (the mesh "
+                    "joins every pair from 3 to %d ranks)", root->rank, j, ZT_COMM_MESH_MAX);
+    }
+  }
+  zt_comm_t *v = zt_xcalloc(1, sizeof *v);
+  v->root = root, v->rmap = rmap;
+  v->rank = me, v->world = n;
+  v->next = (me + 1) % n, v->prev = mod(me - 1, n);
+  v->out_fd = zt_xcalloc((size_t)n, sizeof *v->out_fd);
+  v->in_fd = zt_xcalloc((size_t)n, sizeof *v->in_fd);
+  for (int i = 0; i < n; i++)
+    v->out_fd[i] = i == me ? -1 : root->out_fd[rmap[i]], v->in_fd[i] = i == me ? -1 : root->in_fd[rmap[i]];
+  v->next_fd = n > 1 ? v->out_fd[v->next] : -1;
+  v->prev_fd = n > 1 ? v->in_fd[v->prev] : -1;
+  v->mpos = zt_xcalloc(2 * (size_t)n, sizeof *v->mpos);
+  v->mesh = n >= 3;
+  v->chunk = root->chunk, v->session = root->session;
+  v->abort_fd = root->abort_fd, v->listen_fd = -1;
+  v->failed_peer = -1;
+  v->st = root->st;
+  atomic_store(&v->connected, 1);
+  *out = v;
+  return 0;
 }
 
 /* ---- connection set-up ------------------------------------------------------- */
@@ -1304,6 +1388,7 @@ int zt_comm_tcp_new(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
     return zt_err("comm: rank %d of world %d is invalid", o->rank, o->world);
   }
   zt_comm_t *c = zt_xcalloc(1, sizeof *c);
+  c->st = &c->stats;
   c->rank = o->rank;
   c->world = o->world;
   c->next = (c->rank + 1) % c->world;

@@ -1121,6 +1121,111 @@ ZT_TEST(test_stats_during_setup) {
   zt_comm_destroy(c);
 }
 
+/* One thread's calls on a view in test_views: iters all-reduces of
+ * count fp32 values, each checked against the members' sum. */
+typedef struct {
+  zt_comm_t *v;
+  int rank;           /* this rank in the whole communicator */
+  const int *members; /* the view's ranks there */
+  int n, iters;
+  size_t count;
+  int64_t timeout_ms;
+  int rc, bad;
+  char err[512];
+} view_ctx;
+
+static void *view_main(void *p) {
+  view_ctx *x = p;
+  float *b = malloc(x->count * sizeof(float) + 1);
+  for (int it = 0; it < x->iters && x->rc == 0; it++) {
+    for (size_t i = 0; i < x->count; i++) b[i] = val(x->rank, i) + (float)it;
+    x->rc = zt_comm_all_reduce(x->v, b, x->count, ZT_DT_F32, ZT_RED_SUM, x->timeout_ms);
+    for (size_t i = 0; x->rc == 0 && i < x->count; i++) {
+      float want = 0;
+      for (int k = 0; k < x->n; k++) want += val(x->members[k], i) + (float)it;
+      x->bad += b[i] != want;
+    }
+  }
+  if (x->rc != 0) snprintf(x->err, sizeof x->err, "%s", zt_err_msg());
+  free(b);
+  return NULL;
+}
+
+/* Views (zt_comm_view) of a 4-rank mesh: the groups {0, 1} and {2, 3},
+ * and the places {0, 2} and {1, 3}, the two at the same time from two
+ * threads of every rank (their sockets are disjoint). Every sum is its
+ * members' alone, back-to-back calls keep the streams in step, the bytes
+ * count in the whole communicator's stats, and its own collective works
+ * after them. Bad views are refused by name. Then rank 3 leaves its group
+ * silent: rank 2's call times out naming rank 3, and the whole
+ * communicator is broken too, with rank 3 (its rank there) as the failed
+ * peer; a view of it then fails at once. */
+ZT_TEST(test_views) {
+  static rank_ctx keep[4];
+  static view_ctx x[8];
+  static int members[8][2];
+  zt_comm_t *views[8];
+  open_ranks(keep, 4);
+  for (int r = 0; r < 4; r++) ZT_REQUIRE(keep[r].comm != NULL);
+  zt_comm_t *bad;
+  ZT_CHECK(zt_comm_view(keep[0].comm, (int[]){1, 2}, 2, &bad) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "without this rank (0)") != NULL);
+  ZT_CHECK(zt_comm_view(keep[0].comm, (int[]){0, 0}, 2, &bad) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "names rank 0 twice") != NULL);
+  ZT_CHECK(zt_comm_view(keep[0].comm, (int[]){0, 4}, 2, &bad) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "rank 4 out of range") != NULL);
+  zt_comm_stats_t before;
+  zt_comm_stats_get(keep[0].comm, &before);
+  for (int r = 0; r < 4; r++) {
+    int *g = members[2 * r], *pl = members[2 * r + 1];
+    g[0] = r / 2 * 2, g[1] = r / 2 * 2 + 1;
+    pl[0] = r % 2, pl[1] = r % 2 + 2;
+    ZT_REQUIRE(zt_comm_view(keep[r].comm, g, 2, &views[2 * r]) == 0);
+    ZT_REQUIRE(zt_comm_view(keep[r].comm, pl, 2, &views[2 * r + 1]) == 0);
+    ZT_CHECK(zt_comm_rank(views[2 * r]) == r % 2 && zt_comm_world(views[2 * r]) == 2);
+    ZT_CHECK(zt_comm_rank(views[2 * r + 1]) == r / 2);
+  }
+  pthread_t th[8];
+  for (int i = 0; i < 8; i++) {
+    x[i] = (view_ctx){.v = views[i], .rank = i / 2, .members = members[i], .n = 2, .iters = 20,
+                      .count = 100003 + (size_t)(i % 2), .timeout_ms = 20000};
+    pthread_create(&th[i], NULL, view_main, &x[i]);
+  }
+  for (int i = 0; i < 8; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < 8; i++) {
+    if (x[i].rc != 0) fprintf(stderr, "view %d: %s\n", i, x[i].err);
+    ZT_CHECK(x[i].rc == 0 && x[i].bad == 0);
+  }
+  zt_comm_stats_t after;
+  zt_comm_stats_get(keep[0].comm, &after);
+  ZT_CHECK(after.bytes_sent - before.bytes_sent >= 20 * 2 * 100003 * sizeof(float) / 2);
+  /* The whole communicator after its views: an all-reduce of all four. */
+  static call_ctx whole[4];
+  static float wb[4][64];
+  for (int r = 0; r < 4; r++) {
+    for (int i = 0; i < 64; i++) wb[r][i] = val(r, (size_t)i);
+    whole[r] = (call_ctx){.c = keep[r].comm, .op = OP_ALLREDUCE, .dt = ZT_DT_F32, .count = 64,
+                          .buf = wb[r], .timeout_ms = 20000};
+    pthread_create(&th[r], NULL, call_main, &whole[r]);
+  }
+  for (int r = 0; r < 4; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < 4; r++) ZT_CHECK(whole[r].rc == 0 && wb[r][5] == ref_sum(4, 5, ZT_RED_SUM));
+  /* Rank 3 silent in its group: rank 2's view times out and breaks the
+   * whole communicator, naming rank 3. */
+  x[4] = (view_ctx){.v = views[4], .rank = 2, .members = members[4], .n = 2, .iters = 1,
+                    .count = 1000, .timeout_ms = 300};
+  view_main(&x[4]);
+  ZT_CHECK(x[4].rc != 0 && strstr(x[4].err, "timed out") != NULL);
+  ZT_CHECK(zt_comm_broken(views[4]) && zt_comm_broken(keep[2].comm));
+  ZT_CHECK(zt_comm_failed_peer(keep[2].comm) == 3);
+  x[5] = (view_ctx){.v = views[5], .rank = 2, .members = members[5], .n = 2, .iters = 1,
+                    .count = 10, .timeout_ms = 300};
+  view_main(&x[5]);
+  ZT_CHECK(x[5].rc != 0 && strstr(x[5].err, "unusable") != NULL);
+  for (int i = 0; i < 8; i++) zt_comm_destroy(views[i]);
+  close_ranks(keep, 4);
+}
+
 /* The NCCL backend: without a GPU (or without CUDA in the build) creation
  * fails with a clear message instead of crashing or hanging; on a GPU
  * machine a one-rank communicator is created and torn down. */
@@ -1151,4 +1256,5 @@ ZT_TEST_MAIN(test_nccl_backend_guarded, test_all_reduce, test_all_reduce_avg,
              test_silent_peer_timeout_and_abort, test_mesh_back_to_back,
              test_mesh_peer_silent_or_gone,
              test_stale_session_refused, test_wrong_ring_key_refused, test_impostor_refused, test_impostor_flood_fails_at_deadline,
-             test_setup_abort, test_setup_abort_while_connect_fails, test_stats_during_setup)
+             test_setup_abort, test_setup_abort_while_connect_fails, test_stats_during_setup,
+             test_views)
