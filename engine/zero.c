@@ -964,6 +964,46 @@ int zt_zero_master_put(zt_zero_t *z, const float *host) {
   return 0;
 }
 
+/* The owned range of unit u in the fp32 master (lo from owned()). */
+static float *owned_master(zt_zero_t *z, int u, size_t lo) {
+  return z->P ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
+}
+
+int zt_zero_owned_get(zt_zero_t *z, float *host) {
+  if (zt_zero_settle(z) != 0) return -1;
+  memset(host, 0, z->shard_total * sizeof(float));
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n;
+    owned(z, u, &lo, &n);
+    if (n) z->k->download(host + z->off_shard[u], owned_master(z, u, lo), n * sizeof(float));
+  }
+  return 0;
+}
+
+int zt_zero_owned_put(zt_zero_t *z, const float *host) {
+  if (zt_zero_settle(z) != 0) return -1; /* no update may land on the new values */
+  z->pver++;
+  for (int u = 0; u < z->U; u++) {
+    size_t lo, n, S = z->S[u];
+    owned(z, u, &lo, &n);
+    if (n) z->k->upload(owned_master(z, u, lo), host + z->off_shard[u], n * sizeof(float));
+    int rc = 0;
+    if (z->P && z->N > 1) { /* a whole master: the others' ranges, then the working copy */
+      float *p = z->P + z->off_full[u];
+      rc = c_all_gather(z, p + (size_t)z->r * S, p, S, ZT_DT_F32);
+      refresh_unit(z, u, NULL);
+    } else if (z->split && z->stage < 3) { /* the owned range rounded, then shared */
+      void *w = xadv(z, z->W, z->off_full[u]);
+      if (n) z->k->narrow_x(xadv(z, w, lo), z->Ps + z->off_shard[u], n);
+      rc = c_all_gather(z, xadv(z, w, (size_t)z->r * S), w, S, z->xdt);
+    } else {
+      refresh_unit(z, u, NULL);
+    }
+    if (rc != 0) return zt_err_wrap("all-gather of the new parameters");
+  }
+  return 0;
+}
+
 /* ---- checkpoint snapshots ---------------------------------------------------------- */
 
 size_t zt_zero_snapshot_floats(const zt_zero_t *z) {

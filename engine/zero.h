@@ -253,6 +253,17 @@ ZT_MUST_CHECK int zt_zero_load_ex(zt_zero_t *z, const char *dir, const zt_ckpt_r
  * for any other layout. */
 ZT_MUST_CHECK int zt_zero_master_get(zt_zero_t *z, float *host);
 ZT_MUST_CHECK int zt_zero_master_put(zt_zero_t *z, const float *host);
+/* This rank's owned ranges of the fp32 master, at any stage and world
+ * size: shard_total floats of host memory, unit u's range at
+ * off_shard[u] (S[u] floats, zeros past the unit's real size), after the
+ * queued operations. A put is collective: every rank puts its ranges, and
+ * the ranks then hold the new parameters wherever their stage keeps them
+ * (stage 0 and a whole master all-gather it in fp32, stages 1-2 round the
+ * owned range into the working copy and all-gather that, stage 3 rounds
+ * its shard). With one rank the ranges are the whole padded layout. For
+ * what works on a part of the model on each rank (DiLoCo's groups). */
+ZT_MUST_CHECK int zt_zero_owned_get(zt_zero_t *z, float *host);
+ZT_MUST_CHECK int zt_zero_owned_put(zt_zero_t *z, const float *host);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
  * unit into buf and describes them in ranges[0..U), after zt_zero_settle.

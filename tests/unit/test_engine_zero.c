@@ -23,7 +23,13 @@
  * And DiLoCo's outer step on one group (engine/diloco.c), waited for and
  * overlapped, against the rule computed here; a pseudo-gradient that is
  * not finite; the checkpoint ranges of the inner and outer state.
+ *
+ * And the owned ranges of the master (zt_zero_owned_get, _put) on two
+ * ranks, threads of this process over a real TCP communicator, at every
+ * stage: each rank reads its range of the initial parameters and puts
+ * values of its own, which then stand in both ranks' working copies.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -286,6 +292,94 @@ ZT_TEST(diloco_fragments_sync_their_own_units) {
   zt_model_free(m);
 }
 
+/* One rank of owned_ranges_at_every_stage. */
+typedef struct {
+  int rank, stage, lfd, bad, rc;
+  const char *peers[2];
+  char err[512];
+} owned_ctx;
+
+static float owned_val(int rank, int u, size_t i) {
+  return (float)(rank * 1000 + u * 10) + (float)(i % 97) * 0.125f;
+}
+
+static void *owned_rank(void *p) {
+  owned_ctx *x = p;
+  static const zt_model_config_t small = {
+      .n_layer = 1, .n_head = 2, .n_embd = 8, .seq_len = 4, .vocab_size = 16};
+  zt_comm_tcp_opts_t co = {.rank = x->rank, .world = 2, .peers = x->peers, .listen_fd = x->lfd,
+                           .session = 9, .key = "0123456789abcdef0123456789abcdef",
+                           .connect_timeout_ms = 20000};
+  zt_zero_opts_t o = {.rank = x->rank, .world = 2, .stage = x->stage, .timeout_ms = 20000,
+                      .inv_k = 1.0, .accum = 1};
+  zt_comm_t *c = NULL;
+  zt_model_t *m = NULL;
+  zt_zero_t z;
+  x->rc = -1;
+  if (zt_comm_tcp_create(&co, &c) != 0 ||
+      zt_model_create(&m, &small, 1, small.seq_len, zt_kernels_cpu(),
+                      ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS) != 0 ||
+      zt_zero_create(&z, m, zt_kernels_cpu(), c, &o) != 0) {
+    snprintf(x->err, sizeof x->err, "%s", zt_err_msg());
+    zt_model_free(m);
+    zt_comm_destroy(c);
+    return NULL;
+  }
+  zt_zero_init_params(&z, 5);
+  float *h = calloc(z.shard_total, sizeof(float)), *init = malloc(z.max_unit * sizeof(float));
+  x->rc = zt_zero_owned_get(&z, h);
+  for (int u = 0; x->rc == 0 && u < z.U; u++) { /* the initial parameters' owned range */
+    zt_layout_init_unit(&m->lay, 5, u, init);
+    size_t lo = ZT_MIN((size_t)x->rank * z.S[u], z.usz[u]);
+    size_t n = ZT_MIN(z.S[u], z.usz[u] - lo);
+    for (size_t i = 0; i < z.S[u]; i++)
+      x->bad += h[z.off_shard[u] + i] != (i < n ? init[lo + i] : 0.0f);
+  }
+  for (int u = 0; u < z.U; u++)
+    for (size_t i = 0; i < z.S[u]; i++) h[z.off_shard[u] + i] = owned_val(x->rank, u, i);
+  if (x->rc == 0) x->rc = zt_zero_owned_put(&z, h);
+  memset(h, 0, z.shard_total * sizeof(float));
+  if (x->rc == 0) x->rc = zt_zero_owned_get(&z, h);
+  for (int u = 0; x->rc == 0 && u < z.U; u++) {
+    size_t n = ZT_MIN(z.S[u], z.usz[u] - ZT_MIN((size_t)x->rank * z.S[u], z.usz[u]));
+    for (size_t i = 0; i < n; i++) x->bad += h[z.off_shard[u] + i] != owned_val(x->rank, u, i);
+    /* Stages 0-2 hold whole units: both ranks' values, each in its range. */
+    const float *w = m->unit_params[u];
+    for (size_t i = 0; x->stage < 3 && i < z.usz[u]; i++)
+      x->bad += w[i] != owned_val((int)(i / z.S[u]), u, i % z.S[u]);
+  }
+  if (x->rc != 0) snprintf(x->err, sizeof x->err, "%s", zt_err_msg());
+  free(h), free(init);
+  zt_zero_free(&z);
+  zt_model_free(m);
+  zt_comm_destroy(c);
+  return NULL;
+}
+
+ZT_TEST(owned_ranges_at_every_stage) {
+  for (int stage = 0; stage <= 3; stage++) {
+    owned_ctx x[2];
+    char addr[2][32];
+    memset(x, 0, sizeof x);
+    for (int r = 0; r < 2; r++) {
+      int port = 0;
+      ZT_REQUIRE(zt_comm_tcp_listen("127.0.0.1", &port, &x[r].lfd) == 0);
+      snprintf(addr[r], sizeof addr[r], "127.0.0.1:%d", port);
+    }
+    pthread_t th[2];
+    for (int r = 0; r < 2; r++) {
+      x[r].rank = r, x[r].stage = stage, x[r].peers[0] = addr[0], x[r].peers[1] = addr[1];
+      pthread_create(&th[r], NULL, owned_rank, &x[r]);
+    }
+    for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < 2; r++) {
+      if (x[r].rc != 0) fprintf(stderr, "stage %d rank %d: %s\n", stage, r, x[r].err);
+      ZT_CHECK(x[r].rc == 0 && x[r].bad == 0);
+    }
+  }
+}
+
 ZT_TEST_MAIN(failed_create_frees_what_it_allocated,
              load_fault_blames_the_epoch_only_for_its_content,
-             diloco_outer_step_waited_and_overlapped, diloco_fragments_sync_their_own_units)
+             diloco_outer_step_waited_and_overlapped, diloco_fragments_sync_their_own_units,
+             owned_ranges_at_every_stage)
