@@ -62,7 +62,7 @@ static int frag_ranges(zt_diloco_t *d, int f) {
     return 1;
   }
   for (int u = 0; u < d->U; u++)
-    if (d->frag_of[u] == f) d->roff[k] = z->off_full[u], d->rlen[k++] = z->S[u] * (size_t)z->N;
+    if (d->frag_of[u] == f) d->roff[k] = z->off_shard[u], d->rlen[k++] = z->S[u];
   return k;
 }
 
@@ -92,7 +92,7 @@ int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g
   d->z = z, d->comm = comm, d->G = G, d->g = g, d->U = z->U;
   d->H = s->inner_steps, d->tmo = tmo;
   d->lr = (float)s->outer_lr, d->mu = (float)s->outer_momentum, d->nesterov = s->outer_nesterov;
-  d->n = z->full_total;
+  d->n = z->shard_total;
   d->outer = calloc(d->n ? d->n : 1, sizeof(float));
   d->mom = calloc(d->n ? d->n : 1, sizeof(float));
   d->d = calloc(d->n ? d->n : 1, sizeof(float));
@@ -157,7 +157,7 @@ void zt_diloco_free(zt_diloco_t *d) {
 int zt_diloco_begin(zt_diloco_t *d) {
   memset(d->mom, 0, d->n * sizeof(float));
   d->have_inner = 0;
-  return zt_zero_master_get(d->z, d->outer);
+  return zt_zero_owned_get(d->z, d->outer);
 }
 
 /* The compressed sum of d->d[0, count) (fragment f's, packed): every
@@ -239,7 +239,7 @@ int zt_diloco_sync(zt_diloco_t *d, int f, int *applied) {
    * one fragment). */
   float *w = d->F > 1 ? d->w : d->d;
   *applied = 0;
-  if (zt_zero_master_get(d->z, w) != 0) return -1;
+  if (zt_zero_owned_get(d->z, w) != 0) return -1;
   size_t count = pack_delta(d, f, w);
   ef_pack(d, f, 0);
   if (sum_groups(d, f, count) != 0) return zt_err_wrap("DiLoCo: the pseudo-gradient's all-reduce");
@@ -251,17 +251,17 @@ int zt_diloco_sync(zt_diloco_t *d, int f, int *applied) {
    * instead, which is what a load of its epoch gives each group
    * (zt_diloco_load). */
   if (w == d->d) {
-    if (zt_zero_master_get(d->z, d->d) != 0) return -1;
+    if (zt_zero_owned_get(d->z, d->d) != 0) return -1;
   } else {
     memcpy(d->d, w, d->n * sizeof(float));
   }
   d->have_inner = d->F == 1 || f >= 0;
   if (w == d->d) {
-    if (zt_zero_master_put(d->z, d->outer) != 0) return -1;
+    if (zt_zero_owned_put(d->z, d->outer) != 0) return -1;
   } else {
     for (int r = 0, nr = frag_ranges(d, f); r < nr; r++)
       memcpy(w + d->roff[r], d->outer + d->roff[r], d->rlen[r] * sizeof(float));
-    if (zt_zero_master_put(d->z, w) != 0) return -1;
+    if (zt_zero_owned_put(d->z, w) != 0) return -1;
   }
   d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
   return 0;
@@ -283,7 +283,7 @@ int zt_diloco_launch(zt_diloco_t *d, int f) {
   int64_t t0 = zt_now_us();
   if (!d->snap && !(d->snap = malloc((d->n ? d->n : 1) * sizeof(float))))
     return zt_errk(ZT_E_NO_MEMORY, "out of memory for DiLoCo's overlap (%zu floats)", d->n);
-  if (zt_zero_master_get(d->z, d->snap) != 0) return -1;
+  if (zt_zero_owned_get(d->z, d->snap) != 0) return -1;
   d->pfrag = f;
   d->pn = pack_delta(d, f, d->snap);
   ef_pack(d, f, 0);
@@ -309,11 +309,11 @@ int zt_diloco_land(zt_diloco_t *d, int *applied) {
   /* The new outer parameters plus the group's progress since the launch,
    * over the fragment's elements. */
   float *w = d->F > 1 ? d->w : d->d;
-  if (zt_zero_master_get(d->z, w) != 0) return -1;
+  if (zt_zero_owned_get(d->z, w) != 0) return -1;
   for (int r = 0, nr = frag_ranges(d, d->pfrag); r < nr; r++)
     for (size_t i = d->roff[r], e = i + d->rlen[r]; i < e; i++)
       w[i] = d->outer[i] + (w[i] - d->snap[i]);
-  if (zt_zero_master_put(d->z, w) != 0) return -1;
+  if (zt_zero_owned_put(d->z, w) != 0) return -1;
   d->sync_ms = (double)(zt_now_us() - t0) / 1000.0;
   return 0;
 }
@@ -351,7 +351,7 @@ int zt_diloco_stash_keep(zt_diloco_t *d, zt_diloco_stash_t **out, uint64_t job, 
     zt_diloco_stash_free(st);
     return zt_errk(ZT_E_NO_MEMORY, "out of memory keeping DiLoCo's round");
   }
-  if (zt_zero_master_get(z, st->p) != 0) {
+  if (zt_zero_owned_get(z, st->p) != 0) {
     zt_diloco_stash_free(st);
     return -1;
   }
@@ -372,7 +372,7 @@ void zt_diloco_stash_take(zt_diloco_t *d, const zt_diloco_stash_t *st, double *r
                           double *rms, int *n) {
   zt_zero_t *z = d->z;
   size_t k = (size_t)(st->s - st->s0), b = d->n * sizeof(float);
-  if (zt_zero_master_put(z, st->p) != 0) ZT_WARN("%s", zt_err_msg());
+  if (zt_zero_owned_put(z, st->p) != 0) ZT_WARN("%s", zt_err_msg());
   z->k->upload(z->M, st->m, b);
   z->k->upload(z->V, st->v, b);
   memcpy(rl, st->rl, 2 * k * sizeof(double));
@@ -394,11 +394,11 @@ static void outer_share(const zt_diloco_t *d, size_t n, size_t *lo, size_t *len)
 
 size_t zt_diloco_snapshot_floats(const zt_diloco_t *d) {
   size_t total = zt_zero_snapshot_floats(d->z);
-  for (int u = 0; d->ef && u < d->U; u++) total += 3 * d->z->usz[u];
   for (int u = 0; u < d->U; u++) {
-    size_t lo, len;
-    outer_share(d, d->z->usz[u], &lo, &len);
-    total += 3 * len;
+    size_t olo, on, lo, len;
+    zt_zero_owned_range(d->z, u, &olo, &on);
+    outer_share(d, on, &lo, &len);
+    total += 3 * len + (d->ef ? 3 * on : 0);
   }
   return total;
 }
@@ -410,28 +410,30 @@ int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges, int 
   int nr = z->U;
   for (int u = 0; u < z->U; u++) {
     ranges[u].unit = d->U * (1 + d->g) + u;
-    /* One rank alone owns every unit whole (lo 0): after a sync, its
-     * parameters as the inner steps left them. */
+    /* After a sync, its owned ranges as the inner steps left them (each
+     * starts its unit's shard in the owned layout). */
     if (d->have_inner)
-      memcpy((float *)ranges[u].p, d->d + z->off_full[u], ranges[u].n * sizeof(float));
+      memcpy((float *)ranges[u].p, d->d + z->off_shard[u], ranges[u].n * sizeof(float));
   }
   for (int u = 0; u < z->U; u++) {
-    size_t lo, len, off = z->off_full[u];
-    outer_share(d, z->usz[u], &lo, &len);
+    size_t olo, on, lo, len, off = z->off_shard[u];
+    zt_zero_owned_range(z, u, &olo, &on);
+    outer_share(d, on, &lo, &len);
     if (!len) continue;
     memcpy(at, d->outer + off + lo, len * sizeof(float));
     memcpy(at + len, d->mom + off + lo, len * sizeof(float));
     memset(at + 2 * len, 0, len * sizeof(float));
-    ranges[nr++] = (zt_ckpt_range_t){u, lo, len, at, at + len, at + 2 * len};
+    ranges[nr++] = (zt_ckpt_range_t){u, olo + lo, len, at, at + len, at + 2 * len};
     at += 3 * len;
   }
   for (int u = 0; d->ef && u < z->U; u++) { /* the residual, zeros for m and v */
-    size_t len = z->usz[u];
-    memcpy(at, d->ef + z->off_full[u], len * sizeof(float));
-    memset(at + len, 0, 2 * len * sizeof(float));
-    ranges[nr++] = (zt_ckpt_range_t){d->U * (1 + d->G + d->g) + u, 0, len, at, at + len,
-                                     at + 2 * len};
-    at += 3 * len;
+    size_t olo, on;
+    zt_zero_owned_range(z, u, &olo, &on);
+    memcpy(at, d->ef + z->off_shard[u], on * sizeof(float));
+    memset(at + on, 0, 2 * on * sizeof(float));
+    ranges[nr++] = (zt_ckpt_range_t){d->U * (1 + d->G + d->g) + u, olo, on, at, at + on,
+                                     at + 2 * on};
+    at += 3 * on;
   }
   *nranges = nr;
   return 0;
@@ -450,15 +452,21 @@ int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec,
                    "(corrupt checkpoint)", dir, units, z->U);
   zt_ckpt_dest_t *extra = zt_xcalloc(2 * (size_t)z->U, sizeof *extra);
   int from = d->g % groups, ne = 0;
-  for (int u = 0; u < z->U; u++)
-    extra[ne++] = (zt_ckpt_dest_t){u, 0, z->usz[u], d->outer + z->off_full[u],
-                                   d->mom + z->off_full[u], NULL};
+  for (int u = 0; u < z->U; u++) {
+    size_t olo, on;
+    zt_zero_owned_range(z, u, &olo, &on);
+    extra[ne++] = (zt_ckpt_dest_t){u, olo, on, d->outer + z->off_shard[u],
+                                   d->mom + z->off_shard[u], NULL};
+  }
   /* Error feedback: a group that wrote the epoch takes its residual back;
    * a new one starts at zero (a copy would count the residual twice). */
   if (d->ef) memset(d->ef, 0, d->n * sizeof(float));
-  for (int u = 0; d->ef && ef && d->g < groups && u < z->U; u++)
-    extra[ne++] = (zt_ckpt_dest_t){z->U * (1 + groups + from) + u, 0, z->usz[u],
-                                   d->ef + z->off_full[u], NULL, NULL};
+  for (int u = 0; d->ef && ef && d->g < groups && u < z->U; u++) {
+    size_t olo, on;
+    zt_zero_owned_range(z, u, &olo, &on);
+    extra[ne++] = (zt_ckpt_dest_t){z->U * (1 + groups + from) + u, olo, on,
+                                   d->ef + z->off_shard[u], NULL, NULL};
+  }
   int rc = zt_zero_load_ex(z, dir, rec, z->U * (1 + from), extra, ne, step);
   free(extra);
   if (rc != 0) return -1;
@@ -471,11 +479,11 @@ int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec,
    * In the middle of a round, a group that wrote it goes on from its
    * inner parameters. With fragments, only the one that synced at the
    * epoch's step (every one at the last step) met there. */
-  if (d->g >= groups || (d->F == 1 && *step % d->H == 0)) return zt_zero_master_put(z, d->outer);
+  if (d->g >= groups || (d->F == 1 && *step % d->H == 0)) return zt_zero_owned_put(z, d->outer);
   if (d->F == 1) return 0;
-  if (zt_zero_master_get(z, d->w) != 0) return -1;
+  if (zt_zero_owned_get(z, d->w) != 0) return -1;
   int f = *step % d->H ? -1 : d->F - 1;
   for (int r = 0, nr = frag_ranges(d, f); r < nr; r++)
     memcpy(d->w + d->roff[r], d->outer + d->roff[r], d->rlen[r] * sizeof(float));
-  return zt_zero_master_put(z, d->w);
+  return zt_zero_owned_put(z, d->w);
 }

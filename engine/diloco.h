@@ -2,11 +2,16 @@
  * diloco.h: DiLoCo, data-parallel training whose workers meet only every
  * H steps (sync.mode "diloco", spec.h; docs/engine.md "Sync modes").
  *
- * Each worker is a group of its own: it holds the whole model at ZeRO
- * stage 0 on one rank (zero.h, world 1) and runs H inner AdamW steps on
- * its share of each step's batch (the micro-batches an equal share gives
- * its rank, so the groups together still see the step's global batch),
- * with no communication at all. At a sync every group g holds theta_g;
+ * A group is one worker, which holds the whole model at ZeRO stage 0 on
+ * one rank (zero.h, world 1), or S workers in a row (sync.group_size) that
+ * hold it under ZeRO among themselves (the trainer's view of their
+ * ranks). It runs H inner AdamW steps on its share of each step's batch
+ * (the micro-batches an equal share gives its ranks, so the groups
+ * together still see the step's global batch), with no communication
+ * outside the group. All of the state below is of this rank's owned
+ * ranges (zt_zero_owned_get: the whole model in a group of one), and comm
+ * joins the ranks at the same place in every group, so each rank's outer
+ * all-reduce carries its owned ranges only. At a sync every group g holds theta_g;
  * the outer step, the same on every group, is the paper's (Douillard et
  * al. 2023) with PyTorch's SGD semantics:
  *
@@ -29,18 +34,19 @@
  * error feedback: what its encoding left out is added to its next
  * pseudo-gradient (checkpointed with it, below).
  *
- * State. outer and mom (fp32, host memory, the padded layout of the
- * group's zero.h buffers) are the same on every group; the inner AdamW
- * moments are each group's own. After a sync, d holds the group's inner
- * parameters from before the sync until the next inner step (a
- * checkpoint of the sync step records them).
+ * State. outer and mom (fp32, host memory, the owned layout of the
+ * rank's zero.h buffers: unit u's owned range at off_shard[u]) are the
+ * same at a place in every group; the inner AdamW moments are each
+ * group's own. After a sync, d holds the rank's inner parameters from
+ * before the sync until the next inner step (a checkpoint of the sync
+ * step records them).
  *
- * Checkpoints (ckpt_io.h's files, any world size): group g's rank file
+ * Checkpoints (ckpt_io.h's files, any world size): a rank of group g
  * holds its inner state as units U (1 + g) + u (parameters, Adam m, v,
- * the whole unit) and its 1/G share of each real unit u: the outer
- * parameters, the outer momentum (in the place of Adam's m) and zeros (in
- * v's); with error feedback, its residual as units U (1 + G + g) + u
- * (in the parameters' place). The manifest's diloco object names G and U
+ * its owned range) and its 1/G share of that range of each real unit u:
+ * the outer parameters, the outer momentum (in the place of Adam's m) and
+ * zeros (in v's); with error feedback, its residual as units
+ * U (1 + G + g) + u (in the parameters' place). The manifest's diloco object names G and U
  * (and error_feedback). Export and sampling
  * read the real units, the synced model. A load into G' groups gives
  * group g the inner moments of group g mod G; at a sync step every group
@@ -61,12 +67,12 @@
 
 typedef struct zt_diloco {
   zt_zero_t *z;        /* the group's model states (one rank, stage 0) */
-  zt_comm_t *comm;     /* all the groups */
+  zt_comm_t *comm;     /* the ranks at this place in every group */
   int G, g, U;
   int64_t H, tmo;
   float lr, mu;
   int nesterov;
-  size_t n;            /* floats of the padded layout (z->full_total) */
+  size_t n;            /* floats of the owned layout (z->shard_total) */
   float *outer, *mom;  /* the parameters at the last sync; the outer momentum */
   float *d;            /* the pseudo-gradient, then the inner parameters */
   void *dev;           /* a device buffer for the all-reduce when the communicator needs one */
@@ -102,8 +108,9 @@ typedef struct zt_diloco {
   char th_msg[512];
 } zt_diloco_t;
 
-/* Sets up DiLoCo for group g of G over comm, with the spec's outer
- * optimizer, on z (one rank, stage 0). -1 when out of memory. */
+/* Sets up DiLoCo for group g of G over comm (the ranks at this rank's
+ * place in every group), with the spec's outer optimizer, on z (the
+ * group's ZeRO state). -1 when out of memory. */
 ZT_MUST_CHECK int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g,
                                    const zt_spec_t *s, int64_t tmo);
 void zt_diloco_free(zt_diloco_t *d);

@@ -82,10 +82,11 @@ static uint64_t lora_base(const zt_model_config_t *m, int stage, int world, uint
  * residual and decoded copy, and with fragments the group's parameters
  * (and int4's packed residual); and the encodings of G groups and its
  * own. */
-static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l, int groups) {
-  uint64_t full = 0, G = (uint64_t)groups;
+static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l, int world) {
+  uint64_t full = 0, S = (uint64_t)s->group_size, G = (uint64_t)world / S;
   if (!s->diloco) return 0;
-  for (int u = 0; u < l->num_units; u++) full += zt_zero_shard_size(l->unit_size[u], 1);
+  /* With groups of S ranks, each holds its owned range of each unit. */
+  for (int u = 0; u < l->num_units; u++) full += zt_zero_shard_size(l->unit_size[u], S);
   uint64_t copies = 3 + 3 + (s->overlap_steps ? 1 : 0) + (s->compression == 3 ? 2 : 0) +
                     (s->fragments > 1 ? 1 + (s->compression == 3) : 0);
   uint64_t enc = s->compression == 1 ? 2 * full
@@ -100,11 +101,11 @@ int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int 
   zt_layout_t l;
   uint64_t owned;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
-  int groups = world;
-  if (s->diloco) world = 1;
+  int all = world;
+  if (s->diloco) world = (int)s->group_size;
   *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
             lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes) +
-            diloco_outer(s, &l, groups);
+            diloco_outer(s, &l, all);
   *acts = activations(s, &l, (uint64_t)xbytes);
   zt_layout_free(&l);
   return 0;
@@ -114,10 +115,10 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   zt_layout_t l;
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
-  int groups = world;
-  if (s->diloco) world = 1;
+  int all = world, groups = s->diloco ? world / (int)s->group_size : world;
+  if (s->diloco) world = (int)s->group_size;
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
-                lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l, groups);
+                lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l, all);
   out->activations = activations(s, &l, 4);
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */

@@ -428,7 +428,7 @@ static int parse_balance(zt_spec_t *s, const cJSON *root) {
  * checks against. */
 static int parse_sync(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"mode", "inner_steps", "outer_optimizer", "compression",
-                                     "overlap_steps", "fragments"};
+                                     "overlap_steps", "fragments", "group_size"};
   static const char *const okeys[] = {"lr", "momentum", "nesterov"};
   const char *P = "sync.outer_optimizer";
   const cJSON *o, *oo = NULL;
@@ -440,7 +440,8 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
       get_object(o, "sync", "outer_optimizer", 0, &oo) ||
       get_string(o, "sync", "compression", 0, comp, sizeof comp) ||
       get_long(o, "sync", "overlap_steps", 0, 0, 1L << 20, &s->overlap_steps) ||
-      get_long(o, "sync", "fragments", 0, 1, 1L << 20, &s->fragments))
+      get_long(o, "sync", "fragments", 0, 1, 1L << 20, &s->fragments) ||
+      get_long(o, "sync", "group_size", 0, 1, 64, &s->group_size))
     return -1;
   if (oo && (CHECK_KEYS(oo, P, okeys) || get_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
              get_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
@@ -460,6 +461,8 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
     return zt_err("sync.overlap_steps: only sync.mode \"diloco\" overlaps its all-reduce");
   if (!s->diloco && s->fragments > 1)
     return zt_err("sync.fragments: only sync.mode \"diloco\" syncs in fragments");
+  if (!s->diloco && s->group_size > 1)
+    return zt_err("sync.group_size: only sync.mode \"diloco\" has groups");
   if (!s->diloco) return 0;
   long H = s->inner_steps, F = s->fragments, units = s->model.n_layer + 2;
   if (H % F != 0)
@@ -472,9 +475,14 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
     return zt_err("sync.overlap_steps (%ld) must be below sync.inner_steps / sync.fragments "
                   "(%ld): a fragment's all-reduce lands before the next one starts",
                   s->overlap_steps, H / F);
-  if (s->zero_stage != 0)
+  if (s->zero_stage != 0 && s->group_size == 1)
     return zt_err("sync.mode \"diloco\": each worker is a group of its own and holds the whole "
-                  "model, so zero_optimization.stage must be 0 (got %d)", s->zero_stage);
+                  "model, so zero_optimization.stage must be 0 (got %d; sync.group_size shares "
+                  "a group's model among its workers)", s->zero_stage);
+  if (s->group_size > s->max_workers || s->max_workers / s->group_size * s->group_size <
+                                            s->min_workers)
+    return zt_err("sync.group_size %ld: no world size in elastic's %d..%d workers is a multiple "
+                  "of it", s->group_size, s->min_workers, s->max_workers);
   if (s->lb_speed)
     return zt_err("sync.mode \"diloco\" and load_balance.mode \"speed\" do not go together: "
                   "each group computes its own share of every step");
@@ -674,6 +682,7 @@ static void set_defaults(zt_spec_t *s) {
   s->lb_every = 20;
   s->inner_steps = 50;
   s->fragments = 1;
+  s->group_size = 1;
   s->outer_lr = 0.7, s->outer_momentum = 0.9, s->outer_nesterov = 1;
 }
 
@@ -753,6 +762,8 @@ int zt_spec_accum_for_world(const zt_spec_t *s, int world, int *accum) {
   if (s->lb_speed && world > K)
     return zt_err("global batch %ld is %ld micro-batches of %d: too few for %d workers",
                   s->global_batch, K, s->micro_batch, world);
+  if (s->diloco && world % s->group_size != 0)
+    return zt_err("world size %d is not a multiple of sync.group_size %ld", world, s->group_size);
   long per = (long)s->micro_batch * world;
   if (s->global_batch % per != 0)
     return zt_err("global batch %ld is not divisible by micro batch %d x %d workers",

@@ -197,6 +197,12 @@ typedef struct zt_spec {
    * inner_steps / F steps apart, so the network carries 1/F of the model
    * at a time (1: the whole model at each sync; diloco.h). */
   long fragments;
+  /* sync.group_size S (DiLoCo): the workers of a group, S ranks in a row
+   * (rank r is in group r / S), which train one model under ZeRO (the
+   * spec's stage) over their own connections and meet the other groups
+   * every inner_steps steps; a world size must be a multiple of S. 1: each
+   * worker is a group of its own (stage 0). */
+  long group_size;
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 

@@ -100,6 +100,12 @@ typedef struct {
    * squares (rl[2i], rl[2i + 1]), LR and wall time. */
   zt_diloco_t dl;
   int have_dl, rn;
+  /* sync.group_size S > 1: G groups of S ranks in a row; this rank is
+   * place li of group gi. Its ZeRO state is the group's, over the view of
+   * the group's ranks (intra); the outer all-reduce runs over the view of
+   * the ranks at its place in every group (places). NULL with S = 1. */
+  int S, G, gi, li;
+  zt_comm_t *intra, *places;
   int64_t land_at; /* an overlapped round lands after this step (0: none) */
   double *rl, *rlr, *rms;
   /* The failure was another rank's (its validation batch), which says
@@ -297,6 +303,43 @@ static int first_plan(trainer *t) {
 }
 
 /* Everything before the first step. *fault says who is to blame. */
+/* DiLoCo's groups (sync.group_size S): rank r is place r % S of group
+ * r / S; with S > 1, the views of its group's ranks and of its place's. */
+static int set_up_groups(trainer *t) {
+  t->S = (int)t->spec.group_size, t->G = t->N / t->S;
+  t->gi = t->r / t->S, t->li = t->r % t->S;
+  if (t->S == 1) return 0;
+  int ranks[ZT_LB_MAX_RANKS];
+  for (int i = 0; i < t->S; i++) ranks[i] = t->gi * t->S + i;
+  if (zt_comm_view(t->g->comm, ranks, t->S, &t->intra) != 0)
+    return zt_err_wrap("sync.group_size %d: group %d", t->S, t->gi);
+  for (int i = 0; i < t->G; i++) ranks[i] = i * t->S + t->li;
+  if (zt_comm_view(t->g->comm, ranks, t->G, &t->places) != 0)
+    return zt_err_wrap("sync.group_size %d: the ranks at place %d of every group", t->S, t->li);
+  if (t->r == 0)
+    ZT_INFO("diloco: %d groups of %d ranks (ZeRO stage %d inside each); the outer all-reduce "
+            "runs among the ranks at the same place in every group", t->G, t->S,
+            t->spec.zero_stage);
+  return 0;
+}
+
+/* The rank whose micro-batches this one computes: itself, or with DiLoCo
+ * groups of S ranks place li of group gi takes the data rank li G + gi, so
+ * a group computes exactly the micro-batches one worker of G groups would
+ * (micro-batch j N + r of a step: data.c). */
+static int data_rank(const trainer *t) {
+  return t->intra ? t->li * t->G + t->gi : t->r;
+}
+
+/* An all-reduce of host values over every rank of the generation: z's
+ * communicator, or the whole one when z's is a DiLoCo group's, once z's
+ * own traffic is done (their sockets are partly the same). */
+static int all_ranks_reduce(trainer *t, double *v, size_t n) {
+  if (!t->intra) return zt_zero_host_all_reduce(&t->z, v, n, ZT_DT_F64);
+  if (zt_zero_settle(&t->z) != 0) return -1;
+  return zt_comm_all_reduce(t->g->comm, v, n, ZT_DT_F64, ZT_RED_SUM, t->tmo);
+}
+
 static int set_up(trainer *t, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
   *fault = ZT_FAULT_JOB;
@@ -352,17 +395,23 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
                        .accum = t->spec.lb_speed && t->N > 1 ? 0 : t->accum,
                        .overlap = overlap,
                        .compress = t->spec.diloco ? 0 : t->spec.compression};
-  /* DiLoCo: the rank is a group of its own, which averages its gradients
-   * over its own micro-batches (its zero state has one rank; the data
-   * positions still follow the generation's ranks). */
-  if (t->spec.diloco) zo.rank = 0, zo.world = 1, zo.stage = 0, zo.inv_k = 1.0 / t->accum;
-  if (zt_zero_create(&t->z, t->ad ? t->ad : t->m, t->k, g->comm, &zo) != 0) {
+  /* DiLoCo: a group (one rank, or S in a row with ZeRO among them)
+   * averages its gradients over its own micro-batches (the data positions
+   * follow group_rank()). */
+  if (t->spec.diloco) {
+    if (set_up_groups(t) != 0) return -1;
+    zo.rank = t->li, zo.world = t->S, zo.stage = t->S > 1 ? t->spec.zero_stage : 0;
+    zo.inv_k = 1.0 / ((double)t->S * t->accum);
+  }
+  if (zt_zero_create(&t->z, t->ad ? t->ad : t->m, t->k, t->intra ? t->intra : g->comm, &zo) !=
+      0) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;
   }
   t->have_z = 1;
   if (t->spec.diloco) {
-    if (zt_diloco_create(&t->dl, &t->z, g->comm, t->N, t->r, &t->spec, t->tmo) != 0) {
+    if (zt_diloco_create(&t->dl, &t->z, t->places ? t->places : g->comm, t->G, t->gi, &t->spec,
+                         t->tmo) != 0) {
       *fault = ZT_FAULT_MEMORY;
       return -1;
     }
@@ -598,7 +647,7 @@ static int eval_loss(trainer *t, double *out) {
     acc[0] += l;
     acc[1] += 1;
   }
-  if (zt_zero_host_all_reduce(&t->z, acc, 3, ZT_DT_F64) != 0) return -1;
+  if (all_ranks_reduce(t, acc, 3) != 0) return -1;
   if (why[0]) return zt_err("validation: %s", why); /* a local fault, as set_up left it */
   if (acc[2] > 0) {
     t->peer_fault = 1;
@@ -612,7 +661,7 @@ static int eval_loss(trainer *t, double *out) {
  * (0-based): micro-batch j N + r of the step with equal shares (as
  * zt_data_pos has it), first[r] + j with shares by speed. */
 static uint64_t micro_pos(const trainer *t, int64_t step, int j) {
-  if (!t->uneven) return zt_data_pos((uint64_t)step, t->mb, t->K / t->N, t->N, t->r, j);
+  if (!t->uneven) return zt_data_pos((uint64_t)step, t->mb, t->K / t->N, t->N, data_rank(t), j);
   return (uint64_t)step * (uint64_t)t->K * (uint64_t)t->mb +
          (uint64_t)(t->first[t->r] + j) * (uint64_t)t->mb;
 }
@@ -777,7 +826,7 @@ static int save_state(trainer *t, int64_t step) {
     meta.lora_base_hash = t->base_hash;
   }
   if (t->have_dl)
-    meta.diloco_groups = t->N, meta.diloco_units = t->z.U, meta.diloco_inner_steps = t->dl.H,
+    meta.diloco_groups = t->G, meta.diloco_units = t->z.U, meta.diloco_inner_steps = t->dl.H,
     meta.diloco_ef = t->dl.ef != NULL;
   int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, nr);
   free(rg);
@@ -836,10 +885,14 @@ static int inner_step(trainer *t, int64_t step) {
   double loss_sum;
   int rc = step_gradients(t, step, &loss_sum);
   if (rc != 0) return rc;
-  double sumsq = zt_zero_sumsq(&t->z), loss = loss_sum * t->z.inv_k, lr = step_lr(t, s);
+  double v[2] = {loss_sum, zt_zero_sumsq(&t->z)};
+  if (t->intra && zt_zero_host_all_reduce(&t->z, v, 2, ZT_DT_F64) != 0) return -1; /* the group's */
+  double sumsq = v[1], loss = v[0] * t->z.inv_k, lr = step_lr(t, s);
   if (isfinite(loss) && isfinite(sumsq)) {
     float gscale = zt_opt_clip_coef(sumsq, t->spec.grad_clip, NULL);
-    if (zt_zero_adamw(&t->z, &t->spec.opt, (float)lr, gscale, s) != 0) return -1;
+    if (zt_zero_adamw(&t->z, &t->spec.opt, (float)lr, gscale, s) != 0 ||
+        zt_zero_gather(&t->z) != 0) /* a group of several ranks at stages 1-2 */
+      return -1;
   } else {
     ZT_WARN("step %lld: group %d: non-finite loss or gradient (loss %g, sum of squares %g): "
             "inner update refused", (long long)s, t->r, loss, sumsq);
@@ -862,7 +915,7 @@ static void report_round(trainer *t, int64_t s, const double *ctl, double val_lo
   if (t->r != 0 || !g->report_step) return;
   for (int i = 0; i < n; i++) {
     double ms = t->rms[i] + (i == n - 1 ? t->dl.sync_ms : 0);
-    zt_step_report_t rep = {s - n + 1 + i, ctl[2 * i] / t->N, sqrt(ctl[2 * i + 1] / t->N),
+    zt_step_report_t rep = {s - n + 1 + i, ctl[2 * i] / t->G, sqrt(ctl[2 * i + 1] / t->G),
                             t->rlr[i], (double)t->spec.global_batch * t->T / (ms / 1000.0), ms,
                             i == n - 1 ? val_loss : NAN, NULL, 0};
     zt_train_cmd_t cmd = g->report_step(g->user, &rep);
@@ -948,7 +1001,8 @@ static int land(trainer *t, int64_t s) {
  * resume from holds their outer state from before. */
 static void keep_round(trainer *t, int64_t s) {
   const zt_gen_ctx_t *g = t->g;
-  if (!g->diloco_stash || t->dl.ef || t->dl.F > 1 || !zt_comm_broken(g->comm) || t->rn < 1)
+  if (!g->diloco_stash || t->dl.ef || t->dl.F > 1 || t->intra || !zt_comm_broken(g->comm) ||
+      t->rn < 1)
     return;
   char why[512];
   snprintf(why, sizeof why, "%s", zt_err_msg());
@@ -973,12 +1027,13 @@ static int sync_round(trainer *t, int64_t s, int *end) {
   res.ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
   size_t nc = 2 * (size_t)n + 1;
   double *ctl = zt_xcalloc(nc, sizeof *ctl), flags[2] = {0, 0};
-  memcpy(ctl, t->rl, 2 * (size_t)n * sizeof(double));
+  /* Each group's figures once: from the first rank of a group of several
+   * (with two groups, the sum is then the same addition as without). */
+  if (t->li == 0) memcpy(ctl, t->rl, 2 * (size_t)n * sizeof(double));
   ctl[2 * n] = res.ckpt_prev ? 1 : 0;
   /* In pieces of 1024 (8 KiB): the most a device communicator takes here. */
   for (size_t at = 0; at < nc; at += 1024)
-    if (zt_zero_host_all_reduce(&t->z, ctl + at, ZT_MIN((size_t)1024, nc - at), ZT_DT_F64) != 0)
-      goto out;
+    if (all_ranks_reduce(t, ctl + at, ZT_MIN((size_t)1024, nc - at)) != 0) goto out;
   /* Overlapped (sync.overlap_steps) unless what follows needs the synced
    * model here: a periodic epoch, the last step's, an evaluation. The
    * launch comes after the round's last collective on this thread (the
@@ -993,7 +1048,7 @@ static int sync_round(trainer *t, int64_t s, int *end) {
   res.val_loss = NAN;
   if (eval && eval_loss(t, &res.val_loss) != 0) goto out;
   report_round(t, s, ctl, res.val_loss, flags);
-  if (zt_zero_host_all_reduce(&t->z, flags, 2, ZT_DT_F64) != 0) goto out;
+  if (all_ranks_reduce(t, flags, 2) != 0) goto out;
   res.ckpt_requested = flags[0] > 0;
   res.ckpt_busy = (int)ctl[2 * n];
   t->rn = 0;
@@ -1018,7 +1073,7 @@ static int take_rounds(trainer *t, int64_t *step, int *end) {
   zt_diloco_stash_t *st = g->diloco_stash ? *g->diloco_stash : NULL;
   int64_t mine = zt_diloco_stash_end(st, g->job_id, *step);
   double v[2] = {mine > 0 ? 1.0 : 0.0, (double)mine};
-  if (zt_zero_host_all_reduce(&t->z, v, 2, ZT_DT_F64) != 0) return -1;
+  if (all_ranks_reduce(t, v, 2) != 0) return -1;
   int all = mine > 0 && v[0] == t->N && v[1] == (double)mine * t->N && mine <= t->spec.steps;
   if (all) zt_diloco_stash_take(&t->dl, st, t->rl, t->rlr, t->rms, &t->rn);
   else if (mine > 0)
@@ -1077,6 +1132,8 @@ static void tear_down(trainer *t) {
   free(t->rlr);
   free(t->rms);
   if (t->have_z) zt_zero_free(&t->z);
+  zt_comm_destroy(t->intra);
+  zt_comm_destroy(t->places);
   zt_lora_free(t->lora);
   zt_model_free(t->m);
   zt_model_free(t->ad);

@@ -969,6 +969,8 @@ static float *owned_master(zt_zero_t *z, int u, size_t lo) {
   return z->P ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
 }
 
+void zt_zero_owned_range(const zt_zero_t *z, int u, size_t *lo, size_t *n) { owned(z, u, lo, n); }
+
 int zt_zero_owned_get(zt_zero_t *z, float *host) {
   if (zt_zero_settle(z) != 0) return -1;
   memset(host, 0, z->shard_total * sizeof(float));

@@ -263,6 +263,9 @@ ZT_MUST_CHECK int zt_zero_master_put(zt_zero_t *z, const float *host);
  * its shard). With one rank the ranges are the whole padded layout. For
  * what works on a part of the model on each rank (DiLoCo's groups). */
 ZT_MUST_CHECK int zt_zero_owned_get(zt_zero_t *z, float *host);
+/* This rank's owned range of unit u, clipped to the unit's size:
+ * [lo, lo + n) of the unit. */
+void zt_zero_owned_range(const zt_zero_t *z, int u, size_t *lo, size_t *n);
 ZT_MUST_CHECK int zt_zero_owned_put(zt_zero_t *z, const float *host);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each

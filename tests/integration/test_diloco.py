@@ -463,3 +463,53 @@ def test_fragments_sync_on_their_own_steps(procs, tmp_path, data):
     assert runs["ref"][1] != got
     logs = "".join(w.output() for w in coord.workers.values())
     assert "training failed at step 11: DiLoCo: the pseudo-gradient's all-reduce" in logs
+
+
+def test_groups_of_two_with_zero_inside(procs, tmp_path, data):
+    """sync.group_size 2: four workers in two groups of two, each group one
+    model under ZeRO (stages 0, 2 and 3) over its own connections, the
+    outer all-reduce between the ranks at the same place of each group
+    (each carries its half of the model). A group computes exactly the
+    micro-batches that one worker of two groups would, and ZeRO's sums do
+    not depend on the world size, so the losses equal two one-worker
+    groups' bit for bit, and so does a run whose ring breaks before the
+    outer step of step 8 (resumed from step 4's epoch, every rank loading
+    its owned range of its group's state)."""
+    train, val = data
+    coord = start_fleet(procs, 4)
+    ref = submit(coord, diloco_spec(train, val, 16, 2, str(tmp_path / "ref")), tmp_path, "r.json")
+    assert wait_job(coord, ref, timeout=120)["step"] == 16
+    want = losses(coord, ref)
+    for stage, fault in ((0, {}), (2, {}), (3, {}),
+                         (2, {"break_ring_before_update_at_step": 8})):
+        name = f"g{stage}{'f' if fault else ''}"
+        spec = diloco_spec(train, val, 16, 4, str(tmp_path / name), fault_injection=fault)
+        spec["zero_optimization"] = {"stage": stage}
+        spec["sync"]["group_size"] = 2
+        jid = submit(coord, spec, tmp_path, f"{name}.json")
+        j = wait_job(coord, jid, timeout=120)
+        assert j["step"] == 16 and j["world"] == 4, (name, j)
+        assert j["generation"] == (2 if fault else 1), (name, j)
+        assert losses(coord, jid) == want, name
+    man, units = read_epoch(committed(coord, jid)[16])
+    U = man["diloco"]["units"]
+    assert man["world"] == 4 and man["diloco"]["groups"] == 2
+    assert sorted(units) == list(range(U * 3)), "real units, then each group's"
+    logs = "".join(w.output() for w in coord.workers.values())
+    assert "diloco: 2 groups of 2 ranks (ZeRO stage 2 inside each)" in logs
+    # A worker killed in a round: a world of three has no whole groups, so
+    # the job goes on as one group of two from the last epoch (its owned
+    # ranges resharded from two groups' files) and completes.
+    spec = diloco_spec(train, val, 16, 4, str(tmp_path / "k"), max_workers=4,
+                       fault_injection={"slow_rank": 0, "slow_micro_ms": 30})
+    spec["elastic"]["min_workers"] = 2
+    spec["zero_optimization"] = {"stage": 2}
+    spec["sync"]["group_size"] = 2
+    jid = submit(coord, spec, tmp_path, "k.json")
+    wait_until(lambda: 8 in committed(coord, jid), 120, "the epoch of step 8")
+    victim = sorted(job_members(coord, jid))[-1]
+    coord.workers[victim].kill()
+    j = wait_job(coord, jid, timeout=180)
+    assert j["step"] == 16 and j["world"] == 2 and j["generation"] >= 2, j
+    got = losses(coord, jid)
+    assert sorted(got) == list(range(1, 17)) and all(np.isfinite(list(got.values())))

@@ -257,7 +257,22 @@ ZT_TEST(sync_modes) {
   expect_error("{" BASE ", \"sync\": {\"outer_optimizer\": {\"momentum\": 1}}}",
                "sync.outer_optimizer.momentum: 1 is out of range");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\"}, \"zero_optimization\": "
-               "{\"stage\": 2}}", "zero_optimization.stage must be 0 (got 2)");
+               "{\"stage\": 2}}", "zero_optimization.stage must be 0 (got 2;");
+  ZT_REQUIRE(parse(&s, "{" BASE ", \"sync\": {\"mode\": \"diloco\", \"group_size\": 2}, "
+                       "\"train_batch_size\": 16, \"zero_optimization\": {\"stage\": 2}, "
+                       "\"elastic\": {\"min_workers\": 2, \"max_workers\": 4}}") == 0);
+  ZT_CHECK(s.group_size == 2 && s.zero_stage == 2);
+  int accum = 0;
+  ZT_CHECK(zt_spec_accum_for_world(&s, 2, &accum) == 0);
+  ZT_CHECK(zt_spec_accum_for_world(&s, 1, &accum) != 0);
+  ZT_CHECK(strstr(zt_err_msg(), "world size 1 is not a multiple of sync.group_size 2") != NULL);
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"group_size\": 2}, "
+               "\"elastic\": {\"min_workers\": 3, \"max_workers\": 3}}",
+               "sync.group_size 2: no world size in elastic's 3..3 workers is a multiple of it");
+  expect_error("{" BASE ", \"sync\": {\"group_size\": 2}}",
+               "sync.group_size: only sync.mode \"diloco\" has groups");
+  expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"group_size\": 65}}",
+               "sync.group_size: 65 is out of range");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\"}, \"load_balance\": "
                "{\"mode\": \"speed\"}}", "do not go together");
   expect_error("{" BASE ", \"sync\": {\"mode\": \"diloco\", \"inner_steps\": 4}, "

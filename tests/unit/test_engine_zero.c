@@ -244,7 +244,8 @@ ZT_TEST(diloco_fragments_sync_their_own_units) {
     if (z.usz[u] > biggest) biggest = z.usz[u];
   }
   /* Greedy: the fragments differ by no more than the largest unit. */
-  ZT_CHECK(load[0] && load[1] && (load[0] > load[1] ? load[0] - load[1] : load[1] - load[0]) <= biggest);
+  size_t gap = load[0] > load[1] ? load[0] - load[1] : load[1] - load[0];
+  ZT_CHECK(load[0] && load[1] && gap <= biggest);
   static const int due[9] = {-1, -1, 0, -1, 1, -1, 0, -1, 1};
   for (int s = 1; s <= 8; s++) ZT_CHECK(zt_diloco_fragment_due(&d, s) == due[s]);
   size_t n = z.full_total;
