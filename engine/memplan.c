@@ -17,8 +17,20 @@
 /* The model states of one rank, as zero.c allocates them, for a working
  * copy of xb bytes per parameter (4: it is the fp32 master itself), with
  * NCCL collectives (nccl: stages 2-3 widen a unit's gradient for them). */
+/* Bytes of n values encoded by sync.compression q: zt_quant_bytes (quant.c,
+ * outside this library): bf16, or blocks of 256 bytes (int8) or 64 nibbles
+ * (int4) after an fp32 scale each, rounded up to whole 16-bit words. */
+static uint64_t quant_bytes(int q, uint64_t n) {
+  uint64_t b = q == 1   ? 2 * n
+               : q == 2 ? n + 4 * ((n + 255) / 256)
+               : q == 3 ? (n + 1) / 2 + 4 * ((n + 63) / 64)
+                        : 0;
+  return (b + 1) & ~(uint64_t)1;
+}
+
+/* q: sync.compression of the gradient reduction (0 over NCCL, zero.c). */
 static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int overlap, uint64_t xb,
-                            int nccl, uint64_t *owned) {
+                            int nccl, int q, uint64_t *owned) {
   uint64_t N = (uint64_t)world, full = 0, shard = 0, max_unit = 0, s0 = 0, slot = 0;
   for (int u = 0; u < l->num_units; u++) {
     uint64_t S = zt_zero_shard_size(l->unit_size[u], N);
@@ -40,6 +52,8 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
   if (stage == 3) b += xb * s0 + xb * slot;
   if (stage == 3 && overlap && N > 1) b += xb * slot; /* the prefetch slot */
   b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
+  if (q && N > 1 && !nccl) /* the compressed reduction's send, receive and decode buffers */
+    b += 2 * N * quant_bytes(q, max_unit / N) + 4 * (max_unit / N);
   *owned = stage == 0 ? (full + N - 1) / N : shard;
   return b;
 }
@@ -89,10 +103,7 @@ static uint64_t diloco_outer(const zt_spec_t *s, const zt_layout_t *l, int world
   for (int u = 0; u < l->num_units; u++) full += zt_zero_shard_size(l->unit_size[u], S);
   uint64_t copies = 3 + 3 + (s->overlap_steps ? 1 : 0) + (s->compression == 3 ? 2 : 0) +
                     (s->fragments > 1 ? 1 + (s->compression == 3) : 0);
-  uint64_t enc = s->compression == 1 ? 2 * full
-                 : s->compression == 2 ? full + 4 * ((full + 255) / 256)
-                 : s->compression == 3 ? (full + 1) / 2 + 4 * ((full + 63) / 64)
-                                       : 0;
+  uint64_t enc = quant_bytes(s->compression, full);
   return copies * 4 * full + (G > 1 ? (G + 1) * enc : 0);
 }
 
@@ -103,7 +114,8 @@ int zt_memplan_rank(const zt_spec_t *s, int world, int overlap, int xbytes, int 
   if (world < 1 || zt_layout_build(&l, &s->model) != 0) return -1;
   int all = world;
   if (s->diloco) world = (int)s->group_size;
-  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, &owned) +
+  int q = s->diloco ? 0 : s->compression;
+  *states = zero_states(&l, s->zero_stage, world, overlap, (uint64_t)xbytes, nccl, q, &owned) +
             lora_base(&s->model, s->zero_stage, world, (uint64_t)xbytes) +
             diloco_outer(s, &l, all);
   *acts = activations(s, &l, (uint64_t)xbytes);
@@ -117,12 +129,13 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   uint64_t owned, dev_xb = s->bf16 ? 2 : 4;
   int all = world, groups = s->diloco ? world / (int)s->group_size : world;
   if (s->diloco) world = (int)s->group_size;
-  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, &owned) +
+  int q = s->diloco ? 0 : s->compression;
+  out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, q, &owned) +
                 lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l, all);
   out->activations = activations(s, &l, 4);
   /* GPU workers run without the overlap thread (zero.c), and are counted
    * with NCCL's widened copy (on the TCP ring they need less). */
-  out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, &owned) +
+  out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, q, &owned) +
                     lora_base(&s->model, s->zero_stage, world, dev_xb);
   out->dev_activations = activations(s, &l, dev_xb);
   /* DiLoCo's snapshot adds the group's share of the outer state. */

@@ -57,12 +57,17 @@ def expected_bytes(stage, n, psi):
             3: 20 * psi / n}[stage]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_model_state_memory(procs, tmp_path, data, stage):
+@pytest.mark.parametrize("stage,compression", [(0, "none"), (1, "none"), (2, "none"),
+                                               (3, "none"), (1, "int8"), (3, "bf16")])
+def test_model_state_memory(procs, tmp_path, data, stage, compression):
+    """Each rank's model states against docs/zero.md, and the scheduler's
+    estimate against what the worker allocates, to the byte (with
+    sync.compression, its send, receive and decode buffers too)."""
     train, val = data
     n = 4
     coord = start_fleet(procs, n)
     spec = tiny_spec(train, val, 3, stage, n)
+    spec["sync"] = {"compression": compression}
     spec["model"] = {"n_layer": 4, "n_head": 4, "n_embd": 128, "seq_len": 32, "vocab_size": 257}
     jid = submit(coord, spec, tmp_path)
     wait_job(coord, jid)

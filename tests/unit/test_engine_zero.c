@@ -151,13 +151,19 @@ static float rule(float outer, float *mom, float theta) {
   return outer - 0.7f * (delta + 0.9f * m);
 }
 
+/* The outer optimizer of the rule above, H = 4. */
+static void rule_spec(zt_spec_t *sp) {
+  memset(sp, 0, sizeof *sp);
+  sp->inner_steps = 4, sp->outer_lr = 0.7, sp->outer_momentum = 0.9, sp->outer_nesterov = 1;
+  sp->fragments = 1, sp->group_size = 1;
+}
+
 ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   zt_model_t *m;
   zt_zero_t z;
   ZT_REQUIRE(small_zero(&m, &z) == 0);
   zt_spec_t sp;
-  memset(&sp, 0, sizeof sp);
-  sp.inner_steps = 4, sp.outer_lr = 0.7, sp.outer_momentum = 0.9, sp.outer_nesterov = 1;
+  rule_spec(&sp);
   zt_diloco_t d;
   ZT_REQUIRE(zt_diloco_create(&d, &z, NULL, 1, 0, &sp, 1000) == 0);
   size_t n = z.full_total;
@@ -231,8 +237,7 @@ ZT_TEST(diloco_fragments_sync_their_own_units) {
   zt_zero_t z;
   ZT_REQUIRE(small_zero(&m, &z) == 0);
   zt_spec_t sp;
-  memset(&sp, 0, sizeof sp);
-  sp.inner_steps = 4, sp.outer_lr = 0.7, sp.outer_momentum = 0.9, sp.outer_nesterov = 1;
+  rule_spec(&sp);
   sp.fragments = 2;
   zt_diloco_t d;
   ZT_REQUIRE(zt_diloco_create(&d, &z, NULL, 1, 0, &sp, 1000) == 0);
