@@ -140,6 +140,10 @@ typedef struct {
   double rb_threshold, rb_lr_factor;
   zt_spec_restart_t restart;    /* elastic{...}: the restart policy */
   int zero_stage;
+  /* DiLoCo's sync.group_size (1 otherwise): ranks g S .. g S + S - 1
+   * train one model, so the ranks of one host are listed together
+   * (sched.c). */
+  int group_size;
   zt_memplan_need_t need[ZT_MAX_WORLD + 1]; /* per-rank memory by world size (valid sizes) */
   /* The world sizes in [min_workers, max_workers] the spec can train
    * (zt_spec_accum_for_world: dividing the step's micro-batches, or any up

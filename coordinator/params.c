@@ -102,6 +102,7 @@ static void copy_numbers(const zt_spec_t *s, zt_job_params_t *p) {
   p->replicas = s->ckpt.replicas;
   p->ckpt_shared = s->ckpt.shared;
   p->zero_stage = s->zero_stage;
+  p->group_size = s->diloco ? (int)s->group_size : 1;
 }
 
 /* Some N in [min, max] must divide the number of micro-batches per step

@@ -21,7 +21,9 @@
  * for which there are N usable workers (alive, not draining, not kept out
  * as cut off or for a repeated error) that can each hold one rank at that
  * size (engine/memplan.h). Survivors of the current generation come first,
- * in rank order, so a re-formed generation keeps what it can.
+ * in rank order, so a re-formed generation keeps what it can; for DiLoCo
+ * groups (sync.group_size) the chosen workers are then listed host by
+ * host, so that a group is one machine's workers where it can be.
  *
  * Where a generation starts: the epoch a rollback chose, else the newest
  * committed epoch whose every file a live worker can serve (copies.c),
@@ -164,6 +166,26 @@ static int pick_members(zt_coord_t *c, zt_job_t *j, uint64_t pick[ZT_MAX_WORLD],
            best, zt_memplan_text(need->host, h, sizeof h), zt_memplan_text(need->device, d, sizeof d),
            best, j->p.zero_stage, have);
   return 0;
+}
+
+/* DiLoCo groups (sync.group_size): the picked workers of one host next to
+ * each other (hosts in the order of their first pick, each one's workers in
+ * pick order), so that a group's ZeRO traffic stays on one machine's fast
+ * links as far as the hosts' numbers of workers allow. */
+static void by_host(zt_coord_t *c, uint64_t pick[ZT_MAX_WORLD], int n) {
+  uint64_t out[ZT_MAX_WORLD];
+  uint8_t taken[ZT_MAX_WORLD] = {0};
+  int k = 0;
+  for (int i = 0; i < n; i++) {
+    if (taken[i]) continue;
+    const zt_member_t *a = zt_members_get(c, pick[i]);
+    for (int q = i; q < n; q++) {
+      const zt_member_t *b = zt_members_get(c, pick[q]);
+      if (!taken[q] && (q == i || (a && b && !strcmp(a->row.host, b->row.host))))
+        taken[q] = 1, out[k++] = pick[q];
+    }
+  }
+  memcpy(pick, out, (size_t)n * sizeof *pick);
 }
 
 /* Number of idle usable workers. */
@@ -475,6 +497,7 @@ void zt_sched_try_form(zt_coord_t *c, zt_job_t *j, const char *reason) {
     to_pending(c, j, missing, reason);
     return;
   }
+  if (j->p.group_size > 1) by_host(c, pick, n);
   release_generation(c, j, "generation superseded");
   if (start_point(c, j, &start_step, dir, sizeof dir) != 0) {
     zt_sched_finish(c, j, ZT_JOB_PAUSED, "job_paused",

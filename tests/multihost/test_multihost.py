@@ -49,6 +49,26 @@ def test_training_across_hosts_equals_one_rank(net, data, tmp_path):
     assert started and "3 ranks connected" in started[0]["detail"]
 
 
+def test_diloco_groups_are_one_host_each(net, data, tmp_path):
+    """sync.group_size 2 on two hosts of two workers that registered in
+    turn (h1, h2, h1, h2): the coordinator lists each host's workers
+    together, so each group trains under ZeRO on one machine and only the
+    outer all-reduce crosses between the hosts."""
+    fleet = Fleet(net, data)
+    names = ["a1", "b1", "a2", "b2"]
+    for n in names:  # one at a time: the registrations, and so the ids, alternate hosts
+        h = {"a": "h1", "b": "h2"}[n[0]]
+        fleet.add_worker(h, name=n, extra=["--workdir", os.path.join(net.root, h, f"work-{n}")])
+        fleet.wait_alive([n])
+    s = spec(16, 4)
+    s["sync"] = {"mode": "diloco", "inner_steps": 4, "group_size": 2}
+    j = fleet.submit(s, str(tmp_path / "g.json"))
+    fleet.wait_job(j)
+    started = [e["detail"] for e in fleet.events(j) if e["kind"] == "generation_started"]
+    assert started and "workers [a1,a2,b1,b2]" in started[0], started
+    assert sorted(fleet.losses(j)) == list(range(1, 17))
+
+
 def test_heartbeat_agents_one_per_host(net, data, tmp_path):
     """zworker --heartbeat-agent, two hosts of two workers: each host (its
     own network namespace, so its own abstract socket) has its own agent,
