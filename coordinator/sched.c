@@ -257,9 +257,10 @@ static void index_hosts(zt_coord_t *c, zt_job_t *j) {
  * more and each has a GPU of its own (a "cuda:N" device that no other rank
  * on its machine names: NCCL refuses two ranks on one GPU) and NCCL
  * libraries that load, the TCP ring otherwise (CPU workers, mixed
- * generations, ranks sharing a GPU, a worker without NCCL). */
+ * generations, ranks sharing a GPU, a worker without NCCL, DiLoCo groups
+ * of several workers, whose views of the ranks need the ring's mesh). */
 static void choose_comm(zt_coord_t *c, zt_job_t *j) {
-  j->nccl = j->row.world >= 2;
+  j->nccl = j->row.world >= 2 && j->p.group_size == 1;
   j->nccl_id[0] = 0;
   for (int r = 0; r < j->row.world && j->nccl; r++) {
     zt_member_t *m = zt_members_get(c, j->workers[r]);

@@ -331,3 +331,25 @@ def test_gpu_diloco_over_nccl(procs, tmp_path, data):
     if SIM:
         logs = worker_log(procs, "g0") + worker_log(procs, "g1")
         assert "sync.compression: not over NCCL" in logs
+
+
+def test_gpu_diloco_groups_over_the_ring(procs, tmp_path, data):
+    """DiLoCo groups of two GPU workers (sync.group_size 2, ZeRO-2 inside
+    each): the coordinator gives the generation the TCP ring (the groups
+    are views of its mesh), the device buffers are staged through host
+    memory, and the losses are those of two CPU workers, each a group of
+    its own."""
+    train, val = data
+    steps = 8
+
+    def spec(workers, S):
+        s = tiny_spec(train, val, steps, 2 if S > 1 else 0, workers)
+        s["sync"] = {"mode": "diloco", "inner_steps": 4, "group_size": S}
+        return s
+    ref = run_steps(procs, fleet(procs, 2, "cpu", "c"), tmp_path, spec(2, 1), "cpu", steps)
+    gpu = fleet(procs, 4, "cuda:0", "g", own_devices=SIM)
+    got = run_steps(procs, gpu, tmp_path, spec(4, 2), "gpu", steps)
+    rel = rel_diffs(got, ref, "DiLoCo, 2 groups of 2 GPU workers vs 2 CPU workers", steps)
+    assert max(rel) <= 1e-4, rel
+    used = comm_used(procs, ["g0", "g1", "g2", "g3"])
+    assert all(u and all(c == "TCP ring" for _, c in u) for u in used.values()), used
