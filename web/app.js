@@ -304,7 +304,11 @@ function drawCharts() {
   const nval = setSeries("loss", 1, pts("val_loss"));
   setSeries("loss", 2, view.marks.map((m) => ({ x: m.step, y: lossNear(m.step), text: m.text })));
   for (const name of Object.keys(charts)) {
-    charts[name].data.datasets[0].pointRadius = n[name] > 400 ? 0 : 1.5; // long runs: lines
+    // Long runs: lines, whose undrawn points take no hover (a marker drawn
+    // over one keeps its tooltip).
+    const line = charts[name].data.datasets[0];
+    line.pointRadius = n[name] > 400 ? 0 : 1.5;
+    line.pointHitRadius = n[name] > 400 ? 0 : 1;
     charts[name].update();
     charts[name].canvas.dataset.points = String(n[name]);
   }
