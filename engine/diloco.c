@@ -52,7 +52,7 @@ int zt_diloco_fragment_due(const zt_diloco_t *d, int64_t s) {
   return (int)((s % d->H ? s % d->H : d->H) / every) - 1;
 }
 
-/* Fragment f's ranges of the padded layout (f < 0: the whole model) in
+/* Fragment f's ranges of the owned layout (f < 0: the whole model) in
  * d->roff, d->rlen; returns their number. */
 static int frag_ranges(zt_diloco_t *d, int f) {
   const zt_zero_t *z = d->z;
@@ -164,9 +164,9 @@ int zt_diloco_begin(zt_diloco_t *d) {
  * group's encoding gathered, then decoded and added in rank order into
  * d->d. The bytes travel as 16-bit words (an all-gather moves bits,
  * whatever their type). With error feedback, the residual of the
- * fragment's elements goes in and comes out (packed in efp when f >= 0:
- * ef_pack, ef_unpack; the overlap's thread runs this, so it touches no
- * scratch of the training thread's). */
+ * fragment's elements goes in and comes out (packed in efp when f >= 0,
+ * by ef_pack before and after; the overlap's thread runs this, so it
+ * touches no scratch of the training thread's). */
 static int sum_compressed(zt_diloco_t *d, int f, size_t count) {
   size_t qbytes = zt_quant_bytes(d->q, count);
   float *ef = d->ef && f >= 0 ? d->efp : d->ef;
@@ -250,15 +250,11 @@ int zt_diloco_sync(zt_diloco_t *d, int f, int *applied) {
    * fragments, the last step's sync of them all leaves the synced model
    * instead, which is what a load of its epoch gives each group
    * (zt_diloco_load). */
-  if (w == d->d) {
-    if (zt_zero_owned_get(d->z, d->d) != 0) return -1;
-  } else {
-    memcpy(d->d, w, d->n * sizeof(float));
-  }
   d->have_inner = d->F == 1 || f >= 0;
   if (w == d->d) {
-    if (zt_zero_owned_put(d->z, d->outer) != 0) return -1;
+    if (zt_zero_owned_get(d->z, d->d) != 0 || zt_zero_owned_put(d->z, d->outer) != 0) return -1;
   } else {
+    memcpy(d->d, w, d->n * sizeof(float));
     for (int r = 0, nr = frag_ranges(d, f); r < nr; r++)
       memcpy(w + d->roff[r], d->outer + d->roff[r], d->rlen[r] * sizeof(float));
     if (zt_zero_owned_put(d->z, w) != 0) return -1;
@@ -324,7 +320,7 @@ struct zt_diloco_stash {
   uint64_t job;
   int64_t s0, s;
   int G, g;            /* the generation it was computed in */
-  size_t n;            /* floats of the padded layout */
+  size_t n;            /* floats of the owned layout */
   float *p, *m, *v;
   double *rl, *rlr, *rms;
 };

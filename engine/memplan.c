@@ -89,8 +89,8 @@ static uint64_t lora_base(const zt_model_config_t *m, int stage, int world, uint
   return n;
 }
 
-/* DiLoCo (diloco.h): each worker is a group of one rank, and holds in
- * fp32 host memory, the whole padded model each: the outer parameters,
+/* DiLoCo (diloco.h): each rank holds, of its owned ranges (the whole
+ * padded model in a group of one rank), in fp32 host memory: the outer parameters,
  * the outer momentum, the pseudo-gradient, a round kept for the next
  * generation (parameters, m, v), the overlap's snapshot, int4's
  * residual and decoded copy, and with fragments the group's parameters
