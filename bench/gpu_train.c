@@ -17,12 +17,13 @@
  *
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
- *                    [--attention auto|tiled|tiled-tc|cublas] [--arch gpt2|llama]
+ *                    [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]
  * (--arch llama: the same sizes as a Llama, with 4 query heads per K/V head
  * where the head count allows, an MLP of 8C/3 rounded up to 64, untied.)
  * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
  * the head size allows; tiled: the fp32 tiled kernels on the CUDA cores;
- * tiled-tc: the tiled kernels on the tensor cores, bf16 storage only;
+ * tiled-tc: the tiled kernels on the tensor cores (wmma), bf16 storage
+ * only; fa2: flash attention 2 on mma.sync, bf16 storage only;
  * cublas: the cuBLASLt products with T x T matrices.) Exits 77 without a
  * CUDA device.
  */
@@ -63,7 +64,7 @@ static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
-          "                   [--attention auto|tiled|tiled-tc|cublas] [--arch gpt2|llama]\n");
+          "                   [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]\n");
   return 2;
 }
 
@@ -91,7 +92,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--steps")) steps = atoi(v);
     else if (!strcmp(a, "--attention")) {
       att = v;
-      if (strcmp(v, "auto") && strcmp(v, "tiled") && strcmp(v, "tiled-tc") && strcmp(v, "cublas"))
+      if (strcmp(v, "auto") && strcmp(v, "tiled") && strcmp(v, "tiled-tc") && strcmp(v, "fa2") &&
+          strcmp(v, "cublas"))
         return usage();
     }
     else if (!strcmp(a, "--math")) {
@@ -117,12 +119,12 @@ int main(int argc, char **argv) {
     return 77;
   }
   zt_kernels_cuda_set_math(math);
-  if (!strcmp(att, "tiled-tc") && !storage16) {
-    fprintf(stderr, "zt_gpubench: --attention tiled-tc takes --math bf16-storage\n");
+  if ((!strcmp(att, "tiled-tc") || !strcmp(att, "fa2")) && !storage16) {
+    fprintf(stderr, "zt_gpubench: --attention %s takes --math bf16-storage\n", att);
     return 2;
   }
   if (strcmp(att, "auto")) {
-    zt_kernels_cuda_set_attention_tc(!strcmp(att, "tiled-tc"));
+    zt_kernels_cuda_set_attention_tc(!strcmp(att, "fa2") ? 2 : !strcmp(att, "tiled-tc"));
     zt_kernels_cuda_set_attention_scratch_max(strcmp(att, "cublas") ? 0 : SIZE_MAX);
   }
   const zt_kernels_t *k = storage16 ? zt_kernels_cuda_bf16() : zt_kernels_cuda();

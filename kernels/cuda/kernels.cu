@@ -1335,9 +1335,418 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
   tc_store(o + (size_t)KV * hs, rs, j0, T, dv, nk, 1.0f, sw, lane);
 }
 
-/* The tensor-core kernels take bf16 storage, head sizes a multiple of 16
- * up to FA_HSMAX, and 16-byte aligned q, k, v, dout and gradient rows
- * (C a multiple of 8, as head sizes of 16 make it). */
+/* ---------------------------------------------------------------------------
+ * Flash attention 2 (Dao, 2023) on the tensor cores' own instructions: bf16
+ * storage, head sizes 16, 32, 48 and 64, selected by
+ * zt_kernels_cuda_set_attention_tc(2). The kernels above go through
+ * nvcuda::wmma, whose fragments cannot be read in registers, so their
+ * scores make a round trip through shared memory and their forward two
+ * passes. These use mma.sync.m16n8k16 and ldmatrix, whose register layouts
+ * PTX defines (kernels/cuda/sim/include/zt_sim_ptx.h spells them out), and
+ * so keep everything of a warp's 16 rows in registers:
+ *
+ *   - forward: a block of FA2_WARPS warps takes FA2_BM query rows, q held
+ *     as A fragments; K and V tiles of FA2_BN keys stream through shared
+ *     memory; the scores' accumulators are scaled, masked and
+ *     exponentiated where they are (one pass of online softmax, row maxima
+ *     and sums over the 4 lanes that share a row), rescale the output
+ *     accumulators, and become the A fragments of p v without leaving the
+ *     registers (the accumulators of two 8-key tiles are an A fragment's
+ *     layout). Tiles past the diagonal are never loaded.
+ *   - backward: as above, two kernels so that no two blocks add into one
+ *     gradient (no atomics): dk and dv of a block of keys (their K and V
+ *     held as A fragments, query tiles and dout streaming by, s^T and dp^T
+ *     recomputed), and dq of a block of queries (q and dout held, K and V
+ *     streaming by).
+ *
+ * Probabilities and ds are rounded to bf16 once, as operands of the second
+ * product, as the wmma kernels do; exponentials are exp2f of scores
+ * prescaled by log2(e). lse is written in natural units, as the other
+ * paths do, so any backward takes any forward's lse. */
+
+#ifdef __CUDACC__
+/* d += a b: one 16 x 8 x 16 tile, bf16 operands, fp32 accumulators. */
+__device__ __forceinline__ void zt_ptx_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+/* Four 8 x 8 b16 matrices from shared memory, this lane's row address p. */
+__device__ __forceinline__ void zt_ptx_ldsm4(unsigned r[4], const void *p) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void zt_ptx_ldsm4t(unsigned r[4], const void *p) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+#else
+#include "zt_sim_ptx.h" /* the stand-in's versions, same names */
+#endif
+
+#define FA2_WARPS 4
+#define FA2_BM (16 * FA2_WARPS) /* query rows of a block, keys of a backward block */
+#define FA2_BN 64               /* rows of a streamed tile */
+#define FA2_NT (FA2_BN / 8)     /* 8-column accumulator tiles across a streamed tile */
+#define FA2_LOG2E 1.4426950408889634f
+#define FA2_LN2 0.6931471805599453f
+
+/* Two floats as one register of two bf16, the first in the lower half. */
+__device__ __forceinline__ unsigned fa2_pack(float lo, float hi) {
+  bf16 a = __float2bfloat16(lo), b = __float2bfloat16(hi);
+  unsigned short ua, ub;
+  memcpy(&ua, &a, 2);
+  memcpy(&ub, &b, 2);
+  return (unsigned)ua | (unsigned)ub << 16;
+}
+
+/* Rows [t0, t0 + n) of a [T, HS] bf16 slice (row stride rs) into dst (row
+ * stride HS + 8, so that ldmatrix's 8 rows fall in different banks), 16
+ * bytes at a time; rows at or past T read as 0. */
+template <int HS>
+__device__ __forceinline__ void fa2_load(bf16 *dst, const bf16 *src, size_t rs, int t0, int n,
+                                         int T) {
+  constexpr int per = HS / 8, LD = HS + 8;
+  for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
+    int r = e / per, c = (e % per) * 8;
+    tc16 v = {{0, 0, 0, 0}};
+    if (t0 + r < T) v = *(const tc16 *)(src + (size_t)(t0 + r) * rs + c);
+    *(tc16 *)(dst + r * LD + c) = v;
+  }
+}
+
+/* The A fragments (16 rows x HS) of rows [0, 16) of a shared tile. Lanes
+ * 8i .. 8i+7 address rows 0-7 (i even) or 8-15 (i odd) at column 0 (i < 2)
+ * or 8: the registers a[0..3] of mma's A layout. */
+template <int HS>
+__device__ __forceinline__ void fa2_rows(unsigned (&a)[HS / 16][4], const bf16 *tile, int lane) {
+  constexpr int LD = HS + 8;
+  ZT_UNROLL
+  for (int kk = 0; kk < HS / 16; kk++)
+    zt_ptx_ldsm4(a[kk], tile + ((lane & 8) + (lane & 7)) * LD + (lane & 16) / 2 + 16 * kk);
+}
+
+/* s (16 x FA2_BN fp32 accumulators) = a (16 x HS) times the transpose of
+ * tile (FA2_BN x HS, shared). The B operand of an 8-column tile is 8 of the
+ * tile's rows, k along them: ldmatrix without .trans, two 8-row tiles a
+ * call (b[0..1] for rows n, b[2..3] for rows n + 8). */
+template <int HS>
+__device__ __forceinline__ void fa2_scores(float (&s)[FA2_NT][4], const unsigned (&a)[HS / 16][4],
+                                           const bf16 *tile, int lane) {
+  constexpr int LD = HS + 8;
+  ZT_UNROLL
+  for (int j = 0; j < FA2_NT; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+  const bf16 *t = tile + ((lane & 16) / 2 + (lane & 7)) * LD + (lane & 8);
+  ZT_UNROLL
+  for (int kk = 0; kk < HS / 16; kk++) {
+    ZT_UNROLL
+    for (int jp = 0; jp < FA2_NT / 2; jp++) {
+      unsigned b[4];
+      zt_ptx_ldsm4(b, t + 16 * jp * LD + 16 * kk);
+      zt_ptx_mma(s[2 * jp], a[kk], b);
+      zt_ptx_mma(s[2 * jp + 1], a[kk], b + 2);
+    }
+  }
+}
+
+/* acc (16 x HS) += p (16 x FA2_BN, accumulators rounded to bf16) times tile
+ * (FA2_BN x HS, shared). p's accumulators for columns 16kk .. 16kk+15 are
+ * the A fragment of step kk as they lie; the B operand, k down the tile's
+ * rows, comes through ldmatrix.trans. */
+template <int HS>
+__device__ __forceinline__ void fa2_accum(float (&acc)[HS / 8][4], const float (&p)[FA2_NT][4],
+                                          const bf16 *tile, int lane) {
+  constexpr int LD = HS + 8;
+  const bf16 *t = tile + ((lane & 8) + (lane & 7)) * LD + (lane & 16) / 2;
+  ZT_UNROLL
+  for (int kk = 0; kk < FA2_NT / 2; kk++) {
+    unsigned a[4] = {fa2_pack(p[2 * kk][0], p[2 * kk][1]), fa2_pack(p[2 * kk][2], p[2 * kk][3]),
+                     fa2_pack(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                     fa2_pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    ZT_UNROLL
+    for (int dp = 0; dp < HS / 16; dp++) {
+      unsigned b[4];
+      zt_ptx_ldsm4t(b, t + 16 * kk * LD + 16 * dp);
+      zt_ptx_mma(acc[2 * dp], a, b);
+      zt_ptx_mma(acc[2 * dp + 1], a, b + 2);
+    }
+  }
+}
+
+/* Rows r and r + 8 (this lane's, g = lane / 4) of acc * scale into the rows
+ * of a bf16 array (row stride rs) that lie below T, two columns a store. */
+template <int HS>
+__device__ __forceinline__ void fa2_store(bf16 *base, size_t rs, int r, int T,
+                                          const float (&acc)[HS / 8][4], float s0, float s1,
+                                          int lane) {
+  int c = 2 * (lane % 4);
+  ZT_UNROLL
+  for (int hh = 0; hh < 2; hh++) {
+    if (r + 8 * hh >= T) continue;
+    unsigned *o = (unsigned *)(base + (size_t)(r + 8 * hh) * rs + c);
+    float sc = hh ? s1 : s0;
+    ZT_UNROLL
+    for (int d = 0; d < HS / 8; d++)
+      o[4 * d] = fa2_pack(acc[d][2 * hh] * sc, acc[d][2 * hh + 1] * sc);
+  }
+}
+
+template <int HS>
+__device__ __forceinline__ void fa2_zero(float (&acc)[HS / 8][4]) {
+  ZT_UNROLL
+  for (int d = 0; d < HS / 8; d++) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.0f;
+}
+
+template <int HS>
+__global__ void __launch_bounds__(FA2_WARPS * 32)
+    k_fa2_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int KV, float sl2) {
+  constexpr int LD = HS + 8;
+  __shared__ tc16 ks_[FA2_BN * LD / 8];
+  __shared__ tc16 vs_[FA2_BN * LD / 8];
+  bf16 *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
+  int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.x - 1 - blockIdx.x) * FA2_BM; /* the longest blocks first */
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int r0 = q0 + warp * 16;
+  size_t rs = att_rs(NH, KV, HS);
+  const bf16 *base = qkv + (size_t)b * T * rs, *kb = base + att_koff(h, NH, KV, HS);
+  const bf16 *vb = kb + (size_t)KV * HS;
+  fa2_load<HS>(ks, base + (size_t)h * HS, rs, q0, FA2_BM, T); /* q passes through ks */
+  __syncthreads();
+  unsigned qf[HS / 16][4];
+  fa2_rows<HS>(qf, ks + warp * 16 * LD, lane);
+  float o[HS / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  fa2_zero<HS>(o);
+  int kend = min(T, q0 + FA2_BM);
+  for (int k0 = 0; k0 < kend; k0 += FA2_BN) {
+    __syncthreads(); /* q, or the previous tile, is no longer read */
+    fa2_load<HS>(ks, kb, rs, k0, FA2_BN, T);
+    fa2_load<HS>(vs, vb, rs, k0, FA2_BN, T);
+    __syncthreads();
+    float s[FA2_NT][4];
+    fa2_scores<HS>(s, qf, ks, lane);
+    /* Key k0 lies at or before every row of the block, so each row's
+     * maximum is finite from the first tile on. */
+    bool edge = k0 + FA2_BN - 1 > r0 || k0 + FA2_BN > T;
+    float mx[2] = {-INFINITY, -INFINITY};
+    ZT_UNROLL
+    for (int j = 0; j < FA2_NT; j++)
+      ZT_UNROLL
+      for (int e = 0; e < 4; e++) {
+        int key = k0 + 8 * j + 2 * c + (e & 1), row = r0 + g + 8 * (e >> 1);
+        float x = s[j][e] * sl2;
+        if (edge && (key > row || key >= T)) x = -INFINITY;
+        s[j][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    float corr[2];
+    ZT_UNROLL
+    for (int hh = 0; hh < 2; hh++) {
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(FA_FULL, mx[hh], 1));
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(FA_FULL, mx[hh], 2));
+      float mn = fmaxf(m[hh], mx[hh]);
+      corr[hh] = exp2f(m[hh] - mn);
+      m[hh] = mn;
+      l[hh] *= corr[hh];
+    }
+    ZT_UNROLL
+    for (int j = 0; j < FA2_NT; j++)
+      ZT_UNROLL
+      for (int e = 0; e < 4; e++) {
+        s[j][e] = exp2f(s[j][e] - m[e >> 1]);
+        l[e >> 1] += s[j][e];
+      }
+    ZT_UNROLL
+    for (int d = 0; d < HS / 8; d++) {
+      o[d][0] *= corr[0], o[d][1] *= corr[0];
+      o[d][2] *= corr[1], o[d][3] *= corr[1];
+    }
+    fa2_accum<HS>(o, s, vs, lane);
+  }
+  ZT_UNROLL
+  for (int hh = 0; hh < 2; hh++) {
+    l[hh] += __shfl_xor_sync(FA_FULL, l[hh], 1);
+    l[hh] += __shfl_xor_sync(FA_FULL, l[hh], 2);
+  }
+  fa2_store<HS>(out + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, r0 + g, T, o,
+                1.0f / l[0], 1.0f / l[1], lane);
+  ZT_UNROLL
+  for (int hh = 0; hh < 2; hh++) {
+    int row = r0 + g + 8 * hh;
+    if (c == 0 && row < T) lse[(size_t)bh * T + row] = (m[hh] + log2f(l[hh])) * FA2_LN2;
+  }
+}
+
+/* dq of FA2_BM query rows: q and dout held as A fragments, the K and V
+ * tiles at and before them streaming by. */
+template <int HS>
+__global__ void __launch_bounds__(FA2_WARPS * 32)
+    k_fa2_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *D,
+                int T, int NH, int KV, float scale, float sl2) {
+  constexpr int LD = HS + 8;
+  __shared__ tc16 ks_[FA2_BN * LD / 8];
+  __shared__ tc16 vs_[FA2_BN * LD / 8];
+  bf16 *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
+  int bh = blockIdx.y, b = bh / NH, h = bh % NH;
+  int q0 = (gridDim.x - 1 - blockIdx.x) * FA2_BM;
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int r0 = q0 + warp * 16;
+  size_t rs = att_rs(NH, KV, HS);
+  const bf16 *base = qkv + (size_t)b * T * rs, *kb = base + att_koff(h, NH, KV, HS);
+  const bf16 *vb = kb + (size_t)KV * HS;
+  fa2_load<HS>(ks, base + (size_t)h * HS, rs, q0, FA2_BM, T);
+  fa2_load<HS>(vs, dout + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, q0, FA2_BM,
+               T);
+  __syncthreads();
+  unsigned qf[HS / 16][4], gf[HS / 16][4];
+  fa2_rows<HS>(qf, ks + warp * 16 * LD, lane);
+  fa2_rows<HS>(gf, vs + warp * 16 * LD, lane);
+  float lr[2], dr[2];
+  ZT_UNROLL
+  for (int hh = 0; hh < 2; hh++) {
+    int row = r0 + g + 8 * hh;
+    lr[hh] = row < T ? lse[(size_t)bh * T + row] * FA2_LOG2E : 0.0f;
+    dr[hh] = row < T ? D[(size_t)bh * T + row] : 0.0f;
+  }
+  float dq[HS / 8][4];
+  fa2_zero<HS>(dq);
+  int kend = min(T, q0 + FA2_BM);
+  for (int k0 = 0; k0 < kend; k0 += FA2_BN) {
+    __syncthreads();
+    fa2_load<HS>(ks, kb, rs, k0, FA2_BN, T);
+    fa2_load<HS>(vs, vb, rs, k0, FA2_BN, T);
+    __syncthreads();
+    float p[FA2_NT][4], dp[FA2_NT][4];
+    fa2_scores<HS>(p, qf, ks, lane);
+    fa2_scores<HS>(dp, gf, vs, lane);
+    bool edge = k0 + FA2_BN - 1 > r0 || k0 + FA2_BN > T;
+    ZT_UNROLL
+    for (int j = 0; j < FA2_NT; j++)
+      ZT_UNROLL
+      for (int e = 0; e < 4; e++) {
+        int key = k0 + 8 * j + 2 * c + (e & 1), row = r0 + g + 8 * (e >> 1);
+        float pe = edge && (key > row || key >= T) ? 0.0f : exp2f(p[j][e] * sl2 - lr[e >> 1]);
+        p[j][e] = pe * (dp[j][e] - dr[e >> 1]); /* ds */
+      }
+    fa2_accum<HS>(dq, p, ks, lane);
+  }
+  fa2_store<HS>(dqkv + (size_t)b * T * rs + (size_t)h * HS, rs, r0 + g, T, dq, scale, scale,
+                lane);
+}
+
+/* dk and dv of FA2_BM keys of one K/V head: their K and V held as A
+ * fragments, the query tiles at and after them (q, dout, lse and D)
+ * streaming by, for each query head of the group in turn. */
+template <int HS>
+__global__ void __launch_bounds__(FA2_WARPS * 32)
+    k_fa2_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
+                 const float *D, int T, int NH, int KV, float scale, float sl2) {
+  constexpr int LD = HS + 8;
+  __shared__ tc16 qs_[FA2_BN * LD / 8];
+  __shared__ tc16 gs_[FA2_BN * LD / 8];
+  __shared__ float ls[FA2_BN];
+  __shared__ float dsh[FA2_BN];
+  bf16 *qs = (bf16 *)qs_, *gs = (bf16 *)gs_;
+  int bk = blockIdx.y, b = bk / KV, kvh = bk % KV, grp = NH / KV;
+  int k0 = blockIdx.x * FA2_BM, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int g = lane / 4, c = lane % 4, j0 = k0 + warp * 16;
+  size_t rs = att_rs(NH, KV, HS), koff = att_koff(kvh * grp, NH, KV, HS);
+  const bf16 *base = qkv + (size_t)b * T * rs;
+  fa2_load<HS>(qs, base + koff, rs, k0, FA2_BM, T); /* K and V pass through qs and gs */
+  fa2_load<HS>(gs, base + koff + (size_t)KV * HS, rs, k0, FA2_BM, T);
+  __syncthreads();
+  unsigned kf[HS / 16][4], vf[HS / 16][4];
+  fa2_rows<HS>(kf, qs + warp * 16 * LD, lane);
+  fa2_rows<HS>(vf, gs + warp * 16 * LD, lane);
+  float dk[HS / 8][4], dv[HS / 8][4];
+  fa2_zero<HS>(dk);
+  fa2_zero<HS>(dv);
+  for (int it = 0, nt = (T - k0 + FA2_BN - 1) / FA2_BN; it < grp * nt; it++) {
+    int h = kvh * grp + it / nt, t0 = k0 + (it % nt) * FA2_BN, bh = b * NH + h;
+    __syncthreads();
+    fa2_load<HS>(qs, base + (size_t)h * HS, rs, t0, FA2_BN, T);
+    fa2_load<HS>(gs, dout + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, t0,
+                 FA2_BN, T);
+    if ((int)threadIdx.x < FA2_BN) {
+      int i = t0 + threadIdx.x;
+      ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA2_LOG2E : 0.0f;
+      dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
+    }
+    __syncthreads();
+    /* s^T and dp^T: this warp's keys down, the tile's queries across. */
+    float p[FA2_NT][4], dp[FA2_NT][4];
+    fa2_scores<HS>(p, kf, qs, lane);
+    fa2_scores<HS>(dp, vf, gs, lane);
+    bool edge = t0 < j0 + 15 || t0 + FA2_BN > T;
+    ZT_UNROLL
+    for (int j = 0; j < FA2_NT; j++)
+      ZT_UNROLL
+      for (int e = 0; e < 4; e++) {
+        int qi = 8 * j + 2 * c + (e & 1), key = j0 + g + 8 * (e >> 1);
+        p[j][e] = edge && (t0 + qi < key || t0 + qi >= T) ? 0.0f
+                                                           : exp2f(p[j][e] * sl2 - ls[qi]);
+        dp[j][e] = p[j][e] * (dp[j][e] - dsh[qi]); /* ds^T */
+      }
+    fa2_accum<HS>(dv, p, gs, lane);
+    fa2_accum<HS>(dk, dp, qs, lane);
+  }
+  bf16 *o = dqkv + (size_t)b * T * rs + koff;
+  fa2_store<HS>(o, rs, j0 + g, T, dk, scale, scale, lane);
+  fa2_store<HS>(o + (size_t)KV * HS, rs, j0 + g, T, dv, 1.0f, 1.0f, lane);
+}
+
+template <int HS>
+static void fa2_forward_hs(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV) {
+  dim3 grid((unsigned)((T + FA2_BM - 1) / FA2_BM), (unsigned)(B * NH));
+  k_fa2_fwd<HS><<<grid, FA2_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, NH, KV,
+                                                       FA2_LOG2E / sqrtf((float)HS));
+  ZT_CUDA_LAUNCHED();
+}
+
+template <int HS>
+static void fa2_backward_hs(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
+                            const float *D, int B, int T, int NH, int KV) {
+  float scale = 1.0f / sqrtf((float)HS);
+  unsigned tiles = (unsigned)((T + FA2_BM - 1) / FA2_BM);
+  k_fa2_bwd_kv<HS><<<dim3(tiles, (unsigned)(B * KV)), FA2_WARPS * 32, 0, g.stream>>>(
+      dqkv, qkv, dout, lse, D, T, NH, KV, scale, scale * FA2_LOG2E);
+  ZT_CUDA_LAUNCHED();
+  k_fa2_bwd_q<HS><<<dim3(tiles, (unsigned)(B * NH)), FA2_WARPS * 32, 0, g.stream>>>(
+      dqkv, qkv, dout, lse, D, T, NH, KV, scale, scale * FA2_LOG2E);
+  ZT_CUDA_LAUNCHED();
+}
+
+static void fa2_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV,
+                        int hs) {
+  switch (hs) {
+    case 16: return fa2_forward_hs<16>(out, lse, qkv, B, T, NH, KV);
+    case 32: return fa2_forward_hs<32>(out, lse, qkv, B, T, NH, KV);
+    case 48: return fa2_forward_hs<48>(out, lse, qkv, B, T, NH, KV);
+    default: return fa2_forward_hs<64>(out, lse, qkv, B, T, NH, KV);
+  }
+}
+
+static void fa2_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out,
+                         const float *lse, int B, int T, int NH, int KV, int hs) {
+  const float *D = flash_row_d(dout, out, B, T, NH * hs, NH);
+  switch (hs) {
+    case 16: return fa2_backward_hs<16>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
+    case 32: return fa2_backward_hs<32>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
+    case 48: return fa2_backward_hs<48>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
+    default: return fa2_backward_hs<64>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
+  }
+}
+
+/* The tensor-core kernels (wmma: att_tc_on 1; mma.sync, FA2: 2) take bf16
+ * storage, head sizes a multiple of 16 up to FA_HSMAX, and 16-byte aligned
+ * q, k, v, dout and gradient rows (C a multiple of 8, as head sizes of 16
+ * make it). */
 static int att_tc_on = 1;
 
 static int att_tc(int B, int NH, int hs, const void *a, const void *b, const void *c) {
@@ -1388,7 +1797,8 @@ static void cu_attention_forward_gqa(float *out_, float *lse, const float *qkv_,
   X *out = (X *)out_;
   const X *qkv = (const X *)qkv_;
   if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, out, out))
-    return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
+    return att_tc_on == 2 ? fa2_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs)
+                          : flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
   if (att_tiled(B, T, NH, KV, hs)) return flash_forward(out, lse, qkv, B, T, NH, KV, hs);
   int grp = NH / KV, batch = B * KV;
   size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs, tt = (size_t)B * NH * T * T;
@@ -1418,8 +1828,9 @@ static void cu_attention_backward_gqa(float *dqkv_, const float *dout_, const fl
   X *dqkv = (X *)dqkv_;
   const X *dout = (const X *)dout_, *qkv = (const X *)qkv_, *out = (const X *)out_;
   if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, dout, dqkv))
-    return flash_tc_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv,
-                             (const bf16 *)out, lse, B, T, NH, KV, hs);
+    return (att_tc_on == 2 ? fa2_backward : flash_tc_backward)(
+        (bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out, lse, B, T, NH, KV,
+        hs);
   if (att_tiled(B, T, NH, KV, hs))
     return flash_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, hs);
   int grp = NH / KV, batch = B * KV;

@@ -80,8 +80,11 @@ void zt_kernels_cuda_set_attention_scratch_max(size_t bytes);
  * tensor-core kernels (bf16 products, the probabilities and ds rounded to
  * bf16 as flash attention does) wherever the head size is a multiple of 16
  * up to 64, whatever the scratch limit above: on an H200 they were the
- * fastest path and keep no T x T matrix (docs/gpu.md). 0: bf16 attention
- * takes the cuBLASLt or the fp32 tiled path, as fp32 storage does. */
+ * fastest path and keep no T x T matrix (docs/gpu.md). 2: the same cases
+ * on the flash-attention-2 kernels (mma.sync and ldmatrix, one pass of
+ * online softmax in registers), which have not yet been timed on a GPU.
+ * 0: bf16 attention takes the cuBLASLt or the fp32 tiled path, as fp32
+ * storage does. */
 void zt_kernels_cuda_set_attention_tc(int on);
 
 /* Device memory in use on this process's device, all processes (bytes). */

@@ -577,14 +577,16 @@ static float max_abs(const float *x, size_t n) {
  * cancellations in dp - D (the stand-in measured at most 0.5%). lse comes
  * from fp32 scores and keeps the fp32 tolerance; two runs of the backward
  * are bit-identical. */
-static void check_attention_tc(int B, int T, int NH, int KV, int HD, const float *qkv,
+static void check_attention_tc(int mode, int B, int T, int NH, int KV, int HD, const float *qkv,
                                const float *o32, const float *l, const float *g, float *d_qkv,
                                float *d_dout, float *d_or, float *d_o, float *d_l) {
   int W = (NH + 2 * KV) * HD;
   size_t nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
   float *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
+  fprintf(stderr, "  %s kernels, B %d T %d NH %d KV %d HD %d\n", mode == 2 ? "mma.sync" : "wmma",
+          B, T, NH, KV, HD);
   zt_kernels_cuda_set_attention_scratch_max(0);
-  zt_kernels_cuda_set_attention_tc(1);
+  zt_kernels_cuda_set_attention_tc(mode);
   att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
   close_x("tensor-core attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
   /* They are the default path of bf16 attention, whatever the scratch
@@ -664,8 +666,8 @@ static void check_attention_bf16(int B, int T, int NH, int KV, int HD, int tc) {
     float *g = back(f_g, nq);
     close_x(tiled ? "bf16 attention_backward (tiled)" : "bf16 attention_backward", d_g, g, nq,
             1e-5f * T * (NH / KV));
-    if (tiled && tc)
-      check_attention_tc(B, T, NH, KV, HD, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
+    for (int mode = 1; tiled && tc && mode <= 2; mode++)
+      check_attention_tc(mode, B, T, NH, KV, HD, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
     free(g);
   }
   zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);

@@ -20,8 +20,8 @@ messages, gdb and backtraces point into kernels.cu):
      template instance); `extern __shared__ T name[];` becomes a pointer to
      the launch's dynamic shared memory.
   3. Which kernels need fibers. A kernel that (through the device functions
-     and macros of the file it calls) uses __syncthreads, a warp shuffle or
-     a vote is registered by name at the end of the copy: only those run
+     and macros of the file it calls) uses __syncthreads, a warp shuffle, a
+     vote or a warp matrix instruction (wmma, zt_ptx_*) is registered by name at the end of the copy: only those run
      each thread on its own fiber. The others run thread after thread on the
      scheduler's stack (much faster, same semantics for code with no
      barrier); if one of them reaches a barrier after all, the stand-in
@@ -41,8 +41,9 @@ import sys
 SYNC_PRIMS = re.compile(
     r"\b(__syncthreads\w*|__syncwarp|__shfl\w*_sync|__ballot_sync|__any_sync|__all_sync|"
     r"__activemask|__match_\w+_sync|__reduce_\w+_sync|load_matrix_sync|store_matrix_sync|"
-    r"mma_sync|fill_fragment)\b")
+    r"mma_sync|fill_fragment|zt_ptx_\w+)\b")
 IDENT = re.compile(r"[A-Za-z_]\w*")
+LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)")
 
 
 def fail(msg):
@@ -156,7 +157,7 @@ def functions(code):
             i += 1
         if i >= len(code) or code[i] == ";":
             continue  # a declaration, or a __device__ variable
-        head = code[m.end():i]
+        head = LAUNCH_BOUNDS.sub("", code[m.end():i])
         p = head.find("(")
         if p < 0:
             continue
