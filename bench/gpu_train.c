@@ -18,14 +18,17 @@
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
  *                    [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]
+ *                    [--profile]
  * (--arch llama: the same sizes as a Llama, with 4 query heads per K/V head
  * where the head count allows, an MLP of 8C/3 rounded up to 64, untied.)
  * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
  * the head size allows; tiled: the fp32 tiled kernels on the CUDA cores;
  * tiled-tc: the tiled kernels on the tensor cores (wmma), bf16 storage
  * only; fa2: flash attention 2 on mma.sync, bf16 storage only;
- * cublas: the cuBLASLt products with T x T matrices.) Exits 77 without a
- * CUDA device.
+ * cublas: the cuBLASLt products with T x T matrices.) --profile: one more
+ * step after the timed ones, with the kernel table's profile on
+ * (zt_kernels_cuda_profile), whose report goes to stderr. Exits 77 without
+ * a CUDA device.
  */
 #include <math.h>
 #include <stdint.h>
@@ -64,7 +67,8 @@ static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
-          "                   [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]\n");
+          "                   [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]\n"
+          "                   [--profile]\n");
   return 2;
 }
 
@@ -75,8 +79,13 @@ int main(int argc, char **argv) {
   zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
   const char *math_name = "bf16", *att = "auto";
   int storage16 = 0; /* bf16-storage: the bf16 table and an fp32 master (zt_kernels.h) */
+  int profile = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--profile")) {
+      profile = 1;
+      continue;
+    }
     if (!v) return usage();
     i++;
     if (!strcmp(a, "--layers")) cfg.n_layer = atoi(v);
@@ -150,7 +159,8 @@ int main(int argc, char **argv) {
   double *times = calloc((size_t)steps, sizeof(double));
   uint64_t s = 42;
   float first = 0, last = 0;
-  for (int step = 0; step < steps; step++) {
+  for (int step = 0; step < steps + profile; step++) {
+    if (step == steps) zt_kernels_cuda_profile(1);
     for (int i = 0; i < B * T; i++) {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       inp[i] = (int)((s >> 33) % (uint64_t)cfg.vocab_size);
@@ -168,9 +178,16 @@ int main(int argc, char **argv) {
              1.0f - powf(0.9f, t), 1.0f - powf(0.95f, t));
     if (storage16) k->narrow_x(m->params, master, P);
     zt_cuda_sync();
+    if (step == steps) break;
     times[step] = now_s() - t0;
     if (step == 0) first = loss;
     last = loss;
+  }
+  if (profile) {
+    zt_kernels_cuda_profile(0);
+    fprintf(stderr, "profile of one step, batch %d x %d, %s, attention %s:\n", B, T, math_name,
+            att);
+    zt_kernels_cuda_profile_report(stderr);
   }
   int timed = steps - WARMUP;
   qsort(times + WARMUP, (size_t)timed, sizeof(double), cmp_d);

@@ -153,6 +153,51 @@ static cudaDataType_t dtype_of(const float *) { return CUDA_R_32F; }
 static cudaDataType_t dtype_of(const bf16 *) { return CUDA_R_16BF; }
 
 /* ---------------------------------------------------------------------------
+ * The profile (zt_kernels_cuda_profile): while it is on, every table call
+ * that queues device work and every cuBLASLt product inside one is
+ * bracketed by two events on the stream, and zt_kernels_cuda_profile_report
+ * sums the times by table function and by product shape. Off, a table call
+ * costs one more branch. Events are pooled; calls past the pool's end are
+ * counted, not timed. */
+#define PROF_PAIRS 8192
+#define PROF_LABELS 256
+
+static struct {
+  int on, n, dropped, nlabels;
+  cudaEvent_t ev[2 * PROF_PAIRS];
+  short label[PROF_PAIRS];
+  char kind[PROF_LABELS]; /* 'f' table function, 'g' cuBLASLt product */
+  char labels[PROF_LABELS][96];
+} prof;
+
+static int prof_label(char kind, const char *s) {
+  for (int i = 0; i < prof.nlabels; i++)
+    if (prof.kind[i] == kind && !strcmp(prof.labels[i], s)) return i;
+  if (prof.nlabels == PROF_LABELS) return PROF_LABELS - 1; /* the last one takes the rest */
+  int i = prof.nlabels++;
+  prof.kind[i] = kind;
+  snprintf(prof.labels[i], sizeof prof.labels[i], "%s", s);
+  return i;
+}
+
+/* The pair's index, or -1 when the profile is off or the pool is spent. */
+static int prof_begin(char kind, const char *label) {
+  if (!prof.on) return -1;
+  if (prof.n == PROF_PAIRS) {
+    prof.dropped++;
+    return -1;
+  }
+  int i = prof.n++;
+  prof.label[i] = (short)prof_label(kind, label);
+  ZT_CUDA_CHECK(cudaEventRecord(prof.ev[2 * i], g.stream));
+  return i;
+}
+
+static void prof_end(int i) {
+  if (i >= 0) ZT_CUDA_CHECK(cudaEventRecord(prof.ev[2 * i + 1], g.stream));
+}
+
+/* ---------------------------------------------------------------------------
  * cuBLASLt products. Column-major, as cuBLAS sees them: D[m,n] = alpha *
  * op(A)[m,k] op(B)[k,n] + beta * D, batched with strides, optional bias
  * (length m) fused as an epilogue. Row-major callers swap roles (see each
@@ -319,11 +364,21 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const XA *A, int lda, l
   kk.al[2] = align_of(D, sD, batch, sizeof(XD));
   kk.math = g.math;
   lt_plan *p = plan_get(&kk);
+  int span = -1;
+  if (prof.on) {
+    char lab[96];
+    snprintf(lab, sizeof lab, "%c%c m %d n %d k %d %s->%s%s", ta ? 'T' : 'N', tb ? 'T' : 'N', m,
+             n, k, sizeof(XA) == 2 ? "bf16" : "fp32", sizeof(XD) == 2 ? "bf16" : "fp32",
+             beta != 0.0f ? " +=" : bias ? " +bias" : "");
+    if (batch > 1) snprintf(lab + strlen(lab), sizeof lab - strlen(lab), " x%d", batch);
+    span = prof_begin('g', lab);
+  }
   if (bias)
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                    sizeof bias));
   ZT_CUBLAS_CHECK(cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, Bm, p->lb, &beta, D, p->ld, D,
                                  p->ld, &p->algo, g.lt_ws, g.lt_ws_size, g.stream));
+  prof_end(span);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2351,6 +2406,28 @@ static void cu_memzero(void *p, size_t bytes) {
   ZT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.stream));
 }
 
+/* The table's entries go through prof_fn<F, f>::call, which times f when
+ * the profile is on (see "The profile" above). */
+template <typename F, F f>
+struct prof_fn;
+template <typename R, typename... A, R (*f)(A...)>
+struct prof_fn<R (*)(A...), f> {
+  static const char *name;
+  struct span {
+    int i;
+    ~span() { prof_end(i); }
+  };
+  static R call(A... a) {
+    span s = {prof_begin('f', name)};
+    return f(a...);
+  }
+};
+template <typename R, typename... A, R (*f)(A...)>
+const char *prof_fn<R (*)(A...), f>::name;
+
+#define ZT_PROF_ENTRY(t, field, fn) \
+  (prof_fn<decltype(&fn), &fn>::name = #field, (t)->field = prof_fn<decltype(&fn), &fn>::call)
+
 /* The two tables, filled at init: fp32 storage ("cuda") and bf16 storage
  * ("cuda-bf16"); everything but the storage-typed kernels is shared. */
 static zt_kernels_t zt_cuda_table, zt_cuda_table_bf16;
@@ -2359,45 +2436,45 @@ template <typename X>
 static void fill_table(zt_kernels_t *t, const char *name) {
   t->name = name;
   t->xbytes = (int)sizeof(X);
-  t->encoder_forward = cu_encoder_forward<X>;
-  t->encoder_backward = cu_encoder_backward<X>;
-  t->layernorm_forward = cu_layernorm_forward<X>;
-  t->layernorm_backward = cu_layernorm_backward<X>;
-  t->matmul_forward = cu_matmul_forward<X>;
-  t->matmul_backward = cu_matmul_backward<X>;
-  t->attention_forward = cu_attention_forward<X>;
-  t->attention_backward = cu_attention_backward<X>;
-  t->attention_forward_gqa = cu_attention_forward_gqa<X>;
-  t->attention_backward_gqa = cu_attention_backward_gqa<X>;
-  t->gelu_forward = cu_gelu_forward<X>;
-  t->gelu_backward = cu_gelu_backward<X>;
-  t->residual_forward = cu_residual_forward<X>;
-  t->crossentropy_forward = cu_crossentropy_forward<X>;
-  t->crossentropy_backward = cu_crossentropy_backward<X>;
-  t->rmsnorm_forward = cu_rmsnorm_forward<X>;
-  t->rmsnorm_backward = cu_rmsnorm_backward<X>;
-  t->rope = cu_rope<X>;
-  t->swiglu_forward = cu_swiglu_forward<X>;
-  t->swiglu_backward = cu_swiglu_backward<X>;
-  t->lora_merge = cu_lora_merge<X>;
-  t->lora_grad = cu_lora_grad<X>;
-  t->narrow_x = cu_narrow_x<X>;
-  t->widen_x = cu_widen_x<X>;
-  t->adamw = cu_adamw;
-  t->sumsq = cu_sumsq;
-  t->scale = cu_scale;
-  t->zero = cu_zero;
-  t->acc_f64 = cu_acc_f64;
-  t->add_f64 = cu_add_f64;
-  t->widen_f64 = cu_widen_f64;
-  t->narrow_f64 = cu_narrow_f64;
-  t->sumsq_f64 = cu_sumsq_f64;
-  t->copy = cu_copy;
-  t->memzero = cu_memzero;
+  ZT_PROF_ENTRY(t, encoder_forward, cu_encoder_forward<X>);
+  ZT_PROF_ENTRY(t, encoder_backward, cu_encoder_backward<X>);
+  ZT_PROF_ENTRY(t, layernorm_forward, cu_layernorm_forward<X>);
+  ZT_PROF_ENTRY(t, layernorm_backward, cu_layernorm_backward<X>);
+  ZT_PROF_ENTRY(t, matmul_forward, cu_matmul_forward<X>);
+  ZT_PROF_ENTRY(t, matmul_backward, cu_matmul_backward<X>);
+  ZT_PROF_ENTRY(t, attention_forward, cu_attention_forward<X>);
+  ZT_PROF_ENTRY(t, attention_backward, cu_attention_backward<X>);
+  ZT_PROF_ENTRY(t, attention_forward_gqa, cu_attention_forward_gqa<X>);
+  ZT_PROF_ENTRY(t, attention_backward_gqa, cu_attention_backward_gqa<X>);
+  ZT_PROF_ENTRY(t, gelu_forward, cu_gelu_forward<X>);
+  ZT_PROF_ENTRY(t, gelu_backward, cu_gelu_backward<X>);
+  ZT_PROF_ENTRY(t, residual_forward, cu_residual_forward<X>);
+  ZT_PROF_ENTRY(t, crossentropy_forward, cu_crossentropy_forward<X>);
+  ZT_PROF_ENTRY(t, crossentropy_backward, cu_crossentropy_backward<X>);
+  ZT_PROF_ENTRY(t, rmsnorm_forward, cu_rmsnorm_forward<X>);
+  ZT_PROF_ENTRY(t, rmsnorm_backward, cu_rmsnorm_backward<X>);
+  ZT_PROF_ENTRY(t, rope, cu_rope<X>);
+  ZT_PROF_ENTRY(t, swiglu_forward, cu_swiglu_forward<X>);
+  ZT_PROF_ENTRY(t, swiglu_backward, cu_swiglu_backward<X>);
+  ZT_PROF_ENTRY(t, lora_merge, cu_lora_merge<X>);
+  ZT_PROF_ENTRY(t, lora_grad, cu_lora_grad<X>);
+  ZT_PROF_ENTRY(t, narrow_x, cu_narrow_x<X>);
+  ZT_PROF_ENTRY(t, widen_x, cu_widen_x<X>);
+  ZT_PROF_ENTRY(t, adamw, cu_adamw);
+  ZT_PROF_ENTRY(t, sumsq, cu_sumsq);
+  ZT_PROF_ENTRY(t, scale, cu_scale);
+  ZT_PROF_ENTRY(t, zero, cu_zero);
+  ZT_PROF_ENTRY(t, acc_f64, cu_acc_f64);
+  ZT_PROF_ENTRY(t, add_f64, cu_add_f64);
+  ZT_PROF_ENTRY(t, widen_f64, cu_widen_f64);
+  ZT_PROF_ENTRY(t, narrow_f64, cu_narrow_f64);
+  ZT_PROF_ENTRY(t, sumsq_f64, cu_sumsq_f64);
+  ZT_PROF_ENTRY(t, copy, cu_copy);
+  ZT_PROF_ENTRY(t, memzero, cu_memzero);
   t->alloc = cu_alloc;
   t->release = cu_release;
-  t->upload = cu_upload;
-  t->download = cu_download;
+  ZT_PROF_ENTRY(t, upload, cu_upload);
+  ZT_PROF_ENTRY(t, download, cu_download);
 }
 
 extern "C" int zt_cuda_device_count(void) {
@@ -2458,6 +2535,50 @@ extern "C" const zt_kernels_t *zt_kernels_cuda_bf16(void) {
 extern "C" void zt_kernels_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
 extern "C" zt_cuda_math_t zt_kernels_cuda_math(void) { return g.math; }
 extern "C" void zt_kernels_cuda_set_attention_tc(int on) { att_tc_on = on; }
+
+extern "C" void zt_kernels_cuda_profile(int on) {
+  if (on && !prof.ev[0])
+    for (int i = 0; i < 2 * PROF_PAIRS; i++) ZT_CUDA_CHECK(cudaEventCreate(&prof.ev[i]));
+  if (on) prof.n = prof.dropped = 0;
+  prof.on = on;
+}
+
+typedef struct {
+  int label, calls;
+  double ms;
+} prof_row;
+
+static int prof_row_cmp(const void *a, const void *b) {
+  double x = ((const prof_row *)a)->ms, y = ((const prof_row *)b)->ms;
+  return x < y ? 1 : x > y ? -1 : 0;
+}
+
+extern "C" void zt_kernels_cuda_profile_report(FILE *f) {
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  prof_row rows[PROF_LABELS];
+  for (int i = 0; i < PROF_LABELS; i++) rows[i].label = i, rows[i].calls = 0, rows[i].ms = 0.0;
+  double total[2] = {0, 0};
+  for (int i = 0; i < prof.n; i++) {
+    float ms = 0;
+    ZT_CUDA_CHECK(cudaEventElapsedTime(&ms, prof.ev[2 * i], prof.ev[2 * i + 1]));
+    rows[prof.label[i]].calls++;
+    rows[prof.label[i]].ms += ms;
+    total[prof.kind[prof.label[i]] == 'g'] += ms;
+  }
+  qsort(rows, PROF_LABELS, sizeof rows[0], prof_row_cmp);
+  for (int k = 0; k < 2; k++) {
+    char kind = k ? 'g' : 'f';
+    fprintf(f, "%s: %.2f ms in all%s\n",
+            k ? "cuBLASLt products inside them, by shape (column-major m x n x k)"
+              : "kernel table calls, by function",
+            total[k], k || !prof.dropped ? "" : " (some calls not timed: the pool was spent)");
+    for (int i = 0; i < PROF_LABELS; i++)
+      if (rows[i].calls && prof.kind[rows[i].label] == kind)
+        fprintf(f, "  %8.3f ms %5.1f%% %6d x  %s\n", rows[i].ms,
+                total[k] > 0 ? 100.0 * rows[i].ms / total[k] : 0.0, rows[i].calls,
+                prof.labels[rows[i].label]);
+  }
+}
 
 extern "C" void zt_kernels_cuda_set_attention_scratch_max(size_t bytes) {
   att_scr_max = bytes;

@@ -39,6 +39,7 @@
 #define ZT_KERNELS_CUDA_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 #include "zt_kernels.h"
 
@@ -86,6 +87,16 @@ void zt_kernels_cuda_set_attention_scratch_max(size_t bytes);
  * 0: bf16 attention takes the cuBLASLt or the fp32 tiled path, as fp32
  * storage does. */
 void zt_kernels_cuda_set_attention_tc(int on);
+
+/* The profile: on (1), every kernel table call that queues device work,
+ * and every cuBLASLt product inside one, is timed with events on the
+ * stream (calls through both tables; on again starts afresh); off (0) stops
+ * timing. The report waits for the stream and prints the times summed by
+ * table function and by product shape, largest first. For benchmarks
+ * (zt_gpubench --profile): a timed call waits for nothing, but its events
+ * cost a little. */
+void zt_kernels_cuda_profile(int on);
+void zt_kernels_cuda_profile_report(FILE *f);
 
 /* Device memory in use on this process's device, all processes (bytes). */
 size_t zt_cuda_device_memory_used(void);

@@ -86,6 +86,33 @@ ZT_TEST(table) {
   ZT_CHECK(strstr(err, "does not exist") != NULL || strstr(err, "already") != NULL);
 }
 
+/* The profile: table calls and the products inside them are counted and
+ * timed while it is on, and only then. */
+ZT_TEST(profile) {
+  int N = 24, IC = 32, OC = 48;
+  float *hx = zt_rnd((size_t)N * IC, 1), *hw = zt_rnd((size_t)OC * IC, 1);
+  float *x = DEVF(hx, (size_t)N * IC), *w = DEVF(hw, (size_t)OC * IC);
+  float *o = dalloc((size_t)N * OC * 4);
+  G->matmul_forward(o, x, w, NULL, N, IC, OC); /* before: not counted */
+  zt_kernels_cuda_profile(1);
+  G->matmul_forward(o, x, w, NULL, N, IC, OC);
+  G->matmul_forward(o, x, w, NULL, N, IC, OC);
+  G->gelu_forward(o, o, (size_t)N * OC);
+  zt_kernels_cuda_profile(0);
+  G->gelu_forward(o, o, (size_t)N * OC); /* after: not counted */
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  zt_kernels_cuda_profile_report(f);
+  fclose(f);
+  fprintf(stderr, "%s", buf);
+  ZT_CHECK(strstr(buf, "2 x  matmul_forward\n") != NULL);
+  ZT_CHECK(strstr(buf, "1 x  gelu_forward\n") != NULL);
+  ZT_CHECK(strstr(buf, "2 x  TN m 48 n 24 k 32 fp32->fp32\n") != NULL);
+  free(buf), free(hx), free(hw);
+  G->release(x), G->release(w), G->release(o);
+}
+
 static void check_encoder(int B, int T, int C, int V) {
   size_t n = (size_t)B * T * C;
   int *inp = malloc(sizeof(int) * B * T);
@@ -803,7 +830,7 @@ ZT_TEST(lora) {
   free(base), free(a), free(b), free(w), free(g), free(da), free(db);
 }
 
-ZT_TEST_MAIN_NAMED(run_all, table, llama_ops, lora, encoder, layernorm, matmul, matmul_reduced_precision,
+ZT_TEST_MAIN_NAMED(run_all, table, profile, llama_ops, lora, encoder, layernorm, matmul, matmul_reduced_precision,
                    attention, attention_gqa, gelu_residual_scale, crossentropy, optimizer_and_reductions,
                    state_helpers, bf16_convert, bf16_elementwise,
                    bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)
