@@ -57,6 +57,14 @@ void zt_opt_adamw_unit(const zt_kernels_t *k, const zt_layout_t *l, const zt_opt
                        int u, size_t lo, size_t n, float *p, const float *g, float *m, float *v,
                        float lr, int64_t t);
 
+/* The segments and settings of an adamw_fused call (zt_kernels.h) that
+ * does what zt_opt_adamw_unit does on [lo, lo + n) of unit u, where the
+ * range lies in at most ZT_ADAMW_SEGS segments (its tensors' parts and the
+ * padding between or after them). -1 when it does not (the caller makes
+ * the unfused calls). */
+int zt_opt_adamw_args(const zt_layout_t *l, const zt_opt_config_t *o, int u, size_t lo, size_t n,
+                      float lr, int64_t t, zt_adamw_args_t *a);
+
 /* From the global sum of squares: *norm = sqrt(sumsq); returns the factor
  * to multiply the gradient by: min(1, max_norm / (norm + 1e-6)), or 1 when
  * max_norm <= 0 (no clipping). A non-finite norm returns 1 (the caller sees

@@ -1111,9 +1111,21 @@ static void adamw_unit(zt_zero_t *z, int u) {
   }
   if (!n) return;
   float *p = z->P ? z->P + z->off_full[u] + lo : z->Ps + z->off_shard[u];
-  if (z->stage > 0)
-    z->k->narrow_f64(z->gbuf, z->stage < 2 ? z->G64 + z->off_full[u] + lo : z->G64 + z->off_shard[u],
-                     n, z->inv_k, z->gscale);
+  const double *g64 = z->stage == 0   ? NULL
+                      : z->stage < 2 ? z->G64 + z->off_full[u] + lo
+                                     : z->G64 + z->off_shard[u];
+  zt_adamw_args_t a;
+  if (z->k->adamw_fused &&
+      zt_opt_adamw_args(&z->m->lay, z->opt, u, lo, n, z->lr, z->t, &a) == 0) {
+    /* One launch: the gradient's scaling, the update and the working copy
+     * of what changed (as below). */
+    void *w = !z->split         ? NULL
+              : z->stage == 3   ? xadv(z, z->Ws, z->off_shard[u])
+                                : xadv(z, z->W, z->off_full[u] + lo);
+    z->k->adamw_fused(p, g64 ? NULL : g, g64, z->inv_k, z->gscale, m, v, w, &a);
+    return;
+  }
+  if (g64) z->k->narrow_f64(z->gbuf, g64, n, z->inv_k, z->gscale);
   zt_opt_adamw_unit(z->k, &z->m->lay, z->opt, u, lo, n, p, g, m, v, z->lr, z->t);
   /* The working copy of what changed: stage 0 the whole unit, stage 3 the
    * shard, stages 1-2 the owned range (zt_zero_gather shares it). */

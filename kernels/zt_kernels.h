@@ -55,6 +55,19 @@
 /* RoPE's frequencies: rope_theta, and Llama 3's rope_scaling when factor
  * is not 0 (Hugging Face's "llama3" rope_type: long wavelengths divided by
  * factor, short ones kept, the band between blended). */
+/* The settings of one adamw_fused call: the segments of the range (up to
+ * ZT_ADAMW_SEGS, each a tensor's part with its weight decay, or padding
+ * that no update touches) and AdamW's
+ * hyper-parameters, with the bias corrections bc1 = 1-b1^t, bc2 = 1-b2^t. */
+#define ZT_ADAMW_SEGS 32
+typedef struct zt_adamw_args {
+  int n;
+  unsigned skip; /* bit i: segment i is no tensor's (padding): left as it is */
+  size_t end[ZT_ADAMW_SEGS];
+  float wd[ZT_ADAMW_SEGS];
+  float lr, b1, b2, eps, bc1, bc2;
+} zt_adamw_args_t;
+
 typedef struct zt_rope {
   float theta;
   float factor, low_freq_factor, high_freq_factor, original_max_pos;
@@ -133,6 +146,18 @@ typedef struct zt_kernels {
    * p -= lr * (m/bc1) / (sqrt(v/bc2) + eps), with bc1 = 1-b1^t, bc2 = 1-b2^t. */
   void (*adamw)(float *p, const float *g, float *m, float *v, size_t n, float lr, float b1,
                 float b2, float eps, float wd, float bc1, float bc2);
+  /* Optional (NULL where a table has none; the CUDA tables have it): one
+   * launch that does what narrow_f64, adamw on each segment and narrow_x
+   * do in turn, bit for bit, on a->end[a->n - 1] consecutive elements. The
+   * gradient is g (fp32), or when g is NULL the fp64 sum g64, taken as
+   * (float)(g64 * s) * t; segment i (elements [end[i-1], end[i])) has
+   * weight decay wd[i], or is left as it is (bit i of skip); w, when not
+   * NULL, receives the updated p in the
+   * storage type. engine/zero.c uses it for every unit's update, so a GPU
+   * step makes one optimizer launch per unit instead of one per tensor
+   * plus two. */
+  void (*adamw_fused)(float *p, const float *g, const double *g64, double s, float t, float *m,
+                      float *v, void *w, const struct zt_adamw_args *a);
   /* Sum of squares in double. The sum is formed in fixed chunks of
    * ZT_KERNELS_SUMSQ_CHUNK elements combined in order, so the result does not
    * depend on the thread count. */

@@ -2251,20 +2251,54 @@ static void cu_crossentropy_backward(float *dlogits, const float *probs, const i
 /* ---------------------------------------------------------------------------
  * AdamW and norms. */
 
+/* One element's update: the one expression both kernels below compile, so
+ * that the fused one gives adamw's bits. */
+__device__ __forceinline__ float adamw_elem(float pi, float gi, float *m, float *v, float lr,
+                                            float b1, float b2, float eps, float wd, float bc1,
+                                            float bc2) {
+  float mi = b1 * *m + (1.0f - b1) * gi;
+  float vi = b2 * *v + (1.0f - b2) * gi * gi;
+  *m = mi;
+  *v = vi;
+  float mhat = mi / bc1, vhat = vi / bc2;
+  pi -= lr * wd * pi;
+  pi -= lr * mhat / (sqrtf(vhat) + eps);
+  return pi;
+}
+
 __global__ void k_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr,
                         float b1, float b2, float eps, float wd, float bc1, float bc2) {
+  ZT_GRID_STRIDE(i, n) p[i] = adamw_elem(p[i], gr[i], m + i, v + i, lr, b1, b2, eps, wd, bc1, bc2);
+}
+
+/* adamw_fused (zt_kernels.h): the gradient narrowed as k_narrow_f64 does,
+ * the update of adamw_elem with the element's segment's weight decay, the
+ * result rounded into w as k_narrow_x does. The segments come by value
+ * (the launch's parameters); a thread finds its element's by a scan that
+ * starts from the segment of its previous element. */
+template <typename X>
+__global__ void k_adamw_fused(float *p, const float *g, const double *g64, double s, float t,
+                              float *m, float *v, X *w, zt_adamw_args_t a) {
+  size_t n = a.end[a.n - 1];
+  int seg = 0;
   ZT_GRID_STRIDE(i, n) {
-    float gi = gr[i];
-    float mi = b1 * m[i] + (1.0f - b1) * gi;
-    float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    float mhat = mi / bc1, vhat = vi / bc2;
+    while (i >= a.end[seg]) seg++;
     float pi = p[i];
-    pi -= lr * wd * pi;
-    pi -= lr * mhat / (sqrtf(vhat) + eps);
-    p[i] = pi;
+    if (!(a.skip >> seg & 1u)) {
+      float gi = g ? g[i] : (float)(g64[i] * s) * t;
+      pi = adamw_elem(pi, gi, m + i, v + i, a.lr, a.b1, a.b2, a.eps, a.wd[seg], a.bc1, a.bc2);
+      p[i] = pi;
+    }
+    if (w) put(w[i], pi);
   }
+}
+
+template <typename X>
+static void cu_adamw_fused(float *p, const float *gr, const double *g64, double s, float t,
+                           float *m, float *v, void *w, const zt_adamw_args_t *a) {
+  if (a->n < 1 || a->n > ZT_ADAMW_SEGS)
+    cuda_fail("adamw_fused", "segment count out of range", __FILE__, __LINE__);
+  ZT_LAUNCH_1D(k_adamw_fused<X>, a->end[a->n - 1], p, gr, g64, s, t, m, v, (X *)w, *a);
 }
 
 static void cu_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr, float b1,
@@ -2461,6 +2495,7 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   ZT_PROF_ENTRY(t, narrow_x, cu_narrow_x<X>);
   ZT_PROF_ENTRY(t, widen_x, cu_widen_x<X>);
   ZT_PROF_ENTRY(t, adamw, cu_adamw);
+  ZT_PROF_ENTRY(t, adamw_fused, cu_adamw_fused<X>);
   ZT_PROF_ENTRY(t, sumsq, cu_sumsq);
   ZT_PROF_ENTRY(t, scale, cu_scale);
   ZT_PROF_ENTRY(t, zero, cu_zero);

@@ -391,6 +391,58 @@ ZT_TEST(optimizer_and_reductions) {
   free(p), free(g), free(m), free(v);
 }
 
+/* adamw_fused against the calls it stands for (narrow_f64, adamw on each
+ * segment, narrow_x), on table K: the same bits in p, m, v and the working
+ * copy, from an fp64 gradient sum (g32 0) or an fp32 gradient (1), with
+ * segments of different weight decay and a padding segment at the end
+ * that stays as it was. */
+static void check_adamw_fused(const zt_kernels_t *K, int g32) {
+  size_t n = 100003, xb = (size_t)K->xbytes;
+  static const size_t ends[5] = {777, 50000, 50001, 99000, 100003};
+  static const float wd[5] = {0.1f, 0.0f, 0.1f, 0.05f, 0.0f};
+  zt_adamw_args_t a;
+  memset(&a, 0, sizeof a);
+  a.n = 5, a.skip = 1u << 4;
+  for (int i = 0; i < 5; i++) a.end[i] = ends[i], a.wd[i] = wd[i];
+  a.lr = 1e-3f, a.b1 = 0.9f, a.b2 = 0.95f, a.eps = 1e-8f, a.bc1 = 0.19f, a.bc2 = 0.0975f;
+  float *p = zt_rnd(n, 1), *g = zt_rnd(n, 1), *m = zt_rnd(n, 0.1f), *v = zt_rnd(n, 0.1f);
+  double *g64 = malloc(n * 8);
+  for (size_t i = 0; i < n; i++) v[i] = fabsf(v[i]), g64[i] = (double)g[i] * 3.0 + 1e-9 * i;
+  float *p1 = DEVF(p, n), *m1 = DEVF(m, n), *v1 = DEVF(v, n), *w1 = dalloc(n * 4);
+  float *p2 = DEVF(p, n), *m2 = DEVF(m, n), *v2 = DEVF(v, n), *w2 = dalloc(n * 4);
+  float *dg = DEVF(g, n), *gt = dalloc(n * 4);
+  double *dg64 = dev(g64, n * 8);
+  K->adamw_fused(p1, g32 ? dg : NULL, g32 ? NULL : dg64, 0.25, 0.5f, m1, v1, w1, &a);
+  if (!g32) K->narrow_f64(gt, dg64, n, 0.25, 0.5f);
+  const float *gs = g32 ? dg : gt;
+  for (int i = 0; i < 4; i++) { /* segment 4 is the padding */
+    size_t a0 = i ? ends[i - 1] : 0;
+    K->adamw(p2 + a0, gs + a0, m2 + a0, v2 + a0, ends[i] - a0, a.lr, a.b1, a.b2, a.eps, wd[i],
+             a.bc1, a.bc2);
+  }
+  K->narrow_x(w2, p2, n);
+  ZT_CHECK(same_dev(p1, p2, n));
+  ZT_CHECK(same_dev(m1, m2, n));
+  ZT_CHECK(same_dev(v1, v2, n));
+  unsigned char *h1 = malloc(n * xb), *h2 = malloc(n * xb);
+  K->download(h1, w1, n * xb);
+  K->download(h2, w2, n * xb);
+  ZT_CHECK(memcmp(h1, h2, n * xb) == 0);
+  float *hp = back(p1, n);
+  ZT_CHECK(memcmp(hp + 99000, p + 99000, (n - 99000) * 4) == 0); /* the padding */
+  ZT_CHECK(memcmp(hp, p, 777 * 4) != 0);                           /* and the rest moved */
+  void *ptrs[] = {p1, m1, v1, w1, p2, m2, v2, w2, dg, gt, dg64};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(p), free(g), free(m), free(v), free(g64), free(h1), free(h2), free(hp);
+}
+
+ZT_TEST(optimizer_fused) {
+  for (int g32 = 0; g32 < 2; g32++) {
+    check_adamw_fused(G, g32);
+    check_adamw_fused(zt_kernels_cuda_bf16(), g32);
+  }
+}
+
 /* The fp64 optimizer-state helpers and the memory functions of the table. */
 ZT_TEST(state_helpers) {
   size_t n = 300007;
@@ -831,6 +883,7 @@ ZT_TEST(lora) {
 }
 
 ZT_TEST_MAIN_NAMED(run_all, table, profile, llama_ops, lora, encoder, layernorm, matmul, matmul_reduced_precision,
-                   attention, attention_gqa, gelu_residual_scale, crossentropy, optimizer_and_reductions,
+                   attention, attention_gqa, gelu_residual_scale, crossentropy,
+                   optimizer_and_reductions, optimizer_fused,
                    state_helpers, bf16_convert, bf16_elementwise,
                    bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)
