@@ -18,7 +18,7 @@
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
  *                    [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]
- *                    [--profile]
+ *                    [--profile] [--no-gelu-epilogue]
  * (--arch llama: the same sizes as a Llama, with 4 query heads per K/V head
  * where the head count allows, an MLP of 8C/3 rounded up to 64, untied.)
  * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
@@ -27,8 +27,10 @@
  * only; fa2: flash attention 2 on mma.sync, bf16 storage only;
  * cublas: the cuBLASLt products with T x T matrices.) --profile: one more
  * step after the timed ones, with the kernel table's profile on
- * (zt_kernels_cuda_profile), whose report goes to stderr. Exits 77 without
- * a CUDA device.
+ * (zt_kernels_cuda_profile), whose report goes to stderr.
+ * --no-gelu-epilogue: the MLP's GELU as calls of its own, not in the
+ * products' epilogues (zt_kernels_cuda_set_gelu_epilogue). Exits 77
+ * without a CUDA device.
  */
 #include <math.h>
 #include <stdint.h>
@@ -68,7 +70,7 @@ static int usage(void) {
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
           "                   [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]\n"
-          "                   [--profile]\n");
+          "                   [--profile] [--no-gelu-epilogue]\n");
   return 2;
 }
 
@@ -79,11 +81,15 @@ int main(int argc, char **argv) {
   zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
   const char *math_name = "bf16", *att = "auto";
   int storage16 = 0; /* bf16-storage: the bf16 table and an fp32 master (zt_kernels.h) */
-  int profile = 0;
+  int profile = 0, no_gelu_epi = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--profile")) {
       profile = 1;
+      continue;
+    }
+    if (!strcmp(a, "--no-gelu-epilogue")) {
+      no_gelu_epi = 1;
       continue;
     }
     if (!v) return usage();
@@ -128,6 +134,7 @@ int main(int argc, char **argv) {
     return 77;
   }
   zt_kernels_cuda_set_math(math);
+  if (no_gelu_epi) zt_kernels_cuda_set_gelu_epilogue(0);
   if ((!strcmp(att, "tiled-tc") || !strcmp(att, "fa2")) && !storage16) {
     fprintf(stderr, "zt_gpubench: --attention %s takes --math bf16-storage\n", att);
     return 2;
@@ -174,9 +181,18 @@ int main(int argc, char **argv) {
       return 1;
     }
     float t = (float)(step + 1);
-    k->adamw(master, m->grads, mom, var, P, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.0f,
-             1.0f - powf(0.9f, t), 1.0f - powf(0.95f, t));
-    if (storage16) k->narrow_x(m->params, master, P);
+    /* One launch where the table has the fused AdamW (with the bf16 round
+     * of the working copy), as engine/zero.c makes; else the two calls. */
+    zt_adamw_args_t a = {.n = 1, .end = {P}, .wd = {0.0f}, .lr = 6e-4f, .b1 = 0.9f,
+                         .b2 = 0.95f, .eps = 1e-8f, .bc1 = 1.0f - powf(0.9f, t),
+                         .bc2 = 1.0f - powf(0.95f, t)};
+    if (k->adamw_fused) {
+      k->adamw_fused(master, m->grads, NULL, 1.0, 1.0f, mom, var, storage16 ? m->params : NULL,
+                     &a);
+    } else {
+      k->adamw(master, m->grads, mom, var, P, a.lr, a.b1, a.b2, a.eps, 0.0f, a.bc1, a.bc2);
+      if (storage16) k->narrow_x(m->params, master, P);
+    }
     zt_cuda_sync();
     if (step == steps) break;
     times[step] = now_s() - t0;

@@ -231,8 +231,12 @@ static void block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
   k->matmul_forward(a->proj, atty, p.attprojw, p.attprojb, BT, C, C);
   k->residual_forward(res2, x, a->proj, (size_t)BT * C);
   k->layernorm_forward(ln2, ln2m, ln2r, res2, p.ln2w, p.ln2b, BT, C);
-  k->matmul_forward(fch, ln2, p.fcw, p.fcb, BT, C, 4 * C);
-  k->gelu_forward(fchg, fch, (size_t)BT * 4 * C);
+  if (k->matmul_gelu_forward) {
+    k->matmul_gelu_forward(fchg, fch, ln2, p.fcw, p.fcb, BT, C, 4 * C);
+  } else {
+    k->matmul_forward(fch, ln2, p.fcw, p.fcb, BT, C, 4 * C);
+    k->gelu_forward(fchg, fch, (size_t)BT * 4 * C);
+  }
   k->matmul_forward(a->proj, fchg, p.fcprojw, p.fcprojb, BT, 4 * C, C);
   k->residual_forward(res3, res2, a->proj, (size_t)BT * C);
 }
@@ -367,8 +371,13 @@ static void block_backward(zt_model_t *m, int l, const float *x) {
   const float *fch = ZT_SLOT(m, a->fch, l, 4 * C), *fchg = ZT_SLOT(m, a->fch_gelu, l, 4 * C);
 
   /* MLP: dres is d res3 = d(mlp output). */
-  k->matmul_backward(a->dfch, g.fcprojw, g.fcprojb, a->dres, fchg, p.fcprojw, BT, 4 * C, C);
-  k->gelu_backward(a->dfch, fch, a->dfch, (size_t)BT * 4 * C);
+  if (k->matmul_backward_dgelu) {
+    k->matmul_backward_dgelu(a->dfch, g.fcprojw, g.fcprojb, a->dres, fchg, p.fcprojw, fch, BT,
+                             4 * C, C);
+  } else {
+    k->matmul_backward(a->dfch, g.fcprojw, g.fcprojb, a->dres, fchg, p.fcprojw, BT, 4 * C, C);
+    k->gelu_backward(a->dfch, fch, a->dfch, (size_t)BT * 4 * C);
+  }
   k->matmul_backward(a->dbtc, g.fcw, g.fcb, a->dfch, ln2, p.fcw, BT, C, 4 * C);
   k->layernorm_backward(a->dres, g.ln2w, g.ln2b, a->dbtc, res2, p.ln2w, ln2m, ln2r, BT, C);
   /* Attention: dres is now d res2 = d(attention output). */

@@ -127,6 +127,19 @@ typedef struct zt_kernels {
   /* GELU, tanh approximation. gelu_backward may run in place (dinp == dout). */
   void (*gelu_forward)(float *out, const float *inp, size_t n);
   void (*gelu_backward)(float *dinp, const float *inp, const float *dout, size_t n);
+  /* Optional (NULL where a table has none; the CUDA tables have them): a
+   * linear layer and the GELU after it in one product where the hardware
+   * library can (GELU in the product's epilogue): pre = inp w^T + bias (the
+   * GELU's input, kept for the backward) and out = gelu(pre); and the
+   * backward of a linear layer whose input was gelu(pre): matmul_backward
+   * with dinp = (dout w) * gelu'(pre), GELU's backward included. The GELU
+   * may be taken of the unrounded sum (one rounding fewer than the two
+   * calls with bf16 storage). bias must not be NULL. */
+  void (*matmul_gelu_forward)(float *out, float *pre, const float *inp, const float *w,
+                              const float *bias, int N, int IC, int OC);
+  void (*matmul_backward_dgelu)(float *dinp, float *dweight, float *dbias, const float *dout,
+                                const float *inp, const float *weight, const float *pre, int N,
+                                int IC, int OC);
 
   /* out = a + b (out may alias a or b). */
   void (*residual_forward)(float *out, const float *a, const float *b, size_t n);

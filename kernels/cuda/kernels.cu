@@ -223,22 +223,40 @@ static uint32_t align_of(const void *p, long long stride, int batch, size_t esz)
   return (uint32_t)(a & (~a + 1));
 }
 
+/* Epilogues beyond the bias: none, GELU whose input is kept (forward of
+ * the MLP's first product), GELU's derivative at a kept input (backward of
+ * its second). */
+enum { EPI_NONE, EPI_GELU_AUX, EPI_DGELU };
+
 /* The operation descriptor: compute type, transposes, optional bias (of
- * type bias_type, D's). */
+ * type bias_type, D's), epilogue epi with its auxiliary matrix (aux, leading
+ * dimension aux_ld, D's type). */
 static cublasLtMatmulDesc_t make_op(cublasComputeType_t ct, int ta, int tb, const void *bias,
-                                    cudaDataType_t bias_type) {
+                                    cudaDataType_t bias_type, int epi, const void *aux,
+                                    long long aux_ld) {
   cublasLtMatmulDesc_t op = NULL;
   cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   ZT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
   ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa));
   ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb));
+  cublasLtEpilogue_t e = epi == EPI_GELU_AUX ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                         : epi == EPI_DGELU  ? CUBLASLT_EPILOGUE_DGELU
+                         : bias              ? CUBLASLT_EPILOGUE_BIAS
+                                             : CUBLASLT_EPILOGUE_DEFAULT;
+  if (e != CUBLASLT_EPILOGUE_DEFAULT)
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof e));
   if (bias) {
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                    sizeof bias));
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                    &bias_type, sizeof bias_type));
+  }
+  if (epi != EPI_NONE) {
+    int64_t ld = aux_ld;
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                   &aux, sizeof aux));
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld,
+                                                   sizeof ld));
   }
   return op;
 }
@@ -254,10 +272,14 @@ typedef struct {
   long long sA, sB, sD;
   uint32_t al[3];
   zt_cuda_math_t math;
+  int epi;             /* EPI_* */
+  uint32_t al_aux;     /* the auxiliary matrix's alignment */
+  long long aux_ld;
 } lt_key;
 
 typedef struct {
   int used;
+  int ok; /* 0: cuBLASLt has no algorithm for this epilogue (the caller does without) */
   lt_key key;
   cublasLtMatmulDesc_t op;
   cublasLtMatrixLayout_t la, lb, ld;
@@ -279,11 +301,13 @@ static void plan_destroy(lt_plan *p) {
 
 static void plan_build(lt_plan *p, const lt_key *kk) {
   const void *fake_bias = kk->has_bias ? g.lt_ws : NULL;
+  /* The auxiliary pointer's value tells the heuristic its alignment. */
+  const void *fake_aux = kk->epi != EPI_NONE ? (const char *)g.lt_ws + kk->al_aux : NULL;
   cudaDataType_t tab = (cudaDataType_t)kk->tab, td = (cudaDataType_t)kk->td;
   /* bf16 data: the products are exact in fp32 and accumulate in fp32. */
   cublasComputeType_t ct = tab == CUDA_R_16BF ? CUBLAS_COMPUTE_32F : compute_type();
   p->key = *kk;
-  p->op = make_op(ct, kk->ta, kk->tb, fake_bias, td);
+  p->op = make_op(ct, kk->ta, kk->tb, fake_bias, td, kk->epi, fake_aux, kk->aux_ld);
   ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, tab, kk->ta ? kk->k : kk->m,
                                              kk->ta ? kk->m : kk->k, kk->lda));
   ZT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, tab, kk->tb ? kk->n : kk->k,
@@ -319,15 +343,17 @@ static void plan_build(lt_plan *p, const lt_key *kk) {
   if (found == 0 && ct != CUBLAS_COMPUTE_32F) {
     /* No reduced-precision kernel for this shape or alignment: plain fp32. */
     cublasLtMatmulDescDestroy(p->op);
-    p->op = make_op(CUBLAS_COMPUTE_32F, kk->ta, kk->tb, fake_bias, td);
+    p->op = make_op(CUBLAS_COMPUTE_32F, kk->ta, kk->tb, fake_bias, td, kk->epi, fake_aux,
+                    kk->aux_ld);
     ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref,
                                                    1, &res, &found));
   }
   cublasLtMatmulPreferenceDestroy(pref);
-  if (found == 0)
+  if (found == 0 && kk->epi == EPI_NONE)
     cuda_fail("cublasLtMatmulAlgoGetHeuristic", "no algorithm for this product", __FILE__,
                   __LINE__);
-  p->algo = res.algo;
+  p->ok = found != 0;
+  if (p->ok) p->algo = res.algo;
   p->used = 1;
 }
 
@@ -350,10 +376,16 @@ struct same_type {
   typedef T type;
 };
 
+/* D = alpha op(A) op(B) + beta D (+ bias), then epilogue epi with the
+ * auxiliary matrix aux (D's type and layout, leading dimension aux_ld).
+ * Returns -1, having queued nothing, where cuBLASLt has no algorithm for
+ * the epilogue; a plain product or bias always runs. */
 template <typename XA, typename XD>
-static void lt_gemm(int ta, int tb, int m, int n, int k, const XA *A, int lda, long long sA,
-                    const XA *Bm, int ldb, long long sB, XD *D, int ldd, long long sD,
-                    int batch, float alpha, float beta, const typename same_type<XD>::type *bias) {
+static int lt_gemm_epi(int ta, int tb, int m, int n, int k, const XA *A, int lda, long long sA,
+                       const XA *Bm, int ldb, long long sB, XD *D, int ldd, long long sD,
+                       int batch, float alpha, float beta,
+                       const typename same_type<XD>::type *bias, int epi, const XD *aux,
+                       long long aux_ld) {
   lt_key kk;
   memset(&kk, 0, sizeof kk); /* the key is compared bytewise, padding included */
   kk.ta = ta, kk.tb = tb, kk.m = m, kk.n = n, kk.k = k, kk.lda = lda, kk.ldb = ldb, kk.ldd = ldd;
@@ -363,22 +395,39 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const XA *A, int lda, l
   kk.al[0] = align_of(A, sA, batch, sizeof(XA)), kk.al[1] = align_of(Bm, sB, batch, sizeof(XA));
   kk.al[2] = align_of(D, sD, batch, sizeof(XD));
   kk.math = g.math;
+  kk.epi = epi;
+  if (epi != EPI_NONE) kk.al_aux = align_of(aux, 0, 1, sizeof(XD)), kk.aux_ld = aux_ld;
   lt_plan *p = plan_get(&kk);
+  if (!p->ok) return -1;
   int span = -1;
   if (prof.on) {
     char lab[96];
     snprintf(lab, sizeof lab, "%c%c m %d n %d k %d %s->%s%s", ta ? 'T' : 'N', tb ? 'T' : 'N', m,
              n, k, sizeof(XA) == 2 ? "bf16" : "fp32", sizeof(XD) == 2 ? "bf16" : "fp32",
              beta != 0.0f ? " +=" : bias ? " +bias" : "");
+    if (epi != EPI_NONE)
+      snprintf(lab + strlen(lab), sizeof lab - strlen(lab), epi == EPI_GELU_AUX ? " gelu" : " dgelu");
     if (batch > 1) snprintf(lab + strlen(lab), sizeof lab - strlen(lab), " x%d", batch);
     span = prof_begin('g', lab);
   }
   if (bias)
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                    sizeof bias));
+  if (epi != EPI_NONE)
+    ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
   ZT_CUBLAS_CHECK(cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, Bm, p->lb, &beta, D, p->ld, D,
                                  p->ld, &p->algo, g.lt_ws, g.lt_ws_size, g.stream));
   prof_end(span);
+  return 0;
+}
+
+template <typename XA, typename XD>
+static void lt_gemm(int ta, int tb, int m, int n, int k, const XA *A, int lda, long long sA,
+                    const XA *Bm, int ldb, long long sB, XD *D, int ldd, long long sD,
+                    int batch, float alpha, float beta, const typename same_type<XD>::type *bias) {
+  (void)lt_gemm_epi(ta, tb, m, n, k, A, lda, sA, Bm, ldb, sB, D, ldd, sD, batch, alpha, beta,
+                    bias, EPI_NONE, (const XD *)NULL, 0);
 }
 
 /* ---------------------------------------------------------------------------
@@ -588,27 +637,41 @@ static void cu_layernorm_backward(float *dinp, float *dw, float *db, const float
  * Linear layers. Row-major X[N,IC] is column-major X'[IC,N] (ld IC); W[OC,IC]
  * is W'[IC,OC] (ld IC); out[N,OC] is out'[OC,N] (ld OC). */
 
-/* out[n, o] += bias[o], for a bias the epilogue cannot take. */
+/* The bias as the epilogue takes it: the epilogue wants it 16-byte
+ * aligned; a bias inside a flat parameter buffer often is not, and is
+ * copied into aligned scratch. */
+template <typename X>
+static const X *epilogue_bias(const X *bias, int OC) {
+  if (!bias || (uintptr_t)bias % 16 == 0) return bias;
+  X *b = (X *)scratch(SCR_BIAS, (size_t)OC * sizeof(X));
+  ZT_CUDA_CHECK(cudaMemcpyAsync(b, bias, (size_t)OC * sizeof(X), cudaMemcpyDeviceToDevice,
+                                g.stream));
+  return b;
+}
+
 template <typename X>
 static void cu_matmul_forward(float *out_, const float *inp_, const float *w_,
                               const float *bias_, int N, int IC, int OC) {
   if (N <= 0 || OC <= 0) return;
   X *out = (X *)out_;
-  const X *inp = (const X *)inp_, *w = (const X *)w_, *bias = (const X *)bias_;
+  const X *inp = (const X *)inp_, *w = (const X *)w_;
   /* out' = W'^T X' + bias per row of out', the bias always fused as the
    * epilogue: one rounding of the sum, the same whatever the bias's
-   * address. The epilogue wants it 16-byte aligned; a bias inside a flat
-   * parameter buffer often is not, and is copied into aligned scratch. */
-  if (bias && ((uintptr_t)bias % 16) != 0) {
-    X *b = (X *)scratch(SCR_BIAS, (size_t)OC * sizeof(X));
-    ZT_CUDA_CHECK(cudaMemcpyAsync(b, bias, (size_t)OC * sizeof(X), cudaMemcpyDeviceToDevice,
-                                  g.stream));
-    bias = b;
-  }
+   * address. */
+  const X *bias = epilogue_bias((const X *)bias_, OC);
   lt_gemm(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, out, OC, 0, 1, 1.0f, 0.0f, bias);
 }
 
-/* dw is fp32 (a parameter gradient) whatever X is. */
+/* The weight and bias gradients of a linear layer: dw' [IC,OC] += X' [IC,N]
+ * dout'^T [N,OC] (fp32, a parameter gradient, whatever X is), dbias the
+ * column sums of dout. */
+template <typename X>
+static void matmul_backward_wb(float *dw, float *dbias, const X *dout, const X *inp, int N, int IC,
+                               int OC) {
+  if (dw) lt_gemm(0, 1, IC, OC, N, inp, IC, 0, dout, OC, 0, dw, IC, 0, 1, 1.0f, 1.0f, NULL);
+  if (dbias) colsums(dbias, NULL, dout, (const X *)NULL, NULL, NULL, N, OC);
+}
+
 template <typename X>
 static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout_,
                                const float *inp_, const float *w_, int N, int IC, int OC) {
@@ -617,9 +680,7 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
   /* dinp' [IC,N] = W' [IC,OC] dout' [OC,N]. */
   if (dinp)
     lt_gemm(0, 0, IC, N, OC, w, IC, 0, dout, OC, 0, (X *)dinp, IC, 0, 1, 1.0f, 0.0f, NULL);
-  /* dw' [IC,OC] += X' [IC,N] dout'^T [N,OC]. */
-  if (dw) lt_gemm(0, 1, IC, OC, N, inp, IC, 0, dout, OC, 0, dw, IC, 0, 1, 1.0f, 1.0f, NULL);
-  if (dbias) colsums(dbias, NULL, dout, (const X *)NULL, NULL, NULL, N, OC);
+  matmul_backward_wb(dw, dbias, dout, inp, N, IC, OC);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1990,6 +2051,46 @@ static void cu_gelu_backward(float *dinp, const float *inp, const float *dout, s
   ZT_LAUNCH_1D(k_gelu_bwd<X>, n, (X *)dinp, (const X *)inp, (const X *)dout, n);
 }
 
+/* GELU in the products' epilogues (zt_kernels.h, matmul_gelu_forward and
+ * matmul_backward_dgelu): cuBLASLt's GELU_AUX_BIAS keeps the product plus
+ * bias (GELU's input) in pre and stores its GELU in out, and DGELU
+ * multiplies the input gradient's product by GELU's derivative at pre, so
+ * neither GELU pass reads or writes the N x OC activations on its own.
+ * The GELU is taken of the unrounded sum, and its derivative multiplies
+ * the unrounded product: in bf16, one rounding fewer than the two calls
+ * (docs/gpu.md). Where cuBLASLt has no such kernel for the shape or type
+ * (or gelu_epilogue is 0), the two calls run instead. */
+static int gelu_epilogue = 1;
+
+template <typename X>
+static void cu_matmul_gelu_forward(float *out_, float *pre_, const float *inp_, const float *w_,
+                                   const float *bias_, int N, int IC, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  const X *bias = epilogue_bias((const X *)bias_, OC);
+  if (gelu_epilogue && bias && OC % 8 == 0 &&
+      lt_gemm_epi(1, 0, OC, N, IC, (const X *)w_, IC, 0, (const X *)inp_, IC, 0, (X *)out_, OC,
+                  0, 1, 1.0f, 0.0f, bias, EPI_GELU_AUX, (const X *)pre_, OC) == 0)
+    return;
+  cu_matmul_forward<X>(pre_, inp_, w_, bias_, N, IC, OC);
+  cu_gelu_forward<X>(out_, pre_, (size_t)N * OC);
+}
+
+template <typename X>
+static void cu_matmul_backward_dgelu(float *dinp, float *dw, float *dbias, const float *dout_,
+                                     const float *inp_, const float *w_, const float *pre_, int N,
+                                     int IC, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  const X *dout = (const X *)dout_, *inp = (const X *)inp_, *w = (const X *)w_;
+  if (gelu_epilogue && dinp && IC % 8 == 0 &&
+      lt_gemm_epi(0, 0, IC, N, OC, w, IC, 0, dout, OC, 0, (X *)dinp, IC, 0, 1, 1.0f, 0.0f,
+                  (const X *)NULL, EPI_DGELU, (const X *)pre_, IC) == 0) {
+    matmul_backward_wb(dw, dbias, dout, inp, N, IC, OC);
+    return;
+  }
+  cu_matmul_backward<X>(dinp, dw, dbias, dout_, inp_, w_, N, IC, OC);
+  if (dinp) cu_gelu_backward<X>(dinp, pre_, dinp, (size_t)N * IC);
+}
+
 template <typename X>
 static void cu_residual_forward(float *out, const float *a, const float *b, size_t n) {
   ZT_LAUNCH_1D(k_residual<X>, n, (X *)out, (const X *)a, (const X *)b, n);
@@ -2482,6 +2583,8 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   ZT_PROF_ENTRY(t, attention_backward_gqa, cu_attention_backward_gqa<X>);
   ZT_PROF_ENTRY(t, gelu_forward, cu_gelu_forward<X>);
   ZT_PROF_ENTRY(t, gelu_backward, cu_gelu_backward<X>);
+  ZT_PROF_ENTRY(t, matmul_gelu_forward, cu_matmul_gelu_forward<X>);
+  ZT_PROF_ENTRY(t, matmul_backward_dgelu, cu_matmul_backward_dgelu<X>);
   ZT_PROF_ENTRY(t, residual_forward, cu_residual_forward<X>);
   ZT_PROF_ENTRY(t, crossentropy_forward, cu_crossentropy_forward<X>);
   ZT_PROF_ENTRY(t, crossentropy_backward, cu_crossentropy_backward<X>);
@@ -2570,6 +2673,7 @@ extern "C" const zt_kernels_t *zt_kernels_cuda_bf16(void) {
 extern "C" void zt_kernels_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
 extern "C" zt_cuda_math_t zt_kernels_cuda_math(void) { return g.math; }
 extern "C" void zt_kernels_cuda_set_attention_tc(int on) { att_tc_on = on; }
+extern "C" void zt_kernels_cuda_set_gelu_epilogue(int on) { gelu_epilogue = on; }
 
 extern "C" void zt_kernels_cuda_profile(int on) {
   if (on && !prof.ev[0])

@@ -98,6 +98,11 @@ void zt_kernels_cuda_set_attention_tc(int on);
 void zt_kernels_cuda_profile(int on);
 void zt_kernels_cuda_profile_report(FILE *f);
 
+/* 1 (the default): matmul_gelu_forward and matmul_backward_dgelu run GELU
+ * in cuBLASLt's epilogue where it has a kernel for the shape; 0: they make
+ * the product and the GELU call one after the other (for comparisons). */
+void zt_kernels_cuda_set_gelu_epilogue(int on);
+
 /* Device memory in use on this process's device, all processes (bytes). */
 size_t zt_cuda_device_memory_used(void);
 

@@ -636,6 +636,71 @@ ZT_TEST(bf16_norm_linear) {
   free(wm), free(bias), free(y), free(dy), free(gi), free(gwm), free(gbias);
 }
 
+/* The MLP's products with GELU in cuBLASLt's epilogue (bf16 storage):
+ * matmul_gelu_forward against the reference's product and GELU (pre within
+ * the product's tolerance, out too: its GELU is of the unrounded sum), and
+ * matmul_backward_dgelu against the reference's backward and GELU backward
+ * at the stored (bf16) pre; the profile shows the epilogues ran. The two
+ * calls they replace (gelu_epilogue 0) meet the same bounds against a
+ * reference that rounds where they do (GELU of the rounded pre, GELU's
+ * backward of the rounded product): one rounding more. */
+ZT_TEST(bf16_matmul_gelu) {
+  int N = 100, C = 64, F = 128, OC = 48;
+  size_t NC = (size_t)N * C, NF = (size_t)N * F, NO = (size_t)N * OC;
+  float *x = rnd_bf(NC, 1), *w1 = rnd_bf((size_t)F * C, 0.3f), *b1 = rnd_bf(F, 0.5f);
+  float *w2 = rnd_bf((size_t)OC * F, 0.3f), *dy = rnd_bf(NO, 1);
+  float *pre = malloc(NF * 4), *act = malloc(NF * 4), *gi = malloc(NF * 4);
+  float *gw = zt_rnd((size_t)OC * F, 1), *gb = zt_rnd(OC, 1);
+  R->matmul_forward(pre, x, w1, b1, N, C, F);
+  R->gelu_forward(act, pre, NF);
+  float *d_x = devx(x, NC), *d_w1 = devx(w1, (size_t)F * C), *d_b1 = devx(b1, F);
+  float *d_w2 = devx(w2, (size_t)OC * F), *d_dy = devx(dy, NO);
+  float *d_pre = dalloc(NF * 2), *d_act = dalloc(NF * 2), *d_gi = dalloc(NF * 2);
+  for (int fused = 1; fused >= 0; fused--) {
+    zt_kernels_cuda_set_gelu_epilogue(fused);
+    zt_kernels_cuda_profile(1);
+    XB->matmul_gelu_forward(d_act, d_pre, d_x, d_w1, d_b1, N, C, F);
+    close_x("matmul_gelu_forward pre", d_pre, pre, NF, 1e-5f * C);
+    if (!fused) {
+      memcpy(act, pre, NF * 4);
+      R->gelu_forward(act, round_bf(act, NF), NF);
+    }
+    close_x("matmul_gelu_forward out", d_act, act, NF, 1e-5f * C);
+    /* The backward from the device's (bf16) pre and activations. */
+    uint16_t *h = malloc(NF * 2);
+    float *pre_b = malloc(NF * 4), *act_b = malloc(NF * 4);
+    XB->download(h, d_pre, NF * 2);
+    for (size_t i = 0; i < NF; i++) pre_b[i] = zt_bf16_to_f32(h[i]);
+    XB->download(h, d_act, NF * 2);
+    for (size_t i = 0; i < NF; i++) act_b[i] = zt_bf16_to_f32(h[i]);
+    float *gw_r = malloc((size_t)OC * F * 4), *gb_r = malloc(OC * 4);
+    memcpy(gw_r, gw, (size_t)OC * F * 4), memcpy(gb_r, gb, OC * 4);
+    float *d_gw = DEVF(gw, (size_t)OC * F), *d_gb = DEVF(gb, OC);
+    XB->matmul_backward_dgelu(d_gi, d_gw, d_gb, d_dy, d_act, d_w2, d_pre, N, F, OC);
+    R->matmul_backward(gi, gw_r, gb_r, dy, act_b, w2, N, F, OC);
+    if (!fused) round_bf(gi, NF);
+    R->gelu_backward(gi, pre_b, gi, NF);
+    close_x("matmul_backward_dgelu dinp", d_gi, gi, NF, 1e-5f * OC);
+    close_dev("matmul_backward_dgelu dw", d_gw, gw_r, (size_t)OC * F, 1e-5f * N, 1e-5f);
+    close_dev("matmul_backward_dgelu dbias", d_gb, gb_r, OC, 1e-5f * N, 1e-5f);
+    zt_kernels_cuda_profile(0);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    zt_kernels_cuda_profile_report(f);
+    fclose(f);
+    ZT_CHECK((strstr(buf, "+bias gelu\n") != NULL) == fused);
+    ZT_CHECK((strstr(buf, " dgelu\n") != NULL) == fused);
+    ZT_CHECK((strstr(buf, "+bias\n") != NULL) == !fused); /* the product of the two calls */
+    free(buf), free(h), free(pre_b), free(act_b), free(gw_r), free(gb_r);
+    G->release(d_gw), G->release(d_gb);
+  }
+  zt_kernels_cuda_set_gelu_epilogue(1);
+  void *ptrs[] = {d_x, d_w1, d_b1, d_w2, d_dy, d_pre, d_act, d_gi};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
+  free(x), free(w1), free(b1), free(w2), free(dy), free(pre), free(act), free(gi), free(gw), free(gb);
+}
+
 /* The largest |x| of n host floats. */
 static float max_abs(const float *x, size_t n) {
   float m = 0;
@@ -886,4 +951,4 @@ ZT_TEST_MAIN_NAMED(run_all, table, profile, llama_ops, lora, encoder, layernorm,
                    attention, attention_gqa, gelu_residual_scale, crossentropy,
                    optimizer_and_reductions, optimizer_fused,
                    state_helpers, bf16_convert, bf16_elementwise,
-                   bf16_norm_linear, bf16_attn_xent, bf16_attn_tensor_cores)
+                   bf16_norm_linear, bf16_matmul_gelu, bf16_attn_xent, bf16_attn_tensor_cores)

@@ -23,6 +23,7 @@
  * algorithm was chosen under said (up to 16 bytes, what vector loads need);
  * the algorithm chosen for the same compute type.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,9 @@ struct zt_sim_lt_desc {
   uint32_t epilogue;
   const void *bias;
   int32_t bias_type;
+  const void *aux; /* GELU_AUX_BIAS: written (the GELU's input); DGELU: read */
+  int64_t aux_ld;
+  int32_t aux_type;
 };
 
 struct zt_sim_lt_layout {
@@ -90,11 +94,20 @@ cublasStatus_t validate(const zt_sim_lt_desc *op, const zt_sim_lt_layout *a,
     return CUBLAS_STATUS_NOT_SUPPORTED;
   if (op->scale != CUDA_R_32F || op->pointer_mode != 0 || op->tc != CUBLAS_OP_N)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && op->epilogue != CUBLASLT_EPILOGUE_BIAS)
+  uint32_t e = op->epilogue;
+  if (e != CUBLASLT_EPILOGUE_DEFAULT && e != CUBLASLT_EPILOGUE_BIAS &&
+      e != CUBLASLT_EPILOGUE_GELU_AUX_BIAS && e != CUBLASLT_EPILOGUE_DGELU)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias_type != -1 &&
-      op->bias_type != (int32_t)d->type)
+  if ((e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) &&
+      op->bias_type != -1 && op->bias_type != (int32_t)d->type)
     return CUBLAS_STATUS_NOT_SUPPORTED; /* the bias is of D's type */
+  if (e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU) {
+    /* The GELU input matrix: D's type, a leading dimension divisible by 8
+     * and no less than D's rows, unbatched here. */
+    if ((op->aux_type != -1 && op->aux_type != (int32_t)d->type) || op->aux_ld % 8 != 0 ||
+        op->aux_ld < (int64_t)d->rows || d->batch > 1)
+      return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
   if ((op->ta != CUBLAS_OP_N && op->ta != CUBLAS_OP_T) ||
       (op->tb != CUBLAS_OP_N && op->tb != CUBLAS_OP_T))
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -173,6 +186,17 @@ void round_into(std::vector<float> &dst, const float *src, uint64_t rows, uint64
 }
 
 /* Element i of a bf16 array, widened (exact). */
+/* GELU, tanh form (GPT-2's, and cuBLASLt's epilogue), and its derivative. */
+float gelu_tanh(float x) {
+  const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+float gelu_tanh_grad(float x) {
+  const float k = 0.7978845608028654f;
+  float arg = k * (x + 0.044715f * x * x * x), th = tanhf(arg), ch = coshf(arg);
+  return 0.5f * (1.0f + th) + x * 0.5f / (ch * ch) * k * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
 float bf16_value(const void *p, size_t i) {
   uint16_t h;
   memcpy(&h, (const char *)p + 2 * i, 2);
@@ -294,6 +318,7 @@ cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *desc, cublasComput
   d->ta = d->tb = d->tc = CUBLAS_OP_N;
   d->epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   d->bias_type = -1; /* D's type */
+  d->aux_type = -1;
   *desc = d;
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -317,6 +342,9 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
     case CUBLASLT_MATMUL_DESC_EPILOGUE: return set_field(&d->epilogue, buf, size);
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER: return set_field(&d->bias, buf, size);
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE: return set_field(&d->bias_type, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER: return set_field(&d->aux, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD: return set_field(&d->aux_ld, buf, size);
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE: return set_field(&d->aux_type, buf, size);
   }
   return CUBLAS_STATUS_NOT_SUPPORTED;
 }
@@ -418,8 +446,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
   if (st != CUBLAS_STATUS_SUCCESS) return st;
   if (!alpha || !beta || !A || !B || !C || !D || !zt_sim::valid_stream(stream))
     return CUBLAS_STATUS_INVALID_VALUE;
-  bool bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS;
+  bool gelu = op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  bool dgelu = op->epilogue == CUBLASLT_EPILOGUE_DGELU;
+  bool bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS || gelu;
   if (bias && !op->bias) return CUBLAS_STATUS_INVALID_VALUE;
+  if ((gelu || dgelu) && !op->aux) return CUBLAS_STATUS_INVALID_VALUE;
   const void *ptrs[4] = {A, B, C, D};
   const zt_sim_lt_layout *ls[4] = {ad, bd, cd, dd};
   if (algo && (st = check_algo(algo, op, ptrs, ls)) != CUBLAS_STATUS_SUCCESS) return st;
@@ -431,6 +462,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
   if (bias)
     zt_sim::require_device_memory(op->bias, s.m * elem_bytes(dd->type),
                                   "cublasLtMatmul: bias");
+  if (gelu || dgelu)
+    zt_sim::require_device_memory(op->aux, ((size_t)op->aux_ld * (s.n - 1) + s.m) * elem_bytes(dd->type),
+                                  "cublasLtMatmul: GELU input matrix (aux)");
   if (workspace_size)
     zt_sim::require_device_memory(workspace, workspace_size, "cublasLtMatmul: workspace");
 
@@ -478,6 +512,22 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
     if (bias)
       for (int j = 0; j < s.n; j++)
         for (int i = 0; i < s.m; i++) d[(size_t)j * ldd + i] += bv[i];
+    /* GELU_AUX_BIAS keeps the GELU's input (rounded to D's type) in aux and
+     * stores the GELU of the unrounded value; DGELU multiplies by the
+     * derivative at aux's value. */
+    for (int j = 0; (gelu || dgelu) && j < s.n; j++)
+      for (int i = 0; i < s.m; i++) {
+        size_t ai = (size_t)j * op->aux_ld + i;
+        float &x = d[(size_t)j * ldd + i];
+        if (gelu) {
+          if (dd->type == CUDA_R_16BF) store_bf16((void *)op->aux, ai, x);
+          else ((float *)op->aux)[ai] = x;
+          x = gelu_tanh(x);
+        } else {
+          float a = dd->type == CUDA_R_16BF ? bf16_value(op->aux, ai) : ((const float *)op->aux)[ai];
+          x *= gelu_tanh_grad(a);
+        }
+      }
     if (dd->type == CUDA_R_16BF)
       for (int j = 0; j < s.n; j++)
         for (int i = 0; i < s.m; i++)

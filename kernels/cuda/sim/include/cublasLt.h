@@ -5,7 +5,8 @@
  * The part of cuBLASLt that kernels/cuda/kernels.cu uses, with the real
  * enum values, implemented on the host in sim_cublaslt.cpp: fp32 matrices
  * in column order, transposes, leading dimensions, strided batches,
- * alpha/beta (host pointers), the bias epilogue; compute types 32F (exact
+ * alpha/beta (host pointers), the bias epilogue, GELU_AUX_BIAS and DGELU
+ * (tanh GELU, the auxiliary matrix of D's type); compute types 32F (exact
  * fp32 products), 32F_FAST_TF32 and 32F_FAST_16BF (A and B rounded to TF32
  * or bf16 as tensor cores take them, fp32 accumulation). Anything else
  * answers CUBLAS_STATUS_NOT_SUPPORTED, so new uses fail loudly here first.
@@ -74,6 +75,9 @@ typedef enum {
   CUBLASLT_MATMUL_DESC_TRANSC = 5,
   CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
   CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
+  CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE = 22,
   CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26
 } cublasLtMatmulDescAttributes_t;
 
@@ -83,7 +87,10 @@ typedef enum {
   CUBLASLT_EPILOGUE_BIAS = 4,
   CUBLASLT_EPILOGUE_RELU_BIAS = 6,
   CUBLASLT_EPILOGUE_GELU = 32,
-  CUBLASLT_EPILOGUE_GELU_BIAS = 36
+  CUBLASLT_EPILOGUE_GELU_BIAS = 36,
+  CUBLASLT_EPILOGUE_GELU_AUX = 160,
+  CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 164,
+  CUBLASLT_EPILOGUE_DGELU = 192
 } cublasLtEpilogue_t;
 
 typedef enum {
