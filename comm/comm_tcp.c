@@ -164,32 +164,40 @@ static void avg_scale(void *buf, size_t n, zt_dtype_t dt, int world) {
 
 /* ---- errors ------------------------------------------------------------------ */
 
-/* A view's failure breaks its root too (the generation is over), naming
- * the root's rank, and stops whatever else runs on the root's sockets. */
-static void view_failed(zt_comm_t *v) {
-  zt_comm_t *c = v->root;
+/* Claims c's first failure: its message (and the failed peer, when one is
+ * known) is kept and c is broken from then on. A later failure, from any
+ * thread, leaves the first one's message in place. */
+static void claim_error(zt_comm_t *c, const char *msg, int peer) {
   int no = 0;
-  if (atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) {
-    snprintf(c->err, sizeof c->err, "%s", v->err);
-    if (v->failed_peer >= 0) c->failed_peer = v->rmap[v->failed_peer];
-    atomic_store(&c->broken, 1);
-  }
+  if (!atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) return;
+  snprintf(c->err, sizeof c->err, "%s", msg);
+  if (peer >= 0) c->failed_peer = peer;
+  atomic_store(&c->broken, 1);
+}
+
+/* Wakes whatever waits on c's sockets (the abort event). */
+static void wake_waiters(zt_comm_t *c) {
   uint64_t one = 1;
   ssize_t w = write(c->abort_fd, &one, sizeof one);
   (void)w;
 }
 
+/* A view's failure breaks its root too (the generation is over), naming
+ * the root's rank, and stops whatever else runs on the root's sockets. */
+static void view_failed(zt_comm_t *v) {
+  claim_error(v->root, v->err, v->failed_peer >= 0 ? v->rmap[v->failed_peer] : -1);
+  wake_waiters(v->root);
+}
+
 /* Records the first failure; the communicator is unusable from then on. */
 static int fail(zt_comm_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int fail(zt_comm_t *c, const char *fmt, ...) {
-  int no = 0;
-  if (atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c->err, sizeof c->err, fmt, ap);
-    va_end(ap);
-    atomic_store(&c->broken, 1);
-  }
+  char msg[sizeof c->err];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  claim_error(c, msg, -1);
   /* An abort from another thread may be writing err: it is done when
    * broken is set, a few instructions later. */
   while (!atomic_load(&c->broken)) sched_yield();
@@ -814,14 +822,8 @@ int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms) {
 }
 
 void zt_comm_abort(zt_comm_t *c) {
-  int no = 0;
-  if (atomic_compare_exchange_strong(&c->err_claimed, &no, 1)) {
-    snprintf(c->err, sizeof c->err, "aborted");
-    atomic_store(&c->broken, 1);
-  }
-  uint64_t one = 1;
-  ssize_t w = write(c->abort_fd, &one, sizeof one);
-  (void)w;
+  claim_error(c, "aborted", -1);
+  wake_waiters(c);
   if (c->nccl) zt__nccl_abort(c->nccl);
 }
 
