@@ -1453,7 +1453,7 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
 
 /* ---------------------------------------------------------------------------
  * Flash attention 2 (Dao, 2023) on the tensor cores' own instructions: bf16
- * storage, head sizes 16, 32, 48 and 64, selected by
+ * storage, head sizes 16, 32, 48 and 64 (and 128, forward only), selected by
  * zt_kernels_cuda_set_attention_tc(2). The kernels above go through
  * nvcuda::wmma, whose fragments cannot be read in registers, so their
  * scores make a round trip through shared memory and their forward two
@@ -1844,7 +1844,8 @@ static void fa2_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, in
     case 16: return fa2_forward_hs<16>(out, lse, qkv, B, T, NH, KV);
     case 32: return fa2_forward_hs<32>(out, lse, qkv, B, T, NH, KV);
     case 48: return fa2_forward_hs<48>(out, lse, qkv, B, T, NH, KV);
-    default: return fa2_forward_hs<64>(out, lse, qkv, B, T, NH, KV);
+    case 64: return fa2_forward_hs<64>(out, lse, qkv, B, T, NH, KV);
+    default: return fa2_forward_hs<128>(out, lse, qkv, B, T, NH, KV);
   }
 }
 
@@ -1868,6 +1869,14 @@ static int att_tc_on = 1;
 static int att_tc(int B, int NH, int hs, const void *a, const void *b, const void *c) {
   return att_tc_on && hs % 16 == 0 && hs <= FA_HSMAX && B * NH <= 65535 /* gridDim.y */ &&
          ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
+}
+
+/* The mma.sync forward also takes head size 128 (Llama's); its backward
+ * then runs on the cuBLASLt path, which recomputes the probabilities from
+ * this forward's lse. */
+static int att_fa2_fwd(int B, int NH, int hs, const void *a, const void *b) {
+  return att_tc_on == 2 && (att_tc(B, NH, hs, a, b, b) ||
+                            (hs == 128 && B * NH <= 65535 && ((uintptr_t)a | (uintptr_t)b) % 16 == 0));
 }
 
 static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV,
@@ -1912,9 +1921,10 @@ static void cu_attention_forward_gqa(float *out_, float *lse, const float *qkv_,
   if (B <= 0 || T <= 0) return;
   X *out = (X *)out_;
   const X *qkv = (const X *)qkv_;
+  if (sizeof(X) == 2 && att_fa2_fwd(B, NH, hs, qkv, out))
+    return fa2_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
   if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, out, out))
-    return att_tc_on == 2 ? fa2_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs)
-                          : flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
+    return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
   if (att_tiled(B, T, NH, KV, hs)) return flash_forward(out, lse, qkv, B, T, NH, KV, hs);
   int grp = NH / KV, batch = B * KV;
   size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs, tt = (size_t)B * NH * T * T;

@@ -83,7 +83,8 @@ void zt_kernels_cuda_set_attention_scratch_max(size_t bytes);
  * up to 64, whatever the scratch limit above: on an H200 they were the
  * fastest path and keep no T x T matrix (docs/gpu.md). 2: the same cases
  * on the flash-attention-2 kernels (mma.sync and ldmatrix, one pass of
- * online softmax in registers), which have not yet been timed on a GPU.
+ * online softmax in registers), and the forward of head size 128 too;
+ * they have not yet been timed on a GPU.
  * 0: bf16 attention takes the cuBLASLt or the fp32 tiled path, as fp32
  * storage does. */
 void zt_kernels_cuda_set_attention_tc(int on);
