@@ -52,13 +52,10 @@
 #define ZT_HOSTDEV
 #endif
 
-/* RoPE's frequencies: rope_theta, and Llama 3's rope_scaling when factor
- * is not 0 (Hugging Face's "llama3" rope_type: long wavelengths divided by
- * factor, short ones kept, the band between blended). */
 /* The settings of one adamw_fused call: the segments of the range (up to
  * ZT_ADAMW_SEGS, each a tensor's part with its weight decay, or padding
- * that no update touches) and AdamW's
- * hyper-parameters, with the bias corrections bc1 = 1-b1^t, bc2 = 1-b2^t. */
+ * that no update touches) and AdamW's hyper-parameters, with the bias
+ * corrections bc1 = 1-b1^t, bc2 = 1-b2^t. */
 #define ZT_ADAMW_SEGS 32
 typedef struct zt_adamw_args {
   int n;
@@ -68,6 +65,9 @@ typedef struct zt_adamw_args {
   float lr, b1, b2, eps, bc1, bc2;
 } zt_adamw_args_t;
 
+/* RoPE's frequencies: rope_theta, and Llama 3's rope_scaling when factor
+ * is not 0 (Hugging Face's "llama3" rope_type: long wavelengths divided by
+ * factor, short ones kept, the band between blended). */
 typedef struct zt_rope {
   float theta;
   float factor, low_freq_factor, high_freq_factor, original_max_pos;

@@ -299,6 +299,20 @@ static void plan_destroy(lt_plan *p) {
   p->used = 0;
 }
 
+/* The heuristic's first algorithm for plan p: 1 found, 0 none. With an
+ * epilogue, a library that does not support it (a status, not an empty
+ * answer) counts as none: the caller does without. */
+static int heuristic(lt_plan *p, cublasLtMatmulPreference_t pref, int epi,
+                     cublasLtMatmulHeuristicResult_t *res) {
+  int found = 0;
+  cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref, 1, res, &found);
+  if (st != CUBLAS_STATUS_SUCCESS && epi != EPI_NONE) return 0;
+  if (st != CUBLAS_STATUS_SUCCESS)
+    cuda_fail("cublasLtMatmulAlgoGetHeuristic", cublasLtGetStatusString(st), __FILE__, __LINE__);
+  return found;
+}
+
 static void plan_build(lt_plan *p, const lt_key *kk) {
   const void *fake_bias = kk->has_bias ? g.lt_ws : NULL;
   /* The auxiliary pointer's value tells the heuristic its alignment. */
@@ -337,16 +351,13 @@ static void plan_build(lt_plan *p, const lt_key *kk) {
   for (int i = 0; i < 4; i++)
     ZT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
   cublasLtMatmulHeuristicResult_t res;
-  int found = 0;
-  ZT_CUBLAS_CHECK(
-      cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref, 1, &res, &found));
+  int found = heuristic(p, pref, kk->epi, &res);
   if (found == 0 && ct != CUBLAS_COMPUTE_32F) {
     /* No reduced-precision kernel for this shape or alignment: plain fp32. */
     cublasLtMatmulDescDestroy(p->op);
     p->op = make_op(CUBLAS_COMPUTE_32F, kk->ta, kk->tb, fake_bias, td, kk->epi, fake_aux,
                     kk->aux_ld);
-    ZT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref,
-                                                   1, &res, &found));
+    found = heuristic(p, pref, kk->epi, &res);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   if (found == 0 && kk->epi == EPI_NONE)
@@ -416,9 +427,17 @@ static int lt_gemm_epi(int ta, int tb, int m, int n, int k, const XA *A, int lda
   if (epi != EPI_NONE)
     ZT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
-  ZT_CUBLAS_CHECK(cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, Bm, p->lb, &beta, D, p->ld, D,
-                                 p->ld, &p->algo, g.lt_ws, g.lt_ws_size, g.stream));
+  cublasStatus_t st = cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, Bm, p->lb, &beta, D, p->ld,
+                                     D, p->ld, &p->algo, g.lt_ws, g.lt_ws_size, g.stream);
   prof_end(span);
+  if (st != CUBLAS_STATUS_SUCCESS && epi != EPI_NONE) {
+    /* An epilogue the library turns down at run time: remembered, and the
+     * caller does without, as when the heuristic found nothing. */
+    p->ok = 0;
+    return -1;
+  }
+  if (st != CUBLAS_STATUS_SUCCESS)
+    cuda_fail("cublasLtMatmul", cublasLtGetStatusString(st), __FILE__, __LINE__);
   return 0;
 }
 

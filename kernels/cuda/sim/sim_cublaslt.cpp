@@ -102,6 +102,10 @@ cublasStatus_t validate(const zt_sim_lt_desc *op, const zt_sim_lt_layout *a,
       op->bias_type != -1 && op->bias_type != (int32_t)d->type)
     return CUBLAS_STATUS_NOT_SUPPORTED; /* the bias is of D's type */
   if (e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU) {
+    /* ZT_SIM_LT_GELU=0: a library without these epilogues (the callers'
+     * fallback is tested so). */
+    const char *on = getenv("ZT_SIM_LT_GELU");
+    if (on && !strcmp(on, "0")) return CUBLAS_STATUS_NOT_SUPPORTED;
     /* The GELU input matrix: D's type, a leading dimension divisible by 8
      * and no less than D's rows, unbatched here. */
     if ((op->aux_type != -1 && op->aux_type != (int32_t)d->type) || op->aux_ld % 8 != 0 ||
