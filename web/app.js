@@ -306,9 +306,9 @@ function drawCharts() {
   for (const name of Object.keys(charts)) {
     // Long runs: lines, whose undrawn points take no hover (a marker drawn
     // over one keeps its tooltip).
-    const line = charts[name].data.datasets[0];
-    line.pointRadius = n[name] > 400 ? 0 : 1.5;
-    line.pointHitRadius = n[name] > 400 ? 0 : 1;
+    const line = charts[name].data.datasets[0], many = n[name] > 400;
+    line.pointRadius = many ? 0 : 1.5;
+    line.pointHitRadius = many ? 0 : 1;
     charts[name].update();
     charts[name].canvas.dataset.points = String(n[name]);
   }

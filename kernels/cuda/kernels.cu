@@ -668,17 +668,21 @@ static const X *epilogue_bias(const X *bias, int OC) {
   return b;
 }
 
+/* out' = W'^T X' + bias per row of out', the bias (epilogue_bias's) always
+ * fused as the epilogue: one rounding of the sum, the same whatever the
+ * bias's address. */
 template <typename X>
-static void cu_matmul_forward(float *out_, const float *inp_, const float *w_,
-                              const float *bias_, int N, int IC, int OC) {
-  if (N <= 0 || OC <= 0) return;
-  X *out = (X *)out_;
-  const X *inp = (const X *)inp_, *w = (const X *)w_;
-  /* out' = W'^T X' + bias per row of out', the bias always fused as the
-   * epilogue: one rounding of the sum, the same whatever the bias's
-   * address. */
-  const X *bias = epilogue_bias((const X *)bias_, OC);
+static void matmul_forward_x(X *out, const X *inp, const X *w, const X *bias, int N, int IC,
+                             int OC) {
   lt_gemm(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, out, OC, 0, 1, 1.0f, 0.0f, bias);
+}
+
+template <typename X>
+static void cu_matmul_forward(float *out, const float *inp, const float *w, const float *bias,
+                              int N, int IC, int OC) {
+  if (N <= 0 || OC <= 0) return;
+  matmul_forward_x((X *)out, (const X *)inp, (const X *)w, epilogue_bias((const X *)bias, OC), N,
+                   IC, OC);
 }
 
 /* The weight and bias gradients of a linear layer: dw' [IC,OC] += X' [IC,N]
@@ -998,13 +1002,14 @@ __global__ void k_flash_bwd_d(float *D, const X *dout, const X *out, int B, int 
   if (lane == 0) D[row] = s;
 }
 
-/* lse and D of rows [t0, t0 + n) of head bh into ls and dsh (0 past T),
- * by the block's first n threads. */
+/* lse (times lscale) and D of rows [t0, t0 + n) of head bh into ls and
+ * dsh (0 past T), by the block's first n threads. */
 __device__ __forceinline__ void fa_row_stats(float *ls, float *dsh, const float *lse,
-                                             const float *D, int bh, int T, int t0, int n) {
+                                             const float *D, int bh, int T, int t0, int n,
+                                             float lscale) {
   if ((int)threadIdx.x < n) {
     int i = t0 + threadIdx.x;
-    ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
+    ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * lscale : 0.0f;
     dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
   }
 }
@@ -1039,7 +1044,7 @@ __global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float
     __syncthreads();
     fa_load(qs, ld, base + (size_t)h * hs, rs, t0, T, hs);
     fa_load(gs, ld, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, t0, T, hs);
-    fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA_B);
+    fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA_B, 1.0f);
     __syncthreads();
     float s[FA_RPW], dp[FA_RPW];
     fa_dots(s, kb + warp * FA_RPW * hs, qs + lane * ld, hs);
@@ -1220,15 +1225,22 @@ struct alignas(16) tc16 {
 };
 
 /* Rows [t0, t0 + n) of a [T, hs] bf16 slice (row stride rs) into dst (row
- * stride TC_LDH), 16 bytes at a time; rows at or past T read as 0. */
-__device__ void tc_load(bf16 *dst, const bf16 *src, size_t rs, int t0, int n, int T, int hs) {
+ * stride ld), 16 bytes at a time; rows at or past T read as 0. The wmma
+ * kernels' tiles (tc_load) and the mma.sync ones' (fa2_load) come this way. */
+__device__ __forceinline__ void rows_load(bf16 *dst, int ld, const bf16 *src, size_t rs, int t0,
+                                          int n, int T, int hs) {
   int per = hs / 8;
   for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
     int r = e / per, c = (e % per) * 8;
     tc16 v = {{0, 0, 0, 0}};
     if (t0 + r < T) v = *(const tc16 *)(src + (size_t)(t0 + r) * rs + c);
-    *(tc16 *)(dst + r * TC_LDH + c) = v;
+    *(tc16 *)(dst + r * ld + c) = v;
   }
+}
+
+/* Into a tile of row stride TC_LDH. */
+__device__ void tc_load(bf16 *dst, const bf16 *src, size_t rs, int t0, int n, int T, int hs) {
+  rows_load(dst, TC_LDH, src, rs, t0, n, T, hs);
 }
 
 /* s (a warp's 16 x TC_T fp32, row stride TC_LDS) = rows (16 x hs) times
@@ -1444,7 +1456,7 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
     tc_load(qs, base + (size_t)h * hs, rs, t0, TC_T, T, hs);
     tc_load(gs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, t0, TC_T, T,
             hs);
-    fa_row_stats(ls, dsh, lse, D, bh, T, t0, TC_T);
+    fa_row_stats(ls, dsh, lse, D, bh, T, t0, TC_T, 1.0f);
     __syncthreads();
     if (t0 + TC_T - 1 < j0) continue; /* every query of the tile is before this warp's keys */
     tc_scores(sw, kb + warp * TC_R * TC_LDH, qs, nk); /* s^T: keys x queries */
@@ -1541,19 +1553,12 @@ __device__ __forceinline__ unsigned fa2_pack(float lo, float hi) {
   return (unsigned)ua | (unsigned)ub << 16;
 }
 
-/* Rows [t0, t0 + n) of a [T, HS] bf16 slice (row stride rs) into dst (row
- * stride HS + 8, so that ldmatrix's 8 rows fall in different banks), 16
- * bytes at a time; rows at or past T read as 0. */
+/* rows_load into a tile of row stride HS + 8, so that ldmatrix's 8 rows
+ * fall in different banks. */
 template <int HS>
 __device__ __forceinline__ void fa2_load(bf16 *dst, const bf16 *src, size_t rs, int t0, int n,
                                          int T) {
-  constexpr int per = HS / 8, LD = HS + 8;
-  for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
-    int r = e / per, c = (e % per) * 8;
-    tc16 v = {{0, 0, 0, 0}};
-    if (t0 + r < T) v = *(const tc16 *)(src + (size_t)(t0 + r) * rs + c);
-    *(tc16 *)(dst + r * LD + c) = v;
-  }
+  rows_load(dst, HS + 8, src, rs, t0, n, T, HS);
 }
 
 /* The A fragments (16 rows x HS) of rows [0, 16) of a shared tile. Lanes
@@ -1808,11 +1813,7 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
     fa2_load<HS>(qs, base + (size_t)h * HS, rs, t0, FA2_BN, T);
     fa2_load<HS>(gs, dout + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, t0,
                  FA2_BN, T);
-    if ((int)threadIdx.x < FA2_BN) {
-      int i = t0 + threadIdx.x;
-      ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * FA2_LOG2E : 0.0f;
-      dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
-    }
+    fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA2_BN, FA2_LOG2E);
     __syncthreads();
     /* s^T and dp^T: this warp's keys down, the tile's queries across. */
     float p[FA2_NT][4], dp[FA2_NT][4];
@@ -1885,17 +1886,21 @@ static void fa2_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf
  * make it). */
 static int att_tc_on = 1;
 
-static int att_tc(int B, int NH, int hs, const void *a, const void *b, const void *c) {
-  return att_tc_on && hs % 16 == 0 && hs <= FA_HSMAX && B * NH <= 65535 /* gridDim.y */ &&
+static int att_tc_fits(int B, int NH, int hs, int hsmax, const void *a, const void *b,
+                       const void *c) {
+  return hs % 16 == 0 && hs <= hsmax && B * NH <= 65535 /* gridDim.y */ &&
          ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
+}
+
+static int att_tc(int B, int NH, int hs, const void *a, const void *b, const void *c) {
+  return att_tc_on && att_tc_fits(B, NH, hs, FA_HSMAX, a, b, c);
 }
 
 /* The mma.sync forward also takes head size 128 (Llama's); its backward
  * then runs on the cuBLASLt path, which recomputes the probabilities from
  * this forward's lse. */
 static int att_fa2_fwd(int B, int NH, int hs, const void *a, const void *b) {
-  return att_tc_on == 2 && (att_tc(B, NH, hs, a, b, b) ||
-                            (hs == 128 && B * NH <= 65535 && ((uintptr_t)a | (uintptr_t)b) % 16 == 0));
+  return att_tc_on == 2 && (hs <= FA_HSMAX || hs == 128) && att_tc_fits(B, NH, hs, 128, a, b, b);
 }
 
 static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV,
@@ -2095,12 +2100,13 @@ template <typename X>
 static void cu_matmul_gelu_forward(float *out_, float *pre_, const float *inp_, const float *w_,
                                    const float *bias_, int N, int IC, int OC) {
   if (N <= 0 || OC <= 0) return;
+  const X *inp = (const X *)inp_, *w = (const X *)w_;
   const X *bias = epilogue_bias((const X *)bias_, OC);
   if (gelu_epilogue && bias && OC % 8 == 0 &&
-      lt_gemm_epi(1, 0, OC, N, IC, (const X *)w_, IC, 0, (const X *)inp_, IC, 0, (X *)out_, OC,
-                  0, 1, 1.0f, 0.0f, bias, EPI_GELU_AUX, (const X *)pre_, OC) == 0)
+      lt_gemm_epi(1, 0, OC, N, IC, w, IC, 0, inp, IC, 0, (X *)out_, OC, 0, 1, 1.0f, 0.0f, bias,
+                  EPI_GELU_AUX, (const X *)pre_, OC) == 0)
     return;
-  cu_matmul_forward<X>(pre_, inp_, w_, bias_, N, IC, OC);
+  matmul_forward_x((X *)pre_, inp, w, bias, N, IC, OC);
   cu_gelu_forward<X>(out_, pre_, (size_t)N * OC);
 }
 

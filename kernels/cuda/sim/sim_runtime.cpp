@@ -837,6 +837,13 @@ int shfl_width(int width) {
         t_launch ? t_launch->name : "(none)", width);
 }
 
+void require_full_warp(const char *prefix, const char *what) {
+  unsigned live = __activemask();
+  if (live != 0xffffffffu)
+    fatal("%s%s: only lanes 0x%08x of the warp are live; every lane must make the call", prefix,
+          what, live);
+}
+
 void launch_barrier(const char *what) {
   launch_t *L = running_fiber_launch(what);
   fiber_t *f = L->cur;

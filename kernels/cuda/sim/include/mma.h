@@ -49,10 +49,7 @@ namespace detail {
  * that has cannot make the call), and a warp exchange of nothing waits for
  * the lanes still on their way. */
 static inline void converge(const char *what) {
-  unsigned live = __activemask();
-  if (live != 0xffffffffu)
-    zt_sim::fatal("wmma::%s: only lanes 0x%08x of the warp are live; every lane must make the "
-                  "call", what, live);
+  zt_sim::require_full_warp("wmma::", what);
   int lane;
   char none = 0;
   zt_sim::warp_exchange(0xffffffffu, &none, 1, &lane);

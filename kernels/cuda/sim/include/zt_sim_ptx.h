@@ -37,25 +37,17 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cuda_bf16.h"
 #include "cuda_runtime.h"
 
 namespace zt_sim {
 namespace ptx {
 
-static inline void converge(const char *what) {
-  unsigned live = __activemask();
-  if (live != 0xffffffffu)
-    zt_sim::fatal("%s: only lanes 0x%08x of the warp are live; every lane must make the call",
-                  what, live);
-}
-
+/* The bf16 in half `half` of register `reg` of a lane's exchanged slot. */
 static inline float bf16_at(const unsigned char *slot, int reg, int half) {
-  uint32_t r;
-  memcpy(&r, slot + 4 * reg, 4);
-  uint32_t u = (half ? r >> 16 : r & 0xffffu) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
+  __nv_bfloat16 h;
+  memcpy(&h, slot + 4 * reg + 2 * half, 2); /* x86-64: the lower half first */
+  return __bfloat162float(h);
 }
 
 }  // namespace ptx
@@ -63,7 +55,7 @@ static inline float bf16_at(const unsigned char *slot, int reg, int half) {
 
 /* d += a b on one m16n8k16 tile (see above). */
 static inline void zt_ptx_mma(float d[4], const unsigned a[4], const unsigned b[2]) {
-  zt_sim::ptx::converge("mma.sync.m16n8k16");
+  zt_sim::require_full_warp("", "mma.sync.m16n8k16");
   int lane = 0;
   unsigned char as[32][16], bs[32][16];
   memcpy(as, zt_sim::warp_exchange(0xffffffffu, a, 16, &lane), sizeof as);
@@ -87,7 +79,7 @@ static inline void zt_ptx_mma(float d[4], const unsigned a[4], const unsigned b[
 }
 
 static inline void zt_sim_ldsm4(unsigned r[4], const void *p, int trans, const char *what) {
-  zt_sim::ptx::converge(what);
+  zt_sim::require_full_warp("", what);
   if ((uintptr_t)p % 16 != 0) zt_sim::fatal("%s: row address %p is not 16-byte aligned", what, p);
   int lane = 0;
   const unsigned char *slots = zt_sim::warp_exchange(0xffffffffu, &p, sizeof p, &lane);
