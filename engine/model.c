@@ -229,8 +229,12 @@ static void block_forward(zt_model_t *m, int l, const float *x, int B, int T) {
   k->matmul_forward(qkv, ln1, p.qkvw, p.qkvb, BT, C, 3 * C);
   k->attention_forward(atty, lse, qkv, B, T, C, NH);
   k->matmul_forward(a->proj, atty, p.attprojw, p.attprojb, BT, C, C);
-  k->residual_forward(res2, x, a->proj, (size_t)BT * C);
-  k->layernorm_forward(ln2, ln2m, ln2r, res2, p.ln2w, p.ln2b, BT, C);
+  if (k->residual_layernorm_forward) {
+    k->residual_layernorm_forward(res2, ln2, ln2m, ln2r, x, a->proj, p.ln2w, p.ln2b, BT, C);
+  } else {
+    k->residual_forward(res2, x, a->proj, (size_t)BT * C);
+    k->layernorm_forward(ln2, ln2m, ln2r, res2, p.ln2w, p.ln2b, BT, C);
+  }
   if (k->matmul_gelu_forward) {
     k->matmul_gelu_forward(fchg, fch, ln2, p.fcw, p.fcb, BT, C, 4 * C);
   } else {

@@ -103,6 +103,14 @@ typedef struct zt_kernels {
   void (*layernorm_backward)(float *dinp, float *dw, float *db, const float *dout,
                              const float *inp, const float *w, const float *mean,
                              const float *rstd, int N, int C);
+  /* Optional (NULL where a table has none; the CUDA tables have it): the
+   * residual sum and the LayerNorm of it in one pass, with the two calls'
+   * results bit for bit: residual_forward(res, a, b, N*C), then
+   * layernorm_forward(out, mean, rstd, res, w, bias, N, C). res may alias
+   * a or b. */
+  void (*residual_layernorm_forward)(float *res, float *out, float *mean, float *rstd,
+                                     const float *a, const float *b, const float *w,
+                                     const float *bias, int N, int C);
 
   /* out[N,OC] = inp[N,IC] @ w[OC,IC]^T + bias[OC] (bias may be NULL). */
   void (*matmul_forward)(float *out, const float *inp, const float *w, const float *bias, int N,
@@ -202,8 +210,8 @@ typedef struct zt_kernels {
   double (*sumsq_f64)(const double *x, size_t n, double s);
 
   /* The Llama architecture's own operations (engine/model.c, model.arch
-   * "llama"); NULL in a table that lacks them (the CUDA tables, so far):
-   * such a model is refused on it at create time.
+   * "llama"); every table here has them (on a table without them, NULL,
+   * such a model is refused at create time).
    *   rmsnorm_forward:  per row of N rows of C, rstd = 1/sqrt(mean(x^2) +
    *                     eps), out = x * rstd * w.
    *   rmsnorm_backward: dinp += ..., dw += ... (dinp accumulates, as

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <initializer_list>
+
 #include "zt_kernels_cuda.h"
 
 /* ---------------------------------------------------------------------------
@@ -151,6 +153,79 @@ __device__ __forceinline__ void put(bf16 &d, float v) { d = __float2bfloat16(v);
 
 static cudaDataType_t dtype_of(const float *) { return CUDA_R_32F; }
 static cudaDataType_t dtype_of(const bf16 *) { return CUDA_R_16BF; }
+
+/* Vector access. The memory-bound kernels (LayerNorm, residual, column
+ * sums, cross-entropy, AdamW, the fp64 helpers) move VEC consecutive
+ * elements per load and store: 16-byte words where the row length and the
+ * addresses allow it (one word holds 8 bf16 or 4 fp32), so that a warp's
+ * access is 512 bytes, not 64 (bf16 one element at a time), and enough
+ * bytes are in flight to reach the memory's bandwidth. VEC 1 is the plain
+ * path for the rest (odd widths, unaligned views). Vectors never change
+ * which elements are summed in which order across rows (column sums, the
+ * optimizer); within a row they change the order of a row's sum, the
+ * same way on every run. */
+template <typename X, int VEC>
+struct alignas(sizeof(X) * VEC < 16 ? sizeof(X) * VEC : 16) xvec {
+  X v[VEC];
+};
+
+template <int VEC, typename X>
+__device__ __forceinline__ void ldv(float *f, const X *p) {
+  xvec<X, VEC> t = *(const xvec<X, VEC> *)p;
+  for (int i = 0; i < VEC; i++) f[i] = ldx(t.v[i]);
+}
+
+template <int VEC, typename X>
+__device__ __forceinline__ void stv(X *p, const float *f) {
+  xvec<X, VEC> t;
+  for (int i = 0; i < VEC; i++) put(t.v[i], f[i]);
+  *(xvec<X, VEC> *)p = t;
+}
+
+/* Raw vectors of fp32 or fp64 (no conversion). */
+template <int VEC, typename T>
+__device__ __forceinline__ xvec<T, VEC> ldr(const T *p) {
+  return *(const xvec<T, VEC> *)p;
+}
+
+template <int VEC, typename T>
+__device__ __forceinline__ void str(T *p, const xvec<T, VEC> &t) {
+  *(xvec<T, VEC> *)p = t;
+}
+
+/* Elements [i, i + 8) of a row of C: one vector where V8 (C a multiple of
+ * 8, the row 16-byte aligned), else one at a time, those past C read as 0
+ * and not written. The row kernels (LayerNorm, cross-entropy) give each
+ * lane groups of 8 either way, so their sums are the same whether or not
+ * the vectors fit. */
+template <bool V8, typename X>
+__device__ __forceinline__ void ld8(float *f, const X *row, int i, int C) {
+  if (V8) {
+    ldv<8>(f, row + i);
+  } else {
+    for (int k = 0; k < 8; k++) f[k] = i + k < C ? ldx(row[i + k]) : 0.0f;
+  }
+}
+
+template <bool V8, typename X>
+__device__ __forceinline__ void st8(X *row, const float *f, int i, int C) {
+  if (V8) {
+    stv<8>(row + i, f);
+  } else {
+    for (int k = 0; k < 8 && i + k < C; k++) put(row[i + k], f[k]);
+  }
+}
+
+/* Whether VEC-element vectors fit: every pointer (NULL ones aside) aligned
+ * to the vector's size in bytes (up to 16) and the length a multiple of
+ * VEC. */
+static bool vec_fits(int vec, size_t elem, size_t len, std::initializer_list<const void *> ptrs) {
+  if (len % (size_t)vec) return false;
+  size_t al = elem * (size_t)vec < 16 ? elem * (size_t)vec : 16;
+  for (const void *p : ptrs)
+    if ((uintptr_t)p % al) return false;
+  return true;
+}
 
 /* ---------------------------------------------------------------------------
  * The profile (zt_kernels_cuda_profile): while it is on, every table call
@@ -451,42 +526,67 @@ static void lt_gemm(int ta, int tb, int m, int n, int k, const XA *A, int lda, l
 
 /* ---------------------------------------------------------------------------
  * Column sums: dst[c] += sum over N rows of src[n, c] (optionally of
- * src * norm, for the LayerNorm weight gradient). Stage 1 sums fixed chunks
- * of ZT_COLSUM_ROWS rows per column; stage 2 adds the chunk sums in order. */
+ * src * norm, for the LayerNorm weight gradient). Stage 1: a block takes 32
+ * lanes' worth of columns (VEC each) and a chunk of ZT_COLSUM_ROWS rows;
+ * warp w adds rows w, w + 8, ... of the chunk, and the 8 warps' sums are
+ * added in warp order. Stage 2 adds the chunks' sums the same way (chunk
+ * k to the k % 8'th partial, then the 8 partials in order). Every
+ * column's order of addition depends on N alone: not on VEC, not on the
+ * run. */
 #define ZT_COLSUM_ROWS 64
+#define ZT_COLSUM_WARPS 8
 
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_colsum_chunks(float *part_a, float *part_b, const X *dout, const X *inp,
                                 const float *mean, const float *rstd, int N, int C, int rows) {
-  int c = blockIdx.x * blockDim.x + threadIdx.x;
-  int chunk = blockIdx.y;
-  if (c >= C) return;
+  __shared__ float sh[2][ZT_COLSUM_WARPS][32 * VEC];
+  int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  int c0 = blockIdx.x * 32 * VEC, c = c0 + lane * VEC, chunk = blockIdx.y;
   int r0 = chunk * rows, r1 = min(N, r0 + rows);
-  float sa = 0.0f, sb = 0.0f;
-  for (int r = r0; r < r1; r++) {
-    float d = ldx(dout[(size_t)r * C + c]);
-    sa += d;
-    if (part_b) sb += (ldx(inp[(size_t)r * C + c]) - mean[r]) * rstd[r] * d;
+  float sa[VEC], sb[VEC], d[VEC], x[VEC];
+  for (int k = 0; k < VEC; k++) sa[k] = sb[k] = 0.0f;
+  if (c < C)
+    for (int r = r0 + w; r < r1; r += ZT_COLSUM_WARPS) {
+      ldv<VEC>(d, dout + (size_t)r * C + c);
+      for (int k = 0; k < VEC; k++) sa[k] += d[k];
+      if (part_b) {
+        ldv<VEC>(x, inp + (size_t)r * C + c);
+        float mr = mean ? mean[r] : 0.0f;
+        for (int k = 0; k < VEC; k++) sb[k] += (x[k] - mr) * rstd[r] * d[k];
+      }
+    }
+  for (int k = 0; k < VEC; k++) sh[0][w][lane * VEC + k] = sa[k], sh[1][w][lane * VEC + k] = sb[k];
+  __syncthreads();
+  for (int j = threadIdx.x; j < 32 * VEC && c0 + j < C; j += blockDim.x) {
+    float a = 0.0f, b = 0.0f;
+    for (int q = 0; q < ZT_COLSUM_WARPS; q++) a += sh[0][q][j], b += sh[1][q][j];
+    part_a[(size_t)chunk * C + c0 + j] = a;
+    if (part_b) part_b[(size_t)chunk * C + c0 + j] = b;
   }
-  part_a[(size_t)chunk * C + c] = sa;
-  if (part_b) part_b[(size_t)chunk * C + c] = sb;
 }
 
 __global__ void k_colsum_finish(float *dst_a, float *dst_b, const float *part_a,
                                 const float *part_b, int nchunks, int C) {
-  int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+  __shared__ float sh[2][ZT_COLSUM_WARPS][32];
+  int lane = threadIdx.x % 32, w = threadIdx.x / 32, c = blockIdx.x * 32 + lane;
   float a = 0.0f, b = 0.0f;
-  for (int k = 0; k < nchunks; k++) {
-    a += part_a[(size_t)k * C + c];
-    if (part_b) b += part_b[(size_t)k * C + c];
-  }
-  dst_a[c] += a;
+  if (c < C)
+    for (int k = w; k < nchunks; k += ZT_COLSUM_WARPS) {
+      a += part_a[(size_t)k * C + c];
+      if (part_b) b += part_b[(size_t)k * C + c];
+    }
+  sh[0][w][lane] = a, sh[1][w][lane] = b;
+  __syncthreads();
+  if (w || c >= C) return;
+  a = b = 0.0f;
+  for (int q = 0; q < ZT_COLSUM_WARPS; q++) a += sh[0][q][lane], b += sh[1][q][lane];
+  if (dst_a) dst_a[c] += a;
   if (part_b) dst_b[c] += b;
 }
 
-/* dsum[c] += sum_n dout[n,c]; with inp/mean/rstd also dnorm[c] += sum_n
- * norm[n,c] * dout[n,c]. */
+/* dsum[c] += sum_n dout[n,c] (unless dsum is NULL); with inp/rstd also
+ * dnorm[c] += sum_n norm[n,c] * dout[n,c], norm = (inp - mean) * rstd
+ * (mean 0 where NULL: RMSNorm's). */
 template <typename X>
 static void colsums(float *dsum, float *dnorm, const X *dout, const X *inp, const float *mean,
                     const float *rstd, int N, int C) {
@@ -498,10 +598,15 @@ static void colsums(float *dsum, float *dnorm, const X *dout, const X *inp, cons
   size_t per = (size_t)nchunks * C;
   float *part = (float *)scratch(SCR_COLSUM, per * (dnorm ? 2 : 1) * sizeof(float));
   float *part_b = dnorm ? part + per : NULL;
-  dim3 grid((C + 127) / 128, nchunks);
-  k_colsum_chunks<X><<<grid, 128, 0, g.stream>>>(part, part_b, dout, inp, mean, rstd, N, C, rows);
+  unsigned threads = 32 * ZT_COLSUM_WARPS;
+  if (vec_fits(8, sizeof(X), (size_t)C, {dout, inp}))
+    k_colsum_chunks<X, 8><<<dim3((C + 255) / 256, nchunks), threads, 0, g.stream>>>(
+        part, part_b, dout, inp, mean, rstd, N, C, rows);
+  else
+    k_colsum_chunks<X, 1><<<dim3((C + 31) / 32, nchunks), threads, 0, g.stream>>>(
+        part, part_b, dout, inp, mean, rstd, N, C, rows);
   ZT_CUDA_LAUNCHED();
-  k_colsum_finish<<<(C + 127) / 128, 128, 0, g.stream>>>(dsum, dnorm, part, part_b, nchunks, C);
+  k_colsum_finish<<<(C + 31) / 32, threads, 0, g.stream>>>(dsum, dnorm, part, part_b, nchunks, C);
   ZT_CUDA_LAUNCHED();
 }
 
@@ -586,25 +691,54 @@ static void cu_encoder_backward(float *dwte, float *dwpe, const float *dout_, co
 }
 
 /* ---------------------------------------------------------------------------
- * LayerNorm: one warp per row. */
+ * LayerNorm: one warp per row, each lane VEC elements at a time (lane l
+ * takes elements [VEC l + 32 VEC k, VEC l + 32 VEC k + VEC)). With a second
+ * input the row is first the residual sum x = inp + inp2, rounded to X and
+ * stored in res (residual_forward's result, bit for bit), and the
+ * LayerNorm is of that stored row: residual_layernorm_forward is the two
+ * calls in one pass. */
 
-template <typename X>
-__global__ void k_layernorm_fwd(X *out, float *mean, float *rstd, const X *inp, const X *w,
-                                const X *b, int N, int C) {
+template <typename X, bool V8>
+__global__ void k_layernorm_fwd(X *out, float *mean, float *rstd, X *res, const X *inp,
+                                const X *inp2, const X *w, const X *b, int N, int C) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= N) return;
   const X *x = inp + (size_t)row * C;
-  float s = 0.0f;
-  for (int i = lane; i < C; i += 32) s += ldx(x[i]);
+  float s = 0.0f, f[8], g[8];
+  if (inp2) {
+    X *r = res + (size_t)row * C;
+    for (int i = lane * 8; i < C; i += 256) {
+      ld8<V8>(f, x, i, C), ld8<V8>(g, inp2 + (size_t)row * C, i, C);
+      for (int k = 0; k < 8; k++) {
+        X t;
+        put(t, f[k] + g[k]);
+        f[k] = ldx(t);
+        s += f[k];
+      }
+      st8<V8>(r, f, i, C);
+    }
+    x = r;
+  } else {
+    for (int i = lane * 8; i < C; i += 256) {
+      ld8<V8>(f, x, i, C);
+      for (int k = 0; k < 8; k++) s += f[k];
+    }
+  }
   float m = warp_sum(s) / C;
   float v = 0.0f;
-  for (int i = lane; i < C; i += 32) {
-    float d = ldx(x[i]) - m;
-    v += d * d;
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(f, x, i, C);
+    for (int k = 0; k < 8; k++)
+      if (V8 || i + k < C) v += (f[k] - m) * (f[k] - m);
   }
   float r = 1.0f / sqrtf(warp_sum(v) / C + ZT_LN_EPS);
   X *o = out + (size_t)row * C;
-  for (int i = lane; i < C; i += 32) put(o[i], (ldx(x[i]) - m) * r * ldx(w[i]) + ldx(b[i]));
+  for (int i = lane * 8; i < C; i += 256) {
+    float wv[8], bv[8];
+    ld8<V8>(f, x, i, C), ld8<V8>(wv, w, i, C), ld8<V8>(bv, b, i, C);
+    for (int k = 0; k < 8; k++) f[k] = (f[k] - m) * r * wv[k] + bv[k];
+    st8<V8>(o, f, i, C);
+  }
   if (lane == 0) {
     mean[row] = m;
     rstd[row] = r;
@@ -612,15 +746,35 @@ __global__ void k_layernorm_fwd(X *out, float *mean, float *rstd, const X *inp, 
 }
 
 template <typename X>
-static void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                 const float *w, const float *b, int N, int C) {
+static void layernorm_fwd(X *out, float *mean, float *rstd, X *res, const X *inp, const X *inp2,
+                          const X *w, const X *b, int N, int C) {
   if (N <= 0) return;
-  k_layernorm_fwd<X><<<(N + 7) / 8, 256, 0, g.stream>>>((X *)out, mean, rstd, (const X *)inp,
-                                                        (const X *)w, (const X *)b, N, C);
+  unsigned grid = (unsigned)((N + 7) / 8);
+  if (vec_fits(8, sizeof(X), (size_t)C, {out, res, inp, inp2, w, b}))
+    k_layernorm_fwd<X, true><<<grid, 256, 0, g.stream>>>(out, mean, rstd, res, inp, inp2, w, b,
+                                                         N, C);
+  else
+    k_layernorm_fwd<X, false><<<grid, 256, 0, g.stream>>>(out, mean, rstd, res, inp, inp2, w, b,
+                                                          N, C);
   ZT_CUDA_LAUNCHED();
 }
 
 template <typename X>
+static void cu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                                 const float *w, const float *b, int N, int C) {
+  layernorm_fwd((X *)out, mean, rstd, (X *)NULL, (const X *)inp, (const X *)NULL, (const X *)w,
+                (const X *)b, N, C);
+}
+
+template <typename X>
+static void cu_residual_layernorm_forward(float *res, float *out, float *mean, float *rstd,
+                                          const float *a, const float *b2, const float *w,
+                                          const float *b, int N, int C) {
+  layernorm_fwd((X *)out, mean, rstd, (X *)res, (const X *)a, (const X *)b2, (const X *)w,
+                (const X *)b, N, C);
+}
+
+template <typename X, bool V8>
 __global__ void k_layernorm_bwd_inp(X *dinp, const X *dout, const X *inp, const X *w,
                                     const float *mean, const float *rstd, int N, int C) {
   int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -628,28 +782,42 @@ __global__ void k_layernorm_bwd_inp(X *dinp, const X *dout, const X *inp, const 
   const X *d = dout + (size_t)row * C, *x = inp + (size_t)row * C;
   X *dx = dinp + (size_t)row * C;
   float m = mean[row], s = rstd[row];
-  float a = 0.0f, bsum = 0.0f;
-  for (int i = lane; i < C; i += 32) {
-    float norm = (ldx(x[i]) - m) * s, dnorm = ldx(w[i]) * ldx(d[i]);
-    a += dnorm;
-    bsum += dnorm * norm;
+  float a = 0.0f, bsum = 0.0f, xv[8], wv[8], dv[8], gv[8];
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(xv, x, i, C), ld8<V8>(wv, w, i, C), ld8<V8>(dv, d, i, C);
+    for (int k = 0; k < 8; k++) {
+      float norm = (xv[k] - m) * s, dnorm = wv[k] * dv[k];
+      a += dnorm; /* 0 past C */
+      bsum += dnorm * norm;
+    }
   }
   float dnorm_mean = warp_sum(a) / C, dnorm_norm_mean = warp_sum(bsum) / C;
-  for (int i = lane; i < C; i += 32) {
-    float norm = (ldx(x[i]) - m) * s, dnorm = ldx(w[i]) * ldx(d[i]);
-    put(dx[i], ldx(dx[i]) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s);
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(xv, x, i, C), ld8<V8>(wv, w, i, C), ld8<V8>(dv, d, i, C), ld8<V8>(gv, dx, i, C);
+    for (int k = 0; k < 8; k++) {
+      float norm = (xv[k] - m) * s, dnorm = wv[k] * dv[k];
+      gv[k] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+    }
+    st8<V8>(dx, gv, i, C);
   }
 }
 
 template <typename X>
-static void cu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
-                                  const float *inp, const float *w, const float *mean,
+static void cu_layernorm_backward(float *dinp_, float *dw, float *db, const float *dout_,
+                                  const float *inp_, const float *w_, const float *mean,
                                   const float *rstd, int N, int C) {
   if (N <= 0) return;
-  k_layernorm_bwd_inp<X><<<(N + 7) / 8, 256, 0, g.stream>>>(
-      (X *)dinp, (const X *)dout, (const X *)inp, (const X *)w, mean, rstd, N, C);
+  X *dinp = (X *)dinp_;
+  const X *dout = (const X *)dout_, *inp = (const X *)inp_, *w = (const X *)w_;
+  unsigned grid = (unsigned)((N + 7) / 8);
+  if (vec_fits(8, sizeof(X), (size_t)C, {dinp, dout, inp, w}))
+    k_layernorm_bwd_inp<X, true><<<grid, 256, 0, g.stream>>>(dinp, dout, inp, w, mean, rstd, N,
+                                                             C);
+  else
+    k_layernorm_bwd_inp<X, false><<<grid, 256, 0, g.stream>>>(dinp, dout, inp, w, mean, rstd, N,
+                                                              C);
   ZT_CUDA_LAUNCHED();
-  colsums(db, dw, (const X *)dout, (const X *)inp, mean, rstd, N, C);
+  colsums(db, dw, dout, inp, mean, rstd, N, C);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2054,9 +2222,15 @@ __global__ void k_gelu_bwd(X *dinp, const X *inp, const X *dout, size_t n) {
   }
 }
 
-template <typename X>
+/* out = a + b over n / VEC vectors. */
+template <typename X, int VEC>
 __global__ void k_residual(X *out, const X *a, const X *b, size_t n) {
-  ZT_GRID_STRIDE(i, n) put(out[i], ldx(a[i]) + ldx(b[i]));
+  ZT_GRID_STRIDE(j, n / VEC) {
+    float f[VEC], g[VEC];
+    ldv<VEC>(f, a + j * VEC), ldv<VEC>(g, b + j * VEC);
+    for (int k = 0; k < VEC; k++) f[k] += g[k];
+    stv<VEC>(out + j * VEC, f);
+  }
 }
 
 /* Between fp32 and the storage type: dst = src rounded (narrow), or
@@ -2128,69 +2302,92 @@ static void cu_matmul_backward_dgelu(float *dinp, float *dw, float *dbias, const
 
 template <typename X>
 static void cu_residual_forward(float *out, const float *a, const float *b, size_t n) {
-  ZT_LAUNCH_1D(k_residual<X>, n, (X *)out, (const X *)a, (const X *)b, n);
+  if (!n) return;
+  if (vec_fits(8, sizeof(X), n, {out, a, b}))
+    k_residual<X, 8><<<grid_for(n / 8, 256), 256, 0, g.stream>>>((X *)out, (const X *)a,
+                                                                 (const X *)b, n);
+  else
+    k_residual<X, 1><<<grid_for(n, 256), 256, 0, g.stream>>>((X *)out, (const X *)a,
+                                                             (const X *)b, n);
+  ZT_CUDA_LAUNCHED();
 }
 
 /* ---------------------------------------------------------------------------
  * The Llama operations (zt_kernels.h; the CPU twins are kernels/cpu/llama.c).
- * Plain and deterministic: a thread per row or per element, and the one
- * reduction across rows (RMSNorm's weight gradient) a thread per column
- * adding its rows in order. */
+ * Deterministic: RMSNorm a warp per row, the rest a thread per element or
+ * row; the one reduction across rows (RMSNorm's weight gradient) is the
+ * column sums'. */
 
-template <typename X>
+/* RMSNorm as LayerNorm above: a warp per row, groups of 8 per lane; the
+ * weight gradient is the column sums' dnorm with a mean of 0. */
+template <typename X, bool V8>
 __global__ void k_rmsnorm_fwd(X *out, float *rstd, const X *inp, const X *w, int N, int C,
                               float eps) {
-  ZT_GRID_STRIDE(n, (size_t)N) {
-    const X *x = inp + n * C;
-    double ss = 0.0;
-    for (int i = 0; i < C; i++) {
-      double v = ldx(x[i]);
-      ss += v * v;
-    }
-    float s = 1.0f / sqrtf((float)(ss / C) + eps);
-    for (int i = 0; i < C; i++) put(out[n * C + i], ldx(x[i]) * s * ldx(w[i]));
-    rstd[n] = s;
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const X *x = inp + (size_t)row * C;
+  float ss = 0.0f, f[8], wv[8];
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(f, x, i, C);
+    for (int k = 0; k < 8; k++) ss += f[k] * f[k];
   }
+  float s = 1.0f / sqrtf(warp_sum(ss) / C + eps);
+  X *o = out + (size_t)row * C;
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(f, x, i, C), ld8<V8>(wv, w, i, C);
+    for (int k = 0; k < 8; k++) f[k] = f[k] * s * wv[k];
+    st8<V8>(o, f, i, C);
+  }
+  if (lane == 0) rstd[row] = s;
 }
 
-template <typename X>
+template <typename X, bool V8>
 __global__ void k_rmsnorm_bwd_dx(X *dinp, const X *dout, const X *inp, const X *w,
                                  const float *rstd, int N, int C) {
-  ZT_GRID_STRIDE(n, (size_t)N) {
-    const X *x = inp + n * C, *d = dout + n * C;
-    float s = rstd[n];
-    double gx = 0.0;
-    for (int i = 0; i < C; i++) gx += (double)ldx(w[i]) * ldx(d[i]) * ldx(x[i]);
-    float k = (float)(gx / C) * s * s * s;
-    for (int i = 0; i < C; i++)
-      put(dinp[n * C + i], ldx(dinp[n * C + i]) + s * ldx(w[i]) * ldx(d[i]) - ldx(x[i]) * k);
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const X *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
+  X *dx = dinp + (size_t)row * C;
+  float s = rstd[row], gx = 0.0f, xv[8], wv[8], dv[8], gv[8];
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(xv, x, i, C), ld8<V8>(wv, w, i, C), ld8<V8>(dv, d, i, C);
+    for (int k = 0; k < 8; k++) gx += wv[k] * dv[k] * xv[k];
+  }
+  float kk = warp_sum(gx) / C * s * s * s;
+  for (int i = lane * 8; i < C; i += 256) {
+    ld8<V8>(xv, x, i, C), ld8<V8>(wv, w, i, C), ld8<V8>(dv, d, i, C), ld8<V8>(gv, dx, i, C);
+    for (int k = 0; k < 8; k++) gv[k] += s * wv[k] * dv[k] - xv[k] * kk;
+    st8<V8>(dx, gv, i, C);
   }
 }
 
 template <typename X>
-__global__ void k_rmsnorm_bwd_dw(float *dw, const X *dout, const X *inp, const float *rstd, int N,
-                                 int C) {
-  ZT_GRID_STRIDE(i, (size_t)C) {
-    float acc = 0.0f;
-    for (int n = 0; n < N; n++) acc += ldx(dout[(size_t)n * C + i]) * ldx(inp[(size_t)n * C + i]) * rstd[n];
-    dw[i] += acc;
-  }
-}
-
-template <typename X>
-static void cu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N,
+static void cu_rmsnorm_forward(float *out_, float *rstd, const float *inp_, const float *w_, int N,
                                int C, float eps) {
-  ZT_LAUNCH_1D(k_rmsnorm_fwd<X>, (size_t)N, (X *)out, rstd, (const X *)inp, (const X *)w, N, C,
-               eps);
+  if (N <= 0) return;
+  X *out = (X *)out_;
+  const X *inp = (const X *)inp_, *w = (const X *)w_;
+  unsigned grid = (unsigned)((N + 7) / 8);
+  if (vec_fits(8, sizeof(X), (size_t)C, {out, inp, w}))
+    k_rmsnorm_fwd<X, true><<<grid, 256, 0, g.stream>>>(out, rstd, inp, w, N, C, eps);
+  else
+    k_rmsnorm_fwd<X, false><<<grid, 256, 0, g.stream>>>(out, rstd, inp, w, N, C, eps);
+  ZT_CUDA_LAUNCHED();
 }
 
 template <typename X>
-static void cu_rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp,
-                                const float *w, const float *rstd, int N, int C) {
-  ZT_LAUNCH_1D(k_rmsnorm_bwd_dx<X>, (size_t)N, (X *)dinp, (const X *)dout, (const X *)inp,
-               (const X *)w, rstd, N, C);
-  if (dw)
-    ZT_LAUNCH_1D(k_rmsnorm_bwd_dw<X>, (size_t)C, dw, (const X *)dout, (const X *)inp, rstd, N, C);
+static void cu_rmsnorm_backward(float *dinp_, float *dw, const float *dout_, const float *inp_,
+                                const float *w_, const float *rstd, int N, int C) {
+  if (N <= 0) return;
+  X *dinp = (X *)dinp_;
+  const X *dout = (const X *)dout_, *inp = (const X *)inp_, *w = (const X *)w_;
+  unsigned grid = (unsigned)((N + 7) / 8);
+  if (vec_fits(8, sizeof(X), (size_t)C, {dinp, dout, inp, w}))
+    k_rmsnorm_bwd_dx<X, true><<<grid, 256, 0, g.stream>>>(dinp, dout, inp, w, rstd, N, C);
+  else
+    k_rmsnorm_bwd_dx<X, false><<<grid, 256, 0, g.stream>>>(dinp, dout, inp, w, rstd, N, C);
+  ZT_CUDA_LAUNCHED();
+  if (dw) colsums((float *)NULL, dw, dout, inp, (const float *)NULL, rstd, N, C);
 }
 
 /* LoRA (zt_kernels.h). Merge: one thread per weight, its R products summed
@@ -2337,33 +2534,49 @@ static void cu_zero(float *x, size_t n) {
  * read of the row (maximum, sum, the target's logit) happens before the
  * barrier that precedes the first write. */
 
-template <typename X>
+/* The forward reads the row once for its maximum and its sum of
+ * exponentials together (each thread keeps a running maximum and rescales
+ * its sum when the maximum grows; the threads' pairs are then combined),
+ * and once more to write the probabilities. */
+template <typename X, bool V8>
 __global__ void k_crossentropy_fwd(float *losses, X *probs, const X *logits, const int *targets,
                                    int V, int Vp) {
   __shared__ float sh[ZT_RED_THREADS];
   size_t n = blockIdx.x;
   const X *l = logits + n * Vp;
   X *p = probs + n * Vp;
-  float mx = -INFINITY;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, ldx(l[i]));
-  mx = block_reduce<float, true>(mx, sh);
-  float s = 0.0f;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(ldx(l[i]) - mx);
-  s = block_reduce<float, false>(s, sh);
+  float mx = -INFINITY, s = 0.0f, f[8];
+  for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
+    ld8<V8>(f, l, i, Vp);
+    for (int k = 0; k < 8 && i + k < V; k++) {
+      if (f[k] > mx) s *= expf(mx - f[k]), mx = f[k];
+      s += expf(f[k] - mx);
+    }
+  }
+  float gmx = block_reduce<float, true>(mx, sh);
+  s = block_reduce<float, false>(mx == -INFINITY ? 0.0f : s * expf(mx - gmx), sh);
+  mx = gmx;
   float lt = ldx(l[targets[n]]);
   __syncthreads();
-  for (int i = threadIdx.x; i < Vp; i += blockDim.x)
-    put(p[i], i < V ? expf(ldx(l[i]) - mx) / s : 0.0f);
+  for (int i = threadIdx.x * 8; i < Vp; i += blockDim.x * 8) {
+    ld8<V8>(f, l, i, Vp);
+    for (int k = 0; k < 8; k++) f[k] = i + k < V ? expf(f[k] - mx) / s : 0.0f;
+    st8<V8>(p, f, i, Vp);
+  }
   if (threadIdx.x == 0) losses[n] = -logf(expf(lt - mx) / s);
 }
 
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_crossentropy_bwd(X *dlogits, const X *probs, const int *targets, float dloss,
                                    int V, int Vp, size_t n) {
-  ZT_GRID_STRIDE(i, n) {
-    size_t row = i / Vp;
-    int c = (int)(i % Vp);
-    put(dlogits[i], c < V ? (ldx(probs[i]) - (c == targets[row] ? 1.0f : 0.0f)) * dloss : 0.0f);
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t i = j * VEC, row = i / Vp;
+    int c = (int)(i % Vp), t = targets[row];
+    float f[VEC];
+    ldv<VEC>(f, probs + i);
+    for (int k = 0; k < VEC; k++)
+      f[k] = c + k < V ? (f[k] - (c + k == t ? 1.0f : 0.0f)) * dloss : 0.0f;
+    stv<VEC>(dlogits + i, f);
   }
 }
 
@@ -2371,8 +2584,12 @@ template <typename X>
 static void cu_crossentropy_forward(float *losses, float *probs, const float *logits,
                                     const int *targets, int N, int V, int Vp) {
   if (N <= 0) return;
-  k_crossentropy_fwd<X><<<N, ZT_RED_THREADS, 0, g.stream>>>(losses, (X *)probs, (const X *)logits,
-                                                            targets, V, Vp);
+  if (vec_fits(8, sizeof(X), (size_t)Vp, {probs, logits}))
+    k_crossentropy_fwd<X, true><<<N, ZT_RED_THREADS, 0, g.stream>>>(
+        losses, (X *)probs, (const X *)logits, targets, V, Vp);
+  else
+    k_crossentropy_fwd<X, false><<<N, ZT_RED_THREADS, 0, g.stream>>>(
+        losses, (X *)probs, (const X *)logits, targets, V, Vp);
   ZT_CUDA_LAUNCHED();
 }
 
@@ -2380,8 +2597,14 @@ template <typename X>
 static void cu_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
                                      float dloss, int N, int V, int Vp) {
   size_t n = (size_t)N * Vp;
-  ZT_LAUNCH_1D(k_crossentropy_bwd<X>, n, (X *)dlogits, (const X *)probs, targets, dloss, V, Vp,
-               n);
+  if (!n) return;
+  if (vec_fits(8, sizeof(X), (size_t)Vp, {dlogits, probs}))
+    k_crossentropy_bwd<X, 8><<<grid_for(n / 8, 256), 256, 0, g.stream>>>(
+        (X *)dlogits, (const X *)probs, targets, dloss, V, Vp, n);
+  else
+    k_crossentropy_bwd<X, 1><<<grid_for(n, 256), 256, 0, g.stream>>>(
+        (X *)dlogits, (const X *)probs, targets, dloss, V, Vp, n);
+  ZT_CUDA_LAUNCHED();
 }
 
 /* ---------------------------------------------------------------------------
@@ -2402,30 +2625,52 @@ __device__ __forceinline__ float adamw_elem(float pi, float gi, float *m, float 
   return pi;
 }
 
+/* Both AdamW kernels take VEC consecutive elements per thread (4: 16-byte
+ * words of p, g, m and v), or 1 where the range's length or a pointer does
+ * not allow it; each element's update is adamw_elem either way. */
+template <int VEC>
 __global__ void k_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr,
                         float b1, float b2, float eps, float wd, float bc1, float bc2) {
-  ZT_GRID_STRIDE(i, n) p[i] = adamw_elem(p[i], gr[i], m + i, v + i, lr, b1, b2, eps, wd, bc1, bc2);
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t i = j * VEC;
+    xvec<float, VEC> P = ldr<VEC>(p + i), G = ldr<VEC>(gr + i), M = ldr<VEC>(m + i),
+                     S = ldr<VEC>(v + i);
+    for (int k = 0; k < VEC; k++)
+      P.v[k] = adamw_elem(P.v[k], G.v[k], &M.v[k], &S.v[k], lr, b1, b2, eps, wd, bc1, bc2);
+    str<VEC>(p + i, P), str<VEC>(m + i, M), str<VEC>(v + i, S);
+  }
 }
 
 /* adamw_fused (zt_kernels.h): the gradient narrowed as k_narrow_f64 does,
  * the update of adamw_elem with the element's segment's weight decay, the
  * result rounded into w as k_narrow_x does. The segments come by value
  * (the launch's parameters); a thread finds its element's by a scan that
- * starts from the segment of its previous element. */
-template <typename X>
+ * starts from the segment of its previous element. Elements of a skipped
+ * segment are written back as they were read. */
+template <typename X, int VEC>
 __global__ void k_adamw_fused(float *p, const float *g, const double *g64, double s, float t,
                               float *m, float *v, X *w, zt_adamw_args_t a) {
   size_t n = a.end[a.n - 1];
   int seg = 0;
-  ZT_GRID_STRIDE(i, n) {
-    while (i >= a.end[seg]) seg++;
-    float pi = p[i];
-    if (!(a.skip >> seg & 1u)) {
-      float gi = g ? g[i] : (float)(g64[i] * s) * t;
-      pi = adamw_elem(pi, gi, m + i, v + i, a.lr, a.b1, a.b2, a.eps, a.wd[seg], a.bc1, a.bc2);
-      p[i] = pi;
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t i = j * VEC;
+    xvec<float, VEC> P = ldr<VEC>(p + i), M = ldr<VEC>(m + i), S = ldr<VEC>(v + i);
+    float gv[VEC];
+    if (g) {
+      xvec<float, VEC> G = ldr<VEC>(g + i);
+      for (int k = 0; k < VEC; k++) gv[k] = G.v[k];
+    } else {
+      xvec<double, VEC> G = ldr<VEC>(g64 + i);
+      for (int k = 0; k < VEC; k++) gv[k] = (float)(G.v[k] * s) * t;
     }
-    if (w) put(w[i], pi);
+    for (int k = 0; k < VEC; k++) {
+      while (i + k >= a.end[seg]) seg++;
+      if (!(a.skip >> seg & 1u))
+        P.v[k] = adamw_elem(P.v[k], gv[k], &M.v[k], &S.v[k], a.lr, a.b1, a.b2, a.eps, a.wd[seg],
+                            a.bc1, a.bc2);
+    }
+    str<VEC>(p + i, P), str<VEC>(m + i, M), str<VEC>(v + i, S);
+    if (w) stv<VEC>(w + i, P.v);
   }
 }
 
@@ -2434,12 +2679,28 @@ static void cu_adamw_fused(float *p, const float *gr, const double *g64, double 
                            float *m, float *v, void *w, const zt_adamw_args_t *a) {
   if (a->n < 1 || a->n > ZT_ADAMW_SEGS)
     cuda_fail("adamw_fused", "segment count out of range", __FILE__, __LINE__);
-  ZT_LAUNCH_1D(k_adamw_fused<X>, a->end[a->n - 1], p, gr, g64, s, t, m, v, (X *)w, *a);
+  size_t n = a->end[a->n - 1];
+  if (!n) return;
+  if (vec_fits(4, 4, n, {p, gr, m, v}) && vec_fits(4, 8, n, {g64}) &&
+      vec_fits(4, sizeof(X), n, {w}))
+    k_adamw_fused<X, 4><<<grid_for(n / 4, 256), 256, 0, g.stream>>>(p, gr, g64, s, t, m, v,
+                                                                    (X *)w, *a);
+  else
+    k_adamw_fused<X, 1><<<grid_for(n, 256), 256, 0, g.stream>>>(p, gr, g64, s, t, m, v, (X *)w,
+                                                                *a);
+  ZT_CUDA_LAUNCHED();
 }
 
 static void cu_adamw(float *p, const float *gr, float *m, float *v, size_t n, float lr, float b1,
                      float b2, float eps, float wd, float bc1, float bc2) {
-  ZT_LAUNCH_1D(k_adamw, n, p, gr, m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+  if (!n) return;
+  if (vec_fits(4, 4, n, {p, gr, m, v}))
+    k_adamw<4><<<grid_for(n / 4, 256), 256, 0, g.stream>>>(p, gr, m, v, n, lr, b1, b2, eps, wd,
+                                                           bc1, bc2);
+  else
+    k_adamw<1><<<grid_for(n, 256), 256, 0, g.stream>>>(p, gr, m, v, n, lr, b1, b2, eps, wd, bc1,
+                                                       bc2);
+  ZT_CUDA_LAUNCHED();
 }
 
 /* One block per ZT_KERNELS_SUMSQ_CHUNK elements, summed in double with a fixed
@@ -2610,6 +2871,7 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   ZT_PROF_ENTRY(t, encoder_backward, cu_encoder_backward<X>);
   ZT_PROF_ENTRY(t, layernorm_forward, cu_layernorm_forward<X>);
   ZT_PROF_ENTRY(t, layernorm_backward, cu_layernorm_backward<X>);
+  ZT_PROF_ENTRY(t, residual_layernorm_forward, cu_residual_layernorm_forward<X>);
   ZT_PROF_ENTRY(t, matmul_forward, cu_matmul_forward<X>);
   ZT_PROF_ENTRY(t, matmul_backward, cu_matmul_backward<X>);
   ZT_PROF_ENTRY(t, attention_forward, cu_attention_forward<X>);
