@@ -10,7 +10,7 @@
 /* The activation tensors, in elements for a capacity of B x T (BT = B * T),
  * and their type: X (the kernel table's storage type, xbytes bytes: fp32,
  * or bf16 on the CUDA bf16 table; zt_kernels.h) or F (always fp32: the
- * LayerNorm statistics, attention's lse, the losses). One entry per tensor,
+ * LayerNorm statistics, attention's lse, the losses and their lse). One entry per tensor,
  * in allocation order. Per-layer tensors are held for LA layers: L, or 1
  * with activation checkpointing (each layer's input, res3 of the layer
  * before, stays for all L; the rest is recomputed in backward, one layer at
@@ -36,6 +36,7 @@
   X(lnf_rstd, BT, ZT_ACT_F)               \
   X(logits, BT * Vp, ZT_ACT_X)            \
   X(losses, BT, ZT_ACT_F)                 \
+  X(ce_lse, BT, ZT_ACT_F)                 \
   X(dres, BT * C, ZT_ACT_X)               \
   X(dbtc, BT * C, ZT_ACT_X)               \
   X(dqkv, BT * QKV, ZT_ACT_X)             \

@@ -348,7 +348,10 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
 
   if (targets) {
     k->upload(a->targets, targets, sizeof(int) * (size_t)BT);
-    k->crossentropy_forward(a->losses, a->logits, a->logits, a->targets, BT, V, m->lay.Vp);
+    if (k->crossentropy_lse_forward) /* the logits stay; backward reads them */
+      k->crossentropy_lse_forward(a->losses, a->ce_lse, a->logits, a->targets, BT, V, m->lay.Vp);
+    else /* the probabilities replace the logits */
+      k->crossentropy_forward(a->losses, a->logits, a->logits, a->targets, BT, V, m->lay.Vp);
     a->have_targets = 1;
     if (loss) {
       k->download(a->host_losses, a->losses, sizeof(float) * (size_t)BT);
@@ -461,12 +464,17 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
   int llama = m->cfg.arch == ZT_ARCH_LLAMA, own_head = llama && !m->cfg.tie_embed;
   ZT_HOOK(m, pre_backward, 0);
   if (own_head) ZT_HOOK(m, pre_backward, L + 1);
-  /* Loss -> logits (in place over the probabilities) -> LM head. */
+  /* Loss -> logits (in place over the logits or probabilities) -> LM head. */
   float dloss = grad_scale / (float)BT;
-  k->crossentropy_backward(a->logits, a->logits, a->targets, dloss, BT, m->cfg.vocab_size, m->lay.Vp);
+  if (k->crossentropy_lse_backward)
+    k->crossentropy_lse_backward(a->logits, a->logits, a->ce_lse, a->targets, dloss, BT,
+                                 m->cfg.vocab_size, m->lay.Vp);
+  else
+    k->crossentropy_backward(a->logits, a->logits, a->targets, dloss, BT, m->cfg.vocab_size,
+                             m->lay.Vp);
   k->matmul_backward(a->dbtc, head_of(m, m->unit_grads, sizeof(float)), NULL, a->logits, a->lnf,
                      head_of(m, m->unit_params, (size_t)k->xbytes), BT, C, m->lay.Vp);
-  a->have_targets = 0; /* the probabilities are gone */
+  a->have_targets = 0; /* the logits (or probabilities) are gone */
 
   if (!own_head) ZT_HOOK(m, pre_backward, L + 1);
   float *lnf_w = m->unit_params[L + 1], *dlnf_w = m->unit_grads[L + 1];

@@ -143,7 +143,9 @@ ZT_MUST_CHECK int zt_model_hook_pass(zt_model_t *m);
 void zt_model_zero_grads(zt_model_t *m);
 
 /* The logits [B, T, Vp] of the last forward without targets (with targets
- * the buffer holds probabilities), in the kernel table's memory. */
+ * the buffer holds probabilities, or on a table with crossentropy_lse_*
+ * still the logits; after backward their gradient), in the kernel table's
+ * memory. */
 const float *zt_model_logits(const zt_model_t *m);
 
 #endif

@@ -161,6 +161,18 @@ typedef struct zt_kernels {
    * may alias probs. dloss is the same for every row. */
   void (*crossentropy_backward)(float *dlogits, const float *probs, const int *targets,
                                 float dloss, int N, int V, int Vp);
+  /* Optional (NULL where a table has none; the CUDA tables have them): the
+   * classifier without a probability tensor. crossentropy_lse_forward
+   * reads the logits (left as they are) and writes losses[i] and lse[i],
+   * the row's log-sum-exp over its first V columns; crossentropy_lse_backward
+   * writes dlogits = (softmax - onehot(target)) * dloss from the logits and
+   * lse in one pass (dlogits may alias logits; padded columns 0). No
+   * probability is stored: one pass over the N x Vp logits fewer than
+   * the pair above, and with bf16 storage one rounding fewer. */
+  void (*crossentropy_lse_forward)(float *losses, float *lse, const float *logits,
+                                   const int *targets, int N, int V, int Vp);
+  void (*crossentropy_lse_backward)(float *dlogits, const float *logits, const float *lse,
+                                    const int *targets, float dloss, int N, int V, int Vp);
 
   /* One AdamW update of n elements (decoupled weight decay, PyTorch
    * semantics): p -= lr*wd*p; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;

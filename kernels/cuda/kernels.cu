@@ -101,6 +101,20 @@ static unsigned grid_for(size_t n, unsigned block) {
     }                                                                          \
   } while (0)
 
+/* The same for an elementwise kernel template kernel<X, VEC> that takes
+ * VEC elements at a time (n / VEC vectors): VEC 8 where `fits` (vec_fits:
+ * n and every pointer allow 8-element vectors), else 1. */
+#define ZT_LAUNCH_X8(kernel, X, n, fits, ...)                                          \
+  do {                                                                                 \
+    if ((n) > 0) {                                                                     \
+      if (fits)                                                                        \
+        kernel<X, 8><<<grid_for((n) / 8, 256), 256, 0, g.stream>>>(__VA_ARGS__);       \
+      else                                                                             \
+        kernel<X, 1><<<grid_for((n), 256), 256, 0, g.stream>>>(__VA_ARGS__);           \
+      ZT_CUDA_LAUNCHED();                                                              \
+    }                                                                                  \
+  } while (0)
+
 #define ZT_GRID_STRIDE(i, n) \
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n); \
        i += (size_t)gridDim.x * blockDim.x)
@@ -613,13 +627,16 @@ static void colsums(float *dsum, float *dnorm, const X *dout, const X *inp, cons
 /* ---------------------------------------------------------------------------
  * Encoder. */
 
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_encoder_fwd(X *out, const int *inp, const X *wte, const X *wpe, int T, int C,
                               size_t n) {
-  ZT_GRID_STRIDE(i, n) {
-    size_t bt = i / C;
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t i = j * VEC, bt = i / C;
     int c = (int)(i % C), t = (int)(bt % T);
-    put(out[i], ldx(wte[(size_t)inp[bt] * C + c]) + ldx(wpe[(size_t)t * C + c]));
+    float a[VEC], b[VEC];
+    ldv<VEC>(a, wte + (size_t)inp[bt] * C + c), ldv<VEC>(b, wpe + (size_t)t * C + c);
+    for (int k = 0; k < VEC; k++) a[k] += b[k];
+    stv<VEC>(out + i, a);
   }
 }
 
@@ -627,7 +644,8 @@ template <typename X>
 static void cu_encoder_forward(float *out, const int *inp, const float *wte, const float *wpe,
                                int B, int T, int C) {
   size_t n = (size_t)B * T * C;
-  ZT_LAUNCH_1D(k_encoder_fwd<X>, n, (X *)out, inp, (const X *)wte, (const X *)wpe, T, C, n);
+  ZT_LAUNCH_X8(k_encoder_fwd, X, n, vec_fits(8, sizeof(X), (size_t)C, {out, wte, wpe}), (X *)out,
+               inp, (const X *)wte, (const X *)wpe, T, C, n);
 }
 
 /* dwpe[t,c] += sum over b in order. */
@@ -2199,26 +2217,38 @@ static void cu_attention_backward(float *dqkv, const float *dout, const float *q
 /* ---------------------------------------------------------------------------
  * Elementwise kernels. */
 
-template <typename X>
+/* GELU's forward and backward of one element. */
+__device__ __forceinline__ float gelu_of(float x) {
+  float cube = ZT_GELU_CUBE * x * x * x;
+  return 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube)));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+  float cube = ZT_GELU_CUBE * x * x * x;
+  float arg = ZT_GELU_SCALE * (x + cube);
+  float th = tanhf(arg), ch = coshf(arg);
+  float sech2 = 1.0f / (ch * ch);
+  return 0.5f * (1.0f + th) +
+         x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * ZT_GELU_CUBE * x * x);
+}
+
+template <typename X, int VEC>
 __global__ void k_gelu_fwd(X *out, const X *inp, size_t n) {
-  ZT_GRID_STRIDE(i, n) {
-    float x = ldx(inp[i]);
-    float cube = ZT_GELU_CUBE * x * x * x;
-    put(out[i], 0.5f * x * (1.0f + tanhf(ZT_GELU_SCALE * (x + cube))));
+  ZT_GRID_STRIDE(j, n / VEC) {
+    float f[VEC];
+    ldv<VEC>(f, inp + j * VEC);
+    for (int k = 0; k < VEC; k++) f[k] = gelu_of(f[k]);
+    stv<VEC>(out + j * VEC, f);
   }
 }
 
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_gelu_bwd(X *dinp, const X *inp, const X *dout, size_t n) {
-  ZT_GRID_STRIDE(i, n) {
-    float x = ldx(inp[i]);
-    float cube = ZT_GELU_CUBE * x * x * x;
-    float arg = ZT_GELU_SCALE * (x + cube);
-    float th = tanhf(arg), ch = coshf(arg);
-    float sech2 = 1.0f / (ch * ch);
-    float grad = 0.5f * (1.0f + th) +
-                 x * 0.5f * sech2 * ZT_GELU_SCALE * (1.0f + 3.0f * ZT_GELU_CUBE * x * x);
-    put(dinp[i], grad * ldx(dout[i]));
+  ZT_GRID_STRIDE(j, n / VEC) {
+    float f[VEC], d[VEC];
+    ldv<VEC>(f, inp + j * VEC), ldv<VEC>(d, dout + j * VEC);
+    for (int k = 0; k < VEC; k++) f[k] = gelu_grad(f[k]) * d[k];
+    stv<VEC>(dinp + j * VEC, f);
   }
 }
 
@@ -2235,14 +2265,22 @@ __global__ void k_residual(X *out, const X *a, const X *b, size_t n) {
 
 /* Between fp32 and the storage type: dst = src rounded (narrow), or
  * widened (widen, exact). */
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_narrow_x(X *dst, const float *src, size_t n) {
-  ZT_GRID_STRIDE(i, n) put(dst[i], src[i]);
+  ZT_GRID_STRIDE(j, n / VEC) {
+    float f[VEC];
+    ldv<VEC>(f, src + j * VEC);
+    stv<VEC>(dst + j * VEC, f);
+  }
 }
 
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_widen_x(float *dst, const X *src, size_t n) {
-  ZT_GRID_STRIDE(i, n) dst[i] = ldx(src[i]);
+  ZT_GRID_STRIDE(j, n / VEC) {
+    float f[VEC];
+    ldv<VEC>(f, src + j * VEC);
+    stv<VEC>(dst + j * VEC, f);
+  }
 }
 
 __global__ void k_scale(float *x, size_t n, float s) {
@@ -2251,12 +2289,14 @@ __global__ void k_scale(float *x, size_t n, float s) {
 
 template <typename X>
 static void cu_gelu_forward(float *out, const float *inp, size_t n) {
-  ZT_LAUNCH_1D(k_gelu_fwd<X>, n, (X *)out, (const X *)inp, n);
+  ZT_LAUNCH_X8(k_gelu_fwd, X, n, vec_fits(8, sizeof(X), n, {out, inp}), (X *)out,
+               (const X *)inp, n);
 }
 
 template <typename X>
 static void cu_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
-  ZT_LAUNCH_1D(k_gelu_bwd<X>, n, (X *)dinp, (const X *)inp, (const X *)dout, n);
+  ZT_LAUNCH_X8(k_gelu_bwd, X, n, vec_fits(8, sizeof(X), n, {dinp, inp, dout}), (X *)dinp,
+               (const X *)inp, (const X *)dout, n);
 }
 
 /* GELU in the products' epilogues (zt_kernels.h, matmul_gelu_forward and
@@ -2302,14 +2342,8 @@ static void cu_matmul_backward_dgelu(float *dinp, float *dw, float *dbias, const
 
 template <typename X>
 static void cu_residual_forward(float *out, const float *a, const float *b, size_t n) {
-  if (!n) return;
-  if (vec_fits(8, sizeof(X), n, {out, a, b}))
-    k_residual<X, 8><<<grid_for(n / 8, 256), 256, 0, g.stream>>>((X *)out, (const X *)a,
-                                                                 (const X *)b, n);
-  else
-    k_residual<X, 1><<<grid_for(n, 256), 256, 0, g.stream>>>((X *)out, (const X *)a,
-                                                             (const X *)b, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_X8(k_residual, X, n, vec_fits(8, sizeof(X), n, {out, a, b}), (X *)out, (const X *)a,
+               (const X *)b, n);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2476,48 +2510,59 @@ static void cu_rope(float *qkv, int B, int T, int pos0, int NH, int NKV, int HD,
   ZT_LAUNCH_1D(k_rope<X>, n, (X *)qkv, T, pos0, NH, NKV, HD, rope, inverse, n);
 }
 
-template <typename X>
+/* SwiGLU over rows of F: VEC consecutive columns of a row at a time (F a
+ * multiple of VEC). */
+template <typename X, int VEC>
 __global__ void k_swiglu_fwd(X *out, const X *inp, int F, size_t n) {
-  ZT_GRID_STRIDE(j, n) {
-    size_t r = j / F;
-    int i = (int)(j % F);
-    float g = ldx(inp[r * 2 * F + i]), u = ldx(inp[r * 2 * F + F + i]);
-    put(out[j], g / (1.0f + expf(-g)) * u);
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t e = j * VEC, r = e / F;
+    const X *in = inp + r * 2 * F + e % F;
+    float g[VEC], u[VEC];
+    ldv<VEC>(g, in), ldv<VEC>(u, in + F);
+    for (int k = 0; k < VEC; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    stv<VEC>(out + e, g);
   }
 }
 
-template <typename X>
+template <typename X, int VEC>
 __global__ void k_swiglu_bwd(X *dinp, const X *dout, const X *inp, int F, size_t n) {
-  ZT_GRID_STRIDE(j, n) {
-    size_t r = j / F;
-    int i = (int)(j % F);
-    float g = ldx(inp[r * 2 * F + i]), u = ldx(inp[r * 2 * F + F + i]), d = ldx(dout[j]);
-    float s = 1.0f / (1.0f + expf(-g));
-    put(dinp[r * 2 * F + F + i], d * g * s);
-    put(dinp[r * 2 * F + i], d * u * s * (1.0f + g * (1.0f - s)));
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t e = j * VEC, r = e / F, o = r * 2 * F + e % F;
+    float g[VEC], u[VEC], d[VEC], dg[VEC], du[VEC];
+    ldv<VEC>(g, inp + o), ldv<VEC>(u, inp + o + F), ldv<VEC>(d, dout + e);
+    for (int k = 0; k < VEC; k++) {
+      float s = 1.0f / (1.0f + expf(-g[k]));
+      du[k] = d[k] * g[k] * s;
+      dg[k] = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
+    }
+    stv<VEC>(dinp + o, dg), stv<VEC>(dinp + o + F, du);
   }
 }
 
 template <typename X>
 static void cu_swiglu_forward(float *out, const float *inp, int N, int F) {
   size_t n = (size_t)N * F;
-  ZT_LAUNCH_1D(k_swiglu_fwd<X>, n, (X *)out, (const X *)inp, F, n);
+  ZT_LAUNCH_X8(k_swiglu_fwd, X, n, vec_fits(8, sizeof(X), (size_t)F, {out, inp}), (X *)out,
+               (const X *)inp, F, n);
 }
 
 template <typename X>
 static void cu_swiglu_backward(float *dinp, const float *dout, const float *inp, int N, int F) {
   size_t n = (size_t)N * F;
-  ZT_LAUNCH_1D(k_swiglu_bwd<X>, n, (X *)dinp, (const X *)dout, (const X *)inp, F, n);
+  ZT_LAUNCH_X8(k_swiglu_bwd, X, n, vec_fits(8, sizeof(X), (size_t)F, {dinp, dout, inp}),
+               (X *)dinp, (const X *)dout, (const X *)inp, F, n);
 }
 
 template <typename X>
 static void cu_narrow_x(void *dst, const float *src, size_t n) {
-  ZT_LAUNCH_1D(k_narrow_x<X>, n, (X *)dst, src, n);
+  ZT_LAUNCH_X8(k_narrow_x, X, n, vec_fits(8, sizeof(X), n, {dst}) && vec_fits(8, 4, n, {src}),
+               (X *)dst, src, n);
 }
 
 template <typename X>
 static void cu_widen_x(float *dst, const void *src, size_t n) {
-  ZT_LAUNCH_1D(k_widen_x<X>, n, dst, (const X *)src, n);
+  ZT_LAUNCH_X8(k_widen_x, X, n, vec_fits(8, sizeof(X), n, {src}) && vec_fits(8, 4, n, {dst}),
+               dst, (const X *)src, n);
 }
 
 static void cu_scale(float *x, size_t n, float s) {
@@ -2534,17 +2579,12 @@ static void cu_zero(float *x, size_t n) {
  * read of the row (maximum, sum, the target's logit) happens before the
  * barrier that precedes the first write. */
 
-/* The forward reads the row once for its maximum and its sum of
- * exponentials together (each thread keeps a running maximum and rescales
- * its sum when the maximum grows; the threads' pairs are then combined),
- * and once more to write the probabilities. */
-template <typename X, bool V8>
-__global__ void k_crossentropy_fwd(float *losses, X *probs, const X *logits, const int *targets,
-                                   int V, int Vp) {
-  __shared__ float sh[ZT_RED_THREADS];
-  size_t n = blockIdx.x;
-  const X *l = logits + n * Vp;
-  X *p = probs + n * Vp;
+/* A row's maximum and sum of exponentials over its first V columns, in
+ * one read: each thread keeps a running maximum and rescales its sum when
+ * the maximum grows, then the threads' pairs are combined. Every thread
+ * gets both. */
+template <bool V8, typename X>
+__device__ void row_max_sum(const X *l, int V, int Vp, float *sh, float *mx_out, float *s_out) {
   float mx = -INFINITY, s = 0.0f, f[8];
   for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
     ld8<V8>(f, l, i, Vp);
@@ -2554,8 +2594,21 @@ __global__ void k_crossentropy_fwd(float *losses, X *probs, const X *logits, con
     }
   }
   float gmx = block_reduce<float, true>(mx, sh);
-  s = block_reduce<float, false>(mx == -INFINITY ? 0.0f : s * expf(mx - gmx), sh);
-  mx = gmx;
+  *s_out = block_reduce<float, false>(mx == -INFINITY ? 0.0f : s * expf(mx - gmx), sh);
+  *mx_out = gmx;
+}
+
+/* The forward reads the row once for its maximum and sum (row_max_sum)
+ * and once more to write the probabilities. */
+template <typename X, bool V8>
+__global__ void k_crossentropy_fwd(float *losses, X *probs, const X *logits, const int *targets,
+                                   int V, int Vp) {
+  __shared__ float sh[ZT_RED_THREADS];
+  size_t n = blockIdx.x;
+  const X *l = logits + n * Vp;
+  X *p = probs + n * Vp;
+  float mx, s, f[8];
+  row_max_sum<V8>(l, V, Vp, sh, &mx, &s);
   float lt = ldx(l[targets[n]]);
   __syncthreads();
   for (int i = threadIdx.x * 8; i < Vp; i += blockDim.x * 8) {
@@ -2564,6 +2617,60 @@ __global__ void k_crossentropy_fwd(float *losses, X *probs, const X *logits, con
     st8<V8>(p, f, i, Vp);
   }
   if (threadIdx.x == 0) losses[n] = -logf(expf(lt - mx) / s);
+}
+
+/* The classifier without probabilities (crossentropy_lse_forward and
+ * _backward): the forward reads each row once and writes only its loss
+ * and lse; the backward forms each probability, exp(l - lse), in the one
+ * pass that writes dlogits. */
+template <typename X, bool V8>
+__global__ void k_xent_lse_fwd(float *losses, float *lse, const X *logits, const int *targets,
+                               int V, int Vp) {
+  __shared__ float sh[ZT_RED_THREADS];
+  size_t n = blockIdx.x;
+  const X *l = logits + n * Vp;
+  float mx, s;
+  row_max_sum<V8>(l, V, Vp, sh, &mx, &s);
+  if (threadIdx.x == 0) {
+    float z = mx + logf(s);
+    lse[n] = z;
+    losses[n] = z - ldx(l[targets[n]]);
+  }
+}
+
+template <typename X, int VEC>
+__global__ void k_xent_lse_bwd(X *dlogits, const X *logits, const float *lse, const int *targets,
+                               float dloss, int V, int Vp, size_t n) {
+  ZT_GRID_STRIDE(j, n / VEC) {
+    size_t i = j * VEC, row = i / Vp;
+    int c = (int)(i % Vp), t = targets[row];
+    float z = lse[row], f[VEC];
+    ldv<VEC>(f, logits + i);
+    for (int k = 0; k < VEC; k++)
+      f[k] = c + k < V ? (expf(f[k] - z) - (c + k == t ? 1.0f : 0.0f)) * dloss : 0.0f;
+    stv<VEC>(dlogits + i, f);
+  }
+}
+
+template <typename X>
+static void cu_crossentropy_lse_forward(float *losses, float *lse, const float *logits,
+                                        const int *targets, int N, int V, int Vp) {
+  if (N <= 0) return;
+  if (vec_fits(8, sizeof(X), (size_t)Vp, {logits}))
+    k_xent_lse_fwd<X, true><<<N, ZT_RED_THREADS, 0, g.stream>>>(losses, lse, (const X *)logits,
+                                                                targets, V, Vp);
+  else
+    k_xent_lse_fwd<X, false><<<N, ZT_RED_THREADS, 0, g.stream>>>(losses, lse, (const X *)logits,
+                                                                 targets, V, Vp);
+  ZT_CUDA_LAUNCHED();
+}
+
+template <typename X>
+static void cu_crossentropy_lse_backward(float *dlogits, const float *logits, const float *lse,
+                                         const int *targets, float dloss, int N, int V, int Vp) {
+  size_t n = (size_t)N * Vp;
+  ZT_LAUNCH_X8(k_xent_lse_bwd, X, n, vec_fits(8, sizeof(X), (size_t)Vp, {dlogits, logits}),
+               (X *)dlogits, (const X *)logits, lse, targets, dloss, V, Vp, n);
 }
 
 template <typename X, int VEC>
@@ -2597,14 +2704,8 @@ template <typename X>
 static void cu_crossentropy_backward(float *dlogits, const float *probs, const int *targets,
                                      float dloss, int N, int V, int Vp) {
   size_t n = (size_t)N * Vp;
-  if (!n) return;
-  if (vec_fits(8, sizeof(X), (size_t)Vp, {dlogits, probs}))
-    k_crossentropy_bwd<X, 8><<<grid_for(n / 8, 256), 256, 0, g.stream>>>(
-        (X *)dlogits, (const X *)probs, targets, dloss, V, Vp, n);
-  else
-    k_crossentropy_bwd<X, 1><<<grid_for(n, 256), 256, 0, g.stream>>>(
-        (X *)dlogits, (const X *)probs, targets, dloss, V, Vp, n);
-  ZT_CUDA_LAUNCHED();
+  ZT_LAUNCH_X8(k_crossentropy_bwd, X, n, vec_fits(8, sizeof(X), (size_t)Vp, {dlogits, probs}),
+               (X *)dlogits, (const X *)probs, targets, dloss, V, Vp, n);
 }
 
 /* ---------------------------------------------------------------------------
@@ -2885,6 +2986,8 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   ZT_PROF_ENTRY(t, residual_forward, cu_residual_forward<X>);
   ZT_PROF_ENTRY(t, crossentropy_forward, cu_crossentropy_forward<X>);
   ZT_PROF_ENTRY(t, crossentropy_backward, cu_crossentropy_backward<X>);
+  ZT_PROF_ENTRY(t, crossentropy_lse_forward, cu_crossentropy_lse_forward<X>);
+  ZT_PROF_ENTRY(t, crossentropy_lse_backward, cu_crossentropy_lse_backward<X>);
   ZT_PROF_ENTRY(t, rmsnorm_forward, cu_rmsnorm_forward<X>);
   ZT_PROF_ENTRY(t, rmsnorm_backward, cu_rmsnorm_backward<X>);
   ZT_PROF_ENTRY(t, rope, cu_rope<X>);

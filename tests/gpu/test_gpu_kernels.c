@@ -146,6 +146,7 @@ static void check_encoder(int B, int T, int C, int V) {
 
 ZT_TEST(encoder) {
   check_encoder(3, 17, 40, 29);
+  check_encoder(2, 9, 12, 7); /* rows of 12: one element at a time */
   check_encoder(4, 256, 96, 257);
 }
 
@@ -307,10 +308,16 @@ ZT_TEST(gelu_residual_scale) {
   float *x = zt_rnd(n, 6), *o = malloc(n * 4);
   x[0] = 0.0f, x[1] = 20.0f, x[2] = -20.0f, x[3] = 1e-4f;
   float *dx = DEVF(x, n), *dO = dalloc(n * 4);
+  G->gelu_forward(dO, dx, n - 1); /* 8 at a time */
+  R->gelu_forward(o, x, n - 1);
+  close_dev("gelu_forward (vectors)", dO, o, n - 1, 2e-6f, 2e-6f);
   G->gelu_forward(dO, dx, n);
   R->gelu_forward(o, x, n);
   close_dev("gelu_forward", dO, o, n, 2e-6f, 2e-6f);
   float *d = zt_rnd(n, 1), *gd = malloc(n * 4), *dd = DEVF(d, n), *dg = dalloc(n * 4);
+  G->gelu_backward(dg, dx, dd, n - 1);
+  R->gelu_backward(gd, x, d, n - 1);
+  close_dev("gelu_backward (vectors)", dg, gd, n - 1, 2e-6f, 1e-5f);
   G->gelu_backward(dg, dx, dd, n);
   R->gelu_backward(gd, x, d, n);
   close_dev("gelu_backward", dg, gd, n, 2e-6f, 1e-5f);
@@ -367,6 +374,20 @@ static void check_crossentropy(int N, int V, int Vp) {
   close_dev("crossentropy_backward", dd, d, n, 0, 0);
   G->crossentropy_backward(dp, dp, dt, 0.25f, N, V, Vp); /* in place */
   close_dev("crossentropy_backward in place", dp, d, n, 0, 0);
+  /* The classifier without probabilities: losses and lse (the logits
+   * untouched), then dlogits from the logits and lse, also in place. */
+  float *dz = dalloc(N * 4), *z = malloc(N * 4);
+  G->upload(dlog, logits, n * 4);
+  G->crossentropy_lse_forward(dl, dz, dlog, dt, N, V, Vp);
+  close_dev("crossentropy_lse_forward losses", dl, l, N, 2e-6f, 2e-6f);
+  close_dev("crossentropy_lse_forward logits kept", dlog, logits, n, 0, 0);
+  for (int t = 0; t < N; t++) z[t] = l[t] + logits[(size_t)t * Vp + targets[t]];
+  close_dev("crossentropy_lse_forward lse", dz, z, N, 2e-6f, 2e-6f);
+  G->crossentropy_lse_backward(dd, dlog, dz, dt, 0.25f, N, V, Vp);
+  close_dev("crossentropy_lse_backward", dd, d, n, 1e-8f, 1e-5f);
+  G->crossentropy_lse_backward(dlog, dlog, dz, dt, 0.25f, N, V, Vp);
+  close_dev("crossentropy_lse_backward in place", dlog, d, n, 1e-8f, 1e-5f);
+  G->release(dz), free(z);
   void *ptrs[] = {dt, dlog, dp, dl, dd};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
   free(logits), free(p), free(l), free(targets), free(d);
@@ -599,10 +620,8 @@ ZT_TEST(residual_layernorm) {
   }
 }
 
-ZT_TEST(bf16_convert) {
-  ZT_CHECK_STR(XB->name, "cuda-bf16");
-  ZT_CHECK(XB->xbytes == 2 && G->xbytes == 4 && R->xbytes == 4);
-  size_t n = 100003;
+/* narrow_x and widen_x over n elements (8 at a time where n allows). */
+static void check_convert(size_t n) {
   float *x = zt_rnd(n, 100);
   x[0] = 1.0f + 1.0f / 256, x[1] = 1.0f + 3.0f / 256, x[2] = -0.0f, x[3] = 3.0e38f; /* ties; max */
   float *dx = DEVF(x, n), *db = dalloc(n * 2), *dw = dalloc(n * 4);
@@ -622,6 +641,13 @@ ZT_TEST(bf16_convert) {
   ZT_CHECK(same_dev(dw, dx, n));
   G->release(dx), G->release(db), G->release(dw);
   free(x), free(h), free(w);
+}
+
+ZT_TEST(bf16_convert) {
+  ZT_CHECK_STR(XB->name, "cuda-bf16");
+  ZT_CHECK(XB->xbytes == 2 && G->xbytes == 4 && R->xbytes == 4);
+  check_convert(100003);
+  check_convert(100000);
 }
 
 ZT_TEST(bf16_elementwise) {
@@ -938,6 +964,17 @@ ZT_TEST(bf16_attn_xent) {
   XB->crossentropy_backward(d_d, d_p, dt, 0.25f, N, V, Vp);
   G->release(d_p);
   close_x("bf16 crossentropy_backward", d_d, d, n, 0);
+  /* Without probabilities: dlogits from the bf16 logits and the lse,
+   * rounded once (against the reference from unrounded probabilities). */
+  float *d_z = dalloc(N * 4);
+  float *d_log2 = devx(logits, n);
+  XB->crossentropy_lse_forward(d_l, d_z, d_log2, dt, N, V, Vp);
+  close_dev("bf16 crossentropy_lse_forward losses", d_l, l, N, 2e-6f, 2e-6f);
+  R->crossentropy_forward(l, p, logits, targets, N, V, Vp);
+  R->crossentropy_backward(d, p, targets, 0.25f, N, V, Vp);
+  XB->crossentropy_lse_backward(d_log2, d_log2, d_z, dt, 0.25f, N, V, Vp);
+  close_x("bf16 crossentropy_lse_backward", d_log2, d, n, 1e-8f);
+  G->release(d_z), G->release(d_log2);
   G->release(dt), G->release(d_log), G->release(d_l), G->release(d_d);
   free(logits), free(p), free(l), free(d), free(targets);
 }
@@ -981,6 +1018,8 @@ static void check_rmsnorm(int N, int C) {
   free(x), free(w), free(o), free(rs), free(dout), free(gx), free(gw);
 }
 
+static void check_swiglu(int N, int F);
+
 ZT_TEST(llama_ops) {
   const int B = 3, T = 17, NH = 8, KV = 2, HD = 6, F = 24, N = B * T;
   const int W = (NH + 2 * KV) * HD;
@@ -997,7 +1036,12 @@ ZT_TEST(llama_ops) {
   close_dev("rope", dq, q, (size_t)N * W, 1e-5f, 1e-5f);
   G->rope(dq, B, T, 5, NH, KV, HD, rope, 1);
   close_dev("rope inverse", dq, q0, (size_t)N * W, 1e-5f, 1e-5f);
-  /* SwiGLU. */
+  G->release(dq), free(q), free(q0);
+  check_swiglu(N, F);
+  check_swiglu(N, 13); /* rows of 13: one element at a time */
+}
+
+static void check_swiglu(int N, int F) {
   float *g2 = zt_rnd((size_t)N * 2 * F, 1), *h = malloc((size_t)N * F * 4);
   float *dg2 = DEVF(g2, (size_t)N * 2 * F), *dh = dalloc((size_t)N * F * 4);
   G->swiglu_forward(dh, dg2, N, F);
@@ -1008,9 +1052,8 @@ ZT_TEST(llama_ops) {
   G->swiglu_backward(d_dgg, d_dhh, dg2, N, F);
   R->swiglu_backward(dgg, dhh, g2, N, F);
   close_dev("swiglu_backward", d_dgg, dgg, (size_t)N * 2 * F, 1e-5f, 1e-5f);
-  void *ptrs[] = {dq, dg2, dh, d_dhh, d_dgg};
+  void *ptrs[] = {dg2, dh, d_dhh, d_dgg};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
-  free(q), free(q0);
   free(g2), free(h), free(dhh), free(dgg);
 }
 
