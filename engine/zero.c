@@ -86,11 +86,19 @@ static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype
   return 0;
 }
 
+/* Before a collective reads or writes table memory itself (NCCL, on its
+ * own stream): the kernels queued on it are complete (zt_kernels.h,
+ * sync). The staged path's download and upload wait by themselves. */
+static void dev_settle(zt_zero_t *z) {
+  if (z->dcomm && z->k->sync) z->k->sync();
+}
+
 static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt) {
   if (z->N == 1) {
     if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
     return 0;
   }
+  dev_settle(z);
   if (!z->dev || z->dcomm)
     return zt_comm_reduce_scatter(z->comm, send, recv, count, dt, ZT_RED_SUM, z->tmo);
   return c_staged(z, send, recv, count, dt, 0);
@@ -101,6 +109,7 @@ static int c_all_gather(zt_zero_t *z, const void *send, void *recv, size_t count
     if (send != recv) z->k->copy(recv, send, count * zt_dtype_size(dt));
     return 0;
   }
+  dev_settle(z);
   if (!z->dev || z->dcomm) return zt_comm_all_gather(z->comm, send, recv, count, dt, z->tmo);
   return c_staged(z, recv, (char *)send, count, dt, 1);
 }

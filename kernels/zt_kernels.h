@@ -280,6 +280,13 @@ typedef struct zt_kernels {
   /* Within the table's memory: copy (no overlap) and set to zero bytes. */
   void (*copy)(void *dst, const void *src, size_t bytes);
   void (*memzero)(void *p, size_t bytes);
+  /* Returns when the work queued on the table's memory is complete; NULL
+   * where calls return complete (the CPU tables). The CUDA tables queue
+   * on a stream of their own, so a caller that hands their memory to
+   * another engine with a stream of its own (NCCL) calls it first:
+   * otherwise the collective could read a gradient, or overwrite
+   * parameters, while kernels still write or read them. */
+  void (*sync)(void);
 } zt_kernels_t;
 
 #define ZT_KERNELS_SUMSQ_CHUNK 65536

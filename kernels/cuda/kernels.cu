@@ -2909,6 +2909,8 @@ static void *cu_alloc(size_t bytes) {
   return p;
 }
 
+static void cu_sync(void) { ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
+
 static void cu_release(void *p) {
   if (!p) return;
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
@@ -3011,6 +3013,7 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   ZT_PROF_ENTRY(t, memzero, cu_memzero);
   t->alloc = cu_alloc;
   t->release = cu_release;
+  t->sync = cu_sync;
   ZT_PROF_ENTRY(t, upload, cu_upload);
   ZT_PROF_ENTRY(t, download, cu_download);
 }

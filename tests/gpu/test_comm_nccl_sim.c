@@ -12,13 +12,19 @@
  *   - a rank that dies mid-collective (its communicator aborted, its
  *     sockets closed): the others see NCCL's asynchronous error well
  *     before the deadline;
- *   - a host buffer is refused (ncclInvalidArgument), as a GPU would.
+ *   - a host buffer is refused (ncclInvalidArgument), as a GPU would;
+ *   - a collective enqueued while another stream of the device still has
+ *     work the host has not waited for stops the process (the stand-in's
+ *     cross-stream check), and runs once the host has synchronised.
  */
 #include <cuda_runtime.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "comm.h"
 #include "zt_common.h"
@@ -225,5 +231,48 @@ ZT_TEST(host_buffer_refused) {
   zt_comm_destroy(rk[0].c);
 }
 
-ZT_TEST_MAIN(every_operation, silent_rank_times_out, dead_rank_is_an_async_error,
-             host_buffer_refused)
+/* In a child process: a memset queued on a stream of our own, then an
+ * all-reduce of that buffer on the communicator's stream, with or without
+ * cudaStreamSynchronize between. Returns the child's wait status; its
+ * stderr is in err. */
+static int unordered_child(int synced, char *err, size_t cap) {
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    rank_t rk[1];
+    char id[257];
+    if (make(rk, 1, id) != 0) _exit(3);
+    cudaStream_t s;
+    double *d = dev(4 * sizeof(double));
+    if (!d || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) _exit(3);
+    cudaMemsetAsync(d, 0, 4 * sizeof(double), s);
+    if (synced) cudaStreamSynchronize(s);
+    _exit(zt_comm_all_reduce(rk[0].c, d, 4, ZT_DT_F64, ZT_RED_SUM, 10000) == 0 ? 0 : 4);
+  }
+  close(fds[1]);
+  size_t n = 0;
+  ssize_t got;
+  while (n + 1 < cap && (got = read(fds[0], err + n, cap - 1 - n)) > 0) n += (size_t)got;
+  err[n] = 0;
+  close(fds[0]);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  return st;
+}
+
+ZT_TEST(unordered_stream_stops) {
+  char err[4096];
+  int st = unordered_child(0, err, sizeof err);
+  ZT_CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGABRT);
+  ZT_CHECK(strstr(err, "ncclAllReduce enqueued on stream") != NULL);
+  ZT_CHECK(strstr(err, "1 operation(s)") != NULL);
+  st = unordered_child(1, err, sizeof err);
+  ZT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+ZT_TEST_MAIN(unordered_stream_stops, every_operation, silent_rank_times_out,
+             dead_rank_is_an_async_error, host_buffer_refused)

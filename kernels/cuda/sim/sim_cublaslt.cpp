@@ -458,6 +458,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
   const void *ptrs[4] = {A, B, C, D};
   const zt_sim_lt_layout *ls[4] = {ad, bd, cd, dd};
   if (algo && (st = check_algo(algo, op, ptrs, ls)) != CUBLAS_STATUS_SUCCESS) return st;
+  zt_sim::stream_work(stream);
   for (int i = 0; i < 4; i++) {
     char what[40];
     snprintf(what, sizeof what, "cublasLtMatmul: matrix %c", "ABCD"[i]);

@@ -434,6 +434,7 @@ ncclResult_t enqueue(ncclComm *c, int kind, const void *send, void *recv, size_t
   }
   int st = c->state.load();
   if (st != ncclSuccess) return st == ncclInProgress ? ncclInvalidUsage : (ncclResult_t)st;
+  zt_sim::require_ordered(stream, kNames[kind]);
   if (zt_sim::stream_hold(stream, 1) != 0) {
     say("%s: stream %p is not a stream cudaStreamCreate made", kNames[kind], (void *)stream);
     return ncclInvalidArgument;

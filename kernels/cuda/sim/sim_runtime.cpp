@@ -904,6 +904,7 @@ cudaError_t launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaSt
   if (t_launch) fatal("kernel %s launched from inside kernel %s", name, t_launch->name);
   cudaError_t err = launch_config_error(grid, block, shmem, stream);
   if (err != cudaSuccess) return set_error(err);
+  stream_work(stream);
   uint64_t nblocks = (uint64_t)grid.x * grid.y * grid.z;
   if (nblocks > UINT32_MAX)
     fatal("kernel %s: a grid of %llu blocks, more than the stand-in runs (2^32 - 1)", name,
@@ -1001,11 +1002,22 @@ namespace {
 struct stream_rec {
   unsigned flags;
   int held; /* host work enqueued and not done (zt_sim::stream_hold) */
+  /* The cross-stream order (zt_sim::require_ordered): the device the
+   * stream was made on, the device work enqueued on it (seq counts
+   * kernels, copies, memsets, products, sorts), how much of it the host has
+   * seen complete (synced: a stream, device or event synchronisation), and
+   * for each other stream the work of it this one waits for
+   * (cudaStreamWaitEvent). */
+  int device = 0;
+  unsigned long seq = 0, synced = 0;
+  std::map<const void *, unsigned long> after;
 };
 struct event_rec {
   double t;
   unsigned flags;
   int recorded;
+  const void *stream = nullptr; /* where it was last recorded, and that stream's seq then */
+  unsigned long seq = 0;
 };
 std::set<const void *> g_streams, g_events;
 
@@ -1050,6 +1062,30 @@ int zt_sim::stream_hold(cudaStream_t s, int delta) {
   if (r->held + delta < 0) fatal("stream_hold: more work done than enqueued on stream %p", s);
   r->held += delta;
   return 0;
+}
+
+void zt_sim::stream_work(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (s && g_streams.count(s)) ((stream_rec *)s)->seq++;
+}
+
+void zt_sim::require_ordered(cudaStream_t s, const char *what) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  const stream_rec *b = s && g_streams.count(s) ? (const stream_rec *)s : nullptr;
+  for (const void *a : g_streams) {
+    const stream_rec *r = (const stream_rec *)a;
+    if (a == s || (b && r->device != b->device)) continue;
+    unsigned long seen = r->synced;
+    if (b) {
+      auto it = b->after.find(a);
+      if (it != b->after.end() && it->second > seen) seen = it->second;
+    }
+    if (r->seq > seen)
+      fatal("%s enqueued on stream %p while stream %p has %lu operation(s) that the host has not "
+            "seen complete and that this stream does not wait for: on a GPU they may still be "
+            "running (cudaStreamSynchronize, or cudaEventRecord and cudaStreamWaitEvent, first)",
+            what, (void *)s, a, r->seq - seen);
+  }
 }
 
 namespace {
@@ -1180,9 +1216,12 @@ cudaError_t cudaDeviceSynchronize(void) {
       std::lock_guard<std::recursive_mutex> lk(g_mu);
       for (const void *s : g_streams) busy = busy || ((const stream_rec *)s)->held > 0;
     }
-    if (!busy) return cudaSuccess;
+    if (!busy) break;
     usleep(100);
   }
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  for (const void *s : g_streams) ((stream_rec *)s)->synced = ((const stream_rec *)s)->seq;
+  return cudaSuccess;
 }
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
 
@@ -1307,6 +1346,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpy
   }
   device_access access("cudaMemcpy");
   memmove(dst, src, count);
+  stream_work(stream);
   return cudaSuccess;
 }
 
@@ -1322,6 +1362,7 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t str
   if (!in_device_memory(ptr, count)) return set_error(cudaErrorInvalidValue);
   device_access access("cudaMemset");
   memset(ptr, value, count);
+  stream_work(stream);
   return cudaSuccess;
 }
 
@@ -1333,7 +1374,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int flags) 
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   ensure_init();
   if (flags > cudaStreamNonBlocking) return set_error(cudaErrorInvalidValue);
-  return create_handle(stream, stream_rec{flags, 0}, g_streams);
+  stream_rec r;
+  r.flags = flags, r.held = 0, r.device = t_device;
+  return create_handle(stream, r, g_streams);
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t *stream) {
@@ -1350,6 +1393,8 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
   while (stream_busy(stream)) usleep(100);
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (stream && g_streams.count(stream)) ((stream_rec *)stream)->synced = ((stream_rec *)stream)->seq;
   return cudaSuccess;
 }
 
@@ -1362,6 +1407,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!valid_stream(stream) || !g_events.count(event))
     return set_error(cudaErrorInvalidResourceHandle);
+  const event_rec *e = (const event_rec *)event;
+  if (stream && g_streams.count(stream) && e->stream && g_streams.count(e->stream)) {
+    unsigned long &w = ((stream_rec *)stream)->after[e->stream];
+    if (e->seq > w) w = e->seq;
+  }
   return cudaSuccess;
 }
 
@@ -1369,7 +1419,9 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (flags & ~(unsigned)(cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess))
     return set_error(cudaErrorInvalidValue);
-  return create_handle(event, event_rec{0.0, flags, 0}, g_events);
+  event_rec r;
+  r.t = 0.0, r.flags = flags, r.recorded = 0;
+  return create_handle(event, r, g_events);
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t *event) {
@@ -1388,12 +1440,19 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   event_rec *e = (event_rec *)event;
   e->t = now_ms();
   e->recorded = 1;
+  e->stream = stream && g_streams.count(stream) ? (const void *)stream : nullptr;
+  e->seq = e->stream ? ((const stream_rec *)stream)->seq : 0;
   return cudaSuccess;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
+  const event_rec *e = (const event_rec *)event;
+  if (e->stream && g_streams.count(e->stream)) {
+    stream_rec *r = (stream_rec *)e->stream;
+    if (e->seq > r->synced) r->synced = e->seq;
+  }
   return cudaSuccess;
 }
 

@@ -74,6 +74,19 @@ int valid_stream(cudaStream_t stream);
  * abandoned by an abort); -1 when the stream is not one cudaStreamCreate
  * made. */
 int stream_hold(cudaStream_t stream, int delta);
+/* The order between streams. Everything here runs when it is enqueued,
+ * so a missing synchronisation between two streams cannot show as wrong
+ * values; instead each created stream counts the device work enqueued on
+ * it (stream_work: kernels, copies, memsets, cuBLASLt products, sorts) and
+ * how much of it the host has seen complete or another stream waits for
+ * (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
+ * cudaStreamWaitEvent). require_ordered(s, what) ends the process, naming
+ * `what`, when another stream of the same device has work that s neither
+ * waits for nor the host has seen complete: the NCCL stand-in calls it
+ * for every collective, whose buffers a GPU would otherwise read while
+ * the kernels that write them may still run. */
+void stream_work(cudaStream_t stream);
+void require_ordered(cudaStream_t stream, const char *what);
 /* Prints "zt-sim: <message>" and aborts. */
 [[noreturn]] void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

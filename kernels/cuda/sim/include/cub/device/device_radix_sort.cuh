@@ -72,6 +72,7 @@ struct DeviceRadixSort {
         !zt_sim::valid_stream(stream))
       return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
+    zt_sim::stream_work(stream);
     zt_sim::require_device_memory(d_temp_storage, temp_storage_bytes,
                                   "cub::DeviceRadixSort::SortPairs temporary storage");
     zt_sim::require_device_memory(d_keys_in, n * sizeof(KeyT), "SortPairs d_keys_in");
