@@ -1385,6 +1385,11 @@ cudaError_t cudaStreamCreate(cudaStream_t *stream) {
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
+  /* A later stream may get the same address: nothing may still refer to
+   * this one's order. */
+  for (const void *s : g_streams) ((stream_rec *)s)->after.erase(stream);
+  for (const void *e : g_events)
+    if (((const event_rec *)e)->stream == stream) ((event_rec *)e)->stream = nullptr;
   return destroy_handle<stream_rec>(stream, g_streams);
 }
 
@@ -1400,7 +1405,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
-  return stream_busy(stream) ? cudaErrorNotReady : cudaSuccess;
+  if (stream_busy(stream)) return cudaErrorNotReady;
+  std::lock_guard<std::recursive_mutex> lk(g_mu); /* the host has seen it complete */
+  if (stream && g_streams.count(stream)) ((stream_rec *)stream)->synced = ((stream_rec *)stream)->seq;
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {

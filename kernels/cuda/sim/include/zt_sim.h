@@ -79,8 +79,8 @@ int stream_hold(cudaStream_t stream, int delta);
  * values; instead each created stream counts the device work enqueued on
  * it (stream_work: kernels, copies, memsets, cuBLASLt products, sorts) and
  * how much of it the host has seen complete or another stream waits for
- * (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize,
- * cudaStreamWaitEvent). require_ordered(s, what) ends the process, naming
+ * (cudaStreamSynchronize, cudaStreamQuery when it says done,
+ * cudaDeviceSynchronize, cudaEventSynchronize, cudaStreamWaitEvent). require_ordered(s, what) ends the process, naming
  * `what`, when another stream of the same device has work that s neither
  * waits for nor the host has seen complete: the NCCL stand-in calls it
  * for every collective, whose buffers a GPU would otherwise read while
