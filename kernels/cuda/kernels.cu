@@ -168,8 +168,9 @@ __device__ __forceinline__ void put(bf16 &d, float v) { d = __float2bfloat16(v);
 static cudaDataType_t dtype_of(const float *) { return CUDA_R_32F; }
 static cudaDataType_t dtype_of(const bf16 *) { return CUDA_R_16BF; }
 
-/* Vector access. The memory-bound kernels (LayerNorm, residual, column
- * sums, cross-entropy, AdamW, the fp64 helpers) move VEC consecutive
+/* Vector access. The memory-bound kernels (LayerNorm, RMSNorm, residual,
+ * column sums, cross-entropy, AdamW, GELU, SwiGLU, the encoder's forward,
+ * the conversions) move VEC consecutive
  * elements per load and store: 16-byte words where the row length and the
  * addresses allow it (one word holds 8 bf16 or 4 fp32), so that a warp's
  * access is 512 bytes, not 64 (bf16 one element at a time), and enough
@@ -2589,6 +2590,7 @@ __device__ void row_max_sum(const X *l, int V, int Vp, float *sh, float *mx_out,
   for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
     ld8<V8>(f, l, i, Vp);
     for (int k = 0; k < 8 && i + k < V; k++) {
+      if (f[k] == -INFINITY) continue; /* exp 0; and -inf - -inf would be NaN */
       if (f[k] > mx) s *= expf(mx - f[k]), mx = f[k];
       s += expf(f[k] - mx);
     }

@@ -1208,8 +1208,15 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
   return cudaSuccess;
 }
 
-/* Waits for host work held on any stream (zt_sim::stream_hold). */
+/* Waits for host work held on any stream (zt_sim::stream_hold). The work
+ * enqueued on this device's streams before the call is then seen complete. */
 cudaError_t cudaDeviceSynchronize(void) {
+  std::map<const void *, unsigned long> done;
+  {
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    for (const void *s : g_streams)
+      if (((const stream_rec *)s)->device == t_device) done[s] = ((const stream_rec *)s)->seq;
+  }
   for (;;) {
     bool busy = false;
     {
@@ -1220,7 +1227,11 @@ cudaError_t cudaDeviceSynchronize(void) {
     usleep(100);
   }
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  for (const void *s : g_streams) ((stream_rec *)s)->synced = ((const stream_rec *)s)->seq;
+  for (const auto &d : done)
+    if (g_streams.count(d.first)) {
+      stream_rec *r = (stream_rec *)d.first;
+      if (d.second > r->synced) r->synced = d.second;
+    }
   return cudaSuccess;
 }
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
@@ -1397,16 +1408,22 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
  * stream holds (stream_hold) is ever outstanding. */
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  unsigned long target = 0; /* the work enqueued before the call */
+  {
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    if (stream && g_streams.count(stream)) target = ((const stream_rec *)stream)->seq;
+  }
   while (stream_busy(stream)) usleep(100);
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (stream && g_streams.count(stream)) ((stream_rec *)stream)->synced = ((stream_rec *)stream)->seq;
+  if (stream && g_streams.count(stream) && target > ((stream_rec *)stream)->synced)
+    ((stream_rec *)stream)->synced = target;
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  std::lock_guard<std::recursive_mutex> lk(g_mu); /* done: the host has seen it complete */
   if (stream_busy(stream)) return cudaErrorNotReady;
-  std::lock_guard<std::recursive_mutex> lk(g_mu); /* the host has seen it complete */
   if (stream && g_streams.count(stream)) ((stream_rec *)stream)->synced = ((stream_rec *)stream)->seq;
   return cudaSuccess;
 }
