@@ -121,7 +121,8 @@ static void finish(zt_prov_t *p, int64_t status, int sig) {
     p->failures++;
     p->runs[p->timed_out ? 2 : 1]++;
     int shift = p->failures > 4 ? 4 : p->failures;
-    p->next_ms = zt_now_ms() + every * ZT_MIN(1 << shift, MAX_BACKOFF);
+    int64_t wait = every * ZT_MIN(1 << shift, MAX_BACKOFF); /* said as it is: no clock read between */
+    p->next_ms = zt_now_ms() + wait;
     char why[96];
     if (p->timed_out)
       snprintf(why, sizeof why, "killed after %d ms (provisioner_timeout_ms)",
@@ -132,7 +133,7 @@ static void finish(zt_prov_t *p, int64_t status, int sig) {
       snprintf(why, sizeof why, "exit status %lld", (long long)status);
     zt_coord_event(c, 0, "provision_failed", 0,
                    "%s %d: %s, failure %d in a row, next try in %lld ms%s%.300s", p->action,
-                   p->count, why, p->failures, (long long)(p->next_ms - zt_now_ms()),
+                   p->count, why, p->failures, (long long)wait,
                    p->len ? "; output: " : "", p->buf);
   }
   p->running = 0;
