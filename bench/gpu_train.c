@@ -4,7 +4,8 @@
  * Builds the GPT-2 model of engine/model.c on the CUDA kernel table (GPT-2
  * 124M by default: 12 layers, 768 wide, 12 heads, T=1024, vocab 50257
  * padded to 50304), then times full training steps: zero gradients,
- * forward with loss, backward, AdamW over all parameters. Tokens are drawn
+ * forward with loss and backward (zt_model_step: one CUDA graph launch for
+ * both passes after the first two steps), AdamW over all parameters. Tokens are drawn
  * from a fixed pseudo-random stream on the host and uploaded every step, as
  * a data loader would. The first WARMUP steps are not timed.
  *
@@ -18,7 +19,7 @@
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
  *                    [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]
- *                    [--profile] [--no-gelu-epilogue]
+ *                    [--profile] [--no-gelu-epilogue] [--no-graphs]
  * (--arch llama: the same sizes as a Llama, with 4 query heads per K/V head
  * where the head count allows, an MLP of 8C/3 rounded up to 64, untied.)
  * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
@@ -29,8 +30,10 @@
  * step after the timed ones, with the kernel table's profile on
  * (zt_kernels_cuda_profile), whose report goes to stderr.
  * --no-gelu-epilogue: the MLP's GELU as calls of its own, not in the
- * products' epilogues (zt_kernels_cuda_set_gelu_epilogue). Exits 77
- * without a CUDA device.
+ * products' epilogues (zt_kernels_cuda_set_gelu_epilogue). --no-graphs:
+ * every step call by call, without CUDA graphs (the profiled step always
+ * is). The JSON says how many steps a graph launch ran ("graph_launches")
+ * or why graphs were off ("graphs_off"). Exits 77 without a CUDA device.
  */
 #include <math.h>
 #include <stdint.h>
@@ -70,7 +73,7 @@ static int usage(void) {
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
           "                   [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]\n"
-          "                   [--profile] [--no-gelu-epilogue]\n");
+          "                   [--profile] [--no-gelu-epilogue] [--no-graphs]\n");
   return 2;
 }
 
@@ -81,7 +84,7 @@ int main(int argc, char **argv) {
   zt_cuda_math_t math = ZT_CUDA_MATH_BF16;
   const char *math_name = "bf16", *att = "auto";
   int storage16 = 0; /* bf16-storage: the bf16 table and an fp32 master (zt_kernels.h) */
-  int profile = 0, no_gelu_epi = 0;
+  int profile = 0, no_gelu_epi = 0, graphs = 1;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "--profile")) {
@@ -90,6 +93,10 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(a, "--no-gelu-epilogue")) {
       no_gelu_epi = 1;
+      continue;
+    }
+    if (!strcmp(a, "--no-graphs")) {
+      graphs = 0;
       continue;
     }
     if (!v) return usage();
@@ -151,6 +158,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   zt_model_init(m, 1337);
+  zt_model_set_graphs(m, graphs);
   size_t P = m->lay.num_params;
   float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
   /* With bf16 storage AdamW updates an fp32 master, rounded into the
@@ -167,7 +175,10 @@ int main(int argc, char **argv) {
   uint64_t s = 42;
   float first = 0, last = 0;
   for (int step = 0; step < steps + profile; step++) {
-    if (step == steps) zt_kernels_cuda_profile(1);
+    if (step == steps) { /* the profile times each call: no graph */
+      zt_model_set_graphs(m, 0);
+      zt_kernels_cuda_profile(1);
+    }
     for (int i = 0; i < B * T; i++) {
       s = s * 6364136223846793005ull + 1442695040888963407ull;
       inp[i] = (int)((s >> 33) % (uint64_t)cfg.vocab_size);
@@ -176,8 +187,8 @@ int main(int argc, char **argv) {
     double t0 = now_s();
     float loss;
     zt_model_zero_grads(m);
-    if (zt_model_forward(m, inp, tgt, B, T, &loss) != 0 || zt_model_backward(m, 1.0f) != 0) {
-      fprintf(stderr, "zt_gpubench: step failed\n");
+    if (zt_model_step(m, inp, tgt, B, T, 1.0f, &loss) != 0) {
+      fprintf(stderr, "zt_gpubench: step failed: %s\n", zt_err_msg());
       return 1;
     }
     float t = (float)(step + 1);
@@ -219,10 +230,11 @@ int main(int argc, char **argv) {
          "\"batch\": %d, \"seq\": %d, \"ms_per_step\": %.2f, \"tokens_per_s\": %.0f, "
          "\"tflops\": %.1f, \"mfu\": %.4f, \"loss_first\": %.4f, \"loss_last\": %.4f, "
          "\"gib_model_state\": %.2f, \"gib_activations\": %.2f, \"attention\": \"%s\", "
-         "\"gib_device_used\": %.2f}\n",
+         "\"gib_device_used\": %.2f, \"graph_launches\": %ld, \"graphs_off\": \"%s\"}\n",
          math_name, zt_cuda_device_name(), N, B, T, ms, tokens / (ms * 1e-3), tflops,
          peak > 0 ? tflops / peak : 0.0, first, last, state / 1073741824.0, act / 1073741824.0,
-         att, zt_cuda_device_memory_used() / 1073741824.0);
+         att, zt_cuda_device_memory_used() / 1073741824.0, m->graph.replays,
+         graphs ? m->graph.why : "--no-graphs");
   k->release(mom), k->release(var);
   if (storage16) k->release(master);
   zt_model_free(m);

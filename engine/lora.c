@@ -182,7 +182,12 @@ int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad, zt_zero_t *z)
     m->unit_params[u] = is_block(l, u) ? l->w : xadv(l, l->base, l->uoff[u]);
     m->unit_grads[u] = NULL;
   }
-  zt_model_hooks_t h = {l, pre_forward, post_forward, pre_backward, post_backward};
+  /* The hooks move unit pointers (fixed_units 0: no CUDA graphs). */
+  zt_model_hooks_t h = {.ctx = l,
+                        .pre_forward = pre_forward,
+                        .post_forward = post_forward,
+                        .pre_backward = pre_backward,
+                        .post_backward = post_backward};
   zt_model_set_hooks(m, &h);
   *out = l;
   return 0;

@@ -121,6 +121,7 @@ int zt_model_create(zt_model_t **out, const zt_model_config_t *cfg, int B, int T
   m->max_T = T;
   m->k = k;
   m->recompute = (flags & ZT_MODEL_RECOMPUTE) != 0;
+  m->graph.on = 1;
   if (zt_layout_build(&m->lay, cfg) != 0) goto err;
   m->unit_params = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
   m->unit_grads = zt_xcalloc((size_t)m->lay.num_units, sizeof(float *));
@@ -139,6 +140,10 @@ err:
 
 void zt_model_free(zt_model_t *m) {
   if (!m) return;
+  zt_model_set_graphs(m, 0);
+  free(m->graph.ptrs);
+  free(m->graph.segs);
+  free(m->graph.marks);
   acts_free(m->k, m->acts);
   if (m->params) m->k->release(m->params);
   if (m->grads) m->k->release(m->grads);
@@ -149,6 +154,11 @@ void zt_model_free(zt_model_t *m) {
 }
 
 void zt_model_set_hooks(zt_model_t *m, const zt_model_hooks_t *hooks) {
+  /* Recorded segments end in the old hooks' marks. */
+  if (m->graph.on) {
+    zt_model_set_graphs(m, 0);
+    zt_model_set_graphs(m, 1);
+  }
   if (hooks) m->hooks = *hooks;
   else memset(&m->hooks, 0, sizeof m->hooks);
 }
@@ -184,8 +194,13 @@ void zt_model_zero_grads(zt_model_t *m) {
 
 typedef int (*zt_hook_fn)(void *ctx, int unit);
 
+static int graph_cut(zt_model_t *m, zt_hook_fn fn, const char *what, int unit);
+
+/* While a step is recorded (zt_model_step), a hook ends a segment
+ * instead of running. */
 static int call_hook(zt_model_t *m, zt_hook_fn fn, const char *what, int unit) {
   if (!fn) return 0;
+  if (m->graph.recording) return graph_cut(m, fn, what, unit);
   if (fn(m->hooks.ctx, unit) != 0) return zt_err_wrap("%s(unit %d)", what, unit);
   return 0;
 }
@@ -298,11 +313,10 @@ static float mean_loss(const float *losses, int n) {
   return (float)(s / n);
 }
 
-int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
-                     float *loss) {
-  const zt_kernels_t *k = m->k;
+/* Checks a batch and uploads it (the targets too, when not NULL). */
+static int put_batch(zt_model_t *m, const int *inputs, const int *targets, int B, int T) {
   struct zt_acts *a = m->acts;
-  int C = m->cfg.n_embd, L = m->cfg.n_layer, V = m->cfg.vocab_size, BT = B * T;
+  int V = m->cfg.vocab_size, BT = B * T;
   if (!a) return zt_err("forward: a shell model (ZT_MODEL_SHELL) has no activations");
   if (B < 1 || B > m->max_B || T < 1 || T > m->max_T)
     return zt_err("forward: batch %dx%d exceeds the model's capacity %dx%d", B, T, m->max_B,
@@ -311,10 +325,20 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
     if (inputs[i] < 0 || inputs[i] >= V || (targets && (targets[i] < 0 || targets[i] >= V)))
       return zt_err("forward: token id out of range [0, %d) at position %d", V, i);
   }
+  m->k->upload(a->inputs, inputs, sizeof(int) * (size_t)BT);
+  if (targets) m->k->upload(a->targets, targets, sizeof(int) * (size_t)BT);
+  return 0;
+}
+
+/* The forward's device work on the uploaded batch: no transfer to or from
+ * the host, so that a graph can hold it. */
+static int forward_enqueue(zt_model_t *m, int B, int T, int with_targets) {
+  const zt_kernels_t *k = m->k;
+  struct zt_acts *a = m->acts;
+  int C = m->cfg.n_embd, L = m->cfg.n_layer, V = m->cfg.vocab_size, BT = B * T;
   a->B = B;
   a->T = T;
   a->have_targets = 0;
-  m->k->upload(a->inputs, inputs, sizeof(int) * (size_t)BT);
 
   int llama = m->cfg.arch == ZT_ARCH_LLAMA;
   ZT_HOOK(m, pre_forward, 0);
@@ -346,18 +370,29 @@ int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B
     ZT_HOOK(m, post_forward, 0);
   }
 
-  if (targets) {
-    k->upload(a->targets, targets, sizeof(int) * (size_t)BT);
+  if (with_targets) {
     if (k->crossentropy_lse_forward) /* the logits stay; backward reads them */
       k->crossentropy_lse_forward(a->losses, a->ce_lse, a->logits, a->targets, BT, V, m->lay.Vp);
     else /* the probabilities replace the logits */
       k->crossentropy_forward(a->losses, a->logits, a->logits, a->targets, BT, V, m->lay.Vp);
     a->have_targets = 1;
-    if (loss) {
-      k->download(a->host_losses, a->losses, sizeof(float) * (size_t)BT);
-      *loss = mean_loss(a->host_losses, BT);
-    }
   }
+  return 0;
+}
+
+/* The mean of the last forward's losses, read from the device. */
+static float read_loss(zt_model_t *m) {
+  struct zt_acts *a = m->acts;
+  int BT = a->B * a->T;
+  m->k->download(a->host_losses, a->losses, sizeof(float) * (size_t)BT);
+  return mean_loss(a->host_losses, BT);
+}
+
+int zt_model_forward(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
+                     float *loss) {
+  if (put_batch(m, inputs, targets, B, T) != 0) return -1;
+  if (forward_enqueue(m, B, T, targets != NULL) != 0) return -1;
+  if (targets && loss) *loss = read_loss(m);
   return 0;
 }
 
@@ -504,4 +539,173 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
   if (dwte) k->encoder_backward(dwte, dwpe, a->dres, a->inputs, B, T, C);
   ZT_HOOK(m, post_backward, 0);
   return 0;
+}
+
+/* ---- CUDA graphs (zt_model_step) ------------------------------------------ */
+
+/* A graph holds the pointers and scalars its calls were recorded with, so
+ * it is replayed only for a step with the same key: batch shape, gradient
+ * scale and every unit pointer (the activations and the table's scratch
+ * stay where they are). MAX_CAPTURES bounds the recordings of a model
+ * whose key keeps changing (each costs one step without a graph and one
+ * recording): past it, graphs are turned off for good.
+ *
+ * Recording is a pass of forward and backward that runs nothing: the
+ * table records every call, and each hook, instead of running, ends the
+ * segment so far (one graph) and starts the next (graph_cut), noting
+ * itself as the mark between the two. That pass and a real one enqueue
+ * the same calls, because the model's own control flow does not depend on
+ * what a hook does, and hooks with fixed_units leave every pointer where
+ * it was. A step from the recording launches segment 0, runs mark 0, and
+ * so on: the same calls and the same hooks in the same order. */
+#define MAX_CAPTURES 16
+
+static int graph_usable(const zt_model_t *m) {
+  const zt_model_hooks_t *h = &m->hooks;
+  int hooks = h->pre_forward || h->post_forward || h->pre_backward || h->post_backward;
+  return m->graph.on && m->k->graph_begin && (!hooks || h->fixed_units);
+}
+
+static void graph_drop(zt_model_t *m) {
+  zt_model_graph_t *g = &m->graph;
+  for (int i = 0; i < g->nsegs; i++) m->k->graph_free(g->segs[i]);
+  g->nsegs = 0;
+}
+
+static void graph_off(zt_model_t *m, const char *why) {
+  snprintf(m->graph.why, sizeof m->graph.why, "%s", why);
+  zt_log(ZT_LOG_WARN, "CUDA graphs off for this model (steps run call by call): %s", why);
+  zt_model_set_graphs(m, 0);
+}
+
+/* 1 when the unit pointers are the key's. */
+static int graph_same_units(const zt_model_t *m) {
+  size_t U = (size_t)m->lay.num_units;
+  return !memcmp(m->graph.ptrs, m->unit_params, U * sizeof(void *)) &&
+         !memcmp(m->graph.ptrs + U, m->unit_grads, U * sizeof(void *));
+}
+
+/* 1 when the key of the step (B, T, scale, unit pointers) is the graph's;
+ * otherwise it becomes the key, for the step that warms it up. */
+static int graph_key(zt_model_t *m, int B, int T, float scale) {
+  zt_model_graph_t *g = &m->graph;
+  size_t U = (size_t)m->lay.num_units;
+  if (!g->ptrs) g->ptrs = zt_xcalloc(2 * U, sizeof(void *));
+  if (g->warm && g->B == B && g->T == T && memcmp(&g->scale, &scale, sizeof scale) == 0 &&
+      graph_same_units(m))
+    return 1;
+  g->B = B, g->T = T, g->scale = scale;
+  memcpy(g->ptrs, m->unit_params, U * sizeof(void *));
+  memcpy(g->ptrs + U, m->unit_grads, U * sizeof(void *));
+  return 0;
+}
+
+/* Appends a recorded segment and, unless it is the last, the mark after
+ * it. */
+static void graph_push(zt_model_graph_t *g, void *seg, const struct zt_model_mark *mark) {
+  if (g->nsegs == g->cap) {
+    g->cap = g->cap ? 2 * g->cap : 16;
+    g->segs = zt_xrealloc(g->segs, (size_t)g->cap * sizeof *g->segs);
+    g->marks = zt_xrealloc(g->marks, (size_t)g->cap * sizeof *g->marks);
+  }
+  if (mark) g->marks[g->nsegs] = *mark;
+  g->segs[g->nsegs++] = seg;
+}
+
+/* A hook during the recording: the segment so far becomes a graph, a new
+ * one begins. -1 (the pass stops) when the table cannot record it. */
+static int graph_cut(zt_model_t *m, zt_hook_fn fn, const char *what, int unit) {
+  zt_model_graph_t *g = &m->graph;
+  void *x = m->k->graph_end(g->rec_fail, sizeof g->rec_fail);
+  if (!x) return -1;
+  struct zt_model_mark mk = {fn, what, unit};
+  graph_push(g, x, &mk);
+  return m->k->graph_begin(g->rec_fail, sizeof g->rec_fail) == 0 ? 0 : -1;
+}
+
+/* Records forward and backward into m->graph's segments. -1 with the
+ * model's error for an error of the passes themselves; 1 when the table
+ * could not record them (graphs are off then, the step still to run). */
+static int graph_record(zt_model_t *m, int B, int T, float scale) {
+  const zt_kernels_t *k = m->k;
+  zt_model_graph_t *g = &m->graph;
+  char why[200];
+  if (g->captures >= MAX_CAPTURES) {
+    snprintf(why, sizeof why, "the step's shape or buffers changed %d times", MAX_CAPTURES);
+    graph_off(m, why);
+    return 1;
+  }
+  if (k->graph_begin(why, sizeof why) != 0) {
+    graph_off(m, why);
+    return 1;
+  }
+  g->rec_fail[0] = 0;
+  g->recording = 1;
+  int rc = forward_enqueue(m, B, T, 1);
+  if (rc == 0) rc = zt_model_backward(m, scale);
+  g->recording = 0;
+  void *x = k->graph_end(why, sizeof why);
+  if (x) graph_push(g, x, NULL);
+  if (g->rec_fail[0] || !x) {
+    graph_off(m, g->rec_fail[0] ? g->rec_fail : why);
+    return 1;
+  }
+  if (rc != 0) {
+    graph_drop(m);
+    return -1;
+  }
+  g->captures++;
+  zt_log(ZT_LOG_INFO, "CUDA graphs: a step recorded as %d graph(s), batch %d x %d", g->nsegs, B,
+         T);
+  return 0;
+}
+
+/* A step from the recording: the segments, and between them the hooks. */
+static int graph_run(zt_model_t *m, int B, int T) {
+  zt_model_graph_t *g = &m->graph;
+  for (int i = 0; i < g->nsegs; i++) {
+    m->k->graph_launch(g->segs[i]);
+    if (i == g->nsegs - 1) break;
+    const struct zt_model_mark *mk = &g->marks[i];
+    if (mk->fn(m->hooks.ctx, mk->unit) != 0) return zt_err_wrap("%s(unit %d)", mk->name, mk->unit);
+    if (!graph_same_units(m)) { /* the hooks broke fixed_units: no graph can follow them */
+      graph_off(m, "a hook moved a unit's buffers during a step");
+      return zt_err("step: %s(unit %d) moved a unit's buffers, which its hooks' fixed_units "
+                    "rules out; the step is lost", mk->name, mk->unit);
+    }
+  }
+  g->replays++;
+  m->acts->B = B, m->acts->T = T;
+  m->acts->have_targets = 0; /* as the backward leaves it */
+  return 0;
+}
+
+int zt_model_step(zt_model_t *m, const int *inputs, const int *targets, int B, int T,
+                  float grad_scale, float *loss) {
+  if (!targets) return zt_err("step: a training step needs targets");
+  if (!graph_usable(m)) {
+    if (zt_model_forward(m, inputs, targets, B, T, loss) != 0) return -1;
+    return zt_model_backward(m, grad_scale);
+  }
+  if (put_batch(m, inputs, targets, B, T) != 0) return -1;
+  zt_model_graph_t *g = &m->graph;
+  int same = graph_key(m, B, T, grad_scale);
+  if (g->nsegs && !same) graph_drop(m);
+  if (!g->nsegs && same && graph_record(m, B, T, grad_scale) < 0) return -1;
+  if (g->nsegs) {
+    if (graph_run(m, B, T) != 0) return -1;
+  } else {
+    g->warm = 1;
+    if (forward_enqueue(m, B, T, 1) != 0 || zt_model_backward(m, grad_scale) != 0) return -1;
+  }
+  if (loss) *loss = read_loss(m);
+  return 0;
+}
+
+void zt_model_set_graphs(zt_model_t *m, int on) {
+  zt_model_graph_t *g = &m->graph;
+  if (!on) graph_drop(m);
+  g->on = on != 0;
+  g->warm = 0;
+  if (on) g->why[0] = 0;
 }

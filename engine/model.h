@@ -74,6 +74,11 @@ typedef struct zt_model_hooks {
   int (*post_forward)(void *ctx, int unit);
   int (*pre_backward)(void *ctx, int unit);
   int (*post_backward)(void *ctx, int unit);
+  /* The hooks never change a unit pointer (unit_params, unit_grads), and
+   * nothing but the hooks uses the table's stream during a step: the
+   * model may record the work between them into CUDA graphs
+   * (zt_model_step). */
+  int fixed_units;
 } zt_model_hooks_t;
 
 #define ZT_MODEL_NO_PARAMS 1u /* do not allocate the flat parameter buffer */
@@ -82,6 +87,29 @@ typedef struct zt_model_hooks {
 #define ZT_MODEL_SHELL 8u     /* no activations (see above) */
 
 struct zt_acts; /* activations, private to model.c */
+
+/* CUDA graphs for zt_model_step (docs/gpu.md, "CUDA graphs"): the work
+ * of forward and backward between two hooks is one segment, recorded as
+ * one graph; marks[i] is the hook that runs after segment i. */
+struct zt_model_mark {
+  int (*fn)(void *ctx, int unit);
+  const char *name;
+  int unit;
+};
+typedef struct zt_model_graph {
+  int on;            /* graphs allowed (zt_model_set_graphs; default on) */
+  void **segs;       /* the recorded segments (nsegs; 0: none recorded) */
+  struct zt_model_mark *marks; /* nsegs - 1 of them */
+  int nsegs, cap;
+  int recording;     /* hooks end segments instead of running */
+  char rec_fail[200];
+  int warm;          /* a step with the key below has run without a graph */
+  int B, T;          /* the key: the shape, the gradient scale, ... */
+  float scale;
+  void **ptrs;       /* ... and every unit pointer, params then grads */
+  long captures, replays; /* recordings of a step; steps run from them */
+  char why[200];     /* why graphs were turned off, or "" */
+} zt_model_graph_t;
 
 typedef struct zt_model {
   zt_model_config_t cfg;
@@ -97,6 +125,7 @@ typedef struct zt_model {
 
   zt_model_hooks_t hooks;
   struct zt_acts *acts;
+  zt_model_graph_t graph;
 } zt_model_t;
 
 /* The configuration's RoPE frequencies (llama). */
@@ -133,6 +162,27 @@ ZT_MUST_CHECK int zt_model_forward(zt_model_t *m, const int *inputs, const int *
  * the unit gradient buffers (grad_scale = 1 / accum_steps makes
  * micro-batches accumulate to the mean over the whole batch). */
 ZT_MUST_CHECK int zt_model_backward(zt_model_t *m, float grad_scale);
+/* A training micro-step: zt_model_forward with targets, then
+ * zt_model_backward(grad_scale), with the same results. On a kernel table
+ * with CUDA graphs (zt_kernels.h graph_*) and with no hooks set, the
+ * device work of both passes is recorded once into one graph and replayed
+ * by each later step with the same batch shape, gradient scale and unit
+ * pointers: one launch in place of hundreds. With hooks that declare
+ * fixed_units, each stretch between two hooks is a graph of its own and
+ * the hooks run between the launches, as they would between the calls.
+ * The first step with a new key runs without a graph (it sizes the
+ * table's scratch buffers); the next one records (a pass that runs
+ * nothing and calls no hook), then launches; the rest launch. Inputs and
+ * targets are uploaded before the launches and the loss is read after
+ * them. If a step cannot be
+ * recorded (zt_kernels.h says what cannot be), graphs are turned off for
+ * the model with the reason in m->graph.why (logged once) and every step
+ * runs without one. */
+ZT_MUST_CHECK int zt_model_step(zt_model_t *m, const int *inputs, const int *targets, int B,
+                                int T, float grad_scale, float *loss);
+/* Allows (1, the default) or forbids (0) graphs for zt_model_step; 0 also
+ * frees a recorded one. */
+void zt_model_set_graphs(zt_model_t *m, int on);
 /* The hooks of one forward and backward, in the same order, with no
  * computation and each unit's gradient zero when its post_backward hook
  * runs: a rank with fewer micro-batches than another in a step (the

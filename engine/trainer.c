@@ -416,6 +416,10 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
       return -1;
     }
     t->have_dl = 1;
+    /* The overlapped all-reduce's thread uploads and downloads through the
+     * table while the steps run: no CUDA graph may be recorded then
+     * (zt_model_hooks_t, fixed_units). */
+    if (t->spec.overlap_steps > 0) zt_model_set_graphs(t->m, 0);
     t->rl = zt_xcalloc(2 * (size_t)t->spec.inner_steps, sizeof(double));
     t->rlr = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));
     t->rms = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));
@@ -675,9 +679,11 @@ static int micro_batch(trainer *t, int64_t step, int j, int last, double *loss_s
   float l = 0;
   if (zt_data_fill(t->train, micro_pos(t, step, j), t->mb, t->inp, t->tgt) != 0) return -1;
   zt_zero_micro_begin(&t->z, last);
-  if (zt_model_forward(t->m, t->inp, t->tgt, t->mb, t->T, &l) != 0 && !t->z.fail) return -1;
+  /* Forward and backward, from CUDA graphs where the table and the hooks
+   * allow (zt_model_step). A failed collective (z.fail) is reported by
+   * zt_zero_micro_end. */
+  if (zt_model_step(t->m, t->inp, t->tgt, t->mb, t->T, 1.0f, &l) != 0 && !t->z.fail) return -1;
   *loss_sum += l;
-  if (zt_model_backward(t->m, 1.0f) != 0 && !t->z.fail) return -1;
   if (fi->slow_micro_ms > 0 && t->r == fi->slow_rank) /* test knob: a slow machine */
     usleep((useconds_t)fi->slow_micro_ms * 1000);
   if (zt_zero_micro_end(&t->z) != 0) return -1;

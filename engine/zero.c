@@ -779,7 +779,14 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->pver = 1;
   z->pf_unit[0] = z->pf_unit[1] = z->pf_unit[2] = -1;
   if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) goto err;
-  zt_model_hooks_t hooks = {z, h_pre_forward, NULL, h_pre_backward, h_post_backward};
+  /* Stages 0-1 keep every unit where layout() put it, and without the
+   * communication thread only the hooks touch the table's memory during
+   * a step: the model may record the steps into CUDA graphs. */
+  zt_model_hooks_t hooks = {.ctx = z,
+                            .pre_forward = h_pre_forward,
+                            .pre_backward = h_pre_backward,
+                            .post_backward = h_post_backward,
+                            .fixed_units = z->stage <= 1 && !z->overlap};
   zt_model_set_hooks(m, &hooks);
   return 0;
 err:

@@ -287,6 +287,23 @@ typedef struct zt_kernels {
    * otherwise the collective could read a gradient, or overwrite
    * parameters, while kernels still write or read them. */
   void (*sync)(void);
+
+  /* CUDA graphs (optional: NULL in the CPU tables). graph_begin starts
+   * recording the table's calls, in place of running them: 0, or -1 with
+   * the reason in why. graph_end stops and returns an executable graph of
+   * the calls since graph_begin, or NULL with the reason: a call that
+   * waits for the device or moves host memory (alloc, release, upload,
+   * download, sync, sumsq's read-back, a scratch buffer that would have to
+   * grow) cannot be in a graph and makes the recording fail; nothing
+   * recorded has run either way. graph_launch enqueues the recorded calls
+   * again with the arguments they were recorded with (pointers, sizes,
+   * scalars: the same buffers, read and written afresh each time), and
+   * graph_free frees a graph. engine/model.c records a training step's
+   * forward and backward this way (zt_model_step). */
+  int (*graph_begin)(char *why, size_t whylen);
+  void *(*graph_end)(char *why, size_t whylen);
+  void (*graph_launch)(void *graph);
+  void (*graph_free)(void *graph);
 } zt_kernels_t;
 
 #define ZT_KERNELS_SUMSQ_CHUNK 65536

@@ -20,6 +20,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +35,36 @@
  * ends the process: the context is unusable after a device error and the
  * coordinator treats the worker's exit as a failed rank. */
 
+/* An open graph capture (graph_begin .. graph_end, "CUDA graphs" below):
+ * on, and the first thing that kept the capture from making a graph. */
+static struct {
+  int on; /* read by other threads: atomically */
+  pthread_t owner;
+  char fail[200];
+} cap;
+
+/* The stream is the capture's while it is open: another thread's call
+ * would land in the graph (or break it), so it ends the process. The
+ * model records only when nothing else uses the table (engine/model.h,
+ * fixed_units). */
+static void cap_same_thread(const char *what) {
+  if (__atomic_load_n(&cap.on, __ATOMIC_ACQUIRE) && !pthread_equal(cap.owner, pthread_self())) {
+    fprintf(stderr, "zt cuda: %s called from another thread while a CUDA graph is being "
+            "recorded\n", what);
+    fflush(stderr);
+    exit(EXIT_FAILURE);
+  }
+}
+
+/* During a capture, nothing runs: a failed call there (a capture the
+ * driver invalidated) is the capture's failure, reported by graph_end;
+ * the step then runs without a graph, where a real error ends the
+ * process as below. */
 static void cuda_fail(const char *what, const char *msg, const char *file, int line) {
+  if (__atomic_load_n(&cap.on, __ATOMIC_ACQUIRE) && pthread_equal(cap.owner, pthread_self())) {
+    if (!cap.fail[0]) snprintf(cap.fail, sizeof cap.fail, "%s: %s", what, msg);
+    return;
+  }
   fprintf(stderr, "zt cuda: %s failed at %s:%d: %s\n", what, file, line, msg);
   fflush(stderr);
   exit(EXIT_FAILURE);
@@ -74,8 +104,21 @@ static struct {
   size_t sumsq_host_n;
 } g;
 
+/* 1 (and the capture fails, naming `what`) when a capture is open: for
+ * the calls that wait for the device or move host memory, which a graph
+ * cannot hold. */
+static int cap_refuse(const char *what) {
+  if (!cap.on) return 0;
+  if (!cap.fail[0]) snprintf(cap.fail, sizeof cap.fail, "%s inside the captured calls", what);
+  return 1;
+}
+
 static void *scratch(int which, size_t bytes) {
   if (bytes <= g.scr_size[which]) return g.scr[which];
+  /* The buffer a graph's calls would use is the one they were recorded
+   * with: it cannot grow inside a capture (a step run without a graph
+   * first sizes it). */
+  if (cap_refuse("a scratch buffer to grow")) return g.scr[which];
   /* Earlier work queued on the stream may still use the old buffer. */
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
   if (g.scr[which]) ZT_CUDA_CHECK(cudaFree(g.scr[which]));
@@ -272,7 +315,7 @@ static int prof_label(char kind, const char *s) {
 
 /* The pair's index, or -1 when the profile is off or the pool is spent. */
 static int prof_begin(char kind, const char *label) {
-  if (!prof.on) return -1;
+  if (!prof.on || cap.on) return -1;
   if (prof.n == PROF_PAIRS) {
     prof.dropped++;
     return -1;
@@ -2829,6 +2872,7 @@ __global__ void k_sumsq_chunks(double *part, const T *x, size_t n, double s) {
 
 /* Adds the chunk sums of `part` on the host, in order. */
 static double sum_chunks(const double *part, size_t chunks) {
+  if (cap_refuse("a sum read back to the host")) return 0.0;
   if (g.sumsq_host_n < chunks) {
     free(g.sumsq_host);
     g.sumsq_host = (double *)malloc(chunks * sizeof(double));
@@ -2903,6 +2947,8 @@ static double cu_sumsq_f64(const double *x, size_t n, double s) {
  * caller reports it); the copies are complete when they return. */
 static void *cu_alloc(size_t bytes) {
   void *p = NULL;
+  cap_same_thread("alloc");
+  if (cap_refuse("alloc")) return NULL;
   if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
     (void)cudaGetLastError();
     return NULL;
@@ -2911,23 +2957,28 @@ static void *cu_alloc(size_t bytes) {
   return p;
 }
 
-static void cu_sync(void) { ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
+static void cu_sync(void) {
+  cap_same_thread("sync");
+  if (cap_refuse("sync")) return;
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
 
 static void cu_release(void *p) {
-  if (!p) return;
+  cap_same_thread("release");
+  if (!p || cap_refuse("release")) return;
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
   ZT_CUDA_CHECK(cudaFree(p));
 }
 
 static void cu_upload(void *dst, const void *src, size_t bytes) {
-  if (!bytes) return;
+  if (!bytes || cap_refuse("upload")) return;
   ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.stream));
   /* The source is pageable host memory the caller may reuse at once. */
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
 }
 
 static void cu_download(void *dst, const void *src, size_t bytes) {
-  if (!bytes) return;
+  if (!bytes || cap_refuse("download")) return;
   ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g.stream));
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
 }
@@ -2942,6 +2993,69 @@ static void cu_memzero(void *p, size_t bytes) {
   ZT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.stream));
 }
 
+/* ---------------------------------------------------------------------------
+ * CUDA graphs (zt_kernels.h: graph_begin .. graph_free; docs/gpu.md, "CUDA
+ * graphs"). The table's calls between graph_begin and graph_end are
+ * captured from the module's stream (thread-local mode: other threads are
+ * not restricted) into one executable graph; graph_launch enqueues it on
+ * the same stream, one launch for the whole sequence. A call that cannot be
+ * in a graph (cap_refuse above) or a capture the driver invalidates makes
+ * graph_end return NULL with the reason, and nothing recorded ever runs. */
+
+static int cu_graph_begin(char *why, size_t n) {
+  if (cap.on) {
+    snprintf(why, n, "a capture is open already");
+    return -1;
+  }
+  if (prof.on) {
+    snprintf(why, n, "the profile is on (it times each call with events of its own)");
+    return -1;
+  }
+  cudaError_t e = cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(why, n, "cudaStreamBeginCapture: %s", cudaGetErrorString(e));
+    return -1;
+  }
+  cap.owner = pthread_self();
+  cap.fail[0] = 0;
+  __atomic_store_n(&cap.on, 1, __ATOMIC_RELEASE);
+  return 0;
+}
+
+static void *cu_graph_end(char *why, size_t n) {
+  if (!cap.on) {
+    snprintf(why, n, "no capture is open");
+    return NULL;
+  }
+  cudaGraph_t gr = NULL;
+  cudaGraphExec_t x = NULL;
+  cudaError_t e = cudaStreamEndCapture(g.stream, &gr);
+  __atomic_store_n(&cap.on, 0, __ATOMIC_RELEASE);
+  const char *call = "cudaStreamEndCapture";
+  if (e == cudaSuccess && !cap.fail[0]) {
+    call = "cudaGraphInstantiate";
+    e = cudaGraphInstantiate(&x, gr, 0);
+  }
+  if (gr) ZT_CUDA_CHECK(cudaGraphDestroy(gr));
+  if (!cap.fail[0] && e == cudaSuccess) return x;
+  if (cap.fail[0]) snprintf(why, n, "%s", cap.fail);
+  else snprintf(why, n, "%s: %s", call, cudaGetErrorString(e));
+  (void)cudaGetLastError();
+  if (x) ZT_CUDA_CHECK(cudaGraphExecDestroy(x));
+  return NULL;
+}
+
+static void cu_graph_launch(void *x) {
+  ZT_CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)x, g.stream));
+}
+
+static void cu_graph_free(void *x) {
+  if (!x) return;
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* a launch may still run */
+  ZT_CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)x));
+}
+
 /* The table's entries go through prof_fn<F, f>::call, which times f when
  * the profile is on (see "The profile" above). */
 template <typename F, F f>
@@ -2954,6 +3068,7 @@ struct prof_fn<R (*)(A...), f> {
     ~span() { prof_end(i); }
   };
   static R call(A... a) {
+    cap_same_thread(name);
     span s = {prof_begin('f', name)};
     return f(a...);
   }
@@ -3018,6 +3133,10 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->sync = cu_sync;
   ZT_PROF_ENTRY(t, upload, cu_upload);
   ZT_PROF_ENTRY(t, download, cu_download);
+  t->graph_begin = cu_graph_begin;
+  t->graph_end = cu_graph_end;
+  t->graph_launch = cu_graph_launch;
+  t->graph_free = cu_graph_free;
 }
 
 extern "C" int zt_cuda_device_count(void) {

@@ -15,6 +15,10 @@
  *     different answers under different seeds, a correct one the same;
  *   - the runtime's errors (launch configuration, memory, devices, copies,
  *     streams, CUB's protocol, cuBLASLt's checks), with the real codes;
+ *   - graphs: stream capture runs nothing, keeps each kernel's arguments
+ *     as they were at the launch, replays kernels, copies and memsets in
+ *     order on fresh inputs; a synchronisation, a cudaMalloc or a pageable
+ *     copy inside a capture invalidates it, as on a GPU;
  *   - in child processes, that each fault ends the process with a message
  *     naming what happened: an access past an allocation, a host pointer
  *     given to a kernel, host code reading device memory, a use after
@@ -22,7 +26,8 @@
  *     kernel the rewriter did not register, a write into an allocation's
  *     slack, a shuffle width CUDA does not define, lanes that wait at
  *     warp operations for each other, a wmma tile that is not 256-bit
- *     aligned, a wmma call that not every lane of the warp makes.
+ *     aligned, a wmma call that not every lane of the warp makes, a graph
+ *     launched after a buffer it uses was freed.
  * Not compiled by nvcc: it uses the stand-in's environment variables.
  */
 #include <cublasLt.h>
@@ -508,6 +513,100 @@ static void test_wmma() {
 }
 
 /* ---------------------------------------------------------------------------
+ * Graphs. */
+
+__global__ void k_affine(float *y, const float *x, float a, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + 1.0f;
+}
+
+/* Begins a capture on s, makes `call` inside it and checks that the call
+ * fails with cudaErrorStreamCaptureUnsupported and leaves no graph. */
+template <typename F>
+static void expect_capture_refused(cudaStream_t s, cudaStreamCaptureMode mode, F call) {
+  OK(cudaStreamBeginCapture(s, mode));
+  ZT_CHECK(call() == cudaErrorStreamCaptureUnsupported);
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  OK(cudaStreamIsCapturing(s, &st));
+  ZT_CHECK(st == cudaStreamCaptureStatusInvalidated);
+  k_affine<<<1, 32, 0, s>>>((float *)NULL, (const float *)NULL, 0.0f, 0); /* dropped */
+  ZT_CHECK(cudaGetLastError() == cudaErrorStreamCaptureInvalidated);
+  cudaGraph_t gr = (cudaGraph_t)&st;
+  ZT_CHECK(cudaStreamEndCapture(s, &gr) == cudaErrorStreamCaptureInvalidated && gr == NULL);
+  (void)cudaGetLastError();
+}
+
+static void test_graphs() {
+  const int n = 300;
+  cudaStream_t s;
+  OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float *x = dev_alloc<float>(n), *y = dev_alloc<float>(n), *z = dev_alloc<float>(n), *pin;
+  OK(cudaMallocHost(&pin, n * sizeof(float)));
+  OK(cudaMemset(y, 0, n * sizeof(float)));
+  OK(cudaMemset(z, 0, n * sizeof(float)));
+  /* y = 2 x + 1; z = y; y = 0; y = 3 z + 1; pin = y. */
+  OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  OK(cudaStreamIsCapturing(s, &st));
+  ZT_CHECK(st == cudaStreamCaptureStatusActive);
+  float a = 2.0f;
+  k_affine<<<2, 256, 0, s>>>(y, x, a, n);
+  a = 5.0f; /* the graph keeps the value at the launch */
+  OK(cudaMemcpyAsync(z, y, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+  OK(cudaMemsetAsync(y, 0, n * sizeof(float), s));
+  k_affine<<<2, 256, 0, s>>>(y, z, 3.0f, n);
+  OK(cudaMemcpyAsync(pin, y, n * sizeof(float), cudaMemcpyDeviceToHost, s));
+  cudaGraph_t gr = NULL;
+  OK(cudaStreamEndCapture(s, &gr));
+  OK(cudaStreamIsCapturing(s, &st));
+  ZT_CHECK(st == cudaStreamCaptureStatusNone);
+  int ran = 0; /* nothing ran while recording */
+  for (float v : fetch(y, n)) ran += v != 0.0f;
+  for (float v : fetch(z, n)) ran += v != 0.0f;
+  ZT_CHECK(ran == 0);
+  cudaGraphExec_t ex = NULL;
+  OK(cudaGraphInstantiate(&ex, gr, 0));
+  OK(cudaGraphDestroy(gr)); /* the executable graph is a copy */
+  for (int rep = 0; rep < 2; rep++) {
+    std::vector<float> h(n);
+    for (int i = 0; i < n; i++) h[i] = (float)(i + 1000 * rep);
+    OK(cudaMemcpy(x, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    OK(cudaGraphLaunch(ex, s));
+    OK(cudaStreamSynchronize(s));
+    int bad = 0;
+    for (int i = 0; i < n; i++) bad += pin[i] != 3.0f * (2.0f * h[i] + 1.0f) + 1.0f;
+    ZT_CHECK(bad == 0);
+  }
+  OK(cudaGraphExecDestroy(ex));
+  ZT_CHECK(cudaGraphExecDestroy(ex) == cudaErrorInvalidResourceHandle);
+
+  /* What cannot be in a graph invalidates the capture, as on a GPU. */
+  expect_capture_refused(s, cudaStreamCaptureModeThreadLocal,
+                         [&] { return cudaStreamSynchronize(s); });
+  expect_capture_refused(s, cudaStreamCaptureModeGlobal, [&] { return cudaDeviceSynchronize(); });
+  void *p = NULL;
+  expect_capture_refused(s, cudaStreamCaptureModeThreadLocal, [&] { return cudaMalloc(&p, 64); });
+  static float pageable[4];
+  expect_capture_refused(s, cudaStreamCaptureModeThreadLocal, [&] {
+    return cudaMemcpyAsync(x, pageable, sizeof pageable, cudaMemcpyHostToDevice, s);
+  });
+  /* Relaxed mode allows the unsafe calls. */
+  OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  OK(cudaMalloc(&p, 64));
+  OK(cudaStreamEndCapture(s, &gr));
+  OK(cudaGraphDestroy(gr));
+  OK(cudaFree(p));
+  /* The legacy stream does not capture; an end needs a begin. */
+  ZT_CHECK(cudaStreamBeginCapture(0, cudaStreamCaptureModeGlobal) ==
+           cudaErrorStreamCaptureUnsupported);
+  ZT_CHECK(cudaStreamEndCapture(s, &gr) == cudaErrorIllegalState);
+  (void)cudaGetLastError();
+  OK(cudaFreeHost(pin));
+  for (void *q : {(void *)x, (void *)y, (void *)z}) OK(cudaFree(q));
+  OK(cudaStreamDestroy(s));
+}
+
+/* ---------------------------------------------------------------------------
  * Faults, each in a child process. */
 
 __global__ void k_past_end(float *x, int n) {
@@ -558,6 +657,19 @@ static int child_fault(const char *which) {
     OK(cudaFree(z));
     k_read_one<<<1, 1>>>(x, y);
     printf("%f\n", z[0]);
+  }
+  if (!strcmp(which, "graph_after_free")) {
+    cudaStream_t s;
+    OK(cudaStreamCreate(&s));
+    float *z = dev_alloc<float>(64);
+    cudaGraph_t gr;
+    cudaGraphExec_t ex;
+    OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    k_read_one<<<1, 1, 0, s>>>(z, y);
+    OK(cudaStreamEndCapture(s, &gr));
+    OK(cudaGraphInstantiate(&ex, gr, 0));
+    OK(cudaFree(z));
+    OK(cudaGraphLaunch(ex, s));
   }
   if (!strcmp(which, "early_return")) k_returns_early<<<2, 64>>>(x);
   if (!strcmp(which, "hidden_barrier")) k_hidden<<<1, 32>>>(x);
@@ -621,6 +733,9 @@ static void test_faults() {
   expect_death("host_reads_device", "in host code");
   expect_death("host_reads_device", "which host code may not touch");
   expect_death("use_after_free", "freed (use after cudaFree)");
+  expect_death("graph_after_free",
+               "kernel k_read_one: pointer argument 1 (0x");
+  expect_death("graph_after_free", "is device memory that was freed");
   expect_death("early_return", "kernel k_returns_early, block (");
   expect_death("early_return", "63 of 64 threads wait at __syncthreads(), 1 returned");
   expect_death("hidden_barrier", "kernel k_hidden reached __syncthreads(), but sim_rewrite.py");
@@ -663,7 +778,7 @@ static void test_seeds() {
 }
 
 ZT_TEST_MAIN_NAMED(run_tests, test_shuffles, test_warp_edges, test_atomics, test_shared, test_wmma,
-                   test_errors, test_sort, test_cublaslt, test_seeds, test_faults)
+                   test_errors, test_sort, test_cublaslt, test_graphs, test_seeds, test_faults)
 
 int main(int argc, char **argv) {
   if (argc == 3 && !strcmp(argv[1], "fault")) return child_fault(argv[2]);

@@ -22,6 +22,13 @@
  *               updated by AdamW and rounded into the copy after each step;
  *               2.9e-4 measured on the CPU stand-in); all must learn (loss of
  *               step 20 at least 1.0 below step 1).
+ *   graphs      the 20 steps with bf16 storage through zt_model_step, with
+ *               CUDA graphs and without, steps 13-16 on half a batch: every
+ *               loss and every final parameter bit-identical; a recording
+ *               launched for the steps after it, another after each change
+ *               of the batch shape. And with a table whose encoder_forward
+ *               waits for the device: the recording fails, graphs turn off
+ *               with the reason, and the steps still give the same bits.
  *
  * Exits 77 (skipped) without a CUDA device.
  */
@@ -124,14 +131,57 @@ ZT_TEST(gradients_match_reference) {
   zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
 }
 
+/* How train() runs its steps: graphs -1 calls zt_model_forward and
+ * zt_model_backward; 0 or 1 zt_model_step with graphs off or on, with half
+ * a batch in steps 13-16 when `shapes`. The final fp32 parameters (the
+ * master with bf16 storage) and the model's graph record come back when
+ * asked for. */
+typedef struct hook_log hook_log;
+typedef struct {
+  int graphs, shapes;
+  float **params_out; /* malloc'd here */
+  zt_model_graph_t *graph_out;
+  hook_log *hooks; /* hooks with fixed_units (below), or NULL */
+} run_opts;
+
+/* Hooks with fixed_units that work on the device between the segments:
+ * post_backward halves the unit's gradient; every call is logged. With
+ * move_at > 0, the hook call of that number moves unit 1's gradient to
+ * another buffer, which fixed_units rules out. */
+struct hook_log {
+  zt_model_t *m;
+  int log[1024], n, move_at;
+  float *spare;
+};
+static int logged(hook_log *c, int code) {
+  if (c->n < 1024) c->log[c->n] = code;
+  if (++c->n == c->move_at) c->m->unit_grads[1] = c->spare;
+  return 0;
+}
+static int h_pf(void *x, int u) { return logged(x, 1000 + u); }
+static int h_pb(void *x, int u) { return logged(x, 2000 + u); }
+static int h_qb(void *x, int u) {
+  hook_log *c = x;
+  c->m->k->scale(c->m->unit_grads[u], c->m->lay.unit_size[u], 0.5f);
+  return logged(x, 3000 + u);
+}
+static void set_logging_hooks(zt_model_t *m, hook_log *c) {
+  c->m = m;
+  zt_model_hooks_t h = {.ctx = c, .pre_forward = h_pf, .pre_backward = h_pb,
+                        .post_backward = h_qb, .fixed_units = 1};
+  zt_model_set_hooks(m, &h);
+}
+
 /* 20 AdamW steps (lr 3e-3, no weight decay) with table k; losses out.
  * With bf16 storage (xbytes 2) the model's parameters are a bf16 copy of
  * an fp32 master that AdamW updates, rounded again after each step, as the
  * trainer (engine/zero.c) keeps them. */
-static int train(const zt_kernels_t *k, const int *stream, float *losses) {
+static int train_with(const zt_kernels_t *k, const int *stream, float *losses, run_opts o) {
   zt_model_t *m;
   if (zt_model_create(&m, &cfg, B, T, k, 0) != 0) return -1;
   zt_model_init(m, 1);
+  if (o.graphs >= 0) zt_model_set_graphs(m, o.graphs);
+  if (o.hooks) set_logging_hooks(m, o.hooks);
   size_t P = m->lay.num_params;
   float *mom = k->alloc(P * sizeof(float)), *var = k->alloc(P * sizeof(float));
   float *master = m->params;
@@ -148,17 +198,29 @@ static int train(const zt_kernels_t *k, const int *stream, float *losses) {
   for (int s = 0; s < STEPS; s++) {
     batch(stream, s, inp, tgt);
     zt_model_zero_grads(m);
-    if (zt_model_forward(m, inp, tgt, B, T, &losses[s]) != 0 || zt_model_backward(m, 1.0f) != 0)
+    int bs = o.shapes && s >= 12 && s < 16 ? B / 2 : B;
+    if (o.graphs >= 0 ? zt_model_step(m, inp, tgt, bs, T, 1.0f, &losses[s]) != 0
+                      : (zt_model_forward(m, inp, tgt, B, T, &losses[s]) != 0 ||
+                         zt_model_backward(m, 1.0f) != 0))
       return -1;
     float t = (float)(s + 1);
     k->adamw(master, m->grads, mom, var, P, 3e-3f, 0.9f, 0.95f, 1e-8f, 0.0f,
              1.0f - powf(0.9f, t), 1.0f - powf(0.95f, t));
     if (master != m->params) k->narrow_x(m->params, master, P);
   }
+  if (o.params_out) {
+    *o.params_out = malloc(P * sizeof(float));
+    k->download(*o.params_out, master, P * sizeof(float));
+  }
+  if (o.graph_out) *o.graph_out = m->graph;
   k->release(mom), k->release(var);
   if (master != m->params) k->release(master);
   zt_model_free(m);
   return 0;
+}
+
+static int train(const zt_kernels_t *k, const int *stream, float *losses) {
+  return train_with(k, stream, losses, (run_opts){.graphs = -1});
 }
 
 ZT_TEST(training_tracks_cpu) {
@@ -193,6 +255,94 @@ ZT_TEST(training_tracks_cpu) {
   free(stream);
 }
 
+/* A copy of a table whose encoder_forward also waits for the device: a
+ * call no graph can hold. */
+static zt_kernels_t syncing;
+static void (*encoder_forward_orig)(float *, const int *, const float *, const float *, int, int,
+                                    int);
+static void encoder_forward_then_sync(float *out, const int *inp, const float *wte,
+                                      const float *wpe, int Bn, int Tn, int C) {
+  encoder_forward_orig(out, inp, wte, wpe, Bn, Tn, C);
+  syncing.sync();
+}
+
+/* 1 when two runs' losses and final parameters have the same bits. */
+static int same_bits(const float *la, const float *pa, const float *lb, const float *pb) {
+  return !memcmp(la, lb, STEPS * sizeof(float)) &&
+         !memcmp(pa, pb, zt_model_param_count(&cfg, 1) * sizeof(float));
+}
+
+ZT_TEST(graphs_replay_the_same_bits) {
+  int *stream = malloc(sizeof(int) * STEPS * B * (T + 1));
+  make_stream(stream, (size_t)STEPS * B * (T + 1));
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
+  const zt_kernels_t *k = zt_kernels_cuda_bf16();
+  float off[STEPS], on[STEPS], sy[STEPS], *poff = NULL, *pon = NULL, *psy = NULL;
+  zt_model_graph_t g, gs;
+  ZT_REQUIRE(train_with(k, stream, off, (run_opts){0, 1, &poff, NULL, NULL}) == 0);
+  ZT_REQUIRE(train_with(k, stream, on, (run_opts){1, 1, &pon, &g, NULL}) == 0);
+  /* A call that cannot be recorded. */
+  syncing = *k;
+  encoder_forward_orig = syncing.encoder_forward;
+  syncing.encoder_forward = encoder_forward_then_sync;
+  ZT_REQUIRE(train_with(&syncing, stream, sy, (run_opts){1, 1, &psy, &gs, NULL}) == 0);
+  fprintf(stderr, "  step 20 loss %.7f without graphs, %.7f with (%ld recordings, %ld launches), "
+          "%.7f with a sync inside (graphs off: %s)\n", off[STEPS - 1], on[STEPS - 1],
+          g.captures, g.replays, sy[STEPS - 1], gs.why);
+  ZT_CHECK(same_bits(off, poff, on, pon));
+  /* Step 1 warms up, step 2 records and launches, 3-12 launch; step 13
+   * (half a batch) warms up, 14 records, 15-16 launch; 17 (a full batch
+   * again) warms up, 18 records, 19-20 launch. */
+  ZT_CHECK(g.captures == 3 && g.replays == STEPS - 3 && g.on && !g.why[0]);
+  ZT_CHECK(same_bits(off, poff, sy, psy));
+  ZT_CHECK(gs.captures == 0 && gs.replays == 0 && !gs.on);
+  ZT_CHECK(strstr(gs.why, "sync inside the captured calls") != NULL);
+  free(poff), free(pon), free(psy), free(stream);
+}
+
+ZT_TEST(graphs_run_hooks_between_segments) {
+  int *stream = malloc(sizeof(int) * STEPS * B * (T + 1));
+  make_stream(stream, (size_t)STEPS * B * (T + 1));
+  zt_kernels_cuda_set_math(ZT_CUDA_MATH_FP32);
+  const zt_kernels_t *k = zt_kernels_cuda_bf16();
+  static hook_log hoff, hon;
+  float off[STEPS], on[STEPS], *poff = NULL, *pon = NULL;
+  zt_model_graph_t g;
+  ZT_REQUIRE(train_with(k, stream, off, (run_opts){0, 0, &poff, NULL, &hoff}) == 0);
+  ZT_REQUIRE(train_with(k, stream, on, (run_opts){1, 0, &pon, &g, &hon}) == 0);
+  /* 4 units: 4 pre_forward, 4 pre_backward, 4 post_backward a step; the
+   * recording calls none. */
+  fprintf(stderr, "  step 20 loss %.7f without graphs, %.7f with; %ld recording(s) of %d "
+          "segments, %ld launches; %d hook calls each\n", off[STEPS - 1], on[STEPS - 1],
+          g.captures, g.nsegs, g.replays, hon.n);
+  ZT_CHECK(same_bits(off, poff, on, pon));
+  ZT_CHECK(g.captures == 1 && g.replays == STEPS - 1 && g.nsegs == 13);
+  ZT_CHECK(hon.n == 12 * STEPS && hoff.n == hon.n &&
+           !memcmp(hon.log, hoff.log, (size_t)hon.n * sizeof(int)));
+  free(poff), free(pon);
+
+  /* A hook that breaks fixed_units in a step from the recording: the step
+   * fails, saying so, and graphs are off. */
+  zt_model_t *m;
+  ZT_REQUIRE(zt_model_create(&m, &cfg, B, T, k, 0) == 0);
+  zt_model_init(m, 1);
+  static hook_log hmove;
+  hmove.spare = k->alloc(m->lay.unit_size[1] * sizeof(float));
+  hmove.move_at = 2 * 12 + 6; /* step 3's second pre_backward */
+  set_logging_hooks(m, &hmove);
+  int inp[B * T], tgt[B * T], rc = 0;
+  float l;
+  for (int s = 0; s < 3 && rc == 0; s++) {
+    batch(stream, s, inp, tgt);
+    rc = zt_model_step(m, inp, tgt, B, T, 1.0f, &l);
+  }
+  fprintf(stderr, "  a hook that moves a buffer: %s\n", rc ? zt_err_msg() : "no error");
+  ZT_CHECK(rc == -1 && strstr(zt_err_msg(), "moved a unit's buffers") && !m->graph.on);
+  k->release(hmove.spare);
+  zt_model_free(m);
+  free(stream);
+}
+
 int run_all(int argc, char **argv);
 
 int main(int argc, char **argv) {
@@ -205,4 +355,5 @@ int main(int argc, char **argv) {
   return run_all(argc, argv);
 }
 
-ZT_TEST_MAIN_NAMED(run_all, gradients_match_reference, training_tracks_cpu)
+ZT_TEST_MAIN_NAMED(run_all, gradients_match_reference, training_tracks_cpu,
+                   graphs_replay_the_same_bits, graphs_run_hooks_between_segments)

@@ -363,7 +363,8 @@ ZT_TEST(hooks_and_repointing) {
   c.gathered = malloc(n1 * sizeof(float));
   memcpy(c.gathered, m->unit_params[1], n1 * sizeof(float));
   memset(m->params + m->lay.unit_off[1], 0, n1 * sizeof(float));
-  zt_model_hooks_t h = {&c, h_pf, h_qf, h_pb, h_qb};
+  zt_model_hooks_t h = {.ctx = &c, .pre_forward = h_pf, .post_forward = h_qf,
+                        .pre_backward = h_pb, .post_backward = h_qb};
   zt_model_set_hooks(m, &h);
   float l = loss_of(m, inp, tgt, 1, T);
   ZT_CHECK(l == base);

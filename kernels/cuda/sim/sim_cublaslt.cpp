@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <memory>
 #include <vector>
 
 #include <cblas.h>
@@ -458,6 +459,29 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t op, 
   const void *ptrs[4] = {A, B, C, D};
   const zt_sim_lt_layout *ls[4] = {ad, bd, cd, dd};
   if (algo && (st = check_algo(algo, op, ptrs, ls)) != CUBLAS_STATUS_SUCCESS) return st;
+  if (zt_sim::capturing(stream)) {
+    /* Into the graph: the descriptors, the algorithm and the scalars by
+     * value (alpha and beta are host values, read now). */
+    struct held {
+      zt_sim_lt_handle h;
+      zt_sim_lt_desc op;
+      zt_sim_lt_layout ad, bd, cd, dd;
+      cublasLtMatmulAlgo_t algo;
+      bool has_algo;
+      float al, be;
+    };
+    auto k = std::make_shared<held>(held{*handle, *op, *ad, *bd, *cd, *dd, {}, algo != NULL,
+                                         *(const float *)alpha, *(const float *)beta});
+    if (algo) k->algo = *algo;
+    cudaError_t e = zt_sim::capture(stream, "cublasLtMatmul", [=](cudaStream_t s) {
+      cublasStatus_t r = cublasLtMatmul(&k->h, &k->op, &k->al, A, &k->ad, B, &k->bd, &k->be, C,
+                                        &k->cd, D, &k->dd, k->has_algo ? &k->algo : NULL,
+                                        workspace, workspace_size, s);
+      if (r != CUBLAS_STATUS_SUCCESS)
+        zt_sim::fatal("graph launch: cublasLtMatmul failed: %s", cublasLtGetStatusString(r));
+    });
+    return e == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   zt_sim::stream_work(stream);
   for (int i = 0; i < 4; i++) {
     char what[40];

@@ -434,6 +434,11 @@ ncclResult_t enqueue(ncclComm *c, int kind, const void *send, void *recv, size_t
   }
   int st = c->state.load();
   if (st != ncclSuccess) return st == ncclInProgress ? ncclInvalidUsage : (ncclResult_t)st;
+  if (zt_sim::capturing(stream)) { /* NCCL captures; the stand-in does not */
+    say("%s: stream %p captures a graph: the stand-in does not record collectives", kNames[kind],
+        (void *)stream);
+    return ncclInvalidUsage;
+  }
   zt_sim::require_ordered(stream, kNames[kind]);
   if (zt_sim::stream_hold(stream, 1) != 0) {
     say("%s: stream %p is not a stream cudaStreamCreate made", kNames[kind], (void *)stream);

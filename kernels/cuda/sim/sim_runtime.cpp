@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -999,6 +1000,19 @@ unsigned __activemask(void) {
 
 namespace {
 
+/* One recorded piece of work of a graph: it does the work on the stream
+ * the graph is launched on. */
+struct graph_node {
+  std::string what;
+  std::function<void(cudaStream_t)> run;
+};
+struct graph_rec {
+  std::vector<graph_node> nodes;
+};
+std::set<const void *> g_graphs, g_execs;
+__thread char t_self; /* its address names the calling thread */
+std::map<uintptr_t, size_t> g_pinned; /* cudaMallocHost's blocks */
+
 struct stream_rec {
   unsigned flags;
   int held; /* host work enqueued and not done (zt_sim::stream_hold) */
@@ -1011,6 +1025,13 @@ struct stream_rec {
   int device = 0;
   unsigned long seq = 0, synced = 0;
   std::map<const void *, unsigned long> after;
+  /* Graph capture ("Graphs" below): 0 none, 1 active, 2 invalidated; the
+   * mode, the thread that began it (the address of its t_self) and the
+   * nodes recorded so far. */
+  int cap = 0;
+  cudaStreamCaptureMode cap_mode = cudaStreamCaptureModeGlobal;
+  const void *cap_thread = nullptr;
+  std::vector<struct graph_node> nodes;
 };
 struct event_rec {
   double t;
@@ -1095,6 +1116,97 @@ bool stream_busy(cudaStream_t s) {
 }
 }  // namespace
 
+/* ---------------------------------------------------------------------------
+ * Graphs. A stream in capture records its work as nodes (zt_sim::capture:
+ * kernels from zt_sim_launch, copies and memsets here, cuBLASLt products,
+ * sorts) instead of running it; cudaGraphLaunch runs the nodes in order on
+ * the stream it is given, each through the same checks as when it is
+ * called (pointers into live allocations, configurations), so a graph
+ * that outlives a buffer it uses stops the process when it is launched.
+ * As on a GPU (cudaThreadExchangeStreamCaptureMode), what would wait for
+ * or depend on the device while the calling thread captures, in a mode
+ * other than relaxed (synchronisations of the capturing stream or the
+ * device, cudaMalloc and cudaFree, the blocking copies and memsets, a copy
+ * to or from pageable host memory into the graph), fails with
+ * cudaErrorStreamCaptureUnsupported and invalidates the capture:
+ * cudaStreamEndCapture then returns cudaErrorStreamCaptureInvalidated and
+ * no graph. The stand-in does not capture events, waits on events, NCCL
+ * calls or graph launches: those fail the same way. */
+
+namespace {
+
+stream_rec *capture_rec(cudaStream_t s) {
+  if (!s || !g_streams.count(s)) return nullptr;
+  stream_rec *r = (stream_rec *)s;
+  return r->cap ? r : nullptr;
+}
+
+void invalidate(stream_rec *r, const char *what) {
+  if (r->cap == 1)
+    fprintf(stderr, "zt-sim: %s while stream %p captures a graph: the capture is invalidated\n",
+            what, (void *)r);
+  r->cap = 2;
+}
+
+/* A potentially unsafe call: it fails, and invalidates the captures it
+ * conflicts with, when the calling thread captures in a mode other than
+ * relaxed or any thread captures in the global mode. */
+cudaError_t capture_unsafe(const char *what) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  bool hit = false;
+  for (const void *a : g_streams) {
+    stream_rec *r = (stream_rec *)a;
+    if (!r->cap || r->cap_mode == cudaStreamCaptureModeRelaxed) continue;
+    if (r->cap_thread != &t_self && r->cap_mode != cudaStreamCaptureModeGlobal) continue;
+    invalidate(r, what);
+    hit = true;
+  }
+  return hit ? set_error(cudaErrorStreamCaptureUnsupported) : cudaSuccess;
+}
+
+/* Work the stand-in cannot record on a capturing stream. */
+cudaError_t capture_refuse(stream_rec *r, const char *what) {
+  invalidate(r, what);
+  return set_error(cudaErrorStreamCaptureUnsupported);
+}
+
+bool pinned(const void *p, size_t n) {
+  auto it = g_pinned.upper_bound((uintptr_t)p);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return (uintptr_t)p + n <= it->first + it->second;
+}
+
+}  // namespace
+
+int zt_sim::capturing(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return capture_rec(s) != nullptr;
+}
+
+cudaError_t zt_sim::capture(cudaStream_t s, const char *what,
+                            std::function<void(cudaStream_t)> replay) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  stream_rec *r = capture_rec(s);
+  if (!r) fatal("%s recorded on stream %p, which does not capture a graph", what, (void *)s);
+  if (r->cap == 2) return set_error(cudaErrorStreamCaptureInvalidated);
+  r->nodes.push_back(graph_node{what, std::move(replay)});
+  return cudaSuccess;
+}
+
+cudaError_t zt_sim::capture_launch(cudaStream_t s, const char *name, dim3 grid, dim3 block,
+                                   size_t shmem, std::function<void(cudaStream_t)> replay) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (t_launch) fatal("kernel %s launched from inside kernel %s", name, t_launch->name);
+  cudaError_t err = launch_config_error(grid, block, shmem, s);
+  if (err != cudaSuccess) {
+    invalidate(capture_rec(s), "a launch with a bad configuration");
+    return set_error(err);
+  }
+  return capture(s, name, std::move(replay));
+}
+
 int zt_sim::valid_stream(cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread || g_streams.count(s);
@@ -1123,6 +1235,14 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorNoDevice: return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorIllegalState: return "the operation cannot be performed in the present state";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureIsolation:
+      return "dependency created on uncaptured work in another stream";
+    case cudaErrorStreamCaptureWrongThread:
+      return "attempt to terminate a thread-local capture sequence from another thread";
     case cudaErrorNotReady: return "device not ready";
     case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
@@ -1145,6 +1265,11 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+    case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
     case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
@@ -1211,6 +1336,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
 /* Waits for host work held on any stream (zt_sim::stream_hold). The work
  * enqueued on this device's streams before the call is then seen complete. */
 cudaError_t cudaDeviceSynchronize(void) {
+  if (capture_unsafe("cudaDeviceSynchronize") != cudaSuccess)
+    return cudaErrorStreamCaptureUnsupported;
   std::map<const void *, unsigned long> done;
   {
     std::lock_guard<std::recursive_mutex> lk(g_mu);
@@ -1257,6 +1384,7 @@ cudaError_t cudaMalloc(void **ptr, size_t size) {
   ensure_init();
   if (!ptr) return set_error(cudaErrorInvalidValue);
   *ptr = NULL;
+  if (capture_unsafe("cudaMalloc") != cudaSuccess) return cudaErrorStreamCaptureUnsupported;
   if (check_device() != cudaSuccess) return cudaErrorNoDevice;
   if (size == 0) return cudaSuccess;
   if (size > g_set.memory - g_used) return set_error(cudaErrorMemoryAllocation);
@@ -1287,6 +1415,7 @@ cudaError_t cudaFree(void *ptr) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   ensure_init();
   if (!ptr) return cudaSuccess;
+  if (capture_unsafe("cudaFree") != cudaSuccess) return cudaErrorStreamCaptureUnsupported;
   auto it = g_allocs.find((uintptr_t)ptr);
   if (it == g_allocs.end()) {
     if (find_freed(ptr))
@@ -1318,12 +1447,21 @@ cudaError_t cudaFree(void *ptr) {
 }
 
 cudaError_t cudaMallocHost(void **ptr, size_t size) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!ptr) return set_error(cudaErrorInvalidValue);
+  *ptr = NULL;
+  if (capture_unsafe("cudaMallocHost") != cudaSuccess) return cudaErrorStreamCaptureUnsupported;
   *ptr = malloc(size ? size : 1);
-  return *ptr ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
+  if (!*ptr) return set_error(cudaErrorMemoryAllocation);
+  g_pinned[(uintptr_t)*ptr] = size;
+  return cudaSuccess;
 }
 
 cudaError_t cudaFreeHost(void *ptr) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!ptr) return cudaSuccess;
+  if (capture_unsafe("cudaFreeHost") != cudaSuccess) return cudaErrorStreamCaptureUnsupported;
+  if (!g_pinned.erase((uintptr_t)ptr)) return set_error(cudaErrorInvalidValue);
   free(ptr);
   return cudaSuccess;
 }
@@ -1355,6 +1493,15 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpy
       break;
     default: return set_error(cudaErrorInvalidMemcpyDirection);
   }
+  if (stream_rec *r = capture_rec(stream)) {
+    /* A host buffer in a graph must be page-locked (cudaMallocHost). */
+    if ((!sdev && !pinned(src, count)) || (!ddev && !pinned(dst, count)))
+      return capture_refuse(r, "a copy to or from pageable host memory");
+    return capture(stream, "cudaMemcpyAsync", [=](cudaStream_t s) {
+      cudaError_t e = cudaMemcpyAsync(dst, src, count, kind, s);
+      if (e != cudaSuccess) fatal("graph launch: cudaMemcpyAsync failed: %s", cudaGetErrorString(e));
+    });
+  }
   device_access access("cudaMemcpy");
   memmove(dst, src, count);
   stream_work(stream);
@@ -1362,6 +1509,7 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, cudaMemcpy
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, cudaMemcpyKind kind) {
+  if (capture_unsafe("cudaMemcpy") != cudaSuccess) return cudaErrorStreamCaptureUnsupported;
   return cudaMemcpyAsync(dst, src, count, kind, NULL);
 }
 
@@ -1371,6 +1519,11 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t str
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
   if (count == 0) return cudaSuccess;
   if (!in_device_memory(ptr, count)) return set_error(cudaErrorInvalidValue);
+  if (capture_rec(stream))
+    return capture(stream, "cudaMemsetAsync", [=](cudaStream_t s) {
+      cudaError_t e = cudaMemsetAsync(ptr, value, count, s);
+      if (e != cudaSuccess) fatal("graph launch: cudaMemsetAsync failed: %s", cudaGetErrorString(e));
+    });
   device_access access("cudaMemset");
   memset(ptr, value, count);
   stream_work(stream);
@@ -1378,6 +1531,7 @@ cudaError_t cudaMemsetAsync(void *ptr, int value, size_t count, cudaStream_t str
 }
 
 cudaError_t cudaMemset(void *ptr, int value, size_t count) {
+  if (capture_unsafe("cudaMemset") != cudaSuccess) return cudaErrorStreamCaptureUnsupported;
   return cudaMemsetAsync(ptr, value, count, NULL);
 }
 
@@ -1408,6 +1562,10 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
  * stream holds (stream_hold) is ever outstanding. */
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  {
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    if (stream_rec *r = capture_rec(stream)) return capture_refuse(r, "cudaStreamSynchronize");
+  }
   unsigned long target = 0; /* the work enqueued before the call */
   {
     std::lock_guard<std::recursive_mutex> lk(g_mu);
@@ -1423,6 +1581,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
   std::lock_guard<std::recursive_mutex> lk(g_mu); /* done: the host has seen it complete */
+  if (stream_rec *r = capture_rec(stream)) return capture_refuse(r, "cudaStreamQuery");
   if (stream_busy(stream)) return cudaErrorNotReady;
   if (stream && g_streams.count(stream)) ((stream_rec *)stream)->synced = ((stream_rec *)stream)->seq;
   return cudaSuccess;
@@ -1432,6 +1591,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!valid_stream(stream) || !g_events.count(event))
     return set_error(cudaErrorInvalidResourceHandle);
+  if (stream_rec *r = capture_rec(stream))
+    return capture_refuse(r, "cudaStreamWaitEvent (the stand-in records no events in a graph)");
   const event_rec *e = (const event_rec *)event;
   if (stream && g_streams.count(stream) && e->stream && g_streams.count(e->stream)) {
     unsigned long &w = ((stream_rec *)stream)->after[e->stream];
@@ -1462,6 +1623,8 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!g_events.count(event) || !valid_stream(stream))
     return set_error(cudaErrorInvalidResourceHandle);
+  if (stream_rec *r = capture_rec(stream))
+    return capture_refuse(r, "cudaEventRecord (the stand-in records no events in a graph)");
   event_rec *e = (event_rec *)event;
   e->t = now_ms();
   e->recorded = 1;
@@ -1494,6 +1657,95 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) 
   if (!a->recorded || !b->recorded) return set_error(cudaErrorInvalidResourceHandle);
   *ms = (float)(b->t - a->t);
   return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  ensure_init();
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  if (mode != cudaStreamCaptureModeGlobal && mode != cudaStreamCaptureModeThreadLocal &&
+      mode != cudaStreamCaptureModeRelaxed)
+    return set_error(cudaErrorInvalidValue);
+  /* The legacy stream cannot capture; the stand-in captures created
+   * streams only. */
+  if (!stream || !g_streams.count(stream)) return set_error(cudaErrorStreamCaptureUnsupported);
+  stream_rec *r = (stream_rec *)stream;
+  if (r->cap) return set_error(cudaErrorIllegalState);
+  r->cap = 1;
+  r->cap_mode = mode;
+  r->cap_thread = &t_self;
+  r->nodes.clear();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *graph) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!graph) return set_error(cudaErrorInvalidValue);
+  *graph = NULL;
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  stream_rec *r = capture_rec(stream);
+  if (!r) return set_error(cudaErrorIllegalState);
+  if (r->cap_mode != cudaStreamCaptureModeRelaxed && r->cap_thread != &t_self)
+    return set_error(cudaErrorStreamCaptureWrongThread);
+  int state = r->cap;
+  std::vector<graph_node> nodes;
+  nodes.swap(r->nodes);
+  r->cap = 0;
+  r->cap_thread = nullptr;
+  if (state == 2) return set_error(cudaErrorStreamCaptureInvalidated);
+  graph_rec *gr = new graph_rec{std::move(nodes)};
+  g_graphs.insert(gr);
+  *graph = (cudaGraph_t)gr;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureStatus *status) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!status) return set_error(cudaErrorInvalidValue);
+  if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
+  stream_rec *r = capture_rec(stream);
+  *status = !r ? cudaStreamCaptureStatusNone
+               : r->cap == 1 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusInvalidated;
+  return cudaSuccess;
+}
+
+/* An executable graph is a copy of the graph's nodes: the graph may be
+ * destroyed at once. */
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph,
+                                 unsigned long long flags) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!exec) return set_error(cudaErrorInvalidValue);
+  *exec = NULL;
+  if (!graph || !g_graphs.count(graph)) return set_error(cudaErrorInvalidResourceHandle);
+  if (flags) return set_error(cudaErrorInvalidValue); /* no instantiation flags here */
+  graph_rec *x = new graph_rec(*(const graph_rec *)graph);
+  g_execs.insert(x);
+  *exec = (cudaGraphExec_t)x;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  std::vector<graph_node> nodes;
+  {
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    if (!exec || !g_execs.count(exec) || !valid_stream(stream))
+      return set_error(cudaErrorInvalidResourceHandle);
+    if (stream_rec *r = capture_rec(stream))
+      return capture_refuse(r, "cudaGraphLaunch (the stand-in does not nest graphs)");
+    nodes = ((const graph_rec *)exec)->nodes;
+  }
+  for (const graph_node &n : nodes) n.run(stream);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return destroy_handle<graph_rec>(graph, g_graphs);
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return destroy_handle<graph_rec>(exec, g_execs);
 }
 
 }  // extern "C"

@@ -12,7 +12,8 @@
  *
  * A launch converts the arguments to the kernel's parameter types (as a
  * call would), checks that every pointer argument is device memory (or
- * NULL), and runs the whole grid before it returns (sim_runtime.cpp):
+ * NULL), and runs the whole grid before it returns (sim_runtime.cpp; on a
+ * stream that captures a graph it is recorded instead, see capture()):
  * blocks one after the other in an order drawn from ZT_SIM_SEED, the
  * threads of a block as fibers in a random order (or, for kernels that
  * never reach a barrier, one after the other).
@@ -22,7 +23,9 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <initializer_list>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -87,6 +90,23 @@ int stream_hold(cudaStream_t stream, int delta);
  * the kernels that write them may still run. */
 void stream_work(cudaStream_t stream);
 void require_ordered(cudaStream_t stream, const char *what);
+/* Graph capture (cudaStreamBeginCapture; sim_runtime.cpp, "Graphs").
+ * capturing(s): 1 when work enqueued on s now is recorded rather than run
+ * (an active capture, or one that was invalidated: then the work is
+ * dropped and the call fails). capture(s, what, replay) records `replay`
+ * as the next node of s's graph, or returns the error of an invalidated
+ * capture; each cudaGraphLaunch of the graph calls the nodes in order
+ * with the stream it was launched on, and a node does its work as the
+ * call it was recorded from would have (the same checks, on that
+ * stream). What a node needs it holds by value: the arguments of a
+ * kernel, a product's descriptors, alpha and beta, as a GPU keeps them
+ * in the graph. capture_launch is capture for a kernel: its configuration
+ * is checked first, as a launch would be. */
+int capturing(cudaStream_t stream);
+cudaError_t capture(cudaStream_t stream, const char *what,
+                    std::function<void(cudaStream_t)> replay);
+cudaError_t capture_launch(cudaStream_t stream, const char *name, dim3 grid, dim3 block,
+                           size_t shmem, std::function<void(cudaStream_t)> replay);
 /* Prints "zt-sim: <message>" and aborts. */
 [[noreturn]] void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -104,15 +124,13 @@ static inline void collect_ptr(const void **out, int &n, const T &x) {
 
 }  // namespace zt_sim
 
-template <typename... P, typename... A>
-static inline void zt_sim_launch(const char *name, void (*kernel)(P...), dim3 grid, dim3 block,
-                                 size_t shmem, cudaStream_t stream, A &&...args) {
-  static_assert(sizeof...(P) == sizeof...(A), "kernel launched with a wrong number of arguments");
-  typedef std::tuple<typename std::decay<P>::type...> params_t;
-  params_t params(zt_sim::convert_arg<P>(std::forward<A>(args))...);
+/* Runs a kernel with its converted arguments now. */
+template <typename... P, typename T>
+static inline void zt_sim_run(const char *name, void (*kernel)(P...), dim3 grid, dim3 block,
+                              size_t shmem, cudaStream_t stream, T &params) {
   struct ctx_t {
     void (*kernel)(P...);
-    params_t *params;
+    T *params;
   } ctx = {kernel, &params};
   zt_sim::thread_body body = [](void *c) {
     ctx_t *x = static_cast<ctx_t *>(c);
@@ -122,6 +140,24 @@ static inline void zt_sim_launch(const char *name, void (*kernel)(P...), dim3 gr
   int nptrs = 0;
   std::apply([&](const auto &...x) { (zt_sim::collect_ptr(ptrs, nptrs, x), ...); }, params);
   (void)zt_sim::launch(name, grid, block, shmem, stream, body, &ctx, ptrs, nptrs);
+}
+
+/* A launch: run now, or, on a stream that captures a graph, recorded with
+ * a copy of its arguments and run at each launch of the graph. */
+template <typename... P, typename... A>
+static inline void zt_sim_launch(const char *name, void (*kernel)(P...), dim3 grid, dim3 block,
+                                 size_t shmem, cudaStream_t stream, A &&...args) {
+  static_assert(sizeof...(P) == sizeof...(A), "kernel launched with a wrong number of arguments");
+  typedef std::tuple<typename std::decay<P>::type...> params_t;
+  params_t params(zt_sim::convert_arg<P>(std::forward<A>(args))...);
+  if (zt_sim::capturing(stream)) {
+    auto held = std::make_shared<params_t>(std::move(params));
+    (void)zt_sim::capture_launch(stream, name, grid, block, shmem, [=](cudaStream_t s) {
+      zt_sim_run(name, kernel, grid, block, shmem, s, *held);
+    });
+    return;
+  }
+  zt_sim_run(name, kernel, grid, block, shmem, stream, params);
 }
 
 #define ZT_SIM_NAME(...) #__VA_ARGS__

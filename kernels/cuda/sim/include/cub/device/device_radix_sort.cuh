@@ -72,6 +72,13 @@ struct DeviceRadixSort {
         !zt_sim::valid_stream(stream))
       return cudaErrorInvalidValue;
     if (n == 0) return cudaSuccess;
+    if (zt_sim::capturing(stream)) /* into the graph: the same call at each launch */
+      return zt_sim::capture(stream, "cub::DeviceRadixSort::SortPairs", [=](cudaStream_t s) {
+        size_t bytes = temp_storage_bytes;
+        cudaError_t e = SortPairs(d_temp_storage, bytes, d_keys_in, d_keys_out, d_values_in,
+                                  d_values_out, num_items, begin_bit, end_bit, s);
+        if (e != cudaSuccess) zt_sim::fatal("graph launch: cub::DeviceRadixSort::SortPairs failed");
+      });
     zt_sim::stream_work(stream);
     zt_sim::require_device_memory(d_temp_storage, temp_storage_bytes,
                                   "cub::DeviceRadixSort::SortPairs temporary storage");
