@@ -555,9 +555,13 @@ int zt_model_backward(zt_model_t *m, float grad_scale) {
  * segment so far (one graph) and starts the next (graph_cut), noting
  * itself as the mark between the two. That pass and a real one enqueue
  * the same calls, because the model's own control flow does not depend on
- * what a hook does, and hooks with fixed_units leave every pointer where
- * it was. A step from the recording launches segment 0, runs mark 0, and
- * so on: the same calls and the same hooks in the same order. */
+ * what a hook does, and hooks with fixed_units point each unit where they
+ * did the step before: once a step has started and ended with the same
+ * pointers (the warm-up), they are the key's throughout a step, and the
+ * recording, whose hooks do not run, sees them too. A step from the
+ * recording launches segment 0, runs mark 0, and so on: the same calls
+ * and the same hooks in the same order, with the pointers checked after
+ * each hook. */
 #define MAX_CAPTURES 16
 
 static int graph_usable(const zt_model_t *m) {
@@ -660,11 +664,17 @@ static int graph_record(zt_model_t *m, int B, int T, float scale) {
   return 0;
 }
 
-/* A step from the recording: the segments, and between them the hooks. */
+/* A step from the recording: the segments, and between them the hooks.
+ * 1, with nothing run, when the table says the recording is stale (its
+ * settings or scratch buffers changed between steps). */
 static int graph_run(zt_model_t *m, int B, int T) {
   zt_model_graph_t *g = &m->graph;
   for (int i = 0; i < g->nsegs; i++) {
-    m->k->graph_launch(g->segs[i]);
+    if (m->k->graph_launch(g->segs[i]) != 0) {
+      if (i == 0) return 1;
+      graph_off(m, "the kernel table changed during a step");
+      return zt_err("step: the kernel table's settings changed during a step; the step is lost");
+    }
     if (i == g->nsegs - 1) break;
     const struct zt_model_mark *mk = &g->marks[i];
     if (mk->fn(m->hooks.ctx, mk->unit) != 0) return zt_err_wrap("%s(unit %d)", mk->name, mk->unit);
@@ -692,9 +702,10 @@ int zt_model_step(zt_model_t *m, const int *inputs, const int *targets, int B, i
   int same = graph_key(m, B, T, grad_scale);
   if (g->nsegs && !same) graph_drop(m);
   if (!g->nsegs && same && graph_record(m, B, T, grad_scale) < 0) return -1;
-  if (g->nsegs) {
-    if (graph_run(m, B, T) != 0) return -1;
-  } else {
+  int rc = g->nsegs ? graph_run(m, B, T) : 1;
+  if (rc < 0) return -1;
+  if (rc == 1) { /* call by call: a new key, or a stale recording; the next step records */
+    graph_drop(m);
     g->warm = 1;
     if (forward_enqueue(m, B, T, 1) != 0 || zt_model_backward(m, grad_scale) != 0) return -1;
   }
@@ -707,5 +718,5 @@ void zt_model_set_graphs(zt_model_t *m, int on) {
   if (!on) graph_drop(m);
   g->on = on != 0;
   g->warm = 0;
-  if (on) g->why[0] = 0;
+  if (on) g->why[0] = 0, g->captures = 0;
 }

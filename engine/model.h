@@ -74,10 +74,10 @@ typedef struct zt_model_hooks {
   int (*post_forward)(void *ctx, int unit);
   int (*pre_backward)(void *ctx, int unit);
   int (*post_backward)(void *ctx, int unit);
-  /* The hooks never change a unit pointer (unit_params, unit_grads), and
-   * nothing but the hooks uses the table's stream during a step: the
-   * model may record the work between them into CUDA graphs
-   * (zt_model_step). */
+  /* Each unit pointer (unit_params, unit_grads) a hook sets is the one
+   * that hook set the step before (a function of the unit alone), and
+   * nothing but the hooks uses the table during a step: the model may
+   * record the work between them into CUDA graphs (zt_model_step). */
   int fixed_units;
 } zt_model_hooks_t;
 

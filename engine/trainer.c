@@ -416,10 +416,6 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
       return -1;
     }
     t->have_dl = 1;
-    /* The overlapped all-reduce's thread uploads and downloads through the
-     * table while the steps run: no CUDA graph may be recorded then
-     * (zt_model_hooks_t, fixed_units). */
-    if (t->spec.overlap_steps > 0) zt_model_set_graphs(t->m, 0);
     t->rl = zt_xcalloc(2 * (size_t)t->spec.inner_steps, sizeof(double));
     t->rlr = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));
     t->rms = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));

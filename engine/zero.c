@@ -779,15 +779,21 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->pver = 1;
   z->pf_unit[0] = z->pf_unit[1] = z->pf_unit[2] = -1;
   if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) goto err;
-  /* Stages 0-1 keep every unit where layout() put it, and without the
-   * communication thread only the hooks touch the table's memory during
-   * a step: the model may record the steps into CUDA graphs. */
+  /* Without the communication thread, each hook points a unit at the
+   * same buffer every step (stages 0-1: where layout() put it; stage 2:
+   * tg0 or tg for the gradient; stage 3: gat0 or gat for the gathered
+   * parameters), and only the hooks touch the table's memory during a
+   * step: the model may record the steps into CUDA graphs. With the
+   * thread, buffers take turns and the thread copies. */
   zt_model_hooks_t hooks = {.ctx = z,
                             .pre_forward = h_pre_forward,
                             .pre_backward = h_pre_backward,
                             .post_backward = h_post_backward,
-                            .fixed_units = z->stage <= 1 && !z->overlap};
-  zt_model_set_hooks(m, &hooks);
+                            .fixed_units = !z->overlap};
+  /* Stages 0-1 without the thread: every hook would only report z->fail,
+   * which nothing sets during the passes. No hooks then, and a CUDA graph
+   * holds a micro-step whole. */
+  zt_model_set_hooks(m, z->stage < 2 && !z->overlap ? NULL : &hooks);
   return 0;
 err:
   /* The caller frees only what was created (the worker outlives the

@@ -297,12 +297,15 @@ typedef struct zt_kernels {
    * grow) cannot be in a graph and makes the recording fail; nothing
    * recorded has run either way. graph_launch enqueues the recorded calls
    * again with the arguments they were recorded with (pointers, sizes,
-   * scalars: the same buffers, read and written afresh each time), and
-   * graph_free frees a graph. engine/model.c records a training step's
-   * forward and backward this way (zt_model_step). */
+   * scalars: the same buffers, read and written afresh each time) and
+   * returns 0, or enqueues nothing and returns -1 when the graph is stale
+   * (a scratch buffer moved or a setting of the table changed since it
+   * was recorded: the caller records again); graph_free frees a graph.
+   * engine/model.c records a training step's forward and backward this
+   * way (zt_model_step). */
   int (*graph_begin)(char *why, size_t whylen);
   void *(*graph_end)(char *why, size_t whylen);
-  void (*graph_launch)(void *graph);
+  int (*graph_launch)(void *graph);
   void (*graph_free)(void *graph);
 } zt_kernels_t;
 

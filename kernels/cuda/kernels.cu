@@ -41,7 +41,16 @@ static struct {
   int on; /* read by other threads: atomically */
   pthread_t owner;
   char fail[200];
+  /* Bumped when a recorded graph may no longer do what a call would: a
+   * scratch buffer moved (the graph holds the old address) or a setting
+   * (math, attention path, GELU epilogue) changed. */
+  unsigned long epoch;
 } cap;
+
+/* 1 when this thread has a capture open. */
+static int capturing_here(void) {
+  return __atomic_load_n(&cap.on, __ATOMIC_ACQUIRE) && pthread_equal(cap.owner, pthread_self());
+}
 
 /* The stream is the capture's while it is open: another thread's call
  * would land in the graph (or break it), so it ends the process. The
@@ -61,7 +70,7 @@ static void cap_same_thread(const char *what) {
  * the step then runs without a graph, where a real error ends the
  * process as below. */
 static void cuda_fail(const char *what, const char *msg, const char *file, int line) {
-  if (__atomic_load_n(&cap.on, __ATOMIC_ACQUIRE) && pthread_equal(cap.owner, pthread_self())) {
+  if (capturing_here()) {
     if (!cap.fail[0]) snprintf(cap.fail, sizeof cap.fail, "%s: %s", what, msg);
     return;
   }
@@ -100,6 +109,7 @@ static struct {
   size_t mem;
   void *scr[SCR_COUNT];
   size_t scr_size[SCR_COUNT];
+  int scr_in_graph[SCR_COUNT]; /* used by a call recorded into a graph */
   double *sumsq_host;
   size_t sumsq_host_n;
 } g;
@@ -114,11 +124,18 @@ static int cap_refuse(const char *what) {
 }
 
 static void *scratch(int which, size_t bytes) {
-  if (bytes <= g.scr_size[which]) return g.scr[which];
+  if (bytes <= g.scr_size[which]) {
+    if (capturing_here()) g.scr_in_graph[which] = 1;
+    return g.scr[which];
+  }
   /* The buffer a graph's calls would use is the one they were recorded
    * with: it cannot grow inside a capture (a step run without a graph
    * first sizes it). */
   if (cap_refuse("a scratch buffer to grow")) return g.scr[which];
+  if (g.scr_in_graph[which]) { /* a recorded graph holds the old address */
+    cap.epoch++;
+    g.scr_in_graph[which] = 0;
+  }
   /* Earlier work queued on the stream may still use the old buffer. */
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
   if (g.scr[which]) ZT_CUDA_CHECK(cudaFree(g.scr[which]));
@@ -563,6 +580,13 @@ static int lt_gemm_epi(int ta, int tb, int m, int n, int k, const XA *A, int lda
   cublasStatus_t st = cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, Bm, p->lb, &beta, D, p->ld,
                                      D, p->ld, &p->algo, g.lt_ws, g.lt_ws_size, g.stream);
   prof_end(span);
+  if (st != CUBLAS_STATUS_SUCCESS && capturing_here()) {
+    /* A product that fails inside a capture (one the driver invalidated)
+     * fails the capture; nothing about the plan is learnt from it. */
+    if (!cap.fail[0])
+      snprintf(cap.fail, sizeof cap.fail, "cublasLtMatmul: %s", cublasLtGetStatusString(st));
+    return 0;
+  }
   if (st != CUBLAS_STATUS_SUCCESS && epi != EPI_NONE) {
     /* An epilogue the library turns down at run time: remembered, and the
      * caller does without, as when the heuristic found nothing. */
@@ -606,7 +630,8 @@ __global__ void k_colsum_chunks(float *part_a, float *part_b, const X *dout, con
   if (c < C)
     for (int r = r0 + w; r < r1; r += ZT_COLSUM_WARPS) {
       ldv<VEC>(d, dout + (size_t)r * C + c);
-      for (int k = 0; k < VEC; k++) sa[k] += d[k];
+      if (part_a)
+        for (int k = 0; k < VEC; k++) sa[k] += d[k];
       if (part_b) {
         ldv<VEC>(x, inp + (size_t)r * C + c);
         float mr = mean ? mean[r] : 0.0f;
@@ -618,7 +643,7 @@ __global__ void k_colsum_chunks(float *part_a, float *part_b, const X *dout, con
   for (int j = threadIdx.x; j < 32 * VEC && c0 + j < C; j += blockDim.x) {
     float a = 0.0f, b = 0.0f;
     for (int q = 0; q < ZT_COLSUM_WARPS; q++) a += sh[0][q][j], b += sh[1][q][j];
-    part_a[(size_t)chunk * C + c0 + j] = a;
+    if (part_a) part_a[(size_t)chunk * C + c0 + j] = a;
     if (part_b) part_b[(size_t)chunk * C + c0 + j] = b;
   }
 }
@@ -630,7 +655,7 @@ __global__ void k_colsum_finish(float *dst_a, float *dst_b, const float *part_a,
   float a = 0.0f, b = 0.0f;
   if (c < C)
     for (int k = w; k < nchunks; k += ZT_COLSUM_WARPS) {
-      a += part_a[(size_t)k * C + c];
+      if (part_a) a += part_a[(size_t)k * C + c];
       if (part_b) b += part_b[(size_t)k * C + c];
     }
   sh[0][w][lane] = a, sh[1][w][lane] = b;
@@ -653,18 +678,22 @@ static void colsums(float *dsum, float *dnorm, const X *dout, const X *inp, cons
   int rows = ZT_COLSUM_ROWS;
   while ((N + rows - 1) / rows > 65535) rows *= 2;
   int nchunks = (N + rows - 1) / rows;
-  size_t per = (size_t)nchunks * C;
-  float *part = (float *)scratch(SCR_COLSUM, per * (dnorm ? 2 : 1) * sizeof(float));
-  float *part_b = dnorm ? part + per : NULL;
+  size_t per = (size_t)nchunks * C, parts = (dsum ? 1 : 0) + (dnorm ? 1 : 0);
+  if (!parts) return;
+  /* Only the sums asked for are formed (RMSNorm's weight gradient has no
+   * bias: dsum NULL). */
+  float *part = (float *)scratch(SCR_COLSUM, per * parts * sizeof(float));
+  float *part_a = dsum ? part : NULL, *part_b = dnorm ? part + (dsum ? per : 0) : NULL;
   unsigned threads = 32 * ZT_COLSUM_WARPS;
   if (vec_fits(8, sizeof(X), (size_t)C, {dout, inp}))
     k_colsum_chunks<X, 8><<<dim3((C + 255) / 256, nchunks), threads, 0, g.stream>>>(
-        part, part_b, dout, inp, mean, rstd, N, C, rows);
+        part_a, part_b, dout, inp, mean, rstd, N, C, rows);
   else
     k_colsum_chunks<X, 1><<<dim3((C + 31) / 32, nchunks), threads, 0, g.stream>>>(
-        part, part_b, dout, inp, mean, rstd, N, C, rows);
+        part_a, part_b, dout, inp, mean, rstd, N, C, rows);
   ZT_CUDA_LAUNCHED();
-  k_colsum_finish<<<(C + 31) / 32, threads, 0, g.stream>>>(dsum, dnorm, part, part_b, nchunks, C);
+  k_colsum_finish<<<(C + 31) / 32, threads, 0, g.stream>>>(dsum, dnorm, part_a, part_b, nchunks,
+                                                            C);
   ZT_CUDA_LAUNCHED();
 }
 
@@ -3023,22 +3052,42 @@ static int cu_graph_begin(char *why, size_t n) {
   return 0;
 }
 
+/* What graph_end returns: the executable graph (NULL for a capture with
+ * no work, as between two hooks in a row: nothing to launch) and the
+ * epoch it was recorded in. */
+typedef struct {
+  cudaGraphExec_t x;
+  unsigned long epoch;
+} cu_graph;
+
 static void *cu_graph_end(char *why, size_t n) {
+  cap_same_thread("graph_end");
   if (!cap.on) {
     snprintf(why, n, "no capture is open");
     return NULL;
   }
   cudaGraph_t gr = NULL;
   cudaGraphExec_t x = NULL;
+  size_t nodes = 0;
   cudaError_t e = cudaStreamEndCapture(g.stream, &gr);
   __atomic_store_n(&cap.on, 0, __ATOMIC_RELEASE);
   const char *call = "cudaStreamEndCapture";
   if (e == cudaSuccess && !cap.fail[0]) {
+    call = "cudaGraphGetNodes";
+    e = cudaGraphGetNodes(gr, NULL, &nodes);
+  }
+  if (e == cudaSuccess && !cap.fail[0] && nodes) {
     call = "cudaGraphInstantiate";
     e = cudaGraphInstantiate(&x, gr, 0);
   }
   if (gr) ZT_CUDA_CHECK(cudaGraphDestroy(gr));
-  if (!cap.fail[0] && e == cudaSuccess) return x;
+  if (!cap.fail[0] && e == cudaSuccess) {
+    cu_graph *r = (cu_graph *)malloc(sizeof *r);
+    if (!r) cuda_fail("malloc", "out of host memory", __FILE__, __LINE__);
+    r->x = x;
+    r->epoch = cap.epoch;
+    return r;
+  }
   if (cap.fail[0]) snprintf(why, n, "%s", cap.fail);
   else snprintf(why, n, "%s: %s", call, cudaGetErrorString(e));
   (void)cudaGetLastError();
@@ -3046,14 +3095,23 @@ static void *cu_graph_end(char *why, size_t n) {
   return NULL;
 }
 
-static void cu_graph_launch(void *x) {
-  ZT_CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)x, g.stream));
+static int cu_graph_launch(void *p) {
+  cap_same_thread("graph_launch");
+  const cu_graph *r = (const cu_graph *)p;
+  if (r->epoch != cap.epoch) return -1; /* stale: nothing enqueued */
+  if (r->x) ZT_CUDA_CHECK(cudaGraphLaunch(r->x, g.stream));
+  return 0;
 }
 
-static void cu_graph_free(void *x) {
-  if (!x) return;
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* a launch may still run */
-  ZT_CUDA_CHECK(cudaGraphExecDestroy((cudaGraphExec_t)x));
+static void cu_graph_free(void *p) {
+  cap_same_thread("graph_free");
+  cu_graph *r = (cu_graph *)p;
+  if (!r) return;
+  if (r->x) {
+    ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* a launch may still run */
+    ZT_CUDA_CHECK(cudaGraphExecDestroy(r->x));
+  }
+  free(r);
 }
 
 /* The table's entries go through prof_fn<F, f>::call, which times f when
@@ -3194,10 +3252,20 @@ extern "C" const zt_kernels_t *zt_kernels_cuda(void) { return g.init ? &zt_cuda_
 extern "C" const zt_kernels_t *zt_kernels_cuda_bf16(void) {
   return g.init ? &zt_cuda_table_bf16 : NULL;
 }
-extern "C" void zt_kernels_cuda_set_math(zt_cuda_math_t math) { g.math = math; }
+/* The settings change what the calls do: recorded graphs are stale. */
+extern "C" void zt_kernels_cuda_set_math(zt_cuda_math_t math) {
+  g.math = math;
+  cap.epoch++;
+}
 extern "C" zt_cuda_math_t zt_kernels_cuda_math(void) { return g.math; }
-extern "C" void zt_kernels_cuda_set_attention_tc(int on) { att_tc_on = on; }
-extern "C" void zt_kernels_cuda_set_gelu_epilogue(int on) { gelu_epilogue = on; }
+extern "C" void zt_kernels_cuda_set_attention_tc(int on) {
+  att_tc_on = on;
+  cap.epoch++;
+}
+extern "C" void zt_kernels_cuda_set_gelu_epilogue(int on) {
+  gelu_epilogue = on;
+  cap.epoch++;
+}
 
 extern "C" void zt_kernels_cuda_profile(int on) {
   if (on && !prof.ev[0])
@@ -3246,6 +3314,7 @@ extern "C" void zt_kernels_cuda_profile_report(FILE *f) {
 extern "C" void zt_kernels_cuda_set_attention_scratch_max(size_t bytes) {
   att_scr_max = bytes;
   att_scr_max_set = 1;
+  cap.epoch++;
 }
 
 extern "C" size_t zt_cuda_device_memory_used(void) {
@@ -3256,4 +3325,8 @@ extern "C" size_t zt_cuda_device_memory_used(void) {
 extern "C" const char *zt_cuda_device_name(void) { return g.name; }
 extern "C" size_t zt_cuda_device_memory(void) { return g.mem; }
 
-extern "C" void zt_cuda_sync(void) { ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
+extern "C" void zt_cuda_sync(void) {
+  cap_same_thread("zt_cuda_sync");
+  if (cap_refuse("zt_cuda_sync")) return;
+  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}

@@ -558,6 +558,9 @@ static void test_graphs() {
   OK(cudaMemcpyAsync(pin, y, n * sizeof(float), cudaMemcpyDeviceToHost, s));
   cudaGraph_t gr = NULL;
   OK(cudaStreamEndCapture(s, &gr));
+  size_t nodes = 0;
+  OK(cudaGraphGetNodes(gr, NULL, &nodes));
+  ZT_CHECK(nodes == 5);
   OK(cudaStreamIsCapturing(s, &st));
   ZT_CHECK(st == cudaStreamCaptureStatusNone);
   int ran = 0; /* nothing ran while recording */

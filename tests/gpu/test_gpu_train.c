@@ -29,13 +29,18 @@
  *               of the batch shape. And with a table whose encoder_forward
  *               waits for the device: the recording fails, graphs turn off
  *               with the reason, and the steps still give the same bits.
+ *               On the stand-in, a child process whose other thread calls
+ *               the table while a graph is recorded stops, saying so.
  *
  * Exits 77 (skipped) without a CUDA device.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "model.h"
 #include "zt_kernels.h"
@@ -343,6 +348,48 @@ ZT_TEST(graphs_run_hooks_between_segments) {
   free(stream);
 }
 
+/* The table called from another thread during a recording (the stand-in
+ * only: a child process, which a CUDA context does not survive). */
+static const zt_kernels_t *thr_k;
+static float *thr_buf;
+static void *other_thread(void *x) {
+  (void)x;
+  thr_k->zero(thr_buf, 16);
+  return NULL;
+}
+
+ZT_TEST(graphs_refuse_other_threads) {
+  if (!strstr(zt_cuda_device_name(), "stand-in")) return;
+  int fd[2];
+  ZT_REQUIRE(pipe(fd) == 0);
+  fflush(stdout), fflush(stderr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fd[1], 2), close(fd[0]), close(fd[1]);
+    alarm(120); /* never a hang */
+    thr_k = zt_kernels_cuda_bf16();
+    thr_buf = thr_k->alloc(64);
+    char why[200];
+    pthread_t th;
+    if (thr_k->graph_begin(why, sizeof why) != 0 || pthread_create(&th, NULL, other_thread, NULL))
+      _exit(3);
+    pthread_join(th, NULL);
+    _exit(0); /* the guard did not stop it */
+  }
+  close(fd[1]);
+  char out[4096];
+  size_t n = 0;
+  ssize_t r;
+  while (n < sizeof out - 1 && (r = read(fd[0], out + n, sizeof out - 1 - n)) > 0) n += (size_t)r;
+  out[n] = 0;
+  close(fd[0]);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  fprintf(stderr, "  child: exit %d, \"%s\"\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1, out);
+  ZT_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+  ZT_CHECK(strstr(out, "zero called from another thread while a CUDA graph is being recorded"));
+}
+
 int run_all(int argc, char **argv);
 
 int main(int argc, char **argv) {
@@ -356,4 +403,5 @@ int main(int argc, char **argv) {
 }
 
 ZT_TEST_MAIN_NAMED(run_all, gradients_match_reference, training_tracks_cpu,
-                   graphs_replay_the_same_bits, graphs_run_hooks_between_segments)
+                   graphs_replay_the_same_bits, graphs_run_hooks_between_segments,
+                   graphs_refuse_other_threads)

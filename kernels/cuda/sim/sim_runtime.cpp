@@ -1336,8 +1336,13 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
 /* Waits for host work held on any stream (zt_sim::stream_hold). The work
  * enqueued on this device's streams before the call is then seen complete. */
 cudaError_t cudaDeviceSynchronize(void) {
-  if (capture_unsafe("cudaDeviceSynchronize") != cudaSuccess)
-    return cudaErrorStreamCaptureUnsupported;
+  { /* a device-wide wait conflicts with every capture, of any thread */
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    bool hit = false;
+    for (const void *a : g_streams)
+      if (((stream_rec *)a)->cap) invalidate((stream_rec *)a, "cudaDeviceSynchronize"), hit = true;
+    if (hit) return set_error(cudaErrorStreamCaptureUnsupported);
+  }
   std::map<const void *, unsigned long> done;
   {
     std::lock_guard<std::recursive_mutex> lk(g_mu);
@@ -1706,6 +1711,23 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t stream, enum cudaStreamCaptureSta
   stream_rec *r = capture_rec(stream);
   *status = !r ? cudaStreamCaptureStatusNone
                : r->cap == 1 ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusInvalidated;
+  return cudaSuccess;
+}
+
+/* With nodes NULL, the count; else up to *count node handles (the
+ * stand-in's records, good for nothing but counting). */
+cudaError_t cudaGraphGetNodes(cudaGraph_t graph, cudaGraphNode_t *nodes, size_t *count) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!count) return set_error(cudaErrorInvalidValue);
+  if (!graph || !g_graphs.count(graph)) return set_error(cudaErrorInvalidResourceHandle);
+  std::vector<graph_node> &v = ((graph_rec *)graph)->nodes;
+  if (!nodes) {
+    *count = v.size();
+    return cudaSuccess;
+  }
+  size_t n = *count < v.size() ? *count : v.size();
+  for (size_t i = 0; i < n; i++) nodes[i] = (cudaGraphNode_t)&v[i];
+  *count = n;
   return cudaSuccess;
 }
 
