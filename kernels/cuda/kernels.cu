@@ -116,8 +116,10 @@ static struct {
 
 /* 1 (and the capture fails, naming `what`) when a capture is open: for
  * the calls that wait for the device or move host memory, which a graph
- * cannot hold. */
+ * cannot hold. From another thread such a call ends the process
+ * (cap_same_thread). */
 static int cap_refuse(const char *what) {
+  cap_same_thread(what);
   if (!cap.on) return 0;
   if (!cap.fail[0]) snprintf(cap.fail, sizeof cap.fail, "%s inside the captured calls", what);
   return 1;
@@ -582,9 +584,9 @@ static int lt_gemm_epi(int ta, int tb, int m, int n, int k, const XA *A, int lda
   prof_end(span);
   if (st != CUBLAS_STATUS_SUCCESS && capturing_here()) {
     /* A product that fails inside a capture (one the driver invalidated)
-     * fails the capture; nothing about the plan is learnt from it. */
-    if (!cap.fail[0])
-      snprintf(cap.fail, sizeof cap.fail, "cublasLtMatmul: %s", cublasLtGetStatusString(st));
+     * fails the capture (cuda_fail returns then); nothing about the plan
+     * is learnt from it. */
+    cuda_fail("cublasLtMatmul", cublasLtGetStatusString(st), __FILE__, __LINE__);
     return 0;
   }
   if (st != CUBLAS_STATUS_SUCCESS && epi != EPI_NONE) {
@@ -2976,7 +2978,6 @@ static double cu_sumsq_f64(const double *x, size_t n, double s) {
  * caller reports it); the copies are complete when they return. */
 static void *cu_alloc(size_t bytes) {
   void *p = NULL;
-  cap_same_thread("alloc");
   if (cap_refuse("alloc")) return NULL;
   if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -2987,13 +2988,11 @@ static void *cu_alloc(size_t bytes) {
 }
 
 static void cu_sync(void) {
-  cap_same_thread("sync");
   if (cap_refuse("sync")) return;
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
 }
 
 static void cu_release(void *p) {
-  cap_same_thread("release");
   if (!p || cap_refuse("release")) return;
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
   ZT_CUDA_CHECK(cudaFree(p));
@@ -3326,7 +3325,6 @@ extern "C" const char *zt_cuda_device_name(void) { return g.name; }
 extern "C" size_t zt_cuda_device_memory(void) { return g.mem; }
 
 extern "C" void zt_cuda_sync(void) {
-  cap_same_thread("zt_cuda_sync");
   if (cap_refuse("zt_cuda_sync")) return;
   ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
 }

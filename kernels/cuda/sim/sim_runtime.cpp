@@ -1150,14 +1150,17 @@ void invalidate(stream_rec *r, const char *what) {
 
 /* A potentially unsafe call: it fails, and invalidates the captures it
  * conflicts with, when the calling thread captures in a mode other than
- * relaxed or any thread captures in the global mode. */
-cudaError_t capture_unsafe(const char *what) {
+ * relaxed or any thread captures in the global mode; with `every`, a
+ * device-wide call, when any stream captures at all. */
+cudaError_t capture_unsafe(const char *what, bool every = false) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   bool hit = false;
   for (const void *a : g_streams) {
     stream_rec *r = (stream_rec *)a;
-    if (!r->cap || r->cap_mode == cudaStreamCaptureModeRelaxed) continue;
-    if (r->cap_thread != &t_self && r->cap_mode != cudaStreamCaptureModeGlobal) continue;
+    if (!r->cap) continue;
+    if (!every && r->cap_mode == cudaStreamCaptureModeRelaxed) continue;
+    if (!every && r->cap_thread != &t_self && r->cap_mode != cudaStreamCaptureModeGlobal)
+      continue;
     invalidate(r, what);
     hit = true;
   }
@@ -1336,13 +1339,8 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
 /* Waits for host work held on any stream (zt_sim::stream_hold). The work
  * enqueued on this device's streams before the call is then seen complete. */
 cudaError_t cudaDeviceSynchronize(void) {
-  { /* a device-wide wait conflicts with every capture, of any thread */
-    std::lock_guard<std::recursive_mutex> lk(g_mu);
-    bool hit = false;
-    for (const void *a : g_streams)
-      if (((stream_rec *)a)->cap) invalidate((stream_rec *)a, "cudaDeviceSynchronize"), hit = true;
-    if (hit) return set_error(cudaErrorStreamCaptureUnsupported);
-  }
+  if (capture_unsafe("cudaDeviceSynchronize", true) != cudaSuccess)
+    return cudaErrorStreamCaptureUnsupported;
   std::map<const void *, unsigned long> done;
   {
     std::lock_guard<std::recursive_mutex> lk(g_mu);
