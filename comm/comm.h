@@ -156,6 +156,36 @@ ZT_MUST_CHECK int zt_comm_all_to_all(zt_comm_t *c, const void *send, void *recv,
                                      int64_t timeout_ms);
 ZT_MUST_CHECK int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms);
 
+/* ---- stream order (device communicators) -----------------------------------
+ *
+ * Over NCCL the collectives can run beside the caller's kernels instead of
+ * after a host synchronisation. zt_comm_set_stream names the stream (a
+ * cudaStream_t) the caller's kernels run on; from then on every operation,
+ * blocking or not, runs on the communicator's own stream behind what that
+ * stream held when it was called (an event: no host wait). The _async
+ * operations return once enqueued, with a ticket: the caller may queue more
+ * kernels, which run beside the collective, but must neither write its
+ * send buffer nor read or write its receive buffer until zt_comm_join(c,
+ * ticket) has made its stream wait for it (ticket 0: the last one issued);
+ * the host does not wait there either. zt_comm_settle waits on the host
+ * until every operation is done, each within its own timeout_ms of being
+ * enqueued; zt_comm_progress only looks. Either one reports a collective
+ * that failed, timed out or was aborted, and ends the NCCL communicator
+ * then, which releases every stream a join made wait for it (the caller's
+ * next host wait on its stream returns, on data that the failed step
+ * discards). A TCP communicator refuses set_stream and the _async calls;
+ * progress, join and settle have nothing to do there and return 0. */
+ZT_MUST_CHECK int zt_comm_set_stream(zt_comm_t *c, void *stream);
+ZT_MUST_CHECK int zt_comm_reduce_scatter_async(zt_comm_t *c, void *send, void *recv, size_t count,
+                                               zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms,
+                                               uint64_t *ticket);
+ZT_MUST_CHECK int zt_comm_all_gather_async(zt_comm_t *c, const void *send, void *recv,
+                                           size_t count, zt_dtype_t dt, int64_t timeout_ms,
+                                           uint64_t *ticket);
+ZT_MUST_CHECK int zt_comm_join(zt_comm_t *c, uint64_t ticket);
+ZT_MUST_CHECK int zt_comm_progress(zt_comm_t *c);
+ZT_MUST_CHECK int zt_comm_settle(zt_comm_t *c);
+
 /* A view: a communicator of some of c's ranks, ranks[0 .. n) (c's ranks,
  * this one among them), that runs its collectives over c's own
  * connections, so it costs no set-up and no socket. Rank i of the view is

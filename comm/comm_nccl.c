@@ -14,6 +14,16 @@
  * are device pointers. The unique id is produced by rank 0
  * (zt_comm_nccl_unique_id) and handed to every rank by the coordinator as
  * 256 hex characters.
+ *
+ * Stream order (comm.h, zt_comm_set_stream): once the caller names the
+ * stream its kernels run on, every collective waits on the device for
+ * what that stream holds (an event recorded there, waited for by ours),
+ * not for a host synchronisation. The _async collectives return once
+ * enqueued; each records an event on our stream when it is done, kept
+ * with its enqueue time in a ring (ZT_NCCL_INFLIGHT): zt_comm_join makes
+ * the caller's stream wait for one, and progress / settle reap the done
+ * ones from the oldest, so a collective that outlives its timeout is
+ * found, and aborted, at the next look.
  */
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -50,6 +60,12 @@ static struct {
   cudaError_t (*StreamQuery)(cudaStream_t);
   cudaError_t (*StreamDestroy)(cudaStream_t);
   const char *(*CudaErrorString)(cudaError_t);
+  cudaError_t (*EventCreateWithFlags)(cudaEvent_t *, unsigned);
+  cudaError_t (*EventRecord)(cudaEvent_t, cudaStream_t);
+  cudaError_t (*EventQuery)(cudaEvent_t);
+  cudaError_t (*EventDestroy)(cudaEvent_t);
+  cudaError_t (*StreamWaitEvent)(cudaStream_t, cudaEvent_t, unsigned);
+  cudaError_t (*GetLastError)(void);
 } nc;
 
 static void *open_first(const char *const *names) {
@@ -97,20 +113,59 @@ static int load(void) {
   SYM(hc, StreamQuery, "cudaStreamQuery");
   SYM(hc, StreamDestroy, "cudaStreamDestroy");
   SYM(hc, CudaErrorString, "cudaGetErrorString");
+  SYM(hc, EventCreateWithFlags, "cudaEventCreateWithFlags");
+  SYM(hc, EventRecord, "cudaEventRecord");
+  SYM(hc, EventQuery, "cudaEventQuery");
+  SYM(hc, EventDestroy, "cudaEventDestroy");
+  SYM(hc, StreamWaitEvent, "cudaStreamWaitEvent");
+  SYM(hc, GetLastError, "cudaGetLastError");
   nc.loaded = 1;
   return 0;
 }
+
+/* Collectives in flight at once in stream order; one more waits (on the
+ * host, within its timeout) for the oldest. A training step keeps a few
+ * per unit in flight. */
+#define ZT_NCCL_INFLIGHT 256
+
+/* An asynchronous collective not yet seen done. */
+typedef struct {
+  cudaEvent_t done; /* recorded on our stream after it */
+  int64_t t_us, timeout_ms;
+  const char *op;
+} inflight_t;
 
 struct zt_nccl {
   ncclComm_t comm;
   cudaStream_t stream;
   atomic_int abort;
   int dead; /* ncclCommAbort has run: the communicator is gone */
+  /* Stream order: the caller's stream, an event to order ours after it,
+   * and the ring of asynchronous collectives (tickets count them from 1;
+   * ticket t is slot t % ZT_NCCL_INFLIGHT while t > reaped). */
+  cudaStream_t user;
+  cudaEvent_t order;
+  inflight_t fl[ZT_NCCL_INFLIGHT];
+  uint64_t issued, reaped;
+  char err[256]; /* why the communicator died, for the calls after */
 };
 
 static ncclDataType_t nccl_type(zt_dtype_t dt) {
   return dt == ZT_DT_F64 ? ncclFloat64 : dt == ZT_DT_F32 ? ncclFloat32 : ncclBfloat16;
 }
+
+/* Ends the communicator with a reason that every later call repeats. */
+static int die(struct zt_nccl *n, const char *op, const char *why) {
+  if (!n->dead) nc.CommAbort(n->comm);
+  n->dead = 1;
+  if (!n->err[0]) snprintf(n->err, sizeof n->err, "%s: %s", op, why);
+  return zt_err("%s", n->err);
+}
+
+/* A query's cudaErrorNotReady is also this thread's last error, which
+ * the kernel table's next launch check would take for a failure: cleared
+ * (as PyTorch's stream query does). */
+static void not_ready(void) { (void)nc.GetLastError(); }
 
 /* Polls an enqueued operation (or the initialisation) to completion:
  * busily for the first polls (a collective of a training step takes
@@ -121,27 +176,16 @@ static int wait_done(struct zt_nccl *n, int check_stream, zt_deadline_t dl, cons
     if (polls > 1000) nanosleep(&(struct timespec){.tv_nsec = 50000}, NULL);
     ncclResult_t st = ncclSuccess;
     nc.CommGetAsyncError(n->comm, &st);
-    if (st != ncclSuccess && st != ncclInProgress) {
-      nc.CommAbort(n->comm);
-      n->dead = 1;
-      return zt_err("%s: %s", op, nc.GetErrorString(st));
-    }
+    if (st != ncclSuccess && st != ncclInProgress) return die(n, op, nc.GetErrorString(st));
     if (st == ncclSuccess) {
       if (!check_stream) return 0;
       cudaError_t ce = nc.StreamQuery(n->stream);
       if (ce == cudaSuccess) return 0;
       if (ce != cudaErrorNotReady) return zt_err("%s: %s", op, nc.CudaErrorString(ce));
+      not_ready();
     }
-    if (atomic_load(&n->abort)) {
-      nc.CommAbort(n->comm);
-      n->dead = 1;
-      return zt_err("%s: aborted", op);
-    }
-    if (zt_deadline_passed(dl)) {
-      nc.CommAbort(n->comm);
-      n->dead = 1;
-      return zt_err("%s: timed out", op);
-    }
+    if (atomic_load(&n->abort)) return die(n, op, "aborted");
+    if (zt_deadline_passed(dl)) return die(n, op, "timed out");
   }
 }
 
@@ -190,13 +234,129 @@ int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int
   return 0;
 }
 
+/* Stream order: our stream waits for what the caller's stream holds. */
+static int order_after_user(struct zt_nccl *n, const char *op) {
+  if (!n->user) return 0;
+  cudaError_t ce = nc.EventRecord(n->order, n->user);
+  if (ce == cudaSuccess) ce = nc.StreamWaitEvent(n->stream, n->order, 0);
+  return ce == cudaSuccess ? 0 : zt_err("%s: ordering after the caller's stream: %s", op,
+                                        nc.CudaErrorString(ce));
+}
+
+/* Reaps the asynchronous collectives that are done, from the oldest, and
+ * ends the communicator when NCCL reports an error, the abort flag is up,
+ * or the oldest one left has outlived its timeout. */
+static int progress(struct zt_nccl *n) {
+  if (n->dead) return zt_err("%s", n->err[0] ? n->err : "NCCL communicator aborted");
+  while (n->reaped < n->issued) {
+    inflight_t *f = &n->fl[(n->reaped + 1) % ZT_NCCL_INFLIGHT];
+    cudaError_t ce = nc.EventQuery(f->done);
+    if (ce == cudaErrorNotReady) {
+      not_ready();
+      break;
+    }
+    if (ce != cudaSuccess) return die(n, f->op, nc.CudaErrorString(ce));
+    n->reaped++;
+  }
+  const char *op = n->reaped < n->issued ? n->fl[(n->reaped + 1) % ZT_NCCL_INFLIGHT].op : "NCCL";
+  ncclResult_t st = ncclSuccess;
+  nc.CommGetAsyncError(n->comm, &st);
+  if (st != ncclSuccess && st != ncclInProgress) return die(n, op, nc.GetErrorString(st));
+  if (atomic_load(&n->abort)) return die(n, op, "aborted");
+  if (n->reaped < n->issued) {
+    inflight_t *f = &n->fl[(n->reaped + 1) % ZT_NCCL_INFLIGHT];
+    if (f->timeout_ms > 0 && zt_now_us() - f->t_us > f->timeout_ms * 1000)
+      return die(n, f->op, "timed out");
+  }
+  return 0;
+}
+
+/* Waits until at most `left` asynchronous collectives are in flight. */
+static int drain_to(struct zt_nccl *n, uint64_t left) {
+  for (int polls = 0;; polls++) {
+    if (progress(n) != 0) return -1;
+    if (n->issued - n->reaped <= left) return 0;
+    if (polls > 1000) nanosleep(&(struct timespec){.tv_nsec = 50000}, NULL);
+  }
+}
+
 static int enqueued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const char *op) {
   if (r != ncclSuccess && r != ncclInProgress) return zt_err("%s: %s", op, nc.GetErrorString(r));
-  return wait_done(n, 1, zt_deadline_in(timeout_ms), op);
+  if (wait_done(n, 1, zt_deadline_in(timeout_ms), op) != 0) return -1;
+  n->reaped = n->issued; /* our stream is idle: the asynchronous ones are done too */
+  return 0;
 }
+
+/* An asynchronous collective just enqueued (r): its event and ticket. */
+static int issued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const char *op,
+                  uint64_t *ticket) {
+  if (r != ncclSuccess && r != ncclInProgress) return zt_err("%s: %s", op, nc.GetErrorString(r));
+  inflight_t *f = &n->fl[(n->issued + 1) % ZT_NCCL_INFLIGHT];
+  cudaError_t ce = nc.EventRecord(f->done, n->stream);
+  if (ce != cudaSuccess) return die(n, op, nc.CudaErrorString(ce));
+  f->t_us = zt_now_us(), f->timeout_ms = timeout_ms, f->op = op;
+  *ticket = ++n->issued;
+  return 0;
+}
+
+/* Before an operation: the communicator is alive, a slot is free, and
+ * our stream is ordered after the caller's. */
+static int before(struct zt_nccl *n, const char *op) {
+  if (progress(n) != 0) return -1;
+  if (n->issued - n->reaped >= ZT_NCCL_INFLIGHT - 1 && drain_to(n, ZT_NCCL_INFLIGHT / 2) != 0)
+    return -1;
+  return order_after_user(n, op);
+}
+
+int zt__nccl_set_stream(struct zt_nccl *n, void *stream) {
+  if (n->issued > n->reaped && drain_to(n, 0) != 0) return -1;
+  if (!n->order) {
+    cudaError_t ce = nc.EventCreateWithFlags(&n->order, cudaEventDisableTiming);
+    for (int i = 0; ce == cudaSuccess && i < ZT_NCCL_INFLIGHT; i++)
+      ce = nc.EventCreateWithFlags(&n->fl[i].done, cudaEventDisableTiming);
+    if (ce != cudaSuccess) return zt_err("cudaEventCreate: %s", nc.CudaErrorString(ce));
+  }
+  n->user = stream;
+  return 0;
+}
+
+int zt__nccl_reduce_scatter_async(struct zt_nccl *n, void *send, void *recv, size_t count,
+                                  zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms,
+                                  uint64_t *ticket) {
+  if (!n->user) return zt_err("ncclReduceScatter: no stream to order it after");
+  if (before(n, "ncclReduceScatter") != 0) return -1;
+  return issued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt),
+                                    op == ZT_RED_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
+                timeout_ms, "ncclReduceScatter", ticket);
+}
+
+int zt__nccl_all_gather_async(struct zt_nccl *n, const void *send, void *recv, size_t count,
+                              zt_dtype_t dt, int64_t timeout_ms, uint64_t *ticket) {
+  if (!n->user) return zt_err("ncclAllGather: no stream to order it after");
+  if (before(n, "ncclAllGather") != 0) return -1;
+  return issued(n, nc.AllGather(send, recv, count, nccl_type(dt), n->comm, n->stream),
+                timeout_ms, "ncclAllGather", ticket);
+}
+
+/* The caller's stream waits for collective `ticket` (0: the last one). One
+ * the host has seen done needs no wait. */
+int zt__nccl_join(struct zt_nccl *n, uint64_t ticket) {
+  if (progress(n) != 0) return -1;
+  if (!ticket) ticket = n->issued;
+  if (ticket > n->issued) return zt_err("NCCL join: ticket %llu was never issued",
+                                        (unsigned long long)ticket);
+  if (ticket <= n->reaped) return 0;
+  cudaError_t ce = nc.StreamWaitEvent(n->user, n->fl[ticket % ZT_NCCL_INFLIGHT].done, 0);
+  return ce == cudaSuccess ? 0 : zt_err("NCCL join: %s", nc.CudaErrorString(ce));
+}
+
+int zt__nccl_progress(struct zt_nccl *n) { return progress(n); }
+
+int zt__nccl_settle(struct zt_nccl *n) { return drain_to(n, 0); }
 
 int zt__nccl_all_reduce(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
                         int64_t timeout_ms) {
+  if (before(n, "ncclAllReduce") != 0) return -1;
   return enqueued(n, nc.AllReduce(buf, buf, count, nccl_type(dt), op == ZT_RED_AVG ? ncclAvg : ncclSum,
                                   n->comm, n->stream),
                   timeout_ms, "ncclAllReduce");
@@ -204,6 +364,7 @@ int zt__nccl_all_reduce(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t d
 
 int zt__nccl_reduce_scatter(struct zt_nccl *n, void *send, void *recv, size_t count,
                             zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms) {
+  if (before(n, "ncclReduceScatter") != 0) return -1;
   return enqueued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt),
                                       op == ZT_RED_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
                   timeout_ms, "ncclReduceScatter");
@@ -211,12 +372,14 @@ int zt__nccl_reduce_scatter(struct zt_nccl *n, void *send, void *recv, size_t co
 
 int zt__nccl_all_gather(struct zt_nccl *n, const void *send, void *recv, size_t count,
                         zt_dtype_t dt, int64_t timeout_ms) {
+  if (before(n, "ncclAllGather") != 0) return -1;
   return enqueued(n, nc.AllGather(send, recv, count, nccl_type(dt), n->comm, n->stream), timeout_ms,
                   "ncclAllGather");
 }
 
 int zt__nccl_broadcast(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt, int root,
                        int64_t timeout_ms) {
+  if (before(n, "ncclBroadcast") != 0) return -1;
   return enqueued(n, nc.Broadcast(buf, buf, count, nccl_type(dt), root, n->comm, n->stream),
                   timeout_ms, "ncclBroadcast");
 }
@@ -225,9 +388,15 @@ void zt__nccl_abort(struct zt_nccl *n) { atomic_store(&n->abort, 1); }
 
 void zt__nccl_destroy(struct zt_nccl *n) {
   if (!n) return;
+  /* Collectives still in flight may wait for a peer that is gone. */
+  if (!n->dead && n->issued > n->reaped) (void)progress(n);
   if (!n->dead) {
-    if (atomic_load(&n->abort)) nc.CommAbort(n->comm);
+    if (atomic_load(&n->abort) || n->issued > n->reaped) nc.CommAbort(n->comm);
     else nc.CommDestroy(n->comm);
+  }
+  if (n->order) {
+    nc.EventDestroy(n->order);
+    for (int i = 0; i < ZT_NCCL_INFLIGHT; i++) nc.EventDestroy(n->fl[i].done);
   }
   nc.StreamDestroy(n->stream);
   free(n);

@@ -44,5 +44,32 @@ int zt__nccl_broadcast(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt
   (void)n, (void)buf, (void)count, (void)dt, (void)root, (void)timeout_ms;
   return zt_err("no NCCL backend in this build");
 }
+int zt__nccl_set_stream(struct zt_nccl *n, void *stream) {
+  (void)n, (void)stream;
+  return zt_err("no NCCL backend in this build");
+}
+int zt__nccl_reduce_scatter_async(struct zt_nccl *n, void *send, void *recv, size_t count,
+                                  zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms,
+                                  uint64_t *ticket) {
+  (void)n, (void)send, (void)recv, (void)count, (void)dt, (void)op, (void)timeout_ms, (void)ticket;
+  return zt_err("no NCCL backend in this build");
+}
+int zt__nccl_all_gather_async(struct zt_nccl *n, const void *send, void *recv, size_t count,
+                              zt_dtype_t dt, int64_t timeout_ms, uint64_t *ticket) {
+  (void)n, (void)send, (void)recv, (void)count, (void)dt, (void)timeout_ms, (void)ticket;
+  return zt_err("no NCCL backend in this build");
+}
+int zt__nccl_join(struct zt_nccl *n, uint64_t ticket) {
+  (void)n, (void)ticket;
+  return zt_err("no NCCL backend in this build");
+}
+int zt__nccl_progress(struct zt_nccl *n) {
+  (void)n;
+  return 0;
+}
+int zt__nccl_settle(struct zt_nccl *n) {
+  (void)n;
+  return 0;
+}
 void zt__nccl_abort(struct zt_nccl *n) { (void)n; }
 void zt__nccl_destroy(struct zt_nccl *n) { (void)n; }

@@ -821,6 +821,49 @@ int zt_comm_barrier(zt_comm_t *c, int64_t timeout_ms) {
   return 0;
 }
 
+/* ---- stream order (comm.h; NCCL only) --------------------------------------- */
+
+int zt_comm_set_stream(zt_comm_t *c, void *stream) {
+  if (!c->nccl) return zt_err("stream order: a TCP communicator works on host memory");
+  return nccl_result(c, zt__nccl_set_stream(c->nccl, stream));
+}
+
+int zt_comm_reduce_scatter_async(zt_comm_t *c, void *send, void *recv, size_t count,
+                                 zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms,
+                                 uint64_t *ticket) {
+  if (check_usable(c, "reduce-scatter") != 0) return -1;
+  if (!c->nccl) return zt_err("reduce-scatter: asynchronous over NCCL only");
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
+  return nccl_result(c, zt__nccl_reduce_scatter_async(c->nccl, send, recv, count, dt, op,
+                                                      timeout_ms, ticket));
+}
+
+int zt_comm_all_gather_async(zt_comm_t *c, const void *send, void *recv, size_t count,
+                             zt_dtype_t dt, int64_t timeout_ms, uint64_t *ticket) {
+  if (check_usable(c, "all-gather") != 0) return -1;
+  if (!c->nccl) return zt_err("all-gather: asynchronous over NCCL only");
+  __atomic_fetch_add(&c->st->ops, 1, __ATOMIC_RELAXED);
+  return nccl_result(c, zt__nccl_all_gather_async(c->nccl, send, recv, count, dt, timeout_ms,
+                                                  ticket));
+}
+
+int zt_comm_join(zt_comm_t *c, uint64_t ticket) {
+  if (check_usable(c, "join") != 0) return -1;
+  return c->nccl ? nccl_result(c, zt__nccl_join(c->nccl, ticket)) : 0;
+}
+
+/* Not refused on a broken communicator: the NCCL side still has to end
+ * what is in flight (an abort raised by zt_comm_abort takes effect here). */
+int zt_comm_progress(zt_comm_t *c) {
+  if (c->nccl && zt__nccl_progress(c->nccl) != 0) return nccl_result(c, -1);
+  return check_usable(c, "collective in flight");
+}
+
+int zt_comm_settle(zt_comm_t *c) {
+  if (c->nccl && zt__nccl_settle(c->nccl) != 0) return nccl_result(c, -1);
+  return check_usable(c, "collective in flight");
+}
+
 void zt_comm_abort(zt_comm_t *c) {
   claim_error(c, "aborted", -1);
   wake_waiters(c);

@@ -48,7 +48,10 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
   b += 2 * 4 * (stage == 0 ? full : shard);                  /* Adam m, v */
   if (stage >= 2) b += 4 * s0 + 4 * slot + 8 * (slot / N + 1);
   if (stage >= 2 && nccl) b += 8 * slot;              /* the widened piece */
-  if (stage >= 2 && overlap && N > 1) b += 4 * slot; /* the 2nd gradient slot */
+  if (stage >= 2 && overlap && N > 1 && nccl) /* stream overlap's 2nd fp64 slot */
+    b += 8 * slot + 8 * (slot / N + 1);
+  else if (stage >= 2 && overlap && N > 1) /* the thread's 2nd gradient slot */
+    b += 4 * slot;
   if (stage == 3) b += xb * s0 + xb * slot;
   if (stage == 3 && overlap && N > 1) b += xb * slot; /* the prefetch slot */
   b += 4 * max_unit; /* the gather scratch (not a model state, still memory) */
@@ -133,9 +136,10 @@ int zt_memplan_need(const zt_spec_t *s, int world, zt_memplan_need_t *out) {
   out->states = zero_states(&l, s->zero_stage, world, s->overlap_comm, 4, 0, q, &owned) +
                 lora_base(&s->model, s->zero_stage, world, 4) + diloco_outer(s, &l, all);
   out->activations = activations(s, &l, 4);
-  /* GPU workers run without the overlap thread (zero.c), and are counted
-   * with NCCL's widened copy (on the TCP ring they need less). */
-  out->dev_states = zero_states(&l, s->zero_stage, world, 0, dev_xb, 1, q, &owned) +
+  /* GPU workers are counted over NCCL, with its widened copy and the
+   * stream overlap's slots (on the TCP ring they run without the thread
+   * and need less). */
+  out->dev_states = zero_states(&l, s->zero_stage, world, s->overlap_comm, dev_xb, 1, q, &owned) +
                     lora_base(&s->model, s->zero_stage, world, dev_xb);
   out->dev_activations = activations(s, &l, dev_xb);
   /* DiLoCo's snapshot adds the group's share of the outer state. */

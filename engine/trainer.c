@@ -219,10 +219,11 @@ static int check_memory(trainer *t) {
  * units in backward's order and defer gathers into the next forward, stage
  * 3 prefetches and keeps gathered units), so every rank of a generation
  * must make the same choice (the ring's operation headers would stop a
- * generation at its first call in another order). A rank on a device cannot overlap (the thread works on host
+ * generation at its first call in another order). A rank on a device cannot run the thread (it works on host
  * memory), so a generation that mixes CPU and GPU workers (the TCP ring)
  * runs without; one all-reduce of a count decides. Over NCCL every rank is
- * on a device, and alone there is nothing to agree on. */
+ * on a device and overlaps in stream order instead (zt_zero_opts_t.
+ * stream_overlap, from the spec alone: the same on every rank). */
 static int agree_overlap(trainer *t, int dev, int *overlap) {
   *overlap = t->spec.overlap_comm && !dev;
   if (!t->spec.overlap_comm || t->N == 1 || zt_comm_device_memory(t->g->comm)) return 0;
@@ -394,6 +395,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
                        .inv_k = (double)t->mb / (double)t->spec.global_batch,
                        .accum = t->spec.lb_speed && t->N > 1 ? 0 : t->accum,
                        .overlap = overlap,
+                       .stream_overlap = t->spec.overlap_comm,
                        .compress = t->spec.diloco ? 0 : t->spec.compression};
   /* DiLoCo: a group (one rank, or S in a row with ZeRO among them)
    * averages its gradients over its own micro-batches (the data positions
@@ -434,7 +436,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   /* The report's estimate: this rank's own figures (overlap thread, storage type). */
   zt_memplan_need_t est = t->need;
   if (g->workdir &&
-      (zt_memplan_rank(&t->spec, t->N, t->z.overlap, t->k->xbytes, t->z.dcomm, &est.states,
+      (zt_memplan_rank(&t->spec, t->N, t->z.overlap || t->z.sv, t->k->xbytes, t->z.dcomm, &est.states,
                        &est.activations) != 0 ||
        zt_zero_write_memory_report(&t->z, g->workdir, zt_model_activation_bytes(t->m), &est) != 0))
     ZT_WARN("%s", zt_err_msg());

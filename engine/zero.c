@@ -90,7 +90,7 @@ static int c_staged(zt_zero_t *z, char *big, char *small, size_t count, zt_dtype
  * own stream): the kernels queued on it are complete (zt_kernels.h,
  * sync). The staged path's download and upload wait by themselves. */
 static void dev_settle(zt_zero_t *z) {
-  if (z->dcomm && z->k->sync) z->k->sync();
+  if (z->dcomm && !z->sv && z->k->sync) z->k->sync(); /* stream order needs no host wait */
 }
 
 static int c_reduce_scatter(zt_zero_t *z, void *send, void *recv, size_t count, zt_dtype_t dt) {
@@ -172,10 +172,14 @@ static int layout(zt_zero_t *z) {
   }
   if (z->stage >= 2 && z->want_overlap && z->N > 1) /* the second slot (zero.h) */
     z->tgb = alloc_f(z, z->slot_unit, FLIGHT);
+  if (z->stage >= 2 && z->sv) { /* stream overlap's second fp64 slot */
+    z->tg64b = alloc_d(z, z->slot_unit, FLIGHT);
+    z->rs64b = alloc_d(z, z->slot_unit / (size_t)z->N + 1, FLIGHT);
+  }
   if (z->stage == 3) {
     z->gat0 = alloc_x(z, z->S[0] * (size_t)z->N, FLIGHT);
     z->gat = alloc_x(z, z->slot_unit, FLIGHT);
-    if (z->want_overlap && z->N > 1) z->gatb = alloc_x(z, z->slot_unit, FLIGHT); /* prefetch */
+    if ((z->want_overlap || z->sv) && z->N > 1) z->gatb = alloc_x(z, z->slot_unit, FLIGHT); /* prefetch */
   }
   z->gbuf = z->k->alloc((z->max_unit ? z->max_unit : 1) * sizeof(float)); /* not a model state */
   z->scratch_bytes = z->max_unit * sizeof(float);
@@ -218,6 +222,8 @@ static void gather_unit(zt_zero_t *z, int u) {
 }
 
 static void fetch_unit(zt_zero_t *z, int u, int next);
+static void sv_fetch(zt_zero_t *z, int u, int next);
+static void sv_join_gather(zt_zero_t *z, int u);
 
 static void ag_wait(zt_zero_t *z, int u);
 static void apply_due(zt_zero_t *z, int u);
@@ -225,9 +231,11 @@ static void apply_due(zt_zero_t *z, int u);
 static int h_pre_forward(void *ctx, int u) {
   zt_zero_t *z = ctx;
   double w0 = wall_ms();
-  if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
+  if (z->stage == 3 && z->sv) sv_fetch(z, u, u + 1 < z->U ? u + 1 : u - 1);
+  else if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3) gather_unit(z, u);
   else if (z->overlap && z->ag_ticket) ag_wait(z, u);
+  else if (z->sv && z->sv_ag[u]) sv_join_gather(z, u);
   z->tm.wait_gather_ms += wall_ms() - w0;
   if (z->stage == 0 && z->due_n && z->due[u] && !z->fail) apply_due(z, u);
   return z->fail ? -1 : 0;
@@ -241,7 +249,8 @@ static int h_pre_backward(void *ctx, int u) {
   double w0 = wall_ms();
   /* Backward runs units 0 (the head; unit 0 is still gathered), U-1, ...,
    * 1; the next one to fetch is u - 1, and U - 1 after 0. */
-  if (z->stage == 3 && z->overlap && u != 0) fetch_unit(z, u, u - 1);
+  if (z->stage == 3 && z->sv) sv_fetch(z, u, u != 0 ? u - 1 : z->U - 1);
+  else if (z->stage == 3 && z->overlap && u != 0) fetch_unit(z, u, u - 1);
   else if (z->stage == 3 && z->overlap) fetch_unit(z, 0, z->U - 1);
   else if (z->stage == 3 && u != 0) gather_unit(z, u);
   z->tm.wait_gather_ms += wall_ms() - w0;
@@ -695,6 +704,132 @@ static void ov_stop(zt_zero_t *z) {
   free(z->due);
 }
 
+/* ---- stream overlap (over NCCL; zero.h) ---------------------------------------- */
+
+/* The table's waiter: while it waits for its stream, which may wait for
+ * our collectives, the communicator looks at them (and ends itself when
+ * one failed or timed out, which releases the stream). */
+static void sv_waiter(void *ctx) {
+  zt_zero_t *z = ctx;
+  if (zt_comm_progress(z->comm) != 0 && !z->fail) /* the step fails with it */
+    hook_fail(z, "collective in flight");
+}
+
+/* Stages 0-1, last micro-step: unit u's gradient into the fp64 sum and
+ * its in-place reduce-scatter enqueued (zt_zero_reduce joins it). */
+static int sv_reduce_unit(zt_zero_t *z, int u) {
+  size_t off = z->off_full[u], n = z->S[u] * (size_t)z->N;
+  uint64_t tk;
+  z->k->acc_f64(z->G64 + off, z->G + off, n);
+  double *g = z->G64 + off;
+  return zt_comm_reduce_scatter_async(z->comm, g, g + (size_t)z->r * z->S[u], z->S[u],
+                                      ZT_DT_F64, ZT_RED_SUM, z->tmo, &tk);
+}
+
+/* Stages 2-3: slot s's reduce-scatter joined and its shard added into the
+ * sum (nothing when the slot is free). */
+static int sv_land(zt_zero_t *z, int s) {
+  if (!z->sv_tk[s]) return 0;
+  uint64_t tk = z->sv_tk[s];
+  z->sv_tk[s] = 0;
+  if (zt_comm_join(z->comm, tk) != 0) return -1;
+  z->k->add_f64(z->G64 + z->sv_dst[s], s ? z->rs64b : z->rs64, z->sv_n[s]);
+  return 0;
+}
+
+/* Both slots, the older one first. */
+static int sv_land_all(zt_zero_t *z) {
+  if (sv_land(z, z->sv_next) != 0) return -1;
+  return sv_land(z, z->sv_next ^ 1);
+}
+
+/* Stages 2-3: piece lo of unit u's fp32 gradient g widened into the next
+ * slot (once its last reduction is added) and its reduce-scatter
+ * enqueued. */
+static int sv_reduce_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
+  int s = z->sv_next;
+  if (sv_land(z, s) != 0) return -1;
+  z->sv_next ^= 1;
+  double *w = s ? z->tg64b : z->tg64, *out = s ? z->rs64b : z->rs64;
+  size_t n = piece_len(z, u, lo);
+  widen_piece(z, w, g, u, lo);
+  if (zt_comm_reduce_scatter_async(z->comm, w, out, n, ZT_DT_F64, ZT_RED_SUM, z->tmo,
+                                   &z->sv_tk[s]) != 0)
+    return -1;
+  z->sv_dst[s] = z->off_shard[u] + lo;
+  z->sv_n[s] = n;
+  return 0;
+}
+
+/* Stages 0-2: unit u's in-place gather (as gather_in_place) enqueued. */
+static int sv_gather_in_place(zt_zero_t *z, int u, uint64_t *tk) {
+  size_t at = (size_t)z->r * z->S[u];
+  if (z->stage == 0) {
+    float *g = z->G + z->off_full[u];
+    return zt_comm_all_gather_async(z->comm, g + at, g, z->S[u], ZT_DT_F32, z->tmo, tk);
+  }
+  float *p = xadv(z, z->W, z->off_full[u]);
+  return zt_comm_all_gather_async(z->comm, xadv(z, p, at), p, z->S[u], z->xdt, z->tmo, tk);
+}
+
+/* Stages 1-2, the hook before unit u's forward: its deferred gather. */
+static void sv_join_gather(zt_zero_t *z, int u) {
+  uint64_t tk = z->sv_ag[u];
+  z->sv_ag[u] = 0;
+  if (zt_comm_join(z->comm, tk) != 0) hook_fail(z, "all-gather of parameters");
+}
+
+/* Stage 3: the gather slot of unit u: unit 0 its own, the others slots 0
+ * and 1 by turns (u - 1 even or odd), so the units the model uses one
+ * after the other (forward 1, 2, ...; backward U-1, U-2, ...) take
+ * different slots and each unit always the same one (the model may
+ * record the step into CUDA graphs: zt_model_hooks_t.fixed_units). */
+static int sv_home(int u) { return u == 0 ? 2 : (u - 1) & 1; }
+
+/* Stage 3: unit u's current parameters are (or are being) gathered into
+ * its slot; else that gather is enqueued now. */
+static int sv_gather(zt_zero_t *z, int u) {
+  int s = sv_home(u);
+  if (z->pf_unit[s] == u && z->pf_ver[s] == z->pver) return 0;
+  z->pf_unit[s] = u, z->pf_ver[s] = z->pver;
+  if (zt_comm_all_gather_async(z->comm, xadv(z, z->Ws, z->off_shard[u]), gat_slot(z, s),
+                               z->S[u], z->xdt, z->tmo, &z->sv_gtk[s]) == 0)
+    return 0;
+  z->pf_unit[s] = -1;
+  return -1;
+}
+
+/* Stage 3, the hooks before a unit's forward or backward: unit u's
+ * gather (enqueued now if it was not prefetched), joined; then the
+ * prefetch of `next` into its slot. That slot was last read by kernels
+ * enqueued before now (two units back), which the gather waits for. */
+static void sv_fetch(zt_zero_t *z, int u, int next) {
+  if (z->fail) return;
+  int s = sv_home(u);
+  if (sv_gather(z, u) != 0) goto err;
+  if (z->sv_gtk[s]) {
+    uint64_t tk = z->sv_gtk[s];
+    z->sv_gtk[s] = 0;
+    if (zt_comm_join(z->comm, tk) != 0) goto err;
+  }
+  z->m->unit_params[u] = gat_slot(z, s);
+  if (next >= 0 && next != u && sv_gather(z, next) != 0) goto err;
+  return;
+err:
+  hook_fail(z, "all-gather of parameters");
+}
+
+/* Joins every collective enqueued and waits on the host until they are
+ * done: the sums added, the gathers in place (a failure says why). */
+static int sv_settle(zt_zero_t *z) {
+  int rc = z->stage >= 2 ? sv_land_all(z) : 0;
+  if (rc == 0) rc = zt_comm_join(z->comm, 0);
+  if (rc == 0) rc = zt_comm_settle(z->comm);
+  for (int u = 0; z->sv_ag && u < z->U; u++) z->sv_ag[u] = 0;
+  z->sv_gtk[0] = z->sv_gtk[1] = z->sv_gtk[2] = 0;
+  return rc;
+}
+
 /* Stages 0-1 with overlap, last micro-step: unit u's gradient is final;
  * into the fp64 sum and onto the communication thread; where each
  * micro-step is reduced by itself (z->each), onto the thread in every
@@ -705,6 +840,11 @@ static void ov_stop(zt_zero_t *z) {
  * from the fp32 gradient (rs_f32), or over NCCL widened first. */
 static int h_post_backward(void *ctx, int u) {
   zt_zero_t *z = ctx;
+  if (z->stage < 2 && z->sv) {
+    if (z->last_micro && !z->fail && sv_reduce_unit(z, u) != 0)
+      hook_fail(z, "reduce-scatter of gradients");
+    return z->fail ? -1 : 0;
+  }
   if (z->stage < 2 && z->overlap && (z->each || z->last_micro)) {
     size_t off = z->off_full[u];
     if (!z->each) z->k->acc_f64(z->G64 + off, z->G + off, z->S[u] * (size_t)z->N);
@@ -717,6 +857,11 @@ static int h_post_backward(void *ctx, int u) {
     if (z->overlap) {
       ov_push_piece(z, u, OV_REDUCE, u == 0 ? 2 : z->ov_cur, lo);
       continue;
+    }
+    if (z->sv) {
+      if (sv_reduce_piece(z, g, u, lo) == 0) continue;
+      hook_fail(z, "reduce-scatter of gradients");
+      return -1;
     }
     size_t n = piece_len(z, u, lo);
     double w0 = wall_ms();
@@ -757,6 +902,7 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   z->each = z->stage < 2 && !z->dcomm && !z->q &&
             (o->accum == 1 || (o->accum == 2 && z->N > 1 && comm && zt_comm_f32_direct(comm)));
   z->want_overlap = o->overlap && !o->dev; /* the thread runs on host memory only */
+  z->sv = o->stream_overlap && z->dcomm && z->N > 1 && k->stream && k->set_waiter;
   z->xb = (size_t)k->xbytes;
   z->xdt = z->xb == 2 ? ZT_DT_BF16 : ZT_DT_F32;
   z->split = z->xb != sizeof(float);
@@ -778,6 +924,14 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
   }
   z->pver = 1;
   z->pf_unit[0] = z->pf_unit[1] = z->pf_unit[2] = -1;
+  if (z->sv) {
+    if (zt_comm_set_stream(comm, k->stream()) != 0) goto err;
+    z->sv_ag = zt_xcalloc((size_t)z->U, sizeof *z->sv_ag);
+    k->set_waiter(sv_waiter, z);
+    if (z->r == 0)
+      ZT_INFO("stage %d: collectives in stream order, overlapped with the kernels "
+              "(overlap_comm over NCCL)", z->stage);
+  }
   if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) goto err;
   /* Without the communication thread, each hook points a unit at the
    * same buffer every step (stages 0-1: where layout() put it; stage 2:
@@ -790,10 +944,10 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
                             .pre_backward = h_pre_backward,
                             .post_backward = h_post_backward,
                             .fixed_units = !z->overlap};
-  /* Stages 0-1 without the thread: every hook would only report z->fail,
+  /* Stages 0-1 without overlap: every hook would only report z->fail,
    * which nothing sets during the passes. No hooks then, and a CUDA graph
    * holds a micro-step whole. */
-  zt_model_set_hooks(m, z->stage < 2 && !z->overlap ? NULL : &hooks);
+  zt_model_set_hooks(m, z->stage < 2 && !z->overlap && !z->sv ? NULL : &hooks);
   return 0;
 err:
   /* The caller frees only what was created (the worker outlives the
@@ -808,8 +962,13 @@ err:
 void zt_zero_free(zt_zero_t *z) {
   ov_stop(z);
   if (z->m) zt_model_set_hooks(z->m, NULL);
+  if (z->sv) { /* nothing of ours in flight (or the communicator ended), no waiter */
+    if (zt_comm_settle(z->comm) != 0) ZT_DEBUG("zero: %s", zt_err_msg());
+    z->k->set_waiter(NULL, NULL);
+    free(z->sv_ag);
+  }
   void *bufs[] = {z->gbuf, z->P,  z->G,  z->Ps,   z->G64, z->M,     z->V,      z->gat0, z->gat,
-                  z->gatb, z->tg0, z->tg, z->tgb, z->tg64, z->rs64, z->ctl_dev,
+                  z->gatb, z->tg0, z->tg, z->tgb, z->tg64, z->rs64, z->tg64b, z->rs64b, z->ctl_dev,
                   z->split ? z->W : NULL, z->split ? z->Ws : NULL};
   for (size_t i = 0; i < ZT_ARRAY_LEN(bufs); i++)
     if (bufs[i]) z->k->release(bufs[i]);
@@ -1084,6 +1243,10 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
   /* The fp64 sum starts at zero, except where the first micro-step's
    * reduction writes this rank's range (z->each). */
   z->micro_n++;
+  /* Stream overlap: a reduction of the step before still in a slot lands
+   * first (then the sum starts anew). */
+  if (z->sv && z->micro_n == 1 && z->stage >= 2 && sv_land_all(z) != 0)
+    hook_fail(z, "reduce-scatter of gradients");
   if (z->micro_n == 1 && !z->each)
     z->k->memzero(z->G64, (z->stage < 2 ? z->full_total : z->shard_total) * sizeof(double));
   if (!z->G) return;
@@ -1104,7 +1267,7 @@ void zt_zero_micro_begin(zt_zero_t *z, int last) {
 int zt_zero_micro_end(zt_zero_t *z) {
   /* With overlap the hooks have summed the last micro-step unit by unit
    * (z->each: every micro-step, on the thread). */
-  if (z->G && !(z->overlap && z->last_micro) && !z->each)
+  if (z->G && !((z->overlap || z->sv) && z->last_micro) && !z->each)
     z->k->acc_f64(z->G64, z->G, z->full_total);
   if (z->fail) return zt_err("%s", z->fail_msg);
   if (!z->each || z->overlap) return 0;
@@ -1194,6 +1357,17 @@ static int adamw_replicated(zt_zero_t *z) {
       z->k->narrow_f64(z->G + z->off_full[u] + lo, z->G64 + z->off_full[u] + lo, n, z->inv_k,
                        z->gscale);
   }
+  if (z->sv) { /* all enqueued, each joined before its unit's update */
+    for (int u = 0; u < z->U; u++)
+      if (sv_gather_in_place(z, u, &z->sv_ag[u]) != 0) return zt_err_wrap("all-gather of gradients");
+    for (int u = 0; u < z->U; u++) {
+      uint64_t tk = z->sv_ag[u];
+      z->sv_ag[u] = 0;
+      if (zt_comm_join(z->comm, tk) != 0) return zt_err_wrap("all-gather of gradients");
+      adamw_unit(z, u);
+    }
+    return 0;
+  }
   if (!z->overlap) {
     for (int u = 0; u < z->U; u++) {
       double w0 = wall_ms();
@@ -1240,6 +1414,8 @@ int zt_zero_reduce(zt_zero_t *z) {
   int rc = 0;
   if (z->overlap)
     rc = ov_wait(z);
+  else if (z->sv)
+    rc = sv_settle(z) == 0 ? 0 : zt_err_wrap("reduce-scatter of gradients");
   else if (z->stage < 2 && !z->each) /* else done in zt_zero_micro_end */
     for (int u = 0; rc == 0 && u < z->U; u++) rc = reduce_unit(z, u, 0, 0);
   z->tm.wait_reduce_ms += wall_ms() - w0;
@@ -1249,6 +1425,9 @@ int zt_zero_reduce(zt_zero_t *z) {
 int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
   if (z->overlap) return queue_gathers(z); /* deferred: the next forward waits unit by unit */
+  for (int u = 0; z->sv && u < z->U; u++) /* deferred: the next forward joins unit by unit */
+    if (sv_gather_in_place(z, u, &z->sv_ag[u]) != 0) return zt_err_wrap("all-gather of parameters");
+  if (z->sv) return 0;
   double w0 = wall_ms();
   int rc = 0;
   for (int u = 0; rc == 0 && u < z->U; u++) rc = gather_in_place(z, u);
@@ -1257,6 +1436,7 @@ int zt_zero_gather(zt_zero_t *z) {
 }
 
 int zt_zero_settle(zt_zero_t *z) {
+  if (z->sv) return sv_settle(z);
   if (!z->overlap) return 0;
   if (ov_wait(z) != 0) return -1;
   for (int u = 0; z->due_n && u < z->U; u++)

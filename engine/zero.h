@@ -68,6 +68,27 @@
  * applies the updates still due (the trainer calls it when a generation
  * ends well; a snapshot, a load and new parameters wait first too).
  *
+ * Stream overlap (over NCCL, N > 1; the same overlap_comm). There is no
+ * thread: the communicator runs the collectives on its own CUDA stream,
+ * each after the kernels queued before it (zt_comm_set_stream), and the
+ * table's stream waits for one only where its result is read or its
+ * buffers are written again (zt_comm_join); the host waits for neither.
+ * Stages 0-1, last micro-step: the hook after a unit's backward adds its
+ * gradient into the fp64 sum and enqueues the unit's in-place
+ * reduce-scatter; zt_zero_reduce joins them all. Stages 2-3, every
+ * micro-step: the hook widens the unit's gradient (piece by piece) into
+ * one of two fp64 slots and enqueues the piece's reduce-scatter into the
+ * slot's reduced half; the piece's shard is added into the sum when the
+ * slot comes round again (after a join) or in zt_zero_reduce. Stages 1-2
+ * enqueue the parameter gathers after AdamW and the hook before unit u's
+ * forward joins unit u's; stage 0 enqueues the gradient gathers and joins
+ * each before its unit's update; stage 3 prefetches as above, slot by
+ * slot, each gather joined by the hook that uses it. The table polls the
+ * communicator while it waits for its stream (zt_kernels.h, set_waiter),
+ * so a collective that fails or times out ends the communicator and the
+ * step fails instead of hanging. Same collectives, same order on every
+ * rank, same fp64 sums in the same order: the same bits as without.
+ *
  * Devices. Every buffer lives in the memory of the kernel table z->k and
  * every operation on it is a kernel-table call (zero, acc_f64, narrow_f64,
  * adamw, ...): host memory and the CPU kernels, or device memory and the
@@ -202,6 +223,17 @@ typedef struct zt_zero {
   zt_zero_times_t tm;    /* waits: training thread; busy, cpu: the thread, under ov_mu */
   int ov_fail;           /* a queued reduction failed: ov_msg says why */
   char ov_msg[512];
+  /* Stream overlap (above; sv: on). Stages 2-3: fp64 slots 0 (tg64,
+   * rs64) and 1 (tg64b, rs64b) take turns, sv_next the next one; sv_tk[s]
+   * is the ticket of the reduce-scatter in slot s not yet added (0: none),
+   * whose sv_n[s] sums go to G64 + sv_dst[s]. Stage 3: sv_gtk[s] the
+   * ticket of the gather into gather slot s (pf_unit, pf_ver, pf_cur as
+   * above) not yet joined. Stages 0-2: sv_ag[u], unit u's deferred
+   * gather not yet joined. */
+  int sv, sv_next;
+  double *tg64b, *rs64b;
+  uint64_t sv_tk[2], sv_gtk[3], *sv_ag;
+  size_t sv_dst[2], sv_n[2];
 } zt_zero_t;
 
 typedef struct zt_zero_opts {
@@ -211,6 +243,7 @@ typedef struct zt_zero_opts {
   double inv_k;         /* micro_batch / global_batch */
   int accum;            /* micro-steps per rank and step; 0: they vary (load balance) */
   int overlap;          /* reduce on a communication thread (see above) */
+  int stream_overlap;   /* over NCCL: stream overlap (see above) */
   int compress;         /* sync.compression (zt_quant_t): on the TCP ring only */
 } zt_zero_opts_t;
 

@@ -287,6 +287,16 @@ typedef struct zt_kernels {
    * otherwise the collective could read a gradient, or overwrite
    * parameters, while kernels still write or read them. */
   void (*sync)(void);
+  /* Stream order with a communicator (comm.h, zt_comm_set_stream; NULL in
+   * the CPU tables): the stream the calls are queued on, a cudaStream_t.
+   * While fn is set (set_waiter), every call that waits for that stream
+   * (sync, upload, download, release, sumsq's read-back) polls it and
+   * calls fn(ctx) between polls: the stream may wait for collectives
+   * (zt_comm_join), and fn looks at them (zt_comm_progress), so one that
+   * fails or times out ends its communicator, which releases the stream,
+   * and the wait returns. */
+  void *(*stream)(void);
+  void (*set_waiter)(void (*fn)(void *ctx), void *ctx);
 
   /* CUDA graphs (optional: NULL in the CPU tables). graph_begin starts
    * recording the table's calls, in place of running them: 0, or -1 with

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include <initializer_list>
@@ -125,6 +126,27 @@ static int cap_refuse(const char *what) {
   return 1;
 }
 
+/* The waiter (zt_kernels.h, set_waiter) and the wait that calls it. */
+static struct {
+  void (*fn)(void *ctx);
+  void *ctx;
+} waiter;
+
+static void stream_wait(void) {
+  if (!waiter.fn) {
+    ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    return;
+  }
+  for (int polls = 0;; polls++) {
+    cudaError_t e = cudaStreamQuery(g.stream);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) ZT_CUDA_CHECK(e);
+    (void)cudaGetLastError(); /* not ready is no failure of the next launch */
+    waiter.fn(waiter.ctx);
+    if (polls > 200) usleep(50);
+  }
+}
+
 static void *scratch(int which, size_t bytes) {
   if (bytes <= g.scr_size[which]) {
     if (capturing_here()) g.scr_in_graph[which] = 1;
@@ -139,7 +161,7 @@ static void *scratch(int which, size_t bytes) {
     g.scr_in_graph[which] = 0;
   }
   /* Earlier work queued on the stream may still use the old buffer. */
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
   if (g.scr[which]) ZT_CUDA_CHECK(cudaFree(g.scr[which]));
   size_t sz = bytes + bytes / 4;
   ZT_CUDA_CHECK(cudaMalloc(&g.scr[which], sz));
@@ -2912,7 +2934,7 @@ static double sum_chunks(const double *part, size_t chunks) {
   }
   ZT_CUDA_CHECK(cudaMemcpyAsync(g.sumsq_host, part, chunks * sizeof(double),
                                 cudaMemcpyDeviceToHost, g.stream));
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
   double total = 0.0;
   for (size_t i = 0; i < chunks; i++) total += g.sumsq_host[i];
   return total;
@@ -2989,12 +3011,19 @@ static void *cu_alloc(size_t bytes) {
 
 static void cu_sync(void) {
   if (cap_refuse("sync")) return;
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
+}
+
+static void *cu_stream(void) { return (void *)g.stream; }
+
+static void cu_set_waiter(void (*fn)(void *ctx), void *ctx) {
+  waiter.fn = fn;
+  waiter.ctx = ctx;
 }
 
 static void cu_release(void *p) {
   if (!p || cap_refuse("release")) return;
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
   ZT_CUDA_CHECK(cudaFree(p));
 }
 
@@ -3002,13 +3031,13 @@ static void cu_upload(void *dst, const void *src, size_t bytes) {
   if (!bytes || cap_refuse("upload")) return;
   ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.stream));
   /* The source is pageable host memory the caller may reuse at once. */
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
 }
 
 static void cu_download(void *dst, const void *src, size_t bytes) {
   if (!bytes || cap_refuse("download")) return;
   ZT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g.stream));
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
 }
 
 static void cu_copy(void *dst, const void *src, size_t bytes) {
@@ -3107,7 +3136,7 @@ static void cu_graph_free(void *p) {
   cu_graph *r = (cu_graph *)p;
   if (!r) return;
   if (r->x) {
-    ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* a launch may still run */
+    stream_wait(); /* a launch may still run */
     ZT_CUDA_CHECK(cudaGraphExecDestroy(r->x));
   }
   free(r);
@@ -3188,6 +3217,8 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->alloc = cu_alloc;
   t->release = cu_release;
   t->sync = cu_sync;
+  t->stream = cu_stream;
+  t->set_waiter = cu_set_waiter;
   ZT_PROF_ENTRY(t, upload, cu_upload);
   ZT_PROF_ENTRY(t, download, cu_download);
   t->graph_begin = cu_graph_begin;
@@ -3284,7 +3315,7 @@ static int prof_row_cmp(const void *a, const void *b) {
 }
 
 extern "C" void zt_kernels_cuda_profile_report(FILE *f) {
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
   prof_row rows[PROF_LABELS];
   for (int i = 0; i < PROF_LABELS; i++) rows[i].label = i, rows[i].calls = 0, rows[i].ms = 0.0;
   double total[2] = {0, 0};
@@ -3326,5 +3357,5 @@ extern "C" size_t zt_cuda_device_memory(void) { return g.mem; }
 
 extern "C" void zt_cuda_sync(void) {
   if (cap_refuse("zt_cuda_sync")) return;
-  ZT_CUDA_CHECK(cudaStreamSynchronize(g.stream));
+  stream_wait();
 }

@@ -27,12 +27,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     zt_memplan_need_t need;
     if (zt_memplan_need(&s, n, &need) != 0) continue;
     /* A GPU worker's figures: bf16 storage when the spec asks for it
-     * (activations then smaller), else the fp32 ones without overlap, plus
-     * the fp64 copy a unit's gradient is widened into for NCCL (stages
-     * 2-3); a rank's own estimate (zt_memplan_rank) gives the same numbers. */
+     * (activations then smaller), else the fp32 ones, plus the fp64 copy a
+     * unit's gradient is widened into for NCCL (stages 2-3) and, with
+     * overlap_comm, the stream overlap's second slot; a rank's own
+     * estimate (zt_memplan_rank) gives the same numbers. */
     uint64_t host0, dev0, acts0, dev_acts;
     if (zt_memplan_rank(&s, n, 0, 4, 0, &host0, &acts0) != 0 ||
-        zt_memplan_rank(&s, n, 0, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
+        zt_memplan_rank(&s, n, s.overlap_comm, s.bf16 ? 2 : 4, 1, &dev0, &dev_acts) != 0)
       ZT_FUZZ_FAIL();
     if (need.host != ZT_MEMPLAN_BASE_BYTES + need.states + need.activations + need.snapshot ||
         need.device != ZT_MEMPLAN_DEVICE_BASE_BYTES + need.dev_states + need.dev_activations ||

@@ -88,7 +88,12 @@ LIB = os.path.join(BIN, "..", "lib")
 SIM_ENV = {"ZT_CUDA_KERNELS": os.path.join(LIB, "libzt_kernels_cuda_sim.so"),
            "ZT_CUDART_LIB": os.path.join(LIB, "libzt_cudart_sim.so"),
            "ZT_NCCL_LIB": os.path.join(LIB, "libzt_nccl_sim.so"),
-           "ZT_SIM_DEVICE_COUNT": "4", "ZT_SIM_HOST_ACCESS": "1"} if SIM else {}
+           "ZT_SIM_DEVICE_COUNT": "4", "ZT_SIM_HOST_ACCESS": "1",
+           # A collective enqueued in stream order starts only when a
+           # stream or the host waits for it (or 20 ms on): a kernel that
+           # writes its buffers without the wait ends the worker, naming
+           # the buffer (sim_nccl.cpp, "Stream order").
+           "ZT_SIM_NCCL_LAZY_MS": "20"} if SIM else {}
 
 
 @pytest.fixture
@@ -172,6 +177,14 @@ def test_gpu_zero_stages(procs, tmp_path, data):
                         f"gpu-s{stage}", ID_STEPS)
         rel = rel_diffs(got, ref, f"stage {stage}, 2 GPU workers vs 1", ID_STEPS)
         assert all(got[s] == ref[s] for s in range(1, ID_STEPS + 1)), rel
+    # Without overlap_comm the collectives wait for the kernels on the host.
+    got = run_steps(procs, gpu, tmp_path,
+                    tiny_spec(train, val, ID_STEPS, 3, 2,
+                              zero_optimization={"stage": 3, "overlap_comm": False}),
+                    "gpu-s3-sync", ID_STEPS)
+    assert all(got[s] == ref[s] for s in range(1, ID_STEPS + 1)), \
+        rel_diffs(got, ref, "stage 3 without overlap_comm", ID_STEPS)
+    runs = len(stages) + 1
     used = comm_used(procs, ["g0", "g1"])
     print("collectives by worker:", used)
     # Every stage runs the micro-steps from CUDA graphs, recorded once in
@@ -180,9 +193,12 @@ def test_gpu_zero_stages(procs, tmp_path, data):
     recorded = {nm: worker_log(procs, nm).count("CUDA graphs: a step recorded")
                 for nm in ("o0", "g0", "g1")}
     print("steps recorded as CUDA graphs, by worker:", recorded)
-    assert recorded == {"o0": 1, "g0": len(stages), "g1": len(stages)}, recorded
+    assert recorded == {"o0": 1, "g0": runs, "g1": runs}, recorded
     want = "NCCL" if SIM else "TCP ring"  # one real GPU: shared, so the ring
-    assert all(len(u) == len(stages) and all(c == want for _, c in u) for u in used.values()), used
+    assert all(len(u) == runs and all(c == want for _, c in u) for u in used.values()), used
+    if SIM:  # over NCCL the collectives ran beside the kernels (engine/zero.h)
+        ordered = re.findall(r"stage (\d): collectives in stream order", worker_log(procs, "g0"))
+        assert ordered == [str(s) for s in stages], ordered
 
 
 def memory_report(procs, name):

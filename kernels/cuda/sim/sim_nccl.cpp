@@ -32,6 +32,21 @@
  * stream stays busy) until ncclCommAbort. Rank 0 closes every link when it
  * fails, so the others learn of it too. A buffer that is not device memory
  * is ncclInvalidArgument, with a message naming it on stderr.
+ *
+ * Stream order. A collective runs after the work its stream waited for
+ * and the caller may queue more beside it (engine/zero.c overlaps them
+ * with the backward), so a kernel that writes its send buffer, or reads
+ * its receive buffer, before a cudaStreamWaitEvent on it is a race on a
+ * GPU. Here kernels run when launched, so the stand-in makes such races
+ * show: a collective hashes its send bytes when enqueued and again when
+ * it starts, and ends the process naming the buffer when they differ
+ * (unless a collective queued before it wrote them); it fills the part of
+ * its receive buffer that is not its send buffer with 0xff bytes (NaN in
+ * every float type) when it starts; and with $ZT_SIM_NCCL_LAZY_MS set, it
+ * starts only when the host waits for its stream (a query,
+ * synchronisation or a stream waiting on its event) or that many
+ * milliseconds after it was enqueued, so a missing wait leaves it
+ * unstarted long enough for the checks to see it.
  */
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -40,6 +55,8 @@
 #include <poll.h>
 #include <stdarg.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -71,6 +88,12 @@ struct op_t {
   size_t count; /* as passed: recvcount for reduce-scatter, sendcount for all-gather */
   int dt, red, root;
   cudaStream_t stream;
+  /* The order checks (see "Stream order" above): a hash of the send
+   * bytes when the collective was enqueued (or when one queued before it
+   * last wrote them), and the stream's wanted count then. */
+  uint64_t sum;
+  unsigned long wanted;
+  double t_ms;
 };
 
 /* What every rank sends rank 0 before its input, and rank 0 checks. */
@@ -323,6 +346,30 @@ void sizes(const ncclComm *c, const op_t &o, int rank, size_t *in, size_t *out) 
   }
 }
 
+/* FNV-1a over device bytes (copied out first). */
+uint64_t hash_device(const void *p, size_t n) {
+  std::vector<unsigned char> h(n);
+  if (n && cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+  uint64_t x = 1469598103934665603ull;
+  for (unsigned char b : h) x = (x ^ b) * 1099511628211ull;
+  return x;
+}
+
+double lazy_ms() {
+  static double v = -1;
+  if (v < 0) {
+    const char *e = getenv("ZT_SIM_NCCL_LAZY_MS");
+    v = e && *e ? atof(e) : 0.0;
+  }
+  return v;
+}
+
+double mono_ms() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
 /* Rank 0's half: every input in, every output computed and sent. */
 ncclResult_t run_root(ncclComm *c, const op_t &o, const wire_hdr &mine, std::vector<char> &in0,
                       std::vector<char> &out0) {
@@ -364,6 +411,33 @@ ncclResult_t run_root(ncclComm *c, const op_t &o, const wire_hdr &mine, std::vec
   return ncclSuccess;
 }
 
+/* The receive bytes outside the send buffer, set to 0xff (NaN) as the
+ * collective starts. */
+void poison(const op_t &o, size_t ib, size_t ob) {
+  char *r = (char *)o.recv;
+  const char *sd = (const char *)o.send;
+  if (!ob) return;
+  if (!ib || sd + ib <= r || r + ob <= sd) { /* apart */
+    cudaMemset(r, 0xff, ob);
+  } else if (sd >= r && sd + ib <= r + ob) { /* in place: send inside recv */
+    size_t lo = (size_t)(sd - r), hi = lo + ib;
+    if (lo) cudaMemset(r, 0xff, lo);
+    if (ob > hi) cudaMemset(r + hi, 0xff, ob - hi);
+  } /* recv inside send: every byte is still to be read */
+}
+
+/* A collective wrote [p, p + n): the queued ones that send from there
+ * take their hash anew (the stream orders them after it). */
+void rehash_after_write(ncclComm *c, const void *p, size_t n) {
+  std::lock_guard<std::mutex> lk(c->mu);
+  for (op_t &q : c->q) {
+    size_t ib, ob;
+    sizes(c, q, c->rank, &ib, &ob);
+    const char *a = (const char *)q.send, *b = (const char *)p;
+    if (ib && a < b + n && b < a + ib) q.sum = hash_device(q.send, ib);
+  }
+}
+
 /* One collective on this rank; the stream's hold is released on success. */
 ncclResult_t run(ncclComm *c, const op_t &o) {
   size_t ib, ob;
@@ -373,6 +447,12 @@ ncclResult_t run(ncclComm *c, const op_t &o) {
     say("%s: the send buffer %p is not device memory", kNames[o.kind], o.send);
     return ncclInvalidArgument;
   }
+  if (ib && hash_device(o.send, ib) != o.sum)
+    zt_sim::fatal("%s on rank %d: its send buffer %p (%zu bytes) changed between the call and the "
+                  "start of the collective: something wrote it without waiting for the collective "
+                  "(cudaStreamWaitEvent on an event recorded after it)",
+                  kNames[o.kind], c->rank, o.send, ib);
+  poison(o, ib, ob);
   wire_hdr h = {c->seq++, o.count, o.kind, o.dt, o.red, o.root};
   ncclResult_t r = ncclSuccess;
   if (c->nranks == 1) out = in;
@@ -385,6 +465,7 @@ ncclResult_t run(ncclComm *c, const op_t &o) {
     say("%s: the receive buffer %p is not device memory", kNames[o.kind], o.recv);
     return ncclInvalidArgument;
   }
+  rehash_after_write(c, o.recv, ob);
   zt_sim::stream_hold(o.stream, -1);
   return ncclSuccess;
 }
@@ -404,12 +485,21 @@ void main_loop(ncclComm *c) {
       c->cv.wait(lk, [c] { return c->closing || !c->q.empty(); });
       if (c->q.empty()) return;
       o = c->q.front();
+    }
+    /* Lazy mode: not before the host wants it (see the top). */
+    while (lazy_ms() > 0 && !c->aborting.load() && mono_ms() - o.t_ms < lazy_ms() &&
+           zt_sim::stream_wanted(o.stream) == o.wanted)
+      usleep(200);
+    {
+      std::lock_guard<std::mutex> lk(c->mu);
+      o = c->q.front(); /* its hash may have been taken anew */
       c->q.pop_front();
     }
     ncclResult_t r = c->state.load() == ncclSuccess ? run(c, o) : ncclInvalidUsage;
     if (r != ncclSuccess) { /* hangs like a failed kernel until the abort */
       std::lock_guard<std::mutex> lk(c->mu);
       c->held.push_back(o);
+      zt_sim::stream_fail(o.stream);
       if (!c->aborting.load()) fail(c, r);
     }
   }
@@ -444,8 +534,13 @@ ncclResult_t enqueue(ncclComm *c, int kind, const void *send, void *recv, size_t
     say("%s: stream %p is not a stream cudaStreamCreate made", kNames[kind], (void *)stream);
     return ncclInvalidArgument;
   }
+  size_t ib, ob;
+  op_t o{kind, send, recv, count, dt, red, root, stream, 0, 0, mono_ms()};
+  sizes(c, o, c->rank, &ib, &ob);
+  o.sum = hash_device(send, ib);
+  o.wanted = zt_sim::stream_wanted(stream);
   std::lock_guard<std::mutex> lk(c->mu);
-  c->q.push_back(op_t{kind, send, recv, count, dt, red, root, stream});
+  c->q.push_back(o);
   c->cv.notify_one();
   return ncclSuccess;
 }

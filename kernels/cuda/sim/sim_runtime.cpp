@@ -1015,7 +1015,19 @@ std::map<uintptr_t, size_t> g_pinned; /* cudaMallocHost's blocks */
 
 struct stream_rec {
   unsigned flags;
-  int held; /* host work enqueued and not done (zt_sim::stream_hold) */
+  /* Host work enqueued and not done (zt_sim::stream_hold), by the seq it
+   * was given, oldest first; failed: some of it will not complete before
+   * an abort (zt_sim::stream_fail). */
+  std::deque<unsigned long> held;
+  unsigned long hseq = 0; /* held work enqueued so far (its own count: not seq's) */
+  bool failed = false;
+  /* A wait for another stream's held work that was failed when the
+   * event was waited for (cudaStreamWaitEvent): on a GPU this stream
+   * would not run on; here it reads busy until that work is released.
+   * wanted counts the host's waits for the stream's work (query,
+   * synchronisation, an event of it waited for): zt_sim::stream_wanted. */
+  const void *stall = nullptr;
+  unsigned long stall_seq = 0, wanted = 0;
   /* The cross-stream order (zt_sim::require_ordered): the device the
    * stream was made on, the device work enqueued on it (seq counts
    * kernels, copies, memsets, products, sorts), how much of it the host has
@@ -1038,7 +1050,7 @@ struct event_rec {
   unsigned flags;
   int recorded;
   const void *stream = nullptr; /* where it was last recorded, and that stream's seq then */
-  unsigned long seq = 0;
+  unsigned long seq = 0, hseq = 0; /* ... and its held work's count then */
 };
 std::set<const void *> g_streams, g_events;
 
@@ -1080,9 +1092,24 @@ int zt_sim::stream_hold(cudaStream_t s, int delta) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   if (!s || !g_streams.count(s)) return -1;
   stream_rec *r = (stream_rec *)s;
-  if (r->held + delta < 0) fatal("stream_hold: more work done than enqueued on stream %p", s);
-  r->held += delta;
+  if (delta > 0) {
+    r->held.push_back(++r->hseq);
+    return 0;
+  }
+  if (r->held.empty()) fatal("stream_hold: more work done than enqueued on stream %p", s);
+  r->held.pop_front();
+  if (r->held.empty()) r->failed = false;
   return 0;
+}
+
+void zt_sim::stream_fail(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (s && g_streams.count(s)) ((stream_rec *)s)->failed = true;
+}
+
+unsigned long zt_sim::stream_wanted(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  return s && g_streams.count(s) ? ((const stream_rec *)s)->wanted : 0;
 }
 
 void zt_sim::stream_work(cudaStream_t s) {
@@ -1110,9 +1137,23 @@ void zt_sim::require_ordered(cudaStream_t s, const char *what) {
 }
 
 namespace {
+/* Whether the held work of stream a up to its hseq `upto` is done (the held
+ * work completes in order). */
+bool done_upto(const void *a, unsigned long upto) {
+  if (!a || !g_streams.count(a)) return true;
+  const stream_rec *r = (const stream_rec *)a;
+  return r->held.empty() || r->held.front() > upto;
+}
+
 bool stream_busy(cudaStream_t s) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  return s && g_streams.count(s) && ((stream_rec *)s)->held > 0;
+  if (!s || !g_streams.count(s)) return false;
+  const stream_rec *r = (const stream_rec *)s;
+  return !r->held.empty() || (r->stall && !done_upto(r->stall, r->stall_seq));
+}
+
+void want(cudaStream_t s) {
+  if (s && g_streams.count(s)) ((stream_rec *)s)->wanted++;
 }
 }  // namespace
 
@@ -1351,7 +1392,7 @@ cudaError_t cudaDeviceSynchronize(void) {
     bool busy = false;
     {
       std::lock_guard<std::recursive_mutex> lk(g_mu);
-      for (const void *s : g_streams) busy = busy || ((const stream_rec *)s)->held > 0;
+      for (const void *s : g_streams) busy = busy || stream_busy((cudaStream_t)s);
     }
     if (!busy) break;
     usleep(100);
@@ -1543,7 +1584,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned int flags) 
   ensure_init();
   if (flags > cudaStreamNonBlocking) return set_error(cudaErrorInvalidValue);
   stream_rec r;
-  r.flags = flags, r.held = 0, r.device = t_device;
+  r.flags = flags, r.device = t_device;
   return create_handle(stream, r, g_streams);
 }
 
@@ -1555,7 +1596,10 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);
   /* A later stream may get the same address: nothing may still refer to
    * this one's order. */
-  for (const void *s : g_streams) ((stream_rec *)s)->after.erase(stream);
+  for (const void *s : g_streams) {
+    ((stream_rec *)s)->after.erase(stream);
+    if (((stream_rec *)s)->stall == (const void *)stream) ((stream_rec *)s)->stall = nullptr;
+  }
   for (const void *e : g_events)
     if (((const event_rec *)e)->stream == stream) ((event_rec *)e)->stream = nullptr;
   return destroy_handle<stream_rec>(stream, g_streams);
@@ -1573,6 +1617,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   {
     std::lock_guard<std::recursive_mutex> lk(g_mu);
     if (stream && g_streams.count(stream)) target = ((const stream_rec *)stream)->seq;
+    want(stream);
   }
   while (stream_busy(stream)) usleep(100);
   std::lock_guard<std::recursive_mutex> lk(g_mu);
@@ -1585,21 +1630,46 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
   if (!valid_stream(stream)) return set_error(cudaErrorInvalidResourceHandle);
   std::lock_guard<std::recursive_mutex> lk(g_mu); /* done: the host has seen it complete */
   if (stream_rec *r = capture_rec(stream)) return capture_refuse(r, "cudaStreamQuery");
+  want(stream);
   if (stream_busy(stream)) return cudaErrorNotReady;
   if (stream && g_streams.count(stream)) ((stream_rec *)stream)->synced = ((stream_rec *)stream)->seq;
   return cudaSuccess;
 }
 
+/* Work here runs when it is enqueued, so a stream that waits for another
+ * one's held work (a collective) waits now, on the host; if that work has
+ * failed (it completes only at the abort), the stream stalls instead:
+ * busy until it is released, as a GPU stream would be. */
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int) {
+  const void *a = nullptr;
+  unsigned long upto = 0, seq = 0;
+  {
+    std::lock_guard<std::recursive_mutex> lk(g_mu);
+    if (!valid_stream(stream) || !g_events.count(event))
+      return set_error(cudaErrorInvalidResourceHandle);
+    if (stream_rec *r = capture_rec(stream))
+      return capture_refuse(r, "cudaStreamWaitEvent (the stand-in records no events in a graph)");
+    const event_rec *e = (const event_rec *)event;
+    if (e->stream && g_streams.count(e->stream) && e->stream != (const void *)stream)
+      a = e->stream, upto = e->hseq, seq = e->seq;
+    want((cudaStream_t)a);
+  }
+  for (;;) {
+    {
+      std::lock_guard<std::recursive_mutex> lk(g_mu);
+      if (!a || !g_streams.count(a) || done_upto(a, upto)) break;
+      if (((const stream_rec *)a)->failed) {
+        if (stream && g_streams.count(stream))
+          ((stream_rec *)stream)->stall = a, ((stream_rec *)stream)->stall_seq = upto;
+        break;
+      }
+    }
+    usleep(50);
+  }
   std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (!valid_stream(stream) || !g_events.count(event))
-    return set_error(cudaErrorInvalidResourceHandle);
-  if (stream_rec *r = capture_rec(stream))
-    return capture_refuse(r, "cudaStreamWaitEvent (the stand-in records no events in a graph)");
-  const event_rec *e = (const event_rec *)event;
-  if (stream && g_streams.count(stream) && e->stream && g_streams.count(e->stream)) {
-    unsigned long &w = ((stream_rec *)stream)->after[e->stream];
-    if (e->seq > w) w = e->seq;
+  if (stream && g_streams.count(stream) && a && g_streams.count(a)) {
+    unsigned long &w = ((stream_rec *)stream)->after[a];
+    if (seq > w) w = seq;
   }
   return cudaSuccess;
 }
@@ -1633,21 +1703,43 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   e->recorded = 1;
   e->stream = stream && g_streams.count(stream) ? (const void *)stream : nullptr;
   e->seq = e->stream ? ((const stream_rec *)stream)->seq : 0;
+  e->hseq = e->stream ? ((const stream_rec *)stream)->hseq : 0;
   return cudaSuccess;
 }
 
-cudaError_t cudaEventSynchronize(cudaEvent_t event) {
-  std::lock_guard<std::recursive_mutex> lk(g_mu);
-  if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
-  const event_rec *e = (const event_rec *)event;
+/* Marks the event's work seen complete by the host. */
+static void event_seen(const event_rec *e) {
   if (e->stream && g_streams.count(e->stream)) {
     stream_rec *r = (stream_rec *)e->stream;
     if (e->seq > r->synced) r->synced = e->seq;
   }
-  return cudaSuccess;
 }
 
-cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  for (;;) {
+    {
+      std::lock_guard<std::recursive_mutex> lk(g_mu);
+      if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
+      const event_rec *e = (const event_rec *)event;
+      want((cudaStream_t)e->stream);
+      if (done_upto(e->stream, e->hseq)) {
+        event_seen(e);
+        return cudaSuccess;
+      }
+    }
+    usleep(50);
+  }
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  std::lock_guard<std::recursive_mutex> lk(g_mu);
+  if (!g_events.count(event)) return set_error(cudaErrorInvalidResourceHandle);
+  const event_rec *e = (const event_rec *)event;
+  want((cudaStream_t)e->stream);
+  if (!done_upto(e->stream, e->hseq)) return cudaErrorNotReady;
+  event_seen(e);
+  return cudaSuccess;
+}
 
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
   std::lock_guard<std::recursive_mutex> lk(g_mu);

@@ -77,6 +77,15 @@ int valid_stream(cudaStream_t stream);
  * abandoned by an abort); -1 when the stream is not one cudaStreamCreate
  * made. */
 int stream_hold(cudaStream_t stream, int delta);
+/* The held work of a stream has failed and completes only when an abort
+ * releases it: a stream that waits for it (cudaStreamWaitEvent) stalls,
+ * busy until then, instead of waiting on the host. Cleared when the
+ * stream holds nothing. */
+void stream_fail(cudaStream_t stream);
+/* How often the host has waited for the stream's work so far (queries,
+ * synchronisations, its events waited for): the NCCL stand-in's lazy
+ * mode starts a collective when it is wanted. */
+unsigned long stream_wanted(cudaStream_t stream);
 /* The order between streams. Everything here runs when it is enqueued,
  * so a missing synchronisation between two streams cannot show as wrong
  * values; instead each created stream counts the device work enqueued on
