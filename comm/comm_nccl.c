@@ -291,6 +291,10 @@ static int enqueued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const
 static int issued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const char *op,
                   uint64_t *ticket) {
   if (r != ncclSuccess && r != ncclInProgress) return zt_err("%s: %s", op, nc.GetErrorString(r));
+  /* A non-blocking communicator may return before the collective is on
+   * our stream (ncclInProgress, in the call's result or its state): the
+   * event goes behind it only once the state says ncclSuccess. */
+  if (wait_done(n, 0, zt_deadline_in(timeout_ms), op) != 0) return -1;
   inflight_t *f = &n->fl[(n->issued + 1) % ZT_NCCL_INFLIGHT];
   cudaError_t ce = nc.EventRecord(f->done, n->stream);
   if (ce != cudaSuccess) return die(n, op, nc.CudaErrorString(ce));

@@ -928,9 +928,8 @@ int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t
     if (zt_comm_set_stream(comm, k->stream()) != 0) goto err;
     z->sv_ag = zt_xcalloc((size_t)z->U, sizeof *z->sv_ag);
     k->set_waiter(sv_waiter, z);
-    if (z->r == 0)
-      ZT_INFO("stage %d: collectives in stream order, overlapped with the kernels "
-              "(overlap_comm over NCCL)", z->stage);
+    ZT_INFO("stage %d: collectives in stream order, overlapped with the kernels "
+            "(overlap_comm over NCCL)", z->stage);
   }
   if (o->overlap && z->N > 1 && !z->dev && ov_start(z) != 0) goto err;
   /* Without the communication thread, each hook points a unit at the

@@ -197,8 +197,9 @@ def test_gpu_zero_stages(procs, tmp_path, data):
     want = "NCCL" if SIM else "TCP ring"  # one real GPU: shared, so the ring
     assert all(len(u) == runs and all(c == want for _, c in u) for u in used.values()), used
     if SIM:  # over NCCL the collectives ran beside the kernels (engine/zero.h)
-        ordered = re.findall(r"stage (\d): collectives in stream order", worker_log(procs, "g0"))
-        assert ordered == [str(s) for s in stages], ordered
+        for nm in ("g0", "g1"):
+            ordered = re.findall(r"stage (\d): collectives in stream order", worker_log(procs, nm))
+            assert ordered == [str(s) for s in stages], (nm, ordered)
 
 
 def memory_report(procs, name):
