@@ -2065,12 +2065,17 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
 
 /* dk and dv of FA2_BM keys of one K/V head: their K and V held as A
  * fragments, the query tiles at and after them (q, dout, lse and D)
- * streaming by, for each query head of the group in turn. */
-template <int HS>
+ * streaming by, for each query head of the group in turn. PART 0 computes
+ * both; at head size 128 both do not fit a thread's 255 registers, so two
+ * launches split them, PART 1 dv (no V fragments, no dp) and PART 2 dk,
+ * each recomputing the scores (a quarter more of the backward's products,
+ * no spills). */
+template <int HS, int PART>
 __global__ void __launch_bounds__(FA2_WARPS * 32)
     k_fa2_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
                  const float *D, int T, int NH, int KV, float scale, float sl2) {
   constexpr int LD = HS + 8;
+  constexpr bool want_dk = PART != 1, want_dv = PART != 2;
   __shared__ tc16 qs_[FA2_BN * LD / 8];
   __shared__ tc16 gs_[FA2_BN * LD / 8];
   __shared__ float ls[FA2_BN];
@@ -2082,14 +2087,14 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
   size_t rs = att_rs(NH, KV, HS), koff = att_koff(kvh * grp, NH, KV, HS);
   const bf16 *base = qkv + (size_t)b * T * rs;
   fa2_load<HS>(qs, base + koff, rs, k0, FA2_BM, T); /* K and V pass through qs and gs */
-  fa2_load<HS>(gs, base + koff + (size_t)KV * HS, rs, k0, FA2_BM, T);
+  if (want_dk) fa2_load<HS>(gs, base + koff + (size_t)KV * HS, rs, k0, FA2_BM, T);
   __syncthreads();
   unsigned kf[HS / 16][4], vf[HS / 16][4];
   fa2_rows<HS>(kf, qs + warp * 16 * LD, lane);
-  fa2_rows<HS>(vf, gs + warp * 16 * LD, lane);
+  if (want_dk) fa2_rows<HS>(vf, gs + warp * 16 * LD, lane);
   float dk[HS / 8][4], dv[HS / 8][4];
-  fa2_zero<HS>(dk);
-  fa2_zero<HS>(dv);
+  if (want_dk) fa2_zero<HS>(dk);
+  if (want_dv) fa2_zero<HS>(dv);
   for (int it = 0, nt = (T - k0 + FA2_BN - 1) / FA2_BN; it < grp * nt; it++) {
     int h = kvh * grp + it / nt, t0 = k0 + (it % nt) * FA2_BN, bh = b * NH + h;
     __syncthreads();
@@ -2101,7 +2106,7 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
     /* s^T and dp^T: this warp's keys down, the tile's queries across. */
     float p[FA2_NT][4], dp[FA2_NT][4];
     fa2_scores<HS>(p, kf, qs, lane);
-    fa2_scores<HS>(dp, vf, gs, lane);
+    if (want_dk) fa2_scores<HS>(dp, vf, gs, lane);
     bool edge = t0 < j0 + 15 || t0 + FA2_BN > T;
     ZT_UNROLL
     for (int j = 0; j < FA2_NT; j++)
@@ -2110,14 +2115,14 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
         int qi = 8 * j + 2 * c + (e & 1), key = j0 + g + 8 * (e >> 1);
         p[j][e] = edge && (t0 + qi < key || t0 + qi >= T) ? 0.0f
                                                            : exp2f(p[j][e] * sl2 - ls[qi]);
-        dp[j][e] = p[j][e] * (dp[j][e] - dsh[qi]); /* ds^T */
+        if (want_dk) dp[j][e] = p[j][e] * (dp[j][e] - dsh[qi]); /* ds^T */
       }
-    fa2_accum<HS>(dv, p, gs, lane);
-    fa2_accum<HS>(dk, dp, qs, lane);
+    if (want_dv) fa2_accum<HS>(dv, p, gs, lane);
+    if (want_dk) fa2_accum<HS>(dk, dp, qs, lane);
   }
   bf16 *o = dqkv + (size_t)b * T * rs + koff;
-  fa2_store<HS>(o, rs, j0 + g, T, dk, scale, scale, lane);
-  fa2_store<HS>(o + (size_t)KV * HS, rs, j0 + g, T, dv, 1.0f, 1.0f, lane);
+  if (want_dk) fa2_store<HS>(o, rs, j0 + g, T, dk, scale, scale, lane);
+  if (want_dv) fa2_store<HS>(o + (size_t)KV * HS, rs, j0 + g, T, dv, 1.0f, 1.0f, lane);
 }
 
 template <int HS>
@@ -2133,9 +2138,19 @@ static void fa2_backward_hs(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const
                             const float *D, int B, int T, int NH, int KV) {
   float scale = 1.0f / sqrtf((float)HS);
   unsigned tiles = (unsigned)((T + FA2_BM - 1) / FA2_BM);
-  k_fa2_bwd_kv<HS><<<dim3(tiles, (unsigned)(B * KV)), FA2_WARPS * 32, 0, g.stream>>>(
-      dqkv, qkv, dout, lse, D, T, NH, KV, scale, scale * FA2_LOG2E);
-  ZT_CUDA_LAUNCHED();
+  dim3 kv_grid(tiles, (unsigned)(B * KV));
+  if constexpr (HS <= FA_HSMAX) {
+    k_fa2_bwd_kv<HS, 0><<<kv_grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                  KV, scale, scale * FA2_LOG2E);
+    ZT_CUDA_LAUNCHED();
+  } else { /* dv, then dk (see k_fa2_bwd_kv) */
+    k_fa2_bwd_kv<HS, 1><<<kv_grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                  KV, scale, scale * FA2_LOG2E);
+    ZT_CUDA_LAUNCHED();
+    k_fa2_bwd_kv<HS, 2><<<kv_grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                  KV, scale, scale * FA2_LOG2E);
+    ZT_CUDA_LAUNCHED();
+  }
   k_fa2_bwd_q<HS><<<dim3(tiles, (unsigned)(B * NH)), FA2_WARPS * 32, 0, g.stream>>>(
       dqkv, qkv, dout, lse, D, T, NH, KV, scale, scale * FA2_LOG2E);
   ZT_CUDA_LAUNCHED();
@@ -2159,7 +2174,8 @@ static void fa2_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf
     case 16: return fa2_backward_hs<16>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
     case 32: return fa2_backward_hs<32>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
     case 48: return fa2_backward_hs<48>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
-    default: return fa2_backward_hs<64>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
+    case 64: return fa2_backward_hs<64>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
+    default: return fa2_backward_hs<128>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
   }
 }
 
@@ -2179,11 +2195,10 @@ static int att_tc(int B, int NH, int hs, const void *a, const void *b, const voi
   return att_tc_on && att_tc_fits(B, NH, hs, FA_HSMAX, a, b, c);
 }
 
-/* The mma.sync forward also takes head size 128 (Llama's); its backward
- * then runs on the cuBLASLt path, which recomputes the probabilities from
- * this forward's lse. */
-static int att_fa2_fwd(int B, int NH, int hs, const void *a, const void *b) {
-  return att_tc_on == 2 && (hs <= FA_HSMAX || hs == 128) && att_tc_fits(B, NH, hs, 128, a, b, b);
+/* The mma.sync kernels also take head size 128 (Llama's), the backward's
+ * dk and dv in two launches (k_fa2_bwd_kv). */
+static int att_fa2(int B, int NH, int hs, const void *a, const void *b, const void *c) {
+  return att_tc_on == 2 && (hs <= FA_HSMAX || hs == 128) && att_tc_fits(B, NH, hs, 128, a, b, c);
 }
 
 static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV,
@@ -2228,7 +2243,7 @@ static void cu_attention_forward_gqa(float *out_, float *lse, const float *qkv_,
   if (B <= 0 || T <= 0) return;
   X *out = (X *)out_;
   const X *qkv = (const X *)qkv_;
-  if (sizeof(X) == 2 && att_fa2_fwd(B, NH, hs, qkv, out))
+  if (sizeof(X) == 2 && att_fa2(B, NH, hs, qkv, out, out))
     return fa2_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
   if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, out, out))
     return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
@@ -2260,10 +2275,12 @@ static void cu_attention_backward_gqa(float *dqkv_, const float *dout_, const fl
   if (B <= 0 || T <= 0) return;
   X *dqkv = (X *)dqkv_;
   const X *dout = (const X *)dout_, *qkv = (const X *)qkv_, *out = (const X *)out_;
+  if (sizeof(X) == 2 && att_fa2(B, NH, hs, qkv, dout, dqkv))
+    return fa2_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out,
+                        lse, B, T, NH, KV, hs);
   if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, dout, dqkv))
-    return (att_tc_on == 2 ? fa2_backward : flash_tc_backward)(
-        (bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out, lse, B, T, NH, KV,
-        hs);
+    return flash_tc_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv,
+                             (const bf16 *)out, lse, B, T, NH, KV, hs);
   if (att_tiled(B, T, NH, KV, hs))
     return flash_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, hs);
   int grp = NH / KV, batch = B * KV;

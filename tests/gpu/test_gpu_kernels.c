@@ -946,7 +946,7 @@ ZT_TEST(bf16_attn_tensor_cores) {
   check_attention_bf16(1, 130, 4, 4, 16, 1); /* 16 */
   check_attention_bf16(2, 75, 8, 2, 32, 1);  /* grouped: 4 query heads per K/V head */
   check_attention_bf16(1, 40, 3, 1, 64, 1);  /* one K/V head for all */
-  check_attention_bf16(1, 70, 4, 2, 128, 1); /* 128: the mma.sync forward, cuBLASLt otherwise */
+  check_attention_bf16(1, 70, 4, 2, 128, 1); /* 128: mma.sync both ways, cuBLASLt for wmma */
 }
 
 ZT_TEST(bf16_attn_xent) {
