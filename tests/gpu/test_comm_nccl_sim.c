@@ -99,6 +99,18 @@ static void *dev(size_t bytes) {
 static void put(void *d, const void *h, size_t b) { cudaMemcpy(d, h, b, cudaMemcpyHostToDevice); }
 static void get(void *h, const void *d, size_t b) { cudaMemcpy(h, d, b, cudaMemcpyDeviceToHost); }
 
+/* Runs body on a thread per rank; each must end with rc 0. The
+ * communicators are destroyed after. */
+static void on_every_rank(rank_t *rk, void *(*body)(void *)) {
+  pthread_t th[W];
+  for (int i = 0; i < W; i++) pthread_create(&th[i], NULL, body, &rk[i]);
+  for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < W; i++) {
+    ZT_CHECK(rk[i].rc == 0);
+    zt_comm_destroy(rk[i].c);
+  }
+}
+
 /* One rank's part of the "every operation" case. */
 static void *ops(void *p) {
   rank_t *r = p;
@@ -152,13 +164,7 @@ ZT_TEST(every_operation) {
   if (!world3(rk, id)) return;
   ZT_CHECK(!strcmp(zt_comm_backend(rk[0].c), "nccl"));
   ZT_CHECK(zt_comm_device_memory(rk[0].c) == 1);
-  pthread_t th[W];
-  for (int i = 0; i < W; i++) pthread_create(&th[i], NULL, ops, &rk[i]);
-  for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
-  for (int i = 0; i < W; i++) {
-    ZT_CHECK(rk[i].rc == 0);
-    zt_comm_destroy(rk[i].c);
-  }
+  on_every_rank(rk, ops);
 }
 
 typedef struct {
@@ -350,13 +356,7 @@ ZT_TEST(stream_order) {
   rank_t rk[W];
   char id[257];
   if (!world3_own(rk, id)) return;
-  pthread_t th[W];
-  for (int i = 0; i < W; i++) pthread_create(&th[i], NULL, ordered_ops, &rk[i]);
-  for (int i = 0; i < W; i++) pthread_join(th[i], NULL);
-  for (int i = 0; i < W; i++) {
-    ZT_CHECK(rk[i].rc == 0);
-    zt_comm_destroy(rk[i].c);
-  }
+  on_every_rank(rk, ordered_ops);
 }
 
 /* One rank, lazy collectives: an asynchronous reduce-scatter, then a
