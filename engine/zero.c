@@ -235,7 +235,7 @@ static int h_pre_forward(void *ctx, int u) {
   else if (z->stage == 3 && z->overlap) fetch_unit(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3) gather_unit(z, u);
   else if (z->overlap && z->ag_ticket) ag_wait(z, u);
-  else if (z->sv && z->sv_ag[u]) sv_join_gather(z, u);
+  else if (z->sv) sv_join_gather(z, u);
   z->tm.wait_gather_ms += wall_ms() - w0;
   if (z->stage == 0 && z->due_n && z->due[u] && !z->fail) apply_due(z, u);
   return z->fail ? -1 : 0;
@@ -459,14 +459,25 @@ enum { OV_REDUCE = 0, OV_GATHER = 1 };
  * the parameters, stage 0 the scaled fp32 gradient in G (zt_zero_adamw). */
 static int gather_compressed(zt_zero_t *z, int u);
 
-static int gather_in_place(zt_zero_t *z, int u) {
-  if (z->stage == 0 && z->q) return gather_compressed(z, u);
+/* The buffers of unit u's in-place gather: this rank's range (mine) of
+ * the whole unit, and their type. */
+static zt_dtype_t in_place_unit(zt_zero_t *z, int u, void **mine, void **whole) {
+  size_t at = (size_t)z->r * z->S[u];
   if (z->stage == 0) {
     float *g = z->G + z->off_full[u];
-    return c_all_gather(z, g + (size_t)z->r * z->S[u], g, z->S[u], ZT_DT_F32);
+    *mine = g + at, *whole = g;
+    return ZT_DT_F32;
   }
   float *p = xadv(z, z->W, z->off_full[u]);
-  return c_all_gather(z, xadv(z, p, (size_t)z->r * z->S[u]), p, z->S[u], z->xdt);
+  *mine = xadv(z, p, at), *whole = p;
+  return z->xdt;
+}
+
+static int gather_in_place(zt_zero_t *z, int u) {
+  if (z->stage == 0 && z->q) return gather_compressed(z, u);
+  void *mine, *whole;
+  zt_dtype_t dt = in_place_unit(z, u, &mine, &whole);
+  return c_all_gather(z, mine, whole, z->S[u], dt);
 }
 
 /* Takes queued entries in order; after a failure the rest are only
@@ -726,13 +737,19 @@ static int sv_reduce_unit(zt_zero_t *z, int u) {
                                       ZT_DT_F64, ZT_RED_SUM, z->tmo, &tk);
 }
 
+/* The table's stream waits for the collective of ticket *tk, which is
+ * then spent (0: none to wait for; zt_comm_join would take 0 for all). */
+static int sv_join(zt_zero_t *z, uint64_t *tk) {
+  uint64_t t = *tk;
+  *tk = 0;
+  return t ? zt_comm_join(z->comm, t) : 0;
+}
+
 /* Stages 2-3: slot s's reduce-scatter joined and its shard added into the
  * sum (nothing when the slot is free). */
 static int sv_land(zt_zero_t *z, int s) {
   if (!z->sv_tk[s]) return 0;
-  uint64_t tk = z->sv_tk[s];
-  z->sv_tk[s] = 0;
-  if (zt_comm_join(z->comm, tk) != 0) return -1;
+  if (sv_join(z, &z->sv_tk[s]) != 0) return -1;
   z->k->add_f64(z->G64 + z->sv_dst[s], s ? z->rs64b : z->rs64, z->sv_n[s]);
   return 0;
 }
@@ -763,20 +780,14 @@ static int sv_reduce_piece(zt_zero_t *z, const float *g, int u, size_t lo) {
 
 /* Stages 0-2: unit u's in-place gather (as gather_in_place) enqueued. */
 static int sv_gather_in_place(zt_zero_t *z, int u, uint64_t *tk) {
-  size_t at = (size_t)z->r * z->S[u];
-  if (z->stage == 0) {
-    float *g = z->G + z->off_full[u];
-    return zt_comm_all_gather_async(z->comm, g + at, g, z->S[u], ZT_DT_F32, z->tmo, tk);
-  }
-  float *p = xadv(z, z->W, z->off_full[u]);
-  return zt_comm_all_gather_async(z->comm, xadv(z, p, at), p, z->S[u], z->xdt, z->tmo, tk);
+  void *mine, *whole;
+  zt_dtype_t dt = in_place_unit(z, u, &mine, &whole);
+  return zt_comm_all_gather_async(z->comm, mine, whole, z->S[u], dt, z->tmo, tk);
 }
 
 /* Stages 1-2, the hook before unit u's forward: its deferred gather. */
 static void sv_join_gather(zt_zero_t *z, int u) {
-  uint64_t tk = z->sv_ag[u];
-  z->sv_ag[u] = 0;
-  if (zt_comm_join(z->comm, tk) != 0) hook_fail(z, "all-gather of parameters");
+  if (sv_join(z, &z->sv_ag[u]) != 0) hook_fail(z, "all-gather of parameters");
 }
 
 /* Stage 3: the gather slot of unit u: unit 0 its own, the others slots 0
@@ -806,12 +817,7 @@ static int sv_gather(zt_zero_t *z, int u) {
 static void sv_fetch(zt_zero_t *z, int u, int next) {
   if (z->fail) return;
   int s = sv_home(u);
-  if (sv_gather(z, u) != 0) goto err;
-  if (z->sv_gtk[s]) {
-    uint64_t tk = z->sv_gtk[s];
-    z->sv_gtk[s] = 0;
-    if (zt_comm_join(z->comm, tk) != 0) goto err;
-  }
+  if (sv_gather(z, u) != 0 || sv_join(z, &z->sv_gtk[s]) != 0) goto err;
   z->m->unit_params[u] = gat_slot(z, s);
   if (next >= 0 && next != u && sv_gather(z, next) != 0) goto err;
   return;
@@ -1360,9 +1366,7 @@ static int adamw_replicated(zt_zero_t *z) {
     for (int u = 0; u < z->U; u++)
       if (sv_gather_in_place(z, u, &z->sv_ag[u]) != 0) return zt_err_wrap("all-gather of gradients");
     for (int u = 0; u < z->U; u++) {
-      uint64_t tk = z->sv_ag[u];
-      z->sv_ag[u] = 0;
-      if (zt_comm_join(z->comm, tk) != 0) return zt_err_wrap("all-gather of gradients");
+      if (sv_join(z, &z->sv_ag[u]) != 0) return zt_err_wrap("all-gather of gradients");
       adamw_unit(z, u);
     }
     return 0;
@@ -1424,9 +1428,12 @@ int zt_zero_reduce(zt_zero_t *z) {
 int zt_zero_gather(zt_zero_t *z) {
   if (z->stage != 1 && z->stage != 2) return 0;
   if (z->overlap) return queue_gathers(z); /* deferred: the next forward waits unit by unit */
-  for (int u = 0; z->sv && u < z->U; u++) /* deferred: the next forward joins unit by unit */
-    if (sv_gather_in_place(z, u, &z->sv_ag[u]) != 0) return zt_err_wrap("all-gather of parameters");
-  if (z->sv) return 0;
+  if (z->sv) { /* deferred: the next forward joins unit by unit */
+    for (int u = 0; u < z->U; u++)
+      if (sv_gather_in_place(z, u, &z->sv_ag[u]) != 0)
+        return zt_err_wrap("all-gather of parameters");
+    return 0;
+  }
   double w0 = wall_ms();
   int rc = 0;
   for (int u = 0; rc == 0 && u < z->U; u++) rc = gather_in_place(z, u);

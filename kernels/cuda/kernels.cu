@@ -2133,23 +2133,26 @@ static void fa2_forward_hs(bf16 *out, float *lse, const bf16 *qkv, int B, int T,
   ZT_CUDA_LAUNCHED();
 }
 
+/* One launch of k_fa2_bwd_kv: part PART of dk and dv. */
+template <int HS, int PART>
+static void fa2_bwd_kv(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
+                       const float *D, int B, int T, int NH, int KV, float scale) {
+  dim3 grid((unsigned)((T + FA2_BM - 1) / FA2_BM), (unsigned)(B * KV));
+  k_fa2_bwd_kv<HS, PART><<<grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
+                                                                KV, scale, scale * FA2_LOG2E);
+  ZT_CUDA_LAUNCHED();
+}
+
 template <int HS>
 static void fa2_backward_hs(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
                             const float *D, int B, int T, int NH, int KV) {
   float scale = 1.0f / sqrtf((float)HS);
   unsigned tiles = (unsigned)((T + FA2_BM - 1) / FA2_BM);
-  dim3 kv_grid(tiles, (unsigned)(B * KV));
   if constexpr (HS <= FA_HSMAX) {
-    k_fa2_bwd_kv<HS, 0><<<kv_grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                  KV, scale, scale * FA2_LOG2E);
-    ZT_CUDA_LAUNCHED();
+    fa2_bwd_kv<HS, 0>(dqkv, dout, qkv, lse, D, B, T, NH, KV, scale);
   } else { /* dv, then dk (see k_fa2_bwd_kv) */
-    k_fa2_bwd_kv<HS, 1><<<kv_grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                  KV, scale, scale * FA2_LOG2E);
-    ZT_CUDA_LAUNCHED();
-    k_fa2_bwd_kv<HS, 2><<<kv_grid, FA2_WARPS * 32, 0, g.stream>>>(dqkv, qkv, dout, lse, D, T, NH,
-                                                                  KV, scale, scale * FA2_LOG2E);
-    ZT_CUDA_LAUNCHED();
+    fa2_bwd_kv<HS, 1>(dqkv, dout, qkv, lse, D, B, T, NH, KV, scale);
+    fa2_bwd_kv<HS, 2>(dqkv, dout, qkv, lse, D, B, T, NH, KV, scale);
   }
   k_fa2_bwd_q<HS><<<dim3(tiles, (unsigned)(B * NH)), FA2_WARPS * 32, 0, g.stream>>>(
       dqkv, qkv, dout, lse, D, T, NH, KV, scale, scale * FA2_LOG2E);
