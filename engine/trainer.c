@@ -970,7 +970,8 @@ static int round_fragment(const trainer *t, int64_t s) {
 static int outer_sync(trainer *t, int64_t s, int f) {
   int applied = 0;
   break_before_outer(t, s);
-  return outer_done(t, s, zt_diloco_sync(&t->dl, f, &applied), applied);
+  int rc = zt_diloco_sync(&t->dl, f, &applied);
+  return outer_done(t, s, rc, applied);
 }
 
 /* Starts fragment f's overlapped all-reduce after step s; it lands
@@ -995,7 +996,8 @@ static int fragment_sync(trainer *t, int64_t s, int f) {
 static int land(trainer *t, int64_t s) {
   int applied = 0;
   t->land_at = 0;
-  return outer_done(t, s, zt_diloco_land(&t->dl, &applied), applied);
+  int rc = zt_diloco_land(&t->dl, &applied);
+  return outer_done(t, s, rc, applied);
 }
 
 /* A sync of step s failed with its round still open (the outer step not
