@@ -219,6 +219,7 @@ typedef struct zt_job {
   char comm_key[65];
   zt_db_step_t last; /* last reported step */
   uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
+  uint64_t outer_refused; /* DiLoCo outer steps refused (since this zcoord started) */
   char start_ckpt[512]; /* committed epoch the current generation loads */
   zt_db_ckpt_file_t *start_files; /* its recorded files (malloc'd) */
   int n_start_files;

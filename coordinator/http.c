@@ -519,6 +519,9 @@ static void r_metrics(zt_http_req_t *r) {
              j->row.rollbacks);
   JOB_SERIES(&b, "ztrain_job_checkpoints_total", "counter", "Checkpoint epochs committed.",
              j->ckpt_commits);
+  JOB_SERIES(&b, "ztrain_job_outer_steps_refused_total", "counter",
+             "DiLoCo outer steps refused: the groups' pseudo-gradient was not finite.",
+             j->outer_refused);
   JOB_SERIES(&b, "ztrain_job_checkpointing_paused", "gauge",
              "1 while checkpoint writes fail (disk full, read-only): an alert.", j->ckpt_paused);
   JOB_SERIES(&b, "ztrain_job_steps_since_checkpoint", "gauge",

@@ -95,7 +95,7 @@ static int report_steps(const zt_job_t *j, const Ztrain__ReportStepRequest *req,
   ztrain__step_metrics__init(&ms[0]);
   ms[0].step = req->step, ms[0].loss = req->loss, ms[0].grad_norm = req->grad_norm;
   ms[0].lr = req->lr, ms[0].tokens_per_s = req->tokens_per_s, ms[0].step_ms = req->step_ms;
-  ms[0].val_loss = req->val_loss;
+  ms[0].val_loss = req->val_loss, ms[0].outer_refused = req->outer_refused;
   for (size_t i = 0; i <= req->n_later; i++) {
     if (i) ms[i] = *req->later[i - 1];
     if (ms[i].step < 1 || ms[i].step > j->row.total_steps)
@@ -164,6 +164,20 @@ static int check_shares(const zt_job_t *j, const Ztrain__ReportStepRequest *req)
   return 0;
 }
 
+/* DiLoCo's refused outer steps (a pseudo-gradient that is not finite),
+ * counted for /metrics and in the logbook. */
+static void log_refusals(zt_coord_t *c, zt_job_t *j, const Ztrain__StepMetrics *ms, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (!ms[i].outer_refused) continue;
+    j->outer_refused += ms[i].outer_refused;
+    zt_coord_event(c, j->row.id, "outer_step_refused", 0,
+                   "%u DiLoCo outer step%s refused by step %lld: the groups' pseudo-gradient "
+                   "is not finite, every group goes on from the last sync",
+                   ms[i].outer_refused, ms[i].outer_refused == 1 ? "" : "s",
+                   (long long)ms[i].step);
+  }
+}
+
 /* The new plan in the logbook, by worker name. */
 static void log_shares(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportStepRequest *req) {
   char list[1024];
@@ -193,6 +207,7 @@ int zt_reports_step(zt_coord_t *c, const Ztrain__ReportStepRequest *req, int *co
     goto out;
   rc = 0;
   if (req->n_shares) log_shares(c, j, req);
+  log_refusals(c, j, ms, n);
   *command = j->ckpt_request ? ZTRAIN__COMMAND__COMMAND_CHECKPOINT_NOW
                              : ZTRAIN__COMMAND__COMMAND_CONTINUE;
   if (ms[n - 1].step > j->start_step) zt_restarts_progress(&j->rs);

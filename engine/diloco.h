@@ -87,6 +87,7 @@ typedef struct zt_diloco {
    * is encoded; qtmp holds this group's own encoding decoded. */
   float *ef, *qtmp;
   int corrupt;         /* test knob: corrupt this group's next encoding */
+  int poison;          /* test knob: a NaN in this group's next pseudo-gradient */
   /* sync.fragments F (below): each unit's fragment; F > 1 only: the
    * group's parameters (w), a fragment's residual packed (efp, int4), and
    * the ranges of a fragment (scratch, U each). */

@@ -626,14 +626,13 @@ static int parse_misc(zt_spec_t *s, const cJSON *root) {
   return 0;
 }
 
-/* fault_injection{lr_scale, from_step, to_step, repeat, break_ring_at_step,
- * break_ring_before_update_at_step, delay_checkpoint_report_ms}: tests
- * only. */
+/* fault_injection{...} (keys below, each documented in spec.h's
+ * zt_spec_fault_t): tests only. */
 static int parse_fault(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"lr_scale", "from_step", "to_step", "repeat",
                                      "break_ring_at_step", "break_ring_before_update_at_step",
                                      "delay_checkpoint_report_ms", "slow_rank", "slow_micro_ms",
-                                     "corrupt_compressed_at_step"};
+                                     "corrupt_compressed_at_step", "nan_pseudo_gradient_at_step"};
   const char *P = "fault_injection";
   const cJSON *o;
   zt_spec_fault_t *f = &s->fault;
@@ -651,7 +650,9 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
       get_int(o, P, "slow_rank", 0, 0, 255, &f->slow_rank) ||
       get_long(o, P, "slow_micro_ms", 0, 0, 60000, &f->slow_micro_ms) ||
       get_long(o, P, "corrupt_compressed_at_step", 0, 0, 1L << 40,
-               &f->corrupt_compressed_at_step))
+               &f->corrupt_compressed_at_step) ||
+      get_long(o, P, "nan_pseudo_gradient_at_step", 0, 0, 1L << 40,
+               &f->nan_pseudo_gradient_at_step))
     return -1;
   if (f->to_step < f->from_step) f->to_step = f->from_step;
   return 0;

@@ -108,6 +108,10 @@ typedef struct zt_spec_fault {
    * pseudo-gradient of this step (a value of -128, or int4's -8) before
    * it sends it, in the first generation only. */
   long corrupt_compressed_at_step;
+  /* DiLoCo without compression: the last rank puts a NaN into its
+   * pseudo-gradient of this step, in the first generation only, so the
+   * outer step is refused everywhere. */
+  long nan_pseudo_gradient_at_step;
 } zt_spec_fault_t;
 
 typedef struct zt_spec {

@@ -108,6 +108,9 @@ typedef struct {
   zt_comm_t *intra, *places;
   int64_t land_at; /* an overlapped round lands after this step (0: none) */
   double *rl, *rlr, *rms;
+  /* Outer steps refused (a pseudo-gradient that is not finite) since
+   * rank 0's last report, which carries the count to the coordinator. */
+  int refused;
   /* The failure was another rank's (its validation batch), which says
    * why: reported as a peer's, so that the coordinator weighs that rank's
    * own (local) report, not this one. */
@@ -921,7 +924,8 @@ static void report_round(trainer *t, int64_t s, const double *ctl, double val_lo
     double ms = t->rms[i] + (i == n - 1 ? t->dl.sync_ms : 0);
     zt_step_report_t rep = {s - n + 1 + i, ctl[2 * i] / t->G, sqrt(ctl[2 * i + 1] / t->G),
                             t->rlr[i], (double)t->spec.global_batch * t->T / (ms / 1000.0), ms,
-                            i == n - 1 ? val_loss : NAN, NULL, 0};
+                            i == n - 1 ? val_loss : NAN, NULL, 0, i == n - 1 ? t->refused : 0};
+    if (i == n - 1) t->refused = 0;
     zt_train_cmd_t cmd = g->report_step(g->user, &rep);
     if (cmd == ZT_CMD_CHECKPOINT_NOW) flags[0] = 1;
     if (cmd == ZT_CMD_STOP || cmd == ZT_CMD_ROLLBACK) flags[1] = 1;
@@ -936,15 +940,18 @@ static int outer_done(trainer *t, int64_t s, int rc, int applied) {
     if (zt_err_kind() == ZT_E_INVALID) t->peer_fault = 1;
     return -1;
   }
-  if (!applied)
+  if (!applied) {
     ZT_WARN("step %lld: the groups' pseudo-gradient is not finite: outer step refused, every "
             "group goes on from the last sync", (long long)s);
+    t->refused++;
+  }
   return 0;
 }
 
 /* Test knobs at the outer step of step s, on the last rank, in the first
  * generation only: its all-reduce fails; the encoded pseudo-gradient
- * arrives corrupt (int8, int4). */
+ * arrives corrupt (int8, int4); a NaN joins the pseudo-gradient
+ * (uncompressed), so every group refuses the outer step. */
 static void break_before_outer(trainer *t, int64_t s) {
   const zt_spec_fault_t *fi = &t->spec.fault;
   if (t->N < 2 || t->r != t->N - 1 || t->g->generation != 1) return;
@@ -956,6 +963,10 @@ static void break_before_outer(trainer *t, int64_t s) {
       (t->dl.q == ZT_QUANT_INT8 || t->dl.q == ZT_QUANT_INT4)) {
     ZT_WARN("fault injection: the encoded pseudo-gradient of step %lld corrupted", (long long)s);
     t->dl.corrupt = 1;
+  }
+  if (fi->nan_pseudo_gradient_at_step == s && !t->dl.q) {
+    ZT_WARN("fault injection: a NaN in the pseudo-gradient of step %lld", (long long)s);
+    t->dl.poison = 1;
   }
 }
 
@@ -1121,7 +1132,7 @@ static zt_train_cmd_t report(trainer *t, int64_t step, const step_result *res) {
   zt_step_report_t rep = {step,    res->loss,
                           res->norm, res->lr,
                           (double)t->spec.global_batch * t->T / (res->ms / 1000.0),
-                          res->ms, res->val_loss, t->share, t->plan_new ? t->N : 0};
+                          res->ms, res->val_loss, t->share, t->plan_new ? t->N : 0, 0};
   t->plan_new = 0;
   return g->report_step(g->user, &rep);
 }

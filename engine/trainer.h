@@ -64,6 +64,9 @@ typedef struct zt_step_report {
    * during the call only. */
   const int *shares;
   int nshares;
+  /* DiLoCo: outer steps refused (a pseudo-gradient that is not finite)
+   * since the last report. */
+  int outer_refused;
 } zt_step_report_t;
 
 /* Everything one generation's training needs. */

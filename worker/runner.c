@@ -212,6 +212,7 @@ static zt_train_cmd_t send_steps(zt_runner_t *r, const zt_step_report_t *s, int 
   req.tokens_per_s = s[0].tokens_per_s;
   req.step_ms = s[0].step_ms;
   req.val_loss = s[0].val_loss;
+  req.outer_refused = (uint32_t)s[0].outer_refused;
   Ztrain__StepMetrics *later = zt_xcalloc((size_t)n, sizeof *later);
   Ztrain__StepMetrics **lp = zt_xcalloc((size_t)n, sizeof *lp);
   for (int i = 1; i < n; i++) {
@@ -219,6 +220,7 @@ static zt_train_cmd_t send_steps(zt_runner_t *r, const zt_step_report_t *s, int 
     ztrain__step_metrics__init(m);
     m->step = s[i].step, m->loss = s[i].loss, m->grad_norm = s[i].grad_norm, m->lr = s[i].lr;
     m->tokens_per_s = s[i].tokens_per_s, m->step_ms = s[i].step_ms, m->val_loss = s[i].val_loss;
+    m->outer_refused = (uint32_t)s[i].outer_refused;
     lp[i - 1] = m;
   }
   req.n_later = (size_t)(n - 1);

@@ -123,12 +123,15 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(procs, tmp_path, data):
                      checkpoint={"dir": root, "every_steps": 10, "keep_last": 5})
     ja = submit(coord, spec, tmp_path, "a.json")
     wait_job(coord, ja)
-    d20 = committed(coord, ja)[20]["dir"]
-    victim = os.path.join(d20, "rank_1.bin")
+    # The first epoch and the final one are always written (a periodic one
+    # in between may be skipped while the last one's copies are in flight).
+    epochs = committed(coord, ja)
+    d10, d30 = epochs[10]["dir"], epochs[30]["dir"]
+    victim = os.path.join(d10, "rank_1.bin")
     flip_byte(victim)
     # A job that starts from the damaged epoch fails with the file's name.
     b = tiny_spec(train, val, 30, stage=2, workers=2,
-                  checkpoint={"dir": str(tmp_path / "b"), "load": d20})
+                  checkpoint={"dir": str(tmp_path / "b"), "load": d10})
     jb = submit(coord, b, tmp_path, "b.json")
     j = wait_job(coord, jb, states=("failed",))
     assert "rank_1.bin" in j["message"] and "checksum mismatch" in j["message"], j["message"]
@@ -136,14 +139,13 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(procs, tmp_path, data):
     assert ev and "rank_1.bin" in ev[0]["detail"]
     # Truncation and a mismatched model are refused too.
     flip_byte(victim)  # restore
-    with open(os.path.join(d20, "rank_0.bin"), "r+b") as f:
+    with open(os.path.join(d10, "rank_0.bin"), "r+b") as f:
         f.truncate(100)
     jc = submit(coord, b, tmp_path, "c.json")
     j = wait_job(coord, jc, states=("failed",))
     assert "rank_0.bin" in j["message"] and "truncated" in j["message"], j["message"]
-    d10 = committed(coord, ja)[10]["dir"]
-    other = tiny_spec(train, val, 30, stage=2, workers=2,
-                      checkpoint={"dir": str(tmp_path / "d"), "load": d10})
+    other = tiny_spec(train, val, 40, stage=2, workers=2,
+                      checkpoint={"dir": str(tmp_path / "d"), "load": d30})
     other["model"]["n_embd"] = 64
     jd = submit(coord, other, tmp_path, "d.json")
     j = wait_job(coord, jd, states=("failed",))
@@ -211,31 +213,39 @@ def test_changed_metadata_is_caught_and_falls_back(procs, tmp_path, data, tamper
     ja = submit(coord, spec, tmp_path, "a.json")
     wait_job(coord, ja)
     ref = losses(coord, ja)
-    d20 = committed(coord, ja)[20]["dir"]
+    # The newest epoch before the final one is damaged (which periodic
+    # epochs exist depends on the machine's load: one is skipped while the
+    # last one's copies are in flight; step 10's, the first, always is).
+    epochs = committed(coord, ja)
+    mid = max(s for s in epochs if s < 40)
+    dmid = epochs[mid]["dir"]
     if tamper == "index_range":
-        rewrite_json(os.path.join(d20, "rank_1.json"),
+        rewrite_json(os.path.join(dmid, "rank_1.json"),
                      lambda d: d["ranges"][0].update(lo=d["ranges"][0]["lo"] + 1))
         culprit = "rank_1.json"
     elif tamper == "manifest_world":
-        rewrite_json(os.path.join(d20, "manifest.json"), lambda d: d.update(world=1))
+        rewrite_json(os.path.join(dmid, "manifest.json"), lambda d: d.update(world=1))
         culprit = "manifest.json"
     else:
-        rewrite_json(os.path.join(d20, "rank_0.json"), lambda d: d["ranges"].pop())
+        rewrite_json(os.path.join(dmid, "rank_0.json"), lambda d: d["ranges"].pop())
         culprit = "rank_0.json"
     # A job resuming from the damaged epoch refuses it, naming the file...
     b = tiny_spec(train, val, 40, stage=1, workers=2,
-                  checkpoint={"dir": str(tmp_path / "b"), "load": d20})
+                  checkpoint={"dir": str(tmp_path / "b"), "load": dmid})
     jb = submit(coord, b, tmp_path, "b.json")
     j = wait_job(coord, jb, states=("failed",))
     assert culprit in j["message"] and "corrupt checkpoint" in j["message"], j["message"]
-    # ...and the job that owns it falls back to step 10 and still gets the
-    # reference losses: re-run job a's last 20 steps from its own epochs.
-    c = tiny_spec(train, val, 40, stage=1, workers=2,
-                  checkpoint={"dir": str(tmp_path / "c"), "load": committed(coord, ja)[10]["dir"]})
+    # ...and a job that falls back to the epoch before it still gets the
+    # reference losses (from the start when the damaged one is the first).
+    prev = max((s for s in epochs if s < mid), default=0)
+    ck = {"dir": str(tmp_path / "c")}
+    if prev:
+        ck["load"] = epochs[prev]["dir"]
+    c = tiny_spec(train, val, 40, stage=1, workers=2, checkpoint=ck)
     jc = submit(coord, c, tmp_path, "c.json")
     wait_job(coord, jc)
     got = losses(coord, jc)
-    for s in range(11, 41):
+    for s in range(prev + 1, 41):
         assert got[s] == ref[s], (s, got[s], ref[s])
 
 
@@ -275,7 +285,9 @@ def test_final_step_is_checkpointed(procs, tmp_path, data):
     jid = submit(coord, spec, tmp_path)
     j = wait_job(coord, jid)
     epochs = committed(coord, jid)
-    assert sorted(epochs) == [20, 40, 45]
+    # Step 40's epoch may be skipped by design (step 20's copies still in
+    # flight on a busy machine); the first and the final one are not.
+    assert {20, 45} <= set(epochs) <= {20, 40, 45}, sorted(epochs)
     man = json.load(open(epochs[45]["dir"] + "/manifest.json"))
     assert man["step"] == 45 and man["world"] == 2
     assert j["checkpoint_step"] == 45 and "final checkpoint step 45 committed" in j["message"]
