@@ -147,6 +147,14 @@ ZT_MUST_CHECK int zt_io_exact(int fd, void *buf, size_t len, int writing, zt_dea
 
 /* ---- misc ------------------------------------------------------------- */
 
+/* The longest path a buffer holds, with its terminating zero (Linux's
+ * PATH_MAX): every path buffer has this size. */
+#define ZT_PATH_MAX 4096
+/* The cores this process may use: its affinity mask, capped by its
+ * cgroup's CPU quota (v2 cpu.max, v1 cfs quota) on the way to the root;
+ * at least 1 (cpus.c). */
+int zt_cpus_usable(void);
+
 /* Parses "host:port" into its parts; port must be 1..65535. */
 ZT_MUST_CHECK int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
 /* 1 when a host name (no port) names this machine's loopback: localhost,

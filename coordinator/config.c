@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "coord.h"
+#include "zt_json.h"
 
 typedef enum { SET_STR, SET_INT, SET_BOOL, SET_LOG } set_kind;
 

@@ -447,6 +447,12 @@ int zt_sched_storage_backoff(zt_job_t *j, int64_t now);
  * (about ten minutes). */
 #define ZT_STORAGE_PAUSE "paused: no checkpoint committed for"
 #define ZT_STORAGE_RETRIES 6
+/* A job paused because no committed epoch could be loaded (their copies
+ * were on machines that were gone) resumes by itself once one can be
+ * loaded again: the holders are back (sched.c checks at most once a
+ * second). The pause's message is what marks it, so this holds across a
+ * restart. */
+#define ZT_UNLOADABLE_PAUSE "paused: no committed checkpoint can be loaded"
 
 /* ---- rendezvous.c: the ranks of a new generation meet ------------------------ */
 
@@ -668,6 +674,11 @@ struct Ztrain__CheckpointInfo;
 struct Ztrain__GetStatusReply;
 /* Strings point into the source, which must outlive the message. */
 void zt_view_job(const zt_job_t *j, struct Ztrain__JobInfo *out);
+/* The job is paused with a message that starts with `mark`. */
+int zt_view_paused_for(const zt_job_t *j, const char *mark);
+/* The job is paused for a cause that may go away by itself, and the
+ * scheduler will resume it then (JobInfo.resumes_by_itself). */
+int zt_view_resumes_by_itself(const zt_job_t *j);
 void zt_view_worker(const zt_member_t *m, struct Ztrain__WorkerInfo *out);
 void zt_view_step(const zt_db_step_t *s, struct Ztrain__StepRecord *out);
 void zt_view_event(const zt_db_event_t *e, struct Ztrain__Event *out);

@@ -37,6 +37,7 @@
 #include "coord.h"
 #include "http.h"
 #include "pbjson.h"
+#include "zt_json.h"
 
 #define ZT_HTTP_MAX_BODY (1u << 20)
 /* Connections in all, and those one client address may hold open, so
@@ -131,7 +132,7 @@ static void r_healthz(zt_http_req_t *r) {
 static void r_status(zt_http_req_t *r) {
   Ztrain__GetStatusReply st;
   zt_view_status(r->c, &st);
-  zt_http_json(r, 200, zt_json_status(&st));
+  zt_http_json(r, 200, zt_pbjson_status(&st));
 }
 
 static void r_workers(zt_http_req_t *r) {
@@ -142,7 +143,7 @@ static void r_workers(zt_http_req_t *r) {
     if (!c->by_id[i]) continue;
     Ztrain__WorkerInfo w;
     zt_view_worker(c->by_id[i], &w);
-    cJSON_AddItemToArray(arr, zt_json_worker(&w));
+    cJSON_AddItemToArray(arr, zt_pbjson_worker(&w));
   }
   zt_http_json(r, 200, o);
 }
@@ -150,7 +151,7 @@ static void r_workers(zt_http_req_t *r) {
 static int add_event(const zt_db_event_t *e, void *user) {
   Ztrain__Event x;
   zt_view_event(e, &x);
-  cJSON_AddItemToArray(user, zt_json_event(&x));
+  cJSON_AddItemToArray(user, zt_pbjson_event(&x));
   return 0;
 }
 
@@ -186,7 +187,7 @@ static void r_events(zt_http_req_t *r) {
 static cJSON *job_json(const zt_job_t *j) {
   Ztrain__JobInfo ji;
   zt_view_job(j, &ji);
-  return zt_json_job(&ji);
+  return zt_pbjson_job(&ji);
 }
 
 static void r_jobs(zt_http_req_t *r) {
@@ -199,14 +200,14 @@ static void r_jobs(zt_http_req_t *r) {
 static int add_step(const zt_db_step_t *s, void *user) {
   Ztrain__StepRecord x;
   zt_view_step(s, &x);
-  cJSON_AddItemToArray(user, zt_json_step(&x));
+  cJSON_AddItemToArray(user, zt_pbjson_step(&x));
   return 0;
 }
 
 static int add_ckpt(const zt_db_ckpt_t *k, void *user) {
   Ztrain__CheckpointInfo x;
   zt_view_ckpt(k, &x);
-  cJSON_AddItemToArray(user, zt_json_checkpoint(&x));
+  cJSON_AddItemToArray(user, zt_pbjson_checkpoint(&x));
   return 0;
 }
 

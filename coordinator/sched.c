@@ -650,12 +650,6 @@ static void maybe_scale_up(zt_coord_t *c, zt_job_t *j) {
 
 /* ---- the scheduler's pass ---------------------------------------------------- */
 
-/* A job paused because no committed epoch could be loaded (their copies
- * were on machines that were gone) resumes by itself once one can be
- * loaded again: the holders are back. Checked at most once a second. The
- * pause's message is what marks it, so this holds across a restart. */
-#define ZT_UNLOADABLE_PAUSE "paused: no committed checkpoint can be loaded"
-
 /* A pause whose cause may have gone ends by itself: the job is pending
  * again, its message says "resumed by itself: <what>", and the logbook
  * "<why>: resumed at step S". */
@@ -710,12 +704,6 @@ static void resume_after_storage(zt_coord_t *c, zt_job_t *j, int64_t now) {
   resume_by_itself(c, j, what, what);
 }
 
-/* The job is paused with a message that starts with `mark`. */
-static int paused_for(const zt_job_t *j, const char *mark) {
-  return j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
-         !strncmp(j->row.message, mark, strlen(mark));
-}
-
 /* What one job is due, if anything: at most one step per pass. */
 static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
   if (zt_jobtable_active(j) && j->rb_ckpt_step < 0 && j->committed_step >= j->row.total_steps &&
@@ -725,9 +713,9 @@ static void run_job(zt_coord_t *c, zt_job_t *j, int64_t now) {
            j->reach.gen == j->row.generation &&
            (j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING))
     zt_sched_judge_reach(c, j);
-  else if (paused_for(j, ZT_UNLOADABLE_PAUSE))
+  else if (zt_view_paused_for(j, ZT_UNLOADABLE_PAUSE))
     resume_if_loadable(c, j, now);
-  else if (paused_for(j, ZT_STORAGE_PAUSE))
+  else if (zt_view_paused_for(j, ZT_STORAGE_PAUSE))
     resume_after_storage(c, j, now);
   else if (j->row.state == ZT_JOB_PENDING)
     zt_sched_try_form(c, j, "enough workers");

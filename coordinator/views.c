@@ -10,6 +10,9 @@
  * the message built from it.
  */
 #include "coord.h"
+
+#include <string.h>
+
 #include "ztrain.pb-c.h"
 
 void zt_view_worker(const zt_member_t *m, Ztrain__WorkerInfo *w) {
@@ -52,6 +55,17 @@ void zt_view_job(const zt_job_t *j, Ztrain__JobInfo *ji) {
   ji->restarts = (uint32_t)j->row.restarts;
   ji->min_workers = (uint32_t)j->row.min_workers;
   ji->max_workers = (uint32_t)j->row.max_workers;
+  ji->resumes_by_itself = zt_view_resumes_by_itself(j);
+}
+
+int zt_view_paused_for(const zt_job_t *j, const char *mark) {
+  return j->row.state == ZT_JOB_PAUSED && !j->spec_error[0] &&
+         !strncmp(j->row.message, mark, strlen(mark));
+}
+
+int zt_view_resumes_by_itself(const zt_job_t *j) {
+  return zt_view_paused_for(j, ZT_UNLOADABLE_PAUSE) ||
+         (zt_view_paused_for(j, ZT_STORAGE_PAUSE) && j->storage_retries < ZT_STORAGE_RETRIES);
 }
 
 void zt_view_step(const zt_db_step_t *s, Ztrain__StepRecord *x) {

@@ -16,6 +16,7 @@
 #include "ckpt_io.h"
 #include "spec.h"
 #include "zt_common.h"
+#include "zt_json.h"
 
 void zt_ckpt_dirname(char *buf, size_t n, const char *root, uint64_t job, int64_t step,
                      uint64_t gen) {

@@ -12,6 +12,7 @@
 
 #include "safetensors.h"
 #include "spec.h"
+#include "zt_json.h"
 
 #define ZT_HF_CONFIG_MAX (1u << 20)
 

@@ -15,6 +15,7 @@
 
 #include "ckpt_io.h" /* zt_ckpt_fsync_dir */
 #include "spec.h"
+#include "zt_json.h"
 
 #define PREFIX "transformer."
 

@@ -3,9 +3,9 @@
  *
  * Each JSON object of the spec is read by one function that first checks
  * that all its keys are known (check_keys) and then reads each key with a
- * typed getter that enforces the range. Duplicate keys are an error too (JSON
- * allows them, but cJSON would silently use the first). Every error names the full key path,
- * built with sub_path. Defaults are set before parsing, so a missing
+ * typed getter that enforces the range (common/zt_json.h). Duplicate keys
+ * are an error too (JSON allows them, but cJSON would silently use the
+ * first). Every error names the full key path. Defaults are set before parsing, so a missing
  * optional key simply keeps its default. The coordinator reads specs with
  * this same parser (coordinator/params.c), so the two can never disagree.
  */
@@ -18,115 +18,7 @@
 #include <string.h>
 
 #include "zt_common.h"
-
-#define ZT_PATH_LEN 256
-
-/* ---- utilities ------------------------------------------------------------ */
-
-/* "parent.key", or "key" at the top level. */
-static const char *sub_path(char *buf, const char *parent, const char *key) {
-  if (parent[0]) snprintf(buf, ZT_PATH_LEN, "%s.%s", parent, key);
-  else snprintf(buf, ZT_PATH_LEN, "%s", key);
-  return buf;
-}
-
-static int check_keys(const cJSON *o, const char *path, const char *const *keys, size_t nkeys) {
-  char p[ZT_PATH_LEN];
-  for (const cJSON *it = o->child; it; it = it->next) {
-    size_t i = 0;
-    while (i < nkeys && strcmp(it->string, keys[i]) != 0) i++;
-    if (i == nkeys) return zt_err("%s: unknown key", sub_path(p, path, it->string));
-    for (const cJSON *prev = o->child; prev != it; prev = prev->next)
-      if (strcmp(prev->string, it->string) == 0)
-        return zt_err("%s: duplicate key", sub_path(p, path, it->string));
-  }
-  return 0;
-}
-
-/* Each getter leaves *out untouched when the key is absent (and not
- * required), so the caller's default stays. */
-static int get_long(const cJSON *o, const char *path, const char *key, int required, long min,
-                    long max, long *out) {
-  char p[ZT_PATH_LEN];
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-  sub_path(p, path, key);
-  if (!it) return required ? zt_err("%s: required key is missing", p) : 0;
-  if (!cJSON_IsNumber(it) || it->valuedouble != floor(it->valuedouble) ||
-      fabs(it->valuedouble) > 9007199254740992.0)
-    return zt_err("%s: expected an integer", p);
-  if (it->valuedouble < (double)min || it->valuedouble > (double)max)
-    return zt_err("%s: %.0f is out of range [%ld, %ld]", p, it->valuedouble, min, max);
-  *out = (long)it->valuedouble;
-  return 0;
-}
-
-static int get_int(const cJSON *o, const char *path, const char *key, int required, long min,
-                   long max, int *out) {
-  long v = *out;
-  if (get_long(o, path, key, required, min, max, &v) != 0) return -1;
-  *out = (int)v;
-  return 0;
-}
-
-/* Numbers in [min, max]; lo_open makes the lower bound exclusive. */
-static int get_double(const cJSON *o, const char *path, const char *key, double min, int lo_open,
-                      double max, double *out) {
-  char p[ZT_PATH_LEN];
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!it) return 0;
-  sub_path(p, path, key);
-  if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble)) return zt_err("%s: expected a number", p);
-  double v = it->valuedouble;
-  if (v < min || (lo_open && v == min) || v > max)
-    return zt_err("%s: %g is out of range %c%g, %g]", p, v, lo_open ? '(' : '[', min, max);
-  *out = v;
-  return 0;
-}
-
-static int get_float(const cJSON *o, const char *path, const char *key, double min, int lo_open,
-                     double max, float *out) {
-  double v = *out;
-  if (get_double(o, path, key, min, lo_open, max, &v) != 0) return -1;
-  *out = (float)v;
-  return 0;
-}
-
-static int get_bool(const cJSON *o, const char *path, const char *key, int *out) {
-  char p[ZT_PATH_LEN];
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-  if (!it) return 0;
-  if (!cJSON_IsBool(it)) return zt_err("%s: expected true or false", sub_path(p, path, key));
-  *out = cJSON_IsTrue(it);
-  return 0;
-}
-
-static int get_string(const cJSON *o, const char *path, const char *key, int required, char *out,
-                      size_t outlen) {
-  char p[ZT_PATH_LEN];
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-  sub_path(p, path, key);
-  if (!it) return required ? zt_err("%s: required key is missing", p) : 0;
-  if (!cJSON_IsString(it)) return zt_err("%s: expected a string", p);
-  if (strlen(it->valuestring) >= outlen)
-    return zt_err("%s: longer than %zu characters", p, outlen - 1);
-  snprintf(out, outlen, "%s", it->valuestring);
-  return 0;
-}
-
-/* The object at key, or NULL (absent); a non-object is an error. */
-static int get_object(const cJSON *o, const char *path, const char *key, int required,
-                      const cJSON **out) {
-  char p[ZT_PATH_LEN];
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
-  *out = NULL;
-  sub_path(p, path, key);
-  if (!it) return required ? zt_err("%s: required key is missing", p) : 0;
-  if (!cJSON_IsObject(it)) return zt_err("%s: expected an object", p);
-  *out = it;
-  return 0;
-}
-
-#define CHECK_KEYS(o, path, keys) check_keys((o), (path), (keys), ZT_ARRAY_LEN(keys))
+#include "zt_json.h"
 
 /* ---- sections ------------------------------------------------------------- */
 
@@ -143,13 +35,13 @@ int zt_rope_scaling_parse(const cJSON *o, const char *where, zt_model_config_t *
   if (strcmp(t, "llama3"))
     return zt_err("%s: rope_type \"%.40s\" is not supported (llama3, or no rope_scaling)", where,
                   t);
-  if (check_keys(o, where, keys, ZT_ARRAY_LEN(keys)) != 0) return -1;
+  if (zt_json_check_keys(o, where, keys, ZT_ARRAY_LEN(keys)) != 0) return -1;
   float f = 0, lo = 0, hi = 0;
   int orig = 0;
-  if (get_float(o, where, "factor", 0, 1, 1e6, &f) ||
-      get_float(o, where, "low_freq_factor", 0, 1, 1e6, &lo) ||
-      get_float(o, where, "high_freq_factor", 0, 1, 1e6, &hi) ||
-      get_int(o, where, "original_max_position_embeddings", 1, 1, ZT_MODEL_MAX_SEQ, &orig))
+  if (zt_json_float(o, where, "factor", 0, 1, 1e6, &f) ||
+      zt_json_float(o, where, "low_freq_factor", 0, 1, 1e6, &lo) ||
+      zt_json_float(o, where, "high_freq_factor", 0, 1, 1e6, &hi) ||
+      zt_json_int(o, where, "original_max_position_embeddings", 1, 1, ZT_MODEL_MAX_SEQ, &orig))
     return -1;
   if (f == 0 || !(hi > lo))
     return zt_err("%s: needs factor > 0 and high_freq_factor > low_freq_factor", where);
@@ -193,13 +85,13 @@ static int parse_llama(zt_model_config_t *c, const cJSON *o) {
   c->head_dim = c->n_embd / c->n_head;
   c->rope_theta = 10000.0f;
   c->norm_eps = 1e-6f;
-  if (get_int(o, "model", "n_kv_head", 0, 1, ZT_MODEL_MAX_HEAD, &c->n_kv_head) ||
-      get_int(o, "model", "head_dim", 0, 2, ZT_MODEL_MAX_EMBD, &c->head_dim) ||
-      get_int(o, "model", "intermediate_size", 1, 1, 4 * ZT_MODEL_MAX_EMBD, &c->n_ff) ||
-      get_float(o, "model", "rope_theta", 0, 1, 1e12, &c->rope_theta) ||
-      get_float(o, "model", "rms_norm_eps", 0, 1, 1, &c->norm_eps) ||
-      get_bool(o, "model", "tie_word_embeddings", &c->tie_embed) ||
-      get_bool(o, "model", "attention_bias", &c->qkv_bias) ||
+  if (zt_json_int(o, "model", "n_kv_head", 0, 1, ZT_MODEL_MAX_HEAD, &c->n_kv_head) ||
+      zt_json_int(o, "model", "head_dim", 0, 2, ZT_MODEL_MAX_EMBD, &c->head_dim) ||
+      zt_json_int(o, "model", "intermediate_size", 1, 1, 4 * ZT_MODEL_MAX_EMBD, &c->n_ff) ||
+      zt_json_float(o, "model", "rope_theta", 0, 1, 1e12, &c->rope_theta) ||
+      zt_json_float(o, "model", "rms_norm_eps", 0, 1, 1, &c->norm_eps) ||
+      zt_json_bool(o, "model", "tie_word_embeddings", &c->tie_embed) ||
+      zt_json_bool(o, "model", "attention_bias", &c->qkv_bias) ||
       zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(o, "rope_scaling"),
                             "model.rope_scaling", c))
     return -1;
@@ -212,15 +104,15 @@ static int parse_model(zt_spec_t *s, const cJSON *root) {
                                      "intermediate_size", "rope_theta", "rms_norm_eps",
                                      "tie_word_embeddings", "attention_bias", "rope_scaling"};
   const cJSON *o;
-  if (get_object(root, "", "model", 1, &o) || CHECK_KEYS(o, "model", keys)) return -1;
+  if (zt_json_object(root, "", "model", 1, &o) || ZT_JSON_CHECK_KEYS(o, "model", keys)) return -1;
   zt_model_config_t *c = &s->model;
   char arch[16] = "gpt2";
-  if (get_int(o, "model", "n_layer", 1, 1, ZT_MODEL_MAX_LAYER, &c->n_layer) ||
-      get_int(o, "model", "n_head", 1, 1, ZT_MODEL_MAX_HEAD, &c->n_head) ||
-      get_int(o, "model", "n_embd", 1, 1, ZT_MODEL_MAX_EMBD, &c->n_embd) ||
-      get_int(o, "model", "seq_len", 1, 1, ZT_MODEL_MAX_SEQ, &c->seq_len) ||
-      get_int(o, "model", "vocab_size", 1, 2, ZT_MODEL_MAX_VOCAB, &c->vocab_size) ||
-      get_string(o, "model", "arch", 0, arch, sizeof arch))
+  if (zt_json_int(o, "model", "n_layer", 1, 1, ZT_MODEL_MAX_LAYER, &c->n_layer) ||
+      zt_json_int(o, "model", "n_head", 1, 1, ZT_MODEL_MAX_HEAD, &c->n_head) ||
+      zt_json_int(o, "model", "n_embd", 1, 1, ZT_MODEL_MAX_EMBD, &c->n_embd) ||
+      zt_json_int(o, "model", "seq_len", 1, 1, ZT_MODEL_MAX_SEQ, &c->seq_len) ||
+      zt_json_int(o, "model", "vocab_size", 1, 2, ZT_MODEL_MAX_VOCAB, &c->vocab_size) ||
+      zt_json_string(o, "model", "arch", 0, arch, sizeof arch))
     return -1;
   if (!strcmp(arch, "llama")) {
     c->arch = ZT_ARCH_LLAMA;
@@ -242,18 +134,19 @@ static int parse_optimizer(zt_spec_t *s, const cJSON *root) {
   static const char *const pkeys[] = {"lr", "betas", "eps", "weight_decay"};
   char type[32] = "AdamW";
   const cJSON *o, *p;
-  if (get_object(root, "", "optimizer", 0, &o)) return -1;
+  if (zt_json_object(root, "", "optimizer", 0, &o)) return -1;
   if (!o) return 0;
-  if (CHECK_KEYS(o, "optimizer", keys) || get_string(o, "optimizer", "type", 0, type, sizeof type))
+  if (ZT_JSON_CHECK_KEYS(o, "optimizer", keys) ||
+      zt_json_string(o, "optimizer", "type", 0, type, sizeof type))
     return -1;
   if (strcmp(type, "AdamW") != 0)
     return zt_err("optimizer.type: \"%s\" is not supported (only \"AdamW\")", type);
-  if (get_object(o, "optimizer", "params", 0, &p)) return -1;
+  if (zt_json_object(o, "optimizer", "params", 0, &p)) return -1;
   if (!p) return 0;
-  if (CHECK_KEYS(p, "optimizer.params", pkeys) ||
-      get_float(p, "optimizer.params", "lr", 0.0, 0, 10.0, &s->opt.lr) ||
-      get_float(p, "optimizer.params", "eps", 0.0, 1, 1.0, &s->opt.eps) ||
-      get_float(p, "optimizer.params", "weight_decay", 0.0, 0, 10.0, &s->opt.weight_decay))
+  if (ZT_JSON_CHECK_KEYS(p, "optimizer.params", pkeys) ||
+      zt_json_float(p, "optimizer.params", "lr", 0.0, 0, 10.0, &s->opt.lr) ||
+      zt_json_float(p, "optimizer.params", "eps", 0.0, 1, 1.0, &s->opt.eps) ||
+      zt_json_float(p, "optimizer.params", "weight_decay", 0.0, 0, 10.0, &s->opt.weight_decay))
     return -1;
   const cJSON *b = cJSON_GetObjectItemCaseSensitive(p, "betas");
   if (b) {
@@ -277,9 +170,10 @@ static int parse_scheduler(zt_spec_t *s, const cJSON *root) {
   const char *path = "scheduler.params";
   char type[32] = "", wtype[32] = "linear";
   const cJSON *o, *p;
-  if (get_object(root, "", "scheduler", 0, &o)) return -1;
+  if (zt_json_object(root, "", "scheduler", 0, &o)) return -1;
   if (!o) return 0;
-  if (CHECK_KEYS(o, "scheduler", keys) || get_string(o, "scheduler", "type", 1, type, sizeof type))
+  if (ZT_JSON_CHECK_KEYS(o, "scheduler", keys) ||
+      zt_json_string(o, "scheduler", "type", 1, type, sizeof type))
     return -1;
   if (strcmp(type, "WarmupDecayLR") != 0)
     return zt_err("scheduler.type: \"%s\" is not supported (only \"WarmupDecayLR\")", type);
@@ -289,13 +183,13 @@ static int parse_scheduler(zt_spec_t *s, const cJSON *root) {
   c->max_lr = s->opt.lr;
   c->warmup_steps = 0;
   c->total_steps = s->steps;
-  if (get_object(o, "scheduler", "params", 0, &p)) return -1;
-  if (p && (CHECK_KEYS(p, path, pkeys) ||
-            get_float(p, path, "warmup_min_lr", 0.0, 0, 10.0, &c->min_lr) ||
-            get_float(p, path, "warmup_max_lr", 0.0, 0, 10.0, &c->max_lr) ||
-            get_long(p, path, "warmup_num_steps", 0, 0, 1L << 40, &c->warmup_steps) ||
-            get_long(p, path, "total_num_steps", 0, 1, 1L << 40, &c->total_steps) ||
-            get_string(p, path, "warmup_type", 0, wtype, sizeof wtype)))
+  if (zt_json_object(o, "scheduler", "params", 0, &p)) return -1;
+  if (p && (ZT_JSON_CHECK_KEYS(p, path, pkeys) ||
+            zt_json_float(p, path, "warmup_min_lr", 0.0, 0, 10.0, &c->min_lr) ||
+            zt_json_float(p, path, "warmup_max_lr", 0.0, 0, 10.0, &c->max_lr) ||
+            zt_json_long(p, path, "warmup_num_steps", 0, 0, 1L << 40, &c->warmup_steps) ||
+            zt_json_long(p, path, "total_num_steps", 0, 1, 1L << 40, &c->total_steps) ||
+            zt_json_string(p, path, "warmup_type", 0, wtype, sizeof wtype)))
     return -1;
   if (strcmp(wtype, "linear") != 0)
     return zt_err("%s.warmup_type: \"%s\" is not supported (only \"linear\")", path, wtype);
@@ -311,15 +205,15 @@ static int parse_data_eval(zt_spec_t *s, const cJSON *root) {
   static const char *const dkeys[] = {"train", "val"};
   static const char *const ekeys[] = {"every_steps", "batches"};
   const cJSON *d, *e;
-  if (get_object(root, "", "data", 1, &d) || CHECK_KEYS(d, "data", dkeys) ||
-      get_string(d, "data", "train", 1, s->train_glob, sizeof s->train_glob) ||
-      get_string(d, "data", "val", 0, s->val_glob, sizeof s->val_glob))
+  if (zt_json_object(root, "", "data", 1, &d) || ZT_JSON_CHECK_KEYS(d, "data", dkeys) ||
+      zt_json_string(d, "data", "train", 1, s->train_glob, sizeof s->train_glob) ||
+      zt_json_string(d, "data", "val", 0, s->val_glob, sizeof s->val_glob))
     return -1;
   if (!s->train_glob[0]) return zt_err("data.train: empty pattern");
-  if (get_object(root, "", "eval", 0, &e)) return -1;
-  if (e && (CHECK_KEYS(e, "eval", ekeys) ||
-            get_int(e, "eval", "every_steps", 0, 0, 1L << 30, &s->eval_every) ||
-            get_int(e, "eval", "batches", 0, 1, 1L << 20, &s->eval_batches)))
+  if (zt_json_object(root, "", "eval", 0, &e)) return -1;
+  if (e && (ZT_JSON_CHECK_KEYS(e, "eval", ekeys) ||
+            zt_json_int(e, "eval", "every_steps", 0, 0, 1L << 30, &s->eval_every) ||
+            zt_json_int(e, "eval", "batches", 0, 1, 1L << 20, &s->eval_batches)))
     return -1;
   if (s->eval_every > 0 && !s->val_glob[0])
     return zt_err("eval.every_steps: evaluation needs data.val");
@@ -330,10 +224,10 @@ static int parse_data_eval(zt_spec_t *s, const cJSON *root) {
 
 static int parse_batch(zt_spec_t *s, const cJSON *root) {
   long gb = 0;
-  if (get_int(root, "", "train_micro_batch_size_per_gpu", 1, 1, 1 << 20, &s->micro_batch) ||
-      get_int(root, "", "gradient_accumulation_steps", 0, 1, 1 << 20, &s->accum) ||
-      get_long(root, "", "train_batch_size", 0, 1, 1L << 40, &gb) ||
-      get_float(root, "", "gradient_clipping", 0.0, 0, 1e9, &s->grad_clip))
+  if (zt_json_int(root, "", "train_micro_batch_size_per_gpu", 1, 1, 1 << 20, &s->micro_batch) ||
+      zt_json_int(root, "", "gradient_accumulation_steps", 0, 1, 1 << 20, &s->accum) ||
+      zt_json_long(root, "", "train_batch_size", 0, 1, 1L << 40, &gb) ||
+      zt_json_float(root, "", "gradient_clipping", 0.0, 0, 1e9, &s->grad_clip))
     return -1;
   int have_accum = cJSON_GetObjectItemCaseSensitive(root, "gradient_accumulation_steps") != NULL;
   s->have_train_batch = gb > 0;
@@ -364,38 +258,38 @@ static int parse_zero_elastic(zt_spec_t *s, const cJSON *root) {
   static const char *const ckeys[] = {"timeout_ms"};
   static const char *const bkeys[] = {"enabled"};
   const cJSON *z, *e, *c, *b;
-  if (get_object(root, "", "zero_optimization", 0, &z) ||
-      (z && (CHECK_KEYS(z, "zero_optimization", zkeys) ||
-             get_int(z, "zero_optimization", "stage", 0, 0, 3, &s->zero_stage) ||
-             get_bool(z, "zero_optimization", "overlap_comm", &s->overlap_comm))))
+  if (zt_json_object(root, "", "zero_optimization", 0, &z) ||
+      (z && (ZT_JSON_CHECK_KEYS(z, "zero_optimization", zkeys) ||
+             zt_json_int(z, "zero_optimization", "stage", 0, 0, 3, &s->zero_stage) ||
+             zt_json_bool(z, "zero_optimization", "overlap_comm", &s->overlap_comm))))
     return -1;
-  if (get_object(root, "", "elastic", 0, &e) ||
-      (e && (CHECK_KEYS(e, "elastic", ekeys) ||
-             get_int(e, "elastic", "min_workers", 0, 1, 256, &s->min_workers))))
+  if (zt_json_object(root, "", "elastic", 0, &e) ||
+      (e && (ZT_JSON_CHECK_KEYS(e, "elastic", ekeys) ||
+             zt_json_int(e, "elastic", "min_workers", 0, 1, 256, &s->min_workers))))
     return -1;
   s->max_workers = s->min_workers;
   zt_spec_restart_t *r = &s->restart;
-  if (e && (get_int(e, "elastic", "max_workers", 0, 1, 256, &s->max_workers) ||
-            get_int(e, "elastic", "max_failed_generations", 0, 1, 1000,
+  if (e && (zt_json_int(e, "elastic", "max_workers", 0, 1, 256, &s->max_workers) ||
+            zt_json_int(e, "elastic", "max_failed_generations", 0, 1, 1000,
                     &r->max_failed_generations) ||
-            get_long(e, "elastic", "backoff_ms", 0, 0, 600000, &r->backoff_ms) ||
-            get_long(e, "elastic", "max_backoff_ms", 0, 0, 3600000, &r->max_backoff_ms) ||
-            get_int(e, "elastic", "max_restarts", 0, 1, 1000000, &r->max_restarts) ||
-            get_long(e, "elastic", "restart_window_s", 0, 1, 1L << 30, &r->restart_window_s)))
+            zt_json_long(e, "elastic", "backoff_ms", 0, 0, 600000, &r->backoff_ms) ||
+            zt_json_long(e, "elastic", "max_backoff_ms", 0, 0, 3600000, &r->max_backoff_ms) ||
+            zt_json_int(e, "elastic", "max_restarts", 0, 1, 1000000, &r->max_restarts) ||
+            zt_json_long(e, "elastic", "restart_window_s", 0, 1, 1L << 30, &r->restart_window_s)))
     return -1;
   if (r->max_backoff_ms < r->backoff_ms) r->max_backoff_ms = r->backoff_ms;
   if (s->max_workers < s->min_workers)
     return zt_err("elastic.max_workers: %d is below min_workers %d", s->max_workers,
                   s->min_workers);
-  if (get_object(root, "", "comm", 0, &c) ||
-      (c && (CHECK_KEYS(c, "comm", ckeys) ||
-             get_long(c, "comm", "timeout_ms", 0, 100, 3600000, &s->comm_timeout_ms))))
+  if (zt_json_object(root, "", "comm", 0, &c) ||
+      (c && (ZT_JSON_CHECK_KEYS(c, "comm", ckeys) ||
+             zt_json_long(c, "comm", "timeout_ms", 0, 100, 3600000, &s->comm_timeout_ms))))
     return -1;
-  if (get_object(root, "", "bf16", 0, &b) ||
-      (b && (CHECK_KEYS(b, "bf16", bkeys) || get_bool(b, "bf16", "enabled", &s->bf16))))
+  if (zt_json_object(root, "", "bf16", 0, &b) ||
+      (b && (ZT_JSON_CHECK_KEYS(b, "bf16", bkeys) || zt_json_bool(b, "bf16", "enabled", &s->bf16))))
     return -1;
-  if (get_bool(root, "", "activation_checkpointing", &s->act_ckpt) ||
-      get_bool(root, "", "wall_clock_breakdown", &s->wall_clock_breakdown))
+  if (zt_json_bool(root, "", "activation_checkpointing", &s->act_ckpt) ||
+      zt_json_bool(root, "", "wall_clock_breakdown", &s->wall_clock_breakdown))
     return -1;
   return 0;
 }
@@ -406,11 +300,11 @@ static int parse_balance(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"mode", "every_steps"};
   const cJSON *o;
   char mode[16] = "equal";
-  if (get_object(root, "", "load_balance", 0, &o)) return -1;
+  if (zt_json_object(root, "", "load_balance", 0, &o)) return -1;
   if (!o) return 0;
-  if (CHECK_KEYS(o, "load_balance", keys) ||
-      get_string(o, "load_balance", "mode", 0, mode, sizeof mode) ||
-      get_long(o, "load_balance", "every_steps", 0, 1, 1L << 30, &s->lb_every))
+  if (ZT_JSON_CHECK_KEYS(o, "load_balance", keys) ||
+      zt_json_string(o, "load_balance", "mode", 0, mode, sizeof mode) ||
+      zt_json_long(o, "load_balance", "every_steps", 0, 1, 1L << 30, &s->lb_every))
     return -1;
   if (strcmp(mode, "equal") && strcmp(mode, "speed"))
     return zt_err("load_balance.mode: \"%s\" is neither \"equal\" nor \"speed\"", mode);
@@ -433,19 +327,21 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   const char *P = "sync.outer_optimizer";
   const cJSON *o, *oo = NULL;
   char mode[16] = "sync", comp[16] = "none";
-  if (get_object(root, "", "sync", 0, &o)) return -1;
+  if (zt_json_object(root, "", "sync", 0, &o)) return -1;
   if (!o) return 0;
-  if (CHECK_KEYS(o, "sync", keys) || get_string(o, "sync", "mode", 0, mode, sizeof mode) ||
-      get_long(o, "sync", "inner_steps", 0, 1, 1L << 20, &s->inner_steps) ||
-      get_object(o, "sync", "outer_optimizer", 0, &oo) ||
-      get_string(o, "sync", "compression", 0, comp, sizeof comp) ||
-      get_long(o, "sync", "overlap_steps", 0, 0, 1L << 20, &s->overlap_steps) ||
-      get_long(o, "sync", "fragments", 0, 1, 1L << 20, &s->fragments) ||
-      get_long(o, "sync", "group_size", 0, 1, 64, &s->group_size))
+  if (ZT_JSON_CHECK_KEYS(o, "sync", keys) ||
+      zt_json_string(o, "sync", "mode", 0, mode, sizeof mode) ||
+      zt_json_long(o, "sync", "inner_steps", 0, 1, 1L << 20, &s->inner_steps) ||
+      zt_json_object(o, "sync", "outer_optimizer", 0, &oo) ||
+      zt_json_string(o, "sync", "compression", 0, comp, sizeof comp) ||
+      zt_json_long(o, "sync", "overlap_steps", 0, 0, 1L << 20, &s->overlap_steps) ||
+      zt_json_long(o, "sync", "fragments", 0, 1, 1L << 20, &s->fragments) ||
+      zt_json_long(o, "sync", "group_size", 0, 1, 64, &s->group_size))
     return -1;
-  if (oo && (CHECK_KEYS(oo, P, okeys) || get_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
-             get_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
-             get_bool(oo, P, "nesterov", &s->outer_nesterov)))
+  if (oo && (ZT_JSON_CHECK_KEYS(oo, P, okeys) ||
+             zt_json_double(oo, P, "lr", 0.0, 1, 100.0, &s->outer_lr) ||
+             zt_json_double(oo, P, "momentum", 0.0, 0, 0.9999, &s->outer_momentum) ||
+             zt_json_bool(oo, P, "nesterov", &s->outer_nesterov)))
     return -1;
   if (strcmp(mode, "sync") && strcmp(mode, "diloco"))
     return zt_err("sync.mode: \"%s\" is neither \"sync\" nor \"diloco\"", mode);
@@ -453,7 +349,10 @@ static int parse_sync(zt_spec_t *s, const cJSON *root) {
   if (strcmp(comp, "none") && strcmp(comp, "bf16") && strcmp(comp, "int8") && strcmp(comp, "int4"))
     return zt_err("sync.compression: \"%s\" is none of \"none\", \"bf16\", \"int8\", "
                   "\"int4\"", comp);
-  s->compression = !strcmp(comp, "bf16") ? 1 : !strcmp(comp, "int8") ? 2 : !strcmp(comp, "int4") ? 3 : 0;
+  s->compression = !strcmp(comp, "bf16")   ? 1
+                   : !strcmp(comp, "int8") ? 2
+                   : !strcmp(comp, "int4") ? 3
+                                           : 0;
   if (!s->diloco && s->compression == 3)
     return zt_err("sync.compression \"int4\" needs error feedback, which only sync.mode "
                   "\"diloco\" keeps");
@@ -504,18 +403,18 @@ static int parse_checkpoint(zt_spec_t *s, const cJSON *root) {
                                      "shared"};
   const cJSON *o;
   zt_spec_ckpt_t *c = &s->ckpt;
-  if (get_object(root, "", "checkpoint", 0, &o)) return -1;
+  if (zt_json_object(root, "", "checkpoint", 0, &o)) return -1;
   if (!o) return 0;
-  if (CHECK_KEYS(o, "checkpoint", keys) ||
-      get_string(o, "checkpoint", "dir", 1, c->dir, sizeof c->dir) ||
-      get_long(o, "checkpoint", "every_steps", 0, 0, 1L << 40, &c->every_steps) ||
-      get_int(o, "checkpoint", "keep_last", 0, 1, 1 << 20, &c->keep_last) ||
-      get_long(o, "checkpoint", "keep_every", 0, 0, 1L << 40, &c->keep_every) ||
-      get_string(o, "checkpoint", "load", 0, c->load, sizeof c->load) ||
-      get_long(o, "checkpoint", "max_uncommitted_steps", 0, 1, 1L << 40,
+  if (ZT_JSON_CHECK_KEYS(o, "checkpoint", keys) ||
+      zt_json_string(o, "checkpoint", "dir", 1, c->dir, sizeof c->dir) ||
+      zt_json_long(o, "checkpoint", "every_steps", 0, 0, 1L << 40, &c->every_steps) ||
+      zt_json_int(o, "checkpoint", "keep_last", 0, 1, 1 << 20, &c->keep_last) ||
+      zt_json_long(o, "checkpoint", "keep_every", 0, 0, 1L << 40, &c->keep_every) ||
+      zt_json_string(o, "checkpoint", "load", 0, c->load, sizeof c->load) ||
+      zt_json_long(o, "checkpoint", "max_uncommitted_steps", 0, 1, 1L << 40,
                &c->max_uncommitted_steps) ||
-      get_int(o, "checkpoint", "replicas", 0, 1, 8, &c->replicas) ||
-      get_bool(o, "checkpoint", "shared", &c->shared))
+      zt_json_int(o, "checkpoint", "replicas", 0, 1, 8, &c->replicas) ||
+      zt_json_bool(o, "checkpoint", "shared", &c->shared))
     return -1;
   if (c->shared && cJSON_GetObjectItemCaseSensitive(o, "replicas") && c->replicas != 1)
     return zt_err("checkpoint.replicas: %d copies asked for, but checkpoint.shared says every "
@@ -535,18 +434,18 @@ static int parse_rollback(zt_spec_t *s, const cJSON *root) {
   const char *P = "rollback";
   const cJSON *o;
   zt_spec_rollback_t *r = &s->rollback;
-  if (get_object(root, "", "rollback", 0, &o)) return -1;
+  if (zt_json_object(root, "", "rollback", 0, &o)) return -1;
   if (!o) return 0;
-  if (CHECK_KEYS(o, P, keys) || get_bool(o, P, "enabled", &r->enabled) ||
-      get_int(o, P, "window", 0, 5, 100000, &r->window) ||
-      get_double(o, P, "threshold", 0.0, 1, 1e9, &r->threshold) ||
-      get_int(o, P, "patience", 0, 1, 1000, &r->patience) ||
-      get_long(o, P, "margin_steps", 0, 0, 1L << 40, &r->margin_steps) ||
-      get_long(o, P, "skip_steps", 0, 0, 1L << 40, &r->skip_steps) ||
-      get_double(o, P, "lr_factor", 0.0, 1, 1.0, &r->lr_factor) ||
-      get_long(o, P, "cooldown_steps", 0, 0, 1L << 40, &r->cooldown_steps) ||
-      get_int(o, P, "max_rollbacks", 0, 0, 1000, &r->max_rollbacks) ||
-      get_long(o, P, "per_steps", 0, 1, 1L << 40, &r->per_steps))
+  if (ZT_JSON_CHECK_KEYS(o, P, keys) || zt_json_bool(o, P, "enabled", &r->enabled) ||
+      zt_json_int(o, P, "window", 0, 5, 100000, &r->window) ||
+      zt_json_double(o, P, "threshold", 0.0, 1, 1e9, &r->threshold) ||
+      zt_json_int(o, P, "patience", 0, 1, 1000, &r->patience) ||
+      zt_json_long(o, P, "margin_steps", 0, 0, 1L << 40, &r->margin_steps) ||
+      zt_json_long(o, P, "skip_steps", 0, 0, 1L << 40, &r->skip_steps) ||
+      zt_json_double(o, P, "lr_factor", 0.0, 1, 1.0, &r->lr_factor) ||
+      zt_json_long(o, P, "cooldown_steps", 0, 0, 1L << 40, &r->cooldown_steps) ||
+      zt_json_int(o, P, "max_rollbacks", 0, 0, 1000, &r->max_rollbacks) ||
+      zt_json_long(o, P, "per_steps", 0, 1, 1L << 40, &r->per_steps))
     return -1;
   return 0;
 }
@@ -554,7 +453,8 @@ static int parse_rollback(zt_spec_t *s, const cJSON *root) {
 static int parse_init(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"from_safetensors", "from_pretrained", "lora_from"};
   const cJSON *o;
-  if (get_object(root, "", "init", 0, &o) || (o && CHECK_KEYS(o, "init", keys))) return -1;
+  if (zt_json_object(root, "", "init", 0, &o) || (o && ZT_JSON_CHECK_KEYS(o, "init", keys)))
+    return -1;
   if (!o) {
     if (s->model.lora_r)
       return zt_err("lora: needs the model it adapts: init.from_pretrained (a Hugging Face "
@@ -567,10 +467,10 @@ static int parse_init(zt_spec_t *s, const cJSON *root) {
     return zt_err("init: give one of from_safetensors (a file) and from_pretrained (a Hugging "
                   "Face model directory)");
   s->init_dir = dir;
-  if (get_string(o, "init", "lora_from", 0, s->lora_from, sizeof s->lora_from)) return -1;
+  if (zt_json_string(o, "init", "lora_from", 0, s->lora_from, sizeof s->lora_from)) return -1;
   if (s->lora_from[0] && !s->model.lora_r)
     return zt_err("init.lora_from: adapters for a job without a lora section");
-  return get_string(o, "init", dir ? "from_pretrained" : "from_safetensors", 1, s->init_from,
+  return zt_json_string(o, "init", dir ? "from_pretrained" : "from_safetensors", 1, s->init_from,
                     sizeof s->init_from);
 }
 
@@ -580,17 +480,18 @@ static int parse_lora(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"r", "alpha", "lora_alpha", "dropout", "lora_dropout",
                                      "target_modules"};
   const cJSON *o;
-  if (get_object(root, "", "lora", 0, &o) || (o && CHECK_KEYS(o, "lora", keys))) return -1;
+  if (zt_json_object(root, "", "lora", 0, &o) || (o && ZT_JSON_CHECK_KEYS(o, "lora", keys)))
+    return -1;
   if (!o) return 0;
   zt_model_config_t *c = &s->model;
   if (c->arch != ZT_ARCH_LLAMA) return zt_err("lora: needs model.arch \"llama\"");
   int r = 8;
   float alpha = 8, drop = 0;
-  if (get_int(o, "lora", "r", 0, 1, 4096, &r) ||
-      get_float(o, "lora", "alpha", 0, 1, 1e6, &alpha) ||
-      get_float(o, "lora", "lora_alpha", 0, 1, 1e6, &alpha) ||
-      get_float(o, "lora", "dropout", 0, 0, 1, &drop) ||
-      get_float(o, "lora", "lora_dropout", 0, 0, 1, &drop))
+  if (zt_json_int(o, "lora", "r", 0, 1, 4096, &r) ||
+      zt_json_float(o, "lora", "alpha", 0, 1, 1e6, &alpha) ||
+      zt_json_float(o, "lora", "lora_alpha", 0, 1, 1e6, &alpha) ||
+      zt_json_float(o, "lora", "dropout", 0, 0, 1, &drop) ||
+      zt_json_float(o, "lora", "lora_dropout", 0, 0, 1, &drop))
     return -1;
   if (drop != 0)
     return zt_err("lora.dropout: only 0 is supported (the adapters are folded into the weights "
@@ -605,10 +506,11 @@ static int parse_lora(zt_spec_t *s, const cJSON *root) {
     cJSON_ArrayForEach(it, t) {
       int found = zt_lora_target_index(cJSON_IsString(it) ? it->valuestring : NULL);
       if (found < 0)
-        return zt_err("lora.target_modules: %s%s%s is not one of q_proj, k_proj, v_proj, "
-                      "o_proj, gate_proj, up_proj, down_proj",
-                      cJSON_IsString(it) ? "\"" : "", cJSON_IsString(it) ? it->valuestring : "an entry",
-                      cJSON_IsString(it) ? "\"" : "");
+        return zt_err(
+            "lora.target_modules: %s%s%s is not one of q_proj, k_proj, v_proj, "
+            "o_proj, gate_proj, up_proj, down_proj",
+            cJSON_IsString(it) ? "\"" : "", cJSON_IsString(it) ? it->valuestring : "an entry",
+            cJSON_IsString(it) ? "\"" : "");
       targets |= 1u << found;
     }
   }
@@ -618,9 +520,9 @@ static int parse_lora(zt_spec_t *s, const cJSON *root) {
 
 static int parse_misc(zt_spec_t *s, const cJSON *root) {
   long seed = (long)s->seed;
-  if (get_string(root, "", "name", 0, s->name, sizeof s->name) ||
-      get_long(root, "", "seed", 0, 0, 1L << 53, &seed) ||
-      get_long(root, "", "steps", 1, 1, 1L << 40, &s->steps))
+  if (zt_json_string(root, "", "name", 0, s->name, sizeof s->name) ||
+      zt_json_long(root, "", "seed", 0, 0, 1L << 53, &seed) ||
+      zt_json_long(root, "", "steps", 1, 1, 1L << 40, &s->steps))
     return -1;
   s->seed = (uint64_t)seed;
   return 0;
@@ -636,23 +538,25 @@ static int parse_fault(zt_spec_t *s, const cJSON *root) {
   const char *P = "fault_injection";
   const cJSON *o;
   zt_spec_fault_t *f = &s->fault;
-  if (get_object(root, "", P, 0, &o)) return -1;
+  if (zt_json_object(root, "", P, 0, &o)) return -1;
   if (!o) return 0;
   f->present = 1;
-  if (CHECK_KEYS(o, P, keys) || get_double(o, P, "lr_scale", 0.0, 0, 1e12, &f->lr_scale) ||
-      get_long(o, P, "from_step", 0, 0, 1L << 40, &f->from_step) ||
-      get_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) ||
-      get_bool(o, P, "repeat", &f->repeat) ||
-      get_long(o, P, "break_ring_at_step", 0, 0, 1L << 40, &f->break_ring_at_step) ||
-      get_long(o, P, "break_ring_before_update_at_step", 0, 0, 1L << 40,
-               &f->break_ring_before_update_at_step) ||
-      get_long(o, P, "delay_checkpoint_report_ms", 0, 0, 60000, &f->delay_checkpoint_report_ms) ||
-      get_int(o, P, "slow_rank", 0, 0, 255, &f->slow_rank) ||
-      get_long(o, P, "slow_micro_ms", 0, 0, 60000, &f->slow_micro_ms) ||
-      get_long(o, P, "corrupt_compressed_at_step", 0, 0, 1L << 40,
-               &f->corrupt_compressed_at_step) ||
-      get_long(o, P, "nan_pseudo_gradient_at_step", 0, 0, 1L << 40,
-               &f->nan_pseudo_gradient_at_step))
+  if (ZT_JSON_CHECK_KEYS(o, P, keys) ||
+      zt_json_double(o, P, "lr_scale", 0.0, 0, 1e12, &f->lr_scale) ||
+      zt_json_long(o, P, "from_step", 0, 0, 1L << 40, &f->from_step) ||
+      zt_json_long(o, P, "to_step", 0, 0, 1L << 40, &f->to_step) ||
+      zt_json_bool(o, P, "repeat", &f->repeat) ||
+      zt_json_long(o, P, "break_ring_at_step", 0, 0, 1L << 40, &f->break_ring_at_step) ||
+      zt_json_long(o, P, "break_ring_before_update_at_step", 0, 0, 1L << 40,
+                   &f->break_ring_before_update_at_step) ||
+      zt_json_long(o, P, "delay_checkpoint_report_ms", 0, 0, 60000,
+                   &f->delay_checkpoint_report_ms) ||
+      zt_json_int(o, P, "slow_rank", 0, 0, 255, &f->slow_rank) ||
+      zt_json_long(o, P, "slow_micro_ms", 0, 0, 60000, &f->slow_micro_ms) ||
+      zt_json_long(o, P, "corrupt_compressed_at_step", 0, 0, 1L << 40,
+                   &f->corrupt_compressed_at_step) ||
+      zt_json_long(o, P, "nan_pseudo_gradient_at_step", 0, 0, 1L << 40,
+                   &f->nan_pseudo_gradient_at_step))
     return -1;
   if (f->to_step < f->from_step) f->to_step = f->from_step;
   return 0;
@@ -687,27 +591,6 @@ static void set_defaults(zt_spec_t *s) {
   s->outer_lr = 0.7, s->outer_momentum = 0.9, s->outer_nesterov = 1;
 }
 
-cJSON *zt_json_parse(const char *text, size_t len, const char *what) {
-  const char *end = NULL;
-  cJSON *doc = len ? cJSON_ParseWithLengthOpts(text, len, &end, 0) : NULL;
-  if (!doc) {
-    const char *at = cJSON_GetErrorPtr();
-    zt_errk(ZT_E_INVALID, "%s: not valid JSON (at byte %zu)", what,
-            at && at >= text && at <= text + len ? (size_t)(at - text) : (size_t)0);
-    return NULL;
-  }
-  size_t used = (size_t)(end - text);
-  while (used < len && (text[used] == ' ' || text[used] == '\n' || text[used] == '\r' ||
-                        text[used] == '\t'))
-    used++;
-  if (used < len) {
-    cJSON_Delete(doc);
-    zt_errk(ZT_E_INVALID, "%s: unexpected text after the JSON value (at byte %zu)", what, used);
-    return NULL;
-  }
-  return doc;
-}
-
 int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
   static const char *const top[] = {
       "name", "seed", "steps", "model", "data", "optimizer", "scheduler",
@@ -725,12 +608,11 @@ int zt_spec_parse(zt_spec_t *s, const char *json, size_t len) {
   }
   /* misc first (steps is the scheduler's default), optimizer before the
    * scheduler (lr is warmup_max_lr's default). */
-  if (CHECK_KEYS(root, "", top) || parse_misc(s, root) || parse_model(s, root) ||
+  if (ZT_JSON_CHECK_KEYS(root, "", top) || parse_misc(s, root) || parse_model(s, root) ||
       parse_batch(s, root) || parse_optimizer(s, root) || parse_scheduler(s, root) ||
       parse_data_eval(s, root) || parse_zero_elastic(s, root) || parse_balance(s, root) ||
-      parse_checkpoint(s, root) ||
-      parse_rollback(s, root) || parse_fault(s, root) || parse_lora(s, root) || parse_init(s, root) ||
-      parse_sync(s, root))
+      parse_checkpoint(s, root) || parse_rollback(s, root) || parse_fault(s, root) ||
+      parse_lora(s, root) || parse_init(s, root) || parse_sync(s, root))
     goto out;
   rc = 0;
 out:

@@ -210,13 +210,7 @@ typedef struct zt_spec {
   zt_spec_fault_t fault; /* fault_injection (tests only) */
 } zt_spec_t;
 
-/* Exactly one JSON value from text[0, len), whitespace around it allowed:
- * the parsed document (cJSON_Delete it), or NULL with an error
- * (ZT_E_INVALID) naming `what` and the byte offset, for invalid JSON and
- * for anything after the value. Every JSON from a file or the network is
- * read with it. */
 struct cJSON;
-struct cJSON *zt_json_parse(const char *text, size_t len, const char *what);
 
 /* Hugging Face's rope_scaling object of a llama config, as a job spec's
  * model.rope_scaling, a checkpoint manifest and config.json hold it:

@@ -40,7 +40,7 @@
 #include <string.h>
 #include <wctype.h>
 
-#include "spec.h" /* zt_json_parse */
+#include "zt_json.h"
 
 /* ---- string -> int hash table --------------------------------------------- */
 

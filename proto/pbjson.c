@@ -5,7 +5,7 @@
 
 #include "zt_common.h"
 
-cJSON *zt_json_job(const Ztrain__JobInfo *j) {
+cJSON *zt_pbjson_job(const Ztrain__JobInfo *j) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "id", (double)j->id);
   cJSON_AddStringToObject(o, "name", j->name);
@@ -23,12 +23,13 @@ cJSON *zt_json_job(const Ztrain__JobInfo *j) {
   cJSON_AddNumberToObject(o, "min_workers", j->min_workers);
   cJSON_AddNumberToObject(o, "max_workers", j->max_workers);
   cJSON_AddStringToObject(o, "message", j->message);
+  cJSON_AddBoolToObject(o, "resumes_by_itself", j->resumes_by_itself);
   cJSON_AddNumberToObject(o, "created_ms", (double)j->created_ms);
   cJSON_AddNumberToObject(o, "updated_ms", (double)j->updated_ms);
   return o;
 }
 
-cJSON *zt_json_step(const Ztrain__StepRecord *s) {
+cJSON *zt_pbjson_step(const Ztrain__StepRecord *s) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "step", (double)s->step);
   cJSON_AddNumberToObject(o, "generation", (double)s->generation);
@@ -42,7 +43,7 @@ cJSON *zt_json_step(const Ztrain__StepRecord *s) {
   return o;
 }
 
-cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k) {
+cJSON *zt_pbjson_checkpoint(const Ztrain__CheckpointInfo *k) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "step", (double)k->step);
   cJSON_AddNumberToObject(o, "generation", (double)k->generation);
@@ -54,7 +55,7 @@ cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k) {
   return o;
 }
 
-cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
+cJSON *zt_pbjson_worker(const Ztrain__WorkerInfo *w) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "id", (double)w->id);
   cJSON_AddStringToObject(o, "name", w->name);
@@ -74,7 +75,7 @@ cJSON *zt_json_worker(const Ztrain__WorkerInfo *w) {
   return o;
 }
 
-cJSON *zt_json_event(const Ztrain__Event *e) {
+cJSON *zt_pbjson_event(const Ztrain__Event *e) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "id", (double)e->id);
   cJSON_AddNumberToObject(o, "t_ms", (double)e->t_ms);
@@ -87,7 +88,7 @@ cJSON *zt_json_event(const Ztrain__Event *e) {
   return o;
 }
 
-cJSON *zt_json_status(const Ztrain__GetStatusReply *r) {
+cJSON *zt_pbjson_status(const Ztrain__GetStatusReply *r) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "version", r->version);
   cJSON_AddNumberToObject(o, "started_ms", (double)r->started_ms);

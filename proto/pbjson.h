@@ -11,11 +11,11 @@
 
 #include "ztrain.pb-c.h"
 
-cJSON *zt_json_job(const Ztrain__JobInfo *j);
-cJSON *zt_json_step(const Ztrain__StepRecord *s);
-cJSON *zt_json_checkpoint(const Ztrain__CheckpointInfo *k);
-cJSON *zt_json_worker(const Ztrain__WorkerInfo *w);
-cJSON *zt_json_event(const Ztrain__Event *e);
-cJSON *zt_json_status(const Ztrain__GetStatusReply *s);
+cJSON *zt_pbjson_job(const Ztrain__JobInfo *j);
+cJSON *zt_pbjson_step(const Ztrain__StepRecord *s);
+cJSON *zt_pbjson_checkpoint(const Ztrain__CheckpointInfo *k);
+cJSON *zt_pbjson_worker(const Ztrain__WorkerInfo *w);
+cJSON *zt_pbjson_event(const Ztrain__Event *e);
+cJSON *zt_pbjson_status(const Ztrain__GetStatusReply *s);
 
 #endif

@@ -95,7 +95,7 @@ static int cmd_status(zctl *z, int argc, char **argv) {
       z, "GetStatus", &req.base, &ztrain__get_status_reply__descriptor);
   if (!r) return -1;
   if (z->json) {
-    print_json(zt_json_status(r));
+    print_json(zt_pbjson_status(r));
   } else {
     char t[64];
     fmt_time(t, sizeof t, r->started_ms);
@@ -121,7 +121,7 @@ static int cmd_workers(zctl *z, int argc, char **argv) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "workers");
     for (size_t i = 0; i < r->n_workers; i++)
-      cJSON_AddItemToArray(arr, zt_json_worker(r->workers[i]));
+      cJSON_AddItemToArray(arr, zt_pbjson_worker(r->workers[i]));
     print_json(o);
   } else {
     printf("%-6s %-20s %-8s %-8s %-16s %-8s %s\n", "ID", "NAME", "STATE", "DEVICE", "HOST", "PID",
@@ -165,7 +165,7 @@ static int cmd_events(zctl *z, int argc, char **argv) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "events");
     for (size_t i = 0; i < r->n_events; i++) {
-      cJSON_AddItemToArray(arr, zt_json_event(r->events[i]));
+      cJSON_AddItemToArray(arr, zt_pbjson_event(r->events[i]));
     }
     print_json(o);
   } else {
@@ -201,7 +201,7 @@ static int cmd_jobs(zctl *z, int argc, char **argv) {
   if (z->json) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "jobs");
-    for (size_t i = 0; i < r->n_jobs; i++) cJSON_AddItemToArray(arr, zt_json_job(r->jobs[i]));
+    for (size_t i = 0; i < r->n_jobs; i++) cJSON_AddItemToArray(arr, zt_pbjson_job(r->jobs[i]));
     print_json(o);
   } else {
     printf("%-5s %-16s %-13s %4s %5s %15s %8s %9s %10s  %s\n", "ID", "NAME", "STATE", "GEN",
@@ -242,7 +242,7 @@ static int cmd_job(zctl *z, int argc, char **argv) {
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return zt_err("GetJob: empty reply");
   }
-  if (z->json) print_json(zt_json_job(r->job));
+  if (z->json) print_json(zt_pbjson_job(r->job));
   else print_job_row(r->job);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   return 0;
@@ -312,7 +312,7 @@ static int cmd_metrics(zctl *z, int argc, char **argv) {
     cJSON_AddNumberToObject(o, "job_id", (double)job);
     cJSON *arr = cJSON_AddArrayToObject(o, "steps");
     for (size_t i = 0; i < l.n; i++) {
-      cJSON_AddItemToArray(arr, zt_json_step(l.steps[i]));
+      cJSON_AddItemToArray(arr, zt_pbjson_step(l.steps[i]));
     }
     print_json(o);
   } else {
@@ -437,7 +437,7 @@ static int cmd_checkpoints(zctl *z, int argc, char **argv) {
     cJSON *o = cJSON_CreateObject();
     cJSON *arr = cJSON_AddArrayToObject(o, "checkpoints");
     for (size_t i = 0; i < r->n_checkpoints; i++) {
-      cJSON_AddItemToArray(arr, zt_json_checkpoint(r->checkpoints[i]));
+      cJSON_AddItemToArray(arr, zt_pbjson_checkpoint(r->checkpoints[i]));
     }
     print_json(o);
   } else {

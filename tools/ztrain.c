@@ -23,13 +23,22 @@
  *
  * The job is the user's own, on the user's own machine, so its paths are
  * not confined to the working directory: the daemons' data and checkpoint
- * roots are taken from the spec (spec_roots(): the deepest directory that
+ * roots are taken from the spec (prepare_spec(): the deepest directory that
  * holds every data path, and every checkpoint path, symbolic links
  * resolved), unless --data-root or --checkpoint-root names one. Relative
  * paths in the spec are taken from the working directory, as always; the
  * spec is submitted with its paths made absolute, so that they keep that
  * meaning under roots elsewhere. zcoord and zworker confine paths as they
  * always do, under these roots.
+ *
+ * The machine's cores are shared among the workers: each gets
+ * --threads T compute threads, by default the usable cores (affinity and
+ * cgroup quota included) divided by N, at least one. A spec without an
+ * elastic section runs on exactly the N workers started. While the job
+ * runs, a pause is printed at once with its reason; one that needs an
+ * operator (zctl resume) ends ztrain with status 1 and that reason, while
+ * one the coordinator resumes by itself is waited out. A generation that
+ * runs on fewer workers than were started says so.
  *
  * Everything here goes through the same interfaces an operator would use:
  * processes, gRPC (SubmitJob, GetJob), the ready file zcoord writes.
@@ -199,6 +208,7 @@ static int parse_args(launch *l, int argc, char **argv) {
                                        {"checkpoint-root", required_argument, 0, 'C'},
                                        {0, 0, 0, 0}};
   l->workers = 2;
+  l->threads = -1; /* the usable cores shared among the workers */
   l->dir = "ztrain-run";
   l->http_port = DEFAULT_HTTP_PORT;
   int ch;
@@ -223,6 +233,7 @@ static int parse_args(launch *l, int argc, char **argv) {
   }
   if (optind != argc - 1) return -1;
   l->spec_path = argv[optind];
+  if (l->threads < 0) l->threads = ZT_MAX(1, zt_cpus_usable() / l->workers);
   /* The daemons are our siblings in the bin directory. */
   char self[PATH_MAX];
   ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -234,16 +245,22 @@ static int parse_args(launch *l, int argc, char **argv) {
 
 /* ---- the spec's paths and the daemons' roots ----------------------------- */
 
-/* The spec's paths: data paths (patterns, a file) and checkpoint paths
- * (directories). */
+/* The spec's paths, each under one of the daemons' two roots: data
+ * (patterns, files and the Hugging Face model directory a job starts
+ * from: zcoord and zworker confine every init path under the data root)
+ * and checkpoints (directories). A directory's root is the directory
+ * above it. */
 static const struct {
   const char *obj, *key;
-  int ckpt;
-} k_spec_paths[] = {{"data", "train", 0},
-                    {"data", "val", 0},
-                    {"init", "from_safetensors", 0},
-                    {"checkpoint", "dir", 1},
-                    {"checkpoint", "load", 1}};
+  int ckpt; /* under the checkpoint root (else the data root) */
+  int dir;  /* names a directory (else a file or a pattern) */
+} k_spec_paths[] = {{"data", "train", 0, 0},
+                    {"data", "val", 0, 0},
+                    {"init", "from_safetensors", 0, 0},
+                    {"init", "from_pretrained", 0, 1},
+                    {"init", "lora_from", 0, 0},
+                    {"checkpoint", "dir", 1, 1},
+                    {"checkpoint", "load", 1, 1}};
 
 static int has_glob(const char *s, size_t n) {
   for (size_t i = 0; i < n; i++)
@@ -334,14 +351,48 @@ static int root_opt(const char *opt, const char *dir, char *out) {
   return 0;
 }
 
+/* A spec without an elastic section runs on exactly the --workers started
+ * (elastic.min_workers = max_workers = N), and says so; a spec whose
+ * elastic range leaves some of them idle says that; one that needs more
+ * than are started is an error. Sets *changed when the spec changed. */
+static int size_job(const launch *l, cJSON *doc, int *changed) {
+  cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "elastic");
+  if (!e) {
+    if (!(e = cJSON_AddObjectToObject(doc, "elastic")) ||
+        !cJSON_AddNumberToObject(e, "min_workers", l->workers) ||
+        !cJSON_AddNumberToObject(e, "max_workers", l->workers))
+      return zt_err("%s: out of memory", l->spec_path);
+    *changed = 1;
+    printf("ztrain: %s has no elastic section: the job runs on the %d workers "
+           "(elastic.min_workers = max_workers = %d)\n",
+           l->spec_path, l->workers, l->workers);
+    return 0;
+  }
+  if (!cJSON_IsObject(e)) return 0; /* zcoord's check names what is wrong */
+  cJSON *mn = cJSON_GetObjectItemCaseSensitive(e, "min_workers");
+  cJSON *mx = cJSON_GetObjectItemCaseSensitive(e, "max_workers");
+  int lo = cJSON_IsNumber(mn) ? (int)mn->valuedouble : 1;
+  int hi = cJSON_IsNumber(mx) ? (int)mx->valuedouble : lo;
+  if (lo > l->workers)
+    return zt_err("%s: elastic.min_workers is %d, more than the %d workers started "
+                  "(--workers %d or more)",
+                  l->spec_path, lo, l->workers, lo);
+  if (hi < l->workers)
+    printf("ztrain: %s allows at most %d workers (elastic.max_workers): %d of the %d "
+           "started stay idle\n",
+           l->spec_path, hi, l->workers - hi, l->workers);
+  return 0;
+}
+
 /* Sets l->data_root and l->ckpt_root: --data-root and --checkpoint-root
  * when given, else the deepest directory holding every path of the kind
  * in the spec (the working directory when the spec names none). The
  * spec's paths are made absolute (relative ones are taken from the working
- * directory); *spec is replaced by the rewritten text when one changed.
+ * directory); the job is sized from --workers (size_job). *spec is
+ * replaced by the rewritten text when it changed.
  * A spec that is not a JSON object is left for zcoord to refuse, with its
  * reason. */
-static int spec_roots(launch *l, char **spec, size_t len) {
+static int prepare_spec(launch *l, char **spec, size_t len) {
   char cwd[PATH_MAX];
   if (!getcwd(cwd, sizeof cwd)) return zt_err_errno("getcwd");
   char *root[2] = {l->data_root, l->ckpt_root};
@@ -361,25 +412,26 @@ static int spec_roots(launch *l, char **spec, size_t len) {
       cJSON *o = cJSON_GetObjectItemCaseSensitive(doc, k_spec_paths[i].obj);
       cJSON *v = cJSON_IsObject(o) ? cJSON_GetObjectItemCaseSensitive(o, k_spec_paths[i].key) : NULL;
       if (!cJSON_IsString(v) || !v->valuestring[0]) continue;
-      int ck = k_spec_paths[i].ckpt;
+      int ck = k_spec_paths[i].ckpt, isdir = k_spec_paths[i].dir;
       char what[64], path[PATH_MAX], dir[PATH_MAX];
       snprintf(what, sizeof what, "%s.%s", k_spec_paths[i].obj, k_spec_paths[i].key);
-      if ((rc = resolve_spec_path(cwd, what, v->valuestring, !ck, path, dir)) != 0) break;
+      if ((rc = resolve_spec_path(cwd, what, v->valuestring, !isdir, path, dir)) != 0) break;
       if (!opt[ck]) {
-        /* A checkpoint directory's root is the directory above it. */
-        if (ck && !strcmp(dir, path) && strcmp(dir, "/")) {
+        /* A directory's root is the directory above it. */
+        if (isdir && !strcmp(dir, path) && strcmp(dir, "/")) {
           char *slash = strrchr(dir, '/');
           if (slash == dir) slash[1] = 0;
           else *slash = 0;
         }
         widen(root[ck], dir);
-        if (!ck) widen_matches(root[ck], path);
+        if (!isdir) widen_matches(root[ck], path);
       }
       if (strcmp(path, v->valuestring)) {
         if (!cJSON_SetValuestring(v, path)) rc = zt_err("%s: out of memory", what);
         changed = 1;
       }
     }
+    if (rc == 0) rc = size_job(l, doc, &changed);
   }
   if (rc == 0 && changed) {
     char *text = cJSON_PrintUnformatted(doc);
@@ -450,6 +502,42 @@ static int start_workers(launch *l) {
     pid_t pid = spawn(argv, log);
     if (pid < 0) return zt_err_errno("cannot start worker %d", i);
     l->wk[l->started++] = pid;
+  }
+  return 0;
+}
+
+static int check_children(launch *l);
+
+/* The workers alive at the coordinator (-1 when it does not answer). */
+static int alive_workers(launch *l) {
+  Ztrain__ListWorkersRequest req = ZTRAIN__LIST_WORKERS_REQUEST__INIT;
+  ProtobufCMessage *m;
+  if (zt_pb_call(l->rpc, "/ztrain.Status/ListWorkers", &req.base,
+                 &ztrain__list_workers_reply__descriptor, 5000, &m, NULL) != 0)
+    return -1;
+  Ztrain__ListWorkersReply *r = (Ztrain__ListWorkersReply *)m;
+  int n = 0;
+  for (size_t i = 0; i < r->n_workers; i++)
+    n += r->workers[i]->state == ZTRAIN__WORKER_STATE__WORKER_ALIVE;
+  protobuf_c_message_free_unpacked(m, NULL);
+  return n;
+}
+
+/* Waits (up to 30 s) until every worker started is alive, so that the
+ * job's first generation has them all rather than the first to register;
+ * a worker that exits first, or the deadline, ends the wait with a line
+ * that says how many there are. */
+static int await_workers(launch *l) {
+  zt_deadline_t dl = zt_deadline_in(30000);
+  int n = 0;
+  while (!g_interrupted && (n = alive_workers(l)) < l->workers) {
+    if (check_children(l) != 0) return -1;
+    if (zt_deadline_passed(dl)) {
+      printf("ztrain: %d of %d workers registered within 30 s; submitting anyway (see %s/)\n",
+             ZT_MAX(n, 0), l->workers, l->dir);
+      return 0;
+    }
+    zt_sleep_ms(50); /* polling the coordinator's worker list with a deadline */
   }
   return 0;
 }
@@ -563,11 +651,40 @@ static int check_children(launch *l) {
   return 0;
 }
 
+/* Prints what the progress line does not show, once each: a pause and its
+ * reason, and a generation on fewer workers than were started. The
+ * coordinator's text is escaped before it reaches the terminal. */
+static void say_changes(launch *l, const Ztrain__JobInfo *ji, uint64_t *said_gen, char *said_pause,
+                        size_t n) {
+  char msg[1024];
+  zt_printable(ji->message, msg, sizeof msg);
+  if (ji->state != ZTRAIN__JOB_STATE__JOB_PAUSED) {
+    said_pause[0] = 0;
+  } else if (strncmp(said_pause, msg, n - 1)) {
+    end_line(l);
+    printf("ztrain: job %llu paused: %s%s\n", (unsigned long long)ji->id, msg,
+           ji->resumes_by_itself ? " (the coordinator resumes it by itself)" : "");
+    fflush(stdout);
+    snprintf(said_pause, n, "%s", msg);
+  }
+  if (ji->state == ZTRAIN__JOB_STATE__JOB_RUNNING && ji->generation != *said_gen && ji->world) {
+    *said_gen = ji->generation;
+    if ((int)ji->world < l->workers) {
+      end_line(l);
+      printf("ztrain: generation %llu runs on %u of the %d workers started (%s)\n",
+             (unsigned long long)ji->generation, ji->world, l->workers, msg);
+      fflush(stdout);
+    }
+  }
+}
+
 /* Prints progress until the job ends (or ztrain is interrupted, or its
  * coordinator or every worker exits); returns the exit status: 0 when the
  * job completed. */
 static int follow(launch *l, uint64_t job) {
   int64_t last_step = -1;
+  uint64_t said_gen = 0;
+  char said_pause[1024] = ""; /* the pause last printed */
   eta_t eta = {0};
   while (!g_interrupted) {
     if (check_children(l) != 0) {
@@ -586,9 +703,17 @@ static int follow(launch *l, uint64_t job) {
         else progress_plain(ji);
         last_step = ji->step;
       }
+      if (ji) say_changes(l, ji, &said_gen, said_pause, sizeof said_pause);
       int state = ji ? ji->state : 0, done = state == ZTRAIN__JOB_STATE__JOB_COMPLETED ||
                                               state == ZTRAIN__JOB_STATE__JOB_FAILED ||
                                               state == ZTRAIN__JOB_STATE__JOB_CANCELED;
+      if (state == ZTRAIN__JOB_STATE__JOB_PAUSED && !ji->resumes_by_itself) {
+        printf("ztrain: job %llu cannot go on without an operator (zctl resume %llu once the "
+               "cause is fixed); stopping\n",
+               (unsigned long long)job, (unsigned long long)job);
+        protobuf_c_message_free_unpacked(m, NULL);
+        return 1;
+      }
       if (done) {
         end_line(l);
         printf("ztrain: job %llu %s: %s\n", (unsigned long long)job, zt_job_state_name(state),
@@ -665,7 +790,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (zt_read_file(l.spec_path, &spec, &spec_len, 4 << 20) != 0 ||
-      spec_roots(&l, &spec, spec_len) != 0 || zt_mkdirs(l.dir) != 0) {
+      prepare_spec(&l, &spec, spec_len) != 0 || zt_mkdirs(l.dir) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     free(spec);
     return 2;
@@ -677,10 +802,13 @@ int main(int argc, char **argv) {
   printf("ztrain: dashboard at %s\n", l.url);
   fflush(stdout);
   if (start_workers(&l) != 0 || zt_rpc_client_open(l.target, NULL, &l.rpc) != 0 ||
-      submit(&l, spec, &job) != 0)
+      await_workers(&l) != 0 || submit(&l, spec, &job) != 0)
     goto out;
-  printf("ztrain: job %llu submitted to %s with %d workers (logs in %s/)\n",
-         (unsigned long long)job, l.target, l.workers, l.dir);
+  char thr[48] = "";
+  if (l.threads) snprintf(thr, sizeof thr, ", %d compute thread%s each", l.threads,
+                          l.threads == 1 ? "" : "s");
+  printf("ztrain: job %llu submitted to %s with %d workers%s (%d usable cores; logs in %s/)\n",
+         (unsigned long long)job, l.target, l.workers, thr, zt_cpus_usable(), l.dir);
   fflush(stdout);
   rc = follow(&l, job);
   if (l.serve && !g_interrupted && l.coord > 0) {

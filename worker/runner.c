@@ -24,6 +24,7 @@
 
 #include "balance.h"
 #include "comm.h"
+#include "cores.h"
 #include "device.h"
 #include "diloco.h"
 #include "pbcall.h"
@@ -585,6 +586,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
                     .step_done = step_done_cb,
                     .report_checkpoint = report_ckpt_cb, .user = r};
   g.checkpoint = (zt_ckpt_record_t){e->files, e->n};
+  if (zt_device_parse(r->o.device) < 0) zt_cores_check(); /* workers started since */
   if (r->micro_job != rv->job_id) {
     r->micro_job = rv->job_id, r->micro_ms = 0;
     zt_diloco_stash_free(r->stash);

@@ -29,11 +29,13 @@
 
 #include "comm.h"
 #include "control.h"
+#include "cores.h"
 #include "device.h"
 #include "runner.h"
 #include "spot.h"
 #include "store.h"
 #include "zt_common.h"
+#include "zt_kernels.h"
 
 typedef struct {
   const char *coordinator, *name, *device, *workdir, *secret, *comm_host, *host;
@@ -247,6 +249,14 @@ static int store_stored(void *user, uint64_t job, const char *dir, const zt_ckpt
   return 0;
 }
 
+/* A CPU worker says how many compute threads it runs, and warns when the
+ * machine's CPU workers together run more than its cores (cores.c). */
+static void announce_cores(int threads) {
+  if (zt_cores_announce(zt_kernels_cpu_set_threads(threads)) != 0)
+    ZT_WARN("%s: other workers on this machine cannot count this one's threads", zt_err_msg());
+  zt_cores_check();
+}
+
 int main(int argc, char **argv) {
   if (zt_version_arg(argc, argv, "zworker")) return 0;
   worker_args a;
@@ -278,6 +288,7 @@ int main(int argc, char **argv) {
   sigaction(SIGTERM, &act, NULL);
 
   static zt_runner_t *runner;
+  if (zt_device_parse(a.device) < 0) announce_cores(a.threads);
   uint64_t device_memory = 0;
   int nccl = 0;
   if (zt_device_parse(a.device) >= 0 && !(device_memory = zt_device_memory(a.device)))

@@ -21,7 +21,8 @@ import time
 import urllib.error
 import urllib.request
 
-from ztest import BIN, SLOW, byte_dataset, http_get, tiny_spec
+from ztest import (BIN, SLOW, TINY_LLAMA, byte_dataset, http_get, tiny_spec, wait_until,
+                   write_hf_llama)
 
 import pytest
 
@@ -394,3 +395,92 @@ def test_spec_and_data_outside_the_working_directory(tmp_path):
     r = subprocess.run([f"{BIN}/ztrain", path, "--checkpoint-root", str(base / "nowhere")],
                        cwd=str(work), capture_output=True, text=True, timeout=60 * SLOW)
     assert r.returncode == 2 and f"--checkpoint-root {base / 'nowhere'}" in r.stderr, r.stderr
+
+
+def test_pretrained_path_workers_and_pauses(tmp_path):
+    """The launcher as a new user meets it: a spec whose init.from_pretrained
+    is relative to the working directory (the data elsewhere) trains, since
+    the model directory is under the daemons' data root like any data path;
+    a spec without an elastic section runs on all --workers (and says so),
+    with the usable cores shared among them; and a job that pauses for a
+    cause only an operator can fix (a model directory that is not there) is
+    printed at once with its reason and ends ztrain with status 1."""
+    base = tmp_path.resolve()
+    train, val = byte_dataset(str(base / "data"), 60_000)
+    work = base / "work"
+    write_hf_llama(str(work / "models" / "tiny"))
+    spec = tiny_spec(train, val, 6, workers=2)
+    spec["model"] = dict(TINY_LLAMA)
+    del spec["elastic"]
+    spec["init"] = {"from_pretrained": "models/tiny"}
+    path = write_spec(base, "p.json", spec)
+    r = subprocess.run([f"{BIN}/ztrain", path, "--workers", "2", "--http-port", "0",
+                        "--dir", str(base / "run")], cwd=str(work), capture_output=True,
+                       text=True, timeout=120 * SLOW)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "has no elastic section: the job runs on the 2 workers" in r.stdout, r.stdout
+    steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step")]
+    assert steps and all(ln.endswith("world 2") for ln in steps), r.stdout
+    m = re.search(r"with 2 workers, (\d+) compute threads? each \((\d+) usable cores", r.stdout)
+    assert m, r.stdout
+    threads, cores = int(m.group(1)), int(m.group(2))
+    assert threads == max(1, cores // 2) and cores <= len(os.sched_getaffinity(0)), m.group(0)
+    spec["init"] = {"from_pretrained": "models/missing"}
+    path = write_spec(base, "q.json", spec)
+    t0 = time.monotonic()
+    r = subprocess.run([f"{BIN}/ztrain", path, "--workers", "2", "--http-port", "0",
+                        "--dir", str(base / "run-2")], cwd=str(work), capture_output=True,
+                       text=True, timeout=120 * SLOW)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    paused = [ln for ln in r.stdout.splitlines() if ln.startswith("ztrain: job 1 paused: ")]
+    assert len(paused) == 1 and "models/missing" in paused[0], r.stdout
+    assert "cannot go on without an operator" in r.stdout, r.stdout
+    assert time.monotonic() - t0 < 90 * SLOW
+
+
+def test_workers_warn_when_their_threads_exceed_the_cores(procs, tmp_path):
+    """Two CPU workers held to one core (affinity: taskset; and, where this
+    machine lets a test make a cgroup, a CPU quota of one core) with a
+    compute thread each: one of them warns that the machine's workers run
+    more compute threads than it may use. Workers of other tests on this
+    machine add to the count, never take from it."""
+    coord = procs.coord()
+    holds = [("affinity", ["taskset", "-c", str(min(os.sched_getaffinity(0)))])]
+    cg = None
+    for mount in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"):
+        d = os.path.join(mount, f"zt-test-{os.getpid()}")
+        try:
+            os.mkdir(d)
+            with open(os.path.join(d, "cpu.cfs_quota_us"), "w") as f:
+                f.write("100000")
+            with open(os.path.join(d, "cpu.cfs_period_us"), "w") as f:
+                f.write("100000")
+        except OSError:
+            if os.path.isdir(d):
+                os.rmdir(d)
+            continue
+        cg = d
+        holds.append(("quota", ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$0" "$@"']))
+        break
+    try:
+        for kind, wrap in holds:
+            ws = []
+            for i in range(2):
+                wd = str(tmp_path / f"{kind}{i}")
+                argv = wrap + [f"{BIN}/zworker", "--coordinator", coord.grpc, "--name",
+                               f"{kind}{i}", "--workdir", wd, "--device", "cpu",
+                               "--threads", "1", "--data-root", procs.root,
+                               "--checkpoint-root", procs.root]
+                ws.append(procs.start(f"{kind}{i}", argv))
+            pat = re.compile(r"the (\d+) CPU workers on this machine run (\d+) compute threads "
+                             r"on 1 usable cores")
+            found = wait_until(lambda: [m for w in ws for m in pat.findall(w.output())], 20 * SLOW,
+                               f"the warning under {kind}")
+            assert all(int(n) >= 2 and int(t) >= 2 for n, t in found), (kind, found)
+            for w in ws:
+                w.kill()
+    finally:
+        if cg:
+            wait_until(lambda: not open(os.path.join(cg, "cgroup.procs")).read().strip(), 10,
+                       "the cgroup emptied")
+            os.rmdir(cg)

@@ -363,3 +363,74 @@ def makereport_hook():
         rep = outcome.get_result()
         setattr(item, "rep_" + rep.when, rep)
     return pytest_runtest_makereport
+
+
+# ---- Hugging Face model directories -------------------------------------------
+
+TINY_LLAMA = {"arch": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32,
+              "intermediate_size": 64, "seq_len": 32, "vocab_size": 257}
+
+
+def write_safetensors_np(path, tensors):
+    """A safetensors file of F32 numpy arrays (name -> array), in order."""
+    import numpy as np
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        b = np.ascontiguousarray(a, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+
+
+def hf_llama_config(m, **over):
+    """config.json as Hugging Face writes it for the model section m (our
+    field names) of a Llama without biases."""
+    hd = m.get("head_dim", m["n_embd"] // m["n_head"])
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": m["n_embd"], "num_hidden_layers": m["n_layer"],
+           "num_attention_heads": m["n_head"], "num_key_value_heads": m["n_kv_head"],
+           "head_dim": hd, "intermediate_size": m["intermediate_size"],
+           "vocab_size": m["vocab_size"], "rope_theta": m.get("rope_theta", 10000.0),
+           "rms_norm_eps": m.get("rms_norm_eps", 1e-5),
+           "tie_word_embeddings": m.get("tie_word_embeddings", True),
+           "max_position_embeddings": m.get("max_position_embeddings", 128),
+           "hidden_act": "silu", "attention_bias": False, "torch_dtype": "float32"}
+    cfg.update(over)
+    return cfg
+
+
+def write_hf_llama(d, m=TINY_LLAMA, seed=3, **config):
+    """A Hugging Face Llama directory (config.json, model.safetensors with
+    random weights) for the model section m; config overrides fields of
+    config.json. Returns the directory."""
+    import numpy as np
+    os.makedirs(d, exist_ok=True)
+    cfg = hf_llama_config(m, **config)
+    rng = np.random.default_rng(seed)
+    C, hd, F, V = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]
+    A, KV = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def rnd(*shape, std=0.1):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+    w = {"model.embed_tokens.weight": rnd(V, C, std=0.5), "model.norm.weight": 1 + rnd(C)}
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = rnd(V, C)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + rnd(C)
+        w[p + "post_attention_layernorm.weight"] = 1 + rnd(C)
+        w[p + "self_attn.q_proj.weight"] = rnd(A, C)
+        w[p + "self_attn.k_proj.weight"] = rnd(KV, C)
+        w[p + "self_attn.v_proj.weight"] = rnd(KV, C)
+        w[p + "self_attn.o_proj.weight"] = rnd(C, A)
+        w[p + "mlp.gate_proj.weight"] = rnd(F, C)
+        w[p + "mlp.up_proj.weight"] = rnd(F, C)
+        w[p + "mlp.down_proj.weight"] = rnd(C, F)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    write_safetensors_np(os.path.join(d, "model.safetensors"), w)
+    return d
