@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <math.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -111,6 +112,17 @@ float zt_bf16_to_f32(uint16_t h) {
   float f;
   memcpy(&f, &u, 4);
   return f;
+}
+
+double zt_float_decimal(float f) {
+  char buf[32];
+  if (!isfinite(f)) return f;
+  for (int digits = 1; digits < 9; digits++) {
+    snprintf(buf, sizeof buf, "%.*g", digits, (double)f);
+    double d = strtod(buf, NULL);
+    if ((float)d == f) return d;
+  }
+  return f; /* 9 significant digits always round-trip a float */
 }
 
 /* ---- time and deadlines ------------------------------------------------------ */

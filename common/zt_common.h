@@ -298,6 +298,10 @@ int zt_version_arg(int argc, char **argv, const char *prog);
 /* bf16 <-> fp32: round to nearest even; a NaN stays a (quiet) NaN. */
 uint16_t zt_f32_to_bf16(float f);
 float zt_bf16_to_f32(uint16_t h);
+/* The double with the shortest decimal form that rounds to f: what a
+ * float read from "1e-05" is written back as (1e-05, not the double
+ * 9.99999974737875e-06 that f is). */
+double zt_float_decimal(float f);
 
 /* ---- ranges ------------------------------------------------------------ */
 

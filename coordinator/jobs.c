@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "hfconfig.h"
 
 /* ---- submit ------------------------------------------------------------------ */
 
@@ -122,16 +123,19 @@ static int insert_row(zt_coord_t *c, const zt_job_params_t *p, const char *spec,
 
 int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id) {
   zt_job_params_t p;
-  if (zt_params_parse(spec, &c->cfg, &p) != 0) return -1;
-  if (check_admissible(c, &p) != 0) return -1;
-  if (check_load(c, &p) != 0) return -1;
-  zt_db_job_t *row = zt_xcalloc(1, sizeof *row);
-  if (insert_row(c, &p, spec, row) != 0) {
-    free(row);
-    return -1;
-  }
-  zt_job_t *j = job_new(row);
+  char *resolved = NULL; /* the spec with a pretrained model's section filled in */
+  if (zt_hfconfig_resolve(spec, strlen(spec), c->cfg.data_root, &resolved) != 0)
+    return zt_err_wrapk(ZT_E_INVALID, "job spec");
+  if (resolved) spec = resolved;
+  zt_db_job_t *row = NULL;
+  if (zt_params_parse(spec, &c->cfg, &p) != 0 || check_admissible(c, &p) != 0 ||
+      check_load(c, &p) != 0)
+    goto err;
+  row = zt_xcalloc(1, sizeof *row);
+  if (insert_row(c, &p, spec, row) != 0) goto err;
+  zt_job_t *j = job_new(row); /* copies the spec */
   free(row);
+  free(resolved);
   j->p = p;
   job_append(c, j);
   *id = j->row.id;
@@ -141,6 +145,10 @@ int zt_jobs_submit(zt_coord_t *c, const char *spec, uint64_t *id) {
                  p.max_workers);
   zt_sched_run(c);
   return 0;
+err:
+  free(row);
+  free(resolved);
+  return -1;
 }
 
 /* ---- load at start ----------------------------------------------------------- */

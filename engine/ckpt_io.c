@@ -97,8 +97,9 @@ static cJSON *model_json(const zt_model_config_t *m) {
     cJSON_AddNumberToObject(o, "n_kv_head", m->n_kv_head);
     cJSON_AddNumberToObject(o, "head_dim", m->head_dim);
     cJSON_AddNumberToObject(o, "intermediate_size", m->n_ff);
-    cJSON_AddNumberToObject(o, "rope_theta", m->rope_theta);
-    cJSON_AddNumberToObject(o, "rms_norm_eps", m->norm_eps);
+    cJSON_AddNumberToObject(o, "rope_theta", zt_float_decimal(m->rope_theta));
+    cJSON_AddNumberToObject(o, "rms_norm_eps", zt_float_decimal(m->norm_eps));
+    if (m->max_pos) cJSON_AddNumberToObject(o, "max_position_embeddings", m->max_pos);
     if (m->rope_factor != 0) cJSON_AddItemToObject(o, "rope_scaling", zt_rope_scaling_json(m));
     cJSON_AddBoolToObject(o, "tie_word_embeddings", m->tie_embed);
     cJSON_AddBoolToObject(o, "attention_bias", m->qkv_bias);
@@ -385,6 +386,9 @@ static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
   cfg->n_kv_head = (int)int_field((cJSON *)mm, "n_kv_head", ZT_MODEL_MAX_HEAD);
   cfg->head_dim = (int)int_field((cJSON *)mm, "head_dim", ZT_MODEL_MAX_EMBD);
   cfg->n_ff = (int)int_field((cJSON *)mm, "intermediate_size", 4 * ZT_MODEL_MAX_EMBD);
+  const cJSON *mp = cJSON_GetObjectItemCaseSensitive(mm, "max_position_embeddings");
+  cfg->max_pos = mp ? (int)int_field((cJSON *)mm, "max_position_embeddings", 1 << 24) : 0;
+  if (cfg->max_pos < 0) return -1;
   if (!cJSON_IsNumber(theta) || !cJSON_IsNumber(eps) || !cJSON_IsBool(tie) || !cJSON_IsBool(bias))
     return -1;
   cfg->rope_theta = (float)theta->valuedouble;

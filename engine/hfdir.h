@@ -5,23 +5,14 @@
  * The directory holds config.json and the weights: model.safetensors, or
  * model.safetensors.index.json and its shards (F32, BF16 or F16, read into
  * the fp32 master; engine/safetensors.h). config.json must describe the
- * spec's model: its architecture one of LlamaForCausalLM,
- * Qwen2ForCausalLM and MistralForCausalLM, each field equal to the spec's
- * (hidden_size, num_hidden_layers, num_attention_heads,
- * num_key_value_heads, head_dim, intermediate_size, vocab_size, rope_theta,
- * rms_norm_eps, tie_word_embeddings, attention_bias; Qwen2's q/k/v biases
- * are implied), max_position_embeddings at least the spec's seq_len, and no
- * field this engine does not implement (rope_scaling, a sliding window that
- * is used, mixture of experts). Every disagreement is named in one error.
+ * spec's model (engine/hfconfig.h, which also fills the spec's model in
+ * from it).
  */
 #ifndef ZT_HFDIR_H
 #define ZT_HFDIR_H
 
 #include "layout.h"
 #include "zt_common.h"
-
-/* Checks dir/config.json against the model the job trains. */
-ZT_MUST_CHECK int zt_hf_check_config(const char *dir, const zt_model_config_t *want);
 
 /* Reads the weights of dir into flat (l->num_params floats). */
 ZT_MUST_CHECK int zt_hf_read_weights(const char *dir, const zt_layout_t *l, float *flat);

@@ -58,6 +58,9 @@ typedef struct zt_model_config {
   /* Llama 3's rope_scaling (rope_type "llama3"); rope_factor 0: none. */
   float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
   int rope_original_max_pos;
+  /* Hugging Face's max_position_embeddings (llama; 0: not given, seq_len
+   * stands for it): kept so that an export says what its source said. */
+  int max_pos;
   /* LoRA (lora.h; llama only): rank r (0: none), alpha, and which of a
    * block's projections get adapters (ZT_LORA_* bits). With lora_r > 0 the
    * trainable parameters, and so this configuration's layout, are the

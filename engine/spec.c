@@ -32,9 +32,10 @@ int zt_rope_scaling_parse(const cJSON *o, const char *where, zt_model_config_t *
   const cJSON *ty = cJSON_GetObjectItemCaseSensitive(o, "rope_type");
   if (!ty) ty = cJSON_GetObjectItemCaseSensitive(o, "type");
   const char *t = cJSON_IsString(ty) ? ty->valuestring : "";
+  if (!strcmp(t, "default")) return 0; /* Hugging Face's name for no scaling */
   if (strcmp(t, "llama3"))
-    return zt_err("%s: rope_type \"%.40s\" is not supported (llama3, or no rope_scaling)", where,
-                  t);
+    return zt_err("%s: rope_type \"%.40s\" is not supported (llama3, default, or no "
+                  "rope_scaling)", where, t);
   if (zt_json_check_keys(o, where, keys, ZT_ARRAY_LEN(keys)) != 0) return -1;
   float f = 0, lo = 0, hi = 0;
   int orig = 0;
@@ -67,9 +68,9 @@ cJSON *zt_rope_scaling_json(const zt_model_config_t *c) {
   if (c->rope_factor == 0) return cJSON_CreateNull();
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "rope_type", "llama3");
-  cJSON_AddNumberToObject(o, "factor", c->rope_factor);
-  cJSON_AddNumberToObject(o, "low_freq_factor", c->rope_low_freq_factor);
-  cJSON_AddNumberToObject(o, "high_freq_factor", c->rope_high_freq_factor);
+  cJSON_AddNumberToObject(o, "factor", zt_float_decimal(c->rope_factor));
+  cJSON_AddNumberToObject(o, "low_freq_factor", zt_float_decimal(c->rope_low_freq_factor));
+  cJSON_AddNumberToObject(o, "high_freq_factor", zt_float_decimal(c->rope_high_freq_factor));
   cJSON_AddNumberToObject(o, "original_max_position_embeddings", c->rope_original_max_pos);
   return o;
 }
@@ -78,7 +79,8 @@ cJSON *zt_rope_scaling_json(const zt_model_config_t *c) {
  * (layout.h); the keys only llama has are refused for gpt2. */
 static const char *const k_llama_keys[] = {"n_kv_head", "head_dim", "intermediate_size",
                                            "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-                                           "attention_bias", "rope_scaling"};
+                                           "attention_bias", "rope_scaling",
+                                           "max_position_embeddings"};
 
 static int parse_llama(zt_model_config_t *c, const cJSON *o) {
   c->n_kv_head = c->n_head;
@@ -92,9 +94,13 @@ static int parse_llama(zt_model_config_t *c, const cJSON *o) {
       zt_json_float(o, "model", "rms_norm_eps", 0, 1, 1, &c->norm_eps) ||
       zt_json_bool(o, "model", "tie_word_embeddings", &c->tie_embed) ||
       zt_json_bool(o, "model", "attention_bias", &c->qkv_bias) ||
+      zt_json_int(o, "model", "max_position_embeddings", 0, 1, 1 << 24, &c->max_pos) ||
       zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(o, "rope_scaling"),
                             "model.rope_scaling", c))
     return -1;
+  if (c->max_pos && c->seq_len > c->max_pos)
+    return zt_err("model.seq_len %d is above model.max_position_embeddings %d", c->seq_len,
+                  c->max_pos);
   return 0;
 }
 
@@ -102,7 +108,8 @@ static int parse_model(zt_spec_t *s, const cJSON *root) {
   static const char *const keys[] = {"n_layer",  "n_head",     "n_embd", "seq_len",
                                      "vocab_size", "arch",     "n_kv_head", "head_dim",
                                      "intermediate_size", "rope_theta", "rms_norm_eps",
-                                     "tie_word_embeddings", "attention_bias", "rope_scaling"};
+                                     "tie_word_embeddings", "attention_bias", "rope_scaling",
+                                     "max_position_embeddings"};
   const cJSON *o;
   if (zt_json_object(root, "", "model", 1, &o) || ZT_JSON_CHECK_KEYS(o, "model", keys)) return -1;
   zt_model_config_t *c = &s->model;

@@ -117,6 +117,7 @@ typedef struct {
 struct zt_tok {
   zt_tok_type_t type;
   int vocab, eot;
+  int bos; /* hf: the template's first special token; else eot */
   /* decode: id -> bytes (gpt2: NULL for ids no encoder string has) */
   char **dec;
   size_t *dec_len;
@@ -151,6 +152,7 @@ const char *zt_tok_type_name(const zt_tok_t *t) {
 }
 int zt_tok_vocab_size(const zt_tok_t *t) { return t->vocab; }
 int zt_tok_eot(const zt_tok_t *t) { return t->eot; }
+int zt_tok_bos(const zt_tok_t *t) { return t->bos; }
 
 void zt_tok_free(zt_tok_t *t) {
   if (!t) return;
@@ -177,7 +179,7 @@ int zt_tok_open_byte(zt_tok_t **out) {
   zt_tok_t *t = zt_xcalloc(1, sizeof *t);
   t->type = ZT_TOK_BYTE;
   t->vocab = 257;
-  t->eot = 256;
+  t->eot = t->bos = 256;
   for (int b = 0; b < 256; b++) t->bytes[b] = (char)b;
   *out = t;
   return 0;
@@ -375,7 +377,7 @@ static int load_encoder(zt_tok_t *t, const char *path) {
   t->dec = zt_xcalloc((size_t)t->vocab + 1, sizeof(char *));
   t->dec_len = zt_xcalloc((size_t)t->vocab + 1, sizeof(size_t));
   for (cJSON *it = root->child; it; it = it->next) decode_entry(t, inv, it->string, it->valueint);
-  t->eot = htab_get(&t->encoder, ZT_TOK_EOT_TEXT, strlen(ZT_TOK_EOT_TEXT));
+  t->eot = t->bos = htab_get(&t->encoder, ZT_TOK_EOT_TEXT, strlen(ZT_TOK_EOT_TEXT));
   rc = t->eot < 0 ? zt_err("%s: no \"<|endoftext|>\" token", path) : 0;
 out:
   cJSON_Delete(root);
@@ -984,6 +986,39 @@ static int hf_eot(zt_tok_t *t, const char *path, const char *eot_text) {
                 "name the end-of-text token (zprep --eot)", path);
 }
 
+/* The TemplateProcessing among a post_processor (itself, or one of a
+ * Sequence's processors), or NULL. */
+static const cJSON *hf_template(const cJSON *pp, int depth) {
+  const cJSON *type = cJSON_GetObjectItemCaseSensitive(pp, "type"), *it;
+  if (!cJSON_IsString(type) || depth > 4) return NULL;
+  if (!strcmp(type->valuestring, "TemplateProcessing")) return pp;
+  if (strcmp(type->valuestring, "Sequence")) return NULL;
+  cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(pp, "processors")) {
+    const cJSON *t = hf_template(it, depth + 1);
+    if (t) return t;
+  }
+  return NULL;
+}
+
+/* The beginning-of-sequence token: the special token a single sequence's
+ * template starts with (Llama 3's <|begin_of_text|>), when there is one
+ * and it is in the vocabulary; else the end-of-text token, which separates
+ * documents in our shards (GPT-2's and Qwen2's convention). */
+static void hf_bos(zt_tok_t *t, const cJSON *doc) {
+  t->bos = t->eot;
+  const cJSON *tp = hf_template(cJSON_GetObjectItemCaseSensitive(doc, "post_processor"), 0);
+  const cJSON *first = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(tp, "single"), 0);
+  const cJSON *st = cJSON_GetObjectItemCaseSensitive(first, "SpecialToken");
+  const cJSON *name = cJSON_GetObjectItemCaseSensitive(st, "id");
+  if (!cJSON_IsString(name)) return;
+  const cJSON *sp = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(tp,
+                                                                                      "special_tokens"),
+                                                     name->valuestring);
+  const cJSON *id = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(sp, "ids"), 0);
+  if (cJSON_IsNumber(id) && id->valuedouble >= 0 && id->valuedouble < t->vocab)
+    t->bos = (int)id->valuedouble;
+}
+
 int zt_tok_open_hf(const char *path, const char *eot_text, zt_tok_t **out) {
   char *buf;
   size_t len;
@@ -1002,6 +1037,7 @@ int zt_tok_open_hf(const char *path, const char *eot_text, zt_tok_t **out) {
   if (rc == 0) rc = load_added(t, path, doc);
   if (rc == 0) rc = hf_eot(t, path, eot_text);
   if (rc == 0) {
+    hf_bos(t, doc);
     hf_decoder(t, doc, inv);
     t->md = pcre2_match_data_create(4, NULL);
   }
@@ -1103,7 +1139,10 @@ int zt_tok_open(const char *path, zt_tok_t **out) {
     if (zt_tok_open_hf(r.hf, NULL, out) != 0) return zt_err_wrap("tokenizer record: %s", path);
     const char *b;
     size_t l;
-    if (r.eot < (*out)->vocab && zt_tok_decode(*out, r.eot, &b, &l) == 0) (*out)->eot = r.eot;
+    if (r.eot < (*out)->vocab && zt_tok_decode(*out, r.eot, &b, &l) == 0) {
+      if ((*out)->bos == (*out)->eot) (*out)->bos = r.eot; /* no template of its own */
+      (*out)->eot = r.eot;
+    }
   } else if (zt_tok_open_gpt2(r.encoder, r.bpe, out) != 0) {
     return zt_err_wrap("tokenizer record: %s", path);
   }

@@ -84,6 +84,9 @@ zt_tok_type_t zt_tok_type(const zt_tok_t *t);
 const char *zt_tok_type_name(const zt_tok_t *t); /* "byte", "gpt2" or "hf" */
 int zt_tok_vocab_size(const zt_tok_t *t);        /* largest id + 1 */
 int zt_tok_eot(const zt_tok_t *t);
+/* The beginning-of-sequence id (config.json's bos_token_id): an hf
+ * tokenizer's template's first special token, else the end-of-text id. */
+int zt_tok_bos(const zt_tok_t *t);
 
 /* Encodes text[0, len): each id is handed to emit in order; an emit that
  * returns non-zero stops the encoding, which returns -1 (emit sets the

@@ -8,8 +8,11 @@
  *   config.json         GPT2Config: sizes, gelu_new, layer_norm_epsilon 1e-5,
  *                       tied embeddings, bos/eos = the end-of-text id,
  *                       dropout 0 (the model was trained without); or
- *                       LlamaConfig with the model's fields (silu, no
- *                       rope_scaling), which init.from_pretrained accepts
+ *                       LlamaConfig (Qwen2Config for a model with q/k/v
+ *                       biases) with the model's fields, which
+ *                       init.from_pretrained accepts; bos_token_id from
+ *                       the tokenizer (an hf template's first special
+ *                       token, else the end of text)
  *   tokenizer files     gpt2 BPE: vocab.json + merges.txt (the encoder.json
  *                       and vocab.bpe the shards were made with), byte:
  *                       tokenizer.json (byte-level BPE with no merges, so
@@ -142,10 +145,16 @@ static cJSON *gpt2_config_json(const zt_model_config_t *cfg) {
   return c;
 }
 
-/* LlamaConfig of a llama model: what init.from_pretrained checks, so an
- * export is a starting point again. */
+/* LlamaConfig of a llama model, or Qwen2Config of one with q/k/v biases
+ * (Qwen2's attention: LlamaConfig's attention_bias would give o_proj a
+ * bias too, which the file does not have): what init.from_pretrained
+ * reads, so an export is a starting point again. Floats are written as
+ * the shortest decimals that give the model's values (1e-05, as the source
+ * said it); max_position_embeddings is the source's, or seq_len. */
 static cJSON *llama_config_json(const zt_model_config_t *cfg) {
-  cJSON *c = config_head("LlamaForCausalLM", "llama");
+  int qwen2 = cfg->qkv_bias;
+  cJSON *c = qwen2 ? config_head("Qwen2ForCausalLM", "qwen2")
+                   : config_head("LlamaForCausalLM", "llama");
   cJSON_AddNumberToObject(c, "vocab_size", cfg->vocab_size);
   cJSON_AddNumberToObject(c, "hidden_size", cfg->n_embd);
   cJSON_AddNumberToObject(c, "intermediate_size", cfg->n_ff);
@@ -153,26 +162,40 @@ static cJSON *llama_config_json(const zt_model_config_t *cfg) {
   cJSON_AddNumberToObject(c, "num_attention_heads", cfg->n_head);
   cJSON_AddNumberToObject(c, "num_key_value_heads", cfg->n_kv_head);
   cJSON_AddNumberToObject(c, "head_dim", cfg->head_dim);
-  cJSON_AddNumberToObject(c, "max_position_embeddings", cfg->seq_len);
-  cJSON_AddNumberToObject(c, "rms_norm_eps", cfg->norm_eps);
-  cJSON_AddNumberToObject(c, "rope_theta", cfg->rope_theta);
+  cJSON_AddNumberToObject(c, "max_position_embeddings", cfg->max_pos ? cfg->max_pos : cfg->seq_len);
+  cJSON_AddNumberToObject(c, "rms_norm_eps", zt_float_decimal(cfg->norm_eps));
+  cJSON_AddNumberToObject(c, "rope_theta", zt_float_decimal(cfg->rope_theta));
   cJSON_AddItemToObject(c, "rope_scaling", zt_rope_scaling_json(cfg));
   cJSON_AddStringToObject(c, "hidden_act", "silu");
-  cJSON_AddBoolToObject(c, "attention_bias", cfg->qkv_bias);
-  cJSON_AddFalseToObject(c, "mlp_bias");
+  if (qwen2) {
+    cJSON_AddFalseToObject(c, "use_sliding_window");
+    cJSON_AddNullToObject(c, "sliding_window");
+    cJSON_AddNumberToObject(c, "max_window_layers", cfg->n_layer);
+  } else {
+    cJSON_AddFalseToObject(c, "attention_bias");
+    cJSON_AddFalseToObject(c, "mlp_bias");
+  }
   cJSON_AddNumberToObject(c, "attention_dropout", 0.0);
   cJSON_AddNumberToObject(c, "initializer_range", 0.02);
   cJSON_AddBoolToObject(c, "tie_word_embeddings", cfg->tie_embed);
   return c;
 }
 
-static cJSON *config_json(const zt_model_config_t *cfg, const tok_info *t, int bf16,
-                          int64_t step) {
+/* The tokenizer's special tokens: the end of text (the record's), and the
+ * beginning of a sequence (an hf tokenizer's template's, else the end of
+ * text), with their texts. */
+typedef struct {
+  int bos, eot;
+  char bos_text[256], eot_text[256];
+} specials_t;
+
+static cJSON *config_json(const zt_model_config_t *cfg, const tok_info *t, const specials_t *sp,
+                          int bf16, int64_t step) {
   cJSON *c = cfg->arch == ZT_ARCH_LLAMA ? llama_config_json(cfg) : gpt2_config_json(cfg);
   cJSON_AddTrueToObject(c, "use_cache");
-  if (t->type[0] && t->eot < cfg->vocab_size) {
-    cJSON_AddNumberToObject(c, "bos_token_id", t->eot);
-    cJSON_AddNumberToObject(c, "eos_token_id", t->eot);
+  if (t->type[0] && sp->eot < cfg->vocab_size && sp->bos < cfg->vocab_size) {
+    cJSON_AddNumberToObject(c, "bos_token_id", sp->bos);
+    cJSON_AddNumberToObject(c, "eos_token_id", sp->eot);
   }
   cJSON_AddStringToObject(c, "torch_dtype", bf16 ? "bfloat16" : "float32");
   cJSON *z = cJSON_AddObjectToObject(c, "ztrain");
@@ -228,26 +251,38 @@ static cJSON *byte_tokenizer_json(int eot) {
   return t;
 }
 
-/* The end-of-text token's text: GPT-2's, or the hf tokenizer's own. */
-static int eot_text(const tok_info *t, char *out, size_t cap) {
-  snprintf(out, cap, "%s", ZT_TOK_EOT_TEXT);
-  if (strcmp(t->type, "hf")) return 0;
-  zt_tok_t *tok;
+/* Token id's text into out. */
+static int token_text(const zt_tok_t *tok, int id, char *out, size_t cap) {
   const char *b;
   size_t l;
+  if (zt_tok_decode(tok, id, &b, &l) != 0) return -1;
+  snprintf(out, cap, "%.*s", (int)ZT_MIN(l, cap - 1), b);
+  return 0;
+}
+
+/* The special tokens of t: GPT-2's end of text for byte and gpt2, the hf
+ * tokenizer's own otherwise. */
+static int specials(const tok_info *t, specials_t *sp) {
+  sp->bos = sp->eot = t->eot;
+  snprintf(sp->eot_text, sizeof sp->eot_text, "%s", ZT_TOK_EOT_TEXT);
+  snprintf(sp->bos_text, sizeof sp->bos_text, "%s", ZT_TOK_EOT_TEXT);
+  if (strcmp(t->type, "hf")) return 0;
+  zt_tok_t *tok;
   if (zt_tok_open_hf(t->hf, NULL, &tok) != 0) return zt_err_wrap("tokenizer");
-  int rc = zt_tok_decode(tok, t->eot, &b, &l);
-  if (rc == 0) snprintf(out, cap, "%.*s", (int)ZT_MIN(l, cap - 1), b);
+  if (zt_tok_bos(tok) != zt_tok_eot(tok)) sp->bos = zt_tok_bos(tok);
+  int rc = token_text(tok, sp->eot, sp->eot_text, sizeof sp->eot_text) != 0 ||
+                   token_text(tok, sp->bos, sp->bos_text, sizeof sp->bos_text) != 0
+               ? -1
+               : 0;
   zt_tok_free(tok);
   return rc;
 }
 
 /* hf: the tokenizer.json the shards were made with, as it was. */
-static int write_tokenizer(const char *dir, const tok_info *t, int seq_len) {
+static int write_tokenizer(const char *dir, const tok_info *t, const specials_t *sp,
+                           int seq_len) {
   if (!t->type[0]) return 0;
   int gpt2 = !strcmp(t->type, "gpt2"), hf = !strcmp(t->type, "hf");
-  char eot[256];
-  if (eot_text(t, eot, sizeof eot) != 0) return -1;
   if (gpt2 && (copy_file(t->encoder, dir, "vocab.json") != 0 ||
                copy_file(t->bpe, dir, "merges.txt") != 0))
     return -1;
@@ -260,9 +295,10 @@ static int write_tokenizer(const char *dir, const tok_info *t, int seq_len) {
   cJSON_AddFalseToObject(tc, "add_prefix_space");
   cJSON *sm = cJSON_CreateObject();
   const char *keys[] = {"bos_token", "eos_token", "unk_token"};
+  const char *text[] = {sp->bos_text, sp->eot_text, sp->eot_text};
   for (int i = 0; i < (hf ? 2 : 3); i++) { /* an hf tokenizer has no unk of ours */
-    cJSON_AddStringToObject(tc, keys[i], eot);
-    cJSON_AddStringToObject(sm, keys[i], eot);
+    cJSON_AddStringToObject(tc, keys[i], text[i]);
+    cJSON_AddStringToObject(sm, keys[i], text[i]);
   }
   if (write_json(dir, "tokenizer_config.json", tc) != 0) {
     cJSON_Delete(sm);
@@ -383,10 +419,12 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
     if ((adapter = lora_export(o, tmp, &cfg, &lay, &flat, info)) < 0) goto out;
   }
   snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+  specials_t sp;
   if (!adapter &&
-      (zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
-       write_json(tmp, "config.json", config_json(&cfg, &tok, o->bf16, info->step)) != 0 ||
-       write_tokenizer(tmp, &tok, cfg.seq_len) != 0))
+      (specials(&tok, &sp) != 0 ||
+       zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
+       write_json(tmp, "config.json", config_json(&cfg, &tok, &sp, o->bf16, info->step)) != 0 ||
+       write_tokenizer(tmp, &tok, &sp, cfg.seq_len) != 0))
     goto out;
   if (zt_ckpt_fsync_dir(tmp) != 0) goto out;
   if (st == 1 && rmdir(out_dir) != 0) {

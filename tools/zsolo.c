@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "comm.h"
+#include "hfconfig.h"
 #include "sample.h"
 #include "spec.h"
 #include "trainer.h"
@@ -176,6 +177,15 @@ int main(int argc, char **argv) {
     char *t2 = with_steps(text, steps);
     free(text);
     text = t2;
+  }
+  char *resolved; /* a pretrained model's section, from its config.json */
+  if (zt_hfconfig_resolve(text, strlen(text), NULL, &resolved) != 0) {
+    zt_err_wrap("%s", spec_path);
+    goto err0;
+  }
+  if (resolved) {
+    free(text);
+    text = resolved;
   }
   if (zt_spec_parse(&spec, text, strlen(text)) != 0) {
     zt_err_wrap("%s", spec_path);

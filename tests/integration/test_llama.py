@@ -335,13 +335,13 @@ def test_a_pretrained_directory_that_disagrees_is_refused_naming_each_field(tmp_
     spec = bad_init_spec(c, {"from_pretrained": "hf"})
     r = zsolo(tmp_path, spec, timeout=60)
     assert r.returncode != 0
-    assert "num_key_value_heads is 4, the spec's model.n_kv_head 2" in r.stderr, r.stderr
+    assert "model.n_kv_head is 2 in the spec, 4 in config.json" in r.stderr, r.stderr
     assert 'rope_type "yarn" is not supported' in r.stderr, r.stderr
     cfg.update(num_key_value_heads=2, rope_scaling=None)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     r = zsolo(tmp_path, spec, timeout=60)
     assert r.returncode != 0
-    assert "rope_scaling differs from the spec's model.rope_scaling (llama3)" in r.stderr, r.stderr
+    assert "model.rope_scaling is set in the spec, config.json has none" in r.stderr, r.stderr
     # An index that puts a tensor in the wrong shard is refused, naming it.
     cfg.update(rope_scaling=c["rope_scaling"])
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
@@ -363,11 +363,58 @@ def read_safetensors(path):
             for k, v in hdr.items() if k != "__metadata__"}
 
 
-def test_export_of_an_import_is_the_same_model(procs, tmp_path):
+def hf_model(d):
+    """A Hugging Face directory loaded as transformers would: the config's
+    class decides which tensors the model has (LlamaForCausalLM's
+    attention_bias gives q, k, v and o projections biases; Qwen2ForCausalLM
+    has q, k and v biases and no attention_bias field), and every tensor of
+    the files must be one of them, and every one of them in the files.
+    Returns our reference's config and weights."""
+    cfg = json.loads((d / "config.json").read_text())
+    arch = cfg["architectures"][0]
+    qwen2 = arch == "Qwen2ForCausalLM"
+    assert arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"), arch
+    assert cfg["model_type"] == ("qwen2" if qwen2 else "llama")
+    if qwen2:
+        assert "attention_bias" not in cfg
+    bias = qwen2 or cfg.get("attention_bias", False)
+    c = dict(n_layer=cfg["num_hidden_layers"], n_head=cfg["num_attention_heads"],
+             n_kv_head=cfg["num_key_value_heads"], n_embd=cfg["hidden_size"],
+             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+             intermediate_size=cfg["intermediate_size"], rope_theta=cfg["rope_theta"],
+             rms_norm_eps=cfg["rms_norm_eps"], tie_word_embeddings=cfg["tie_word_embeddings"],
+             attention_bias=bias, rope_scaling=cfg.get("rope_scaling"))
+    want = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not c["tie_word_embeddings"]:
+        want.add("lm_head.weight")
+    for i in range(c["n_layer"]):
+        p = f"model.layers.{i}."
+        want |= {p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                 "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                 "mlp.down_proj.weight")}
+        for proj in ("q", "k", "v", "o"):
+            want.add(p + f"self_attn.{proj}_proj.weight")
+            if bias and (proj != "o" or not qwen2):
+                want.add(p + f"self_attn.{proj}_proj.bias")
+    got = read_safetensors(d / "model.safetensors")
+    assert set(got) == want, (sorted(set(got) - want), sorted(want - set(got)))
+    w = {n: torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
+         for n, (dtype, shape, raw) in got.items()}
+    return c, w
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_export_of_an_import_is_the_same_model(procs, tmp_path, name):
     """A Hugging Face directory imported (init.from_pretrained), trained with
     lr 0 under zcoord and exported (zctl export) comes back tensor for
-    tensor, with a config.json that imports again to the same losses."""
-    c = CONFIGS["qwen2"]
+    tensor, with a config.json that imports again to the same losses. The
+    export loads as transformers would load it (a model with q/k/v biases
+    is a Qwen2ForCausalLM: LlamaForCausalLM's attention_bias would give
+    o_proj a bias the file does not have) into the independent model, which
+    computes the same loss from it as from the original; and config.json
+    says what its source said (rms_norm_eps as written,
+    max_position_embeddings)."""
+    c = CONFIGS[name]
     w = write_pretrained(tmp_path / "hf", c, weights(c, seed=21))
     toks = torch.randint(0, V, (20 * T + 1,), generator=torch.Generator().manual_seed(2)).tolist()
     write_shard(str(tmp_path / "train_000000.bin"), toks)
@@ -391,10 +438,21 @@ def test_export_of_an_import_is_the_same_model(procs, tmp_path):
         dtype, shape, raw = got[name]
         assert dtype == "F32" and shape == list(t.shape), name
         assert raw == t.contiguous().numpy().astype("<f4").tobytes(), name
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["attention_bias"] is True
+    text = (out / "config.json").read_text()
+    cfg = json.loads(text)
     assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]) == (
-        c["n_kv_head"], c["head_dim"], True)
+        c["n_kv_head"], c["head_dim"], c["tie_word_embeddings"])
+    assert cfg["max_position_embeddings"] == 4096 and cfg["rms_norm_eps"] == c["rms_norm_eps"]
+    assert f'"rms_norm_eps":{c["rms_norm_eps"]:g},' in "".join(text.split()), text
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (256, 256)  # the byte tokenizer's
+    c2, w2 = hf_model(out)
+    assert c2["attention_bias"] == c["attention_bias"]
+    idx = torch.randint(0, V, (2, T + 1), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        inp, tgt = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+        want_loss = Llama(c, w)(inp, tgt)
+        got_loss = Llama(c2, w2)(inp, tgt)
+    assert torch.equal(want_loss, got_loss), (want_loss, got_loss)
     # The export is a starting point again: the same first loss as the original.
     losses_of = []
     for src in ("hf", "export"):
@@ -435,3 +493,49 @@ def test_every_bad_tensor_is_named_in_one_error(tmp_path):
     for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.0.mlp.extra.weight"):
         assert name in r.stderr, (name, r.stderr)
+
+
+def test_the_model_comes_from_config_json(tmp_path):
+    """init.from_pretrained reads the model from config.json, as Hugging
+    Face's from_pretrained does: a spec that gives only seq_len trains the
+    same first step as one that repeats every field; a field that
+    contradicts config.json names both values; seq_len may not pass
+    max_position_embeddings; an activation other than SiLU is refused by
+    name; rope_scaling {"rope_type": "default"} is no scaling."""
+    c = CONFIGS["llama"]  # rms_norm_eps 1e-5, an untied head, llama3 rope_scaling
+    write_pretrained(tmp_path / "hf", c, weights(c, seed=8))
+    toks = torch.randint(0, V, (20 * T + 1,), generator=torch.Generator().manual_seed(3)).tolist()
+    write_shard(str(tmp_path / "train_000000.bin"), toks)
+    full = bad_init_spec(c, {"from_pretrained": "hf"})
+    short = dict(full, model={"seq_len": T})
+    got = []
+    for name, spec in (("full", full), ("short", short)):
+        r = zsolo(tmp_path, spec, "--json", name=f"{name}.json", timeout=120)
+        assert r.returncode == 0, (name, r.stderr)
+        got.append([x["loss"] for x in records(r)])
+    assert got[0] == got[1] and len(got[0]) == 2, got
+
+    def refused(model, *want, cfg_dir="hf"):
+        spec = dict(full, model=model, init={"from_pretrained": cfg_dir})
+        r = zsolo(tmp_path, spec, timeout=60)
+        assert r.returncode != 0
+        for w in want:
+            assert w in r.stderr, (w, r.stderr)
+    refused({"seq_len": T, "rms_norm_eps": 1e-6},
+            "model.rms_norm_eps is 1e-06 in the spec, 1e-05 in config.json")
+    refused({"seq_len": T, "n_layer": 3, "tie_word_embeddings": True},
+            "model.n_layer is 3 in the spec, 2 in config.json",
+            "model.tie_word_embeddings is true in the spec, false in config.json")
+    refused({"seq_len": 8192}, "model.seq_len 8192 is above config.json's max_position_embeddings 4096")
+    cfg = hf_config(c)
+    (tmp_path / "gelu").mkdir()
+    (tmp_path / "gelu" / "config.json").write_text(json.dumps(dict(cfg, hidden_act="gelu")))
+    refused({"seq_len": T}, 'hidden_act is "gelu", not "silu" (not supported)', cfg_dir="gelu")
+    plain = dict(c, rope_scaling=None)
+    d = tmp_path / "plain"
+    write_pretrained(d, plain, weights(plain, seed=8))
+    (d / "config.json").write_text(json.dumps(dict(hf_config(plain),
+                                                   rope_scaling={"rope_type": "default"})))
+    r = zsolo(tmp_path, dict(short, init={"from_pretrained": "plain"}), "--json",
+              name="plain.json", timeout=120)
+    assert r.returncode == 0, r.stderr

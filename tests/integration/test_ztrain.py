@@ -403,14 +403,15 @@ def test_pretrained_path_workers_and_pauses(tmp_path):
     the model directory is under the daemons' data root like any data path;
     a spec without an elastic section runs on all --workers (and says so),
     with the usable cores shared among them; and a job that pauses for a
-    cause only an operator can fix (a model directory that is not there) is
-    printed at once with its reason and ends ztrain with status 1."""
+    cause only an operator can fix (a training shard that is not one) is
+    printed at once with its reason and ends ztrain with status 1 (a model
+    directory that is not there is refused at submit)."""
     base = tmp_path.resolve()
     train, val = byte_dataset(str(base / "data"), 60_000)
     work = base / "work"
     write_hf_llama(str(work / "models" / "tiny"))
     spec = tiny_spec(train, val, 6, workers=2)
-    spec["model"] = dict(TINY_LLAMA)
+    spec["model"] = {"seq_len": TINY_LLAMA["seq_len"]}  # the rest from config.json
     del spec["elastic"]
     spec["init"] = {"from_pretrained": "models/tiny"}
     path = write_spec(base, "p.json", spec)
@@ -425,7 +426,18 @@ def test_pretrained_path_workers_and_pauses(tmp_path):
     assert m, r.stdout
     threads, cores = int(m.group(1)), int(m.group(2))
     assert threads == max(1, cores // 2) and cores <= len(os.sched_getaffinity(0)), m.group(0)
+    # A model directory that is not there is refused at submit, naming it.
     spec["init"] = {"from_pretrained": "models/missing"}
+    path = write_spec(base, "m.json", spec)
+    r = subprocess.run([f"{BIN}/ztrain", path, "--workers", "1", "--http-port", "0",
+                        "--dir", str(base / "run-m")], cwd=str(work), capture_output=True,
+                       text=True, timeout=60 * SLOW)
+    assert r.returncode == 1 and "models/missing/config.json" in r.stderr, (r.stdout, r.stderr)
+    # A training shard that is not one: each rank fails the same way at
+    # the same step, twice, and the job pauses for an operator.
+    (base / "bad" / "train_000000.bin").mkdir(parents=True)
+    spec["data"]["train"] = str(base / "bad" / "train_*.bin")
+    spec["init"] = {"from_pretrained": "models/tiny"}
     path = write_spec(base, "q.json", spec)
     t0 = time.monotonic()
     r = subprocess.run([f"{BIN}/ztrain", path, "--workers", "2", "--http-port", "0",
@@ -433,7 +445,7 @@ def test_pretrained_path_workers_and_pauses(tmp_path):
                        text=True, timeout=120 * SLOW)
     assert r.returncode == 1, (r.stdout, r.stderr)
     paused = [ln for ln in r.stdout.splitlines() if ln.startswith("ztrain: job 1 paused: ")]
-    assert len(paused) == 1 and "models/missing" in paused[0], r.stdout
+    assert len(paused) == 1 and "train_000000.bin" in paused[0], r.stdout
     assert "cannot go on without an operator" in r.stdout, r.stdout
     assert time.monotonic() - t0 < 90 * SLOW
 

@@ -102,7 +102,7 @@ ZT_TEST(byte_tokenizer) {
   zt_tok_t *t;
   ZT_REQUIRE(zt_tok_open_byte(&t) == 0);
   ZT_CHECK(zt_tok_type(t) == ZT_TOK_BYTE && !strcmp(zt_tok_type_name(t), "byte"));
-  ZT_CHECK(zt_tok_vocab_size(t) == 257 && zt_tok_eot(t) == 256);
+  ZT_CHECK(zt_tok_vocab_size(t) == 257 && zt_tok_eot(t) == 256 && zt_tok_bos(t) == 256);
   int want[] = {'h', 0xc3, 0xa9, 0};
   ids_are(t, "h\xc3\xa9", want, 3);
   round_trip(t, k_text, sizeof k_text - 1);
@@ -282,6 +282,22 @@ static void write_hf_json(const char *name, const char *pre_tokenizer_type) {
     cJSON_AddBoolToObject(a, "rstrip", i);
     cJSON_AddItemToArray(added, a);
   }
+  /* Llama 3's post-processor: a sequence starts with a special token (<x>
+   * here), inside a Sequence beside ByteLevel. */
+  cJSON *pp = cJSON_AddObjectToObject(d, "post_processor"), *procs;
+  cJSON_AddStringToObject(pp, "type", "Sequence");
+  procs = cJSON_AddArrayToObject(pp, "processors");
+  cJSON *blp = cJSON_CreateObject(), *tp = cJSON_CreateObject();
+  cJSON_AddStringToObject(blp, "type", "ByteLevel");
+  cJSON_AddItemToArray(procs, blp);
+  cJSON_AddStringToObject(tp, "type", "TemplateProcessing");
+  cJSON *single = cJSON_AddArrayToObject(tp, "single"), *first = cJSON_CreateObject();
+  cJSON_AddStringToObject(cJSON_AddObjectToObject(first, "SpecialToken"), "id", "<x>");
+  cJSON_AddItemToArray(single, first);
+  cJSON *ids = cJSON_AddArrayToObject(
+      cJSON_AddObjectToObject(cJSON_AddObjectToObject(tp, "special_tokens"), "<x>"), "ids");
+  cJSON_AddItemToArray(ids, cJSON_CreateNumber(262));
+  cJSON_AddItemToArray(procs, tp);
   char *text = cJSON_Print(d);
   write_text(name, text);
   free(text);
@@ -294,6 +310,7 @@ ZT_TEST(hf_tokenizer_json) {
   ZT_REQUIRE(zt_tok_open_hf(path_of("hf.json"), NULL, &t) == 0);
   ZT_CHECK(zt_tok_type(t) == ZT_TOK_HF && !strcmp(zt_tok_type_name(t), "hf"));
   ZT_CHECK(zt_tok_vocab_size(t) == 264 && zt_tok_eot(t) == 261);
+  ZT_CHECK(zt_tok_bos(t) == 262); /* the template's first special token */
   int hello[] = {259, 260}; /* " world" whole by ignore_merges */
   ids_are(t, "hello world", hello, 2);
   int z[] = {263, 263}; /* no 'z' but its byte's token */
