@@ -4,6 +4,13 @@
  * Each line carries a wall-clock timestamp, the level, the process prefix and
  * the message. Lines are written with one write(2) so that concurrent
  * threads (and, under systemd, the journal) never see interleaved halves.
+ *
+ * A message is one line whatever it holds: names, reasons and paths often
+ * come from the network (a job's name, a worker's report), so every
+ * control character of the message (a newline, an escape sequence), and
+ * every byte of an invalid UTF-8 sequence, is written as \xNN
+ * (zt_printable). Text from outside can neither split a line nor forge
+ * one, nor drive an operator's terminal.
  */
 #include <stdio.h>
 #include <string.h>
@@ -40,13 +47,14 @@ void zt_log(zt_log_level_t level, const char *fmt, ...) {
   gmtime_r(&ts.tv_sec, &tm);
   int n = snprintf(line, sizeof line, "%02d:%02d:%02d.%03ld %-5s %s: ", tm.tm_hour, tm.tm_min,
                    tm.tm_sec, ts.tv_nsec / 1000000, tags[level], g_prefix);
+  char msg[1536];
   va_list ap;
   va_start(ap, fmt);
-  int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+  int m = vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (m < 0) m = 0;
-  size_t len = (size_t)n + (size_t)m;
-  if (len > sizeof line - 2) len = sizeof line - 2;
+  if (m < 0) msg[0] = 0;
+  zt_printable(msg, line + n, sizeof line - (size_t)n - 1);
+  size_t len = (size_t)n + strlen(line + n);
   line[len++] = '\n';
   ssize_t w = write(STDERR_FILENO, line, len);
   (void)w;

@@ -14,8 +14,9 @@
  * collapsed: an event of one of them whose shape (zt_text_shape: the
  * sentence with its numbers blanked) equals the shape of the previous event
  * of the same kind, job and worker, within ZT_EVENT_REPEAT_MS of it, adds
- * one to that row's count and replaces its detail with the newest; the log
- * line is written for counts that are powers of two. Every other kind is
+ * one to that row's count and records the newest's time and detail beside
+ * the first's (a row never pairs one time with another occurrence's text);
+ * the log line is written for counts that are powers of two. Every other kind is
  * one row per occurrence, so milestones (commits, rollbacks, job states)
  * stay individually visible.
  */

@@ -90,6 +90,7 @@ void zt_view_event(const zt_db_event_t *e, Ztrain__Event *x) {
   x->detail = (char *)e->detail;
   x->count = e->count;
   x->last_ms = e->last_ms;
+  x->last_detail = (char *)e->last_detail;
 }
 
 void zt_view_ckpt(const zt_db_ckpt_t *k, Ztrain__CheckpointInfo *x) {

@@ -84,7 +84,10 @@ cJSON *zt_pbjson_event(const Ztrain__Event *e) {
   cJSON_AddNumberToObject(o, "worker_id", (double)e->worker_id);
   cJSON_AddStringToObject(o, "detail", e->detail);
   cJSON_AddNumberToObject(o, "count", (double)(e->count > 0 ? e->count : 1));
-  if (e->count > 1) cJSON_AddNumberToObject(o, "last_ms", (double)e->last_ms);
+  if (e->count > 1) {
+    cJSON_AddNumberToObject(o, "last_ms", (double)e->last_ms);
+    cJSON_AddStringToObject(o, "last_detail", e->last_detail);
+  }
   return o;
 }
 

@@ -129,6 +129,8 @@ static const char *const k_migrations[] = {
      "  worker_id INTEGER NOT NULL,"
      "  dir TEXT NOT NULL,"
      "  PRIMARY KEY(worker_id, dir));"),
+    /* 8: a collapsed event keeps its first detail beside its latest */
+    ("ALTER TABLE events ADD COLUMN last_detail TEXT NOT NULL DEFAULT '';"),
 };
 
 enum {
@@ -196,17 +198,17 @@ static const char *const k_sql[ST_COUNT] = {
                        "session, host_memory, device_memory, store_addr FROM workers ORDER BY id",
     [ST_EVENT_ADD] = "INSERT INTO events(t_ms, job_id, kind, worker_id, detail) "
                      "VALUES(?1, ?2, ?3, ?4, ?5)",
-    [ST_EVENT_REPEAT] = "UPDATE events SET count = count + 1, last_ms = ?2, detail = ?3 "
+    [ST_EVENT_REPEAT] = "UPDATE events SET count = count + 1, last_ms = ?2, last_detail = ?3 "
                         "WHERE id = ?1",
-    [ST_EVENTS_ALL] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms "
-                      "FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
-    [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms "
-                      "FROM events WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
+    [ST_EVENTS_ALL] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms, "
+                      "last_detail FROM events WHERE id > ?1 ORDER BY id LIMIT ?2",
+    [ST_EVENTS_JOB] = "SELECT id, t_ms, job_id, kind, worker_id, detail, count, last_ms, "
+                      "last_detail FROM events WHERE job_id = ?3 AND id > ?1 ORDER BY id LIMIT ?2",
     [ST_EVENTS_ALL_TAIL] = "SELECT * FROM (SELECT id, t_ms, job_id, kind, worker_id, detail, "
-                           "count, last_ms FROM events WHERE id > ?1 ORDER BY id DESC LIMIT ?2) "
-                           "ORDER BY id",
+                           "count, last_ms, last_detail FROM events WHERE id > ?1 "
+                           "ORDER BY id DESC LIMIT ?2) ORDER BY id",
     [ST_EVENTS_JOB_TAIL] = "SELECT * FROM (SELECT id, t_ms, job_id, kind, worker_id, detail, "
-                           "count, last_ms FROM events WHERE job_id = ?3 AND id > ?1 "
+                           "count, last_ms, last_detail FROM events WHERE job_id = ?3 AND id > ?1 "
                            "ORDER BY id DESC LIMIT ?2) ORDER BY id",
     [ST_JOB_INSERT] = "INSERT INTO jobs(name, spec, state, total_steps, min_workers, max_workers, "
                       "created_ms, updated_ms) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
@@ -286,7 +288,8 @@ static const col k_event_cols[] = {
     COL(COL_I64, zt_db_event_t, id), COL(COL_I64, zt_db_event_t, t_ms),
     COL(COL_I64, zt_db_event_t, job_id), COL(COL_TEXT, zt_db_event_t, kind),
     COL(COL_I64, zt_db_event_t, worker_id), COL(COL_TEXT, zt_db_event_t, detail),
-    COL(COL_I64, zt_db_event_t, count), COL(COL_I64, zt_db_event_t, last_ms)};
+    COL(COL_I64, zt_db_event_t, count), COL(COL_I64, zt_db_event_t, last_ms),
+    COL(COL_TEXT, zt_db_event_t, last_detail)};
 
 /* jobs: the columns of ST_JOBS_ALL before the three that need more than a
  * copy (spec, skips, rollback_steps). The first JOB_UPDATED of them are

@@ -52,9 +52,10 @@ typedef struct {
   uint64_t job_id;
   char kind[64];
   uint64_t worker_id;
-  char detail[512]; /* the latest occurrence's */
+  char detail[512]; /* the first occurrence's, at t_ms */
   int64_t count;    /* occurrences collapsed into this row (1: none) */
   int64_t last_ms;  /* wall clock of the latest (0: count 1) */
+  char last_detail[512]; /* the latest occurrence's, at last_ms ("": count 1; schema 8) */
 } zt_db_event_t;
 
 /* Opens (or creates) the database at path. Refused, with a message that

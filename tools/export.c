@@ -340,7 +340,8 @@ static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_conf
                ? zt_err_wrap("export --merge")
                : 0;
   if (zt_ckpt_read_lora_base(o->epoch_dir, base, sizeof base, sum) != 0) return -1;
-  snprintf(path, sizeof path, "%s/adapter_model.safetensors", tmp);
+  info->model_file = "adapter_model.safetensors";
+  snprintf(path, sizeof path, "%s/%s", tmp, info->model_file);
   if (zt_st_write(path, lay, *flat, o->bf16, info->step, &info->model_bytes) != 0 ||
       write_json(tmp, "adapter_config.json", adapter_config_json(cfg, base)) != 0)
     return -1;
@@ -418,6 +419,7 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
     }
     if ((adapter = lora_export(o, tmp, &cfg, &lay, &flat, info)) < 0) goto out;
   }
+  if (!adapter) info->model_file = "model.safetensors";
   snprintf(path, sizeof path, "%s/model.safetensors", tmp);
   specials_t sp;
   if (!adapter &&

@@ -25,7 +25,9 @@ typedef struct {
 
 typedef struct {
   int64_t step;          /* the epoch's step */
-  size_t model_bytes;    /* size of model.safetensors */
+  const char *model_file; /* the weights' file: "model.safetensors" or, for adapters,
+                           "adapter_model.safetensors" */
+  size_t model_bytes;    /* its size */
   char tokenizer[16];    /* "byte", "gpt2" or "none" (no tokenizer files) */
 } zt_export_info_t;
 

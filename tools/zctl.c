@@ -174,9 +174,13 @@ static int cmd_events(zctl *z, int argc, char **argv) {
       char t[64], who[32] = "";
       fmt_time(t, sizeof t, e->t_ms);
       if (e->worker_id) snprintf(who, sizeof who, "worker %llu", (unsigned long long)e->worker_id);
-      char times[48] = "";
-      if (e->count > 1) snprintf(times, sizeof times, " (x%lld, last shown)", (long long)e->count);
-      printf("%s  %-20s %-12s %s%s\n", t, esc(e->kind), who, esc(e->detail), times);
+      printf("%s  %-20s %-12s %s", t, esc(e->kind), who, esc(e->detail));
+      if (e->count > 1) {
+        char last[64];
+        fmt_time(last, sizeof last, e->last_ms);
+        printf(" (x%lld; the last at %s: %s)", (long long)e->count, last, esc(e->last_detail));
+      }
+      putchar('\n');
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -587,12 +591,13 @@ static int cmd_export(zctl *z, int argc, char **argv) {
     cJSON_AddStringToObject(out, "dir", o.out_dir);
     cJSON_AddStringToObject(out, "checkpoint", o.epoch_dir);
     cJSON_AddNumberToObject(out, "step", (double)info.step);
+    cJSON_AddStringToObject(out, "model_file", info.model_file);
     cJSON_AddNumberToObject(out, "model_bytes", (double)info.model_bytes);
     cJSON_AddStringToObject(out, "tokenizer", info.tokenizer);
     print_json(out);
   } else {
-    printf("wrote %s (step %lld, model.safetensors %zu bytes, tokenizer %s) from %s\n", o.out_dir,
-           (long long)info.step, info.model_bytes, info.tokenizer, o.epoch_dir);
+    printf("wrote %s (step %lld, %s %zu bytes, tokenizer %s) from %s\n", o.out_dir,
+           (long long)info.step, info.model_file, info.model_bytes, info.tokenizer, o.epoch_dir);
   }
   return 0;
 }
@@ -668,13 +673,17 @@ static const verb k_verbs[] = {
     {"logbook", -1, cmd_logbook, "JOB --markdown", "run report: timeline, rollbacks, loss"},
 };
 
+/* Each verb with its arguments, whole, then what it does: beside them in
+ * a column, or on the next line when they are longer than the column. */
 static void usage(FILE *f) {
+  enum { COLUMN = 46 };
   fprintf(f, "usage: zctl [--coordinator HOST:PORT] [--json] [--token T] [--timeout-ms N] VERB\n"
              "verbs:\n");
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_verbs); i++) {
-    char head[96];
-    snprintf(head, sizeof head, "%s %s", k_verbs[i].name, k_verbs[i].args);
-    fprintf(f, "  %-44s %s\n", head, k_verbs[i].help);
+    const verb *v = &k_verbs[i];
+    int n = fprintf(f, "  %s%s%s", v->name, v->args[0] ? " " : "", v->args);
+    if (n >= COLUMN) fprintf(f, "\n%*s%s\n", COLUMN + 1, "", v->help);
+    else fprintf(f, "%*s%s\n", COLUMN + 1 - n, "", v->help);
   }
 }
 

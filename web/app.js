@@ -114,8 +114,9 @@ function resetView(id) {
 // ---- fetching: only what is new ---------------------------------------------------
 
 // The job's logbook events that make markers. A failure loop collapses
-// repeats of generation_started into one row whose detail changes, so the
-// list is fetched afresh whenever the generation changed.
+// repeats of generation_started into one row (its first detail and time,
+// and the latest's), so the list is fetched afresh whenever the generation
+// changed.
 async function fetchJobEvents(job) {
   if (job.generation !== view.eventsGen) {
     view.events = [];
@@ -159,10 +160,15 @@ async function fetchSteps(job) {
 
 // ---- markers -----------------------------------------------------------------------
 
+// A collapsed row's latest occurrence (its detail and time), else the row's.
+function latest(e) {
+  return e.count > 1 && e.last_detail ? { detail: e.last_detail, t_ms: e.last_ms } : e;
+}
+
 // generation_started: "generation G: ..., start step S, ...; reason: R".
 function parseGeneration(e) {
   if (e.kind !== "generation_started") return null;
-  const m = /^generation (\d+):.*?start step (\d+)/.exec(e.detail);
+  const m = /^generation (\d+):.*?start step (\d+)/.exec(latest(e).detail);
   return m ? { gen: Number(m[1]), step: Number(m[2]) } : null;
 }
 
@@ -182,8 +188,9 @@ function stepAtTime(t) {
 function markerStep(e) {
   const g = parseGeneration(e);
   if (g) return g.step;
-  const m = /\(step (\d+)\)\s*$/.exec(e.detail);
-  return m ? Number(m[1]) : stepAtTime(e.t_ms);
+  const l = latest(e);
+  const m = /\(step (\d+)\)\s*$/.exec(l.detail);
+  return m ? Number(m[1]) : stepAtTime(l.t_ms);
 }
 
 // One marker per step: every generation after the first and every
@@ -196,7 +203,7 @@ function buildMarks() {
     const step = markerStep(e);
     const m = at.get(step) || { step, kinds: new Set(), lines: [] };
     m.kinds.add(e.kind);
-    m.lines.push(`${e.kind}: ${e.detail}`);
+    m.lines.push(`${e.kind}: ${latest(e).detail}`);
     at.set(step, m);
   }
   view.marks = [...at.values()].sort((a, b) => a.step - b.step)
@@ -404,7 +411,9 @@ function drawTables(st, jobs, workers) {
     cell(w.state, "state-" + w.state), cell(w.device), cell(w.host), cell(w.pid),
     cell(fmtTime(w.last_seen_ms))]));
   fill("#events", logbook.rows.slice().reverse().map((e) => [cell(fmtTime(e.t_ms)),
-    cell(e.job_id || ""), cell(e.kind), cell(e.worker_id || ""), cell(e.detail)]));
+    cell(e.job_id || ""), cell(e.kind), cell(e.worker_id || ""), cell(e.count > 1
+      ? `${e.detail} (x${e.count}; the last at ${fmtTime(e.last_ms)}: ${e.last_detail})`
+      : e.detail)]));
 }
 
 // ---- the refresh loop -----------------------------------------------------------------------------

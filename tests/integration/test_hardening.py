@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from ztest import BIN, SLOW, events, http_get, wait_until, workers_by_name
+from ztest import (BIN, SLOW, byte_dataset, events, http_get, submit, tiny_spec, wait_until,
+                   workers_by_name)
 
 HB, TIMEOUT = 200, 600
 
@@ -421,3 +422,20 @@ def test_zctl_escapes_text_and_checks_numbers(procs, tmp_path):
         assert r.returncode == 1 and "expected an integer" in r.stderr, (args, r.stderr)
     code, _, body = http_get(coord.http_port, f"/v1/jobs/{jid}/metrics?from=99999999999999999999")
     assert code == 400 and "from" in body["error"]
+
+
+def test_text_from_the_network_cannot_split_or_forge_a_log_line(procs, tmp_path):
+    """A job named with a newline, a line that looks like the
+    coordinator's own and a terminal escape: zcoord's log shows the name
+    escaped on the line of the event, and no forged line starts."""
+    train, val = byte_dataset(str(tmp_path / "data"), limit=60_000)
+    coord = procs.coord()
+    forged = "12:00:00.000 ERROR zcoord: the database is corrupt"
+    spec = tiny_spec(train, val, 5)
+    spec["name"] = f"evil\n{forged}\x1b[31m"
+    submit(coord, spec, tmp_path)
+    line = wait_until(lambda: [ln for ln in coord.output().splitlines()
+                               if "event job_accepted" in ln], 10, "the job_accepted line")[0]
+    assert f'"evil\\x0a{forged}\\x1b[31m"' in line, line
+    assert not any(ln.startswith(forged) for ln in coord.output().splitlines())
+    assert "\x1b" not in coord.output()

@@ -213,6 +213,7 @@ def test_lora_fine_tune_survives_a_kill_and_exports(procs, tmp_path):
     assert r.returncode != 0 and "--adapter" in r.stderr and "--merge" in r.stderr, r.stderr
     r = export("adapter", "--adapter")
     assert r.returncode == 0, r.stderr
+    assert "adapter_model.safetensors" in r.stdout and " model.safetensors" not in r.stdout, r.stdout
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == (
         "LORA", 4, 8, targets)

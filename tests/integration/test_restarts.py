@@ -83,6 +83,11 @@ def test_transient_failures_back_off_then_pause(procs, tmp_path, data):
     assert len(failed) == 2 and all(f["count"] == 4 for f in failed), failed
     started = [e for e in ev if e["kind"] == "generation_started"]
     assert len(started) == 2 and started[1]["count"] == 3, started  # the first had another reason
+    # A collapsed row keeps its first occurrence with its time, and the
+    # latest with its own: no time is paired with another one's text.
+    first, last = started[1]["detail"], started[1]["last_detail"]
+    assert first.startswith("generation 2:") and last.startswith("generation 4:"), started[1]
+    assert started[1]["last_ms"] - started[1]["t_ms"] >= 300 + 600, started[1]
     backoff = [e for e in ev if e["kind"] == "restart_backoff"]
     assert len(backoff) == 1 and backoff[0]["count"] == 2, backoff
     # zctl resume starts the budget afresh: four more generations, paused again.

@@ -49,3 +49,18 @@ def test_zctl_job_ids_are_positive_decimal_integers(procs, tmp_path):
             "usage: zctl" in err, (args, err)
         # Refused here, not by the coordinator ("not found").
         assert "unknown job" not in err, (args, err)
+
+
+def test_zctl_usage_shows_every_verb_whole():
+    """zctl's usage names every verb with all of its arguments: a verb
+    whose arguments are wider than the column has its help on the next
+    line, not its arguments cut off."""
+    import subprocess
+    from ztest import BIN
+    r = subprocess.run([f"{BIN}/zctl", "--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    for whole in ("export JOB [--step S] --out DIR [--dtype f32|bf16] [--tokenizer REC] "
+                  "[--adapter | --merge [--base PATH]]",
+                  "sample JOB [--step S] --prompt TEXT [--tokens N] [--temperature T] [--top-k K] "
+                  "[--seed N]"):
+        assert f"  {whole}\n" in r.stdout, r.stdout

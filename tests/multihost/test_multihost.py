@@ -170,7 +170,7 @@ def test_late_rank_report_still_commits_every_epoch(net, data, tmp_path):
     assert len(both) >= 6, written
     assert [st for st in both if st not in steps] == [], (both, steps)
     drained = [e for e in ev if e["kind"] == "generation_started" and "drain of worker wh3" in
-               e["detail"]]
+               e["detail"] + e.get("last_detail", "")]
     assert drained, [e["detail"] for e in ev if e["kind"] == "generation_started"]
 
 
@@ -388,7 +388,8 @@ def test_both_copies_lost_pauses_instead_of_loading_partial_state(net, data, tmp
     assert "checkpoint_corrupt" not in kinds and "checkpoint_retired" not in kinds, kinds
     steps = sorted(fleet.losses(jid))
     assert steps == list(range(1, steps[-1] + 1)), "the stored steps run from 1 without a gap"
-    starts = [e["detail"] for e in fleet.events(jid) if e["kind"] == "generation_started"]
+    starts = [d for e in fleet.events(jid) if e["kind"] == "generation_started"
+              for d in (e["detail"], e.get("last_detail")) if d]
     assert not any("start step 0" in d for d in starts[1:]), starts
     if how == "killed":
         return

@@ -62,7 +62,9 @@ def kinds(fleet, jid, kind):
 
 
 def generations(fleet, jid):
-    return [e["detail"] for e in kinds(fleet, jid, "generation_started")]
+    """Each generation_started row's latest occurrence (a row that collapsed
+    repeats keeps its first detail and its latest)."""
+    return [e.get("last_detail") or e["detail"] for e in kinds(fleet, jid, "generation_started")]
 
 
 def test_partitioned_host_is_fenced_and_rejoins_at_a_checkpoint(net, data, tmp_path):
