@@ -29,10 +29,10 @@
 
 typedef struct {
   zt_rpc_client_t *rpc;
+  const char *target; /* the coordinator's HOST:PORT */
   int json;
   int64_t timeout_ms;
 } zctl;
-
 
 /* Text from the coordinator (names, messages, logbook details) printed
  * with control characters escaped: a job named with terminal escapes must
@@ -68,13 +68,23 @@ static void print_json(cJSON *doc) {
   cJSON_Delete(doc);
 }
 
-/* One unary Status call: pack, call, unpack. */
+/* One unary Status call: pack, call, unpack. The channel waits for its
+ * connection (gRPC's wait-for-ready), so a coordinator that is still
+ * starting (a script or systemd started it a moment ago) is reached once
+ * it listens; one that never answers is, after --timeout-ms, an error
+ * that says where zctl looked. */
 static ProtobufCMessage *status_call(zctl *z, const char *method, const ProtobufCMessage *req,
                                      const ProtobufCMessageDescriptor *reply_desc) {
   char path[128];
   snprintf(path, sizeof path, "/ztrain.Status/%s", method);
   ProtobufCMessage *m = NULL;
-  return zt_pb_call(z->rpc, path, req, reply_desc, z->timeout_ms, &m, NULL) == 0 ? m : NULL;
+  int st = 0;
+  if (zt_pb_call(z->rpc, path, req, reply_desc, z->timeout_ms, &m, &st) == 0) return m;
+  if (st == ZT_RPC_DEADLINE_EXCEEDED)
+    zt_errk(ZT_E_UNAVAILABLE, "%s: no answer from a coordinator at %s within %lld ms (is zcoord "
+            "running there? --coordinator HOST:PORT or $ZTRAIN_COORDINATOR say where)",
+            method, z->target, (long long)z->timeout_ms);
+  return NULL;
 }
 
 /* Prints an action's message, as JSON with --json. */
@@ -250,6 +260,45 @@ static int cmd_job(zctl *z, int argc, char **argv) {
   else print_job_row(r->job);
   protobuf_c_message_free_unpacked(&r->base, NULL);
   return 0;
+}
+
+/* wait JOB [--timeout S]: until the job ends (kubectl wait, for scripts):
+ * 0 when it completed; an error naming its state and message when it
+ * failed or was canceled, when it paused for a cause only an operator can
+ * end (a pause the coordinator resumes by itself is waited out), or when
+ * S seconds (default 3600) pass. A coordinator that does not answer for a
+ * moment is asked again until then. */
+static int cmd_wait(zctl *z, int argc, char **argv) {
+  Ztrain__GetJobRequest req = ZTRAIN__GET_JOB_REQUEST__INIT;
+  int64_t secs = 3600;
+  if (argc < 1 || parse_job_id(argv[0], &req.job_id) != 0)
+    return zt_err("wait: usage: zctl wait JOB [--timeout S]");
+  for (int i = 1; i < argc; i += 2) {
+    if (check_pair("wait", argc, argv, i) != 0) return -1;
+    if (strcmp(argv[i], "--timeout")) return zt_err("wait: unknown option %s", esc(argv[i]));
+    if (opt_i64("--timeout", argv[i + 1], 1, 30 * 86400, &secs) != 0) return -1;
+  }
+  zt_deadline_t dl = zt_deadline_in(secs * 1000);
+  for (;;) {
+    Ztrain__GetJobReply *r = (Ztrain__GetJobReply *)status_call(
+        z, "GetJob", &req.base, &ztrain__get_job_reply__descriptor);
+    const Ztrain__JobInfo *j = r ? r->job : NULL;
+    int st = j ? (int)j->state : -1, rc = 1; /* 1: not yet */
+    if (st == ZTRAIN__JOB_STATE__JOB_COMPLETED) rc = 0;
+    else if (st == ZTRAIN__JOB_STATE__JOB_FAILED || st == ZTRAIN__JOB_STATE__JOB_CANCELED ||
+             (st == ZTRAIN__JOB_STATE__JOB_PAUSED && !j->resumes_by_itself))
+      rc = zt_err("wait: job %llu %s: %s", (unsigned long long)req.job_id,
+                  zt_job_state_name(st), esc(j->message));
+    if (rc != 1 && z->json) print_json(zt_pbjson_job(j));
+    else if (rc != 1) print_job_row(j);
+    if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
+    if (rc != 1) return rc;
+    if (!j && zt_err_kind() == ZT_E_NOT_FOUND) return zt_err_wrap("wait");
+    if (zt_deadline_passed(dl))
+      return zt_err("wait: job %llu has not ended after %lld s", (unsigned long long)req.job_id,
+                    (long long)secs);
+    zt_sleep_ms(200); /* polling the job with a deadline */
+  }
 }
 
 /* A job's step records, read in pages: the coordinator answers a
@@ -656,6 +705,7 @@ static const verb k_verbs[] = {
     {"submit", 1, cmd_submit, "JOB.json", "submit a job spec"},
     {"jobs", 0, cmd_jobs, "", "every job with its progress"},
     {"job", 1, cmd_job, "ID", "one job"},
+    {"wait", -1, cmd_wait, "JOB [--timeout S]", "until the job ends: 0 when it completed"},
     {"metrics", -1, cmd_metrics, "JOB [--from S] [--to S]", "per-step loss, grad norm, lr, tokens/s"},
     {"checkpoints", 1, cmd_checkpoints, "JOB", "checkpoint epochs with state and size"},
     {"pause", -1, cmd_action, "JOB", "stop a job; resume continues it"},
@@ -739,8 +789,9 @@ int main(int argc, char **argv) {
   }
   char auth[512];
   snprintf(auth, sizeof auth, "Bearer %s", token ? token : "");
-  zt_rpc_client_opts_t ro = {.authorization = token ? auth : NULL};
-  if (zt_rpc_client_open(coord ? coord : "127.0.0.1:7070", &ro, &z.rpc) != 0) {
+  zt_rpc_client_opts_t ro = {.authorization = token ? auth : NULL, .wait_for_ready = 1};
+  z.target = coord ? coord : "127.0.0.1:7070";
+  if (zt_rpc_client_open(z.target, &ro, &z.rpc) != 0) {
     ZT_ERROR("%s", zt_err_msg());
     return 1;
   }
