@@ -1,8 +1,11 @@
 /*
  * comm.h: collectives between the ranks of one generation.
  *
- * One interface, several backends: the TCP ring (comm_tcp.c) for CPU
- * workers, NCCL for GPU workers. A communicator is created for one
+ * One interface, several backends: the TCP ring (comm_ring.c, its set-up
+ * in comm_handshake.c) for CPU workers, NCCL (comm_nccl.c) for GPU
+ * workers. comm.c is the front every call goes through: it checks the
+ * call, keeps the broken state and dispatches to the communicator's
+ * backend (comm_impl.h, private to comm/). A communicator is created for one
  * generation of one job with a fixed rank and world size, and is thrown away
  * when the generation ends; nothing is ever re-used across generations, so a
  * rank of an older generation can never feed data into a newer one (the TCP
@@ -66,7 +69,7 @@ typedef struct {
   uint64_t session;         /* same on every rank of one generation, e.g. job<<32|gen */
   /* The generation's secret (RendezvousReply.comm_key; at least 32
    * characters; needed from 2 ranks on). Every connection proves it both
-   * ways with HMAC-SHA256 over fresh nonces (comm_tcp.c, "the handshake"),
+   * ways with HMAC-SHA256 over fresh nonces (comm_handshake.c),
    * so a process without it cannot join the ring or pose as a rank; it
    * never crosses the ring itself. */
   const char *key;
