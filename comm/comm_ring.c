@@ -505,7 +505,7 @@ int zt_comm_tcp_new(const zt_comm_tcp_opts_t *o, zt_comm_t **out) {
   r->next_fd = r->prev_fd = -1;
   r->listen_fd = o->listen_fd;
   r->peers = o->peers;
-  r->setup_ms = o->connect_timeout_ms > 0 ? o->connect_timeout_ms : 30000;
+  r->setup_ms = o->connect_timeout_ms > 0 ? o->connect_timeout_ms : ZT_COMM_TIMEOUT_MS_DEFAULT;
   snprintf(r->key, sizeof r->key, "%s", o->key ? o->key : "");
   alloc_peers(r);
   r->abort_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
