@@ -39,7 +39,7 @@ static size_t parse_size(const char *s) {
 
 int main(int argc, char **argv) {
   int rank = -1, world = 0, iters = 10, warmup = 2, ring_only = 0;
-  int64_t timeout_ms = 30000;
+  int64_t timeout_ms = ZT_COMM_TIMEOUT_MS_DEFAULT;
   const char *peers_s = NULL, *op = "all_reduce", *sizes_s = "1M,16M,64M";
   static const struct option opts[] = {
       {"rank", required_argument, 0, 'r'},  {"world", required_argument, 0, 'w'},

@@ -1,14 +1,18 @@
 /*
  * comm.h: collectives between the ranks of one generation.
  *
- * One interface, several backends: the TCP ring (comm_tcp.c) for CPU
- * workers, NCCL for GPU workers. A communicator is created for one
+ * One interface, several backends: the TCP ring (comm_ring.c, its set-up
+ * in comm_handshake.c) for CPU workers, NCCL (comm_nccl.c) for GPU
+ * workers. comm.c is the front every call goes through: it checks the
+ * call, keeps the broken state and dispatches to the communicator's
+ * backend (comm_impl.h, private to comm/). A communicator is created for one
  * generation of one job with a fixed rank and world size, and is thrown away
  * when the generation ends; nothing is ever re-used across generations, so a
  * rank of an older generation can never feed data into a newer one (the TCP
  * handshake also checks a session id derived from job and generation).
  *
- * Every operation takes a timeout in milliseconds. A peer that dies makes
+ * Every operation takes a timeout in milliseconds (ZT_COMM_TIMEOUT_MS_DEFAULT
+ * where the caller has none of its own). A peer that dies makes
  * the operation fail as soon as its socket reports it; a peer that goes
  * silent makes it fail when the timeout expires; zt_comm_abort(), callable
  * from any thread, makes the operation in progress (and every later one)
@@ -33,6 +37,13 @@
 #include <stdint.h>
 
 #include "zt_common.h"
+
+/* The timeout of one collective, and of the TCP ring's set-up, where no
+ * other is given: the job spec's comm.timeout_ms default (engine/spec.c),
+ * the trainer's when a generation names none, the ring's
+ * connect_timeout_ms when 0, and the benchmarks' (bench/commrun). Named
+ * once here, so that every default is the same 30 s. */
+#define ZT_COMM_TIMEOUT_MS_DEFAULT 30000
 
 typedef enum { ZT_DT_F32 = 0, ZT_DT_BF16 = 1, ZT_DT_F64 = 2 } zt_dtype_t;
 typedef enum { ZT_RED_SUM = 0, ZT_RED_AVG = 1 } zt_redop_t;
@@ -66,11 +77,11 @@ typedef struct {
   uint64_t session;         /* same on every rank of one generation, e.g. job<<32|gen */
   /* The generation's secret (RendezvousReply.comm_key; at least 32
    * characters; needed from 2 ranks on). Every connection proves it both
-   * ways with HMAC-SHA256 over fresh nonces (comm_tcp.c, "the handshake"),
+   * ways with HMAC-SHA256 over fresh nonces (comm_handshake.c),
    * so a process without it cannot join the ring or pose as a rank; it
    * never crosses the ring itself. */
   const char *key;
-  int64_t connect_timeout_ms;
+  int64_t connect_timeout_ms; /* 0: ZT_COMM_TIMEOUT_MS_DEFAULT */
   size_t chunk_bytes; /* pipelining granularity; 0: 1 MiB */
   int ring_only;      /* connect the ring alone, even where a mesh would be made */
 } zt_comm_tcp_opts_t;

@@ -24,6 +24,16 @@
  * the caller's stream wait for one, and progress / settle reap the done
  * ones from the oldest, so a collective that outlives its timeout is
  * found, and aborted, at the next look.
+ *
+ * How it fits. This file fills the front's table of operations
+ * (nccl_ops; comm_impl.h) and makes the communicators that use it
+ * (zt_comm_nccl_create); comm.c checks every call, counts it and dispatches
+ * it here. A failure here ends the NCCL communicator (die(), with the
+ * reason every later call repeats) and returns -1; the front then breaks
+ * the communicator as it does for the ring. What NCCL has no operation
+ * for (the fp32-into-fp64 reduce-scatter, the all-to-all, views) is absent
+ * from the table, and the front refuses it. Builds without CUDA compile
+ * comm_nonccl.c instead.
  */
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -35,7 +45,7 @@
 #include <time.h>
 
 #include "comm.h"
-#include "comm_backend.h"
+#include "comm_impl.h"
 #include "zt_common.h"
 
 /* The entry points we use, resolved by dlsym. */
@@ -135,7 +145,9 @@ typedef struct {
   const char *op;
 } inflight_t;
 
-struct zt_nccl {
+/* An NCCL communicator: the front's part first (comm_impl.h). */
+typedef struct nccl_comm {
+  zt_comm_t c;
   ncclComm_t comm;
   cudaStream_t stream;
   atomic_int abort;
@@ -148,14 +160,16 @@ struct zt_nccl {
   inflight_t fl[ZT_NCCL_INFLIGHT];
   uint64_t issued, reaped;
   char err[256]; /* why the communicator died, for the calls after */
-};
+} nccl_comm;
+
+static nccl_comm *as_nccl(zt_comm_t *c) { return (nccl_comm *)c; }
 
 static ncclDataType_t nccl_type(zt_dtype_t dt) {
   return dt == ZT_DT_F64 ? ncclFloat64 : dt == ZT_DT_F32 ? ncclFloat32 : ncclBfloat16;
 }
 
 /* Ends the communicator with a reason that every later call repeats. */
-static int die(struct zt_nccl *n, const char *op, const char *why) {
+static int die(nccl_comm *n, const char *op, const char *why) {
   if (!n->dead) nc.CommAbort(n->comm);
   n->dead = 1;
   if (!n->err[0]) snprintf(n->err, sizeof n->err, "%s: %s", op, why);
@@ -171,7 +185,7 @@ static void not_ready(void) { (void)nc.GetLastError(); }
  * busily for the first polls (a collective of a training step takes
  * microseconds to milliseconds), then every 50 us, so a long wait does not
  * take a core from the process's other threads. */
-static int wait_done(struct zt_nccl *n, int check_stream, zt_deadline_t dl, const char *op) {
+static int wait_done(nccl_comm *n, int check_stream, zt_deadline_t dl, const char *op) {
   for (int polls = 0;; polls++) {
     if (polls > 1000) nanosleep(&(struct timespec){.tv_nsec = 50000}, NULL);
     ncclResult_t st = ncclSuccess;
@@ -189,53 +203,8 @@ static int wait_done(struct zt_nccl *n, int check_stream, zt_deadline_t dl, cons
   }
 }
 
-int zt_comm_nccl_available(void) { return load() == 0; }
-
-int zt_comm_nccl_unique_id(char hex[2 * NCCL_UNIQUE_ID_BYTES + 1]) {
-  if (load() != 0) return -1;
-  ncclUniqueId id;
-  ncclResult_t r = nc.GetUniqueId(&id);
-  if (r != ncclSuccess) return zt_err("ncclGetUniqueId: %s", nc.GetErrorString(r));
-  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++)
-    snprintf(hex + 2 * i, 3, "%02x", (unsigned char)id.internal[i]);
-  return 0;
-}
-
-int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
-                        zt_comm_t **out) {
-  if (load() != 0) return -1;
-  ncclUniqueId id;
-  if (strlen(id_hex) != 2 * NCCL_UNIQUE_ID_BYTES) return zt_err("NCCL unique id: bad length");
-  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) {
-    unsigned v;
-    if (sscanf(id_hex + 2 * i, "%2x", &v) != 1) return zt_err("NCCL unique id: not hex");
-    id.internal[i] = (char)v;
-  }
-  cudaError_t ce = nc.SetDevice(device);
-  if (ce != cudaSuccess) return zt_err("cudaSetDevice(%d): %s", device, nc.CudaErrorString(ce));
-  struct zt_nccl *n = zt_xcalloc(1, sizeof *n);
-  ce = nc.StreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
-  if (ce != cudaSuccess) {
-    free(n);
-    return zt_err("cudaStreamCreate: %s", nc.CudaErrorString(ce));
-  }
-  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
-  ncclResult_t r = nc.CommInitRankConfig(&n->comm, world, id, rank, &cfg);
-  if ((r != ncclSuccess && r != ncclInProgress) ||
-      wait_done(n, 0, zt_deadline_in(timeout_ms), "ncclCommInitRank") != 0) {
-    if (r != ncclSuccess && r != ncclInProgress) zt_err("ncclCommInitRank: %s", nc.GetErrorString(r));
-    else if (!n->dead) nc.CommAbort(n->comm);
-    nc.StreamDestroy(n->stream);
-    free(n);
-    return -1;
-  }
-  *out = zt__comm_wrap(n, rank, world);
-  return 0;
-}
-
 /* Stream order: our stream waits for what the caller's stream holds. */
-static int order_after_user(struct zt_nccl *n, const char *op) {
+static int order_after_user(nccl_comm *n, const char *op) {
   if (!n->user) return 0;
   cudaError_t ce = nc.EventRecord(n->order, n->user);
   if (ce == cudaSuccess) ce = nc.StreamWaitEvent(n->stream, n->order, 0);
@@ -246,7 +215,7 @@ static int order_after_user(struct zt_nccl *n, const char *op) {
 /* Reaps the asynchronous collectives that are done, from the oldest, and
  * ends the communicator when NCCL reports an error, the abort flag is up,
  * or the oldest one left has outlived its timeout. */
-static int progress(struct zt_nccl *n) {
+static int progress(nccl_comm *n) {
   if (n->dead) return zt_err("%s", n->err[0] ? n->err : "NCCL communicator aborted");
   while (n->reaped < n->issued) {
     inflight_t *f = &n->fl[(n->reaped + 1) % ZT_NCCL_INFLIGHT];
@@ -272,7 +241,7 @@ static int progress(struct zt_nccl *n) {
 }
 
 /* Waits until at most `left` asynchronous collectives are in flight. */
-static int drain_to(struct zt_nccl *n, uint64_t left) {
+static int drain_to(nccl_comm *n, uint64_t left) {
   for (int polls = 0;; polls++) {
     if (progress(n) != 0) return -1;
     if (n->issued - n->reaped <= left) return 0;
@@ -280,7 +249,7 @@ static int drain_to(struct zt_nccl *n, uint64_t left) {
   }
 }
 
-static int enqueued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const char *op) {
+static int enqueued(nccl_comm *n, ncclResult_t r, int64_t timeout_ms, const char *op) {
   if (r != ncclSuccess && r != ncclInProgress) return zt_err("%s: %s", op, nc.GetErrorString(r));
   if (wait_done(n, 1, zt_deadline_in(timeout_ms), op) != 0) return -1;
   n->reaped = n->issued; /* our stream is idle: the asynchronous ones are done too */
@@ -288,7 +257,7 @@ static int enqueued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const
 }
 
 /* An asynchronous collective just enqueued (r): its event and ticket. */
-static int issued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const char *op,
+static int issued(nccl_comm *n, ncclResult_t r, int64_t timeout_ms, const char *op,
                   uint64_t *ticket) {
   if (r != ncclSuccess && r != ncclInProgress) return zt_err("%s: %s", op, nc.GetErrorString(r));
   /* A non-blocking communicator may return before the collective is on
@@ -305,14 +274,17 @@ static int issued(struct zt_nccl *n, ncclResult_t r, int64_t timeout_ms, const c
 
 /* Before an operation: the communicator is alive, a slot is free, and
  * our stream is ordered after the caller's. */
-static int before(struct zt_nccl *n, const char *op) {
+static int before(nccl_comm *n, const char *op) {
   if (progress(n) != 0) return -1;
   if (n->issued - n->reaped >= ZT_NCCL_INFLIGHT - 1 && drain_to(n, ZT_NCCL_INFLIGHT / 2) != 0)
     return -1;
   return order_after_user(n, op);
 }
 
-int zt__nccl_set_stream(struct zt_nccl *n, void *stream) {
+/* ---- the operations (the table's entries) -------------------------------- */
+
+static int nccl_set_stream(zt_comm_t *c, void *stream) {
+  nccl_comm *n = as_nccl(c);
   if (n->issued > n->reaped && drain_to(n, 0) != 0) return -1;
   if (!n->order) {
     cudaError_t ce = nc.EventCreateWithFlags(&n->order, cudaEventDisableTiming);
@@ -324,18 +296,22 @@ int zt__nccl_set_stream(struct zt_nccl *n, void *stream) {
   return 0;
 }
 
-int zt__nccl_reduce_scatter_async(struct zt_nccl *n, void *send, void *recv, size_t count,
-                                  zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms,
-                                  uint64_t *ticket) {
+static ncclRedOp_t nccl_op(zt_redop_t op) { return op == ZT_RED_AVG ? ncclAvg : ncclSum; }
+
+static int nccl_reduce_scatter_async(zt_comm_t *c, void *send, void *recv, size_t count,
+                                     zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms,
+                                     uint64_t *ticket) {
+  nccl_comm *n = as_nccl(c);
   if (!n->user) return zt_err("ncclReduceScatter: no stream to order it after");
   if (before(n, "ncclReduceScatter") != 0) return -1;
-  return issued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt),
-                                    op == ZT_RED_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
+  return issued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op), n->comm,
+                                    n->stream),
                 timeout_ms, "ncclReduceScatter", ticket);
 }
 
-int zt__nccl_all_gather_async(struct zt_nccl *n, const void *send, void *recv, size_t count,
-                              zt_dtype_t dt, int64_t timeout_ms, uint64_t *ticket) {
+static int nccl_all_gather_async(zt_comm_t *c, const void *send, void *recv, size_t count,
+                                 zt_dtype_t dt, int64_t timeout_ms, uint64_t *ticket) {
+  nccl_comm *n = as_nccl(c);
   if (!n->user) return zt_err("ncclAllGather: no stream to order it after");
   if (before(n, "ncclAllGather") != 0) return -1;
   return issued(n, nc.AllGather(send, recv, count, nccl_type(dt), n->comm, n->stream),
@@ -344,7 +320,8 @@ int zt__nccl_all_gather_async(struct zt_nccl *n, const void *send, void *recv, s
 
 /* The caller's stream waits for collective `ticket` (0: the last one). One
  * the host has seen done needs no wait. */
-int zt__nccl_join(struct zt_nccl *n, uint64_t ticket) {
+static int nccl_join(zt_comm_t *c, uint64_t ticket) {
+  nccl_comm *n = as_nccl(c);
   if (progress(n) != 0) return -1;
   if (!ticket) ticket = n->issued;
   if (ticket > n->issued) return zt_err("NCCL join: ticket %llu was never issued",
@@ -354,44 +331,48 @@ int zt__nccl_join(struct zt_nccl *n, uint64_t ticket) {
   return ce == cudaSuccess ? 0 : zt_err("NCCL join: %s", nc.CudaErrorString(ce));
 }
 
-int zt__nccl_progress(struct zt_nccl *n) { return progress(n); }
+static int nccl_progress(zt_comm_t *c) { return progress(as_nccl(c)); }
 
-int zt__nccl_settle(struct zt_nccl *n) { return drain_to(n, 0); }
+static int nccl_settle(zt_comm_t *c) { return drain_to(as_nccl(c), 0); }
 
-int zt__nccl_all_reduce(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
-                        int64_t timeout_ms) {
+static int nccl_all_reduce(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, zt_redop_t op,
+                           int64_t timeout_ms) {
+  nccl_comm *n = as_nccl(c);
   if (before(n, "ncclAllReduce") != 0) return -1;
-  return enqueued(n, nc.AllReduce(buf, buf, count, nccl_type(dt), op == ZT_RED_AVG ? ncclAvg : ncclSum,
-                                  n->comm, n->stream),
+  return enqueued(n, nc.AllReduce(buf, buf, count, nccl_type(dt), nccl_op(op), n->comm, n->stream),
                   timeout_ms, "ncclAllReduce");
 }
 
-int zt__nccl_reduce_scatter(struct zt_nccl *n, void *send, void *recv, size_t count,
-                            zt_dtype_t dt, zt_redop_t op, int64_t timeout_ms) {
+static int nccl_reduce_scatter(zt_comm_t *c, void *send, void *recv, size_t count, zt_dtype_t dt,
+                               zt_redop_t op, int64_t timeout_ms) {
+  nccl_comm *n = as_nccl(c);
   if (before(n, "ncclReduceScatter") != 0) return -1;
-  return enqueued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt),
-                                      op == ZT_RED_AVG ? ncclAvg : ncclSum, n->comm, n->stream),
+  return enqueued(n, nc.ReduceScatter(send, recv, count, nccl_type(dt), nccl_op(op), n->comm,
+                                      n->stream),
                   timeout_ms, "ncclReduceScatter");
 }
 
-int zt__nccl_all_gather(struct zt_nccl *n, const void *send, void *recv, size_t count,
-                        zt_dtype_t dt, int64_t timeout_ms) {
+static int nccl_all_gather(zt_comm_t *c, const void *send, void *recv, size_t count,
+                           zt_dtype_t dt, int64_t timeout_ms) {
+  nccl_comm *n = as_nccl(c);
   if (before(n, "ncclAllGather") != 0) return -1;
   return enqueued(n, nc.AllGather(send, recv, count, nccl_type(dt), n->comm, n->stream), timeout_ms,
                   "ncclAllGather");
 }
 
-int zt__nccl_broadcast(struct zt_nccl *n, void *buf, size_t count, zt_dtype_t dt, int root,
-                       int64_t timeout_ms) {
+static int nccl_broadcast(zt_comm_t *c, void *buf, size_t count, zt_dtype_t dt, int root,
+                          int64_t timeout_ms) {
+  nccl_comm *n = as_nccl(c);
   if (before(n, "ncclBroadcast") != 0) return -1;
   return enqueued(n, nc.Broadcast(buf, buf, count, nccl_type(dt), root, n->comm, n->stream),
                   timeout_ms, "ncclBroadcast");
 }
 
-void zt__nccl_abort(struct zt_nccl *n) { atomic_store(&n->abort, 1); }
+/* Raises the flag that every wait of this communicator polls. */
+static void nccl_abort(zt_comm_t *c) { atomic_store(&as_nccl(c)->abort, 1); }
 
-void zt__nccl_destroy(struct zt_nccl *n) {
-  if (!n) return;
+static void nccl_destroy(zt_comm_t *c) {
+  nccl_comm *n = as_nccl(c);
   /* Collectives still in flight may wait for a peer that is gone. */
   if (!n->dead && n->issued > n->reaped) (void)progress(n);
   if (!n->dead) {
@@ -404,4 +385,73 @@ void zt__nccl_destroy(struct zt_nccl *n) {
   }
   nc.StreamDestroy(n->stream);
   free(n);
+}
+
+/* Device memory and stream order; no fp32-into-fp64 reduce-scatter (NCCL
+ * has no such reduction), no all-to-all and no views: the front refuses
+ * those. */
+static const zt__comm_ops_t nccl_ops = {
+    .name = "nccl",
+    .title = "NCCL",
+    .device_memory = 1,
+    .all_reduce = nccl_all_reduce,
+    .reduce_scatter = nccl_reduce_scatter,
+    .all_gather = nccl_all_gather,
+    .broadcast = nccl_broadcast,
+    .set_stream = nccl_set_stream,
+    .reduce_scatter_async = nccl_reduce_scatter_async,
+    .all_gather_async = nccl_all_gather_async,
+    .join = nccl_join,
+    .progress = nccl_progress,
+    .settle = nccl_settle,
+    .abort = nccl_abort,
+    .destroy = nccl_destroy,
+};
+
+/* ---- construction -------------------------------------------------------- */
+
+int zt_comm_nccl_available(void) { return load() == 0; }
+
+int zt_comm_nccl_unique_id(char hex[2 * NCCL_UNIQUE_ID_BYTES + 1]) {
+  if (load() != 0) return -1;
+  ncclUniqueId id;
+  ncclResult_t r = nc.GetUniqueId(&id);
+  if (r != ncclSuccess) return zt_err("ncclGetUniqueId: %s", nc.GetErrorString(r));
+  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++)
+    snprintf(hex + 2 * i, 3, "%02x", (unsigned char)id.internal[i]);
+  return 0;
+}
+
+int zt_comm_nccl_create(int rank, int world, const char *id_hex, int device, int64_t timeout_ms,
+                        zt_comm_t **out) {
+  if (load() != 0) return -1;
+  ncclUniqueId id;
+  if (strlen(id_hex) != 2 * NCCL_UNIQUE_ID_BYTES) return zt_err("NCCL unique id: bad length");
+  for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) {
+    unsigned v;
+    if (sscanf(id_hex + 2 * i, "%2x", &v) != 1) return zt_err("NCCL unique id: not hex");
+    id.internal[i] = (char)v;
+  }
+  cudaError_t ce = nc.SetDevice(device);
+  if (ce != cudaSuccess) return zt_err("cudaSetDevice(%d): %s", device, nc.CudaErrorString(ce));
+  nccl_comm *n = zt_xcalloc(1, sizeof *n);
+  ce = nc.StreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
+  if (ce != cudaSuccess) {
+    free(n);
+    return zt_err("cudaStreamCreate: %s", nc.CudaErrorString(ce));
+  }
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclResult_t r = nc.CommInitRankConfig(&n->comm, world, id, rank, &cfg);
+  if ((r != ncclSuccess && r != ncclInProgress) ||
+      wait_done(n, 0, zt_deadline_in(timeout_ms), "ncclCommInitRank") != 0) {
+    if (r != ncclSuccess && r != ncclInProgress) zt_err("ncclCommInitRank: %s", nc.GetErrorString(r));
+    else if (!n->dead) nc.CommAbort(n->comm);
+    nc.StreamDestroy(n->stream);
+    free(n);
+    return -1;
+  }
+  zt__comm_init(&n->c, &nccl_ops, rank, world);
+  *out = &n->c;
+  return 0;
 }

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm.h"
 #include "zt_common.h"
 #include "zt_json.h"
 
@@ -590,7 +591,7 @@ static void set_defaults(zt_spec_t *s) {
                                      .patience = 3, .margin_steps = 0, .skip_steps = 10,
                                      .lr_factor = 0.5, .cooldown_steps = 50,
                                      .max_rollbacks = 3, .per_steps = 1000};
-  s->comm_timeout_ms = 30000;
+  s->comm_timeout_ms = ZT_COMM_TIMEOUT_MS_DEFAULT;
   s->lb_every = 20;
   s->inner_steps = 50;
   s->fragments = 1;

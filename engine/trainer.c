@@ -1161,7 +1161,7 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
   memset(&t, 0, sizeof t);
   t.g = g;
   t.N = g->world, t.r = g->rank;
-  t.tmo = g->comm_timeout_ms > 0 ? g->comm_timeout_ms : 30000;
+  t.tmo = g->comm_timeout_ms > 0 ? g->comm_timeout_ms : ZT_COMM_TIMEOUT_MS_DEFAULT;
   int64_t step = 0;
   int ret = -1, ckpt_flag = 0;
   f->step = g->start_step;

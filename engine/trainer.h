@@ -75,7 +75,7 @@ typedef struct zt_gen_ctx {
   int rank, world;
   const char *spec_json;
   int64_t start_step;          /* the step the epoch to load holds (0: check nothing) */
-  int64_t comm_timeout_ms;     /* per collective; 0: 30 s */
+  int64_t comm_timeout_ms;     /* per collective; 0: ZT_COMM_TIMEOUT_MS_DEFAULT */
   zt_comm_t *comm;
   const char *workdir;         /* where zero_memory.json goes (NULL: nowhere) */
   /* The spec's data and checkpoint paths must lie under these (absolute)

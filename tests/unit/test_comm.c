@@ -930,7 +930,7 @@ ZT_TEST(test_wrong_ring_key_refused) {
   }
 }
 
-/* The wire layout of a hello (comm_tcp.c), for the impostor below. */
+/* The wire layout of a hello (comm_handshake.c), for the impostor below. */
 typedef struct {
   uint32_t magic, version;
   uint64_t session;

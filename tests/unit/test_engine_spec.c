@@ -3,6 +3,7 @@
  */
 #include <string.h>
 
+#include "comm.h"
 #include "spec.h"
 #include "zt_common.h"
 #include "zt_test.h"
@@ -86,7 +87,7 @@ ZT_TEST(defaults) {
   ZT_CHECK_STR(s.name, "job");
   ZT_CHECK(s.accum == 1 && s.global_batch == 4 && !s.have_train_batch);
   ZT_CHECK(s.sched.enabled == 0 && s.zero_stage == 0 && s.min_workers == 1);
-  ZT_CHECK(s.max_workers == 1 && s.comm_timeout_ms == 30000 && s.ckpt.dir[0] == 0);
+  ZT_CHECK(s.max_workers == 1 && s.comm_timeout_ms == ZT_COMM_TIMEOUT_MS_DEFAULT && s.ckpt.dir[0] == 0);
   ZT_CHECK(s.rollback.enabled == 1 && s.rollback.window == 100 && s.fault.lr_scale == 0);
   ZT_CHECK_NEAR(s.opt.beta2, 0.95, 1e-7);
   int accum;
