@@ -69,6 +69,7 @@ static void claim_error(zt_comm_t *c, const char *msg, int peer) {
  * the root's rank, and stops whatever else runs on the root's
  * connections. */
 static void view_failed(zt_comm_t *v) {
+  if (v->failed_closed && !atomic_load(&v->root->err_claimed)) v->root->failed_closed = 1;
   claim_error(v->root, v->err, v->failed_peer >= 0 ? v->rmap[v->failed_peer] : -1);
   v->root->ops->abort(v->root);
 }
@@ -116,6 +117,9 @@ int zt_comm_broken(const zt_comm_t *c) {
 }
 
 int zt_comm_failed_peer(const zt_comm_t *c) { return c->failed_peer; }
+int zt_comm_failed_peer_closed(const zt_comm_t *c) {
+  return c->failed_peer >= 0 && c->failed_closed;
+}
 
 /* ---- what a communicator is ---------------------------------------------- */
 

@@ -220,6 +220,9 @@ void zt_comm_abort(zt_comm_t *c);
 int zt_comm_broken(const zt_comm_t *c);
 /* The rank whose connection failed first (dead, silent), or -1. */
 int zt_comm_failed_peer(const zt_comm_t *c);
+/* 1 when that connection ended (the peer closed or reset it: its process
+ * died, or it left the generation), rather than fell silent. */
+int zt_comm_failed_peer_closed(const zt_comm_t *c);
 void zt_comm_stats_get(const zt_comm_t *c, zt_comm_stats_t *s);
 void zt_comm_destroy(zt_comm_t *c);
 

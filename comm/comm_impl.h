@@ -109,6 +109,7 @@ struct zt_comm {
   atomic_int err_claimed; /* the first failure or abort writes err, once */
   atomic_int broken;      /* set after err is written */
   int failed_peer;        /* rank whose connection failed, -1 when unknown */
+  int failed_closed;      /* ... and that connection ended: closed or reset by the peer */
   char err[512];
   zt_comm_stats_t stats;
   zt_comm_stats_t *st; /* &stats, or a view's root's (views count into it) */

@@ -81,6 +81,23 @@ static int peer_fail(zt__ring_t *r, int peer, const char *fmt, ...) {
   return zt_err("%s", msg);
 }
 
+/* As peer_fail, for a connection that ended: the peer closed it (a read
+ * of 0 bytes) or reset it. */
+static int peer_closed(zt__ring_t *r, int peer, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int peer_closed(zt__ring_t *r, int peer, const char *fmt, ...) {
+  char msg[sizeof r->c.err];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  r->c.failed_closed = 1;
+  return peer_fail(r, peer, "%s", msg);
+}
+
+/* 1 when errno says the peer ended the connection. */
+static int io_ended(void) { return errno == ECONNRESET || errno == EPIPE; }
+
 /* 1 when errno says a non-blocking send() or recv() merely found nothing
  * to do. */
 static int io_again(void) { return errno == EAGAIN || errno == EINTR; }
@@ -132,6 +149,8 @@ static void step_reduce(const zt__ring_t *r, const zt__ring_step_t *s, step_pos 
 static int step_send(zt__ring_t *r, const zt__ring_step_t *s, step_pos *p, const char *op) {
   size_t want = ZT_MIN(s->slen - p->sent, r->chunk);
   ssize_t w = send(r->next_fd, s->sbuf + p->sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (w < 0 && io_ended())
+    return peer_closed(r, r->next, "%s: send to rank %d: %s", op, r->next, strerror(errno));
   if (w < 0 && !io_again())
     return peer_fail(r, r->next, "%s: send to rank %d: %s", op, r->next, strerror(errno));
   if (w > 0) p->sent += (size_t)w, zt__comm_count(&r->c.st->bytes_sent, (uint64_t)w);
@@ -143,7 +162,9 @@ static int step_send(zt__ring_t *r, const zt__ring_step_t *s, step_pos *p, const
 static int step_recv(zt__ring_t *r, const zt__ring_step_t *s, step_pos *p, const char *op) {
   size_t want = ZT_MIN(s->rlen - p->got, r->chunk);
   ssize_t rd = recv(r->prev_fd, s->rbuf + p->got, want, MSG_DONTWAIT);
-  if (rd == 0) return peer_fail(r, r->prev, "%s: rank %d closed the connection", op, r->prev);
+  if (rd == 0) return peer_closed(r, r->prev, "%s: rank %d closed the connection", op, r->prev);
+  if (rd < 0 && io_ended())
+    return peer_closed(r, r->prev, "%s: receive from rank %d: %s", op, r->prev, strerror(errno));
   if (rd < 0 && !io_again())
     return peer_fail(r, r->prev, "%s: receive from rank %d: %s", op, r->prev, strerror(errno));
   if (rd > 0) p->got += (size_t)rd, zt__comm_count(&r->c.st->bytes_recv, (uint64_t)rd);
@@ -236,6 +257,8 @@ static int mesh_send(zt__ring_t *r, int fd, int j, const zt__mesh_call_t *m, con
   const uint8_t *b = m->send + (size_t)j * m->sstride;
   size_t want = ZT_MIN(m->bytes - sent[j], r->chunk);
   ssize_t w = send(fd, b + sent[j], want, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (w < 0 && io_ended())
+    return peer_closed(r, j, "%s: send to rank %d: %s", op, j, strerror(errno));
   if (w < 0 && !io_again())
     return peer_fail(r, j, "%s: send to rank %d: %s", op, j, strerror(errno));
   if (w > 0) sent[j] += (size_t)w, zt__comm_count(&r->c.st->bytes_sent, (uint64_t)w);
@@ -247,7 +270,9 @@ static int mesh_recv(zt__ring_t *r, int fd, int j, const zt__mesh_call_t *m, con
   size_t *got = r->mpos + r->c.world;
   uint8_t *b = m->recv + (size_t)j * m->rstride;
   ssize_t rd = recv(fd, b + got[j], ZT_MIN(m->bytes - got[j], r->chunk), MSG_DONTWAIT);
-  if (rd == 0) return peer_fail(r, j, "%s: rank %d closed the connection", op, j);
+  if (rd == 0) return peer_closed(r, j, "%s: rank %d closed the connection", op, j);
+  if (rd < 0 && io_ended())
+    return peer_closed(r, j, "%s: receive from rank %d: %s", op, j, strerror(errno));
   if (rd < 0 && !io_again())
     return peer_fail(r, j, "%s: receive from rank %d: %s", op, j, strerror(errno));
   if (rd <= 0) return 0; /* EAGAIN, EINTR */

@@ -30,6 +30,10 @@ static const struct {
     [ZT_KNOB_NO_STEP_REPORTER] = {"ZT_FAULT_NO_STEP_REPORTER",
                                   "1: rank 0's step reporter thread cannot be started, as when "
                                   "pthread_create fails (EAGAIN)"},
+    [ZT_KNOB_HEARTBEAT_REPLY_DELAY] = {"ZT_FAULT_HEARTBEAT_REPLY_DELAY_MS",
+                                       "D: a worker acts on each heartbeat reply D ms after it "
+                                       "arrived, so a reply can be overtaken by a newer "
+                                       "assignment (a failure report's reply)"},
 };
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;

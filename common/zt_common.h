@@ -340,6 +340,8 @@ typedef enum {
                                   collectives as the device path does */
   ZT_KNOB_NO_STEP_REPORTER,    /* ZT_FAULT_NO_STEP_REPORTER=1: rank 0's step reporter
                                   thread cannot be started */
+  ZT_KNOB_HEARTBEAT_REPLY_DELAY, /* ZT_FAULT_HEARTBEAT_REPLY_DELAY_MS=D: a worker acts on
+                                    each heartbeat reply D ms after it arrived */
   ZT_KNOB_COUNT
 } zt_knob_t;
 

@@ -446,6 +446,8 @@ static int do_heartbeat(zt_ctl_t *c, int *status) {
   delete_epochs(c, r);
   if (r->heartbeat_ms) __atomic_store_n(&c->heartbeat_ms, (int64_t)r->heartbeat_ms, __ATOMIC_RELAXED);
   c->assigned_job = r->job_id;
+  int64_t late = zt_knob(ZT_KNOB_HEARTBEAT_REPLY_DELAY, 0);
+  if (late > 0) zt_sleep_ms(late); /* test knob: the reply is acted on late */
   if (c->o.on_command)
     c->o.on_command(c->o.user, r->command, r->job_id, r->generation, r->nccl_root);
   if (r->coordinator_epoch != c->epoch) {

@@ -109,6 +109,18 @@ static void step_done_cb(void *user, int64_t step, double ms) {
 
 void zt_runner_assign(zt_runner_t *r, uint64_t job, uint64_t gen, int nccl_root) {
   pthread_mutex_lock(&r->mu);
+  /* Assignments come on two channels (heartbeat replies, and the reply to
+   * a failure report), so one may overtake another: a heartbeat answered
+   * before the job re-formed can arrive after the failure report's reply
+   * named the new generation. Generations of a job only grow, so an older
+   * one is stale and dropped; taken, it aborted the new generation's ring
+   * set-up, and its peers waited out their set-up timeout. */
+  if (job && job == r->target_job && gen < r->target_gen) {
+    pthread_mutex_unlock(&r->mu);
+    ZT_DEBUG("assignment of generation %llu dropped: generation %llu is newer",
+             (unsigned long long)gen, (unsigned long long)r->target_gen);
+    return;
+  }
   r->target_nccl_root = nccl_root;
   if (job != r->target_job || gen != r->target_gen) {
     r->target_job = job;
@@ -381,6 +393,7 @@ typedef struct {
   int fatal;              /* the job itself is broken */
   const char *bad_ckpt;   /* the epoch that failed to load */
   int suspect;            /* the peer rank whose connection failed; -1: unknown */
+  int suspect_closed;     /* ... and it ended that connection (closed, reset) */
   Ztrain__FailureKind kind;
   int64_t step;
   int probed;             /* the peers' stores were probed: */
@@ -393,6 +406,26 @@ typedef struct {
 /* How long a rank tries to reach its peers' stores after a collective
  * failed: a connection within one network takes well under this. */
 #define ZT_PROBE_MS 1000
+
+/* The peer whose ring connection ended (f->suspect_closed) and whose
+ * store still accepted: a killed process's sockets close one by one, so
+ * its store's listening socket may take a connection just after the ring
+ * socket's end was seen. Asked again, a few times ZT_REPROBE_MS apart,
+ * until it refuses (gone) or the tries are spent (alive: it left its ring
+ * itself). Without this, the report said "reaches every other rank" and
+ * the coordinator waited out its heartbeat timeout. */
+#define ZT_REPROBE_MS 50
+#define ZT_REPROBE_TRIES 4
+
+static int dead_after_all(const char *addr) {
+  for (int i = 0; i < ZT_REPROBE_TRIES; i++) {
+    uint8_t ok = ZT_PROBE_OK;
+    zt_sleep_ms(ZT_REPROBE_MS); /* a bounded wait for the kernel to finish closing a dead process */
+    zt_store_probe(&addr, 1, 200, &ok);
+    if (ok == ZT_PROBE_REFUSED) return 1;
+  }
+  return 0;
+}
 
 /* After a peer failure: which ranks this one cannot reach now (their
  * replica stores do not accept a connection), for the coordinator to judge
@@ -412,6 +445,9 @@ static void probe_peers(const Ztrain__RendezvousReply *rv, failure_t *f) {
   f->gone = zt_xcalloc((size_t)n, sizeof *f->gone);
   char list[256] = "";
   for (int i = 0; i < k; i++) {
+    if (ok[i] == ZT_PROBE_OK && f->suspect_closed && (int)rank_of[i] == f->suspect &&
+        dead_after_all(addrs[i]))
+      ok[i] = ZT_PROBE_REFUSED;
     if (ok[i] == ZT_PROBE_OK) continue;
     size_t l = strlen(list);
     snprintf(list + l, sizeof list - l, "%s%u%s", f->nunreach ? "," : "", rank_of[i],
@@ -419,6 +455,7 @@ static void probe_peers(const Ztrain__RendezvousReply *rv, failure_t *f) {
     if (ok[i] == ZT_PROBE_REFUSED) f->gone[f->ngone++] = rank_of[i];
     f->unreach[f->nunreach++] = rank_of[i];
   }
+
   if (f->nunreach)
     ZT_WARN("cannot reach the stores of ranks [%s] (%d of %d peers, probed in %lld ms)", list,
             f->nunreach, k, (long long)(zt_now_ms() - t0));
@@ -657,6 +694,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
   failure_t f = {.fatal = tf.fault == ZT_FAULT_JOB,
                  .bad_ckpt = tf.fault == ZT_FAULT_CHECKPOINT ? rv->checkpoint_dir : NULL,
                  .suspect = zt_comm_failed_peer(comm),
+                 .suspect_closed = zt_comm_failed_peer_closed(comm),
                  .kind = tf.fault == ZT_FAULT_LOCAL    ? ZTRAIN__FAILURE_KIND__FAILURE_LOCAL
                          : tf.fault == ZT_FAULT_MEMORY ? ZTRAIN__FAILURE_KIND__FAILURE_OUT_OF_MEMORY
                                                        : ZTRAIN__FAILURE_KIND__FAILURE_PEER,
