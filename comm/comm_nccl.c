@@ -96,7 +96,7 @@ static int load(void) {
   if (nc.loaded) return 0;
   /* $ZT_CUDART_LIB and $ZT_NCCL_LIB, when set, are the only candidates: a
    * library elsewhere, or the CPU stand-ins of the gpu-sim tests. */
-  const char *ec = getenv("ZT_CUDART_LIB"), *en = getenv("ZT_NCCL_LIB");
+  const char *ec = zt_env(ZT_ENV_CUDART_LIB), *en = zt_env(ZT_ENV_NCCL_LIB);
   const char *cudart[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12",
                           "/usr/local/cuda/lib64/libcudart.so", NULL};
   const char *nccl[] = {"libnccl.so.2", "libnccl.so", "/usr/local/cuda/lib64/libnccl.so.2", NULL};

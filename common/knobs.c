@@ -1,6 +1,6 @@
 /*
- * knobs.c: the test-only knobs, read from the environment in this one
- * place.
+ * knobs.c: the environment, read in this one place: the settings
+ * ztrain's processes take from it (k_env below) and the test-only knobs.
  *
  * Tests reach into a running process in two ways: a job spec's
  * fault_injection object (parsed and checked by the spec parser,
@@ -65,4 +65,34 @@ int64_t zt_knob(zt_knob_t k, int64_t def) {
 
 const char *zt_knob_name(zt_knob_t k) {
   return k >= 0 && k < ZT_KNOB_COUNT ? k_knobs[k].name : "unknown";
+}
+
+/* ---- settings -------------------------------------------------------------- */
+
+/* The settings an operator (or a test harness) gives in the environment;
+ * each is also an option or a file where one exists (docs/deploy.md). */
+static const struct {
+  const char *name;
+  const char *doc;
+} k_env[ZT_ENV_COUNT] = {
+    [ZT_ENV_SGEMM] = {"ZT_SGEMM", "blas: OpenBLAS's sgemm even where our AVX-512 one would run "
+                                  "(kernels/cpu/gemm.c)"},
+    [ZT_ENV_CUDA_KERNELS] = {"ZT_CUDA_KERNELS", "the CUDA kernels' library (kernels/device.c)"},
+    [ZT_ENV_CUDART_LIB] = {"ZT_CUDART_LIB", "the CUDA runtime the NCCL backend loads "
+                                            "(comm/comm_nccl.c; the tests' stand-in)"},
+    [ZT_ENV_NCCL_LIB] = {"ZT_NCCL_LIB", "the NCCL library the NCCL backend loads"},
+    [ZT_ENV_WORKER_SECRET] = {"ZTRAIN_WORKER_SECRET", "zworker's shared secret "
+                                                      "(deploy/zworker.env)"},
+    [ZT_ENV_COORDINATOR] = {"ZTRAIN_COORDINATOR", "zctl's coordinator, HOST:PORT"},
+    [ZT_ENV_TOKEN] = {"ZTRAIN_TOKEN", "zctl's operator token"},
+};
+
+const char *zt_env(zt_env_t v) {
+  if (v < 0 || v >= ZT_ENV_COUNT) return NULL;
+  const char *s = getenv(k_env[v].name);
+  return s && s[0] ? s : NULL;
+}
+
+const char *zt_env_name(zt_env_t v) {
+  return v >= 0 && v < ZT_ENV_COUNT ? k_env[v].name : "unknown";
 }

@@ -502,18 +502,18 @@ static const char *state_name(const char *const *names, size_t n, int state) {
   return state >= 0 && (size_t)state < n ? names[state] : "unknown";
 }
 
-const char *zt_worker_state_name(int state) {
+const char *zt_name_worker_state(int state) {
   static const char *const names[] = {"unknown", "alive", "suspect", "lost", "left"};
   return state_name(names, ZT_ARRAY_LEN(names), state);
 }
 
-const char *zt_job_state_name(int state) {
+const char *zt_name_job_state(int state) {
   static const char *const names[] = {"unknown",   "pending", "running", "reconfiguring",
                                       "completed", "failed",  "paused",  "canceled"};
   return state_name(names, ZT_ARRAY_LEN(names), state);
 }
 
-const char *zt_ckpt_state_name(int state) {
+const char *zt_name_ckpt_state(int state) {
   static const char *const names[] = {"pending", "committed", "deleted"};
   return state_name(names, ZT_ARRAY_LEN(names), state);
 }

@@ -279,9 +279,9 @@ ZT_MUST_CHECK int zt_parse_i64(const char *what, const char *s, int64_t lo, int6
  * (zt_ckpt_state_t): "alive", "running", "committed", ...; "unknown" for a
  * number outside the enum. One table each, shared by the database, the
  * HTTP/JSON API and zctl. */
-const char *zt_worker_state_name(int state);
-const char *zt_job_state_name(int state);
-const char *zt_ckpt_state_name(int state);
+const char *zt_name_worker_state(int state);
+const char *zt_name_job_state(int state);
+const char *zt_name_ckpt_state(int state);
 
 /* ---- version ------------------------------------------------------------ */
 
@@ -349,6 +349,27 @@ typedef enum {
 int64_t zt_knob(zt_knob_t k, int64_t def);
 /* The variable's name (for messages and docs). */
 const char *zt_knob_name(zt_knob_t k);
+
+/* ---- the environment ----------------------------------------------------- */
+
+/* Every setting ztrain's processes read from the environment, read in one
+ * place (knobs.c, whose table documents each one; tools/check-layers
+ * refuses getenv anywhere else in the product). */
+typedef enum {
+  ZT_ENV_SGEMM,         /* ZT_SGEMM: "blas" or "avx512", the CPU's sgemm */
+  ZT_ENV_CUDA_KERNELS,  /* ZT_CUDA_KERNELS: the CUDA kernels' library to load */
+  ZT_ENV_CUDART_LIB,    /* ZT_CUDART_LIB: the CUDA runtime the NCCL backend loads */
+  ZT_ENV_NCCL_LIB,      /* ZT_NCCL_LIB: the NCCL library the NCCL backend loads */
+  ZT_ENV_WORKER_SECRET, /* ZTRAIN_WORKER_SECRET: zworker's shared secret */
+  ZT_ENV_COORDINATOR,   /* ZTRAIN_COORDINATOR: zctl's coordinator */
+  ZT_ENV_TOKEN,         /* ZTRAIN_TOKEN: zctl's operator token */
+  ZT_ENV_COUNT
+} zt_env_t;
+
+/* The variable's value, or NULL when it is unset or empty. */
+const char *zt_env(zt_env_t v);
+/* The variable's name. */
+const char *zt_env_name(zt_env_t v);
 
 #define ZT_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define ZT_MIN(a, b) ((a) < (b) ? (a) : (b))

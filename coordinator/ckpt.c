@@ -15,7 +15,7 @@
  * the current one, and only of the files such an epoch has.
  *
  * Retention (checkpoint.keep_last, checkpoint.keep_every) is applied after
- * each commit (reports.c calls zt_ckpt_gc when zt_ckpt_report says the
+ * each commit (reports.c calls zt_registry_gc when zt_registry_report says the
  * epoch committed): committed epochs beyond the newest keep_last
  * are deleted unless their step is a multiple of keep_every. Deleting is done here
  * because the checkpoint directory is storage shared by the job's workers
@@ -106,14 +106,14 @@ static int collect_for_gc(const zt_db_ckpt_t *k, void *user) {
   if (k->state == ZT_CKPT_COMMITTED) {
     g->n_committed--; /* counts down: the first n - keep_last are older */
     int keep_every = g->j->p.keep_every > 0 && k->step % g->j->p.keep_every == 0;
-    /* A spike's rollback may need it (zt_ckpt_gc): the newest epoch at or
+    /* A spike's rollback may need it (zt_registry_gc): the newest epoch at or
      * before max_step and every later one. */
     int needed = g->j->p.rb_enabled && (!g->found || k->step >= g->best.step);
     drop = g->n_committed >= g->j->p.keep_last && !keep_every && !needed;
   } else {
     /* Pending epochs of earlier generations can never commit, nor can any
      * of a job that has ended. */
-    drop = k->generation < g->j->row.generation || zt_job_state_ended(g->j->row.state);
+    drop = k->generation < g->j->row.generation || zt_db_job_ended(g->j->row.state);
   }
   if (drop) b->k[b->n++] = *k;
   return 0;
@@ -121,7 +121,7 @@ static int collect_for_gc(const zt_db_ckpt_t *k, void *user) {
 
 /* Applies retention and removes dead pending epochs of job j (those of
  * earlier generations, and every one once the job has ended). */
-void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j) {
+void zt_registry_gc(zt_coord_t *c, zt_job_t *j) {
   if (!j->p.ckpt_dir[0]) return;
   static ckpt_batch drop;
   gc_ctx g;
@@ -184,7 +184,7 @@ static int loadable(zt_coord_t *c, zt_job_t *j, const zt_db_ckpt_t *k) {
   zt_db_ckpt_file_t *rec;
   int n;
   char why[200] = "";
-  if (zt_ckpt_record(c, k->dir, &rec, &n) != 0) return 1; /* no record: the loader judges */
+  if (zt_registry_record(c, k->dir, &rec, &n) != 0) return 1; /* no record: the loader judges */
   int ok = zt_copies_available(c, j->row.id, k, rec, n, why, sizeof why);
   free(rec);
   if (!ok)
@@ -193,7 +193,7 @@ static int loadable(zt_coord_t *c, zt_job_t *j, const zt_db_ckpt_t *k) {
   return ok;
 }
 
-int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
+int zt_registry_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
                    zt_db_ckpt_t *out, int *found) {
   static ckpt_batch b;
   gc_ctx g;
@@ -266,9 +266,9 @@ static int check_files(int rank, const Ztrain__ReportCheckpointRequest *req) {
 }
 
 /* The tally of epoch (step, generation of now); NULL when none is kept. */
-static zt_ckpt_tally_t *find_tally(zt_job_t *j, int64_t step) {
-  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
-    zt_ckpt_tally_t *t = j->tallies[i];
+static zt_registry_tally_t *find_tally(zt_job_t *j, int64_t step) {
+  for (int i = 0; i < ZT_REGISTRY_TALLIES; i++) {
+    zt_registry_tally_t *t = j->tallies[i];
     if (t && t->step == step && t->gen == j->row.generation) return t;
   }
   return NULL;
@@ -277,10 +277,10 @@ static zt_ckpt_tally_t *find_tally(zt_job_t *j, int64_t step) {
 /* A slot for a new tally: an unused one, else one of an older generation,
  * else a finished one, else the oldest epoch (which then cannot commit;
  * its row stays pending and retention removes it). */
-static zt_ckpt_tally_t *free_slot(zt_job_t *j) {
+static zt_registry_tally_t *free_slot(zt_job_t *j) {
   int best = 0;
-  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
-    zt_ckpt_tally_t *t = j->tallies[i], *b = j->tallies[best];
+  for (int i = 0; i < ZT_REGISTRY_TALLIES; i++) {
+    zt_registry_tally_t *t = j->tallies[i], *b = j->tallies[best];
     if (!t) {
       j->tallies[i] = zt_xcalloc(1, sizeof *t);
       return j->tallies[i];
@@ -295,8 +295,8 @@ static zt_ckpt_tally_t *free_slot(zt_job_t *j) {
 /* The tally of epoch `step` of the current generation, started (and its
  * row stored as pending) when there is none. */
 static int tally_for(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir,
-                     zt_ckpt_tally_t **out) {
-  zt_ckpt_tally_t *t = find_tally(j, step);
+                     zt_registry_tally_t **out) {
+  zt_registry_tally_t *t = find_tally(j, step);
   if (!t) {
     t = free_slot(j);
     memset(t, 0, sizeof *t);
@@ -316,8 +316,8 @@ static int tally_for(zt_coord_t *c, zt_job_t *j, int64_t step, const char *dir,
   return 0;
 }
 
-void zt_ckpt_forget(zt_job_t *j) {
-  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
+void zt_registry_forget(zt_job_t *j) {
+  for (int i = 0; i < ZT_REGISTRY_TALLIES; i++) {
     free(j->tallies[i]);
     j->tallies[i] = NULL;
   }
@@ -337,7 +337,7 @@ static int popcount(const uint8_t *b, size_t n) {
 }
 
 /* Every rank reported, and every file has its copies. */
-static int complete(const zt_job_t *j, const zt_ckpt_tally_t *t) {
+static int complete(const zt_job_t *j, const zt_registry_tally_t *t) {
   if (t->done || t->failed || t->count < j->row.world) return 0;
   for (int i = 0; i < t->nfiles; i++)
     if (t->files[i].written &&
@@ -347,11 +347,11 @@ static int complete(const zt_job_t *j, const zt_ckpt_tally_t *t) {
 }
 
 /* The tally's entry for a file name (a new one when there is none). */
-static zt_ckpt_entry_t *entry(zt_ckpt_tally_t *t, const char *name) {
+static zt_registry_entry_t *entry(zt_registry_tally_t *t, const char *name) {
   for (int i = 0; i < t->nfiles; i++)
     if (!strcmp(t->files[i].f.name, name)) return &t->files[i];
   if (t->nfiles == (int)ZT_ARRAY_LEN(t->files)) return NULL;
-  zt_ckpt_entry_t *e = &t->files[t->nfiles++];
+  zt_registry_entry_t *e = &t->files[t->nfiles++];
   memset(e, 0, sizeof *e);
   snprintf(e->f.name, sizeof e->f.name, "%s", name);
   return e;
@@ -368,7 +368,7 @@ static int host_index(const zt_job_t *j, const zt_member_t *m) {
 
 /* Every rank reported and every file has its copies: the epoch is
  * committed, in SQLite with its record and its event. */
-static int commit(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
+static int commit(zt_coord_t *c, zt_job_t *j, zt_registry_tally_t *t) {
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_COMMITTED, t->bytes, zt_wall_ms()};
   snprintf(k.dir, sizeof k.dir, "%s", t->dir);
   zt_db_ckpt_file_t *rec = zt_xcalloc((size_t)t->nfiles + 1, sizeof *rec);
@@ -379,7 +379,7 @@ static int commit(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
            zt_db_ckpt_files_put(c->db, j->row.id, t->step, t->gen, rec, nrec) != 0;
   free(rec);
   if (rc ||
-      zt_db_event_add(c->db, j->row.id, "checkpoint_committed", 0, k.dir, NULL) != 0 ||
+      zt_coord_event_tx(c, j->row.id, "checkpoint_committed", 0, k.dir) != 0 ||
       zt_db_commit(c->db) != 0) {
     zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot commit checkpoint");
     zt_db_rollback(c->db);
@@ -396,9 +396,9 @@ static int commit(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
  * whatever files the other ranks wrote go (a full disk gets the space).
  * Done only once the row says so: a refused write is tried again at the
  * epoch's next report (the reporter retries on the error), and at every
- * flush (zt_ckpt_retry_drops: the last report may have been answered OK,
+ * flush (zt_registry_retry_drops: the last report may have been answered OK,
  * when it was the epoch's first failure). */
-static int drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
+static int drop_failed(zt_coord_t *c, zt_job_t *j, zt_registry_tally_t *t) {
   if (t->done || t->count + t->failed < j->row.world) return 0;
   zt_db_ckpt_t k = {t->step, t->gen, j->row.world, "", ZT_CKPT_DELETED, 0, zt_wall_ms()};
   snprintf(k.dir, sizeof k.dir, "%s", t->dir);
@@ -414,28 +414,28 @@ static int drop_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t) {
   return 0;
 }
 
-void zt_ckpt_retry_drops(zt_coord_t *c, zt_job_t *j) {
-  for (int i = 0; i < ZT_CKPT_TALLIES; i++) {
-    zt_ckpt_tally_t *t = j->tallies[i];
+void zt_registry_retry_drops(zt_coord_t *c, zt_job_t *j) {
+  for (int i = 0; i < ZT_REGISTRY_TALLIES; i++) {
+    zt_registry_tally_t *t = j->tallies[i];
     if (t && t->failed && !t->done && t->gen == j->row.generation) (void)drop_failed(c, j, t);
   }
 }
 
 /* A rank's write failed: the epoch cannot commit. */
-static int report_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_member_t *m,
-                         const Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out) {
+static int report_failed(zt_coord_t *c, zt_job_t *j, zt_registry_tally_t *t, zt_member_t *m,
+                         const Ztrain__ReportCheckpointRequest *req, zt_registry_outcome_t *out) {
   if (t->seen[m->rank] || t->done) return drop_failed(c, j, t); /* a retry: it may be due */
   t->seen[m->rank] = 1;
   if (t->failed++ == 0) {
     char err[256];
     snprintf(t->error, sizeof t->error, "%s", zt_printable(req->error, err, sizeof err));
-    *out = ZT_CKPT_REPORT_FAILED;
+    *out = ZT_REGISTRY_REPORT_FAILED;
     zt_coord_event(c, j->row.id, "checkpoint_failed", 0, "step %lld: rank %d (%s): %s",
                    (long long)t->step, m->rank, m->row.name, t->error);
   }
   /* A refused deletion makes the rank retry, unless this report is the
    * epoch's first failure: the scheduler must learn of that (*out) now. */
-  if (drop_failed(c, j, t) != 0 && *out != ZT_CKPT_REPORT_FAILED) return -1;
+  if (drop_failed(c, j, t) != 0 && *out != ZT_REGISTRY_REPORT_FAILED) return -1;
   return 0;
 }
 
@@ -443,9 +443,9 @@ static int report_failed(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_memb
  * first (the files' entries, the copies in SQLite), so that a refused
  * report changes nothing here: the rank's retry is counted in full, and
  * an epoch never commits without a file its rank reported. */
-static int count_files(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_member_t *m,
+static int count_files(zt_coord_t *c, zt_job_t *j, zt_registry_tally_t *t, zt_member_t *m,
                        const Ztrain__ReportCheckpointRequest *req) {
-  zt_ckpt_entry_t *e[3]; /* check_files: at most 3 */
+  zt_registry_entry_t *e[3]; /* check_files: at most 3 */
   zt_db_ckpt_t k = {t->step, t->gen, 0, "", 0, 0, 0};
   if (req->n_files > ZT_ARRAY_LEN(e))
     return zt_errk(ZT_E_INVALID, "rank %d reported %zu files", m->rank, req->n_files);
@@ -473,22 +473,22 @@ static int count_files(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_member
 
 /* After a report: a failed epoch is dropped once everyone reported; a
  * complete one commits. */
-static int settle(zt_coord_t *c, zt_job_t *j, zt_ckpt_tally_t *t, zt_ckpt_outcome_t *out) {
+static int settle(zt_coord_t *c, zt_job_t *j, zt_registry_tally_t *t, zt_registry_outcome_t *out) {
   if (t->failed) return drop_failed(c, j, t);
   if (!complete(j, t)) return 0;
   if (commit(c, j, t) != 0) return -1;
-  *out = ZT_CKPT_REPORT_COMMITTED;
+  *out = ZT_REGISTRY_REPORT_COMMITTED;
   return 0;
 }
 
-int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
-                   const Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out) {
-  *out = ZT_CKPT_REPORT_COUNTED;
+int zt_registry_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                   const Ztrain__ReportCheckpointRequest *req, zt_registry_outcome_t *out) {
+  *out = ZT_REGISTRY_REPORT_COUNTED;
   if (!j->p.ckpt_dir[0])
     return zt_errk(ZT_E_STATE, "job %llu has no checkpoint.dir", (unsigned long long)j->row.id);
   /* The worker names the epoch relative to its checkpoint root; the
    * registry keeps it under ours. */
-  char dir[sizeof ((zt_ckpt_tally_t *)0)->dir];
+  char dir[sizeof ((zt_registry_tally_t *)0)->dir];
   zt_epoch_t e;
   if (req->dir[0] == '/' ||
       zt_path_confine(c->cfg.ckpt_root, req->dir, "checkpoint dir", dir, sizeof dir) != 0)
@@ -518,7 +518,7 @@ int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
     if (zt_db_ckpt_find_dir(c->db, dir, &kjob, &k0, &found) != 0) return -1;
     if (found && kjob == j->row.id) return 0;
   }
-  zt_ckpt_tally_t *t;
+  zt_registry_tally_t *t;
   if (tally_for(c, j, req->step, dir, &t) != 0) return -1;
   if (strcmp(t->dir, dir) != 0)
     return zt_errk(ZT_E_INVALID, "rank %d reported dir %.200s, expected %.200s", m->rank,
@@ -534,7 +534,7 @@ static int copy_of_committed(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const z
                              const zt_db_ckpt_file_t *f) {
   zt_db_ckpt_file_t *rec;
   int n;
-  if (zt_ckpt_record(c, k->dir, &rec, &n) != 0) return -1;
+  if (zt_registry_record(c, k->dir, &rec, &n) != 0) return -1;
   int ok = 0;
   for (int i = 0; i < n; i++)
     ok |= !strcmp(rec[i].name, f->name) && !strcmp(rec[i].checksum, f->checksum) &&
@@ -572,9 +572,9 @@ static int epoch_file(const char *name, int world) {
   return world > 0 && zt_epoch_file(name, &r) && r < world;
 }
 
-int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
-                        const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out) {
-  *out = ZT_CKPT_REPORT_COUNTED;
+int zt_registry_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
+                        const zt_db_ckpt_file_t *f, zt_registry_outcome_t *out) {
+  *out = ZT_REGISTRY_REPORT_COUNTED;
   zt_epoch_t ep;
   int world;
   if (!j->p.ckpt_dir[0])
@@ -601,12 +601,12 @@ int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *
   if (late != 0) return late < 0 ? -1 : 0;
   /* A pushed copy may come before its rank's own report: it starts the
    * epoch's tally. */
-  zt_ckpt_tally_t *t = NULL;
+  zt_registry_tally_t *t = NULL;
   int active = j->row.state == ZT_JOB_RUNNING || j->row.state == ZT_JOB_RECONFIGURING;
   if (active && gen == j->row.generation && step > 0 && step <= j->row.total_steps &&
       tally_for(c, j, step, dir, &t) != 0)
     return -1;
-  zt_ckpt_entry_t *e = NULL;
+  zt_registry_entry_t *e = NULL;
   if (t && !t->done && !strcmp(t->dir, dir)) {
     if (!(e = entry(t, f->name)))
       return zt_errk(ZT_E_TOO_LARGE, "step %lld: more than %zu files in one epoch",
@@ -637,7 +637,7 @@ static int collect_after(const zt_db_ckpt_t *k, void *user) {
 
 /* Deletes every epoch after `step`: after a rollback they hold the state
  * being abandoned and must never be loaded. */
-void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
+void zt_registry_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
   static ckpt_batch b;
   b.n = 0;
   after_ctx a = {step, &b};
@@ -655,7 +655,7 @@ void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step) {
   }
   zt_db_ckpt_t k;
   int found = 0;
-  if (zt_ckpt_newest(c, j, INT64_MAX, 0, &k, &found) == 0)
+  if (zt_registry_newest(c, j, INT64_MAX, 0, &k, &found) == 0)
     j->committed_step = found ? k.step : 0;
 }
 
@@ -675,7 +675,7 @@ static int find_dir(const zt_db_ckpt_t *k, void *user) {
  * again. The files stay for inspection; the next generation starts from the
  * previous committed epoch. Returns -1 when `dir` is not one of the job's
  * own epochs (e.g. its checkpoint.load): there is nothing to fall back to. */
-int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why) {
+int zt_registry_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why) {
   find_ctx f = {dir, {0}, 0};
   zt_coord_event(c, j->row.id, "checkpoint_corrupt", 0, "%s: %s", dir, why);
   if (zt_db_ckpts_each(c->db, j->row.id, find_dir, &f) != 0 || !f.n) return -1;
@@ -688,7 +688,7 @@ int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *wh
   return 0;
 }
 
-int zt_ckpt_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n) {
+int zt_registry_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n) {
   uint64_t job;
   zt_db_ckpt_t k;
   int found = 0, total = 0;

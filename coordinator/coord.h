@@ -165,11 +165,11 @@ typedef struct {
   zt_db_ckpt_file_t f;
   int written; /* its rank reported it (f is then authoritative) */
   uint8_t hosts[ZT_MAX_WORLD / 8];
-} zt_ckpt_entry_t;
+} zt_registry_entry_t;
 
 /* Epochs tallied at once per job: more than this in flight at the same
  * time and the oldest is given up (it does not commit; a newer one does). */
-#define ZT_CKPT_TALLIES 4
+#define ZT_REGISTRY_TALLIES 4
 
 /* The tally of one checkpoint epoch being reported (ckpt.c). */
 typedef struct {
@@ -182,9 +182,9 @@ typedef struct {
   uint64_t bytes;
   uint8_t seen[ZT_MAX_WORLD];
   char dir[512];
-  zt_ckpt_entry_t files[3 * ZT_MAX_WORLD]; /* every rank's files, and their copies */
+  zt_registry_entry_t files[3 * ZT_MAX_WORLD]; /* every rank's files, and their copies */
   int nfiles;
-} zt_ckpt_tally_t;
+} zt_registry_tally_t;
 
 /* A job as the loop sees it: its row, parsed parameters, and the state of
  * the current generation's rendezvous. */
@@ -226,8 +226,8 @@ typedef struct zt_job {
   /* The epochs being reported (ckpt.c): ranks run ahead of each other, and
    * a pushed copy can come before its rank's report, so a few epochs are
    * tallied at once; allocated on first use, freed when the job ends. */
-  zt_ckpt_tally_t *tallies[ZT_CKPT_TALLIES];
-  zt_ckpt_tally_t *ck; /* the tally last reported to (its step, its error) */
+  zt_registry_tally_t *tallies[ZT_REGISTRY_TALLIES];
+  zt_registry_tally_t *ck; /* the tally last reported to (its step, its error) */
   /* Checkpoint-now requested (drain, scale-up); re-form after its commit. */
   int ckpt_request;
   char reform_reason[256];
@@ -503,44 +503,44 @@ int zt_params_parse(const char *json, const zt_coord_config_t *cfg, zt_job_param
 
 /* What one rank's report of an epoch did. */
 typedef enum {
-  ZT_CKPT_REPORT_COUNTED,   /* counted; the epoch waits for more ranks */
-  ZT_CKPT_REPORT_COMMITTED, /* the last one: the epoch is committed in SQLite */
-  ZT_CKPT_REPORT_FAILED,    /* the first failed write of the epoch: it cannot commit */
-} zt_ckpt_outcome_t;
+  ZT_REGISTRY_REPORT_COUNTED,   /* counted; the epoch waits for more ranks */
+  ZT_REGISTRY_REPORT_COMMITTED, /* the last one: the epoch is committed in SQLite */
+  ZT_REGISTRY_REPORT_FAILED,    /* the first failed write of the epoch: it cannot commit */
+} zt_registry_outcome_t;
 /* A worker stored a copy of file f of the epoch in dir (absolute under our
  * root): counted toward the epoch being written (*out may say COMMITTED),
  * or checked against a committed epoch's record, and recorded. */
-int zt_ckpt_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
-                        const zt_db_ckpt_file_t *f, zt_ckpt_outcome_t *out);
+int zt_registry_report_copy(zt_coord_t *c, zt_job_t *j, zt_member_t *m, const char *dir,
+                        const zt_db_ckpt_file_t *f, zt_registry_outcome_t *out);
 /* Frees the job's epoch tallies (a job that ended reports no more). */
-void zt_ckpt_forget(zt_job_t *j);
+void zt_registry_forget(zt_job_t *j);
 /* Counts one rank's report of the epoch being written (its files, or the
  * error of its failed write). On REPORT_COMMITTED the caller applies retention
  * and acts on the commit; on REPORT_FAILED it decides what the job does without
  * that epoch. An epoch with a failed write is deleted once every rank has
  * reported. */
-int zt_ckpt_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
-                   const struct Ztrain__ReportCheckpointRequest *req, zt_ckpt_outcome_t *out);
+int zt_registry_report(zt_coord_t *c, zt_job_t *j, zt_member_t *m,
+                   const struct Ztrain__ReportCheckpointRequest *req, zt_registry_outcome_t *out);
 /* The newest committed epoch of a job at or before max_step (INT64_MAX:
  * any), with need_loadable the newest whose every file a live worker can
  * serve (copies.c; an epoch skipped for that is logged); *found = 0 when
  * there is none. */
-int zt_ckpt_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
+int zt_registry_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_loadable,
                    zt_db_ckpt_t *out, int *found);
 /* Deletes again the failed epochs of the current generation whose
  * deletion the database refused (called every few seconds). */
-void zt_ckpt_retry_drops(zt_coord_t *c, zt_job_t *j);
+void zt_registry_retry_drops(zt_coord_t *c, zt_job_t *j);
 /* Applies retention and removes pending epochs that can never commit. */
-void zt_ckpt_gc(zt_coord_t *c, zt_job_t *j);
+void zt_registry_gc(zt_coord_t *c, zt_job_t *j);
 /* Deletes every epoch after `step` (a rollback abandons them). */
-void zt_ckpt_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step);
+void zt_registry_drop_after(zt_coord_t *c, zt_job_t *j, int64_t step);
 /* Retires a committed epoch that failed to load; -1 when `dir` is not one
  * of the job's own epochs. */
-int zt_ckpt_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why);
+int zt_registry_mark_bad(zt_coord_t *c, zt_job_t *j, const char *dir, const char *why);
 /* The recorded files of the committed epoch in `dir` (of any job) into
  * *files (malloc'd) and *n; -1 (ZT_E_NOT_FOUND) when no committed epoch is
  * there. */
-int zt_ckpt_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n);
+int zt_registry_record(zt_coord_t *c, const char *dir, zt_db_ckpt_file_t **files, int *n);
 
 /* ---- copies.c: where checkpoint files have copies ------------------------------ */
 
@@ -698,6 +698,12 @@ int zt_auth_worker_secret(const zt_coord_t *c, const char *secret);
 /* Records a logbook event; logs (and survives) a database failure. */
 void zt_coord_event(zt_coord_t *c, uint64_t job_id, const char *kind, uint64_t worker_id,
                     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+/* The event of a change the caller writes in a transaction it holds open
+ * (a worker's state, a registration, a commit): written with it, so that
+ * both are stored or neither. Not logged here: the caller logs the change
+ * once the transaction committed. -1 with the database's reason. */
+ZT_MUST_CHECK int zt_coord_event_tx(zt_coord_t *c, uint64_t job_id, const char *kind,
+                                    uint64_t worker_id, const char *detail);
 
 /* ---- provision.c: the provisioner hook (called by main.c, http.c) ----------------- */
 

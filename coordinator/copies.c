@@ -335,7 +335,7 @@ static int unregistered_is_stale(const zt_coord_t *c, const zt_epoch_t *e, const
   if (strncmp(abs, j->p.ckpt_dir, n) != 0 || abs[n] != '/' || strchr(abs + n + 1, '/') !=
       strrchr(abs, '/'))
     return 0;
-  return zt_job_state_ended(j->row.state) || e->gen < j->row.generation;
+  return zt_db_job_ended(j->row.state) || e->gen < j->row.generation;
 }
 
 void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_t n) {

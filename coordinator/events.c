@@ -4,9 +4,11 @@
  * Every decision the coordinator takes (a worker lost, a generation
  * formed, a checkpoint committed, a rollback) is recorded as an event row
  * in SQLite with the job, the worker and a sentence of detail, and logged.
+ * Every event goes through this file (tools/check-layers checks it).
  * Transitions that must be atomic with their event (a worker's state and
- * its "lost" event) write both in one transaction themselves (members.c);
- * this is the plain append for everything else.
+ * its "lost" event, a commit) hold a transaction open and add the event
+ * to it with zt_coord_event_tx; zt_coord_event is the plain append for
+ * everything else.
  *
  * Repeats. A failure that keeps coming back (a generation that fails the
  * same way, a checkpoint that cannot be written) would fill the logbook
@@ -103,4 +105,9 @@ void zt_coord_event(zt_coord_t *c, uint64_t job_id, const char *kind, uint64_t w
     return;
   }
   if (rep) slot_of(c, job_id, kind, worker_id)->id = id;
+}
+
+int zt_coord_event_tx(zt_coord_t *c, uint64_t job_id, const char *kind, uint64_t worker_id,
+                      const char *detail) {
+  return zt_db_event_add(c->db, job_id, kind, worker_id, detail, NULL);
 }

@@ -497,7 +497,7 @@ static void r_metrics(zt_http_req_t *r) {
   zt_members_count(c, n);
   metric_head(&b, "ztrain_workers", "gauge", "Known workers by state.");
   for (int s = ZT_WORKER_ALIVE; s <= ZT_WORKER_LEFT; s++)
-    sb_printf(&b, "ztrain_workers{state=\"%s\"} %u\n", zt_worker_state_name(s), n[s]);
+    sb_printf(&b, "ztrain_workers{state=\"%s\"} %u\n", zt_name_worker_state(s), n[s]);
   worker_series(c, &b, "ztrain_worker_step_ms", "Wall time per training step, as the worker measured it recently.", 0);
   worker_series(c, &b, "ztrain_worker_comm_ms", "Time per step inside collectives (TCP ring).", 1);
   worker_series(c, &b, "ztrain_worker_send_wait_ms",
@@ -510,7 +510,7 @@ static void r_metrics(zt_http_req_t *r) {
     if (j->row.state >= 0 && j->row.state < 8) jobs[j->row.state]++;
   metric_head(&b, "ztrain_jobs", "gauge", "Jobs by state.");
   for (int s = ZT_JOB_PENDING; s <= ZT_JOB_CANCELED; s++)
-    sb_printf(&b, "ztrain_jobs{state=\"%s\"} %d\n", zt_job_state_name(s), jobs[s]);
+    sb_printf(&b, "ztrain_jobs{state=\"%s\"} %d\n", zt_name_job_state(s), jobs[s]);
   JOB_SERIES(&b, "ztrain_job_steps_total", "counter", "Training steps completed.", j->row.step);
   JOB_SERIES(&b, "ztrain_job_tokens_total", "counter", "Training tokens processed.",
              (double)j->row.step * (double)j->p.global_batch * (double)j->p.seq_len);

@@ -92,7 +92,7 @@ static int check_load(zt_coord_t *c, const zt_job_params_t *p) {
   if (!p->ckpt_load[0]) return 0;
   zt_db_ckpt_file_t *files;
   int n;
-  if (zt_ckpt_record(c, p->ckpt_load, &files, &n) != 0)
+  if (zt_registry_record(c, p->ckpt_load, &files, &n) != 0)
     return zt_err_wrapk(zt_err_kind() == ZT_E_NOT_FOUND ? ZT_E_INVALID : zt_err_kind(),
                         "checkpoint.load");
   free(files);
@@ -113,7 +113,7 @@ static int insert_row(zt_coord_t *c, const zt_job_params_t *p, const char *spec,
   row->created_ms = row->updated_ms = zt_wall_ms();
   snprintf(row->message, sizeof row->message, "waiting for %d workers", p->min_workers);
   if (zt_db_begin(c->db) != 0 || zt_db_job_insert(c->db, row) != 0 ||
-      zt_db_event_add(c->db, 0, "job_submitted", 0, "", NULL) != 0 || zt_db_commit(c->db) != 0) {
+      zt_coord_event_tx(c, 0, "job_submitted", 0, "") != 0 || zt_db_commit(c->db) != 0) {
     zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store job");
     zt_db_rollback(c->db);
     return -1;
@@ -190,7 +190,7 @@ void zt_jobs_free(zt_coord_t *c) {
     c->jobs = j->next;
     free(j->spec);
     free(j->start_files);
-    zt_ckpt_forget(j);
+    zt_registry_forget(j);
     free(j);
   }
 }
@@ -249,7 +249,7 @@ static int act_pause_cancel(zt_coord_t *c, zt_job_t *j, zt_job_action_t a, char 
   /* A paused job can be canceled (it is kept until then, to be resumed). */
   if (!zt_jobtable_active(j) && (pause || j->row.state != ZT_JOB_PAUSED))
     return zt_errk(ZT_E_STATE, "job %llu is %s", (unsigned long long)j->row.id,
-                   zt_job_state_name(j->row.state));
+                   zt_name_job_state(j->row.state));
   zt_db_job_t next = j->row;
   next.state = pause ? ZT_JOB_PAUSED : ZT_JOB_CANCELED;
   snprintf(next.message, sizeof next.message, "%s by operator at step %lld",
@@ -267,7 +267,7 @@ static int act_resume(zt_coord_t *c, zt_job_t *j, char *msg, size_t msglen) {
                    (unsigned long long)j->row.id, j->spec_error);
   if (j->row.state != ZT_JOB_PAUSED)
     return zt_errk(ZT_E_STATE, "job %llu is %s, not paused", (unsigned long long)j->row.id,
-                   zt_job_state_name(j->row.state));
+                   zt_name_job_state(j->row.state));
   zt_db_job_t next = j->row;
   next.state = ZT_JOB_PENDING;
   snprintf(next.message, sizeof next.message, "resumed by operator");

@@ -74,7 +74,7 @@ int zt_jobtable_store_first(zt_coord_t *c, zt_job_t *j, zt_db_job_t *row, const 
 void zt_jobtable_flush(zt_coord_t *c) {
   for (zt_job_t *j = c->jobs; j; j = j->next) {
     if (j->save_failures) (void)zt_jobtable_save(c, j);
-    if (zt_jobtable_active(j)) zt_ckpt_retry_drops(c, j);
+    if (zt_jobtable_active(j)) zt_registry_retry_drops(c, j);
   }
 }
 
@@ -93,7 +93,7 @@ int zt_jobtable_fence(zt_coord_t *c, uint64_t wid, uint64_t job_id, uint64_t gen
                    "stale generation: worker %s is not in generation %llu of job %llu (job is %s "
                    "at generation %llu); rejoin",
                    m->row.name, (unsigned long long)gen, (unsigned long long)job_id,
-                   zt_job_state_name(j->row.state), (unsigned long long)j->row.generation);
+                   zt_name_job_state(j->row.state), (unsigned long long)j->row.generation);
   *jout = j;
   *mout = m;
   return 0;

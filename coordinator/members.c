@@ -186,7 +186,7 @@ static int transition(zt_coord_t *c, zt_member_t *m, int state, const char *kind
   int64_t now = zt_wall_ms();
   if (zt_db_begin(c->db) != 0) return -1;
   if (zt_db_worker_set_state(c->db, m->row.id, state, now) != 0 ||
-      zt_db_event_add(c->db, 0, kind, m->row.id, detail, NULL) != 0) {
+      zt_coord_event_tx(c, 0, kind, m->row.id, detail) != 0) {
     zt_db_rollback(c->db);
     return -1;
   }
@@ -195,7 +195,7 @@ static int transition(zt_coord_t *c, zt_member_t *m, int state, const char *kind
     return -1;
   }
   ZT_INFO("worker %s (id %llu): %s -> %s: %s", m->row.name, (unsigned long long)m->row.id,
-          zt_worker_state_name(m->row.state), zt_worker_state_name(state), detail);
+          zt_name_worker_state(m->row.state), zt_name_worker_state(state), detail);
   m->row.state = state;
   m->row.last_seen_ms = now;
   m->dirty = 0;
@@ -285,10 +285,10 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   char detail[512];
   snprintf(detail, sizeof detail, "name=%s host=%s device=%s pid=%d%s%s", r->name, r->host,
            r->device, r->pid, m ? " previous_state=" : "",
-           m ? zt_worker_state_name(m->row.state) : "");
+           m ? zt_name_worker_state(m->row.state) : "");
   if (zt_db_begin(c->db) != 0) return zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store registration");
   if (zt_db_worker_upsert(c->db, &row) != 0 ||
-      zt_db_event_add(c->db, 0, kind, row.id, detail, NULL) != 0 || zt_db_commit(c->db) != 0) {
+      zt_coord_event_tx(c, 0, kind, row.id, detail) != 0 || zt_db_commit(c->db) != 0) {
     zt_err_wrapk(ZT_E_UNAVAILABLE, "cannot store registration");
     zt_db_rollback(c->db);
     return -1;
@@ -506,7 +506,7 @@ int zt_members_heartbeat(zt_coord_t *c, uint64_t id, zt_member_t **out) {
   if (!m) return zt_errk(ZT_E_NOT_FOUND, "unknown worker id %llu: register first", (unsigned long long)id);
   if (m->row.state == ZT_WORKER_LOST || m->row.state == ZT_WORKER_LEFT)
     return zt_errk(ZT_E_STATE, "worker %s (id %llu) is %s: register again", m->row.name,
-                   (unsigned long long)id, zt_worker_state_name(m->row.state));
+                   (unsigned long long)id, zt_name_worker_state(m->row.state));
   int64_t now = zt_now_ms();
   if (zt_members_blind(c, now)) blind_end(c, now);
   c->last_any_hb_ms = now;
@@ -643,8 +643,7 @@ static int write_changes(zt_coord_t *c, const check_change_t *v, size_t n, int64
   for (size_t i = 0; i < n; i++) {
     if (zt_db_worker_set_state(c->db, v[i].m->row.id, v[i].state, wall) != 0) goto err;
     if (count[v[i].kind]++ < ZT_CHECK_EVENTS &&
-        zt_db_event_add(c->db, 0, k_check_kinds[v[i].kind], v[i].m->row.id, v[i].detail,
-                        NULL) != 0)
+        zt_coord_event_tx(c, 0, k_check_kinds[v[i].kind], v[i].m->row.id, v[i].detail) != 0)
       goto err;
   }
   for (int k = 0; k < 3; k++) {
@@ -652,7 +651,7 @@ static int write_changes(zt_coord_t *c, const check_change_t *v, size_t n, int64
     char detail[160];
     snprintf(detail, sizeof detail, "and %zu more workers %s in the same check (%zu in all)",
              count[k] - ZT_CHECK_EVENTS, k_check_kinds[k], count[k]);
-    if (zt_db_event_add(c->db, 0, k_check_kinds[k], 0, detail, NULL) != 0) goto err;
+    if (zt_coord_event_tx(c, 0, k_check_kinds[k], 0, detail) != 0) goto err;
   }
   if (zt_db_commit(c->db) != 0) goto err;
   return 0;
@@ -701,8 +700,8 @@ size_t zt_members_check(zt_coord_t *c, int64_t lag_ms, uint64_t **lost) {
     zt_member_t *m = v[i].m;
     if (i < ZT_CHECK_EVENTS)
       ZT_INFO("worker %s (id %llu): %s -> %s: %s", m->row.name, (unsigned long long)m->row.id,
-              zt_worker_state_name(v[i].kind ? m->row.state : ZT_WORKER_SUSPECT),
-              zt_worker_state_name(v[i].state), v[i].detail);
+              zt_name_worker_state(v[i].kind ? m->row.state : ZT_WORKER_SUSPECT),
+              zt_name_worker_state(v[i].state), v[i].detail);
     m->row.state = v[i].state;
     m->row.last_seen_ms = wall;
     m->dirty = 0;

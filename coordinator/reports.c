@@ -305,7 +305,7 @@ static int bad_checkpoint(zt_coord_t *c, zt_job_t *j, const Ztrain__ReportFailur
   if (req->bad_checkpoint[0] && zt_path_confine(c->cfg.ckpt_root, req->bad_checkpoint,
                                                  "bad_checkpoint", bad, sizeof bad) != 0)
     snprintf(bad, sizeof bad, "%s", req->bad_checkpoint); /* matches no epoch: fails the job */
-  if (!bad[0] || zt_ckpt_mark_bad(c, j, bad, reason) == 0) return 0;
+  if (!bad[0] || zt_registry_mark_bad(c, j, bad, reason) == 0) return 0;
   zt_sched_finish(c, j, ZT_JOB_FAILED, "job_failed", "cannot load checkpoint %s: %s",
                   req->bad_checkpoint, reason);
   zt_sched_run(c);
@@ -414,7 +414,7 @@ static void epoch_committed(zt_coord_t *c, zt_job_t *j) {
       zt_jobtable_save(c, j);
     }
   }
-  zt_ckpt_gc(c, j);
+  zt_registry_gc(c, j);
   zt_sched_epoch_committed(c, j);
 }
 
@@ -422,12 +422,12 @@ int zt_reports_checkpoint(zt_coord_t *c, const Ztrain__ReportCheckpointRequest *
                           int *committed) {
   zt_job_t *j;
   zt_member_t *m;
-  zt_ckpt_outcome_t out;
+  zt_registry_outcome_t out;
   *committed = 0;
   if (zt_jobtable_fence(c, req->worker_id, req->job_id, req->generation, &j, &m) != 0) return -1;
-  if (zt_ckpt_report(c, j, m, req, &out) != 0) return -1;
-  if (out == ZT_CKPT_REPORT_FAILED) checkpoint_failed(c, j);
-  if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
+  if (zt_registry_report(c, j, m, req, &out) != 0) return -1;
+  if (out == ZT_REGISTRY_REPORT_FAILED) checkpoint_failed(c, j);
+  if (out != ZT_REGISTRY_REPORT_COMMITTED) return 0;
   *committed = 1;
   epoch_committed(c, j);
   return 0;
@@ -457,9 +457,9 @@ int zt_reports_replica(zt_coord_t *c, const Ztrain__ReportReplicaRequest *req, i
   zt_db_ckpt_file_t f;
   char dir[sizeof j->start_ckpt];
   if (copy_of(c, req, &f, dir, sizeof dir) != 0) return -1;
-  zt_ckpt_outcome_t out;
-  if (zt_ckpt_report_copy(c, j, m, dir, &f, &out) != 0) return -1;
-  if (out != ZT_CKPT_REPORT_COMMITTED) return 0;
+  zt_registry_outcome_t out;
+  if (zt_registry_report_copy(c, j, m, dir, &f, &out) != 0) return -1;
+  if (out != ZT_REGISTRY_REPORT_COMMITTED) return 0;
   *committed = 1;
   epoch_committed(c, j);
   return 0;

@@ -77,7 +77,7 @@ static int skip_data(zt_coord_t *c, zt_job_t *j, zt_range_list_t *sk, int64_t fi
  * epochs after it. */
 static void pause_at(zt_coord_t *c, zt_job_t *j, int64_t to, const char *dir, const char *msg) {
   force_start(j, to, dir); /* where zctl resume continues */
-  zt_ckpt_drop_after(c, j, to); /* ... and not from the epochs of the spike */
+  zt_registry_drop_after(c, j, to); /* ... and not from the epochs of the spike */
   zt_sched_finish(c, j, ZT_JOB_PAUSED, "job_paused", "%s", msg);
 }
 
@@ -104,7 +104,7 @@ static int target_unloadable(zt_coord_t *c, zt_job_t *j, const zt_db_ckpt_t *ck,
   if (!budgeted)
     return zt_errk(ZT_E_STATE, "cannot roll back now: the checkpoint at step %lld lacks a copy "
                    "on a machine with a live worker; nothing changed", (long long)ck->step);
-  zt_ckpt_drop_after(c, j, ck->step);
+  zt_registry_drop_after(c, j, ck->step);
   zt_sched_finish(c, j, ZT_JOB_PAUSED, "job_paused",
                   "paused: %s; the checkpoint to roll back to (step %lld) lacks a copy on a "
                   "machine with a live worker; zctl resume continues from it once one is back",
@@ -122,8 +122,8 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
   zt_db_ckpt_t ck;
   int have = 0, any = 0;
   char msg[sizeof j->row.message];
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, max_ckpt_step, 1, &ck, &have) != 0) return -1;
-  if (j->p.ckpt_dir[0] && !have && zt_ckpt_newest(c, j, max_ckpt_step, 0, &ck, &any) != 0)
+  if (j->p.ckpt_dir[0] && zt_registry_newest(c, j, max_ckpt_step, 1, &ck, &have) != 0) return -1;
+  if (j->p.ckpt_dir[0] && !have && zt_registry_newest(c, j, max_ckpt_step, 0, &ck, &any) != 0)
     return -1;
   if (any) return target_unloadable(c, j, &ck, budgeted, why);
   int64_t to = have ? ck.step : 0;
@@ -159,7 +159,7 @@ static int rollback(zt_coord_t *c, zt_job_t *j, int64_t first_step, int64_t last
   force_start(j, to, dir);
   if (budgeted) zt_jobtable_save(c, j);
   log_rollback(c, j, to, have, why, first_step, last_step, skip_steps, lo, hi, old_factor);
-  zt_ckpt_drop_after(c, j, to);
+  zt_registry_drop_after(c, j, to);
   char reason[300];
   snprintf(reason, sizeof reason, "rollback to step %lld", (long long)to);
   zt_sched_try_form(c, j, reason);
@@ -186,7 +186,7 @@ int zt_rollback_operator(zt_coord_t *c, zt_job_t *j, int64_t to_step, int64_t sk
                          char *msg, size_t msglen) {
   if (!zt_jobtable_active(j) && j->row.state != ZT_JOB_PAUSED)
     return zt_errk(ZT_E_STATE, "job %llu is %s", (unsigned long long)j->row.id,
-                   zt_job_state_name(j->row.state));
+                   zt_name_job_state(j->row.state));
   if (to_step < 0 || skip_steps < 0 || to_step > j->row.total_steps ||
       skip_steps > j->row.total_steps)
     return zt_errk(ZT_E_INVALID, "--to-step must be in 0..%lld and --skip in 0..%lld",
@@ -201,7 +201,7 @@ int zt_rollback_operator(zt_coord_t *c, zt_job_t *j, int64_t to_step, int64_t sk
   zt_db_ckpt_t ck;
   int have = 0;
   if (j->row.state == ZT_JOB_PAUSED) j->row.state = ZT_JOB_RECONFIGURING;
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, to_step, 1, &ck, &have) != 0) {
+  if (j->p.ckpt_dir[0] && zt_registry_newest(c, j, to_step, 1, &ck, &have) != 0) {
     j->row.state = was;
     return -1;
   }

@@ -102,9 +102,9 @@ void zt_sched_finish(zt_coord_t *c, zt_job_t *j, int state, const char *kind, co
   j->row.state = state;
   zt_jobtable_save(c, j);
   zt_coord_event(c, j->row.id, kind, 0, "%s", j->row.message);
-  if (zt_job_state_ended(state)) {
-    zt_ckpt_forget(j);
-    zt_ckpt_gc(c, j); /* its pending epochs can never commit now */
+  if (zt_db_job_ended(state)) {
+    zt_registry_forget(j);
+    zt_registry_gc(c, j); /* its pending epochs can never commit now */
   }
 }
 
@@ -210,10 +210,10 @@ static int start_point(zt_coord_t *c, zt_job_t *j, int64_t *step, char *dir, siz
   if (j->rb_ckpt_step >= 0) {
     *step = j->rb_ckpt_step;
     snprintf(dir, dirlen, "%s", j->rb_ckpt_dir);
-  } else if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 1, &ck, &have) == 0 && have) {
+  } else if (j->p.ckpt_dir[0] && zt_registry_newest(c, j, INT64_MAX, 1, &ck, &have) == 0 && have) {
     *step = ck.step;
     snprintf(dir, dirlen, "%s", ck.dir);
-  } else if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 0, &ck, &any) == 0 && any) {
+  } else if (j->p.ckpt_dir[0] && zt_registry_newest(c, j, INT64_MAX, 0, &ck, &any) == 0 && any) {
     return zt_errk(ZT_E_UNAVAILABLE, "no committed checkpoint can be loaded: the newest (step "
                    "%lld) and every older one lack a copy on a machine with a live worker",
                    (long long)ck.step);
@@ -230,7 +230,7 @@ static void set_start(zt_coord_t *c, zt_job_t *j, const char *dir) {
   free(j->start_files);
   j->start_files = NULL;
   j->n_start_files = 0;
-  if (dir[0] && zt_ckpt_record(c, dir, &j->start_files, &j->n_start_files) != 0)
+  if (dir[0] && zt_registry_record(c, dir, &j->start_files, &j->n_start_files) != 0)
     ZT_WARN("job %llu: %s", (unsigned long long)j->row.id, zt_err_msg());
 }
 
@@ -430,7 +430,7 @@ static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
                  (long long)((j->p.global_batch / j->p.micro + n - 1) / n), (long long)start_step,
                  names,
                  reason);
-  zt_ckpt_gc(c, j); /* pending epochs of the old generation can never commit */
+  zt_registry_gc(c, j); /* pending epochs of the old generation can never commit */
 }
 
 /* The rejoin grace. Workers of the last generation that were lost
@@ -666,7 +666,7 @@ static void resume_if_loadable(zt_coord_t *c, zt_job_t *j, int64_t now) {
   j->resume_check_ms = now + 1000;
   zt_db_ckpt_t ck;
   int have = 0;
-  if (zt_ckpt_newest(c, j, INT64_MAX, 1, &ck, &have) != 0 || !have) return;
+  if (zt_registry_newest(c, j, INT64_MAX, 1, &ck, &have) != 0 || !have) return;
   char what[96], why[160];
   snprintf(what, sizeof what, "step %lld can be loaded again", (long long)ck.step);
   snprintf(why, sizeof why, "%s (a machine holding its copies is back)", what);
@@ -762,7 +762,7 @@ void zt_sched_reload(zt_coord_t *c, zt_job_t *j) {
    * below the generation's start step. */
   zt_db_ckpt_t ck;
   int have = 0;
-  if (j->p.ckpt_dir[0] && zt_ckpt_newest(c, j, INT64_MAX, 0, &ck, &have) == 0 && have) {
+  if (j->p.ckpt_dir[0] && zt_registry_newest(c, j, INT64_MAX, 0, &ck, &have) == 0 && have) {
     set_start(c, j, ck.dir);
     j->start_step = j->safe_step = j->committed_step = ck.step;
     j->committed_wall_ms = ck.t_ms;

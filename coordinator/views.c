@@ -98,7 +98,7 @@ void zt_view_ckpt(const zt_db_ckpt_t *k, Ztrain__CheckpointInfo *x) {
   x->step = k->step;
   x->generation = k->generation;
   x->world = (uint32_t)k->world;
-  x->state = (char *)zt_ckpt_state_name(k->state);
+  x->state = (char *)zt_name_ckpt_state(k->state);
   x->dir = (char *)k->dir;
   x->bytes = k->bytes;
   x->t_ms = k->t_ms;

@@ -100,7 +100,7 @@ static cJSON *model_json(const zt_model_config_t *m) {
     cJSON_AddNumberToObject(o, "rope_theta", zt_float_decimal(m->rope_theta));
     cJSON_AddNumberToObject(o, "rms_norm_eps", zt_float_decimal(m->norm_eps));
     if (m->max_pos) cJSON_AddNumberToObject(o, "max_position_embeddings", m->max_pos);
-    if (m->rope_factor != 0) cJSON_AddItemToObject(o, "rope_scaling", zt_rope_scaling_json(m));
+    if (m->rope_factor != 0) cJSON_AddItemToObject(o, "rope_scaling", zt_spec_rope_json(m));
     cJSON_AddBoolToObject(o, "tie_word_embeddings", m->tie_embed);
     cJSON_AddBoolToObject(o, "attention_bias", m->qkv_bias);
   }
@@ -395,7 +395,7 @@ static int llama_fields(const cJSON *mm, zt_model_config_t *cfg) {
   cfg->norm_eps = (float)eps->valuedouble;
   cfg->tie_embed = cJSON_IsTrue(tie);
   cfg->qkv_bias = cJSON_IsTrue(bias);
-  if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(mm, "rope_scaling"),
+  if (zt_spec_rope_parse(cJSON_GetObjectItemCaseSensitive(mm, "rope_scaling"),
                             "manifest model.rope_scaling", cfg) != 0)
     return -1;
   return cfg->n_kv_head < 1 || cfg->head_dim < 1 || cfg->n_ff < 1 ? -1 : 0;
@@ -409,7 +409,7 @@ static int same_arch(const cJSON *mm, const zt_model_config_t *model) {
          (got.n_kv_head == model->n_kv_head && got.head_dim == model->head_dim &&
           got.n_ff == model->n_ff && got.rope_theta == model->rope_theta &&
           got.norm_eps == model->norm_eps && got.tie_embed == model->tie_embed &&
-          got.qkv_bias == model->qkv_bias && zt_rope_scaling_same(&got, model) &&
+          got.qkv_bias == model->qkv_bias && zt_spec_rope_same(&got, model) &&
           got.lora_r == model->lora_r && got.lora_alpha == model->lora_alpha &&
           got.lora_targets == model->lora_targets);
 }

@@ -134,7 +134,7 @@ static void unsupported(const cJSON *c, int qwen2, int seq_len, zt_faults_t *p) 
 /* config c's rope_scaling into rs; 0, or -1 with a fault when it is not
  * one we implement. */
 static int rope_of(const cJSON *c, zt_model_config_t *rs, zt_faults_t *p) {
-  if (zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(c, "rope_scaling"), "rope_scaling",
+  if (zt_spec_rope_parse(cJSON_GetObjectItemCaseSensitive(c, "rope_scaling"), "rope_scaling",
                             rs) == 0)
     return 0;
   zt_faults_add(p, "%s", zt_err_msg());
@@ -166,7 +166,7 @@ int zt_hfconfig_check(const char *dir, const zt_model_config_t *w) {
     }
   }
   zt_model_config_t rs = *w;
-  if (rope_of(c, &rs, &p) == 0 && !zt_rope_scaling_same(&rs, w))
+  if (rope_of(c, &rs, &p) == 0 && !zt_spec_rope_same(&rs, w))
     zt_faults_add(&p, "rope_scaling differs from the spec's model.rope_scaling (%s)",
                   w->rope_factor ? "llama3" : "none");
   unsupported(c, qwen2, w->seq_len, &p);
@@ -207,8 +207,8 @@ static void merge_key(cJSON *m, const cJSON *it, zt_faults_t *p) {
   char a[256], b[256];
   if (!strcmp(it->string, "rope_scaling") && have) {
     zt_model_config_t x = {0}, y = {0};
-    if (zt_rope_scaling_parse(have, "rope_scaling", &y) != 0) return; /* said already */
-    if (zt_rope_scaling_parse(it, "model.rope_scaling", &x) != 0 || !zt_rope_scaling_same(&x, &y))
+    if (zt_spec_rope_parse(have, "rope_scaling", &y) != 0) return; /* said already */
+    if (zt_spec_rope_parse(it, "model.rope_scaling", &x) != 0 || !zt_spec_rope_same(&x, &y))
       zt_faults_add(p, "model.rope_scaling differs from config.json's (leave it out: it comes "
                        "from there)");
     return;
@@ -230,7 +230,7 @@ static void merge_key(cJSON *m, const cJSON *it, zt_faults_t *p) {
     return;
   } else if (!strcmp(it->string, "rope_scaling") && !cJSON_IsNull(it)) {
     zt_model_config_t x = {0};
-    if (zt_rope_scaling_parse(it, "model.rope_scaling", &x) != 0 || x.rope_factor != 0)
+    if (zt_spec_rope_parse(it, "model.rope_scaling", &x) != 0 || x.rope_factor != 0)
       zt_faults_add(p, "model.rope_scaling is set in the spec, config.json has none");
     return;
   }

@@ -23,7 +23,7 @@
 
 /* ---- sections ------------------------------------------------------------- */
 
-int zt_rope_scaling_parse(const cJSON *o, const char *where, zt_model_config_t *c) {
+int zt_spec_rope_parse(const cJSON *o, const char *where, zt_model_config_t *c) {
   static const char *const keys[] = {"rope_type", "type", "factor", "low_freq_factor",
                                      "high_freq_factor", "original_max_position_embeddings"};
   c->rope_factor = c->rope_low_freq_factor = c->rope_high_freq_factor = 0;
@@ -52,7 +52,7 @@ int zt_rope_scaling_parse(const cJSON *o, const char *where, zt_model_config_t *
   return 0;
 }
 
-int zt_rope_scaling_same(const zt_model_config_t *a, const zt_model_config_t *b) {
+int zt_spec_rope_same(const zt_model_config_t *a, const zt_model_config_t *b) {
   return a->rope_factor == b->rope_factor && a->rope_low_freq_factor == b->rope_low_freq_factor &&
          a->rope_high_freq_factor == b->rope_high_freq_factor &&
          a->rope_original_max_pos == b->rope_original_max_pos;
@@ -65,7 +65,7 @@ cJSON *zt_lora_targets_json(unsigned targets) {
   return t;
 }
 
-cJSON *zt_rope_scaling_json(const zt_model_config_t *c) {
+cJSON *zt_spec_rope_json(const zt_model_config_t *c) {
   if (c->rope_factor == 0) return cJSON_CreateNull();
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "rope_type", "llama3");
@@ -96,7 +96,7 @@ static int parse_llama(zt_model_config_t *c, const cJSON *o) {
       zt_json_bool(o, "model", "tie_word_embeddings", &c->tie_embed) ||
       zt_json_bool(o, "model", "attention_bias", &c->qkv_bias) ||
       zt_json_int(o, "model", "max_position_embeddings", 0, 1, 1 << 24, &c->max_pos) ||
-      zt_rope_scaling_parse(cJSON_GetObjectItemCaseSensitive(o, "rope_scaling"),
+      zt_spec_rope_parse(cJSON_GetObjectItemCaseSensitive(o, "rope_scaling"),
                             "model.rope_scaling", c))
     return -1;
   if (c->max_pos && c->seq_len > c->max_pos)

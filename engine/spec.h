@@ -218,12 +218,12 @@ struct cJSON;
  * "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
  * into c's rope_* fields. Errors name `where` and the field; any other
  * rope_type is refused by name. */
-ZT_MUST_CHECK int zt_rope_scaling_parse(const struct cJSON *o, const char *where,
+ZT_MUST_CHECK int zt_spec_rope_parse(const struct cJSON *o, const char *where,
                                         zt_model_config_t *c);
 /* The same object from c (a JSON null without scaling). */
-struct cJSON *zt_rope_scaling_json(const zt_model_config_t *c);
+struct cJSON *zt_spec_rope_json(const zt_model_config_t *c);
 /* 1 when a and b have the same rope_scaling. */
-int zt_rope_scaling_same(const zt_model_config_t *a, const zt_model_config_t *b);
+int zt_spec_rope_same(const zt_model_config_t *a, const zt_model_config_t *b);
 /* LoRA's target_modules (ZT_LORA_* bits) as PEFT lists them: a JSON array
  * of names, in a block's order (a manifest's lora, adapter_config.json). */
 struct cJSON *zt_lora_targets_json(unsigned targets);

@@ -119,4 +119,11 @@ typedef struct zt_gen_ctx {
  * stop was requested; -1 on failure, described in *f. */
 int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f);
 
+/* The most ranks whose shares a step report carries (the load balance's
+ * limit, engine/balance.h). */
+#define ZT_GEN_MAX_SHARES 256
+
+/* Frees a kept DiLoCo round (zt_gen_ctx_t.diloco_stash; NULL is none). */
+void zt_gen_stash_free(struct zt_diloco_stash *st);
+
 #endif

@@ -51,7 +51,7 @@ int zt_device_parse(const char *device) {
  * search path. -1 with the reasons. */
 static int open_library(void) {
   char tried[2000] = "", self[PATH_MAX], build[PATH_MAX + 64], inst[PATH_MAX + 128];
-  const char *env = getenv("ZT_CUDA_KERNELS");
+  const char *env = zt_env(ZT_ENV_CUDA_KERNELS);
   const char *paths[4] = {env, NULL, NULL, "libzt_kernels_cuda.so"};
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   if (n > 0) {

@@ -9,7 +9,7 @@ cJSON *zt_pbjson_job(const Ztrain__JobInfo *j) {
   cJSON *o = cJSON_CreateObject();
   cJSON_AddNumberToObject(o, "id", (double)j->id);
   cJSON_AddStringToObject(o, "name", j->name);
-  cJSON_AddStringToObject(o, "state", zt_job_state_name(j->state));
+  cJSON_AddStringToObject(o, "state", zt_name_job_state(j->state));
   cJSON_AddNumberToObject(o, "generation", (double)j->generation);
   cJSON_AddNumberToObject(o, "world", j->world);
   cJSON_AddNumberToObject(o, "step", (double)j->step);
@@ -61,7 +61,7 @@ cJSON *zt_pbjson_worker(const Ztrain__WorkerInfo *w) {
   cJSON_AddStringToObject(o, "name", w->name);
   cJSON_AddStringToObject(o, "host", w->host);
   cJSON_AddStringToObject(o, "device", w->device);
-  cJSON_AddStringToObject(o, "state", zt_worker_state_name(w->state));
+  cJSON_AddStringToObject(o, "state", zt_name_worker_state(w->state));
   cJSON_AddNumberToObject(o, "last_seen_ms", (double)w->last_seen_ms);
   cJSON_AddNumberToObject(o, "registered_ms", (double)w->registered_ms);
   cJSON_AddNumberToObject(o, "pid", w->pid);

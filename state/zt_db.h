@@ -124,7 +124,7 @@ typedef enum {
 
 /* 1 for the final states (completed, failed, canceled); a paused job may
  * still be resumed. */
-static inline int zt_job_state_ended(int state) {
+static inline int zt_db_job_ended(int state) {
   return state == ZT_JOB_COMPLETED || state == ZT_JOB_FAILED || state == ZT_JOB_CANCELED;
 }
 

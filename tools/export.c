@@ -165,7 +165,7 @@ static cJSON *llama_config_json(const zt_model_config_t *cfg) {
   cJSON_AddNumberToObject(c, "max_position_embeddings", cfg->max_pos ? cfg->max_pos : cfg->seq_len);
   cJSON_AddNumberToObject(c, "rms_norm_eps", zt_float_decimal(cfg->norm_eps));
   cJSON_AddNumberToObject(c, "rope_theta", zt_float_decimal(cfg->rope_theta));
-  cJSON_AddItemToObject(c, "rope_scaling", zt_rope_scaling_json(cfg));
+  cJSON_AddItemToObject(c, "rope_scaling", zt_spec_rope_json(cfg));
   cJSON_AddStringToObject(c, "hidden_act", "silu");
   if (qwen2) {
     cJSON_AddFalseToObject(c, "use_sliding_window");

@@ -141,7 +141,7 @@ static int cmd_workers(zctl *z, int argc, char **argv) {
       char t[64];
       fmt_time(t, sizeof t, w->last_seen_ms);
       printf("%-6llu %-20s %-8s %-8s %-16s %-8d %s\n", (unsigned long long)w->id, esc(w->name),
-             zt_worker_state_name(w->state), esc(w->device), esc(w->host), w->pid, t);
+             zt_name_worker_state(w->state), esc(w->device), esc(w->host), w->pid, t);
     }
   }
   protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -201,7 +201,7 @@ static void print_job_row(const Ztrain__JobInfo *j) {
   char ck[24] = "-";
   if (j->checkpoint_step > 0) snprintf(ck, sizeof ck, "%lld", (long long)j->checkpoint_step);
   printf("%-5llu %-16s %-13s %4llu %5u %7lld/%-7lld %8s %9.4f %10.0f  %s\n",
-         (unsigned long long)j->id, esc(j->name), zt_job_state_name(j->state),
+         (unsigned long long)j->id, esc(j->name), zt_name_job_state(j->state),
          (unsigned long long)j->generation, j->world, (long long)j->step, (long long)j->total_steps,
          ck, j->loss, j->tokens_per_s, esc(j->message));
 }
@@ -288,7 +288,7 @@ static int cmd_wait(zctl *z, int argc, char **argv) {
     else if (st == ZTRAIN__JOB_STATE__JOB_FAILED || st == ZTRAIN__JOB_STATE__JOB_CANCELED ||
              (st == ZTRAIN__JOB_STATE__JOB_PAUSED && !j->resumes_by_itself))
       rc = zt_err("wait: job %llu %s: %s", (unsigned long long)req.job_id,
-                  zt_job_state_name(st), esc(j->message));
+                  zt_name_job_state(st), esc(j->message));
     if (rc != 1 && z->json) print_json(zt_pbjson_job(j));
     else if (rc != 1) print_job_row(j);
     if (r) protobuf_c_message_free_unpacked(&r->base, NULL);
@@ -527,7 +527,7 @@ static int cmd_logbook(zctl *z, int argc, char **argv) {
   if (!er || fetch_steps(z, id, 0, 0, &mr) != 0) return -1;
   Ztrain__JobInfo *j = jr->job;
   printf("# Run report: job %llu (%s)\n\n", (unsigned long long)j->id, esc(j->name));
-  printf("- state: **%s** (%s)\n", zt_job_state_name(j->state), esc(j->message));
+  printf("- state: **%s** (%s)\n", zt_name_job_state(j->state), esc(j->message));
   printf("- steps: %lld of %lld; generation %llu on %u workers; %u restarts\n",
          (long long)j->step, (long long)j->total_steps, (unsigned long long)j->generation, j->world,
          j->restarts);
@@ -752,8 +752,8 @@ int main(int argc, char **argv) {
       {"token", required_argument, 0, 't'},       {"timeout-ms", required_argument, 0, 'T'},
       {"help", no_argument, 0, 'h'},              {0, 0, 0, 0},
   };
-  const char *coord = getenv("ZTRAIN_COORDINATOR");
-  const char *token = getenv("ZTRAIN_TOKEN");
+  const char *coord = zt_env(ZT_ENV_COORDINATOR);
+  const char *token = zt_env(ZT_ENV_TOKEN);
   zctl z = {.timeout_ms = 5000};
   int ch;
   /* "+": stop at the verb, whose own options follow it. */

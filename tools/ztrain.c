@@ -716,7 +716,7 @@ static int follow(launch *l, uint64_t job) {
       }
       if (done) {
         end_line(l);
-        printf("ztrain: job %llu %s: %s\n", (unsigned long long)job, zt_job_state_name(state),
+        printf("ztrain: job %llu %s: %s\n", (unsigned long long)job, zt_name_job_state(state),
                ji->message);
       }
       protobuf_c_message_free_unpacked(m, NULL);

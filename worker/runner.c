@@ -22,11 +22,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "balance.h"
 #include "comm.h"
 #include "cores.h"
 #include "device.h"
-#include "diloco.h"
 #include "pbcall.h"
 #include "replicas.h"
 #include "runner.h"
@@ -54,10 +52,10 @@ struct zt_runner {
   double micro_ms;
   /* DiLoCo: the round this worker's group kept when a group was lost
    * (zt_gen_ctx_t.diloco_stash), for job micro_job; runner thread only. */
-  zt_diloco_stash_t *stash;
+  struct zt_diloco_stash *stash;
   /* The load balance's newest plan, to go with the report of step
    * plan_step (plan_n 0: none pending); under mu. */
-  uint32_t plan[ZT_LB_MAX_RANKS];
+  uint32_t plan[ZT_GEN_MAX_SHARES];
   int plan_n;
   int64_t plan_step;
   /* The rendezvous of the generation being trained (its replica targets
@@ -281,7 +279,7 @@ static void *reporter_main(void *p) {
       if (n && r->plan_n && r->plan_step == s->step) break;
       batch[n++] = *s;
     }
-    uint32_t shares[ZT_LB_MAX_RANKS];
+    uint32_t shares[ZT_GEN_MAX_SHARES];
     int nshares = r->plan_n && r->plan_step == batch[0].step ? r->plan_n : 0;
     memcpy(shares, r->plan, sizeof(uint32_t) * (size_t)nshares);
     if (nshares) r->plan_n = 0;
@@ -310,7 +308,7 @@ static zt_train_cmd_t report_step_cb(void *user, const zt_step_report_t *s) {
     pthread_cond_wait(&r->rep_cv, &r->mu);
   zt_train_cmd_t cmd = r->rep_cmd;
   if (r->q_len < ZT_REPORT_QUEUE) {
-    if (s->nshares > 0 && s->nshares <= ZT_LB_MAX_RANKS) {
+    if (s->nshares > 0 && s->nshares <= ZT_GEN_MAX_SHARES) {
       for (int i = 0; i < s->nshares; i++) r->plan[i] = (uint32_t)s->shares[i];
       r->plan_n = s->nshares, r->plan_step = s->step;
     }
@@ -626,7 +624,7 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
   if (zt_device_parse(r->o.device) < 0) zt_cores_check(); /* workers started since */
   if (r->micro_job != rv->job_id) {
     r->micro_job = rv->job_id, r->micro_ms = 0;
-    zt_diloco_stash_free(r->stash);
+    zt_gen_stash_free(r->stash);
     r->stash = NULL;
   }
   g.micro_ms = &r->micro_ms;
@@ -868,6 +866,6 @@ void zt_runner_stop(zt_runner_t *r) {
   pthread_cond_destroy(&r->cv);
   pthread_cond_destroy(&r->rep_cv);
   pthread_mutex_destroy(&r->mu);
-  zt_diloco_stash_free(r->stash);
+  zt_gen_stash_free(r->stash);
   free(r);
 }

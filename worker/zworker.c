@@ -108,7 +108,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   memset(a, 0, sizeof *a);
   a->device = "cpu";
   a->comm_host = "127.0.0.1";
-  a->secret = getenv("ZTRAIN_WORKER_SECRET");
+  a->secret = zt_env(ZT_ENV_WORKER_SECRET);
   int ch;
   int64_t v;
   while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {

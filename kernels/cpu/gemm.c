@@ -286,7 +286,7 @@ static atomic_flag zt_gemm_warned = ATOMIC_FLAG_INIT;
 /* ZT_SGEMM=blas forces OpenBLAS; unset, empty or "avx512" leaves the choice
  * to the CPU; anything else is a mistake said once, and ignored. */
 static int gemm_choose(void) {
-  const char *env = getenv("ZT_SGEMM");
+  const char *env = zt_env(ZT_ENV_SGEMM);
   if (env && !strcmp(env, "blas")) return 0;
   if (env && env[0] && strcmp(env, "avx512") != 0 && !atomic_flag_test_and_set(&zt_gemm_warned))
     ZT_WARN("ZT_SGEMM=%s: unknown (blas or avx512); the CPU chooses (%s)", env,
