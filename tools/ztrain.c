@@ -183,6 +183,7 @@ typedef struct {
   pid_t wk[MAX_WORKERS]; /* 0: reaped */
   int started;         /* workers started */
   zt_rpc_client_t *rpc;
+  char sizing[512];    /* how the spec's elastic range meets --workers, said at submit */
 } launch;
 
 /* An option's value: a decimal integer in [lo, hi], or -1 with a message
@@ -355,7 +356,7 @@ static int root_opt(const char *opt, const char *dir, char *out) {
  * (elastic.min_workers = max_workers = N), and says so; a spec whose
  * elastic range leaves some of them idle says that; one that needs more
  * than are started is an error. Sets *changed when the spec changed. */
-static int size_job(const launch *l, cJSON *doc, int *changed) {
+static int size_job(launch *l, cJSON *doc, int *changed) {
   cJSON *e = cJSON_GetObjectItemCaseSensitive(doc, "elastic");
   if (!e) {
     if (!(e = cJSON_AddObjectToObject(doc, "elastic")) ||
@@ -363,9 +364,10 @@ static int size_job(const launch *l, cJSON *doc, int *changed) {
         !cJSON_AddNumberToObject(e, "max_workers", l->workers))
       return zt_err("%s: out of memory", l->spec_path);
     *changed = 1;
-    printf("ztrain: %s has no elastic section: the job runs on the %d workers "
-           "(elastic.min_workers = max_workers = %d)\n",
-           l->spec_path, l->workers, l->workers);
+    snprintf(l->sizing, sizeof l->sizing,
+             "%s has no elastic section: the job runs on the %d workers "
+             "(elastic.min_workers = max_workers = %d)",
+             l->spec_path, l->workers, l->workers);
     return 0;
   }
   if (!cJSON_IsObject(e)) return 0; /* zcoord's check names what is wrong */
@@ -378,9 +380,9 @@ static int size_job(const launch *l, cJSON *doc, int *changed) {
                   "(--workers %d or more)",
                   l->spec_path, lo, l->workers, lo);
   if (hi < l->workers)
-    printf("ztrain: %s allows at most %d workers (elastic.max_workers): %d of the %d "
-           "started stay idle\n",
-           l->spec_path, hi, l->workers - hi, l->workers);
+    snprintf(l->sizing, sizeof l->sizing,
+             "%s allows at most %d workers (elastic.max_workers): %d of the %d started stay idle",
+             l->spec_path, hi, l->workers - hi, l->workers);
   return 0;
 }
 
@@ -809,6 +811,7 @@ int main(int argc, char **argv) {
                           l.threads == 1 ? "" : "s");
   printf("ztrain: job %llu submitted to %s with %d workers%s (%d usable cores; logs in %s/)\n",
          (unsigned long long)job, l.target, l.workers, thr, zt_cpus_usable(), l.dir);
+  if (l.sizing[0]) printf("ztrain: %s\n", l.sizing);
   fflush(stdout);
   rc = follow(&l, job);
   if (l.serve && !g_interrupted && l.coord > 0) {
