@@ -67,32 +67,20 @@ static void add_own(double *acc, const float *own, const uint8_t *src, size_t n,
 /* ---- failures ------------------------------------------------------------ */
 
 /* A failure on the connection with rank `peer`: it becomes the failed
- * peer (comm.h, zt_comm_failed_peer), and the message the thread's error,
- * with which the front breaks the communicator. */
-static int peer_fail(zt__ring_t *r, int peer, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int peer_fail(zt__ring_t *r, int peer, const char *fmt, ...) {
+ * peer (comm.h, zt_comm_failed_peer; `ended` when the peer closed or
+ * reset the connection, zt_comm_failed_peer_closed), and the message the
+ * thread's error, with which the front breaks the communicator. */
+static int peer_fail(zt__ring_t *r, int peer, int ended, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int peer_fail(zt__ring_t *r, int peer, int ended, const char *fmt, ...) {
   char msg[sizeof r->c.err];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   r->c.failed_peer = peer;
+  r->c.failed_closed = ended;
   return zt_err("%s", msg);
-}
-
-/* As peer_fail, for a connection that ended: the peer closed it (a read
- * of 0 bytes) or reset it. */
-static int peer_closed(zt__ring_t *r, int peer, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int peer_closed(zt__ring_t *r, int peer, const char *fmt, ...) {
-  char msg[sizeof r->c.err];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  r->c.failed_closed = 1;
-  return peer_fail(r, peer, "%s", msg);
 }
 
 /* 1 when errno says the peer ended the connection. */
@@ -150,9 +138,9 @@ static int step_send(zt__ring_t *r, const zt__ring_step_t *s, step_pos *p, const
   size_t want = ZT_MIN(s->slen - p->sent, r->chunk);
   ssize_t w = send(r->next_fd, s->sbuf + p->sent, want, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (w < 0 && io_ended())
-    return peer_closed(r, r->next, "%s: send to rank %d: %s", op, r->next, strerror(errno));
+    return peer_fail(r, r->next, 1, "%s: send to rank %d: %s", op, r->next, strerror(errno));
   if (w < 0 && !io_again())
-    return peer_fail(r, r->next, "%s: send to rank %d: %s", op, r->next, strerror(errno));
+    return peer_fail(r, r->next, 0, "%s: send to rank %d: %s", op, r->next, strerror(errno));
   if (w > 0) p->sent += (size_t)w, zt__comm_count(&r->c.st->bytes_sent, (uint64_t)w);
   return 0;
 }
@@ -162,11 +150,11 @@ static int step_send(zt__ring_t *r, const zt__ring_step_t *s, step_pos *p, const
 static int step_recv(zt__ring_t *r, const zt__ring_step_t *s, step_pos *p, const char *op) {
   size_t want = ZT_MIN(s->rlen - p->got, r->chunk);
   ssize_t rd = recv(r->prev_fd, s->rbuf + p->got, want, MSG_DONTWAIT);
-  if (rd == 0) return peer_closed(r, r->prev, "%s: rank %d closed the connection", op, r->prev);
+  if (rd == 0) return peer_fail(r, r->prev, 1, "%s: rank %d closed the connection", op, r->prev);
   if (rd < 0 && io_ended())
-    return peer_closed(r, r->prev, "%s: receive from rank %d: %s", op, r->prev, strerror(errno));
+    return peer_fail(r, r->prev, 1, "%s: receive from rank %d: %s", op, r->prev, strerror(errno));
   if (rd < 0 && !io_again())
-    return peer_fail(r, r->prev, "%s: receive from rank %d: %s", op, r->prev, strerror(errno));
+    return peer_fail(r, r->prev, 0, "%s: receive from rank %d: %s", op, r->prev, strerror(errno));
   if (rd > 0) p->got += (size_t)rd, zt__comm_count(&r->c.st->bytes_recv, (uint64_t)rd);
   if (s->acc) step_reduce(r, s, p);
   return 0;
@@ -187,7 +175,7 @@ static int step_loop(zt__ring_t *r, const zt__ring_step_t *s, zt_deadline_t dl, 
     }
     int64_t left = zt_deadline_left_ms(dl);
     if (left == 0)
-      return peer_fail(r, p.got < s->rlen ? r->prev : r->next,
+      return peer_fail(r, p.got < s->rlen ? r->prev : r->next, 0,
                        "%s: timed out (rank %d: %zu/%zu bytes from rank %d, %zu/%zu to rank %d)",
                        op, r->c.rank, p.got, s->rlen, r->prev, p.sent, s->slen, r->next);
     int64_t w0 = ip < 0 ? zt_now_us() : 0; /* only the send is left: its wait */
@@ -258,9 +246,9 @@ static int mesh_send(zt__ring_t *r, int fd, int j, const zt__mesh_call_t *m, con
   size_t want = ZT_MIN(m->bytes - sent[j], r->chunk);
   ssize_t w = send(fd, b + sent[j], want, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (w < 0 && io_ended())
-    return peer_closed(r, j, "%s: send to rank %d: %s", op, j, strerror(errno));
+    return peer_fail(r, j, 1, "%s: send to rank %d: %s", op, j, strerror(errno));
   if (w < 0 && !io_again())
-    return peer_fail(r, j, "%s: send to rank %d: %s", op, j, strerror(errno));
+    return peer_fail(r, j, 0, "%s: send to rank %d: %s", op, j, strerror(errno));
   if (w > 0) sent[j] += (size_t)w, zt__comm_count(&r->c.st->bytes_sent, (uint64_t)w);
   return 0;
 }
@@ -270,11 +258,11 @@ static int mesh_recv(zt__ring_t *r, int fd, int j, const zt__mesh_call_t *m, con
   size_t *got = r->mpos + r->c.world;
   uint8_t *b = m->recv + (size_t)j * m->rstride;
   ssize_t rd = recv(fd, b + got[j], ZT_MIN(m->bytes - got[j], r->chunk), MSG_DONTWAIT);
-  if (rd == 0) return peer_closed(r, j, "%s: rank %d closed the connection", op, j);
+  if (rd == 0) return peer_fail(r, j, 1, "%s: rank %d closed the connection", op, j);
   if (rd < 0 && io_ended())
-    return peer_closed(r, j, "%s: receive from rank %d: %s", op, j, strerror(errno));
+    return peer_fail(r, j, 1, "%s: receive from rank %d: %s", op, j, strerror(errno));
   if (rd < 0 && !io_again())
-    return peer_fail(r, j, "%s: receive from rank %d: %s", op, j, strerror(errno));
+    return peer_fail(r, j, 0, "%s: receive from rank %d: %s", op, j, strerror(errno));
   if (rd <= 0) return 0; /* EAGAIN, EINTR */
   got[j] += (size_t)rd;
   zt__comm_count(&r->c.st->bytes_recv, (uint64_t)rd);
