@@ -15,7 +15,6 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -993,23 +992,24 @@ static void cu_matmul_backward(float *dinp, float *dw, float *dbias, const float
  * Attention, multi-head and grouped-query alike. A row of qkv holds NH
  * query heads, then KV key heads, then KV value heads, hs wide each
  * ((NH + 2 KV) hs; GPT-2: KV = NH); query head h reads K/V head
- * h / (NH / KV) where it lies, in every path below: no K/V head is copied
- * per query head. out and dout rows are NH hs wide, lse is [B,NH,T].
+ * h / (NH / KV), on either path: no K/V head is copied per query head. out
+ * and dout rows are NH hs wide, lse is [B,NH,T]. Two paths: flash
+ * attention 2 where it applies (bf16 storage, head sizes 16, 32, 48, 64
+ * and 128, 16-byte aligned rows; below), by default; cuBLASLt with the
+ * T x T scores in scratch for everything else.
  *
- * Attention through cuBLASLt: the default path, and the only one for head
- * sizes the tiled kernels below do not take (att_tiled). qkv is permuted
- * into q [B,NH,T,hs] and k, v [B,KV,T,hs]. The G = NH / KV query heads of
- * a group lie one after the other in q, so for each (b, K/V head) (a batch
- * of B*KV) one product takes the group's G*T query rows against the head's
- * T keys: the K/V head is read once, and the backward's products over the
- * G*T rows sum dk and dv over the group by themselves. The products run
- * through cuBLASLt on the full T x T per query head, the causal mask is
- * applied by the softmax kernels (entries above the diagonal become 0). Row-major q [T,hs]
- * is column-major Q' [hs,T] (ld hs); a row-major [T,T] matrix A is
- * column-major A' with A'(t2,t) = A[t][t2]. The interface is the tiled CPU
- * kernel's (zt_kernels.h): forward keeps only lse per row, backward
- * recomputes the probabilities from the scores and lse. The T x T matrices
- * here live in the call's scratch, not in the activations. */
+ * Attention through cuBLASLt: qkv is permuted into q [B,NH,T,hs] and k, v
+ * [B,KV,T,hs]. The G = NH / KV query heads of a group lie one after the
+ * other in q, so for each (b, K/V head) (a batch of B*KV) one product
+ * takes the group's G*T query rows against the head's T keys: the K/V
+ * head is read once, and the backward's products over the G*T rows sum dk
+ * and dv over the group by themselves. The products run through cuBLASLt
+ * on the full T x T per query head, the causal mask is applied by the
+ * softmax kernels (entries above the diagonal become 0). Row-major q
+ * [T,hs] is column-major Q' [hs,T] (ld hs); a row-major [T,T] matrix A is
+ * column-major A' with A'(t2,t) = A[t][t2]. The backward recomputes the
+ * probabilities from the scores and lse. The T x T matrices live in the
+ * call's scratch, not in the activations. */
 
 /* The offset in [B,T,width] rows (at column coff) of element idx of a
  * [B,NH,T,hs] head-major tensor. */
@@ -1093,325 +1093,6 @@ __global__ void k_causal_softmax_bwd(float *datt, const float *att, int rows, in
   for (int j = lane; j < T; j += 32) d[j] = j <= t ? a[j] * (d[j] - s) * scale : 0.0f;
 }
 
-/* ---------------------------------------------------------------------------
- * Tiled (flash) causal attention for head sizes up to FA_HSMAX, the CUDA
- * twin of the CPU kernel: no T x T matrix is formed, not even in scratch.
- * q, k, v are read where they lie in qkv [B,T,3C] and out is written in
- * [B,T,C], so no permutation kernels run either.
- *
- * A block owns FA_B query rows (forward, dq) or FA_B keys (dk, dv) of one
- * head, FA_WARPS warps of FA_RPW rows each; the other side streams through
- * shared memory in tiles of FA_B. Lanes split the tile's 32 columns for the
- * dot products and the head dimension for the accumulators (FA_NREG values
- * per lane and row, in registers). Each warp works on its FA_RPW rows at
- * once, so a streamed row read from shared memory serves four dot products,
- * and the weights of a tile (probabilities, or ds in the backward) go
- * through the warp's own slice of shared memory, read back four at a time
- * by every lane; 16-byte accesses throughout (head sizes a multiple of 4).
- * The forward keeps a running maximum and sum per row
- * (online softmax) and stores lse = max + log(sum). The backward is two
- * kernels so that no two blocks add into the same gradient (no atomics:
- * the result is the same on every run): one per key tile for dk and dv, one
- * per query tile for dq, each recomputing p = exp(s - lse) and
- * ds = p (dp - D) with D = rowsum(dout * out) precomputed per row. Tiles
- * wholly above the diagonal are skipped: about half the work of the full
- * products. Streamed tiles have a row stride of hs + 4, so that the 16-byte
- * reads of eight lanes at a time fall on distinct banks. */
-
-#define FA_B 32
-#define FA_WARPS 8
-#define FA_RPW (FA_B / FA_WARPS)
-#define FA_HSMAX 64
-#define FA_NREG (FA_HSMAX / 32)
-#define FA_FULL 0xffffffffu
-
-/* Loops over the register arrays are unrolled so that the arrays stay in
- * registers (nvcc; the CPU stand-in compiles this file with g++). */
-#ifdef __CUDACC__
-#define ZT_UNROLL _Pragma("unroll")
-#else
-#define ZT_UNROLL
-#endif
-
-/* Rows [t0, t0 + FA_B) of a [T, hs] slice (row stride rs) into dst with row
- * stride ld; rows at or past T read as 0. */
-template <typename X>
-__device__ void fa_load(float *dst, int ld, const X *src, size_t rs, int t0, int T, int hs) {
-  for (int e = threadIdx.x; e < FA_B * hs; e += blockDim.x) {
-    int r = e / hs, d = e % hs;
-    dst[r * ld + d] = t0 + r < T ? ldx(src[(size_t)(t0 + r) * rs + d]) : 0.0f;
-  }
-}
-
-/* Four floats loaded from shared memory as one 16-byte access. */
-struct alignas(16) fa4 {
-  float x, y, z, w;
-};
-
-/* s[r] = dot(rows + r * hs, col) for the FA_RPW resident rows of a warp
- * (the same address in every lane: a broadcast) and this lane's streamed
- * row col, four elements per access. */
-__device__ __forceinline__ void fa_dots(float s[FA_RPW], const float *rows, const float *col,
-                                        int hs) {
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) s[r] = 0.0f;
-  for (int d = 0; d < hs; d += 4) {
-    fa4 c = *(const fa4 *)(col + d);
-    ZT_UNROLL
-    for (int r = 0; r < FA_RPW; r++) {
-      fa4 a = *(const fa4 *)(rows + r * hs + d);
-      s[r] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
-    }
-  }
-}
-
-/* acc[r][c] += sum over the streamed rows j < jn (a multiple of 4) of
- * w[r * FA_B + j] * m[j * ld + lane + 32c]: the weights of each resident
- * row (this warp's, in shared memory) times the streamed tile's columns. */
-__device__ __forceinline__ void fa_accum(float acc[FA_RPW][FA_NREG], const float *w,
-                                         const float *m, int ld, int jn, int hs, int lane) {
-  for (int j = 0; j < jn; j += 4) {
-    fa4 wr[FA_RPW];
-    ZT_UNROLL
-    for (int r = 0; r < FA_RPW; r++) wr[r] = *(const fa4 *)(w + r * FA_B + j);
-    ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++) {
-      int d = lane + 32 * c;
-      if (d >= hs) continue;
-      float m0 = m[j * ld + d], m1 = m[(j + 1) * ld + d], m2 = m[(j + 2) * ld + d],
-            m3 = m[(j + 3) * ld + d];
-      ZT_UNROLL
-      for (int r = 0; r < FA_RPW; r++)
-        acc[r][c] += wr[r].x * m0 + wr[r].y * m1 + wr[r].z * m2 + wr[r].w * m3;
-    }
-  }
-}
-
-__device__ __forceinline__ void fa_zero(float a[FA_RPW][FA_NREG]) {
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++)
-    ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++) a[r][c] = 0.0f;
-}
-
-/* Row r0 + r of a [T, *] array with row stride rs, columns [0, hs) from
- * base: a[r][c] * scale, for the warp's FA_RPW rows below T. */
-template <typename X>
-__device__ __forceinline__ void fa_store(X *base, size_t rs, int r0, int T,
-                                         float a[FA_RPW][FA_NREG], float scale, int hs,
-                                         int lane) {
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) {
-    if (r0 + r >= T) continue;
-    X *o = base + (size_t)(r0 + r) * rs;
-    ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++)
-      if (lane + 32 * c < hs) put(o[lane + 32 * c], a[r][c] * scale);
-  }
-}
-
-/* Rounds a column count up to the 4 that fa_accum takes at a time (the
- * weights past it are 0 or the tile's own). */
-__device__ __forceinline__ int fa_round4(int n) { return (n + 3) & ~3; }
-
-template <typename X>
-__global__ void k_flash_fwd(X *out, float *lse, const X *qkv, int T, int NH, int KV, int hs,
-                            float scale) {
-  __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
-  __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
-  __shared__ fa4 vs4[FA_B * FA_HSMAX / 4];
-  __shared__ fa4 pw4[FA_WARPS * FA_RPW * FA_B / 4];
-  float *qs = (float *)qs4, *ks = (float *)ks4, *vs = (float *)vs4;
-  int ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
-  int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int r0 = q0 + warp * FA_RPW; /* this warp's first row */
-  float *pw = (float *)pw4 + warp * FA_RPW * FA_B;
-  size_t rs = att_rs(NH, KV, hs);
-  const X *base = qkv + (size_t)b * T * rs, *kb = base + att_koff(h, NH, KV, hs);
-  fa_load(qs, hs, base + (size_t)h * hs, rs, q0, T, hs);
-  float m[FA_RPW], l[FA_RPW], acc[FA_RPW][FA_NREG];
-  fa_zero(acc);
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) m[r] = -INFINITY, l[r] = 0.0f;
-  int kend = min(T, q0 + FA_B);
-  for (int k0 = 0; k0 < kend; k0 += FA_B) {
-    __syncthreads(); /* the previous tile is no longer read */
-    fa_load(ks, ld, kb, rs, k0, T, hs);
-    fa_load(vs, hs, kb + (size_t)KV * hs, rs, k0, T, hs);
-    __syncthreads();
-    if (k0 > r0 + FA_RPW - 1) continue; /* the tile is above all this warp's rows */
-    float s[FA_RPW];
-    fa_dots(s, qs + warp * FA_RPW * hs, ks + lane * ld, hs);
-    ZT_UNROLL
-    for (int r = 0; r < FA_RPW; r++) {
-      /* Row r0 + r has seen key 0 in the first tile, so m[r] is finite
-       * from then on even when this tile is all above it. */
-      float sr = k0 + lane <= r0 + r ? s[r] * scale : -INFINITY;
-      float mn = fmaxf(m[r], warp_max(sr));
-      float p = expf(sr - mn), corr = expf(m[r] - mn);
-      l[r] = l[r] * corr + warp_sum(p);
-      m[r] = mn;
-      ZT_UNROLL
-      for (int c = 0; c < FA_NREG; c++) acc[r][c] *= corr;
-      pw[r * FA_B + lane] = p;
-    }
-    __syncwarp();
-    fa_accum(acc, pw, vs, hs, fa_round4(min(FA_B, r0 + FA_RPW - k0)), hs, lane);
-    __syncwarp(); /* pw is written again for the next tile */
-  }
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) {
-    int i = r0 + r;
-    if (i >= T) continue;
-    X *o = out + ((size_t)b * T + i) * NH * hs + (size_t)h * hs;
-    ZT_UNROLL
-    for (int c = 0; c < FA_NREG; c++)
-      if (lane + 32 * c < hs) put(o[lane + 32 * c], acc[r][c] / l[r]);
-    if (lane == 0) lse[(size_t)bh * T + i] = m[r] + logf(l[r]);
-  }
-}
-
-/* D [B,NH,T] = rowsum(dout * out) per head, one warp per row. */
-template <typename X>
-__global__ void k_flash_bwd_d(float *D, const X *dout, const X *out, int B, int T, int C,
-                              int NH) {
-  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (row >= B * NH * T) return;
-  int hs = C / NH, bh = row / T, i = row % T, b = bh / NH, h = bh % NH;
-  size_t off = ((size_t)b * T + i) * C + (size_t)h * hs;
-  float s = 0.0f;
-  for (int d = lane; d < hs; d += 32) s += ldx(dout[off + d]) * ldx(out[off + d]);
-  s = warp_sum(s);
-  if (lane == 0) D[row] = s;
-}
-
-/* lse (times lscale) and D of rows [t0, t0 + n) of head bh into ls and
- * dsh (0 past T), by the block's first n threads. */
-__device__ __forceinline__ void fa_row_stats(float *ls, float *dsh, const float *lse,
-                                             const float *D, int bh, int T, int t0, int n,
-                                             float lscale) {
-  if ((int)threadIdx.x < n) {
-    int i = t0 + threadIdx.x;
-    ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * lscale : 0.0f;
-    dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
-  }
-}
-
-/* dk and dv of FA_B keys of one K/V head: the query tiles at and after the
- * keys stream by, for each query head of the group in turn. */
-template <typename X>
-__global__ void k_flash_bwd_kv(X *dqkv, const X *qkv, const X *dout, const float *lse,
-                               const float *D, int T, int NH, int KV, int hs, float scale) {
-  __shared__ fa4 kb4[FA_B * FA_HSMAX / 4];
-  __shared__ fa4 vb4[FA_B * FA_HSMAX / 4];
-  __shared__ fa4 qs4[FA_B * (FA_HSMAX + 4) / 4];
-  __shared__ fa4 gs4[FA_B * (FA_HSMAX + 4) / 4];
-  __shared__ fa4 pw4[FA_WARPS * FA_RPW * FA_B / 4];
-  __shared__ fa4 dw4[FA_WARPS * FA_RPW * FA_B / 4];
-  __shared__ float ls[FA_B];
-  __shared__ float dsh[FA_B];
-  float *kb = (float *)kb4, *vb = (float *)vb4, *qs = (float *)qs4, *gs = (float *)gs4;
-  int ld = hs + 4, bk = blockIdx.y, b = bk / KV, kvh = bk % KV, grp = NH / KV;
-  int k0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int j0 = k0 + warp * FA_RPW; /* this warp's first key */
-  float *pw = (float *)pw4 + warp * FA_RPW * FA_B, *dw = (float *)dw4 + warp * FA_RPW * FA_B;
-  size_t rs = att_rs(NH, KV, hs), koff = att_koff(kvh * grp, NH, KV, hs);
-  const X *base = qkv + (size_t)b * T * rs;
-  fa_load(kb, hs, base + koff, rs, k0, T, hs);
-  fa_load(vb, hs, base + koff + (size_t)KV * hs, rs, k0, T, hs);
-  float dk[FA_RPW][FA_NREG], dv[FA_RPW][FA_NREG];
-  fa_zero(dk);
-  fa_zero(dv);
-  for (int it = 0, nt = (T - k0 + FA_B - 1) / FA_B; it < grp * nt; it++) {
-    int h = kvh * grp + it / nt, t0 = k0 + (it % nt) * FA_B, bh = b * NH + h;
-    __syncthreads();
-    fa_load(qs, ld, base + (size_t)h * hs, rs, t0, T, hs);
-    fa_load(gs, ld, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, t0, T, hs);
-    fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA_B, 1.0f);
-    __syncthreads();
-    float s[FA_RPW], dp[FA_RPW];
-    fa_dots(s, kb + warp * FA_RPW * hs, qs + lane * ld, hs);
-    fa_dots(dp, vb + warp * FA_RPW * hs, gs + lane * ld, hs);
-    int i = t0 + lane;
-    ZT_UNROLL
-    for (int r = 0; r < FA_RPW; r++) {
-      int j = j0 + r;
-      float p = i < T && i >= j ? expf(s[r] * scale - ls[lane]) : 0.0f;
-      pw[r * FA_B + lane] = p;
-      dw[r * FA_B + lane] = p * (dp[r] - dsh[lane]);
-    }
-    __syncwarp();
-    fa_accum(dv, pw, gs, ld, FA_B, hs, lane);
-    fa_accum(dk, dw, qs, ld, FA_B, hs, lane);
-    __syncwarp();
-  }
-  X *o = dqkv + (size_t)b * T * rs + koff;
-  fa_store(o, rs, j0, T, dk, scale, hs, lane);
-  fa_store(o + (size_t)KV * hs, rs, j0, T, dv, 1.0f, hs, lane);
-}
-
-/* dq of FA_B query rows: the key tiles at and before the rows stream by. */
-template <typename X>
-__global__ void k_flash_bwd_q(X *dqkv, const X *qkv, const X *dout, const float *lse,
-                              const float *D, int T, int NH, int KV, int hs, float scale) {
-  __shared__ fa4 qs4[FA_B * FA_HSMAX / 4];
-  __shared__ fa4 gs4[FA_B * FA_HSMAX / 4];
-  __shared__ fa4 ks4[FA_B * (FA_HSMAX + 4) / 4];
-  __shared__ fa4 vs4[FA_B * (FA_HSMAX + 4) / 4];
-  __shared__ fa4 dw4[FA_WARPS * FA_RPW * FA_B / 4];
-  float *qs = (float *)qs4, *gs = (float *)gs4, *ks = (float *)ks4, *vs = (float *)vs4;
-  int ld = hs + 4, bh = blockIdx.y, b = bh / NH, h = bh % NH;
-  int q0 = blockIdx.x * FA_B, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int r0 = q0 + warp * FA_RPW;
-  float *dw = (float *)dw4 + warp * FA_RPW * FA_B;
-  size_t rs = att_rs(NH, KV, hs);
-  const X *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  const X *kb = qkv + (size_t)b * T * rs + att_koff(h, NH, KV, hs);
-  fa_load(qs, hs, base, rs, q0, T, hs);
-  fa_load(gs, hs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, q0, T, hs);
-  float dq[FA_RPW][FA_NREG], lr[FA_RPW], dr[FA_RPW];
-  fa_zero(dq);
-  ZT_UNROLL
-  for (int r = 0; r < FA_RPW; r++) {
-    int i = r0 + r;
-    lr[r] = i < T ? lse[(size_t)bh * T + i] : 0.0f;
-    dr[r] = i < T ? D[(size_t)bh * T + i] : 0.0f;
-  }
-  int kend = min(T, q0 + FA_B);
-  for (int k0 = 0; k0 < kend; k0 += FA_B) {
-    __syncthreads();
-    fa_load(ks, ld, kb, rs, k0, T, hs);
-    fa_load(vs, ld, kb + (size_t)KV * hs, rs, k0, T, hs);
-    __syncthreads();
-    if (k0 > r0 + FA_RPW - 1) continue; /* the tile is above all this warp's rows */
-    float s[FA_RPW], dp[FA_RPW];
-    fa_dots(s, qs + warp * FA_RPW * hs, ks + lane * ld, hs);
-    fa_dots(dp, gs + warp * FA_RPW * hs, vs + lane * ld, hs);
-    ZT_UNROLL
-    for (int r = 0; r < FA_RPW; r++) {
-      int i = r0 + r;
-      float p = k0 + lane <= i && i < T ? expf(s[r] * scale - lr[r]) : 0.0f;
-      dw[r * FA_B + lane] = p * (dp[r] - dr[r]);
-    }
-    __syncwarp();
-    fa_accum(dq, dw, ks, ld, fa_round4(min(FA_B, r0 + FA_RPW - k0)), hs, lane);
-    __syncwarp();
-  }
-  fa_store(dqkv + (size_t)b * T * rs + (size_t)h * hs, rs, r0, T, dq, scale, hs, lane);
-}
-
-/* The cuBLASLt path forms B*NH*T*T matrices in scratch (two in backward);
- * it is the faster one (on an H100, GPT-2 124M: with the tiled kernels,
- * fp32 on the CUDA cores, a step takes 1.7x as long at T = 1024 and 2.1x at
- * T = 4096; docs/gpu.md). So the tiled kernels take over only once that
- * scratch would pass att_scr_max bytes: by default a quarter of the device's
- * memory, set at init unless zt_kernels_cuda_set_attention_scratch_max chose
- * it. Head sizes above FA_HSMAX, or not a multiple of 4, always take the
- * cuBLASLt path. With bf16 storage the tensor-core kernels below come
- * first (att_tc). */
-static size_t att_scr_max = SIZE_MAX;
-static int att_scr_max_set;
-
 /* Bytes of scratch the cuBLASLt backward takes (the forward, less): q,
  * dvacc, dq [B,NH,T,hs], k, v, dk, dv [B,KV,T,hs] and two [B,NH,T,T]
  * matrices. */
@@ -1421,359 +1102,18 @@ static size_t att_cublas_scratch(int B, int T, int NH, int KV, int hs) {
   return (3 * nq + 4 * nkv + 2 * tt) * sizeof(float);
 }
 
-static int att_tiled(int B, int T, int NH, int KV, int hs) {
-  return hs <= FA_HSMAX && hs % 4 == 0 && B * NH <= 65535 /* gridDim.y */ &&
-         att_cublas_scratch(B, T, NH, KV, hs) > att_scr_max;
-}
-
-template <typename X>
-static void flash_forward(X *out, float *lse, const X *qkv, int B, int T, int NH, int KV,
-                          int hs) {
-  dim3 grid((unsigned)((T + FA_B - 1) / FA_B), (unsigned)(B * NH));
-  k_flash_fwd<X><<<grid, FA_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, NH, KV, hs,
-                                                       1.0f / sqrtf((float)hs));
-  ZT_CUDA_LAUNCHED();
-}
-
-/* D = rowsum(dout * out) per head and row, in the attention scratch; both
- * tiled backwards start with it. */
-template <typename X>
-static float *flash_row_d(const X *dout, const X *out, int B, int T, int C, int NH) {
-  int rows = B * NH * T;
-  float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
-  k_flash_bwd_d<X><<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
-  ZT_CUDA_LAUNCHED();
-  return D;
-}
-
-/* One block per key tile and K/V head for dk and dv, one per query tile
- * and query head for dq. */
-template <typename X>
-static void flash_backward(X *dqkv, const X *dout, const X *qkv, const X *out, const float *lse,
-                           int B, int T, int NH, int KV, int hs) {
-  float scale = 1.0f / sqrtf((float)hs);
-  float *D = flash_row_d(dout, out, B, T, NH * hs, NH);
-  unsigned tiles = (unsigned)((T + FA_B - 1) / FA_B);
-  k_flash_bwd_kv<X><<<dim3(tiles, (unsigned)(B * KV)), FA_WARPS * 32, 0, g.stream>>>(
-      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
-  ZT_CUDA_LAUNCHED();
-  k_flash_bwd_q<X><<<dim3(tiles, (unsigned)(B * NH)), FA_WARPS * 32, 0, g.stream>>>(
-      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
-  ZT_CUDA_LAUNCHED();
-}
-
 /* ---------------------------------------------------------------------------
- * The tiled attention on the tensor cores: bf16 storage, head sizes a
- * multiple of 16 up to FA_HSMAX. Where they apply, bf16 attention takes them
- * whatever the scratch limit (zt_kernels_cuda_set_attention_tc(0) turns them
- * off): on an H200, GPT-2 124M at 8 x 1024 steps in 42.7 ms with them
- * against 45.5 with the cuBLASLt path and 92.8 with the fp32 tiled kernels,
- * and they keep no T x T matrix (docs/gpu.md). The same
- * three kernels as above (forward; dk and dv per key tile; dq per query
- * tile), with the products on warp matrix instructions (nvcuda::wmma,
- * 16 x 16 x 16 tiles of bf16 with fp32 accumulation): a warp owns 16 rows,
- * a block TC_WARPS warps, and the other side streams by in tiles of TC_T
- * rows. Fragments are never read element by element (their layout is the
- * hardware's): scores go through the warp's slice of shared memory, where
- * each lane works on half a row (16 columns), and the probabilities (and
- * ds in the backward) come back as bf16 operands of the second product,
- * rounded once, as flash attention does. Because the accumulators cannot
- * be rescaled row by row, the forward makes two passes over the keys: the
- * row maxima and sums first (lse), then out = sum exp(s - lse) v, which
- * recomputes q k^T (1.5 times the products of one pass) and needs no
- * rescaling. No atomics; each block writes its own rows. */
-
-namespace wm = nvcuda::wmma;
-#define TC_R 16                   /* a warp's rows: one fragment high */
-#define TC_WARPS 4
-#define TC_BR (TC_R * TC_WARPS)   /* a block's rows */
-#define TC_T 32                   /* rows of a streamed tile: two fragments */
-#define TC_LDH (FA_HSMAX + 8)     /* bf16 row stride of q, k, v and dout tiles */
-#define TC_LDS (TC_T + 4)         /* fp32 row stride of a warp's 16 x TC_T scores */
-#define TC_LDP (TC_T + 8)         /* bf16 row stride of a warp's 16 x TC_T weights */
-#define TC_NK (FA_HSMAX / 16)     /* fragments across the head, at most */
-
-typedef wm::fragment<wm::matrix_a, 16, 16, 16, bf16, wm::row_major> tc_a;
-typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf16, wm::row_major> tc_b;
-typedef wm::fragment<wm::matrix_b, 16, 16, 16, bf16, wm::col_major> tc_bt; /* a row-major M^T */
-typedef wm::fragment<wm::accumulator, 16, 16, 16, float> tc_acc;
-
-/* 32 bytes: shared arrays of it are 256-bit aligned, as wmma loads and
- * stores require. 16 bytes: one vector access. */
-struct alignas(32) tc32 {
-  unsigned char b[32];
-};
-struct alignas(16) tc16 {
-  unsigned x[4];
-};
-
-/* Rows [t0, t0 + n) of a [T, hs] bf16 slice (row stride rs) into dst (row
- * stride ld), 16 bytes at a time; rows at or past T read as 0. The wmma
- * kernels' tiles (tc_load) and the mma.sync ones' (fa2_load) come this way. */
-__device__ __forceinline__ void rows_load(bf16 *dst, int ld, const bf16 *src, size_t rs, int t0,
-                                          int n, int T, int hs) {
-  int per = hs / 8;
-  for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
-    int r = e / per, c = (e % per) * 8;
-    tc16 v = {{0, 0, 0, 0}};
-    if (t0 + r < T) v = *(const tc16 *)(src + (size_t)(t0 + r) * rs + c);
-    *(tc16 *)(dst + r * ld + c) = v;
-  }
-}
-
-/* Into a tile of row stride TC_LDH. */
-__device__ void tc_load(bf16 *dst, const bf16 *src, size_t rs, int t0, int n, int T, int hs) {
-  rows_load(dst, TC_LDH, src, rs, t0, n, T, hs);
-}
-
-/* s (a warp's 16 x TC_T fp32, row stride TC_LDS) = rows (16 x hs) times
- * the transpose of tile (TC_T x hs), both bf16 with row stride TC_LDH. */
-__device__ __forceinline__ void tc_scores(float *s, const bf16 *rows, const bf16 *tile, int nk) {
-  ZT_UNROLL
-  for (int n = 0; n < TC_T / 16; n++) {
-    tc_acc acc;
-    wm::fill_fragment(acc, 0.0f);
-    ZT_UNROLL
-    for (int kk = 0; kk < TC_NK; kk++) {
-      if (kk >= nk) continue;
-      tc_a a;
-      tc_bt bt;
-      wm::load_matrix_sync(a, rows + kk * 16, TC_LDH);
-      wm::load_matrix_sync(bt, tile + n * 16 * TC_LDH + kk * 16, TC_LDH);
-      wm::mma_sync(acc, a, bt, acc);
-    }
-    wm::store_matrix_sync(s + n * 16, acc, TC_LDS, wm::mem_row_major);
-  }
-}
-
-/* acc[n] += w (a warp's 16 x TC_T bf16 weights, row stride TC_LDP) times
- * the tile m (TC_T x hs, row stride TC_LDH). */
-__device__ __forceinline__ void tc_accum(tc_acc (&acc)[TC_NK], const bf16 *w, const bf16 *m,
-                                         int nk) {
-  ZT_UNROLL
-  for (int kk = 0; kk < TC_T / 16; kk++) {
-    tc_a a;
-    wm::load_matrix_sync(a, w + kk * 16, TC_LDP);
-    ZT_UNROLL
-    for (int n = 0; n < TC_NK; n++) {
-      if (n >= nk) continue;
-      tc_b bm;
-      wm::load_matrix_sync(bm, m + kk * 16 * TC_LDH + n * 16, TC_LDH);
-      wm::mma_sync(acc[n], a, bm, acc[n]);
-    }
-  }
-}
-
-__device__ __forceinline__ void tc_zero(tc_acc (&acc)[TC_NK]) {
-  ZT_UNROLL
-  for (int n = 0; n < TC_NK; n++) wm::fill_fragment(acc[n], 0.0f);
-}
-
-/* Rows r0 .. r0 + 15 below T of a [T, *] bf16 array (row stride rs),
- * columns [0, 16 nk): acc * scale, through the warp's scores slice s, two
- * fragments at a time. */
-__device__ __forceinline__ void tc_store(bf16 *base, size_t rs, int r0, int T,
-                                         tc_acc (&acc)[TC_NK], int nk, float scale, float *s,
-                                         int lane) {
-  int r = lane / 2, half = lane % 2;
-  ZT_UNROLL
-  for (int n = 0; n < TC_NK; n += 2) {
-    if (n >= nk) continue;
-    wm::store_matrix_sync(s, acc[n], TC_LDS, wm::mem_row_major);
-    if (n + 1 < nk) wm::store_matrix_sync(s + 16, acc[n + 1], TC_LDS, wm::mem_row_major);
-    __syncwarp();
-    if (r0 + r < T && n + half < nk) {
-      bf16 *o = base + (size_t)(r0 + r) * rs + (n + half) * 16;
-      for (int c = 0; c < 16; c++) put(o[c], s[r * TC_LDS + half * 16 + c] * scale);
-    }
-    __syncwarp();
-  }
-}
-
-__global__ void k_flash_tc_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int KV,
-                               int hs, float scale) {
-  __shared__ tc32 qs_[TC_BR * TC_LDH * 2 / 32];
-  __shared__ tc32 ks_[TC_T * TC_LDH * 2 / 32];
-  __shared__ tc32 vs_[TC_T * TC_LDH * 2 / 32];
-  __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
-  __shared__ tc32 pw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
-  bf16 *qs = (bf16 *)qs_, *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
-  int nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
-  int q0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int r0 = q0 + warp * TC_R, row = r0 + lane / 2, c0 = (lane % 2) * 16;
-  float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
-  bf16 *pw = (bf16 *)pw_ + warp * TC_R * TC_LDP, *prow = pw + (lane / 2) * TC_LDP + c0;
-  const bf16 *qw = qs + warp * TC_R * TC_LDH;
-  size_t rs = att_rs(NH, KV, hs);
-  const bf16 *base = qkv + (size_t)b * T * rs, *kb = base + att_koff(h, NH, KV, hs);
-  const bf16 *vb = kb + (size_t)KV * hs;
-  tc_load(qs, base + (size_t)h * hs, rs, q0, TC_BR, T, hs);
-  int kend = min(T, q0 + TC_BR);
-  /* Pass 1: the maximum and the sum of exponentials of this lane's row
-   * (both lanes of a row keep them). Key 0 is in the first tile of every
-   * row, so m is finite from then on. */
-  float m = -INFINITY, l = 0.0f;
-  for (int k0 = 0; k0 < kend; k0 += TC_T) {
-    __syncthreads(); /* the previous tile is no longer read */
-    tc_load(ks, kb, rs, k0, TC_T, T, hs);
-    __syncthreads();
-    if (k0 > r0 + TC_R - 1) continue; /* the tile is above all this warp's rows */
-    tc_scores(sw, qw, ks, nk);
-    __syncwarp();
-    float s[16], mx = -INFINITY, sum = 0.0f;
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++) {
-      s[c] = k0 + c0 + c <= row ? srow[c] * scale : -INFINITY;
-      mx = fmaxf(mx, s[c]);
-    }
-    float mn = fmaxf(m, fmaxf(mx, __shfl_xor_sync(FA_FULL, mx, 1)));
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++) sum += expf(s[c] - mn);
-    l = l * expf(m - mn) + sum + __shfl_xor_sync(FA_FULL, sum, 1);
-    m = mn;
-    __syncwarp(); /* the scores are written again */
-  }
-  float lr = m + logf(l);
-  /* Pass 2: out = the sum over keys of exp(s - lse) v. */
-  tc_acc o[TC_NK];
-  tc_zero(o);
-  for (int k0 = 0; k0 < kend; k0 += TC_T) {
-    __syncthreads();
-    tc_load(ks, kb, rs, k0, TC_T, T, hs);
-    tc_load(vs, vb, rs, k0, TC_T, T, hs);
-    __syncthreads();
-    if (k0 > r0 + TC_R - 1) continue;
-    tc_scores(sw, qw, ks, nk);
-    __syncwarp();
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++)
-      put(prow[c], k0 + c0 + c <= row ? expf(srow[c] * scale - lr) : 0.0f);
-    __syncwarp();
-    tc_accum(o, pw, vs, nk);
-  }
-  tc_store(out + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, r0, T, o, nk, 1.0f,
-           sw, lane);
-  if (lane % 2 == 0 && row < T) lse[(size_t)bh * T + row] = lr;
-}
-
-/* dq of TC_BR query rows: the key tiles at and before them stream by. */
-__global__ void k_flash_tc_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse,
-                                 const float *D, int T, int NH, int KV, int hs, float scale) {
-  __shared__ tc32 qs_[TC_BR * TC_LDH * 2 / 32];
-  __shared__ tc32 gs_[TC_BR * TC_LDH * 2 / 32];
-  __shared__ tc32 ks_[TC_T * TC_LDH * 2 / 32];
-  __shared__ tc32 vs_[TC_T * TC_LDH * 2 / 32];
-  __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
-  __shared__ tc32 dw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
-  bf16 *qs = (bf16 *)qs_, *gs = (bf16 *)gs_, *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
-  int nk = hs / 16, bh = blockIdx.y, b = bh / NH, h = bh % NH;
-  int q0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int r0 = q0 + warp * TC_R, row = r0 + lane / 2, c0 = (lane % 2) * 16;
-  float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
-  bf16 *dw = (bf16 *)dw_ + warp * TC_R * TC_LDP, *drow = dw + (lane / 2) * TC_LDP + c0;
-  size_t rs = att_rs(NH, KV, hs);
-  const bf16 *base = qkv + (size_t)b * T * rs + (size_t)h * hs;
-  const bf16 *kb = qkv + (size_t)b * T * rs + att_koff(h, NH, KV, hs);
-  tc_load(qs, base, rs, q0, TC_BR, T, hs);
-  tc_load(gs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, q0, TC_BR, T,
-          hs);
-  float lr = row < T ? lse[(size_t)bh * T + row] : 0.0f;
-  float dr = row < T ? D[(size_t)bh * T + row] : 0.0f;
-  tc_acc dq[TC_NK];
-  tc_zero(dq);
-  int kend = min(T, q0 + TC_BR);
-  for (int k0 = 0; k0 < kend; k0 += TC_T) {
-    __syncthreads();
-    tc_load(ks, kb, rs, k0, TC_T, T, hs);
-    tc_load(vs, kb + (size_t)KV * hs, rs, k0, TC_T, T, hs);
-    __syncthreads();
-    if (k0 > r0 + TC_R - 1) continue;
-    tc_scores(sw, qs + warp * TC_R * TC_LDH, ks, nk);
-    __syncwarp();
-    float p[16];
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++)
-      p[c] = k0 + c0 + c <= row && row < T ? expf(srow[c] * scale - lr) : 0.0f;
-    __syncwarp(); /* the slice now takes dp = dout v^T */
-    tc_scores(sw, gs + warp * TC_R * TC_LDH, vs, nk);
-    __syncwarp();
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++) put(drow[c], p[c] * (srow[c] - dr));
-    __syncwarp();
-    tc_accum(dq, dw, ks, nk);
-  }
-  tc_store(dqkv + (size_t)b * T * rs + (size_t)h * hs, rs, r0, T, dq, nk, scale, sw, lane);
-}
-
-/* dk and dv of TC_BR keys of one K/V head: the query tiles at and after
- * them stream by, for each query head of the group in turn. */
-__global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
-                                  const float *lse, const float *D, int T, int NH, int KV, int hs,
-                                  float scale) {
-  __shared__ tc32 kb_[TC_BR * TC_LDH * 2 / 32];
-  __shared__ tc32 vb_[TC_BR * TC_LDH * 2 / 32];
-  __shared__ tc32 qs_[TC_T * TC_LDH * 2 / 32];
-  __shared__ tc32 gs_[TC_T * TC_LDH * 2 / 32];
-  __shared__ tc32 sw_[TC_WARPS * TC_R * TC_LDS * 4 / 32];
-  __shared__ tc32 pw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
-  __shared__ tc32 dw_[TC_WARPS * TC_R * TC_LDP * 2 / 32];
-  __shared__ float ls[TC_T];
-  __shared__ float dsh[TC_T];
-  bf16 *kb = (bf16 *)kb_, *vb = (bf16 *)vb_, *qs = (bf16 *)qs_, *gs = (bf16 *)gs_;
-  int nk = hs / 16, bk = blockIdx.y, b = bk / KV, kvh = bk % KV, grp = NH / KV;
-  int k0 = blockIdx.x * TC_BR, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int j0 = k0 + warp * TC_R, key = j0 + lane / 2, c0 = (lane % 2) * 16;
-  float *sw = (float *)sw_ + warp * TC_R * TC_LDS, *srow = sw + (lane / 2) * TC_LDS + c0;
-  bf16 *pw = (bf16 *)pw_ + warp * TC_R * TC_LDP, *prow = pw + (lane / 2) * TC_LDP + c0;
-  bf16 *dw = (bf16 *)dw_ + warp * TC_R * TC_LDP, *drow = dw + (lane / 2) * TC_LDP + c0;
-  size_t rs = att_rs(NH, KV, hs), koff = att_koff(kvh * grp, NH, KV, hs);
-  const bf16 *base = qkv + (size_t)b * T * rs;
-  tc_load(kb, base + koff, rs, k0, TC_BR, T, hs);
-  tc_load(vb, base + koff + (size_t)KV * hs, rs, k0, TC_BR, T, hs);
-  tc_acc dk[TC_NK], dv[TC_NK];
-  tc_zero(dk);
-  tc_zero(dv);
-  for (int it = 0, nt = (T - k0 + TC_T - 1) / TC_T; it < grp * nt; it++) {
-    int h = kvh * grp + it / nt, t0 = k0 + (it % nt) * TC_T, bh = b * NH + h;
-    __syncthreads();
-    tc_load(qs, base + (size_t)h * hs, rs, t0, TC_T, T, hs);
-    tc_load(gs, dout + (size_t)b * T * NH * hs + (size_t)h * hs, (size_t)NH * hs, t0, TC_T, T,
-            hs);
-    fa_row_stats(ls, dsh, lse, D, bh, T, t0, TC_T, 1.0f);
-    __syncthreads();
-    if (t0 + TC_T - 1 < j0) continue; /* every query of the tile is before this warp's keys */
-    tc_scores(sw, kb + warp * TC_R * TC_LDH, qs, nk); /* s^T: keys x queries */
-    __syncwarp();
-    float p[16];
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++) {
-      int i = t0 + c0 + c;
-      p[c] = i < T && i >= key ? expf(srow[c] * scale - ls[c0 + c]) : 0.0f;
-      put(prow[c], p[c]);
-    }
-    __syncwarp(); /* the slice now takes dp^T = v dout^T */
-    tc_scores(sw, vb + warp * TC_R * TC_LDH, gs, nk);
-    __syncwarp();
-    ZT_UNROLL
-    for (int c = 0; c < 16; c++) put(drow[c], p[c] * (srow[c] - dsh[c0 + c]));
-    __syncwarp();
-    tc_accum(dv, pw, gs, nk);
-    tc_accum(dk, dw, qs, nk);
-  }
-  bf16 *o = dqkv + (size_t)b * T * rs + koff;
-  tc_store(o, rs, j0, T, dk, nk, scale, sw, lane);
-  tc_store(o + (size_t)KV * hs, rs, j0, T, dv, nk, 1.0f, sw, lane);
-}
-
-/* ---------------------------------------------------------------------------
- * Flash attention 2 (Dao, 2023) on the tensor cores' own instructions: bf16
- * storage, head sizes 16, 32, 48 and 64 (and 128, forward only), selected by
- * zt_kernels_cuda_set_attention_tc(2). The kernels above go through
- * nvcuda::wmma, whose fragments cannot be read in registers, so their
- * scores make a round trip through shared memory and their forward two
- * passes. These use mma.sync.m16n8k16 and ldmatrix, whose register layouts
- * PTX defines (kernels/cuda/sim/include/zt_sim_ptx.h spells them out), and
- * so keep everything of a warp's 16 rows in registers:
+ * Flash attention 2 (Dao, 2023), the attention path of bf16 storage
+ * wherever it applies (att_fa2 below: head sizes 16, 32, 48, 64 and 128,
+ * Llama's; 16-byte aligned rows). Causal, grouped K/V heads read in place;
+ * no T x T matrix is formed, not even in scratch.
+ * q, k, v are read where they lie in qkv [B,T,(NH+2KV)hs] and out is
+ * written in [B,T,NH hs], so no permutation kernels run either.
+ *
+ * The products run on the tensor cores' own instructions, mma.sync.m16n8k16
+ * and ldmatrix, whose register layouts PTX defines
+ * (kernels/cuda/sim/include/zt_sim_ptx.h spells them out), and so
+ * everything of a warp's 16 rows stays in registers:
  *
  *   - forward: a block of FA2_WARPS warps takes FA2_BM query rows, q held
  *     as A fragments; K and V tiles of FA2_BN keys stream through shared
@@ -1783,16 +1123,19 @@ __global__ void k_flash_tc_bwd_kv(bf16 *dqkv, const bf16 *qkv, const bf16 *dout,
  *     accumulators, and become the A fragments of p v without leaving the
  *     registers (the accumulators of two 8-key tiles are an A fragment's
  *     layout). Tiles past the diagonal are never loaded.
- *   - backward: as above, two kernels so that no two blocks add into one
- *     gradient (no atomics): dk and dv of a block of keys (their K and V
- *     held as A fragments, query tiles and dout streaming by, s^T and dp^T
- *     recomputed), and dq of a block of queries (q and dout held, K and V
- *     streaming by).
+ *   - backward: two kernels so that no two blocks add into one gradient
+ *     (no atomics: the same bits on every run): dk and dv of a block of
+ *     keys (their K and V held as A fragments, query tiles and dout
+ *     streaming by, s^T and dp^T recomputed), and dq of a block of queries
+ *     (q and dout held, K and V streaming by), each recomputing
+ *     p = exp(s - lse) and ds = p (dp - D) with D = rowsum(dout * out)
+ *     formed first per row.
  *
  * Probabilities and ds are rounded to bf16 once, as operands of the second
- * product, as the wmma kernels do; exponentials are exp2f of scores
- * prescaled by log2(e). lse is written in natural units, as the other
- * paths do, so any backward takes any forward's lse. */
+ * product, as flash attention does; exponentials are exp2f of scores
+ * prescaled by log2(e). lse is written in natural units, as the cuBLASLt
+ * path does, so either backward takes either forward's lse.
+ */
 
 #ifdef __CUDACC__
 /* d += a b: one 16 x 8 x 16 tile, bf16 operands, fp32 accumulators. */
@@ -1820,12 +1163,21 @@ __device__ __forceinline__ void zt_ptx_ldsm4t(unsigned r[4], const void *p) {
 #include "zt_sim_ptx.h" /* the stand-in's versions, same names */
 #endif
 
+/* Loops over the register arrays are unrolled so that the arrays stay in
+ * registers (nvcc; the CPU stand-in compiles this file with g++). */
+#ifdef __CUDACC__
+#define ZT_UNROLL _Pragma("unroll")
+#else
+#define ZT_UNROLL
+#endif
+
 #define FA2_WARPS 4
 #define FA2_BM (16 * FA2_WARPS) /* query rows of a block, keys of a backward block */
 #define FA2_BN 64               /* rows of a streamed tile */
 #define FA2_NT (FA2_BN / 8)     /* 8-column accumulator tiles across a streamed tile */
 #define FA2_LOG2E 1.4426950408889634f
 #define FA2_LN2 0.6931471805599453f
+#define FA2_FULL 0xffffffffu
 
 /* Two floats as one register of two bf16, the first in the lower half. */
 __device__ __forceinline__ unsigned fa2_pack(float lo, float hi) {
@@ -1834,6 +1186,25 @@ __device__ __forceinline__ unsigned fa2_pack(float lo, float hi) {
   memcpy(&ua, &a, 2);
   memcpy(&ub, &b, 2);
   return (unsigned)ua | (unsigned)ub << 16;
+}
+
+/* 16 bytes: one vector access, and the element of the shared tiles (which
+ * ldmatrix wants 16-byte aligned). */
+struct alignas(16) fa2_v16 {
+  unsigned x[4];
+};
+
+/* Rows [t0, t0 + n) of a [T, hs] bf16 slice (row stride rs) into dst (row
+ * stride ld), 16 bytes at a time; rows at or past T read as 0. */
+__device__ __forceinline__ void rows_load(bf16 *dst, int ld, const bf16 *src, size_t rs, int t0,
+                                          int n, int T, int hs) {
+  int per = hs / 8;
+  for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
+    int r = e / per, c = (e % per) * 8;
+    fa2_v16 v = {{0, 0, 0, 0}};
+    if (t0 + r < T) v = *(const fa2_v16 *)(src + (size_t)(t0 + r) * rs + c);
+    *(fa2_v16 *)(dst + r * ld + c) = v;
+  }
 }
 
 /* rows_load into a tile of row stride HS + 8, so that ldmatrix's 8 rows
@@ -1930,8 +1301,8 @@ template <int HS>
 __global__ void __launch_bounds__(FA2_WARPS * 32)
     k_fa2_fwd(bf16 *out, float *lse, const bf16 *qkv, int T, int NH, int KV, float sl2) {
   constexpr int LD = HS + 8;
-  __shared__ tc16 ks_[FA2_BN * LD / 8];
-  __shared__ tc16 vs_[FA2_BN * LD / 8];
+  __shared__ fa2_v16 ks_[FA2_BN * LD / 8];
+  __shared__ fa2_v16 vs_[FA2_BN * LD / 8];
   bf16 *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
   int bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = (gridDim.x - 1 - blockIdx.x) * FA2_BM; /* the longest blocks first */
@@ -1971,8 +1342,8 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
     float corr[2];
     ZT_UNROLL
     for (int hh = 0; hh < 2; hh++) {
-      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(FA_FULL, mx[hh], 1));
-      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(FA_FULL, mx[hh], 2));
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(FA2_FULL, mx[hh], 1));
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(FA2_FULL, mx[hh], 2));
       float mn = fmaxf(m[hh], mx[hh]);
       corr[hh] = exp2f(m[hh] - mn);
       m[hh] = mn;
@@ -1994,8 +1365,8 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
   }
   ZT_UNROLL
   for (int hh = 0; hh < 2; hh++) {
-    l[hh] += __shfl_xor_sync(FA_FULL, l[hh], 1);
-    l[hh] += __shfl_xor_sync(FA_FULL, l[hh], 2);
+    l[hh] += __shfl_xor_sync(FA2_FULL, l[hh], 1);
+    l[hh] += __shfl_xor_sync(FA2_FULL, l[hh], 2);
   }
   fa2_store<HS>(out + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, r0 + g, T, o,
                 1.0f / l[0], 1.0f / l[1], lane);
@@ -2006,6 +1377,31 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
   }
 }
 
+/* D [B,NH,T] = rowsum(dout * out) per head, one warp per row. */
+__global__ void k_fa2_row_d(float *D, const bf16 *dout, const bf16 *out, int B, int T, int C,
+                            int NH) {
+  int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= B * NH * T) return;
+  int hs = C / NH, bh = row / T, i = row % T, b = bh / NH, h = bh % NH;
+  size_t off = ((size_t)b * T + i) * C + (size_t)h * hs;
+  float s = 0.0f;
+  for (int d = lane; d < hs; d += 32) s += ldx(dout[off + d]) * ldx(out[off + d]);
+  s = warp_sum(s);
+  if (lane == 0) D[row] = s;
+}
+
+/* lse (times lscale) and D of rows [t0, t0 + n) of head bh into ls and
+ * dsh (0 past T), by the block's first n threads. */
+__device__ __forceinline__ void fa2_row_stats(float *ls, float *dsh, const float *lse,
+                                              const float *D, int bh, int T, int t0, int n,
+                                              float lscale) {
+  if ((int)threadIdx.x < n) {
+    int i = t0 + threadIdx.x;
+    ls[threadIdx.x] = i < T ? lse[(size_t)bh * T + i] * lscale : 0.0f;
+    dsh[threadIdx.x] = i < T ? D[(size_t)bh * T + i] : 0.0f;
+  }
+}
+
 /* dq of FA2_BM query rows: q and dout held as A fragments, the K and V
  * tiles at and before them streaming by. */
 template <int HS>
@@ -2013,8 +1409,8 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
     k_fa2_bwd_q(bf16 *dqkv, const bf16 *qkv, const bf16 *dout, const float *lse, const float *D,
                 int T, int NH, int KV, float scale, float sl2) {
   constexpr int LD = HS + 8;
-  __shared__ tc16 ks_[FA2_BN * LD / 8];
-  __shared__ tc16 vs_[FA2_BN * LD / 8];
+  __shared__ fa2_v16 ks_[FA2_BN * LD / 8];
+  __shared__ fa2_v16 vs_[FA2_BN * LD / 8];
   bf16 *ks = (bf16 *)ks_, *vs = (bf16 *)vs_;
   int bh = blockIdx.y, b = bh / NH, h = bh % NH;
   int q0 = (gridDim.x - 1 - blockIdx.x) * FA2_BM;
@@ -2076,8 +1472,8 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
                  const float *D, int T, int NH, int KV, float scale, float sl2) {
   constexpr int LD = HS + 8;
   constexpr bool want_dk = PART != 1, want_dv = PART != 2;
-  __shared__ tc16 qs_[FA2_BN * LD / 8];
-  __shared__ tc16 gs_[FA2_BN * LD / 8];
+  __shared__ fa2_v16 qs_[FA2_BN * LD / 8];
+  __shared__ fa2_v16 gs_[FA2_BN * LD / 8];
   __shared__ float ls[FA2_BN];
   __shared__ float dsh[FA2_BN];
   bf16 *qs = (bf16 *)qs_, *gs = (bf16 *)gs_;
@@ -2101,7 +1497,7 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
     fa2_load<HS>(qs, base + (size_t)h * HS, rs, t0, FA2_BN, T);
     fa2_load<HS>(gs, dout + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, t0,
                  FA2_BN, T);
-    fa_row_stats(ls, dsh, lse, D, bh, T, t0, FA2_BN, FA2_LOG2E);
+    fa2_row_stats(ls, dsh, lse, D, bh, T, t0, FA2_BN, FA2_LOG2E);
     __syncthreads();
     /* s^T and dp^T: this warp's keys down, the tile's queries across. */
     float p[FA2_NT][4], dp[FA2_NT][4];
@@ -2123,6 +1519,16 @@ __global__ void __launch_bounds__(FA2_WARPS * 32)
   bf16 *o = dqkv + (size_t)b * T * rs + koff;
   if (want_dk) fa2_store<HS>(o, rs, j0 + g, T, dk, scale, scale, lane);
   if (want_dv) fa2_store<HS>(o + (size_t)KV * HS, rs, j0 + g, T, dv, 1.0f, 1.0f, lane);
+}
+
+/* D = rowsum(dout * out) per head and row, in the attention scratch: the
+ * backward's first launch. */
+static float *fa2_row_d(const bf16 *dout, const bf16 *out, int B, int T, int C, int NH) {
+  int rows = B * NH * T;
+  float *D = (float *)scratch(SCR_ATT, (size_t)rows * sizeof(float));
+  k_fa2_row_d<<<(rows + 7) / 8, 256, 0, g.stream>>>(D, dout, out, B, T, C, NH);
+  ZT_CUDA_LAUNCHED();
+  return D;
 }
 
 template <int HS>
@@ -2148,7 +1554,7 @@ static void fa2_backward_hs(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const
                             const float *D, int B, int T, int NH, int KV) {
   float scale = 1.0f / sqrtf((float)HS);
   unsigned tiles = (unsigned)((T + FA2_BM - 1) / FA2_BM);
-  if constexpr (HS <= FA_HSMAX) {
+  if constexpr (HS <= 64) {
     fa2_bwd_kv<HS, 0>(dqkv, dout, qkv, lse, D, B, T, NH, KV, scale);
   } else { /* dv, then dk (see k_fa2_bwd_kv) */
     fa2_bwd_kv<HS, 1>(dqkv, dout, qkv, lse, D, B, T, NH, KV, scale);
@@ -2172,7 +1578,7 @@ static void fa2_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, in
 
 static void fa2_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out,
                          const float *lse, int B, int T, int NH, int KV, int hs) {
-  const float *D = flash_row_d(dout, out, B, T, NH * hs, NH);
+  const float *D = fa2_row_d(dout, out, B, T, NH * hs, NH);
   switch (hs) {
     case 16: return fa2_backward_hs<16>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
     case 32: return fa2_backward_hs<32>(dqkv, dout, qkv, lse, D, B, T, NH, KV);
@@ -2182,47 +1588,18 @@ static void fa2_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf
   }
 }
 
-/* The tensor-core kernels (wmma: att_tc_on 1; mma.sync, FA2: 2) take bf16
- * storage, head sizes a multiple of 16 up to FA_HSMAX, and 16-byte aligned
- * q, k, v, dout and gradient rows (C a multiple of 8, as head sizes of 16
- * make it). */
-static int att_tc_on = 1;
+/* ---------------------------------------------------------------------------
+ * The path. 1 (the default): flash attention 2 wherever it applies; 0:
+ * cuBLASLt for every call (zt_kernels_cuda_set_attention_fa2). */
+static int att_fa2_on = 1;
 
-static int att_tc_fits(int B, int NH, int hs, int hsmax, const void *a, const void *b,
-                       const void *c) {
-  return hs % 16 == 0 && hs <= hsmax && B * NH <= 65535 /* gridDim.y */ &&
-         ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
-}
-
-static int att_tc(int B, int NH, int hs, const void *a, const void *b, const void *c) {
-  return att_tc_on && att_tc_fits(B, NH, hs, FA_HSMAX, a, b, c);
-}
-
-/* The mma.sync kernels also take head size 128 (Llama's), the backward's
- * dk and dv in two launches (k_fa2_bwd_kv). */
+/* Flash attention 2 takes bf16 storage (the callers check sizeof(X)), head
+ * sizes 16, 32, 48, 64 and 128 (Llama's), 16-byte aligned q, k, v, dout
+ * and gradient rows (C a multiple of 8, as head sizes of 16 make it), and
+ * at most 65535 (b, head) pairs (gridDim.y). */
 static int att_fa2(int B, int NH, int hs, const void *a, const void *b, const void *c) {
-  return att_tc_on == 2 && (hs <= FA_HSMAX || hs == 128) && att_tc_fits(B, NH, hs, 128, a, b, c);
-}
-
-static void flash_tc_forward(bf16 *out, float *lse, const bf16 *qkv, int B, int T, int NH, int KV,
-                             int hs) {
-  dim3 grid((unsigned)((T + TC_BR - 1) / TC_BR), (unsigned)(B * NH));
-  k_flash_tc_fwd<<<grid, TC_WARPS * 32, 0, g.stream>>>(out, lse, qkv, T, NH, KV, hs,
-                                                      1.0f / sqrtf((float)hs));
-  ZT_CUDA_LAUNCHED();
-}
-
-static void flash_tc_backward(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out,
-                              const float *lse, int B, int T, int NH, int KV, int hs) {
-  float scale = 1.0f / sqrtf((float)hs);
-  float *D = flash_row_d(dout, out, B, T, NH * hs, NH);
-  unsigned tiles = (unsigned)((T + TC_BR - 1) / TC_BR);
-  k_flash_tc_bwd_kv<<<dim3(tiles, (unsigned)(B * KV)), TC_WARPS * 32, 0, g.stream>>>(
-      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
-  ZT_CUDA_LAUNCHED();
-  k_flash_tc_bwd_q<<<dim3(tiles, (unsigned)(B * NH)), TC_WARPS * 32, 0, g.stream>>>(
-      dqkv, qkv, dout, lse, D, T, NH, KV, hs, scale);
-  ZT_CUDA_LAUNCHED();
+  return att_fa2_on && (hs == 16 || hs == 32 || hs == 48 || hs == 64 || hs == 128) &&
+         B * NH <= 65535 && ((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) % 16 == 0;
 }
 
 /* The three parts of qkv's rows (q, k, v: NH, KV and KV heads) as fp32
@@ -2248,9 +1625,6 @@ static void cu_attention_forward_gqa(float *out_, float *lse, const float *qkv_,
   const X *qkv = (const X *)qkv_;
   if (sizeof(X) == 2 && att_fa2(B, NH, hs, qkv, out, out))
     return fa2_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
-  if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, out, out))
-    return flash_tc_forward((bf16 *)out, lse, (const bf16 *)qkv, B, T, NH, KV, hs);
-  if (att_tiled(B, T, NH, KV, hs)) return flash_forward(out, lse, qkv, B, T, NH, KV, hs);
   int grp = NH / KV, batch = B * KV;
   size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs, tt = (size_t)B * NH * T * T;
   float *q = (float *)scratch(SCR_ATT, (2 * nq + 2 * nkv + tt) * sizeof(float)), *k = q + nq,
@@ -2271,6 +1645,7 @@ static void cu_attention_forward_gqa(float *out_, float *lse, const float *qkv_,
                                                                   NH * hs, 0, 0);
   ZT_CUDA_LAUNCHED();
 }
+
 template <typename X>
 static void cu_attention_backward_gqa(float *dqkv_, const float *dout_, const float *qkv_,
                                       const float *out_, const float *lse, int B, int T, int NH,
@@ -2281,11 +1656,6 @@ static void cu_attention_backward_gqa(float *dqkv_, const float *dout_, const fl
   if (sizeof(X) == 2 && att_fa2(B, NH, hs, qkv, dout, dqkv))
     return fa2_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out,
                         lse, B, T, NH, KV, hs);
-  if (sizeof(X) == 2 && att_tc(B, NH, hs, qkv, dout, dqkv))
-    return flash_tc_backward((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv,
-                             (const bf16 *)out, lse, B, T, NH, KV, hs);
-  if (att_tiled(B, T, NH, KV, hs))
-    return flash_backward(dqkv, dout, qkv, out, lse, B, T, NH, KV, hs);
   int grp = NH / KV, batch = B * KV;
   size_t nq = (size_t)B * T * NH * hs, nkv = (size_t)B * T * KV * hs, tt = (size_t)B * NH * T * T;
   float *q = (float *)scratch(SCR_ATT, att_cublas_scratch(B, T, NH, KV, hs)), *k = q + nq,
@@ -3246,7 +2616,6 @@ static void fill_table(zt_kernels_t *t, const char *name) {
   t->graph_launch = cu_graph_launch;
   t->graph_free = cu_graph_free;
 }
-
 extern "C" int zt_cuda_device_count(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -3285,7 +2654,6 @@ extern "C" int zt_kernels_cuda_init(int device, char *err, size_t errlen) {
   ZT_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   snprintf(g.name, sizeof g.name, "%s", prop.name);
   g.mem = prop.totalGlobalMem;
-  if (!att_scr_max_set) att_scr_max = g.mem / 4;
   ZT_CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
   ZT_CUBLAS_CHECK(cublasLtCreate(&g.lt));
   g.lt_ws_size = 32u << 20;
@@ -3308,8 +2676,8 @@ extern "C" void zt_kernels_cuda_set_math(zt_cuda_math_t math) {
   cap.epoch++;
 }
 extern "C" zt_cuda_math_t zt_kernels_cuda_math(void) { return g.math; }
-extern "C" void zt_kernels_cuda_set_attention_tc(int on) {
-  att_tc_on = on;
+extern "C" void zt_kernels_cuda_set_attention_fa2(int on) {
+  att_fa2_on = on;
   cap.epoch++;
 }
 extern "C" void zt_kernels_cuda_set_gelu_epilogue(int on) {
@@ -3359,12 +2727,6 @@ extern "C" void zt_kernels_cuda_profile_report(FILE *f) {
                 total[k] > 0 ? 100.0 * rows[i].ms / total[k] : 0.0, rows[i].calls,
                 prof.labels[rows[i].label]);
   }
-}
-
-extern "C" void zt_kernels_cuda_set_attention_scratch_max(size_t bytes) {
-  att_scr_max = bytes;
-  att_scr_max_set = 1;
-  cap.epoch++;
 }
 
 extern "C" size_t zt_cuda_device_memory_used(void) {

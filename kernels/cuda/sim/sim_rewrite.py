@@ -21,7 +21,7 @@ messages, gdb and backtraces point into kernels.cu):
      the launch's dynamic shared memory.
   3. Which kernels need fibers. A kernel that (through the device functions
      and macros of the file it calls) uses __syncthreads, a warp shuffle, a
-     vote or a warp matrix instruction (wmma, zt_ptx_*) is registered by name at the end of the copy: only those run
+     vote or a warp matrix instruction (zt_ptx_*) is registered by name at the end of the copy: only those run
      each thread on its own fiber. The others run thread after thread on the
      scheduler's stack (much faster, same semantics for code with no
      barrier); if one of them reaches a barrier after all, the stand-in
@@ -40,8 +40,7 @@ import sys
 
 SYNC_PRIMS = re.compile(
     r"\b(__syncthreads\w*|__syncwarp|__shfl\w*_sync|__ballot_sync|__any_sync|__all_sync|"
-    r"__activemask|__match_\w+_sync|__reduce_\w+_sync|load_matrix_sync|store_matrix_sync|"
-    r"mma_sync|fill_fragment|zt_ptx_\w+)\b")
+    r"__activemask|__match_\w+_sync|__reduce_\w+_sync|zt_ptx_\w+)\b")
 IDENT = re.compile(r"[A-Za-z_]\w*")
 LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)")
 

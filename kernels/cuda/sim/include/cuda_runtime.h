@@ -246,8 +246,8 @@ const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size
  * shuffle width); otherwise ends the process, naming the kernel. */
 int shfl_width(int width);
 /* Ends the process unless every lane of the warp is live, as the warp-wide
- * matrix calls require (wmma in mma.h, mma.sync and ldmatrix in
- * zt_sim_ptx.h); prefix and what name the call. */
+ * matrix instructions require (mma.sync and ldmatrix in zt_sim_ptx.h);
+ * prefix and what name the call. */
 void require_full_warp(const char *prefix, const char *what);
 
 /* The source lanes of the shuffles, as the hardware computes them (PTX

@@ -9,8 +9,9 @@
  *   zt_ptx_ldsm4(r, p)       ldmatrix.sync.aligned.m8n8.x4.shared.b16
  *   zt_ptx_ldsm4t(r, p)      the same with .trans
  *
- * Unlike the warp matrix functions (mma.h), these instructions define how a
- * tile's elements are spread over the lanes, and kernels depend on it: each
+ * These instructions define how a tile's elements are spread over the
+ * lanes (unlike CUDA's warp matrix functions, nvcuda::wmma, whose fragment
+ * layout is unspecified), and kernels depend on it: each
  * lane holds only its share, in registers of two bf16 (the lower column in
  * the lower 16 bits). With g = lane / 4 and c = lane % 4 (PTX ISA, "Matrix
  * fragments for mma.m16n8k16"):
