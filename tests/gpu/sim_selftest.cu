@@ -2,10 +2,10 @@
  * sim_selftest.cu: tests of the CPU stand-in for CUDA itself (ctest
  * test_cuda_sim_selftest, label gpu-sim; docs/gpu.md, "The CPU stand-in").
  *
- * Built like kernels.cu (sim_rewrite.py, then g++), so it also exercises
- * the rewriter: launches with 2 to 4 launch parameters, template kernels,
- * static and dynamic __shared__, 2-D blocks, partial warps. It checks (with
- * the harness of tests/unit/zt_test.h):
+ * Built like the kernel table (sim_rewrite.py, then g++), so it also
+ * exercises the rewriter: launches with 2 to 4 launch parameters, template
+ * kernels, static and dynamic __shared__, 2-D blocks, partial warps. It
+ * checks (with the harness of tests/unit/zt_test.h):
  *   - warp shuffles (xor, down, up, indexed, widths), votes,
  *     __syncthreads_count, shared memory per block, atomics;
  *   - warp operations that lanes reach in different numbers, with

@@ -1,8 +1,8 @@
 /*
  * zt_sim_ptx.h of the CPU stand-in (kernels/cuda/sim/; docs/gpu.md, "The
  * CPU stand-in"). Tests only: the two warp-wide PTX instructions that
- * kernels/cuda/kernels.cu reaches through inline assembly when nvcc builds
- * it, as functions of the same names and arguments as its wrappers:
+ * kernels/cuda/fa2.cu reaches through inline assembly when nvcc builds it,
+ * as functions of the same names and arguments as its wrappers:
  *
  *   zt_ptx_mma(d, a, b)      mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
  *                            d (16 x 8 fp32) += a (16 x 16 bf16) b (16 x 8 bf16)
