@@ -18,15 +18,14 @@
  *
  * usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]
  *                    [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]
- *                    [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]
+ *                    [--attention auto|fa2|cublas] [--arch gpt2|llama]
  *                    [--profile] [--no-gelu-epilogue] [--no-graphs]
  * (--arch llama: the same sizes as a Llama, with 4 query heads per K/V head
  * where the head count allows, an MLP of 8C/3 rounded up to 64, untied.)
- * (auto: the kernels' own choice, which with bf16 storage is tiled-tc where
- * the head size allows; tiled: the fp32 tiled kernels on the CUDA cores;
- * tiled-tc: the tiled kernels on the tensor cores (wmma), bf16 storage
- * only; fa2: flash attention 2 on mma.sync, bf16 storage only;
- * cublas: the cuBLASLt products with T x T matrices.) --profile: one more
+ * (auto: the kernels' own choice, flash attention 2 with bf16 storage where
+ * the head size allows, else cuBLASLt; fa2: flash attention 2 on mma.sync
+ * (the same as auto, named), bf16 storage only; cublas: the cuBLASLt
+ * products with T x T matrices, whatever the storage.) --profile: one more
  * step after the timed ones, with the kernel table's profile on
  * (zt_kernels_cuda_profile), whose report goes to stderr.
  * --no-gelu-epilogue: the MLP's GELU as calls of its own, not in the
@@ -72,7 +71,7 @@ static int usage(void) {
   fprintf(stderr,
           "usage: zt_gpubench [--layers L] [--embd C] [--heads H] [--seq T] [--vocab V]\n"
           "                   [--batch B] [--steps N] [--math fp32|tf32|bf16|bf16-storage]\n"
-          "                   [--attention auto|tiled|tiled-tc|fa2|cublas] [--arch gpt2|llama]\n"
+          "                   [--attention auto|fa2|cublas] [--arch gpt2|llama]\n"
           "                   [--profile] [--no-gelu-epilogue] [--no-graphs]\n");
   return 2;
 }
@@ -114,9 +113,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--steps")) steps = atoi(v);
     else if (!strcmp(a, "--attention")) {
       att = v;
-      if (strcmp(v, "auto") && strcmp(v, "tiled") && strcmp(v, "tiled-tc") && strcmp(v, "fa2") &&
-          strcmp(v, "cublas"))
-        return usage();
+      if (strcmp(v, "auto") && strcmp(v, "fa2") && strcmp(v, "cublas")) return usage();
     }
     else if (!strcmp(a, "--math")) {
       math_name = v;
@@ -142,14 +139,11 @@ int main(int argc, char **argv) {
   }
   zt_kernels_cuda_set_math(math);
   if (no_gelu_epi) zt_kernels_cuda_set_gelu_epilogue(0);
-  if ((!strcmp(att, "tiled-tc") || !strcmp(att, "fa2")) && !storage16) {
+  if (!strcmp(att, "fa2") && !storage16) {
     fprintf(stderr, "zt_gpubench: --attention %s takes --math bf16-storage\n", att);
     return 2;
   }
-  if (strcmp(att, "auto")) {
-    zt_kernels_cuda_set_attention_tc(!strcmp(att, "fa2") ? 2 : !strcmp(att, "tiled-tc"));
-    zt_kernels_cuda_set_attention_scratch_max(strcmp(att, "cublas") ? 0 : SIZE_MAX);
-  }
+  zt_kernels_cuda_set_attention_fa2(strcmp(att, "cublas") != 0);
   const zt_kernels_t *k = storage16 ? zt_kernels_cuda_bf16() : zt_kernels_cuda();
   int T = cfg.seq_len;
   zt_model_t *m;

@@ -322,7 +322,7 @@ typedef struct zt_kernels {
 #define ZT_KERNELS_SUMSQ_CHUNK 65536
 
 /* GPT-2's constants, shared by every implementation (kernels/cpu/ref.c,
- * kernels/cpu/fast.c, kernels/cuda/kernels.cu): LayerNorm's epsilon and the
+ * kernels/cpu/fast.c, kernels/cuda/): LayerNorm's epsilon and the
  * tanh approximation of GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
 #define ZT_LN_EPS 1e-5f
 #define ZT_GELU_SCALE 0.7978845608028654f /* sqrt(2 / pi) */

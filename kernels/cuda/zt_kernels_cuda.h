@@ -22,10 +22,11 @@
  * Matmuls go through cuBLASLt (bias fused as an epilogue in the forward).
  * zt_kernels_cuda_set_math selects the matmul precision: exact fp32, TF32 or
  * bf16 tensor cores (fp32 storage and accumulation; inputs rounded to
- * bf16 inside the product). Attention uses strided-batched cuBLASLt products
- * over [B*NH] heads and a warp-per-row causal softmax while its T x T
- * matrices fit in the scratch limit, and tiled (flash) kernels that never
- * form them beyond it (head size <= 64).
+ * bf16 inside the product). Attention takes flash attention 2 (mma.sync
+ * tensor-core kernels that never form the T x T scores) with bf16 storage
+ * and head sizes 16, 32, 48, 64 and 128, and strided-batched cuBLASLt
+ * products over the heads with a warp-per-row causal softmax, the T x T
+ * matrices in scratch, everywhere else.
  *
  * Errors: every CUDA and cuBLAS call is checked; a failure prints the call,
  * the file:line and the library's message and ends the process (exit 1), as
@@ -72,22 +73,14 @@ const zt_kernels_t *zt_kernels_cuda_bf16(void);
 void zt_kernels_cuda_set_math(zt_cuda_math_t math);
 zt_cuda_math_t zt_kernels_cuda_math(void);
 
-/* Attention takes the tiled kernels when the cuBLASLt path's T x T scratch
- * would pass `bytes` (default: a quarter of the device's memory): 0 makes
- * every head size <= 64 tiled, SIZE_MAX none. */
-void zt_kernels_cuda_set_attention_scratch_max(size_t bytes);
-
-/* 1 (the default): with bf16 storage, attention runs on the tiled
- * tensor-core kernels (bf16 products, the probabilities and ds rounded to
- * bf16 as flash attention does) wherever the head size is a multiple of 16
- * up to 64, whatever the scratch limit above: on an H200 they were the
- * fastest path and keep no T x T matrix (docs/gpu.md). 2: the same cases
- * on the flash-attention-2 kernels (mma.sync and ldmatrix, one pass of
- * online softmax in registers), and the forward of head size 128 too;
- * they have not yet been timed on a GPU.
- * 0: bf16 attention takes the cuBLASLt or the fp32 tiled path, as fp32
- * storage does. */
-void zt_kernels_cuda_set_attention_tc(int on);
+/* The attention path. 1 (the default): with bf16 storage, attention runs
+ * on the flash-attention-2 kernels (bf16 products on the tensor cores,
+ * mma.sync and ldmatrix, one pass of online softmax in registers, the
+ * probabilities and ds rounded to bf16 as flash attention does; no T x T
+ * matrix) wherever the head size is 16, 32, 48, 64 or 128 and the rows
+ * are 16-byte aligned; everything else takes the cuBLASLt path. 0: every
+ * call takes the cuBLASLt path (for comparisons). */
+void zt_kernels_cuda_set_attention_fa2(int on);
 
 /* The profile: on (1), every kernel table call that queues device work,
  * and every cuBLASLt product inside one, is timed with events on the

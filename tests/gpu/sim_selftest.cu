@@ -2,13 +2,12 @@
  * sim_selftest.cu: tests of the CPU stand-in for CUDA itself (ctest
  * test_cuda_sim_selftest, label gpu-sim; docs/gpu.md, "The CPU stand-in").
  *
- * Built like kernels.cu (sim_rewrite.py, then g++), so it also exercises
- * the rewriter: launches with 2 to 4 launch parameters, template kernels,
- * static and dynamic __shared__, 2-D blocks, partial warps. It checks (with
- * the harness of tests/unit/zt_test.h):
+ * Built like the kernel table (sim_rewrite.py, then g++), so it also
+ * exercises the rewriter: launches with 2 to 4 launch parameters, template
+ * kernels, static and dynamic __shared__, 2-D blocks, partial warps. It
+ * checks (with the harness of tests/unit/zt_test.h):
  *   - warp shuffles (xor, down, up, indexed, widths), votes,
- *     __syncthreads_count, shared memory per block, atomics, a warp matrix
- *     product (wmma) against its definition;
+ *     __syncthreads_count, shared memory per block, atomics;
  *   - warp operations that lanes reach in different numbers, with
  *     disjoint masks, or after other lanes of the mask returned;
  *   - that the schedule depends on ZT_SIM_SEED: a racy kernel gives
@@ -25,14 +24,12 @@
  *     cudaFree, a barrier a thread returned without reaching, a barrier in a
  *     kernel the rewriter did not register, a write into an allocation's
  *     slack, a shuffle width CUDA does not define, lanes that wait at
- *     warp operations for each other, a wmma tile that is not 256-bit
- *     aligned, a wmma call that not every lane of the warp makes, a graph
- *     launched after a buffer it uses was freed.
+ *     warp operations for each other, a graph launched after a buffer it
+ *     uses was freed.
  * Not compiled by nvcc: it uses the stand-in's environment variables.
  */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -454,65 +451,6 @@ static void test_cublaslt() {
 }
 
 /* ---------------------------------------------------------------------------
- * Warp matrix functions (nvcuda::wmma). */
-
-namespace wm = nvcuda::wmma;
-struct alignas(32) unit32 {
-  unsigned char b[32];
-};
-
-/* d = a b + 1 on one 16 x 16 x 16 tile: a row-major, b given as its
- * transpose bt (row-major, so b is col-major), both through shared memory
- * with a leading dimension of 24; `skew` elements moves a's tile off its
- * alignment, `half` has lanes 16-31 skip the product. */
-__global__ void k_wmma(float *d, const __nv_bfloat16 *a, const __nv_bfloat16 *bt, int skew,
-                       int half) {
-  __shared__ unit32 as_[2 * 16 * 24 * 2 / 32];
-  __shared__ unit32 bs_[16 * 24 * 2 / 32];
-  __nv_bfloat16 *as = (__nv_bfloat16 *)as_, *bs = (__nv_bfloat16 *)bs_;
-  for (int e = threadIdx.x; e < 256; e += 32) {
-    as[(e / 16) * 24 + e % 16 + skew] = a[e];
-    bs[(e / 16) * 24 + e % 16] = bt[e];
-  }
-  __syncwarp();
-  if (half && threadIdx.x >= 16) return;
-  wm::fragment<wm::matrix_a, 16, 16, 16, __nv_bfloat16, wm::row_major> fa;
-  wm::fragment<wm::matrix_b, 16, 16, 16, __nv_bfloat16, wm::col_major> fb;
-  wm::fragment<wm::accumulator, 16, 16, 16, float> fc;
-  wm::fill_fragment(fc, 1.0f);
-  wm::load_matrix_sync(fa, as + skew, 24);
-  wm::load_matrix_sync(fb, bs, 24);
-  wm::mma_sync(fc, fa, fb, fc);
-  wm::store_matrix_sync(d, fc, 16, wm::mem_row_major);
-}
-
-static void test_wmma() {
-  __nv_bfloat16 ha[256], hb[256];
-  for (int i = 0; i < 256; i++) { /* small integers: every sum is exact */
-    ha[i] = __float2bfloat16((float)(i % 7) - 3.0f);
-    hb[i] = __float2bfloat16((float)((i * 5) % 11) - 5.0f);
-  }
-  __nv_bfloat16 *da = dev_alloc<__nv_bfloat16>(256), *db = dev_alloc<__nv_bfloat16>(256);
-  float *dd = dev_alloc<float>(256);
-  OK(cudaMemcpy(da, ha, sizeof ha, cudaMemcpyHostToDevice));
-  OK(cudaMemcpy(db, hb, sizeof hb, cudaMemcpyHostToDevice));
-  k_wmma<<<1, 32>>>(dd, da, db, 0, 0);
-  OK(cudaGetLastError());
-  float hd[256];
-  OK(cudaMemcpy(hd, dd, sizeof hd, cudaMemcpyDeviceToHost));
-  int bad = 0;
-  for (int i = 0; i < 16; i++)
-    for (int j = 0; j < 16; j++) {
-      float want = 1.0f;
-      for (int k = 0; k < 16; k++)
-        want += __bfloat162float(ha[i * 16 + k]) * __bfloat162float(hb[j * 16 + k]);
-      bad += hd[i * 16 + j] != want;
-    }
-  ZT_CHECK(bad == 0);
-  for (void *p : {(void *)da, (void *)db, (void *)dd}) OK(cudaFree(p));
-}
-
-/* ---------------------------------------------------------------------------
  * Graphs. */
 
 __global__ void k_affine(float *y, const float *x, float a, int n) {
@@ -679,12 +617,6 @@ static int child_fault(const char *which) {
   if (!strcmp(which, "slack")) k_slack_write<<<1, 1>>>(y);
   if (!strcmp(which, "bad_width")) k_bad_width<<<1, 32>>>(x);
   if (!strcmp(which, "warp_cycle")) k_warp_cycle<<<1, 3>>>(x);
-  if (!strcmp(which, "wmma_misaligned") || !strcmp(which, "wmma_half")) {
-    __nv_bfloat16 *a = dev_alloc<__nv_bfloat16>(256);
-    OK(cudaMemset(a, 0, 512));
-    k_wmma<<<1, 32>>>(x, a, a, !strcmp(which, "wmma_misaligned") ? 8 : 0,
-                      !strcmp(which, "wmma_half"));
-  }
   OK(cudaDeviceSynchronize());
   return 0;
 }
@@ -745,10 +677,6 @@ static void test_faults() {
   expect_death("slack", "kernel k_slack_write wrote past the end of a device allocation");
   expect_death("bad_width", "kernel k_bad_width: a shuffle of width 3");
   expect_death("warp_cycle", "deadlock: 3 lane(s) wait at a warp shuffle/vote/__syncwarp");
-  expect_death("wmma_misaligned", "wmma::load_matrix_sync: pointer");
-  expect_death("wmma_misaligned", "is not 256-bit aligned");
-  expect_death("wmma_half", "wmma::fill_fragment: only lanes 0x");
-  expect_death("wmma_half", "of the warp are live; every lane must make the call");
 }
 
 /* The last line of a "race" child's output (how many threads saw the
@@ -780,8 +708,8 @@ static void test_seeds() {
   ZT_CHECK(fenced_bad == 0);     /* the barrier makes it one answer */
 }
 
-ZT_TEST_MAIN_NAMED(run_tests, test_shuffles, test_warp_edges, test_atomics, test_shared, test_wmma,
-                   test_errors, test_sort, test_cublaslt, test_graphs, test_seeds, test_faults)
+ZT_TEST_MAIN_NAMED(run_tests, test_shuffles, test_warp_edges, test_atomics, test_shared, test_errors,
+                   test_sort, test_cublaslt, test_graphs, test_seeds, test_faults)
 
 int main(int argc, char **argv) {
   if (argc == 3 && !strcmp(argv[1], "fault")) return child_fault(argv[2]);

@@ -251,8 +251,9 @@ static void att_bwd(const zt_kernels_t *K, float *g, const float *dout, const fl
     K->attention_backward_gqa(g, dout, qkv, o, l, B, T, NH, KV, HD);
 }
 
-/* Both entry points of the table against the reference. */
-static void check_attention_path(int B, int T, int NH, int KV, int HD) {
+/* Both entry points of the table against the reference (fp32 storage:
+ * the cuBLASLt path). */
+static void check_attention(int B, int T, int NH, int KV, int HD) {
   size_t nq = (size_t)B * T * (NH + 2 * KV) * HD, no = (size_t)B * T * NH * HD;
   size_t nl = (size_t)B * NH * T;
   float *qkv = zt_rnd(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4);
@@ -275,33 +276,22 @@ static void check_attention_path(int B, int T, int NH, int KV, int HD) {
   free(qkv), free(o), free(l), free(dout), free(g);
 }
 
-/* Both paths of attention against the reference: the tiled kernels
- * (scratch limit 0) and cuBLASLt with the T x T matrices (no limit). */
-static void check_attention(int B, int T, int NH, int KV, int HD) {
-  zt_kernels_cuda_set_attention_scratch_max(0);
-  check_attention_path(B, T, NH, KV, HD);
-  zt_kernels_cuda_set_attention_scratch_max(SIZE_MAX);
-  check_attention_path(B, T, NH, KV, HD);
-  zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4); /* the default */
-}
-
 ZT_TEST(attention) {
   check_attention(2, 13, 3, 3, 8);
   check_attention(1, 64, 4, 4, 16);
   check_attention(3, 7, 1, 1, 16);
   check_attention(2, 128, 6, 6, 32);
-  check_attention(2, 100, 2, 2, 64); /* head size 64: the largest the tiled kernels take */
-  check_attention(1, 45, 2, 2, 128); /* head size 128: cuBLASLt either way */
+  check_attention(2, 100, 2, 2, 64);
+  check_attention(1, 45, 2, 2, 128);
 }
 
 /* Grouped-query attention: K/V heads read in place by their query heads,
- * their gradients summed over them, on both paths; one K/V head for all
- * (multi-query) and head sizes of both paths. */
+ * their gradients summed over them; one K/V head for all (multi-query). */
 ZT_TEST(attention_gqa) {
   check_attention(2, 37, 8, 2, 16);
   check_attention(1, 70, 6, 1, 32);
   check_attention(2, 45, 4, 2, 64);
-  check_attention(1, 33, 4, 2, 128); /* cuBLASLt either way */
+  check_attention(1, 33, 4, 2, 128);
 }
 
 ZT_TEST(gelu_residual_scale) {
@@ -825,10 +815,10 @@ static float max_abs(const float *x, size_t n) {
   return m;
 }
 
-/* The tiled attention on the tensor cores (zt_kernels_cuda_set_attention_tc)
- * on check_attention_bf16's inputs (bf16 qkv, dout and out on the device;
+/* Flash attention 2 (bf16 storage, zt_kernels_cuda_set_attention_fa2) on
+ * check_attention_bf16's inputs (bf16 qkv, dout and out on the device;
  * o32 and l the fp32 reference's out and lse) against the reference
- * (forward) and g, the fp32 tiled kernels' backward on the same inputs.
+ * (forward) and g, the fp32 table's backward on the same inputs.
  * Its second products take the probabilities (out, dv) and ds (dk, dq)
  * rounded to bf16, a relative error of at most u = 2^-8 each. out is a
  * sum of v rows with non-negative weights that add up to 1, so
@@ -837,34 +827,30 @@ static float max_abs(const float *x, size_t n) {
  * and dv: the roundings of p and ds and of the result, with room for the
  * cancellations in dp - D (the stand-in measured at most 0.5%). lse comes
  * from fp32 scores and keeps the fp32 tolerance; two runs of the backward
- * are bit-identical. */
-static void check_attention_tc(int mode, int B, int T, int NH, int KV, int HD, const float *qkv,
-                               const float *o32, const float *l, const float *g, float *d_qkv,
-                               float *d_dout, float *d_or, float *d_o, float *d_l) {
+ * are bit-identical. o_lt and o_def are the forward's out on the cuBLASLt
+ * path and under the default settings: flash attention 2 rounds the
+ * probabilities, so its bits differ from the first (it ran), and it is
+ * bf16's default path, so they are the second. */
+static void check_attention_fa2(int B, int T, int NH, int KV, int HD, const float *qkv,
+                                const float *o32, const float *l, const float *g, float *d_qkv,
+                                float *d_dout, float *d_or, float *d_o, float *d_l,
+                                const uint16_t *o_lt, const uint16_t *o_def) {
   int W = (NH + 2 * KV) * HD;
   size_t nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
   float *d_g = dalloc(nq * 2), *d_g2 = dalloc(nq * 2);
-  fprintf(stderr, "  %s kernels, B %d T %d NH %d KV %d HD %d\n", mode == 2 ? "mma.sync" : "wmma",
-          B, T, NH, KV, HD);
-  zt_kernels_cuda_set_attention_scratch_max(0);
-  zt_kernels_cuda_set_attention_tc(mode);
+  fprintf(stderr, "  flash attention 2, B %d T %d NH %d KV %d HD %d\n", B, T, NH, KV, HD);
+  zt_kernels_cuda_set_attention_fa2(1);
   att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
-  close_x("tensor-core attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
-  /* They are the default path of bf16 attention, whatever the scratch
-   * limit: the default settings give the same bits. */
-  uint16_t *o1 = malloc(no * 2), *o2 = malloc(no * 2);
+  close_x("fa2 attention_forward", d_o, o32, no, max_abs(qkv, nq) / 256 + 1e-5f);
+  uint16_t *o1 = malloc(no * 2);
   XB->download(o1, d_o, no * 2);
-  zt_kernels_cuda_set_attention_scratch_max(SIZE_MAX);
-  att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
-  XB->download(o2, d_o, no * 2);
-  ZT_CHECK(memcmp(o1, o2, no * 2) == 0);
-  free(o1), free(o2);
-  zt_kernels_cuda_set_attention_scratch_max(0);
-  close_dev("tensor-core attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
+  ZT_CHECK(memcmp(o1, o_lt, no * 2) != 0);
+  ZT_CHECK(memcmp(o1, o_def, no * 2) == 0);
+  free(o1);
+  close_dev("fa2 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
   G->upload(d_l, l, nl * 4);
   att_bwd(XB, d_g, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
   att_bwd(XB, d_g2, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
-  zt_kernels_cuda_set_attention_tc(0);
   uint16_t *h = malloc(nq * 2), *h2 = malloc(nq * 2);
   float *w = malloc(nq * 4);
   XB->download(h, d_g, nq * 2);
@@ -881,9 +867,8 @@ static void check_attention_tc(int mode, int B, int T, int NH, int KV, int HD, c
       memcpy(wp + r * C, w + r * W + off, (size_t)C * 4);
     }
     off += C;
-    static const char *names[] = {"tensor-core attention_backward dq",
-                                  "tensor-core attention_backward dk",
-                                  "tensor-core attention_backward dv"};
+    static const char *names[] = {"fa2 attention_backward dq", "fa2 attention_backward dk",
+                                  "fa2 attention_backward dv"};
     float worst = 0, big = max_abs(gp, np);
     for (size_t i = 0; i < np; i++) worst = fmaxf(worst, fabsf(gp[i] - wp[i]));
     fprintf(stderr, "  %s: worst |error| %.3g of largest %.3g (%.2g)\n", names[part], worst, big,
@@ -895,14 +880,15 @@ static void check_attention_tc(int mode, int B, int T, int NH, int KV, int HD, c
   free(h), free(h2), free(w);
 }
 
-/* Attention on both paths (tiled, cuBLASLt), and cross-entropy. The
- * backward is compared with the fp32 table's on the same inputs rather
- * than with the reference: the tiled backward forms D = rowsum(dout * out)
- * from the stored out (as flash attention does), so with out stored in
- * bf16 its gradients move by up to a few 1e-3 where dp - D cancels, which
- * the reference (it recomputes out) does not see. The fp32 kernels are
- * held to the reference by the fp32 tests above. */
-static void check_attention_bf16(int B, int T, int NH, int KV, int HD, int tc) {
+/* bf16 attention on the cuBLASLt path, then (fa2) flash attention 2 on the
+ * same inputs. The cuBLASLt backward is compared with the fp32 table's on
+ * the same inputs rather than with the reference, as flash attention 2's
+ * is: the backward forms D = rowsum(dout * out) from the stored out (as
+ * flash attention does), so with out stored in bf16 its gradients move by
+ * up to a few 1e-3 where dp - D cancels, which the reference (it
+ * recomputes out) does not see. The fp32 kernels are held to the
+ * reference by the fp32 tests above. */
+static void check_attention_bf16(int B, int T, int NH, int KV, int HD, int fa2) {
   size_t nq = (size_t)B * T * (NH + 2 * KV) * HD, no = (size_t)B * T * NH * HD;
   size_t nl = (size_t)B * NH * T;
   float *qkv = rnd_bf(nq, 2), *o = malloc(no * 4), *l = malloc(nl * 4), *o32 = malloc(no * 4);
@@ -914,39 +900,39 @@ static void check_attention_bf16(int B, int T, int NH, int KV, int HD, int tc) {
   float *d_dout = devx(dout, no), *d_g = dalloc(nq * 2), *d_or = devx(o, no);
   float *f_qkv = DEVF(qkv, nq), *f_dout = DEVF(dout, no), *f_o = DEVF(o, no);
   float *f_l = DEVF(l, nl), *f_g = dalloc(nq * 4);
-  zt_kernels_cuda_set_attention_tc(0); /* the cuBLASLt and fp32 tiled paths first */
-  for (int tiled = 0; tiled < 2; tiled++) {
-    zt_kernels_cuda_set_attention_scratch_max(tiled ? 0 : SIZE_MAX);
-    att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
-    close_x(tiled ? "bf16 attention_forward (tiled)" : "bf16 attention_forward", d_o, o32, no,
-            1e-5f);
-    close_dev("bf16 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
-    G->upload(d_l, l, nl * 4);
-    att_bwd(XB, d_g, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
-    att_bwd(G, f_g, f_dout, f_qkv, f_o, f_l, B, T, NH, KV, HD);
-    float *g = back(f_g, nq);
-    close_x(tiled ? "bf16 attention_backward (tiled)" : "bf16 attention_backward", d_g, g, nq,
-            1e-5f * T * (NH / KV));
-    for (int mode = 1; tiled && tc && mode <= 2; mode++)
-      check_attention_tc(mode, B, T, NH, KV, HD, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l);
-    free(g);
-  }
-  zt_kernels_cuda_set_attention_scratch_max(zt_cuda_device_memory() / 4);
-  zt_kernels_cuda_set_attention_tc(1); /* the defaults */
+  uint16_t *o_def = malloc(no * 2), *o_lt = malloc(no * 2);
+  att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD); /* the default path */
+  XB->download(o_def, d_o, no * 2);
+  zt_kernels_cuda_set_attention_fa2(0);
+  att_fwd(XB, d_o, d_l, d_qkv, B, T, NH, KV, HD);
+  close_x("bf16 attention_forward", d_o, o32, no, 1e-5f);
+  XB->download(o_lt, d_o, no * 2);
+  close_dev("bf16 attention_forward lse", d_l, l, nl, 1e-5f, 1e-5f);
+  G->upload(d_l, l, nl * 4);
+  att_bwd(XB, d_g, d_dout, d_qkv, d_or, d_l, B, T, NH, KV, HD);
+  att_bwd(G, f_g, f_dout, f_qkv, f_o, f_l, B, T, NH, KV, HD);
+  float *g = back(f_g, nq);
+  close_x("bf16 attention_backward", d_g, g, nq, 1e-5f * T * (NH / KV));
+  if (fa2)
+    check_attention_fa2(B, T, NH, KV, HD, qkv, o32, l, g, d_qkv, d_dout, d_or, d_o, d_l, o_lt,
+                        o_def);
+  zt_kernels_cuda_set_attention_fa2(1); /* the default */
+  free(g);
   void *ptrs[] = {d_qkv, d_o, d_l, d_dout, d_g, d_or, f_qkv, f_dout, f_o, f_l, f_g};
   for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) G->release(ptrs[i]);
-  free(qkv), free(o), free(l), free(dout), free(o32);
+  free(qkv), free(o), free(l), free(dout), free(o32), free(o_def), free(o_lt);
 }
 
-/* Both bf16 paths again, then the tensor-core kernels on the same inputs. */
-ZT_TEST(bf16_attn_tensor_cores) {
+/* The cuBLASLt path again, then flash attention 2 on the same inputs, at
+ * every head size it takes. */
+ZT_TEST(bf16_attn_fa2) {
   check_attention_bf16(2, 100, 2, 2, 64, 1); /* head size 64 */
   check_attention_bf16(1, 70, 3, 3, 32, 1);  /* 32 */
   check_attention_bf16(2, 45, 1, 1, 48, 1);  /* 48, one block */
   check_attention_bf16(1, 130, 4, 4, 16, 1); /* 16 */
   check_attention_bf16(2, 75, 8, 2, 32, 1);  /* grouped: 4 query heads per K/V head */
   check_attention_bf16(1, 40, 3, 1, 64, 1);  /* one K/V head for all */
-  check_attention_bf16(1, 70, 4, 2, 128, 1); /* 128: mma.sync both ways, cuBLASLt for wmma */
+  check_attention_bf16(1, 70, 4, 2, 128, 1); /* 128, Llama's: dk and dv in two launches */
 }
 
 ZT_TEST(bf16_attn_xent) {
@@ -1098,4 +1084,4 @@ ZT_TEST_MAIN_NAMED(run_all, table, profile, llama_ops, lora, encoder, layernorm,
                    attention, attention_gqa, gelu_residual_scale, crossentropy,
                    optimizer_and_reductions, optimizer_fused,
                    state_helpers, bf16_convert, bf16_elementwise,
-                   bf16_norm_linear, bf16_matmul_gelu, bf16_attn_xent, bf16_attn_tensor_cores)
+                   bf16_norm_linear, bf16_matmul_gelu, bf16_attn_xent, bf16_attn_fa2)

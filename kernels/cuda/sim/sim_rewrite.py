@@ -1,14 +1,23 @@
 #!/usr/bin/env python3
-"""sim_rewrite.py: turns kernels/cuda/kernels.cu into C++ for the CPU stand-in.
+"""sim_rewrite.py: turns CUDA sources into C++ for the CPU stand-in.
 
     sim_rewrite.py IN.cu -o OUT.cpp [--drop-sync FUNC:N] [--replace OLD=>NEW]
+    sim_rewrite.py --outdir DIR IN... [--drop-sync FUNC:N] [--replace OLD=>NEW]
 
 The stand-in (kernels/cuda/sim/, docs/gpu.md "The CPU stand-in") compiles
-the CUDA source a second time with g++ against its own <cuda_runtime.h>,
+the CUDA sources a second time with g++ against its own <cuda_runtime.h>,
 <cublasLt.h> and CUB header. Three things in a .cu file are not C++; this
 script rewrites them in a generated copy (never checked in), keeping every
 line where it was (a `#line` directive names the original file, so compiler
-messages, gdb and backtraces point into kernels.cu):
+messages, gdb and backtraces point into the source).
+
+With --outdir it rewrites a set of files that belong together, such as the
+kernel table's (kernels/cuda/*.cu and their private header common.cuh):
+each IN goes to DIR under its own name, a .cu file as .cpp. A rewritten
+file that includes "common.cuh" then finds the rewritten header first (it
+lies in the same folder). The set is analysed as one (item 3 below sees
+the device functions and macros of every file), and each mutation must
+apply exactly once in the whole set.
 
   1. Launches. `kern<<<grid, block[, shmem[, stream]]>>>(args)` becomes
      `zt_sim_launch(ZT_SIM_NAME(kern), kern, grid, block, shmem, stream,
@@ -20,8 +29,9 @@ messages, gdb and backtraces point into kernels.cu):
      template instance); `extern __shared__ T name[];` becomes a pointer to
      the launch's dynamic shared memory.
   3. Which kernels need fibers. A kernel that (through the device functions
-     and macros of the file it calls) uses __syncthreads, a warp shuffle, a
-     vote or a warp matrix instruction (wmma, zt_ptx_*) is registered by name at the end of the copy: only those run
+     and macros of the files it calls) uses __syncthreads, a warp shuffle, a
+     vote or a warp matrix instruction (zt_ptx_*) is registered by
+     name at the end of the copy that defines it: only those run
      each thread on its own fiber. The others run thread after thread on the
      scheduler's stack (much faster, same semantics for code with no
      barrier); if one of them reaches a barrier after all, the stand-in
@@ -31,6 +41,7 @@ Mutations, for the test that shows the stand-in catches bugs:
   --drop-sync FUNC:N    removes the N-th (1-based) `__syncthreads();` of
                         function FUNC (e.g. block_reduce:1)
   --replace OLD=>NEW    replaces the text OLD, which must occur exactly once
+                        (in one file of the set)
 Each mutation must apply, or the script fails.
 """
 import argparse
@@ -40,8 +51,7 @@ import sys
 
 SYNC_PRIMS = re.compile(
     r"\b(__syncthreads\w*|__syncwarp|__shfl\w*_sync|__ballot_sync|__any_sync|__all_sync|"
-    r"__activemask|__match_\w+_sync|__reduce_\w+_sync|load_matrix_sync|store_matrix_sync|"
-    r"mma_sync|fill_fragment|zt_ptx_\w+)\b")
+    r"__activemask|__match_\w+_sync|__reduce_\w+_sync|zt_ptx_\w+)\b")
 IDENT = re.compile(r"[A-Za-z_]\w*")
 LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)")
 
@@ -188,14 +198,17 @@ def macros(code):
     return out
 
 
-def sync_kernels(code):
-    """Names of the __global__ functions that need fibers."""
-    ents = {}
-    for name, kind, a, b in functions(code):
-        ents.setdefault(name, []).append(code[a:b])
-    kernels = {name for name, kind, _, _ in functions(code) if kind == "global"}
-    for name, a, b in macros(code):
-        ents.setdefault(name, []).append(code[a:b])
+def sync_kernels(codes):
+    """Names of the __global__ functions (of all the masked sources in
+    codes) that need fibers."""
+    ents, kernels = {}, set()
+    for code in codes:
+        for name, kind, a, b in functions(code):
+            ents.setdefault(name, []).append(code[a:b])
+            if kind == "global":
+                kernels.add(name)
+        for name, a, b in macros(code):
+            ents.setdefault(name, []).append(code[a:b])
     marked = {n for n, bodies in ents.items() if any(SYNC_PRIMS.search(t) for t in bodies)}
     while True:
         more = {n for n, bodies in ents.items() if n not in marked
@@ -203,7 +216,7 @@ def sync_kernels(code):
         if not more:
             break
         marked |= more
-    return sorted(kernels & marked)
+    return kernels & marked
 
 
 def rewrite_launches(code, rw):
@@ -281,6 +294,7 @@ def rewrite_shared(code, rw):
 
 
 def drop_sync(code, rw, spec):
+    """Applies --drop-sync to one file: True when FUNC is defined there."""
     fname, _, nth = spec.partition(":")
     try:
         nth = int(nth)
@@ -294,55 +308,80 @@ def drop_sync(code, rw, spec):
             fail(f"--drop-sync {spec}: {fname} has {len(hits)} __syncthreads()")
         h = hits[nth - 1]
         rw.edit(a + h.start(), a + h.end(), "/* zt-sim mutation: __syncthreads() removed */")
-        return
-    fail(f"--drop-sync {spec}: no function {fname}")
+        return True
+    return False
+
+
+def c_string(path):
+    return path.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("input")
-    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("inputs", nargs="+")
+    out = ap.add_mutually_exclusive_group(required=True)
+    out.add_argument("-o", "--output")
+    out.add_argument("--outdir")
     ap.add_argument("--drop-sync", action="append", default=[])
     ap.add_argument("--replace", action="append", default=[])
     a = ap.parse_args()
-    with open(a.input, encoding="utf-8") as f:
-        src = f.read()
+    if a.output and len(a.inputs) != 1:
+        fail("-o takes one input (--outdir takes several)")
+    srcs = []
+    for path in a.inputs:
+        with open(path, encoding="utf-8") as f:
+            srcs.append(f.read())
     for r in a.replace:
         old, sep, new = r.partition("=>")
-        if not sep or src.count(old) != 1:
+        counts = [src.count(old) for src in srcs] if sep else []
+        if not sep or sum(counts) != 1:
             fail(f"--replace {r!r}: the text must occur exactly once "
-                 f"(found {src.count(old) if sep else 'no =>'})")
-        src = src.replace(old, new)
-    code = mask_code(src)
-    rw = Rewriter(src)
+                 f"(found {sum(counts) if sep else 'no =>'})")
+        i = counts.index(1)
+        srcs[i] = srcs[i].replace(old, new)
+    codes = [mask_code(src) for src in srcs]
+    rws = [Rewriter(src) for src in srcs]
     for spec in a.drop_sync:
-        drop_sync(code, rw, spec)
-    launches = rewrite_launches(code, rw)
-    shared = rewrite_shared(code, rw)
-    fibers = sync_kernels(code)
-    if launches == 0:
-        fail("no kernel launch found: is this the right file?")
-    out = rw.apply()
-    if not out.endswith("\n"):
-        out += "\n"
+        applied = [drop_sync(code, rw, spec) for code, rw in zip(codes, rws)]
+        if sum(applied) != 1:
+            fail(f"--drop-sync {spec}: {spec.partition(':')[0]} is defined in "
+                 f"{sum(applied)} of the files, not one")
+    fibers = sync_kernels(codes)
+    launches = [rewrite_launches(code, rw) for code, rw in zip(codes, rws)]
+    shared = [rewrite_shared(code, rw) for code, rw in zip(codes, rws)]
+    if sum(launches) == 0:
+        fail("no kernel launch found: are these the right files?")
     mutated = " (mutated)" if a.drop_sync or a.replace else ""
-    path = a.input.replace("\\", "\\\\").replace('"', '\\"')
-    os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
-    with open(a.output, "w", encoding="utf-8") as f:
-        f.write(f"/* Generated by kernels/cuda/sim/sim_rewrite.py from {a.input}{mutated}:\n"
-                f" * {launches} launches, {shared} __shared__ declarations rewritten.\n"
-                " * Do not edit; do not check in. */\n"
-                "#include \"zt_sim.h\"\n"
-                f"#line 1 \"{path}\"\n")
-        f.write(out)
-        # The header above is 5 lines and `out` ends with a newline: the
-        # line after this directive is line count + 7 of the output.
-        out_path = a.output.replace("\\", "\\\\").replace('"', '\\"')
-        f.write(f'#line {out.count(chr(10)) + 7} "{out_path}"\n')
-        f.write("\n/* Kernels that run each thread on a fiber (they reach barriers, shuffles or\n"
-                " * votes, directly or through the functions and macros they use). */\n")
-        names = ", ".join(f'"{k}"' for k in fibers)
-        f.write(f"static const zt_sim::fiber_kernels zt_sim_fiber_kernels_{{{{{names}}}}};\n")
+    for i, path in enumerate(a.inputs):
+        if a.output:
+            dest = a.output
+        else:
+            base = os.path.basename(path)
+            if base.endswith(".cu"):
+                base = base[:-3] + ".cpp"
+            dest = os.path.join(a.outdir, base)
+        text = rws[i].apply()
+        if not text.endswith("\n"):
+            text += "\n"
+        # The kernels of this file that need fibers (registered at its end).
+        own = sorted({n for n, kind, _, _ in functions(codes[i]) if kind == "global"} & fibers)
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(f"/* Generated by kernels/cuda/sim/sim_rewrite.py from {path}{mutated}:\n"
+                    f" * {launches[i]} launches, {shared[i]} __shared__ declarations rewritten.\n"
+                    " * Do not edit; do not check in. */\n"
+                    "#include \"zt_sim.h\"\n"
+                    f"#line 1 \"{c_string(path)}\"\n")
+            f.write(text)
+            if not own:
+                continue
+            # The header above is 5 lines and `text` ends with a newline: the
+            # line after this directive is line count + 7 of the output.
+            f.write(f'#line {text.count(chr(10)) + 7} "{c_string(dest)}"\n')
+            f.write("\n/* Kernels that run each thread on a fiber (they reach barriers, shuffles or\n"
+                    " * votes, directly or through the functions and macros they use). */\n")
+            names = ", ".join(f'"{k}"' for k in own)
+            f.write(f"static const zt_sim::fiber_kernels zt_sim_fiber_kernels_{{{{{names}}}}};\n")
 
 
 if __name__ == "__main__":

@@ -497,8 +497,8 @@ std::vector<fiber_t> g_fibers;
 std::vector<unsigned char> g_shared_arena, g_dynamic_arena;
 
 /* The arenas' first byte at a multiple of 128, as shared memory is on the
- * GPU (wmma wants 256-bit aligned tiles, and a __shared__ variable's
- * alignment is taken from there); each arena is 128 bytes longer. */
+ * GPU (a __shared__ variable's alignment is taken from there; ldmatrix
+ * checks its 16-byte rows); each arena is 128 bytes longer. */
 const size_t kSharedAlign = 128;
 unsigned char *arena(std::vector<unsigned char> &v) {
   return (unsigned char *)(((uintptr_t)v.data() + kSharedAlign - 1) & ~(uintptr_t)(kSharedAlign - 1));

@@ -2,7 +2,7 @@
  * cublasLt.h of the CPU stand-in (kernels/cuda/sim/; docs/gpu.md, "The CPU
  * stand-in"). Tests only.
  *
- * The part of cuBLASLt that kernels/cuda/kernels.cu uses, with the real
+ * The part of cuBLASLt that kernels/cuda/matmul.cu uses, with the real
  * enum values, implemented on the host in sim_cublaslt.cpp: fp32 matrices
  * in column order, transposes, leading dimensions, strided batches,
  * alpha/beta (host pointers), the bias epilogue, GELU_AUX_BIAS and DGELU

@@ -1,7 +1,7 @@
 /*
  * cuda_bf16.h of the CPU stand-in (kernels/cuda/sim/; docs/gpu.md, "The CPU
  * stand-in"). Tests only: the part of the toolkit's header that
- * kernels/cuda/kernels.cu uses, the bf16 storage type and its two
+ * kernels/cuda/ uses, the bf16 storage type and its two
  * conversions, with the toolkit's rounding: float to bf16 to nearest, ties
  * to even, NaN kept a NaN; bf16 to float exact.
  */

@@ -1,12 +1,12 @@
 /*
  * cuda_runtime.h of the CPU stand-in (kernels/cuda/sim/; docs/gpu.md, "The
- * CPU stand-in"). Tests only: it replaces the toolkit's header when
- * kernels/cuda/kernels.cu is compiled a second time as host C++ (the sim
- * include directory comes first), and the library built from it is linked
- * into test programs only.
+ * CPU stand-in"). Tests only: it replaces the toolkit's header when the
+ * kernel table's sources (the .cu files of kernels/cuda/) are compiled a
+ * second time as host C++ (the sim include directory comes first), and the
+ * library built from them is linked into test programs only.
  *
  * Two halves:
- *   - the runtime API that kernels.cu calls (memory, copies, streams,
+ *   - the runtime API that the kernels call (memory, copies, streams,
  *     events, errors, devices), with the real error codes; implemented in
  *     sim_runtime.cpp;
  *   - the device side (C++ only): the qualifiers, threadIdx/blockIdx/
@@ -246,8 +246,8 @@ const unsigned char *warp_exchange(unsigned mask, const void *value, size_t size
  * shuffle width); otherwise ends the process, naming the kernel. */
 int shfl_width(int width);
 /* Ends the process unless every lane of the warp is live, as the warp-wide
- * matrix calls require (wmma in mma.h, mma.sync and ldmatrix in
- * zt_sim_ptx.h); prefix and what name the call. */
+ * matrix instructions require (mma.sync and ldmatrix in zt_sim_ptx.h);
+ * prefix and what name the call. */
 void require_full_warp(const char *prefix, const char *what);
 
 /* The source lanes of the shuffles, as the hardware computes them (PTX

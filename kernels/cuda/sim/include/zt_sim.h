@@ -3,7 +3,7 @@
  * (kernels/cuda/sim/; docs/gpu.md, "The CPU stand-in"). Tests only.
  *
  * sim_rewrite.py puts `#include "zt_sim.h"` at the top of its copy of
- * kernels.cu and rewrites
+ * each CUDA source (the .cu files of kernels/cuda/, common.cuh) and rewrites
  *   kern<<<grid, block, shmem, stream>>>(args)
  *       -> zt_sim_launch(ZT_SIM_NAME(kern), kern, grid, block, shmem, stream, args)
  *   __shared__ T name[N];      -> ZT_SIM_SHARED(T, name, [N]);

@@ -1,16 +1,17 @@
 /*
  * zt_sim_ptx.h of the CPU stand-in (kernels/cuda/sim/; docs/gpu.md, "The
  * CPU stand-in"). Tests only: the two warp-wide PTX instructions that
- * kernels/cuda/kernels.cu reaches through inline assembly when nvcc builds
- * it, as functions of the same names and arguments as its wrappers:
+ * kernels/cuda/fa2.cu reaches through inline assembly when nvcc builds it,
+ * as functions of the same names and arguments as its wrappers:
  *
  *   zt_ptx_mma(d, a, b)      mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
  *                            d (16 x 8 fp32) += a (16 x 16 bf16) b (16 x 8 bf16)
  *   zt_ptx_ldsm4(r, p)       ldmatrix.sync.aligned.m8n8.x4.shared.b16
  *   zt_ptx_ldsm4t(r, p)      the same with .trans
  *
- * Unlike the warp matrix functions (mma.h), these instructions define how a
- * tile's elements are spread over the lanes, and kernels depend on it: each
+ * These instructions define how a tile's elements are spread over the
+ * lanes (unlike CUDA's warp matrix functions, nvcuda::wmma, whose fragment
+ * layout is unspecified), and kernels depend on it: each
  * lane holds only its share, in registers of two bf16 (the lower column in
  * the lower 16 bits). With g = lane / 4 and c = lane % 4 (PTX ISA, "Matrix
  * fragments for mma.m16n8k16"):
