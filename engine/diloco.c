@@ -22,7 +22,7 @@
  * lowest index among equals), each to the fragment that holds the fewest
  * elements so far (the lowest index among equals). Group 0 logs them. */
 static void assign_fragments(zt_diloco_t *d) {
-  const zt_zero_t *z = d->z;
+  const zt_zero_view_t *z = zt_zero_view(d->z);
   size_t *load = zt_xcalloc((size_t)d->F, sizeof *load);
   for (int u = 0; u < d->U; u++) d->frag_of[u] = -1;
   for (int k = 0; k < d->U; k++) {
@@ -55,7 +55,7 @@ int zt_diloco_fragment_due(const zt_diloco_t *d, int64_t s) {
 /* Fragment f's ranges of the owned layout (f < 0: the whole model) in
  * d->roff, d->rlen; returns their number. */
 static int frag_ranges(zt_diloco_t *d, int f) {
-  const zt_zero_t *z = d->z;
+  const zt_zero_view_t *z = zt_zero_view(d->z);
   int k = 0;
   if (f < 0) {
     d->roff[0] = 0, d->rlen[0] = d->n;
@@ -88,11 +88,12 @@ static size_t pack_delta(zt_diloco_t *d, int f, const float *p) {
 
 int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g,
                      const zt_spec_t *s, int64_t tmo) {
+  const zt_zero_view_t *zv = zt_zero_view(z);
   memset(d, 0, sizeof *d);
-  d->z = z, d->comm = comm, d->G = G, d->g = g, d->U = z->U;
+  d->z = z, d->comm = comm, d->G = G, d->g = g, d->U = zv->U;
   d->H = s->inner_steps, d->tmo = tmo;
   d->lr = (float)s->outer_lr, d->mu = (float)s->outer_momentum, d->nesterov = s->outer_nesterov;
-  d->n = z->shard_total;
+  d->n = zv->shard_total;
   d->outer = calloc(d->n ? d->n : 1, sizeof(float));
   d->mom = calloc(d->n ? d->n : 1, sizeof(float));
   d->d = calloc(d->n ? d->n : 1, sizeof(float));
@@ -102,7 +103,7 @@ int zt_diloco_create(zt_diloco_t *d, zt_zero_t *z, zt_comm_t *comm, int G, int g
     if (g == 0) ZT_INFO("sync.compression: not over NCCL; the pseudo-gradient is sent in fp32");
     d->q = ZT_QUANT_NONE;
   }
-  if (devcomm) d->dev = z->k->alloc(d->n * sizeof(float));
+  if (devcomm) d->dev = zv->k->alloc(d->n * sizeof(float));
   if (d->q == ZT_QUANT_INT4) {
     d->ef = calloc(d->n ? d->n : 1, sizeof(float));
     d->qtmp = calloc(d->n ? d->n : 1, sizeof(float));
@@ -150,7 +151,7 @@ void zt_diloco_free(zt_diloco_t *d) {
   d->qmine = d->qall = NULL;
   d->ef = d->qtmp = d->w = d->efp = NULL;
   d->frag_of = NULL, d->roff = d->rlen = NULL;
-  if (d->dev) d->z->k->release(d->dev);
+  if (d->dev) zt_zero_view(d->z)->k->release(d->dev);
   d->outer = d->mom = d->d = NULL, d->dev = NULL;
 }
 
@@ -206,9 +207,10 @@ static int sum_groups(zt_diloco_t *d, int f, size_t count) {
   if (d->G == 1) return 0;
   if (d->q) return sum_compressed(d, f, count);
   if (!d->dev) return zt_comm_all_reduce(d->comm, d->d, count, ZT_DT_F32, ZT_RED_SUM, d->tmo);
-  d->z->k->upload(d->dev, d->d, count * sizeof(float));
+  const zt_kernels_t *k = zt_zero_view(d->z)->k;
+  k->upload(d->dev, d->d, count * sizeof(float));
   if (zt_comm_all_reduce(d->comm, d->dev, count, ZT_DT_F32, ZT_RED_SUM, d->tmo) != 0) return -1;
-  d->z->k->download(d->d, d->dev, count * sizeof(float));
+  k->download(d->d, d->dev, count * sizeof(float));
   return 0;
 }
 
@@ -351,12 +353,10 @@ int zt_diloco_stash_keep(zt_diloco_t *d, zt_diloco_stash_t **out, uint64_t job, 
     zt_diloco_stash_free(st);
     return zt_errk(ZT_E_NO_MEMORY, "out of memory keeping DiLoCo's round");
   }
-  if (zt_zero_owned_get(z, st->p) != 0) {
+  if (zt_zero_owned_get(z, st->p) != 0 || zt_zero_adam_get(z, st->m, st->v) != 0) {
     zt_diloco_stash_free(st);
     return -1;
   }
-  z->k->download(st->m, z->M, b);
-  z->k->download(st->v, z->V, b);
   memcpy(st->rl, rl, 2 * k * sizeof(double));
   memcpy(st->rlr, rlr, k * sizeof(double));
   memcpy(st->rms, rms, k * sizeof(double));
@@ -371,10 +371,9 @@ int64_t zt_diloco_stash_end(const zt_diloco_stash_t *st, uint64_t job, int64_t s
 void zt_diloco_stash_take(zt_diloco_t *d, const zt_diloco_stash_t *st, double *rl, double *rlr,
                           double *rms, int *n) {
   zt_zero_t *z = d->z;
-  size_t k = (size_t)(st->s - st->s0), b = d->n * sizeof(float);
+  size_t k = (size_t)(st->s - st->s0);
   if (zt_zero_owned_put(z, st->p) != 0) ZT_WARN("%s", zt_err_msg());
-  z->k->upload(z->M, st->m, b);
-  z->k->upload(z->V, st->v, b);
+  if (zt_zero_adam_put(z, st->m, st->v) != 0) ZT_WARN("%s", zt_err_msg());
   memcpy(rl, st->rl, 2 * k * sizeof(double));
   memcpy(rlr, st->rlr, k * sizeof(double));
   memcpy(rms, st->rms, k * sizeof(double));
@@ -405,18 +404,19 @@ size_t zt_diloco_snapshot_floats(const zt_diloco_t *d) {
 
 int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges, int *nranges) {
   zt_zero_t *z = d->z;
+  const zt_zero_view_t *zv = zt_zero_view(z);
   if (zt_zero_snapshot(z, buf, ranges) != 0) return -1;
   float *at = buf + zt_zero_snapshot_floats(z);
-  int nr = z->U;
-  for (int u = 0; u < z->U; u++) {
+  int nr = zv->U;
+  for (int u = 0; u < zv->U; u++) {
     ranges[u].unit = d->U * (1 + d->g) + u;
     /* After a sync, its owned ranges as the inner steps left them (each
      * starts its unit's shard in the owned layout). */
     if (d->have_inner)
-      memcpy((float *)ranges[u].p, d->d + z->off_shard[u], ranges[u].n * sizeof(float));
+      memcpy((float *)ranges[u].p, d->d + zv->off_shard[u], ranges[u].n * sizeof(float));
   }
-  for (int u = 0; u < z->U; u++) {
-    size_t olo, on, lo, len, off = z->off_shard[u];
+  for (int u = 0; u < zv->U; u++) {
+    size_t olo, on, lo, len, off = zv->off_shard[u];
     zt_zero_owned_range(z, u, &olo, &on);
     outer_share(d, on, &lo, &len);
     if (!len) continue;
@@ -426,10 +426,10 @@ int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges, int 
     ranges[nr++] = (zt_ckpt_range_t){u, olo + lo, len, at, at + len, at + 2 * len};
     at += 3 * len;
   }
-  for (int u = 0; d->ef && u < z->U; u++) { /* the residual, zeros for m and v */
+  for (int u = 0; d->ef && u < zv->U; u++) { /* the residual, zeros for m and v */
     size_t olo, on;
     zt_zero_owned_range(z, u, &olo, &on);
-    memcpy(at, d->ef + z->off_shard[u], on * sizeof(float));
+    memcpy(at, d->ef + zv->off_shard[u], on * sizeof(float));
     memset(at + on, 0, 2 * on * sizeof(float));
     ranges[nr++] = (zt_ckpt_range_t){d->U * (1 + d->G + d->g) + u, olo, on, at, at + on,
                                      at + 2 * on};
@@ -441,33 +441,34 @@ int zt_diloco_snapshot(zt_diloco_t *d, float *buf, zt_ckpt_range_t *ranges, int 
 
 int zt_diloco_load(zt_diloco_t *d, const char *dir, const zt_ckpt_record_t *rec, int64_t *step) {
   zt_zero_t *z = d->z;
+  const zt_zero_view_t *zv = zt_zero_view(z);
   int groups, units, ef;
   if (zt_ckpt_read_diloco(dir, rec, &groups, &units, &ef) != 0) return -1;
   if (!groups) { /* synchronous training's epoch: its parameters are the outer ones */
     if (zt_zero_load(z, dir, rec, step) != 0) return -1;
     return zt_diloco_begin(d);
   }
-  if (units != z->U)
+  if (units != zv->U)
     return zt_errk(ZT_E_INVALID, "%s/manifest.json: diloco: %d units, but the model has %d "
-                   "(corrupt checkpoint)", dir, units, z->U);
-  zt_ckpt_dest_t *extra = zt_xcalloc(2 * (size_t)z->U, sizeof *extra);
+                   "(corrupt checkpoint)", dir, units, zv->U);
+  zt_ckpt_dest_t *extra = zt_xcalloc(2 * (size_t)zv->U, sizeof *extra);
   int from = d->g % groups, ne = 0;
-  for (int u = 0; u < z->U; u++) {
+  for (int u = 0; u < zv->U; u++) {
     size_t olo, on;
     zt_zero_owned_range(z, u, &olo, &on);
-    extra[ne++] = (zt_ckpt_dest_t){u, olo, on, d->outer + z->off_shard[u],
-                                   d->mom + z->off_shard[u], NULL};
+    extra[ne++] = (zt_ckpt_dest_t){u, olo, on, d->outer + zv->off_shard[u],
+                                   d->mom + zv->off_shard[u], NULL};
   }
   /* Error feedback: a group that wrote the epoch takes its residual back;
    * a new one starts at zero (a copy would count the residual twice). */
   if (d->ef) memset(d->ef, 0, d->n * sizeof(float));
-  for (int u = 0; d->ef && ef && d->g < groups && u < z->U; u++) {
+  for (int u = 0; d->ef && ef && d->g < groups && u < zv->U; u++) {
     size_t olo, on;
     zt_zero_owned_range(z, u, &olo, &on);
-    extra[ne++] = (zt_ckpt_dest_t){z->U * (1 + groups + from) + u, olo, on,
-                                   d->ef + z->off_shard[u], NULL, NULL};
+    extra[ne++] = (zt_ckpt_dest_t){zv->U * (1 + groups + from) + u, olo, on,
+                                   d->ef + zv->off_shard[u], NULL, NULL};
   }
-  int rc = zt_zero_load_ex(z, dir, rec, z->U * (1 + from), extra, ne, step);
+  int rc = zt_zero_load_ex(z, dir, rec, zv->U * (1 + from), extra, ne, step);
   free(extra);
   if (rc != 0) return -1;
   d->have_inner = 0;

@@ -167,8 +167,9 @@ int zt_lora_create(zt_lora_t **out, zt_model_t *m, zt_model_t *ad, zt_zero_t *z)
   l->s = c->lora_alpha / (float)c->lora_r;
   l->block_size = m->lay.unit_size[1];
   if (find_targets(&m->lay, &ad->lay, l->t, &l->nt) != 0) goto err;
-  l->z = z && z->stage == 3 && z->N > 1 ? z : NULL;
-  place_base(l, z ? z->N : 1);
+  const zt_zero_view_t *zv = z ? zt_zero_view(z) : NULL;
+  l->z = zv && zv->stage == 3 && zv->N > 1 ? z : NULL;
+  place_base(l, zv ? zv->N : 1);
   l->base = l->k->alloc(l->base_size * (size_t)l->k->xbytes);
   l->w = l->k->alloc(l->w_size * (size_t)l->k->xbytes);
   l->g = l->k->alloc(l->block_size * sizeof(float));
@@ -211,7 +212,7 @@ static void kept(const zt_lora_t *l, int u, size_t *lo, size_t *n) {
   size_t size = l->m->lay.unit_size[u];
   *lo = 0, *n = size;
   if (l->z && is_block(l, u)) {
-    *lo = ZT_MIN(size, (size_t)l->z->r * l->ushard[u]);
+    *lo = ZT_MIN(size, (size_t)zt_zero_view(l->z)->r * l->ushard[u]);
     *n = ZT_MIN(size - *lo, l->ushard[u]);
   }
 }

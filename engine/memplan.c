@@ -37,7 +37,7 @@ static uint64_t zero_states(const zt_layout_t *l, int stage, int world, int over
     full += S * N;
     shard += S;
     if (S * N > max_unit) max_unit = S * N;
-    if (u > 0 && S * N > slot) slot = S * N; /* zero.h: slot_unit */
+    if (u > 0 && S * N > slot) slot = S * N; /* zero_impl.h: slot_unit */
     if (u == 0) s0 = S * N;
   }
   if (!slot) slot = max_unit;

@@ -37,7 +37,8 @@
  * from a plan by speed.
  *
  * The ZeRO sharding itself (which rank holds what, the hooks that gather
- * and reduce unit by unit) is zero.c's.
+ * and reduce unit by unit, whether the communication thread runs) is
+ * zero.h's, whose state the trainer reads only through its functions.
  */
 #include "trainer.h"
 
@@ -79,8 +80,7 @@ typedef struct {
   char base_sum[32];      /* ... as checkpoints write it ("xxh64:...") */
   char base_path[512];    /* ... and the base's real path (zt_ckpt_meta_t.lora_base) */
   const zt_kernels_t *k;
-  zt_zero_t z;
-  int have_z;
+  zt_zero_t *z;           /* this rank's ZeRO state (NULL until set_up makes it) */
   zt_data_t *train, *val;
   char tok_record[512]; /* the training data's tokenizer record, or "" */
   int *inp, *tgt;
@@ -218,28 +218,6 @@ static int check_memory(trainer *t) {
                  zt_memplan_text(g->host_memory, have, sizeof have));
 }
 
-/* overlap_comm changes the order of the collectives (stages 0-1 reduce
- * units in backward's order and defer gathers into the next forward, stage
- * 3 prefetches and keeps gathered units), so every rank of a generation
- * must make the same choice (the ring's operation headers would stop a
- * generation at its first call in another order). A rank on a device cannot run the thread (it works on host
- * memory), so a generation that mixes CPU and GPU workers (the TCP ring)
- * runs without; one all-reduce of a count decides. Over NCCL every rank is
- * on a device and overlaps in stream order instead (zt_zero_opts_t.
- * stream_overlap, from the spec alone: the same on every rank). */
-static int agree_overlap(trainer *t, int dev, int *overlap) {
-  *overlap = t->spec.overlap_comm && !dev;
-  if (!t->spec.overlap_comm || t->N == 1 || zt_comm_device_memory(t->g->comm)) return 0;
-  float can = (float)*overlap;
-  if (zt_comm_all_reduce(t->g->comm, &can, 1, ZT_DT_F32, ZT_RED_SUM, t->tmo) != 0)
-    return zt_err_wrap("agreeing on overlap_comm");
-  if (*overlap && can != (float)t->N)
-    ZT_INFO("overlap_comm: off for this generation (%d of %d ranks run on a device)",
-            t->N - (int)can, t->N);
-  *overlap = can == (float)t->N;
-  return 0;
-}
-
 /* ---- load balance (see the top of the file) -------------------------------------- */
 
 /* The shares as they are: first[], the most, and whether they differ. */
@@ -266,7 +244,7 @@ static void replan(trainer *t, const double *v, const char *when) {
     if (!(v[N + i] >= 1) || !(v[i] > 0)) return;
     speed[i] = v[N + i] / v[i];
   }
-  int lockstep = t->z.stage >= 2;
+  int lockstep = zt_zero_view(t->z)->stage >= 2;
   zt_balance_plan(t->K, N, speed, lockstep, next);
   double was = zt_balance_ms(N, t->share, speed, lockstep);
   double now = zt_balance_ms(N, next, speed, lockstep);
@@ -300,7 +278,7 @@ static int first_plan(trainer *t) {
   double v[2 * ZT_LB_MAX_RANKS] = {0};
   double ms = t->g->micro_ms ? *t->g->micro_ms : 0;
   if (ms > 0) v[t->r] = ms, v[t->N + t->r] = 1;
-  if (zt_zero_host_all_reduce(&t->z, v, 2 * (size_t)t->N, ZT_DT_F64) != 0)
+  if (zt_zero_host_all_reduce(t->z, v, 2 * (size_t)t->N, ZT_DT_F64) != 0)
     return zt_err_wrap("load balance: the workers' speeds");
   replan(t, v, "at the generation's start");
   return 0;
@@ -339,8 +317,8 @@ static int data_rank(const trainer *t) {
  * communicator, or the whole one when z's is a DiLoCo group's, once z's
  * own traffic is done (their sockets are partly the same). */
 static int all_ranks_reduce(trainer *t, double *v, size_t n) {
-  if (!t->intra) return zt_zero_host_all_reduce(&t->z, v, n, ZT_DT_F64);
-  if (zt_zero_settle(&t->z) != 0) return -1;
+  if (!t->intra) return zt_zero_host_all_reduce(t->z, v, n, ZT_DT_F64);
+  if (zt_zero_settle(t->z) != 0) return -1;
   return zt_comm_all_reduce(t->g->comm, v, n, ZT_DT_F64, ZT_RED_SUM, t->tmo);
 }
 
@@ -389,7 +367,7 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
   /* Test knob: CPU workers stage collectives as the device path does. */
   int dev = t->k != zt_kernels_cpu() || zt_knob(ZT_KNOB_STAGE_COLLECTIVES, 0) == 1;
   int overlap;
-  if (agree_overlap(t, dev, &overlap) != 0) {
+  if (zt_zero_agree_overlap(g->comm, t->N, t->spec.overlap_comm, dev, t->tmo, &overlap) != 0) {
     *fault = ZT_FAULT_PEER;
     return -1;
   }
@@ -413,9 +391,9 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
     return -1;
   }
-  t->have_z = 1;
+  const zt_zero_view_t *zv = zt_zero_view(t->z);
   if (t->spec.diloco) {
-    if (zt_diloco_create(&t->dl, &t->z, t->places ? t->places : g->comm, t->G, t->gi, &t->spec,
+    if (zt_diloco_create(&t->dl, t->z, t->places ? t->places : g->comm, t->G, t->gi, &t->spec,
                          t->tmo) != 0) {
       *fault = ZT_FAULT_MEMORY;
       return -1;
@@ -426,22 +404,22 @@ static int set_up(trainer *t, zt_train_fault_t *fault) {
     t->rms = zt_xcalloc((size_t)t->spec.inner_steps, sizeof(double));
   }
   if (t->ad) {
-    if (zt_lora_create(&t->lora, t->m, t->ad, &t->z) != 0) {
+    if (zt_lora_create(&t->lora, t->m, t->ad, t->z) != 0) {
       if (zt_err_kind() == ZT_E_NO_MEMORY) *fault = ZT_FAULT_MEMORY;
       return -1;
     }
     /* The frozen base counts with the model states (memplan.c). */
-    t->z.state_bytes[0] += zt_lora_bytes(t->lora);
+    zt_zero_count_params(t->z, zt_lora_bytes(t->lora));
   }
-  if (t->z.each && t->accum > 1 && t->r == 0)
+  if (zv->each && t->accum > 1 && t->r == 0)
     ZT_INFO("gradients: each of the %d micro-steps' fp32 gradients is reduce-scattered straight "
             "to its owners (stage %d, %d ranks)", t->accum, t->spec.zero_stage, t->N);
   /* The report's estimate: this rank's own figures (overlap thread, storage type). */
   zt_memplan_need_t est = t->need;
   if (g->workdir &&
-      (zt_memplan_rank(&t->spec, t->N, t->z.overlap || t->z.sv, t->k->xbytes, t->z.dcomm, &est.states,
-                       &est.activations) != 0 ||
-       zt_zero_write_memory_report(&t->z, g->workdir, zt_model_activation_bytes(t->m), &est) != 0))
+      (zt_memplan_rank(&t->spec, t->N, zv->thread || zv->stream, t->k->xbytes, zv->dcomm,
+                       &est.states, &est.activations) != 0 ||
+       zt_zero_write_memory_report(t->z, g->workdir, zt_model_activation_bytes(t->m), &est) != 0))
     ZT_WARN("%s", zt_err_msg());
   t->inp = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
   t->tgt = zt_xmalloc(sizeof(int) * (size_t)t->mb * (size_t)t->T);
@@ -483,12 +461,12 @@ static int init_base(trainer *t, zt_train_fault_t *fault) {
  * PEFT's initialisation from the seed. */
 static int init_adapters(trainer *t, zt_train_fault_t *fault) {
   if (!t->spec.lora_from[0]) {
-    zt_zero_init_params(&t->z, t->spec.seed);
+    zt_zero_init_params(t->z, t->spec.seed);
     return 0;
   }
   float *flat = zt_xmalloc(t->ad->lay.num_params * sizeof(float));
   int rc = zt_st_read(t->spec.lora_from, &t->ad->lay, flat);
-  if (rc == 0) zt_zero_set_params(&t->z, flat);
+  if (rc == 0) zt_zero_set_params(t->z, flat);
   else *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
   free(flat);
   return rc == 0 ? 0 : zt_err_wrap("init.lora_from");
@@ -502,7 +480,7 @@ static int init_params(trainer *t, zt_train_fault_t *fault) {
   const char *path = t->spec.init_from;
   if (t->lora) return init_adapters(t, fault);
   if (!path[0]) {
-    zt_zero_init_params(&t->z, t->spec.seed);
+    zt_zero_init_params(t->z, t->spec.seed);
     return 0;
   }
   const char *what = t->spec.init_dir ? "init.from_pretrained" : "init.from_safetensors";
@@ -513,7 +491,7 @@ static int init_params(trainer *t, zt_train_fault_t *fault) {
   }
   float *flat = zt_xmalloc(t->m->lay.num_params * sizeof(float));
   int rc = read_init(t, flat);
-  if (rc == 0) zt_zero_set_params(&t->z, flat);
+  if (rc == 0) zt_zero_set_params(t->z, flat);
   else *fault = zt_err_kind() == ZT_E_INVALID ? ZT_FAULT_JOB : ZT_FAULT_LOCAL;
   free(flat);
   if (rc == 0) ZT_INFO("parameters from %s", path);
@@ -563,7 +541,7 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
                    g->checkpoint_dir, g->ckpt_root);
   }
   if ((t->have_dl ? zt_diloco_load(&t->dl, g->checkpoint_dir, &g->checkpoint, &loaded)
-                  : zt_zero_load(&t->z, g->checkpoint_dir, &g->checkpoint, &loaded)) != 0) {
+                  : zt_zero_load(t->z, g->checkpoint_dir, &g->checkpoint, &loaded)) != 0) {
     *fault = zt_comm_broken(g->comm) ? ZT_FAULT_PEER : zt_train_load_fault(zt_err_kind());
     return -1;
   }
@@ -611,7 +589,7 @@ static double step_lr(trainer *t, int64_t s) {
  * of forwards would issue different collectives. */
 static uint64_t eval_rounds(const trainer *t, uint64_t nb) {
   uint64_t N = (uint64_t)t->N, r = (uint64_t)t->r;
-  if (t->z.stage == 3) return (nb + N - 1) / N;
+  if (zt_zero_view(t->z)->stage == 3) return (nb + N - 1) / N;
   return nb > r ? (nb - r + N - 1) / N : 0;
 }
 
@@ -676,19 +654,20 @@ static uint64_t micro_pos(const trainer *t, int64_t step, int j) {
 static int micro_batch(trainer *t, int64_t step, int j, int last, double *loss_sum) {
   const zt_spec_fault_t *fi = &t->spec.fault;
   int64_t t0 = zt_now_us();
-  double waited = t->z.tm.wait_reduce_ms + t->z.tm.wait_gather_ms;
+  double waited = zt_zero_waited_ms(t->z);
   float l = 0;
   if (zt_data_fill(t->train, micro_pos(t, step, j), t->mb, t->inp, t->tgt) != 0) return -1;
-  zt_zero_micro_begin(&t->z, last);
+  zt_zero_micro_begin(t->z, last);
   /* Forward and backward, from CUDA graphs where the table and the hooks
-   * allow (zt_model_step). A failed collective (z.fail) is reported by
-   * zt_zero_micro_end. */
-  if (zt_model_step(t->m, t->inp, t->tgt, t->mb, t->T, 1.0f, &l) != 0 && !t->z.fail) return -1;
+   * allow (zt_model_step). A failed collective (zt_zero_failed) is
+   * reported by zt_zero_micro_end. */
+  if (zt_model_step(t->m, t->inp, t->tgt, t->mb, t->T, 1.0f, &l) != 0 && !zt_zero_failed(t->z))
+    return -1;
   *loss_sum += l;
   if (fi->slow_micro_ms > 0 && t->r == fi->slow_rank) /* test knob: a slow machine */
     usleep((useconds_t)fi->slow_micro_ms * 1000);
-  if (zt_zero_micro_end(&t->z) != 0) return -1;
-  waited = t->z.tm.wait_reduce_ms + t->z.tm.wait_gather_ms - waited;
+  if (zt_zero_micro_end(t->z) != 0) return -1;
+  waited = zt_zero_waited_ms(t->z) - waited;
   t->lb_ms += ZT_MAX(0.0, (double)(zt_now_us() - t0) / 1000.0 - waited);
   t->lb_n++;
   return 0;
@@ -699,7 +678,7 @@ static int micro_batch(trainer *t, int64_t step, int j, int last, double *loss_s
  * fewer micro-batches than the most runs the hooks alone for the rest. */
 static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
   const zt_gen_ctx_t *g = t->g;
-  int mine = t->share[t->r], rounds = t->z.stage >= 2 ? t->rounds : mine;
+  int mine = t->share[t->r], rounds = zt_zero_view(t->z)->stage >= 2 ? t->rounds : mine;
   *loss_sum = 0;
   for (int j = 0; j < rounds; j++) {
     if (g->should_stop(g->user)) return 1;
@@ -707,9 +686,9 @@ static int micro_steps(trainer *t, int64_t step, double *loss_sum) {
       if (micro_batch(t, step, j, j == rounds - 1, loss_sum) != 0) return -1;
       continue;
     }
-    zt_zero_micro_begin(&t->z, j == rounds - 1);
-    if (zt_model_hook_pass(t->m) != 0 && !t->z.fail) return -1;
-    if (zt_zero_micro_end(&t->z) != 0) return -1;
+    zt_zero_micro_begin(t->z, j == rounds - 1);
+    if (zt_model_hook_pass(t->m) != 0 && !zt_zero_failed(t->z)) return -1;
+    if (zt_zero_micro_end(t->z) != 0) return -1;
   }
   return 0;
 }
@@ -731,10 +710,10 @@ static int step_gradients(trainer *t, int64_t step, double *loss_sum) {
     zt_err("fault injection: ring broken at step %lld", (long long)s);
     return -1;
   }
-  zt_zero_start_step(&t->z);
+  zt_zero_start_step(t->z);
   int rc = micro_steps(t, step, loss_sum);
   if (rc != 0) return rc;
-  return zt_zero_reduce(&t->z) != 0 ? -1 : 0;
+  return zt_zero_reduce(t->z) != 0 ? -1 : 0;
 }
 
 /* Computes step `step` + 1. 1 when a stop was requested. */
@@ -749,7 +728,7 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
    * since the question waits for the previous epoch's disk write. */
   res->ckpt_prev = periodic_due(t, s) && t->writer ? zt_ckpt_writer_reporting(t->writer) : 0;
   /* With a load balance plan due, every rank's measure rides along. */
-  double ctl[5 + 2 * ZT_LB_MAX_RANKS] = {loss_sum, zt_zero_sumsq(&t->z), 0, (double)ckpt_flag,
+  double ctl[5 + 2 * ZT_LB_MAX_RANKS] = {loss_sum, zt_zero_sumsq(t->z), 0, (double)ckpt_flag,
                                          res->ckpt_prev ? 1 : 0};
   size_t nctl = 5;
   if (plan_due(t, s)) {
@@ -757,9 +736,9 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
     nctl += 2 * (size_t)t->N;
   }
   ctl[2] = isfinite(ctl[0]) && isfinite(ctl[1]) ? 0.0 : 1.0;
-  if (zt_zero_host_all_reduce(&t->z, ctl, nctl, ZT_DT_F64) != 0) return -1;
+  if (zt_zero_host_all_reduce(t->z, ctl, nctl, ZT_DT_F64) != 0) return -1;
   if (nctl > 5) replan(t, ctl + 5, "after a step"); /* for the next step */
-  res->loss = ctl[0] * t->z.inv_k;
+  res->loss = ctl[0] * zt_zero_view(t->z)->inv_k;
   res->norm = sqrt(ctl[1]);
   res->nonfinite = ctl[2] > 0 || !isfinite(res->loss) || !isfinite(res->norm);
   res->ckpt_requested = ctl[3] > 0;
@@ -772,8 +751,8 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   }
   if (!res->nonfinite) {
     float gscale = zt_opt_clip_coef(ctl[1], t->spec.grad_clip, NULL);
-    if (zt_zero_adamw(&t->z, &t->spec.opt, (float)res->lr, gscale, s) != 0) return -1;
-    if (zt_zero_gather(&t->z) != 0) return -1;
+    if (zt_zero_adamw(t->z, &t->spec.opt, (float)res->lr, gscale, s) != 0) return -1;
+    if (zt_zero_gather(t->z) != 0) return -1;
   } else {
     ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
             (long long)s, res->loss, res->norm);
@@ -785,7 +764,7 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   res->ms = (double)(zt_now_us() - t0) / 1000.0;
   if (t->spec.wall_clock_breakdown) {
     zt_zero_times_t tm;
-    zt_zero_take_times(&t->z, &tm);
+    zt_zero_take_times(t->z, &tm);
     ZT_INFO("step %lld: %.1f ms; waited %.1f ms for gradient reductions, %.1f ms for gathers; "
             "communication thread %.1f ms busy, %.1f ms CPU",
             (long long)s, res->ms, tm.wait_reduce_ms, tm.wait_gather_ms, tm.comm_busy_ms,
@@ -813,11 +792,11 @@ static int save_state(trainer *t, int64_t step) {
   if (!t->writer && zt_ckpt_writer_start(report_epoch, t, &t->writer) != 0)
     return -1;
   float *buf = zt_ckpt_writer_buffer(t->writer, t->have_dl ? zt_diloco_snapshot_floats(&t->dl)
-                                                             : zt_zero_snapshot_floats(&t->z));
+                                                             : zt_zero_snapshot_floats(t->z));
   if (!buf) return -1;
-  zt_ckpt_range_t *rg = zt_xcalloc(3 * (size_t)t->z.U, sizeof *rg);
-  int nr = t->z.U;
-  if ((t->have_dl ? zt_diloco_snapshot(&t->dl, buf, rg, &nr) : zt_zero_snapshot(&t->z, buf, rg)) !=
+  int nr = zt_zero_view(t->z)->U;
+  zt_ckpt_range_t *rg = zt_xcalloc(3 * (size_t)nr, sizeof *rg);
+  if ((t->have_dl ? zt_diloco_snapshot(&t->dl, buf, rg, &nr) : zt_zero_snapshot(t->z, buf, rg)) !=
       0) {
     free(rg);
     return zt_err_wrap("checkpoint of step %lld not written", (long long)step);
@@ -833,7 +812,7 @@ static int save_state(trainer *t, int64_t step) {
     meta.lora_base_hash = t->base_hash;
   }
   if (t->have_dl)
-    meta.diloco_groups = t->G, meta.diloco_units = t->z.U, meta.diloco_inner_steps = t->dl.H,
+    meta.diloco_groups = t->G, meta.diloco_units = zt_zero_view(t->z)->U, meta.diloco_inner_steps = t->dl.H,
     meta.diloco_ef = t->dl.ef != NULL;
   int rc = zt_ckpt_writer_submit(t->writer, dir, &meta, rg, nr);
   free(rg);
@@ -892,13 +871,13 @@ static int inner_step(trainer *t, int64_t step) {
   double loss_sum;
   int rc = step_gradients(t, step, &loss_sum);
   if (rc != 0) return rc;
-  double v[2] = {loss_sum, zt_zero_sumsq(&t->z)};
-  if (t->intra && zt_zero_host_all_reduce(&t->z, v, 2, ZT_DT_F64) != 0) return -1; /* the group's */
-  double sumsq = v[1], loss = v[0] * t->z.inv_k, lr = step_lr(t, s);
+  double v[2] = {loss_sum, zt_zero_sumsq(t->z)};
+  if (t->intra && zt_zero_host_all_reduce(t->z, v, 2, ZT_DT_F64) != 0) return -1; /* the group's */
+  double sumsq = v[1], loss = v[0] * zt_zero_view(t->z)->inv_k, lr = step_lr(t, s);
   if (isfinite(loss) && isfinite(sumsq)) {
     float gscale = zt_opt_clip_coef(sumsq, t->spec.grad_clip, NULL);
-    if (zt_zero_adamw(&t->z, &t->spec.opt, (float)lr, gscale, s) != 0 ||
-        zt_zero_gather(&t->z) != 0) /* a group of several ranks at stages 1-2 */
+    if (zt_zero_adamw(t->z, &t->spec.opt, (float)lr, gscale, s) != 0 ||
+        zt_zero_gather(t->z) != 0) /* a group of several ranks at stages 1-2 */
       return -1;
   } else {
     ZT_WARN("step %lld: group %d: non-finite loss or gradient (loss %g, sum of squares %g): "
@@ -1148,7 +1127,7 @@ static void tear_down(trainer *t) {
   free(t->rl);
   free(t->rlr);
   free(t->rms);
-  if (t->have_z) zt_zero_free(&t->z);
+  zt_zero_free(t->z);
   zt_comm_destroy(t->intra);
   zt_comm_destroy(t->places);
   zt_lora_free(t->lora);
@@ -1209,7 +1188,7 @@ out:
    * (stages 1-2 with overlap) finish on every rank instead of aborting the
    * communicator under them; their result is not needed (the state is in
    * the checkpoint), so a failure here is only logged. */
-  if (ret == 0 && t.have_z && zt_zero_settle(&t.z) != 0)
+  if (ret == 0 && t.z && zt_zero_settle(t.z) != 0)
     ZT_WARN("the last step's parameter gathers failed: %s", zt_err_msg());
   if (ret != 0 && t.peer_fault) f->fault = ZT_FAULT_PEER;
   if (ret != 0 && f->fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))

@@ -95,11 +95,20 @@
  * CUDA kernels. With `dev` set, collectives stage device buffers through
  * host memory (the TCP ring works on host memory); with one rank they are
  * local copies. Checkpoint files are read and written through host buffers.
+ *
+ * Code. The state is opaque: its users (trainer.c, lora.c, diloco.c, the
+ * tests) call the functions below and read the layout through
+ * zt_zero_view. zero.c holds the interface (create/free, the hooks, the
+ * step); the collectives run one of three ways, each in a file of its own:
+ * serial on the calling thread (zero_serial.c, which also stages device
+ * memory and compresses), on the communication thread (zero_thread.c) or
+ * in NCCL's stream order (zero_stream.c); zero_io.c loads, snapshots and
+ * replaces the state. zero_impl.h has the struct and says how the files
+ * call each other.
  */
 #ifndef ZT_ZERO_H
 #define ZT_ZERO_H
 
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -121,120 +130,30 @@ typedef struct zt_zero_times {
   double comm_cpu_ms;    /* ... and the CPU time it used in them */
 } zt_zero_times_t;
 
-typedef struct zt_zero {
-  zt_model_t *m;         /* the model whose unit pointers this rank's state feeds */
-  const zt_kernels_t *k; /* kernels and memory of the model and its state */
-  int dev;               /* that memory is a device's (collectives are staged) */
-  int dcomm;             /* ... and the communicator takes it as is (NCCL) */
-  void *ctl_dev;         /* dcomm: device room for the trainer's control values */
-  zt_comm_t *comm;
-  int N, r, stage, U;
-  int64_t tmo;           /* deadline of each collective, ms */
-  void *stage_buf;       /* host staging for collectives on device memory */
-  size_t stage_cap;
-  float *gbuf;           /* one unit's owned gradient in fp32, for the AdamW kernel */
-  size_t *usz, *S;       /* unit size, shard size */
-  size_t *off_full;      /* offset of unit u in full (padded) buffers */
-  size_t *off_shard;     /* offset of unit u in shard buffers */
-  size_t full_total, shard_total, max_unit;
-  /* Stages 2-3: the in-flight buffers' size in elements, N * S of the
-   * largest unit but unit 0, which is reduced in pieces (zero.c). */
-  size_t slot_unit;
-  /* Parameters. P and Ps are the fp32 master: P whole (stage 0, and
-   * stages 1-2 without a split), else Ps, the owned shard. The model reads
-   * the working copy in the table's storage type (xb bytes, zt_kernels.h):
-   * W whole (stages 0-2) or Ws, the shard that stage 3 gathers. With fp32
-   * storage W is P and Ws is Ps; with bf16 storage (split) they are their
-   * own buffers, rounded from the master after each change (AdamW, load,
-   * init) and all-gathered in bf16. */
-  float *P, *Ps;
-  float *W, *Ws;
-  size_t xb;             /* bytes of a working-copy element */
-  zt_dtype_t xdt;        /* ... as a collective's type */
-  int split;             /* the working copy is not the master */
-  float *G;              /* one micro-step's full grads (stages 0-1) */
-  double *G64;           /* gradient sum: full (stages 0-1) or shard (2-3) */
-  float *M, *V;          /* Adam state: full (stage 0) or shard */
-  float *gat0, *gat;     /* stage 3: gathered unit 0 and the current unit (working copy) */
-  float *tg0, *tg;       /* stage 2-3: full grads of unit 0 and of the current unit */
-  double *rs64;          /* stage 2-3: a piece's reduced shard (fp64 sums) */
-  double *tg64;          /* stage 2-3 over NCCL: a piece widened to fp64 */
-  double inv_k;          /* 1 / micro-batches per step (all ranks) */
-  int fail;              /* a collective in a hook failed */
-  int oom;               /* an allocation of the layout failed */
-  char fail_msg[512];
-  uint64_t state_bytes[4]; /* params, grads, optimizer, in flight */
-  uint64_t scratch_bytes;  /* the gather scratch (not a model state) */
-  /* Overlap (zt_zero_opts_t.overlap): the communication thread and its
-   * queue of units whose reduction is due, in the order backward finishes
-   * them; everything under ov_mu. */
-  int want_overlap, overlap, last_micro;
-  /* Stages 0-1: micro-steps begun this step, and whether each micro-step's
-   * fp32 gradient in G is reduce-scattered by itself into this rank's
-   * range of G64 (the first one's sums written there, the later ones'
-   * added), instead of the fp64 sum over the micro-steps once: with one
-   * micro-step per rank (the sum is G itself), and with two where the
-   * communicator sends fp32 straight to each owner (zt_comm_f32_direct),
-   * so that two fp32 reductions move the bytes of one fp64 one and the
-   * first hides behind the rest of the step. Not over NCCL (zero.c). */
-  int micro_n, each;
-  /* sync.compression (the TCP ring): every reduction (stages 0-1: each
-   * unit's fp64 sums, narrowed; stages 2-3: each micro-step's fp32
-   * pieces) sends the encoding q (quant.h) of every other rank's segment
-   * straight to its owner (zt_comm_all_to_all), which adds the decoded
-   * pieces to its own exact values in ring order (exchange_encoded in
-   * zero.c): the send and receive buffers (N encoded segments of the
-   * largest shard) and one decoded segment. */
-  int q;
-  uint8_t *qsend, *qrecv;
-  float *qtmp;
-  int *rd_busy;          /* stages 0-1 with overlap: unit u's reduction is queued or running */
-  pthread_t ov_thread;
-  pthread_mutex_t ov_mu;
-  pthread_cond_t ov_cv;
-  int64_t *ov_queue;     /* ring of OV_ENTRY(unit, kind, slot, piece), ov_cap entries */
-  int ov_cap, ov_head, ov_len, ov_quit;
-  /* Stages 2-3: gradient slots whose reduction is queued or running: 0
-   * and 1 (tg, tgb) take turns for units 1..U-1, the slot of the next
-   * unit is ov_next and of the current one ov_cur; ov_busy[2] counts the
-   * queued pieces of unit 0 (tg0). */
-  int ov_busy[3], ov_next, ov_cur;
-  float *tgb;
-  /* Stage 3 prefetch (fetch_unit): gather slots 0 and 1 (gat, gatb) and 2
-   * (gat0, unit 0); the unit each holds or receives, at which parameter
-   * version (pver, bumped by every change of the parameters), whether its
-   * gather is still queued (under ov_mu), and the slot in use. */
-  float *gatb;
-  int pf_unit[3], pf_busy[3], pf_cur;
-  uint64_t pf_ver[3], pver;
-  /* Stages 1-2 deferred gathers: unit u's is done once ag_done reaches
-   * ag_ticket[u] (tickets count gathers queued; under ov_mu). */
-  int64_t *ag_ticket, ag_queued, ag_done;
-  /* Stage 0 with overlap: units whose update waits for their gathered
-   * gradient (applied by the hook before their forward, or by
-   * zt_zero_settle), and how many. */
-  char *due;
-  int due_n;
-  /* The optimizer step's settings (zt_zero_adamw), kept for the updates
-   * that are due. */
-  const zt_opt_config_t *opt;
-  float lr, gscale;
-  int64_t t;
-  zt_zero_times_t tm;    /* waits: training thread; busy, cpu: the thread, under ov_mu */
-  int ov_fail;           /* a queued reduction failed: ov_msg says why */
-  char ov_msg[512];
-  /* Stream overlap (above; sv: on). Stages 2-3: fp64 slots 0 (tg64,
-   * rs64) and 1 (tg64b, rs64b) take turns, sv_next the next one; sv_tk[s]
-   * is the ticket of the reduce-scatter in slot s not yet added (0: none),
-   * whose sv_n[s] sums go to G64 + sv_dst[s]. Stage 3: sv_gtk[s] the
-   * ticket of the gather into gather slot s (pf_unit, pf_ver, pf_cur as
-   * above) not yet joined. Stages 0-2: sv_ag[u], unit u's deferred
-   * gather not yet joined. */
-  int sv, sv_next;
-  double *tg64b, *rs64b;
-  uint64_t sv_tk[2], sv_gtk[3], *sv_ag;
-  size_t sv_dst[2], sv_n[2];
-} zt_zero_t;
+/* A rank's ZeRO state: opaque (its inside is zero_impl.h's, for the zero
+ * files only). */
+typedef struct zt_zero zt_zero_t;
+
+/* What the state's users read of it (zt_zero_view): the layout above and
+ * the way its collectives run, fixed by zt_zero_create. The arrays have U
+ * entries and belong to the state. */
+typedef struct zt_zero_view {
+  const zt_kernels_t *k;   /* the kernel table whose memory holds the states */
+  int N, r, stage, U;      /* world, rank, ZeRO stage, units (layout.h) */
+  const size_t *usz;       /* unit u's size in elements */
+  const size_t *S;         /* its shard size: the unit is padded to N * S[u] */
+  const size_t *off_full;  /* unit u's offset in whole (padded) buffers */
+  const size_t *off_shard; /* ... and in shard buffers: the owned ranges (zt_zero_owned_get) */
+  size_t full_total;       /* elements of a whole padded buffer */
+  size_t shard_total;      /* ... of a shard buffer (sum of S[u]) */
+  size_t max_unit;         /* the largest padded unit, N * S[u] */
+  double inv_k;            /* 1 / micro-batches per step over all ranks */
+  int each;                /* stages 0-1: each micro-step's fp32 gradient reduce-scattered
+                            * by itself (one or two micro-steps per rank), not their fp64 sum */
+  int thread;              /* collectives on the communication thread (overlap) */
+  int stream;              /* collectives in NCCL stream order (stream overlap) */
+  int dcomm;               /* the communicator takes device memory as it is (NCCL) */
+} zt_zero_view_t;
 
 typedef struct zt_zero_opts {
   int rank, world, stage;
@@ -247,14 +166,46 @@ typedef struct zt_zero_opts {
   int compress;         /* sync.compression (zt_quant_t): on the TCP ring only */
 } zt_zero_opts_t;
 
+/* Whether the communication thread runs (zt_zero_opts_t.overlap), the
+ * same on every rank of a generation (want: the spec's overlap_comm; dev:
+ * this rank's memory is a device's). Overlap changes the order of the
+ * collectives (stages 0-1 reduce units in backward's order and defer
+ * gathers into the next forward, stage 3 prefetches and keeps gathered
+ * units), so every rank must make the same choice (the ring's operation
+ * headers would stop a generation at its first call in another order). A
+ * rank on a device cannot run the thread (it works on host memory), so a
+ * generation that mixes CPU and GPU workers (the TCP ring) runs without;
+ * one all-reduce of a count over comm (world ranks) decides. Over NCCL
+ * every rank is on a device and overlaps in stream order instead
+ * (zt_zero_opts_t.stream_overlap, from the spec alone: the same on every
+ * rank). *overlap receives the choice; -1 when the all-reduce failed. */
+ZT_MUST_CHECK int zt_zero_agree_overlap(zt_comm_t *comm, int world, int want, int dev,
+                                        int64_t timeout_ms, int *overlap);
+
 /* Lays out this rank's model states in the kernel table's memory, points
- * the model's units at them and installs the ZeRO hooks on the model. The
- * model must have been created with ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS;
- * it stays the caller's. -1 when out of (device or host) memory, with
- * whatever was allocated freed again (nothing to free for the caller). */
-ZT_MUST_CHECK int zt_zero_create(zt_zero_t *z, zt_model_t *m, const zt_kernels_t *k, zt_comm_t *comm,
-                   const zt_zero_opts_t *o);
+ * the model's units at them and installs the ZeRO hooks on the model; the
+ * new state in *out. The model must have been created with
+ * ZT_MODEL_NO_PARAMS | ZT_MODEL_NO_GRADS; it stays the caller's. -1 when
+ * out of (device or host) memory, with whatever was allocated freed again
+ * (*out NULL: nothing to free for the caller). */
+ZT_MUST_CHECK int zt_zero_create(zt_zero_t **out, zt_model_t *m, const zt_kernels_t *k,
+                                 zt_comm_t *comm, const zt_zero_opts_t *o);
+/* Stops the communication thread, takes the hooks off the model and frees
+ * the state; nothing for NULL. */
 void zt_zero_free(zt_zero_t *z);
+
+/* The layout and the way collectives run (zt_zero_view_t); valid until
+ * zt_zero_free. */
+const zt_zero_view_t *zt_zero_view(const zt_zero_t *z);
+/* A collective inside forward or backward failed (zt_zero_micro_end
+ * reports it): a model step that failed with this set failed for it. */
+int zt_zero_failed(const zt_zero_t *z);
+/* What the training thread has waited for collectives (reductions and
+ * gathers, ms) since the last zt_zero_take_times; resets nothing. */
+double zt_zero_waited_ms(const zt_zero_t *z);
+/* Counts `bytes` of parameters that ZeRO does not hold (LoRA's frozen
+ * base) with the model states of the memory report. */
+void zt_zero_count_params(zt_zero_t *z, uint64_t bytes);
 
 /* Writes <workdir>/zero_memory.json: the bytes of model states this rank
  * holds, by kind, and the activations' bytes, next to the estimate the
@@ -300,6 +251,12 @@ ZT_MUST_CHECK int zt_zero_owned_get(zt_zero_t *z, float *host);
  * [lo, lo + n) of the unit. */
 void zt_zero_owned_range(const zt_zero_t *z, int u, size_t *lo, size_t *n);
 ZT_MUST_CHECK int zt_zero_owned_put(zt_zero_t *z, const float *host);
+/* The Adam state m and v over the owned layout (shard_total floats each,
+ * unit u's at off_shard[u]) to or from host memory: stages 1-3 keep
+ * exactly that, stage 0 only for a rank alone (it keeps the whole state on
+ * every rank; -1 otherwise). For DiLoCo's kept rounds (diloco.h). */
+ZT_MUST_CHECK int zt_zero_adam_get(zt_zero_t *z, float *m, float *v);
+ZT_MUST_CHECK int zt_zero_adam_put(zt_zero_t *z, const float *m, const float *v);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
  * unit into buf and describes them in ranges[0..U), after zt_zero_settle.

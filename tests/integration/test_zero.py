@@ -324,7 +324,7 @@ def test_embedding_unit_reduced_in_pieces(procs, tmp_path, data):
 
 def unit0_pieces(model, n):
     """How many pieces stages 2-3 reduce unit 0's gradient (the embeddings and the tied head)
-    in at N = n (engine/zero.c, piece_len): unit 0's shard over the shard of the largest other
+    in at N = n (engine/zero_impl.h, piece_len): unit 0's shard over the shard of the largest other
     unit, shards being ceil(size / n) rounded up to 8 elements, the vocabulary padded to 64."""
     C, T = model["n_embd"], model["seq_len"]
     V = -(-model["vocab_size"] // 64) * 64

@@ -27,7 +27,9 @@
  * And the owned ranges of the master (zt_zero_owned_get, _put) on two
  * ranks, threads of this process over a real TCP communicator, at every
  * stage: each rank reads its range of the initial parameters and puts
- * values of its own, which then stand in both ranks' working copies.
+ * values of its own, which then stand in both ranks' working copies; and
+ * the owned Adam state (zt_zero_adam_get, _put), which stage 0 of two
+ * ranks refuses.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -85,7 +87,7 @@ ZT_TEST(failed_create_frees_what_it_allocated) {
   struct rlimit low = {base + 10 * psi, old.rlim_max};
   ZT_REQUIRE(old.rlim_cur == RLIM_INFINITY || old.rlim_cur > low.rlim_cur);
   ZT_REQUIRE(setrlimit(RLIMIT_AS, &low) == 0);
-  zt_zero_t z;
+  zt_zero_t *z = NULL;
   zt_zero_opts_t o = {.rank = 0, .world = 1, .stage = 0, .timeout_ms = 1000, .inv_k = 1.0,
                       .accum = 1};
   int rc = zt_zero_create(&z, m, zt_kernels_cpu(), NULL, &o);
@@ -99,7 +101,7 @@ ZT_TEST(failed_create_frees_what_it_allocated) {
   ZT_CHECK(freed);
   /* The model is whole again (no hooks, no states): it takes new ones. */
   ZT_CHECK(zt_zero_create(&z, m, zt_kernels_cpu(), NULL, &o) == 0);
-  zt_zero_free(&z);
+  zt_zero_free(z);
   zt_model_free(m);
 }
 #else
@@ -113,7 +115,7 @@ ZT_TEST(failed_create_frees_what_it_allocated) {
  * an I/O error or too few descriptors are this worker's, and must not
  * retire a good epoch; out of memory is the worker's memory. */
 /* A small model and its stage 0 states on one rank, alone. */
-static int small_zero(zt_model_t **m, zt_zero_t *z) {
+static int small_zero(zt_model_t **m, zt_zero_t **z) {
   static const zt_model_config_t small = {
       .n_layer = 1, .n_head = 2, .n_embd = 8, .seq_len = 4, .vocab_size = 16};
   zt_zero_opts_t o = {
@@ -127,12 +129,12 @@ static int small_zero(zt_model_t **m, zt_zero_t *z) {
 
 ZT_TEST(load_fault_blames_the_epoch_only_for_its_content) {
   zt_model_t *m;
-  zt_zero_t z;
+  zt_zero_t *z = NULL;
   ZT_REQUIRE(small_zero(&m, &z) == 0);
   char dir[700];
   snprintf(dir, sizeof dir, "%s/no-such-epoch", zt_test_tmpdir("engine_zero"));
   int64_t step = -1;
-  ZT_CHECK(zt_zero_load(&z, dir, NULL, &step) == -1);
+  ZT_CHECK(zt_zero_load(z, dir, NULL, &step) == -1);
   ZT_CHECK(strstr(zt_err_msg(), "manifest.json") != NULL);
   ZT_CHECK(zt_train_load_fault(zt_err_kind()) == ZT_FAULT_CHECKPOINT);
   ZT_CHECK(zt_train_load_fault(ZT_E_INVALID) == ZT_FAULT_CHECKPOINT);
@@ -140,7 +142,7 @@ ZT_TEST(load_fault_blames_the_epoch_only_for_its_content) {
   ZT_CHECK(zt_train_load_fault(ZT_E_FAILED) == ZT_FAULT_LOCAL);
   ZT_CHECK(zt_train_load_fault(ZT_E_UNAVAILABLE) == ZT_FAULT_LOCAL);
   ZT_CHECK(zt_train_load_fault(ZT_E_NO_MEMORY) == ZT_FAULT_MEMORY);
-  zt_zero_free(&z);
+  zt_zero_free(z);
   zt_model_free(m);
 }
 
@@ -160,22 +162,23 @@ static void rule_spec(zt_spec_t *sp) {
 
 ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   zt_model_t *m;
-  zt_zero_t z;
+  zt_zero_t *z = NULL;
   ZT_REQUIRE(small_zero(&m, &z) == 0);
   zt_spec_t sp;
   rule_spec(&sp);
   zt_diloco_t d;
-  ZT_REQUIRE(zt_diloco_create(&d, &z, NULL, 1, 0, &sp, 1000) == 0);
-  size_t n = z.full_total;
+  ZT_REQUIRE(zt_diloco_create(&d, z, NULL, 1, 0, &sp, 1000) == 0);
+  const zt_zero_view_t *zv = zt_zero_view(z);
+  size_t n = zv->full_total;
   float *p0 = malloc(n * 4), *p = malloc(n * 4), *want = malloc(n * 4), *mom = calloc(n, 4);
   for (size_t i = 0; i < n; i++) p0[i] = (float)(i % 17) * 0.25f - 2.0f;
-  ZT_REQUIRE(zt_zero_master_put(&z, p0) == 0 && zt_diloco_begin(&d) == 0);
+  ZT_REQUIRE(zt_zero_master_put(z, p0) == 0 && zt_diloco_begin(&d) == 0);
   /* Waited for: the inner steps moved every value by 0.5. */
   for (size_t i = 0; i < n; i++) p[i] = p0[i] + 0.5f;
-  ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+  ZT_REQUIRE(zt_zero_master_put(z, p) == 0);
   int applied = 0;
   ZT_REQUIRE(zt_diloco_sync(&d, -1, &applied) == 0 && applied);
-  ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
+  ZT_REQUIRE(zt_zero_master_get(z, p) == 0);
   size_t bad = 0;
   for (size_t i = 0; i < n; i++) {
     want[i] = rule(p0[i], &mom[i], p0[i] + 0.5f);
@@ -187,12 +190,12 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
    * 0.25: the new outer value plus that progress. */
   float *theta = malloc(n * 4);
   for (size_t i = 0; i < n; i++) theta[i] = want[i] - 0.125f * (float)(i % 3);
-  ZT_REQUIRE(zt_zero_master_put(&z, theta) == 0);
+  ZT_REQUIRE(zt_zero_master_put(z, theta) == 0);
   ZT_REQUIRE(zt_diloco_launch(&d, -1) == 0 && d.pending);
   for (size_t i = 0; i < n; i++) p[i] = theta[i] + 0.25f;
-  ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+  ZT_REQUIRE(zt_zero_master_put(z, p) == 0);
   ZT_REQUIRE(zt_diloco_land(&d, &applied) == 0 && applied && !d.pending);
-  ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
+  ZT_REQUIRE(zt_zero_master_get(z, p) == 0);
   bad = 0;
   for (size_t i = 0; i < n; i++) {
     float o2 = rule(want[i], &mom[i], theta[i]);
@@ -203,28 +206,28 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
   memcpy(want, d.outer, n * 4);
   memcpy(p, want, n * 4);
   p[3] = NAN;
-  ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+  ZT_REQUIRE(zt_zero_master_put(z, p) == 0);
   ZT_REQUIRE(zt_diloco_sync(&d, -1, &applied) == 0);
   ZT_CHECK(!applied && d.refused == 1);
-  ZT_REQUIRE(zt_zero_master_get(&z, p) == 0);
+  ZT_REQUIRE(zt_zero_master_get(z, p) == 0);
   ZT_CHECK(memcmp(p, want, n * 4) == 0 && memcmp(d.outer, want, n * 4) == 0);
   /* The checkpoint: each unit twice, as U + u (inner, whole) and as u
    * (outer parameters, momentum in m, zeros in v). */
   float *buf = malloc(zt_diloco_snapshot_floats(&d) * 4);
-  zt_ckpt_range_t *rg = calloc(3 * (size_t)z.U, sizeof *rg);
+  zt_ckpt_range_t *rg = calloc(3 * (size_t)zv->U, sizeof *rg);
   int nr = 0;
   ZT_REQUIRE(zt_diloco_snapshot(&d, buf, rg, &nr) == 0);
-  ZT_CHECK(nr == 2 * z.U);
-  for (int u = 0; u < z.U; u++) {
-    ZT_CHECK(rg[u].unit == z.U + u && rg[u].lo == 0 && rg[u].n == z.usz[u]);
-    ZT_CHECK(rg[z.U + u].unit == u && rg[z.U + u].n == z.usz[u]);
-    ZT_CHECK(memcmp(rg[z.U + u].p, d.outer + z.off_full[u], z.usz[u] * 4) == 0);
-    ZT_CHECK(memcmp(rg[z.U + u].m, d.mom + z.off_full[u], z.usz[u] * 4) == 0);
-    ZT_CHECK(rg[z.U + u].v[0] == 0.0f);
+  ZT_CHECK(nr == 2 * zv->U);
+  for (int u = 0; u < zv->U; u++) {
+    ZT_CHECK(rg[u].unit == zv->U + u && rg[u].lo == 0 && rg[u].n == zv->usz[u]);
+    ZT_CHECK(rg[zv->U + u].unit == u && rg[zv->U + u].n == zv->usz[u]);
+    ZT_CHECK(memcmp(rg[zv->U + u].p, d.outer + zv->off_full[u], zv->usz[u] * 4) == 0);
+    ZT_CHECK(memcmp(rg[zv->U + u].m, d.mom + zv->off_full[u], zv->usz[u] * 4) == 0);
+    ZT_CHECK(rg[zv->U + u].v[0] == 0.0f);
   }
   free(buf), free(rg), free(theta), free(p0), free(p), free(want), free(mom);
   zt_diloco_free(&d);
-  zt_zero_free(&z);
+  zt_zero_free(z);
   zt_model_free(m);
 }
 
@@ -234,49 +237,50 @@ ZT_TEST(diloco_outer_step_waited_and_overlapped) {
  * them. */
 ZT_TEST(diloco_fragments_sync_their_own_units) {
   zt_model_t *m;
-  zt_zero_t z;
+  zt_zero_t *z = NULL;
   ZT_REQUIRE(small_zero(&m, &z) == 0);
   zt_spec_t sp;
   rule_spec(&sp);
   sp.fragments = 2;
   zt_diloco_t d;
-  ZT_REQUIRE(zt_diloco_create(&d, &z, NULL, 1, 0, &sp, 1000) == 0);
-  ZT_REQUIRE(d.F == 2 && z.U >= 2);
+  ZT_REQUIRE(zt_diloco_create(&d, z, NULL, 1, 0, &sp, 1000) == 0);
+  const zt_zero_view_t *zv = zt_zero_view(z);
+  ZT_REQUIRE(d.F == 2 && zv->U >= 2);
   size_t load[2] = {0, 0}, biggest = 0;
-  for (int u = 0; u < z.U; u++) {
+  for (int u = 0; u < zv->U; u++) {
     ZT_REQUIRE(d.frag_of[u] == 0 || d.frag_of[u] == 1);
-    load[d.frag_of[u]] += z.usz[u];
-    if (z.usz[u] > biggest) biggest = z.usz[u];
+    load[d.frag_of[u]] += zv->usz[u];
+    if (zv->usz[u] > biggest) biggest = zv->usz[u];
   }
   /* Greedy: the fragments differ by no more than the largest unit. */
   size_t gap = load[0] > load[1] ? load[0] - load[1] : load[1] - load[0];
   ZT_CHECK(load[0] && load[1] && gap <= biggest);
   static const int due[9] = {-1, -1, 0, -1, 1, -1, 0, -1, 1};
   for (int s = 1; s <= 8; s++) ZT_CHECK(zt_diloco_fragment_due(&d, s) == due[s]);
-  size_t n = z.full_total;
+  size_t n = zv->full_total;
   float *p0 = malloc(n * 4), *p = malloc(n * 4), *q = malloc(n * 4), *mom = calloc(n, 4);
   for (size_t i = 0; i < n; i++) p0[i] = (float)(i % 13) * 0.25f - 1.0f;
-  ZT_REQUIRE(zt_zero_master_put(&z, p0) == 0 && zt_diloco_begin(&d) == 0);
+  ZT_REQUIRE(zt_zero_master_put(z, p0) == 0 && zt_diloco_begin(&d) == 0);
   for (int f = 0; f < 2; f++) {
     /* The group moved every value by 0.5; fragment f syncs (f 1
      * overlapped, with a further 0.25 of progress before it lands). */
     float *now = malloc(n * 4);
-    ZT_REQUIRE(zt_zero_master_get(&z, now) == 0);
+    ZT_REQUIRE(zt_zero_master_get(z, now) == 0);
     for (size_t i = 0; i < n; i++) p[i] = now[i] + 0.5f;
-    ZT_REQUIRE(zt_zero_master_put(&z, p) == 0);
+    ZT_REQUIRE(zt_zero_master_put(z, p) == 0);
     int applied = 0;
     if (f == 0) {
       ZT_REQUIRE(zt_diloco_sync(&d, 0, &applied) == 0 && applied);
     } else {
       ZT_REQUIRE(zt_diloco_launch(&d, 1) == 0 && d.pending);
       for (size_t i = 0; i < n; i++) q[i] = p[i] + 0.25f;
-      ZT_REQUIRE(zt_zero_master_put(&z, q) == 0);
+      ZT_REQUIRE(zt_zero_master_put(z, q) == 0);
       ZT_REQUIRE(zt_diloco_land(&d, &applied) == 0 && applied);
     }
-    ZT_REQUIRE(zt_zero_master_get(&z, now) == 0);
+    ZT_REQUIRE(zt_zero_master_get(z, now) == 0);
     size_t bad = 0, moved = 0;
-    for (int u = 0; u < z.U; u++) {
-      for (size_t i = z.off_full[u], e = i + z.usz[u]; i < e; i++) {
+    for (int u = 0; u < zv->U; u++) {
+      for (size_t i = zv->off_full[u], e = i + zv->usz[u]; i < e; i++) {
         float after = f == 1 ? q[i] : p[i];
         if (d.frag_of[u] == f) {
           float o = rule(p0[i], &mom[i], p[i]);
@@ -294,7 +298,7 @@ ZT_TEST(diloco_fragments_sync_their_own_units) {
   ZT_CHECK(d.syncs == 2);
   free(p0), free(p), free(q), free(mom);
   zt_diloco_free(&d);
-  zt_zero_free(&z);
+  zt_zero_free(z);
   zt_model_free(m);
 }
 
@@ -320,7 +324,7 @@ static void *owned_rank(void *p) {
                       .inv_k = 1.0, .accum = 1};
   zt_comm_t *c = NULL;
   zt_model_t *m = NULL;
-  zt_zero_t z;
+  zt_zero_t *z = NULL;
   x->rc = -1;
   if (zt_comm_tcp_create(&co, &c) != 0 ||
       zt_model_create(&m, &small, 1, small.seq_len, zt_kernels_cpu(),
@@ -331,32 +335,43 @@ static void *owned_rank(void *p) {
     zt_comm_destroy(c);
     return NULL;
   }
-  zt_zero_init_params(&z, 5);
-  float *h = calloc(z.shard_total, sizeof(float)), *init = malloc(z.max_unit * sizeof(float));
-  x->rc = zt_zero_owned_get(&z, h);
-  for (int u = 0; x->rc == 0 && u < z.U; u++) { /* the initial parameters' owned range */
+  const zt_zero_view_t *zv = zt_zero_view(z);
+  zt_zero_init_params(z, 5);
+  float *h = calloc(zv->shard_total, sizeof(float)), *init = malloc(zv->max_unit * sizeof(float));
+  x->rc = zt_zero_owned_get(z, h);
+  for (int u = 0; x->rc == 0 && u < zv->U; u++) { /* the initial parameters' owned range */
     zt_layout_init_unit(&m->lay, 5, u, init);
-    size_t lo = ZT_MIN((size_t)x->rank * z.S[u], z.usz[u]);
-    size_t n = ZT_MIN(z.S[u], z.usz[u] - lo);
-    for (size_t i = 0; i < z.S[u]; i++)
-      x->bad += h[z.off_shard[u] + i] != (i < n ? init[lo + i] : 0.0f);
+    size_t lo = ZT_MIN((size_t)x->rank * zv->S[u], zv->usz[u]);
+    size_t n = ZT_MIN(zv->S[u], zv->usz[u] - lo);
+    for (size_t i = 0; i < zv->S[u]; i++)
+      x->bad += h[zv->off_shard[u] + i] != (i < n ? init[lo + i] : 0.0f);
   }
-  for (int u = 0; u < z.U; u++)
-    for (size_t i = 0; i < z.S[u]; i++) h[z.off_shard[u] + i] = owned_val(x->rank, u, i);
-  if (x->rc == 0) x->rc = zt_zero_owned_put(&z, h);
-  memset(h, 0, z.shard_total * sizeof(float));
-  if (x->rc == 0) x->rc = zt_zero_owned_get(&z, h);
-  for (int u = 0; x->rc == 0 && u < z.U; u++) {
-    size_t n = ZT_MIN(z.S[u], z.usz[u] - ZT_MIN((size_t)x->rank * z.S[u], z.usz[u]));
-    for (size_t i = 0; i < n; i++) x->bad += h[z.off_shard[u] + i] != owned_val(x->rank, u, i);
+  for (int u = 0; u < zv->U; u++)
+    for (size_t i = 0; i < zv->S[u]; i++) h[zv->off_shard[u] + i] = owned_val(x->rank, u, i);
+  if (x->rc == 0) x->rc = zt_zero_owned_put(z, h);
+  memset(h, 0, zv->shard_total * sizeof(float));
+  if (x->rc == 0) x->rc = zt_zero_owned_get(z, h);
+  for (int u = 0; x->rc == 0 && u < zv->U; u++) {
+    size_t n = ZT_MIN(zv->S[u], zv->usz[u] - ZT_MIN((size_t)x->rank * zv->S[u], zv->usz[u]));
+    for (size_t i = 0; i < n; i++) x->bad += h[zv->off_shard[u] + i] != owned_val(x->rank, u, i);
     /* Stages 0-2 hold whole units: both ranks' values, each in its range. */
     const float *w = m->unit_params[u];
-    for (size_t i = 0; x->stage < 3 && i < z.usz[u]; i++)
-      x->bad += w[i] != owned_val((int)(i / z.S[u]), u, i % z.S[u]);
+    for (size_t i = 0; x->stage < 3 && i < zv->usz[u]; i++)
+      x->bad += w[i] != owned_val((int)(i / zv->S[u]), u, i % zv->S[u]);
   }
   if (x->rc != 0) snprintf(x->err, sizeof x->err, "%s", zt_err_msg());
-  free(h), free(init);
-  zt_zero_free(&z);
+  /* The owned Adam state: stages 1-3 hold it in the owned layout, and a
+   * put reads back as it was; stage 0 of two ranks keeps it whole and
+   * refuses. */
+  size_t ns = zv->shard_total;
+  float *in = calloc(2 * ns, sizeof(float)), *out = calloc(2 * ns, sizeof(float));
+  for (size_t i = 0; i < 2 * ns; i++) in[i] = (float)i * 0.5f + (float)x->rank;
+  int arc = zt_zero_adam_put(z, in, in + ns);
+  x->bad += (x->stage == 0) != (arc != 0);
+  if (arc == 0)
+    x->bad += zt_zero_adam_get(z, out, out + ns) != 0 || memcmp(in, out, 2 * ns * 4) != 0;
+  free(in), free(out), free(h), free(init);
+  zt_zero_free(z);
   zt_model_free(m);
   zt_comm_destroy(c);
   return NULL;
