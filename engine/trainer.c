@@ -1197,6 +1197,4 @@ out:
   return ret;
 }
 
-_Static_assert(ZT_LB_MAX_RANKS == ZT_GEN_MAX_SHARES, "a report's shares are the plan's");
-
 void zt_gen_stash_free(struct zt_diloco_stash *st) { zt_diloco_stash_free(st); }

@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 
+#include "balance.h"
 #include "ckpt_io.h"
 #include "comm.h"
 #include "zt_common.h"
@@ -120,8 +121,8 @@ typedef struct zt_gen_ctx {
 int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f);
 
 /* The most ranks whose shares a step report carries (the load balance's
- * limit, engine/balance.h). */
-#define ZT_GEN_MAX_SHARES 256
+ * limit). */
+#define ZT_GEN_MAX_SHARES ZT_LB_MAX_RANKS
 
 /* Frees a kept DiLoCo round (zt_gen_ctx_t.diloco_stash; NULL is none). */
 void zt_gen_stash_free(struct zt_diloco_stash *st);
