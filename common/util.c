@@ -12,6 +12,7 @@
 #include <limits.h>
 #include <math.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -255,7 +256,7 @@ err:
 }
 
 int zt_mkdirs(const char *path) {
-  char tmp[PATH_MAX];
+  char tmp[ZT_PATH_MAX];
   if (snprintf(tmp, sizeof tmp, "%s", path) >= (int)sizeof tmp) return zt_err("path too long: %s", path);
   for (char *p = tmp + 1; *p; p++) {
     if (*p != '/') continue;
@@ -387,9 +388,25 @@ static int append_components(char *out, size_t cap, size_t *len, const char *p) 
   return 0;
 }
 
+int zt_path_fmt(char *out, size_t n, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int w = vsnprintf(out, n, fmt, ap);
+  va_end(ap);
+  if (w >= 0 && (size_t)w < n) return 0;
+  char head[201];
+  snprintf(head, sizeof head, "%s", n ? out : "");
+  if (n) out[0] = 0;
+  return zt_errk(ZT_E_INVALID, "path too long (over %zu bytes): %s...", n ? n - 1 : 0, head);
+}
+
+int zt_path_join(char *out, size_t n, const char *dir, const char *name) {
+  return zt_path_fmt(out, n, "%s/%s", dir, name);
+}
+
 int zt_path_confine(const char *root, const char *path, const char *what, char *out,
                     size_t outlen) {
-  char r[PATH_MAX];
+  char r[ZT_PATH_MAX];
   size_t rl = 0, ol = 0;
   r[0] = 0;
   if (root[0] != '/' || append_components(r, sizeof r, &rl, root) != 0)
@@ -416,7 +433,7 @@ const char *zt_path_under(const char *root, const char *path) {
 }
 
 int zt_path_real_under(const char *root, const char *path) {
-  char rr[PATH_MAX], rp[PATH_MAX];
+  char rr[ZT_PATH_MAX], rp[ZT_PATH_MAX];
   if (!realpath(root, rr) || !realpath(path, rp)) return 0;
   size_t n = strlen(rr);
   if (n == 1) return 1; /* the root is "/" */

@@ -150,6 +150,12 @@ ZT_MUST_CHECK int zt_io_exact(int fd, void *buf, size_t len, int writing, zt_dea
 /* The longest path a buffer holds, with its terminating zero (Linux's
  * PATH_MAX): every path buffer has this size. */
 #define ZT_PATH_MAX 4096
+/* A path made from a format into out (n bytes): 0, or -1 (ZT_E_INVALID)
+ * naming the path when it does not fit; never a path cut short. */
+ZT_MUST_CHECK int zt_path_fmt(char *out, size_t n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* dir "/" name, as zt_path_fmt. */
+ZT_MUST_CHECK int zt_path_join(char *out, size_t n, const char *dir, const char *name);
 /* The cores this process may use: its affinity mask, capped by its
  * cgroup's CPU quota (v2 cpu.max, v1 cfs quota) on the way to the root;
  * at least 1 (cpus.c). */

@@ -36,7 +36,7 @@
  * runs on libuv's thread pool, never on the loop. */
 typedef struct {
   uv_work_t req;
-  char dir[512], root[512];
+  char dir[ZT_PATH_MAX], root[ZT_PATH_MAX];
 } rm_work;
 
 /* The directory is checked again with every symbolic link resolved: a
@@ -69,9 +69,11 @@ static void rm_tree(zt_coord_t *c, const char *dir) {
   }
 }
 
-/* The directory every epoch of job j lives under. */
+/* The directory every epoch of job j lives under ("" when its name would
+ * not fit: it then matches no epoch). */
 static void job_root(const zt_job_t *j, char *buf, size_t n) {
-  snprintf(buf, n, "%s/job_%llu", j->p.ckpt_dir, (unsigned long long)j->row.id);
+  if (zt_path_fmt(buf, n, "%s/job_%llu", j->p.ckpt_dir, (unsigned long long)j->row.id) != 0)
+    ZT_WARN("job %llu: %s", (unsigned long long)j->row.id, zt_err_msg());
 }
 
 typedef struct {
@@ -220,7 +222,7 @@ int zt_registry_newest(zt_coord_t *c, zt_job_t *j, int64_t max_step, int need_lo
  * per epoch: the registry finds records by their directory, so another
  * spelling of a committed epoch would pass for a new one. */
 static int check_epoch(zt_coord_t *c, const zt_job_t *j, const char *dir, zt_epoch_t *e) {
-  char root[600];
+  char root[ZT_PATH_MAX];
   job_root(j, root, sizeof root);
   size_t rl = strlen(root);
   const char *rel = zt_path_under(c->cfg.ckpt_root, dir);

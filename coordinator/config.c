@@ -94,14 +94,13 @@ static void usage(FILE *f) {
  * (ZT_WEB_REL, bin/../share/ztrain/web) when it holds index.html, else the
  * source tree's web/ (a binary run from the build tree). */
 static void default_web_dir(char *out, size_t n) {
-  char self[PATH_MAX], cand[PATH_MAX + 128], real[PATH_MAX], index[PATH_MAX + 16];
+  char self[ZT_PATH_MAX], cand[ZT_PATH_MAX], real[ZT_PATH_MAX], index[ZT_PATH_MAX];
   ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
   char *slash = len > 0 ? memrchr(self, '/', (size_t)len) : NULL;
   if (slash) {
     *slash = 0;
-    snprintf(cand, sizeof cand, "%s/%s", self, ZT_WEB_REL);
-    if (realpath(cand, real) && strlen(real) < n) {
-      snprintf(index, sizeof index, "%s/index.html", real);
+    if (zt_path_join(cand, sizeof cand, self, ZT_WEB_REL) == 0 && realpath(cand, real) &&
+        strlen(real) < n && zt_path_join(index, sizeof index, real, "index.html") == 0) {
       if (access(index, R_OK) == 0) {
         snprintf(out, n, "%s", real);
         return;
@@ -258,7 +257,7 @@ static int check(zt_coord_config_t *cfg) {
   /* The roots default to the working directory; they are kept absolute. */
   char *roots[2] = {cfg->data_root, cfg->ckpt_root};
   for (int i = 0; i < 2; i++) {
-    char resolved[PATH_MAX];
+    char resolved[ZT_PATH_MAX];
     if (!roots[i][0] && !getcwd(roots[i], sizeof cfg->data_root))
       return zt_err_errno("working directory");
     if (!realpath(roots[i], resolved))

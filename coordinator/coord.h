@@ -41,13 +41,13 @@
 typedef struct {
   char grpc_addr[256];
   char http_addr[256];
-  char db_path[512];
-  char web_dir[512];
+  char db_path[ZT_PATH_MAX];
+  char web_dir[ZT_PATH_MAX];
   char worker_secret[256];
   char api_token[256];
-  char ready_file[512]; /* written with the bound ports once serving */
-  char data_root[512];  /* job data must lie under it (absolute) */
-  char ckpt_root[512];  /* checkpoints must lie under it (absolute) */
+  char ready_file[ZT_PATH_MAX]; /* written with the bound ports once serving */
+  char data_root[ZT_PATH_MAX];  /* job data must lie under it (absolute) */
+  char ckpt_root[ZT_PATH_MAX];  /* checkpoints must lie under it (absolute) */
   int heartbeat_ms;
   int heartbeat_timeout_ms;
   int heartbeat_capacity; /* members.c: heartbeats/s before the interval stretches; 0: never */
@@ -58,7 +58,7 @@ typedef struct {
   /* provision.c: the command run for workers ("" none), its deadline,
    * the least time between runs, and how long asked-for workers count as
    * coming. */
-  char provisioner[512];
+  char provisioner[ZT_PATH_MAX];
   int provisioner_timeout_ms, provisioner_interval_ms, provisioner_grace_ms;
   size_t max_message_bytes;
 } zt_coord_config_t;
@@ -131,8 +131,8 @@ typedef struct {
   int min_workers, max_workers;
   int64_t comm_timeout_ms;
   int64_t seq_len; /* tokens per sample */
-  char ckpt_dir[400]; /* empty: no checkpoints; else resolved under checkpoint_root */
-  char ckpt_load[512]; /* epoch to start from when the job has none of its own (resolved) */
+  char ckpt_dir[ZT_PATH_MAX]; /* empty: no checkpoints; else resolved under checkpoint_root */
+  char ckpt_load[ZT_PATH_MAX]; /* epoch to start from when the job has none of its own (resolved) */
   int64_t ckpt_every, keep_last, keep_every;
   /* rollback{...} */
   int rb_enabled;
@@ -181,7 +181,7 @@ typedef struct {
   char error[256]; /* the first failed write's error */
   uint64_t bytes;
   uint8_t seen[ZT_MAX_WORLD];
-  char dir[512];
+  char dir[ZT_PATH_MAX];
   zt_registry_entry_t files[3 * ZT_MAX_WORLD]; /* every rank's files, and their copies */
   int nfiles;
 } zt_registry_tally_t;
@@ -220,7 +220,7 @@ typedef struct zt_job {
   zt_db_step_t last; /* last reported step */
   uint64_t ckpt_commits; /* epochs committed (since this zcoord started) */
   uint64_t outer_refused; /* DiLoCo outer steps refused (since this zcoord started) */
-  char start_ckpt[512]; /* committed epoch the current generation loads */
+  char start_ckpt[ZT_PATH_MAX]; /* committed epoch the current generation loads */
   zt_db_ckpt_file_t *start_files; /* its recorded files (malloc'd) */
   int n_start_files;
   /* The epochs being reported (ckpt.c): ranks run ahead of each other, and
@@ -265,7 +265,7 @@ typedef struct zt_job {
   /* Rollback. */
   zt_spike_t det;
   int64_t poisoned_from; /* first step with a non-finite loss; 0: none */
-  char rb_ckpt_dir[512]; /* forced start of the next generation */
+  char rb_ckpt_dir[ZT_PATH_MAX]; /* forced start of the next generation */
   int64_t rb_ckpt_step;  /* -1: none forced */
   /* Failed writes of the row since its last stored one: while not 0,
    * memory is ahead of SQLite, until zt_jobs_flush (every few seconds)

@@ -353,7 +353,7 @@ void zt_copies_reconcile(zt_coord_t *c, zt_member_t *m, char *const *held, size_
                 zt_err_msg());
       continue;
     }
-    snprintf(abs, sizeof abs, "%s/%s", c->cfg.ckpt_root, rel);
+    if (zt_path_join(abs, sizeof abs, c->cfg.ckpt_root, rel) != 0) continue;
     known_ctx x = {abs, {0}, 0};
     if (zt_db_ckpts_each(c->db, e.job, find_epoch, &x) != 0) continue;
     if (!x.found && !unregistered_is_stale(c, &e, abs))

@@ -628,7 +628,7 @@ static const char *ctype_of(const char *name) {
 /* Serves one file of the web directory. Names are plain [A-Za-z0-9._-]
  * without a leading dot, so no path can leave the directory. */
 static void serve_file(zt_http_req_t *r, const char *name) {
-  char path[1024];
+  char path[ZT_PATH_MAX];
   int ok = name[0] && name[0] != '.';
   for (const char *p = name; *p; p++)
     ok &= (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
@@ -638,7 +638,7 @@ static void serve_file(zt_http_req_t *r, const char *name) {
     return;
   }
   if (!strcmp(name, "chart.js")) snprintf(path, sizeof path, "%s", ZT_CHARTJS);
-  else snprintf(path, sizeof path, "%s/%s", r->c->cfg.web_dir, name);
+  else if (zt_path_join(path, sizeof path, r->c->cfg.web_dir, name) != 0) path[0] = 0;
   char *data;
   size_t len;
   if (zt_read_file(path, &data, &len, 16 << 20) != 0) {

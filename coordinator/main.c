@@ -25,8 +25,8 @@
 /* Writes {"pid":..,"grpc_port":..,"http_port":..} atomically (tmp + rename),
  * so launchers and tests can bind port 0 and learn the real ports. */
 static int write_ready_file(zt_coord_t *c) {
-  char tmp[600], text[160];
-  snprintf(tmp, sizeof tmp, "%s.tmp", c->cfg.ready_file);
+  char tmp[ZT_PATH_MAX], text[160];
+  if (zt_path_fmt(tmp, sizeof tmp, "%s.tmp", c->cfg.ready_file) != 0) return -1;
   int n = snprintf(text, sizeof text, "{\"pid\": %d, \"grpc_port\": %d, \"http_port\": %d}\n",
                    (int)getpid(), zt_rpc_server_port(c->rpc), zt_http_port(c->http));
   FILE *f = fopen(tmp, "w");

@@ -57,7 +57,7 @@ static int check_epoch_names(const zt_coord_config_t *cfg, const char *spec_dir,
  * directories are kept resolved (the coordinator deletes what is under
  * them). */
 static int confine_paths(const zt_spec_t *s, const zt_coord_config_t *cfg, zt_job_params_t *p) {
-  char tmp[1100];
+  char tmp[ZT_PATH_MAX];
   if (zt_path_confine(cfg->data_root, s->train_glob, "data.train", tmp, sizeof tmp) != 0 ||
       (s->val_glob[0] &&
        zt_path_confine(cfg->data_root, s->val_glob, "data.val", tmp, sizeof tmp) != 0) ||

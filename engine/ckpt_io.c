@@ -47,7 +47,7 @@ static void maybe_die(int64_t step, int part, int nparts) {
 static int write_atomic(const char *dir, const char *name, const void *const *parts,
                         const size_t *lens, int nparts, uint64_t *hash_out, uint64_t *bytes_out,
                         int64_t fault_step) {
-  char tmp[1200], final[1200];
+  char tmp[ZT_PATH_MAX], final[ZT_PATH_MAX];
   snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, name);
   snprintf(final, sizeof final, "%s/%s", dir, name);
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -242,7 +242,7 @@ int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_ran
     if (attempt == 2 || stat(dir, &st) == 0) break; /* still there: a failure of its own */
     *nfiles = 0;
   }
-  char path[1200];
+  char path[ZT_PATH_MAX];
   snprintf(path, sizeof path, "%s/rank_%d.bin", dir, meta->rank);
   unlink(path);
   snprintf(path, sizeof path, "%s/rank_%d.json", dir, meta->rank);
@@ -280,7 +280,7 @@ static int hash_matches(const char *path, const void *data, size_t len,
 /* Reads dir/name as JSON; with a record, the file must be in it and match
  * before it is parsed. */
 static cJSON *read_json(const char *dir, const char *name, const zt_ckpt_record_t *rec) {
-  char path[1200];
+  char path[ZT_PATH_MAX];
   snprintf(path, sizeof path, "%s/%s", dir, name);
   const zt_ckpt_file_t *want = recorded(rec, name);
   if (rec && rec->n && !want) {
@@ -528,7 +528,7 @@ static int copy_ranges(const char *path, int fd, const char *idxname, cJSON *ran
  * index must be rank r's of the manifest's world and step. */
 static int load_rank(const char *dir, int r, int world, int64_t step, const zt_ckpt_record_t *rec,
                      const zt_ckpt_dest_t *dest, int nd, pieces_t *got) {
-  char js[64], path[1200];
+  char js[64], path[ZT_PATH_MAX];
   snprintf(js, sizeof js, "rank_%d.json", r);
   cJSON *idx = read_json(dir, js, rec);
   if (!idx) return -1;
@@ -672,7 +672,7 @@ static int check_size(const char *dir, const zt_model_config_t *cfg) {
   if (read_manifest(dir, cfg, NULL, &world, &step) != 0) return -1;
   uint64_t held = 0;
   for (int r = 0; r < world; r++) {
-    char js[64], path[1200];
+    char js[64], path[ZT_PATH_MAX];
     snprintf(js, sizeof js, "rank_%d.json", r);
     cJSON *idx = read_json(dir, js, NULL);
     if (!idx) return -1;

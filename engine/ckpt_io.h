@@ -56,10 +56,10 @@ typedef struct {
   int nskips;
   /* The tokenizer record of the job's data (absolute path), or "": the
    * manifest names it so that export and sampling find the tokenizer. */
-  char tokenizer[512];
+  char tokenizer[ZT_PATH_MAX];
   /* LoRA (model.lora_r > 0): the base model the adapters adapt, as the
    * spec names it, and the XXH64 of its fp32 parameters (lora.h). */
-  char lora_base[512];
+  char lora_base[ZT_PATH_MAX];
   uint64_t lora_base_hash;
   /* DiLoCo (sync.mode "diloco", diloco.h): the groups that wrote the
    * epoch, the model's units and the inner steps of a round; 0 groups:

@@ -26,7 +26,7 @@ struct zt_ckpt_writer {
   zt_ckpt_done_fn done;
   void *user;
   /* The epoch in flight (owned by the writer thread while busy). */
-  char dir[1024];
+  char dir[ZT_PATH_MAX];
   zt_ckpt_meta_t meta;
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
   zt_ckpt_range_t *rg;

@@ -16,7 +16,7 @@
 #include "zt_json.h"
 
 int zt_hf_read_weights(const char *dir, const zt_layout_t *l, float *flat) {
-  char path[4200];
+  char path[ZT_PATH_MAX];
   snprintf(path, sizeof path, "%s/model.safetensors", dir);
   if (access(path, F_OK) == 0) return zt_st_read(path, l, flat);
   snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);

@@ -275,7 +275,7 @@ int zt_lora_merge_host(const zt_model_config_t *lora_cfg, float *w, const float 
 
 int zt_lora_merge_epoch(const char *epoch_dir, const char *base_path, zt_model_config_t *cfg,
                         zt_layout_t *lay, float **flat) {
-  char rec[1200], sum[32], now[32];
+  char rec[ZT_PATH_MAX], sum[32], now[32];
   if (zt_ckpt_read_lora_base(epoch_dir, rec, sizeof rec, sum) != 0) return -1;
   const char *path = base_path ? base_path : rec;
   zt_model_config_t bc = zt_model_config_base(cfg);

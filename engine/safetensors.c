@@ -79,7 +79,7 @@ static int write_file(const char *path, const char *htext, const uint8_t *data, 
                       size_t *bytes) {
   size_t hlen = strlen(htext), padded = (hlen + 7) / 8 * 8;
   uint64_t le = padded; /* little-endian on every platform we build for */
-  char tmp[1100], dir[1100];
+  char tmp[ZT_PATH_MAX], dir[ZT_PATH_MAX];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   snprintf(dir, sizeof dir, "%s", path);
   char *slash = strrchr(dir, '/');
@@ -409,7 +409,7 @@ static int shard_name_ok(const char *f) {
 }
 
 int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
-  char path[4096], *text = NULL;
+  char path[ZT_PATH_MAX], *text = NULL;
   size_t len;
   memset(flat, 0, l->num_params * sizeof(float));
   snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
@@ -439,7 +439,7 @@ int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
     for (const cJSON *p = map->child; p != e && !seen; p = p->next)
       seen = !strcmp(p->valuestring, e->valuestring);
     if (seen) continue;
-    char shard[4400];
+    char shard[ZT_PATH_MAX];
     snprintf(shard, sizeof shard, "%s/%s", dir, e->valuestring);
     rc = read_from(shard, l, flat, map, e->valuestring, &faults);
   }

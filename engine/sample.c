@@ -449,7 +449,7 @@ int zt_sample_run(const zt_sample_cmd_t *c, zt_sample_stats_t *st) {
   float *flat = NULL;
   int *ctx = NULL, n = 0, rc = -1;
   int64_t step;
-  char man_tok[4096];
+  char man_tok[ZT_PATH_MAX];
   memset(st, 0, sizeof *st);
   if (c->tokens < 1) return zt_err("--tokens must be at least 1 (got %d)", c->tokens);
   if (!(c->temperature >= 0.0) || !isfinite(c->temperature))

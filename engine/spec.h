@@ -33,14 +33,12 @@
 #include "layout.h"
 #include "optim.h"
 
-#define ZT_SPEC_PATH_MAX 1024
-
 typedef struct zt_spec_ckpt {
-  char dir[ZT_SPEC_PATH_MAX]; /* empty: no checkpoints */
+  char dir[ZT_PATH_MAX]; /* empty: no checkpoints */
   long every_steps;           /* 0: only on demand */
   int keep_last;
   long keep_every;            /* 0: none kept forever */
-  char load[ZT_SPEC_PATH_MAX]; /* a committed epoch to start from (another job's); "" none */
+  char load[ZT_PATH_MAX]; /* a committed epoch to start from (another job's); "" none */
   /* The risk budget while checkpoints fail (disk full): training goes on
    * until this many steps lie past the last committed epoch, then the job
    * pauses. Default 10 * every_steps (0 with every_steps 0: no limit). */
@@ -129,15 +127,15 @@ typedef struct zt_spec {
   zt_opt_config_t opt;
   zt_lr_sched_t sched;
 
-  char train_glob[ZT_SPEC_PATH_MAX];
-  char val_glob[ZT_SPEC_PATH_MAX]; /* empty: no validation */
+  char train_glob[ZT_PATH_MAX];
+  char val_glob[ZT_PATH_MAX]; /* empty: no validation */
   int eval_every;   /* steps between evaluations; 0: never */
   int eval_batches; /* micro batches per evaluation */
 
   /* init.from_safetensors: start from these weights (a Hugging Face GPT-2
    * safetensors file, engine/safetensors.h) instead of a random
    * initialisation; "" none. A checkpoint to resume from wins. */
-  char init_from[ZT_SPEC_PATH_MAX];
+  char init_from[ZT_PATH_MAX];
   /* init.from_pretrained instead: init_from is a Hugging Face model
    * directory (config.json, which must agree with model, and
    * model.safetensors or a sharded model.safetensors.index.json;
@@ -147,7 +145,7 @@ typedef struct zt_spec {
    * adapter_model.safetensors) instead of PEFT's initialisation; "" none.
    * The lora section itself is in model (lora_r, lora_alpha,
    * lora_targets). */
-  char lora_from[ZT_SPEC_PATH_MAX];
+  char lora_from[ZT_PATH_MAX];
 
   int zero_stage;
   /* zero_optimization.overlap_comm (default true): stages 0-2 reduce each

@@ -57,8 +57,8 @@ void zt_tok_byte_char(int c, char out[3]);
 typedef struct {
   char type[8]; /* "byte", "gpt2" or "hf" */
   int vocab_size, eot;
-  char encoder[4400], bpe[4400]; /* gpt2 only */
-  char hf[4400];                 /* hf only: the tokenizer.json */
+  char encoder[ZT_PATH_MAX], bpe[ZT_PATH_MAX]; /* gpt2 only */
+  char hf[ZT_PATH_MAX];                 /* hf only: the tokenizer.json */
 } zt_tok_record_t;
 
 /* Reads and checks a record without loading the files it names (zctl

@@ -78,11 +78,11 @@ typedef struct {
   zt_lora_t *lora;
   uint64_t base_hash;     /* LoRA: XXH64 of the base's fp32 parameters ... */
   char base_sum[32];      /* ... as checkpoints write it ("xxh64:...") */
-  char base_path[512];    /* ... and the base's real path (zt_ckpt_meta_t.lora_base) */
+  char base_path[ZT_PATH_MAX];    /* ... and the base's real path (zt_ckpt_meta_t.lora_base) */
   const zt_kernels_t *k;
   zt_zero_t *z;           /* this rank's ZeRO state (NULL until set_up makes it) */
   zt_data_t *train, *val;
-  char tok_record[512]; /* the training data's tokenizer record, or "" */
+  char tok_record[ZT_PATH_MAX]; /* the training data's tokenizer record, or "" */
   int *inp, *tgt;
   zt_ckpt_writer_t *writer; /* started at the first checkpoint */
   zt_memplan_need_t need; /* what one rank needs (memplan.h) */
@@ -133,7 +133,7 @@ typedef struct {
 static int confine(trainer *t) {
   const zt_gen_ctx_t *g = t->g;
   zt_spec_t *s = &t->spec;
-  char tmp[ZT_SPEC_PATH_MAX];
+  char tmp[ZT_PATH_MAX];
   struct {
     const char *root, *what;
     char *path;
@@ -155,7 +155,7 @@ static int confine(trainer *t) {
  * (PREFIX_train_NNNNNN.bin -> PREFIX_tokenizer.json), if there is one: the
  * checkpoint manifest names it for export and sampling. */
 static void tokenizer_record(trainer *t, const char *shard) {
-  char rec[ZT_SPEC_PATH_MAX], real[PATH_MAX];
+  char rec[ZT_PATH_MAX], real[ZT_PATH_MAX];
   t->tok_record[0] = 0;
   if (zt_tok_record_for_shard(shard, rec, sizeof rec) != 0) return;
   if (access(rec, R_OK) == 0 && realpath(rec, real) && strlen(real) < sizeof t->tok_record)
@@ -449,7 +449,7 @@ static int init_base(trainer *t, zt_train_fault_t *fault) {
     return zt_err_wrap("%s (the base model of lora)", what);
   }
   /* Checkpoints name the base by its real path. */
-  char real[PATH_MAX];
+  char real[ZT_PATH_MAX];
   const char *path = realpath(t->spec.init_from, real) ? real : t->spec.init_from;
   snprintf(t->base_path, sizeof t->base_path, "%.*s", (int)sizeof t->base_path - 1, path);
   zt_ckpt_checksum_text(t->base_sum, t->base_hash);
@@ -513,7 +513,7 @@ zt_train_fault_t zt_train_load_fault(zt_errkind_t kind) {
 
 /* LoRA: the epoch's adapters were trained on the base loaded now. */
 static int same_base(trainer *t, const char *dir) {
-  char path[ZT_SPEC_PATH_MAX], sum[32];
+  char path[ZT_PATH_MAX], sum[32];
   if (zt_ckpt_read_lora_base(dir, path, sizeof path, sum) != 0) return -1;
   if (strcmp(sum, t->base_sum))
     return zt_errk(ZT_E_INVALID, "not the same base model: checkpoint %s holds adapters of a base "
@@ -532,7 +532,7 @@ static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
     return t->have_dl ? zt_diloco_begin(&t->dl) : 0;
   }
   int64_t t0 = zt_now_ms(), loaded = 0;
-  char dir[ZT_SPEC_PATH_MAX];
+  char dir[ZT_PATH_MAX];
   if (g->ckpt_root && (zt_path_confine(g->ckpt_root, g->checkpoint_dir, "checkpoint", dir,
                                        sizeof dir) != 0 ||
                        (access(dir, F_OK) == 0 && !zt_path_real_under(g->ckpt_root, dir)))) {
@@ -801,7 +801,7 @@ static int save_state(trainer *t, int64_t step) {
     free(rg);
     return zt_err_wrap("checkpoint of step %lld not written", (long long)step);
   }
-  char dir[1024];
+  char dir[ZT_PATH_MAX];
   zt_ckpt_dirname(dir, sizeof dir, t->spec.ckpt.dir, g->job_id, step, g->generation);
   zt_ckpt_meta_t meta = {g->job_id, g->generation, step, t->r, t->N, t->spec.zero_stage, t->cfg,
                          t->spec.seed, t->spec.global_batch, g->skips, g->nskips, "", "", 0,

@@ -50,7 +50,7 @@ int zt_device_parse(const char *device) {
  * the build tree's lib/ beside bin/, the installed layout, the loader's
  * search path. -1 with the reasons. */
 static int open_library(void) {
-  char tried[2000] = "", self[PATH_MAX], build[PATH_MAX + 64], inst[PATH_MAX + 128];
+  char tried[2000] = "", self[ZT_PATH_MAX], build[ZT_PATH_MAX], inst[ZT_PATH_MAX];
   const char *env = zt_env(ZT_ENV_CUDA_KERNELS);
   const char *paths[4] = {env, NULL, NULL, "libzt_kernels_cuda.so"};
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);

@@ -367,7 +367,7 @@ static void bind(sqlite3_stmt *st, int first, const col *cols, size_t n, const v
 struct zt_db {
   sqlite3 *h;
   int lock_fd; /* holds the exclusive flock on <path>.lock */
-  char path[512];
+  char path[ZT_PATH_MAX];
   sqlite3_stmt *st[ST_COUNT];
 };
 

@@ -185,7 +185,7 @@ typedef struct {
   int64_t step;
   uint64_t generation;
   int world;
-  char dir[512];
+  char dir[ZT_PATH_MAX];
   int state;
   uint64_t bytes;
   int64_t t_ms;

@@ -84,7 +84,7 @@ static int find_tokenizer(const zt_export_opts_t *o, const char *man_tok,
 /* ---- writing files ------------------------------------------------------------------ */
 
 static int write_bytes(const char *dir, const char *name, const void *buf, size_t len) {
-  char path[1400];
+  char path[ZT_PATH_MAX];
   snprintf(path, sizeof path, "%s/%s", dir, name);
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return zt_err_errno("cannot create %s", path);
@@ -331,7 +331,7 @@ static cJSON *adapter_config_json(const zt_model_config_t *cfg, const char *base
  * do), or the merged model in place of the adapters (0: go on). */
 static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_config_t *cfg,
                        zt_layout_t *lay, float **flat, zt_export_info_t *info) {
-  char base[1200], sum[32], path[1400];
+  char base[ZT_PATH_MAX], sum[32], path[ZT_PATH_MAX];
   if (!o->lora)
     return zt_err("%s holds LoRA adapters (r %d): say --adapter (PEFT's adapter directory) or "
                   "--merge (the base model with the adapters merged in)", o->epoch_dir, cfg->lora_r);
@@ -370,7 +370,7 @@ static void remove_tree_flat(const char *dir) {
   DIR *d = opendir(dir);
   if (!d) return;
   struct dirent *e;
-  char path[1400];
+  char path[ZT_PATH_MAX];
   while ((e = readdir(d)))
     if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
       snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
@@ -385,7 +385,7 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   zt_layout_t lay = {0};
   tok_info tok;
   float *flat = NULL;
-  char tmp[1200] = "", parent[1200], out_dir[1100], man_tok[1200];
+  char tmp[ZT_PATH_MAX] = "", parent[ZT_PATH_MAX], out_dir[ZT_PATH_MAX], man_tok[ZT_PATH_MAX];
   int ret = -1;
   memset(info, 0, sizeof *info);
   size_t ol = strlen(o->out_dir);
@@ -403,13 +403,13 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
   if (slash && slash != parent) *slash = 0;
   if (slash && slash != parent && zt_mkdirs(parent) != 0) goto out;
   if (zt_ckpt_load_flat(o->epoch_dir, &cfg, &lay, &flat, &info->step) != 0) goto out;
-  snprintf(tmp, sizeof tmp, "%s.tmp-%d", out_dir, (int)getpid());
+  if (zt_path_fmt(tmp, sizeof tmp, "%s.tmp-%d", out_dir, (int)getpid()) != 0) goto out;
   if (mkdir(tmp, 0755) != 0) {
     zt_err_errno("cannot create %s", tmp);
     tmp[0] = 0;
     goto out;
   }
-  char path[1400];
+  char path[ZT_PATH_MAX];
   int adapter = 0;
   if (cfg.lora_r || o->lora) {
     if (!cfg.lora_r) {

@@ -628,7 +628,7 @@ static int cmd_export(zctl *z, int argc, char **argv) {
   if (strcmp(dtype, "f32") && strcmp(dtype, "bf16"))
     return zt_err("export: --dtype must be f32 or bf16");
   o.bf16 = !strcmp(dtype, "bf16");
-  char found[1024];
+  char found[ZT_PATH_MAX];
   if (!o.epoch_dir) {
     if (find_epoch(z, job, step, found, sizeof found) != 0) return zt_err_wrap("export");
     o.epoch_dir = found;
@@ -680,7 +680,7 @@ static int cmd_sample(zctl *z, int argc, char **argv) {
     return zt_err("sample: usage: zctl sample JOB [--step S] --prompt TEXT [--tokens N] "
                   "[--temperature T] [--top-k K] [--seed N] [--tokenizer RECORD], or zctl sample "
                   "--dir CHECKPOINT_DIR ...");
-  char found[1024];
+  char found[ZT_PATH_MAX];
   if (!c.epoch_dir) {
     if (find_epoch(z, job, step, found, sizeof found) != 0) return zt_err_wrap("sample");
     c.epoch_dir = found;

@@ -108,10 +108,10 @@ static void put_le32(uint8_t *p, int32_t v) {
 /* Writes len bytes to dir/name durably: name.tmp, fsync, rename, fsync of
  * the directory. On failure the temporary file is removed. */
 static int write_atomic(const char *dir, const char *name, const void *buf, size_t len) {
-  char path[4200], tmp[4208];
-  if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
-    return zt_err("%.200s...: path too long", dir);
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  char path[ZT_PATH_MAX], tmp[ZT_PATH_MAX];
+  if (zt_path_join(path, sizeof path, dir, name) != 0 ||
+      zt_path_fmt(tmp, sizeof tmp, "%s.tmp", path) != 0)
+    return -1;
   FILE *f = fopen(tmp, "wb");
   if (!f) return zt_err_errno("%s", tmp);
   if (fwrite(buf, 1, len, f) != len || fflush(f) != 0) {

@@ -173,11 +173,11 @@ typedef struct {
   int line_open;   /* a progress line without its newline is on the terminal */
   const char *dir, *spec_path;
   const char *data_root_opt, *ckpt_root_opt; /* --data-root, --checkpoint-root */
-  char data_root[PATH_MAX], ckpt_root[PATH_MAX]; /* the daemons' roots (absolute, real) */
-  char bindir[PATH_MAX];
+  char data_root[ZT_PATH_MAX], ckpt_root[ZT_PATH_MAX]; /* the daemons' roots (absolute, real) */
+  char bindir[ZT_PATH_MAX];
   char target[64]; /* zcoord's gRPC address */
   char url[64];    /* the dashboard */
-  char coord_log[PATH_MAX + 32];
+  char coord_log[ZT_PATH_MAX];
   long coord_log_from; /* the size of zcoord's log before this start */
   pid_t coord;         /* 0: none (not started, or reaped) */
   pid_t wk[MAX_WORKERS]; /* 0: reaped */
@@ -236,7 +236,7 @@ static int parse_args(launch *l, int argc, char **argv) {
   l->spec_path = argv[optind];
   if (l->threads < 0) l->threads = ZT_MAX(1, zt_cpus_usable() / l->workers);
   /* The daemons are our siblings in the bin directory. */
-  char self[PATH_MAX];
+  char self[ZT_PATH_MAX];
   ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
   if (sl <= 0) return -1;
   self[sl] = 0;
@@ -294,7 +294,7 @@ static void widen(char *root, const char *dir) {
  * the whole path, dir the resolved leading part. */
 static int resolve_spec_path(const char *cwd, const char *what, const char *p, int keep_last,
                              char *out, char *dir) {
-  char abs[PATH_MAX], cur[PATH_MAX], next[PATH_MAX], real[PATH_MAX];
+  char abs[ZT_PATH_MAX], cur[ZT_PATH_MAX], next[ZT_PATH_MAX], real[ZT_PATH_MAX];
   if (snprintf(abs, sizeof abs, "%s%s%s", p[0] == '/' ? "" : cwd, p[0] == '/' ? "" : "/", p) >=
       (int)sizeof abs)
     return zt_err("%s: path too long: %.200s", what, p);
@@ -333,7 +333,7 @@ static void widen_matches(char *root, const char *pattern) {
   glob_t g;
   if (glob(pattern, 0, NULL, &g) != 0) return;
   for (size_t i = 0; i < g.gl_pathc; i++) {
-    char real[PATH_MAX];
+    char real[ZT_PATH_MAX];
     if (!realpath(g.gl_pathv[i], real)) continue;
     char *slash = strrchr(real, '/');
     if (slash == real) slash[1] = 0;
@@ -395,7 +395,7 @@ static int size_job(launch *l, cJSON *doc, int *changed) {
  * A spec that is not a JSON object is left for zcoord to refuse, with its
  * reason. */
 static int prepare_spec(launch *l, char **spec, size_t len) {
-  char cwd[PATH_MAX];
+  char cwd[ZT_PATH_MAX];
   if (!getcwd(cwd, sizeof cwd)) return zt_err_errno("getcwd");
   char *root[2] = {l->data_root, l->ckpt_root};
   const char *opt[2] = {l->data_root_opt, l->ckpt_root_opt};
@@ -415,7 +415,7 @@ static int prepare_spec(launch *l, char **spec, size_t len) {
       cJSON *v = cJSON_IsObject(o) ? cJSON_GetObjectItemCaseSensitive(o, k_spec_paths[i].key) : NULL;
       if (!cJSON_IsString(v) || !v->valuestring[0]) continue;
       int ck = k_spec_paths[i].ckpt, isdir = k_spec_paths[i].dir;
-      char what[64], path[PATH_MAX], dir[PATH_MAX];
+      char what[64], path[ZT_PATH_MAX], dir[ZT_PATH_MAX];
       snprintf(what, sizeof what, "%s.%s", k_spec_paths[i].obj, k_spec_paths[i].key);
       if ((rc = resolve_spec_path(cwd, what, v->valuestring, !isdir, path, dir)) != 0) break;
       if (!opt[ck]) {
@@ -453,12 +453,13 @@ static int prepare_spec(launch *l, char **spec, size_t len) {
 /* Starts zcoord (gRPC on a free port, HTTP on l->http_port) and waits for
  * its ready file; when zcoord exits first, its reason is the error. */
 static int start_coord(launch *l) {
-  char zcoord[PATH_MAX + 16], db[PATH_MAX], ready[PATH_MAX], http[32];
+  char zcoord[ZT_PATH_MAX], db[ZT_PATH_MAX], ready[ZT_PATH_MAX], http[32];
   const char *log = l->coord_log;
-  snprintf(zcoord, sizeof zcoord, "%s/zcoord", l->bindir);
-  snprintf(db, sizeof db, "%s/zcoord.db", l->dir);
-  snprintf(ready, sizeof ready, "%s/zcoord.ready", l->dir);
-  snprintf(l->coord_log, sizeof l->coord_log, "%s/zcoord.log", l->dir);
+  if (zt_path_join(zcoord, sizeof zcoord, l->bindir, "zcoord") != 0 ||
+      zt_path_join(db, sizeof db, l->dir, "zcoord.db") != 0 ||
+      zt_path_join(ready, sizeof ready, l->dir, "zcoord.ready") != 0 ||
+      zt_path_join(l->coord_log, sizeof l->coord_log, l->dir, "zcoord.log") != 0)
+    return -1;
   snprintf(http, sizeof http, "127.0.0.1:%d", l->http_port);
   unlink(ready);
   struct stat st;
@@ -490,14 +491,16 @@ static int start_coord(launch *l) {
 /* Starts the workers; l->wk holds only processes that were started, so a
  * failure leaves stop_all() exactly those to stop. */
 static int start_workers(launch *l) {
-  char zworker[PATH_MAX + 16], thr[16];
-  snprintf(zworker, sizeof zworker, "%s/zworker", l->bindir);
+  char zworker[ZT_PATH_MAX], thr[16];
+  if (zt_path_join(zworker, sizeof zworker, l->bindir, "zworker") != 0) return -1;
   snprintf(thr, sizeof thr, "%d", l->threads);
   for (int i = 0; i < l->workers; i++) {
-    char name[32], wd[PATH_MAX], log[PATH_MAX + 32];
+    char name[32], logname[40], wd[ZT_PATH_MAX], log[ZT_PATH_MAX];
     snprintf(name, sizeof name, "local-%d", i);
-    snprintf(wd, sizeof wd, "%s/%s", l->dir, name);
-    snprintf(log, sizeof log, "%s/%s.log", l->dir, name);
+    snprintf(logname, sizeof logname, "%s.log", name);
+    if (zt_path_join(wd, sizeof wd, l->dir, name) != 0 ||
+        zt_path_join(log, sizeof log, l->dir, logname) != 0)
+      return -1;
     char *argv[] = {zworker, "--coordinator", l->target, "--name", name, "--workdir", wd,
                     "--device", "cpu", "--threads", thr, "--data-root", l->data_root,
                     "--checkpoint-root", l->ckpt_root, NULL};
