@@ -27,6 +27,7 @@
 
 #include "comm.h"
 #include "zt_common.h"
+#include "zt_net.h"
 
 static size_t parse_size(const char *s) {
   char *end;
@@ -80,7 +81,7 @@ int main(int argc, char **argv) {
   }
   char host[64];
   int port;
-  if (zt_parse_hostport(peers[rank], host, sizeof host, &port) != 0) return 2;
+  if (zt_net_parse_hostport(peers[rank], host, sizeof host, &port) != 0) return 2;
   int lfd;
   if (zt_comm_tcp_listen(host, &port, &lfd) != 0) {
     ZT_ERROR("%s", zt_err_msg());

@@ -67,6 +67,7 @@
 #include "comm_impl.h"
 #include "comm_ring.h"
 #include "zt_common.h"
+#include "zt_net.h"
 
 #define ZT_RING_MAGIC 0x5a545247u /* "ZTRG" */
 /* 2: every collective starts with an operation header; 3: the mesh; 4:
@@ -179,7 +180,7 @@ static void tune(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
-/* zt_io_exact's wait on a ring socket: until the socket is ready, the
+/* The ring's wait (zt_net_wait_fn): until the socket is ready, the
  * deadline passes or zt_comm_abort() writes to the abort eventfd. */
 static int ring_wait(void *user, int fd, short events, zt_deadline_t dl) {
   zt__ring_t *r = user;
@@ -193,29 +194,7 @@ static int ring_wait(void *user, int fd, short events, zt_deadline_t dl) {
 /* Blocking-with-deadline exact read/write on a non-blocking socket, which
  * zt_comm_abort() interrupts. */
 static int io_exact(zt__ring_t *r, int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
-  return zt_io_exact(fd, buf, len, writing, dl, ring_wait, r);
-}
-
-/* Waits for a non-blocking connect() until the deadline or an abort:
- * the outcome as an errno value (0: connected; ETIMEDOUT; ECANCELED:
- * aborted). A blocking connect() to an address that drops packets would
- * wait for the kernel's SYN retries, about two minutes, whatever the
- * deadline. */
-static int connect_wait(zt__ring_t *r, int fd, zt_deadline_t dl) {
-  for (;;) {
-    int64_t left = zt_deadline_left_ms(dl);
-    if (left == 0) return ETIMEDOUT;
-    struct pollfd p[2] = {{.fd = fd, .events = POLLOUT}, {.fd = r->abort_fd, .events = POLLIN}};
-    int pr = poll(p, 2, left == INT64_MAX ? -1 : (int)ZT_MIN(left, 1000000));
-    if (pr < 0 && errno != EINTR) return errno;
-    if (pr > 0 && p[1].revents) return ECANCELED;
-    if (pr > 0 && p[0].revents) {
-      int e = 0;
-      socklen_t len = sizeof e;
-      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) return errno;
-      return e;
-    }
-  }
+  return zt_net_exact(fd, buf, len, writing, dl, ring_wait, r);
 }
 
 /* ---- proofs -------------------------------------------------------------- */
@@ -245,47 +224,35 @@ static int nonce(uint8_t out[ZT_RING_NONCE]) { return zt_random_bytes(out, ZT_RI
 /* ---- the connector's side ------------------------------------------------ */
 
 /* Paces the retries of a connection to rank `to` on the abort eventfd: an
- * attempt that fails at once (no route, refused) never reaches
- * connect_wait's poll, and would otherwise retry until the deadline after
- * zt_comm_abort(). 0: try again; -1: aborted or failed (the error). */
-static int connect_pause(zt__ring_t *r, const char *peer, int to, int last_errno) {
+ * attempt that fails at once (no route, refused) never waits in
+ * ring_wait's poll, and would otherwise retry until the deadline after
+ * zt_comm_abort(). 0: try again; -1: aborted (the error names the last
+ * attempt's failure) or failed. */
+static int connect_pause(zt__ring_t *r, const char *peer, int to) {
   struct pollfd p = {.fd = r->abort_fd, .events = POLLIN};
   int pr = poll(&p, 1, 20);
   if (pr < 0 && errno != EINTR)
     return zt_err_errno("comm: poll while connecting to rank %d at %s", to, peer);
   if (pr > 0 && p.revents)
-    return zt_err("aborted while connecting to rank %d at %s (last attempt: %s)", to, peer,
-                  strerror(last_errno));
+    return zt_err_wrap("aborted while connecting to rank %d at %s (last attempt)", to, peer);
   return 0;
 }
 
 /* Connects to rank `to` and sends our hello; retries refused connections
- * (the peer may not listen yet) until the deadline or an abort. */
+ * (the peer may not listen yet) until the deadline or an abort. Each
+ * attempt is a non-blocking connect waited on until the deadline or an
+ * abort: a blocking connect() to an address that drops packets would wait
+ * for the kernel's SYN retries, about two minutes, whatever the deadline. */
 static int peer_connect(zt__ring_t *r, const char *peer, int to, handshake *hs, zt_deadline_t dl) {
-  char host[256];
-  int port;
-  if (zt_parse_hostport(peer, host, sizeof host, &port) != 0)
-    return zt_err_wrap("address of rank %d", to);
-  struct sockaddr_in sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons((uint16_t)port);
-  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
-    return zt_err("address of rank %d: %s is not an IPv4 address", to, host);
+  zt_net_addr_t a;
+  if (zt_net_addr(peer, &a) != 0) return zt_err_wrap("address of rank %d", to);
   ring_hello *h = &hs->sent[to];
   *h = (ring_hello){ZT_RING_MAGIC, ZT_RING_VERSION, r->session, (uint32_t)r->c.rank,
                     (uint32_t)r->c.world, (uint32_t)r->mesh, 0, {0}};
   if (nonce(h->nonce) != 0) return -1;
   for (;;) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return zt_err_errno("socket");
-    int e = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0 ? 0 : errno;
-    if (e == EINPROGRESS) e = connect_wait(r, fd, dl);
-    if (e == ECANCELED) {
-      close(fd);
-      return zt_err("aborted while connecting to rank %d at %s", to, peer);
-    }
-    if (e == 0) {
+    int fd = zt_net_connect(&a, dl, ring_wait, r, NULL);
+    if (fd >= 0) {
       tune(fd);
       if (io_exact(r, fd, h, sizeof *h, 1, dl) != 0) {
         close(fd);
@@ -294,10 +261,8 @@ static int peer_connect(zt__ring_t *r, const char *peer, int to, handshake *hs, 
       r->out_fd[to] = fd;
       return 0;
     }
-    close(fd);
-    if (zt_deadline_passed(dl))
-      return zt_err("cannot connect to rank %d at %s: %s", to, peer, strerror(e));
-    if (connect_pause(r, peer, to, e) != 0) return -1;
+    if (zt_deadline_passed(dl)) return zt_err_wrap("cannot connect to rank %d", to);
+    if (connect_pause(r, peer, to) != 0) return -1;
   }
 }
 

@@ -1,8 +1,8 @@
 /*
- * util.c: time, deadlines, allocation that cannot fail, exact socket
- * transfers with a deadline, host:port parsing, whole-file I/O,
+ * util.c: time, deadlines, allocation that cannot fail, whole-file I/O,
  * constant-time comparison, the names of states, the names of checkpoint
- * epochs and their files, and the --version flag.
+ * epochs and their files, and the --version flag. Sockets and host:port
+ * addresses are net.c's.
  */
 #include <arpa/inet.h>
 #include <ctype.h>
@@ -11,7 +11,6 @@
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
-#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -134,57 +133,10 @@ int64_t zt_deadline_left_ms(zt_deadline_t d) {
   return left > 0 ? left : 0;
 }
 
-/* ---- sockets with deadlines -------------------------------------------------- */
-
-/* zt_io_exact's wait without a caller's own: fd alone, until dl. */
-static int io_poll(void *user, int fd, short events, zt_deadline_t dl) {
-  (void)user;
-  int64_t left = zt_deadline_left_ms(dl);
-  if (left == 0) return zt_err("timed out");
-  struct pollfd p = {.fd = fd, .events = events};
-  if (poll(&p, 1, (int)ZT_MIN(left, 1000000)) < 0 && errno != EINTR) return zt_err_errno("poll");
-  return 0;
-}
-
-int zt_io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl, zt_io_wait_fn wait,
-                void *user) {
-  if (!wait) wait = io_poll;
-  size_t done = 0;
-  while (done < len) {
-    ssize_t r = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
-                        : recv(fd, (char *)buf + done, len - done, 0);
-    if (r > 0) {
-      done += (size_t)r;
-      continue;
-    }
-    if (r == 0) return zt_err("connection closed by peer");
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-      return zt_err_errno(writing ? "send" : "recv");
-    if (wait(user, fd, writing ? POLLOUT : POLLIN, dl) != 0) return -1;
-  }
-  return 0;
-}
-
 int zt_loopback_host(const char *host) {
   struct in_addr a4;
   if (!strcmp(host, "localhost") || !strcmp(host, "::1") || !strcmp(host, "[::1]")) return 1;
   return inet_pton(AF_INET, host, &a4) == 1 && (ntohl(a4.s_addr) >> 24) == 127;
-}
-
-int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port) {
-  const char *colon = strrchr(s, ':');
-  if (!colon || colon == s) return zt_err("'%s' is not HOST:PORT", s);
-  size_t hl = (size_t)(colon - s);
-  if (hl >= hostlen) return zt_err("host in '%s' is too long", s);
-  char *end;
-  errno = 0;
-  long p = strtol(colon + 1, &end, 10);
-  if (errno || *end || end == colon + 1 || p < 1 || p > 65535)
-    return zt_err("port in '%s' is not a number in 1..65535", s);
-  memcpy(host, s, hl);
-  host[hl] = 0;
-  *port = (int)p;
-  return 0;
 }
 
 int zt_write_all(int fd, const void *buf, size_t len) {

@@ -1,10 +1,10 @@
 /*
  * zt_common.h: the small shared vocabulary of every ztrain binary.
  *
- * Logging, error reporting, allocation, time and deadlines, exact socket
- * transfers with a deadline, ranges, the names of states, and the test-only
- * knobs. common/ is the bottom layer: it includes nothing of ours, and
- * every other folder may include it.
+ * Logging, error reporting, allocation, time and deadlines, ranges, the
+ * names of states, and the test-only knobs (sockets with deadlines and
+ * host:port addresses are zt_net.h's). common/ is the bottom layer: it
+ * includes nothing of ours, and every other folder may include it.
  *
  * The error convention, followed everywhere:
  *
@@ -125,26 +125,6 @@ static inline zt_deadline_t zt_deadline_in(int64_t ms) { return ms <= 0 ? 0 : zt
 int64_t zt_deadline_left_ms(zt_deadline_t d); /* INT64_MAX when none, >= 0 otherwise */
 static inline int zt_deadline_passed(zt_deadline_t d) { return d != 0 && zt_deadline_left_ms(d) == 0; }
 
-/* ---- sockets with deadlines ------------------------------------------- */
-
-/* How zt_io_exact waits while a non-blocking socket is not ready: until fd
- * has `events` (POLLIN or POLLOUT), the deadline dl (0: none) passes, or
- * something else the caller watches (an abort) ends the wait. Returns 0 to
- * try the transfer again (returning early is harmless), -1 with the thread's
- * error set to give up. */
-typedef int (*zt_io_wait_fn)(void *user, int fd, short events, zt_deadline_t dl);
-/* Sends (writing != 0) or receives exactly len bytes on the non-blocking
- * socket fd. A call that would block or that a signal cut short (EAGAIN,
- * EINTR) waits with wait(user, fd, events, dl), then goes on; with wait
- * NULL it polls fd until dl ("timed out" once dl has passed; a poll cut
- * short by a signal is resumed). The deadline is looked at only when the
- * socket is not ready. -1 with a message: "connection closed by peer" (end
- * of stream before len bytes), "send: ..." / "recv: ..." (errno), or the
- * wait's error. Sends with MSG_NOSIGNAL: a closed peer is an error (EPIPE),
- * not SIGPIPE. */
-ZT_MUST_CHECK int zt_io_exact(int fd, void *buf, size_t len, int writing, zt_deadline_t dl,
-                              zt_io_wait_fn wait, void *user);
-
 /* ---- misc ------------------------------------------------------------- */
 
 /* The longest path a buffer holds, with its terminating zero (Linux's
@@ -161,8 +141,6 @@ ZT_MUST_CHECK int zt_path_join(char *out, size_t n, const char *dir, const char 
  * at least 1 (cpus.c). */
 int zt_cpus_usable(void);
 
-/* Parses "host:port" into its parts; port must be 1..65535. */
-ZT_MUST_CHECK int zt_parse_hostport(const char *s, char *host, size_t hostlen, int *port);
 /* 1 when a host name (no port) names this machine's loopback: localhost,
  * ::1 or [::1], or an IPv4 literal in 127.0.0.0/8. */
 int zt_loopback_host(const char *host);

@@ -24,6 +24,7 @@
 
 #include "coord.h"
 #include "zt_json.h"
+#include "zt_net.h"
 
 typedef enum { SET_STR, SET_INT, SET_BOOL, SET_LOG } set_kind;
 
@@ -224,9 +225,8 @@ out:
 
 /* 1 when the host of HOST:PORT is a loopback address. */
 static int loopback(const char *addr) {
-  const char *colon = strrchr(addr, ':');
   char host[256];
-  snprintf(host, sizeof host, "%.*s", colon ? (int)(colon - addr) : (int)strlen(addr), addr);
+  zt_net_host(addr, host, sizeof host);
   return zt_loopback_host(host);
 }
 

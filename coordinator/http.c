@@ -38,6 +38,7 @@
 #include "http.h"
 #include "pbjson.h"
 #include "zt_json.h"
+#include "zt_net.h"
 
 #define ZT_HTTP_MAX_BODY (1u << 20)
 /* Connections in all, and those one client address may hold open, so
@@ -864,14 +865,10 @@ static int listen_error(const char *addr, const struct sockaddr_in *sa) {
 }
 
 int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
-  /* "host:0" asks for a free port, so zt_parse_hostport() (1..65535) won't do. */
-  const char *colon = strrchr(addr, ':');
-  char *end;
-  long port = colon ? strtol(colon + 1, &end, 10) : -1;
-  if (!colon || colon == addr || !colon[1] || *end || port < 0 || port > 65535)
-    return zt_err("--http %s: expected HOST:PORT", addr);
   char host[64];
-  snprintf(host, sizeof host, "%.*s", (int)(colon - addr), addr);
+  int port; /* 0: any free port */
+  if (zt_net_parse_listen(addr, host, sizeof host, &port) != 0)
+    return zt_err("--http %s: expected HOST:PORT", addr);
   struct sockaddr_in sa;
   memset(&sa, 0, sizeof sa);
   sa.sin_family = AF_INET;
@@ -893,7 +890,7 @@ int zt_http_start(zt_coord_t *c, const char *addr, zt_http_t **out) {
     return listen_error(addr, &sa);
   }
   const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
-  h->port = di ? di->port : (int)port;
+  h->port = di ? di->port : port;
   h->loopback = (ntohl(sa.sin_addr.s_addr) >> 24) == 127;
   *out = h;
   return 0;

@@ -54,6 +54,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "zt_net.h"
 
 /* ---- indexes ----------------------------------------------------------- */
 
@@ -274,7 +275,7 @@ int zt_members_register(zt_coord_t *c, const zt_register_t *r, zt_member_t **out
   int port;
   if (r->store_addr && r->store_addr[0] &&
       (strlen(r->store_addr) >= sizeof row.store_addr ||
-       zt_parse_hostport(r->store_addr, host, sizeof host, &port) != 0))
+       zt_net_parse_hostport(r->store_addr, host, sizeof host, &port) != 0))
     return zt_errk(ZT_E_INVALID, "store_addr \"%.64s\" is not HOST:PORT", r->store_addr);
   snprintf(row.store_addr, sizeof row.store_addr, "%s", r->store_addr ? r->store_addr : "");
   if (zt_random_hex(row.session, 32) != 0) return zt_err_wrap("new session");

@@ -46,6 +46,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "zt_net.h"
 
 #define OUT_CAP 512    /* bytes of a run's output kept for the logbook */
 #define MAX_NAMES 64   /* workers named in one "down" */
@@ -198,9 +199,9 @@ static void run(zt_prov_t *p, const char *action, int count, char **names, int n
   snprintf(act_env, sizeof act_env, "ZT_PROVISION_ACTION=%s", action);
   snprintf(cnt_env, sizeof cnt_env, "ZT_PROVISION_COUNT=%d", count);
   /* The address as configured, with the port bound (":0" takes any). */
-  const char *colon = strrchr(c->cfg.grpc_addr, ':');
-  int hl = colon ? (int)(colon - c->cfg.grpc_addr) : (int)strlen(c->cfg.grpc_addr);
-  snprintf(coord_env, sizeof coord_env, "ZT_COORDINATOR=%.*s:%d", hl, c->cfg.grpc_addr,
+  char host[sizeof c->cfg.grpc_addr];
+  zt_net_host(c->cfg.grpc_addr, host, sizeof host);
+  snprintf(coord_env, sizeof coord_env, "ZT_COORDINATOR=%s:%d", host,
            c->rpc ? zt_rpc_server_port(c->rpc) : 0);
   extern char **environ;
   size_t ne = 0;

@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "coord.h"
+#include "zt_net.h"
 #include "ztrain.pb-c.h"
 
 /* ---- the reply --------------------------------------------------------------- */
@@ -214,7 +215,7 @@ static int check_call(zt_coord_t *c, const Ztrain__RendezvousRequest *req, zt_jo
   int port;
   if (zt_jobtable_fence(c, req->worker_id, req->job_id, req->generation, &j, &m) != 0) return -1;
   if (strlen(req->comm_addr) >= sizeof j->comm_addr[0] ||
-      zt_parse_hostport(req->comm_addr, host, sizeof host, &port) != 0)
+      zt_net_parse_hostport(req->comm_addr, host, sizeof host, &port) != 0)
     return zt_errk(ZT_E_INVALID, "comm_addr \"%.64s\" is not HOST:PORT", req->comm_addr);
   if (req->nccl_id[0] && (m->rank != 0 || !j->nccl))
     return zt_errk(ZT_E_INVALID, "nccl_id from rank %d: only rank 0 of a generation whose ranks "

@@ -22,7 +22,8 @@
  * entry with its own credential.
  *
  * When the agent calls. It sends one HeartbeatBatch (the entries' bytes
- * are copied into it as they came, not decoded) when every connected
+ * are copied into it as they came, not decoded: a HeartbeatBatchEncoded,
+ * which is a HeartbeatBatchRequest on the wire) when every connected
  * worker has a heartbeat waiting, when ZT_HB_BATCH_MAX wait, or an
  * interval and a little (a quarter, 20-250 ms) after the last batch.
  * Workers that use the agent wait an interval from the answer rather than
@@ -52,6 +53,7 @@
 #include <xxhash.h>
 
 #include "zt_common.h"
+#include "zt_net.h"
 #include "zt_rpc.h"
 
 #define ZT_AGENT_FRAME_MAX (4u << 20) /* a heartbeat with a long inventory */
@@ -95,42 +97,15 @@ static uint32_t get32(const uint8_t *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* Waits until fd is ready for `events` or the deadline: 1 ready, 0 not. */
-static int wait_fd(int fd, short events, int64_t deadline) {
-  for (;;) {
-    int64_t left = deadline - zt_now_ms();
-    if (left <= 0) return 0;
-    struct pollfd p = {fd, events, 0};
-    int r = poll(&p, 1, (int)ZT_MIN(left, 1000));
-    if (r > 0) return 1;
-    if (r < 0 && errno != EINTR) return 0;
-  }
+/* Sends all n bytes of p on fd by the deadline (monotonic ms): 0, or -1
+ * when the connection closed, failed or the deadline passed. */
+static int write_all(int fd, const void *p, size_t n, int64_t deadline) {
+  return zt_net_exact(fd, (void *)p, n, 1, deadline, NULL, NULL);
 }
 
-/* Sends (out) or receives all n bytes by the deadline: 0, or -1 when the
- * connection closed, failed or the deadline passed. */
-static int io_all(int fd, uint8_t *p, size_t n, int out, int64_t deadline) {
-  while (n) {
-    ssize_t r = out ? send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT) : recv(fd, p, n, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r, n -= (size_t)r;
-      continue;
-    }
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) &&
-        wait_fd(fd, out ? POLLOUT : POLLIN, deadline))
-      continue;
-    return -1;
-  }
-  return 0;
-}
-
-static int write_all(int fd, const uint8_t *p, size_t n, int64_t deadline) {
-  return io_all(fd, (uint8_t *)p, n, 1, deadline);
-}
-
-static int read_all(int fd, uint8_t *p, size_t n, int64_t deadline) {
-  return io_all(fd, p, n, 0, deadline);
+/* Receives all n bytes into p, as write_all. */
+static int read_all(int fd, void *p, size_t n, int64_t deadline) {
+  return zt_net_exact(fd, p, n, 0, deadline, NULL, NULL);
 }
 
 /* ---- the agent (serving side) --------------------------------------------------- */
@@ -174,7 +149,7 @@ static void peer_answer(zt_agent_t *a, int i, uint32_t status, const char *err,
   uint8_t hdr[12];
   put32(hdr, status), put32(hdr + 4, (uint32_t)el), put32(hdr + 8, (uint32_t)len);
   int64_t dl = zt_now_ms() + 1000; /* a local socket: a peer that reads nothing is dropped */
-  if (write_all(p->fd, hdr, sizeof hdr, dl) != 0 || write_all(p->fd, (const uint8_t *)err, el, dl) ||
+  if (write_all(p->fd, hdr, sizeof hdr, dl) != 0 || write_all(p->fd, err, el, dl) != 0 ||
       write_all(p->fd, reply, len, dl) != 0) {
     p->ready = -1; /* dropped after the batch */
     return;
@@ -183,39 +158,69 @@ static void peer_answer(zt_agent_t *a, int i, uint32_t status, const char *err,
   p->body = NULL, p->got = 0, p->ready = 0;
 }
 
-/* Appends a varint; returns its length. */
-static size_t varint(uint8_t *p, uint64_t v) {
-  size_t n = 0;
-  do {
-    p[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
-    v >>= 7;
-  } while (v);
+/* The waiting heartbeats the next batch takes, in idx (at most
+ * ZT_HB_BATCH_MAX, their bytes within ZT_AGENT_BATCH_BYTES): their count,
+ * and the earliest of their deadlines in *deadline. */
+static int batch_pick(const zt_agent_t *a, int *idx, int64_t *deadline) {
+  int n = 0;
+  size_t bytes = 0;
+  *deadline = INT64_MAX;
+  for (int i = 0; i < a->npeers && n < ZT_HB_BATCH_MAX; i++) {
+    const peer *p = &a->peers[i];
+    /* An entry is its bytes and at most 11 of framing (a tag, a length). */
+    if (p->ready != 1 || bytes + p->len + 11 > ZT_AGENT_BATCH_BYTES) continue;
+    idx[n++] = i;
+    bytes += p->len + 11;
+    *deadline = ZT_MIN(*deadline, p->deadline);
+  }
   return n;
+}
+
+/* The HeartbeatBatch request of peers idx[0..n) (*len bytes; free it):
+ * their HeartbeatRequest bytes as they came, in a HeartbeatBatchEncoded,
+ * which is a HeartbeatBatchRequest on the wire. */
+static uint8_t *batch_pack(const zt_agent_t *a, const int *idx, int n, size_t *len) {
+  ProtobufCBinaryData beats[ZT_HB_BATCH_MAX];
+  for (int k = 0; k < n; k++)
+    beats[k] = (ProtobufCBinaryData){a->peers[idx[k]].len, a->peers[idx[k]].body};
+  Ztrain__HeartbeatBatchEncoded b = ZTRAIN__HEARTBEAT_BATCH_ENCODED__INIT;
+  b.n_beats = (size_t)n;
+  b.beats = beats;
+  *len = ztrain__heartbeat_batch_encoded__get_packed_size(&b);
+  uint8_t *req = zt_xmalloc(*len);
+  ztrain__heartbeat_batch_encoded__pack(&b, req);
+  return req;
+}
+
+/* Answers peer i with its batch entry e, or, without one (the call
+ * failed), with the call's status and why. */
+static void batch_answer(zt_agent_t *a, int i, const Ztrain__HeartbeatBatchEntry *e, int status,
+                         const char *why) {
+  if (!e) {
+    peer_answer(a, i, (uint32_t)(status ? status : ZT_RPC_INTERNAL), why, NULL, 0);
+    return;
+  }
+  if (e->status || !e->reply) {
+    peer_answer(a, i, e->status ? e->status : ZT_RPC_INTERNAL, e->error, NULL, 0);
+    return;
+  }
+  if (e->reply->heartbeat_ms) a->interval_ms = e->reply->heartbeat_ms;
+  size_t m = ztrain__heartbeat_reply__get_packed_size(e->reply);
+  uint8_t stackbuf[512], *buf = m <= sizeof stackbuf ? stackbuf : zt_xmalloc(m);
+  ztrain__heartbeat_reply__pack(e->reply, buf);
+  peer_answer(a, i, 0, NULL, buf, m);
+  if (buf != stackbuf) free(buf);
 }
 
 /* One HeartbeatBatch with every waiting heartbeat, and the answers. */
 static void flush(zt_agent_t *a) {
-  int idx[ZT_HB_BATCH_MAX], n = 0;
-  size_t bytes = 0;
-  int64_t deadline = INT64_MAX;
-  for (int i = 0; i < a->npeers && n < ZT_HB_BATCH_MAX; i++) {
-    peer *p = &a->peers[i];
-    if (p->ready != 1 || bytes + p->len + 11 > ZT_AGENT_BATCH_BYTES) continue;
-    idx[n++] = i;
-    bytes += p->len + 11;
-    deadline = ZT_MIN(deadline, p->deadline);
-  }
+  int idx[ZT_HB_BATCH_MAX];
+  int64_t deadline;
+  int n = batch_pick(a, idx, &deadline);
   if (!n) return;
   a->last_flush_ms = zt_now_ms();
-  uint8_t *req = zt_xmalloc(bytes + 1);
-  size_t off = 0;
-  for (int k = 0; k < n; k++) { /* field 1 (beats), length-delimited */
-    peer *p = &a->peers[idx[k]];
-    req[off++] = 0x0a;
-    off += varint(req + off, p->len);
-    memcpy(req + off, p->body, p->len);
-    off += p->len;
-  }
+  size_t len;
+  uint8_t *req = batch_pack(a, idx, n, &len);
   /* Answer a little before the earliest deadline, so that the worker
    * hears the failure rather than giving up on the agent. */
   int64_t left = ZT_MAX(50, deadline - zt_now_ms() - 50);
@@ -223,7 +228,7 @@ static void flush(zt_agent_t *a) {
   size_t rlen = 0;
   int status = 0;
   zt_err_clear();
-  int rc = zt_rpc_call(a->rpc, "/ztrain.Control/HeartbeatBatch", req, off, left, &resp, &rlen,
+  int rc = zt_rpc_call(a->rpc, "/ztrain.Control/HeartbeatBatch", req, len, left, &resp, &rlen,
                        &status);
   free(req);
   Ztrain__HeartbeatBatchReply *r =
@@ -233,23 +238,10 @@ static void flush(zt_agent_t *a) {
     zt_err("HeartbeatBatch: the coordinator answered %zu of %d heartbeats",
            r ? r->n_replies : 0, n);
   }
-  for (int k = 0; k < n; k++) {
-    const Ztrain__HeartbeatBatchEntry *e = r && r->n_replies == (size_t)n ? r->replies[k] : NULL;
-    if (!e) {
-      peer_answer(a, idx[k], (uint32_t)(status ? status : ZT_RPC_INTERNAL), zt_err_msg(), NULL, 0);
-      continue;
-    }
-    if (e->status || !e->reply) {
-      peer_answer(a, idx[k], e->status ? e->status : ZT_RPC_INTERNAL, e->error, NULL, 0);
-      continue;
-    }
-    if (e->reply->heartbeat_ms) a->interval_ms = e->reply->heartbeat_ms;
-    size_t m = ztrain__heartbeat_reply__get_packed_size(e->reply);
-    uint8_t stackbuf[512], *buf = m <= sizeof stackbuf ? stackbuf : zt_xmalloc(m);
-    ztrain__heartbeat_reply__pack(e->reply, buf);
-    peer_answer(a, idx[k], 0, NULL, buf, m);
-    if (buf != stackbuf) free(buf);
-  }
+  char why[ZT_ERR_MAX]; /* the call's failure, before an answer's own */
+  snprintf(why, sizeof why, "%s", zt_err_msg());
+  int whole = r && r->n_replies == (size_t)n;
+  for (int k = 0; k < n; k++) batch_answer(a, idx[k], whole ? r->replies[k] : NULL, status, why);
   if (r) ztrain__heartbeat_batch_reply__free_unpacked(r, NULL);
   free(resp);
   for (int i = a->npeers - 1; i >= 0; i--)
@@ -399,7 +391,7 @@ int zt_agent_heartbeat(zt_agent_t *a, const Ztrain__HeartbeatRequest *req, int64
   if (el > ZT_AGENT_ERR_MAX || rl > ZT_AGENT_FRAME_MAX) goto gone;
   char err[ZT_AGENT_ERR_MAX + 1];
   uint8_t *body = zt_xmalloc(rl + 1);
-  if (read_all(a->fd, (uint8_t *)err, el, deadline) != 0 ||
+  if (read_all(a->fd, err, el, deadline) != 0 ||
       read_all(a->fd, body, rl, deadline) != 0) {
     free(body);
     goto gone;

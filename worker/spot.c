@@ -12,11 +12,9 @@
  */
 #include "spot.h"
 
-#include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -26,6 +24,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "zt_net.h"
+
 #define ZT_SPOT_DEADLINE_MS 1000
 #define ZT_SPOT_MAX_REPLY (64 * 1024)
 #define ZT_SPOT_BACKOFF_MAX_MS 60000
@@ -34,8 +34,7 @@
 
 struct zt_spot {
   zt_spot_opts_t o;
-  struct sockaddr_in addr;
-  char host[64];
+  zt_net_addr_t addr;      /* the metadata service (addr.text: its HOST:PORT) */
   pthread_t th;
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -77,38 +76,29 @@ int zt_spot_parse(const char *s, zt_spot_kind_t *kind) {
 
 /* ---- one HTTP exchange ------------------------------------------------------ */
 
-static int64_t left_ms(int64_t end) { return ZT_MAX(0, end - zt_now_ms()); }
-
-static int wait_fd(int fd, short ev, int64_t end) {
-  struct pollfd p = {fd, ev, 0};
-  for (;;) {
-    int n = poll(&p, 1, (int)left_ms(end));
-    if (n > 0) return 0;
-    if (n == 0) return zt_err("no answer within %d ms", ZT_SPOT_DEADLINE_MS);
-    if (errno != EINTR) return zt_err_errno("poll");
-  }
+/* The watcher's wait (zt_net_wait_fn): zt_net_wait, whose timeout says
+ * how long the service had. */
+static int wait_fd(void *user, int fd, short ev, zt_deadline_t end) {
+  (void)user;
+  if (zt_net_wait(fd, ev, end) == 0) return 0;
+  return zt_deadline_passed(end) ? zt_err("no answer within %d ms", ZT_SPOT_DEADLINE_MS) : -1;
 }
 
-static int connect_by(const zt_spot_t *s, int64_t end) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return zt_err_errno("socket");
-  if (connect(fd, (const struct sockaddr *)&s->addr, sizeof s->addr) != 0 &&
-      errno != EINPROGRESS) {
-    zt_err_errno("connect %s", s->host);
-    goto err;
+/* The answer, read to the end of the stream into buf (at most
+ * ZT_SPOT_MAX_REPLY bytes): its length, or -1. */
+static ssize_t read_reply(int fd, char *buf, zt_deadline_t end) {
+  size_t got = 0;
+  for (;;) {
+    ssize_t m = recv(fd, buf + got, ZT_SPOT_MAX_REPLY - got, MSG_DONTWAIT);
+    if (m < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      if (wait_fd(NULL, fd, POLLIN, end) != 0) return -1;
+      continue;
+    }
+    if (m < 0) return zt_err_errno("recv");
+    if (m == 0) return (ssize_t)got;
+    got += (size_t)m;
+    if (got == ZT_SPOT_MAX_REPLY) return zt_err("an answer longer than %d bytes", ZT_SPOT_MAX_REPLY);
   }
-  if (wait_fd(fd, POLLOUT, end) != 0) goto err;
-  int soerr = 0;
-  socklen_t sl = sizeof soerr;
-  getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
-  if (soerr) {
-    zt_err("connect %s: %s", s->host, strerror(soerr));
-    goto err;
-  }
-  return fd;
-err:
-  close(fd);
-  return -1;
 }
 
 /* A chunked body decoded in place; -1 when it is not one. */
@@ -160,45 +150,22 @@ static int parse_reply(char *buf, size_t n, reply_t *r) {
 /* One request (headers: extra header lines, each ending in \r\n). */
 static int http(const zt_spot_t *s, const char *method, const char *path, const char *headers,
                 const char *body, reply_t *r) {
-  int64_t end = zt_now_ms() + ZT_SPOT_DEADLINE_MS;
+  zt_deadline_t end = zt_deadline_in(ZT_SPOT_DEADLINE_MS);
   char req[2048];
   size_t blen = body ? strlen(body) : 0;
   int n = snprintf(req, sizeof req,
                    "%s %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n%sContent-Length: "
                    "%zu\r\n\r\n%s",
-                   method, path, s->host, headers ? headers : "", blen, body ? body : "");
+                   method, path, s->addr.text, headers ? headers : "", blen, body ? body : "");
   if (n < 0 || (size_t)n >= sizeof req) return zt_err("request too long");
-  int fd = connect_by(s, end);
+  int fd = zt_net_connect(&s->addr, end, wait_fd, NULL, NULL);
   if (fd < 0) return -1;
   char *buf = zt_xmalloc(ZT_SPOT_MAX_REPLY + 1);
-  size_t got = 0;
+  ssize_t got = -1;
   int rc = -1;
-  for (size_t off = 0; off < (size_t)n;) {
-    if (wait_fd(fd, POLLOUT, end) != 0) goto out;
-    ssize_t w = send(fd, req + off, (size_t)n - off, MSG_NOSIGNAL);
-    if (w < 0 && errno != EAGAIN && errno != EINTR) {
-      zt_err_errno("send");
-      goto out;
-    }
-    if (w > 0) off += (size_t)w;
-  }
-  for (;;) {
-    if (wait_fd(fd, POLLIN, end) != 0) goto out;
-    ssize_t m = recv(fd, buf + got, ZT_SPOT_MAX_REPLY - got, 0);
-    if (m < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    if (m < 0) {
-      zt_err_errno("recv");
-      goto out;
-    }
-    if (m == 0) break;
-    got += (size_t)m;
-    if (got == ZT_SPOT_MAX_REPLY) {
-      zt_err("an answer longer than %d bytes", ZT_SPOT_MAX_REPLY);
-      goto out;
-    }
-  }
-  rc = parse_reply(buf, got, r);
-out:
+  if (zt_net_exact(fd, req, (size_t)n, 1, end, wait_fd, NULL) == 0 &&
+      (got = read_reply(fd, buf, end)) >= 0)
+    rc = parse_reply(buf, (size_t)got, r);
   close(fd);
   free(buf);
   return rc ? zt_err_wrap("%s %s", method, path) : 0;
@@ -366,7 +333,7 @@ static void *watch(void *p) {
       else if (++rounds >= ZT_SPOT_AUTO_ROUNDS) {
         ZT_INFO("spot: no metadata service answered at %s (%u tries): not a spot instance, "
                 "notices off",
-                s->host, rounds);
+                s->addr.text, rounds);
         return NULL;
       }
       rc = s->kind == ZT_SPOT_AUTO ? -1 : 0;
@@ -384,7 +351,7 @@ static void *watch(void *p) {
     if (rc < 0) {
       if (failures++ % 10 == 0)
         ZT_WARN("spot: the metadata service at %s failed (%u time%s): %s; training goes on",
-                s->host, failures, failures == 1 ? "" : "s", zt_err_msg());
+                s->addr.text, failures, failures == 1 ? "" : "s", zt_err_msg());
       backoff = ZT_MIN(ZT_MAX(1000, backoff * 2), ZT_SPOT_BACKOFF_MAX_MS);
     } else {
       if (failures) ZT_INFO("spot: the metadata service answers again after %u failures", failures);
@@ -403,19 +370,10 @@ int zt_spot_start(const zt_spot_opts_t *o, zt_spot_t **out) {
   if (s->o.poll_ms <= 0) s->o.poll_ms = 1000;
   s->kind = o->kind;
   const char *ep = o->endpoint ? o->endpoint : "169.254.169.254:80";
-  snprintf(s->host, sizeof s->host, "%s", ep);
-  char ip[64];
-  unsigned port = 0;
-  const char *colon = strrchr(ep, ':');
-  s->addr.sin_family = AF_INET;
-  if (!colon || (size_t)(colon - ep) >= sizeof ip || sscanf(colon + 1, "%u", &port) != 1 ||
-      port == 0 || port > 65535 ||
-      (snprintf(ip, sizeof ip, "%.*s", (int)(colon - ep), ep),
-       inet_pton(AF_INET, ip, &s->addr.sin_addr) != 1)) {
+  if (zt_net_addr(ep, &s->addr) != 0) {
     free(s);
-    return zt_errk(ZT_E_INVALID, "--spot-endpoint \"%.64s\": expected IPV4:PORT", ep);
+    return zt_err_wrapk(ZT_E_INVALID, "--spot-endpoint");
   }
-  s->addr.sin_port = htons((uint16_t)port);
   pthread_mutex_init(&s->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -429,7 +387,7 @@ int zt_spot_start(const zt_spot_opts_t *o, zt_spot_t **out) {
     return zt_err("cannot start the spot-notice thread");
   }
   ZT_INFO("spot: watching for preemption notices (%s) at %s every %d ms", kind_name(o->kind),
-          s->host, s->o.poll_ms);
+          s->addr.text, s->o.poll_ms);
   *out = s;
   return 0;
 }

@@ -32,6 +32,7 @@
 
 #include "comm.h"
 #include "zt_common.h"
+#include "zt_net.h"
 
 #define ZT_STORE_MAX_CONN 64     /* connections at once, header not yet read included */
 #define ZT_STORE_MAX_PER_PEER 32 /* of those from one address */
@@ -73,64 +74,40 @@ void zt_store_abort_get(int (**fn)(void *), void **user) {
   *user = abort_user;
 }
 
-static int wait_fd(int fd, short ev, zt_deadline_t dl) {
-  for (;;) {
-    int64_t left = zt_deadline_left_ms(dl);
-    if (left <= 0) return zt_err("timed out");
-    if (abort_fn && abort_fn(abort_user)) return zt_err("aborted: no longer needed");
-    struct pollfd p = {fd, ev, 0};
-    int r = poll(&p, 1, (int)ZT_MIN(left, abort_fn ? 100 : 1000));
-    if (r > 0) return 0;
-    if (r < 0 && errno != EINTR) return zt_err_errno("poll");
-  }
-}
-
+/* The store's wait (zt_net_wait_fn): the socket and the deadline, and the
+ * thread's abort condition every 100 ms when it has one (returning to look
+ * at the socket in between is harmless). */
 static int io_wait(void *user, int fd, short events, zt_deadline_t dl) {
   (void)user;
-  return wait_fd(fd, events, dl);
+  if (!abort_fn) return zt_net_wait(fd, events, dl);
+  if (zt_deadline_passed(dl)) return zt_err("timed out");
+  if (abort_fn(abort_user)) return zt_err("aborted: no longer needed");
+  struct pollfd p = {fd, events, 0};
+  if (poll(&p, 1, (int)ZT_MIN(zt_deadline_left_ms(dl), 100)) < 0 && errno != EINTR)
+    return zt_err_errno("poll");
+  return 0;
 }
 
 /* Exactly len bytes, within dl and the thread's abort condition. */
 static int io_all(int fd, void *buf, size_t len, int writing, zt_deadline_t dl) {
-  return zt_io_exact(fd, buf, len, writing, dl, io_wait, NULL);
+  return zt_net_exact(fd, buf, len, writing, dl, io_wait, NULL);
 }
 
-/* Starts a non-blocking connection to addr: the socket, connecting (or
- * already connected: *done), or -1 (then *refused, when not NULL, says
- * whether nothing listens there). */
-static int connect_start(const char *addr, int *done, int *refused) {
-  char host[128];
-  int port;
-  if (refused) *refused = 0;
-  if (zt_parse_hostport(addr, host, sizeof host, &port) != 0) return -1;
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  if (inet_pton(AF_INET, host, &sa.sin_addr) != 1)
-    return zt_err("%s: not an IPv4 address", addr);
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return zt_err_errno("socket");
-  *done = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-  if (!*done && errno != EINPROGRESS) {
-    if (refused) *refused = errno == ECONNREFUSED;
-    zt_err_errno("connect %s", addr);
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
+/* A connection to addr by dl, within the thread's abort condition. */
 static int connect_to(const char *addr, zt_deadline_t dl) {
-  int done, fd = connect_start(addr, &done, NULL);
-  if (fd < 0 || done) return fd;
-  int err = 0;
-  socklen_t el = sizeof err;
-  if (wait_fd(fd, POLLOUT, dl) != 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 ||
-      err) {
-    if (err) zt_err("connect %s: %s", addr, strerror(err));
-    else zt_err_wrap("connect %s", addr);
-    close(fd);
-    return -1;
-  }
-  return fd;
+  zt_net_addr_t a;
+  if (zt_net_addr(addr, &a) != 0) return -1;
+  return zt_net_connect(&a, dl, io_wait, NULL, NULL);
+}
+
+/* Starts a connection to addr: the socket, connecting or already
+ * connected (*done); -1 when it failed at once, *refused saying whether
+ * nothing listens there. */
+static int probe_start(const char *addr, int *done, int *refused) {
+  zt_net_addr_t a;
+  *refused = 0;
+  if (zt_net_addr(addr, &a) != 0) return -1;
+  return zt_net_connect_start(&a, done, refused);
 }
 
 void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t *reached) {
@@ -139,7 +116,7 @@ void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t
   for (int i = 0; i < n; i++) {
     int done, refused;
     reached[i] = ZT_PROBE_SILENT;
-    p[i].fd = connect_start(addrs[i], &done, &refused);
+    p[i].fd = probe_start(addrs[i], &done, &refused);
     p[i].events = POLLOUT;
     if (p[i].fd < 0 && refused) reached[i] = ZT_PROBE_REFUSED;
     if (p[i].fd >= 0 && done) {
@@ -157,10 +134,8 @@ void zt_store_probe(const char *const *addrs, int n, int64_t timeout_ms, uint8_t
     if (r < 0 && errno != EINTR) break;
     for (int i = 0; i < n && r > 0; i++) {
       if (p[i].fd < 0 || !p[i].revents) continue;
-      int err = 0;
-      socklen_t el = sizeof err;
-      if (getsockopt(p[i].fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0)
-        reached[i] = !err ? ZT_PROBE_OK : err == ECONNREFUSED ? ZT_PROBE_REFUSED : ZT_PROBE_SILENT;
+      int err = zt_net_connect_result(p[i].fd);
+      reached[i] = !err ? ZT_PROBE_OK : err == ECONNREFUSED ? ZT_PROBE_REFUSED : ZT_PROBE_SILENT;
       close(p[i].fd);
       p[i].fd = -1;
       pending--;
@@ -467,7 +442,7 @@ static int serve(zt_store_t *s, int fd, const char *peer) {
   s->o.session(s->o.user, session, sizeof session);
   /* A probe (zt_store_probe) connects and closes without a byte. */
   uint8_t first;
-  if (wait_fd(fd, POLLIN, dl) == 0 && recv(fd, &first, 1, MSG_PEEK) == 0) return 0;
+  if (zt_net_wait(fd, POLLIN, dl) == 0 && recv(fd, &first, 1, MSG_PEEK) == 0) return 0;
   if (recv_request(fd, &q, dl) != 0) {
     ZT_WARN("replica store: no request from %s within %d ms: %s", peer, ZT_STORE_HEADER_MS,
             zt_err_msg());

@@ -36,6 +36,7 @@
 #include "store.h"
 #include "zt_common.h"
 #include "zt_kernels.h"
+#include "zt_net.h"
 
 typedef struct {
   const char *coordinator, *name, *device, *workdir, *secret, *comm_host, *host;
@@ -55,7 +56,7 @@ static void usage(FILE *f) {
              "               [--threads N] [--comm-host ADDR] [--memory BYTES[K|M|G]]\n"
              "               [--data-root DIR] [--checkpoint-root DIR] [--host NAME]\n"
              "               [--drain-timeout-ms N] [--spot-notice auto|aws|gcp|azure|off]\n"
-             "               [--spot-endpoint IPV4:PORT] [--spot-poll-ms N] [--heartbeat-agent]\n"
+             "               [--spot-endpoint IP:PORT] [--spot-poll-ms N] [--heartbeat-agent]\n"
              "Job data and checkpoints must lie under the roots (default: the working\n"
              "directory); --memory (default: the machine's RAM) is what the scheduler\n"
              "assumes this worker may use. --comm-host is the address peers reach this\n"
@@ -155,7 +156,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
   }
   char host[256];
   int port;
-  if (zt_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
+  if (zt_net_parse_hostport(a->coordinator, host, sizeof host, &port) != 0)
     return zt_err_wrap("--coordinator");
   if (a->secret && !strncmp(a->secret, "CHANGE-ME", 9))
     return zt_err("the worker secret is still the placeholder of the example zworker.env: put "

@@ -1,17 +1,11 @@
 /*
- * test_common.c: common/ helpers: errors, host:port parsing, deadlines,
- * exact socket transfers, whole-file reads and mkdir -p.
+ * test_common.c: common/ helpers: errors, deadlines, whole-file reads and
+ * mkdir -p (sockets and host:port: test_net.c).
  */
-#include <errno.h>
-#include <poll.h>
-#include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include "zt_common.h"
@@ -30,21 +24,6 @@ ZT_TEST(test_errors_wrap) {
   ZT_CHECK(strlen(zt_err_msg()) < ZT_ERR_MAX);
 }
 
-ZT_TEST(test_hostport) {
-  char host[64];
-  int port;
-  ZT_CHECK(zt_parse_hostport("127.0.0.1:7070", host, sizeof host, &port) == 0);
-  ZT_CHECK_STR(host, "127.0.0.1");
-  ZT_CHECK(port == 7070);
-  ZT_CHECK(zt_parse_hostport("[::1]:80", host, sizeof host, &port) == 0 && port == 80);
-  const char *bad[] = {"", "nohost", ":80", "h:", "h:0", "h:65536", "h:12x", "h:-1"};
-  for (size_t i = 0; i < ZT_ARRAY_LEN(bad); i++) {
-    ZT_CHECK(zt_parse_hostport(bad[i], host, sizeof host, &port) != 0);
-  }
-  char tiny[4];
-  ZT_CHECK(zt_parse_hostport("longhost:1", tiny, sizeof tiny, &port) != 0);
-}
-
 ZT_TEST(test_deadlines) {
   ZT_CHECK(zt_deadline_in(0) == 0);
   ZT_CHECK(!zt_deadline_passed(0));
@@ -53,154 +32,6 @@ ZT_TEST(test_deadlines) {
   ZT_CHECK(zt_deadline_left_ms(d) > 0 && zt_deadline_left_ms(d) <= 50);
   zt_deadline_t past = zt_now_ms() - 1;
   ZT_CHECK(zt_deadline_passed(past) && zt_deadline_left_ms(past) == 0);
-}
-
-/* ---- zt_io_exact on a socketpair ---- */
-
-static int nb_pair(int sv[2]) {
-  return socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv);
-}
-
-typedef struct {
-  int fd, writing, rc;
-  unsigned char *buf;
-  size_t len;
-  int delay_ms; /* before the transfer starts */
-} io_job;
-
-static void *io_thread(void *arg) {
-  io_job *j = arg;
-  zt_sleep_ms(j->delay_ms);
-  j->rc = zt_io_exact(j->fd, j->buf, j->len, j->writing, zt_deadline_in(20000), NULL, NULL);
-  return NULL;
-}
-
-static volatile sig_atomic_t g_alarms;
-static void on_alarm(int sig) { (void)sig, g_alarms++; }
-
-/* More than the socket buffers hold, so both ends wait for each other
- * many times; every byte arrives, in order. */
-ZT_TEST(test_io_exact_transfer) {
-  int sv[2];
-  ZT_REQUIRE(nb_pair(sv) == 0);
-  size_t n = 8u << 20;
-  unsigned char *out = zt_xmalloc(n), *in = zt_xcalloc(1, n);
-  for (size_t i = 0; i < n; i++) out[i] = (unsigned char)(i * 2654435761u >> 13);
-  io_job w = {.fd = sv[0], .writing = 1, .buf = out, .len = n};
-  pthread_t t;
-  ZT_REQUIRE(pthread_create(&t, NULL, io_thread, &w) == 0);
-  ZT_CHECK(zt_io_exact(sv[1], in, n, 0, zt_deadline_in(20000), NULL, NULL) == 0);
-  pthread_join(t, NULL);
-  ZT_CHECK(w.rc == 0);
-  ZT_CHECK(memcmp(in, out, n) == 0);
-  /* len 0 is done at once, whatever the deadline. */
-  ZT_CHECK(zt_io_exact(sv[1], in, 0, 0, zt_now_ms() - 1, NULL, NULL) == 0);
-  free(out);
-  free(in);
-  close(sv[0]);
-  close(sv[1]);
-}
-
-/* Signals while a read waits (a handler without SA_RESTART, so poll and
- * recv see EINTR) neither end the transfer nor lose bytes. */
-ZT_TEST(test_io_exact_eintr) {
-  int sv[2];
-  ZT_REQUIRE(nb_pair(sv) == 0);
-  unsigned char msg[64], got[64] = {0};
-  for (size_t i = 0; i < sizeof msg; i++) msg[i] = (unsigned char)(i + 1);
-  io_job w = {.fd = sv[0], .writing = 1, .buf = msg, .len = sizeof msg, .delay_ms = 300};
-  /* The writer blocks SIGALRM (it inherits the mask), so the signals go to
-   * the reader, this thread. */
-  sigset_t alrm;
-  sigemptyset(&alrm);
-  sigaddset(&alrm, SIGALRM);
-  pthread_sigmask(SIG_BLOCK, &alrm, NULL);
-  pthread_t t;
-  int started = pthread_create(&t, NULL, io_thread, &w) == 0;
-  pthread_sigmask(SIG_UNBLOCK, &alrm, NULL);
-  ZT_REQUIRE(started);
-  struct sigaction sa = {.sa_handler = on_alarm}, old;
-  sigemptyset(&sa.sa_mask);
-  ZT_REQUIRE(sigaction(SIGALRM, &sa, &old) == 0);
-  struct itimerval every = {{0, 20000}, {0, 20000}}, off = {{0, 0}, {0, 0}};
-  ZT_REQUIRE(setitimer(ITIMER_REAL, &every, NULL) == 0);
-  int rc = zt_io_exact(sv[1], got, sizeof got, 0, zt_deadline_in(20000), NULL, NULL);
-  setitimer(ITIMER_REAL, &off, NULL);
-  sigaction(SIGALRM, &old, NULL);
-  pthread_join(t, NULL);
-  ZT_CHECK(rc == 0 && w.rc == 0);
-  ZT_CHECK(memcmp(got, msg, sizeof msg) == 0);
-  ZT_CHECK(g_alarms >= 3); /* the wait was interrupted, more than once */
-  close(sv[0]);
-  close(sv[1]);
-}
-
-/* Fewer bytes than asked for and a deadline: "timed out" once it passes,
- * not before. */
-ZT_TEST(test_io_exact_deadline) {
-  int sv[2];
-  ZT_REQUIRE(nb_pair(sv) == 0);
-  ZT_REQUIRE(send(sv[0], "abc", 3, 0) == 3);
-  char buf[8];
-  int64_t t0 = zt_now_ms();
-  ZT_CHECK(zt_io_exact(sv[1], buf, sizeof buf, 0, zt_deadline_in(150), NULL, NULL) == -1);
-  int64_t took = zt_now_ms() - t0;
-  ZT_CHECK(strstr(zt_err_msg(), "timed out") != NULL);
-  ZT_CHECK(took >= 140 && took < 5000);
-  /* A writer whose peer reads nothing times out too. */
-  static char big[1 << 20];
-  while (send(sv[0], big, sizeof big, MSG_DONTWAIT) > 0) {
-  }
-  ZT_CHECK(zt_io_exact(sv[0], big, sizeof big, 1, zt_deadline_in(100), NULL, NULL) == -1);
-  ZT_CHECK(strstr(zt_err_msg(), "timed out") != NULL);
-  close(sv[0]);
-  close(sv[1]);
-}
-
-/* The peer goes away: a read short of its length says the connection was
- * closed; a write gets EPIPE as an error (no SIGPIPE ends the test). */
-ZT_TEST(test_io_exact_peer_closed) {
-  int sv[2];
-  ZT_REQUIRE(nb_pair(sv) == 0);
-  ZT_REQUIRE(send(sv[0], "abc", 3, 0) == 3);
-  close(sv[0]);
-  char buf[8];
-  ZT_CHECK(zt_io_exact(sv[1], buf, sizeof buf, 0, zt_deadline_in(5000), NULL, NULL) == -1);
-  ZT_CHECK(strstr(zt_err_msg(), "connection closed by peer") != NULL);
-  ZT_CHECK(zt_io_exact(sv[1], buf, sizeof buf, 1, zt_deadline_in(5000), NULL, NULL) == -1);
-  ZT_CHECK(strstr(zt_err_msg(), "send") != NULL);
-  close(sv[1]);
-}
-
-/* A caller's wait: called whenever the socket is not ready; 0 goes on,
- * -1 (an abort) ends the transfer with the wait's own message. */
-typedef struct {
-  int peer, calls, abort_at;
-} wait_ctx;
-
-static int test_wait(void *user, int fd, short events, zt_deadline_t dl) {
-  wait_ctx *w = user;
-  (void)fd, (void)dl;
-  if (++w->calls == w->abort_at) return zt_err("aborted");
-  if (events & POLLIN) { /* feed the reader two more bytes */
-    if (send(w->peer, "xy", 2, 0) != 2) return zt_err_errno("feed");
-  }
-  return 0;
-}
-
-ZT_TEST(test_io_exact_wait_fn) {
-  int sv[2];
-  ZT_REQUIRE(nb_pair(sv) == 0);
-  char buf[6];
-  wait_ctx w = {.peer = sv[0], .abort_at = 0};
-  ZT_CHECK(zt_io_exact(sv[1], buf, sizeof buf, 0, 0, test_wait, &w) == 0);
-  ZT_CHECK(w.calls == 3 && memcmp(buf, "xyxyxy", 6) == 0);
-  w = (wait_ctx){.peer = sv[0], .abort_at = 2};
-  ZT_CHECK(zt_io_exact(sv[1], buf, sizeof buf, 0, 0, test_wait, &w) == -1);
-  ZT_CHECK(w.calls == 2);
-  ZT_CHECK_STR(zt_err_msg(), "aborted");
-  close(sv[0]);
-  close(sv[1]);
 }
 
 ZT_TEST(test_files) {
@@ -366,7 +197,5 @@ ZT_TEST(test_tickets) {
   ZT_CHECK(zt_ticket_check("other-session", text, 0, &got) == -1);
 }
 
-ZT_TEST_MAIN(test_errors_wrap, test_epoch_names, test_hostport, test_deadlines,
-             test_io_exact_transfer, test_io_exact_eintr, test_io_exact_deadline,
-             test_io_exact_peer_closed, test_io_exact_wait_fn, test_files, test_path_confine,
+ZT_TEST_MAIN(test_errors_wrap, test_epoch_names, test_deadlines, test_files, test_path_confine,
              test_printable_and_numbers, test_text_shape, test_tickets)
