@@ -66,7 +66,7 @@ struct zt_ctl {
   uint64_t *listed;
   int n_listed;
   char store_addr[96];
-  char ckpt_root[1024];
+  char ckpt_root[ZT_PATH_MAX];
   /* Epoch directories deleted as a heartbeat reply asked, reported with
    * the next heartbeat (control thread). */
   char *deleted[ZT_DELETED_EPOCHS_MAX];
@@ -251,7 +251,7 @@ static int inventory(const zt_ctl_t *c, char ***held) {
  * 0 with *e unset when it names none. */
 static uint64_t entry_dir(const char *entry, zt_epoch_t *e) {
   const char *slash = strrchr(entry, '/');
-  char dir[2048];
+  char dir[ZT_PATH_MAX];
   if (!slash || (size_t)(slash - entry) >= sizeof dir) return 0;
   snprintf(dir, sizeof dir, "%.*s", (int)(slash - entry), entry);
   if (zt_epoch_parse(dir, e) != 0) return 0;

@@ -34,20 +34,19 @@ static void add(inv *v, const char *rel) {
 
 /* Walks dir (root-relative rel) down to `depth` more levels. */
 static void walk(inv *v, const char *root, const char *rel, int depth) {
-  char path[2048];
-  snprintf(path, sizeof path, "%s%s%s", root, rel[0] ? "/" : "", rel);
+  char path[ZT_PATH_MAX];
+  if (zt_path_fmt(path, sizeof path, "%s%s%s", root, rel[0] ? "/" : "", rel) != 0) return;
   DIR *d = opendir(path);
   if (!d) return;
   int epoch = rel[0] && zt_hold_is_epoch_dir(rel), listed = v->n;
   struct dirent *e;
   while ((e = readdir(d)) && v->n < ZT_HOLD_MAX_FILES) {
     if (e->d_name[0] == '.') continue;
-    char sub[2048];
-    snprintf(sub, sizeof sub, "%s%s%s", rel, rel[0] ? "/" : "", e->d_name);
-    char full[4096];
-    snprintf(full, sizeof full, "%s/%s", root, sub);
+    char sub[ZT_PATH_MAX], full[ZT_PATH_MAX];
     struct stat st;
-    if (lstat(full, &st) != 0) continue;
+    if (zt_path_fmt(sub, sizeof sub, "%s%s%s", rel, rel[0] ? "/" : "", e->d_name) != 0 ||
+        zt_path_join(full, sizeof full, root, sub) != 0 || lstat(full, &st) != 0)
+      continue; /* a name too long to be one of ours */
     if (epoch && S_ISREG(st.st_mode) && !strstr(e->d_name, ".tmp") && !strstr(e->d_name, ".part"))
       add(v, sub);
     else if (!epoch && S_ISDIR(st.st_mode) && depth > 0)
@@ -58,9 +57,8 @@ static void walk(inv *v, const char *root, const char *rel, int depth) {
    * a copy that never finished) is listed as itself, so that it can be
    * judged too. */
   if (epoch && v->n == listed) {
-    char self[2048];
-    snprintf(self, sizeof self, "%s/", rel);
-    add(v, self);
+    char self[ZT_PATH_MAX];
+    if (zt_path_fmt(self, sizeof self, "%s/", rel) == 0) add(v, self);
   }
 }
 
@@ -84,7 +82,7 @@ void zt_hold_free(char **files, int n) {
  * link, not what it points to). Only a directory that is gone afterwards
  * counts as deleted. */
 int zt_hold_delete(const char *root, const char *rel) {
-  char abs[2048], parent[2048];
+  char abs[ZT_PATH_MAX], parent[ZT_PATH_MAX];
   if (!zt_hold_is_epoch_dir(rel) || zt_path_confine(root, rel, "epoch", abs, sizeof abs) != 0)
     return zt_errk(ZT_E_INVALID, "%.200s is not an epoch directory", rel);
   struct stat st;

@@ -20,7 +20,7 @@ int zt_replicas_push(const char *root, const char *dir, const zt_ckpt_file_t *fi
   if (need <= 0 || !rel) return 0;
   char why[600] = "no replica store to push to";
   for (int i = 0; i < nfiles; i++) {
-    char path[1300];
+    char path[ZT_PATH_MAX];
     snprintf(path, sizeof path, "%s/%s", dir, files[i].name);
     int copies = 0;
     for (size_t t = 0; t < rv->n_replica_targets && copies < need; t++) {
@@ -117,7 +117,7 @@ static void holder_order(fetch_t *x, const Ztrain__FileCopies *fc, int i, size_t
  * the record's checksum. */
 static int ensure(fetch_t *x, int fi, zt_fetch_fail_t *why_kind) {
   const zt_ckpt_file_t *f = &x->rec->files[fi];
-  char path[1300], why[1200] = "";
+  char path[ZT_PATH_MAX], why[1200] = "";
   snprintf(path, sizeof path, "%s/%s", x->dir, f->name);
   if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
   int local = access(path, F_OK) == 0; /* a copy here, which failed its check */

@@ -558,7 +558,7 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
 /* The epoch a generation loads: under our checkpoint root (the coordinator
  * names it relative to the root; "" for none), with its record. */
 typedef struct {
-  char path[1200];
+  char path[ZT_PATH_MAX];
   zt_ckpt_file_t *files;
   int n;
 } epoch_t;

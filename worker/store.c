@@ -44,7 +44,7 @@
 
 struct zt_store {
   zt_store_opts_t o;
-  char root[1024];
+  char root[ZT_PATH_MAX];
   char addr[96];
   int lfd;
   pthread_t acceptor;
@@ -296,7 +296,7 @@ static int check_name(const request *q, const zt_ticket_t *t) {
  * tries its next target. */
 static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
                      const zt_ticket_t *t, zt_deadline_t dl) {
-  char tmp[1400], final[1300];
+  char tmp[ZT_PATH_MAX], final[ZT_PATH_MAX];
   snprintf(final, sizeof final, "%s/%s", abs, q->name);
   snprintf(tmp, sizeof tmp, "%s/%s.%d.part", abs, q->name, (int)gettid());
   if (zt_mkdirs(abs) != 0) return -1;
@@ -371,7 +371,7 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
  * thread. */
 static int serve_get(zt_store_t *s, int fd, const request *q, const char *abs,
                      zt_deadline_t dl) {
-  char path[1300];
+  char path[ZT_PATH_MAX];
   snprintf(path, sizeof path, "%s/%s", abs, q->name);
   int in = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (in < 0 && (errno == ENOENT || errno == ENOTDIR))
@@ -704,7 +704,7 @@ int zt_store_get(const char *addr, const char *ticket, const char *dir, const ch
   unreached = 0;
   /* The temporary name must never be cut to the final one (a copy that
    * fails its checksum would then take the file already there with it). */
-  char tmp[1400], pdir[1400];
+  char tmp[ZT_PATH_MAX], pdir[ZT_PATH_MAX];
   int tl = snprintf(tmp, sizeof tmp, "%s.%d.part", path, (int)gettid());
   if (tl < 0 || (size_t)tl >= sizeof tmp)
     return zt_err("%.200s...: a path of %zu bytes is too long to fetch a copy into", path,

@@ -174,7 +174,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
 /* Holds an exclusive flock on DIR/zworker.lock for the process lifetime. */
 static int lock_workdir(const char *dir) {
   if (zt_mkdirs(dir) != 0) return zt_err_wrap("--workdir");
-  char path[1024];
+  char path[ZT_PATH_MAX];
   snprintf(path, sizeof path, "%s/zworker.lock", dir);
   int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return zt_err_errno("%s", path);
