@@ -42,11 +42,10 @@ static int check_epoch_names(const zt_coord_config_t *cfg, const char *spec_dir,
                              const char *dir) {
   const char *rel = dir[0] ? zt_path_under(cfg->ckpt_root, dir) : NULL;
   if (!rel || !rel[0]) return 0;
-  char name[ZT_EPOCH_NAME_MAX], probe[1200];
+  char name[ZT_EPOCH_NAME_MAX], probe[ZT_PATH_MAX];
   zt_epoch_t e;
   zt_epoch_name(name, sizeof name, 1, 1, 1);
-  snprintf(probe, sizeof probe, "%s/%s", rel, name);
-  if (zt_epoch_parse(probe, &e) != 0)
+  if (zt_path_join(probe, sizeof probe, rel, name) != 0 || zt_epoch_parse(probe, &e) != 0)
     return zt_err_wrapk(ZT_E_INVALID, "checkpoint.dir \"%.200s\": its epochs cannot be named "
                         "for the replica stores (at most %d directories under the checkpoint "
                         "root, none hidden)", spec_dir, ZT_EPOCH_MAX_DEPTH - 2);

@@ -48,8 +48,9 @@ static int write_atomic(const char *dir, const char *name, const void *const *pa
                         const size_t *lens, int nparts, uint64_t *hash_out, uint64_t *bytes_out,
                         int64_t fault_step) {
   char tmp[ZT_PATH_MAX], final[ZT_PATH_MAX];
-  snprintf(tmp, sizeof tmp, "%s/%s.tmp", dir, name);
-  snprintf(final, sizeof final, "%s/%s", dir, name);
+  if (zt_path_fmt(tmp, sizeof tmp, "%s/%s.tmp", dir, name) != 0 ||
+      zt_path_join(final, sizeof final, dir, name) != 0)
+    return -1;
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return zt_err_errno("create %s", tmp);
   XXH64_state_t *h = XXH64_createState();
@@ -243,14 +244,9 @@ int zt_ckpt_write(const char *dir, const zt_ckpt_meta_t *meta, const zt_ckpt_ran
     *nfiles = 0;
   }
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/rank_%d.bin", dir, meta->rank);
-  unlink(path);
-  snprintf(path, sizeof path, "%s/rank_%d.json", dir, meta->rank);
-  unlink(path);
-  if (meta->rank == 0) {
-    snprintf(path, sizeof path, "%s/manifest.json", dir);
-    unlink(path);
-  }
+  if (zt_path_fmt(path, sizeof path, "%s/rank_%d.bin", dir, meta->rank) == 0) unlink(path);
+  if (zt_path_fmt(path, sizeof path, "%s/rank_%d.json", dir, meta->rank) == 0) unlink(path);
+  if (meta->rank == 0 && zt_path_join(path, sizeof path, dir, "manifest.json") == 0) unlink(path);
   rmdir(dir);
   *nfiles = 0;
   return -1;
@@ -281,7 +277,7 @@ static int hash_matches(const char *path, const void *data, size_t len,
  * before it is parsed. */
 static cJSON *read_json(const char *dir, const char *name, const zt_ckpt_record_t *rec) {
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/%s", dir, name);
+  if (zt_path_join(path, sizeof path, dir, name) != 0) return NULL;
   const zt_ckpt_file_t *want = recorded(rec, name);
   if (rec && rec->n && !want) {
     zt_errk(ZT_E_INVALID, "%s: not in the epoch's record (corrupt checkpoint)", path);
@@ -549,7 +545,7 @@ static int load_rank(const char *dir, int r, int world, int64_t step, const zt_c
             dir, js, r, world, (long long)step);
     goto out;
   }
-  snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+  if (zt_path_join(path, sizeof path, dir, file->valuestring) != 0) goto out;
   const zt_ckpt_file_t *want = recorded(rec, file->valuestring);
   if (rec && rec->n && (!want || strcmp(want->checksum, sum->valuestring) != 0)) {
     zt_errk(ZT_E_INVALID,
@@ -677,8 +673,8 @@ static int check_size(const char *dir, const zt_model_config_t *cfg) {
     cJSON *idx = read_json(dir, js, NULL);
     if (!idx) return -1;
     cJSON *file = cJSON_GetObjectItemCaseSensitive(idx, "file");
-    int ok = cJSON_IsString(file) && !strchr(file->valuestring, '/');
-    if (ok) snprintf(path, sizeof path, "%s/%s", dir, file->valuestring);
+    int ok = cJSON_IsString(file) && !strchr(file->valuestring, '/') &&
+             zt_path_join(path, sizeof path, dir, file->valuestring) == 0;
     cJSON_Delete(idx);
     if (!ok) return zt_errk(ZT_E_INVALID, "%s/%s: malformed index (corrupt checkpoint)", dir, js);
     struct stat st;

@@ -17,9 +17,9 @@
 
 int zt_hf_read_weights(const char *dir, const zt_layout_t *l, float *flat) {
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  if (zt_path_join(path, sizeof path, dir, "model.safetensors") != 0) return -1;
   if (access(path, F_OK) == 0) return zt_st_read(path, l, flat);
-  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+  if (zt_path_join(path, sizeof path, dir, "model.safetensors.index.json") != 0) return -1;
   if (access(path, F_OK) == 0) return zt_st_read_sharded(dir, l, flat);
   return zt_errk(ZT_E_INVALID, "%s: neither model.safetensors nor model.safetensors.index.json",
                  dir);

@@ -80,8 +80,9 @@ static int write_file(const char *path, const char *htext, const uint8_t *data, 
   size_t hlen = strlen(htext), padded = (hlen + 7) / 8 * 8;
   uint64_t le = padded; /* little-endian on every platform we build for */
   char tmp[ZT_PATH_MAX], dir[ZT_PATH_MAX];
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
-  snprintf(dir, sizeof dir, "%s", path);
+  if (zt_path_fmt(tmp, sizeof tmp, "%s.tmp", path) != 0 ||
+      zt_path_fmt(dir, sizeof dir, "%s", path) != 0)
+    return -1;
   char *slash = strrchr(dir, '/');
   if (!slash) snprintf(dir, sizeof dir, ".");
   else slash[slash == dir] = 0; /* "/x" is in "/" */
@@ -412,8 +413,9 @@ int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
   char path[ZT_PATH_MAX], *text = NULL;
   size_t len;
   memset(flat, 0, l->num_params * sizeof(float));
-  snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-  if (zt_read_file(path, &text, &len, ZT_ST_MAX_HEADER) != 0) return -1;
+  if (zt_path_join(path, sizeof path, dir, "model.safetensors.index.json") != 0 ||
+      zt_read_file(path, &text, &len, ZT_ST_MAX_HEADER) != 0)
+    return -1;
   cJSON *idx = zt_json_parse(text, len, path);
   free(text);
   const cJSON *map = cJSON_GetObjectItemCaseSensitive(idx, "weight_map");
@@ -440,8 +442,9 @@ int zt_st_read_sharded(const char *dir, const zt_layout_t *l, float *flat) {
       seen = !strcmp(p->valuestring, e->valuestring);
     if (seen) continue;
     char shard[ZT_PATH_MAX];
-    snprintf(shard, sizeof shard, "%s/%s", dir, e->valuestring);
-    rc = read_from(shard, l, flat, map, e->valuestring, &faults);
+    rc = zt_path_join(shard, sizeof shard, dir, e->valuestring) != 0
+             ? -1
+             : read_from(shard, l, flat, map, e->valuestring, &faults);
   }
   cJSON_Delete(idx);
   return rc != 0 ? -1 : zt_faults_raise(&faults, ZT_E_INVALID, NULL);

@@ -334,7 +334,7 @@ void zt_zero_count_params(zt_zero_t *z, uint64_t bytes) { z->state_bytes[0] += b
 int zt_zero_write_memory_report(const zt_zero_t *z, const char *workdir,
                                 uint64_t activation_bytes, const zt_memplan_need_t *estimate) {
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/zero_memory.json", workdir);
+  if (zt_path_join(path, sizeof path, workdir, "zero_memory.json") != 0) return -1;
   FILE *f = fopen(path, "w");
   if (!f) return zt_err_errno("%s", path);
   size_t psi = 0, pad = 0;

@@ -57,10 +57,10 @@ static int open_library(void) {
   if (n > 0) {
     self[n] = 0;
     const char *dir = dirname(self);
-    snprintf(build, sizeof build, "%s/../lib/libzt_kernels_cuda.so", dir);
-    snprintf(inst, sizeof inst, "%s/%s/libzt_kernels_cuda.so", dir, ZT_PKGLIB_REL);
-    paths[1] = build;
-    paths[2] = inst;
+    if (zt_path_fmt(build, sizeof build, "%s/../lib/libzt_kernels_cuda.so", dir) == 0)
+      paths[1] = build;
+    if (zt_path_fmt(inst, sizeof inst, "%s/%s/libzt_kernels_cuda.so", dir, ZT_PKGLIB_REL) == 0)
+      paths[2] = inst;
   }
   for (int i = 0; i < 4; i++) {
     if (!paths[i]) continue;

@@ -408,8 +408,8 @@ static int migrate(zt_db_t *db) {
 
 /* Takes the exclusive lock <path>.lock (flock), writing our pid into it. */
 static int take_lock(zt_db_t *db) {
-  char lp[sizeof db->path + 8];
-  snprintf(lp, sizeof lp, "%s.lock", db->path);
+  char lp[ZT_PATH_MAX];
+  if (zt_path_fmt(lp, sizeof lp, "%s.lock", db->path) != 0) return -1;
   db->lock_fd = open(lp, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   if (db->lock_fd < 0) return zt_err_errno("database %s: lock file %s", db->path, lp);
   if (flock(db->lock_fd, LOCK_EX | LOCK_NB) != 0) {

@@ -85,7 +85,7 @@ static int find_tokenizer(const zt_export_opts_t *o, const char *man_tok,
 
 static int write_bytes(const char *dir, const char *name, const void *buf, size_t len) {
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/%s", dir, name);
+  if (zt_path_join(path, sizeof path, dir, name) != 0) return -1;
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return zt_err_errno("cannot create %s", path);
   int rc = zt_write_all(fd, buf, len);
@@ -341,8 +341,8 @@ static int lora_export(const zt_export_opts_t *o, const char *tmp, zt_model_conf
                : 0;
   if (zt_ckpt_read_lora_base(o->epoch_dir, base, sizeof base, sum) != 0) return -1;
   info->model_file = "adapter_model.safetensors";
-  snprintf(path, sizeof path, "%s/%s", tmp, info->model_file);
-  if (zt_st_write(path, lay, *flat, o->bf16, info->step, &info->model_bytes) != 0 ||
+  if (zt_path_join(path, sizeof path, tmp, info->model_file) != 0 ||
+      zt_st_write(path, lay, *flat, o->bf16, info->step, &info->model_bytes) != 0 ||
       write_json(tmp, "adapter_config.json", adapter_config_json(cfg, base)) != 0)
     return -1;
   return 1;
@@ -373,8 +373,7 @@ static void remove_tree_flat(const char *dir) {
   char path[ZT_PATH_MAX];
   while ((e = readdir(d)))
     if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-      snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-      unlink(path);
+      if (zt_path_join(path, sizeof path, dir, e->d_name) == 0) unlink(path);
     }
   closedir(d);
   rmdir(dir);
@@ -420,10 +419,10 @@ int zt_export_dir(const zt_export_opts_t *o, zt_export_info_t *info) {
     if ((adapter = lora_export(o, tmp, &cfg, &lay, &flat, info)) < 0) goto out;
   }
   if (!adapter) info->model_file = "model.safetensors";
-  snprintf(path, sizeof path, "%s/model.safetensors", tmp);
   specials_t sp;
   if (!adapter &&
-      (specials(&tok, &sp) != 0 ||
+      (zt_path_join(path, sizeof path, tmp, "model.safetensors") != 0 ||
+       specials(&tok, &sp) != 0 ||
        zt_st_write(path, &lay, flat, o->bf16, info->step, &info->model_bytes) != 0 ||
        write_json(tmp, "config.json", config_json(&cfg, &tok, &sp, o->bf16, info->step)) != 0 ||
        write_tokenizer(tmp, &tok, &sp, cfg.seq_len) != 0))

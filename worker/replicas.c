@@ -21,7 +21,7 @@ int zt_replicas_push(const char *root, const char *dir, const zt_ckpt_file_t *fi
   char why[600] = "no replica store to push to";
   for (int i = 0; i < nfiles; i++) {
     char path[ZT_PATH_MAX];
-    snprintf(path, sizeof path, "%s/%s", dir, files[i].name);
+    if (zt_path_join(path, sizeof path, dir, files[i].name) != 0) return -1;
     int copies = 0;
     for (size_t t = 0; t < rv->n_replica_targets && copies < need; t++) {
       const Ztrain__ReplicaTarget *tg = rv->replica_targets[t];
@@ -118,7 +118,10 @@ static void holder_order(fetch_t *x, const Ztrain__FileCopies *fc, int i, size_t
 static int ensure(fetch_t *x, int fi, zt_fetch_fail_t *why_kind) {
   const zt_ckpt_file_t *f = &x->rec->files[fi];
   char path[ZT_PATH_MAX], why[1200] = "";
-  snprintf(path, sizeof path, "%s/%s", x->dir, f->name);
+  if (zt_path_join(path, sizeof path, x->dir, f->name) != 0) {
+    *why_kind = ZT_FETCH_LOCAL;
+    return -1;
+  }
   if (access(path, F_OK) == 0 && zt_ckpt_verify_file(path, f->bytes, f->checksum) == 0) return 0;
   int local = access(path, F_OK) == 0; /* a copy here, which failed its check */
   if (local) snprintf(why, sizeof why, "local copy: %s; ", zt_err_msg());

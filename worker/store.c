@@ -297,9 +297,10 @@ static int check_name(const request *q, const zt_ticket_t *t) {
 static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
                      const zt_ticket_t *t, zt_deadline_t dl) {
   char tmp[ZT_PATH_MAX], final[ZT_PATH_MAX];
-  snprintf(final, sizeof final, "%s/%s", abs, q->name);
-  snprintf(tmp, sizeof tmp, "%s/%s.%d.part", abs, q->name, (int)gettid());
-  if (zt_mkdirs(abs) != 0) return -1;
+  if (zt_path_join(final, sizeof final, abs, q->name) != 0 ||
+      zt_path_fmt(tmp, sizeof tmp, "%s/%s.%d.part", abs, q->name, (int)gettid()) != 0 ||
+      zt_mkdirs(abs) != 0)
+    return -1;
   /* check_dir checked the text: a symbolic link in the middle of the path
    * (job_5 -> /elsewhere) would still lead the write out of the root. */
   if (!zt_path_real_under(s->root, abs))
@@ -372,7 +373,7 @@ static int serve_put(zt_store_t *s, int fd, const request *q, const char *abs,
 static int serve_get(zt_store_t *s, int fd, const request *q, const char *abs,
                      zt_deadline_t dl) {
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/%s", abs, q->name);
+  if (zt_path_join(path, sizeof path, abs, q->name) != 0) return -1;
   int in = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (in < 0 && (errno == ENOENT || errno == ENOTDIR))
     return zt_errk(ZT_E_NOT_FOUND, "%s: no such file here", q->name);

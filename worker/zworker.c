@@ -175,7 +175,7 @@ static int parse_args(worker_args *a, int argc, char **argv) {
 static int lock_workdir(const char *dir) {
   if (zt_mkdirs(dir) != 0) return zt_err_wrap("--workdir");
   char path[ZT_PATH_MAX];
-  snprintf(path, sizeof path, "%s/zworker.lock", dir);
+  if (zt_path_join(path, sizeof path, dir, "zworker.lock") != 0) return -1;
   int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return zt_err_errno("%s", path);
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
