@@ -3,8 +3,8 @@
  *
  * Two CPU workers that each start a compute thread per core on one machine
  * fight for its cores: every step waits for the slowest thread, and a
- * two-worker job on a 2-core machine ran 9x slower than with a thread
- * each. The local launcher shares the cores among its workers
+ * two-worker job on a 2-core machine ran 8x slower than with a thread
+ * each (32 s against 4.1 s for examples/demo.json). The local launcher shares the cores among its workers
  * (tools/ztrain.c); workers started by hand, by systemd or by Slurm are
  * warned here instead.
  *
