@@ -208,6 +208,14 @@ typedef struct zt_job {
   int arrived;
   struct zt_rpc_call *rdv[ZT_MAX_WORLD]; /* held Rendezvous calls by rank */
   char comm_addr[ZT_MAX_WORLD][64];
+  /* Recovery from memory (rendezvous.c): the state each arrived rank keeps
+   * (RendezvousRequest.live_*), the last step stored when the generation
+   * formed, and the step the generation starts from in memory (0: from
+   * its epoch). */
+  int64_t live_step[ZT_MAX_WORLD], live_from[ZT_MAX_WORLD];
+  uint32_t live_rb[ZT_MAX_WORLD];
+  int64_t reported_step, live_start;
+  int live_source; /* 1 + the rank that sends it to the others; 0: all hold it */
   /* NCCL: every rank of the generation has a GPU of its own (choose_comm),
    * and the unique id rank 0 sent with its Rendezvous call ("" until then,
    * or when it sent none: the ring is used). */

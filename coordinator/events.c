@@ -34,7 +34,8 @@
 static const char *const k_repeating[] = {
     "rank_failed",        "generation_started", "rendezvous_complete", "restart_backoff",
     "checkpoint_failed",  "worker_suspected",   "job_pending",         "checkpoint_requested",
-    "out_of_memory",      "checkpoint_unavailable", "coordinator_blind"};
+    "out_of_memory",      "checkpoint_unavailable", "coordinator_blind", "resumed_from_memory",
+    "resumed_from_epoch"};
 
 static int repeating(const char *kind) {
   for (size_t i = 0; i < ZT_ARRAY_LEN(k_repeating); i++)

@@ -22,6 +22,17 @@
  * unique id (zt_rdv_nccl_root) and sends it with its call; the others
  * receive it in their reply.
  *
+ * Recovery from memory (docs/zero.md). Each rank's call says which model
+ * state it kept in memory when the job's last generation failed (ZeRO
+ * stage 0: the whole state after some step L). When every rank of the new
+ * generation holds the same L of the job's trajectory (the same rollback
+ * count), at or after the epoch's step, the generation starts there with
+ * no epoch read (decide_start): the reply names L instead of the epoch,
+ * and rank 0 reports again the steps after the last one stored here,
+ * which the old rank 0 may have taken with it. Otherwise the epoch is
+ * loaded, and when some rank held a state the logbook says why it was not
+ * used.
+ *
  * A held call is answered with an error when its generation is superseded
  * or ends (zt_rdv_release, from sched.c), and with UNAVAILABLE when the
  * coordinator stops (zt_rdv_release_all): the worker calls again.
@@ -114,6 +125,9 @@ static void fill_generation(zt_coord_t *c, zt_job_t *j, int r, reply_parts_t *p,
   rep->peer_stores = p->stores;
   rep->spec_json = j->spec;
   rep->start_step = j->start_step;
+  rep->live_step = j->live_start;
+  rep->reported_step = j->reported_step;
+  rep->live_source = (uint32_t)j->live_source;
   rep->accum_steps = (uint32_t)((j->p.global_batch / j->p.micro + j->row.world - 1) /
                                 j->row.world); /* the most of one rank under equal shares */
   rep->comm_timeout_ms = j->p.comm_timeout_ms;
@@ -137,9 +151,10 @@ static void fill_generation(zt_coord_t *c, zt_job_t *j, int r, reply_parts_t *p,
 static void fill_checkpoints(zt_coord_t *c, zt_job_t *j, int r, reply_parts_t *p,
                              Ztrain__RendezvousReply *rep) {
   /* Paths cross the wire relative to the checkpoint root: each host
-   * resolves them under its own. */
+   * resolves them under its own. A start from memory reads no epoch. */
+  int epoch = !j->live_start;
   const char *rel = zt_path_under(c->cfg.ckpt_root, j->start_ckpt);
-  rep->checkpoint_dir = (char *)(rel ? rel : j->start_ckpt);
+  rep->checkpoint_dir = !epoch ? "" : (char *)(rel ? rel : j->start_ckpt);
   p->cf = zt_xcalloc((size_t)j->n_start_files + 1, sizeof *p->cf);
   p->cfp = zt_xcalloc((size_t)j->n_start_files + 1, sizeof *p->cfp);
   for (int i = 0; i < j->n_start_files; i++) {
@@ -149,7 +164,7 @@ static void fill_checkpoints(zt_coord_t *c, zt_job_t *j, int r, reply_parts_t *p
     p->cf[i].checksum = j->start_files[i].checksum;
     p->cfp[i] = &p->cf[i];
   }
-  rep->n_checkpoint_files = (size_t)j->n_start_files;
+  rep->n_checkpoint_files = epoch ? (size_t)j->n_start_files : 0;
   rep->checkpoint_files = p->cfp;
   /* Copies: where to push ours, where to fetch the start epoch's. */
   rep->replicas = (uint32_t)ZT_MAX(1, ZT_MIN(j->p.replicas, j->n_hosts));
@@ -158,7 +173,7 @@ static void fill_checkpoints(zt_coord_t *c, zt_job_t *j, int r, reply_parts_t *p
   p->tickets = zt_xcalloc((size_t)j->row.world, ZT_TICKET_MAX);
   rep->n_replica_targets = (size_t)replica_targets(c, j, r, p->t, p->tp, p->tickets);
   rep->replica_targets = p->tp;
-  start_copies(c, j, r, &p->pool);
+  if (epoch) start_copies(c, j, r, &p->pool);
   rep->n_checkpoint_copies = (size_t)p->pool.n;
   rep->checkpoint_copies = p->pool.fcp;
 }
@@ -177,6 +192,71 @@ static uint8_t *pack_rendezvous(zt_coord_t *c, zt_job_t *j, int r, size_t *len) 
   return buf;
 }
 
+/* The rank whose kept state the generation starts from: the newest step
+ * of the job's trajectory any rank holds, the lowest such rank; -1 when
+ * none holds one. */
+static int newest_state(const zt_job_t *j) {
+  int best = -1;
+  for (int r = 0; r < j->row.world; r++)
+    if (j->live_step[r] > 0 && j->live_rb[r] == (uint32_t)j->row.rollbacks &&
+        (best < 0 || j->live_step[r] > j->live_step[best]))
+      best = r;
+  return best;
+}
+
+/* Why the state rank s holds cannot start the generation ("" when it
+ * can). */
+static void why_not_memory(const zt_job_t *j, int s, char *why, size_t len) {
+  why[0] = 0;
+  if (s < 0) {
+    snprintf(why, len, "the states kept are from before rollback %d", j->row.rollbacks);
+    return;
+  }
+  int64_t L = j->live_step[s];
+  if (L < j->start_step)
+    snprintf(why, len, "the epoch at step %lld is newer than the state after step %lld",
+             (long long)j->start_step, (long long)L);
+  else if (L >= j->row.total_steps)
+    snprintf(why, len, "step %lld is the job's last", (long long)L);
+  else if (L > j->reported_step && j->live_from[s] > j->reported_step + 1)
+    snprintf(why, len, "rank %d no longer keeps the reports of steps %lld..%lld, which were never "
+             "stored", s, (long long)j->reported_step + 1, (long long)j->live_from[s] - 1);
+}
+
+/* Where the generation starts: from memory or from its epoch (above). */
+static void decide_start(zt_coord_t *c, zt_job_t *j) {
+  int held = 0, s = newest_state(j);
+  for (int r = 0; r < j->row.world; r++) held += j->live_step[r] > 0;
+  j->live_start = 0, j->live_source = 0;
+  if (!held) return;
+  char why[200];
+  why_not_memory(j, s, why, sizeof why);
+  unsigned long long gen = (unsigned long long)j->row.generation;
+  if (why[0]) {
+    zt_coord_event(c, j->row.id, "resumed_from_epoch", 0,
+                   "generation %llu starts from the epoch at step %lld, not from memory: %s", gen,
+                   (long long)j->start_step, why);
+    return;
+  }
+  int64_t L = j->live_step[s];
+  int have = 0;
+  for (int r = 0; r < j->row.world; r++) have += j->live_step[r] == L;
+  if (have < j->row.world) j->live_source = s + 1;
+  char how[96] = "every rank holds it";
+  if (have < j->row.world)
+    snprintf(how, sizeof how, "%d of %d ranks hold it, rank %d sends it to the others", have,
+             j->row.world, s);
+  zt_coord_event(c, j->row.id, "resumed_from_memory", 0,
+                 "generation %llu resumes from the state after step %lld kept in memory (%s), "
+                 "with no epoch read; from the epoch at step %lld, %lld steps would have been "
+                 "trained again",
+                 gen, (long long)L, how, (long long)j->start_step, (long long)(L - j->start_step));
+  j->live_start = j->start_step = j->row.step = L;
+  if (zt_db_generation_start(c->db, j->row.id, j->row.generation, L) != 0)
+    ZT_WARN("job %llu: the start step of generation %llu is not stored: %s",
+            (unsigned long long)j->row.id, gen, zt_err_msg());
+}
+
 /* Every rank has called: each is answered with its reply, and the job runs. */
 static void reply_rendezvous(zt_coord_t *c, zt_job_t *j) {
   /* Without a key the ranks refuse to connect the ring, and say why. */
@@ -185,6 +265,7 @@ static void reply_rendezvous(zt_coord_t *c, zt_job_t *j) {
              (unsigned long long)j->row.generation, zt_err_msg());
     j->comm_key[0] = 0;
   }
+  decide_start(c, j);
   for (int r = 0; r < j->row.world; r++) {
     size_t n;
     uint8_t *buf = pack_rendezvous(c, j, r, &n);
@@ -243,6 +324,9 @@ void zt_rdv_arrive(zt_coord_t *c, zt_rpc_call_t *call, const Ztrain__RendezvousR
   }
   j->rdv[r] = call;
   snprintf(j->comm_addr[r], sizeof j->comm_addr[r], "%s", req->comm_addr);
+  j->live_step[r] = req->live_step > 0 ? req->live_step : 0;
+  j->live_rb[r] = req->live_rollbacks;
+  j->live_from[r] = req->live_reports_from;
   if (++j->arrived == j->row.world) reply_rendezvous(c, j);
 }
 

@@ -375,6 +375,7 @@ static int commit_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
     zt_db_rollback(c->db);
     return -1;
   }
+  j->reported_step = j->row.step; /* what a start from memory need not report again */
   j->row = next;
   return 0;
 }
@@ -421,6 +422,7 @@ static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
   choose_comm(c, j);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
+  j->live_start = 0;
   set_start(c, j, dir);
   char names[512];
   assign_members(c, j, names, sizeof names);

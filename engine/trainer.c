@@ -42,7 +42,6 @@
  */
 #include "trainer.h"
 
-#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +57,7 @@
 #include "model.h"
 #include "optim.h"
 #include "hfdir.h"
+#include "live.h"
 #include "lora.h"
 #include "safetensors.h"
 #include "spec.h"
@@ -115,6 +115,11 @@ typedef struct {
    * why: reported as a peer's, so that the coordinator weighs that rank's
    * own (local) report, not this one. */
   int peer_fault;
+  /* The generation's record (live.h), and the last step whose update the
+   * ZeRO buffers hold or have queued (stage 0's update is all or none:
+   * zero.h, zt_zero_full_get), its report noted; 0: none. */
+  zt_live_t *lv;
+  int64_t live_at;
 } trainer;
 
 /* What one step produced. */
@@ -498,19 +503,6 @@ static int init_params(trainer *t, zt_train_fault_t *fault) {
   return rc == 0 ? 0 : zt_err_wrap("%s", what);
 }
 
-zt_train_fault_t zt_train_load_fault(zt_errkind_t kind) {
-  switch (kind) {
-    case ZT_E_INVALID:
-    case ZT_E_NOT_FOUND:
-    case ZT_E_TOO_LARGE:
-      return ZT_FAULT_CHECKPOINT;
-    case ZT_E_NO_MEMORY:
-      return ZT_FAULT_MEMORY;
-    default:
-      return ZT_FAULT_LOCAL;
-  }
-}
-
 /* LoRA: the epoch's adapters were trained on the base loaded now. */
 static int same_base(trainer *t, const char *dir) {
   char path[ZT_PATH_MAX], sum[32];
@@ -526,6 +518,8 @@ static int same_base(trainer *t, const char *dir) {
 static int load_or_init(trainer *t, int64_t *step, zt_train_fault_t *fault) {
   const zt_gen_ctx_t *g = t->g;
   if (t->lora && init_base(t, fault) != 0) return -1;
+  int live = zt_live_start(g, t->z, &t->lv, step, fault);
+  if (live != 0) return live < 0 ? -1 : 0;
   if (!g->checkpoint_dir || !g->checkpoint_dir[0]) {
     *step = 0;
     if (init_params(t, fault) != 0) return -1;
@@ -753,6 +747,8 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
     float gscale = zt_opt_clip_coef(ctl[1], t->spec.grad_clip, NULL);
     if (zt_zero_adamw(t->z, &t->spec.opt, (float)res->lr, gscale, s) != 0) return -1;
     if (zt_zero_gather(t->z) != 0) return -1;
+    zt_live_note_update(t->lv, s, res->loss, res->norm, res->lr);
+    t->live_at = s; /* report() completes the note */
   } else {
     ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
             (long long)s, res->loss, res->norm);
@@ -1105,13 +1101,16 @@ static int diloco_step(trainer *t, int64_t step, int *end) {
 
 /* ---- the generation ---------------------------------------------------------------- */
 
+/* Every rank notes the step (live.h); rank 0 reports it. */
 static zt_train_cmd_t report(trainer *t, int64_t step, const step_result *res) {
   const zt_gen_ctx_t *g = t->g;
-  if (t->r != 0 || !g->report_step) return ZT_CMD_CONTINUE;
   zt_step_report_t rep = {step,    res->loss,
                           res->norm, res->lr,
                           (double)t->spec.global_batch * t->T / (res->ms / 1000.0),
                           res->ms, res->val_loss, t->share, t->plan_new ? t->N : 0, 0};
+  zt_live_note(t->lv, &rep);
+  t->live_at = step;  /* a step whose update was refused too */
+  if (t->r != 0 || !g->report_step) return ZT_CMD_CONTINUE;
   t->plan_new = 0;
   return g->report_step(g->user, &rep);
 }
@@ -1145,6 +1144,8 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
   int ret = -1, ckpt_flag = 0;
   f->step = g->start_step;
   if (set_up(&t, &f->fault) != 0 || load_or_init(&t, &step, &f->fault) != 0) goto out;
+  t.live_at = step;
+  int told = g->live_step > 0 && zt_live_replay(t.lv, g, step); /* to stop */
   if (t.have_dl) { /* a failure here is the collectives' (found broken below) or local */
     int end = 0;
     if (take_rounds(&t, &step, &end) != 0) goto out;
@@ -1153,7 +1154,7 @@ int zt_gen_train(const zt_gen_ctx_t *g, zt_train_failure_t *f) {
       goto out;
     }
   }
-  while (step < t.spec.steps) {
+  while (!told && step < t.spec.steps) {
     step_result res;
     f->step = step + 1;
     if (t.have_dl) {
@@ -1193,8 +1194,7 @@ out:
   if (ret != 0 && t.peer_fault) f->fault = ZT_FAULT_PEER;
   if (ret != 0 && f->fault != ZT_FAULT_CHECKPOINT && zt_comm_broken(g->comm))
     f->fault = ZT_FAULT_PEER;
+  zt_live_end(&t.lv, g, t.z, ret != 0 && !t.have_dl && t.spec.zero_stage == 0 ? t.live_at : 0);
   tear_down(&t);
   return ret;
 }
-
-void zt_gen_stash_free(struct zt_diloco_stash *st) { zt_diloco_stash_free(st); }

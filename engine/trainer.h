@@ -56,6 +56,20 @@ typedef struct {
   int64_t step;
 } zt_train_failure_t;
 
+/* A failed generation's model state, kept in a survivor's memory so that
+ * the next generation of the job resumes at the step that was interrupted
+ * instead of the last epoch (engine/live.h; docs/zero.md, "Recovery from
+ * memory"). The worker holds it between generations and names it in its
+ * rendezvous call. */
+typedef struct zt_live zt_live_t;
+
+/* 1 when l holds a state of job `job_id`: the step it is the state after,
+ * the job's rollbacks when it was made (its trajectory), and the first step
+ * whose report it keeps (step + 1: none); else 0. */
+int zt_live_holds(const zt_live_t *l, uint64_t job_id, int64_t *step, uint32_t *rollbacks,
+                  int64_t *reports_from);
+void zt_live_free(zt_live_t *l);
+
 /* One step's numbers, as rank 0 reports them. */
 typedef struct zt_step_report {
   int64_t step; /* 1-based */
@@ -103,6 +117,18 @@ typedef struct zt_gen_ctx {
    * zt_diloco_stash_t), held by the worker across generations of a job;
    * NULL: none kept. */
   struct zt_diloco_stash **diloco_stash;
+  /* The state this worker keeps across generations of a job (zt_live_t),
+   * held by the worker; NULL: none kept. A generation that fails leaves
+   * its state there when it can; live_step > 0 (the rendezvous' answer)
+   * makes this generation start from it at that step, with no epoch read
+   * (the whole generation agreed: every rank holds the same step), and
+   * rank 0 reports again the kept steps after live_reported, the last the
+   * coordinator stored. */
+  zt_live_t **live;
+  int64_t live_step, live_reported;
+  /* 1 + the rank that sends its kept state to every other rank (the
+   * ranks hold different steps, or some none); 0: every rank holds it. */
+  uint32_t live_source;
   /* Polled between micro-steps: nonzero asks the trainer to return. */
   int (*should_stop)(void *user);
   /* Rank 0 only, after every step. */

@@ -166,7 +166,8 @@ static int h_pre_forward(void *ctx, int u) {
   if (z->stage == 3 && z->sv) zt__zero_stream_fetch(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3 && z->overlap) zt__zero_thread_fetch(z, u, u + 1 < z->U ? u + 1 : u - 1);
   else if (z->stage == 3) zt__zero_gather_unit(z, u);
-  else if (z->overlap && z->ag_ticket) zt__zero_thread_wait_gather(z, u);
+  else if (z->overlap && z->ag_ticket) /* stage 0: every gather of the step (below) */
+    zt__zero_thread_wait_gather(z, z->stage == 0 && z->due_n ? z->U - 1 : u);
   else if (z->sv) zt__zero_stream_join_gather(z, u);
   z->tm.wait_gather_ms += wall_ms() - w0;
   if (z->stage == 0 && z->due_n && z->due[u] && !z->fail) apply_due(z, u);
@@ -500,28 +501,26 @@ static void apply_due(zt_zero_t *z, int u) {
   z->due_n--;
 }
 
-/* Stage 0 in stream order: every gather enqueued, each joined before its
- * unit's update. */
+/* Stage 0 in stream order: every gather enqueued and joined, then every
+ * unit's update (all or none: below). */
 static int adamw_replicated_stream(zt_zero_t *z) {
   for (int u = 0; u < z->U; u++)
     if (zt__zero_stream_gather_in_place(z, u, &z->sv_ag[u]) != 0)
       return zt_err_wrap("all-gather of gradients");
-  for (int u = 0; u < z->U; u++) {
+  for (int u = 0; u < z->U; u++)
     if (zt__zero_stream_join(z, &z->sv_ag[u]) != 0) return zt_err_wrap("all-gather of gradients");
-    adamw_unit(z, u);
-  }
+  for (int u = 0; u < z->U; u++) adamw_unit(z, u);
   return 0;
 }
 
-/* Stage 0 serial: each unit's gather, then its update. */
+/* Stage 0 serial: every unit's gather, then every unit's update. */
 static int adamw_replicated_serial(zt_zero_t *z) {
-  for (int u = 0; u < z->U; u++) {
-    double w0 = wall_ms();
-    int rc = zt__zero_gather_in_place(z, u);
-    z->tm.wait_gather_ms += wall_ms() - w0;
-    if (rc != 0) return zt_err_wrap("all-gather of gradients");
-    adamw_unit(z, u);
-  }
+  double w0 = wall_ms();
+  int rc = 0;
+  for (int u = 0; rc == 0 && u < z->U; u++) rc = zt__zero_gather_in_place(z, u);
+  z->tm.wait_gather_ms += wall_ms() - w0;
+  if (rc != 0) return zt_err_wrap("all-gather of gradients");
+  for (int u = 0; u < z->U; u++) adamw_unit(z, u);
   return 0;
 }
 
@@ -530,8 +529,15 @@ static int adamw_replicated_serial(zt_zero_t *z) {
  * whole unit from the same fp32 gradient that it would have scaled from
  * an all-reduced fp64 sum, with half the bytes on the all-gather. With
  * overlap the gathers are queued and each unit's update is due: the hook
- * before its forward (or zt_zero_settle) applies it once its gather is
- * in. */
+ * before its forward (or zt_zero_settle) applies it once every gather of
+ * the step is in.
+ *
+ * The update is all or none, on every path: no unit is updated before
+ * every unit's gradient has arrived. A rank that loses a peer in these
+ * gathers therefore holds the state of the step before, whole, and one
+ * whose gathers completed holds this step's (zt__zero_finish_update):
+ * never a state that is part one step's and part the next's, which no
+ * generation could resume from (docs/zero.md, "Recovery from memory"). */
 static int adamw_replicated(zt_zero_t *z) {
   for (int u = 0; u < z->U; u++) {
     size_t lo, n;
@@ -571,6 +577,30 @@ int zt_zero_gather(zt_zero_t *z) {
   for (int u = 0; rc == 0 && u < z->U; u++) rc = zt__zero_gather_in_place(z, u);
   z->tm.wait_gather_ms += wall_ms() - w0;
   return rc;
+}
+
+/* Stage 0 with overlap, after a failure: the comm thread stops; when
+ * every gather of the last step arrived intact, the updates still due are
+ * applied (0); when one did not, none was applied (the hooks wait for all
+ * of them: adamw_replicated) and the state is the step before's (1). Any
+ * other layout has no update pending (0). */
+int zt__zero_finish_update(zt_zero_t *z) {
+  if (z->stage != 0 || !z->overlap || !z->due_n) return 0;
+  /* The thread's failure is the generation's, reported already; what
+   * matters here is whether the gathers arrived before it. */
+  pthread_mutex_lock(&z->ov_mu);
+  while (z->ov_len) pthread_cond_wait(&z->ov_cv, &z->ov_mu);
+  int arrived = z->ag_ticket[z->U - 1] <= z->ag_ok;
+  pthread_mutex_unlock(&z->ov_mu);
+  if (!arrived) {
+    if (z->due_n != z->U) /* cannot happen: the hooks apply all or none */
+      return zt_err("the update of the last step was applied to only %d of %d units",
+                    z->U - z->due_n, z->U);
+    return 1;
+  }
+  for (int u = 0; z->due_n && u < z->U; u++)
+    if (z->due[u]) apply_due(z, u);
+  return 0;
 }
 
 int zt_zero_settle(zt_zero_t *z) {

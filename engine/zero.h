@@ -257,6 +257,25 @@ ZT_MUST_CHECK int zt_zero_owned_put(zt_zero_t *z, const float *host);
  * every rank; -1 otherwise). For DiLoCo's kept rounds (diloco.h). */
 ZT_MUST_CHECK int zt_zero_adam_get(zt_zero_t *z, float *m, float *v);
 ZT_MUST_CHECK int zt_zero_adam_put(zt_zero_t *z, const float *m, const float *v);
+/* Stage 0, where every rank holds the whole state: its fp32 master and
+ * Adam m and v in the logical layout (unit after unit, each of its real
+ * size, no padding: zt_zero_full_floats() floats each), whatever the world
+ * size, so that a rank of another generation can take them (the state a
+ * failed generation's survivors keep in memory: trainer.h, zt_live_t).
+ * The get, on a rank whose generation failed, first settles the last
+ * step's update, which is all or none (zero.c, adamw_replicated): with
+ * overlap each unit's is deferred to the hook before its next forward, so
+ * it applies those still due when every gathered gradient arrived (0),
+ * and says the state is the step before's when one did not (1). It runs
+ * no collective. The put, on a rank of the new
+ * generation, sets its whole state (no collective: each rank puts the
+ * same). -1 at stages 1-3. */
+size_t zt_zero_full_floats(const zt_zero_t *z);
+ZT_MUST_CHECK int zt_zero_full_get(zt_zero_t *z, float *p, float *m, float *v); /* 0, 1, -1 */
+ZT_MUST_CHECK int zt_zero_full_put(zt_zero_t *z, const float *p, const float *m, const float *v);
+/* Stage 0: every rank takes rank root's whole state (a collective; the
+ * ranks of a new generation that do not hold the state root put). */
+ZT_MUST_CHECK int zt_zero_full_broadcast(zt_zero_t *z, int root);
 /* The owned ranges of every unit, for a checkpoint: zt_zero_snapshot_floats
  * host floats are needed; zt_zero_snapshot copies params, m and v of each
  * unit into buf and describes them in ranges[0..U), after zt_zero_settle.

@@ -121,9 +121,10 @@ struct zt_zero {
   float *gatb;
   int pf_unit[3], pf_busy[3], pf_cur;
   uint64_t pf_ver[3], pver;
-  /* Stages 1-2 deferred gathers: unit u's is done once ag_done reaches
-   * ag_ticket[u] (tickets count gathers queued; under ov_mu). */
-  int64_t *ag_ticket, ag_queued, ag_done;
+  /* Stages 0-2 deferred gathers: unit u's is done once ag_done reaches
+   * ag_ticket[u] (tickets count gathers queued; under ov_mu), and it
+   * succeeded once ag_ok does (the gathers done before any failure). */
+  int64_t *ag_ticket, ag_queued, ag_done, ag_ok;
   /* Stage 0 with overlap: units whose update waits for their gathered
    * gradient (applied by the hook before their forward, or by
    * zt_zero_settle), and how many. */
@@ -213,6 +214,9 @@ ZT_MUST_CHECK int zt__zero_thread_start(zt_zero_t *z);
 void zt__zero_thread_stop(zt_zero_t *z);
 /* Waits until every queued operation is done; -1 when one failed. */
 ZT_MUST_CHECK int zt__zero_thread_wait(zt_zero_t *z);
+/* zero.c: stage 0's updates still due after a failure, applied when
+ * every gradient arrived (0), else dropped whole (1); zt_zero_full_get. */
+ZT_MUST_CHECK int zt__zero_finish_update(zt_zero_t *z);
 /* Waits, as time waited for reductions, until the reductions that *busy
  * counts (under ov_mu) are done; -1 when a queued one failed (z->fail). */
 ZT_MUST_CHECK int zt__zero_thread_reduced(zt_zero_t *z, const int *busy);

@@ -244,6 +244,80 @@ int zt_zero_adam_put(zt_zero_t *z, const float *m, const float *v) {
   return 0;
 }
 
+/* ---- the whole state at stage 0 --------------------------------------------------- */
+
+size_t zt_zero_full_floats(const zt_zero_t *z) {
+  size_t n = 0;
+  for (int u = 0; u < z->U; u++) n += z->usz[u];
+  return n;
+}
+
+/* Stage 0 keeps the whole state in P, M and V at off_full. */
+static int whole_state(const zt_zero_t *z) {
+  if (z->stage == 0 && z->P) return 0;
+  return zt_err("the whole model state is held by every rank only at ZeRO stage 0 (stage %d)",
+                z->stage);
+}
+
+int zt_zero_full_get(zt_zero_t *z, float *p, float *m, float *v) {
+  int back = whole_state(z) != 0 ? -1 : zt__zero_finish_update(z);
+  if (back < 0) return -1;
+  size_t at = 0;
+  for (int u = 0; u < z->U; u++) {
+    size_t o = z->off_full[u], b = z->usz[u] * sizeof(float);
+    z->k->download(p + at, z->P + o, b);
+    z->k->download(m + at, z->M + o, b);
+    z->k->download(v + at, z->V + o, b);
+    at += z->usz[u];
+  }
+  return back;
+}
+
+int zt_zero_full_put(zt_zero_t *z, const float *p, const float *m, const float *v) {
+  if (whole_state(z) != 0 || zt_zero_settle(z) != 0) return -1;
+  z->pver++;
+  size_t at = 0;
+  for (int u = 0; u < z->U; u++) {
+    size_t o = z->off_full[u], b = z->usz[u] * sizeof(float);
+    z->k->upload(z->P + o, p + at, b);
+    z->k->upload(z->M + o, m + at, b);
+    z->k->upload(z->V + o, v + at, b);
+    zt__zero_refresh_unit(z, u, NULL);
+    at += z->usz[u];
+  }
+  return 0;
+}
+
+/* The units' P, M and V ranges, rank root's, on every rank: over the
+ * communicator as they are (host memory, or NCCL on the device's), else
+ * through host memory. */
+int zt_zero_full_broadcast(zt_zero_t *z, int root) {
+  if (whole_state(z) != 0 || zt_zero_settle(z) != 0) return -1;
+  if (root < 0 || root >= z->N) return zt_err("broadcast from rank %d of %d", root, z->N);
+  int direct = !z->dev || z->dcomm;
+  float *host = direct ? NULL : zt_xmalloc(z->max_unit * sizeof(float));
+  int rc = 0;
+  z->pver++;
+  if (z->dcomm && z->k->sync) z->k->sync();
+  for (int u = 0; rc == 0 && u < z->U; u++) {
+    size_t o = z->off_full[u], n = z->usz[u], b = n * sizeof(float);
+    float *bufs[3] = {z->P + o, z->M + o, z->V + o};
+    for (int i = 0; rc == 0 && i < 3; i++) {
+      if (direct) {
+        rc = zt_comm_broadcast(z->comm, bufs[i], n, ZT_DT_F32, root, z->tmo);
+        continue;
+      }
+      if (z->r == root) z->k->download(host, bufs[i], b);
+      rc = zt_comm_broadcast(z->comm, host, n, ZT_DT_F32, root, z->tmo);
+      if (rc == 0 && z->r != root) z->k->upload(bufs[i], host, b);
+    }
+    if (z->dcomm && z->k->sync) z->k->sync();
+    if (rc == 0) zt__zero_refresh_unit(z, u, NULL);
+  }
+  free(host);
+  return rc == 0 ? 0 : zt_err_wrap("the model state from rank %d", root);
+}
+
 /* ---- checkpoint snapshots ---------------------------------------------------------- */
 
 size_t zt_zero_snapshot_floats(const zt_zero_t *z) {

@@ -95,8 +95,10 @@ static void entry_done(zt_zero_t *z, int u, int kind, int s, int rc) {
                                 : "all-gather of parameters",
              u, zt_err_msg());
   }
-  if (kind == OV_GATHER && s == OV_IN_PLACE) z->ag_done++;
-  else if (kind == OV_GATHER) z->pf_busy[s] = 0;
+  if (kind == OV_GATHER && s == OV_IN_PLACE) {
+    z->ag_done++;
+    if (!z->ov_fail) z->ag_ok = z->ag_done;
+  } else if (kind == OV_GATHER) z->pf_busy[s] = 0;
   else if (z->stage >= 2 && s == 2) z->ov_busy[2]--;
   else if (z->stage >= 2) z->ov_busy[s] = 0;
   else z->rd_busy[u] = 0;

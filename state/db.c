@@ -153,6 +153,7 @@ enum {
   ST_JOB_UPDATE,
   ST_JOBS_ALL,
   ST_GEN_INSERT,
+  ST_GEN_START,
   ST_MEMBER_INSERT,
   ST_MEMBERS_GEN,
   ST_STEP_PUT,
@@ -221,6 +222,7 @@ static const char *const k_sql[ST_COUNT] = {
                     "created_ms, spec, skips, rollback_steps FROM jobs ORDER BY id",
     [ST_GEN_INSERT] = "INSERT INTO generations(job_id, gen, world, start_step, started_ms, reason) "
                       "VALUES(?1, ?2, ?3, ?4, ?5, ?6)",
+    [ST_GEN_START] = "UPDATE generations SET start_step = ? WHERE job_id = ? AND gen = ?",
     [ST_MEMBER_INSERT] = "INSERT INTO members(job_id, gen, rank, worker_id) VALUES(?1, ?2, ?3, ?4)",
     [ST_MEMBERS_GEN] = "SELECT rank, worker_id FROM members WHERE job_id = ?1 AND gen = ?2 "
                        "ORDER BY rank",
@@ -866,6 +868,14 @@ int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, 
     if (run(db, m, "insert member") != 0) return -1;
   }
   return 0;
+}
+
+int zt_db_generation_start(zt_db_t *db, uint64_t job_id, uint64_t gen, int64_t start_step) {
+  sqlite3_stmt *st = db->st[ST_GEN_START];
+  sqlite3_bind_int64(st, 1, start_step);
+  sqlite3_bind_int64(st, 2, (int64_t)job_id);
+  sqlite3_bind_int64(st, 3, (int64_t)gen);
+  return run(db, st, "set a generation's start step");
 }
 
 typedef struct {

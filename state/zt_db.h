@@ -166,6 +166,9 @@ ZT_MUST_CHECK int zt_db_jobs_each(zt_db_t *db, zt_db_job_fn fn, void *user);
 /* Records generation `gen` of a job and its members (worker_ids by rank). */
 ZT_MUST_CHECK int zt_db_generation_add(zt_db_t *db, uint64_t job_id, uint64_t gen, int world, int64_t start_step,
                          const char *reason, const uint64_t *worker_ids);
+/* The step a generation starts from, when it is not the one recorded
+ * (a start from memory: docs/zero.md). */
+ZT_MUST_CHECK int zt_db_generation_start(zt_db_t *db, uint64_t job_id, uint64_t gen, int64_t start_step);
 ZT_MUST_CHECK int zt_db_generation_members(zt_db_t *db, uint64_t job_id, uint64_t gen, uint64_t *worker_ids,
                              int max, int *n);
 /* Stores a step's metrics; a replayed step (after a reload) replaces the row. */

@@ -53,6 +53,10 @@ struct zt_runner {
   /* DiLoCo: the round this worker's group kept when a group was lost
    * (zt_gen_ctx_t.diloco_stash), for job micro_job; runner thread only. */
   struct zt_diloco_stash *stash;
+  /* The model state the last failed generation of job micro_job left in
+   * memory (zt_gen_ctx_t.live), named in our rendezvous calls; runner
+   * thread only. */
+  zt_live_t *live;
   /* The load balance's newest plan, to go with the report of step
    * plan_step (plan_n 0: none pending); under mu. */
   uint32_t plan[ZT_GEN_MAX_SHARES];
@@ -516,6 +520,10 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
   req.generation = r->cur_gen;
   req.comm_addr = addr;
   req.nccl_id = nccl_id;
+  int64_t live_step;
+  if (zt_live_holds(r->live, r->cur_job, &live_step, &req.live_rollbacks,
+                    &req.live_reports_from))
+    req.live_step = live_step;
   int64_t t0 = zt_now_ms();
   retry_t rt = retry_start(r, 0x9e3779b97f4a7c15ull);
   while (!changed(r)) {
@@ -626,9 +634,15 @@ static void train(zt_runner_t *r, const Ztrain__RendezvousReply *rv, const epoch
     r->micro_job = rv->job_id, r->micro_ms = 0;
     zt_gen_stash_free(r->stash);
     r->stash = NULL;
+    zt_live_free(r->live);
+    r->live = NULL;
   }
   g.micro_ms = &r->micro_ms;
   g.diloco_stash = &r->stash;
+  g.live = &r->live;
+  g.live_step = rv->live_step;
+  g.live_reported = rv->reported_step;
+  g.live_source = rv->live_source;
   zt_range_t skips[ZT_MAX_SKIP_RANGES];
   g.nskips = (int)rv->n_skips;
   for (int i = 0; i < g.nskips; i++) skips[i] = (zt_range_t){rv->skips[i]->start, rv->skips[i]->end};
@@ -867,5 +881,6 @@ void zt_runner_stop(zt_runner_t *r) {
   pthread_cond_destroy(&r->rep_cv);
   pthread_mutex_destroy(&r->mu);
   zt_gen_stash_free(r->stash);
+  zt_live_free(r->live);
   free(r);
 }
