@@ -16,7 +16,6 @@
  */
 #include "live.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,12 +126,18 @@ static int from_peer(const zt_gen_ctx_t *g, zt_zero_t *z, int root, zt_live_t *h
     return zt_err("rank %d was to send the state after step %lld kept in memory, but %s", root,
                   (long long)g->live_step, g->rank == root ? why : "it holds none");
   }
+  if (!(hdr[0] == 1 && hdr[1] >= 0 && hdr[1] <= ZT_LIVE_REPORTS)) { /* a peer's numbers */
+    *fault = ZT_FAULT_PEER;
+    return zt_err("rank %d says it sends %g kept step reports (at most %d)", root, hdr[1],
+                  ZT_LIVE_REPORTS);
+  }
   if (g->rank == root && zt_zero_full_put(z, held->p, held->m, held->v) != 0) {
     *fault = ZT_FAULT_LOCAL;
     return zt_err_wrap("the state kept in memory");
   }
   zt_live_t *l = g->rank == root ? held : new_record(g);
-  if (zt_zero_full_broadcast(z, root) != 0 || share_reports(z, l, (int)hdr[1], root, g->rank) != 0) {
+  int nrep = (int)hdr[1];
+  if (zt_zero_full_broadcast(z, root) != 0 || share_reports(z, l, nrep, root, g->rank) != 0) {
     if (l != held) zt_live_free(l);
     goto broken;
   }
@@ -185,9 +190,7 @@ void zt_live_note(zt_live_t *l, const zt_step_report_t *r) {
   if (!l) return;
   if (!l->rep) l->rep = zt_xcalloc(ZT_LIVE_REPORTS, sizeof *l->rep);
   zt_step_report_t *at;
-  if (l->nrep && report_at(l, l->nrep - 1)->step == r->step) /* completed */
-    at = &l->rep[(l->head + l->nrep - 1) % ZT_LIVE_REPORTS];
-  else if (l->nrep < ZT_LIVE_REPORTS) {
+  if (l->nrep < ZT_LIVE_REPORTS) {
     at = &l->rep[(l->head + l->nrep) % ZT_LIVE_REPORTS];
     l->nrep++;
   } else { /* the oldest goes */
@@ -197,11 +200,6 @@ void zt_live_note(zt_live_t *l, const zt_step_report_t *r) {
   *at = *r;
   at->shares = NULL; /* the call's only */
   at->nshares = 0;
-}
-
-void zt_live_note_update(zt_live_t *l, int64_t s, double loss, double grad_norm, double lr) {
-  zt_step_report_t r = {.step = s, .loss = loss, .grad_norm = grad_norm, .lr = lr, .val_loss = NAN};
-  zt_live_note(l, &r);
 }
 
 int zt_live_replay(const zt_live_t *l, const zt_gen_ctx_t *g, int64_t start) {

@@ -43,12 +43,8 @@ struct zt_live {
  * when the held state is not the one asked for. */
 ZT_MUST_CHECK int zt_live_start(const zt_gen_ctx_t *g, zt_zero_t *z, zt_live_t **cur,
                                 int64_t *step, zt_train_fault_t *fault);
-/* Notes one step's report (every rank, after every step); a second note
- * of the last step noted takes its place (the trainer notes a step once
- * its update is done, and again with its evaluation and time). */
+/* Notes one step's report (every rank, after every step). */
 void zt_live_note(zt_live_t *l, const zt_step_report_t *r);
-/* The first note of step s: its update is done (no evaluation, no time). */
-void zt_live_note_update(zt_live_t *l, int64_t s, double loss, double grad_norm, double lr);
 /* Rank 0 of a generation that started from memory: the reports of steps
  * after g->live_reported, up to the start, sent again (the coordinator
  * may never have received them: the old rank 0 was lost). 1 when the

@@ -115,9 +115,10 @@ typedef struct {
    * why: reported as a peer's, so that the coordinator weighs that rank's
    * own (local) report, not this one. */
   int peer_fault;
-  /* The generation's record (live.h), and the last step whose update the
-   * ZeRO buffers hold or have queued (stage 0's update is all or none:
-   * zero.h, zt_zero_full_get), its report noted; 0: none. */
+  /* The generation's record (live.h), and the last step done whole (its
+   * update held or queued: stage 0's is all or none, zero.h
+   * zt_zero_full_get; its evaluation run and its report noted); 0: none,
+   * or a step is between its update and its report. */
   zt_live_t *lv;
   int64_t live_at;
 } trainer;
@@ -745,10 +746,9 @@ static int train_step(trainer *t, int64_t step, int ckpt_flag, step_result *res)
   }
   if (!res->nonfinite) {
     float gscale = zt_opt_clip_coef(ctl[1], t->spec.grad_clip, NULL);
+    t->live_at = 0; /* until the step is reported whole (report()) */
     if (zt_zero_adamw(t->z, &t->spec.opt, (float)res->lr, gscale, s) != 0) return -1;
     if (zt_zero_gather(t->z) != 0) return -1;
-    zt_live_note_update(t->lv, s, res->loss, res->norm, res->lr);
-    t->live_at = s; /* report() completes the note */
   } else {
     ZT_WARN("step %lld: non-finite loss or gradient (loss %g, norm %g): update refused",
             (long long)s, res->loss, res->norm);
@@ -1109,7 +1109,7 @@ static zt_train_cmd_t report(trainer *t, int64_t step, const step_result *res) {
                           (double)t->spec.global_batch * t->T / (res->ms / 1000.0),
                           res->ms, res->val_loss, t->share, t->plan_new ? t->N : 0, 0};
   zt_live_note(t->lv, &rep);
-  t->live_at = step;  /* a step whose update was refused too */
+  t->live_at = step; /* a step whose update was refused too */
   if (t->r != 0 || !g->report_step) return ZT_CMD_CONTINUE;
   t->plan_new = 0;
   return g->report_step(g->user, &rep);

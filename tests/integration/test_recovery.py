@@ -42,7 +42,9 @@ def kill_at(coord, ws, jid, rank, past):
 def test_kill9_at_stage0_resumes_from_memory(procs, tmp_path, data):
     """Two kills: the first of rank 0, whose place a worker that was idle
     takes (it holds nothing: a survivor sends it the state and the kept
-    step reports), the second of another rank (every survivor holds it)."""
+    step reports), the second of another rank. The survivors hold the
+    interrupted step, or some the step before when its gradient gathers
+    were cut off on them: the newest is sent to the others."""
     train, val = data
     names = ["a", "b", "c", "d", "e"]
     coord = start_fleet(procs, names=names, hb_ms=300, timeout_ms=1500)
@@ -60,12 +62,16 @@ def test_kill9_at_stage0_resumes_from_memory(procs, tmp_path, data):
 
     ev = events(coord, job=jid)
     assert not [e for e in ev if e["kind"] == "resumed_from_epoch"], ev
-    mem = [e["detail"] for e in ev if e["kind"] == "resumed_from_memory"]
+    # The logbook collapses an event of the previous one's shape into its
+    # row (count, last_detail).
+    rows = [e for e in ev if e["kind"] == "resumed_from_memory"]
+    mem = [d for e in rows for d in [e["detail"]] + [e.get("last_detail", "")] * (e["count"] > 1)]
+    assert sum(e["count"] for e in rows) == 2, rows
     assert len(mem) == 2 and "generation 2 " in mem[0] and "generation 3 " in mem[1], mem
     # The survivors hold the step or, when the last step's gathers were cut
     # off on some of them (its update is all or none), the step before.
     assert re.search(r"[123] of 4 ranks hold it, rank \d sends it to the others", mem[0]), mem
-    assert "every rank holds it" in mem[1], mem
+    assert re.search(r"every rank holds it|[12] of 3 ranks hold it", mem[1]), mem
     resumed = [int(re.search(r"state after step (\d+)", d).group(1)) for d in mem]
     # The step the next generation runs is the one that was interrupted:
     # no step the coordinator had seen completed is trained again.
@@ -81,7 +87,7 @@ def test_kill9_at_stage0_resumes_from_memory(procs, tmp_path, data):
         assert "loaded checkpoint" not in out, out[-3000:]
         assert out.count("resumed from memory") == 2, out[-3000:]
     sent = [n for n, w in ws.items() if re.search(r"step \d+ that rank \d sent", w.output())]
-    assert len(sent) == 3, sent  # every rank of generation 2 but the one that sent
+    assert len(sent) >= 3, sent  # every rank of generation 2 but the one that sent
 
     # Every step once, each equal to a failure-free run's bit for bit.
     got = losses(coord, jid)

@@ -29,7 +29,8 @@
  * stage: each rank reads its range of the initial parameters and puts
  * values of its own, which then stand in both ranks' working copies; and
  * the owned Adam state (zt_zero_adam_get, _put), which stage 0 of two
- * ranks refuses.
+ * ranks refuses; and stage 0's whole state (zt_zero_full_get, _put,
+ * _broadcast: recovery from memory), which stages 1-3 refuse.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -370,6 +371,23 @@ static void *owned_rank(void *p) {
   x->bad += (x->stage == 0) != (arc != 0);
   if (arc == 0)
     x->bad += zt_zero_adam_get(z, out, out + ns) != 0 || memcmp(in, out, 2 * ns * 4) != 0;
+  /* The whole state, stage 0 only (recovery from memory): each rank puts
+   * its own, rank 1 broadcasts, and both then hold rank 1's, as the get
+   * (0: the last update is whole) and the working copy say. */
+  size_t nf = zt_zero_full_floats(z);
+  float *fp = calloc(3 * nf, sizeof(float)), *fg = calloc(3 * nf, sizeof(float));
+  for (size_t i = 0; i < 3 * nf; i++) fp[i] = (float)i * 0.25f + (float)x->rank;
+  int frc = zt_zero_full_put(z, fp, fp + nf, fp + 2 * nf);
+  x->bad += (x->stage == 0) != (frc == 0);
+  if (frc == 0) {
+    x->bad += zt_zero_full_broadcast(z, 1) != 0;
+    x->bad += zt_zero_full_get(z, fg, fg + nf, fg + 2 * nf) != 0;
+    for (size_t i = 0; i < 3 * nf; i++) x->bad += fg[i] != (float)i * 0.25f + 1.0f;
+    x->bad += m->unit_params[0][0] != 1.0f;
+  } else {
+    x->bad += zt_zero_full_broadcast(z, 1) == 0 || zt_zero_full_get(z, fg, fg, fg) == 0;
+  }
+  free(fp), free(fg);
   free(in), free(out), free(h), free(init);
   zt_zero_free(z);
   zt_model_free(m);
