@@ -216,6 +216,7 @@ typedef struct zt_job {
   uint32_t live_rb[ZT_MAX_WORLD];
   int64_t reported_step, live_start;
   int live_source; /* 1 + the rank that sends it to the others; 0: all hold it */
+  int forced_start; /* a rollback or a pause set the start epoch: never from memory */
   /* NCCL: every rank of the generation has a GPU of its own (choose_comm),
    * and the unique id rank 0 sent with its Rendezvous call ("" until then,
    * or when it sent none: the ring is used). */

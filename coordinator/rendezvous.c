@@ -208,6 +208,11 @@ static int newest_state(const zt_job_t *j) {
  * can). */
 static void why_not_memory(const zt_job_t *j, int s, char *why, size_t len) {
   why[0] = 0;
+  if (j->forced_start) {
+    snprintf(why, len, "a rollback or a pause set the start at the epoch of step %lld",
+             (long long)j->start_step);
+    return;
+  }
   if (s < 0) {
     snprintf(why, len, "the states kept are from before rollback %d", j->row.rollbacks);
     return;

@@ -416,6 +416,7 @@ static void assign_members(zt_coord_t *c, zt_job_t *j, char *names, size_t len) 
  * learn of it through their next heartbeat. */
 static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, int n,
                              int64_t start_step, const char *dir, const char *reason) {
+  j->forced_start = j->rb_ckpt_step >= 0; /* before the reset clears it */
   reset_generation(j, start_step);
   memcpy(j->workers, pick, (size_t)n * sizeof *pick);
   index_hosts(c, j);
