@@ -24,14 +24,15 @@
  *
  * Recovery from memory (docs/zero.md). Each rank's call says which model
  * state it kept in memory when the job's last generation failed (ZeRO
- * stage 0: the whole state after some step L). When every rank of the new
- * generation holds the same L of the job's trajectory (the same rollback
- * count), at or after the epoch's step, the generation starts there with
- * no epoch read (decide_start): the reply names L instead of the epoch,
- * and rank 0 reports again the steps after the last one stored here,
- * which the old rank 0 may have taken with it. Otherwise the epoch is
- * loaded, and when some rank held a state the logbook says why it was not
- * used.
+ * stage 0: the whole state after some step). decide_start takes the
+ * newest step L some rank holds on the job's trajectory (the same
+ * rollback count); when L is at or after the epoch's step and no rollback
+ * or pause chose the epoch, the generation starts there with no epoch
+ * read: the reply names L instead of the epoch, and the lowest rank that
+ * holds it when not every rank does (it sends the state to the others);
+ * rank 0 reports again the steps after the last one stored here, which
+ * the old rank 0 may have taken with it. Otherwise the epoch is loaded,
+ * and when some rank held a state the logbook says why it was not used.
  *
  * A held call is answered with an error when its generation is superseded
  * or ends (zt_rdv_release, from sched.c), and with UNAVAILABLE when the

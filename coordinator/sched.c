@@ -423,7 +423,6 @@ static void start_generation(zt_coord_t *c, zt_job_t *j, const uint64_t *pick, i
   choose_comm(c, j);
   j->formed_ms = zt_now_ms();
   j->start_step = start_step;
-  j->live_start = 0;
   set_start(c, j, dir);
   char names[512];
   assign_members(c, j, names, sizeof names);

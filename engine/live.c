@@ -3,13 +3,15 @@
  * memory, and the next generation's start from it (live.h).
  *
  * At ZeRO stage 0 every rank holds the whole fp32 master and Adam's m and
- * v. A generation that fails between two updates (a peer lost in a
- * step's reductions, the common case) leaves every survivor holding the
- * same state: the one after the last step every rank completed. The
- * record kept here is that state, in zero.h's logical layout (which does
- * not depend on the world size), with the job's trajectory (its rollback
- * count) and the step; the coordinator starts the next generation from it
- * only when every new rank holds the same one (coordinator/rendezvous.c).
+ * v. A generation that fails outside a step's update-to-report window
+ * leaves each survivor holding the state after a whole step: the last one
+ * it completed, or the one before when that step's gradient gathers were
+ * cut off on it (the update is all or none: zero.c). The record kept here
+ * is that state, in zero.h's logical layout (which does not depend on the
+ * world size), with the job's trajectory (its rollback count) and the
+ * step; the coordinator starts the next generation from the newest such
+ * state, which its holder sends to the ranks that lack it
+ * (coordinator/rendezvous.c).
  * Since a job's steps are a function of its trajectory alone (the global
  * batch and every sum's order are fixed: docs/zero.md), any state of the
  * trajectory at step L resumes bit-identical to the run that never failed.
@@ -23,15 +25,6 @@
 #include "comm.h"
 #include "diloco.h"
 
-void zt_live_free(zt_live_t *l) {
-  if (!l) return;
-  free(l->p);
-  free(l->m);
-  free(l->v);
-  free(l->rep);
-  free(l);
-}
-
 /* The record without its state (its reports stay). */
 static void drop_state(zt_live_t *l) {
   free(l->p);
@@ -40,6 +33,13 @@ static void drop_state(zt_live_t *l) {
   l->p = l->m = l->v = NULL;
   l->n = 0;
   l->step = 0;
+}
+
+void zt_live_free(zt_live_t *l) {
+  if (!l) return;
+  drop_state(l);
+  free(l->rep);
+  free(l);
 }
 
 static const zt_step_report_t *report_at(const zt_live_t *l, int i) {

@@ -50,8 +50,9 @@ void zt_live_note(zt_live_t *l, const zt_step_report_t *r);
  * may never have received them: the old rank 0 was lost). 1 when the
  * coordinator answered one with a stop or a rollback. */
 int zt_live_replay(const zt_live_t *l, const zt_gen_ctx_t *g, int64_t start);
-/* The generation ends: when `at` >= 0 the state (after step `at`) goes
- * into the record, which passes to the worker; otherwise it is dropped. */
+/* The generation ends: when `at` > 0 the state (after step `at`, or the
+ * one before when that step's update was cut off) goes into the record,
+ * which passes to the worker; otherwise the record is dropped. */
 void zt_live_end(zt_live_t **cur, const zt_gen_ctx_t *g, zt_zero_t *z, int64_t at);
 
 #endif

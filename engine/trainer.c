@@ -5,8 +5,8 @@
  *
  *   set_up          parse the spec, pick the kernels for the device, build
  *                   the model, open the data, lay out the ZeRO states;
- *   load_or_init    load the committed epoch the caller named, or
- *                   initialise fresh parameters;
+ *   load_or_init    start from the state kept in memory (live.c), load
+ *                   the epoch the caller named, or initialise afresh;
  *   train_step      one optimizer step: micro-steps of forward + backward,
  *                   the gradient reduction, one small all-reduce of
  *                   [loss, grad sum of squares, non-finite flag,

@@ -501,6 +501,13 @@ static void apply_due(zt_zero_t *z, int u) {
   z->due_n--;
 }
 
+/* Stage 0 with overlap: every update still due, applied (its gradient
+ * has arrived). */
+static void apply_all_due(zt_zero_t *z) {
+  for (int u = 0; z->due_n && u < z->U; u++)
+    if (z->due[u]) apply_due(z, u);
+}
+
 /* Stage 0 in stream order: every gather enqueued and joined, then every
  * unit's update (all or none: below). */
 static int adamw_replicated_stream(zt_zero_t *z) {
@@ -598,8 +605,7 @@ int zt__zero_finish_update(zt_zero_t *z) {
                     z->U - z->due_n, z->U);
     return 1;
   }
-  for (int u = 0; z->due_n && u < z->U; u++)
-    if (z->due[u]) apply_due(z, u);
+  apply_all_due(z);
   return 0;
 }
 
@@ -607,8 +613,7 @@ int zt_zero_settle(zt_zero_t *z) {
   if (z->sv) return zt__zero_stream_settle(z);
   if (!z->overlap) return 0;
   if (zt__zero_thread_wait(z) != 0) return -1;
-  for (int u = 0; z->due_n && u < z->U; u++)
-    if (z->due[u]) apply_due(z, u);
+  apply_all_due(z);
   return 0;
 }
 

@@ -267,9 +267,9 @@ ZT_MUST_CHECK int zt_zero_adam_put(zt_zero_t *z, const float *m, const float *v)
  * overlap each unit's is deferred to the hook before its next forward, so
  * it applies those still due when every gathered gradient arrived (0),
  * and says the state is the step before's when one did not (1). It runs
- * no collective. The put, on a rank of the new
- * generation, sets its whole state (no collective: each rank puts the
- * same). -1 at stages 1-3. */
+ * no collective. The put, on a rank of the new generation, sets its
+ * whole state (no collective: each rank that holds the state puts its
+ * own). -1 at stages 1-3. */
 size_t zt_zero_full_floats(const zt_zero_t *z);
 ZT_MUST_CHECK int zt_zero_full_get(zt_zero_t *z, float *p, float *m, float *v); /* 0, 1, -1 */
 ZT_MUST_CHECK int zt_zero_full_put(zt_zero_t *z, const float *p, const float *m, const float *v);

@@ -520,10 +520,9 @@ static Ztrain__RendezvousReply *rendezvous(zt_runner_t *r, char *addr, char *ncc
   req.generation = r->cur_gen;
   req.comm_addr = addr;
   req.nccl_id = nccl_id;
-  int64_t live_step;
-  if (zt_live_holds(r->live, r->cur_job, &live_step, &req.live_rollbacks,
-                    &req.live_reports_from))
-    req.live_step = live_step;
+  /* The state we kept, if any (all three stay 0 otherwise). */
+  (void)zt_live_holds(r->live, r->cur_job, &req.live_step, &req.live_rollbacks,
+                      &req.live_reports_from);
   int64_t t0 = zt_now_ms();
   retry_t rt = retry_start(r, 0x9e3779b97f4a7c15ull);
   while (!changed(r)) {
