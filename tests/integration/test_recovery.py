@@ -73,9 +73,14 @@ def test_kill9_at_stage0_resumes_from_memory(procs, tmp_path, data):
     assert re.search(r"[123] of 4 ranks hold it, rank \d sends it to the others", mem[0]), mem
     assert re.search(r"every rank holds it|[12] of 3 ranks hold it", mem[1]), mem
     resumed = [int(re.search(r"state after step (\d+)", d).group(1)) for d in mem]
-    # The step the next generation runs is the one that was interrupted:
-    # no step the coordinator had seen completed is trained again.
-    assert seen1 <= resumed[0] < 100 and seen2 <= resumed[1] < 150, (seen1, seen2, resumed)
+    # The step the next generation runs is the one that was interrupted.
+    # Rank 0 reports a step once its update is queued, and with overlap
+    # the update's gradient gathers run behind the next step's start: a
+    # kill inside them cuts that update off on every survivor (it is all
+    # or none, docs/zero.md), so the last reported step may be the one
+    # that runs again. No step before it is.
+    assert seen1 - 1 <= resumed[0] < 100 and seen2 - 1 <= resumed[1] < 150, \
+        (seen1, seen2, resumed)
     with sqlite3.connect(coord.db) as db:
         starts = [r[0] for r in db.execute("SELECT start_step FROM generations WHERE job_id = ? "
                                            "ORDER BY gen", (jid,))]
